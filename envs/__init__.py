@@ -1,0 +1,28 @@
+"""posttrain environments: gymnasium text environments with verifiable rewards (no JAX here).
+
+Importing this package registers every environment id with gymnasium (idempotent)::
+
+    import gymnasium, envs
+    env = gymnasium.make("posttrain/Arithmetic-v0")
+    obs, info = env.reset(seed=0)
+    obs, reward, terminated, truncated, info = env.step("The answer is 122.")
+"""
+import gymnasium
+
+ENTRY_POINTS = {
+    "posttrain/Arithmetic-v0": "envs.arithmetic:ArithmeticEnv",
+    "posttrain/GSM8K-v0": "envs.math:GSM8KEnv",
+    "posttrain/HumanEval-v0": "envs.code:HumanEvalEnv",
+    "posttrain/PythonTool-v0": "envs.tool:PythonToolEnv",
+    "posttrain/Terminal-v0": "envs.terminal:TerminalEnv",
+}
+
+
+def register_all() -> None:
+    """Register every id in ENTRY_POINTS with gymnasium; ids already registered are left alone."""
+    for env_id, entry_point in ENTRY_POINTS.items():
+        if env_id not in gymnasium.registry:
+            gymnasium.register(env_id, entry_point=entry_point)
+
+
+register_all()
