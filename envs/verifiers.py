@@ -22,6 +22,7 @@ import re
 import threading
 from typing import Any
 
+METHODS = ("hash", "boxed", "last_number")  # extraction rules, in priority order
 STATUSES = ("ok", "wrong", "timeout", "memory_limit", "output_limit", "runtime_error", "infra_error")
 
 _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+"
@@ -109,22 +110,29 @@ def last_integer(text: str) -> int | None:
     return int(matches[-1]) if matches else None
 
 
-def extract_answer(text: str) -> tuple[str | None, str, str]:
+def extract_answer(text: str, methods: tuple[str, ...] = METHODS) -> tuple[str | None, str, str]:
     """Read the final answer out of a model response.
 
-    Returns (answer, method, reason): method is "hash", "boxed", "last_number" or "none"; answer is
-    None (with a reason) when nothing can be read. Never raises; non-str input reads as nothing.
+    `methods` restricts the rules tried (a subset of METHODS, always applied in METHODS order):
+    "hash" (``####`` line), "boxed" (``\\boxed{}``/``\\fbox{}``), "last_number". The first rule whose
+    marker is present decides, even when its content is unreadable (an unclosed box reads None).
+    Returns (answer, method, reason): answer is None (with a reason) when nothing can be read.
+    Never raises; non-str input reads as nothing. Raises ValueError only on an unknown method name.
     """
+    if not set(methods) <= set(METHODS):
+        raise ValueError(f"extract_answer: methods must be a subset of {METHODS}, got {methods}")
     if not isinstance(text, str) or not text.strip():
         return None, "none", "empty response"
-    if "####" in text:
+    if "hash" in methods and "####" in text:
         answer = extract_hash_answer(text)
         return answer, "hash", "" if answer else "nothing after ####"
-    if _BOX_RE.search(text):
+    if "boxed" in methods and _BOX_RE.search(text):
         answer = extract_boxed(text)
         return answer, "boxed", "" if answer is not None else "unclosed \\boxed{"
-    answer = last_number(text)
-    return answer, ("last_number" if answer else "none"), "" if answer else "no answer found"
+    answer = last_number(text) if "last_number" in methods else None
+    if answer is None:
+        return None, "none", f"no answer found (rules tried: {', '.join(methods)})"
+    return answer, "last_number", ""
 
 
 def gold_answer(solution: str) -> str:
@@ -217,14 +225,18 @@ def answers_equivalent(pred: str, gold: str) -> bool:
         return False
 
 
-def score_math(response: str, gold: str) -> Verdict:
-    """Score a free-form math response against reference answer `gold` (already extracted).
+def score_math(response: str, gold: str, methods: tuple[str, ...] = METHODS) -> Verdict:
+    """Score a free-form math response against reference answer `gold` (already extracted), reading
+    the answer with `extract_answer(response, methods)`.
 
     Returns a Verdict with reward 1.0 / status "ok" when the extracted answer is equivalent, else
-    reward 0.0 / status "wrong" with a reason. Never raises on malformed `response`.
+    reward 0.0 / status "wrong" with a reason. Never raises on malformed `response`; raises
+    ValueError on unknown `methods`.
     """
+    if not set(methods) <= set(METHODS):
+        raise ValueError(f"score_math: methods must be a subset of {METHODS}, got {methods}")
     try:
-        answer, method, reason = extract_answer(response)
+        answer, method, reason = extract_answer(response, methods)
         if answer is None:
             return Verdict(0.0, "wrong", None, gold, method, reason)
         if answers_equivalent(answer, gold):

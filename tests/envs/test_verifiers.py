@@ -135,3 +135,10 @@ class FakeResult:
 def test_score_unit_tests(result, reward, status):
     verdict = v.score_unit_tests(result)
     assert (verdict.reward, verdict.status) == (reward, status)
+
+
+def test_methods_restrict_extraction():
+    assert v.score_math("The answer is 5", "5", methods=("boxed",)).reward == 0.0
+    assert v.score_math("#### 4 but \\boxed{5}", "5", methods=("boxed",)).reward == 1.0
+    with pytest.raises(ValueError, match="methods"):
+        v.score_math("5", "5", methods=("guess",))
