@@ -1,0 +1,4 @@
+"""Checkpoint formats: HF safetensors and GGUF import (`load_pretrained`), HF export, Orbax train state."""
+from posttrain.checkpoints.convert import Pretrained, export_hf, load_pretrained
+
+__all__ = ["Pretrained", "export_hf", "load_pretrained"]

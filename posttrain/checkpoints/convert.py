@@ -1,0 +1,224 @@
+"""Load pretrained weights (HF safetensors directory or GGUF file) into a sharded nnx state; export back to HF.
+
+`load_pretrained(path, mesh=...)` is the one entry point the CLI, sampler and trainer use. Parameters are placed
+one tensor at a time with `jax.make_array_from_callback`, directly in their final sharding.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Callable, Mapping, NamedTuple
+
+import jax
+import numpy as np
+from flax import nnx
+
+from posttrain import mesh as mesh_lib
+from posttrain.checkpoints import hf as hf_lib
+from posttrain.model.config import ModelConfig
+from posttrain.model.transformer import Transformer
+
+
+class Pretrained(NamedTuple):
+    """A loaded model: its config, nnx graphdef and state (params + other variables), and tokenizer (or None)."""
+
+    config: ModelConfig
+    graphdef: object
+    state: object
+    tokenizer: object
+
+
+# --------------------------------------------------------------------------------------------- reading
+class SafetensorsDir:
+    """Lazy tensor access over `model.safetensors` or an index of shards. Raises ValueError when unreadable."""
+
+    def __init__(self, path: pathlib.Path):
+        from safetensors import safe_open
+
+        self.path = path
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.safetensors files")
+        self.handles, self.where = {}, {}
+        for f in files:
+            try:
+                h = safe_open(str(path / f), framework="flax")
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise ValueError(f"{path / f}: not a readable safetensors file ({e})") from e
+            self.handles[f] = h
+            for k in h.keys():
+                self.where[k] = f
+        if weight_map:
+            missing = sorted(set(weight_map) - set(self.where))
+            if missing:
+                raise ValueError(f"{index}: tensors listed but absent from the shards, e.g. {missing[:3]}")
+
+    def __contains__(self, name):
+        return name in self.where
+
+    def __getitem__(self, name) -> np.ndarray:
+        try:
+            return np.asarray(self.handles[self.where[name]].get_tensor(name))
+        except KeyError:
+            raise
+        except Exception as e:
+            raise ValueError(f"{self.path}: tensor {name!r} could not be read ({e})") from e
+
+
+def hf_to_arrays(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], expected: Mapping[tuple, tuple]) -> dict:
+    """{our param path tuple: np.ndarray} from HF-named tensors, validated against `expected` shapes.
+
+    Raises:
+      ValueError: a missing tensor (named) or a shape mismatch (tensor name, expected and found shapes).
+    """
+    family = hf_lib.hf_family(cfg)
+
+    def apply(rule, prefix, our_prefix):
+        names = [prefix + n for n in rule.hf]
+        for n in names:
+            if n not in tensors:
+                raise ValueError(f"missing tensor {n!r} (needed for {cfg.name or family} {our_prefix}{rule.ours})")
+        want = [expected[our_prefix + tuple(o.split("."))] for o in rule.ours]
+        want_hf = rule.to_hf([np.zeros(s, np.float32) for s in want])
+        got = [tensors[n] for n in names]
+        for n, w, g in zip(names, want_hf, got):
+            if tuple(w.shape) != tuple(g.shape):
+                raise ValueError(f"tensor {n!r}: expected shape {tuple(w.shape)} from the config, found {tuple(g.shape)}")
+        return rule.to_ours(got)
+
+    out = {}
+    for rule in hf_lib.top_table(cfg):
+        for o, arr in zip(rule.ours, apply(rule, "", ())):
+            out[tuple(o.split("."))] = arr
+    for stack, first, num, is_moe in hf_lib.block_layout(cfg):
+        table = hf_lib.layer_table(cfg, family, is_moe)
+        per = {}
+        for i in range(num):
+            for rule in table:
+                for o, arr in zip(rule.ours, apply(rule, f"model.layers.{first + i}.", (stack,))):
+                    per.setdefault(o, []).append(arr)
+        for o, arrs in per.items():
+            out[(stack,) + tuple(o.split("."))] = np.stack(arrs)
+    return out
+
+
+def arrays_to_hf(cfg: ModelConfig, arrays: Mapping[tuple, np.ndarray]) -> dict[str, np.ndarray]:
+    """Inverse of `hf_to_arrays`: HF-named tensors from our param arrays."""
+    family = hf_lib.hf_family(cfg)
+    out = {}
+    for rule in hf_lib.top_table(cfg):
+        for n, a in zip(rule.hf, rule.to_hf([arrays[tuple(o.split("."))] for o in rule.ours])):
+            out[n] = a
+    for stack, first, num, is_moe in hf_lib.block_layout(cfg):
+        for rule in hf_lib.layer_table(cfg, family, is_moe):
+            for i in range(num):
+                ours = [arrays[(stack,) + tuple(o.split("."))][i] for o in rule.ours]
+                for n, a in zip(rule.hf, rule.to_hf(ours)):
+                    out[f"model.layers.{first + i}.{n}"] = a
+    return out
+
+
+# --------------------------------------------------------------------------------------------- placing
+def place(cfg: ModelConfig, arrays_fn: Callable[[dict], dict], mesh=None, rules=mesh_lib.RULES, seed: int = 0):
+    """Builds the abstract model, gets arrays from `arrays_fn(expected_shapes)`, and places them sharded."""
+    import jax.numpy as jnp
+
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
+    graphdef, abstract_state = nnx.split(abstract)
+    mesh = mesh if mesh is not None else mesh_lib.make_mesh({"fsdp": 1}, jax.devices()[:1])
+    shardings = mesh_lib.state_shardings(abstract_state, mesh, rules)
+    flat_abs = dict(nnx.to_flat_state(abstract_state))
+    flat_sh = dict(nnx.to_flat_state(shardings))
+    # per-layer shapes for stacked blocks (the table converts one layer at a time)
+    expected = {path: tuple(v.shape[1:] if path[0].endswith("_layers") else v.shape) for path, v in flat_abs.items()}
+    arrays = dict(arrays_fn(expected))
+    leaves = []
+    for path, v in flat_abs.items():
+        if path not in arrays:
+            raise ValueError(f"no weights for parameter {'/'.join(map(str, path))}")
+        host = np.asarray(arrays.pop(path)).astype(jnp.dtype(v.dtype))
+        sharding = flat_sh[path].get_value() if isinstance(flat_sh[path], nnx.Variable) else flat_sh[path]
+        leaves.append((path, v.replace(jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i]))))
+    return graphdef, nnx.from_flat_state(leaves)
+
+
+def load_hf_dir(path, *, mesh=None, dtype: str = "float32", param_dtype: str = "float32") -> Pretrained:
+    """Loads config.json + safetensors (+ tokenizer files when present) from an HF model directory."""
+    path = pathlib.Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}: no config.json (expected an HF model directory or a .gguf file)")
+    hf_config = json.loads((path / "config.json").read_text())
+    cfg = hf_lib.config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype)
+    tensors = SafetensorsDir(path)
+    graphdef, state = place(cfg, lambda expected: hf_to_arrays(cfg, tensors, expected), mesh)
+    tokenizer = None
+    if (path / "tokenizer.json").exists():
+        from posttrain.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_hf_dir(path)
+    return Pretrained(cfg, graphdef, state, tokenizer)
+
+
+def load_gguf_file(path, *, mesh=None, dtype: str = "float32", param_dtype: str = "float32") -> Pretrained:
+    """Loads a GGUF file (dequantized through the `gguf` package) and its embedded tokenizer."""
+    from posttrain.checkpoints import gguf as gguf_lib
+
+    ckpt = gguf_lib.load_gguf(path)
+    cfg = hf_lib.config_from_hf(ckpt.hf_config, dtype=dtype, param_dtype=param_dtype)
+    graphdef, state = place(cfg, lambda expected: hf_to_arrays(cfg, ckpt.state_dict, expected), mesh)
+    return Pretrained(cfg, graphdef, state, ckpt.tokenizer)
+
+
+def load_pretrained(path=None, **kwargs) -> Pretrained:
+    """A `.gguf` file or an HF directory; None means the default model (SmolLM2-135M-Instruct GGUF)."""
+    if path is None:
+        from posttrain.checkpoints import gguf as gguf_lib
+
+        path = gguf_lib.default_model_path()
+    path = pathlib.Path(path)
+    if path.is_dir():
+        return load_hf_dir(path, **kwargs)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such model file or directory")
+    return load_gguf_file(path, **kwargs)
+
+
+def export_hf(cfg: ModelConfig, state, out_dir, *, tokenizer=None, max_shard_bytes: int = 4 << 30) -> pathlib.Path:
+    """Writes config.json and safetensors (sharded with an index above `max_shard_bytes`) that transformers loads."""
+    from safetensors.numpy import save_file
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    arrays = {k: np.asarray(jax.device_get(v.get_value() if isinstance(v, nnx.Variable) else v))
+              for k, v in nnx.to_flat_state(state)}
+    tensors = {n: np.ascontiguousarray(a) for n, a in arrays_to_hf(cfg, arrays).items()}
+    extra = {}
+    if tokenizer is not None:
+        extra = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    (out / "config.json").write_text(json.dumps(hf_lib.config_to_hf(cfg, **extra), indent=2))
+    shards, cur, size = [], {}, 0
+    for n in sorted(tensors):
+        if cur and size + tensors[n].nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[n] = tensors[n]
+        size += tensors[n].nbytes
+    shards.append(cur)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            weight_map.update({n: name for n in shard})
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    if tokenizer is not None and hasattr(tokenizer, "save_hf"):
+        tokenizer.save_hf(out)
+    return out

@@ -1,0 +1,167 @@
+"""Device mesh and the one table mapping logical axis names to mesh axes.
+
+Every parameter carries logical axis names (`embed`, `vocab`, `heads`, ...) in its `logical_axes` metadata;
+`RULES` maps each to zero or more mesh axes (`data`, `fsdp`, `tensor`, `expert`). Changing a parallelism
+strategy means overlaying a few rules (see `rules_with_overrides`), never touching model code.
+
+Meshes are built with `AxisType.Auto` on every axis: in this jax `jax.make_mesh` defaults to explicit axes,
+under which `with_sharding_constraint` raises (PLATFORM-NOTES.md).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+# logical axis -> mesh axis (str), several mesh axes (tuple), or None (replicated).
+RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp", "expert")),  # activations: every non-model axis splits the batch
+    ("length", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("exp", "expert"),
+    ("exp_mlp", "tensor"),
+    ("q_lora", None),
+    ("kv_lora", None),
+    ("layers", None),
+    ("lora_rank", None),
+)
+
+
+def rules_with_overrides(overrides: Mapping[str, Any] | None = None, rules=RULES) -> tuple:
+    """Returns RULES with some logical axes remapped, e.g. `{"embed": None}` to turn FSDP off.
+
+    Raises:
+      ValueError: for a logical name not in RULES or a mesh axis not in MESH_AXES.
+    """
+    table = dict(rules)
+    for name, target in (overrides or {}).items():
+        if name not in table:
+            raise ValueError(f"unknown logical axis {name!r}; known: {sorted(table)}")
+        for ax in _as_tuple(target):
+            if ax not in MESH_AXES:
+                raise ValueError(f"rule {name!r} -> {target!r}: mesh axes are {MESH_AXES}")
+        table[name] = target
+    return tuple(table.items())
+
+
+def _as_tuple(target) -> tuple[str, ...]:
+    if target is None:
+        return ()
+    return (target,) if isinstance(target, str) else tuple(target)
+
+
+def mesh_shape(axis_sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
+    """Resolves per-axis sizes with at most one -1 into concrete sizes whose product is `num_devices`.
+
+    Raises:
+      ValueError: unknown axis names, more than one -1, or sizes that do not multiply to `num_devices`.
+    """
+    unknown = set(axis_sizes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; expected a subset of {MESH_AXES}")
+    sizes = {ax: int(axis_sizes.get(ax, 1)) for ax in MESH_AXES}
+    free = [ax for ax, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got {free}")
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if free:
+        if num_devices % known:
+            raise ValueError(f"mesh {sizes}: {num_devices} devices are not divisible by {known}")
+        sizes[free[0]] = num_devices // known
+    if math.prod(sizes.values()) != num_devices:
+        raise ValueError(f"mesh {sizes} has {math.prod(sizes.values())} slots but there are {num_devices} devices")
+    return sizes
+
+
+def make_mesh(axis_sizes: Mapping[str, int] | Any = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds a `Mesh` over axes ("data", "fsdp", "tensor", "expert") with Auto axis types.
+
+    Args:
+      axis_sizes: mapping or object with attributes data/fsdp/tensor/expert (one may be -1 = the rest).
+        None means all devices on `fsdp`.
+      devices: defaults to `jax.devices()` (all processes' devices in a multi-host run).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if axis_sizes is None:
+        axis_sizes = {"fsdp": -1}
+    elif not isinstance(axis_sizes, Mapping):
+        axis_sizes = {ax: getattr(axis_sizes, ax) for ax in MESH_AXES}
+    sizes = mesh_shape(axis_sizes, len(devices))
+    try:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(tuple(sizes.values()), devices=devices)
+    except Exception:  # non-physical topologies (fake CPU devices, odd shapes): plain reshape
+        grid = np.asarray(devices, dtype=object).reshape(tuple(sizes.values()))
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def logical_to_spec(logical_axes: Sequence[str | None] | None, rules=RULES) -> PartitionSpec:
+    """Maps logical axis names to a PartitionSpec; a mesh axis is used at most once (first come first served).
+
+    Raises:
+      ValueError: for a logical name that has no rule.
+    """
+    if logical_axes is None:
+        return PartitionSpec()
+    table = dict(rules)
+    used: set[str] = set()
+    spec = []
+    for name in logical_axes:
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in table:
+            raise ValueError(f"logical axis {name!r} has no rule; known: {sorted(table)}")
+        axes = tuple(ax for ax in _as_tuple(table[name]) if ax not in used)
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def check_divisible(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh, name: str = "array") -> None:
+    """Raises ValueError naming the array, dimension and mesh axes when a sharded dim does not divide."""
+    for dim, (size, axes) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
+        n = math.prod(mesh.shape[a] for a in _as_tuple(axes))
+        if size % n:
+            raise ValueError(f"{name}: dimension {dim} of shape {tuple(shape)} has size {size}, which does not "
+                             f"divide over mesh axes {axes} of total size {n} (mesh {dict(mesh.shape)}); "
+                             "change the mesh or the sharding rules")
+
+
+def variable_sharding(variable, mesh: Mesh, rules=RULES, path: str = "param") -> NamedSharding:
+    """NamedSharding for one nnx Variable from its `logical_axes` metadata (replicated when absent)."""
+    axes = variable.get_metadata().get("logical_axes")
+    value = variable.get_value() if hasattr(variable, "get_value") else variable.value
+    spec = logical_to_spec(axes, rules)
+    if axes is not None and len(axes) != len(value.shape):
+        raise ValueError(f"{path}: logical axes {axes} do not match shape {tuple(value.shape)}")
+    check_divisible(value.shape, spec, mesh, path)
+    return NamedSharding(mesh, spec)
+
+
+def state_shardings(state, mesh: Mesh, rules=RULES):
+    """Maps an nnx State (concrete or abstract) to a matching tree of NamedShardings."""
+    from flax import nnx
+
+    def one(path, v):
+        if isinstance(v, nnx.Variable):
+            return v.replace(variable_sharding(v, mesh, rules, jax.tree_util.keystr(path)))
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_sharding(mesh: Mesh, ndim: int, rules=RULES) -> NamedSharding:
+    """Sharding for a [batch, ...] activation/input array: batch split over the batch rule's axes."""
+    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))

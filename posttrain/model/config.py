@@ -1,0 +1,149 @@
+"""Model architecture configuration: frozen, keyword-only dataclasses.
+
+These describe the *shape* of a decoder (dense or Mixture-of-Experts, GQA or MLA attention). They are plain
+data with no behaviour beyond validation, so layers receive the few fields they need, never a whole config.
+`posttrain.config` converts ml-collections dicts into these; presets live in `posttrain.model.presets`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeConfig:
+    """Rotary position embedding (Su et al. 2021, "RoFormer") and its context-extension variants.
+
+    type: "default" | "linear" (position interpolation) | "llama3" (Llama 3.1 frequency-band scaling) |
+      "yarn" (Peng et al. 2023, as used by DeepSeek-V3 / Kimi K2).
+    """
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    original_max_position: int = 0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.type not in ("default", "linear", "llama3", "yarn"):
+            raise ValueError(f"RopeConfig.type={self.type!r}; expected default|linear|llama3|yarn")
+        if self.type != "default" and self.factor <= 0:
+            raise ValueError(f"RopeConfig.factor must be > 0 for type {self.type!r}, got {self.factor}")
+        if self.type in ("llama3", "yarn") and self.original_max_position <= 0:
+            raise ValueError(f"RopeConfig.original_max_position must be > 0 for type {self.type!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434). The KV cache holds only the
+    compressed latent (kv_lora_rank) plus the shared rotary key (qk_rope_head_dim) per token."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Mixture-of-Experts feed-forward (dropless, top-k routing).
+
+    scoring: "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3, Kimi K2).
+    num_groups/topk_groups: DeepSeek group-limited routing (1/1 disables it).
+    score_bias: aux-loss-free load balancing (DeepSeek-V3 §2.1.2): a per-expert bias added to the scores for
+      expert *selection* only, nudged by `bias_update_rate * sign(mean_load - load)` after each step.
+    first_k_dense: the first k layers use a dense MLP of `dense_mlp_dim` (DeepSeek's first_k_dense_replace).
+    capacity_factor: None means dropless (every routed token is computed); dispatch is sort + ragged_dot.
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    expert_mlp_dim: int
+    num_shared_experts: int = 0
+    scoring: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    first_k_dense: int = 0
+    dense_mlp_dim: int = 0
+    score_bias: bool = False
+    bias_update_rate: float = 0.0
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    capacity_factor: float | None = None
+
+    def __post_init__(self):
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoEConfig.scoring={self.scoring!r}; expected softmax|sigmoid")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, {self.num_experts}]")
+        if self.num_experts % self.num_groups or not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(f"num_groups={self.num_groups} must divide num_experts={self.num_experts} and "
+                             f"1 <= topk_groups={self.topk_groups} <= num_groups")
+        if self.first_k_dense and self.dense_mlp_dim <= 0:
+            raise ValueError("first_k_dense > 0 needs dense_mlp_dim > 0")
+        if self.capacity_factor is not None:
+            raise ValueError("capacity_factor is not supported: dispatch is dropless (set it to None)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A decoder-only transformer: embed -> scan(blocks) -> RMSNorm -> unembed.
+
+    Dims: vocab_size V, d_model D, num_heads N, num_kv_heads K (GQA groups N // K), head_dim H, mlp_dim F.
+    param_dtype: storage dtype of parameters; dtype: compute dtype of matmuls (softmax, norms and logits are f32).
+    remat: "none" | "full" | "dots" (save matmul outputs, recompute the rest) — applied per scanned block.
+    """
+
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    norm_eps: float = 1e-5
+    rope: RopeConfig = RopeConfig()
+    max_position: int = 8192
+    tie_embeddings: bool = False
+    qk_norm: bool = False
+    attention_bias: bool = False
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    remat: str = "none"
+    name: str = ""
+
+    def __post_init__(self):
+        for f in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"ModelConfig.{f} must be > 0, got {getattr(self, f)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        for f in ("param_dtype", "dtype"):
+            if getattr(self, f) not in _DTYPES:
+                raise ValueError(f"ModelConfig.{f}={getattr(self, f)!r}; expected one of {_DTYPES}")
+        if self.remat not in ("none", "full", "dots"):
+            raise ValueError(f"ModelConfig.remat={self.remat!r}; expected none|full|dots")
+        if self.moe is not None and self.moe.first_k_dense > self.num_layers:
+            raise ValueError(f"moe.first_k_dense={self.moe.first_k_dense} > num_layers={self.num_layers}")
+
+    @property
+    def num_dense_layers(self) -> int:
+        """Layers with a dense MLP (all of them without MoE; the first k with MoE)."""
+        return self.num_layers if self.moe is None else self.moe.first_k_dense
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers

@@ -1,0 +1,311 @@
+"""Transformer layers (Flax NNX): RMSNorm, RoPE, multi-source attention core, GQA and MLA attention, gated MLP.
+
+Dimension legend (used in every name suffix of this module):
+  B batch, T query length, S key length, D d_model, N query heads, K kv heads, H head dim,
+  F MLP hidden, R MLA latent rank (kv_lora_rank), P rotary dims of MLA (qk_rope_head_dim), C cache-entry dims.
+
+Every parameter is an `nnx.Param` whose `logical_axes` metadata names its dimensions; `posttrain.mesh.RULES`
+maps those names to mesh axes. Layers receive the few fields they need, never a config object.
+
+Attention is "multi-source": a query attends to several key/value *sources* at once with one softmax:
+its own tokens (training, prefill) and, when decoding, a prompt prefix shared by a group of samples plus the
+per-sample cache of already generated tokens. A source is `(entries, mask_BsxTsxS, group)`: `group` samples
+(consecutive batch rows) share one row of `entries`, which is how G samples of one prompt read the prompt's KV
+computed once.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posttrain.model.config import MLAConfig, RopeConfig
+from posttrain.partitioning import with_logical_constraint
+
+NEG_INF = float(np.finfo(np.float32).min)
+
+
+def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtype, *, init: str = "normal",
+          fan_in: int | None = None, std: float | None = None) -> nnx.Param:
+    """An `nnx.Param` with `logical_axes` metadata. init: normal (std = fan_in^-0.5 or `std`), ones, zeros."""
+    if len(shape) != len(axes):
+        raise ValueError(f"shape {tuple(shape)} and logical axes {tuple(axes)} differ in rank")
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        scale = std if std is not None else (fan_in or shape[0]) ** -0.5
+        value = (scale * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=tuple(axes))
+
+
+def dot(eq: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+    """einsum in the compute dtype with float32 accumulation; the result is cast back to `dtype`."""
+    return jnp.einsum(eq, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    """y = x / sqrt(mean(x^2) + eps) * w, computed in float32 (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim: int, eps: float, *, axis_name: str = "embed", param_dtype=jnp.float32, rngs=None):
+        self.eps = eps
+        self.weight = param(rngs, (dim,), (axis_name,), param_dtype, init="ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.weight.astype(jnp.float32)).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------- RoPE
+def rope_frequencies(dim: int, rope: RopeConfig) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [dim/2] (float32) and the cos/sin attention factor for a RoPE variant.
+
+    Formulas follow the published methods: position interpolation (linear), Llama 3.1 band scaling, and
+    YaRN (Peng et al. 2023, arXiv:2309.00071) with ramp between beta_fast/beta_slow and mscale.
+    """
+    exps = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    pos_freqs = np.power(np.float32(rope.theta), exps, dtype=np.float32)
+    inv = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    factor = 1.0
+    if rope.type == "linear":
+        return (inv / np.float32(rope.factor)).astype(np.float32), factor
+    if rope.type == "llama3":
+        old = rope.original_max_position
+        low_wl, high_wl = old / rope.low_freq_factor, old / rope.high_freq_factor
+        wl = 2 * math.pi / inv
+        scaled = np.where(wl > low_wl, inv / rope.factor, inv)
+        smooth = (old / wl - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        mid = ~(wl < high_wl) & ~(wl > low_wl)
+        return np.where(mid, smoothed, scaled).astype(np.float32), factor
+    if rope.type == "yarn":
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if rope.attention_factor is not None:
+            factor = rope.attention_factor
+        elif rope.mscale and rope.mscale_all_dim:
+            factor = mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim)
+        else:
+            factor = mscale(rope.factor)
+
+        def corr_dim(rot):
+            return dim * math.log(rope.original_max_position / (rot * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+        low, high = corr_dim(rope.beta_fast), corr_dim(rope.beta_slow)
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        extrap = 1 - ramp
+        inv = (inv / rope.factor) * (1 - extrap) + inv * extrap
+        return inv.astype(np.float32), float(factor)
+    return inv, factor
+
+
+def rope_cos_sin(positions_BxT: jax.Array, inv_freq: np.ndarray, factor: float):
+    """cos, sin [B, T, dim/2] in float32 for integer positions."""
+    angles = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
+
+
+def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxh: jax.Array, sin_BxTxh: jax.Array) -> jax.Array:
+    """Rotates halves (x1, x2) of the last dim: the HF "rotate_half" layout. Computed in float32."""
+    x = x_BxTxNxH.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    c, s = cos_BxTxh[:, :, None, :], sin_BxTxh[:, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x_BxTxNxH.dtype)
+
+
+# ----------------------------------------------------------------------------------- attention core
+class Source(NamedTuple):
+    """Keys/values a query attends to. entries: pytree with leading [Bs, S]; mask: bool [Bs, Ts or 1, S]."""
+
+    entries: Any
+    mask: jax.Array
+    group: int = 1
+
+
+def multi_source_attention(q, sources: Sequence[Source], scale: float, logits_fn, combine_fn):
+    """Softmax attention over the concatenation of several sources.
+
+    Args:
+      q: [B, T, N, ...] queries. logits_fn(q_grouped, entries) -> [Bs, g*T, N, S];
+      combine_fn(probs [Bs, g*T, N, S], entries) -> [Bs, g*T, N, Hv].
+      scale: multiplier on the logits (1/sqrt(d) with optional YaRN mscale^2).
+    Returns:
+      [B, T, N, Hv] in q's dtype. Softmax is float32; fully masked rows give a uniform (finite) average.
+    """
+    B, T = q.shape[:2]
+    logits, sizes = [], []
+    for src in sources:
+        bs = B // src.group
+        qg = q.reshape(bs, src.group * T, *q.shape[2:])
+        lg = logits_fn(qg, src.entries).astype(jnp.float32) * scale
+        lg = jnp.where(src.mask[:, :, None, :], lg, NEG_INF)
+        sizes.append(lg.shape[-1])
+        logits.append(lg.reshape(B, T, lg.shape[2], lg.shape[3]))
+    probs = jax.nn.softmax(jnp.concatenate(logits, axis=-1), axis=-1)
+    out, start = 0.0, 0
+    for src, size in zip(sources, sizes):
+        p = probs[..., start:start + size]
+        start += size
+        bs = B // src.group
+        o = combine_fn(p.reshape(bs, src.group * T, *p.shape[2:]).astype(q.dtype), src.entries)
+        out = out + o.reshape(B, T, *o.shape[2:]).astype(jnp.float32)
+    return out.astype(q.dtype)
+
+
+def _gqa_logits(q_BxTxNxH, kv):
+    k = kv["k"]
+    B, T, N, H = q_BxTxNxH.shape
+    K = k.shape[2]
+    lg = jnp.einsum("btkgh,bskh->btkgs", q_BxTxNxH.reshape(B, T, K, N // K, H), k,
+                    preferred_element_type=jnp.float32)
+    return lg.reshape(B, T, N, k.shape[1])
+
+
+def _gqa_combine(p_BxTxNxS, kv):
+    v = kv["v"]
+    B, T, N, S = p_BxTxNxS.shape
+    K = v.shape[2]
+    o = jnp.einsum("btkgs,bskh->btkgh", p_BxTxNxS.reshape(B, T, K, N // K, S), v,
+                   preferred_element_type=jnp.float32)
+    return o.reshape(B, T, N, v.shape[-1])
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention (Ainslie et al. 2023) with optional q/k RMSNorm (Qwen3) and qkv bias (Qwen2).
+
+    Cache entries per token: {"k": [K, H], "v": [K, H]} (post-RoPE keys).
+    """
+
+    def __init__(self, *, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: RopeConfig,
+                 qk_norm: bool, bias: bool, norm_eps: float, dtype, param_dtype, rngs: nnx.Rngs):
+        D, N, K, H = d_model, num_heads, num_kv_heads, head_dim
+        self.dtype, self.head_dim, self.rope = dtype, H, rope
+        self.q_proj = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), param_dtype, fan_in=D)
+        self.k_proj = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype, fan_in=D)
+        self.v_proj = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype, fan_in=D)
+        self.o_proj = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), param_dtype, fan_in=N * H)
+        self.bias = bias
+        if bias:
+            self.q_bias = param(rngs, (N, H), ("heads", "head_dim"), param_dtype, init="zeros")
+            self.k_bias = param(rngs, (K, H), ("kv_heads", "head_dim"), param_dtype, init="zeros")
+            self.v_bias = param(rngs, (K, H), ("kv_heads", "head_dim"), param_dtype, init="zeros")
+        self.q_norm = RMSNorm(H, norm_eps, axis_name="head_dim", param_dtype=param_dtype, rngs=rngs) if qk_norm else None
+        self.k_norm = RMSNorm(H, norm_eps, axis_name="head_dim", param_dtype=param_dtype, rngs=rngs) if qk_norm else None
+
+    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxT, extra_sources: Sequence[Source] = ()):
+        """Returns (y [B, T, D], entries {"k","v"} of these T tokens). Self-attention uses mask_BxTxT."""
+        q = dot("btd,dnh->btnh", x_BxTxD, self.q_proj[...], self.dtype)
+        k = dot("btd,dkh->btkh", x_BxTxD, self.k_proj[...], self.dtype)
+        v = dot("btd,dkh->btkh", x_BxTxD, self.v_proj[...], self.dtype)
+        if self.bias:
+            q, k, v = (a + b[...].astype(a.dtype) for a, b in ((q, self.q_bias), (k, self.k_bias), (v, self.v_bias)))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope_cos_sin(positions_BxT, *rope_frequencies(self.head_dim, self.rope))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
+        entries = {"k": k, "v": v}
+        sources = [*extra_sources, Source(entries, mask_BxTxT)]
+        o = multi_source_attention(q, sources, self.head_dim ** -0.5, _gqa_logits, _gqa_combine)
+        return dot("btnh,nhd->btd", o, self.o_proj[...], self.dtype), entries
+
+
+def _latent_logits(q_BxTxNxC, kv):
+    return jnp.einsum("btnc,bsc->btns", q_BxTxNxC, kv["kv"], preferred_element_type=jnp.float32)
+
+
+class MLAttention(nnx.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3). Cache entries per token: {"kv": [R + P]} =
+    concat(RMSNorm(latent), RoPE(shared rotary key)): the compressed cache.
+
+    Without cached sources (training, prefill) keys/values are expanded per head; with cached sources the
+    up-projections are absorbed into the query and output ("weight absorption", DeepSeek-V2 §2.1.3), so the
+    cache is read in its compressed form. Both paths give the same result up to float rounding.
+    """
+
+    def __init__(self, *, d_model: int, num_heads: int, mla: MLAConfig, rope: RopeConfig, norm_eps: float,
+                 dtype, param_dtype, rngs: nnx.Rngs):
+        D, N, R, P = d_model, num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim
+        self.dtype, self.N, self.R, self.P = dtype, N, R, P
+        self.nope, self.vdim = mla.qk_nope_head_dim, mla.v_head_dim
+        qk = self.nope + P
+        self.rope = rope
+        self.scale = qk ** -0.5
+        if rope.type == "yarn" and rope.mscale_all_dim and rope.factor > 1:
+            m = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+            self.scale *= m * m
+        if mla.q_lora_rank:
+            Q = mla.q_lora_rank
+            self.q_a_proj = param(rngs, (D, Q), ("embed", "q_lora"), param_dtype, fan_in=D)
+            self.q_a_norm = RMSNorm(Q, norm_eps, axis_name="q_lora", param_dtype=param_dtype, rngs=rngs)
+            self.q_b_proj = param(rngs, (Q, N, qk), ("q_lora", "heads", "head_dim"), param_dtype, fan_in=Q)
+        else:
+            self.q_proj = param(rngs, (D, N, qk), ("embed", "heads", "head_dim"), param_dtype, fan_in=D)
+        self.q_lora = bool(mla.q_lora_rank)
+        self.kv_a_proj = param(rngs, (D, R + P), ("embed", "kv_lora"), param_dtype, fan_in=D)
+        self.kv_a_norm = RMSNorm(R, norm_eps, axis_name="kv_lora", param_dtype=param_dtype, rngs=rngs)
+        self.k_b_proj = param(rngs, (R, N, self.nope), ("kv_lora", "heads", "head_dim"), param_dtype, fan_in=R)
+        self.v_b_proj = param(rngs, (R, N, self.vdim), ("kv_lora", "heads", "head_dim"), param_dtype, fan_in=R)
+        self.o_proj = param(rngs, (N, self.vdim, D), ("heads", "head_dim", "embed"), param_dtype, fan_in=N * self.vdim)
+
+    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxT, extra_sources: Sequence[Source] = ()):
+        dt = self.dtype
+        if self.q_lora:
+            q = dot("btq,qnh->btnh", self.q_a_norm(dot("btd,dq->btq", x_BxTxD, self.q_a_proj[...], dt)),
+                    self.q_b_proj[...], dt)
+        else:
+            q = dot("btd,dnh->btnh", x_BxTxD, self.q_proj[...], dt)
+        q_nope, q_rot = q[..., :self.nope], q[..., self.nope:]
+        ckv = dot("btd,dc->btc", x_BxTxD, self.kv_a_proj[...], dt)
+        latent, k_rot = self.kv_a_norm(ckv[..., :self.R]), ckv[..., self.R:]
+        cos, sin = rope_cos_sin(positions_BxT, *rope_frequencies(self.P, self.rope))
+        q_rot = apply_rope(q_rot, cos, sin)
+        k_rot = apply_rope(k_rot[:, :, None, :], cos, sin)[:, :, 0, :]
+        entries = {"kv": jnp.concatenate([latent, k_rot], axis=-1)}
+        if not extra_sources:  # expanded form
+            k_nope = dot("btr,rnh->btnh", latent, self.k_b_proj[...], dt)
+            k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None, :], k_nope.shape[:3] + (self.P,))], -1)
+            v = dot("btr,rnh->btnh", latent, self.v_b_proj[...], dt)
+            qf = jnp.concatenate([q_nope, q_rot], axis=-1)
+            o = multi_source_attention(qf, [Source({"k": k, "v": v}, mask_BxTxT)], self.scale,
+                                       _gqa_logits, _gqa_combine)
+        else:  # absorbed form over compressed entries
+            q_lat = dot("btnh,rnh->btnr", q_nope, self.k_b_proj[...], dt)
+            qc = jnp.concatenate([q_lat, q_rot], axis=-1)
+            R = self.R
+
+            def combine(p, kv):
+                return jnp.einsum("btns,bsr->btnr", p, kv["kv"][..., :R], preferred_element_type=jnp.float32)
+
+            sources = [*extra_sources, Source(entries, mask_BxTxT)]
+            o_lat = multi_source_attention(qc, sources, self.scale, _latent_logits, combine)
+            o = dot("btnr,rnh->btnh", o_lat, self.v_b_proj[...], dt)
+        return dot("btnh,nhd->btd", o, self.o_proj[...], dt), entries
+
+
+class MLP(nnx.Module):
+    """Gated MLP: down(silu(x @ gate) * (x @ up)) (Shazeer 2020, SwiGLU)."""
+
+    def __init__(self, *, d_model: int, mlp_dim: int, dtype, param_dtype, rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.gate_proj = param(rngs, (d_model, mlp_dim), ("embed", "mlp"), param_dtype, fan_in=d_model)
+        self.up_proj = param(rngs, (d_model, mlp_dim), ("embed", "mlp"), param_dtype, fan_in=d_model)
+        self.down_proj = param(rngs, (mlp_dim, d_model), ("mlp", "embed"), param_dtype, fan_in=mlp_dim)
+
+    def __call__(self, x_BxTxD):
+        g = dot("btd,df->btf", x_BxTxD, self.gate_proj[...], self.dtype)
+        u = dot("btd,df->btf", x_BxTxD, self.up_proj[...], self.dtype)
+        h = with_logical_constraint(jax.nn.silu(g) * u, ("batch", "length", "mlp"))
+        return dot("btf,fd->btd", h, self.down_proj[...], self.dtype)

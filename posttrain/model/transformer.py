@@ -1,0 +1,237 @@
+"""Decoder-only transformer: embed -> scan(dense blocks) -> scan(MoE blocks) -> RMSNorm -> unembed.
+
+Dimension legend: B batch, T length, D d_model, V vocab, L layers of one stack, P prompts, N = P*G sampled
+sequences (G samples per prompt), Lp prompt width, Lg generation width, E experts.
+
+Two entry points share every layer:
+  * `hidden_states(tokens, positions, segment_ids, branch_ids)`: teacher-forced pass over (possibly packed)
+    sequences. Token i may attend to token j <= i iff both have the same non-zero segment id and j's branch
+    is 0 (the shared prefix) or equal to i's branch. Branches let one prompt be followed by its G completions
+    in one row, so the prompt is computed (forward and backward) once per group.
+  * `prefill` + `decode_step`: the KV-cache path used by the sampler. The prompt's cache is computed once per
+    prompt and read by all G samples (`layers.Source(group=G)`); each sample appends to its own cache.
+Layers are stacked on a leading `layers` axis and applied with `jax.lax.scan` (optionally rematerialised).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posttrain.model.config import ModelConfig
+from posttrain.model.layers import MLP, Attention, MLAttention, RMSNorm, Source, dot, param
+from posttrain.model.moe import MoE
+from posttrain.partitioning import with_logical_constraint
+
+_DT = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)); x + ffn(norm(x)). `ffn` is an MLP or a MoE."""
+
+    def __init__(self, attn: nnx.Module, ffn: nnx.Module, *, d_model: int, eps: float, param_dtype, rngs):
+        self.attn, self.ffn = attn, ffn
+        self.input_norm = RMSNorm(d_model, eps, param_dtype=param_dtype, rngs=rngs)
+        self.post_attn_norm = RMSNorm(d_model, eps, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, positions, mask, extra_sources=(), valid=None):
+        h, entries = self.attn(self.input_norm(x), positions, mask, extra_sources)
+        x = x + h
+        if isinstance(self.ffn, MoE):
+            f, aux = self.ffn(self.post_attn_norm(x), valid)
+        else:
+            f, aux = self.ffn(self.post_attn_norm(x)), {}
+        x = with_logical_constraint(x + f, ("batch", "length", "embed"))
+        return x, entries, aux
+
+
+def stack_layers(make_block, num: int, rngs: nnx.Rngs) -> nnx.Module:
+    """Builds `num` blocks with independent init keys and stacks their state on a leading `layers` axis."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: make_block(nnx.Rngs(0))))
+    keys = jax.random.split(rngs.params(), num)
+    state = jax.vmap(lambda k: nnx.state(make_block(nnx.Rngs(params=k))))(keys)
+
+    def add_axis(v):
+        axes = v.get_metadata().get("logical_axes")
+        return v.replace(logical_axes=("layers",) + tuple(axes)) if axes is not None else v
+
+    state = jax.tree.map(add_axis, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, state)
+
+
+def attention_mask(segment_ids_BxT: jax.Array, branch_ids_BxT: jax.Array) -> jax.Array:
+    """bool [B, T, T]: causal, same non-zero segment, and key in the shared prefix (branch 0) or own branch."""
+    T = segment_ids_BxT.shape[1]
+    idx = jnp.arange(T)
+    seg_q, seg_k = segment_ids_BxT[:, :, None], segment_ids_BxT[:, None, :]
+    br_q, br_k = branch_ids_BxT[:, :, None], branch_ids_BxT[:, None, :]
+    return (idx[:, None] >= idx[None, :]) & (seg_q == seg_k) & (seg_k != 0) & ((br_k == 0) | (br_k == br_q))
+
+
+class DecodeCache(NamedTuple):
+    """KV cache of a group-sampling run (a pytree).
+
+    prefix: {stack: entries [L, P, Lp, ...]} computed once per prompt; prefix_len_P: valid prompt lengths;
+    suffix: {stack: entries [L, N, Lg, ...]} per sample; step: number of tokens already in `suffix`.
+    """
+
+    prefix: Any
+    prefix_len_P: jax.Array
+    suffix: Any
+    step: jax.Array
+
+
+class Transformer(nnx.Module):
+    """The decoder. Construct under `posttrain.partitioning.create_sharded` to create parameters sharded."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.num_dense, self.num_moe = cfg.num_dense_layers, cfg.num_moe_layers
+        self.tie_embeddings, self.remat = cfg.tie_embeddings, cfg.remat
+        self.dtype, pdt = _DT[cfg.dtype], _DT[cfg.param_dtype]
+        D, V = cfg.d_model, cfg.vocab_size
+        self.embedding = param(rngs, (V, D), ("vocab", "embed"), pdt, std=0.02)
+
+        def make_attn(r):
+            if cfg.mla is not None:
+                return MLAttention(d_model=D, num_heads=cfg.num_heads, mla=cfg.mla, rope=cfg.rope,
+                                   norm_eps=cfg.norm_eps, dtype=self.dtype, param_dtype=pdt, rngs=r)
+            return Attention(d_model=D, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                             head_dim=cfg.head_dim, rope=cfg.rope, qk_norm=cfg.qk_norm, bias=cfg.attention_bias,
+                             norm_eps=cfg.norm_eps, dtype=self.dtype, param_dtype=pdt, rngs=r)
+
+        def make_dense(r):
+            mlp_dim = cfg.moe.dense_mlp_dim if cfg.moe is not None else cfg.mlp_dim
+            ffn = MLP(d_model=D, mlp_dim=mlp_dim, dtype=self.dtype, param_dtype=pdt, rngs=r)
+            return Block(make_attn(r), ffn, d_model=D, eps=cfg.norm_eps, param_dtype=pdt, rngs=r)
+
+        def make_moe(r):
+            ffn = MoE(d_model=D, moe=cfg.moe, dtype=self.dtype, param_dtype=pdt, rngs=r)
+            return Block(make_attn(r), ffn, d_model=D, eps=cfg.norm_eps, param_dtype=pdt, rngs=r)
+
+        self.dense_layers = stack_layers(make_dense, self.num_dense, rngs) if self.num_dense else None
+        self.moe_layers = stack_layers(make_moe, self.num_moe, rngs) if self.num_moe else None
+        self.final_norm = RMSNorm(D, cfg.norm_eps, param_dtype=pdt, rngs=rngs)
+        self.lm_head = None if cfg.tie_embeddings else param(rngs, (D, V), ("embed", "vocab"), pdt, fan_in=D)
+
+    # ------------------------------------------------------------------ shared pieces
+    def stacks(self):
+        """(name, stacked module) for each non-empty layer stack, in execution order."""
+        return [(n, m) for n, m in (("dense", self.dense_layers), ("moe", self.moe_layers)) if m is not None]
+
+    def embed(self, tokens_BxT):
+        x = jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(self.dtype)
+        return with_logical_constraint(x, ("batch", "length", "embed"))
+
+    def unembedding(self) -> jax.Array:
+        """The [D, V] output projection (the transposed embedding when tied)."""
+        return self.embedding[...].T if self.tie_embeddings else self.lm_head[...]
+
+    def logits(self, h_BxTxD) -> jax.Array:
+        """float32 logits [..., V] from final hidden states."""
+        return dot("...d,dv->...v", h_BxTxD, self.unembedding(), self.dtype).astype(jnp.float32)
+
+    def _scan(self, stack, x, xs, body, carry_extra=None):
+        graphdef, state = nnx.split(stack)
+
+        def step(carry, inputs):
+            layer_state, extra = inputs
+            return body(nnx.merge(graphdef, layer_state), carry, extra)
+
+        if self.remat != "none":
+            policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if self.remat == "dots" else None
+            step = jax.checkpoint(step, policy=policy, prevent_cse=False)
+        return jax.lax.scan(step, x if carry_extra is None else (x, carry_extra), (state, xs))
+
+    # ------------------------------------------------------------------ teacher-forced / prefill
+    def hidden_states(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, branch_ids_BxT=None,
+                      *, return_entries: bool = False):
+        """Final-norm hidden states [B, T, D], aux dict (MoE losses summed over layers, expert load per layer),
+        and (if asked) the per-stack cache entries [L, B, T, ...]."""
+        B, T = tokens_BxT.shape
+        if positions_BxT is None:
+            positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        if segment_ids_BxT is None:
+            segment_ids_BxT = jnp.ones((B, T), jnp.int32)
+        if branch_ids_BxT is None:
+            branch_ids_BxT = jnp.zeros((B, T), jnp.int32)
+        mask = attention_mask(segment_ids_BxT, branch_ids_BxT)
+        valid = segment_ids_BxT != 0
+        x = self.embed(tokens_BxT)
+        entries, auxes = {}, []
+
+        def body(block, h, _):
+            h, ent, aux = block(h, positions_BxT, mask, (), valid)
+            return h, (ent if return_entries else None, aux)
+
+        for name, stack in self.stacks():
+            x, (ent, aux) = self._scan(stack, x, None, body)
+            entries[name] = ent
+            auxes.append(aux)
+        aux = _merge_aux(auxes)
+        h = self.final_norm(x)
+        return (h, aux, entries) if return_entries else (h, aux)
+
+    def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, branch_ids_BxT=None):
+        """float32 logits [B, T, V] and the aux dict."""
+        h, aux = self.hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT, branch_ids_BxT)
+        return self.logits(h), aux
+
+    def prefill(self, prompts_PxLp, lengths_P, *, group: int, max_new: int):
+        """Runs right-padded prompts once; returns (logits [P, V] at each prompt's last token, DecodeCache
+        with an empty per-sample suffix of width `max_new` for P * group samples)."""
+        P, Lp = prompts_PxLp.shape
+        segment = (jnp.arange(Lp)[None, :] < lengths_P[:, None]).astype(jnp.int32)
+        h, _, entries = self.hidden_states(prompts_PxLp, None, segment, None, return_entries=True)
+        last = jnp.take_along_axis(h, (lengths_P - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+        suffix = jax.tree.map(lambda e: jnp.zeros((e.shape[0], P * group, max_new) + e.shape[3:], e.dtype), entries)
+        cache = DecodeCache(entries, lengths_P.astype(jnp.int32), suffix, jnp.zeros((), jnp.int32))
+        return self.logits(last), cache
+
+    # ------------------------------------------------------------------ decoding
+    def decode_step(self, tokens_N, cache: DecodeCache):
+        """Appends one token per sample; returns (logits [N, V] for the next token, updated cache)."""
+        N = tokens_N.shape[0]
+        P = cache.prefix_len_P.shape[0]
+        G = N // P
+        t = cache.step
+        positions = (jnp.repeat(cache.prefix_len_P, G) + t)[:, None]
+        x = self.embed(tokens_N[:, None])
+        some = next(iter(jax.tree.leaves(cache.prefix)))
+        prefix_mask = (jnp.arange(some.shape[2])[None, :] < cache.prefix_len_P[:, None])[:, None, :]
+        width = jax.tree.leaves(cache.suffix)[0].shape[2]
+        suffix_mask = jnp.broadcast_to((jnp.arange(width) < t)[None, None, :], (N, 1, width))
+        self_mask = jnp.ones((N, 1, 1), bool)
+        valid = jnp.ones((N, 1), bool)
+        new_suffix = {}
+        for name, stack in self.stacks():
+            num = jax.tree.leaves(cache.prefix[name])[0].shape[0]
+
+            def body(block, carry, inputs):
+                h, suffix = carry
+                prefix_l, layer = inputs
+                suffix_l = jax.tree.map(lambda s: s[layer], suffix)
+                sources = (Source(prefix_l, prefix_mask, G), Source(suffix_l, suffix_mask, 1))
+                h, ent, _ = block(h, positions, self_mask, sources, valid)
+                suffix = jax.tree.map(
+                    lambda s, e: jax.lax.dynamic_update_slice(s, e[None].astype(s.dtype),
+                                                              (layer, 0, t) + (0,) * (s.ndim - 3)), suffix, ent)
+                return (h, suffix), None
+
+            (x, new_suffix[name]), _ = self._scan(stack, x, (cache.prefix[name], jnp.arange(num)), body,
+                                                  carry_extra=cache.suffix[name])
+        logits = self.logits(self.final_norm(x))[:, 0]
+        return logits, cache._replace(suffix=new_suffix, step=t + 1)
+
+
+def _merge_aux(auxes: list[dict]) -> dict:
+    """Sums MoE losses over all MoE layers; keeps the per-layer expert load [L, E]."""
+    out = {}
+    for aux in auxes:
+        for k, v in aux.items():
+            if k == "expert_load":
+                out[k] = v if k not in out else jnp.concatenate([out[k], v])
+            else:
+                out[k] = out.get(k, 0.0) + v.sum()
+    return out
