@@ -1,0 +1,381 @@
+"""Policy-gradient losses for RL post-training: token logprobs, clipped surrogates, KL, aggregation.
+
+Dimension legend:
+  B  sequences in the (micro)batch
+  T  token positions (padded sequence width)
+  V  vocabulary size
+  D  model width (hidden size)
+  N  flattened tokens B * T;  K chunks of C tokens each (K * C >= N)
+
+Conventions:
+  * A token's logprob is `log_softmax(logits / temperature)[target]` over the full vocabulary, in
+    float32 (DESIGN invariant 1). `token_logprobs` is that definition; `chunked_token_logprobs`
+    computes the same numbers from hidden states without materialising [B, T, V] logits.
+  * Masked positions are sanitised with `jnp.where` before any arithmetic (invariant 4), so NaN/inf
+    there (e.g. in the sampler's logprobs of padding) reach neither the loss nor its gradient.
+  * Aggregation is global (invariant 3): the caller computes `LossDenominators` once over the FULL
+    batch (all microbatches, all devices); each microbatch's loss and metrics are then its share of
+    the batch value, so summing them over microbatches and devices gives exactly the full-batch value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "LogprobsOut", "LossConfig", "LossDenominators",
+    "Surrogate", "chunked_token_logprobs", "clipped_surrogate", "gspo", "kl_k1", "kl_k2", "kl_k3",
+    "loss_denominators", "policy_loss", "ppo", "seq_mean_token_mean", "seq_mean_token_sum_norm",
+    "token_entropy", "token_logprobs", "token_mean",
+]
+
+# |log ratio| is clamped here before exp() so a stale or broken token cannot overflow to inf
+# (verl uses the same bound); the gradient is zero beyond it.
+LOG_RATIO_CLAMP = 20.0
+_sg = jax.lax.stop_gradient
+
+
+# ----------------------------------------------------------------------------- token logprobs
+def token_logprobs(logits_BxTxV, targets_BxT, temperature: float = 1.0):
+    """log_softmax(logits / temperature) gathered at the targets. float32 [B, T] (nats, <= 0).
+
+    Raises ValueError if targets_BxT's shape is not logits_BxTxV.shape[:2] or temperature <= 0.
+    """
+    _check_temperature(temperature)
+    if jnp.shape(targets_BxT) != jnp.shape(logits_BxTxV)[:2]:
+        raise ValueError(
+            f"targets_BxT shape {jnp.shape(targets_BxT)} != logits [B, T] {jnp.shape(logits_BxTxV)[:2]}"
+        )
+    z_BxTxV = jnp.asarray(logits_BxTxV).astype(jnp.float32) / temperature
+    target_BxT = jnp.take_along_axis(z_BxTxV, targets_BxT[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return target_BxT - jax.nn.logsumexp(z_BxTxV, axis=-1)
+
+
+def token_entropy(logits_BxTxV, temperature: float = 1.0):
+    """Entropy of softmax(logits / temperature) per position, float32 [B, T] (nats)."""
+    _check_temperature(temperature)
+    z_BxTxV = jnp.asarray(logits_BxTxV).astype(jnp.float32) / temperature
+    logp_BxTxV = jax.nn.log_softmax(z_BxTxV, axis=-1)
+    return -jnp.sum(jnp.exp(logp_BxTxV) * logp_BxTxV, axis=-1)
+
+
+class LogprobsOut(NamedTuple):
+    logp_BxT: jax.Array  # float32
+    entropy_BxT: jax.Array | None  # float32, None unless requested
+
+
+def chunked_token_logprobs(
+    h_BxTxD, w_DxV, targets_BxT, temperature: float = 1.0, *, chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> LogprobsOut:
+    """`token_logprobs(h @ w, targets, temperature)` (and optionally `token_entropy`) computed C tokens
+    at a time under `jax.checkpoint`, so neither the forward nor the backward pass holds more than
+    [C, V] logits (the full [B, T, V] tensor, 49,152 wide for SmolLM2, is never materialised).
+
+    Args:
+      h_BxTxD: final hidden states (after the final norm), any float dtype.
+      w_DxV: unembedding matrix (the transposed tied embedding for tied models).
+      targets_BxT: int token ids whose logprob is wanted (the next tokens).
+      temperature: sampling temperature (> 0); logits are divided by it.
+      chunk_size: C, tokens per chunk (static); the last chunk is zero-padded.
+      with_entropy: also return the per-token entropy.
+    Returns:
+      LogprobsOut(logp_BxT float32, entropy_BxT float32 or None). Matmuls accumulate in float32.
+    Raises:
+      ValueError: on shape mismatch, chunk_size < 1 or temperature <= 0.
+    """
+    _check_temperature(temperature)
+    (b, t, d), (d_w, v) = jnp.shape(h_BxTxD), jnp.shape(w_DxV)
+    if d_w != d or jnp.shape(targets_BxT) != (b, t):
+        raise ValueError(
+            f"shape mismatch: h_BxTxD {(b, t, d)}, w_DxV {(d_w, v)}, targets_BxT {jnp.shape(targets_BxT)}"
+        )
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    n = b * t
+    c = min(chunk_size, n)
+    k = -(-n // c)
+    h_KxCxD = jnp.pad(jnp.reshape(h_BxTxD, (n, d)), ((0, k * c - n), (0, 0))).reshape(k, c, d)
+    tgt_KxC = jnp.pad(jnp.reshape(targets_BxT, (n,)).astype(jnp.int32), (0, k * c - n)).reshape(k, c)
+
+    @jax.checkpoint
+    def one_chunk(w, h_CxD, tgt_C):
+        z_CxV = jnp.dot(h_CxD, w, preferred_element_type=jnp.float32) / temperature
+        lse_C = jax.nn.logsumexp(z_CxV, axis=-1)
+        logp_C = jnp.take_along_axis(z_CxV, tgt_C[:, None], axis=-1)[:, 0] - lse_C
+        if not with_entropy:
+            return logp_C, jnp.zeros_like(logp_C)
+        logp_CxV = z_CxV - lse_C[:, None]
+        return logp_C, -jnp.sum(jnp.exp(logp_CxV) * logp_CxV, axis=-1)
+
+    def body(carry, xs):
+        return carry, one_chunk(w_DxV, *xs)
+
+    _, (logp_KxC, ent_KxC) = jax.lax.scan(body, None, (h_KxCxD, tgt_KxC))
+    unchunk = lambda x_KxC: x_KxC.reshape(k * c)[:n].reshape(b, t)
+    return LogprobsOut(unchunk(logp_KxC), unchunk(ent_KxC) if with_entropy else None)
+
+
+def _check_temperature(temperature) -> None:
+    if isinstance(temperature, (int, float)) and not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+
+
+# ----------------------------------------------------------------------------- surrogates
+class Surrogate(NamedTuple):
+    loss_BxT: jax.Array  # float32 per-token loss, 0 at masked positions
+    clipped_low_BxT: jax.Array  # bool: ratio < 1 - eps_low with A < 0 (lower clip active)
+    clipped_high_BxT: jax.Array  # bool: ratio > 1 + eps_high with A > 0 (upper clip active)
+
+
+def clipped_surrogate(log_ratio_BxT, advantages_BxT, mask_BxT, *, eps_low: float, eps_high: float,
+                      dual_clip_c: float | None = None) -> Surrogate:
+    """PPO clipped surrogate, as a loss: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(log_ratio).
+
+    Sources: Schulman et al. 2017 (PPO, eq. 7); decoupled eps_low / eps_high ("clip-higher"):
+    Yu et al. 2025 (DAPO, eq. 10); dual clip for A < 0, loss capped at -c A with c > 1:
+    Ye et al. 2020 ("Mastering Complex Control in MOBA Games", eq. 5).
+    Inputs are float [B, T] (advantages already broadcast per token) and a {0,1} mask; the log ratio is
+    clamped to +-LOG_RATIO_CLAMP before exp. Masked positions are sanitised first.
+    """
+    mask = jnp.asarray(mask_BxT).astype(bool)
+    log_ratio = jnp.clip(jnp.where(mask, log_ratio_BxT, 0.0), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    adv = jnp.where(mask, advantages_BxT, 0.0).astype(jnp.float32)
+    ratio = jnp.exp(log_ratio.astype(jnp.float32))
+    loss = jnp.maximum(-ratio * adv, -jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv)
+    if dual_clip_c is not None:
+        loss = jnp.where(adv < 0, jnp.minimum(loss, -dual_clip_c * adv), loss)
+    return Surrogate(
+        loss_BxT=jnp.where(mask, loss, 0.0),
+        clipped_low_BxT=mask & (ratio < 1.0 - eps_low) & (adv < 0),
+        clipped_high_BxT=mask & (ratio > 1.0 + eps_high) & (adv > 0),
+    )
+
+
+def _masked_inputs(mask_BxT, *arrays_BxT):
+    mask = jnp.asarray(mask_BxT).astype(bool)
+    return (mask,) + tuple(jnp.where(mask, jnp.asarray(x).astype(jnp.float32), 0.0) for x in arrays_BxT)
+
+
+def ppo(logp_BxT, logp_old_BxT, advantages_B, mask_BxT, *, eps_low: float, eps_high: float,
+        dual_clip_c: float | None = None) -> Surrogate:
+    """Token-level PPO / GRPO surrogate with ratio exp(logp - logp_old) per token (see clipped_surrogate).
+
+    logp_BxT is differentiable; logp_old_BxT is treated as a constant; advantages_B is per sequence.
+    """
+    mask, logp, old = _masked_inputs(mask_BxT, logp_BxT, _sg(logp_old_BxT))
+    adv_BxT = jnp.broadcast_to(jnp.asarray(advantages_B, jnp.float32)[:, None], mask.shape)
+    return clipped_surrogate(logp - old, adv_BxT, mask, eps_low=eps_low, eps_high=eps_high,
+                             dual_clip_c=dual_clip_c)
+
+
+def gspo(logp_BxT, logp_old_BxT, advantages_B, mask_BxT, *, eps_low: float, eps_high: float,
+         dual_clip_c: float | None = None) -> Surrogate:
+    """GSPO: sequence-level ratio s_i = exp(mean_t (logp - logp_old)) over the sequence's policy tokens.
+
+    Source: Zheng et al. 2025, "Group Sequence Policy Optimization" (eq. 7; GSPO-token form, eq. 13):
+    every token carries log s_i in value and d logp_t in gradient, so with `seq_mean_token_mean`
+    aggregation the loss and gradient are exactly GSPO's. Clip ranges in the paper are ~3e-4 / 4e-4.
+    """
+    mask, logp, old = _masked_inputs(mask_BxT, logp_BxT, _sg(logp_old_BxT))
+    seq_log_ratio_B = (logp - old).sum(-1) / jnp.maximum(mask.sum(-1), 1)
+    log_ratio_BxT = _sg(seq_log_ratio_B)[:, None] + logp - _sg(logp)
+    adv_BxT = jnp.broadcast_to(jnp.asarray(advantages_B, jnp.float32)[:, None], mask.shape)
+    return clipped_surrogate(log_ratio_BxT, adv_BxT, mask, eps_low=eps_low, eps_high=eps_high,
+                             dual_clip_c=dual_clip_c)
+
+
+POLICY_LOSSES: dict[str, Callable[..., Surrogate]] = {"ppo": ppo, "gspo": gspo}
+
+
+# ----------------------------------------------------------------------------- KL to the reference
+# Schulman 2020, "Approximating KL Divergence" (http://joschu.net/blog/kl-approx.html), with samples from
+# the policy and r = p_ref / p: k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r (>= 0, unbiased).
+# Elementwise float32 [B, T]; the reference is wrapped in stop_gradient (gradient reaches the policy only).
+def kl_k1(logp_BxT, logp_ref_BxT):
+    """k1 = logp - logp_ref (unbiased, high variance, can be negative; gradient 1 per token)."""
+    return jnp.asarray(logp_BxT, jnp.float32) - _sg(jnp.asarray(logp_ref_BxT, jnp.float32))
+
+
+def kl_k2(logp_BxT, logp_ref_BxT):
+    """k2 = (logp - logp_ref)^2 / 2 (biased, low variance, >= 0)."""
+    return 0.5 * jnp.square(kl_k1(logp_BxT, logp_ref_BxT))
+
+
+def kl_k3(logp_BxT, logp_ref_BxT):
+    """k3 = exp(logp_ref - logp) - 1 - (logp_ref - logp) (unbiased, >= 0); log ratio clamped to +-20."""
+    log_r = jnp.clip(-kl_k1(logp_BxT, logp_ref_BxT), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return jnp.exp(log_r) - 1.0 - log_r
+
+
+KL_ESTIMATORS: dict[str, Callable] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+# ----------------------------------------------------------------------------- aggregation
+class LossDenominators(NamedTuple):
+    """Global denominators, computed once over the FULL batch (all microbatches and devices).
+
+    num_tokens: float32 scalar, total policy tokens (sum of loss_mask).
+    num_seqs: float32 scalar, sequences with at least one policy token (others add nothing to any sum).
+    """
+
+    num_tokens: jax.Array
+    num_seqs: jax.Array
+
+
+def loss_denominators(loss_mask_BxT) -> LossDenominators:
+    """LossDenominators of the FULL batch's {0,1} loss mask [B, T] (under jit, sums of a global array
+    are global across devices)."""
+    mask = jnp.asarray(loss_mask_BxT).astype(bool)
+    return LossDenominators(mask.sum().astype(jnp.float32), mask.any(-1).sum().astype(jnp.float32))
+
+
+def token_mean(x_BxT, mask_BxT, den: LossDenominators, norm_constant: float | None = None):
+    """sum(x * mask) / den.num_tokens: every policy token in the batch weighs the same (DAPO)."""
+    del norm_constant
+    return jnp.where(mask_BxT, x_BxT, 0.0).sum() / jnp.maximum(den.num_tokens, 1.0)
+
+
+def seq_mean_token_mean(x_BxT, mask_BxT, den: LossDenominators, norm_constant: float | None = None):
+    """sum_i [sum_t x * mask / len_i] / den.num_seqs: each sequence weighs the same (original GRPO)."""
+    del norm_constant
+    seq_sum_B = jnp.where(mask_BxT, x_BxT, 0.0).sum(-1)
+    len_B = jnp.asarray(mask_BxT).astype(bool).sum(-1)
+    return (seq_sum_B / jnp.maximum(len_B, 1)).sum() / jnp.maximum(den.num_seqs, 1.0)
+
+
+def seq_mean_token_sum_norm(x_BxT, mask_BxT, den: LossDenominators, norm_constant: float | None = None):
+    """sum(x * mask) / norm_constant / den.num_seqs; norm_constant is a config constant such as the max
+    response length, never a padded width (Dr. GRPO, Liu et al. 2025, eq. 3). Raises ValueError if None."""
+    if norm_constant is None:
+        raise ValueError("aggregation 'seq_mean_token_sum_norm' needs norm_constant (e.g. max response len)")
+    return jnp.where(mask_BxT, x_BxT, 0.0).sum() / norm_constant / jnp.maximum(den.num_seqs, 1.0)
+
+
+AGGREGATIONS: dict[str, Callable] = {
+    "token_mean": token_mean,
+    "seq_mean_token_mean": seq_mean_token_mean,
+    "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
+}
+
+
+# ----------------------------------------------------------------------------- composed loss
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """Hyperparameters of `policy_loss` (hashable: usable as a static argument).
+
+    policy_loss: a POLICY_LOSSES name. eps_low / eps_high: clip range below / above 1 (DAPO: 0.2 / 0.28).
+    dual_clip_c: None or > 1 (Ye et al. 2020; 3.0 is usual). kl_estimator: a KL_ESTIMATORS name.
+    beta: KL coefficient (>= 0; 0 disables the KL term). aggregation: an AGGREGATIONS name.
+    norm_constant: divisor for seq_mean_token_sum_norm (tokens). tis_cap: None, or the cap C > 0 of the
+    truncated importance weight min(exp(logp_old - logp_sample), C) (Yao et al. 2025, "Your Efficient RL
+    Framework Secretly Brings You Off-Policy RL Training").
+    Raises ValueError (naming the field and the valid values) on bad settings.
+    """
+
+    policy_loss: str = "ppo"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip_c: float | None = None
+    kl_estimator: str = "k3"
+    beta: float = 0.0
+    aggregation: str = "token_mean"
+    norm_constant: float | None = None
+    tis_cap: float | None = None
+
+    def __post_init__(self):
+        for field, table in (("policy_loss", POLICY_LOSSES), ("kl_estimator", KL_ESTIMATORS),
+                             ("aggregation", AGGREGATIONS)):
+            if getattr(self, field) not in table:
+                raise ValueError(f"unknown {field} {getattr(self, field)!r}; valid: {sorted(table)}")
+        checks = [
+            ("eps_low", self.eps_low, 0 <= self.eps_low < 1, "in [0, 1)"),
+            ("eps_high", self.eps_high, self.eps_high >= 0, ">= 0"),
+            ("dual_clip_c", self.dual_clip_c, self.dual_clip_c is None or self.dual_clip_c > 1, "None or > 1"),
+            ("beta", self.beta, self.beta >= 0, ">= 0"),
+            ("tis_cap", self.tis_cap, self.tis_cap is None or self.tis_cap > 0, "None or > 0"),
+            ("norm_constant", self.norm_constant,
+             (self.norm_constant is None or self.norm_constant > 0)
+             and (self.aggregation != "seq_mean_token_sum_norm" or self.norm_constant is not None),
+             "> 0 (required by seq_mean_token_sum_norm)"),
+        ]
+        for name, value, ok, want in checks:
+            if not ok:
+                raise ValueError(f"LossConfig.{name} must be {want}, got {value!r}")
+
+
+def policy_loss(
+    logp_BxT, logp_sample_BxT, advantages_B, loss_mask_BxT, den: LossDenominators, cfg: LossConfig, *,
+    logp_old_BxT=None, logp_ref_BxT=None, entropy_BxT=None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The GRPO-family loss of one microbatch: aggregated surrogate [* TIS weight] + beta * aggregated KL.
+
+    Args:
+      logp_BxT: trainer logprobs of the sampled tokens (differentiable), float [B, T].
+      logp_sample_BxT: the sampler's logprobs of the same tokens (constant).
+      advantages_B: float [B], one advantage per sequence.
+      loss_mask_BxT: {0,1} [B, T], 1 on policy tokens only.
+      den: LossDenominators of the FULL batch (see `loss_denominators`).
+      cfg: LossConfig.
+      logp_old_BxT: optional trainer logprobs under the behaviour policy (constant). The ratio's
+        denominator is: without TIS, logp_old_BxT if given else logp_sample_BxT; with cfg.tis_cap,
+        logp_old_BxT if given else stop_gradient(logp_BxT) (one update per batch: ratio 1), and every
+        token's loss is weighted by the constant min(exp(logp_old - logp_sample), tis_cap).
+      logp_ref_BxT: reference-model logprobs (constant); required when cfg.beta > 0.
+      entropy_BxT: optional per-token entropy, only logged.
+    Returns:
+      (loss, metrics): float32 scalars, each this microbatch's share of the batch value (sum them over
+      microbatches and devices). Metric keys: policy/loss, policy/clipfrac_low, policy/clipfrac_high,
+      policy/ppo_kl (token mean of logp_old - logp), and when applicable policy/kl_ref (token mean of
+      the estimator), policy/entropy, policy/tis_weight. Metrics carry no gradient.
+    Raises:
+      TypeError if cfg is not a LossConfig; ValueError on shape mismatch or beta > 0 without logp_ref_BxT.
+    """
+    if not isinstance(cfg, LossConfig):
+        raise TypeError(f"cfg must be a losses.LossConfig, got {type(cfg).__name__}")
+    shape = jnp.shape(loss_mask_BxT)
+    named = {"logp_BxT": logp_BxT, "logp_sample_BxT": logp_sample_BxT, "logp_old_BxT": logp_old_BxT,
+             "logp_ref_BxT": logp_ref_BxT, "entropy_BxT": entropy_BxT}
+    bad = {k: jnp.shape(v) for k, v in named.items() if v is not None and jnp.shape(v) != shape}
+    if len(shape) != 2 or bad or jnp.shape(advantages_B) != shape[:1]:
+        raise ValueError(f"shape mismatch: loss_mask_BxT {shape}, advantages_B {jnp.shape(advantages_B)}, "
+                         f"mismatched: {bad}")
+    if cfg.beta > 0 and logp_ref_BxT is None:
+        raise ValueError(f"LossConfig.beta={cfg.beta} > 0 needs logp_ref_BxT")
+    mask, logp, sample = _masked_inputs(loss_mask_BxT, logp_BxT, _sg(logp_sample_BxT))
+    if cfg.tis_cap is None:
+        old = sample if logp_old_BxT is None else _masked_inputs(mask, _sg(logp_old_BxT))[1]
+    else:
+        old = _sg(logp) if logp_old_BxT is None else _masked_inputs(mask, _sg(logp_old_BxT))[1]
+    aggregate = lambda x: AGGREGATIONS[cfg.aggregation](x, mask, den, cfg.norm_constant)
+    mean = lambda x: token_mean(_sg(x).astype(jnp.float32), mask, den)
+
+    surrogate = POLICY_LOSSES[cfg.policy_loss](logp, old, advantages_B, mask, eps_low=cfg.eps_low,
+                                               eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c)
+    per_token = surrogate.loss_BxT
+    metrics = {}
+    if cfg.tis_cap is not None:
+        tis_BxT = jnp.minimum(jnp.exp(jnp.minimum(old - sample, LOG_RATIO_CLAMP)), cfg.tis_cap)
+        tis_BxT = jnp.where(mask, tis_BxT, 0.0)
+        per_token = per_token * tis_BxT
+        metrics["policy/tis_weight"] = mean(tis_BxT)
+    loss = aggregate(per_token)
+    if logp_ref_BxT is not None:
+        ref = _masked_inputs(mask, logp_ref_BxT)[1]
+        kl_BxT = jnp.where(mask, KL_ESTIMATORS[cfg.kl_estimator](logp, ref), 0.0)
+        if cfg.beta > 0:
+            loss = loss + cfg.beta * aggregate(kl_BxT)
+        metrics["policy/kl_ref"] = mean(kl_BxT)
+    if entropy_BxT is not None:
+        metrics["policy/entropy"] = mean(_masked_inputs(mask, entropy_BxT)[1])
+    metrics.update({
+        "policy/loss": _sg(loss),
+        "policy/clipfrac_low": mean(surrogate.clipped_low_BxT),
+        "policy/clipfrac_high": mean(surrogate.clipped_high_BxT),
+        "policy/ppo_kl": mean(old - logp),
+    })
+    return loss, metrics
