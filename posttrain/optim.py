@@ -1,0 +1,166 @@
+"""Optimizer: optax chain of global-norm clipping and AdamW (or SGD) under a warm-up + decay schedule.
+
+Dimension legend: none; the optimizer maps a pytree of float gradients to updates of the same structure.
+
+Plain arguments only; `config.py` converts an OptimConfig into them. The learning-rate schedule is
+returned alongside the transformation so the train step can log `optim/lr` for the step it applies.
+
+Schedule (lr in parameter units per unit of normalised gradient, `step` = number of updates already
+applied, 0 for the first):
+  warm-up:  lr * (step + 1) / warmup_steps              for step < warmup_steps (first update is not 0)
+  decay:    lr * f(p),  p = clip((step - warmup_steps) / (total_steps - warmup_steps), 0, 1)
+            cosine:   f = m + (1 - m) * (1 + cos(pi p)) / 2   (Loshchilov & Hutter 2017, SGDR, eq. 5)
+            linear:   f = 1 - (1 - m) * p
+            constant: f = 1
+  with m = min_lr_ratio; after total_steps the rate stays at lr * m.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+__all__ = ["OPTIMIZERS", "SCHEDULES", "Optimizer", "make_optimizer", "make_schedule"]
+
+
+# --- decay shapes: progress p in [0, 1] -> multiplier of the peak rate, ending at min_lr_ratio.
+def _cosine(p, min_lr_ratio):
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + jnp.cos(math.pi * p))
+
+
+def _linear(p, min_lr_ratio):
+    return 1.0 - (1.0 - min_lr_ratio) * p
+
+
+def _constant(p, min_lr_ratio):
+    del min_lr_ratio
+    return jnp.ones_like(p)
+
+
+SCHEDULES: dict[str, Callable] = {"cosine": _cosine, "constant": _constant, "linear": _linear}
+
+
+def make_schedule(
+    lr: float, *, warmup_steps: int = 0, total_steps: int | None = None, schedule: str = "cosine",
+    min_lr_ratio: float = 0.0,
+) -> Callable[[Any], jax.Array]:
+    """The learning-rate schedule described in the module docstring: step (int or int array) -> float32 lr.
+
+    Raises ValueError: unknown schedule (lists the valid ones), lr <= 0, warmup_steps < 0,
+    min_lr_ratio outside [0, 1], or total_steps missing / <= warmup_steps for a decaying schedule.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; valid: {sorted(SCHEDULES)}")
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}")
+    if schedule != "constant" and (total_steps is None or total_steps <= warmup_steps):
+        raise ValueError(
+            f"schedule {schedule!r} needs total_steps > warmup_steps, got total_steps={total_steps!r}, "
+            f"warmup_steps={warmup_steps}"
+        )
+    decay_steps = max((total_steps or 0) - warmup_steps, 1)
+    shape = SCHEDULES[schedule]
+
+    def lr_at(step):
+        step = jnp.asarray(step, jnp.float32)
+        warm = jnp.minimum((step + 1.0) / max(warmup_steps, 1), 1.0) if warmup_steps else 1.0
+        p = jnp.clip((step - warmup_steps) / decay_steps, 0.0, 1.0)
+        return (lr * warm * shape(p, min_lr_ratio)).astype(jnp.float32)
+
+    return lr_at
+
+
+# --- base optimizers: (lr_schedule, b1, b2, eps, weight_decay, weight_decay_mask) -> transformation.
+def _adamw(lr_schedule, b1, b2, eps, weight_decay, weight_decay_mask):
+    """AdamW, Loshchilov & Hutter 2019 (decoupled decay: p -= lr * weight_decay * p)."""
+    return optax.adamw(lr_schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=weight_decay_mask)
+
+
+def _sgd(lr_schedule, b1, b2, eps, weight_decay, weight_decay_mask):
+    """SGD with heavy-ball momentum b1 (0 = none) and decoupled weight decay; b2 and eps unused."""
+    del b2, eps
+    return optax.chain(
+        optax.trace(decay=b1) if b1 else optax.identity(),
+        optax.add_decayed_weights(weight_decay, mask=weight_decay_mask),
+        optax.scale_by_learning_rate(lr_schedule),
+    )
+
+
+OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {"adamw": _adamw, "sgd": _sgd}
+
+
+class Optimizer(NamedTuple):
+    tx: optax.GradientTransformation
+    lr_schedule: Callable[[Any], jax.Array]  # update count -> float32 learning rate
+
+
+def make_optimizer(
+    name: str = "adamw",
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    grad_clip_norm: float | None = 1.0,
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
+    schedule: str = "cosine",
+    min_lr_ratio: float = 0.0,
+    weight_decay_mask: Any = None,
+    trainable_mask: Any = None,
+) -> Optimizer:
+    """Builds `clip_by_global_norm(grad_clip_norm) -> OPTIMIZERS[name]` under `make_schedule(...)`.
+
+    Args:
+      name: one of OPTIMIZERS ("adamw", "sgd"; for sgd, b1 is the momentum).
+      lr: peak learning rate. weight_decay: decoupled decay coefficient (>= 0).
+      b1, b2, eps: Adam moments' decay rates and denominator epsilon.
+      grad_clip_norm: max global L2 norm of the (trainable) gradients; None disables clipping.
+      warmup_steps, total_steps, schedule, min_lr_ratio: see `make_schedule`.
+      weight_decay_mask: None (decay all) or a pytree / callable(params) of bools, True = decayed.
+      trainable_mask: None (train all) or a pytree / callable(params) of bools, True = trainable
+        (LoRA: only adapters). Frozen leaves get exactly-zero updates, hold no optimizer state and do
+        not count toward the clipping norm.
+    Returns:
+      Optimizer(tx, lr_schedule); `lr_schedule(step)` is the rate applied at update number `step`.
+    Raises:
+      ValueError: unknown name or schedule (lists the valid ones), or an out-of-range number.
+    """
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; valid: {sorted(OPTIMIZERS)}")
+    for arg, value, ok in (
+        ("weight_decay", weight_decay, weight_decay >= 0),
+        ("b1", b1, 0 <= b1 < 1),
+        ("b2", b2, 0 <= b2 < 1),
+        ("eps", eps, eps >= 0),
+        ("grad_clip_norm", grad_clip_norm, grad_clip_norm is None or grad_clip_norm > 0),
+    ):
+        if not ok:
+            raise ValueError(f"{arg} out of range: {value!r}")
+    lr_schedule = make_schedule(
+        lr, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule, min_lr_ratio=min_lr_ratio
+    )
+    tx = OPTIMIZERS[name](lr_schedule, b1, b2, eps, weight_decay, weight_decay_mask)
+    if grad_clip_norm is not None:
+        tx = optax.chain(optax.clip_by_global_norm(grad_clip_norm), tx)
+    if trainable_mask is not None:
+        tx = optax.multi_transform(
+            {"trainable": tx, "frozen": optax.set_to_zero()}, _labels(trainable_mask)
+        )
+    return Optimizer(tx, lr_schedule)
+
+
+def _labels(trainable_mask):
+    to_label = lambda mask: jax.tree.map(lambda m: "trainable" if m else "frozen", mask)
+    if callable(trainable_mask):
+        return lambda params: to_label(trainable_mask(params))
+    return to_label(trainable_mask)
