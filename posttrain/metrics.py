@@ -1,0 +1,246 @@
+"""Metrics: device-side masked reductions, and the host-side writers the training loop uses.
+
+Dimension legend:
+  ...  any shape; `mask` has the shape of `x` (or broadcasts to it), truthy = counted.
+
+Device side (pure, jit-compatible, float32 out): masked_mean / masked_max / masked_min, also in
+REDUCTIONS by name. Masked positions are replaced with `jnp.where` before any arithmetic, so NaN/inf
+there cannot leak; a reduction over no counted element returns 0.0 (never NaN or +-inf).
+
+Host side (the only imperative part): `MetricsWriter` writes each step's flat dict of scalars, with
+the standard names of DESIGN.md (`reward/mean`, `policy/loss`, ...), to
+  <workdir>/metrics.jsonl      one JSON object per line, {"step": int, name: float | null, ...}
+  <workdir>/tensorboard/       TensorBoard event files (tensorboardX)
+  <workdir>/reward_curve.png   train `reward/mean` and `eval/accuracy` against step (matplotlib Agg)
+and `ProgressBar` shows reward and step time on a tqdm bar.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["REDUCTIONS", "MetricsWriter", "ProgressBar", "masked_max", "masked_mean", "masked_min", "read_metrics"]
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- device side
+def _count(x, mask, axis):
+    mask = jnp.broadcast_to(jnp.asarray(mask).astype(bool), jnp.shape(x))
+    return mask, mask.sum(axis=axis)
+
+
+def masked_mean(x, mask, axis=None):
+    """Mean of x over positions where mask is true (float32); 0 where nothing is counted."""
+    mask, n = _count(x, mask, axis)
+    total = jnp.where(mask, jnp.asarray(x, jnp.float32), 0.0).sum(axis=axis)
+    return total / jnp.maximum(n, 1)
+
+
+def masked_max(x, mask, axis=None):
+    """Max of x over positions where mask is true (float32); 0 where nothing is counted."""
+    mask, n = _count(x, mask, axis)
+    m = jnp.where(mask, jnp.asarray(x, jnp.float32), -jnp.inf).max(axis=axis)
+    return jnp.where(n > 0, m, 0.0)
+
+
+def masked_min(x, mask, axis=None):
+    """Min of x over positions where mask is true (float32); 0 where nothing is counted."""
+    return -masked_max(-jnp.asarray(x, jnp.float32), mask, axis)
+
+
+REDUCTIONS: dict[str, Callable] = {"mean": masked_mean, "max": masked_max, "min": masked_min}
+
+
+# ----------------------------------------------------------------------------- host side
+def read_metrics(path: str | os.PathLike, max_step: int | None = None) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl file, in file order, keeping those with step <= max_step (if given).
+
+    Lines that are not a JSON object with an int "step" (e.g. a line cut short by a crash) are skipped
+    with a warning. Raises FileNotFoundError if the file does not exist.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no metrics file at {path}")
+    records, bad = [], 0
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+                ok = isinstance(rec, dict) and isinstance(rec.get("step"), int)
+            except json.JSONDecodeError:
+                ok = False
+            if not ok:
+                bad += line.strip() != ""
+                continue
+            if max_step is None or rec["step"] <= max_step:
+                records.append(rec)
+    if bad:
+        log.warning("skipped %d malformed line(s) in %s", bad, path)
+    return records
+
+
+def _to_float(name: str, value: Any) -> float | None:
+    """A scalar (Python, NumPy or JAX) as a float; non-finite -> None (JSON null)."""
+    try:
+        arr = np.asarray(value)
+    except Exception as e:  # noqa: BLE001 - anything unconvertible is a caller error
+        raise TypeError(f"metric {name!r}: cannot convert {type(value).__name__} to a number") from e
+    if arr.size != 1 or arr.dtype.kind not in "biuf":
+        raise TypeError(f"metric {name!r} must be a real scalar, got dtype {arr.dtype} shape {arr.shape}")
+    out = float(arr.reshape(()))
+    return out if math.isfinite(out) else None
+
+
+class MetricsWriter:
+    """Appends one JSON line, TensorBoard scalars and (throttled) a reward-curve PNG per `write`.
+
+    Args:
+      workdir: run directory (created if missing).
+      resume_step: the step of the checkpoint a resumed run restarts from; lines of metrics.jsonl with
+        step > resume_step are dropped (file rewritten atomically) and TensorBoard events after it are
+        purged, so the resumed run does not duplicate steps. None: append to whatever is there.
+      plot_every_s: minimum seconds between PNG rewrites (the PNG is always rewritten at close).
+      tensorboard, plot: turn those outputs off.
+    Several writes may share a step (e.g. train and eval metrics of the same step).
+    Use as a context manager or call close().
+    """
+
+    JSONL, PNG, TB_DIR = "metrics.jsonl", "reward_curve.png", "tensorboard"
+    PLOTTED = ("reward/mean", "eval/accuracy")
+
+    def __init__(self, workdir: str | os.PathLike, *, resume_step: int | None = None,
+                 plot_every_s: float = 60.0, tensorboard: bool = True, plot: bool = True):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path, self.png_path = self.workdir / self.JSONL, self.workdir / self.PNG
+        history = read_metrics(self.jsonl_path, resume_step) if self.jsonl_path.exists() else []
+        if resume_step is not None and self.jsonl_path.exists():
+            tmp = self.jsonl_path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in history), encoding="utf-8")
+            os.replace(tmp, self.jsonl_path)
+        self.history: dict[str, list[tuple[int, float]]] = {k: [] for k in self.PLOTTED}
+        for rec in history:
+            self._remember(rec)
+        self._file = self.jsonl_path.open("a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(logdir=str(self.workdir / self.TB_DIR), purge_step=purge)
+        self._plot, self._plot_every_s, self._last_plot = plot, plot_every_s, -math.inf
+
+    def _remember(self, rec: Mapping[str, Any]) -> None:
+        for key in self.PLOTTED:
+            if rec.get(key) is not None:
+                self.history[key].append((rec["step"], rec[key]))
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Records `metrics` (name -> real scalar) at `step` (int >= 0). Non-finite values become null.
+
+        Raises TypeError on a non-int step, a non-str name or a non-scalar value (naming it); ValueError
+        on a negative step or the reserved name "step".
+        """
+        if self._file is None:
+            raise ValueError("MetricsWriter is closed")
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool):
+            raise TypeError(f"step must be an int, got {type(step).__name__}")
+        if step < 0 or "step" in metrics:
+            raise ValueError(f"step must be >= 0 and not a metric name, got step={step}, names={sorted(metrics)}")
+        record: dict[str, Any] = {"step": int(step)}
+        for name, value in metrics.items():
+            if not isinstance(name, str):
+                raise TypeError(f"metric names must be str, got {name!r}")
+            record[name] = _to_float(name, value)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for name, value in record.items():
+                if name != "step":
+                    self._tb.add_scalar(name, math.nan if value is None else value, int(step))
+        self._remember(record)
+        if self._plot and time.monotonic() - self._last_plot >= self._plot_every_s:
+            self.plot()
+
+    def plot(self) -> None:
+        """Rewrites reward_curve.png from the whole history (atomically: temp file + rename)."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(7, 4), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        for key, label, style in (("reward/mean", "train reward/mean", "-"), ("eval/accuracy", "eval/accuracy", "o-")):
+            if self.history[key]:
+                steps, values = zip(*self.history[key])
+                ax.plot(steps, values, style, label=label, markersize=3)
+        ax.set_xlabel("step")
+        ax.set_title(self.workdir.name)
+        ax.grid(alpha=0.3)
+        if any(self.history.values()):
+            ax.legend(loc="best")
+        tmp = self.png_path.with_suffix(".png.tmp")
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, self.png_path)
+        self._last_plot = time.monotonic()
+
+    def close(self) -> None:
+        """Writes the final PNG, flushes and closes every output. Idempotent."""
+        if self._file is None:
+            return
+        if self._plot:
+            self.plot()
+        self._file.close()
+        self._file = None
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ProgressBar:
+    """A tqdm bar over training steps whose postfix shows the latest reward and step time.
+
+    Args:
+      total_steps: steps of the whole run. initial_step: where a resumed run starts.
+      fields: postfix label -> metric name (missing metrics are left out).
+      file: stream (default stderr); disable: hide the bar (e.g. on non-zero processes).
+    """
+
+    def __init__(self, total_steps: int, *, initial_step: int = 0, desc: str = "train",
+                 fields: Mapping[str, str] = (("reward", "reward/mean"), ("step_s", "perf/step_s")),
+                 file: io.TextIOBase | None = None, disable: bool = False):
+        from tqdm import tqdm
+
+        self.fields = dict(fields)
+        self._bar = tqdm(total=total_steps, initial=initial_step, desc=desc, file=file or sys.stderr,
+                         disable=disable, dynamic_ncols=True)
+
+    def update(self, metrics: Mapping[str, Any], n: int = 1) -> None:
+        """Advances by n steps and shows the fields present in `metrics` (3 significant digits)."""
+        postfix = {}
+        for label, name in self.fields.items():
+            if name in metrics:
+                value = _to_float(name, metrics[name])
+                postfix[label] = "nan" if value is None else f"{value:.3g}"
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(n)
+
+    def close(self) -> None:
+        self._bar.close()
