@@ -1,0 +1,358 @@
+"""Tokenizer and chat template, plus position-based completion masks.
+
+`Tokenizer` wraps a fast `tokenizers.Tokenizer` (Rust). It is built either from a GGUF file's metadata
+(`tokenizer.ggml.*` keys, see https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) or from a Hugging Face
+tokenizer directory (`tokenizer.json` + `tokenizer_config.json` / `chat_template.jinja`). Chat templates are rendered
+with jinja2's sandboxed environment configured exactly as transformers' `apply_chat_template` does.
+
+Masks are built from positions, never from token values (DESIGN invariant 2): the pad id may equal the EOS id.
+
+Dimension legend: B = batch rows (completions), L = sequence positions (the padded width).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jax.numpy as jnp
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+
+# GGUF token types (llama.cpp `llama_token_type`): 3 = CONTROL (special), 4 = USER_DEFINED (added, not special).
+_CONTROL, _USER_DEFINED = 3, 4
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+# Split regexes of llama.cpp's pre-tokenizer types (llama-vocab.cpp), as used by the models' own tokenizer.json.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gpt2_pre():
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_gpt2_pre():
+    # llama.cpp "smollm"/"starcoder": regexes {"\p{N}", GPT-2}; HF spells it Digits(individual) + ByteLevel.
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_pre()])
+
+
+def _split_pre(pattern: str):
+    return lambda: pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+
+
+# `tokenizer.ggml.pre` -> (pre-tokenizer factory, BPE ignore_merges). Unknown values raise rather than guess.
+GGUF_PRE_TOKENIZERS = {
+    "default": (_gpt2_pre, False),
+    "gpt2": (_gpt2_pre, False),
+    "smollm": (_digits_then_gpt2_pre, False),
+    "starcoder": (_digits_then_gpt2_pre, False),
+    "refact": (_digits_then_gpt2_pre, False),
+    "codeshell": (_digits_then_gpt2_pre, False),
+    "qwen2": (_split_pre(_QWEN2_SPLIT), False),
+    "deepseek-r1-qwen": (_split_pre(_QWEN2_SPLIT), False),
+    "llama-bpe": (_split_pre(_LLAMA3_SPLIT), True),
+    "llama3": (_split_pre(_LLAMA3_SPLIT), True),
+}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the alphabet byte-level BPE vocabularies are spelled in)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in keep:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag): renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja2 `namespace` that refuses underscore-prefixed attributes (as transformers' sandbox does)."""
+
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat template namespace attribute {name!r} is not allowed")
+
+
+class _TemplateDict:
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def compile_chat_template(template: str) -> jinja2.Template:
+    """Compile a chat template in the environment transformers uses (transformers.utils.chat_template_utils).
+
+    ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True) with loop controls and the `generation` tag;
+    globals `raise_exception`, `strftime_now`, `dict`, `namespace`; a `tojson` filter without HTML escaping.
+    Raises jinja2.TemplateSyntaxError for a malformed template.
+    """
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+                       dict=_TemplateDict(), namespace=_TemplateNamespace)
+    return env.from_string(template)
+
+
+def _token_content(value: Any) -> str | None:
+    return value.get("content") if isinstance(value, Mapping) else value
+
+
+class Tokenizer:
+    """Text <-> token ids, special ids and the chat template.
+
+    Args:
+      backend: a `tokenizers.Tokenizer` (its post-processor decides what `add_special_tokens=True` adds).
+      eos_token / bos_token / pad_token / unk_token: token strings (pad defaults to EOS when absent).
+      chat_template: Jinja2 source, or None (then `apply_chat_template` raises ValueError).
+    Raises ValueError when a given special token is not in the vocabulary.
+    """
+
+    def __init__(self, backend: _Backend, *, eos_token: str, bos_token: str | None = None,
+                 pad_token: str | None = None, unk_token: str | None = None, chat_template: str | None = None):
+        self.backend = backend
+        self.special_tokens = {k: v for k, v in zip(_SPECIAL_NAMES, (bos_token, eos_token, unk_token, pad_token))
+                               if v is not None}
+        self._ids = {}
+        for name, token in self.special_tokens.items():
+            token_id = backend.token_to_id(token)
+            if token_id is None:
+                raise ValueError(f"{name} {token!r} is not in the tokenizer's vocabulary")
+            self._ids[name] = token_id
+        self.chat_template = chat_template
+        self._template = None
+        self._stop_ids = None
+
+    # ----- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """Build from GGUF key/value metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`).
+
+        Supports `tokenizer.ggml.model == "gpt2"` (byte-level BPE) with the pre-tokenizers in GGUF_PRE_TOKENIZERS
+        (llama.cpp's `tokenizer.ggml.pre`). Control tokens become special added tokens, user-defined ones plain
+        added tokens (as transformers' GGUF converter and llama.cpp do). Raises ValueError for another tokenizer
+        model or pre-tokenizer, or when tokens/merges/eos id are missing.
+        """
+        model = metadata.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"unsupported GGUF tokenizer model {model!r}; supported: 'gpt2' (byte-level BPE)")
+        pre = metadata.get("tokenizer.ggml.pre", "default")
+        if pre not in GGUF_PRE_TOKENIZERS:
+            raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: {sorted(GGUF_PRE_TOKENIZERS)}")
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.eos_token_id"):
+            if key not in metadata:
+                raise ValueError(f"GGUF tokenizer metadata lacks {key!r}")
+        tokens = list(metadata["tokenizer.ggml.tokens"])
+        types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        spelling = _bytes_to_unicode()
+        alphabet = set(spelling.values())
+        # Tokens outside the byte alphabet are llama.cpp mislabels; re-spell them byte by byte (as transformers).
+        vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i for i, t in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+        make_pre, ignore_merges = GGUF_PRE_TOKENIZERS[pre]
+        backend = _Backend(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+        backend.pre_tokenizer = make_pre()
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
+                                    if k == _CONTROL and set(t) <= alphabet])
+        backend.add_tokens([AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types)
+                            if k == _USER_DEFINED and t in vocab])
+
+        def token(key):
+            index = metadata.get(f"tokenizer.ggml.{key}")
+            return None if index is None else tokens[int(index)]
+
+        bos, eos = token("bos_token_id"), token("eos_token_id")
+        head = [bos] if metadata.get("tokenizer.ggml.add_bos_token", False) and bos is not None else []
+        tail = [eos] if metadata.get("tokenizer.ggml.add_eos_token", False) else []
+        if head or tail:
+            backend.post_processor = processors.TemplateProcessing(
+                single=[*head, "$A", *tail], pair=[*head, "$A", *tail, "$B"],
+                special_tokens=[(t, backend.token_to_id(t)) for t in {*head, *tail}])
+        return cls(backend, bos_token=bos, eos_token=eos, pad_token=token("padding_token_id"),
+                   unk_token=token("unknown_token_id"), chat_template=metadata.get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_hf_dir(cls, path: str | pathlib.Path) -> Tokenizer:
+        """Build from a Hugging Face tokenizer directory (as written by `save_pretrained`).
+
+        Reads `tokenizer.json`; special tokens from `tokenizer_config.json` then `special_tokens_map.json`; the chat
+        template from `chat_template.jinja` or `tokenizer_config.json["chat_template"]` (a string, or a list of
+        {"name", "template"} where "default" is used). Raises FileNotFoundError without `tokenizer.json`,
+        ValueError when no EOS token is declared.
+        """
+        path = pathlib.Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        backend = _Backend.from_file(str(path / "tokenizer.json"))
+        config = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):  # later files win
+            if (path / name).is_file():
+                config.update(json.loads((path / name).read_text(encoding="utf-8")))
+        template = config.get("chat_template")
+        if isinstance(template, list):
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        tokens = {name: _token_content(config.get(name)) for name in _SPECIAL_NAMES}
+        if tokens["eos_token"] is None:
+            raise ValueError(f"{path} declares no eos_token in tokenizer_config.json or special_tokens_map.json")
+        return cls(backend, chat_template=template, **tokens)
+
+    # ----- ids and properties -------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included (49152 for SmolLM2)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_id(self) -> int:
+        return self._ids["eos_token"]
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._ids.get("bos_token")
+
+    @property
+    def pad_id(self) -> int:
+        """The pad id; equals `eos_id` when the tokenizer has no pad token (or declares pad == eos)."""
+        return self._ids.get("pad_token", self.eos_id)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """EOS plus the chat template's end-of-turn token (the special token the template writes right after an
+        assistant message, e.g. `<|im_end|>`), sorted and deduplicated."""
+        if self._stop_ids is None:
+            self._stop_ids = tuple(sorted({self.eos_id, *self._end_of_turn_ids()}))
+        return self._stop_ids
+
+    def _end_of_turn_ids(self) -> list[int]:
+        if self.chat_template is None:
+            return []
+        sentinel = "posttrainSentinelReply"
+        try:
+            text = self.apply_chat_template([{"role": "user", "content": "Hi"},
+                                             {"role": "assistant", "content": sentinel}], add_generation_prompt=False)
+        except (jinja2.TemplateError, TypeError, KeyError, ValueError):  # a template that rejects this chat
+            return []
+        after = text[text.rfind(sentinel) + len(sentinel):].lstrip() if sentinel in text else ""
+        special = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+        return [i for content, i in special.items() if after.startswith(content)][:1]
+
+    # ----- text <-> ids -------------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special-token strings in `text` map to their ids. With add_special_tokens the
+        post-processor adds BOS/EOS where the tokenizer asks for them."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, ids_batch: Sequence[Sequence[int]] | np.ndarray, skip_special_tokens: bool = True
+                     ) -> list[str]:
+        return self.backend.decode_batch([[int(i) for i in ids] for ids in ids_batch],
+                                         skip_special_tokens=skip_special_tokens)
+
+    # ----- chat template ------------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
+        """Render `messages` ([{"role", "content", ...}]) with the chat template, as transformers does.
+
+        The template sees `messages` (None-valued keys dropped), `tools=None`, `documents=None`,
+        `add_generation_prompt`, the special token strings (`bos_token`, `eos_token`, ...) and `kwargs`
+        (which override them). Returns the string, or with tokenize=True its ids (no special tokens added).
+        Raises ValueError without a template or with no messages; jinja2.TemplateError from the template.
+        """
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat_template")
+        if not messages:
+            raise ValueError("cannot apply the chat template to an empty conversation")
+        if self._template is None:
+            self._template = compile_chat_template(self.chat_template)
+        chat = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
+        context = {"tools": None, "documents": None, **self.special_tokens, **kwargs}
+        text = self._template.render(messages=chat, add_generation_prompt=add_generation_prompt, **context)
+        return self.encode(text) if tokenize else text
+
+
+def completion_lengths(tokens_BxL, stop_ids: Sequence[int]) -> jnp.ndarray:
+    """Length of each completion up to AND including its first stop token; L when it has none.
+
+    Args: tokens_BxL int array of completion tokens (padding after the end); stop_ids the ids that end a turn.
+    Returns lengths_B int32. Only the first stop counts: what follows it (pad == EOS included) is outside.
+    """
+    tokens_BxL = jnp.asarray(tokens_BxL)
+    if tokens_BxL.ndim != 2:
+        raise ValueError(f"tokens_BxL must be 2-D, got shape {tokens_BxL.shape}")
+    width = tokens_BxL.shape[1]
+    is_stop_BxL = jnp.isin(tokens_BxL, jnp.asarray(list(stop_ids), dtype=tokens_BxL.dtype))
+    first_B = jnp.argmax(is_stop_BxL, axis=1)
+    return jnp.where(is_stop_BxL.any(axis=1), first_B + 1, width).astype(jnp.int32)
+
+
+def mask_from_lengths(lengths_B, width: int) -> jnp.ndarray:
+    """mask_BxL (bool): position t of row b is True iff t < lengths_B[b]. Built from positions only."""
+    lengths_B = jnp.asarray(lengths_B)
+    if lengths_B.ndim != 1:
+        raise ValueError(f"lengths_B must be 1-D, got shape {lengths_B.shape}")
+    return jnp.arange(width)[None, :] < lengths_B[:, None]
