@@ -13,6 +13,10 @@ Conventions:
     computes the same numbers from hidden states without materialising [B, T, V] logits.
   * Masked positions are sanitised with `jnp.where` before any arithmetic (invariant 4), so NaN/inf
     there (e.g. in the sampler's logprobs of padding) reach neither the loss nor its gradient.
+  * Rows may be packed (one prompt followed by its G completions): `seq_ids_BxT` (int in [0, T), any id
+    unique per completion within its row, e.g. the position of its first token) then tells which
+    sequence each token belongs to, and advantages may be given per token ([B, T]) instead of per
+    row ([B]). Without seq_ids every row is one sequence.
   * Aggregation is global (invariant 3): the caller computes `LossDenominators` once over the FULL
     batch (all microbatches, all devices); each microbatch's loss and metrics are then its share of
     the batch value, so summing them over microbatches and devices gives exactly the full-batch value.
@@ -25,13 +29,6 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-__all__ = [
-    "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "LogprobsOut", "LossConfig", "LossDenominators",
-    "Surrogate", "chunked_token_logprobs", "clipped_surrogate", "gspo", "kl_k1", "kl_k2", "kl_k3",
-    "loss_denominators", "policy_loss", "ppo", "seq_mean_token_mean", "seq_mean_token_sum_norm",
-    "token_entropy", "token_logprobs", "token_mean",
-]
 
 # |log ratio| is clamped here before exp() so a stale or broken token cannot overflow to inf
 # (verl uses the same bound); the gradient is zero beyond it.
@@ -47,20 +44,23 @@ def token_logprobs(logits_BxTxV, targets_BxT, temperature: float = 1.0):
     """
     _check_temperature(temperature)
     if jnp.shape(targets_BxT) != jnp.shape(logits_BxTxV)[:2]:
-        raise ValueError(
-            f"targets_BxT shape {jnp.shape(targets_BxT)} != logits [B, T] {jnp.shape(logits_BxTxV)[:2]}"
-        )
-    z_BxTxV = jnp.asarray(logits_BxTxV).astype(jnp.float32) / temperature
-    target_BxT = jnp.take_along_axis(z_BxTxV, targets_BxT[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return target_BxT - jax.nn.logsumexp(z_BxTxV, axis=-1)
+        raise ValueError(f"targets_BxT shape {jnp.shape(targets_BxT)} != logits {jnp.shape(logits_BxTxV)}[:2]")
+    return _logp_and_entropy(jnp.asarray(logits_BxTxV).astype(jnp.float32) / temperature, targets_BxT)[0]
 
 
 def token_entropy(logits_BxTxV, temperature: float = 1.0):
     """Entropy of softmax(logits / temperature) per position, float32 [B, T] (nats)."""
     _check_temperature(temperature)
-    z_BxTxV = jnp.asarray(logits_BxTxV).astype(jnp.float32) / temperature
-    logp_BxTxV = jax.nn.log_softmax(z_BxTxV, axis=-1)
-    return -jnp.sum(jnp.exp(logp_BxTxV) * logp_BxTxV, axis=-1)
+    return _logp_and_entropy(jnp.asarray(logits_BxTxV).astype(jnp.float32) / temperature, None, True)[1]
+
+
+def _logp_and_entropy(z_xV, targets_x, with_entropy: bool = False):
+    """(log_softmax(z)[targets] or None, entropy or None) over the last axis of float32 logits z."""
+    logp_xV = jax.nn.log_softmax(z_xV, axis=-1)
+    logp_x = None
+    if targets_x is not None:
+        logp_x = jnp.take_along_axis(logp_xV, jnp.asarray(targets_x, jnp.int32)[..., None], axis=-1)[..., 0]
+    return logp_x, -jnp.sum(jnp.exp(logp_xV) * logp_xV, axis=-1) if with_entropy else None
 
 
 class LogprobsOut(NamedTuple):
@@ -91,9 +91,7 @@ def chunked_token_logprobs(
     _check_temperature(temperature)
     (b, t, d), (d_w, v) = jnp.shape(h_BxTxD), jnp.shape(w_DxV)
     if d_w != d or jnp.shape(targets_BxT) != (b, t):
-        raise ValueError(
-            f"shape mismatch: h_BxTxD {(b, t, d)}, w_DxV {(d_w, v)}, targets_BxT {jnp.shape(targets_BxT)}"
-        )
+        raise ValueError(f"shape mismatch: h_BxTxD {(b, t, d)}, w_DxV {(d_w, v)}, targets {jnp.shape(targets_BxT)}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     n = b * t
@@ -105,19 +103,11 @@ def chunked_token_logprobs(
     @jax.checkpoint
     def one_chunk(w, h_CxD, tgt_C):
         z_CxV = jnp.dot(h_CxD, w, preferred_element_type=jnp.float32) / temperature
-        lse_C = jax.nn.logsumexp(z_CxV, axis=-1)
-        logp_C = jnp.take_along_axis(z_CxV, tgt_C[:, None], axis=-1)[:, 0] - lse_C
-        if not with_entropy:
-            return logp_C, jnp.zeros_like(logp_C)
-        logp_CxV = z_CxV - lse_C[:, None]
-        return logp_C, -jnp.sum(jnp.exp(logp_CxV) * logp_CxV, axis=-1)
+        return _logp_and_entropy(z_CxV, tgt_C, with_entropy)
 
-    def body(carry, xs):
-        return carry, one_chunk(w_DxV, *xs)
-
-    _, (logp_KxC, ent_KxC) = jax.lax.scan(body, None, (h_KxCxD, tgt_KxC))
+    _, (logp_KxC, ent_KxC) = jax.lax.scan(lambda _, xs: (None, one_chunk(w_DxV, *xs)), None, (h_KxCxD, tgt_KxC))
     unchunk = lambda x_KxC: x_KxC.reshape(k * c)[:n].reshape(b, t)
-    return LogprobsOut(unchunk(logp_KxC), unchunk(ent_KxC) if with_entropy else None)
+    return LogprobsOut(unchunk(logp_KxC), None if ent_KxC is None else unchunk(ent_KxC))
 
 
 def _check_temperature(temperature) -> None:
@@ -161,32 +151,52 @@ def _masked_inputs(mask_BxT, *arrays_BxT):
     return (mask,) + tuple(jnp.where(mask, jnp.asarray(x).astype(jnp.float32), 0.0) for x in arrays_BxT)
 
 
-def ppo(logp_BxT, logp_old_BxT, advantages_B, mask_BxT, *, eps_low: float, eps_high: float,
-        dual_clip_c: float | None = None) -> Surrogate:
+def _per_token_advantages(advantages, shape):
+    """[B] (one per row) or [B, T] (per token, packed rows) -> float32 [B, T]."""
+    adv = jnp.asarray(advantages, jnp.float32)
+    return jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, shape)
+
+
+def seq_totals(x_BxT, seq_ids_BxT=None):
+    """float32 [B, T]: at each position, the sum of x over the tokens of that position's sequence.
+
+    A sequence is a row (seq_ids_BxT None) or the tokens of a row sharing an id in [0, T).
+    """
+    x = jnp.asarray(x_BxT, jnp.float32)
+    if seq_ids_BxT is None:
+        return jnp.broadcast_to(x.sum(-1, keepdims=True), x.shape)
+    b, t = x.shape
+    flat_ids = (jnp.arange(b)[:, None] * t + jnp.clip(seq_ids_BxT, 0, t - 1)).reshape(-1)
+    return jax.ops.segment_sum(x.reshape(-1), flat_ids, num_segments=b * t)[flat_ids].reshape(b, t)
+
+
+def ppo(logp_BxT, logp_old_BxT, advantages, mask_BxT, *, eps_low: float, eps_high: float,
+        dual_clip_c: float | None = None, seq_ids_BxT=None) -> Surrogate:
     """Token-level PPO / GRPO surrogate with ratio exp(logp - logp_old) per token (see clipped_surrogate).
 
-    logp_BxT is differentiable; logp_old_BxT is treated as a constant; advantages_B is per sequence.
+    logp_BxT is differentiable; logp_old_BxT is treated as a constant; advantages is [B] or [B, T];
+    seq_ids_BxT is unused (uniform signature).
     """
+    del seq_ids_BxT
     mask, logp, old = _masked_inputs(mask_BxT, logp_BxT, _sg(logp_old_BxT))
-    adv_BxT = jnp.broadcast_to(jnp.asarray(advantages_B, jnp.float32)[:, None], mask.shape)
-    return clipped_surrogate(logp - old, adv_BxT, mask, eps_low=eps_low, eps_high=eps_high,
-                             dual_clip_c=dual_clip_c)
+    return clipped_surrogate(logp - old, _per_token_advantages(advantages, mask.shape), mask,
+                             eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c)
 
 
-def gspo(logp_BxT, logp_old_BxT, advantages_B, mask_BxT, *, eps_low: float, eps_high: float,
-         dual_clip_c: float | None = None) -> Surrogate:
+def gspo(logp_BxT, logp_old_BxT, advantages, mask_BxT, *, eps_low: float, eps_high: float,
+         dual_clip_c: float | None = None, seq_ids_BxT=None) -> Surrogate:
     """GSPO: sequence-level ratio s_i = exp(mean_t (logp - logp_old)) over the sequence's policy tokens.
 
     Source: Zheng et al. 2025, "Group Sequence Policy Optimization" (eq. 7; GSPO-token form, eq. 13):
     every token carries log s_i in value and d logp_t in gradient, so with `seq_mean_token_mean`
     aggregation the loss and gradient are exactly GSPO's. Clip ranges in the paper are ~3e-4 / 4e-4.
+    Sequences are rows, or the runs of seq_ids_BxT for packed rows.
     """
     mask, logp, old = _masked_inputs(mask_BxT, logp_BxT, _sg(logp_old_BxT))
-    seq_log_ratio_B = (logp - old).sum(-1) / jnp.maximum(mask.sum(-1), 1)
-    log_ratio_BxT = _sg(seq_log_ratio_B)[:, None] + logp - _sg(logp)
-    adv_BxT = jnp.broadcast_to(jnp.asarray(advantages_B, jnp.float32)[:, None], mask.shape)
-    return clipped_surrogate(log_ratio_BxT, adv_BxT, mask, eps_low=eps_low, eps_high=eps_high,
-                             dual_clip_c=dual_clip_c)
+    seq_log_ratio = seq_totals(logp - old, seq_ids_BxT) / jnp.maximum(seq_totals(mask, seq_ids_BxT), 1.0)
+    log_ratio_BxT = _sg(seq_log_ratio) + logp - _sg(logp)
+    return clipped_surrogate(log_ratio_BxT, _per_token_advantages(advantages, mask.shape), mask,
+                             eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c)
 
 
 POLICY_LOSSES: dict[str, Callable[..., Surrogate]] = {"ppo": ppo, "gspo": gspo}
@@ -227,40 +237,46 @@ class LossDenominators(NamedTuple):
     num_seqs: jax.Array
 
 
-def loss_denominators(loss_mask_BxT) -> LossDenominators:
-    """LossDenominators of the FULL batch's {0,1} loss mask [B, T] (under jit, sums of a global array
-    are global across devices)."""
+def _inverse_seq_lengths(mask, seq_ids_BxT):
+    """float32 [B, T]: 1 / (policy tokens of the position's sequence) on policy tokens, 0 elsewhere."""
+    return jnp.where(mask, 1.0 / jnp.maximum(seq_totals(mask, seq_ids_BxT), 1.0), 0.0)
+
+
+def loss_denominators(loss_mask_BxT, seq_ids_BxT=None) -> LossDenominators:
+    """LossDenominators of the FULL batch's {0,1} loss mask [B, T] (and seq ids for packed rows).
+
+    Under jit, sums over a global (sharded) array are global across devices.
+    """
     mask = jnp.asarray(loss_mask_BxT).astype(bool)
-    return LossDenominators(mask.sum().astype(jnp.float32), mask.any(-1).sum().astype(jnp.float32))
+    num_seqs = _inverse_seq_lengths(mask, seq_ids_BxT).sum()  # each sequence adds len / len = 1
+    return LossDenominators(mask.sum().astype(jnp.float32), jnp.round(num_seqs))
 
 
-def token_mean(x_BxT, mask_BxT, den: LossDenominators, norm_constant: float | None = None):
+def token_mean(x_BxT, mask_BxT, den: LossDenominators, norm_constant=None, seq_ids_BxT=None):
     """sum(x * mask) / den.num_tokens: every policy token in the batch weighs the same (DAPO)."""
-    del norm_constant
+    del norm_constant, seq_ids_BxT
     return jnp.where(mask_BxT, x_BxT, 0.0).sum() / jnp.maximum(den.num_tokens, 1.0)
 
 
-def seq_mean_token_mean(x_BxT, mask_BxT, den: LossDenominators, norm_constant: float | None = None):
-    """sum_i [sum_t x * mask / len_i] / den.num_seqs: each sequence weighs the same (original GRPO)."""
+def seq_mean_token_mean(x_BxT, mask_BxT, den: LossDenominators, norm_constant=None, seq_ids_BxT=None):
+    """sum_i [sum_{t in i} x_t / len_i] / den.num_seqs: each sequence weighs the same (original GRPO)."""
     del norm_constant
-    seq_sum_B = jnp.where(mask_BxT, x_BxT, 0.0).sum(-1)
-    len_B = jnp.asarray(mask_BxT).astype(bool).sum(-1)
-    return (seq_sum_B / jnp.maximum(len_B, 1)).sum() / jnp.maximum(den.num_seqs, 1.0)
+    mask = jnp.asarray(mask_BxT).astype(bool)
+    weighted = jnp.where(mask, x_BxT, 0.0) * _inverse_seq_lengths(mask, seq_ids_BxT)
+    return weighted.sum() / jnp.maximum(den.num_seqs, 1.0)
 
 
-def seq_mean_token_sum_norm(x_BxT, mask_BxT, den: LossDenominators, norm_constant: float | None = None):
+def seq_mean_token_sum_norm(x_BxT, mask_BxT, den: LossDenominators, norm_constant=None, seq_ids_BxT=None):
     """sum(x * mask) / norm_constant / den.num_seqs; norm_constant is a config constant such as the max
     response length, never a padded width (Dr. GRPO, Liu et al. 2025, eq. 3). Raises ValueError if None."""
+    del seq_ids_BxT
     if norm_constant is None:
         raise ValueError("aggregation 'seq_mean_token_sum_norm' needs norm_constant (e.g. max response len)")
     return jnp.where(mask_BxT, x_BxT, 0.0).sum() / norm_constant / jnp.maximum(den.num_seqs, 1.0)
 
 
-AGGREGATIONS: dict[str, Callable] = {
-    "token_mean": token_mean,
-    "seq_mean_token_mean": seq_mean_token_mean,
-    "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
-}
+AGGREGATIONS: dict[str, Callable] = {"token_mean": token_mean, "seq_mean_token_mean": seq_mean_token_mean,
+                                     "seq_mean_token_sum_norm": seq_mean_token_sum_norm}
 
 
 # ----------------------------------------------------------------------------- composed loss
@@ -309,17 +325,17 @@ class LossConfig:
 
 
 def policy_loss(
-    logp_BxT, logp_sample_BxT, advantages_B, loss_mask_BxT, den: LossDenominators, cfg: LossConfig, *,
-    logp_old_BxT=None, logp_ref_BxT=None, entropy_BxT=None,
+    logp_BxT, logp_sample_BxT, advantages, loss_mask_BxT, den: LossDenominators, cfg: LossConfig, *,
+    logp_old_BxT=None, logp_ref_BxT=None, entropy_BxT=None, seq_ids_BxT=None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The GRPO-family loss of one microbatch: aggregated surrogate [* TIS weight] + beta * aggregated KL.
 
     Args:
       logp_BxT: trainer logprobs of the sampled tokens (differentiable), float [B, T].
       logp_sample_BxT: the sampler's logprobs of the same tokens (constant).
-      advantages_B: float [B], one advantage per sequence.
+      advantages: float [B] (one per row) or [B, T] (per token, for packed rows).
       loss_mask_BxT: {0,1} [B, T], 1 on policy tokens only.
-      den: LossDenominators of the FULL batch (see `loss_denominators`).
+      den: LossDenominators of the FULL batch (see `loss_denominators`, same seq_ids).
       cfg: LossConfig.
       logp_old_BxT: optional trainer logprobs under the behaviour policy (constant). The ratio's
         denominator is: without TIS, logp_old_BxT if given else logp_sample_BxT; with cfg.tis_cap,
@@ -327,6 +343,7 @@ def policy_loss(
         token's loss is weighted by the constant min(exp(logp_old - logp_sample), tis_cap).
       logp_ref_BxT: reference-model logprobs (constant); required when cfg.beta > 0.
       entropy_BxT: optional per-token entropy, only logged.
+      seq_ids_BxT: optional int [B, T] sequence ids within packed rows (see the module docstring).
     Returns:
       (loss, metrics): float32 scalars, each this microbatch's share of the batch value (sum them over
       microbatches and devices). Metric keys: policy/loss, policy/clipfrac_low, policy/clipfrac_high,
@@ -339,23 +356,24 @@ def policy_loss(
         raise TypeError(f"cfg must be a losses.LossConfig, got {type(cfg).__name__}")
     shape = jnp.shape(loss_mask_BxT)
     named = {"logp_BxT": logp_BxT, "logp_sample_BxT": logp_sample_BxT, "logp_old_BxT": logp_old_BxT,
-             "logp_ref_BxT": logp_ref_BxT, "entropy_BxT": entropy_BxT}
+             "logp_ref_BxT": logp_ref_BxT, "entropy_BxT": entropy_BxT, "seq_ids_BxT": seq_ids_BxT}
     bad = {k: jnp.shape(v) for k, v in named.items() if v is not None and jnp.shape(v) != shape}
-    if len(shape) != 2 or bad or jnp.shape(advantages_B) != shape[:1]:
-        raise ValueError(f"shape mismatch: loss_mask_BxT {shape}, advantages_B {jnp.shape(advantages_B)}, "
-                         f"mismatched: {bad}")
+    if len(shape) != 2 or bad or jnp.shape(advantages) not in (shape[:1], shape):
+        raise ValueError(f"shape mismatch: loss_mask_BxT {shape}, advantages {jnp.shape(advantages)} "
+                         f"(want [B] or [B, T]), mismatched: {bad}")
     if cfg.beta > 0 and logp_ref_BxT is None:
         raise ValueError(f"LossConfig.beta={cfg.beta} > 0 needs logp_ref_BxT")
     mask, logp, sample = _masked_inputs(loss_mask_BxT, logp_BxT, _sg(logp_sample_BxT))
-    if cfg.tis_cap is None:
-        old = sample if logp_old_BxT is None else _masked_inputs(mask, _sg(logp_old_BxT))[1]
+    if logp_old_BxT is not None:
+        old = _masked_inputs(mask, _sg(logp_old_BxT))[1]
     else:
-        old = _sg(logp) if logp_old_BxT is None else _masked_inputs(mask, _sg(logp_old_BxT))[1]
-    aggregate = lambda x: AGGREGATIONS[cfg.aggregation](x, mask, den, cfg.norm_constant)
+        old = sample if cfg.tis_cap is None else _sg(logp)
+    aggregate = lambda x: AGGREGATIONS[cfg.aggregation](x, mask, den, cfg.norm_constant, seq_ids_BxT)
     mean = lambda x: token_mean(_sg(x).astype(jnp.float32), mask, den)
 
-    surrogate = POLICY_LOSSES[cfg.policy_loss](logp, old, advantages_B, mask, eps_low=cfg.eps_low,
-                                               eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c)
+    surrogate = POLICY_LOSSES[cfg.policy_loss](logp, old, advantages, mask, eps_low=cfg.eps_low,
+                                               eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
+                                               seq_ids_BxT=seq_ids_BxT)
     per_token = surrogate.loss_BxT
     metrics = {}
     if cfg.tis_cap is not None:
@@ -372,10 +390,6 @@ def policy_loss(
         metrics["policy/kl_ref"] = mean(kl_BxT)
     if entropy_BxT is not None:
         metrics["policy/entropy"] = mean(_masked_inputs(mask, entropy_BxT)[1])
-    metrics.update({
-        "policy/loss": _sg(loss),
-        "policy/clipfrac_low": mean(surrogate.clipped_low_BxT),
-        "policy/clipfrac_high": mean(surrogate.clipped_high_BxT),
-        "policy/ppo_kl": mean(old - logp),
-    })
+    metrics.update({"policy/loss": _sg(loss), "policy/clipfrac_low": mean(surrogate.clipped_low_BxT),
+                    "policy/clipfrac_high": mean(surrogate.clipped_high_BxT), "policy/ppo_kl": mean(old - logp)})
     return loss, metrics

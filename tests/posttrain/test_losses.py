@@ -151,7 +151,7 @@ def test_gspo_value_and_gradient_match_sequence_level_reference():
         out = L.gspo(lp, old, adv, mask, eps_low=eps_lo, eps_high=eps_hi)
         return L.seq_mean_token_mean(out.loss_BxT, mask, den)
 
-    value, grad = jax.value_and_grad(f)(jnp.asarray(logp))
+    value, grad = jax.jit(jax.value_and_grad(f))(jnp.asarray(logp))
     np.testing.assert_allclose(float(value), seq_loss.mean(), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-4, atol=1e-7)
 
@@ -327,6 +327,35 @@ def test_policy_loss_and_grad_do_not_depend_on_microbatching(loss_name, mode):
     np.testing.assert_allclose(float(metrics["policy/entropy"]), ent[mask].mean(), rtol=1e-5)
 
 
+def pack_pairs(x_BxT, prompt_value, prompt_len=2):
+    """Packs rows (2r, 2r+1) into row r behind a prompt: [prompt | seq 2r | seq 2r+1]."""
+    b = x_BxT.shape[0]
+    prompt = np.full((b // 2, prompt_len), prompt_value, x_BxT.dtype)
+    return np.concatenate([prompt, x_BxT[0::2], x_BxT[1::2]], axis=1)
+
+
+@pytest.mark.parametrize("loss_name,mode", [("gspo", "seq_mean_token_mean"), ("ppo", "seq_mean_token_mean"),
+                                            ("gspo", "seq_mean_token_sum_norm")])
+def test_packed_rows_give_the_same_loss_and_gradient(loss_name, mode):
+    logp, sample, ref, adv, mask = random_batch(13, b=4, t=6)
+    t = logp.shape[1]
+    cfg = L.LossConfig(policy_loss=loss_name, aggregation=mode, norm_constant=6.0, beta=0.1, eps_high=0.28)
+    seq_ids = pack_pairs(np.tile([2] * t, (4, 1)) + np.array([[0], [t]] * 2), 0)  # id = first position
+    packed = [pack_pairs(x, np.nan) for x in (logp, sample, ref)]
+    packed_adv = pack_pairs(np.broadcast_to(adv[:, None], logp.shape).astype(F32), 0.0)
+    packed_mask = pack_pairs(mask, False)
+    loss_fn = jax.jit(jax.value_and_grad(L.policy_loss, has_aux=True), static_argnums=5)
+    (loss, metrics), grad = loss_fn(logp, sample, adv, mask, L.loss_denominators(mask), cfg, logp_ref_BxT=ref)
+    den = L.loss_denominators(packed_mask, seq_ids)
+    assert float(den.num_seqs) == 4 and float(den.num_tokens) == mask.sum()
+    (p_loss, p_metrics), p_grad = loss_fn(packed[0], packed[1], packed_adv, packed_mask, den, cfg,
+                                          logp_ref_BxT=packed[2], seq_ids_BxT=seq_ids)
+    np.testing.assert_allclose(float(p_loss), float(loss), rtol=1e-5)
+    for key in metrics:
+        np.testing.assert_allclose(float(p_metrics[key]), float(metrics[key]), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(p_grad), pack_pairs(np.asarray(grad), 0.0), rtol=1e-5, atol=1e-8)
+
+
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match=r"unknown policy_loss 'grpo'; valid: \['gspo', 'ppo'\]"):
         L.LossConfig(policy_loss="grpo")
@@ -344,7 +373,7 @@ def test_bad_inputs_raise_clear_errors():
         L.policy_loss(logp, sample, adv, mask, den, L.LossConfig(beta=0.1))
     with pytest.raises(ValueError, match=r"shape mismatch.*logp_sample_BxT"):
         L.policy_loss(logp, sample[:, :3], adv, mask, den, L.LossConfig())
-    with pytest.raises(ValueError, match="advantages_B"):
+    with pytest.raises(ValueError, match=r"advantages \(2,\) \(want \[B\] or \[B, T\]\)"):
         L.policy_loss(logp, sample, adv[:2], mask, den, L.LossConfig())
     with pytest.raises(TypeError, match="LossConfig"):
         L.policy_loss(logp, sample, adv, mask, den, {"beta": 0.0})
