@@ -84,6 +84,15 @@ def _adamw(lr_schedule, b1, b2, eps, weight_decay, weight_decay_mask):
     return optax.adamw(lr_schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=weight_decay_mask)
 
 
+def _adam(lr_schedule, b1, b2, eps, weight_decay, weight_decay_mask):
+    """Adam, Kingma & Ba 2015, with coupled L2 (g += weight_decay * p before the moments, as torch.optim.Adam)."""
+    return optax.chain(
+        optax.add_decayed_weights(weight_decay, mask=weight_decay_mask),
+        optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+        optax.scale_by_learning_rate(lr_schedule),
+    )
+
+
 def _sgd(lr_schedule, b1, b2, eps, weight_decay, weight_decay_mask):
     """SGD with heavy-ball momentum b1 (0 = none) and decoupled weight decay; b2 and eps unused."""
     del b2, eps
@@ -94,7 +103,7 @@ def _sgd(lr_schedule, b1, b2, eps, weight_decay, weight_decay_mask):
     )
 
 
-OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {"adamw": _adamw, "sgd": _sgd}
+OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {"adam": _adam, "adamw": _adamw, "sgd": _sgd}
 
 
 class Optimizer(NamedTuple):
@@ -121,7 +130,7 @@ def make_optimizer(
     """Builds `clip_by_global_norm(grad_clip_norm) -> OPTIMIZERS[name]` under `make_schedule(...)`.
 
     Args:
-      name: one of OPTIMIZERS ("adamw", "sgd"; for sgd, b1 is the momentum).
+      name: one of OPTIMIZERS ("adamw", "adam" (coupled L2), "sgd" (b1 is the momentum)).
       lr: peak learning rate. weight_decay: decoupled decay coefficient (>= 0).
       b1, b2, eps: Adam moments' decay rates and denominator epsilon.
       grad_clip_norm: max global L2 norm of the (trainable) gradients; None disables clipping.

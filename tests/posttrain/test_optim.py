@@ -65,6 +65,15 @@ def test_adamw_first_step_matches_reference():
     np.testing.assert_allclose(np.asarray(new_p["w"]), want, rtol=1e-6)
 
 
+def test_adam_couples_weight_decay_into_the_gradient():
+    p = np.array([1.0, -2.0, 3.0], np.float32)
+    g = np.array([0.5, -0.1, -0.2], np.float32)
+    opt = optim.make_optimizer("adam", lr=0.01, weight_decay=0.1, schedule="constant", grad_clip_norm=None)
+    new_p, _ = run_steps(opt, {"w": jnp.asarray(p)}, {"w": jnp.asarray(g)}, 1)
+    g2 = g + 0.1 * p  # L2 enters the moments: the first step is -lr * sign(g2)
+    np.testing.assert_allclose(np.asarray(new_p["w"]), p - 0.01 * g2 / (np.abs(g2) + 1e-8), rtol=1e-6)
+
+
 @pytest.mark.parametrize("grad_norm,clip", [(10.0, 1.0), (0.5, 1.0)])
 def test_clipping_caps_the_update_norm(grad_norm, clip):
     g = {"a": jnp.array([3.0, 4.0]) / 5 * grad_norm * 0.6, "b": jnp.array([grad_norm * 0.8])}
@@ -114,7 +123,7 @@ def test_jit_update_and_lr_of_state_count():
 
 
 def test_bad_inputs_raise_clear_errors():
-    with pytest.raises(ValueError, match=r"unknown optimizer 'lion'; valid: \['adamw', 'sgd'\]"):
+    with pytest.raises(ValueError, match=r"unknown optimizer 'lion'; valid: \['adam', 'adamw', 'sgd'\]"):
         optim.make_optimizer("lion", lr=1e-3, schedule="constant")
     with pytest.raises(ValueError, match=r"unknown schedule 'step'; valid: \['constant', 'cosine', 'linear'\]"):
         optim.make_optimizer(lr=1e-3, schedule="step")
