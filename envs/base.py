@@ -91,10 +91,12 @@ def require_keys(task: Mapping[str, Any], keys: Sequence[str], env_name: str) ->
 
 
 def cap_text(text: str, max_chars: int) -> str:
-    """`text` cut to at most `max_chars` characters, with a marker saying how much was dropped."""
+    """`text` cut to its first and last `max_chars` // 2 characters (tracebacks end with the error),
+    with a marker in the middle saying how many characters were dropped."""
     if len(text) <= max_chars:
         return text
-    return text[:max_chars] + f"\n... [{len(text) - max_chars} more characters truncated]"
+    head, tail = max_chars - max_chars // 2, max_chars // 2
+    return f"{text[:head]}\n... [{len(text) - head - tail} characters truncated] ...\n{text[len(text) - tail:]}"
 
 
 class TextEnv(gymnasium.Env):

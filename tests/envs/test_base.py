@@ -67,6 +67,6 @@ def test_constructor_validation_and_helpers():
         EchoEnv(max_turns=0)
     with pytest.raises(TypeError, match="TaskSource"):
         base.QuestionAnswerEnv([{"question": "q", "answer": "1"}])
-    assert base.cap_text("abcdef", 3).startswith("abc\n... [3 more")
+    assert base.cap_text("abcdefgh", 4) == "ab\n... [4 characters truncated] ...\ngh"
     assert base.cap_text("abc", 3) == "abc"
     assert base.wrong_answer("18") == "19" and base.wrong_answer("E") == "not-E"

