@@ -60,13 +60,14 @@ class ArithmeticTasks:
       ops: operations, a non-empty subset of "+", "-", "*".
       num_test: size of the held-out test split (at most half the task space).
       seed: shuffle key of the train order (the test set does not depend on it).
+      prompt: question template with {a}, {op}, {b} (default `PROMPT`).
 
     Task dict: ``{"id": "arithmetic-<split>-<i>", "question": PROMPT text, "answer": "122",
     "operands": [59, 63], "op": "+"}``. Raises ValueError on bad arguments, IndexError on a bad index.
     """
 
     def __init__(self, split: str = "train", *, digits: int = 2, ops: Sequence[str] = ("+",),
-                 num_test: int = 200, seed: int = 0) -> None:
+                 num_test: int = 200, seed: int = 0, prompt: str = PROMPT) -> None:
         if split not in ("train", "test"):
             raise ValueError(f"ArithmeticTasks: split must be 'train' or 'test', got {split!r}")
         if not isinstance(digits, int) or digits < 1:
@@ -74,7 +75,11 @@ class ArithmeticTasks:
         ops = tuple(ops)
         if not ops or any(op not in OPS for op in ops) or len(set(ops)) != len(ops):
             raise ValueError(f"ArithmeticTasks: ops must be distinct items of {sorted(OPS)}, got {ops}")
-        self.split, self.digits, self.ops, self.seed = split, digits, ops, int(seed)
+        try:
+            prompt.format(a=1, op="+", b=2)
+        except (AttributeError, KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"ArithmeticTasks: prompt must be a template with {{a}}, {{op}}, {{b}}: {exc!r}") from None
+        self.split, self.digits, self.ops, self.seed, self.prompt = split, digits, ops, int(seed), prompt
         self.low = 10 ** (digits - 1) if digits > 1 else 0
         self.width = 10 ** digits - self.low
         self.space = self.width * self.width * len(ops)
@@ -101,7 +106,7 @@ class ArithmeticTasks:
 
     def get_task(self, index: int) -> dict:
         op, a, b = self.item(self.code_of(index))
-        return {"id": f"arithmetic-{self.split}-{index}", "question": PROMPT.format(a=a, op=op, b=b),
+        return {"id": f"arithmetic-{self.split}-{index}", "question": self.prompt.format(a=a, op=op, b=b),
                 "answer": str(OPS[op](a, b)), "operands": [a, b], "op": op}
 
 

@@ -145,7 +145,8 @@ class TerminalEnv(base.TextEnv):
       limits: `sandbox.Limits` per command (default: 5 s CPU, 10 s wall, 512 MB, 64 KiB output).
       max_output_chars: cap on the command output shown to the model (characters).
       isolation: passed to `sandbox.run`.
-    Raises ValueError on a malformed task. Call close() (or use gymnasium's) to remove the workspace.
+    Raises ValueError on a malformed task; reset() raises InfraError (a RuntimeError) when the sandbox
+    cannot set up the workspace. Tasks form one split, "test". close() removes the workspace.
     """
 
     def __init__(self, *, tasks: list[dict] | None = None, max_turns: int = 8,

@@ -50,7 +50,8 @@ class PythonToolEnv(base.QuestionAnswerEnv):
             raise ValueError(f"PythonToolEnv: max_output_chars must be an int >= 1, got {max_output_chars!r}")
         if task_source is None:
             task_source = (gsm8k.GSM8KTasks(split, path=gsm8k_path) if gsm8k_path is not None else
-                           arithmetic.ArithmeticTasks(split, digits=3, ops=("+", "-", "*")))
+                           arithmetic.ArithmeticTasks(split, digits=3, ops=("+", "-", "*"),
+                                                      prompt="What is {a} {op} {b}?"))
         self.limits = limits if limits is not None else sandbox.Limits(
             cpu_s=5.0, wall_s=10.0, memory_mb=512, max_output_bytes=1 << 16)
         self.max_output_chars = max_output_chars

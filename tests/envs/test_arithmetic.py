@@ -55,7 +55,7 @@ def test_other_ops_and_digits_and_huge_spaces():
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"split": "val"}, "split"), ({"digits": 0}, "digits"), ({"ops": ("/",)}, "ops"),
-    ({"ops": ()}, "ops"), ({"num_test": 5000}, "num_test")])
+    ({"ops": ()}, "ops"), ({"num_test": 5000}, "num_test"), ({"prompt": "What is {x}?"}, "template")])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ArithmeticTasks(**kwargs)

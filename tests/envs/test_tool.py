@@ -63,7 +63,8 @@ def test_state_does_not_persist_between_runs(env):
 
 def test_default_and_gsm8k_task_sources(tmp_path):
     default = PythonToolEnv(split="test", self_check=False)
-    assert default.task_source.split == "test" and default.reset(seed=0)[0].startswith("What is ")
+    obs = default.reset(seed=0)[0]
+    assert default.task_source.split == "test" and obs.startswith("What is ") and "just the number" not in obs
     row = {"question": "Tom has 3 boxes of 12 pens. How many pens?", "answer": "3 * 12 = 36\n#### 36"}
     (tmp_path / "train.jsonl").write_text(json.dumps(row) + "\n")
     env = PythonToolEnv(gsm8k_path=str(tmp_path), self_check=False)
