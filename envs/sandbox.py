@@ -1,0 +1,394 @@
+"""Run untrusted programs (model output) in a bubblewrap sandbox; rewards are only as good as this.
+
+    result = run("print(sum(range(10)))", limits=Limits(cpu_s=5, wall_s=10))
+    result.status, result.stdout   # ("ok", "45\\n")
+
+Isolation ("strict", the default; see `envs._sandbox_launch` for the mechanism): new user, pid,
+network, ipc, uts (and cgroup) namespaces; read-only view of the system with /root, /home, /run, /tmp
+and the project checkout hidden (the interpreter and its venv are bound back read-only); a private
+writable directory as cwd (``/tmp/work`` inside); a scrubbed environment; an unprivileged uid per
+sandbox, so RLIMIT_NPROC bounds the process count even when the caller is root; ``--die-with-parent``
+and ``--new-session``. When the sandbox's main process exits, its pid namespace and every process in
+it (daemons, ``setsid`` children) die with it.
+
+Limits: CPU seconds (RLIMIT_CPU, per process, rounded up to whole seconds), wall seconds (the whole
+tree is killed), memory (RLIMIT_DATA = memory_mb per process, plus RLIMIT_AS = 2*memory_mb + 512 MiB as a
+backstop against shared mappings; BLAS/OpenMP pinned to one thread so ``import numpy`` works),
+processes (RLIMIT_NPROC), output (stdout and stderr each capped at max_output_bytes while reading),
+file size (RLIMIT_FSIZE 128 MiB). Requests above the caller's hard limits are clamped, not errors.
+
+Every sandbox (process tree and temp dir) is tracked; all are killed and removed on normal exit
+(atexit), on SIGINT/SIGTERM (handlers chain to the previous ones) and when `run` raises. Temp dirs
+are named ``{TMP_BASE}/posttrain-sbx-<pid>-*`` and sandbox processes run as host uids
+>= `UID_BASE`; `find_leaks` lists whatever is left.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import selectors
+import signal
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from envs import _sandbox_launch as launch
+from envs import _sandbox_procs as procs
+from envs._sandbox_launch import SANDBOX_CWD, UID_BASE  # noqa: F401  (re-exported)
+from envs._sandbox_procs import DIR_PREFIX, TMP_BASE, find_leaks, kill_all  # noqa: F401  (re-exported)
+
+STATUSES = ("ok", "runtime_error", "timeout", "memory_limit", "output_limit", "infra_error")
+PYTHON: str = launch.sandbox_python()  # interpreter for Python programs inside the sandbox (has numpy)
+_LAUNCHER_ENV = {"PATH": "/usr/bin:/bin"}  # bwrap itself gets no parent variables either (its /proc/pid/environ)
+_MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Limits:
+    """Resource limits of one sandboxed run (units in the names: seconds, MiB, bytes).
+
+    Raises ValueError on non-positive values, TypeError on wrong types.
+    """
+
+    cpu_s: float = 10.0
+    wall_s: float = 20.0
+    memory_mb: int = 1024
+    max_procs: int = 64
+    max_output_bytes: int = 1 << 20
+    network: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_s", "wall_s", "memory_mb", "max_procs", "max_output_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"Limits.{name} must be a number, got {value!r}")
+            if not value > 0 or not math.isfinite(value):
+                raise ValueError(f"Limits.{name} must be positive and finite, got {value!r}")
+        for name in ("memory_mb", "max_procs", "max_output_bytes"):
+            if not isinstance(getattr(self, name), int):
+                raise TypeError(f"Limits.{name} must be an int, got {getattr(self, name)!r}")
+        if not isinstance(self.network, bool):
+            raise TypeError(f"Limits.network must be a bool, got {self.network!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SandboxResult:
+    """Outcome of one run. status is one of STATUSES; wall_s/cpu_s in seconds (cpu_s: the whole tree).
+
+    returncode is the program's exit code (128+N when killed by signal N), None when it never ran or
+    was killed by the harness. cpu_s covers the program and the children it waited for (0 if unknown). reason explains any non-ok status ("cpu", "wall", ...).
+    """
+
+    status: str
+    returncode: int | None
+    stdout: str
+    stderr: str
+    wall_s: float
+    cpu_s: float
+    reason: str = ""
+
+
+# ----------------------------------------------------------------------------- files
+def _open_dir_chain(root: str, parts: Sequence[str], uid: int, create: bool) -> int:
+    """fd of root/parts..., refusing symlinks at every step (the program may have planted some)."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for part in parts:
+            if create:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                    os.chown(part, uid, uid, dir_fd=fd, follow_symlinks=False)
+                except FileExistsError:
+                    pass
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _split_relpath(relpath: str) -> list[str]:
+    if not isinstance(relpath, str) or not relpath or os.path.isabs(relpath):
+        raise ValueError(f"sandbox file path must be a non-empty relative path, got {relpath!r}")
+    parts = [p for p in relpath.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        raise ValueError(f"sandbox file path must stay inside the working dir, got {relpath!r}")
+    return parts
+
+
+def _write_files(root: str, files: Mapping[str, str | bytes], uid: int) -> None:
+    for relpath, content in files.items():
+        *dirs, name = _split_relpath(relpath)
+        dfd = _open_dir_chain(root, dirs, uid, create=True)
+        try:
+            try:  # replace whatever the program left there (a symlink must not redirect our write)
+                if not stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
+            with os.fdopen(fd, "wb") as f:
+                f.write(content.encode() if isinstance(content, str) else content)
+            os.chown(name, uid, uid, dir_fd=dfd, follow_symlinks=False)
+        finally:
+            os.close(dfd)
+
+
+class Workspace:
+    """A private sandbox working dir that persists across several `run(..., workspace=ws)` calls.
+
+    Use as a context manager; the dir (host path: `path`) is removed on exit (and by kill_all).
+    Runs in one workspace share its sandbox uid, so they must not overlap in time (RuntimeError).
+    A host-side checker reads results with `read_bytes`/`read_text`, which refuse symlinks.
+    Verifier state (expected answers, rewards) must live outside: the program can write anything here.
+    """
+
+    def __init__(self) -> None:
+        self._path: str | None = None
+        self._uid: int | None = None
+        self._busy = threading.Lock()
+
+    def __enter__(self) -> Workspace:
+        if self._path is not None:
+            raise RuntimeError("Workspace is already open")
+        procs.install_signal_handlers()
+        self._uid = launch.SLOTS.acquire()
+        try:
+            self._path = procs.make_dir(launch.host_uid(self._uid))
+        except BaseException:
+            launch.SLOTS.release(self._uid)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the dir and free the uid (idempotent)."""
+        if self._path is not None:
+            procs.remove_dir(self._path)
+            launch.SLOTS.release(self._uid)
+            self._path = None
+
+    @property
+    def path(self) -> Path:
+        """Host path of the working dir. Raises RuntimeError when the workspace is not open."""
+        if self._path is None:
+            raise RuntimeError("Workspace is not open (use `with Workspace() as ws:`)")
+        return Path(self._path)
+
+    def read_bytes(self, relpath: str, max_bytes: int = 1 << 20) -> bytes:
+        """Up to max_bytes of a regular file. Raises FileNotFoundError, or OSError for symlinks/non-files."""
+        *dirs, name = _split_relpath(relpath)
+        dfd = _open_dir_chain(str(self.path), dirs, 0, create=False)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"workspace file {relpath!r} is not a regular file")
+            return f.read(max_bytes)
+
+    def read_text(self, relpath: str, max_bytes: int = 1 << 20) -> str:
+        """`read_bytes` decoded as UTF-8 (invalid bytes replaced)."""
+        return self.read_bytes(relpath, max_bytes).decode(errors="replace")
+
+
+# ----------------------------------------------------------------------------- run
+def run(files_or_code: str | Mapping[str, str | bytes], argv: Sequence[str] | None = None, *,
+        limits: Limits = Limits(), stdin: str | None = None, workspace: Workspace | None = None,
+        isolation: str = "strict") -> SandboxResult:
+    """Run a program in a sandbox and return its SandboxResult (never raises for program failures).
+
+    Args:
+      files_or_code: Python source (written to main.py; argv defaults to [PYTHON, "main.py"]) or a
+        mapping of relative path -> str/bytes content written into the working dir (argv required).
+      argv: the command, resolved inside the sandbox (PATH has the venv's bin, /usr/bin, /bin).
+      limits: resource limits. stdin: text fed to the program (default: empty).
+      workspace: an open Workspace to run in (files persist); default: a fresh dir removed afterwards.
+      isolation: "strict" (bubblewrap; required unless bwrap is missing) or "weak" (explicit opt-in to
+        unshare + rlimits when bwrap is missing).
+    Raises:
+      TypeError/ValueError on bad arguments; RuntimeError when bubblewrap is missing and
+      isolation="strict" (the message says what to install), or user namespaces are unavailable.
+    Infra failures (sandbox could not start, dir could not be created) return status "infra_error".
+    """
+    if isolation not in ("strict", "weak"):
+        raise ValueError(f"isolation must be 'strict' or 'weak', got {isolation!r}")
+    if not isinstance(limits, Limits):
+        raise TypeError(f"limits must be a sandbox.Limits, got {type(limits).__name__}")
+    if isinstance(files_or_code, str):
+        files, argv = {"main.py": files_or_code}, list(argv) if argv is not None else [PYTHON, "main.py"]
+    elif isinstance(files_or_code, Mapping):
+        if argv is None:
+            raise ValueError("run(files, argv): argv is required when files_or_code is a mapping")
+        files, argv = files_or_code, list(argv)
+    else:
+        raise TypeError(f"files_or_code must be str or a mapping, got {type(files_or_code).__name__}")
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise ValueError(f"argv must be a non-empty list of str, got {argv!r}")
+    for relpath, content in files.items():
+        _split_relpath(relpath)
+        if not isinstance(content, (str, bytes)):
+            raise TypeError(f"sandbox file {relpath!r}: content must be str or bytes, got {type(content).__name__}")
+    if stdin is not None and not isinstance(stdin, str):
+        raise TypeError(f"stdin must be str or None, got {type(stdin).__name__}")
+    procs.install_signal_handlers()
+    t0 = time.monotonic()
+    if workspace is not None:
+        if not workspace._busy.acquire(blocking=False):
+            raise RuntimeError("Workspace is already running a program; runs in one workspace must not overlap")
+        try:
+            return _run_in(workspace.path.as_posix(), workspace._uid, files, argv, limits, stdin, isolation, t0)
+        finally:
+            workspace._busy.release()
+    uid = launch.SLOTS.acquire()
+    try:
+        try:
+            host_dir = procs.make_dir(launch.host_uid(uid))
+        except OSError as e:
+            return _infra(f"could not create sandbox dir under {TMP_BASE}: {e}", t0)
+        try:
+            return _run_in(host_dir, uid, files, argv, limits, stdin, isolation, t0)
+        finally:
+            procs.remove_dir(host_dir)
+    finally:
+        launch.SLOTS.release(uid)
+
+
+def _infra(reason: str, t0: float, stdout: str = "", stderr: str = "") -> SandboxResult:
+    return SandboxResult(status="infra_error", returncode=None, stdout=stdout, stderr=stderr,
+                         wall_s=time.monotonic() - t0, cpu_s=0.0, reason=reason)
+
+
+def _run_in(host_dir, uid, files, argv, limits, stdin, isolation, t0) -> SandboxResult:
+    try:
+        _write_files(host_dir, files, launch.host_uid(uid))
+    except OSError as e:
+        return _infra(f"could not write program files: {e}", t0)
+    stdin_fd = None
+    if stdin:
+        stdin_fd = os.memfd_create("sandbox-stdin")
+        os.write(stdin_fd, stdin.encode())
+    try:
+        cmd, pass_fds = launch.build_argv(argv, limits, host_dir=host_dir, inner_uid=uid, stdin_fd=stdin_fd,
+                                          isolation=isolation)
+        started_r, started_w = os.pipe()
+        try:
+            proc, tree = _spawn(cmd, started_w, pass_fds)
+        except OSError as e:
+            os.close(started_r)
+            return _infra(f"could not start the sandbox ({cmd[0]}): {e}", t0)
+        finally:
+            os.close(started_w)
+    finally:
+        if stdin_fd is not None:
+            os.close(stdin_fd)
+    try:
+        out, err, status_bytes, why = _communicate(proc, tree, started_r, limits.max_output_bytes,
+                                                   t0 + limits.wall_s)
+        if why:
+            tree.kill()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        tree.wait_init_gone()  # bwrap may exit before its namespace is torn down
+    finally:
+        if proc.returncode is None:  # an exception escaped: leave nothing behind
+            tree.kill()
+            proc.wait()
+            tree.wait_init_gone()
+        killed = procs.unregister(tree)
+        tree.close(), os.close(started_r), proc.stdout.close(), proc.stderr.close()
+    rc = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+    return _classify(limits, started=status_bytes.startswith(b"x"), why=why, killed=killed, rc=rc, stdout=out,
+                     stderr=err, wall=time.monotonic() - t0, cpu=_program_cpu_s(status_bytes, usage))
+
+
+def _program_cpu_s(status: bytes, usage) -> float:
+    """CPU seconds of the program tree from sh's `times` line ("0m1.004000s 0m0.004000s"), else rusage."""
+    lines = status[1:].decode(errors="replace").split("\n")
+    try:
+        user, sys_ = (float(m) * 60 + float(s.rstrip("s")) for m, s in (t.split("m") for t in lines[1].split()))
+        return user + sys_
+    except (IndexError, ValueError):
+        return usage.ru_utime + usage.ru_stime
+
+
+def _spawn(cmd: list[str], started_w: int, pass_fds: list[int]) -> tuple[subprocess.Popen, procs.Tree]:
+    """Start the sandbox (fd 0: the "started" pipe) and register it before a signal can interrupt us."""
+    with procs.LOCK:
+        proc = subprocess.Popen(cmd, stdin=started_w, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                pass_fds=pass_fds, start_new_session=True, env=_LAUNCHER_ENV)
+        return proc, procs.register(proc.pid)
+
+
+def _classify(limits: Limits, *, started: bool, why: str, killed: bool, rc: int, stdout: bytes, stderr: bytes,
+              wall: float, cpu: float) -> SandboxResult:
+    """Map how the run ended to a status. Only the harness (never program output) yields infra_error."""
+    out, err = stdout.decode(errors="replace"), stderr.decode(errors="replace")
+
+    def result(status: str, reason: str = "", code: int | None = rc) -> SandboxResult:
+        return SandboxResult(status=status, returncode=code, stdout=out, stderr=err, wall_s=wall, cpu_s=cpu,
+                             reason=reason)
+
+    if killed:
+        return result("infra_error", "sandbox killed because the parent is shutting down", None)
+    if not started:  # sh never reached the program: bwrap/setup failed (or the harness timed out)
+        if why == "wall":
+            return result("infra_error", f"sandbox did not start within wall_s={limits.wall_s}", None)
+        return result("infra_error", f"sandbox failed to start (exit {rc}): {err.strip()[-500:]}", None)
+    if why == "output":
+        return result("output_limit", f"output exceeded max_output_bytes={limits.max_output_bytes}", None)
+    if why == "wall":
+        return result("timeout", f"wall: exceeded wall_s={limits.wall_s}", None)
+    if rc == 128 + signal.SIGXCPU or (rc == 128 + signal.SIGKILL and cpu >= math.ceil(limits.cpu_s)):
+        return result("timeout", f"cpu: exceeded cpu_s={limits.cpu_s}")
+    if rc != 0 and any(m in err[-4096:] for m in _MEMORY_MARKERS):
+        return result("memory_limit", f"memory: exceeded memory_mb={limits.memory_mb}")
+    if rc != 0:
+        return result("runtime_error", f"exit code {rc}")
+    return result("ok")
+
+
+def _communicate(proc, tree: procs.Tree, started_r: int, cap: int, deadline: float):
+    """Read stdout/stderr (each capped at `cap` bytes) until the process has exited and every pipe
+    is closed, or a limit hits. Returns (stdout, stderr, started, why), why in {"", "wall", "output"}.
+    """
+    bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    status, why = bytearray(), ""
+    with selectors.DefaultSelector() as sel:
+        for fd in (*bufs, started_r, tree.pidfd):
+            if fd != tree.pidfd:
+                os.set_blocking(fd, False)
+            sel.register(fd, selectors.EVENT_READ)
+        while sel.get_map() and not why:
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                why = "wall"
+                break
+            for key, _ in sel.select(timeout):
+                if key.fd == tree.pidfd:
+                    sel.unregister(tree.pidfd)
+                    continue
+                data = os.read(key.fd, 1 << 16)
+                if not data:
+                    sel.unregister(key.fd)
+                elif key.fd == started_r:
+                    if not status:
+                        tree.find_init()  # the program runs, so bwrap's init exists now
+                    status += data[:256]
+                else:
+                    buf = bufs[key.fd]
+                    buf += data[: cap + 1 - len(buf)]
+                    if len(buf) > cap:
+                        why = "output"
+                        del buf[cap:]
+                        break
+    return bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), bytes(status), why
