@@ -22,6 +22,7 @@ import re
 import threading
 from typing import Any
 
+MAX_SYMBOLIC_CHARS = 300  # longer answers are compared as strings only
 METHODS = ("hash", "boxed", "last_number")  # extraction rules, in priority order
 STATUSES = ("ok", "wrong", "timeout", "memory_limit", "output_limit", "runtime_error", "infra_error")
 
@@ -31,7 +32,7 @@ _HASH_RE = re.compile(r"####[ \t]*([^\n]*)")
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _INT_RE = re.compile(r"-?\d+")
 _TAG_RE = re.compile(r"<(/?)([A-Za-z][\w-]*)>")
-_UNIT_RE = re.compile(rf"^({_NUMBER})\s*(?:[A-Za-z][A-Za-z.\s]*|%|\\%)$")
+_UNIT_RE = re.compile(rf"^({_NUMBER})\s*(?:[A-Za-z][A-Za-z./\s]*|%|\\%)$")
 _FENCE_RE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.M | re.S)
 _FRAC_RE = re.compile(r"^(-?)\\[dt]?frac\{(-?\d+)\}\{(-?\d+)\}$")
 
@@ -156,11 +157,12 @@ def gold_answer(solution: str) -> str:
 
 def normalize_answer(answer: str) -> str:
     """Canonical text of an answer: math delimiters and ``$`` dropped, thousands commas removed,
-    trailing units (``42 apples``, ``5\\text{ cm}``, ``50%``) and ``.0`` removed, trailing period dropped.
+    trailing units (``42 apples``, ``5 km/h``, ``5\\text{ cm}``, ``50%``) and ``.0`` removed, trailing
+    period and markdown ``**``/backticks around the answer dropped.
 
     "$1,234.00" -> "1234"; "42 apples" -> "42"; "\\frac{1}{2}" is left as is.
     """
-    s = answer.strip()
+    s = answer.strip().strip("*`").strip()  # markdown emphasis / code: "**18**"
     for left, right in (("\\(", "\\)"), ("\\[", "\\]")):
         if s.startswith(left) and s.endswith(right):
             s = s[len(left):-len(right)]
@@ -193,12 +195,26 @@ def as_fraction(s: str) -> fractions.Fraction | None:
     return None
 
 
+def too_costly(expr: str) -> bool:
+    """Whether symbolic evaluation of `expr` could take unbounded time or memory: longer than
+    MAX_SYMBOLIC_CHARS, two or more powers (towers such as ``9^{9^{9^9}}``), an exponent of 4+ digits,
+    or a factorial of anything but a literal of at most 3 digits. math-verify's own timeout is a SIGALRM, available only on the
+    main thread, so this screen is what bounds the cost in worker threads."""
+    if len(expr) > MAX_SYMBOLIC_CHARS or expr.count("^") + expr.count("**") >= 2:
+        return True
+    if re.search(r"\^\s*\{?\s*[-+]?\d{4,}", expr):
+        return True
+    return any(not re.search(r"(?<!\d)\d{1,3}\s*$", expr[:m.start()]) for m in re.finditer(r"!(?!=)", expr))
+
+
 def _math_verify_equal(pred: str, gold: str) -> bool:
     """Symbolic equivalence through `math-verify` (signal timeouts only on the main thread)."""
     import math_verify
 
+    if too_costly(pred) or too_costly(gold):
+        return False
     on_main = threading.current_thread() is threading.main_thread()
-    timeout = 5 if on_main else None
+    timeout = 3 if on_main else None
     gold_parsed = math_verify.parse(f"${gold}$", parsing_timeout=timeout)
     pred_parsed = math_verify.parse(f"${pred}$", parsing_timeout=timeout)
     if not gold_parsed or not pred_parsed:
@@ -210,8 +226,9 @@ def answers_equivalent(pred: str, gold: str) -> bool:
     """Whether answer `pred` equals reference `gold` (both already extracted, not whole responses).
 
     Plain numbers and simple fractions compare exactly ("0.5" == "\\frac{1}{2}", "$1,234.00" == "1234");
-    other expressions go through math-verify; finally normalised strings compare ("E" == "E").
-    Never raises: a parse failure counts as not equivalent.
+    other expressions go through math-verify ("2^{10}" == "1024"), except those `too_costly` to evaluate;
+    equal normalised strings are equivalent ("E" == "E"). Never raises: a parse failure counts as not
+    equivalent.
     """
     p, g = normalize_answer(pred), normalize_answer(gold)
     if p == g:

@@ -62,7 +62,7 @@ def test_last_integer(text, expected):
 
 @pytest.mark.parametrize("raw,normal", [
     ("$1,234.00", "1234"), ("42 apples", "42"), ("5\\text{ cm}", "5"), ("50%", "50"), ("\\$18", "18"),
-    ("3.50", "3.5"), ("122.", "122"), ("\\frac{1}{2}", "\\frac{1}{2}"), ("-0.0", "0")])
+    ("3.50", "3.5"), ("**18**", "18"), ("`7`", "7"), ("5 km/h", "5"), ("122.", "122"), ("\\frac{1}{2}", "\\frac{1}{2}"), ("-0.0", "0")])
 def test_normalize_answer(raw, normal):
     assert v.normalize_answer(raw) == normal
 
@@ -151,3 +151,17 @@ def test_success_marker_is_required_when_given():
     early = v.score_unit_tests(FakeResult("ok", 0, stdout="hi\n"), marker)
     assert (early.reward, early.status) == (0.0, "wrong") and "before the tests" in early.reason
     assert v.score_unit_tests(FakeResult("ok", 0, stdout=f"{marker}\nmore"), marker).reward == 0.0
+
+
+@pytest.mark.parametrize("expr", ["9^{9^{9^{9}}}", "10^{10^{10}}", "2^{99999}", "100000!", "(10^{100000})!",
+                                  "2**2**40", "1+" * 200 + "1", "(9^{99})!", "x!"])
+def test_costly_expressions_are_refused_quickly_even_off_the_main_thread(expr):
+    import time
+
+    assert v.too_costly(expr)
+    out, start = [], time.perf_counter()
+    thread = threading.Thread(target=lambda: out.append(v.answers_equivalent(expr, "18")))
+    thread.start()
+    thread.join(timeout=10)
+    assert out == [False] and time.perf_counter() - start < 2.0
+    assert not any(v.too_costly(e) for e in ("2^{10}", "\\frac{1}{3}", "5!", "x != 3", "120"))
