@@ -12,6 +12,7 @@ import os
 import select
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 
@@ -102,7 +103,7 @@ def kill_all() -> None:
             KILLED.add(pid)
             tree.kill()
         for d in list(DIRS):
-            shutil.rmtree(d, ignore_errors=True)
+            remove_tree(d)
             DIRS.discard(d)
 
 
@@ -151,7 +152,7 @@ def _sweep_stale_dirs() -> None:
         if name.startswith(DIR_PREFIX):
             pid = name[len(DIR_PREFIX):].split("-")[0]
             if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-                shutil.rmtree(os.path.join(TMP_BASE, name), ignore_errors=True)
+                remove_tree(os.path.join(TMP_BASE, name))
 
 
 def make_dir(owner_uid: int) -> str:
@@ -171,8 +172,21 @@ def make_dir(owner_uid: int) -> str:
     return path
 
 
+def remove_tree(path: str) -> None:
+    """Delete a sandbox dir whatever the program left in it (never raises). shutil.rmtree recurses in
+    Python, so a program that nests thousands of dirs would make it raise RecursionError; coreutils
+    `rm` does not recurse on the stack."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except (OSError, RecursionError):
+        subprocess.run(["rm", "-rf", "--one-file-system", "--", path], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=False)
+
+
 def remove_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tree(path)
     with LOCK:
         DIRS.discard(path)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -39,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any, NamedTuple
 
-from envs._sandbox_procs import DIR_PREFIX, TMP_BASE
+from envs._sandbox_procs import DIR_PREFIX, TMP_BASE, remove_tree
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,7 +151,7 @@ class ProcessWorkers:
             proc.kill()
             proc.wait()
             for d in glob.glob(os.path.join(TMP_BASE, f"{DIR_PREFIX}{proc.pid}-*")):  # its sandboxes' dirs
-                shutil.rmtree(d, ignore_errors=True)
+                remove_tree(d)
         if conn is not None:
             conn.close()
         self._procs[w] = self._conns[w] = None

@@ -2,6 +2,7 @@
 import json
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -181,6 +182,50 @@ def test_infra_errors_come_from_the_harness_only(monkeypatch, tmp_path):
     monkeypatch.setenv("POSTTRAIN_BWRAP", str(fake))
     r = run("print(1)", limits=FAST)
     assert (r.status, r.returncode) == ("infra_error", None) and "uid map" in r.reason
+    monkeypatch.delenv("POSTTRAIN_BWRAP")
+    monkeypatch.setattr(procs, "TMP_BASE", str(tmp_path / "missing"))
+    r = run("print(1)", limits=FAST)
+    assert r.status == "infra_error" and "could not create sandbox dir" in r.reason
+
+
+PARENT = """
+import os, signal, sys, time
+from envs import _sandbox_procs as procs, sandbox
+ws = sandbox.Workspace().__enter__()  # never closed by this script
+if sys.argv[1] == "exit":
+    print(ws.path, flush=True)
+    sys.stdin.readline()
+    sys.exit(0)
+import threading
+threading.Thread(target=sandbox.run, args=("import time; time.sleep(60)",), daemon=True).start()
+while not procs.LIVE:
+    time.sleep(0.01)
+time.sleep(0.3)
+print(ws.path, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "SIGTERM", "SIGINT"])
+def test_parent_exit_or_signal_removes_its_sandboxes(how):
+    import psutil
+
+    child = subprocess.Popen([sys.executable, "-c", PARENT, how], cwd=PROJECT_FILE.parent, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workspace = Path(child.stdout.readline().strip())
+    assert workspace.is_dir(), child.stderr.read()
+    tree = psutil.Process(child.pid).children(recursive=True)
+    if how == "exit":
+        child.stdin.write("\n")
+        child.stdin.flush()
+    else:
+        assert any(p.name() == "bwrap" for p in tree) and any(p.uids().real >= sandbox.UID_BASE for p in tree)
+        child.send_signal(getattr(signal, how))
+    child.wait(timeout=20)
+    time.sleep(0.2)
+    assert not workspace.exists() and list(Path(sandbox.TMP_BASE).glob(f"{sandbox.DIR_PREFIX}{child.pid}-*")) == []
+    assert [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+    child.stdin.close(), child.stdout.close(), child.stderr.close()
 
 
 def test_fake_reward_file_and_symlinks_cannot_forge_the_checkers_verdict(tmp_path):
@@ -202,6 +247,16 @@ def test_fake_reward_file_and_symlinks_cannot_forge_the_checkers_verdict(tmp_pat
         assert json.loads(ws.read_text("reward.json")) == {"reward": 1.0} and checker(ws) == 0.0
         run({"answer.txt": "42\n"}, ["true"], limits=FAST, workspace=ws)  # host write replaces the link
         assert checker(ws) == 1.0 and (tmp_path / "expected.txt").read_text() == expected
+
+
+def test_hostile_workspace_contents_are_still_removed():
+    code = ("import os\nos.makedirs('locked/inner')\nopen('locked/inner/f', 'w').close()\nos.chmod('locked/inner', 0)\n"
+            "os.chmod('locked', 0)\nfor _ in range(1500):  # deeper than Python's recursion limit\n"
+            "    os.mkdir('d')\n    os.chdir('d')\nprint('built')")
+    with sandbox.Workspace() as ws:
+        assert (run(code, limits=FAST, workspace=ws).stdout, (ws.path / "locked").exists()) == ("built\n", True)
+        path = ws.path
+    assert not path.exists()
 
 
 def test_workspace_persists_across_runs_and_is_removed():
