@@ -7,8 +7,9 @@ backend) or inside a Ray actor (ray backend).
 
 Protocol (process backend; pickled over a socketpair with multiprocessing.connection):
   worker -> pool: ("ready", {"pid": int, "jax_imported": bool}) once, after importing MODULEs;
-  pool -> worker: (op, items) with op "reset" (items: (episode, env_id, env_kwargs, task, seed)) or
-                  "step" (items: (episode, action)), or ("close", None);
+  pool -> worker: (op, items) with op "reset" (items: (episode, env_id, env_kwargs, task, seed); all
+                  earlier episodes are released first), "release" (no items: release all), or "step"
+                  (items: (episode, action)), or ("close", None);
   worker -> pool: ("result", episode, kind, payload) per item, in order; kind "ok" (payload: the
                   reset or step tuple) or "error" (payload: the reason, a traceback summary).
 """
@@ -69,6 +70,11 @@ class EnvHost:
             key, env = self._live.pop(episode)
             self._free[key].append(env)
 
+    def release_all(self) -> None:
+        """Release every episode (a new reset batch replaces all earlier episodes)."""
+        for episode in list(self._live):
+            self.release(episode)
+
     def close(self) -> None:
         for env in [e for _, e in self._live.values()] + [e for es in self._free.values() for e in es]:
             try:
@@ -105,6 +111,8 @@ def main(argv: list[str]) -> None:
                 break
             if op == "close":
                 break
+            if op in ("reset", "release"):
+                host.release_all()
             for item in items:
                 kind, payload = host.handle(op, item)
                 try:

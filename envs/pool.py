@@ -314,6 +314,8 @@ class EnvPool:
                 self._workers[w].pending = deque(item[0] for item in mine)
                 self._arm(w, timeout_s)
                 self._backend.send(w, op, mine)
+            elif op == "reset":  # let an idle worker drop its envs from the previous batch
+                self._backend.send(w, "release", [])
         while any(wk.pending for wk in self._workers):
             now = time.monotonic()
             for w, wk in enumerate(self._workers):

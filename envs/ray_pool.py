@@ -42,6 +42,9 @@ class EnvActor:
     def handle(self, op: str, item: tuple) -> tuple[str, Any]:
         return self._host.handle(op, item)
 
+    def release_all(self) -> None:
+        self._host.release_all()
+
 
 class RayWorkers:
     """Same interface as `envs.pool.ProcessWorkers`: start/send/poll/kill/pids/close."""
@@ -62,6 +65,8 @@ class RayWorkers:
         self._refs[self._actors[w].ready.remote()] = (w, "ready")
 
     def send(self, w: int, op: str, items: list) -> None:
+        if op in ("reset", "release"):  # calls on one actor run in order: this one comes first
+            self._actors[w].release_all.remote()
         for item in items:
             self._refs[self._actors[w].handle.remote(op, item)] = (w, item[0])
 

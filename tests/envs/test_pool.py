@@ -115,6 +115,22 @@ def test_waiting_episodes_of_a_dead_worker_and_failed_resets_report_at_their_nex
     assert pool.active == [1, 2, 3, 5, 6, 7]
 
 
+def test_env_host_reuses_envs_and_a_reset_releases_the_previous_batch():
+    import pool_test_envs  # noqa: F401  (registers Echo-v0 here too)
+    from envs._pool_worker import EnvHost
+
+    host = EnvHost()
+    for ep in range(4):
+        assert host.handle("reset", (ep, ECHO, {}, None, ep))[0] == "ok"
+    envs = {id(env) for _, env in host._live.values()}
+    host.release_all()
+    assert host.handle("reset", (0, ECHO, {}, None, 0))[0] == "ok"
+    assert len(host._live) == 1 and id(host._live[0][1]) in envs and sum(map(len, host._free.values())) == 3
+    kind, reason = host.handle("step", (5, "a"))
+    assert kind == "error" and "episode 5 is not active" in reason
+    host.close()
+
+
 def test_deterministic_seeds_give_identical_results_across_pools():
     specs = echo(10, turns=2, seed0=100)
     runs = []
