@@ -182,6 +182,8 @@ class EnvPool:
         (default: step_timeout_s). startup_timeout_s: seconds a (re)started worker may take to import.
       backend: "process" or "ray". imports: modules each worker imports first (registrations).
       ray_actor_options: options for the Ray actors (default {"num_cpus": 0}).
+    Not thread-safe: one caller drives a pool. Worker processes exit when the pool closes or its
+    process dies (an orphaned worker checks every 0.5 s, even inside a hung env step).
     Raises ValueError/TypeError on bad arguments; ImportError for backend="ray" without ray.
     """
 
@@ -357,8 +359,7 @@ class EnvPool:
         for ep in wk.pending:
             out[ep] = ("error", reason if ep == first else lost_reason)
         for ep, (kind, payload) in list(out.items()):  # done earlier this call, but the env state is gone
-            finished = len(payload) == 5 and (payload[2] or payload[3])  # a terminal step result
-            if ep % self.num_workers == w and kind == "ok" and not finished:
+            if ep % self.num_workers == w and kind == "ok" and not (len(payload) == 5 and (payload[2] or payload[3])):
                 out[ep] = ("error", lost_reason)
         for ep in self._active:
             if ep % self.num_workers == w and ep not in out and ep not in self._lost:
