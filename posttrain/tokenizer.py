@@ -256,6 +256,24 @@ class Tokenizer:
             raise ValueError(f"{path} declares no eos_token in tokenizer_config.json or special_tokens_map.json")
         return cls(backend, chat_template=template, **tokens)
 
+    @classmethod
+    def byte_level(cls) -> Tokenizer:
+        """A 259-id byte tokenizer with a ChatML template, for tiny random models in tests and smoke runs.
+
+        Ids 0-255 are the bytes (GPT-2 byte-to-unicode spelling), 256 `<|endoftext|>`, 257 `<|im_start|>`,
+        258 `<|im_end|>` (EOS and end-of-turn).
+        """
+        spelling = _bytes_to_unicode()
+        vocab = {spelling[b]: b for b in range(256)}
+        backend = _Backend(models.BPE(vocab=vocab, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                    for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+        template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        return cls(backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=template)
+
     # ----- ids and properties -------------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:

