@@ -1,0 +1,43 @@
+"""Every configs/*.py loads into a valid frozen Config; bad keys and values raise one clear error."""
+import dataclasses
+import importlib.util
+import pathlib
+
+import pytest
+
+from posttrain.config import Config, ConfigError, from_config_dict
+
+CONFIGS = sorted(pathlib.Path(__file__).resolve().parents[2].joinpath("configs").glob("*.py"))
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_every_config_file_loads(path):
+    cfg = from_config_dict(load(path))
+    assert isinstance(cfg, Config) and cfg.env.train
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.rl.group_size = 3
+
+
+def test_config_files_exist():
+    assert {"quickstart", "gsm8k", "humaneval", "tool", "tiny", "moe_tiny"} <= {p.stem for p in CONFIGS}
+
+
+@pytest.mark.parametrize("section,key,value,match", [
+    ("rl", "bogus", 1, r"unknown config key\(s\) \['rl.bogus'\]"),
+    ("rl", "advantage", "ppo2", r"rl.advantage='ppo2'; expected one of"),
+    ("rl", "group_size", 0, r"rl.group_size must be >= 1"),
+    ("optim", "lr", "fast", r"optim.lr: expected float"),
+    ("env", "train", {}, r"env.train is empty"),
+])
+def test_bad_values_raise_one_clear_error(section, key, value, match):
+    raw = load(pathlib.Path(CONFIGS[0]).with_name("quickstart.py")).to_dict()
+    raw[section][key] = value  # a plain dict: ml_collections' own type checks would catch some earlier
+    with pytest.raises(ConfigError, match=match):
+        from_config_dict(raw)
