@@ -1,0 +1,154 @@
+"""Sampler: recorded logprobs equal teacher-forced `log_softmax(logits / T)` (DESIGN invariant 1), top-k/top-p
+restrict the drawn tokens only, G samples share one prefill, and lengths/masks are built by position.
+
+Tiny presets (dense GQA, Qwen3 q/k-norm, MoE, MLA + MoE) get random weights with a large std so their
+distributions are far from uniform; one case runs SmolLM2 (the default GGUF).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain.model.presets import get_preset
+from posttrain.model.transformer import Transformer
+from posttrain.sampler import SamplingParams, filter_logits, pad_prompts, sample
+from posttrain.tokenizer import completion_lengths, mask_from_lengths
+
+STOPS = (1, 2, 3)  # tiny models: several stop ids so that some samples stop early
+PAD = 2            # pad == a stop id (EOS): masks must come from positions, not values
+
+
+def _random_model(preset, seed=0, std=0.2):
+    """(cfg, graphdef, state) of a preset with random weights: norms ~ 1 + 0.2 N(0,1), DeepSeek's selection bias
+    ~ 0.3 N(0,1), every other weight std * N(0,1). Drawn with numpy into the abstract state (fast: no init
+    compile), so logits, routing and rotary terms are far from zero."""
+    cfg = get_preset(preset)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+
+    def one(path, v):
+        name = jax.tree_util.keystr(path)
+        noise = rng.standard_normal(v.shape).astype(np.float32)
+        new = 1.0 + 0.2 * noise if "norm" in name else 0.3 * noise if "score_bias" in name else std * noise
+        return v.replace(jnp.asarray(new, v.dtype))
+
+    state = jax.tree_util.tree_map_with_path(one, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return cfg, graphdef, state
+
+
+def _prompts(vocab, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, vocab, n).tolist() for n in lengths]
+
+
+def _teacher_forced(graphdef, state, prompts, out, group, temperature):
+    """Per generated token: log_softmax(logits / T) from one forward over prompt + completion, the full
+    [N, Lg, V] scaled logits, and the valid mask [N, Lg]."""
+    tokens, lengths = np.asarray(out.tokens_NxLg), np.asarray(out.lengths_N)
+    N, Lg = tokens.shape
+    rows = [prompts[n // group] + tokens[n, :lengths[n]].tolist() for n in range(N)]
+    width = max(map(len, rows))
+    seq = np.zeros((N, width), np.int32)
+    seg = np.zeros((N, width), np.int32)
+    for n, r in enumerate(rows):
+        seq[n, :len(r)], seg[n, :len(r)] = r, 1
+    logits = np.asarray(jax.jit(lambda s, x, sg: nnx.merge(graphdef, s)(x, None, sg)[0])(state, seq, seg))
+    T = temperature if temperature > 0 else 1.0
+    scaled = np.zeros((N, Lg, logits.shape[-1]), np.float32)
+    for n in range(N):
+        lp = len(prompts[n // group])
+        scaled[n, :lengths[n]] = logits[n, lp - 1: lp - 1 + lengths[n]] / T
+    logp_all = np.asarray(jax.nn.log_softmax(jnp.asarray(scaled), axis=-1))
+    logp = np.take_along_axis(logp_all, tokens[..., None], -1)[..., 0]
+    valid = np.arange(Lg)[None, :] < lengths[:, None]
+    return logp, scaled, valid
+
+
+def _check_against_teacher(graphdef, state, prompts, params, group, stops, pad, key=0):
+    tokens, lengths = pad_prompts(prompts, pad, bucket=8)
+    out = sample(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(key),
+                 group_size=group, params=params, stop_ids=stops, pad_id=pad)
+    logp_tf, scaled, valid = _teacher_forced(graphdef, state, prompts, out, group, params.temperature)
+    logp = np.asarray(out.logp_NxLg)
+    diff = np.abs(logp - logp_tf)[valid]
+    assert diff.mean() <= 1e-4 and diff.max() <= 1e-3, (diff.mean(), diff.max())
+    toks, lens = np.asarray(out.tokens_NxLg), np.asarray(out.lengths_N)
+    assert (logp[~valid] == 0).all() and (toks[~valid] == pad).all()
+    assert (logp[valid] < 0).all() or params.temperature == 0
+    # lengths/truncation by position: first stop token inclusive, else Lg; pad == stop does not confuse it
+    np.testing.assert_array_equal(np.asarray(completion_lengths(toks, stops)), lens)
+    np.testing.assert_array_equal(np.asarray(mask_from_lengths(lens, toks.shape[1])), valid)
+    has_stop = np.isin(toks, stops).any(1)
+    np.testing.assert_array_equal(np.asarray(out.truncated_N), ~has_stop)
+    return out, scaled, valid
+
+
+CASES = {  # id -> (preset, temperature, top_k, top_p, group)
+    "dense-T1-G4": ("tiny-dense", 1.0, 0, 1.0, 4),
+    "qwen3-T0.6-topk": ("tiny-qwen3", 0.6, 10, 1.0, 3),
+    "moe-T0.6-topk-topp-G3": ("tiny-moe", 0.6, 20, 0.9, 3),
+    "moe-T1-G1": ("tiny-moe", 1.0, 0, 1.0, 1),
+    "mla-T1-topp-G2": ("tiny-deepseek", 1.0, 0, 0.8, 2),
+    "mla-T0.6-G4": ("tiny-deepseek", 0.6, 0, 1.0, 4),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logprobs_equal_teacher_forced_tiny(case):
+    preset, T, top_k, top_p, G = CASES[case]
+    cfg, graphdef, state = _random_model(preset)
+    prompts = _prompts(cfg.vocab_size, [5, 11, 8])
+    params = SamplingParams(max_new_tokens=20, temperature=T, top_k=top_k, top_p=top_p)
+    out, scaled, valid = _check_against_teacher(graphdef, state, prompts, params, G, STOPS, PAD)
+    lens = np.asarray(out.lengths_N)
+    assert lens.min() < 20 and lens.max() == 20, f"want stopped and truncated samples, lengths {lens}"
+    toks = np.asarray(out.tokens_NxLg)
+    if G > 1:  # samples of one group share the prompt but are drawn independently
+        groups = toks.reshape(-1, G, toks.shape[1])
+        assert all(len({tuple(r) for r in g}) > 1 for g in groups)
+    if top_k or top_p < 1:  # every drawn token lies inside the filtered set of its step
+        kept = np.isfinite(np.asarray(filter_logits(jnp.asarray(scaled[valid]), top_k, top_p)))
+        assert np.take_along_axis(kept, toks[valid][:, None], -1).all()
+        assert (kept.sum(-1) < cfg.vocab_size).all()
+
+
+def test_greedy_logprobs_use_temperature_one_and_groups_agree():
+    cfg, graphdef, state = _random_model("tiny-moe", seed=3)
+    prompts = _prompts(cfg.vocab_size, [7, 4], seed=1)
+    out, scaled, valid = _check_against_teacher(graphdef, state, prompts, SamplingParams(max_new_tokens=12,
+                                                temperature=0.0), 3, STOPS, PAD)
+    toks = np.asarray(out.tokens_NxLg)
+    assert (toks.reshape(2, 3, -1) == toks.reshape(2, 3, -1)[:, :1]).all()  # greedy: G identical samples
+    np.testing.assert_array_equal(toks[valid], scaled[valid].argmax(-1))
+
+
+def test_group_sampling_is_reproducible_and_key_dependent():
+    cfg, graphdef, state = _random_model("tiny-dense")
+    tokens, lengths = pad_prompts(_prompts(cfg.vocab_size, [6, 9]), PAD)
+    run = lambda k: np.asarray(sample(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(k),
+                                      group_size=4, params=SamplingParams(max_new_tokens=10), stop_ids=STOPS,
+                                      pad_id=PAD).tokens_NxLg)
+    np.testing.assert_array_equal(run(0), run(0))
+    assert (run(0) != run(1)).any()
+
+
+def test_smollm2_logprobs_equal_teacher_forced():
+    from posttrain.checkpoints import load_pretrained
+
+    pre = load_pretrained()
+    tok = pre.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True)
+               for q in ("Tell me a short joke.", "What is 7 times 8?")]
+    params = SamplingParams(max_new_tokens=16, temperature=0.6, top_k=50, top_p=0.95)
+    out, _, _ = _check_against_teacher(pre.graphdef, pre.state, prompts, params, 2, tok.stop_ids, tok.pad_id)
+    assert np.asarray(out.lengths_N).min() >= 1
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(max_new_tokens=4, top_p=0.0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        pad_prompts([[1, 2], []], 0)
