@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, Mapping
 
-from posttrain.model.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig  # noqa: F401 (re-exports)
+from posttrain.model.config import LoRAConfig, MLAConfig, ModelConfig, MoEConfig, RopeConfig  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,15 +93,6 @@ class OptimConfig:
     warmup_steps: int = 0
     schedule: str = "constant"
     min_lr_ratio: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LoRAConfig:
-    """Low-rank adapters (Hu et al. 2021) on the listed projections; rank 0 = full fine-tuning."""
-
-    rank: int = 0
-    alpha: float = 16.0
-    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,63 +1,32 @@
-"""Low-rank adapters (LoRA, Hu et al. 2021, arXiv:2106.09685) over the stacked decoder parameters.
+"""LoRA helpers over flat parameter dicts: merge adapters into their base weights, count adapter parameters.
 
-W_eff = W + (alpha / r) * A @ B for each targeted projection, with W viewed as a matrix [in, out]:
-the einsum-shaped kernels are flattened as (leading `layers` axis kept) [L, in..., out...] -> [L, in, out].
-A [L, in, r] is Gaussian, B [L, r, out] is zero, so at step 0 the adapted model *is* the base model; the
-frozen base then doubles as the reference model for the KL term (no second copy of the weights).
+The adapters themselves live in the model (`posttrain.model.layers.add_adapters` / `project`): y = x W +
+(alpha / r) (x A) B, so training computes no gradient for the frozen base W. `merge_adapters` folds them back
+(W + (alpha / r) A @ B, reshaped to W's einsum shape) for export or for a plain, adapter-free model.
 """
 from __future__ import annotations
 
-import math
+from typing import Mapping
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
-
-# number of leading "input" dims (after the layers axis) of each targeted kernel
-IN_DIMS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1, "down_proj": 1,
-           "q_a_proj": 1, "q_b_proj": 1, "kv_a_proj": 1}
+import numpy as np
 
 
-def _targets(params, targets):
-    """[(path, Param)] of stacked kernels named in `targets`; routed-expert tensors [L, E, ...] are excluded."""
-    out = []
-    for path, v in nnx.to_flat_state(params):
-        name = path[-1]
-        routed_expert = path[0] == "moe_layers" and path[1:2] == ("ffn",) and len(path) == 3
-        if name in targets and name in IN_DIMS and path[0].endswith("_layers") and not routed_expert:
-            out.append((path, v))
+def merge_adapters(arrays: Mapping[tuple, np.ndarray], scale: float) -> dict:
+    """{path: array} with every `<name>_lora_a` / `<name>_lora_b` pair folded into `<name>` and removed.
+
+    scale: alpha / rank of the adapters. Stacked layers ([L, ...] leading axis) are handled per layer.
+    Raises ValueError when an adapter has no matching base weight.
+    """
+    out = {k: v for k, v in arrays.items() if not k[-1].endswith(("_lora_a", "_lora_b"))}
+    for path, a in arrays.items():
+        if not path[-1].endswith("_lora_a"):
+            continue
+        name = path[-1][: -len("_lora_a")]
+        base_path = path[:-1] + (name,)
+        b = arrays[path[:-1] + (f"{name}_lora_b",)]
+        if base_path not in out:
+            raise ValueError(f"adapter {'/'.join(map(str, path))} has no base weight {name}")
+        w = out[base_path]
+        delta = np.einsum("...ir,...ro->...io", a.astype(np.float32), b.astype(np.float32)) * scale
+        out[base_path] = (w.astype(np.float32) + delta.reshape(w.shape)).astype(w.dtype)
     return out
-
-
-def init_lora(params, *, rank: int, targets, key) -> nnx.State:
-    """Adapter state {path + ('lora_a'|'lora_b'): Param}. Raises ValueError when no parameter matches."""
-    found = _targets(params, tuple(targets))
-    if not found:
-        raise ValueError(f"LoRA targets {tuple(targets)} match no stacked projection; known: {sorted(IN_DIMS)}")
-    leaves = []
-    for i, (path, v) in enumerate(found):
-        shape = v.shape
-        k = IN_DIMS[path[-1]]
-        d_in, d_out = math.prod(shape[1:1 + k]), math.prod(shape[1 + k:])
-        a = jax.random.normal(jax.random.fold_in(key, i), (shape[0], d_in, rank), jnp.float32) * d_in ** -0.5
-        leaves.append((path + ("lora_a",), nnx.Param(a, logical_axes=("layers", None, "lora_rank"))))
-        leaves.append((path + ("lora_b",), nnx.Param(jnp.zeros((shape[0], rank, d_out), jnp.float32),
-                                                     logical_axes=("layers", "lora_rank", None))))
-    return nnx.from_flat_state(leaves)
-
-
-def apply_lora(base, lora, *, rank: int, alpha: float):
-    """Returns `base` with every adapted kernel replaced by W + (alpha / rank) * A @ B (differentiable in lora)."""
-    scale = alpha / rank
-    adapters = {}
-    for path, v in nnx.to_flat_state(lora):
-        adapters.setdefault(path[:-1], {})[path[-1]] = v.get_value()
-    leaves = []
-    for path, v in nnx.to_flat_state(base):
-        w = v.get_value()
-        if path in adapters:
-            a, b = adapters[path]["lora_a"], adapters[path]["lora_b"]
-            delta = jnp.einsum("lir,lro->lio", a, b).reshape(w.shape)
-            w = (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
-        leaves.append((path, v.replace(w)))
-    return nnx.from_flat_state(leaves)

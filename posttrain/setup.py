@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain import losses as losses_lib
-from posttrain import lora as lora_lib
 from posttrain import mesh as mesh_lib
 from posttrain import optim, train_step as ts
 from posttrain.config import Config, to_dict
@@ -43,7 +42,7 @@ class Run:
     row_multiple: int
 
     def policy_state(self):
-        """(params, rest) of the current policy for the sampler (LoRA adapters merged in)."""
+        """The current policy's nnx states for the sampler (adapters, base, rest under LoRA)."""
         return _policy_state(self.state.params, self.state.frozen, self.step_opts)
 
     def put_batch(self, batch: RolloutBatch) -> RolloutBatch:
@@ -57,13 +56,8 @@ class Run:
             self.runner.close()
 
 
-_apply_lora = jax.jit(lora_lib.apply_lora, static_argnames=("rank", "alpha"))
-
-
 def _policy_state(params, frozen, opts: ts.StepOptions):
-    if opts.lora_rank:
-        return _apply_lora(frozen["base"], params, rank=opts.lora_rank, alpha=opts.lora_alpha), frozen["other"]
-    return params, frozen["other"]
+    return ts.model_states(params, frozen)
 
 
 def batch_shardings(mesh, batch: RolloutBatch) -> RolloutBatch:
@@ -79,15 +73,18 @@ def load_policy(cfg: Config, mesh):
     from posttrain.tokenizer import Tokenizer
 
     m = cfg.model
+    lora = cfg.lora if cfg.lora.rank else None
     if m.preset:
-        mcfg = get_preset(m.preset, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, **dict(m.overrides))
+        mcfg = get_preset(m.preset, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, lora=lora,
+                          **dict(m.overrides))
         tokenizer = Tokenizer.byte_level()
         if mcfg.vocab_size < tokenizer.vocab_size:
             raise ValueError(f"preset {m.preset!r} has vocab_size {mcfg.vocab_size} < {tokenizer.vocab_size} ids of "
                              "the byte tokenizer; set model.overrides.vocab_size")
         graphdef, state = create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.train.seed)), mesh)
         return mcfg, graphdef, state, tokenizer
-    pre = load_pretrained(m.path or None, mesh=mesh, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+    pre = load_pretrained(m.path or None, mesh=mesh, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
+                          lora=lora)
     if pre.tokenizer is None:
         raise ValueError(f"{m.path}: no tokenizer found next to the weights (tokenizer.json)")
     return pre.config, pre.graphdef, pre.state, pre.tokenizer
@@ -125,7 +122,7 @@ def step_options(cfg: Config, mcfg) -> ts.StepOptions:
     return ts.StepOptions(loss=loss, temperature=cfg.sampling.temperature or 1.0, num_microbatches=rl.num_microbatches,
                           moe_aux_coef=aux, moe_z_coef=moe.z_loss_coef if moe else 0.0,
                           bias_update_rate=moe.bias_update_rate if moe and moe.score_bias else 0.0,
-                          lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha)
+                          lora_rank=cfg.lora.rank)
 
 
 def build(cfg: Config, workdir: str | None = None) -> Run:
@@ -144,7 +141,7 @@ def build(cfg: Config, workdir: str | None = None) -> Run:
                                total_steps=cfg.train.steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
     with jax.set_mesh(mesh):
         graphdef, state = ts.create_train_state(graphdef, model_state, opt.tx, jax.random.key(cfg.train.seed), opts,
-                                                lora_targets=cfg.lora.targets, need_reference=cfg.rl.beta > 0)
+                                                need_reference=cfg.rl.beta > 0)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     step_fn = ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts)
     jitted = jax.jit(step_fn, donate_argnums=(0,), out_shardings=(state_sh, None))

@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 
 from posttrain import losses as losses_lib
-from posttrain import lora as lora_lib
+from posttrain.model.layers import LoRAParam
 from posttrain.partitioning import with_logical_constraint
 from posttrain.types import RolloutBatch, TrainState
 
@@ -32,16 +32,17 @@ class StepOptions(NamedTuple):
     moe_z_coef: float = 0.0
     bias_update_rate: float = 0.0
     lora_rank: int = 0
-    lora_alpha: float = 16.0
     logprob_chunk: int = 1024
 
 
-def merge_model(graphdef, params, frozen, opts: StepOptions):
-    """The policy module from trainable params + frozen state (LoRA adapters applied onto the frozen base)."""
-    if opts.lora_rank:
-        base = lora_lib.apply_lora(frozen["base"], params, rank=opts.lora_rank, alpha=opts.lora_alpha)
-        return nnx.merge(graphdef, base, frozen["other"])
-    return nnx.merge(graphdef, params, frozen["other"])
+def model_states(params, frozen) -> tuple:
+    """The nnx states that `graphdef` merges, in split order: (adapters, base, rest) under LoRA, else (params, rest)."""
+    return (params, frozen["base"], frozen["other"]) if frozen["base"] is not None else (params, frozen["other"])
+
+
+def merge_model(graphdef, params, frozen, opts: StepOptions = None):
+    """The policy module from trainable params + frozen state."""
+    return nnx.merge(graphdef, *model_states(params, frozen))
 
 
 def score_logprobs(model, batch: RolloutBatch, temperature: float, chunk: int, with_entropy: bool = False):
@@ -93,8 +94,8 @@ def reference_state(state: TrainState, opts: StepOptions):
     """(params, rest) of the frozen reference model when the loss needs one (beta > 0), else None."""
     if opts.loss.beta <= 0:
         return None
-    if opts.lora_rank:
-        return state.frozen["base"], state.frozen["other"]
+    if state.frozen["base"] is not None:  # LoRA: zero adapters give exactly the frozen base model
+        return model_states(jax.tree.map(jnp.zeros_like, state.params), state.frozen)
     if state.ref_params is None:
         raise ValueError("rl.beta > 0 needs a reference model: create the state with need_reference=True")
     return state.ref_params, state.frozen["other"]
@@ -179,24 +180,26 @@ def jit_train_step(step_fn, state_shardings=None, batch_shardings=None):
 
 
 def create_train_state(graphdef, model_state, tx: optax.GradientTransformation, rng, opts: StepOptions, *,
-                       lora_targets=(), need_reference: bool = False):
+                       need_reference: bool = False):
     """Splits a model state into trainable params / frozen state and initialises the optimizer.
 
-    Returns (graphdef_for_merge, TrainState). With `opts.lora_rank`, params are fresh adapters and the base is
-    frozen (and serves as the reference); otherwise, when `need_reference`, the initial params are kept as
-    `ref_params`. The returned graphdef is the one `merge_model` expects (Params first, then the rest).
+    With `opts.lora_rank`, the trainable params are the model's `LoRAParam` adapters and every base `nnx.Param` is
+    frozen (and, with zero adapters, is the reference model); otherwise all Params train and, when
+    `need_reference`, a copy of the initial Params is kept as `ref_params`.
+    Returns (graphdef for `merge_model`, TrainState). Raises ValueError for LoRA on a model without adapters.
     """
-    model = nnx.merge(graphdef, model_state)
-    graphdef, params, other = nnx.split(model, nnx.Param, ...)
+    model = nnx.merge(graphdef, *(model_state if isinstance(model_state, tuple) else (model_state,)))
     ref = None
     if opts.lora_rank:
-        trainable = lora_lib.init_lora(params, rank=opts.lora_rank, targets=lora_targets,
-                                       key=jax.random.fold_in(rng, 7))
-        frozen = {"base": params, "other": other}
+        graphdef, trainable, base, other = nnx.split(model, LoRAParam, nnx.Param, ...)
+        if not jax.tree.leaves(trainable):
+            raise ValueError("lora.rank > 0 but the model has no adapters: build it with ModelConfig.lora")
+        frozen = {"base": base, "other": other}
     else:
-        trainable, frozen = params, {"base": None, "other": other}
+        graphdef, trainable, other = nnx.split(model, nnx.Param, ...)
+        frozen = {"base": None, "other": other}
         if need_reference:
-            ref = jax.tree.map(jnp.copy, params)
+            ref = jax.tree.map(jnp.copy, trainable)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=trainable, opt_state=tx.init(trainable),
                        frozen=frozen, ref_params=ref, rng=rng)
     return graphdef, state

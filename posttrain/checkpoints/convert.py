@@ -17,6 +17,7 @@ from flax import nnx
 from posttrain import mesh as mesh_lib
 from posttrain.checkpoints import hf as hf_lib
 from posttrain.model.config import ModelConfig
+from posttrain.model.layers import LoRAParam
 from posttrain.model.transformer import Transformer
 
 
@@ -140,7 +141,12 @@ def place(cfg: ModelConfig, arrays_fn: Callable[[dict], dict], mesh=None, rules=
     expected = {path: tuple(v.shape[1:] if path[0].endswith("_layers") else v.shape) for path, v in flat_abs.items()}
     arrays = dict(arrays_fn(expected))
     leaves = []
+    rng = np.random.default_rng(seed)
     for path, v in flat_abs.items():
+        if path not in arrays and isinstance(v, LoRAParam):  # fresh adapters: A Gaussian (fan-in), B zero
+            fan_in = v.shape[-2]
+            arrays[path] = (rng.standard_normal(v.shape) * fan_in ** -0.5 if path[-1].endswith("_lora_a")
+                            else np.zeros(v.shape))
         if path not in arrays:
             raise ValueError(f"no weights for parameter {'/'.join(map(str, path))}")
         host = np.asarray(arrays.pop(path)).astype(jnp.dtype(v.dtype))
@@ -150,13 +156,13 @@ def place(cfg: ModelConfig, arrays_fn: Callable[[dict], dict], mesh=None, rules=
 
 
 def load_hf_dir(path, *, mesh=None, dtype: str = "float32", param_dtype: str = "float32",
-                remat: str = "none") -> Pretrained:
+                **overrides) -> Pretrained:
     """Loads config.json + safetensors (+ tokenizer files when present) from an HF model directory."""
     path = pathlib.Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json (expected an HF model directory or a .gguf file)")
     hf_config = json.loads((path / "config.json").read_text())
-    cfg = dataclasses.replace(hf_lib.config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype), remat=remat)
+    cfg = dataclasses.replace(hf_lib.config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype), **overrides)
     tensors = SafetensorsDir(path)
     graphdef, state = place(cfg, lambda expected: hf_to_arrays(cfg, tensors, expected), mesh)
     tokenizer = None
@@ -168,18 +174,22 @@ def load_hf_dir(path, *, mesh=None, dtype: str = "float32", param_dtype: str = "
 
 
 def load_gguf_file(path, *, mesh=None, dtype: str = "float32", param_dtype: str = "float32",
-                   remat: str = "none") -> Pretrained:
+                   **overrides) -> Pretrained:
     """Loads a GGUF file (dequantized through the `gguf` package) and its embedded tokenizer."""
     from posttrain.checkpoints import gguf as gguf_lib
 
     ckpt = gguf_lib.load_gguf(path)
-    cfg = dataclasses.replace(hf_lib.config_from_hf(ckpt.hf_config, dtype=dtype, param_dtype=param_dtype), remat=remat)
+    cfg = dataclasses.replace(hf_lib.config_from_hf(ckpt.hf_config, dtype=dtype, param_dtype=param_dtype), **overrides)
     graphdef, state = place(cfg, lambda expected: hf_to_arrays(cfg, ckpt.state_dict, expected), mesh)
     return Pretrained(cfg, graphdef, state, ckpt.tokenizer)
 
 
 def load_pretrained(path=None, **kwargs) -> Pretrained:
-    """A `.gguf` file or an HF directory; None means the default model (SmolLM2-135M-Instruct GGUF)."""
+    """A `.gguf` file or an HF directory; None means the default model (SmolLM2-135M-Instruct GGUF).
+
+    kwargs: mesh (parameters are placed sharded on it), dtype, param_dtype, and any other ModelConfig field to
+    override (e.g. remat="full", lora=LoRAConfig(rank=16)); LoRA adapters absent from the checkpoint start fresh.
+    """
     if path is None:
         from posttrain.checkpoints import gguf as gguf_lib
 
@@ -193,13 +203,19 @@ def load_pretrained(path=None, **kwargs) -> Pretrained:
 
 
 def export_hf(cfg: ModelConfig, state, out_dir, *, tokenizer=None, max_shard_bytes: int = 4 << 30) -> pathlib.Path:
-    """Writes config.json and safetensors (sharded with an index above `max_shard_bytes`) that transformers loads."""
+    """Writes config.json and safetensors (sharded with an index above `max_shard_bytes`) that transformers loads.
+
+    LoRA adapters in `state` are merged into their base weights (W + alpha/r * A @ B) first."""
     from safetensors.numpy import save_file
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    from posttrain.lora import merge_adapters
+
     arrays = {k: np.asarray(jax.device_get(v.get_value() if isinstance(v, nnx.Variable) else v))
               for k, v in nnx.to_flat_state(state)}
+    if cfg.lora is not None and cfg.lora.rank:
+        arrays = merge_adapters(arrays, cfg.lora.alpha / cfg.lora.rank)
     tensors = {n: np.ascontiguousarray(a) for n, a in arrays_to_hf(cfg, arrays).items()}
     extra = {}
     if tokenizer is not None:

@@ -97,12 +97,28 @@ class MoEConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """Low-rank adapters (Hu et al. 2021, arXiv:2106.09685): y = x W + (alpha / rank) (x A) B on the named
+    projections (attention q/k/v/o, MLA q_a/q_b/kv_a, dense and shared-expert MLPs; routed experts excluded).
+    A is Gaussian, B is zero, so a fresh adapter leaves the model unchanged. rank 0 = no adapters."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    def __post_init__(self):
+        if self.rank < 0 or self.alpha <= 0:
+            raise ValueError(f"LoRAConfig: rank must be >= 0 and alpha > 0, got rank={self.rank}, alpha={self.alpha}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A decoder-only transformer: embed -> scan(blocks) -> RMSNorm -> unembed.
 
     Dims: vocab_size V, d_model D, num_heads N, num_kv_heads K (GQA groups N // K), head_dim H, mlp_dim F.
     param_dtype: storage dtype of parameters; dtype: compute dtype of matmuls (softmax, norms and logits are f32).
     remat: "none" | "full" | "dots" (save matmul outputs, recompute the rest) — applied per scanned block.
+    lora: adapters added to the projections (None or rank 0: none).
     """
 
     vocab_size: int
@@ -123,6 +139,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: str = "none"
+    lora: LoRAConfig | None = None
     name: str = ""
 
     def __post_init__(self):

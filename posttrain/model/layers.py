@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posttrain.model.config import MLAConfig, RopeConfig
+from posttrain.model.config import LoRAConfig, MLAConfig, RopeConfig
 from posttrain.partitioning import with_logical_constraint
 
-NEG_INF = float(np.finfo(np.float32).min)
+NEG_INF = -1e9  # large but finite: logits + NEG_INF never overflows, fully masked rows stay finite
 
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtype, *, init: str = "normal",
@@ -47,6 +47,40 @@ def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtyp
 def dot(eq: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     """einsum in the compute dtype with float32 accumulation; the result is cast back to `dtype`."""
     return jnp.einsum(eq, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+
+
+class LoRAParam(nnx.Param):
+    """A low-rank adapter factor: the trainable Params under LoRA (the base `nnx.Param`s stay frozen)."""
+
+
+def add_adapters(module: nnx.Module, lora: LoRAConfig | None, shapes: dict, rngs: nnx.Rngs, param_dtype) -> None:
+    """Creates `<name>_lora_a` [in, r] (Gaussian, std in^-0.5) and `<name>_lora_b` [r, out] (zeros) for each
+    projection `name` in `shapes` ({name: (in_features, out_features)}) that `lora.targets` lists."""
+    module.lora_scale = 0.0
+    if lora is None or not lora.rank:
+        return
+    module.lora_scale = lora.alpha / lora.rank
+    for name, (d_in, d_out) in shapes.items():
+        if name in lora.targets:
+            a = (d_in ** -0.5 * jax.random.normal(rngs.params(), (d_in, lora.rank), jnp.float32)).astype(param_dtype)
+            setattr(module, f"{name}_lora_a", LoRAParam(a, logical_axes=(None, "lora_rank")))
+            setattr(module, f"{name}_lora_b", LoRAParam(jnp.zeros((lora.rank, d_out), param_dtype),
+                                                        logical_axes=("lora_rank", None)))
+
+
+def project(module: nnx.Module, name: str, eq: str, x_BxTx_: jax.Array, dtype) -> jax.Array:
+    """`dot(eq, x, module.<name>)` plus the adapter path scale * (x A) B when `module` has one for `name`.
+
+    x's dims after the leading (B, T) are the contracted ones; the adapter output is reshaped like the result.
+    """
+    y = dot(eq, x_BxTx_, getattr(module, name)[...], dtype)
+    a = getattr(module, f"{name}_lora_a", None)
+    if a is None:
+        return y
+    b = getattr(module, f"{name}_lora_b")
+    xf = x_BxTx_.reshape(x_BxTx_.shape[:2] + (-1,))
+    delta = dot("btr,ro->bto", dot("btk,kr->btr", xf, a[...], dtype), b[...], dtype)
+    return y + (module.lora_scale * delta.astype(jnp.float32)).reshape(y.shape).astype(y.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -150,7 +184,8 @@ def multi_source_attention(q, sources: Sequence[Source], scale: float, logits_fn
         bs = B // src.group
         qg = q.reshape(bs, src.group * T, *q.shape[2:])
         lg = logits_fn(qg, src.entries).astype(jnp.float32) * scale
-        lg = jnp.where(src.mask[:, :, None, :], lg, NEG_INF)
+        # an additive bias (not a `where`): its backward needs no per-layer residual of the logits' shape
+        lg = lg + jnp.where(src.mask, 0.0, NEG_INF)[:, :, None, :]
         sizes.append(lg.shape[-1])
         logits.append(lg.reshape(B, T, lg.shape[2], lg.shape[3]))
     probs = jax.nn.softmax(jnp.concatenate(logits, axis=-1), axis=-1)
@@ -189,7 +224,8 @@ class Attention(nnx.Module):
     """
 
     def __init__(self, *, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: RopeConfig,
-                 qk_norm: bool, bias: bool, norm_eps: float, dtype, param_dtype, rngs: nnx.Rngs):
+                 qk_norm: bool, bias: bool, norm_eps: float, dtype, param_dtype, rngs: nnx.Rngs,
+                 lora: LoRAConfig | None = None):
         D, N, K, H = d_model, num_heads, num_kv_heads, head_dim
         self.dtype, self.head_dim, self.rope = dtype, H, rope
         self.q_proj = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), param_dtype, fan_in=D)
@@ -203,12 +239,14 @@ class Attention(nnx.Module):
             self.v_bias = param(rngs, (K, H), ("kv_heads", "head_dim"), param_dtype, init="zeros")
         self.q_norm = RMSNorm(H, norm_eps, axis_name="head_dim", param_dtype=param_dtype, rngs=rngs) if qk_norm else None
         self.k_norm = RMSNorm(H, norm_eps, axis_name="head_dim", param_dtype=param_dtype, rngs=rngs) if qk_norm else None
+        add_adapters(self, lora, {"q_proj": (D, N * H), "k_proj": (D, K * H), "v_proj": (D, K * H),
+                                  "o_proj": (N * H, D)}, rngs, param_dtype)
 
     def __call__(self, x_BxTxD, positions_BxT, mask_BxTxT, extra_sources: Sequence[Source] = ()):
         """Returns (y [B, T, D], entries {"k","v"} of these T tokens). Self-attention uses mask_BxTxT."""
-        q = dot("btd,dnh->btnh", x_BxTxD, self.q_proj[...], self.dtype)
-        k = dot("btd,dkh->btkh", x_BxTxD, self.k_proj[...], self.dtype)
-        v = dot("btd,dkh->btkh", x_BxTxD, self.v_proj[...], self.dtype)
+        q = project(self, "q_proj", "btd,dnh->btnh", x_BxTxD, self.dtype)
+        k = project(self, "k_proj", "btd,dkh->btkh", x_BxTxD, self.dtype)
+        v = project(self, "v_proj", "btd,dkh->btkh", x_BxTxD, self.dtype)
         if self.bias:
             q, k, v = (a + b[...].astype(a.dtype) for a, b in ((q, self.q_bias), (k, self.k_bias), (v, self.v_bias)))
         if self.q_norm is not None:
@@ -219,7 +257,7 @@ class Attention(nnx.Module):
         entries = {"k": k, "v": v}
         sources = [*extra_sources, Source(entries, mask_BxTxT)]
         o = multi_source_attention(q, sources, self.head_dim ** -0.5, _gqa_logits, _gqa_combine)
-        return dot("btnh,nhd->btd", o, self.o_proj[...], self.dtype), entries
+        return project(self, "o_proj", "btnh,nhd->btd", o, self.dtype), entries
 
 
 def _latent_logits(q_BxTxNxC, kv):
@@ -236,7 +274,7 @@ class MLAttention(nnx.Module):
     """
 
     def __init__(self, *, d_model: int, num_heads: int, mla: MLAConfig, rope: RopeConfig, norm_eps: float,
-                 dtype, param_dtype, rngs: nnx.Rngs):
+                 dtype, param_dtype, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
         D, N, R, P = d_model, num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim
         self.dtype, self.N, self.R, self.P = dtype, N, R, P
         self.nope, self.vdim = mla.qk_nope_head_dim, mla.v_head_dim
@@ -259,16 +297,20 @@ class MLAttention(nnx.Module):
         self.k_b_proj = param(rngs, (R, N, self.nope), ("kv_lora", "heads", "head_dim"), param_dtype, fan_in=R)
         self.v_b_proj = param(rngs, (R, N, self.vdim), ("kv_lora", "heads", "head_dim"), param_dtype, fan_in=R)
         self.o_proj = param(rngs, (N, self.vdim, D), ("heads", "head_dim", "embed"), param_dtype, fan_in=N * self.vdim)
+        Q = mla.q_lora_rank or 0
+        q_shapes = {"q_a_proj": (D, Q), "q_b_proj": (Q, N * qk)} if Q else {"q_proj": (D, N * qk)}
+        add_adapters(self, lora, {**q_shapes, "kv_a_proj": (D, R + P), "o_proj": (N * self.vdim, D)}, rngs,
+                     param_dtype)
 
     def __call__(self, x_BxTxD, positions_BxT, mask_BxTxT, extra_sources: Sequence[Source] = ()):
         dt = self.dtype
         if self.q_lora:
-            q = dot("btq,qnh->btnh", self.q_a_norm(dot("btd,dq->btq", x_BxTxD, self.q_a_proj[...], dt)),
-                    self.q_b_proj[...], dt)
+            q = project(self, "q_b_proj", "btq,qnh->btnh",
+                        self.q_a_norm(project(self, "q_a_proj", "btd,dq->btq", x_BxTxD, dt)), dt)
         else:
-            q = dot("btd,dnh->btnh", x_BxTxD, self.q_proj[...], dt)
+            q = project(self, "q_proj", "btd,dnh->btnh", x_BxTxD, dt)
         q_nope, q_rot = q[..., :self.nope], q[..., self.nope:]
-        ckv = dot("btd,dc->btc", x_BxTxD, self.kv_a_proj[...], dt)
+        ckv = project(self, "kv_a_proj", "btd,dc->btc", x_BxTxD, dt)
         latent, k_rot = self.kv_a_norm(ckv[..., :self.R]), ckv[..., self.R:]
         cos, sin = rope_cos_sin(positions_BxT, *rope_frequencies(self.P, self.rope))
         q_rot = apply_rope(q_rot, cos, sin)
@@ -292,20 +334,23 @@ class MLAttention(nnx.Module):
             sources = [*extra_sources, Source(entries, mask_BxTxT)]
             o_lat = multi_source_attention(qc, sources, self.scale, _latent_logits, combine)
             o = dot("btnr,rnh->btnh", o_lat, self.v_b_proj[...], dt)
-        return dot("btnh,nhd->btd", o, self.o_proj[...], dt), entries
+        return project(self, "o_proj", "btnh,nhd->btd", o, dt), entries
 
 
 class MLP(nnx.Module):
     """Gated MLP: down(silu(x @ gate) * (x @ up)) (Shazeer 2020, SwiGLU)."""
 
-    def __init__(self, *, d_model: int, mlp_dim: int, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, *, d_model: int, mlp_dim: int, dtype, param_dtype, rngs: nnx.Rngs,
+                 lora: LoRAConfig | None = None):
         self.dtype = dtype
         self.gate_proj = param(rngs, (d_model, mlp_dim), ("embed", "mlp"), param_dtype, fan_in=d_model)
         self.up_proj = param(rngs, (d_model, mlp_dim), ("embed", "mlp"), param_dtype, fan_in=d_model)
         self.down_proj = param(rngs, (mlp_dim, d_model), ("mlp", "embed"), param_dtype, fan_in=mlp_dim)
+        add_adapters(self, lora, {"gate_proj": (d_model, mlp_dim), "up_proj": (d_model, mlp_dim),
+                                  "down_proj": (mlp_dim, d_model)}, rngs, param_dtype)
 
     def __call__(self, x_BxTxD):
-        g = dot("btd,df->btf", x_BxTxD, self.gate_proj[...], self.dtype)
-        u = dot("btd,df->btf", x_BxTxD, self.up_proj[...], self.dtype)
+        g = project(self, "gate_proj", "btd,df->btf", x_BxTxD, self.dtype)
+        u = project(self, "up_proj", "btd,df->btf", x_BxTxD, self.dtype)
         h = with_logical_constraint(jax.nn.silu(g) * u, ("batch", "length", "mlp"))
-        return dot("btf,fd->btd", h, self.down_proj[...], self.dtype)
+        return project(self, "down_proj", "btf,fd->btd", h, self.dtype)

@@ -142,7 +142,7 @@ def _size(mesh, axes):
 class MoE(nnx.Module):
     """Routed experts (+ optional always-on shared experts). Returns (y_BxTxD, aux dict)."""
 
-    def __init__(self, *, d_model: int, moe: MoEConfig, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, *, d_model: int, moe: MoEConfig, dtype, param_dtype, rngs: nnx.Rngs, lora=None):
         D, E, F = d_model, moe.num_experts, moe.expert_mlp_dim
         self.dtype = dtype
         self.k, self.scoring, self.norm_topk_prob = moe.num_experts_per_tok, moe.scoring, moe.norm_topk_prob
@@ -153,7 +153,7 @@ class MoE(nnx.Module):
         self.down_proj = param(rngs, (E, F, D), ("exp", "exp_mlp", "embed"), param_dtype, fan_in=F)
         self.score_bias = ExpertBias(jnp.zeros((E,), jnp.float32), logical_axes=(None,)) if moe.score_bias else None
         self.shared = (MLP(d_model=D, mlp_dim=F * moe.num_shared_experts, dtype=dtype, param_dtype=param_dtype,
-                           rngs=rngs) if moe.num_shared_experts else None)
+                           rngs=rngs, lora=lora) if moe.num_shared_experts else None)
 
     def __call__(self, x_BxTxD, valid_BxT):
         B, T, D = x_BxTxD.shape

@@ -13,6 +13,7 @@ from flax import nnx
 
 from posttrain import losses, optim
 from posttrain import train_step as ts
+from posttrain.model.config import LoRAConfig
 from posttrain.model.presets import get_preset
 from posttrain.model.transformer import Transformer
 from posttrain.types import RolloutBatch
@@ -36,13 +37,14 @@ def random_batch(seed=0, R=4, L=20, S=2, C=6, vocab=100):
 
 
 def make_state(preset="tiny-dense", *, beta=0.0, lora=0, M=1, lr=1e-3, **loss_kw):
-    cfg = get_preset(preset)
+    adapters = LoRAConfig(rank=lora, targets=("q_proj", "v_proj", "o_proj", "gate_proj")) if lora else None
+    cfg = get_preset(preset, lora=adapters)
     graphdef, model_state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
     opts = ts.StepOptions(loss=losses.LossConfig(beta=beta, **loss_kw), temperature=1.0, num_microbatches=M,
                           lora_rank=lora, bias_update_rate=0.05 if cfg.moe and cfg.moe.score_bias else 0.0)
     opt = optim.make_optimizer("adamw", lr=lr, schedule="constant")
     graphdef, state = ts.create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), opts,
-                                            lora_targets=("q_proj", "v_proj", "gate_proj"), need_reference=beta > 0)
+                                            need_reference=beta > 0)
     return graphdef, state, opts, opt
 
 
@@ -96,13 +98,15 @@ def test_lora_keeps_base_frozen_and_starts_at_the_base_model():
     batch = random_batch()
     base_before = jax.tree.map(np.asarray, state.frozen["base"])
     model = ts.merge_model(graphdef, state.params, state.frozen, opts)
-    ref = nnx.merge(graphdef, state.frozen["base"], state.frozen["other"])
-    np.testing.assert_allclose(model(batch.tokens_RxL)[0], ref(batch.tokens_RxL)[0], atol=1e-6)
+    plain = Transformer(get_preset("tiny-dense"), rngs=nnx.Rngs(1))  # no adapters, other init...
+    nnx.update(plain, state.frozen["base"], state.frozen["other"])  # ...then the LoRA model's base weights
+    np.testing.assert_allclose(model(batch.tokens_RxL)[0], plain(batch.tokens_RxL)[0], atol=1e-6)
+    assert len(jax.tree.leaves(state.params)) == 2 * 4 * 1  # (A, B) x 4 targets, stacked over layers
     step = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))
     state, m = step(state, batch)
     for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(state.frozen["base"])):
         np.testing.assert_array_equal(a, b)
-    lora_b = [v for p, v in nnx.to_flat_state(state.params) if p[-1] == "lora_b"]
+    lora_b = [v for p, v in nnx.to_flat_state(state.params) if p[-1].endswith("_lora_b")]
     assert any(float(jnp.abs(v.get_value()).max()) > 0 for v in lora_b)
     assert state.ref_params is None  # the base doubles as the reference: no second copy
 

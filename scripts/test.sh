@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Installs posttrain with the dev extra (pytest, torch CPU, transformers for parity tests) and runs the tests.
+# Extra arguments go to pytest (e.g. -m slow for the long tests, or a path).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup_env.sh dev
+exec .venv/bin/python -m pytest -q "$@"
