@@ -1,0 +1,165 @@
+"""Rollout (generation) benchmark: posttrain's jitted KV-cache sampler vs transformers `generate` on SmolLM2.
+
+    python bench/rollout.py --json [--prompts 64] [--new-tokens 24] [--runs 3]
+
+Workload: the default model (SmolLM2-135M-Instruct, the default GGUF dequantized to float32) answers 64 chat
+prompts of the project's default task ("What is a + b? Answer with just the number.", a, b in [10, 99], seed 0,
+rendered with the model's chat template), greedy, 24 new tokens, on this machine's CPU. Both sides get the SAME
+prompt token ids (posttrain's tokenizer).
+  * posttrain: `posttrain.sampler.sample` (one prefill per prompt, `lax.while_loop` decode with a KV cache),
+    float32, prompts right-padded to a multiple of 16, all 64 in one call.
+  * transformers: `model.generate(do_sample=False, max_new_tokens=24)` with its KV cache, float32, all 64 prompts
+    in one left-padded batch with an attention mask, torch's default thread count.
+Each side counts only generated tokens up to and including the first stop token (EOS / end of turn). One warm-up
+call per side (compile for posttrain) is timed separately; then the sides alternate for --runs rounds, so
+background load on a shared machine hits both alike, and each side's median round is reported.
+
+Prints ONE JSON object: posttrain_tokens_per_s, transformers_tokens_per_s, ratio (posttrain / transformers), all
+from median rounds; plus each side's best round, warm-up seconds (posttrain's first call includes the jit compile;
+its compile estimate is the first call minus the median round), tokens counted per side, per-round seconds, how many
+of the 64 greedy outputs agree token-for-token, the prompt shape, thread counts and the 1-minute load average at the
+end. torch's OpenMP threads slow down badly when another process takes a core (rounds 5-10x slower were seen on the
+shared 2-core machine): run it on a quiet machine and check round_s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from posttrain.checkpoints import load_pretrained  # noqa: E402
+from posttrain.checkpoints.gguf import default_model_path  # noqa: E402
+from posttrain.sampler import SamplingParams, pad_prompts, sample  # noqa: E402
+
+
+def make_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    """Token ids of n chat prompts of the default arithmetic task."""
+    rng = np.random.default_rng(seed)
+    pairs = rng.integers(10, 100, (n, 2))
+    return [tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"What is {a} + {b}? Answer with just the number."}], tokenize=True)
+        for a, b in pairs]
+
+
+def until_stop(row, stops) -> list[int]:
+    """Tokens up to and including the first stop token (all of them when there is none)."""
+    out = []
+    for t in row:
+        out.append(int(t))
+        if int(t) in stops:
+            break
+    return out
+
+
+class PosttrainSide:
+    def __init__(self, prompts, new_tokens, tokenizer_stop_ids, pad_id, pre):
+        self.pre = pre
+        tokens, lengths = pad_prompts(prompts, pad_id)
+        self.tokens, self.lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+        self.params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+        self.stops, self.pad = tuple(tokenizer_stop_ids), pad_id
+        self.width = tokens.shape[1]
+
+    def __call__(self) -> list[list[int]]:
+        out = sample(self.pre.graphdef, self.pre.state, self.tokens, self.lengths, jax.random.key(0), group_size=1,
+                     params=self.params, stop_ids=self.stops, pad_id=self.pad)
+        tokens, lengths = jax.device_get((out.tokens_NxLg, out.lengths_N))
+        return [tokens[i, :lengths[i]].tolist() for i in range(tokens.shape[0])]
+
+
+class TransformersSide:
+    def __init__(self, prompts, new_tokens, stop_ids, pad_id):
+        import torch
+        import transformers
+
+        self.torch = torch
+        path = default_model_path()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        width = max(map(len, prompts))
+        self.ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
+        self.mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        self.width, self.new_tokens, self.stops, self.pad = width, new_tokens, tuple(stop_ids), pad_id
+
+    def __call__(self) -> list[list[int]]:
+        with self.torch.inference_mode():
+            out = self.model.generate(self.ids, attention_mask=self.mask, do_sample=False,
+                                      max_new_tokens=self.new_tokens, eos_token_id=list(self.stops),
+                                      pad_token_id=self.pad)
+        return [until_stop(row, self.stops) for row in out[:, self.width:].tolist()]
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--runs", type=int, default=3, help="timed rounds per side after the warm-up")
+    ap.add_argument("--skip-transformers", action="store_true", help="posttrain side only (profiling)")
+    args = ap.parse_args(argv)
+    if args.prompts < 1 or args.new_tokens < 1 or args.runs < 1:
+        raise SystemExit("--prompts, --new-tokens and --runs must be >= 1")
+
+    t = time.perf_counter()
+    pre = load_pretrained()
+    load_s = time.perf_counter() - t
+    tok = pre.tokenizer
+    prompts = make_prompts(tok, args.prompts)
+    ours = PosttrainSide(prompts, args.new_tokens, tok.stop_ids, tok.pad_id, pre)
+    ours_warm, ours_out = timed(ours)
+    theirs = theirs_warm = theirs_out = None
+    if not args.skip_transformers:
+        theirs = TransformersSide(prompts, args.new_tokens, tok.stop_ids, tok.pad_id)
+        theirs_warm, theirs_out = timed(theirs)
+    rounds = {"posttrain": [], "transformers": []}
+    for _ in range(args.runs):
+        s, out = timed(ours)
+        assert out == ours_out, "posttrain greedy output changed between runs"
+        rounds["posttrain"].append(s)
+        if theirs is not None:
+            s, out = timed(theirs)
+            assert out == theirs_out, "transformers greedy output changed between runs"
+            rounds["transformers"].append(s)
+    n_ours = sum(map(len, ours_out))
+    med = {k: statistics.median(v) for k, v in rounds.items() if v}
+    result = {"posttrain_tokens_per_s": round(n_ours / med["posttrain"], 1)}
+    counted = {"posttrain": n_ours}
+    warm = {"posttrain": round(ours_warm, 2),
+            "posttrain_compile_estimate": round(ours_warm - med["posttrain"], 2)}  # first call minus a steady one
+    if theirs is not None:
+        n_theirs = sum(map(len, theirs_out))
+        result["transformers_tokens_per_s"] = round(n_theirs / med["transformers"], 1)
+        result["ratio"] = round(result["posttrain_tokens_per_s"] / result["transformers_tokens_per_s"], 2)
+        counted["transformers"] = n_theirs
+        warm["transformers"] = round(theirs_warm, 2)
+        result["best_round_tokens_per_s"] = {"posttrain": round(n_ours / min(rounds["posttrain"]), 1),
+                                             "transformers": round(n_theirs / min(rounds["transformers"]), 1)}
+        result["outputs_agreeing"] = sum(a == b for a, b in zip(ours_out, theirs_out))
+    result.update(
+        tokens_counted=counted, warmup_s=warm, round_s={k: [round(x, 3) for x in v] for k, v in rounds.items() if v},
+        prompts=args.prompts, new_tokens=args.new_tokens,
+        prompt_tokens_mean=round(float(np.mean(list(map(len, prompts)))), 1), posttrain_prompt_width=ours.width,
+        posttrain_load_s=round(load_s, 2), dtype="float32",
+        torch_threads=__import__("torch").get_num_threads() if theirs is not None else None,
+        cpu_count=os.cpu_count(), load_avg_1m=round(os.getloadavg()[0], 2))
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
