@@ -24,7 +24,8 @@ Each side runs in its own subprocess, one after the other, for `--steps` steps (
 Step time: posttrain's `perf/step_s` (sample + rewards + batch assembly + jitted update, from metrics.jsonl);
 TRL's `on_step_begin` -> `on_step_end` (generation + rewards + forward/backward + AdamW). Peak RSS: each child's
 own `ru_maxrss` (includes model loading). Prints ONE JSON object (see `build_result`) on stdout; children's logs
-go to stderr.
+go to stderr. On a shared machine pass `--quiet-load 1.5` to start each side only when the 1-minute load is low;
+`load_avg_1min` in the output gives the load before/after each side.
 """
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 prompts x 2 samples x 4 new tokens")
     ap.add_argument("--steps", type=int, default=4, help="steps per side, the first one a warm-up (>= 2)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per side")
+    ap.add_argument("--quiet-load", type=float, default=0.0,
+                    help="before each side, wait until the 1-minute load average is below this (0: do not wait)")
+    ap.add_argument("--quiet-wait", type=float, default=1800.0, help="longest wait for --quiet-load, seconds")
     ap.add_argument("--only", choices=("posttrain", "trl"), help="run one side only (debugging)")
     ap.add_argument("--side", choices=("posttrain", "trl"), help=argparse.SUPPRESS)  # child mode
     ap.add_argument("--spec", help=argparse.SUPPRESS)  # child: settings JSON file; result written to <spec>.out
@@ -200,15 +204,26 @@ def run_trl(s: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------ parent
+def wait_for_quiet(max_load: float, max_wait_s: float, poll_s: float = 15.0) -> float:
+    """Sleeps until the 1-minute load average is below `max_load` (no wait when max_load <= 0) or `max_wait_s`
+    passed; returns the seconds waited. Torch's OpenMP threads slow down several-fold when the 2 cores are
+    oversubscribed (measured here: 5x on a forward pass at load ~5), so a fair run needs a quiet machine."""
+    t = time.monotonic()
+    while max_load > 0 and os.getloadavg()[0] >= max_load and time.monotonic() - t < max_wait_s:
+        time.sleep(poll_s)
+    return time.monotonic() - t
+
+
 def run_side(side: str, spec: dict, timeout: float) -> dict:
-    """Runs one side in a child process (its stdout/stderr go to our stderr); returns the child's result dict.
+    """Runs one side in a child process (its stdout/stderr go to our stderr); returns the child's result dict
+    plus "process_wall_s" and "load_avg" ([1-min load before, after]); the result is also logged to stderr.
     Raises RuntimeError naming the side and exit code when the child fails or writes no result."""
     with tempfile.TemporaryDirectory(prefix="grpo_vs_trl_") as d:
         spec_path = os.path.join(d, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--spec", spec_path]
-        t = time.perf_counter()
+        t, load0 = time.perf_counter(), os.getloadavg()[0]
         proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, timeout=timeout, cwd=ROOT)
         wall = time.perf_counter() - t
         out = spec_path + ".out"
@@ -216,7 +231,8 @@ def run_side(side: str, spec: dict, timeout: float) -> dict:
             raise RuntimeError(f"{side} side failed (exit code {proc.returncode}); its log is on stderr above")
         with open(out) as f:
             res = json.load(f)
-    res["process_wall_s"] = wall
+    res["process_wall_s"], res["load_avg"] = wall, [load0, os.getloadavg()[0]]
+    print(f"[grpo_vs_trl] {side}: " + json.dumps({k: v for k, v in res.items() if k != "prompts"}), file=sys.stderr)
     return res
 
 
@@ -276,22 +292,25 @@ def main(argv=None) -> None:
 
     settings = make_settings(args.quick, args.steps)
     questions = scheduled_questions(settings["steps"], settings["prompts_per_step"], settings["seed"])
-    load_start = os.getloadavg()
     pt = tr = None
+    waited = {}
     if args.only != "trl":
+        waited["posttrain"] = wait_for_quiet(args.quiet_load, args.quiet_wait)
         pt = run_side("posttrain", settings, args.timeout)
     if args.only != "posttrain":
+        waited["trl"] = wait_for_quiet(args.quiet_load, args.quiet_wait)
         tr = run_side("trl", dict(settings, questions=questions, model_path=str(default_model_path())), args.timeout)
     if pt is not None and tr is not None:  # did both train on the same questions in the same order?
         settings["same_prompts_checked"] = same_prompts(questions, pt["prompts"], tr["prompts"])
     settings["model_path"] = str(default_model_path())
     settings["first_questions"] = [q["question"] for q in questions[:2]]
-    extra = {"load_avg_start": list(load_start), "load_avg_end": list(os.getloadavg()), "cpus": os.cpu_count(),
+    sides = (("posttrain", pt), ("trl", tr))
+    extra = {"load_avg_1min": {k: r["load_avg"] for k, r in sides if r}, "quiet_wait_s": waited, "cpus": os.cpu_count(),
              "trl_torch_threads": tr.get("torch_threads") if tr else None,
              "trl_logged_step_time": tr.get("logged_step_time") if tr else None,
              "versions": tr.get("versions") if tr else None,
              "posttrain_gen_s": pt.get("gen_s") if pt else None, "posttrain_train_s": pt.get("train_s") if pt else None,
-             "process_wall_s": {k: r["process_wall_s"] for k, r in (("posttrain", pt), ("trl", tr)) if r}}
+             "process_wall_s": {k: r["process_wall_s"] for k, r in sides if r}}
     out = build_result(pt, tr, settings, extra)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 

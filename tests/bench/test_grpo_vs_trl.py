@@ -99,3 +99,12 @@ def test_same_prompts():
     assert not gvt.same_prompts(qs, rendered[::-1], texts)
     assert not gvt.same_prompts(qs, rendered, texts[::-1])
     assert not gvt.same_prompts(qs, rendered[:1], texts)
+
+
+def test_wait_for_quiet(monkeypatch):
+    monkeypatch.setattr(gvt.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    assert gvt.wait_for_quiet(0.0, 100.0) < 0.5  # disabled
+    assert gvt.wait_for_quiet(10.0, 100.0) < 0.5  # quiet enough
+    waited = gvt.wait_for_quiet(1.5, 0.05, poll_s=0.01)  # never quiet: gives up at the cap
+    assert 0.05 <= waited < 1.0
+    assert gvt.parse_args(["--quiet-load", "1.5"]).quiet_load == 1.5
