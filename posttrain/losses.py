@@ -70,7 +70,7 @@ class LogprobsOut(NamedTuple):
 
 def chunked_token_logprobs(
     h_BxTxD, w_DxV, targets_BxT, temperature: float = 1.0, *, chunk_size: int = 1024,
-    with_entropy: bool = False,
+    with_entropy: bool = False, valid_BxT=None,
 ) -> LogprobsOut:
     """`token_logprobs(h @ w, targets, temperature)` (and optionally `token_entropy`) computed C tokens
     at a time under `jax.checkpoint`, so neither the forward nor the backward pass holds more than
@@ -83,6 +83,8 @@ def chunked_token_logprobs(
       temperature: sampling temperature (> 0); logits are divided by it.
       chunk_size: C, tokens per chunk (static); the last chunk is zero-padded.
       with_entropy: also return the per-token entropy.
+      valid_BxT: optional bool mask; a chunk with no valid token is skipped (`lax.cond`, forward and backward)
+        and returns zeros. Put valid tokens first (see `valid_first_order`) to skip all padding chunks.
     Returns:
       LogprobsOut(logp_BxT float32, entropy_BxT float32 or None). Matmuls accumulate in float32.
     Raises:
@@ -99,15 +101,34 @@ def chunked_token_logprobs(
     k = -(-n // c)
     h_KxCxD = jnp.pad(jnp.reshape(h_BxTxD, (n, d)), ((0, k * c - n), (0, 0))).reshape(k, c, d)
     tgt_KxC = jnp.pad(jnp.reshape(targets_BxT, (n,)).astype(jnp.int32), (0, k * c - n)).reshape(k, c)
+    valid = jnp.ones((b, t), bool) if valid_BxT is None else jnp.asarray(valid_BxT, bool)
+    any_K = jnp.pad(jnp.reshape(valid, (n,)), (0, k * c - n)).reshape(k, c).any(-1)
 
     @jax.checkpoint
     def one_chunk(w, h_CxD, tgt_C):
         z_CxV = jnp.dot(h_CxD, w, preferred_element_type=jnp.float32) / temperature
         return _logp_and_entropy(z_CxV, tgt_C, with_entropy)
 
-    _, (logp_KxC, ent_KxC) = jax.lax.scan(lambda _, xs: (None, one_chunk(w_DxV, *xs)), None, (h_KxCxD, tgt_KxC))
+    def skipped(w, h_CxD, tgt_C):
+        zeros = jnp.zeros(tgt_C.shape, jnp.float32)
+        return zeros, (zeros if with_entropy else None)
+
+    def body(_, xs):
+        h_CxD, tgt_C, any_valid = xs
+        if valid_BxT is None:
+            return None, one_chunk(w_DxV, h_CxD, tgt_C)
+        return None, jax.lax.cond(any_valid, one_chunk, skipped, w_DxV, h_CxD, tgt_C)
+
+    _, (logp_KxC, ent_KxC) = jax.lax.scan(body, None, (h_KxCxD, tgt_KxC, any_K))
     unchunk = lambda x_KxC: x_KxC.reshape(k * c)[:n].reshape(b, t)
     return LogprobsOut(unchunk(logp_KxC), None if ent_KxC is None else unchunk(ent_KxC))
+
+
+def valid_first_order(valid_N) -> tuple[jax.Array, jax.Array]:
+    """(order, inverse) permutations of a flat bool mask putting valid entries first (stable), so that chunked
+    computations over `x[order]` can skip every chunk past the valid count; `y[inverse]` restores the layout."""
+    order = jnp.argsort(~jnp.asarray(valid_N, bool), stable=True)
+    return order, jnp.argsort(order)
 
 
 def _check_temperature(temperature) -> None:

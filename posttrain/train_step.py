@@ -32,7 +32,7 @@ class StepOptions(NamedTuple):
     moe_z_coef: float = 0.0
     bias_update_rate: float = 0.0
     lora_rank: int = 0
-    logprob_chunk: int = 1024
+    logprob_chunk: int = 256
 
 
 def model_states(params, frozen) -> tuple:
@@ -46,18 +46,25 @@ def merge_model(graphdef, params, frozen, opts: StepOptions = None):
 
 
 def score_logprobs(model, batch: RolloutBatch, temperature: float, chunk: int, with_entropy: bool = False):
-    """Trainer logprobs (and entropy) of every scored slot: float32 [N, C]; plus the model's aux dict."""
+    """Trainer logprobs (and entropy) of every scored slot: float32 [N, C] (0 on masked slots); plus aux.
+
+    Only slots with a policy token are pushed through the unembedding: slots are reordered valid-first and
+    chunks holding none are skipped, so the vocabulary-wide matmuls scale with real tokens, not with N * C.
+    """
     h, aux = model.hidden_states(batch.tokens_RxL, batch.positions_RxL, batch.segment_ids_RxL,
                                  batch.branch_ids_RxL)
     R, L, D = h.shape
     N, C = batch.targets_NxC.shape
     rows = jnp.repeat(jnp.arange(R, dtype=jnp.int32), N // R)
-    flat = rows[:, None] * L + batch.score_pos_NxC
-    h_sel = jnp.take(h.reshape(R * L, D), flat.reshape(-1), axis=0).reshape(N, C, D)
-    h_sel = with_logical_constraint(h_sel, ("batch", None, "embed"))
-    out = losses_lib.chunked_token_logprobs(h_sel, model.unembedding(), batch.targets_NxC, temperature,
-                                            chunk_size=chunk, with_entropy=with_entropy)
-    return out, aux
+    flat = (rows[:, None] * L + batch.score_pos_NxC).reshape(-1)
+    valid = (batch.loss_mask_NxC & batch.valid_N[:, None]).reshape(-1)
+    order, inverse = losses_lib.valid_first_order(valid)
+    h_sel = jnp.take(h.reshape(R * L, D), flat[order], axis=0)
+    out = losses_lib.chunked_token_logprobs(h_sel[None], model.unembedding(), batch.targets_NxC.reshape(-1)[order][None],
+                                            temperature, chunk_size=chunk, with_entropy=with_entropy,
+                                            valid_BxT=valid[order][None])
+    unsort = lambda x: None if x is None else x[0][inverse].reshape(N, C)
+    return losses_lib.LogprobsOut(unsort(out.logp_BxT), unsort(out.entropy_BxT)), aux
 
 
 def _microbatch_loss(params, frozen, ref_model_state, mb: RolloutBatch, den, graphdef, opts: StepOptions):

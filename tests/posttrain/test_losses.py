@@ -381,3 +381,27 @@ def test_bad_inputs_raise_clear_errors():
         L.chunked_token_logprobs(jnp.zeros((1, 2, 3)), jnp.zeros((4, 5)), jnp.zeros((1, 2), jnp.int32))
     with pytest.raises(ValueError, match="temperature"):
         L.token_logprobs(jnp.zeros((1, 2, 3)), jnp.zeros((1, 2), jnp.int32), 0.0)
+
+
+def test_chunked_logprobs_skip_chunks_without_valid_tokens():
+    """Chunks holding no valid token are skipped; valid positions and gradients are unchanged."""
+    rng = np.random.default_rng(3)
+    h = jnp.asarray(rng.normal(size=(1, 40, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(8, 50)), jnp.float32)
+    tgt = jnp.asarray(rng.integers(0, 50, (1, 40)), jnp.int32)
+    valid = np.zeros((1, 40), bool)
+    valid[0, [1, 5, 6, 17]] = True
+    order, inverse = L.valid_first_order(valid.reshape(-1))
+    assert np.all(np.asarray(valid.reshape(-1)[np.asarray(order)])[:4]) and not valid.reshape(-1)[np.asarray(order)][4:].any()
+
+    def f(w, skip):
+        out = L.chunked_token_logprobs(h[:, order], w, tgt[:, order], 0.7, chunk_size=4,
+                                            valid_BxT=jnp.asarray(valid[:, order]) if skip else None)
+        return out.logp_BxT[0][inverse]
+
+    full, skipped = f(w, False), f(w, True)
+    np.testing.assert_allclose(skipped[valid[0]], full[valid[0]], rtol=1e-6)
+    assert np.all(np.asarray(skipped)[~valid[0]] == 0.0)
+    g_full = jax.grad(lambda w: jnp.where(valid[0], f(w, False), 0.0).sum())(w)
+    g_skip = jax.grad(lambda w: jnp.where(valid[0], f(w, True), 0.0).sum())(w)
+    np.testing.assert_allclose(g_skip, g_full, rtol=1e-5, atol=1e-6)
