@@ -60,6 +60,7 @@ def main():
     ap.add_argument("--completion_len", type=int, default=24)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--remat", default="none")
+    ap.add_argument("--microbatches", type=int, default=1)
     args = ap.parse_args()
 
     from posttrain import losses, optim
@@ -72,7 +73,8 @@ def main():
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(pre.state))
     batch = jax.tree.map(jnp.asarray, quickstart_batch(pre.tokenizer, completion_len=args.completion_len))
     tokens = int(np.asarray(batch.segment_ids_RxL != 0).sum())
-    opts = ts.StepOptions(loss=losses.LossConfig(), temperature=1.0, lora_rank=args.lora_rank)
+    opts = ts.StepOptions(loss=losses.LossConfig(), temperature=1.0, lora_rank=args.lora_rank,
+                          num_microbatches=args.microbatches)
     opt = optim.make_optimizer("adamw", lr=1e-5 if not lora else 1e-4, schedule="constant")
     graphdef, state = ts.create_train_state(pre.graphdef, pre.state, opt.tx, jax.random.key(0), opts)
     step = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts), donate_argnums=(0,))
@@ -90,6 +92,7 @@ def main():
     peak = matmul_peak(jnp.dtype(args.dtype))
     flops = 6 * n_params * tokens
     out = {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "lora_rank": args.lora_rank, "remat": args.remat,
+           "microbatches": args.microbatches,
            "params": n_params, "tokens_per_step": tokens, "rows": int(batch.tokens_RxL.shape[0]),
            "row_width": int(batch.tokens_RxL.shape[1]), "step_s": step_s, "steps_s": times,
            "first_call_s": compile_s, "tokens_per_s": tokens / step_s, "model_flops_per_s": flops / step_s,

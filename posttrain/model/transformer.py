@@ -14,6 +14,7 @@ Layers are stacked on a leading `layers` axis and applied with `jax.lax.scan` (o
 """
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -25,7 +26,7 @@ from posttrain.model.layers import MLP, Attention, MLAttention, RMSNorm, Source,
 from posttrain.model.moe import MoE
 from posttrain.partitioning import with_logical_constraint
 
-UNROLL = 1
+UNROLL = int(os.environ.get("POSTTRAIN_SCAN_UNROLL", "1"))  # layers per scan iteration (experiments)
 _DT = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
