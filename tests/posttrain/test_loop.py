@@ -132,3 +132,22 @@ def digit_config(workdir, **over):
     raw = to_dict(tiny_config(workdir, **over))
     raw["env"]["train"] = {"digit": {"id": "test/Digit-v0", "weight": 1.0, "kwargs": {}}}
     return from_config_dict(raw)
+
+
+@pytest.mark.parametrize("env_id,max_turns", [("posttrain/HumanEval-v0", 1), ("posttrain/PythonTool-v0", 2)])
+def test_sandboxed_envs_through_the_worker_pool(tmp_path, env_id, max_turns):
+    """Code and multi-turn tool envs run in pool workers (sandboxed code); the loop trains on them end to end."""
+    from posttrain.config import to_dict
+
+    raw = to_dict(tiny_config(tmp_path, **{"train.steps": 1, "sampling.max_new_tokens": 8}))
+    raw["env"].update(train={"code": {"id": env_id, "weight": 1.0, "kwargs": {}}}, num_workers=2,
+                      max_turns=max_turns)
+    raw["rl"]["packed"] = max_turns == 1
+    summary = loop.train(from_config_dict(raw), progress=False)
+    assert summary["end_step"] == 1
+    (m,) = read(tmp_path)
+    assert m["env/infra_error_rate"] == 0.0 and 0.0 <= m["reward/mean"] <= 1.0
+    rows = [json.loads(l) for l in (tmp_path / "trajectories" / "step_000000.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and all(r["status"] for r in rows)
+    if max_turns > 1:
+        assert any(len(r["replies"]) >= 1 for r in rows)

@@ -1,0 +1,71 @@
+"""Rollouts: exact token bookkeeping across turns (what the trainer scores is what the sampler produced; env and
+template tokens in between are masked), group layout, and the in-process env runner."""
+import numpy as np
+
+from posttrain import batching
+from posttrain.rollout import Episode, InlineEnvs, run_episodes
+from posttrain.sampler import SampleOutput
+from posttrain.tokenizer import Tokenizer
+
+TOK = Tokenizer.byte_level()
+STOP = TOK.stop_ids[0]
+
+
+def scripted(replies_by_turn):
+    """A sample_fn returning fixed replies per call (turn), with made-up logprobs."""
+    calls = []
+
+    def fn(prompts, lengths, key, group_size):
+        turn = len(calls)
+        calls.append((np.asarray(prompts).copy(), np.asarray(lengths).copy(), group_size))
+        n = len(lengths) * group_size
+        texts = [replies_by_turn[turn][i % len(replies_by_turn[turn])] for i in range(n)]
+        ids = [TOK.encode(t) + [STOP] for t in texts]
+        width = max(map(len, ids))
+        tokens = np.full((n, width), TOK.pad_id, np.int32)
+        logp = np.zeros((n, width), np.float32)
+        for i, row in enumerate(ids):
+            tokens[i, :len(row)] = row
+            logp[i, :len(row)] = -0.1 * (turn + 1)
+        return SampleOutput(tokens, logp, np.asarray([len(r) for r in ids], np.int32), np.zeros(n, bool))
+
+    return fn, calls
+
+
+def test_multi_turn_tool_episode_keeps_policy_tokens_and_masks_tool_output():
+    fn, calls = scripted([["```python\nprint(6 * 7)\n```"], ["\\boxed{42}"]])
+    task = {"id": "t", "question": "What is 6 * 7?", "answer": "42"}
+    eps = [Episode("posttrain/PythonTool-v0", {"max_turns": 3}, task, seed=0, domain="tool")]
+    samples, perf = run_episodes(fn, TOK, InlineEnvs(), eps, group_size=2, max_turns=3, key=_key(), pad_id=TOK.pad_id)
+    assert len(calls) == 2 and calls[1][2] == 1  # second turn: each sample continues its own context
+    for s in samples:
+        assert s.reward == 1.0 and s.done and len(s.segments) == 3
+        first, bridge, second = s.segments
+        assert first[2] and not bridge[2] and second[2]
+        bridge_text = TOK.decode(bridge[0].tolist(), skip_special_tokens=False)
+        assert "42" in bridge_text and bridge_text.rstrip().endswith("<|im_start|>assistant")
+        # the second prompt is exactly prompt + turn 1 + bridge: the sampler continued the same token stream
+        ctx = s.prompt_ids + first[0].tolist() + bridge[0].tolist()
+        assert any(list(row[:n]) == ctx for row, n in zip(calls[1][0], calls[1][1]))
+    batch, m = batching.assemble(samples, group_size=2, pad_id=TOK.pad_id)
+    n1, nb, n2 = (len(seg[0]) for seg in samples[0].segments)
+    mask = batch.loss_mask_NxC[0]
+    assert mask[:n1].all() and not mask[n1:n1 + nb].any() and mask[n1 + nb:n1 + nb + n2].all()
+    np.testing.assert_allclose(batch.logp_sample_NxC[0, n1 + nb:n1 + nb + n2], -0.2)
+    assert m["response_length/mean"] == n1 + n2
+
+
+def test_single_turn_groups_share_one_prompt():
+    fn, calls = scripted([["The answer is 122.", "no idea"]])
+    eps = [Episode("posttrain/Arithmetic-v0", {}, {"question": f"What is {a} + 63?", "answer": str(a + 63)},
+                   seed=i) for i, a in enumerate((59, 10))]
+    samples, _ = run_episodes(fn, TOK, InlineEnvs(), eps, group_size=2, max_turns=1, key=_key(), pad_id=TOK.pad_id)
+    assert len(calls) == 1 and calls[0][0].shape[0] == 2 and calls[0][2] == 2  # P prompts, G samples each
+    assert [s.group for s in samples] == [0, 0, 1, 1]
+    assert [s.reward for s in samples] == [1.0, 0.0, 0.0, 0.0]
+
+
+def _key():
+    import jax
+
+    return jax.random.key(0)
