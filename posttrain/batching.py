@@ -2,9 +2,9 @@
 
 Dimension legend: see `posttrain.types` (R rows, L width, N samples, C scored slots), P groups, G group size.
 
-Packed layout (single-turn groups): row p = [prompt p | pad | completion 1 | ... | completion G]; completions
-restart their positions after the prompt and carry branch ids 1..G, so they attend to the prompt and to
-themselves only. The prompt's forward and backward pass is computed once per group instead of G times.
+Packed layout (single-turn groups): row p = [prompt p | pad | completion 1 | ... | completion G | pad], the
+completions back to back; they restart their positions after the prompt and carry branch ids 1..G, so they
+attend to the prompt and to themselves only. The prompt's forward and backward pass is computed once per group instead of G times.
 Unpacked layout (multi-turn or when packing is off): one sample per row; env/template tokens are in the row
 but masked out of the loss. Widths are rounded up to buckets so batches of similar size share one compilation.
 """
@@ -35,7 +35,7 @@ def sample_arrays(samples: Sequence[Sample], *, group_size: int, advantage: str,
 
 def assemble(samples: Sequence[Sample], *, group_size: int, advantage: str = "grpo", pad_id: int = 0,
              packed: bool = True, overlong_filter: bool = False, prompt_bucket: int = 16,
-             completion_bucket: int = 8, row_multiple: int = 1) -> tuple[RolloutBatch, dict]:
+             completion_bucket: int = 8, row_bucket: int = 32, row_multiple: int = 1) -> tuple[RolloutBatch, dict]:
     """Builds the (numpy) RolloutBatch and the rollout metrics.
 
     Rows are padded with fully masked, invalid rows up to a multiple of `row_multiple` (microbatches x data
@@ -49,7 +49,7 @@ def assemble(samples: Sequence[Sample], *, group_size: int, advantage: str = "gr
     single_turn = all(len(s.segments) == 1 for s in samples)
     C = _round_up(max(s.completion_len for s in samples), completion_bucket)
     if packed and single_turn:
-        arrays = _packed(samples, G, C, pad_id, prompt_bucket)
+        arrays = _packed(samples, G, C, pad_id, prompt_bucket, row_bucket)
     else:
         arrays = _unpacked(samples, C, pad_id, prompt_bucket)
     arrays["loss_mask_NxC"] &= policy_ok[:, None]
@@ -70,10 +70,13 @@ def _pad_rows(x, n):
     return np.concatenate([x, np.zeros((n,) + x.shape[1:], x.dtype)])
 
 
-def _packed(samples, G, C, pad_id, prompt_bucket):
+def _packed(samples, G, C, pad_id, prompt_bucket, row_bucket):
+    """Prompt then its G completions back to back (no padding between completions); width rounded to
+    `row_bucket` so that batches of similar size share a compilation."""
     P = len(samples) // G
     Lpb = _round_up(max(len(samples[p * G].prompt_ids) for p in range(P)), prompt_bucket)
-    L = Lpb + G * C
+    used = max(sum(len(samples[p * G + g].segments[0][0]) for g in range(G)) for p in range(P))
+    L = min(Lpb + _round_up(used, row_bucket), Lpb + G * C)
     a = _empty(P, L, len(samples), C, pad_id)
     for p in range(P):
         prompt = samples[p * G].prompt_ids
@@ -81,11 +84,11 @@ def _packed(samples, G, C, pad_id, prompt_bucket):
         a["tokens_RxL"][p, :lp] = prompt
         a["positions_RxL"][p, :lp] = np.arange(lp)
         a["segment_ids_RxL"][p, :lp] = 1
+        start = Lpb
         for g in range(G):
             n = p * G + g
             tokens, logp, _ = samples[n].segments[0]
             k = len(tokens)
-            start = Lpb + g * C
             a["tokens_RxL"][p, start:start + k] = tokens
             a["positions_RxL"][p, start:start + k] = lp + np.arange(k)
             a["segment_ids_RxL"][p, start:start + k] = 1
@@ -94,6 +97,7 @@ def _packed(samples, G, C, pad_id, prompt_bucket):
             a["score_pos_NxC"][n, :k] = np.concatenate([[lp - 1], start + np.arange(k - 1)]) if k else []
             a["loss_mask_NxC"][n, :k] = True
             a["logp_sample_NxC"][n, :k] = logp
+            start += k
     return a
 
 

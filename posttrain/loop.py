@@ -105,7 +105,8 @@ def train(cfg: Config, *, workdir: str | None = None, progress: bool = True) -> 
         m = run_eval(run, 0)
         writer.write(0, m)
         summary["eval_start"] = m
-    train_s, step = 0.0, start
+    # training wall time: the loop (rollouts, updates, checkpoints) minus in-loop evaluation
+    t_loop, eval_s, step = time.perf_counter(), 0.0, start
     for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
         samples, perf = collect(run, step, make_sample_fn(run, sampling))
@@ -123,19 +124,22 @@ def train(cfg: Config, *, workdir: str | None = None, progress: bool = True) -> 
         m.update(perf)
         m.update({"perf/step_s": t2 - t0, "perf/train_s": t2 - t1, "perf/tokens_per_s": tokens / (t2 - t0),
                   "perf/peak_rss_gb": _peak_rss_gb()})
-        train_s += t2 - t0
         done = step + 1
         if cfg.eval.every_steps and done % cfg.eval.every_steps == 0 and done < cfg.train.steps:
+            t_eval = time.perf_counter()
             m.update(run_eval(run, done))
+            eval_s += time.perf_counter() - t_eval
         writer.write(done, m)
         bar.update(m)
         if run.checkpointer.should_save(done):
             run.checkpointer.save(done, run.state, run.checkpoint_meta())
-        if cfg.train.max_train_seconds and train_s >= cfg.train.max_train_seconds:
+        if cfg.train.max_train_seconds and time.perf_counter() - t_loop - eval_s >= cfg.train.max_train_seconds:
             summary["stopped_early"] = f"max_train_seconds={cfg.train.max_train_seconds} reached"
             break
     end = int(run.state.step)
     run.checkpointer.save(end, run.state, run.checkpoint_meta(), force=True)
+    run.checkpointer.wait()
+    train_s = time.perf_counter() - t_loop - eval_s
     if cfg.eval.at_end and run.eval_episodes and end > start:
         m = run_eval(run, end)
         writer.write(end, m)
