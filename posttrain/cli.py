@@ -4,6 +4,7 @@
   posttrain eval   --config=configs/quickstart.py --checkpoint=DIR   (DIR: a run's workdir)
   posttrain sample --prompt="What is 12 + 30?" [--model=PATH.gguf|HF_DIR] [--max_new_tokens=64]
   posttrain convert --model=PATH.gguf --out=HF_DIR                     (export HF safetensors)
+Multi-host: start one process per host with --distributed (launch/ has TPU-pod and SLURM scripts).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def _flags():
         flags.DEFINE_integer("max_new_tokens", 64, "sample: tokens to generate")
         flags.DEFINE_float("temperature", 0.0, "sample: 0 = greedy")
         flags.DEFINE_bool("progress", True, "train: show a progress bar")
+        flags.DEFINE_bool("distributed", False, "multi-host: call jax.distributed.initialize() first "
+                          "(also on with POSTTRAIN_DISTRIBUTED=1; see launch/)")
     return f
 
 
@@ -120,6 +123,9 @@ def main(argv=None) -> int:
     except Exception as e:  # absl raises its own error types for unknown/invalid flags
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from posttrain import distributed
+
+    distributed.initialize(True if f.distributed else None)
     _enable_compilation_cache()
     return {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "convert": cmd_convert}[command](f)
 

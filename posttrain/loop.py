@@ -7,22 +7,32 @@ last complete checkpoint with the same task order and RNG stream.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import pathlib
 import resource
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from posttrain import batching, evaluate, metrics as metrics_lib, rollout, setup
+from posttrain import batching, distributed, evaluate, metrics as metrics_lib, rollout, setup
 from posttrain.config import Config, to_dict
-from posttrain.sampler import SamplingParams, sample
+from posttrain.sampler import SamplingParams, sample, shared_prefix_len
 
 
 def _peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def _trim_host_heap() -> None:
+    """Returns freed heap pages to the OS (glibc `malloc_trim`; a no-op elsewhere). Called before a checkpoint
+    save: the train step's freed temporaries otherwise stay resident while orbax allocates its host copies on
+    top of them, raising the peak RSS of a CPU run."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def make_sample_fn(run: "setup.Run", params: SamplingParams):
@@ -31,9 +41,11 @@ def make_sample_fn(run: "setup.Run", params: SamplingParams):
     policy = run.policy_state()
 
     def fn(prompts, lengths, key, group_size):
+        shared = shared_prefix_len(prompts, lengths)  # e.g. the chat template's system turn: prefilled once
         with jax.set_mesh(run.mesh):
-            return sample(run.graphdef, policy, jnp.asarray(prompts), jnp.asarray(lengths), key,
-                          group_size=group_size, params=params, stop_ids=tuple(tok.stop_ids), pad_id=tok.pad_id)
+            return sample(run.graphdef, policy, np.asarray(prompts), np.asarray(lengths), key,
+                          group_size=group_size, params=params, stop_ids=tuple(tok.stop_ids), pad_id=tok.pad_id,
+                          shared_prefix_len=shared)
 
     return fn
 
@@ -45,9 +57,10 @@ def run_eval(run: "setup.Run", step: int) -> dict:
                                    batch_size=cfg.eval.batch_size, scorer=cfg.eval.scorer, max_turns=cfg.env.max_turns,
                                    pad_id=run.tokenizer.pad_id, key=jax.random.key(cfg.train.seed + 1),
                                    system_prompt=cfg.sampling.system_prompt, bucket=cfg.sampling.prompt_bucket)
-    path = run.workdir / "eval" / f"step_{step:06d}.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    if distributed.is_main_process():
+        path = run.workdir / "eval" / f"step_{step:06d}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return m
 
 
@@ -96,14 +109,16 @@ def train(cfg: Config, *, workdir: str | None = None, progress: bool = True) -> 
     """Runs (or resumes) GRPO training as configured; returns the summary dict (also in summary.json)."""
     run = setup.build(cfg, workdir)
     cfg, start = run.cfg, int(run.state.step)
-    writer = metrics_lib.MetricsWriter(run.workdir, resume_step=start if start else None)
-    bar = metrics_lib.ProgressBar(cfg.train.steps, initial_step=start, disable=not progress)
+    main = distributed.is_main_process()  # process 0 writes metrics, plots, trajectories and the summary
+    writer = metrics_lib.MetricsWriter(run.workdir, resume_step=start if start else None) if main else None
+    bar = metrics_lib.ProgressBar(cfg.train.steps, initial_step=start, disable=not (progress and main))
     sampling = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
                               top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k)
     summary = {"start_step": start, "config": to_dict(cfg)}
     if start == 0 and cfg.eval.at_start and run.eval_episodes:
         m = run_eval(run, 0)
-        writer.write(0, m)
+        if writer:
+            writer.write(0, m)
         summary["eval_start"] = m
     # training wall time: the loop (rollouts, updates, checkpoints) minus in-loop evaluation
     t_loop, eval_s, step = time.perf_counter(), 0.0, start
@@ -118,7 +133,8 @@ def train(cfg: Config, *, workdir: str | None = None, progress: bool = True) -> 
         run.state, m = run.train_step(run.state, run.put_batch(batch))
         m = {k: float(v) for k, v in jax.device_get(m).items()}
         t2 = time.perf_counter()
-        archive(run, step, samples)
+        if main:
+            archive(run, step, samples)
         tokens = int(np.asarray(batch.loss_mask_NxC).sum())
         m.update(roll)
         m.update(perf)
@@ -129,25 +145,32 @@ def train(cfg: Config, *, workdir: str | None = None, progress: bool = True) -> 
             t_eval = time.perf_counter()
             m.update(run_eval(run, done))
             eval_s += time.perf_counter() - t_eval
-        writer.write(done, m)
+        if writer:
+            writer.write(done, m)
         bar.update(m)
         if run.checkpointer.should_save(done):
+            _trim_host_heap()
             run.checkpointer.save(done, run.state, run.checkpoint_meta())
-        if cfg.train.max_train_seconds and time.perf_counter() - t_loop - eval_s >= cfg.train.max_train_seconds:
+        if cfg.train.max_train_seconds and distributed.agree(
+                time.perf_counter() - t_loop - eval_s >= cfg.train.max_train_seconds):
             summary["stopped_early"] = f"max_train_seconds={cfg.train.max_train_seconds} reached"
             break
     end = int(run.state.step)
+    _trim_host_heap()
     run.checkpointer.save(end, run.state, run.checkpoint_meta(), force=True)
     run.checkpointer.wait()
     train_s = time.perf_counter() - t_loop - eval_s
     if cfg.eval.at_end and run.eval_episodes and end > start:
         m = run_eval(run, end)
-        writer.write(end, m)
+        if writer:
+            writer.write(end, m)
         summary["eval_end"] = m
     run.checkpointer.close()
-    writer.close()
+    if writer:
+        writer.close()
     bar.close()
     run.close()
     summary.update({"end_step": end, "train_wall_s": train_s, "peak_rss_gb": _peak_rss_gb()})
-    (run.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    if main:
+        (run.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary

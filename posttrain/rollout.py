@@ -122,6 +122,7 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
     """Runs P episodes x G samples to completion; returns the samples (group-major) and timing stats."""
     import jax
 
+    from posttrain import distributed
     from posttrain.sampler import pad_prompts
 
     G = group_size
@@ -143,7 +144,7 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
         else:
             toks, lens = pad_prompts([contexts[i] for i in active], pad_id, bucket)
             out = sample_fn(toks, lens, jax.random.fold_in(key, turn), 1)
-        out = jax.tree.map(np.asarray, out)
+        out = distributed.to_host(out)  # every process gets the full batch (one process: np.asarray)
         gen_s += time.perf_counter() - t
         replies = []
         for row, i in enumerate(active):

@@ -62,6 +62,35 @@ def filter_logits(scaled_NxV: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return x
 
 
+def categorical(key, logits_NxV: jax.Array, block: int = 256) -> jax.Array:
+    """Draws one token per row from softmax(logits_NxV) by blocked inverse-CDF sampling.
+
+    Same law as `jax.random.categorical` (Gumbel-max), but one uniform per row instead of V: on a CPU the V
+    random bits per row cost ~15x more than the softmax (64 x 49,152: 67 ms vs 4.6 ms). The vocabulary is cut
+    into blocks of `block` tokens; a uniform u in [0, total mass) picks the block by the cumulative block sums,
+    then the token inside it by that block's cumulative sums (two short cumsums keep float32 error small).
+    Tokens with probability 0 (masked to -inf by top-k/top-p) are never returned: both picks are clamped to the
+    last block/token with non-zero mass. Returns int32 [N]. Source: inverse transform sampling.
+    """
+    N, V = logits_NxV.shape
+    nb = -(-V // block)
+    x = jnp.pad(logits_NxV.astype(jnp.float32), ((0, 0), (0, nb * block - V)), constant_values=-jnp.inf)
+    p = jax.nn.softmax(x, axis=-1).reshape(N, nb, block)
+
+    def pick(mass_NxM, u_N):
+        """(first index whose cumulative mass exceeds u, clamped to the last index with mass > 0; cumsum)."""
+        cdf = jnp.cumsum(mass_NxM, axis=-1)
+        last = mass_NxM.shape[-1] - 1 - jnp.argmax(mass_NxM[:, ::-1] > 0, axis=-1)
+        return jnp.minimum((cdf <= u_N[:, None]).sum(-1), last).astype(jnp.int32), cdf
+
+    block_mass = p.sum(-1)
+    u = jax.random.uniform(key, (N,), jnp.float32) * block_mass.sum(-1)
+    b, cdf_blocks = pick(block_mass, u)
+    below = jnp.take_along_axis(cdf_blocks - block_mass, b[:, None], axis=1)[:, 0]
+    inner, _ = pick(jnp.take_along_axis(p, b[:, None, None], axis=1)[:, 0], u - below)
+    return b * block + inner
+
+
 def _pick(logits_NxV, key, t, params: SamplingParams):
     """(token_N, logp_N) for one step; see the module doc for the logprob definition."""
     T = params.temperature if params.temperature > 0 else 1.0
@@ -71,14 +100,15 @@ def _pick(logits_NxV, key, t, params: SamplingParams):
         tok = jnp.argmax(logits_NxV, axis=-1)
     else:
         filtered = filter_logits(scaled, params.top_k, params.top_p)
-        tok = jax.random.categorical(jax.random.fold_in(key, t), filtered, axis=-1)
+        tok = categorical(jax.random.fold_in(key, t), filtered)
     tok = tok.astype(jnp.int32)
     return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "group_size", "params", "stop_ids", "pad_id"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "group_size", "params", "stop_ids", "pad_id",
+                                             "shared_prefix_len"))
 def sample(graphdef, state, prompts_PxLp, lengths_P, key, *, group_size: int, params: SamplingParams,
-           stop_ids: tuple[int, ...], pad_id: int) -> SampleOutput:
+           stop_ids: tuple[int, ...], pad_id: int, shared_prefix_len: int = 0) -> SampleOutput:
     """Samples `group_size` continuations of each right-padded prompt.
 
     Args:
@@ -86,12 +116,16 @@ def sample(graphdef, state, prompts_PxLp, lengths_P, key, *, group_size: int, pa
         of states (e.g. (params, rest) from `nnx.split(model, nnx.Param, ...)`).
       prompts_PxLp: int32 right-padded prompt tokens; lengths_P: int32 valid lengths (>= 1).
       key: PRNG key (fresh per call: the caller splits it from the run's key by step).
+      shared_prefix_len: C > 0 when every prompt starts with the same C tokens (e.g. the chat template's system
+        turn) and is longer than C: the prefill runs those tokens once for the whole batch instead of P times.
+        Use `shared_prefix_len(prompts, lengths)`; outputs are the same up to float rounding.
     Returns:
       SampleOutput with N = P * group_size rows; row p*G + g is sample g of prompt p.
     """
     model = nnx.merge(graphdef, *(state if isinstance(state, tuple) else (state,)))
     Lg = params.max_new_tokens
-    logits0, cache = model.prefill(prompts_PxLp, lengths_P, group=group_size, max_new=Lg)
+    logits0, cache = model.prefill(prompts_PxLp, lengths_P, group=group_size, max_new=Lg,
+                                  shared_len=shared_prefix_len)
     logits0 = jnp.repeat(logits0, group_size, axis=0)
     N = logits0.shape[0]
     stops = jnp.asarray(stop_ids, jnp.int32)
@@ -135,3 +169,16 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, bucket: int = 16)
     for i, p in enumerate(prompts):
         out[i, :len(p)] = p
     return out, np.asarray([len(p) for p in prompts], np.int32)
+
+
+def shared_prefix_len(prompts_PxLp: np.ndarray, lengths_P: np.ndarray, multiple: int = 8) -> int:
+    """Length C of the token prefix common to all prompts, kept below every prompt's length (each prompt keeps
+    at least one token of its own) and rounded down to a multiple of `multiple` (fewer distinct compiled
+    shapes). 0 when there is a single prompt or no common prefix. Host-side numpy."""
+    prompts_PxLp, lengths_P = np.asarray(prompts_PxLp), np.asarray(lengths_P)
+    if prompts_PxLp.shape[0] < 2:
+        return 0
+    same = (prompts_PxLp == prompts_PxLp[:1]).all(0)
+    c = int(same.argmin()) if not same.all() else prompts_PxLp.shape[1]
+    c = min(c, int(lengths_P.min()) - 1)
+    return max(c // multiple * multiple, 0)

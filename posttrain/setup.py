@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posttrain import losses as losses_lib
+from posttrain import distributed, losses as losses_lib
 from posttrain import mesh as mesh_lib
 from posttrain import optim, train_step as ts
 from posttrain.config import Config, to_dict
@@ -46,7 +46,7 @@ class Run:
         return _policy_state(self.state.params, self.state.frozen, self.step_opts)
 
     def put_batch(self, batch: RolloutBatch) -> RolloutBatch:
-        return jax.device_put(batch, batch_shardings(self.mesh, batch))
+        return jax.tree.map(distributed.global_array, batch, batch_shardings(self.mesh, batch))
 
     def checkpoint_meta(self) -> dict:
         return {"scheduler": self.scheduler.state_dict(), "config": to_dict(self.cfg)}

@@ -75,7 +75,8 @@ def attention_mask(segment_ids_BxT: jax.Array, branch_ids_BxT: jax.Array) -> jax
 class DecodeCache(NamedTuple):
     """KV cache of a group-sampling run (a pytree).
 
-    prefix: {stack: entries [L, P, Lp, ...]} computed once per prompt; prefix_len_P: valid prompt lengths;
+    prefix: {stack: entries [L, P, Lp, ...]} computed once per prompt (after the shared part, if any);
+    prefix_len_P: valid lengths of those prompt parts;
     suffix: {stack: entries [L, N, Lg, ...]} per sample; step: number of tokens already in `suffix`.
     """
 
@@ -83,6 +84,7 @@ class DecodeCache(NamedTuple):
     prefix_len_P: jax.Array
     suffix: Any
     step: jax.Array
+    shared: Any = None  # {stack: entries [L, 1, C, ...]}: the first C tokens common to every prompt, or None
 
 
 class Transformer(nnx.Module):
@@ -148,9 +150,10 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ teacher-forced / prefill
     def hidden_states(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, branch_ids_BxT=None,
-                      *, return_entries: bool = False):
+                      *, return_entries: bool = False, shared_entries=None):
         """Final-norm hidden states [B, T, D], aux dict (MoE losses summed over layers, expert load per layer),
-        and (if asked) the per-stack cache entries [L, B, T, ...]."""
+        and (if asked) the per-stack cache entries [L, B, T, ...]. `shared_entries` ({stack: [L, 1, C, ...]}):
+        cache entries of C earlier tokens that every row continues (positions must then start at C)."""
         B, T = tokens_BxT.shape
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -163,12 +166,13 @@ class Transformer(nnx.Module):
         x = self.embed(tokens_BxT)
         entries, auxes = {}, []
 
-        def body(block, h, _):
-            h, ent, aux = block(h, positions_BxT, mask, (), valid)
+        def body(block, h, shared_l):
+            sources = () if shared_l is None else (Source(shared_l, jnp.ones((1, 1, jax.tree.leaves(shared_l)[0].shape[1]), bool), B),)
+            h, ent, aux = block(h, positions_BxT, mask, sources, valid)
             return h, (ent if return_entries else None, aux)
 
         for name, stack in self.stacks():
-            x, (ent, aux) = self._scan(stack, x, None, body)
+            x, (ent, aux) = self._scan(stack, x, None if shared_entries is None else shared_entries[name], body)
             entries[name] = ent
             auxes.append(aux)
         aux = _merge_aux(auxes)
@@ -180,15 +184,26 @@ class Transformer(nnx.Module):
         h, aux = self.hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT, branch_ids_BxT)
         return self.logits(h), aux
 
-    def prefill(self, prompts_PxLp, lengths_P, *, group: int, max_new: int):
+    def prefill(self, prompts_PxLp, lengths_P, *, group: int, max_new: int, shared_len: int = 0):
         """Runs right-padded prompts once; returns (logits [P, V] at each prompt's last token, DecodeCache
-        with an empty per-sample suffix of width `max_new` for P * group samples)."""
+        with an empty per-sample suffix of width `max_new` for P * group samples).
+
+        shared_len: C > 0 when all prompts begin with the same C tokens (C < every length; see
+        `sampler.shared_prefix_len`): those are run once, and every prompt's remainder attends to them.
+        """
         P, Lp = prompts_PxLp.shape
+        shared = None
+        if shared_len:
+            _, _, shared = self.hidden_states(prompts_PxLp[:1, :shared_len], return_entries=True)
+            prompts_PxLp, lengths_P = prompts_PxLp[:, shared_len:], lengths_P - shared_len
+            Lp = Lp - shared_len
         segment = (jnp.arange(Lp)[None, :] < lengths_P[:, None]).astype(jnp.int32)
-        h, _, entries = self.hidden_states(prompts_PxLp, None, segment, None, return_entries=True)
+        positions = jnp.broadcast_to(shared_len + jnp.arange(Lp, dtype=jnp.int32), (P, Lp))
+        h, _, entries = self.hidden_states(prompts_PxLp, positions, segment, None, return_entries=True,
+                                           shared_entries=shared)
         last = jnp.take_along_axis(h, (lengths_P - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
         suffix = jax.tree.map(lambda e: jnp.zeros((e.shape[0], P * group, max_new) + e.shape[3:], e.dtype), entries)
-        cache = DecodeCache(entries, lengths_P.astype(jnp.int32), suffix, jnp.zeros((), jnp.int32))
+        cache = DecodeCache(entries, lengths_P.astype(jnp.int32), suffix, jnp.zeros((), jnp.int32), shared)
         return self.logits(last), cache
 
     # ------------------------------------------------------------------ decoding
@@ -198,7 +213,8 @@ class Transformer(nnx.Module):
         P = cache.prefix_len_P.shape[0]
         G = N // P
         t = cache.step
-        positions = (jnp.repeat(cache.prefix_len_P, G) + t)[:, None]
+        C = 0 if cache.shared is None else jax.tree.leaves(cache.shared)[0].shape[2]  # [L, 1, C, ...]
+        positions = (C + jnp.repeat(cache.prefix_len_P, G) + t)[:, None]
         x = self.embed(tokens_N[:, None])
         some = next(iter(jax.tree.leaves(cache.prefix)))
         prefix_mask = (jnp.arange(some.shape[2])[None, :] < cache.prefix_len_P[:, None])[:, None, :]
@@ -212,12 +228,15 @@ class Transformer(nnx.Module):
             # once after the scan. (Carrying the whole [L, N, Lg, ...] suffix through the layer scan made XLA CPU
             # copy it twice per layer per step: about a quarter of decode time for SmolLM2 at N=64.)
             def body(block, h, inputs):
-                prefix_l, suffix_l = inputs
+                prefix_l, suffix_l, shared_l = inputs
                 sources = (Source(prefix_l, prefix_mask, G), Source(suffix_l, suffix_mask, 1))
+                if shared_l is not None:
+                    sources = (Source(shared_l, jnp.ones((1, 1, C), bool), N),) + sources
                 h, ent, _ = block(h, positions, self_mask, sources, valid)
                 return h, ent
 
-            x, ent = self._scan(stack, x, (cache.prefix[name], cache.suffix[name]), body)
+            shared = None if cache.shared is None else cache.shared[name]
+            x, ent = self._scan(stack, x, (cache.prefix[name], cache.suffix[name], shared), body)
             new_suffix[name] = jax.tree.map(
                 lambda s, e: jax.lax.dynamic_update_slice(s, e.astype(s.dtype), (0, 0, t) + (0,) * (s.ndim - 3)),
                 cache.suffix[name], ent)

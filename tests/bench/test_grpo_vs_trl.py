@@ -36,6 +36,8 @@ def test_settings_full_and_quick():
     assert (s["prompts_per_step"], s["samples_per_prompt"], s["completions_per_step"], s["max_new_tokens"]) == (8, 8, 64, 24)
     assert (s["lr"], s["beta"], s["temperature"], s["dtype"], s["steps"], s["timed_steps"]) == (1e-5, 0.0, 1.0, "float32", 4, 3)
     assert s["aggregation"] == {"posttrain": "token_mean", "trl": "dapo"}
+    assert s["gradient_checkpointing"] == {"trl": False, "posttrain": "dots"}
+    assert gvt.make_settings(posttrain_remat="none")["gradient_checkpointing"]["posttrain"] == "none"
     q = gvt.make_settings(quick=True, steps=3)
     assert (q["prompts_per_step"], q["samples_per_prompt"], q["max_new_tokens"], q["timed_steps"]) == (2, 2, 4, 2)
     json.dumps(s)  # children receive it as JSON

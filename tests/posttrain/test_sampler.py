@@ -100,8 +100,11 @@ def test_logprobs_equal_teacher_forced_tiny(case):
     cfg, graphdef, state = _random_model(preset)
     prompts = _prompts(cfg.vocab_size, [5, 11, 8])
     params = SamplingParams(max_new_tokens=20, temperature=T, top_k=top_k, top_p=top_p)
-    out, scaled, valid = _check_against_teacher(graphdef, state, prompts, params, G, STOPS, PAD)
-    lens = np.asarray(out.lengths_N)
+    for key in range(4):  # draws until the batch holds both a stopped and a truncated sample (checked each time)
+        out, scaled, valid = _check_against_teacher(graphdef, state, prompts, params, G, STOPS, PAD, key=key)
+        lens = np.asarray(out.lengths_N)
+        if lens.min() < 20 and lens.max() == 20:
+            break
     assert lens.min() < 20 and lens.max() == 20, f"want stopped and truncated samples, lengths {lens}"
     toks = np.asarray(out.tokens_NxLg)
     if G > 1:  # samples of one group share the prompt but are drawn independently
@@ -152,3 +155,55 @@ def test_sampling_params_validation():
         SamplingParams(max_new_tokens=4, top_p=0.0)
     with pytest.raises(ValueError, match="empty prompt"):
         pad_prompts([[1, 2], []], 0)
+
+
+def test_categorical_matches_softmax_law_and_never_draws_masked_tokens():
+    """Blocked inverse-CDF draws follow softmax(logits) (binomial 5-sigma bound per token over 64k draws), V not
+    a multiple of the block is padded, and -inf (top-k/top-p masked) tokens are never drawn."""
+    from posttrain.sampler import categorical
+
+    V = 300  # two blocks of 256, the second partly padding
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=V) * 2.0
+    logits[[0, 5, 255, 256, 299]] = -np.inf   # masked tokens at block edges
+    logits[[3, 257, 298]] += 4.0              # heavy tokens in both blocks
+    probs = np.exp(logits - logits[np.isfinite(logits)].max())
+    probs /= probs.sum()
+    n_rows, n_keys = 256, 256
+    x = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n_rows, V))
+    draws = np.asarray(jax.jit(jax.vmap(lambda k: categorical(k, x, block=256)))(
+        jax.random.split(jax.random.key(0), n_keys))).ravel()
+    n = draws.size
+    freq = np.bincount(draws, minlength=V) / n
+    assert draws.min() >= 0 and draws.max() < V
+    assert not np.isin(draws, [0, 5, 255, 256, 299]).any()
+    sigma = np.sqrt(probs * (1 - probs) / n)
+    np.testing.assert_array_less(np.abs(freq - probs), 5 * sigma + 1e-6)
+    # a single allowed token (top_k=1 style) is always drawn
+    one = jnp.full((4, V), -jnp.inf).at[:, 123].set(0.0)
+    assert (np.asarray(categorical(jax.random.key(1), one)) == 123).all()
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-deepseek"])
+def test_shared_prefix_prefill_matches_per_prompt_prefill(preset):
+    """Prompts sharing their first C tokens: prefilling those once (shared_prefix_len=C) gives the same greedy
+    tokens and logprobs as prefilling every prompt in full; `shared_prefix_len` finds C."""
+    from posttrain.sampler import shared_prefix_len
+
+    cfg, graphdef, state = _random_model(preset)
+    rng = np.random.default_rng(4)
+    head = rng.integers(4, cfg.vocab_size, 11).tolist()
+    prompts = [head + rng.integers(4, cfg.vocab_size, n).tolist() for n in (3, 7, 1)]
+    tokens, lengths = pad_prompts(prompts, PAD, bucket=8)
+    assert shared_prefix_len(tokens, lengths, multiple=1) == 11
+    assert shared_prefix_len(tokens, lengths) == 8
+    assert shared_prefix_len(tokens[:1], lengths[:1]) == 0
+    assert shared_prefix_len(tokens[:, :12], np.minimum(lengths, 11), multiple=1) == 10  # keeps one own token
+    for T, G in ((0.0, 1), (0.7, 3)):
+        params = SamplingParams(max_new_tokens=10, temperature=T)
+        run = lambda c: sample(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(5),
+                               group_size=G, params=params, stop_ids=STOPS, pad_id=PAD, shared_prefix_len=c)
+        full, shared = run(0), run(11)
+        np.testing.assert_array_equal(np.asarray(full.tokens_NxLg), np.asarray(shared.tokens_NxLg))
+        np.testing.assert_allclose(np.asarray(full.logp_NxLg), np.asarray(shared.logp_NxLg), atol=1e-4)
+        np.testing.assert_array_equal(np.asarray(full.lengths_N), np.asarray(shared.lengths_N))

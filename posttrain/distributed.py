@@ -1,0 +1,79 @@
+"""Multi-process (multi-host) runs through `jax.distributed`: one process per host, every process runs the
+same program (JAX's multi-controller model). Nothing here is a cluster manager: the launcher (TPU pod ssh,
+SLURM `srun`, Kubernetes) starts the processes and `jax.distributed.initialize` finds its peers.
+
+Data flow under several processes: every process samples the same rollout batch (the jitted sampler runs on
+the global mesh, its outputs are gathered to every host with `to_host`), scores it in its own env pool
+(deterministic seeds: the same rewards everywhere), assembles the same host batch and builds the global
+training arrays from it with `global_array` (each process supplies only its addressable shards). Metrics
+files, plots and progress bars are written by process 0 only; orbax checkpoints are written by all processes
+together (orbax coordinates them).
+
+With one process every function here reduces to the single-host behaviour.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+ENV_FLAG = "POSTTRAIN_DISTRIBUTED"
+
+
+def initialize(enabled: bool | None = None, **kwargs) -> bool:
+    """Calls `jax.distributed.initialize(**kwargs)` once when enabled (argument, or env POSTTRAIN_DISTRIBUTED=1).
+
+    On Cloud TPU pods, SLURM and Open MPI, JAX discovers the coordinator, process count and id by itself;
+    elsewhere pass coordinator_address=..., num_processes=..., process_id=... (or set the JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID variables). Must run before any other JAX call touches a device.
+    Returns whether distributed mode is on. Raises RuntimeError (from JAX) when the peers cannot be reached.
+    """
+    if enabled is None:
+        enabled = os.environ.get(ENV_FLAG, "0") not in ("", "0", "false", "False")
+    if not enabled:
+        return False
+    env = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+           "process_id": "JAX_PROCESS_ID"}
+    for key, var in env.items():
+        if key not in kwargs and os.environ.get(var):
+            value = os.environ[var]
+            kwargs[key] = value if key == "coordinator_address" else int(value)
+    if not jax.distributed.is_initialized():
+        jax.distributed.initialize(**kwargs)
+    return True
+
+
+def is_main_process() -> bool:
+    """True on process 0 (the one that writes metrics, plots and prints)."""
+    return jax.process_index() == 0
+
+
+def to_host(tree):
+    """numpy copies of a pytree of (possibly multi-host sharded) jax arrays, the full global value on every
+    process. Single process: `np.asarray`. Several: `multihost_utils.process_allgather` (a collective: every
+    process must call it with the same structure)."""
+    if jax.process_count() == 1:
+        return jax.tree.map(np.asarray, tree)
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+
+
+def global_array(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A global jax array with `sharding` from a host array holding the FULL global value on every process
+    (each process places only the shards its devices own). Single process: `jax.device_put`."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def agree(flag: bool) -> bool:
+    """Process 0's value of a host-side decision (e.g. a wall-clock stop), so that every process takes the same
+    branch; a collective under several processes."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag, np.bool_)))
