@@ -118,7 +118,7 @@ def test_memory_is_flat_across_steps(tmp_path):
 
 
 def test_tiny_model_learns_a_toy_verifiable_task(tmp_path):
-    cfg = digit_config(tmp_path, **{"train.steps": 40, "optim.lr": 3e-3, "sampling.max_new_tokens": 2,
+    cfg = digit_config(tmp_path, **{"train.steps": 60, "optim.lr": 3e-3, "sampling.max_new_tokens": 2,
                                     "rl.group_size": 8})
     loop.train(cfg, progress=False)
     rewards = [m["reward/mean"] for m in read(tmp_path)]
