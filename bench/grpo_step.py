@@ -4,7 +4,7 @@ MFU = 6 * params * tokens / step_seconds / peak, with `peak` measured in the sam
 in the same dtype, and `tokens` the non-padding tokens the step processes (prompt once per group + every
 completion token; packed rows). Prints one JSON object with --json.
 
-  python bench/grpo_step.py --json [--dtype float32] [--lora_rank 0] [--completion_len 24] [--steps 3]
+  python bench/grpo_step.py --json [--dtype float32] [--lora_rank 0] [--completion_len 24] [--steps 3] [--remat dots]
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def main():
     ap.add_argument("--lora_rank", type=int, default=0)
     ap.add_argument("--completion_len", type=int, default=24)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--remat", default="none")
+    ap.add_argument("--remat", default="dots", choices=("none", "dots", "full"), help="layer remat (quickstart: dots)")
     ap.add_argument("--microbatches", type=int, default=1)
     args = ap.parse_args()
 

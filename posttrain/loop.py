@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import pathlib
 import resource
 import time
 

@@ -15,7 +15,6 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from posttrain.types import RolloutBatch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,6 @@ import pathlib
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from posttrain import distributed, losses as losses_lib

@@ -1,7 +1,10 @@
-"""Suite-wide fixtures. Keep this small; shared helpers belong in test modules."""
+"""Suite-wide fixtures. Keep this small; helpers shared by several test modules live in tests/helpers.py."""
+import os
 import sys
 
 import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `from helpers import ...` in any test module
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,8 +10,6 @@ on import (and back on export): q.k is unchanged when both sides get the same pe
 """
 from __future__ import annotations
 
-import json
-import pathlib
 from typing import Callable, Mapping, NamedTuple
 
 import numpy as np

@@ -10,31 +10,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.model.presets import get_preset
-from posttrain.model.transformer import Transformer
 from posttrain.sampler import SamplingParams, filter_logits, pad_prompts, sample
 from posttrain.tokenizer import completion_lengths, mask_from_lengths
+from helpers import random_model
 
 STOPS = (1, 2, 3)  # tiny models: several stop ids so that some samples stop early
 PAD = 2            # pad == a stop id (EOS): masks must come from positions, not values
 
 
-def _random_model(preset, seed=0, std=0.2):
-    """(cfg, graphdef, state) of a preset with random weights: norms ~ 1 + 0.2 N(0,1), DeepSeek's selection bias
-    ~ 0.3 N(0,1), every other weight std * N(0,1). Drawn with numpy into the abstract state (fast: no init
-    compile), so logits, routing and rotary terms are far from zero."""
-    cfg = get_preset(preset)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(seed)
-
-    def one(path, v):
-        name = jax.tree_util.keystr(path)
-        noise = rng.standard_normal(v.shape).astype(np.float32)
-        new = 1.0 + 0.2 * noise if "norm" in name else 0.3 * noise if "score_bias" in name else std * noise
-        return v.replace(jnp.asarray(new, v.dtype))
-
-    state = jax.tree_util.tree_map_with_path(one, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return cfg, graphdef, state
 
 
 def _prompts(vocab, lengths, seed=0):
@@ -97,7 +80,7 @@ CASES = {  # id -> (preset, temperature, top_k, top_p, group)
 @pytest.mark.parametrize("case", list(CASES))
 def test_logprobs_equal_teacher_forced_tiny(case):
     preset, T, top_k, top_p, G = CASES[case]
-    cfg, graphdef, state = _random_model(preset)
+    cfg, graphdef, state = random_model(preset)
     prompts = _prompts(cfg.vocab_size, [5, 11, 8])
     params = SamplingParams(max_new_tokens=20, temperature=T, top_k=top_k, top_p=top_p)
     for key in range(4):  # draws until the batch holds both a stopped and a truncated sample (checked each time)
@@ -117,7 +100,7 @@ def test_logprobs_equal_teacher_forced_tiny(case):
 
 
 def test_greedy_logprobs_use_temperature_one_and_groups_agree():
-    cfg, graphdef, state = _random_model("tiny-moe", seed=3)
+    cfg, graphdef, state = random_model("tiny-moe", seed=3)
     prompts = _prompts(cfg.vocab_size, [7, 4], seed=1)
     out, scaled, valid = _check_against_teacher(graphdef, state, prompts, SamplingParams(max_new_tokens=12,
                                                 temperature=0.0), 3, STOPS, PAD)
@@ -127,7 +110,7 @@ def test_greedy_logprobs_use_temperature_one_and_groups_agree():
 
 
 def test_group_sampling_is_reproducible_and_key_dependent():
-    cfg, graphdef, state = _random_model("tiny-dense")
+    cfg, graphdef, state = random_model("tiny-dense")
     tokens, lengths = pad_prompts(_prompts(cfg.vocab_size, [6, 9]), PAD)
     run = lambda k: np.asarray(sample(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(k),
                                       group_size=4, params=SamplingParams(max_new_tokens=10), stop_ids=STOPS,
@@ -190,7 +173,7 @@ def test_shared_prefix_prefill_matches_per_prompt_prefill(preset):
     tokens and logprobs as prefilling every prompt in full; `shared_prefix_len` finds C."""
     from posttrain.sampler import shared_prefix_len
 
-    cfg, graphdef, state = _random_model(preset)
+    cfg, graphdef, state = random_model(preset)
     rng = np.random.default_rng(4)
     head = rng.integers(4, cfg.vocab_size, 11).tolist()
     prompts = [head + rng.integers(4, cfg.vocab_size, n).tolist() for n in (3, 7, 1)]

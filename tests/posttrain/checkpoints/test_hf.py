@@ -8,15 +8,13 @@ import dataclasses
 import json
 import pathlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from posttrain.checkpoints.convert import export_hf, load_hf_dir
-from posttrain.model.presets import get_preset
-from posttrain.model.transformer import Transformer
+from helpers import random_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -110,22 +108,6 @@ def test_deepseek_routing_details_are_exercised(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ export
-def _random_model(preset, seed=0, std=0.2):
-    """(cfg, graphdef, state) of a preset with random weights: norms ~ 1 + 0.2 N(0,1), DeepSeek's selection bias
-    ~ 0.3 N(0,1), every other weight std * N(0,1). Drawn with numpy into the abstract state (fast: no init
-    compile), so logits, routing and rotary terms are far from zero."""
-    cfg = get_preset(preset)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(seed)
-
-    def one(path, v):
-        name = jax.tree_util.keystr(path)
-        noise = rng.standard_normal(v.shape).astype(np.float32)
-        new = 1.0 + 0.2 * noise if "norm" in name else 0.3 * noise if "score_bias" in name else std * noise
-        return v.replace(jnp.asarray(new, v.dtype))
-
-    state = jax.tree_util.tree_map_with_path(one, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return cfg, graphdef, state
 
 
 def _architecture(cfg):
@@ -139,7 +121,7 @@ def _architecture(cfg):
 
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-qwen3", "tiny-moe", "tiny-deepseek"])
 def test_export_loads_in_transformers_with_same_logits(tmp_path, preset):
-    cfg, graphdef, state = _random_model(preset)
+    cfg, graphdef, state = random_model(preset)
     export_hf(cfg, state, tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 24))

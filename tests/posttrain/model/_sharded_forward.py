@@ -27,22 +27,13 @@ from posttrain.model.transformer import Transformer  # noqa: E402
 from posttrain.partitioning import create_sharded  # noqa: E402
 from posttrain.sampler import SamplingParams, sample  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/
+from helpers import random_model  # noqa: E402
+
 MESHES = {"dp2-fsdp2-ep2": {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1},
           "fsdp2-ep2-tp2": {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2}}
 
 
-def random_model(preset, seed=0, std=0.1):
-    cfg = get_preset(preset)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(seed)
-
-    def one(path, v):
-        name = jax.tree_util.keystr(path)
-        noise = rng.standard_normal(v.shape).astype(np.float32)
-        new = 1.0 + 0.2 * noise if "norm" in name else 0.3 * noise if "score_bias" in name else std * noise
-        return v.replace(np.asarray(new, v.dtype))
-
-    return cfg, graphdef, jax.tree_util.tree_map_with_path(one, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def main(out_path, full):
@@ -62,7 +53,7 @@ def main(out_path, full):
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     meshes = MESHES if full else {k: v for k, v in MESHES.items() if k == "dp2-fsdp2-ep2"}
     for preset in ("tiny-moe", "tiny-deepseek"):
-        cfg, graphdef, host_state = random_model(preset)
+        cfg, graphdef, host_state = random_model(preset, std=0.1)
         fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0])
         gen = lambda s: sample(graphdef, s, jnp.asarray(prompts), jnp.asarray(lengths), jax.random.key(0),
                                group_size=2, params=params, stop_ids=(1,), pad_id=0)

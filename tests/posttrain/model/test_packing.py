@@ -8,30 +8,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.model.presets import get_preset
-from posttrain.model.transformer import Transformer, attention_mask
+from posttrain.model.transformer import attention_mask
 from posttrain.sampler import SamplingParams, pad_prompts, sample
 from posttrain.tokenizer import completion_lengths, mask_from_lengths
+from helpers import random_model
 
 EOS = PAD = 2
 
 
-def _random_model(preset, seed=0, std=0.2):
-    """(cfg, graphdef, state) of a preset with random weights: norms ~ 1 + 0.2 N(0,1), DeepSeek's selection bias
-    ~ 0.3 N(0,1), every other weight std * N(0,1). Drawn with numpy into the abstract state (fast: no init
-    compile), so logits, routing and rotary terms are far from zero."""
-    cfg = get_preset(preset)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(seed)
-
-    def one(path, v):
-        name = jax.tree_util.keystr(path)
-        noise = rng.standard_normal(v.shape).astype(np.float32)
-        new = 1.0 + 0.2 * noise if "norm" in name else 0.3 * noise if "score_bias" in name else std * noise
-        return v.replace(jnp.asarray(new, v.dtype))
-
-    state = jax.tree_util.tree_map_with_path(one, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return cfg, graphdef, state
 
 
 def pack(groups, width):
@@ -58,7 +42,7 @@ def _forward(graphdef, state):
 
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe", "tiny-deepseek"])
 def test_packed_shared_prefix_rows_match_unpacked(preset):
-    cfg, graphdef, state = _random_model(preset)
+    cfg, graphdef, state = random_model(preset)
     rng = np.random.default_rng(0)
     draw = lambda n: rng.integers(3, cfg.vocab_size, n).tolist()
     groups = [(draw(7), [draw(5), draw(3), draw(6)]), (draw(4), [draw(8), draw(2)])]
@@ -104,7 +88,7 @@ def test_loss_mask_is_built_by_position_when_pad_is_eos():
 
 def test_sampled_group_packed_in_one_row_reproduces_sampler_logprobs():
     """Sampler -> lengths -> one packed row per prompt -> teacher-forced logprobs == sampler logprobs."""
-    cfg, graphdef, state = _random_model("tiny-moe", seed=2)
+    cfg, graphdef, state = random_model("tiny-moe", seed=2)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (6, 9)]
     G, T = 3, 0.8

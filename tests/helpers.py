@@ -1,0 +1,26 @@
+"""Helpers shared by several test modules (importable because tests/conftest.py puts tests/ on sys.path)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posttrain.model.presets import get_preset
+from posttrain.model.transformer import Transformer
+
+
+def random_model(preset, seed=0, std=0.2):
+    """(cfg, graphdef, state) of a preset with random weights: norms ~ 1 + 0.2 N(0,1), DeepSeek's selection bias
+    ~ 0.3 N(0,1), every other weight std * N(0,1). Drawn with numpy into the abstract state (fast: no init
+    compile), so logits, routing and rotary terms are far from zero."""
+    cfg = get_preset(preset)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+
+    def one(path, v):
+        name = jax.tree_util.keystr(path)
+        noise = rng.standard_normal(v.shape).astype(np.float32)
+        new = 1.0 + 0.2 * noise if "norm" in name else 0.3 * noise if "score_bias" in name else std * noise
+        return v.replace(jnp.asarray(new, v.dtype))
+
+    state = jax.tree_util.tree_map_with_path(one, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return cfg, graphdef, state
