@@ -14,7 +14,6 @@ Layers are stacked on a leading `layers` axis and applied with `jax.lax.scan` (o
 """
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple
 
 import jax
@@ -26,7 +25,6 @@ from posttrain.model.layers import MLP, Attention, MLAttention, RMSNorm, Source,
 from posttrain.model.moe import MoE
 from posttrain.partitioning import with_logical_constraint
 
-UNROLL = int(os.environ.get("POSTTRAIN_SCAN_UNROLL", "1"))  # layers per scan iteration (experiments)
 _DT = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -146,7 +144,7 @@ class Transformer(nnx.Module):
         if self.remat != "none":
             policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if self.remat == "dots" else None
             step = jax.checkpoint(step, policy=policy, prevent_cse=False)
-        return jax.lax.scan(step, x if carry_extra is None else (x, carry_extra), (state, xs), unroll=UNROLL)
+        return jax.lax.scan(step, x if carry_extra is None else (x, carry_extra), (state, xs))
 
     # ------------------------------------------------------------------ teacher-forced / prefill
     def hidden_states(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, branch_ids_BxT=None,
@@ -167,7 +165,9 @@ class Transformer(nnx.Module):
         entries, auxes = {}, []
 
         def body(block, h, shared_l):
-            sources = () if shared_l is None else (Source(shared_l, jnp.ones((1, 1, jax.tree.leaves(shared_l)[0].shape[1]), bool), B),)
+            sources = ()
+            if shared_l is not None:  # every row attends to all C shared tokens
+                sources = (Source(shared_l, jnp.ones((1, 1, jax.tree.leaves(shared_l)[0].shape[1]), bool), B),)
             h, ent, aux = block(h, positions_BxT, mask, sources, valid)
             return h, (ent if return_entries else None, aux)
 
