@@ -40,7 +40,7 @@ def model_states(params, frozen) -> tuple:
     return (params, frozen["base"], frozen["other"]) if frozen["base"] is not None else (params, frozen["other"])
 
 
-def merge_model(graphdef, params, frozen, opts: StepOptions = None):
+def merge_model(graphdef, params, frozen):
     """The policy module from trainable params + frozen state."""
     return nnx.merge(graphdef, *model_states(params, frozen))
 
@@ -68,7 +68,7 @@ def score_logprobs(model, batch: RolloutBatch, temperature: float, chunk: int, w
 
 
 def _microbatch_loss(params, frozen, ref_model_state, mb: RolloutBatch, den, graphdef, opts: StepOptions):
-    model = merge_model(graphdef, params, frozen, opts)
+    model = merge_model(graphdef, params, frozen)
     out, aux = score_logprobs(model, mb, opts.temperature, opts.logprob_chunk, with_entropy=True)
     logp_ref = None
     if ref_model_state is not None:

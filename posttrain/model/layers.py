@@ -353,8 +353,7 @@ def swiglu(x_NxD, gate_DxF, up_DxF, down_FxD, dtype):
     gradient dots, a strided loop that took ~25% of a SmolLM2 train step; here those ops stay in natural
     layout. Residuals: x, x @ gate, x @ up (matmul outputs, so the "dots" remat policy saves them).
     """
-    g, u = _mm(x_NxD, gate_DxF, dtype), _mm(x_NxD, up_DxF, dtype)
-    return _mm(jax.nn.silu(g) * u, down_FxD, dtype)
+    return _swiglu_fwd(x_NxD, gate_DxF, up_DxF, down_FxD, dtype)[0]
 
 
 def _swiglu_fwd(x, wg, wu, wd, dtype):

@@ -72,7 +72,7 @@ def test_microbatches_do_not_change_loss_or_gradients(preset):
 def test_ratio_is_one_and_kl_zero_at_first_step_then_kl_gradient_appears():
     graphdef, state, opts, opt = make_state(beta=0.1, kl_estimator="k3")
     batch = random_batch()
-    model = ts.merge_model(graphdef, state.params, state.frozen, opts)
+    model = ts.merge_model(graphdef, state.params, state.frozen)
     logp = jax.jit(lambda b: ts.score_logprobs(model, b, 1.0, 64)[0].logp_BxT)(batch)
     batch = batch.replace(logp_sample_NxC=logp)  # what the sampler would have recorded at these weights
     _, m = grads_and_metrics(graphdef, state, batch, opts)
@@ -97,7 +97,7 @@ def test_lora_keeps_base_frozen_and_starts_at_the_base_model():
     graphdef, state, opts, opt = make_state(lora=4, beta=0.1, lr=1e-2)
     batch = random_batch()
     base_before = jax.tree.map(np.asarray, state.frozen["base"])
-    model = ts.merge_model(graphdef, state.params, state.frozen, opts)
+    model = ts.merge_model(graphdef, state.params, state.frozen)
     plain = Transformer(get_preset("tiny-dense"), rngs=nnx.Rngs(1))  # no adapters, other init...
     nnx.update(plain, state.frozen["base"], state.frozen["other"])  # ...then the LoRA model's base weights
     np.testing.assert_allclose(model(batch.tokens_RxL)[0], plain(batch.tokens_RxL)[0], atol=1e-6)
