@@ -26,6 +26,7 @@ shared 2-core machine): run it on a quiet machine and check round_s.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -40,7 +41,7 @@ import numpy as np  # noqa: E402
 
 from posttrain.checkpoints import load_pretrained  # noqa: E402
 from posttrain.checkpoints.gguf import default_model_path  # noqa: E402
-from posttrain.sampler import SamplingParams, pad_prompts, sample, shared_prefix_len  # noqa: E402
+from posttrain.sampler import SamplingParams, pad_prompts, sample, shared_prefix_len, shrink_schedule  # noqa: E402
 
 
 def make_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
@@ -63,7 +64,7 @@ def until_stop(row, stops) -> list[int]:
 
 
 class PosttrainSide:
-    def __init__(self, prompts, new_tokens, tokenizer_stop_ids, pad_id, pre, shared_prefix=True):
+    def __init__(self, prompts, new_tokens, tokenizer_stop_ids, pad_id, pre, shared_prefix=True, shrink=True):
         self.pre = pre
         tokens, lengths = pad_prompts(prompts, pad_id)
         self.tokens, self.lengths = jnp.asarray(tokens), jnp.asarray(lengths)
@@ -72,10 +73,13 @@ class PosttrainSide:
         self.width = tokens.shape[1]
         # the chat template's system turn + "What is " is common to all prompts: prefilled once (as in training)
         self.shared = shared_prefix_len(tokens, lengths) if shared_prefix else 0
+        # once enough rows have stopped, decode continues on fewer rows (as the training loop does)
+        self.shrink = shrink_schedule(tokens.shape[0]) if shrink else ()
 
     def __call__(self) -> list[list[int]]:
         out = sample(self.pre.graphdef, self.pre.state, self.tokens, self.lengths, jax.random.key(0), group_size=1,
-                     params=self.params, stop_ids=self.stops, pad_id=self.pad, shared_prefix_len=self.shared)
+                     params=self.params, stop_ids=self.stops, pad_id=self.pad, shared_prefix_len=self.shared,
+                     shrink=self.shrink)
         tokens, lengths = jax.device_get((out.tokens_NxLg, out.lengths_N))
         return [tokens[i, :lengths[i]].tolist() for i in range(tokens.shape[0])]
 
@@ -102,6 +106,51 @@ class TransformersSide:
         return [until_stop(row, self.stops) for row in out[:, self.width:].tolist()]
 
 
+def decode_widths(lengths, num_rows: int, new_tokens: int, shrink) -> dict[int, int]:
+    """{batch width: decode steps run at that width} for the sampler's loop (see `sample`): the step producing
+    token t runs while some row is unfinished (length > t); the width drops to the next `shrink` entry once no
+    more rows than it are unfinished."""
+    active = lambda t: sum(n > t for n in lengths)
+    steps, width, t = {}, num_rows, 1
+    for nxt in tuple(w for w in shrink if w < num_rows) + (0,):
+        while t < new_tokens and active(t) > nxt:
+            steps[width] = steps.get(width, 0) + 1
+            t += 1
+        width = nxt or width
+    return steps
+
+
+def matmul_floor_s(pre, prefill_rows: int, head_rows: int, steps: dict[int, int], runs: int = 3) -> float:
+    """Seconds that the model's weight matmuls ALONE take on this CPU for the posttrain side's work: one prefill of
+    `prefill_rows` tokens (LM head on `head_rows` of them) plus `steps` decode steps ({rows: count}, LM head on
+    every row), each timed as a jitted chain of the 30 layers' q/k/v/o/gate/up/down matmuls in float32 (same
+    weights, `lax.scan` over layers as in the model) and the tied LM head, with no attention, norms or sampling.
+    No implementation of this model in float32 can run the same tokens faster than this on this machine."""
+    flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(pre.state)[0]}
+    get = lambda name: jnp.asarray(next(v for k, v in flat.items() if f"['{name}']" in k))
+    L, D = get("q_proj").shape[:2]
+    w = {"q": get("q_proj").reshape(L, D, -1), "k": get("k_proj").reshape(L, D, -1),
+         "v": get("v_proj").reshape(L, D, -1), "o": get("o_proj").reshape(L, -1, D),
+         "g": get("gate_proj"), "u": get("up_proj"), "d": get("down_proj")}
+    emb = get("embedding")
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def chain(x_MxD, head):
+        def layer(x, w):
+            q, k, v = x @ w["q"], x @ w["k"], x @ w["v"]
+            x = jnp.tanh(x + q @ w["o"])
+            return jnp.tanh(x + ((x @ w["g"]) * (x @ w["u"])) @ w["d"]), (k, v)
+        x, kv = jax.lax.scan(layer, x_MxD, w)
+        return (x[:head] @ emb.T).max(-1), kv
+
+    def best(rows, head):
+        x = jnp.asarray(np.random.default_rng(0).normal(size=(rows, D)), jnp.float32)
+        jax.block_until_ready(chain(x, head))
+        return min(timed(lambda: jax.block_until_ready(chain(x, head)))[0] for _ in range(runs))
+
+    return best(prefill_rows, head_rows) + sum(n * best(rows, rows) for rows, n in steps.items())
+
+
 def timed(fn):
     t = time.perf_counter()
     out = fn()
@@ -115,6 +164,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--runs", type=int, default=3, help="timed rounds per side after the warm-up")
     ap.add_argument("--no-shared-prefix", action="store_true", help="prefill every prompt in full")
+    ap.add_argument("--no-shrink", action="store_true", help="decode all rows until the last one stops")
+    ap.add_argument("--no-floor", action="store_true", help="skip timing the matmul floor (see matmul_floor_s)")
     ap.add_argument("--skip-transformers", action="store_true", help="posttrain side only (profiling)")
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.new_tokens < 1 or args.runs < 1:
@@ -125,7 +176,8 @@ def main(argv=None) -> dict:
     load_s = time.perf_counter() - t
     tok = pre.tokenizer
     prompts = make_prompts(tok, args.prompts)
-    ours = PosttrainSide(prompts, args.new_tokens, tok.stop_ids, tok.pad_id, pre, not args.no_shared_prefix)
+    ours = PosttrainSide(prompts, args.new_tokens, tok.stop_ids, tok.pad_id, pre, not args.no_shared_prefix,
+                         not args.no_shrink)
     ours_warm, ours_out = timed(ours)
     theirs = theirs_warm = theirs_out = None
     if not args.skip_transformers:
@@ -162,6 +214,12 @@ def main(argv=None) -> dict:
         posttrain_load_s=round(load_s, 2), dtype="float32",
         torch_threads=__import__("torch").get_num_threads() if theirs is not None else None,
         cpu_count=os.cpu_count(), load_avg_1m=round(os.getloadavg()[0], 2))
+    if not args.no_floor:  # how fast the posttrain side could be if only its weight matmuls cost time
+        steps = decode_widths(list(map(len, ours_out)), len(prompts), args.new_tokens, ours.shrink)
+        floor = matmul_floor_s(pre, len(prompts) * (ours.width - ours.shared), len(prompts), steps)
+        result.update(posttrain_matmul_floor_s=round(floor, 3), posttrain_decode_steps_by_width=steps)
+        if theirs is not None:  # the ratio this run would show if posttrain spent nothing beyond those matmuls
+            result["ratio_ceiling"] = round(med["transformers"] * n_ours / n_theirs / floor, 2)
     print(json.dumps(result))
     return result
 

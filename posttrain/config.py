@@ -48,6 +48,7 @@ class SamplingConfig:
     top_k: int = 0
     prompt_bucket: int = 16
     system_prompt: str = ""
+    decode_shrink_steps: int = 2  # drop finished rows from the decode batch up to this many times (0: never)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

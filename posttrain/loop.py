@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import resource
 import time
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from posttrain import batching, distributed, evaluate, metrics as metrics_lib, rollout, setup
 from posttrain.config import Config, to_dict
-from posttrain.sampler import SamplingParams, sample, shared_prefix_len
+from posttrain.sampler import SamplingParams, sample, shared_prefix_len, shrink_schedule
 
 
 def _peak_rss_gb() -> float:
@@ -38,13 +39,16 @@ def make_sample_fn(run: "setup.Run", params: SamplingParams):
     """(prompts, lengths, key, G) -> SampleOutput with the current policy (LoRA adapters merged)."""
     tok = run.tokenizer
     policy = run.policy_state()
+    shards = run.mesh.shape.get("data", 1) * run.mesh.shape.get("fsdp", 1)
+    multiple = math.lcm(8, shards)  # decode widths stay divisible by the batch shards
 
     def fn(prompts, lengths, key, group_size):
         shared = shared_prefix_len(prompts, lengths)  # e.g. the chat template's system turn: prefilled once
+        shrink = shrink_schedule(len(prompts) * group_size, multiple, steps=run.cfg.sampling.decode_shrink_steps)
         with jax.set_mesh(run.mesh):
             return sample(run.graphdef, policy, np.asarray(prompts), np.asarray(lengths), key,
                           group_size=group_size, params=params, stop_ids=tuple(tok.stop_ids), pad_id=tok.pad_id,
-                          shared_prefix_len=shared)
+                          shared_prefix_len=shared, shrink=shrink)
 
     return fn
 

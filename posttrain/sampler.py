@@ -1,7 +1,8 @@
 """Jitted KV-cache sampler: one prefill per prompt, G samples per prompt, `lax.while_loop` decoding.
 
-Dimension legend: P prompts, G samples per prompt (group size), N = P*G sequences, Lp padded prompt width,
-Lg max new tokens, V vocab.
+Dimension legend: P prompts, G samples per prompt (group size), N = P*G sequences, M rows still decoded
+(N, or fewer once finished rows are dropped: `sample(shrink=...)`), Lp padded prompt width, Lg max new tokens,
+V vocab.
 
 Logprob definition (the project's single one, DESIGN.md invariant 1): for every generated token,
 `logp = log_softmax(logits / T)[token]` over the full vocabulary, with T the sampling temperature (T := 1 for
@@ -62,13 +63,14 @@ def filter_logits(scaled_NxV: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return x
 
 
-def categorical(key, logits_NxV: jax.Array, block: int = 256) -> jax.Array:
-    """Draws one token per row from softmax(logits_NxV) by blocked inverse-CDF sampling.
+def categorical(u_N: jax.Array, logits_NxV: jax.Array, block: int = 256) -> jax.Array:
+    """Draws one token per row from softmax(logits_NxV) by blocked inverse-CDF sampling, given one uniform
+    u_N in [0, 1) per row (e.g. `jax.random.uniform(key, (N,))`).
 
     Same law as `jax.random.categorical` (Gumbel-max), but one uniform per row instead of V: on a CPU the V
     random bits per row cost ~15x more than the softmax (64 x 49,152: 67 ms vs 4.6 ms). The vocabulary is cut
-    into blocks of `block` tokens; a uniform u in [0, total mass) picks the block by the cumulative block sums,
-    then the token inside it by that block's cumulative sums (two short cumsums keep float32 error small).
+    into blocks of `block` tokens; u times the total mass picks the block by the cumulative block sums, then the
+    token inside it by that block's cumulative sums (two short cumsums keep float32 error small).
     Tokens with probability 0 (masked to -inf by top-k/top-p) are never returned: both picks are clamped to the
     last block/token with non-zero mass. Returns int32 [N]. Source: inverse transform sampling.
     """
@@ -84,31 +86,33 @@ def categorical(key, logits_NxV: jax.Array, block: int = 256) -> jax.Array:
         return jnp.minimum((cdf <= u_N[:, None]).sum(-1), last).astype(jnp.int32), cdf
 
     block_mass = p.sum(-1)
-    u = jax.random.uniform(key, (N,), jnp.float32) * block_mass.sum(-1)
+    u = u_N.astype(jnp.float32) * block_mass.sum(-1)
     b, cdf_blocks = pick(block_mass, u)
     below = jnp.take_along_axis(cdf_blocks - block_mass, b[:, None], axis=1)[:, 0]
     inner, _ = pick(jnp.take_along_axis(p, b[:, None, None], axis=1)[:, 0], u - below)
     return b * block + inner
 
 
-def _pick(logits_NxV, key, t, params: SamplingParams):
-    """(token_N, logp_N) for one step; see the module doc for the logprob definition."""
+def _pick(logits_MxV, key, t, params: SamplingParams, rows_M, num_rows: int):
+    """(token_M, logp_M) for one step of the M decoded rows `rows_M` (of num_rows); see the module doc for the
+    logprob definition. Row r's uniform is the r-th of num_rows drawn from (key, t), whichever slot it is in."""
     T = params.temperature if params.temperature > 0 else 1.0
-    scaled = logits_NxV.astype(jnp.float32) / T
+    scaled = logits_MxV.astype(jnp.float32) / T
     logp_all = jax.nn.log_softmax(scaled, axis=-1)
     if params.temperature == 0:
-        tok = jnp.argmax(logits_NxV, axis=-1)
+        tok = jnp.argmax(logits_MxV, axis=-1)
     else:
-        filtered = filter_logits(scaled, params.top_k, params.top_p)
-        tok = categorical(jax.random.fold_in(key, t), filtered)
+        u = jax.random.uniform(jax.random.fold_in(key, t), (num_rows,), jnp.float32)
+        tok = categorical(u[rows_M], filter_logits(scaled, params.top_k, params.top_p))
     tok = tok.astype(jnp.int32)
     return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "group_size", "params", "stop_ids", "pad_id",
-                                             "shared_prefix_len"))
+                                             "shared_prefix_len", "shrink"))
 def sample(graphdef, state, prompts_PxLp, lengths_P, key, *, group_size: int, params: SamplingParams,
-           stop_ids: tuple[int, ...], pad_id: int, shared_prefix_len: int = 0) -> SampleOutput:
+           stop_ids: tuple[int, ...], pad_id: int, shared_prefix_len: int = 0,
+           shrink: tuple[int, ...] = ()) -> SampleOutput:
     """Samples `group_size` continuations of each right-padded prompt.
 
     Args:
@@ -119,8 +123,15 @@ def sample(graphdef, state, prompts_PxLp, lengths_P, key, *, group_size: int, pa
       shared_prefix_len: C > 0 when every prompt starts with the same C tokens (e.g. the chat template's system
         turn) and is longer than C: the prefill runs those tokens once for the whole batch instead of P times.
         Use `shared_prefix_len(prompts, lengths)`; outputs are the same up to float rounding.
+      shrink: decreasing decode batch widths (e.g. `shrink_schedule(N)`): once no more than w rows are
+        unfinished, the decode loop drops the finished rows and continues on w rows (their cache is gathered
+        once, see `DecodeCache.take_rows`), so long-tail completions stop paying for the finished ones. Widths
+        >= N are ignored. Outputs are the same (each row keeps its own random draws); each width compiles its
+        own decode loop. On a sharded batch, use widths divisible by the batch shards.
     Returns:
       SampleOutput with N = P * group_size rows; row p*G + g is sample g of prompt p.
+    Raises:
+      ValueError: `shrink` not strictly decreasing positive ints.
     """
     model = nnx.merge(graphdef, *(state if isinstance(state, tuple) else (state,)))
     Lg = params.max_new_tokens
@@ -128,32 +139,49 @@ def sample(graphdef, state, prompts_PxLp, lengths_P, key, *, group_size: int, pa
                                   shared_len=shared_prefix_len)
     logits0 = jnp.repeat(logits0, group_size, axis=0)
     N = logits0.shape[0]
+    if any(w < 1 for w in shrink) or any(a <= b for a, b in zip(shrink, shrink[1:])):
+        raise ValueError(f"shrink must be strictly decreasing positive batch widths, got {shrink}")
     stops = jnp.asarray(stop_ids, jnp.int32)
-    tok, lp = _pick(logits0, key, 0, params)
+    rows = jnp.arange(N, dtype=jnp.int32)  # slot -> sample row; slots are reordered and dropped by `shrink`
+    tok, lp = _pick(logits0, key, 0, params, rows, N)
     tokens = jnp.full((N, Lg), pad_id, jnp.int32).at[:, 0].set(tok)
     logp = jnp.zeros((N, Lg), jnp.float32).at[:, 0].set(lp)
-    done = jnp.isin(tok, stops)
+    done = jnp.isin(tok, stops)  # per slot
     lengths = jnp.ones((N,), jnp.int32)
 
-    def cond(carry):
-        t, _, _, done, _, _, _ = carry
-        return (t < Lg) & ~jnp.all(done)
-
     def body(carry):
-        t, tokens, logp, done, lengths, cache, prev = carry
+        t, tokens, logp, lengths, rows, done, cache, prev = carry
         logits, cache = model.decode_step(prev, cache)
-        tok, lp = _pick(logits, key, t, params)
+        tok, lp = _pick(logits, key, t, params, rows, N)
         tok = jnp.where(done, pad_id, tok)
-        lp = jnp.where(done, 0.0, lp)
-        tokens = jax.lax.dynamic_update_slice(tokens, tok[:, None], (0, t))
-        logp = jax.lax.dynamic_update_slice(logp, lp[:, None], (0, t))
-        lengths = lengths + (~done).astype(jnp.int32)
-        done = done | jnp.isin(tok, stops)
-        return t + 1, tokens, logp, done, lengths, cache, tok
+        tokens = tokens.at[rows, t].set(tok)
+        logp = logp.at[rows, t].set(jnp.where(done, 0.0, lp))
+        lengths = lengths.at[rows].add((~done).astype(jnp.int32))
+        return t + 1, tokens, logp, lengths, rows, done | jnp.isin(tok, stops), cache, tok
 
-    carry = (jnp.ones((), jnp.int32), tokens, logp, done, lengths, cache, tok)
-    _, tokens, logp, done, lengths, _, _ = jax.lax.while_loop(cond, body, carry)
-    return SampleOutput(tokens, logp, lengths, ~done)
+    carry = (jnp.ones((), jnp.int32), tokens, logp, lengths, rows, done, cache, tok)
+    for width in tuple(w for w in shrink if w < N) + (0,):
+        carry = jax.lax.while_loop(lambda c, w=width: (c[0] < Lg) & ((~c[5]).sum() > w), body, carry)
+        if width:  # keep the unfinished slots first (at most `width` of them), drop the rest
+            t, tokens, logp, lengths, rows, done, cache, prev = carry
+            keep = jnp.argsort(done.astype(jnp.int32), stable=True)[:width].astype(jnp.int32)
+            carry = (t, tokens, logp, lengths, rows[keep], done[keep], cache.take_rows(keep), prev[keep])
+    _, tokens, logp, lengths, _, _, _, _ = carry
+    truncated = (lengths == Lg) & ~jnp.isin(tokens[:, -1], stops)  # no stop token within Lg
+    return SampleOutput(tokens, logp, lengths, truncated)
+
+
+def shrink_schedule(num_rows: int, multiple: int = 8, steps: int = 2, factor: float = 0.75) -> tuple[int, ...]:
+    """Up to `steps` decode batch widths for `sample(shrink=...)`: each `factor` of the previous, rounded down to
+    a multiple of `multiple` (use the batch's shard count or a SIMD-friendly 8). 64 rows -> (48, 32)."""
+    out, width = [], num_rows
+    for _ in range(steps):
+        nxt = int(width * factor) // multiple * multiple
+        if nxt < multiple or nxt >= width:
+            break
+        out.append(nxt)
+        width = nxt
+    return tuple(out)
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, bucket: int = 16) -> tuple[np.ndarray, np.ndarray]:

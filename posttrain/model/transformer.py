@@ -84,6 +84,18 @@ class DecodeCache(NamedTuple):
     step: jax.Array
     shared: Any = None  # {stack: entries [L, 1, C, ...]}: the first C tokens common to every prompt, or None
 
+    def take_rows(self, slots_M: jax.Array) -> "DecodeCache":
+        """The cache of M of its N sample rows (int32 indices [M] into the current rows), e.g. the unfinished ones.
+
+        The result has one prompt part per row (P = N = M, G = 1): a row's prompt part is gathered from its prompt
+        (row // G), so rows of one group no longer need to stay adjacent. Costs one copy of the selected entries.
+        """
+        N = jax.tree.leaves(self.suffix)[0].shape[1]
+        prompt_M = slots_M // (N // self.prefix_len_P.shape[0])
+        rows = lambda idx: (lambda e: jnp.take(e, idx, axis=1))
+        return self._replace(prefix=jax.tree.map(rows(prompt_M), self.prefix), prefix_len_P=self.prefix_len_P[prompt_M],
+                             suffix=jax.tree.map(rows(slots_M), self.suffix))
+
 
 class Transformer(nnx.Module):
     """The decoder. Construct under `posttrain.partitioning.create_sharded` to create parameters sharded."""

@@ -154,7 +154,7 @@ def test_categorical_matches_softmax_law_and_never_draws_masked_tokens():
     probs /= probs.sum()
     n_rows, n_keys = 256, 256
     x = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n_rows, V))
-    draws = np.asarray(jax.jit(jax.vmap(lambda k: categorical(k, x, block=256)))(
+    draws = np.asarray(jax.jit(jax.vmap(lambda k: categorical(jax.random.uniform(k, (n_rows,)), x, block=256)))(
         jax.random.split(jax.random.key(0), n_keys))).ravel()
     n = draws.size
     freq = np.bincount(draws, minlength=V) / n
@@ -164,7 +164,8 @@ def test_categorical_matches_softmax_law_and_never_draws_masked_tokens():
     np.testing.assert_array_less(np.abs(freq - probs), 5 * sigma + 1e-6)
     # a single allowed token (top_k=1 style) is always drawn
     one = jnp.full((4, V), -jnp.inf).at[:, 123].set(0.0)
-    assert (np.asarray(categorical(jax.random.key(1), one)) == 123).all()
+    assert (np.asarray(categorical(jax.random.uniform(jax.random.key(1), (4,)), one)) == 123).all()
+    assert (np.asarray(categorical(jnp.asarray([0.0, 0.5, 0.999999, 1.0 - 2 ** -24]), one)) == 123).all()
 
 
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-deepseek"])
@@ -190,3 +191,37 @@ def test_shared_prefix_prefill_matches_per_prompt_prefill(preset):
         np.testing.assert_array_equal(np.asarray(full.tokens_NxLg), np.asarray(shared.tokens_NxLg))
         np.testing.assert_allclose(np.asarray(full.logp_NxLg), np.asarray(shared.logp_NxLg), atol=1e-4)
         np.testing.assert_array_equal(np.asarray(full.lengths_N), np.asarray(shared.lengths_N))
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-deepseek"])
+def test_shrink_drops_finished_rows_without_changing_outputs(preset):
+    """`sample(shrink=...)` continues on fewer rows once enough have stopped: tokens, lengths and truncation flags
+    equal the full-width run and logprobs agree to float rounding, greedy and sampled (each row keeps its own
+    random draws), with group sampling (the per-prompt cache is gathered per row) and a shared prefix."""
+    from posttrain.sampler import shrink_schedule
+
+    cfg, graphdef, state = random_model(preset)
+    rng = np.random.default_rng(7)
+    head = rng.integers(4, cfg.vocab_size, 8).tolist()
+    prompts = [head + rng.integers(4, cfg.vocab_size, n).tolist() for n in (3, 6, 2, 5)]
+    tokens, lengths = pad_prompts(prompts, PAD, bucket=8)
+    G, Lg = 4, 12
+    stops = tuple(range(1, cfg.vocab_size // 5))  # ~1/5 of the vocabulary: rows stop at different steps
+    assert shrink_schedule(16, multiple=4, steps=3) == (12, 8, 4)
+    assert shrink_schedule(64) == (48, 32) and shrink_schedule(8) == ()
+    for T in (0.0, 1.0):
+        params = SamplingParams(max_new_tokens=Lg, temperature=T)
+        run = lambda shrink: sample(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(3),
+                                    group_size=G, params=params, stop_ids=stops, pad_id=PAD, shared_prefix_len=8,
+                                    shrink=shrink)
+        full, small = run(()), run((99, 12, 8))  # 99 >= N = 16: ignored
+        lens = np.asarray(full.lengths_N)
+        active = (lens[None, :] > np.arange(Lg)[:, None]).sum(1)
+        assert (active[:Lg - 1] <= 8).any(), active  # the test reaches the second width
+        np.testing.assert_array_equal(np.asarray(full.tokens_NxLg), np.asarray(small.tokens_NxLg))
+        np.testing.assert_array_equal(lens, np.asarray(small.lengths_N))
+        np.testing.assert_array_equal(np.asarray(full.truncated_N), np.asarray(small.truncated_N))
+        np.testing.assert_allclose(np.asarray(full.logp_NxLg), np.asarray(small.logp_NxLg), atol=1e-4)
+    with pytest.raises(ValueError, match="strictly decreasing"):
+        sample(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(3), group_size=G,
+               params=params, stop_ids=STOPS, pad_id=PAD, shrink=(8, 12))
