@@ -9,7 +9,8 @@ prompt token ids (posttrain's tokenizer).
   * posttrain: `posttrain.sampler.sample` (one prefill per prompt, `lax.while_loop` decode with a KV cache),
     float32, prompts right-padded to a multiple of 16, all 64 in one call. The tokens common to all prompts
     (the chat template's system turn) are prefilled once (`shared_prefix_len`, as the training loop does);
-    --no-shared-prefix prefills every prompt in full.
+    --no-shared-prefix prefills every prompt in full. Once no more than 48, then 32 rows are unfinished, decoding
+    continues on that many rows (`sample(shrink=(48, 32))`); --no-shrink keeps all 64 to the end.
   * transformers: `model.generate(do_sample=False, max_new_tokens=24)` with its KV cache, float32, all 64 prompts
     in one left-padded batch with an attention mask, torch's default thread count.
 Each side counts only generated tokens up to and including the first stop token (EOS / end of turn). One warm-up
@@ -20,7 +21,8 @@ Prints ONE JSON object: posttrain_tokens_per_s, transformers_tokens_per_s, ratio
 from median rounds; plus each side's best round, warm-up seconds (posttrain's first call includes the jit compile;
 its compile estimate is the first call minus the median round), tokens counted per side, per-round seconds, how many
 of the 64 greedy outputs agree token-for-token, the prompt shape, thread counts and the 1-minute load average at the
-end. torch's OpenMP threads slow down badly when another process takes a core (rounds 5-10x slower were seen on the
+end. Unless --no-floor, it also times the posttrain side's weight matmuls alone (`matmul_floor_s`) and reports
+ratio_ceiling: the ratio this run would show if posttrain spent no time beyond them. torch's OpenMP threads slow down badly when another process takes a core (rounds 5-10x slower were seen on the
 shared 2-core machine): run it on a quiet machine and check round_s.
 """
 from __future__ import annotations
@@ -73,7 +75,8 @@ class PosttrainSide:
         self.width = tokens.shape[1]
         # the chat template's system turn + "What is " is common to all prompts: prefilled once (as in training)
         self.shared = shared_prefix_len(tokens, lengths) if shared_prefix else 0
-        # once enough rows have stopped, decode continues on fewer rows (as the training loop does)
+        # once enough rows have stopped, decode continues on fewer rows (the training loop's
+        # --config.sampling.decode_shrink_steps=2; off by default there)
         self.shrink = shrink_schedule(tokens.shape[0]) if shrink else ()
 
     def __call__(self) -> list[list[int]]:
@@ -211,7 +214,7 @@ def main(argv=None) -> dict:
         tokens_counted=counted, warmup_s=warm, round_s={k: [round(x, 3) for x in v] for k, v in rounds.items() if v},
         prompts=args.prompts, new_tokens=args.new_tokens,
         prompt_tokens_mean=round(float(np.mean(list(map(len, prompts)))), 1), posttrain_prompt_width=ours.width, posttrain_shared_prefix_len=ours.shared,
-        posttrain_load_s=round(load_s, 2), dtype="float32",
+        posttrain_load_s=round(load_s, 2), posttrain_shrink=list(ours.shrink), dtype="float32",
         torch_threads=__import__("torch").get_num_threads() if theirs is not None else None,
         cpu_count=os.cpu_count(), load_avg_1m=round(os.getloadavg()[0], 2))
     if not args.no_floor:  # how fast the posttrain side could be if only its weight matmuls cost time

@@ -48,7 +48,9 @@ class SamplingConfig:
     top_k: int = 0
     prompt_bucket: int = 16
     system_prompt: str = ""
-    decode_shrink_steps: int = 2  # drop finished rows from the decode batch up to this many times (0: never)
+    # drop finished rows from the decode batch up to this many times (sampler.shrink_schedule; 0: never). Pays off
+    # when a few completions run much longer than the rest; each width compiles its own decode loop.
+    decode_shrink_steps: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""Transformer layers (Flax NNX): RMSNorm, RoPE, multi-source attention core, GQA and MLA attention, gated MLP.
+"""Transformer layers (Flax NNX): RMSNorm, RoPE, GQA and MLA attention, gated MLP.
 
 Dimension legend (used in every name suffix of this module):
   B batch, T query length, S key length, D d_model, N query heads, K kv heads, H head dim,
@@ -7,28 +7,23 @@ Dimension legend (used in every name suffix of this module):
 Every parameter is an `nnx.Param` whose `logical_axes` metadata names its dimensions; `posttrain.mesh.RULES`
 maps those names to mesh axes. Layers receive the few fields they need, never a config object.
 
-Attention is "multi-source": a query attends to several key/value *sources* at once with one softmax:
-its own tokens (training, prefill) and, when decoding, a prompt prefix shared by a group of samples plus the
-per-sample cache of already generated tokens. A source is `(entries, mask_BsxTsxS, group)`: `group` samples
-(consecutive batch rows) share one row of `entries`, which is how G samples of one prompt read the prompt's KV
-computed once.
+Both attentions run on the multi-source core of `posttrain.model.attention` (prompt prefix shared by a group of
+samples + per-sample cache + own tokens, one softmax).
 """
 from __future__ import annotations
 
 import functools
-
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from posttrain.model.attention import Source, gqa_combine, gqa_logits, multi_source_attention
 from posttrain.model.config import LoRAConfig, MLAConfig, RopeConfig
 from posttrain.partitioning import with_logical_constraint
-
-NEG_INF = -1e9  # large but finite: logits + NEG_INF never overflows, fully masked rows stay finite
 
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtype, *, init: str = "normal",
@@ -161,64 +156,6 @@ def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxh: jax.Array, sin_BxTxh: jax.Array)
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x_BxTxNxH.dtype)
 
 
-# ----------------------------------------------------------------------------------- attention core
-class Source(NamedTuple):
-    """Keys/values a query attends to. entries: pytree with leading [Bs, S]; mask: bool [Bs, Ts or 1, S]."""
-
-    entries: Any
-    mask: jax.Array
-    group: int = 1
-
-
-def multi_source_attention(q, sources: Sequence[Source], scale: float, logits_fn, combine_fn):
-    """Softmax attention over the concatenation of several sources.
-
-    Args:
-      q: [B, T, N, ...] queries. logits_fn(q_grouped, entries) -> [Bs, g*T, N, S];
-      combine_fn(probs [Bs, g*T, N, S], entries) -> [Bs, g*T, N, Hv].
-      scale: multiplier on the logits (1/sqrt(d) with optional YaRN mscale^2).
-    Returns:
-      [B, T, N, Hv] in q's dtype. Softmax is float32; fully masked rows give a uniform (finite) average.
-    """
-    B, T = q.shape[:2]
-    logits, sizes = [], []
-    for src in sources:
-        bs = B // src.group
-        qg = q.reshape(bs, src.group * T, *q.shape[2:])
-        lg = logits_fn(qg, src.entries).astype(jnp.float32) * scale
-        # an additive bias (not a `where`): its backward needs no per-layer residual of the logits' shape
-        lg = lg + jnp.where(src.mask, 0.0, NEG_INF)[:, :, None, :]
-        sizes.append(lg.shape[-1])
-        logits.append(lg.reshape(B, T, lg.shape[2], lg.shape[3]))
-    probs = jax.nn.softmax(jnp.concatenate(logits, axis=-1), axis=-1)
-    out, start = 0.0, 0
-    for src, size in zip(sources, sizes):
-        p = probs[..., start:start + size]
-        start += size
-        bs = B // src.group
-        o = combine_fn(p.reshape(bs, src.group * T, *p.shape[2:]).astype(q.dtype), src.entries)
-        out = out + o.reshape(B, T, *o.shape[2:]).astype(jnp.float32)
-    return out.astype(q.dtype)
-
-
-def _gqa_logits(q_BxTxNxH, kv):
-    k = kv["k"]
-    B, T, N, H = q_BxTxNxH.shape
-    K = k.shape[2]
-    lg = jnp.einsum("btkgh,bskh->btkgs", q_BxTxNxH.reshape(B, T, K, N // K, H), k,
-                    preferred_element_type=jnp.float32)
-    return lg.reshape(B, T, N, k.shape[1])
-
-
-def _gqa_combine(p_BxTxNxS, kv):
-    v = kv["v"]
-    B, T, N, S = p_BxTxNxS.shape
-    K = v.shape[2]
-    o = jnp.einsum("btkgs,bskh->btkgh", p_BxTxNxS.reshape(B, T, K, N // K, S), v,
-                   preferred_element_type=jnp.float32)
-    return o.reshape(B, T, N, v.shape[-1])
-
-
 class Attention(nnx.Module):
     """Grouped-query attention (Ainslie et al. 2023) with optional q/k RMSNorm (Qwen3) and qkv bias (Qwen2).
 
@@ -258,7 +195,7 @@ class Attention(nnx.Module):
         q = with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
         entries = {"k": k, "v": v}
         sources = [*extra_sources, Source(entries, mask_BxTxT)]
-        o = multi_source_attention(q, sources, self.head_dim ** -0.5, _gqa_logits, _gqa_combine)
+        o = multi_source_attention(q, sources, self.head_dim ** -0.5, gqa_logits, gqa_combine)
         return project(self, "o_proj", "btnh,nhd->btd", o, self.dtype), entries
 
 
@@ -324,7 +261,7 @@ class MLAttention(nnx.Module):
             v = dot("btr,rnh->btnh", latent, self.v_b_proj[...], dt)
             qf = jnp.concatenate([q_nope, q_rot], axis=-1)
             o = multi_source_attention(qf, [Source({"k": k, "v": v}, mask_BxTxT)], self.scale,
-                                       _gqa_logits, _gqa_combine)
+                                       gqa_logits, gqa_combine)
         else:  # absorbed form over compressed entries
             q_lat = dot("btnh,rnh->btnr", q_nope, self.k_b_proj[...], dt)
             qc = jnp.concatenate([q_lat, q_rot], axis=-1)

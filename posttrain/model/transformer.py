@@ -9,7 +9,7 @@ Two entry points share every layer:
     is 0 (the shared prefix) or equal to i's branch. Branches let one prompt be followed by its G completions
     in one row, so the prompt is computed (forward and backward) once per group.
   * `prefill` + `decode_step`: the KV-cache path used by the sampler. The prompt's cache is computed once per
-    prompt and read by all G samples (`layers.Source(group=G)`); each sample appends to its own cache.
+    prompt and read by all G samples (`attention.Source(group=G)`); each sample appends to its own cache.
 Layers are stacked on a leading `layers` axis and applied with `jax.lax.scan` (optionally rematerialised).
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain.model.config import ModelConfig
-from posttrain.model.layers import MLP, Attention, MLAttention, RMSNorm, Source, dot, param
+from posttrain.model.attention import Source, cache_len, cache_seq_axis, to_cache_layout
+from posttrain.model.layers import MLP, Attention, MLAttention, RMSNorm, dot, param
 from posttrain.model.moe import MoE
 from posttrain.partitioning import with_logical_constraint
 
@@ -73,16 +74,18 @@ def attention_mask(segment_ids_BxT: jax.Array, branch_ids_BxT: jax.Array) -> jax
 class DecodeCache(NamedTuple):
     """KV cache of a group-sampling run (a pytree).
 
-    prefix: {stack: entries [L, P, Lp, ...]} computed once per prompt (after the shared part, if any);
+    prefix: {stack: entries [L, P, ...]} over Lp positions, computed once per prompt (after the shared part);
     prefix_len_P: valid lengths of those prompt parts;
-    suffix: {stack: entries [L, N, Lg, ...]} per sample; step: number of tokens already in `suffix`.
+    suffix: {stack: entries [L, N, ...]} over Lg positions, per sample; step: number of tokens already in `suffix`.
+    Entries are in the cache layout (`attention.to_cache_layout`); `attention.cache_seq_axis` names each one's
+    position axis.
     """
 
     prefix: Any
     prefix_len_P: jax.Array
     suffix: Any
     step: jax.Array
-    shared: Any = None  # {stack: entries [L, 1, C, ...]}: the first C tokens common to every prompt, or None
+    shared: Any = None  # {stack: entries [L, 1, ...]} over the C tokens common to every prompt, or None
 
     def take_rows(self, slots_M: jax.Array) -> "DecodeCache":
         """The cache of M of its N sample rows (int32 indices [M] into the current rows), e.g. the unfinished ones.
@@ -162,8 +165,8 @@ class Transformer(nnx.Module):
     def hidden_states(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, branch_ids_BxT=None,
                       *, return_entries: bool = False, shared_entries=None):
         """Final-norm hidden states [B, T, D], aux dict (MoE losses summed over layers, expert load per layer),
-        and (if asked) the per-stack cache entries [L, B, T, ...]. `shared_entries` ({stack: [L, 1, C, ...]}):
-        cache entries of C earlier tokens that every row continues (positions must then start at C)."""
+        and (if asked) the per-stack attention entries [L, B, T, ...]. `shared_entries` ({stack: [L, 1, ...]},
+        cache layout): entries of C earlier tokens that every row continues (positions must then start at C)."""
         B, T = tokens_BxT.shape
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -179,7 +182,7 @@ class Transformer(nnx.Module):
         def body(block, h, shared_l):
             sources = ()
             if shared_l is not None:  # every row attends to all C shared tokens
-                sources = (Source(shared_l, jnp.ones((1, 1, jax.tree.leaves(shared_l)[0].shape[1]), bool), B),)
+                sources = (Source(shared_l, jnp.ones((1, 1, cache_len(shared_l)), bool), B),)
             h, ent, aux = block(h, positions_BxT, mask, sources, valid)
             return h, (ent if return_entries else None, aux)
 
@@ -207,6 +210,7 @@ class Transformer(nnx.Module):
         shared = None
         if shared_len:
             _, _, shared = self.hidden_states(prompts_PxLp[:1, :shared_len], return_entries=True)
+            shared = {name: to_cache_layout(e) for name, e in shared.items()}
             prompts_PxLp, lengths_P = prompts_PxLp[:, shared_len:], lengths_P - shared_len
             Lp = Lp - shared_len
         segment = (jnp.arange(Lp)[None, :] < lengths_P[:, None]).astype(jnp.int32)
@@ -214,7 +218,14 @@ class Transformer(nnx.Module):
         h, _, entries = self.hidden_states(prompts_PxLp, positions, segment, None, return_entries=True,
                                            shared_entries=shared)
         last = jnp.take_along_axis(h, (lengths_P - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
-        suffix = jax.tree.map(lambda e: jnp.zeros((e.shape[0], P * group, max_new) + e.shape[3:], e.dtype), entries)
+        entries = {name: to_cache_layout(e) for name, e in entries.items()}
+
+        def empty(name, e):  # [L, P * group, ...] with max_new positions
+            shape = list(e.shape)
+            shape[1], shape[cache_seq_axis(name)] = P * group, max_new
+            return jnp.zeros(shape, e.dtype)
+
+        suffix = {stack: {name: empty(name, e) for name, e in ent.items()} for stack, ent in entries.items()}
         cache = DecodeCache(entries, lengths_P.astype(jnp.int32), suffix, jnp.zeros((), jnp.int32), shared)
         return self.logits(last), cache
 
@@ -225,12 +236,12 @@ class Transformer(nnx.Module):
         P = cache.prefix_len_P.shape[0]
         G = N // P
         t = cache.step
-        C = 0 if cache.shared is None else jax.tree.leaves(cache.shared)[0].shape[2]  # [L, 1, C, ...]
+        C = 0 if cache.shared is None else cache_len(next(iter(cache.shared.values())))
         positions = (C + jnp.repeat(cache.prefix_len_P, G) + t)[:, None]
         x = self.embed(tokens_N[:, None])
-        some = next(iter(jax.tree.leaves(cache.prefix)))
-        prefix_mask = (jnp.arange(some.shape[2])[None, :] < cache.prefix_len_P[:, None])[:, None, :]
-        width = jax.tree.leaves(cache.suffix)[0].shape[2]
+        Lp = cache_len(next(iter(cache.prefix.values())))
+        prefix_mask = (jnp.arange(Lp)[None, :] < cache.prefix_len_P[:, None])[:, None, :]
+        width = cache_len(next(iter(cache.suffix.values())))
         suffix_mask = jnp.broadcast_to((jnp.arange(width) < t)[None, None, :], (N, 1, width))
         self_mask = jnp.ones((N, 1, 1), bool)
         valid = jnp.ones((N, 1), bool)
@@ -249,11 +260,17 @@ class Transformer(nnx.Module):
 
             shared = None if cache.shared is None else cache.shared[name]
             x, ent = self._scan(stack, x, (cache.prefix[name], cache.suffix[name], shared), body)
-            new_suffix[name] = jax.tree.map(
-                lambda s, e: jax.lax.dynamic_update_slice(s, e.astype(s.dtype), (0, 0, t) + (0,) * (s.ndim - 3)),
-                cache.suffix[name], ent)
+            new_suffix[name] = {k: _write_position(cache.suffix[name][k], e, k, t)
+                                for k, e in to_cache_layout(ent).items()}
         logits = self.logits(self.final_norm(x))[:, 0]
         return logits, cache._replace(suffix=new_suffix, step=t + 1)
+
+
+def _write_position(cache_e: jax.Array, new_e: jax.Array, name: str, t: jax.Array) -> jax.Array:
+    """cache_e with the one-position entries new_e (same layout) written at position t."""
+    start = [0] * cache_e.ndim
+    start[cache_seq_axis(name) % cache_e.ndim] = t
+    return jax.lax.dynamic_update_slice(cache_e, new_e.astype(cache_e.dtype), start)
 
 
 def _merge_aux(auxes: list[dict]) -> dict:

@@ -1,5 +1,5 @@
 """Hand-written pieces of the layers checked against references: the SwiGLU custom VJP against autodiff of the
-plain formula (NumPy forward), in float32 and bfloat16."""
+plain formula (NumPy forward), in float32 and bfloat16; the GQA attention dots in both KV layouts against NumPy."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,3 +37,22 @@ def test_swiglu_value_and_gradients_match_autodiff(dtype, tol):
         scale = float(jnp.abs(b.astype(jnp.float32)).max())
         err = float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()) / scale
         assert err <= tol, (name, err)
+
+
+def test_gqa_dots_in_both_kv_layouts_match_numpy():
+    """gqa_logits / gqa_combine give the NumPy GQA result (query head n reads kv head n // (N/K)) for entries in
+    the attention's own [B, S, K, H] layout and in the KV-cache layout (`to_cache_layout`); cache_len finds S."""
+    from posttrain.model.attention import cache_len, gqa_combine, gqa_logits, to_cache_layout
+
+    rng = np.random.default_rng(0)
+    B, T, N, K, S, H = 2, 3, 6, 2, 5, 4
+    q, p = rng.normal(size=(B, T, N, H)), rng.random((B, T, N, S))
+    kv = {"k": rng.normal(size=(B, S, K, H)), "v": rng.normal(size=(B, S, K, H))}
+    kv_of_head = np.arange(N) // (N // K)
+    ref_logits = np.einsum("btnh,bsnh->btns", q, kv["k"][:, :, kv_of_head])
+    ref_out = np.einsum("btns,bsnh->btnh", p, kv["v"][:, :, kv_of_head])
+    cached = to_cache_layout({k: jnp.asarray(v, jnp.float32) for k, v in kv.items()})
+    assert sorted(cached) == ["k_bkhs", "v_bksh"] and cache_len(cached) == S
+    for entries in ({k: jnp.asarray(v, jnp.float32) for k, v in kv.items()}, cached):
+        np.testing.assert_allclose(gqa_logits(jnp.asarray(q, jnp.float32), entries), ref_logits, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(gqa_combine(jnp.asarray(p, jnp.float32), entries), ref_out, rtol=1e-5, atol=1e-5)
