@@ -1,7 +1,7 @@
 """Attention core shared by GQA and MLA: multi-source softmax attention and the KV-cache layout.
 
 Dimension legend: B batch, T query length, S key length, N query heads, K kv heads, H head dim,
-g = N / K query heads per kv head, Q = T * g.
+A, C the contracted and output dims of a per-KV-head matmul.
 
 Attention is "multi-source": a query attends to several key/value *sources* at once with one softmax:
 its own tokens (training, prefill) and, when decoding, a prompt prefix shared by a group of samples plus the
@@ -87,16 +87,17 @@ def cache_len(entries: dict) -> int:
     return e.shape[cache_seq_axis(name)]
 
 
-def _heads_by_kv(x_BxTxNxS: jax.Array, K: int) -> jax.Array:
-    """[B, T, N, S] -> [B, K, T * N/K, S]: the query heads of each KV head as rows (batch dims leading)."""
-    B, T, N, S = x_BxTxNxS.shape
-    return jnp.swapaxes(x_BxTxNxS.reshape(B, T, K, N // K * S), 1, 2).reshape(B, K, T * (N // K), S)
+def _per_kv_head_matmul(x_BxTxNxA: jax.Array, y_BxKxAxC: jax.Array) -> jax.Array:
+    """float32 [B, T, N, C]: each query head's rows of x times its KV head's matrix (head n uses n // (N / K)).
 
-
-def _heads_back(x_BxKxQxS: jax.Array, T: int) -> jax.Array:
-    """Inverse of `_heads_by_kv`: [B, K, T * g, S] -> [B, T, K * g, S]."""
-    B, K, Q, S = x_BxKxQxS.shape
-    return jnp.swapaxes(x_BxKxQxS.reshape(B, K, T, Q // T * S), 1, 2).reshape(B, T, K * (Q // T), S)
+    The query heads of one KV head become the rows of one [T * N/K, A] x [A, C] product, batch dims leading:
+    the operand layout XLA's dot takes without copying y.
+    """
+    B, T, N, A = x_BxTxNxA.shape
+    K, C = y_BxKxAxC.shape[1], y_BxKxAxC.shape[3]
+    x = jnp.swapaxes(x_BxTxNxA.reshape(B, T, K, N // K * A), 1, 2).reshape(B, K, T * (N // K), A)
+    out = jnp.einsum("bkqa,bkac->bkqc", x, y_BxKxAxC, preferred_element_type=jnp.float32)
+    return jnp.swapaxes(out.reshape(B, K, T, N // K * C), 1, 2).reshape(B, T, N, C)
 
 
 def gqa_logits(q_BxTxNxH, kv):
@@ -104,9 +105,7 @@ def gqa_logits(q_BxTxNxH, kv):
     [B, S, K, H] or, in the cache layout, `kv["k_bkhs"]` [B, K, H, S]; query head n reads kv head n // (N / K)."""
     B, T, N, H = q_BxTxNxH.shape
     if "k_bkhs" in kv:  # cache layout
-        k = kv["k_bkhs"]
-        lg = jnp.einsum("bkqh,bkhs->bkqs", _heads_by_kv(q_BxTxNxH, k.shape[1]), k, preferred_element_type=jnp.float32)
-        return _heads_back(lg, T)
+        return _per_kv_head_matmul(q_BxTxNxH, kv["k_bkhs"])
     k = kv["k"]
     K = k.shape[2]
     lg = jnp.einsum("btkgh,bskh->btkgs", q_BxTxNxH.reshape(B, T, K, N // K, H), k, preferred_element_type=jnp.float32)
@@ -118,9 +117,7 @@ def gqa_combine(p_BxTxNxS, kv):
     in the cache layout, `kv["v_bksh"]` [B, K, S, H]."""
     B, T, N, S = p_BxTxNxS.shape
     if "v_bksh" in kv:  # cache layout
-        v = kv["v_bksh"]
-        o = jnp.einsum("bkqs,bksh->bkqh", _heads_by_kv(p_BxTxNxS, v.shape[1]), v, preferred_element_type=jnp.float32)
-        return _heads_back(o, T)
+        return _per_kv_head_matmul(p_BxTxNxS, kv["v_bksh"])
     v = kv["v"]
     K = v.shape[2]
     o = jnp.einsum("btkgs,bskh->btkgh", p_BxTxNxS.reshape(B, T, K, N // K, S), v, preferred_element_type=jnp.float32)
