@@ -126,21 +126,22 @@ def sample(graphdef, state, prompts_PxLp, lengths_P, key, *, group_size: int, pa
       shrink: decreasing decode batch widths (e.g. `shrink_schedule(N)`): once no more than w rows are
         unfinished, the decode loop drops the finished rows and continues on w rows (their cache is gathered
         once, see `DecodeCache.take_rows`), so long-tail completions stop paying for the finished ones. Widths
-        >= N are ignored. Outputs are the same (each row keeps its own random draws); each width compiles its
-        own decode loop. On a sharded batch, use widths divisible by the batch shards.
+        >= N are ignored. Outputs are the same up to float rounding (each row keeps its own random draws; a
+        narrower batch can round the logits differently); each width compiles its own decode loop. On a sharded
+        batch, use widths divisible by the batch shards.
     Returns:
       SampleOutput with N = P * group_size rows; row p*G + g is sample g of prompt p.
     Raises:
       ValueError: `shrink` not strictly decreasing positive ints.
     """
+    if any(w < 1 for w in shrink) or any(a <= b for a, b in zip(shrink, shrink[1:])):
+        raise ValueError(f"shrink must be strictly decreasing positive batch widths, got {shrink}")
     model = nnx.merge(graphdef, *(state if isinstance(state, tuple) else (state,)))
     Lg = params.max_new_tokens
     logits0, cache = model.prefill(prompts_PxLp, lengths_P, group=group_size, max_new=Lg,
                                   shared_len=shared_prefix_len)
     logits0 = jnp.repeat(logits0, group_size, axis=0)
     N = logits0.shape[0]
-    if any(w < 1 for w in shrink) or any(a <= b for a, b in zip(shrink, shrink[1:])):
-        raise ValueError(f"shrink must be strictly decreasing positive batch widths, got {shrink}")
     stops = jnp.asarray(stop_ids, jnp.int32)
     rows = jnp.arange(N, dtype=jnp.int32)  # slot -> sample row; slots are reordered and dropped by `shrink`
     tok, lp = _pick(logits0, key, 0, params, rows, N)
