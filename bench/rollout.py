@@ -22,8 +22,9 @@ from median rounds; plus each side's best round, warm-up seconds (posttrain's fi
 its compile estimate is the first call minus the median round), tokens counted per side, per-round seconds, how many
 of the 64 greedy outputs agree token-for-token, the prompt shape, thread counts and the 1-minute load average at the
 end. Unless --no-floor, it also times the posttrain side's weight matmuls alone (`matmul_floor_s`) and reports
-ratio_ceiling: the ratio this run would show if posttrain spent no time beyond them. torch's OpenMP threads slow down badly when another process takes a core (rounds 5-10x slower were seen on the
-shared 2-core machine): run it on a quiet machine and check round_s.
+ratio_ceiling: the ratio this run would show if posttrain spent no time beyond them. torch's OpenMP threads slow
+down badly when another process takes a core (rounds 5-10x slower were seen on the shared 2-core machine): run it
+on a quiet machine and check round_s.
 """
 from __future__ import annotations
 
@@ -128,7 +129,8 @@ def matmul_floor_s(pre, prefill_rows: int, head_rows: int, steps: dict[int, int]
     `prefill_rows` tokens (LM head on `head_rows` of them) plus `steps` decode steps ({rows: count}, LM head on
     every row), each timed as a jitted chain of the 30 layers' q/k/v/o/gate/up/down matmuls in float32 (same
     weights, `lax.scan` over layers as in the model) and the tied LM head, with no attention, norms or sampling.
-    No implementation of this model in float32 can run the same tokens faster than this on this machine."""
+    An implementation that runs these float32 matmuls through XLA cannot generate the same tokens faster; only
+    faster matmuls (another kernel library, lower precision with hardware support) could."""
     flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(pre.state)[0]}
     get = lambda name: jnp.asarray(next(v for k, v in flat.items() if f"['{name}']" in k))
     L, D = get("q_proj").shape[:2]
