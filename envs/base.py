@@ -223,6 +223,7 @@ class QuestionAnswerEnv(TextEnv):
     """
 
     instruction = ""
+    think_tags = verifiers.THINK_TAGS  # reasoning trace to skip before extraction (None: read the whole reply)
 
     def validate_task(self, task: dict) -> dict:
         require_keys(task, ("question", "answer"), type(self).__name__)
@@ -234,7 +235,7 @@ class QuestionAnswerEnv(TextEnv):
         return task["question"] + self.instruction
 
     def turn_step(self, action: str) -> tuple[str, float, bool, dict]:
-        verdict = verifiers.score_math(action, self.task["gold"])
+        verdict = verifiers.score_math(action, self.task["gold"], think_tags=self.think_tags)
         return "", verdict.reward, True, verdict.info()
 
     def golden_answer(self, task: dict) -> str:

@@ -60,8 +60,9 @@ class PythonToolEnv(base.QuestionAnswerEnv):
 
     def turn_step(self, action: str) -> tuple[str, float, bool, dict]:
         gold = self.task["gold"]
+        action = verifiers.strip_reasoning(verifiers.normalize_unicode(action), self.think_tags)
         if "\\boxed" in action or "\\fbox" in action:
-            verdict = verifiers.score_math(action, gold, methods=("boxed",))
+            verdict = verifiers.score_math(action, gold, methods=("boxed",), think_tags=None)
             return "", verdict.reward, True, verdict.info()
         blocks = verifiers.extract_code_blocks(action, ("python", "py", "python3"))
         if not blocks:

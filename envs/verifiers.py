@@ -1,6 +1,12 @@
 """Answer extraction and scoring: the one place where a model's answer is read out of its text.
 
-Pure functions, no I/O, no JAX. Every environment scores through this module (DESIGN.md invariant 7).
+Pure functions, no JAX. Every environment scores through this module (DESIGN.md invariant 7), and
+every scoring call is bounded (invariant 14): linear in the response, and the symbolic comparison
+runs in a worker process killed after `timeout_s` (`envs._verify_worker`), from any thread.
+
+Before anything else a response is cleaned once (`envs._verify_text`): Unicode numerals become ASCII
+(``−7`` -> ``-7``, ``７`` -> ``7``, ``x²`` -> ``x^{2}``), and a reasoning trace is cut off (the reply
+after the last ``</think>``; `think_tags` sets or disables this per environment).
 
 Extraction (`extract_answer`), in priority order:
   1. GSM8K final-answer line ``#### <answer>`` (Cobbe et al. 2021, "Training Verifiers to Solve Math
@@ -8,33 +14,40 @@ Extraction (`extract_answer`), in priority order:
   2. ``\\boxed{...}`` / ``\\fbox{...}`` (MATH convention, Hendrycks et al. 2021, arXiv:2103.03874),
      brace-balanced, the last one wins; a box that is opened but never closed yields None.
   3. The last number in the text (``-1,234.5`` style), so "The answer is 122." reads 122.
+An extracted answer longer than MAX_ANSWER_CHARS is refused (scores 0) before any comparison.
 
-Equivalence (`answers_equivalent`): after `normalize_answer`, two plain numbers compare exactly as
-fractions; anything else goes through HuggingFace `math-verify` (symbolic, LaTeX), then string equality.
+Equivalence (`compare_answers`): after `normalize_answer` (units from the one list
+`_verify_text.UNITS`), two plain numbers compare as fractions in-process; anything else goes to
+HuggingFace `math-verify` in a worker. Exact answers compare exactly; a relative tolerance (REL_TOL)
+applies only to a decimal approximation of a value no decimal writes exactly.
 
 Malformed model output never raises: it scores 0 with a `reason`.
 """
 from __future__ import annotations
 
 import dataclasses
-import fractions
 import re
-import threading
 from typing import Any
 
-MAX_SYMBOLIC_CHARS = 300  # longer answers are compared as strings only
-METHODS = ("hash", "boxed", "last_number")  # extraction rules, in priority order
-STATUSES = ("ok", "wrong", "timeout", "memory_limit", "output_limit", "runtime_error", "infra_error")
+from envs import _verify_worker as worker
+from envs._verify_text import (MAX_ANSWER_CHARS, MAX_SYMBOLIC_CHARS, NUMBER, THINK_TAGS, UNITS,  # noqa: F401
+                                as_fraction, fractions_equal, normalize_answer, normalize_unicode, strip_reasoning,
+                                strip_unit, too_costly)
 
-_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+"
-_NUMBER_RE = re.compile(_NUMBER)
-_HASH_RE = re.compile(r"####[ \t]*([^\n]*)")
+DEFAULT_TIMEOUT_S = worker.DEFAULT_TIMEOUT_S  # bound on one symbolic comparison (seconds)
+REL_TOL = worker.REL_TOL
+METHODS = ("hash", "boxed", "last_number")  # extraction rules, in priority order
+STATUSES = ("ok", "wrong", "timeout", "memory_limit", "disk_limit", "output_limit", "runtime_error",
+            "infra_error")
+
+_NUMBER_RE = re.compile(NUMBER)
+_NUMBER_RUN_RE = re.compile(r"[0-9,.\-]*")  # chars a number can contain (read on the reversed text)
+_DIGIT_RUN_RE = re.compile(r"[0-9]*")
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_INT_RE = re.compile(r"-?\d+")
+_BRACE_RE = re.compile(r"[{}]")
 _TAG_RE = re.compile(r"<(/?)([A-Za-z][\w-]*)>")
-_UNIT_RE = re.compile(rf"^({_NUMBER})\s*(?:[A-Za-z][A-Za-z./\s]*|%|\\%)$")
 _FENCE_RE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.M | re.S)
-_FRAC_RE = re.compile(r"^(-?)\\[dt]?frac\{(-?\d+)\}\{(-?\d+)\}$")
+_RUN_LIMIT = 4 * MAX_ANSWER_CHARS  # a run of number characters longer than this is read whole (and refused)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +73,7 @@ class Verdict:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Extraction
+# Extraction (each function linear in len(text))
 
 
 def extract_hash_answer(text: str) -> str | None:
@@ -68,36 +81,65 @@ def extract_hash_answer(text: str) -> str | None:
 
     Returns None when there is no ``####`` or the line after it is empty.
     """
-    matches = _HASH_RE.findall(text)
-    if not matches:
+    i = text.rfind("####")
+    if i < 0:
         return None
-    answer = matches[-1].strip()
+    end = text.find("\n", i)
+    answer = text[i + 4: end if end >= 0 else len(text)].strip()
     return answer or None
+
+
+def _last_box(text: str) -> tuple[str | None, str]:
+    """(content of the last box, reason when None). The brace scan stops after MAX_ANSWER_CHARS."""
+    pos = len(text)
+    while True:
+        i = max(text.rfind("\\boxed", 0, pos), text.rfind("\\fbox", 0, pos))
+        if i < 0:
+            return None, "no \\boxed{"
+        m = _BOX_RE.match(text, i)
+        if m:
+            break
+        pos = i
+    depth, start = 1, m.end()
+    limit = min(len(text), start + MAX_ANSWER_CHARS + 1)
+    for b in _BRACE_RE.finditer(text, start, limit):
+        depth += 1 if b.group() == "{" else -1
+        if depth == 0:
+            return text[start:b.start()].strip(), ""
+    if limit < len(text):
+        return None, f"\\boxed{{}} content longer than MAX_ANSWER_CHARS={MAX_ANSWER_CHARS}"
+    return None, "unclosed \\boxed{"
 
 
 def extract_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` or ``\\fbox{...}`` (brace-balanced), or None.
 
     Nested braces are kept: ``\\boxed{\\frac{1}{3}}`` -> ``\\frac{1}{3}``. If the last box is never closed
-    (``\\boxed{12``, e.g. a truncated generation) the result is None.
+    (``\\boxed{12``, e.g. a truncated generation) or its content is longer than MAX_ANSWER_CHARS, None.
     """
-    starts = [m.end() for m in _BOX_RE.finditer(text)]
-    if not starts:
-        return None
-    depth, start = 1, starts[-1]
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:i].strip()
-    return None
+    return _last_box(text)[0]
+
+
+def _last_run(text: str, run_re: re.Pattern) -> tuple[int, int]:
+    """(start, end) of the run of `run_re` characters that ends at the last ASCII digit; (-1, -1) if none."""
+    end = max(text.rfind(d) for d in "0123456789")
+    if end < 0:
+        return -1, -1
+    return end + 1 - run_re.match(text[end::-1]).end(), end + 1
 
 
 def last_number(text: str) -> str | None:
-    """The last number in `text` (optional sign, thousands commas, decimals), or None."""
-    matches = _NUMBER_RE.findall(text)
+    """The last number in `text` (optional sign, thousands commas, decimals), or None.
+
+    Same result as the last match of the number regex over the whole text, found from the end: only the
+    final run of number characters is read (a run longer than 4 * MAX_ANSWER_CHARS is returned whole).
+    """
+    start, end = _last_run(text, _NUMBER_RUN_RE)
+    if start < 0:
+        return None
+    if end - start > _RUN_LIMIT:
+        return text[start:end]
+    matches = _NUMBER_RE.findall(text, start, end)
     return matches[-1] if matches else None
 
 
@@ -105,31 +147,46 @@ def last_integer(text: str) -> int | None:
     """The last run of digits (with an optional leading ``-``) in `text` as an int, or None.
 
     This is the quickstart's held-out rule ("the last integer in the reply", regex ``-?\\d+``), the same
-    rule as the TRL peer in PLATFORM-NOTES.md; "1,234" reads 234 and "12.5" reads 5 under it.
+    rule as the TRL peer in PLATFORM-NOTES.md; "1,234" reads 234 and "12.5" reads 5 under it. Unicode
+    numerals are read after `normalize_unicode` ("−4" is -4). Runs over 4300 digits (Python's int
+    conversion limit) read None.
     """
-    matches = _INT_RE.findall(text) if isinstance(text, str) else []
-    return int(matches[-1]) if matches else None
+    if not isinstance(text, str):
+        return None
+    text = normalize_unicode(text)
+    start, end = _last_run(text, _DIGIT_RUN_RE)
+    if start < 0 or end - start > 4300:
+        return None
+    return int(text[start - 1 if start > 0 and text[start - 1] == "-" else start: end])
 
 
-def extract_answer(text: str, methods: tuple[str, ...] = METHODS) -> tuple[str | None, str, str]:
+def extract_answer(text: str, methods: tuple[str, ...] = METHODS,
+                   think_tags: tuple[str, str] | None = THINK_TAGS) -> tuple[str | None, str, str]:
     """Read the final answer out of a model response.
 
+    The text is first cleaned: `normalize_unicode`, then `strip_reasoning(text, think_tags)` (only the
+    reply after the last ``</think>`` counts; None keeps the whole text).
     `methods` restricts the rules tried (a subset of METHODS, always applied in METHODS order):
     "hash" (``####`` line), "boxed" (``\\boxed{}``/``\\fbox{}``), "last_number". The first rule whose
     marker is present decides, even when its content is unreadable (an unclosed box reads None).
     Returns (answer, method, reason): answer is None (with a reason) when nothing can be read.
-    Never raises; non-str input reads as nothing. Raises ValueError only on an unknown method name.
+    Never raises on odd text; non-str input reads as nothing. Raises ValueError on an unknown method
+    name or malformed `think_tags`.
     """
     if not set(methods) <= set(METHODS):
         raise ValueError(f"extract_answer: methods must be a subset of {METHODS}, got {methods}")
     if not isinstance(text, str) or not text.strip():
+        strip_reasoning("", think_tags)  # validates think_tags
         return None, "none", "empty response"
+    text = strip_reasoning(normalize_unicode(text), think_tags)
+    if not text.strip():
+        return None, "none", "no reply after the reasoning trace"
     if "hash" in methods and "####" in text:
         answer = extract_hash_answer(text)
         return answer, "hash", "" if answer else "nothing after ####"
     if "boxed" in methods and _BOX_RE.search(text):
-        answer = extract_boxed(text)
-        return answer, "boxed", "" if answer is not None else "unclosed \\boxed{"
+        answer, reason = _last_box(text)
+        return answer, "boxed", reason
     answer = last_number(text) if "last_number" in methods else None
     if answer is None:
         return None, "none", f"no answer found (rules tried: {', '.join(methods)})"
@@ -137,12 +194,12 @@ def extract_answer(text: str, methods: tuple[str, ...] = METHODS) -> tuple[str |
 
 
 def gold_answer(solution: str) -> str:
-    """The reference answer of a task: the ``####`` line of a GSM8K solution, else the whole string.
-
-    Raises ValueError when `solution` is empty or has an empty ``####`` line.
+    """The reference answer of a task: the ``####`` line of a GSM8K solution, else the whole string
+    (after `normalize_unicode`). Raises ValueError when `solution` is empty or has an empty ``####`` line.
     """
     if not isinstance(solution, str) or not solution.strip():
         raise ValueError(f"gold solution must be a non-empty str, got {solution!r}")
+    solution = normalize_unicode(solution)
     if "####" in solution:
         answer = extract_hash_answer(solution)
         if answer is None:
@@ -155,110 +212,67 @@ def gold_answer(solution: str) -> str:
 # Normalisation and equivalence
 
 
-def normalize_answer(answer: str) -> str:
-    """Canonical text of an answer: math delimiters and ``$`` dropped, thousands commas removed,
-    trailing units (``42 apples``, ``5 km/h``, ``5\\text{ cm}``, ``50%``) and ``.0`` removed, trailing
-    period and markdown ``**``/backticks around the answer dropped.
+def compare_answers(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[bool | None, str]:
+    """(equal, reason) for answer `pred` against reference `gold` (both already extracted).
 
-    "$1,234.00" -> "1234"; "42 apples" -> "42"; "\\frac{1}{2}" is left as is.
+    equal is None when the symbolic comparison ran out of `timeout_s` seconds (reason starts with
+    "timeout:") or no verifier worker could start (reason starts with "infra:"). Plain numbers and
+    simple fractions compare in-process; `pred` longer than MAX_ANSWER_CHARS is refused (False).
+    Raises ValueError on a non-positive timeout; never raises on odd answer text.
     """
-    s = answer.strip().strip("*`").strip()  # markdown emphasis / code: "**18**"
-    for left, right in (("\\(", "\\)"), ("\\[", "\\]")):
-        if s.startswith(left) and s.endswith(right):
-            s = s[len(left):-len(right)]
-    s = s.replace("\\$", "").replace("$", "")
-    s = re.sub(r"\\[!,;: ]", "", s)
-    s = re.sub(r"\s*\\(?:text|mbox|mathrm)\{[^{}]*\}\s*$", "", s).strip()
-    s = s.rstrip(".").strip()
-    unit = _UNIT_RE.match(s)
-    if unit:
-        s = unit.group(1)
-    if re.fullmatch(_NUMBER, s):
-        s = s.replace(",", "")
-        if "." in s:
-            s = s.rstrip("0").rstrip(".") or "0"
-        if s in ("-0", "-"):
-            s = "0"
-    return s
-
-
-def as_fraction(s: str) -> fractions.Fraction | None:
-    """Exact value of a plain number, ``a/b`` or ``\\frac{a}{b}`` (normalised input), else None."""
-    if re.fullmatch(r"-?\d+(?:\.\d+)?|-?\.\d+|-?\d+/\d+", s):
-        try:
-            return fractions.Fraction(s)
-        except (ValueError, ZeroDivisionError):
-            return None
-    m = _FRAC_RE.match(s)
-    if m and int(m.group(3)) != 0:
-        return fractions.Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) else 1)
-    return None
-
-
-def too_costly(expr: str) -> bool:
-    """Whether symbolic evaluation of `expr` could take unbounded time or memory: longer than
-    MAX_SYMBOLIC_CHARS, two or more powers (towers such as ``9^{9^{9^9}}``), an exponent of 4+ digits,
-    or a factorial of anything but a literal of at most 3 digits. math-verify's own timeout is a SIGALRM, available only on the
-    main thread, so this screen is what bounds the cost in worker threads."""
-    if len(expr) > MAX_SYMBOLIC_CHARS or expr.count("^") + expr.count("**") >= 2:
-        return True
-    if re.search(r"\^\s*\{?\s*[-+]?\d{4,}", expr):
-        return True
-    return any(not re.search(r"(?<!\d)\d{1,3}\s*$", expr[:m.start()]) for m in re.finditer(r"!(?!=)", expr))
-
-
-def _math_verify_equal(pred: str, gold: str) -> bool:
-    """Symbolic equivalence through `math-verify` (signal timeouts only on the main thread)."""
-    import math_verify
-
-    if too_costly(pred) or too_costly(gold):
-        return False
-    on_main = threading.current_thread() is threading.main_thread()
-    timeout = 3 if on_main else None
-    gold_parsed = math_verify.parse(f"${gold}$", parsing_timeout=timeout)
-    pred_parsed = math_verify.parse(f"${pred}$", parsing_timeout=timeout)
-    if not gold_parsed or not pred_parsed:
-        return False
-    return bool(math_verify.verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
-
-
-def answers_equivalent(pred: str, gold: str) -> bool:
-    """Whether answer `pred` equals reference `gold` (both already extracted, not whole responses).
-
-    Plain numbers and simple fractions compare exactly ("0.5" == "\\frac{1}{2}", "$1,234.00" == "1234");
-    other expressions go through math-verify ("2^{10}" == "1024"), except those `too_costly` to evaluate;
-    equal normalised strings are equivalent ("E" == "E"). Never raises: a parse failure counts as not
-    equivalent.
-    """
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if not isinstance(pred, str) or not isinstance(gold, str):
+        return False, "answer is not a str"
+    if len(pred) > MAX_ANSWER_CHARS and len(pred) != len(gold):
+        return False, f"answer of {len(pred)} chars is longer than MAX_ANSWER_CHARS={MAX_ANSWER_CHARS}"
     p, g = normalize_answer(pred), normalize_answer(gold)
     if p == g:
-        return True
+        return True, ""
     fp, fg = as_fraction(p), as_fraction(g)
     if fp is not None and fg is not None:
-        return fp == fg
-    try:
-        return _math_verify_equal(p, g)
-    except Exception:  # noqa: BLE001 - a verifier failure on odd text must score 0, not crash
-        return False
+        return fractions_equal(p, fp, g, fg), ""
+    if too_costly(p) or too_costly(g):
+        return False, "too costly to compare symbolically"
+    return worker.pool().compare(p, g, timeout_s)
 
 
-def score_math(response: str, gold: str, methods: tuple[str, ...] = METHODS) -> Verdict:
+def answers_equivalent(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Whether answer `pred` equals reference `gold` (`compare_answers`; a timeout counts as not equal).
+
+    "0.5" == "\\frac{1}{2}", "$1,234.00" == "1234", "2^{10}" == "1024", "E" == "E"; "3x" != "3",
+    "\\frac{1}{2^{98}}" != "\\frac{1}{2^{99}}". Returns within `timeout_s` (+ a worker's start-up
+    when none is warm) from any thread. Never raises on odd text.
+    """
+    return compare_answers(pred, gold, timeout_s)[0] is True
+
+
+def score_math(response: str, gold: str, methods: tuple[str, ...] = METHODS, *,
+               think_tags: tuple[str, str] | None = THINK_TAGS, timeout_s: float = DEFAULT_TIMEOUT_S) -> Verdict:
     """Score a free-form math response against reference answer `gold` (already extracted), reading
-    the answer with `extract_answer(response, methods)`.
+    the answer with `extract_answer(response, methods, think_tags)`.
 
     Returns a Verdict with reward 1.0 / status "ok" when the extracted answer is equivalent, else
-    reward 0.0 / status "wrong" with a reason. Never raises on malformed `response`; raises
-    ValueError on unknown `methods`.
+    reward 0.0 with status "wrong" (and a reason), "timeout" (the symbolic comparison took over
+    `timeout_s` s) or "infra_error" (no verifier worker). Never raises on malformed `response`; raises
+    ValueError on unknown `methods`, malformed `think_tags` or a non-positive `timeout_s`.
     """
     if not set(methods) <= set(METHODS):
         raise ValueError(f"score_math: methods must be a subset of {METHODS}, got {methods}")
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+        raise ValueError(f"score_math: timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    strip_reasoning("", think_tags)  # validates think_tags
     try:
-        answer, method, reason = extract_answer(response, methods)
+        answer, method, reason = extract_answer(response, methods, think_tags)
         if answer is None:
             return Verdict(0.0, "wrong", None, gold, method, reason)
-        if answers_equivalent(answer, gold):
-            return Verdict(1.0, "ok", answer, gold, method, "")
-        return Verdict(0.0, "wrong", answer, gold, method, "answer differs from gold")
+        shown = answer if len(answer) <= MAX_ANSWER_CHARS else answer[:MAX_ANSWER_CHARS] + "..."
+        equal, why = compare_answers(answer, normalize_unicode(gold), timeout_s)
+        if equal:
+            return Verdict(1.0, "ok", shown, gold, method, "")
+        if equal is None:
+            return Verdict(0.0, "timeout" if why.startswith("timeout") else "infra_error", shown, gold, method, why)
+        return Verdict(0.0, "wrong", shown, gold, method, why or "answer differs from gold")
     except Exception as exc:  # noqa: BLE001 - malformed output scores 0 with a reason
         return Verdict(0.0, "wrong", None, gold, "none", f"verifier error: {exc!r}")
 

@@ -84,3 +84,21 @@ def test_real_test_split_self_checks_and_every_reference_solution_scores_one():
     for i in range(0, 1319, 50):
         env.reset(options={"task": env.task_source.get_task(i)})
         assert env.step(env.task["answer"])[1] == 1.0
+
+
+def test_reasoning_trace_is_skipped_per_env(data_dir):
+    class NoTrace(GSM8KEnv):
+        think_tags = None
+
+    reply = "<think>maybe 17, maybe #### 18</think>#### 17"
+    for env_cls, reward in ((GSM8KEnv, 0.0), (NoTrace, 0.0)):
+        env = env_cls(path=str(data_dir))
+        env.reset(options={"task": env.task_source.get_task(0)})
+        assert env.step(reply)[1] == reward
+    env = NoTrace(path=str(data_dir))
+    env.reset(options={"task": env.task_source.get_task(0)})
+    assert env.step("<think>#### 18</think>")[1] == 1.0  # read whole: the trace's #### counts
+    env = GSM8KEnv(path=str(data_dir))
+    env.reset(options={"task": env.task_source.get_task(0)})
+    _, reward, _, _, info = env.step("<think>#### 18</think>")
+    assert reward == 0.0 and info["reason"] == "no reply after the reasoning trace"
