@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import pathlib
 from typing import Callable, Mapping, NamedTuple
 
@@ -16,9 +17,12 @@ from flax import nnx
 
 from posttrain import mesh as mesh_lib
 from posttrain.checkpoints import hf as hf_lib
+from posttrain.checkpoints import hf_config as hf_config_lib
 from posttrain.model.config import ModelConfig
 from posttrain.model.layers import LoRAParam
 from posttrain.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
 
 
 class Pretrained(NamedTuple):
@@ -64,6 +68,9 @@ class SafetensorsDir:
     def __contains__(self, name):
         return name in self.where
 
+    def keys(self):
+        return self.where.keys()
+
     def __getitem__(self, name) -> np.ndarray:
         try:
             return np.asarray(self.handles[self.where[name]].get_tensor(name))
@@ -73,16 +80,20 @@ class SafetensorsDir:
             raise ValueError(f"{self.path}: tensor {name!r} could not be read ({e})") from e
 
 
-def hf_to_arrays(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], expected: Mapping[tuple, tuple]) -> dict:
+def hf_to_arrays(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], expected: Mapping[tuple, tuple], *,
+                 rope_interleave: bool = True, used: set | None = None) -> dict:
     """{our param path tuple: np.ndarray} from HF-named tensors, validated against `expected` shapes.
 
+    rope_interleave: DeepSeek's config.json `rope_interleave`; used: when given, the names read are added to it.
     Raises:
       ValueError: a missing tensor (named) or a shape mismatch (tensor name, expected and found shapes).
     """
     family = hf_lib.hf_family(cfg)
+    used = set() if used is None else used
 
     def apply(rule, prefix, our_prefix):
         names = [prefix + n for n in rule.hf]
+        used.update(names)
         for n in names:
             if n not in tensors:
                 raise ValueError(f"missing tensor {n!r} (needed for {cfg.name or family} {our_prefix}{rule.ours})")
@@ -99,7 +110,7 @@ def hf_to_arrays(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], expected: 
         for o, arr in zip(rule.ours, apply(rule, "", ())):
             out[tuple(o.split("."))] = arr
     for stack, first, num, is_moe in hf_lib.block_layout(cfg):
-        table = hf_lib.layer_table(cfg, family, is_moe)
+        table = hf_lib.layer_table(cfg, family, is_moe, rope_interleave)
         per = {}
         for i in range(num):
             for rule in table:
@@ -155,16 +166,39 @@ def place(cfg: ModelConfig, arrays_fn: Callable[[dict], dict], mesh=None, rules=
     return graphdef, nnx.from_flat_state(leaves)
 
 
-def load_hf_dir(path, *, mesh=None, dtype: str = "float32", param_dtype: str = "float32",
+def _tied_head(cfg: ModelConfig, tensors) -> ModelConfig:
+    """transformers' rule for a tied config whose file also holds `lm_head.weight`: equal to the embedding -> tied;
+    different -> untied, the file's head is used (`PreTrainedModel.tie_weights` skips the tie, with a warning)."""
+    if not cfg.tie_embeddings or "lm_head.weight" not in tensors:
+        return cfg
+    if np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+        return cfg
+    log.warning("tie_word_embeddings is true but the file's lm_head.weight differs from the embedding: loading it "
+                "untied, as transformers does")
+    return dataclasses.replace(cfg, tie_embeddings=False)
+
+
+def load_hf_dir(path, *, mesh=None, dtype: str | None = None, param_dtype: str | None = None,
                 **overrides) -> Pretrained:
-    """Loads config.json + safetensors (+ tokenizer files when present) from an HF model directory."""
+    """Loads config.json + safetensors (+ tokenizer files when present) from an HF model directory.
+
+    dtype / param_dtype: compute and storage dtypes; None (default) means the checkpoint's dtype (config.json
+    `dtype` / `torch_dtype`, float32 when absent). overrides: other ModelConfig fields.
+    Raises FileNotFoundError (no config.json / safetensors) and ValueError (unsupported config value, missing,
+    misshapen or unused tensor; each named).
+    """
     path = pathlib.Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json (expected an HF model directory or a .gguf file)")
     hf_config = json.loads((path / "config.json").read_text())
-    cfg = dataclasses.replace(hf_lib.config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype), **overrides)
+    cfg = hf_lib.config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype)
     tensors = SafetensorsDir(path)
-    graphdef, state = place(cfg, lambda expected: hf_to_arrays(cfg, tensors, expected), mesh)
+    cfg = dataclasses.replace(_tied_head(cfg, tensors), **overrides)
+    norm = hf_config_lib.normalized(hf_config)
+    used = {"lm_head.weight"} if cfg.tie_embeddings else set()  # equal to the embedding (checked above)
+    graphdef, state = place(cfg, lambda expected: hf_to_arrays(
+        cfg, tensors, expected, rope_interleave=bool(norm.get("rope_interleave", True)), used=used), mesh)
+    hf_lib.check_unused(tensors.keys(), used, cfg.num_layers, norm.get("num_mtp_layers") or 0)
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from posttrain.tokenizer import Tokenizer
@@ -173,13 +207,24 @@ def load_hf_dir(path, *, mesh=None, dtype: str = "float32", param_dtype: str = "
     return Pretrained(cfg, graphdef, state, tokenizer)
 
 
-def load_gguf_file(path, *, mesh=None, dtype: str = "float32", param_dtype: str = "float32",
+def gguf_file_dtype(tensor_types: Mapping[str, int]) -> str:
+    """The dtype a GGUF file's weights are stored in: float16 / bfloat16 when every non-F32 tensor is F16 / BF16
+    (norms stay F32 in such files), else float32 (quantized blocks dequantize exactly to float32)."""
+    kinds = set(tensor_types) - {"F32"}
+    return {frozenset({"F16"}): "float16", frozenset({"BF16"}): "bfloat16"}.get(frozenset(kinds), "float32")
+
+
+def load_gguf_file(path, *, mesh=None, dtype: str | None = None, param_dtype: str | None = None,
                    **overrides) -> Pretrained:
-    """Loads a GGUF file (dequantized through the `gguf` package) and its embedded tokenizer."""
+    """Loads a GGUF file (dequantized through the `gguf` package) and its embedded tokenizer.
+
+    dtype / param_dtype: None (default) means the file's dtype (`gguf_file_dtype`)."""
     from posttrain.checkpoints import gguf as gguf_lib
 
     ckpt = gguf_lib.load_gguf(path)
-    cfg = dataclasses.replace(hf_lib.config_from_hf(ckpt.hf_config, dtype=dtype, param_dtype=param_dtype), **overrides)
+    own = gguf_file_dtype(ckpt.metadata["tensor_types"])
+    cfg = dataclasses.replace(hf_lib.config_from_hf(ckpt.hf_config, dtype=dtype or own,
+                                                    param_dtype=param_dtype or own), **overrides)
     graphdef, state = place(cfg, lambda expected: hf_to_arrays(cfg, ckpt.state_dict, expected), mesh)
     return Pretrained(cfg, graphdef, state, ckpt.tokenizer)
 

@@ -187,3 +187,108 @@ def test_missing_files_are_file_not_found(tmp_path, tiny_dir):
     (tiny_dir / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_hf_dir(tiny_dir)
+
+
+# ------------------------------------------------------------------------------------------------ absent keys
+def _edit_config(path: pathlib.Path, edit):
+    cfg = json.loads((path / "config.json").read_text())
+    edit(cfg)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def _drop(*keys):
+    def edit(cfg):
+        for k in keys:
+            cfg.pop(k, None)
+        if "rope_theta" in keys:
+            cfg.pop("rope_parameters", None)
+    return edit
+
+
+_DS_DEFAULTS = dict(_DEEPSEEK, n_routed_experts=16, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                    n_shared_experts=1, norm_topk_prob=True)
+# id -> (model_type, build kwargs (transformers' default for what is then removed), config.json edit);
+# our defaults before the fix differed in each: logits off by 4.3 (norm_topk_prob), 4.7 (groups, scaling, shared
+# experts), 8.3 (rope_interleave false)
+ABSENT = {
+    "deepseek-norm_topk_prob": ("deepseek_v3", _DS_DEFAULTS, _drop("norm_topk_prob")),
+    "deepseek-groups-scaling-shared": ("deepseek_v3", _DS_DEFAULTS,
+                                       _drop("n_group", "topk_group", "routed_scaling_factor", "n_shared_experts")),
+    "deepseek-first_k_dense": ("deepseek_v3", dict(_DS_DEFAULTS, num_hidden_layers=4, first_k_dense_replace=3),
+                               _drop("first_k_dense_replace")),
+    "deepseek-rope_interleave-false": ("deepseek_v3", dict(_DEEPSEEK, rope_interleave=False), lambda c: None),
+    "qwen3-head_dim": ("qwen3", dict(_COMMON, head_dim=128), _drop("head_dim")),
+    "qwen3_moe-norm_topk_prob": ("qwen3_moe", FAMILIES["qwen3_moe"][1], _drop("norm_topk_prob")),
+    "mixtral-rope_theta": ("mixtral", dict(_COMMON, num_local_experts=4, rope_parameters={"rope_theta": 1e6}),
+                           _drop("rope_theta")),
+    "llama-num_key_value_heads": ("llama", dict(_COMMON, num_key_value_heads=4), _drop("num_key_value_heads")),
+}
+
+
+@pytest.mark.parametrize("case", list(ABSENT))
+def test_absent_or_explicit_keys_match_transformers_logits(tmp_path, case):
+    model_type, kwargs, edit = ABSENT[case]
+    path, _ = _tiny_hf(tmp_path, model_type, kwargs)
+    _edit_config(path, edit)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = _tokens(4, (2, 24))
+    theirs = _torch_logits(model, tokens)
+    assert theirs.std() > 0.5
+    pre = load_hf_dir(path)
+    np.testing.assert_allclose(_our_logits(pre.graphdef, pre.state, tokens), theirs, rtol=0, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ unused tensors
+def _add(**named):
+    def edit(t):
+        t.update({k: (v(t) if callable(v) else v) for k, v in named.items()})
+    return edit
+
+
+_SHARED = {f"model.layers.1.mlp.shared_experts.{p}_proj.weight": torch.zeros(s)
+           for p, s in (("gate", (32, 64)), ("up", (32, 64)), ("down", (64, 32)))}
+# id -> (family, config.json edit, tensor edit, error regex or None when the load must succeed)
+UNUSED = {
+    "qwen3-o_proj-bias": ("qwen3", None, _add(**{"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}),
+                          r"'model\.layers\.0\.self_attn\.o_proj\.bias'.* not used"),
+    "llama-mlp-bias": ("llama-llama3-rope", None, _add(**{"model.layers.1.mlp.down_proj.bias": torch.zeros(64)}),
+                       r"'model\.layers\.1\.mlp\.down_proj\.bias'"),
+    "deepseek-shared-experts-with-n_shared_0": ("deepseek_v3", lambda c: c.update(n_shared_experts=0), None,
+                                                r"shared_experts\.down_proj\.weight"),
+    "deepseek-mtp-layer-listed": ("deepseek_v3", lambda c: c.update(num_nextn_predict_layers=1),
+                                  _add(**{"model.layers.3.eh_proj.weight": torch.zeros(64, 128)}), None),
+    "deepseek-mtp-layer-unlisted": ("deepseek_v3", lambda c: c.update(num_nextn_predict_layers=0),
+                                    _add(**{"model.layers.3.eh_proj.weight": torch.zeros(64, 128)}),
+                                    r"'model\.layers\.3\.eh_proj\.weight'"),
+    "llama-rotary-cache": ("llama-llama3-rope", None,
+                           _add(**{"model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(8)}), None),
+    "tied-head-equal-to-embedding": ("qwen2-tied", None,
+                                     _add(**{"lm_head.weight": lambda t: t["model.embed_tokens.weight"].clone()}),
+                                     None),
+}
+
+
+@pytest.mark.parametrize("case", list(UNUSED))
+def test_unused_tensors_are_errors_unless_allowlisted(tmp_path, case):
+    family, cfg_edit, tensor_edit, error = UNUSED[case]
+    path, _ = _tiny_hf(tmp_path, *FAMILIES[family])
+    if cfg_edit:
+        _edit_config(path, cfg_edit)
+    if tensor_edit:
+        _rewrite(path, tensor_edit)
+    if error:
+        with pytest.raises(ValueError, match=error):
+            load_hf_dir(path)
+    else:
+        assert load_hf_dir(path).config.tie_embeddings == (family == "qwen2-tied")
+
+
+def test_tied_config_with_a_different_head_uses_the_files_head_like_transformers(tmp_path):
+    path, _ = _tiny_hf(tmp_path, *FAMILIES["qwen2-tied"])
+    _rewrite(path, _add(**{"lm_head.weight": torch.randn(V, 64, generator=torch.Generator().manual_seed(1))}))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = _tokens(5, (2, 16))
+    theirs = _torch_logits(model, tokens)
+    pre = load_hf_dir(path)
+    assert pre.config.tie_embeddings is False
+    np.testing.assert_allclose(_our_logits(pre.graphdef, pre.state, tokens), theirs, rtol=0, atol=1e-4)
