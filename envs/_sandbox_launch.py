@@ -1,10 +1,14 @@
 """Command lines that start one sandboxed program (private helper of `envs.sandbox`; no JAX).
 
 Strict isolation (bubblewrap), as root:
-  * One user namespace per host process (the "holder"), created once: inner uid/gid 0 -> host 0 (so
-    bwrap can bind-mount root-owned paths), inner FIRST_SLOT_UID+k -> host UID_BASE+FIRST_SLOT_UID+k,
-    nested user namespaces disabled inside it (`user.max_user_namespaces=0`). bwrap joins it
-    (``--userns``); the program inherits that fd, which grants nothing (setns into it fails).
+  * One user + mount namespace per host process, the holder (`envs._sandbox_holder`): bwrap joins its
+    user namespace (``--userns``) and starts inside its mount namespace (``nsenter``), where each
+    sandbox's writable storage is one tmpfs of `Limits.disk_mb` (cwd, /tmp and /dev/shm are
+    directories of it). The program inherits the userns fd, which grants nothing (setns into it fails).
+  * The sandbox sees only what it needs, read-only: the system folders `SYSTEM_DIRS` (/usr, /etc and
+    the /bin, /lib links), the interpreter's prefix (its stdlib) and, of its site-packages, only
+    `SANDBOX_PACKAGES`; no /home, /root, /run, /srv, /opt, /var, /sys, no project checkout, no host
+    UNIX socket (abstract sockets live in the network namespace, which is new).
   * Each running sandbox gets its own inner uid (a *slot*): RLIMIT_NPROC is counted per (namespace,
     uid), so `max_procs` bounds each sandbox separately, and the host uid is unprivileged, so the limit
     applies at all (root ignores RLIMIT_NPROC). Sandbox processes are recognisable on the host by
@@ -22,7 +26,6 @@ as root no process-count bound.
 """
 from __future__ import annotations
 
-import glob
 import math
 import os
 import resource
@@ -31,18 +34,14 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
-from pathlib import Path
 
-UID_BASE = 1_700_000_000  # inner uid FIRST_SLOT_UID+k of the holder namespace is host uid UID_BASE+FIRST_SLOT_UID+k
-FIRST_SLOT_UID = 10_000  # no /etc/passwd entry, so tools print a bare number
-MAX_SLOTS = 60_000
+from envs._sandbox_holder import FIRST_SLOT_UID, MAX_SLOTS, UID_BASE, holder  # noqa: F401
+
 SANDBOX_CWD = "/tmp/work"  # the working directory as the sandboxed program sees it
-TMPFS_BYTES = 128 << 20  # size of the sandbox's private /tmp and /dev/shm
-FILE_SIZE_LIMIT_BYTES = 128 << 20  # RLIMIT_FSIZE: largest file the program may write
+FILE_SIZE_LIMIT_BYTES = 128 << 20  # RLIMIT_FSIZE: largest file the program may write (also <= disk_mb)
 NOFILE_LIMIT = 1024
-HIDDEN_DIRS = ("/root", "/home", "/run", "/tmp")  # replaced by empty tmpfs inside the sandbox
-PROJECT_ROOT = str(Path(__file__).resolve().parents[1])  # the checkout: hidden too (read-only + no peeking)
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")  # bound read-only
+SANDBOX_PACKAGES = ("numpy",)  # site-packages entries (distributions) a sandboxed Python program can import
 INSTALL_HINT = "apt-get install -y bubblewrap"
 
 
@@ -91,85 +90,79 @@ def host_uid(inner_uid: int) -> int:
     return UID_BASE + inner_uid if os.geteuid() == 0 else os.getuid()
 
 
-# ----------------------------------------------------------------------------- holder namespace
-_holder_lock = threading.Lock()
-_holder: tuple[int, int] | None = None  # (owner pid, fd of the user namespace)
-
-
-def holder_userns_fd() -> int:
-    """fd of this process's holder user namespace (created on first use; root only).
-
-    Raises RuntimeError if user namespaces cannot be created or configured here.
-    """
-    global _holder
-    with _holder_lock:
-        if _holder is not None and _holder[0] == os.getpid():
-            return _holder[1]
-        # The child execs sh a second time after the maps exist, so it holds full capabilities in the
-        # namespace (exec with an unmapped uid drops them) and can disable nested user namespaces.
-        script = "read x; exec /bin/sh -c 'echo 0 > /proc/sys/user/max_user_namespaces && echo ok; read y'"
-        try:
-            proc = subprocess.Popen(["unshare", "--user", "--", "/bin/sh", "-c", script],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        except OSError as e:
-            raise RuntimeError(f"sandbox: cannot start util-linux `unshare` ({e})") from e
-        try:
-            mine, deadline = os.readlink("/proc/self/ns/user"), time.monotonic() + 10.0
-            while os.readlink(f"/proc/{proc.pid}/ns/user") == mine:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("sandbox: `unshare --user` failed: "
-                                       + proc.stderr.read().decode(errors="replace").strip())
-                time.sleep(0.0005)
-            ids = f"0 0 1\n{FIRST_SLOT_UID} {UID_BASE + FIRST_SLOT_UID} {MAX_SLOTS}\n"
-            for name in ("uid_map", "gid_map"):
-                with open(f"/proc/{proc.pid}/{name}", "w") as f:
-                    f.write(ids)
-            proc.stdin.write(b"go\n")
-            proc.stdin.flush()
-            if proc.stdout.readline() != b"ok\n":
-                raise RuntimeError("sandbox: cannot disable nested user namespaces: "
-                                   + proc.stderr.read().decode(errors="replace").strip())
-            fd = os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-        finally:
-            proc.kill()
-            proc.wait()
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                stream.close()
-        _holder = (os.getpid(), fd)
-        return fd
-
-
 # ----------------------------------------------------------------------------- mounts
-def _ancestors_below(path: str, top: str) -> list[str]:
-    """Directories strictly between `top` and `path` (outermost first)."""
-    rel = Path(path).relative_to(top).parts[:-1]
-    return [str(Path(top, *rel[: i + 1])) for i in range(len(rel))]
+def _ro(path: str) -> list[str]:
+    """bwrap args that show `path` read-only as on the host (a symlink stays a symlink)."""
+    if os.path.islink(path):
+        return ["--symlink", os.readlink(path), path]
+    return ["--ro-bind", path, path] if os.path.exists(path) else []
 
 
-def _mount_args(python: str, network: bool) -> list[str]:
-    """bwrap mount options: read-only system, hidden private dirs, the interpreter re-exposed."""
-    args = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-    hidden = [d for d in (*HIDDEN_DIRS, PROJECT_ROOT) if os.path.isdir(d) and d != "/"
-              and not (network and d == "/run")]  # /etc/resolv.conf often points into /run
-    for d in hidden:
-        perms = "1777" if d == "/tmp" else "0755"
-        args += ["--perms", perms, "--size", str(TMPFS_BYTES), "--tmpfs", d]
-    args += ["--perms", "1777", "--size", str(TMPFS_BYTES), "--tmpfs", "/dev/shm"]
-    # The interpreter (venv and its base install) may live under a hidden dir: bind it back.
-    exe = os.path.realpath(python)
-    needed = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(exe))} if python == sys.executable \
-        else {os.path.dirname(os.path.dirname(exe)), os.path.dirname(os.path.dirname(python))}
-    for path in sorted({os.path.realpath(p) for p in needed} | needed):
-        top = next((d for d in hidden if path != d and path.startswith(d.rstrip("/") + "/")), None)
-        if top is None or not os.path.isdir(path):
-            continue
-        for d in _ancestors_below(path, top):
-            args += ["--perms", "0755", "--dir", d]
-        args += ["--ro-bind", path, path]
-    # Editable installs point into the (hidden) checkout; their .pth only slows start-up (~10 ms).
-    for pth in glob.glob(os.path.join(sys.prefix, "lib", "python*", "site-packages", "__editable__*.pth")):
-        args += ["--ro-bind", "/dev/null", pth]
+def _package_entries(site: str) -> list[str]:
+    """Entries of site-packages dir `site` that belong to SANDBOX_PACKAGES (module, dist-info, .libs)."""
+    wanted = {p.lower().replace("-", "_") for p in SANDBOX_PACKAGES}
+    out = []
+    for name in sorted(os.listdir(site)):
+        stem = name.lower().split("-")[0].removesuffix(".libs").removesuffix(".py")
+        if stem in wanted and (name.endswith((".dist-info", ".libs", ".py")) or "-" not in name):
+            out.append(os.path.join(site, name))
+    return out
+
+
+def _python_args(python: str) -> list[str]:
+    """bwrap args showing interpreter `python`: its prefix read-only, of site-packages only SANDBOX_PACKAGES."""
+    system = tuple(d + "/" for d in SYSTEM_DIRS)
+    if python != sys.executable:  # another interpreter: its installation dir as a whole
+        tops = {os.path.dirname(os.path.dirname(p)) for p in (python, os.path.realpath(python))}
+        return [a for t in sorted(tops) if not t.startswith(system) for a in _ro(t)]
+    args: list[str] = []
+    base = os.path.realpath(sys.base_prefix)
+    if not (base + "/").startswith(system):
+        args += _ro(base)
+    sites = {os.path.realpath(p) for p in __import__("site").getsitepackages() if os.path.isdir(p)}
+    for site in sorted(sites):
+        if (site + "/").startswith((base + "/", *system)):
+            args += ["--tmpfs", site]  # hide the base install's own packages
+        for entry in _package_entries(site):
+            args += ["--ro-bind", entry, entry]
+    if sys.prefix != sys.base_prefix:  # a venv: its config and interpreter links, nothing else
+        args += _ro(os.path.join(sys.prefix, "pyvenv.cfg"))
+        bindir = os.path.join(sys.prefix, "bin")
+        args += [a for n in sorted(os.listdir(bindir)) if n.startswith("python") for a in _ro(os.path.join(bindir, n))]
     return args
+
+
+def _mount_args(python: str, network: bool, root: bool, disk_bytes: int) -> list[str]:
+    """bwrap mount options that do not depend on the sandbox: system folders, /dev, /proc, the
+    interpreter; /tmp and /dev/shm as sized tmpfs when not root (as root they come from the holder)."""
+    args = [a for d in SYSTEM_DIRS for a in _ro(d)] + ["--dev", "/dev", "--proc", "/proc"]
+    if network:  # /etc/resolv.conf often points into /run
+        args += _ro("/run")
+    if not root:
+        for d in ("/tmp", "/dev/shm"):
+            args += ["--perms", "1777", "--size", str(disk_bytes), "--tmpfs", d]
+    return args + _with_parents(_python_args(python))
+
+
+_ARITY = {"--ro-bind": 3, "--bind": 3, "--symlink": 3, "--tmpfs": 2, "--dir": 2, "--perms": 2}
+
+
+def _with_parents(args: list[str]) -> list[str]:
+    """`args` with ``--perms 0755 --dir`` for every missing ancestor of a mount or symlink target, so
+    the sandbox can traverse them (bwrap would create them mode 0700). No ``--perms`` in `args`."""
+    out, made, i = [], {"/", *SYSTEM_DIRS}, 0
+    while i < len(args):
+        n = _ARITY.get(args[i], 1)
+        if n > 1:
+            parts = args[i + n - 1].split("/")[1:-1]
+            for k in range(1, len(parts) + 1):
+                parent = "/" + "/".join(parts[:k])
+                if parent not in made:
+                    made.add(parent)
+                    out += ["--perms", "0755", "--dir", parent]
+        out += args[i:i + n]
+        i += n
+    return out
 
 
 def environment(python: str) -> dict[str, str]:
@@ -184,15 +177,15 @@ def environment(python: str) -> dict[str, str]:
 _static_cache: dict[tuple, list[str]] = {}
 
 
-def _static_bwrap_args(bwrap: str, python: str, network: bool, root: bool) -> list[str]:
-    key = (bwrap, python, network, root, os.getpid())
+def _static_bwrap_args(bwrap: str, python: str, network: bool, root: bool, disk_bytes: int) -> list[str]:
+    key = (bwrap, python, network, root, disk_bytes, os.getpid())
     if key not in _static_cache:
         args = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
                 "--unshare-cgroup-try"]
         args += [] if network else ["--unshare-net"]
         args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"] if root \
             else ["--unshare-user", "--disable-userns"]
-        args += _mount_args(python, network) + ["--clearenv"]
+        args += _mount_args(python, network, root, disk_bytes) + ["--clearenv"]
         for k, v in environment(python).items():
             args += ["--setenv", k, v]
         _static_cache[key] = args
@@ -217,7 +210,7 @@ def _ulimit_script(limits, stdin_fd: int | None) -> str:
     vmem = clamp_limit(resource.RLIMIT_AS, 2 * (limits.memory_mb << 20) + (512 << 20))
     parts = [f"ulimit -p {clamp_limit(resource.RLIMIT_NPROC, limits.max_procs)}",
              f"ulimit -d {kib(data)}", f"ulimit -v {kib(vmem)}", "ulimit -c 0",
-             f"ulimit -f {clamp_limit(resource.RLIMIT_FSIZE, FILE_SIZE_LIMIT_BYTES) // 512}",
+             f"ulimit -f {clamp_limit(resource.RLIMIT_FSIZE, min(FILE_SIZE_LIMIT_BYTES, limits.disk_mb << 20)) // 512}",
              f"ulimit -n {clamp_limit(resource.RLIMIT_NOFILE, NOFILE_LIMIT)}",
              f"ulimit -St {cpu_soft}", f"ulimit -Ht {cpu_hard}", "printf x >&0"]
     source = "/dev/null" if stdin_fd is None else f"/proc/self/fd/{stdin_fd}"
@@ -226,9 +219,24 @@ def _ulimit_script(limits, stdin_fd: int | None) -> str:
     return " && ".join(parts) + f'; "$@" 0<{source}; rc=$?; times >&0; exit $rc'
 
 
-def build_argv(program: list[str], limits, *, host_dir: str, inner_uid: int, stdin_fd: int | None,
-               isolation: str) -> tuple[list[str], list[int]]:
-    """(argv, fds to pass) running `program` with cwd `host_dir` (seen inside as SANDBOX_CWD).
+def prepare_storage(host_dir: str, inner_uid: int, disk_bytes: int) -> tuple[str, str | None]:
+    """Give sandbox dir `host_dir` its storage: (working dir as the host reads and writes it, root of
+    the capped fs or None). As root with bubblewrap, a tmpfs of `disk_bytes` in the holder's mount
+    namespace (`Holder.mount_tmpfs`); otherwise `host_dir` itself (no total cap: non-root runs cap
+    /tmp and /dev/shm at disk_bytes each; without bwrap only RLIMIT_FSIZE applies). Raises OSError or
+    RuntimeError when the holder cannot mount.
+    """
+    if os.geteuid() != 0 or find_bwrap() is None:
+        return host_dir, None
+    h = holder()
+    h.mount_tmpfs(host_dir, disk_bytes, inner_uid)
+    return h.view(host_dir) + "/work", h.view(host_dir)
+
+
+def build_argv(program: list[str], limits, *, host_dir: str, work_dir: str, inner_uid: int, stdin_fd: int | None,
+               isolation: str, holder_fs: bool) -> tuple[list[str], list[int]]:
+    """(argv, fds to pass) running `program` in sandbox dir `host_dir` with `prepare_storage`'s working
+    dir `work_dir` (seen inside as SANDBOX_CWD); `holder_fs`: whether host_dir has the holder's tmpfs.
 
     The command must be started with the write end of the "started" pipe as its stdin (fd 0).
     Raises RuntimeError when the requested isolation is unavailable (one message naming what is
@@ -242,17 +250,24 @@ def build_argv(program: list[str], limits, *, host_dir: str, inner_uid: int, std
             raise RuntimeError(
                 f"sandbox: bubblewrap (bwrap) is not installed, so untrusted code cannot be isolated; install it "
                 f"with `{INSTALL_HINT}`, or pass isolation='weak' to accept unshare + rlimits only")
-        return _weak_argv(program, limits, host_dir, script), pass_fds
+        return _weak_argv(program, limits, work_dir, script), pass_fds
     root = os.geteuid() == 0
-    args = list(_static_bwrap_args(bwrap, sandbox_python(), limits.network, root))
+    if root and not holder_fs:
+        raise RuntimeError(f"sandbox: {host_dir} has no storage from prepare_storage (bwrap appeared after it?)")
+    args = list(_static_bwrap_args(bwrap, sandbox_python(), limits.network, root, limits.disk_mb << 20))
     tail = ["--"]
-    if root:  # the program inherits this fd; it grants nothing (setns into its own namespace fails)
-        ns_fd = holder_userns_fd()
-        pass_fds.append(ns_fd)
-        args[1:1] = ["--userns", str(ns_fd)]
+    if root:  # the program inherits the userns fd; it grants nothing (setns into its own namespace fails)
+        h = holder()
+        pass_fds.append(h.userns_fd)
+        args[1:1] = ["--userns", str(h.userns_fd)]
+        args[:0] = ["nsenter", f"--mount=/proc/{h.pid}/ns/mnt", "--"]
         tail += ["setpriv", f"--reuid={inner_uid}", f"--regid={inner_uid}", "--clear-groups", "--inh-caps=-all",
                  "--bounding-set=-all"]
-    args += ["--bind", host_dir, SANDBOX_CWD, "--chdir", SANDBOX_CWD]
+        args += ["--bind", f"{host_dir}/tmp", "/tmp", "--bind", f"{host_dir}/shm", "/dev/shm",
+                 "--bind", f"{host_dir}/work", SANDBOX_CWD]
+    else:
+        args += ["--bind", host_dir, SANDBOX_CWD]
+    args += ["--remount-ro", "/", "--chdir", SANDBOX_CWD]
     return args + tail + ["/bin/sh", "-c", script, "sh", *program], pass_fds
 
 

@@ -4,18 +4,23 @@
     result.status, result.stdout   # ("ok", "45\\n")
 
 Isolation ("strict", the default; see `envs._sandbox_launch` for the mechanism): new user, pid,
-network, ipc, uts (and cgroup) namespaces; read-only view of the system with /root, /home, /run, /tmp
-and the project checkout hidden (the interpreter and its venv are bound back read-only); a private
-writable directory as cwd (``/tmp/work`` inside); a scrubbed environment; an unprivileged uid per
-sandbox, so RLIMIT_NPROC bounds the process count even when the caller is root; ``--die-with-parent``
-and ``--new-session``. When the sandbox's main process exits, its pid namespace and every process in
-it (daemons, ``setsid`` children) die with it.
+network, ipc, uts (and cgroup) namespaces; the sandbox sees only what it needs, read-only: the system
+folders (/usr, /etc, the /bin and /lib links), the interpreter's prefix and, of its site-packages, only
+`_sandbox_launch.SANDBOX_PACKAGES` (numpy); nothing else of the host (no /home, /root, /run, /opt, /srv,
+/var, /sys, no project checkout, no host UNIX socket). A private writable directory is the cwd
+(``/tmp/work`` inside); a scrubbed environment; an unprivileged uid per sandbox, so RLIMIT_NPROC bounds
+the process count even when the caller is root; ``--die-with-parent`` and ``--new-session``. When the
+sandbox's main process exits, its pid namespace and every process in it (daemons, ``setsid``
+children) die with it.
 
 Limits: CPU seconds (RLIMIT_CPU, per process, rounded up to whole seconds), wall seconds (the whole
 tree is killed), memory (RLIMIT_DATA = memory_mb per process, plus RLIMIT_AS = 2*memory_mb + 512 MiB as a
 backstop against shared mappings; BLAS/OpenMP pinned to one thread so ``import numpy`` works),
 processes (RLIMIT_NPROC), output (stdout and stderr each capped at max_output_bytes while reading),
-file size (RLIMIT_FSIZE 128 MiB). Requests above the caller's hard limits are clamped, not errors.
+storage: as root, everything the program can write (cwd, /tmp, /dev/shm) is one tmpfs of disk_mb MiB
+with disk_mb/4 KiB inodes, in the holder's mount namespace (`envs._sandbox_holder`), so nothing reaches
+the host disk and it is freed with the sandbox; filling it ends the run as "disk_limit" (so does a file
+over RLIMIT_FSIZE = min(128 MiB, disk_mb)). Requests above the caller's hard limits are clamped, not errors.
 
 Every sandbox (process tree and temp dir) is tracked; all are killed and removed on normal exit
 (atexit), on SIGINT/SIGTERM (handlers chain to the previous ones) and when `run` raises. Temp dirs
@@ -36,15 +41,18 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from envs import _sandbox_files as sbx_files
 from envs import _sandbox_launch as launch
 from envs import _sandbox_procs as procs
 from envs._sandbox_launch import SANDBOX_CWD, UID_BASE  # noqa: F401  (re-exported)
 from envs._sandbox_procs import DIR_PREFIX, TMP_BASE, find_leaks, kill_all  # noqa: F401  (re-exported)
 
-STATUSES = ("ok", "runtime_error", "timeout", "memory_limit", "output_limit", "infra_error")
+STATUSES = ("ok", "runtime_error", "timeout", "memory_limit", "disk_limit", "output_limit", "infra_error")
 PYTHON: str = launch.sandbox_python()  # interpreter for Python programs inside the sandbox (has numpy)
 _LAUNCHER_ENV = {"PATH": "/usr/bin:/bin"}  # bwrap itself gets no parent variables either (its /proc/pid/environ)
 _MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory")
+_DISK_MARKERS = ("No space left on device", "File too large")
+_FULL_SLACK_BYTES = 64 << 10  # a sandbox fs with less free space than this counts as full
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,16 +67,17 @@ class Limits:
     memory_mb: int = 1024
     max_procs: int = 64
     max_output_bytes: int = 1 << 20
+    disk_mb: int = 256
     network: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("cpu_s", "wall_s", "memory_mb", "max_procs", "max_output_bytes"):
+        for name in ("cpu_s", "wall_s", "memory_mb", "max_procs", "max_output_bytes", "disk_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"Limits.{name} must be a number, got {value!r}")
             if not value > 0 or not math.isfinite(value):
                 raise ValueError(f"Limits.{name} must be positive and finite, got {value!r}")
-        for name in ("memory_mb", "max_procs", "max_output_bytes"):
+        for name in ("memory_mb", "max_procs", "max_output_bytes", "disk_mb"):
             if not isinstance(getattr(self, name), int):
                 raise TypeError(f"Limits.{name} must be an int, got {getattr(self, name)!r}")
         if not isinstance(self.network, bool):
@@ -92,54 +101,7 @@ class SandboxResult:
     reason: str = ""
 
 
-# ----------------------------------------------------------------------------- files
-def _open_dir_chain(root: str, parts: Sequence[str], uid: int, create: bool) -> int:
-    """fd of root/parts..., refusing symlinks at every step (the program may have planted some)."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        for part in parts:
-            if create:
-                try:
-                    os.mkdir(part, 0o755, dir_fd=fd)
-                    os.chown(part, uid, uid, dir_fd=fd, follow_symlinks=False)
-                except FileExistsError:
-                    pass
-            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _split_relpath(relpath: str) -> list[str]:
-    if not isinstance(relpath, str) or not relpath or os.path.isabs(relpath):
-        raise ValueError(f"sandbox file path must be a non-empty relative path, got {relpath!r}")
-    parts = [p for p in relpath.split("/") if p not in ("", ".")]
-    if not parts or ".." in parts:
-        raise ValueError(f"sandbox file path must stay inside the working dir, got {relpath!r}")
-    return parts
-
-
-def _write_files(root: str, files: Mapping[str, str | bytes], uid: int) -> None:
-    for relpath, content in files.items():
-        *dirs, name = _split_relpath(relpath)
-        dfd = _open_dir_chain(root, dirs, uid, create=True)
-        try:
-            try:  # replace whatever the program left there (a symlink must not redirect our write)
-                if not stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
-                    os.unlink(name, dir_fd=dfd)
-            except FileNotFoundError:
-                pass
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
-            with os.fdopen(fd, "wb") as f:
-                f.write(content.encode() if isinstance(content, str) else content)
-            os.chown(name, uid, uid, dir_fd=dfd, follow_symlinks=False)
-        finally:
-            os.close(dfd)
-
-
+# ----------------------------------------------------------------------------- workspace
 class Workspace:
     """A private sandbox working dir that persists across several `run(..., workspace=ws)` calls.
 
@@ -149,9 +111,12 @@ class Workspace:
     Verifier state (expected answers, rewards) must live outside: the program can write anything here.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, disk_mb: int = Limits.disk_mb) -> None:
+        Limits(disk_mb=disk_mb)  # validates
+        self.disk_mb = disk_mb
         self._path: str | None = None
         self._uid: int | None = None
+        self._storage: tuple[str, str | None] = ("", None)
         self._busy = threading.Lock()
 
     def __enter__(self) -> Workspace:
@@ -161,7 +126,11 @@ class Workspace:
         self._uid = launch.SLOTS.acquire()
         try:
             self._path = procs.make_dir(launch.host_uid(self._uid))
+            self._storage = launch.prepare_storage(self._path, self._uid, self.disk_mb << 20)
         except BaseException:
+            if self._path is not None:
+                procs.remove_dir(self._path)
+                self._path = None
             launch.SLOTS.release(self._uid)
             raise
         return self
@@ -178,15 +147,16 @@ class Workspace:
 
     @property
     def path(self) -> Path:
-        """Host path of the working dir. Raises RuntimeError when the workspace is not open."""
+        """Host path of the working dir (as root: under ``/proc/<holder>/root``, the directory lives
+        on the sandbox's own tmpfs). Raises RuntimeError when the workspace is not open."""
         if self._path is None:
             raise RuntimeError("Workspace is not open (use `with Workspace() as ws:`)")
-        return Path(self._path)
+        return Path(self._storage[0])
 
     def read_bytes(self, relpath: str, max_bytes: int = 1 << 20) -> bytes:
         """Up to max_bytes of a regular file. Raises FileNotFoundError, or OSError for symlinks/non-files."""
-        *dirs, name = _split_relpath(relpath)
-        dfd = _open_dir_chain(str(self.path), dirs, 0, create=False)
+        *dirs, name = sbx_files.split_relpath(relpath)
+        dfd = sbx_files.open_dir_chain(str(self.path), dirs, 0, create=False)
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
         finally:
@@ -235,7 +205,7 @@ def run(files_or_code: str | Mapping[str, str | bytes], argv: Sequence[str] | No
     if not argv or not all(isinstance(a, str) for a in argv):
         raise ValueError(f"argv must be a non-empty list of str, got {argv!r}")
     for relpath, content in files.items():
-        _split_relpath(relpath)
+        sbx_files.split_relpath(relpath)
         if not isinstance(content, (str, bytes)):
             raise TypeError(f"sandbox file {relpath!r}: content must be str or bytes, got {type(content).__name__}")
     if stdin is not None and not isinstance(stdin, str):
@@ -246,7 +216,8 @@ def run(files_or_code: str | Mapping[str, str | bytes], argv: Sequence[str] | No
         if not workspace._busy.acquire(blocking=False):
             raise RuntimeError("Workspace is already running a program; runs in one workspace must not overlap")
         try:
-            return _run_in(workspace.path.as_posix(), workspace._uid, files, argv, limits, stdin, isolation, t0)
+            return _run_in(workspace._path, workspace._storage, workspace._uid, files, argv, limits, stdin,
+                           isolation, t0)
         finally:
             workspace._busy.release()
     uid = launch.SLOTS.acquire()
@@ -256,7 +227,11 @@ def run(files_or_code: str | Mapping[str, str | bytes], argv: Sequence[str] | No
         except OSError as e:
             return _infra(f"could not create sandbox dir under {TMP_BASE}: {e}", t0)
         try:
-            return _run_in(host_dir, uid, files, argv, limits, stdin, isolation, t0)
+            try:
+                storage = launch.prepare_storage(host_dir, uid, limits.disk_mb << 20)
+            except (OSError, RuntimeError) as e:
+                return _infra(f"could not set up the sandbox's storage: {e}", t0)
+            return _run_in(host_dir, storage, uid, files, argv, limits, stdin, isolation, t0)
         finally:
             procs.remove_dir(host_dir)
     finally:
@@ -268,9 +243,11 @@ def _infra(reason: str, t0: float, stdout: str = "", stderr: str = "") -> Sandbo
                          wall_s=time.monotonic() - t0, cpu_s=0.0, reason=reason)
 
 
-def _run_in(host_dir, uid, files, argv, limits, stdin, isolation, t0) -> SandboxResult:
+def _run_in(host_dir, storage, uid, files, argv, limits, stdin, isolation, t0) -> SandboxResult:
+    """Run in sandbox dir `host_dir`; storage = (working dir as the host sees it, root of its capped fs or None)."""
+    work, fs_root = storage
     try:
-        _write_files(host_dir, files, launch.host_uid(uid))
+        sbx_files.write_files(work, files, launch.host_uid(uid))
     except OSError as e:
         return _infra(f"could not write program files: {e}", t0)
     stdin_fd = None
@@ -278,8 +255,8 @@ def _run_in(host_dir, uid, files, argv, limits, stdin, isolation, t0) -> Sandbox
         stdin_fd = os.memfd_create("sandbox-stdin")
         os.write(stdin_fd, stdin.encode())
     try:
-        cmd, pass_fds = launch.build_argv(argv, limits, host_dir=host_dir, inner_uid=uid, stdin_fd=stdin_fd,
-                                          isolation=isolation)
+        cmd, pass_fds = launch.build_argv(argv, limits, host_dir=host_dir, work_dir=work, inner_uid=uid,
+                                          stdin_fd=stdin_fd, isolation=isolation, holder_fs=fs_root is not None)
         started_r, started_w = os.pipe()
         try:
             proc, tree = _spawn(cmd, started_w, pass_fds)
@@ -308,7 +285,19 @@ def _run_in(host_dir, uid, files, argv, limits, stdin, isolation, t0) -> Sandbox
         tree.close(), os.close(started_r), proc.stdout.close(), proc.stderr.close()
     rc = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
     return _classify(limits, started=status_bytes.startswith(b"x"), why=why, killed=killed, rc=rc, stdout=out,
-                     stderr=err, wall=time.monotonic() - t0, cpu=_program_cpu_s(status_bytes, usage))
+                     stderr=err, wall=time.monotonic() - t0, cpu=_program_cpu_s(status_bytes, usage),
+                     disk_full=_disk_full(fs_root))
+
+
+def _disk_full(fs_root: str | None) -> bool:
+    """Whether the sandbox's capped fs (cwd + /tmp + /dev/shm) has (almost) no space or inodes left."""
+    if fs_root is None:
+        return False
+    try:
+        st = os.statvfs(fs_root)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < _FULL_SLACK_BYTES or st.f_favail < 16  # bytes or inodes used up
 
 
 def _program_cpu_s(status: bytes, usage) -> float:
@@ -330,7 +319,7 @@ def _spawn(cmd: list[str], started_w: int, pass_fds: list[int]) -> tuple[subproc
 
 
 def _classify(limits: Limits, *, started: bool, why: str, killed: bool, rc: int, stdout: bytes, stderr: bytes,
-              wall: float, cpu: float) -> SandboxResult:
+              wall: float, cpu: float, disk_full: bool = False) -> SandboxResult:
     """Map how the run ended to a status. Only the harness (never program output) yields infra_error."""
     out, err = stdout.decode(errors="replace"), stderr.decode(errors="replace")
 
@@ -350,6 +339,8 @@ def _classify(limits: Limits, *, started: bool, why: str, killed: bool, rc: int,
         return result("timeout", f"wall: exceeded wall_s={limits.wall_s}", None)
     if rc == 128 + signal.SIGXCPU or (rc == 128 + signal.SIGKILL and cpu >= math.ceil(limits.cpu_s)):
         return result("timeout", f"cpu: exceeded cpu_s={limits.cpu_s}")
+    if disk_full or rc == 128 + signal.SIGXFSZ or (rc != 0 and any(m in err[-4096:] for m in _DISK_MARKERS)):
+        return result("disk_limit", f"disk: exceeded disk_mb={limits.disk_mb} (cwd, /tmp and /dev/shm together)")
     if rc != 0 and any(m in err[-4096:] for m in _MEMORY_MARKERS):
         return result("memory_limit", f"memory: exceeded memory_mb={limits.memory_mb}")
     if rc != 0:

@@ -265,7 +265,7 @@ def test_workspace_persists_across_runs_and_is_removed():
         r = run({}, ["sh", "-c", "cat a.txt b.txt; pwd"], limits=FAST, workspace=ws)
         assert (r.status, r.stdout) == ("ok", f"12\n1{sandbox.SANDBOX_CWD}\n")
         path = ws.path
-    assert not path.exists() and path.name.startswith(f"{sandbox.DIR_PREFIX}{os.getpid()}-")
+    assert not path.exists() and path.parent.name.startswith(f"{sandbox.DIR_PREFIX}{os.getpid()}-")
 
 
 def test_concurrent_runs_from_threads():

@@ -1,0 +1,149 @@
+"""What a sandbox can write (one capped tmpfs: cwd + /tmp + /dev/shm) and see (system folders, the
+interpreter, allowed packages): issue 13 items 6, 7 and 8."""
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from envs import _sandbox_holder, sandbox
+from envs.sandbox import Limits, run
+
+ROOT = Path(__file__).resolve().parents[2]
+DISK = Limits(cpu_s=10, wall_s=20, disk_mb=16)
+FILL = """
+import errno, os, sys
+targets, chunk, total, n = {targets!r}, b"x" * {chunk}, 0, 0
+try:
+    while True:
+        for t in targets:
+            with open(f"{{t}}/f{{n}}", "wb") as f:
+                f.write(chunk)
+            total += len(chunk)
+            n += 1
+except OSError as e:
+    print(total, n, e.errno, flush=True)
+{tail}
+"""
+
+
+@pytest.fixture(autouse=True)
+def no_leaks_after_each_test():
+    yield
+    assert sandbox.find_leaks() == []
+    if os.geteuid() == 0:  # no tmpfs left mounted in the holder's namespace
+        with open(f"/proc/{_sandbox_holder.holder().pid}/mountinfo") as f:
+            assert "posttrain-sbx" not in f.read()
+
+
+def test_the_issues_720_mib_program_ends_as_a_disk_limit():
+    r = run('for i in range(6): open(f"big{i}", "wb").write(b"\\1" * (120 << 20))', limits=DISK)
+    assert (r.status, r.reason) == ("disk_limit", "disk: exceeded disk_mb=16 (cwd, /tmp and /dev/shm together)")
+
+
+@pytest.mark.parametrize("targets,chunk,tail", [
+    (["."], 1 << 20, ""),  # cwd, error caught, exit 0: still a disk limit
+    (["/tmp"], 1 << 20, "sys.exit(1)"),
+    (["/dev/shm"], 1 << 20, ""),
+    ([".", "/tmp", "/dev/shm"], 1 << 20, ""),  # the three places share one cap
+    ([".", "/tmp"], 4096, ""),  # many small files
+    (["."], 0, ""),  # empty files: inodes are capped too (nr_inodes = disk / 4 KiB)
+])
+@pytest.mark.skipif(os.geteuid() != 0, reason="the total cap needs the root-mode holder namespace")
+def test_everything_a_sandbox_writes_shares_one_cap(targets, chunk, tail):
+    r = run(FILL.format(targets=targets, chunk=chunk, tail=tail), limits=DISK)
+    total, _, err = map(int, r.stdout.split())
+    assert (r.status, err) == ("disk_limit", 28) and total <= DISK.disk_mb << 20, r
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the total cap needs the root-mode holder namespace")
+def test_concurrent_sandboxes_stay_within_n_times_their_limits():
+    n, stats, results = 3, [], [None] * 3
+    code = FILL.format(targets=[".", "/tmp", "/dev/shm"], chunk=1 << 20, tail="import time; time.sleep(3)")
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(code, limits=DISK))) for i in range(n)]
+    for t in threads:
+        t.start()
+    holder = _sandbox_holder.holder()
+    seen = 0
+    for _ in range(100):  # while they sleep, read every sandbox tmpfs from the holder's namespace
+        with open(f"/proc/{holder.pid}/mountinfo") as f:
+            points = [line.split()[4] for line in f if "posttrain-sbx" in line]
+        full = [os.statvfs(holder.view(p)) for p in points if os.path.isdir(holder.view(p))]
+        used = [(s.f_blocks - s.f_bfree) * s.f_frsize for s in full]
+        if len(used) == n and all(u > (DISK.disk_mb - 1) << 20 for u in used):
+            stats, seen = used, seen + 1
+            break
+        threading.Event().wait(0.05)
+    for t in threads:
+        t.join()
+    assert seen and len(stats) == n and sum(stats) <= n * (DISK.disk_mb << 20)
+    assert [r.status for r in results] == ["disk_limit"] * n
+
+
+@pytest.fixture
+def planted():
+    """A secret file in fresh host directories outside the system folders (one beside the checkout)."""
+    dirs = []
+    for parent in (ROOT.parent, Path("/var/tmp"), Path("/opt"), Path("/srv"), Path("/mnt")):
+        if os.access(parent, os.W_OK):
+            dirs.append(Path(tempfile.mkdtemp(prefix="posttrain-answers-", dir=parent)))
+            (dirs[-1] / "answers.txt").write_text("secret-42")
+    yield dirs
+    for d in dirs:
+        shutil.rmtree(d)
+
+
+def test_host_files_outside_the_needed_paths_are_invisible(planted):
+    assert planted
+    code = ("import os, sys\nfor d in sys.argv[1:]:\n    for p in (d, os.path.dirname(d)):\n        try:\n"
+            "            print(p, sorted(os.listdir(p)))\n        except OSError as e:\n            print(p, type(e).__name__)\n"
+            "    try:\n        print(open(d + '/answers.txt').read())\n    except OSError as e:\n"
+            "        print(type(e).__name__)")
+    r = run({"main.py": code}, [sandbox.PYTHON, "main.py", *map(str, planted)], limits=DISK)
+    assert r.status == "ok" and "secret-42" not in r.stdout and "answers" not in r.stdout.replace("posttrain-answers", "")
+    assert r.stdout.count("FileNotFoundError") >= len(planted), r.stdout
+    r = run("import os; print(sorted(os.listdir('/')))", limits=DISK)
+    visible = set(eval(r.stdout))  # noqa: S307 - our own program's repr
+    assert not visible & {"home", "run", "srv", "opt", "var", "mnt", "sys", "media", "boot"}, visible
+
+
+@pytest.mark.parametrize("module,importable", [("numpy", True), ("json", True), ("pytest", False), ("jax", False),
+                                               ("envs", False), ("math_verify", False)])
+def test_only_allowed_packages_are_importable(module, importable):
+    r = run(f"import importlib.util; print(importlib.util.find_spec({module!r}) is not None)", limits=DISK)
+    assert (r.status, r.stdout) == ("ok", f"{importable}\n")
+
+
+def test_host_unix_sockets_are_unreachable():
+    d = Path(tempfile.mkdtemp(prefix="posttrain-sock-", dir=ROOT.parent))
+    name = f"posttrain-test-{uuid.uuid4().hex}"
+    path_sock, abstract = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+    try:
+        path_sock.bind(str(d / "s.sock"))
+        abstract.bind("\0" + name)
+        for s in (path_sock, abstract):
+            s.listen()
+            s.settimeout(0.3)
+        code = ("import socket\nfor a in ({!r}, {!r}):\n    try:\n        socket.socket(socket.AF_UNIX).connect(a)\n"
+                "        print('connected')\n    except OSError as e:\n        print(type(e).__name__)")
+        r = run(code.format(str(d / "s.sock"), "\0" + name), limits=DISK)
+        assert r.status == "ok" and "connected" not in r.stdout and len(r.stdout.split()) == 2, r
+        for s in (path_sock, abstract):
+            with pytest.raises(socket.timeout):
+                s.accept()
+    finally:
+        path_sock.close(), abstract.close()
+        shutil.rmtree(d)
+
+
+def test_bad_disk_limit_is_one_clear_error():
+    with pytest.raises(ValueError, match="disk_mb"):
+        Limits(disk_mb=0)
+    with pytest.raises(TypeError, match="disk_mb"):
+        Limits(disk_mb=1.5)
+    with pytest.raises(ValueError, match="disk_mb"):
+        sandbox.Workspace(disk_mb=-1)
