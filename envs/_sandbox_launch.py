@@ -192,6 +192,46 @@ def _static_bwrap_args(bwrap: str, python: str, network: bool, root: bool, disk_
     return _static_cache[key]
 
 
+# ----------------------------------------------------------------------------- seccomp
+# System V shared memory and message queues hold RAM that no rlimit counts and that outlives the
+# process that made it (until the sandbox's IPC namespace dies), so the sandbox may not create them
+# (shmget, msgget fail with EPERM). Syscalls of any other ABI (x32, 32-bit compat) fail the same way.
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, {"shmget": 29, "msgget": 68}, 0x40000000),  # AUDIT_ARCH_X86_64, x32 bit
+                 "aarch64": (0xC00000B7, {"shmget": 194, "msgget": 186}, None)}
+_BPF_LD_ABS, _BPF_JEQ, _BPF_JGE, _BPF_RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGE|K, RET|K
+_RET_ALLOW, _RET_EPERM = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
+
+
+def seccomp_program(machine: str | None = None) -> bytes | None:
+    """Classic-BPF seccomp filter (struct sock_filter array, linux/filter.h) for bwrap ``--seccomp``
+    that denies the calls above; None on an architecture without a table here (no filter)."""
+    import platform
+    import struct
+
+    table = _SECCOMP_ARCH.get(machine or platform.machine())
+    if table is None:
+        return None
+    arch, calls, abi_bit = table
+    deny = [_BPF_JGE, abi_bit] if abi_bit else []
+    body = [(_BPF_JEQ, nr) for nr in calls.values()] + ([tuple(deny)] if deny else [])
+    n = len(body)
+    insns = [(_BPF_LD_ABS, 0, 0, 4), (_BPF_JEQ, 0, n + 2, arch), (_BPF_LD_ABS, 0, 0, 0)]
+    insns += [(op, n - i, 0, k) for i, (op, k) in enumerate(body)]  # match -> jump to the EPERM return
+    insns += [(_BPF_RET, 0, 0, _RET_ALLOW), (_BPF_RET, 0, 0, _RET_EPERM)]
+    return b"".join(struct.pack("=HBBI", *insn) for insn in insns)
+
+
+def seccomp_fd() -> int | None:
+    """A memfd holding `seccomp_program()` at offset 0 (close it after the sandbox started), or None."""
+    program = seccomp_program()
+    if program is None:
+        return None
+    fd = os.memfd_create("sandbox-seccomp")
+    os.write(fd, program)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 # ----------------------------------------------------------------------------- limits
 def clamp_limit(which: int, value: int) -> int:
     """`value` clamped to the current hard limit of resource `which` (asking for more is not an error)."""
@@ -234,9 +274,10 @@ def prepare_storage(host_dir: str, inner_uid: int, disk_bytes: int) -> tuple[str
 
 
 def build_argv(program: list[str], limits, *, host_dir: str, work_dir: str, inner_uid: int, stdin_fd: int | None,
-               isolation: str, holder_fs: bool) -> tuple[list[str], list[int]]:
+               isolation: str, holder_fs: bool, seccomp: int | None = None) -> tuple[list[str], list[int]]:
     """(argv, fds to pass) running `program` in sandbox dir `host_dir` with `prepare_storage`'s working
-    dir `work_dir` (seen inside as SANDBOX_CWD); `holder_fs`: whether host_dir has the holder's tmpfs.
+    dir `work_dir` (seen inside as SANDBOX_CWD); `holder_fs`: whether host_dir has the holder's tmpfs;
+    `seccomp`: fd from `seccomp_fd` (bubblewrap only).
 
     The command must be started with the write end of the "started" pipe as its stdin (fd 0).
     Raises RuntimeError when the requested isolation is unavailable (one message naming what is
@@ -268,6 +309,9 @@ def build_argv(program: list[str], limits, *, host_dir: str, work_dir: str, inne
     else:
         args += ["--bind", host_dir, SANDBOX_CWD]
     args += ["--remount-ro", "/", "--chdir", SANDBOX_CWD]
+    if seccomp is not None:
+        pass_fds.append(seccomp)
+        args += ["--seccomp", str(seccomp)]
     return args + tail + ["/bin/sh", "-c", script, "sh", *program], pass_fds
 
 

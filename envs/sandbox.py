@@ -20,7 +20,8 @@ processes (RLIMIT_NPROC), output (stdout and stderr each capped at max_output_by
 storage: as root, everything the program can write (cwd, /tmp, /dev/shm) is one tmpfs of disk_mb MiB
 with disk_mb/4 KiB inodes, in the holder's mount namespace (`envs._sandbox_holder`), so nothing reaches
 the host disk and it is freed with the sandbox; filling it ends the run as "disk_limit" (so does a file
-over RLIMIT_FSIZE = min(128 MiB, disk_mb)). Requests above the caller's hard limits are clamped, not errors.
+over RLIMIT_FSIZE = min(128 MiB, disk_mb)). System V shared memory and message queues (RAM no limit
+counts) are denied by a seccomp filter. Requests above the caller's hard limits are clamped, not errors.
 
 Every sandbox (process tree and temp dir) is tracked; all are killed and removed on normal exit
 (atexit), on SIGINT/SIGTERM (handlers chain to the previous ones) and when `run` raises. Temp dirs
@@ -250,13 +251,14 @@ def _run_in(host_dir, storage, uid, files, argv, limits, stdin, isolation, t0) -
         sbx_files.write_files(work, files, launch.host_uid(uid))
     except OSError as e:
         return _infra(f"could not write program files: {e}", t0)
-    stdin_fd = None
+    stdin_fd, seccomp = None, launch.seccomp_fd()
     if stdin:
         stdin_fd = os.memfd_create("sandbox-stdin")
         os.write(stdin_fd, stdin.encode())
     try:
         cmd, pass_fds = launch.build_argv(argv, limits, host_dir=host_dir, work_dir=work, inner_uid=uid,
-                                          stdin_fd=stdin_fd, isolation=isolation, holder_fs=fs_root is not None)
+                                          stdin_fd=stdin_fd, isolation=isolation, holder_fs=fs_root is not None,
+                                          seccomp=seccomp)
         started_r, started_w = os.pipe()
         try:
             proc, tree = _spawn(cmd, started_w, pass_fds)
@@ -266,8 +268,9 @@ def _run_in(host_dir, storage, uid, files, argv, limits, stdin, isolation, t0) -
         finally:
             os.close(started_w)
     finally:
-        if stdin_fd is not None:
-            os.close(stdin_fd)
+        for fd in (stdin_fd, seccomp):
+            if fd is not None:
+                os.close(fd)
     try:
         out, err, status_bytes, why = _communicate(proc, tree, started_r, limits.max_output_bytes,
                                                    t0 + limits.wall_s)

@@ -147,3 +147,31 @@ def test_bad_disk_limit_is_one_clear_error():
         Limits(disk_mb=1.5)
     with pytest.raises(ValueError, match="disk_mb"):
         sandbox.Workspace(disk_mb=-1)
+
+
+SYSV = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+for name, args in (("shmget", (0, 64 << 20, 0o1600)), ("msgget", (0, 0o1600))):
+    print(name, getattr(libc, name)(*args), ctypes.get_errno())
+"""
+
+
+def test_ram_no_limit_counts_is_out_of_reach():
+    # System V shared memory and message queues: RAM outside every rlimit, so the calls are denied.
+    r = run(SYSV, limits=DISK)
+    assert (r.status, r.stdout) == ("ok", "shmget -1 1\nmsgget -1 1\n")  # EPERM
+    # POSIX shared memory lives in /dev/shm, on the sandbox's capped tmpfs: the second 10 MiB segment
+    # does not fit in 16 MiB (touching its pages raises SIGBUS), and the run is a disk limit.
+    code = ("from multiprocessing import shared_memory as sm\nfor i in range(2):\n"
+            "    s = sm.SharedMemory(create=True, size=10 << 20)\n    s.buf[:] = b'x' * (10 << 20)\n    print('filled', flush=True)")
+    r = run(code, limits=DISK)
+    assert (r.status, r.stdout) == ("disk_limit", "filled\n"), r
+
+
+@pytest.mark.parametrize("machine,length", [("x86_64", 8), ("aarch64", 7), ("riscv64", None)])
+def test_seccomp_program_shape(machine, length):
+    from envs import _sandbox_launch
+
+    program = _sandbox_launch.seccomp_program(machine)
+    assert (None if program is None else len(program) // 8) == length
