@@ -51,17 +51,35 @@ class Tree:
     child). When the init has exited, the kernel has already killed and reaped the whole namespace."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.pidfd, self.init_fd = pid, os.pidfd_open(pid), None
+        self.pid, self.pidfd, self.init_fd, self.init_pid = pid, os.pidfd_open(pid), None, None
 
     def find_init(self) -> None:
         """Remember bwrap's child (call while bwrap is alive, e.g. once the program has started)."""
         if self.init_fd is None:
             for child in _children(self.pid):
                 try:
-                    self.init_fd = os.pidfd_open(child)
+                    self.init_fd, self.init_pid = os.pidfd_open(child), child
                     return
                 except OSError:
                     pass
+
+    def memory_bytes(self) -> int:
+        """Memory of every process in the sandbox: the sum of their proportional set sizes (PSS, from
+        /proc/<pid>/smaps_rollup; shared pages split between their users, so forks are not counted
+        twice). 0 before the init is known."""
+        total, todo, seen = 0, [self.init_pid] if self.init_pid else [], set()
+        while todo:
+            pid = todo.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            try:
+                with open(f"/proc/{pid}/smaps_rollup") as f:
+                    total += next((int(line.split()[1]) << 10 for line in f if line.startswith("Pss:")), 0)
+            except (OSError, ValueError):
+                pass
+            todo += _children(pid)
+        return total
 
     def kill(self) -> None:
         """SIGKILL the namespace init (taking every process in the namespace with it) and bwrap."""

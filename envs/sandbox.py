@@ -14,8 +14,9 @@ sandbox's main process exits, its pid namespace and every process in it (daemons
 children) die with it.
 
 Limits: CPU seconds (RLIMIT_CPU, per process, rounded up to whole seconds), wall seconds (the whole
-tree is killed), memory (RLIMIT_DATA = memory_mb per process, plus RLIMIT_AS = 2*memory_mb + 512 MiB as a
-backstop against shared mappings; BLAS/OpenMP pinned to one thread so ``import numpy`` works),
+tree is killed), memory (all processes together: their summed PSS, polled every MEMORY_POLL_S, kills the
+tree above memory_mb; per process RLIMIT_DATA = memory_mb and RLIMIT_AS = 2*memory_mb + 512 MiB stop fast
+single allocations; BLAS/OpenMP pinned to one thread so ``import numpy`` works),
 processes (RLIMIT_NPROC), output (stdout and stderr each capped at max_output_bytes while reading),
 storage: as root, everything the program can write (cwd, /tmp, /dev/shm) is one tmpfs of disk_mb MiB
 with disk_mb/4 KiB inodes, in the holder's mount namespace (`envs._sandbox_holder`), so nothing reaches
@@ -54,6 +55,7 @@ _LAUNCHER_ENV = {"PATH": "/usr/bin:/bin"}  # bwrap itself gets no parent variabl
 _MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory")
 _DISK_MARKERS = ("No space left on device", "File too large")
 _FULL_SLACK_BYTES = 64 << 10  # a sandbox fs with less free space than this counts as full
+MEMORY_POLL_S = 0.05  # how often the memory of a running sandbox's processes is summed (seconds)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -273,7 +275,7 @@ def _run_in(host_dir, storage, uid, files, argv, limits, stdin, isolation, t0) -
                 os.close(fd)
     try:
         out, err, status_bytes, why = _communicate(proc, tree, started_r, limits.max_output_bytes,
-                                                   t0 + limits.wall_s)
+                                                   t0 + limits.wall_s, limits.memory_mb << 20)
         if why:
             tree.kill()
         _, status, usage = os.wait4(proc.pid, 0)
@@ -340,6 +342,9 @@ def _classify(limits: Limits, *, started: bool, why: str, killed: bool, rc: int,
         return result("output_limit", f"output exceeded max_output_bytes={limits.max_output_bytes}", None)
     if why == "wall":
         return result("timeout", f"wall: exceeded wall_s={limits.wall_s}", None)
+    if why == "memory":
+        return result("memory_limit", f"memory: the sandbox's processes together exceeded memory_mb={limits.memory_mb}",
+                      None)
     if rc == 128 + signal.SIGXCPU or (rc == 128 + signal.SIGKILL and cpu >= math.ceil(limits.cpu_s)):
         return result("timeout", f"cpu: exceeded cpu_s={limits.cpu_s}")
     if disk_full or rc == 128 + signal.SIGXFSZ or (rc != 0 and any(m in err[-4096:] for m in _DISK_MARKERS)):
@@ -351,10 +356,12 @@ def _classify(limits: Limits, *, started: bool, why: str, killed: bool, rc: int,
     return result("ok")
 
 
-def _communicate(proc, tree: procs.Tree, started_r: int, cap: int, deadline: float):
+def _communicate(proc, tree: procs.Tree, started_r: int, cap: int, deadline: float, memory_cap: int):
     """Read stdout/stderr (each capped at `cap` bytes) until the process has exited and every pipe
-    is closed, or a limit hits. Returns (stdout, stderr, started, why), why in {"", "wall", "output"}.
+    is closed, or a limit hits; every MEMORY_POLL_S, sum the processes' memory (`Tree.memory_bytes`).
+    Returns (stdout, stderr, started, why), why in {"", "wall", "output", "memory"}.
     """
+    next_poll = time.monotonic() + MEMORY_POLL_S
     bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     status, why = bytearray(), ""
     with selectors.DefaultSelector() as sel:
@@ -363,11 +370,16 @@ def _communicate(proc, tree: procs.Tree, started_r: int, cap: int, deadline: flo
                 os.set_blocking(fd, False)
             sel.register(fd, selectors.EVENT_READ)
         while sel.get_map() and not why:
-            timeout = deadline - time.monotonic()
-            if timeout <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 why = "wall"
                 break
-            for key, _ in sel.select(timeout):
+            if now >= next_poll:
+                next_poll = now + MEMORY_POLL_S
+                if tree.memory_bytes() > memory_cap:
+                    why = "memory"
+                    break
+            for key, _ in sel.select(min(deadline, next_poll) - now):
                 if key.fd == tree.pidfd:
                     sel.unregister(tree.pidfd)
                     continue

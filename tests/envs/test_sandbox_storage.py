@@ -175,3 +175,33 @@ def test_seccomp_program_shape(machine, length):
 
     program = _sandbox_launch.seccomp_program(machine)
     assert (None if program is None else len(program) // 8) == length
+
+
+TOUCH = "def touch(b):\n    for j in range(0, len(b), 4096):\n        b[j] = 1\n"
+FORKS = TOUCH + ("import os, time\nfor i in range({n}):\n    if os.fork() == 0:\n        touch(bytearray({mb} << 20))\n"
+                 "        time.sleep(5)\n        os._exit(0)\nos.wait()\nprint('done')")
+SHARED = TOUCH + ("import mmap, os, time\nm = mmap.mmap(-1, {mb} << 20)\nif os.fork() == 0:\n    time.sleep(5)\n"
+                  "    os._exit(0)\ntouch(m)\ntime.sleep(3)\nprint('done')")
+
+
+@pytest.mark.parametrize("code,status", [
+    (FORKS.format(n=4, mb=120), "memory_limit"),  # each fork under the per-process limit, together over
+    (SHARED.format(mb=300), "memory_limit"),  # shared anonymous memory: no RLIMIT_DATA counts it
+    (TOUCH + "touch(bytearray(400 << 20))", "memory_limit"),  # one process: RLIMIT_DATA
+    (FORKS.format(n=2, mb=40), "timeout"),  # under the limit: runs until its wall time
+    (TOUCH + "touch(bytearray(150 << 20))\nprint('done')", "ok"),
+])
+def test_the_memory_of_all_a_sandboxs_processes_is_capped(code, status):
+    r = run(code, limits=Limits(cpu_s=10, wall_s=2, memory_mb=256))
+    assert r.status == status and ("done" in r.stdout) == (status == "ok"), r
+
+
+def test_concurrent_sandboxes_each_stay_within_their_memory():
+    limits, results = Limits(cpu_s=10, wall_s=10, memory_mb=256), [None] * 3
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(FORKS.format(n=4, mb=120), limits=limits)))
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.status for r in results] == ["memory_limit"] * 3 and max(r.wall_s for r in results) < 5
