@@ -196,11 +196,16 @@ def fractions_equal(p: str, fp: fractions.Fraction, g: str, fg: fractions.Fracti
     return fp == fg
 
 
+_TOWER_RE = re.compile(r"\^\s*\{[^{}]*\^|\^\s*(?:\d+|\w)\s*\^|\*\*\s*[\w.]+\s*\*\*")
+
+
 def too_costly(expr: str) -> bool:
     """Whether symbolic evaluation of `expr` is refused up front (a cheap screen before the worker's
-    time bound): longer than MAX_SYMBOLIC_CHARS, two or more powers (towers such as ``9^{9^{9^9}}``), an
-    exponent of 4+ digits, or a factorial of anything but a literal of at most 3 digits."""
-    if len(expr) > MAX_SYMBOLIC_CHARS or expr.count("^") + expr.count("**") >= 2:
+    time bound, so runaway answers rarely cost a worker): longer than MAX_SYMBOLIC_CHARS, a power
+    tower (a power inside an exponent or chained: ``9^{9^{9^9}}``, ``2^3^4``, ``2**2**40``), an
+    exponent of 4+ digits, or a factorial of anything but a literal of at most 3 digits. Separate
+    powers and powers of brackets are fine (``x^2+y^2``, ``(x+1)^2``)."""
+    if len(expr) > MAX_SYMBOLIC_CHARS or _TOWER_RE.search(expr):
         return True
     if re.search(r"\^\s*\{?\s*[-+]?\d{4,}", expr):
         return True
