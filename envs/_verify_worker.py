@@ -163,7 +163,9 @@ def _worker_main() -> None:
     threading.Thread(target=watchdog, daemon=True).start()
     import math_verify  # noqa: F401  (the import is what makes a warm worker fast)
 
-    out = sys.stdout
+    out = os.fdopen(os.dup(1), "w")  # replies only; anything a library prints goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     out.write("ready\n")
     out.flush()
     for line in sys.stdin:
@@ -184,7 +186,7 @@ class _Worker:
         self.buf = b""
 
     def read_line(self, deadline: float) -> bytes | None:
-        """One reply line, or None when the deadline passes or the worker died."""
+        """One reply line; None when the deadline passes, b"" when the worker closed its output (died)."""
         fd = self.proc.stdout.fileno()
         while b"\n" not in self.buf:
             left = deadline - time.monotonic()
@@ -192,7 +194,7 @@ class _Worker:
                 return None
             chunk = os.read(fd, 1 << 16)
             if not chunk:
-                return None
+                return b""
             self.buf += chunk
         line, _, self.buf = self.buf.partition(b"\n")
         return line
@@ -251,8 +253,9 @@ class WorkerPool:
 
     def compare(self, pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[bool | None, str]:
         """(equal, reason) from a worker: equal is None when the comparison took longer than
-        `timeout_s` seconds (the worker is killed, reason "timeout: ...") or no worker could start
-        within START_TIMEOUT_S (reason "infra: ..."). Raises ValueError on a non-positive timeout.
+        `timeout_s` seconds (the worker is killed, reason "timeout: ..."), or no worker was free or
+        could start within START_TIMEOUT_S, or the worker died or answered garbage (reason "infra: ...").
+        So a call returns within START_TIMEOUT_S + timeout_s. Raises ValueError on a non-positive timeout.
         """
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"verifier timeout_s must be a positive number, got {timeout_s!r}")
@@ -264,17 +267,22 @@ class WorkerPool:
             worker.proc.stdin.flush()
             line = worker.read_line(time.monotonic() + timeout_s)
         except OSError:
-            line = None
-        if line is None:
+            line = b""
+        try:
+            reply = json.loads(line) if line else None
+        except ValueError:
+            reply = None
+        if reply is None:
             worker.kill()
             with self._cond:
                 self.killed += 1
             threading.Thread(target=self._replace, daemon=True).start()
+            if line is not None:
+                return None, f"infra: verifier worker failed (exit {worker.proc.returncode}, reply {line[:80]!r})"
             return None, f"timeout: symbolic comparison took over {timeout_s:g} s (worker killed)"
         with self._cond:
             self._idle.append(worker)
             self._cond.notify()
-        reply = json.loads(line)
         return bool(reply["eq"]), reply["err"]
 
     def close(self) -> None:

@@ -224,7 +224,7 @@ def compare_answers(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) 
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     if not isinstance(pred, str) or not isinstance(gold, str):
         return False, "answer is not a str"
-    if len(pred) > MAX_ANSWER_CHARS and len(pred) != len(gold):
+    if len(pred) > MAX_ANSWER_CHARS and pred != gold:
         return False, f"answer of {len(pred)} chars is longer than MAX_ANSWER_CHARS={MAX_ANSWER_CHARS}"
     p, g = normalize_answer(pred), normalize_answer(gold)
     if p == g:

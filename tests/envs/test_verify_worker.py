@@ -74,3 +74,15 @@ def test_bad_arguments_are_one_clear_error():
         v.answers_equivalent("1", "1", timeout_s=-1)
     with pytest.raises(ValueError, match="size"):
         w.WorkerPool(0)
+
+
+def test_a_worker_that_dies_is_an_infra_error_not_a_timeout(monkeypatch):
+    pool = w.WorkerPool(1)
+    try:
+        assert pool.compare("1", "1") == (True, "")
+        pool._idle[0].proc.kill()  # dies while idle: the next request finds it gone
+        equal, reason = pool.compare("2", "2", timeout_s=5)
+        assert equal is None and reason.startswith("infra: verifier worker failed")
+        assert pool.compare("x+1", "1+x", timeout_s=30) == (True, "")  # replaced
+    finally:
+        pool.close()
