@@ -31,7 +31,6 @@ import os
 import resource
 import shlex
 import shutil
-import subprocess
 import sys
 import threading
 

@@ -27,7 +27,8 @@ _MINUSES = "\u2212\u2012\u2796\u02d7"
 _EN_DASH_RE = re.compile("(?<![\\w.])\u2013(?=\\d)")  # an en dash only as a sign ("–7"), not in a range ("3–5")
 _GROUP_SPACES = "\u00a0\u2007\u2009\u200a\u202f"  # no-break, figure, thin, hair, narrow no-break
 _GROUP_SPACE_RE = re.compile(f"(?<=\\d)[{_GROUP_SPACES}](?=\\d{{3}}(?!\\d))")  # 1 234 567
-_INVISIBLE = "\u00ad\u180e\u200b\u200c\u200d\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2060\u2061\u2062\u2063\u2064\ufeff"
+_INVISIBLE = ("\u00ad\u180e\u200b\u200c\u200d\u200e\u200f\u202a\u202b\u202c\u202d\u202e"  # soft hyphen, zero-width, bidi
+              "\u2060\u2061\u2062\u2063\u2064\ufeff")
 _SUPER = dict(zip("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207a\u207b\u207c\u207d\u207e",
                   "0123456789+-=()"))
 _SUB = dict(zip("\u2080\u2081\u2082\u2083\u2084\u2085\u2086\u2087\u2088\u2089\u208a\u208b\u208c\u208d\u208e",
