@@ -3,7 +3,9 @@
   posttrain train  --config=configs/quickstart.py [--config.rl.group_size=8 ...] [--workdir=DIR]
   posttrain eval   --config=configs/quickstart.py --checkpoint=DIR   (DIR: a run's workdir)
   posttrain sample --prompt="What is 12 + 30?" [--model=PATH.gguf|HF_DIR] [--max_new_tokens=64]
-  posttrain convert --model=PATH.gguf --out=HF_DIR                     (export HF safetensors)
+  posttrain convert --model=PATH.gguf|HF_DIR --out=HF_DIR [--dtype=bfloat16] [--max_shard_mb=4096]
+  posttrain convert --config=configs/X.py --checkpoint=DIR --out=HF_DIR  (a run's latest policy, LoRA merged)
+                    [--peft_out=DIR]  (LoRA runs: also the unmerged adapter in PEFT format)
 Multi-host: start one process per host with --distributed (launch/ has TPU-pod and SLURM scripts).
 """
 from __future__ import annotations
@@ -23,10 +25,15 @@ def _flags():
     if "workdir" not in f:
         config_flags.DEFINE_config_file("config", None, "a configs/*.py file defining get_config()")
         flags.DEFINE_string("workdir", None, "output directory (default: config.train.workdir)")
-        flags.DEFINE_string("checkpoint", None, "eval: the workdir of a run whose latest checkpoint to evaluate")
+        flags.DEFINE_string("checkpoint", None, "eval/convert: the workdir of a run whose latest checkpoint to use")
         flags.DEFINE_string("prompt", "What is 12 + 30?", "sample: the user message")
         flags.DEFINE_string("model", None, "sample/convert: a .gguf file or HF directory (default: SmolLM2 GGUF)")
-        flags.DEFINE_string("out", None, "convert: output directory")
+        flags.DEFINE_string("out", None, "convert: output directory (a complete HF model directory)")
+        flags.DEFINE_string("dtype", None, "convert: float32|bfloat16|float16 of the written weights "
+                            "(default: the model's parameter dtype)")
+        flags.DEFINE_integer("max_shard_mb", 4096, "convert: safetensors shard size limit in MiB")
+        flags.DEFINE_string("peft_out", None, "convert --checkpoint of a LoRA run: also write the adapter "
+                            "(adapter_config.json + adapter_model.safetensors) here")
         flags.DEFINE_integer("max_new_tokens", 64, "sample: tokens to generate")
         flags.DEFINE_float("temperature", 0.0, "sample: 0 = greedy")
         flags.DEFINE_bool("progress", True, "train: show a progress bar")
@@ -101,13 +108,43 @@ def cmd_eval(f) -> int:
     return 0
 
 
+def _run_policy(f):
+    """(ModelConfig, nnx state, tokenizer) of the latest checkpoint of the run in --checkpoint (LoRA unmerged)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from posttrain import setup
+
+    cfg = _load_config(f)
+    run = setup.build(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint)))
+    try:
+        mcfg = setup.load_policy(cfg, run.mesh)[0]  # the run's ModelConfig (the Run does not keep it)
+        state = nnx.state(nnx.merge(run.graphdef, *run.policy_state()))
+    finally:
+        run.checkpointer.close()
+        run.close()
+    return mcfg, state, run.tokenizer
+
+
 def cmd_convert(f) -> int:
-    from posttrain.checkpoints import export_hf, load_pretrained
+    from posttrain.checkpoints import load_pretrained
+    from posttrain.checkpoints.export import export_hf
 
     if not f.out:
         raise SystemExit("error: --out=<directory> is required")
-    pre = load_pretrained(f.model)
-    print(export_hf(pre.config, pre.state, f.out, tokenizer=pre.tokenizer))
+    if f.checkpoint:
+        cfg, state, tokenizer = _run_policy(f)
+    else:
+        pre = load_pretrained(f.model)
+        cfg, state, tokenizer = pre.config, pre.state, pre.tokenizer
+    if f.peft_out:
+        from posttrain.checkpoints.peft import export_peft
+
+        if not (cfg.lora and cfg.lora.rank):
+            raise SystemExit("error: --peft_out needs a LoRA run (--checkpoint of a run with lora.rank > 0)")
+        print(export_peft(cfg, state, f.peft_out, dtype=f.dtype))
+    print(export_hf(cfg, state, f.out, tokenizer=tokenizer, dtype=f.dtype, max_shard_bytes=f.max_shard_mb << 20))
     return 0
 
 

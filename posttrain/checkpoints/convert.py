@@ -1,4 +1,4 @@
-"""Load pretrained weights (HF safetensors directory or GGUF file) into a sharded nnx state; export back to HF.
+"""Load pretrained weights (HF safetensors directory or GGUF file) into a sharded nnx state (export: `export.py`).
 
 `load_pretrained(path, mesh=...)` is the one entry point the CLI, sampler and trainer use. Parameters are placed
 one tensor at a time with `jax.make_array_from_callback`, directly in their final sharding.
@@ -247,42 +247,8 @@ def load_pretrained(path=None, **kwargs) -> Pretrained:
     return load_gguf_file(path, **kwargs)
 
 
-def export_hf(cfg: ModelConfig, state, out_dir, *, tokenizer=None, max_shard_bytes: int = 4 << 30) -> pathlib.Path:
-    """Writes config.json and safetensors (sharded with an index above `max_shard_bytes`) that transformers loads.
+def export_hf(cfg: ModelConfig, state, out_dir, **kwargs) -> pathlib.Path:
+    """`posttrain.checkpoints.export.export_hf` (a complete HF model directory); kept here for old imports."""
+    from posttrain.checkpoints.export import export_hf as export
 
-    LoRA adapters in `state` are merged into their base weights (W + alpha/r * A @ B) first."""
-    from safetensors.numpy import save_file
-
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    from posttrain.lora import merge_adapters
-
-    arrays = {k: np.asarray(jax.device_get(v.get_value() if isinstance(v, nnx.Variable) else v))
-              for k, v in nnx.to_flat_state(state)}
-    if cfg.lora is not None and cfg.lora.rank:
-        arrays = merge_adapters(arrays, cfg.lora.alpha / cfg.lora.rank)
-    tensors = {n: np.ascontiguousarray(a) for n, a in arrays_to_hf(cfg, arrays).items()}
-    extra = {}
-    if tokenizer is not None:
-        extra = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
-    (out / "config.json").write_text(json.dumps(hf_lib.config_to_hf(cfg, **extra), indent=2))
-    shards, cur, size = [], {}, 0
-    for n in sorted(tensors):
-        if cur and size + tensors[n].nbytes > max_shard_bytes:
-            shards.append(cur)
-            cur, size = {}, 0
-        cur[n] = tensors[n]
-        size += tensors[n].nbytes
-    shards.append(cur)
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out / name), metadata={"format": "pt"})
-            weight_map.update({n: name for n in shard})
-        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    if tokenizer is not None and hasattr(tokenizer, "save_hf"):
-        tokenizer.save_hf(out)
-    return out
+    return export(cfg, state, out_dir, **kwargs)

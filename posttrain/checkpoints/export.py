@@ -1,0 +1,135 @@
+"""Export posttrain weights as a complete Hugging Face model directory.
+
+A directory `transformers.AutoModelForCausalLM` / `AutoTokenizer` and serving engines (vLLM, SGLang, TGI) load
+offline as is:
+  config.json                      architecture, `dtype`, special token ids (`hf_config.config_to_hf`)
+  model.safetensors                or model-XXXXX-of-YYYYY.safetensors + model.safetensors.index.json once the
+                                   tensors exceed `max_shard_bytes` (https://huggingface.co/docs/safetensors;
+                                   index format of transformers' `save_pretrained`: {"metadata": {"total_size"},
+                                   "weight_map": {tensor: file}})
+  generation_config.json           bos / pad ids and every stop id (EOS + the chat template's end of turn), so
+                                   `generate()` and servers stop where posttrain's sampler stops
+  tokenizer.json                   the `tokenizers` model (vocabulary, merges, pre-tokenizer, added tokens)
+  tokenizer_config.json            tokenizer class, special tokens, `chat_template`
+  special_tokens_map.json          bos / eos / pad / unk strings
+LoRA adapters are merged into their base weights here; `posttrain.checkpoints.peft` writes them unmerged.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+from flax import nnx
+
+from posttrain.checkpoints import hf_config as hf_config_lib
+from posttrain.model.config import ModelConfig
+
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def flat_arrays(state) -> dict[tuple, np.ndarray]:
+    """{param path tuple: host numpy array} of an nnx State (arrays gathered from any sharding)."""
+    return {k: np.asarray(jax.device_get(v.get_value() if isinstance(v, nnx.Variable) else v))
+            for k, v in nnx.to_flat_state(state)}
+
+
+def _np_dtype(name: str):
+    if name not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype {name!r} is not supported; expected one of {EXPORT_DTYPES}")
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def write_safetensors(tensors: dict[str, np.ndarray], out: pathlib.Path, max_shard_bytes: int,
+                      prefix: str = "model") -> list[str]:
+    """Writes `<prefix>.safetensors`, or shards of at most `max_shard_bytes` (a tensor larger than that gets a
+    shard of its own) plus `<prefix>.safetensors.index.json`. Returns the file names written."""
+    from safetensors.numpy import save_file
+
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+    shards, cur, size = [], {}, 0
+    for n in sorted(tensors):
+        if cur and size + tensors[n].nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[n] = np.ascontiguousarray(tensors[n])
+        size += tensors[n].nbytes
+    shards.append(cur)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / f"{prefix}.safetensors"), metadata={"format": "pt"})
+        return [f"{prefix}.safetensors"]
+    weight_map, names = {}, []
+    for i, shard in enumerate(shards):
+        name = f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update({n: name for n in shard})
+        names.append(name)
+    index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))}, "weight_map": weight_map}
+    (out / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return names
+
+
+def save_tokenizer(tokenizer, out_dir, *, model_max_length: int | None = None) -> list[str]:
+    """Writes tokenizer.json, tokenizer_config.json (with `chat_template`) and special_tokens_map.json for a
+    `posttrain.tokenizer.Tokenizer`, so `transformers.AutoTokenizer.from_pretrained(out_dir)` loads it offline.
+    Returns the file names written."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.backend.save(str(out / "tokenizer.json"))
+    special = dict(tokenizer.special_tokens)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+              "add_bos_token": False, "add_eos_token": False, **special}
+    if model_max_length:
+        config["model_max_length"] = model_max_length
+    if tokenizer.chat_template is not None:
+        config["chat_template"] = tokenizer.chat_template
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, ensure_ascii=False))
+    return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+
+
+def generation_config(tokenizer) -> dict:
+    """generation_config.json: bos / pad ids and every stop id (`Tokenizer.stop_ids`)."""
+    stops = [int(i) for i in tokenizer.stop_ids]
+    cfg = {"eos_token_id": stops if len(stops) > 1 else stops[0], "pad_token_id": int(tokenizer.pad_id)}
+    if tokenizer.bos_id is not None:
+        cfg["bos_token_id"] = int(tokenizer.bos_id)
+    return cfg
+
+
+def export_hf(cfg: ModelConfig, state, out_dir, *, tokenizer=None, dtype: str | None = None,
+              max_shard_bytes: int = 4 << 30) -> pathlib.Path:
+    """Writes a complete HF model directory (see the module doc) for `cfg` and its nnx `state`.
+
+    tokenizer: a `posttrain.tokenizer.Tokenizer` (None: weights and config only, no generation_config).
+    dtype: float32 | bfloat16 | float16 of the written tensors (default cfg.param_dtype); config.json says it.
+    LoRA adapters in `state` are merged into their base weights (W + alpha/r * A @ B) first.
+    Raises ValueError for an unsupported dtype or a config the HF family cannot express.
+    """
+    from posttrain.checkpoints.convert import arrays_to_hf
+    from posttrain.lora import merge_adapters
+
+    dtype = dtype or cfg.param_dtype
+    np_dtype = _np_dtype(dtype)
+    extra = {}
+    if tokenizer is not None:
+        extra = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    hf = hf_config_lib.config_to_hf(cfg, dtype=dtype, **extra)  # raises before anything is written
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    arrays = flat_arrays(state)
+    if cfg.lora is not None and cfg.lora.rank:
+        arrays = merge_adapters(arrays, cfg.lora.alpha / cfg.lora.rank)
+    tensors = {n: a.astype(np_dtype) for n, a in arrays_to_hf(cfg, arrays).items()}
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    write_safetensors(tensors, out, max_shard_bytes)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out, model_max_length=cfg.max_position)
+        (out / "generation_config.json").write_text(json.dumps(generation_config(tokenizer), indent=2))
+    return out
