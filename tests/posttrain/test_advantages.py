@@ -72,10 +72,20 @@ def test_all_equal_group_is_exactly_zero(name, rewards):
     assert bool(out.zero_std_P[0])
 
 
-def test_mean_of_equal_rewards_is_not_exact_in_float32():
-    # The reason an exact test is needed: centring by the float32 mean leaves rounding noise.
-    r = jnp.asarray([0.35] * 8, jnp.float32)
-    assert float(jnp.max(jnp.abs(r - r.sum() / 8))) > 0.0
+@pytest.mark.parametrize("name", sorted(REFS))
+def test_equal_groups_where_float32_centring_is_inexact_give_exact_zero(name):
+    """Many all-equal groups of random values and sizes, including ones where r - mean(r) in float32 is not 0:
+    the library's advantages are exactly 0 on every one of them (and flagged zero-std)."""
+    rng = np.random.default_rng(0)
+    values = rng.random(64).astype(np.float32)
+    inexact = 0
+    for G in (3, 5, 7, 8, 16):
+        rewards = np.repeat(values[:, None], G, axis=1)
+        inexact += int((np.asarray(rewards - jnp.mean(jnp.asarray(rewards), 1, keepdims=True)) != 0).any(1).sum())
+        out = adv.ADVANTAGES[name](jnp.asarray(rewards))
+        assert (np.asarray(out.advantages) == 0.0).all(), (G, np.abs(np.asarray(out.advantages)).max())
+        assert np.asarray(out.zero_std_P).all()
+    assert inexact >= 10, f"only {inexact} groups where naive float32 centring is inexact: the test would prove little"
 
 
 @pytest.mark.parametrize("name", sorted(REFS))

