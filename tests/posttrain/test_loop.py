@@ -2,6 +2,8 @@
 fresh sampling keys per step (invariant 10), flat memory (invariant 11), and learning a toy verifiable task."""
 import json
 import pathlib
+import subprocess
+import sys
 
 import gymnasium
 import numpy as np
@@ -112,8 +114,16 @@ def test_each_step_samples_with_a_fresh_key(tmp_path, monkeypatch):
 
 
 def test_memory_is_flat_across_steps(tmp_path):
-    loop.train(tiny_config(tmp_path, **{"train.steps": 20, "checkpoint.every_steps": 5}), progress=False)
+    # perf/peak_rss_gb is the process's high-water mark: run in a fresh process, or an earlier test's peak hides
+    # any growth (rss[20] == rss[5] == that peak).
+    code = (f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})\n"
+            "from test_loop import tiny_config\nfrom posttrain import loop\n"
+            f"loop.train(tiny_config({str(tmp_path)!r}, **{{'train.steps': 20, 'checkpoint.every_steps': 5}}), "
+            "progress=False)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
     rss = {m["step"]: m["perf/peak_rss_gb"] for m in read(tmp_path)}
+    assert 0.1 < rss[5] < 8, rss  # this run's own peak (a fresh JAX process with a tiny model: ~1 GB)
     assert rss[20] <= rss[5] * 1.05, rss
 
 
@@ -134,20 +144,84 @@ def digit_config(workdir, **over):
     return from_config_dict(raw)
 
 
+def scripted_policy(monkeypatch, reply_for):
+    """Replaces the loop's sampler by a script: reply_for(decoded prompt, row) -> reply text (then EOS).
+    Returns the list of decoded prompts it was asked to continue."""
+    from posttrain.sampler import SampleOutput
+
+    seen = []
+
+    def make_sample_fn(run, params):
+        tok, Lg = run.tokenizer, params.max_new_tokens
+
+        def fn(prompts, lengths, key, group_size):
+            texts = [tok.decode([int(t) for t in p[:n]], skip_special_tokens=False)
+                     for p, n in zip(np.asarray(prompts), np.asarray(lengths))]
+            seen.extend(texts)
+            rows = [tok.encode(reply_for(text, i * group_size + g)) + [tok.eos_id]
+                    for i, text in enumerate(texts) for g in range(group_size)]
+            assert max(map(len, rows)) <= Lg, "scripted reply longer than sampling.max_new_tokens"
+            toks = np.full((len(rows), Lg), tok.pad_id, np.int32)
+            logp = np.zeros((len(rows), Lg), np.float32)
+            for i, r in enumerate(rows):
+                toks[i, :len(r)], logp[i, :len(r)] = r, -1.0
+            lens = np.array([len(r) for r in rows], np.int32)
+            return SampleOutput(toks, logp, lens, np.zeros(len(rows), bool))
+
+        return fn
+
+    monkeypatch.setattr(loop, "make_sample_fn", make_sample_fn)
+    return seen
+
+
+def _first_tasks_with_answers(monkeypatch, env_id, count=4):
+    """Makes the scheduler draw the env's first `count` tasks every step; returns {text that identifies the task in
+    the prompt: a correct reply} for them."""
+    from posttrain.scheduler import TaskScheduler
+
+    def first_tasks(self, step, n):
+        name = self.names[0]
+        return [(name, self.sources[name].get_task(i)) for i in range(n)]
+
+    monkeypatch.setattr(TaskScheduler, "next_tasks", first_tasks)
+    env = gymnasium.make(env_id).unwrapped
+    tasks = [env.task_source.get_task(i) for i in range(count)]
+    if env_id == "posttrain/HumanEval-v0":
+        return {t["prompt"]: t["canonical_solution"] for t in tasks}
+    return {env.first_observation(t): env.golden_answer(t) for t in tasks}
+
+
+CODE = "```python\nprint(6 * 7)\n```"
+
+
 @pytest.mark.parametrize("env_id,max_turns", [("posttrain/HumanEval-v0", 1), ("posttrain/PythonTool-v0", 2)])
-def test_sandboxed_envs_through_the_worker_pool(tmp_path, env_id, max_turns):
-    """Code and multi-turn tool envs run in pool workers (sandboxed code); the loop trains on them end to end."""
+def test_sandboxed_envs_through_the_worker_pool(tmp_path, monkeypatch, env_id, max_turns):
+    """Code and multi-turn tool envs run in pool workers (sandboxed code); the loop trains on them end to end.
+    A scripted policy answers even rows correctly and odd rows wrongly (the tool env: after one code run), so the
+    reward is exactly 1/2 only if the sandboxed verdicts come back to the right samples."""
     from posttrain.config import to_dict
 
-    raw = to_dict(tiny_config(tmp_path, **{"train.steps": 1, "sampling.max_new_tokens": 8}))
+    golden = _first_tasks_with_answers(monkeypatch, env_id)
+
+    def reply_for(text, row):
+        if max_turns > 1 and "```output" not in text:
+            return CODE  # first turn: run code in the sandbox; its output comes back as the next observation
+        if row % 2:
+            return "\\boxed{-1}" if max_turns > 1 else "    return None\n"
+        return next(gold for key, gold in golden.items() if key in text)
+
+    seen = scripted_policy(monkeypatch, reply_for)
+    longest = max(len(g.encode()) for g in golden.values()) + 1
+    raw = to_dict(tiny_config(tmp_path, **{"train.steps": 1, "sampling.max_new_tokens": max(longest, 32)}))
     raw["env"].update(train={"code": {"id": env_id, "weight": 1.0, "kwargs": {}}}, num_workers=2,
                       max_turns=max_turns)
     raw["rl"]["packed"] = max_turns == 1
     summary = loop.train(from_config_dict(raw), progress=False)
     assert summary["end_step"] == 1
     (m,) = read(tmp_path)
-    assert m["env/infra_error_rate"] == 0.0 and 0.0 <= m["reward/mean"] <= 1.0
+    assert m["env/infra_error_rate"] == 0.0 and m["reward/mean"] == 0.5
     rows = [json.loads(l) for l in (tmp_path / "trajectories" / "step_000000.jsonl").read_text().splitlines()]
-    assert len(rows) == 16 and all(r["status"] for r in rows)
-    if max_turns > 1:
-        assert any(len(r["replies"]) >= 1 for r in rows)
+    assert len(rows) == 16 and [r["reward"] for r in rows] == [1.0, 0.0] * 8
+    if max_turns > 1:  # every episode had a second turn, after the sandbox printed 42
+        assert all(len(r["replies"]) == 2 and r["replies"][0] == CODE for r in rows)
+        assert sum("```output\n42\n" in t for t in seen) == 16
