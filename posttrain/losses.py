@@ -1,16 +1,12 @@
-"""Policy-gradient losses for RL post-training: token logprobs, clipped surrogates, KL, aggregation.
+"""Policy-gradient losses for RL post-training: clipped surrogates, KL, aggregation.
 
 Dimension legend:
   B  sequences in the (micro)batch
   T  token positions (padded sequence width)
-  V  vocabulary size
-  D  model width (hidden size)
-  N  flattened tokens B * T;  K chunks of C tokens each (K * C >= N)
 
 Conventions:
   * A token's logprob is `log_softmax(logits / temperature)[target]` over the full vocabulary, in
-    float32 (DESIGN invariant 1). `token_logprobs` is that definition; `chunked_token_logprobs`
-    computes the same numbers from hidden states without materialising [B, T, V] logits.
+    float32 (DESIGN invariant 1), defined in `posttrain.logprobs` (re-exported here).
   * Masked positions are sanitised with `jnp.where` before any arithmetic (invariant 4), so NaN/inf
     there (e.g. in the sampler's logprobs of padding) reach neither the loss nor its gradient.
   * Rows may be packed (one prompt followed by its G completions): `seq_ids_BxT` (int in [0, T), any id
@@ -30,110 +26,13 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from posttrain.logprobs import (  # noqa: F401  (re-exported: the token logprob definition lives there)
+    LogprobsOut, chunked_token_logprobs, token_entropy, token_logprobs, valid_first_order)
+
 # |log ratio| is clamped here before exp() so a stale or broken token cannot overflow to inf
 # (verl uses the same bound); the gradient is zero beyond it.
 LOG_RATIO_CLAMP = 20.0
 _sg = jax.lax.stop_gradient
-
-
-# ----------------------------------------------------------------------------- token logprobs
-def token_logprobs(logits_BxTxV, targets_BxT, temperature: float = 1.0):
-    """log_softmax(logits / temperature) gathered at the targets. float32 [B, T] (nats, <= 0).
-
-    Raises ValueError if targets_BxT's shape is not logits_BxTxV.shape[:2] or temperature <= 0.
-    """
-    _check_temperature(temperature)
-    if jnp.shape(targets_BxT) != jnp.shape(logits_BxTxV)[:2]:
-        raise ValueError(f"targets_BxT shape {jnp.shape(targets_BxT)} != logits {jnp.shape(logits_BxTxV)}[:2]")
-    return _logp_and_entropy(jnp.asarray(logits_BxTxV).astype(jnp.float32) / temperature, targets_BxT)[0]
-
-
-def token_entropy(logits_BxTxV, temperature: float = 1.0):
-    """Entropy of softmax(logits / temperature) per position, float32 [B, T] (nats)."""
-    _check_temperature(temperature)
-    return _logp_and_entropy(jnp.asarray(logits_BxTxV).astype(jnp.float32) / temperature, None, True)[1]
-
-
-def _logp_and_entropy(z_xV, targets_x, with_entropy: bool = False):
-    """(log_softmax(z)[targets] or None, entropy or None) over the last axis of float32 logits z."""
-    logp_xV = jax.nn.log_softmax(z_xV, axis=-1)
-    logp_x = None
-    if targets_x is not None:
-        logp_x = jnp.take_along_axis(logp_xV, jnp.asarray(targets_x, jnp.int32)[..., None], axis=-1)[..., 0]
-    return logp_x, -jnp.sum(jnp.exp(logp_xV) * logp_xV, axis=-1) if with_entropy else None
-
-
-class LogprobsOut(NamedTuple):
-    logp_BxT: jax.Array  # float32
-    entropy_BxT: jax.Array | None  # float32, None unless requested
-
-
-def chunked_token_logprobs(
-    h_BxTxD, w_DxV, targets_BxT, temperature: float = 1.0, *, chunk_size: int = 1024,
-    with_entropy: bool = False, valid_BxT=None,
-) -> LogprobsOut:
-    """`token_logprobs(h @ w, targets, temperature)` (and optionally `token_entropy`) computed C tokens
-    at a time under `jax.checkpoint`, so neither the forward nor the backward pass holds more than
-    [C, V] logits (the full [B, T, V] tensor, 49,152 wide for SmolLM2, is never materialised).
-
-    Args:
-      h_BxTxD: final hidden states (after the final norm), any float dtype.
-      w_DxV: unembedding matrix (the transposed tied embedding for tied models).
-      targets_BxT: int token ids whose logprob is wanted (the next tokens).
-      temperature: sampling temperature (> 0); logits are divided by it.
-      chunk_size: C, tokens per chunk (static); the last chunk is zero-padded.
-      with_entropy: also return the per-token entropy.
-      valid_BxT: optional bool mask; a chunk with no valid token is skipped (`lax.cond`, forward and backward)
-        and returns zeros. Put valid tokens first (see `valid_first_order`) to skip all padding chunks.
-    Returns:
-      LogprobsOut(logp_BxT float32, entropy_BxT float32 or None). Matmuls accumulate in float32.
-    Raises:
-      ValueError: on shape mismatch, chunk_size < 1 or temperature <= 0.
-    """
-    _check_temperature(temperature)
-    (b, t, d), (d_w, v) = jnp.shape(h_BxTxD), jnp.shape(w_DxV)
-    if d_w != d or jnp.shape(targets_BxT) != (b, t):
-        raise ValueError(f"shape mismatch: h_BxTxD {(b, t, d)}, w_DxV {(d_w, v)}, targets {jnp.shape(targets_BxT)}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    n = b * t
-    c = min(chunk_size, n)
-    k = -(-n // c)
-    h_KxCxD = jnp.pad(jnp.reshape(h_BxTxD, (n, d)), ((0, k * c - n), (0, 0))).reshape(k, c, d)
-    tgt_KxC = jnp.pad(jnp.reshape(targets_BxT, (n,)).astype(jnp.int32), (0, k * c - n)).reshape(k, c)
-    valid = jnp.ones((b, t), bool) if valid_BxT is None else jnp.asarray(valid_BxT, bool)
-    any_K = jnp.pad(jnp.reshape(valid, (n,)), (0, k * c - n)).reshape(k, c).any(-1)
-
-    @jax.checkpoint
-    def one_chunk(w, h_CxD, tgt_C):
-        z_CxV = jnp.dot(h_CxD, w, preferred_element_type=jnp.float32) / temperature
-        return _logp_and_entropy(z_CxV, tgt_C, with_entropy)
-
-    def skipped(w, h_CxD, tgt_C):
-        zeros = jnp.zeros(tgt_C.shape, jnp.float32)
-        return zeros, (zeros if with_entropy else None)
-
-    def body(_, xs):
-        h_CxD, tgt_C, any_valid = xs
-        if valid_BxT is None:
-            return None, one_chunk(w_DxV, h_CxD, tgt_C)
-        return None, jax.lax.cond(any_valid, one_chunk, skipped, w_DxV, h_CxD, tgt_C)
-
-    _, (logp_KxC, ent_KxC) = jax.lax.scan(body, None, (h_KxCxD, tgt_KxC, any_K))
-    unchunk = lambda x_KxC: x_KxC.reshape(k * c)[:n].reshape(b, t)
-    return LogprobsOut(unchunk(logp_KxC), None if ent_KxC is None else unchunk(ent_KxC))
-
-
-def valid_first_order(valid_N) -> tuple[jax.Array, jax.Array]:
-    """(order, inverse) permutations of a flat bool mask putting valid entries first (stable), so that chunked
-    computations over `x[order]` can skip every chunk past the valid count; `y[inverse]` restores the layout."""
-    order = jnp.argsort(~jnp.asarray(valid_N, bool), stable=True)
-    return order, jnp.argsort(order)
-
-
-def _check_temperature(temperature) -> None:
-    if isinstance(temperature, (int, float)) and not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
 
 
 # ----------------------------------------------------------------------------- surrogates
@@ -358,18 +257,23 @@ def policy_loss(
       loss_mask_BxT: {0,1} [B, T], 1 on policy tokens only.
       den: LossDenominators of the FULL batch (see `loss_denominators`, same seq_ids).
       cfg: LossConfig.
-      logp_old_BxT: optional trainer logprobs under the behaviour policy (constant). The ratio's
-        denominator is: without TIS, logp_old_BxT if given else logp_sample_BxT; with cfg.tis_cap,
-        logp_old_BxT if given else stop_gradient(logp_BxT) (one update per batch: ratio 1), and every
-        token's loss is weighted by the constant min(exp(logp_old - logp_sample), tis_cap).
+      logp_old_BxT: optional trainer logprobs under the behaviour policy (constant), computed by the trainer
+        before the first of several updates on one batch. The ratio's denominator is logp_old_BxT if given, else
+        stop_gradient(logp_BxT): with one update per batch the behaviour policy IS the current policy, so the
+        ratio is exactly 1 in any dtype (DESIGN invariant 1). The sampler's logprobs never enter the ratio
+        (a different computation: bf16 kernels differ by ~1e-2 in logprob); they are the behaviour policy of
+        truncated importance sampling only: with cfg.tis_cap every token's loss is weighted by the constant
+        min(exp(logp_old - logp_sample), tis_cap).
       logp_ref_BxT: reference-model logprobs (constant); required when cfg.beta > 0.
       entropy_BxT: optional per-token entropy, only logged.
       seq_ids_BxT: optional int [B, T] sequence ids within packed rows (see the module docstring).
     Returns:
       (loss, metrics): float32 scalars, each this microbatch's share of the batch value (sum them over
       microbatches and devices). Metric keys: policy/loss, policy/clipfrac_low, policy/clipfrac_high,
-      policy/ppo_kl (token mean of logp_old - logp), and when applicable policy/kl_ref (token mean of
-      the estimator), policy/entropy, policy/tis_weight. Metrics carry no gradient.
+      policy/ppo_kl (token mean of logp_old - logp), policy/is_ratio_mean (token mean of exp(logp - logp_old)),
+      and when applicable policy/kl_ref (token mean of the estimator), policy/entropy, policy/tis_weight.
+      Reduced with min / max instead of a sum (see MIN_METRICS / MAX_METRICS): policy/is_ratio_min and
+      policy/is_ratio_max (+inf / -inf when the microbatch has no policy token). Metrics carry no gradient.
     Raises:
       TypeError if cfg is not a LossConfig; ValueError on shape mismatch or beta > 0 without logp_ref_BxT.
     """
@@ -385,10 +289,7 @@ def policy_loss(
     if cfg.beta > 0 and logp_ref_BxT is None:
         raise ValueError(f"LossConfig.beta={cfg.beta} > 0 needs logp_ref_BxT")
     mask, logp, sample = _masked_inputs(loss_mask_BxT, logp_BxT, _sg(logp_sample_BxT))
-    if logp_old_BxT is not None:
-        old = _masked_inputs(mask, _sg(logp_old_BxT))[1]
-    else:
-        old = sample if cfg.tis_cap is None else _sg(logp)
+    old = _sg(logp) if logp_old_BxT is None else _masked_inputs(mask, _sg(logp_old_BxT))[1]
     aggregate = lambda x: AGGREGATIONS[cfg.aggregation](x, mask, den, cfg.norm_constant, seq_ids_BxT)
     mean = lambda x: token_mean(_sg(x).astype(jnp.float32), mask, den)
 
@@ -411,6 +312,15 @@ def policy_loss(
         metrics["policy/kl_ref"] = mean(kl_BxT)
     if entropy_BxT is not None:
         metrics["policy/entropy"] = mean(_masked_inputs(mask, entropy_BxT)[1])
+    ratio_BxT = _sg(jnp.exp(jnp.clip(logp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)))
     metrics.update({"policy/loss": _sg(loss), "policy/clipfrac_low": mean(surrogate.clipped_low_BxT),
-                    "policy/clipfrac_high": mean(surrogate.clipped_high_BxT), "policy/ppo_kl": mean(old - logp)})
+                    "policy/clipfrac_high": mean(surrogate.clipped_high_BxT), "policy/ppo_kl": mean(old - logp),
+                    "policy/is_ratio_mean": mean(ratio_BxT),
+                    "policy/is_ratio_min": jnp.where(mask, ratio_BxT, jnp.inf).min(),
+                    "policy/is_ratio_max": jnp.where(mask, ratio_BxT, -jnp.inf).max()})
     return loss, metrics
+
+
+# metrics of `policy_loss` (and the train step) that combine across microbatches by min / max, not by sum
+MIN_METRICS = ("policy/is_ratio_min",)
+MAX_METRICS = ("policy/is_ratio_max", "rollout/logp_diff_max")

@@ -217,9 +217,10 @@ def test_sum_norm_uses_the_constant_not_the_padded_width():
 
 
 # ----- composed loss -----
-def np_policy_loss(logp, sample, ref, adv, mask, cfg):
-    """NumPy reference of policy_loss for the ppo loss, trainer-side old logp = logp (TIS) or sample."""
-    old = logp if cfg.tis_cap is not None else sample
+def np_policy_loss(logp, sample, ref, adv, mask, cfg, old=None):
+    """NumPy reference of policy_loss for the ppo loss; the ratio's denominator is the trainer's old logp (given)
+    or its own logp; the sampler's logp enters only the TIS weight."""
+    old = logp if old is None else old
     ratio = np.exp(logp.astype(np.float64) - old)
     tok = np_ppo_token_loss(ratio, np.broadcast_to(adv[:, None], logp.shape), cfg.eps_low, cfg.eps_high,
                             cfg.dual_clip_c)
@@ -231,40 +232,50 @@ def np_policy_loss(logp, sample, ref, adv, mask, cfg):
     return agg(tok) + cfg.beta * agg(kl), np.where(mask, kl, 0).sum() / mask.sum()
 
 
+@pytest.mark.parametrize("given_old", [False, True])
 @pytest.mark.parametrize("tis_cap", [None, 1.1])
 @pytest.mark.parametrize("mode", sorted(L.AGGREGATIONS))
-def test_policy_loss_matches_reference(mode, tis_cap):
+def test_policy_loss_matches_reference(mode, tis_cap, given_old):
     logp, sample, ref, adv, mask = random_batch(8, b=5, t=6)
+    old = (logp + np.random.default_rng(1).normal(0, 0.2, logp.shape)).astype(F32) if given_old else None
     cfg = L.LossConfig(aggregation=mode, norm_constant=6.0, beta=0.05, eps_high=0.28, dual_clip_c=3.0,
                        tis_cap=tis_cap)
     loss, metrics = jax.jit(L.policy_loss, static_argnums=5)(
-        logp, sample, adv, mask, L.loss_denominators(mask), cfg, logp_ref_BxT=ref)
-    want_loss, want_kl = np_policy_loss(logp, sample, ref, adv, mask, cfg)
+        logp, sample, adv, mask, L.loss_denominators(mask), cfg, logp_ref_BxT=ref, logp_old_BxT=old)
+    want_loss, want_kl = np_policy_loss(logp, sample, ref, adv, mask, cfg, old)
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
     np.testing.assert_allclose(float(metrics["policy/loss"]), want_loss, rtol=1e-5)
     np.testing.assert_allclose(float(metrics["policy/kl_ref"]), want_kl, rtol=1e-5)
-    old = logp if tis_cap else sample
+    old = logp if old is None else old
     np.testing.assert_allclose(float(metrics["policy/ppo_kl"]), (old - logp)[mask].mean(), rtol=1e-5, atol=1e-7)
+    ratio = np.exp(logp.astype(np.float64) - old)[mask]
+    for name, want in (("mean", ratio.mean()), ("min", ratio.min()), ("max", ratio.max())):
+        np.testing.assert_allclose(float(metrics[f"policy/is_ratio_{name}"]), want, rtol=1e-5)
     if tis_cap:
-        w = np.minimum(np.exp(logp - sample), tis_cap)[mask].mean()
+        w = np.minimum(np.exp(old - sample), tis_cap)[mask].mean()
         np.testing.assert_allclose(float(metrics["policy/tis_weight"]), w, rtol=1e-5)
 
 
-def test_first_step_ratio_is_one():
-    logp, _, _, adv, mask = random_batch(9)
-    loss, metrics = L.policy_loss(logp, logp, adv, mask, L.loss_denominators(mask), L.LossConfig())
+def test_first_step_ratio_is_one_whatever_the_sampler_said():
+    logp, sample, _, adv, mask = random_batch(9)  # sampler logprobs differ from the trainer's by ~0.3
+    loss, metrics = L.policy_loss(logp, sample, adv, mask, L.loss_denominators(mask), L.LossConfig(eps_low=3e-4,
+                                                                                                   eps_high=4e-4))
     want = -np.where(mask, adv[:, None], 0).sum() / mask.sum()
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
     assert float(metrics["policy/ppo_kl"]) == 0.0
     assert float(metrics["policy/clipfrac_low"]) == 0.0 and float(metrics["policy/clipfrac_high"]) == 0.0
+    assert float(metrics["policy/is_ratio_min"]) == 1.0 == float(metrics["policy/is_ratio_max"])
 
 
 def test_explicit_trainer_old_logp_is_the_ratio_denominator():
     logp, sample, _, adv, mask = random_batch(10)
     den = L.loss_denominators(mask)
-    a, _ = L.policy_loss(logp, sample, adv, mask, den, L.LossConfig(), logp_old_BxT=logp)
-    b, _ = L.policy_loss(logp, logp, adv, mask, den, L.LossConfig())
-    np.testing.assert_allclose(float(a), float(b), rtol=1e-6)
+    old = (logp - 0.1).astype(F32)
+    a, _ = L.policy_loss(logp, sample, adv, mask, den, L.LossConfig(), logp_old_BxT=old)
+    b, _ = L.policy_loss(logp, logp + 1.0, adv, mask, den, L.LossConfig(), logp_old_BxT=old)
+    c, _ = L.policy_loss(logp, sample, adv, mask, den, L.LossConfig())
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-6)  # the sampler's logp does not enter the ratio
+    assert abs(float(a) - float(c)) > 1e-3  # the trainer's old logp does
 
 
 @pytest.mark.parametrize("loss_name", sorted(L.POLICY_LOSSES))
@@ -309,20 +320,25 @@ def test_policy_loss_and_grad_do_not_depend_on_microbatching(loss_name, mode):
     cfg = L.LossConfig(policy_loss=loss_name, aggregation=mode, norm_constant=5.0, beta=0.1,
                        eps_high=0.28, dual_clip_c=3.0, tis_cap=2.0)
 
-    @jax.jit
-    def fn(lp, s, r, a, m, e):
-        return jax.value_and_grad(L.policy_loss, has_aux=True)(lp, s, a, m, den, cfg, logp_ref_BxT=r,
-                                                               entropy_BxT=e)
+    old = (logp + np.random.default_rng(2).normal(0, 0.3, logp.shape)).astype(F32)  # ratios around 1, some clipped
 
-    arrays = [jnp.asarray(x) for x in (logp, sample, ref, adv, mask, ent)]
+    @jax.jit
+    def fn(lp, s, r, a, m, e, o):
+        return jax.value_and_grad(L.policy_loss, has_aux=True)(lp, s, a, m, den, cfg, logp_ref_BxT=r,
+                                                               entropy_BxT=e, logp_old_BxT=o)
+
+    arrays = [jnp.asarray(x) for x in (logp, sample, ref, adv, mask, ent, old)]
     (loss, metrics), grad = fn(*arrays)
     parts = [fn(*[a[lo:hi] for a in arrays]) for lo, hi in ((0, 3), (3, 6))]  # unequal token counts
     np.testing.assert_allclose(sum(float(p[0][0]) for p in parts), float(loss), rtol=1e-5)
     np.testing.assert_allclose(np.concatenate([p[1] for p in parts]), np.asarray(grad), rtol=1e-5, atol=1e-7)
     assert set(metrics) == {"policy/loss", "policy/clipfrac_low", "policy/clipfrac_high", "policy/ppo_kl",
-                            "policy/kl_ref", "policy/entropy", "policy/tis_weight"}
+                            "policy/kl_ref", "policy/entropy", "policy/tis_weight", "policy/is_ratio_mean",
+                            "policy/is_ratio_min", "policy/is_ratio_max"}
+    assert float(metrics["policy/is_ratio_max"]) > 1.2 and float(metrics["policy/is_ratio_min"]) < 0.8
     for key in metrics:
-        total = sum(float(p[0][1][key]) for p in parts)
+        combine = min if key in L.MIN_METRICS else max if key in L.MAX_METRICS else sum
+        total = combine(float(p[0][1][key]) for p in parts)
         np.testing.assert_allclose(total, float(metrics[key]), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(float(metrics["policy/entropy"]), ent[mask].mean(), rtol=1e-5)
 
