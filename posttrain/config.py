@@ -25,9 +25,14 @@ class ModelSource:
     path: str = ""
     preset: str = ""
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    dtype: str = "float32"
-    param_dtype: str = "float32"
+    # The precision policy (`posttrain.precision`): compute dtype ("auto": float32 on CPU, bfloat16 on GPU/TPU),
+    # master-weight dtype ("auto": float32; Adam moments follow it), matmul precision of every dot.
+    dtype: str = "auto"
+    param_dtype: str = "auto"
+    matmul_precision: str = "default"
+    # what the backward pass keeps per layer: none | dots | names | full (see ModelConfig.remat)
     remat: str = "none"
+    remat_names: tuple[str, ...] = ("attn_out", "mlp_in")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,6 +67,8 @@ class GRPOConfig:
     default max_new_tokens). beta: KL-to-reference coefficient with estimator k1|k2|k3 (0 disables the
     reference model). tis_cap: truncated importance sampling cap on exp(logp_trainer_old - logp_sampler), 0 off.
     packed: each prompt is computed once per group in training (prompt + its G completions in one row).
+    ppo_epochs, minibatches: several optimizer updates per batch; the trainer computes the old logprobs once
+    before the first (see `posttrain.train_step`).
     """
 
     group_size: int = 8
@@ -77,6 +84,9 @@ class GRPOConfig:
     norm_constant: float = 0.0
     tis_cap: float = 0.0
     num_microbatches: int = 1
+    # updates per batch: ppo_epochs passes over `minibatches` row blocks (1 x 1: one update, policy ratio exactly 1)
+    ppo_epochs: int = 1
+    minibatches: int = 1
     dynamic_sampling: bool = False
     max_resample_rounds: int = 2
     overlong_filter: bool = False
@@ -170,11 +180,13 @@ _CHOICES = {
     ("optim", "schedule"): ("constant", "cosine", "linear"),
     ("optim", "name"): ("adamw", "adam", "sgd"),
     ("eval", "scorer"): ("env", "last_integer"),
-    ("model", "remat"): ("none", "full", "dots"),
-    ("model", "dtype"): ("float32", "bfloat16", "float16"),
-    ("model", "param_dtype"): ("float32", "bfloat16", "float16"),
+    ("model", "remat"): ("none", "dots", "names", "full"),
+    ("model", "dtype"): ("auto", "float32", "bfloat16", "float16"),
+    ("model", "param_dtype"): ("auto", "float32", "bfloat16", "float16"),
+    ("model", "matmul_precision"): ("default", "high", "highest"),
 }
-_POSITIVE = {("rl", "group_size"), ("rl", "prompts_per_step"), ("rl", "num_microbatches"),
+_POSITIVE = {("rl", "group_size"), ("rl", "prompts_per_step"), ("rl", "num_microbatches"), ("rl", "ppo_epochs"),
+             ("rl", "minibatches"),
              ("sampling", "max_new_tokens"), ("train", "steps"), ("eval", "batch_size")}
 
 
@@ -252,6 +264,10 @@ def from_config_dict(cd) -> Config:
         raise ConfigError(f"rl.dual_clip_c must be > 1 (or 0 to disable), got {cfg.rl.dual_clip_c}")
     if not cfg.env.train:
         raise ConfigError("env.train is empty: name at least one environment, e.g. posttrain/Arithmetic-v0")
+    from posttrain.model.config import REMAT_NAMES
+
+    if set(cfg.model.remat_names) - set(REMAT_NAMES):
+        raise ConfigError(f"model.remat_names={list(cfg.model.remat_names)}; each must be one of {REMAT_NAMES}")
     if cfg.model.path and cfg.model.preset:
         raise ConfigError("set at most one of model.path and model.preset")
     return cfg

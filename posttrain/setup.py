@@ -17,6 +17,7 @@ from posttrain import distributed, losses as losses_lib
 from posttrain import mesh as mesh_lib
 from posttrain import optim, train_step as ts
 from posttrain.config import Config, to_dict
+from posttrain.precision import resolve_policy
 from posttrain.evaluate import eval_episodes
 from posttrain.rollout import InlineEnvs
 from posttrain.scheduler import TaskScheduler
@@ -73,17 +74,18 @@ def load_policy(cfg: Config, mesh):
 
     m = cfg.model
     lora = cfg.lora if cfg.lora.rank else None
+    policy = resolve_policy(m.dtype, m.param_dtype, m.matmul_precision)
+    fields = dict(dtype=policy.compute_dtype, param_dtype=policy.param_dtype, matmul_precision=policy.matmul_precision,
+                  remat=m.remat, remat_names=tuple(m.remat_names), lora=lora)
     if m.preset:
-        mcfg = get_preset(m.preset, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, lora=lora,
-                          **dict(m.overrides))
+        mcfg = get_preset(m.preset, **fields, **dict(m.overrides))
         tokenizer = Tokenizer.byte_level()
         if mcfg.vocab_size < tokenizer.vocab_size:
             raise ValueError(f"preset {m.preset!r} has vocab_size {mcfg.vocab_size} < {tokenizer.vocab_size} ids of "
                              "the byte tokenizer; set model.overrides.vocab_size")
         graphdef, state = create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.train.seed)), mesh)
         return mcfg, graphdef, state, tokenizer
-    pre = load_pretrained(m.path or None, mesh=mesh, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
-                          lora=lora)
+    pre = load_pretrained(m.path or None, mesh=mesh, **fields)
     if pre.tokenizer is None:
         raise ValueError(f"{m.path}: no tokenizer found next to the weights (tokenizer.json)")
     return pre.config, pre.graphdef, pre.state, pre.tokenizer
@@ -121,7 +123,8 @@ def step_options(cfg: Config, mcfg) -> ts.StepOptions:
     return ts.StepOptions(loss=loss, temperature=cfg.sampling.temperature or 1.0, num_microbatches=rl.num_microbatches,
                           moe_aux_coef=aux, moe_z_coef=moe.z_loss_coef if moe else 0.0,
                           bias_update_rate=moe.bias_update_rate if moe and moe.score_bias else 0.0,
-                          lora_rank=cfg.lora.rank)
+                          lora_rank=cfg.lora.rank, ppo_epochs=rl.ppo_epochs, minibatches=rl.minibatches,
+                          matmul_precision=cfg.model.matmul_precision)
 
 
 def build(cfg: Config, workdir: str | None = None) -> Run:
@@ -163,4 +166,4 @@ def build(cfg: Config, workdir: str | None = None) -> Run:
     return Run(cfg=cfg, workdir=workdir, mesh=mesh, tokenizer=tokenizer, graphdef=graphdef, state=state,
                train_step=train_step, step_opts=opts, checkpointer=ckpt, scheduler=scheduler, runner=make_runner(cfg),
                train_specs=dict(cfg.env.train), eval_episodes=evals,
-               row_multiple=cfg.rl.num_microbatches * shards)
+               row_multiple=cfg.rl.minibatches * cfg.rl.num_microbatches * shards)

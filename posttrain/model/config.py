@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 
 _DTYPES = ("float32", "bfloat16", "float16")
+PRECISIONS = ("default", "high", "highest")  # the names of `posttrain.precision`
+REMAT_MODES = ("none", "dots", "names", "full")
+REMAT_NAMES = ("dot", "qkv", "attn_out", "mlp_in")  # `posttrain.model.layers.CHECKPOINT_NAMES`
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -117,7 +120,13 @@ class ModelConfig:
 
     Dims: vocab_size V, d_model D, num_heads N, num_kv_heads K (GQA groups N // K), head_dim H, mlp_dim F.
     param_dtype: storage dtype of parameters; dtype: compute dtype of matmuls (softmax, norms and logits are f32).
-    remat: "none" | "full" | "dots" (save matmul outputs, recompute the rest) — applied per scanned block.
+    matmul_precision: "default" | "high" | "highest", applied to every dot (see `posttrain.precision`).
+    remat: per scanned block, what the backward pass keeps from the forward (`posttrain.model.transformer.REMAT`):
+      "none" everything autodiff saves (most memory, no recompute); "dots" every weight-matmul output, in the
+      compute dtype (recomputes norms, RoPE, softmax, elementwise ops: ~no extra FLOPs); "names" only the
+      activations named in `remat_names` (`layers.CHECKPOINT_NAMES`; e.g. ("attn_out", "mlp_in") recomputes
+      the projections: ~+1/3 of the layer FLOPs, less memory than "dots"); "full" only the block input (recompute
+      the whole forward: +1/3 FLOPs of a train step, least memory).
     lora: adapters added to the projections (None or rank 0: none).
     """
 
@@ -138,7 +147,9 @@ class ModelConfig:
     moe: MoEConfig | None = None
     param_dtype: str = "float32"
     dtype: str = "float32"
+    matmul_precision: str = "default"
     remat: str = "none"
+    remat_names: tuple[str, ...] = ("attn_out", "mlp_in")
     lora: LoRAConfig | None = None
     name: str = ""
 
@@ -151,8 +162,13 @@ class ModelConfig:
         for f in ("param_dtype", "dtype"):
             if getattr(self, f) not in _DTYPES:
                 raise ValueError(f"ModelConfig.{f}={getattr(self, f)!r}; expected one of {_DTYPES}")
-        if self.remat not in ("none", "full", "dots"):
-            raise ValueError(f"ModelConfig.remat={self.remat!r}; expected none|full|dots")
+        if self.remat not in REMAT_MODES:
+            raise ValueError(f"ModelConfig.remat={self.remat!r}; expected one of {REMAT_MODES}")
+        if self.matmul_precision not in PRECISIONS:
+            raise ValueError(f"ModelConfig.matmul_precision={self.matmul_precision!r}; expected one of {PRECISIONS}")
+        bad = set(self.remat_names) - set(REMAT_NAMES)
+        if bad:
+            raise ValueError(f"ModelConfig.remat_names has unknown names {sorted(bad)}; known: {REMAT_NAMES}")
         if self.moe is not None and self.moe.first_k_dense > self.num_layers:
             raise ValueError(f"moe.first_k_dense={self.moe.first_k_dense} > num_layers={self.num_layers}")
 

@@ -20,10 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from posttrain.model.attention import Source, gqa_combine, gqa_logits, multi_source_attention
 from posttrain.model.config import LoRAConfig, MLAConfig, RopeConfig
 from posttrain.partitioning import with_logical_constraint
+from posttrain.precision import lax_precision
 
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtype, *, init: str = "normal",
@@ -41,9 +43,18 @@ def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtyp
     return nnx.Param(value, logical_axes=tuple(axes))
 
 
-def dot(eq: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
-    """einsum in the compute dtype with float32 accumulation; the result is cast back to `dtype`."""
-    return jnp.einsum(eq, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+# Names of saveable activations (`jax.ad_checkpoint.checkpoint_name`), read by the remat policies of
+# `posttrain.model.transformer`: "dot" every weight-matmul output (in the compute dtype), "qkv" queries/keys/values
+# after RoPE, "attn_out" the attention output before the output projection, "mlp_in" the normed MLP/MoE input.
+CHECKPOINT_NAMES = ("dot", "qkv", "attn_out", "mlp_in")
+
+
+def dot(eq: str, x: jax.Array, w: jax.Array, dtype, precision=None) -> jax.Array:
+    """einsum in the compute dtype with float32 accumulation; the result is cast back to `dtype` and named "dot"
+    (so the "dots" remat policy saves it in the compute dtype, not in float32). precision: a `jax.lax.Precision`
+    or None (the ambient `jax.default_matmul_precision`)."""
+    y = jnp.einsum(eq, x.astype(dtype), w.astype(dtype), precision=precision, preferred_element_type=jnp.float32)
+    return checkpoint_name(y.astype(dtype), "dot")
 
 
 class LoRAParam(nnx.Param):
@@ -193,9 +204,11 @@ class Attention(nnx.Module):
         cos, sin = rope_cos_sin(positions_BxT, *rope_frequencies(self.head_dim, self.rope))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q = with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
+        q, k, v = (checkpoint_name(a, "qkv") for a in (q, k, v))
         entries = {"k": k, "v": v}
         sources = [*extra_sources, Source(entries, mask_BxTxT)]
         o = multi_source_attention(q, sources, self.head_dim ** -0.5, gqa_logits, gqa_combine)
+        o = checkpoint_name(o, "attn_out")
         return project(self, "o_proj", "btnh,nhd->btd", o, self.dtype), entries
 
 
@@ -259,7 +272,7 @@ class MLAttention(nnx.Module):
             k_nope = dot("btr,rnh->btnh", latent, self.k_b_proj[...], dt)
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None, :], k_nope.shape[:3] + (self.P,))], -1)
             v = dot("btr,rnh->btnh", latent, self.v_b_proj[...], dt)
-            qf = jnp.concatenate([q_nope, q_rot], axis=-1)
+            qf, k, v = (checkpoint_name(a, "qkv") for a in (jnp.concatenate([q_nope, q_rot], axis=-1), k, v))
             o = multi_source_attention(qf, [Source({"k": k, "v": v}, mask_BxTxT)], self.scale,
                                        gqa_logits, gqa_combine)
         else:  # absorbed form over compressed entries
@@ -273,43 +286,49 @@ class MLAttention(nnx.Module):
             sources = [*extra_sources, Source(entries, mask_BxTxT)]
             o_lat = multi_source_attention(qc, sources, self.scale, _latent_logits, combine)
             o = dot("btnr,rnh->btnh", o_lat, self.v_b_proj[...], dt)
+        o = checkpoint_name(o, "attn_out")
         return project(self, "o_proj", "btnh,nhd->btd", o, dt), entries
 
 
-def _mm(a, b, dtype):
+def _mm(a, b, dtype, precision=None):
     """2-D matmul in the compute dtype with float32 accumulation, cast back to `dtype`."""
-    return jnp.matmul(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+    return jnp.matmul(a.astype(dtype), b.astype(dtype), precision=precision,
+                      preferred_element_type=jnp.float32).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def swiglu(x_NxD, gate_DxF, up_DxF, down_FxD, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def swiglu(x_NxD, gate_DxF, up_DxF, down_FxD, dtype, precision=None):
     """down(silu(x @ gate) * (x @ up)) over flattened tokens [N, D] -> [N, D] (Shazeer 2020).
 
     The backward is written out as six 2-D matmuls (same math as autodiff, float32 accumulation). Reason: from
     the autodiff form, XLA:CPU fuses the SiLU-gradient elementwise ops into a transposed copy for the weight-
     gradient dots, a strided loop that took ~25% of a SmolLM2 train step; here those ops stay in natural
-    layout. Residuals: x, x @ gate, x @ up (matmul outputs, so the "dots" remat policy saves them).
+    layout. Residuals: x, x @ gate, x @ up (matmul outputs in the compute dtype, named "dot", so the "dots" remat
+    policy saves them). precision: a `jax.lax.Precision` or None, passed explicitly because the backward rule is
+    traced outside the caller's `jax.default_matmul_precision` scope.
     """
-    return _swiglu_fwd(x_NxD, gate_DxF, up_DxF, down_FxD, dtype)[0]
+    return _swiglu_fwd(x_NxD, gate_DxF, up_DxF, down_FxD, dtype, precision)[0]
 
 
-def _swiglu_fwd(x, wg, wu, wd, dtype):
-    g, u = _mm(x, wg, dtype), _mm(x, wu, dtype)
-    return _mm(jax.nn.silu(g) * u, wd, dtype), (x, wg, wu, wd, g, u)
+def _swiglu_fwd(x, wg, wu, wd, dtype, precision):
+    g = checkpoint_name(_mm(x, wg, dtype, precision), "dot")
+    u = checkpoint_name(_mm(x, wu, dtype, precision), "dot")
+    return _mm(jax.nn.silu(g) * u, wd, dtype, precision), (x, wg, wu, wd, g, u)
 
 
-def _swiglu_bwd(dtype, res, dy_NxD):
+def _swiglu_bwd(dtype, precision, res, dy_NxD):
     x, wg, wu, wd, g, u = res
+    mm = functools.partial(_mm, dtype=dtype, precision=precision)
     g32, u32 = g.astype(jnp.float32), u.astype(jnp.float32)
     s = jax.nn.sigmoid(g32)
     h = (g32 * s * u32).astype(dtype)
-    dh = jnp.matmul(dy_NxD.astype(dtype), wd.astype(dtype).T, preferred_element_type=jnp.float32)
+    dh = jnp.matmul(dy_NxD.astype(dtype), wd.astype(dtype).T, precision=precision, preferred_element_type=jnp.float32)
     dg = (dh * u32 * s * (1.0 + g32 * (1.0 - s))).astype(dtype)
     du = (dh * g32 * s).astype(dtype)
     x_t = x.astype(dtype).T
-    dx = _mm(dg, wg.T, dtype).astype(jnp.float32) + _mm(du, wu.T, dtype).astype(jnp.float32)
-    return (dx.astype(x.dtype), _mm(x_t, dg, dtype).astype(wg.dtype), _mm(x_t, du, dtype).astype(wu.dtype),
-            _mm(h.T, dy_NxD, dtype).astype(wd.dtype))
+    dx = mm(dg, wg.T).astype(jnp.float32) + mm(du, wu.T).astype(jnp.float32)
+    return (dx.astype(x.dtype), mm(x_t, dg).astype(wg.dtype), mm(x_t, du).astype(wu.dtype),
+            mm(h.T, dy_NxD).astype(wd.dtype))
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
@@ -319,8 +338,8 @@ class MLP(nnx.Module):
     """Gated MLP: down(silu(x @ gate) * (x @ up)) (Shazeer 2020, SwiGLU)."""
 
     def __init__(self, *, d_model: int, mlp_dim: int, dtype, param_dtype, rngs: nnx.Rngs,
-                 lora: LoRAConfig | None = None):
-        self.dtype = dtype
+                 lora: LoRAConfig | None = None, matmul_precision: str = "default"):
+        self.dtype, self.matmul_precision = dtype, matmul_precision
         self.gate_proj = param(rngs, (d_model, mlp_dim), ("embed", "mlp"), param_dtype, fan_in=d_model)
         self.up_proj = param(rngs, (d_model, mlp_dim), ("embed", "mlp"), param_dtype, fan_in=d_model)
         self.down_proj = param(rngs, (mlp_dim, d_model), ("mlp", "embed"), param_dtype, fan_in=mlp_dim)
@@ -332,7 +351,7 @@ class MLP(nnx.Module):
             # no adapters: the fused SwiGLU with its hand-written backward
             B, T, D = x_BxTxD.shape
             y = swiglu(x_BxTxD.reshape(B * T, D), self.gate_proj[...], self.up_proj[...], self.down_proj[...],
-                       self.dtype)
+                       self.dtype, lax_precision(self.matmul_precision))
             return y.reshape(B, T, D)
         g = project(self, "gate_proj", "btd,df->btf", x_BxTxD, self.dtype)
         u = project(self, "up_proj", "btd,df->btf", x_BxTxD, self.dtype)

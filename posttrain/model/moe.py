@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from posttrain import mesh as mesh_lib
@@ -80,9 +81,12 @@ def expert_ffn(x_MxD, experts_Mxk, weights_Mxk, w_gate_ExDxF, w_up_ExDxF, w_down
     token = order // k
     sizes = jnp.bincount(key, length=El + 1)[:El].astype(jnp.int32)
     xs = x_MxD[token].astype(dtype)
-    g = jax.lax.ragged_dot(xs, w_gate_ExDxF.astype(dtype), sizes, preferred_element_type=jnp.float32)
-    u = jax.lax.ragged_dot(xs, w_up_ExDxF.astype(dtype), sizes, preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(g) * u).astype(dtype)
+    # matmul outputs in the compute dtype, named "dot" for the "dots" remat policy (like `layers.dot`)
+    g = checkpoint_name(jax.lax.ragged_dot(xs, w_gate_ExDxF.astype(dtype), sizes,
+                                           preferred_element_type=jnp.float32).astype(dtype), "dot")
+    u = checkpoint_name(jax.lax.ragged_dot(xs, w_up_ExDxF.astype(dtype), sizes,
+                                           preferred_element_type=jnp.float32).astype(dtype), "dot")
+    h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dtype)
     y = jax.lax.ragged_dot(h, w_down_ExFxD.astype(dtype), sizes, preferred_element_type=jnp.float32)
     w = jnp.where(is_local, weights_Mxk.reshape(-1), 0.0)[order]
     return jnp.zeros((M, x_MxD.shape[-1]), jnp.float32).at[token].add(y * w[:, None])
@@ -142,7 +146,8 @@ def _size(mesh, axes):
 class MoE(nnx.Module):
     """Routed experts (+ optional always-on shared experts). Returns (y_BxTxD, aux dict)."""
 
-    def __init__(self, *, d_model: int, moe: MoEConfig, dtype, param_dtype, rngs: nnx.Rngs, lora=None):
+    def __init__(self, *, d_model: int, moe: MoEConfig, dtype, param_dtype, rngs: nnx.Rngs, lora=None,
+                 matmul_precision: str = "default"):
         D, E, F = d_model, moe.num_experts, moe.expert_mlp_dim
         self.dtype = dtype
         self.k, self.scoring, self.norm_topk_prob = moe.num_experts_per_tok, moe.scoring, moe.norm_topk_prob
@@ -153,7 +158,8 @@ class MoE(nnx.Module):
         self.down_proj = param(rngs, (E, F, D), ("exp", "exp_mlp", "embed"), param_dtype, fan_in=F)
         self.score_bias = ExpertBias(jnp.zeros((E,), jnp.float32), logical_axes=(None,)) if moe.score_bias else None
         self.shared = (MLP(d_model=D, mlp_dim=F * moe.num_shared_experts, dtype=dtype, param_dtype=param_dtype,
-                           rngs=rngs, lora=lora) if moe.num_shared_experts else None)
+                           rngs=rngs, lora=lora, matmul_precision=matmul_precision)
+                       if moe.num_shared_experts else None)
 
     def __call__(self, x_BxTxD, valid_BxT):
         B, T, D = x_BxTxD.shape

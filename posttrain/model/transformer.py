@@ -14,19 +14,51 @@ Layers are stacked on a leading `layers` axis and applied with `jax.lax.scan` (o
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from posttrain.model.config import ModelConfig
 from posttrain.model.attention import Source, cache_len, cache_seq_axis, to_cache_layout
-from posttrain.model.layers import MLP, Attention, MLAttention, RMSNorm, dot, param
+from posttrain.model.layers import CHECKPOINT_NAMES, MLP, Attention, MLAttention, RMSNorm, dot, param
 from posttrain.model.moe import MoE
 from posttrain.partitioning import with_logical_constraint
+from posttrain.precision import DTYPES as _DT
+from posttrain.precision import matmul_scope
 
-_DT = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+def remat_policy(remat: str, names: tuple[str, ...] = ()):
+    """The `jax.checkpoint` policy of a remat mode (see `ModelConfig.remat`); "none" -> no checkpoint at all.
+
+    "dots" saves the activations named "dot" (weight-matmul outputs, already cast to the compute dtype; a
+    policy on raw dot_general outputs would keep float32 accumulators: 2x the memory in bf16). "names" saves
+    `names`; "full" saves nothing inside the block. Raises ValueError on an unknown mode or name.
+    """
+    if set(names) - set(CHECKPOINT_NAMES):
+        raise ValueError(f"unknown remat names {sorted(set(names) - set(CHECKPOINT_NAMES))}; known: {CHECKPOINT_NAMES}")
+    policies = {"dots": lambda: jax.checkpoint_policies.save_only_these_names("dot"),
+                "names": lambda: jax.checkpoint_policies.save_only_these_names(*names),
+                "full": lambda: jax.checkpoint_policies.nothing_saveable}
+    if remat == "none":
+        return None
+    if remat not in policies:
+        raise ValueError(f"remat={remat!r}; expected none|{'|'.join(policies)}")
+    return policies[remat]()
+
+
+def _in_precision_scope(method):
+    """Runs a Transformer entry point under its matmul precision (`posttrain.precision.matmul_scope`)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with matmul_scope(self.matmul_precision):
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 class Block(nnx.Module):
@@ -40,10 +72,11 @@ class Block(nnx.Module):
     def __call__(self, x, positions, mask, extra_sources=(), valid=None):
         h, entries = self.attn(self.input_norm(x), positions, mask, extra_sources)
         x = x + h
+        ffn_in = checkpoint_name(self.post_attn_norm(x), "mlp_in")
         if isinstance(self.ffn, MoE):
-            f, aux = self.ffn(self.post_attn_norm(x), valid)
+            f, aux = self.ffn(ffn_in, valid)
         else:
-            f, aux = self.ffn(self.post_attn_norm(x)), {}
+            f, aux = self.ffn(ffn_in), {}
         x = with_logical_constraint(x + f, ("batch", "length", "embed"))
         return x, entries, aux
 
@@ -105,7 +138,8 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.num_dense, self.num_moe = cfg.num_dense_layers, cfg.num_moe_layers
-        self.tie_embeddings, self.remat = cfg.tie_embeddings, cfg.remat
+        self.tie_embeddings, self.remat, self.remat_names = cfg.tie_embeddings, cfg.remat, tuple(cfg.remat_names)
+        self.matmul_precision = cfg.matmul_precision
         self.dtype, pdt = _DT[cfg.dtype], _DT[cfg.param_dtype]
         D, V = cfg.d_model, cfg.vocab_size
         self.embedding = param(rngs, (V, D), ("vocab", "embed"), pdt, std=0.02)
@@ -120,11 +154,13 @@ class Transformer(nnx.Module):
 
         def make_dense(r):
             mlp_dim = cfg.moe.dense_mlp_dim if cfg.moe is not None else cfg.mlp_dim
-            ffn = MLP(d_model=D, mlp_dim=mlp_dim, dtype=self.dtype, param_dtype=pdt, rngs=r, lora=cfg.lora)
+            ffn = MLP(d_model=D, mlp_dim=mlp_dim, dtype=self.dtype, param_dtype=pdt, rngs=r, lora=cfg.lora,
+                      matmul_precision=cfg.matmul_precision)
             return Block(make_attn(r), ffn, d_model=D, eps=cfg.norm_eps, param_dtype=pdt, rngs=r)
 
         def make_moe(r):
-            ffn = MoE(d_model=D, moe=cfg.moe, dtype=self.dtype, param_dtype=pdt, rngs=r, lora=cfg.lora)
+            ffn = MoE(d_model=D, moe=cfg.moe, dtype=self.dtype, param_dtype=pdt, rngs=r, lora=cfg.lora,
+                      matmul_precision=cfg.matmul_precision)
             return Block(make_attn(r), ffn, d_model=D, eps=cfg.norm_eps, param_dtype=pdt, rngs=r)
 
         self.dense_layers = stack_layers(make_dense, self.num_dense, rngs) if self.num_dense else None
@@ -145,6 +181,7 @@ class Transformer(nnx.Module):
         """The [D, V] output projection (the transposed embedding when tied)."""
         return self.embedding[...].T if self.tie_embeddings else self.lm_head[...]
 
+    @_in_precision_scope
     def logits(self, h_BxTxD) -> jax.Array:
         """float32 logits [..., V] from final hidden states."""
         return dot("...d,dv->...v", h_BxTxD, self.unembedding(), self.dtype).astype(jnp.float32)
@@ -157,11 +194,11 @@ class Transformer(nnx.Module):
             return body(nnx.merge(graphdef, layer_state), carry, extra)
 
         if self.remat != "none":
-            policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if self.remat == "dots" else None
-            step = jax.checkpoint(step, policy=policy, prevent_cse=False)
+            step = jax.checkpoint(step, policy=remat_policy(self.remat, self.remat_names), prevent_cse=False)
         return jax.lax.scan(step, x if carry_extra is None else (x, carry_extra), (state, xs))
 
     # ------------------------------------------------------------------ teacher-forced / prefill
+    @_in_precision_scope
     def hidden_states(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, branch_ids_BxT=None,
                       *, return_entries: bool = False, shared_entries=None):
         """Final-norm hidden states [B, T, D], aux dict (MoE losses summed over layers, expert load per layer),
@@ -194,11 +231,13 @@ class Transformer(nnx.Module):
         h = self.final_norm(x)
         return (h, aux, entries) if return_entries else (h, aux)
 
+    @_in_precision_scope
     def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, branch_ids_BxT=None):
         """float32 logits [B, T, V] and the aux dict."""
         h, aux = self.hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT, branch_ids_BxT)
         return self.logits(h), aux
 
+    @_in_precision_scope
     def prefill(self, prompts_PxLp, lengths_P, *, group: int, max_new: int, shared_len: int = 0):
         """Runs right-padded prompts once; returns (logits [P, V] at each prompt's last token, DecodeCache
         with an empty per-sample suffix of width `max_new` for P * group samples).
@@ -230,6 +269,7 @@ class Transformer(nnx.Module):
         return self.logits(last), cache
 
     # ------------------------------------------------------------------ decoding
+    @_in_precision_scope
     def decode_step(self, tokens_N, cache: DecodeCache):
         """Appends one token per sample; returns (logits [N, V] for the next token, updated cache)."""
         N = tokens_N.shape[0]
