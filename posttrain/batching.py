@@ -140,3 +140,22 @@ def rollout_metrics(samples: Sequence[Sample], rewards, zero_std, group_size: in
     for status in ("timeout", "infra_error", "runtime_error"):
         m[f"env/{status}_rate"] = statuses.count(status) / len(statuses)
     return m
+
+
+def random_batch(seed: int, *, prompts: int, group_size: int, prompt_len: int, completion_len: int,
+                 vocab_size: int, packed: bool = True, row_multiple: int = 1) -> RolloutBatch:
+    """A (numpy) RolloutBatch of random tokens with the real layout, for benchmarks, memory plans and tests:
+    `prompts` prompts of `prompt_len` tokens, each with `group_size` completions of `completion_len` tokens
+    (random sampler logprobs in (-1, 0], rewards 0/1 with p = 0.3). Packed: rows of prompt_len + G x
+    completion_len tokens when prompt_len is a multiple of 16 and G x completion_len of 32."""
+    rng = np.random.default_rng(seed)
+    hi = max(2, vocab_size)
+    samples = []
+    for p in range(prompts):
+        prompt = rng.integers(1, hi, prompt_len).astype(np.int32).tolist()
+        for _ in range(group_size):
+            toks = rng.integers(1, hi, completion_len).astype(np.int32)
+            samples.append(Sample(domain="random", group=p, prompt_ids=prompt,
+                                  segments=[(toks, -rng.random(completion_len).astype(np.float32), True)],
+                                  reward=float(rng.random() < 0.3), status="ok", done=True))
+    return assemble(samples, group_size=group_size, packed=packed, row_multiple=row_multiple)[0]

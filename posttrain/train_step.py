@@ -6,6 +6,13 @@ Per microbatch: decoder hidden states over the rows -> gather the hidden states 
 chunked logprobs `log_softmax(h @ W / T)` at the targets (never materialising [N, C, V] logits) -> `policy_loss`
 with the FULL batch's denominators, so summing microbatch losses and gradients gives exactly the full-batch
 value (invariant 3). Microbatches run under `lax.scan`; then one optax update. The state is donated.
+
+Policy ratio (invariant 1): with one update per batch the ratio's denominator is the trainer's own logprob
+(stop-gradient), so the ratio is exactly 1 in any dtype. With `ppo_epochs` x `minibatches` updates per batch
+(PPO-style reuse, as verl's ppo_epochs / ppo_mini_batch_size and TRL's num_iterations), the trainer first
+computes every slot's logprob under the behaviour (pre-update) weights, once; the first update still uses its
+own logprob (exactly 1), later updates use those old logprobs. Minibatches are contiguous row blocks, visited in
+order each epoch. The sampler's logprobs serve only truncated importance sampling and the logp_diff metrics.
 """
 from __future__ import annotations
 
@@ -33,6 +40,13 @@ class StepOptions(NamedTuple):
     bias_update_rate: float = 0.0
     lora_rank: int = 0
     logprob_chunk: int = 256
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    matmul_precision: str = "default"  # of the logprob matmuls (the model's own dots follow its config)
+
+    @property
+    def updates_per_batch(self) -> int:
+        return self.ppo_epochs * self.minibatches
 
 
 def model_states(params, frozen) -> tuple:
@@ -45,7 +59,8 @@ def merge_model(graphdef, params, frozen):
     return nnx.merge(graphdef, *model_states(params, frozen))
 
 
-def score_logprobs(model, batch: RolloutBatch, temperature: float, chunk: int, with_entropy: bool = False):
+def score_logprobs(model, batch: RolloutBatch, temperature: float, chunk: int, with_entropy: bool = False,
+                   precision: str = "default"):
     """Trainer logprobs (and entropy) of every scored slot: float32 [N, C] (0 on masked slots); plus aux.
 
     Only slots with a policy token are pushed through the unembedding: slots are reordered valid-first and
@@ -62,22 +77,29 @@ def score_logprobs(model, batch: RolloutBatch, temperature: float, chunk: int, w
     h_sel = jnp.take(h.reshape(R * L, D), flat[order], axis=0)
     out = losses_lib.chunked_token_logprobs(h_sel[None], model.unembedding(), batch.targets_NxC.reshape(-1)[order][None],
                                             temperature, chunk_size=chunk, with_entropy=with_entropy,
-                                            valid_BxT=valid[order][None])
+                                            valid_BxT=valid[order][None], precision=precision)
     unsort = lambda x: None if x is None else x[0][inverse].reshape(N, C)
     return losses_lib.LogprobsOut(unsort(out.logp_BxT), unsort(out.entropy_BxT)), aux
 
 
-def _microbatch_loss(params, frozen, ref_model_state, mb: RolloutBatch, den, graphdef, opts: StepOptions):
+def _scores(model, mb: RolloutBatch, opts: StepOptions, with_entropy: bool = False):
+    return score_logprobs(model, mb, opts.temperature, opts.logprob_chunk, with_entropy, opts.matmul_precision)
+
+
+def _microbatch_loss(params, frozen, ref_model_state, mb: RolloutBatch, den, graphdef, opts: StepOptions,
+                     own_old=True):
     model = merge_model(graphdef, params, frozen)
-    out, aux = score_logprobs(model, mb, opts.temperature, opts.logprob_chunk, with_entropy=True)
+    out, aux = _scores(model, mb, opts, with_entropy=True)
     logp_ref = None
     if ref_model_state is not None:
         ref = nnx.merge(graphdef, *ref_model_state)
-        logp_ref = jax.lax.stop_gradient(score_logprobs(ref, mb, opts.temperature, opts.logprob_chunk)[0].logp_BxT)
+        logp_ref = jax.lax.stop_gradient(_scores(ref, mb, opts)[0].logp_BxT)
     mask = mb.loss_mask_NxC & mb.valid_N[:, None]
+    own = jax.lax.stop_gradient(out.logp_BxT)
+    old = own if mb.logp_old_NxC is None else jnp.where(own_old, own, mb.logp_old_NxC)
     loss, metrics = losses_lib.policy_loss(out.logp_BxT, mb.logp_sample_NxC, mb.advantages_N, mask, den, opts.loss,
-                                           logp_ref_BxT=logp_ref, entropy_BxT=out.entropy_BxT)
-    diff = jnp.where(mask, jnp.abs(jax.lax.stop_gradient(out.logp_BxT) - mb.logp_sample_NxC), 0.0)
+                                           logp_old_BxT=old, logp_ref_BxT=logp_ref, entropy_BxT=out.entropy_BxT)
+    diff = jnp.where(mask, jnp.abs(old - mb.logp_sample_NxC), 0.0)  # behaviour policy: trainer vs sampler
     metrics["rollout/logp_diff_mean"] = diff.sum() / jnp.maximum(den.num_tokens, 1.0)
     metrics["rollout/logp_diff_max"] = diff.max()
     if "load_balance_loss" in aux:
@@ -94,7 +116,9 @@ def _split(x, m):
     return with_logical_constraint(y, (None, "batch") + (None,) * (x.ndim - 1))
 
 
-_MAX_METRICS = ("rollout/logp_diff_max",)
+def _combine(key):
+    """How metric `key` combines across microbatches (and updates): sum of shares, or min / max."""
+    return jnp.minimum if key in losses_lib.MIN_METRICS else jnp.maximum if key in losses_lib.MAX_METRICS else jnp.add
 
 
 def reference_state(state: TrainState, opts: StepOptions):
@@ -108,11 +132,12 @@ def reference_state(state: TrainState, opts: StepOptions):
     return state.ref_params, state.frozen["other"]
 
 
-def accumulate_gradients(graphdef, state: TrainState, batch: RolloutBatch, opts: StepOptions):
+def accumulate_gradients(graphdef, state: TrainState, batch: RolloutBatch, opts: StepOptions, own_old=True):
     """Sum over microbatches (lax.scan) of the gradients and metric shares of `_microbatch_loss`.
 
     Returns (grads like state.params, metrics dict). Because every microbatch is normalised by the FULL batch's
-    denominators, the result equals the unsplit batch's gradient (invariant 3).
+    denominators, the result equals the unsplit batch's gradient (invariant 3). own_old (bool, may be traced):
+    the ratio's denominator is the trainer's own logprob even when `batch.logp_old_NxC` is set.
     Raises ValueError when rows or samples do not divide into `opts.num_microbatches`.
     """
     M = opts.num_microbatches
@@ -124,7 +149,7 @@ def accumulate_gradients(graphdef, state: TrainState, batch: RolloutBatch, opts:
     grad_fn = jax.value_and_grad(_microbatch_loss, has_aux=True)
 
     def one(mb):
-        (_, m), g = grad_fn(state.params, state.frozen, ref_state, mb, den, graphdef, opts)
+        (_, m), g = grad_fn(state.params, state.frozen, ref_state, mb, den, graphdef, opts, own_old)
         return g, m
 
     if M == 1:
@@ -134,37 +159,98 @@ def accumulate_gradients(graphdef, state: TrainState, batch: RolloutBatch, opts:
         g, m = one(mb)
         grads, metrics = carry
         grads = jax.tree.map(jnp.add, grads, g)
-        metrics = {k: (jnp.maximum if k in _MAX_METRICS else jnp.add)(metrics[k], m[k]) for k in metrics}
+        metrics = {k: _combine(k)(metrics[k], m[k]) for k in metrics}
         return (grads, metrics), None
 
     mbs = jax.tree.map(lambda x: _split(x, M), batch)
     m_shape = jax.eval_shape(lambda: one(jax.tree.map(lambda x: x[0], mbs))[1])
-    zeros_m = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), m_shape)
+    init = {losses_lib.MIN_METRICS: jnp.inf, losses_lib.MAX_METRICS: -jnp.inf}
+    zeros_m = {k: jnp.full(sd.shape, next((v for ks, v in init.items() if k in ks), 0.0), sd.dtype)
+               for k, sd in m_shape.items()}
     zeros_g = jax.tree.map(jnp.zeros_like, state.params)
     (grads, metrics), _ = jax.lax.scan(body, (zeros_g, zeros_m), mbs)
     return grads, metrics
 
 
+def apply_update(state: TrainState, grads, metrics: dict, tx: optax.GradientTransformation, lr_schedule,
+                 opts: StepOptions):
+    """One optimizer update (+ the aux-free routing-bias update); returns (state, metrics with optim/*, moe/*)."""
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    frozen = state.frozen
+    metrics = dict(metrics)
+    if "moe/expert_load" in metrics:
+        load = metrics.pop("moe/expert_load")
+        metrics["moe/expert_load_max"] = load.max()
+        metrics["moe/expert_load_min"] = load.min()
+        if opts.bias_update_rate:
+            frozen = update_routing_bias(frozen, load, opts.bias_update_rate)
+    metrics["optim/grad_norm"] = optax.global_norm(grads)
+    metrics["optim/lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, frozen=frozen), metrics
+
+
+def behaviour_logprobs(graphdef, state: TrainState, batch: RolloutBatch, opts: StepOptions):
+    """float32 [N, C] trainer logprobs of every scored slot under the current weights (no gradient), computed
+    `minibatches * num_microbatches` rows at a time (the training step's memory bound)."""
+    model = merge_model(graphdef, state.params, state.frozen)
+    parts = opts.minibatches * opts.num_microbatches
+    mbs = jax.tree.map(lambda x: _split(x, parts), batch)
+    logp = jax.lax.map(lambda mb: _scores(model, mb, opts)[0].logp_BxT, mbs)
+    return jax.lax.stop_gradient(logp.reshape(batch.targets_NxC.shape))
+
+
+def ppo_updates(graphdef, state: TrainState, batch: RolloutBatch, tx: optax.GradientTransformation, lr_schedule,
+                opts: StepOptions):
+    """`opts.ppo_epochs` passes over `opts.minibatches` contiguous row blocks of the batch, one optimizer update per
+    block (lax.scan). Returns (state, metrics stacked per update: {name: [U]}), U = ppo_epochs * minibatches.
+
+    Raises ValueError when rows or samples do not divide into minibatches x microbatches.
+    """
+    B, U = opts.minibatches, opts.updates_per_batch
+    R, N = batch.tokens_RxL.shape[0], batch.targets_NxC.shape[0]
+    if R % (B * opts.num_microbatches) or N % (B * opts.num_microbatches):
+        raise ValueError(f"rows {R} and samples {N} must be divisible by minibatches x num_microbatches = "
+                         f"{B} x {opts.num_microbatches}")
+    batch = batch.replace(logp_old_NxC=behaviour_logprobs(graphdef, state, batch, opts))
+    blocks = jax.tree.map(lambda x: _split(x, B), batch)
+
+    def body(st, u):
+        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, u % B, keepdims=False), blocks)
+        grads, metrics = accumulate_gradients(graphdef, st, mb, opts, own_old=u == 0)
+        return apply_update(st, grads, metrics, tx, lr_schedule, opts)
+
+    return jax.lax.scan(body, state, jnp.arange(U))
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, opts: StepOptions):
-    """Returns the pure step function `(state, batch) -> (state, metrics)` (jit it with `jit_train_step`)."""
+    """Returns the pure step function `(state, batch) -> (state, metrics)` (jit it with `jit_train_step`).
+
+    With several updates per batch the metrics are means over the updates (min / max for the min / max metrics)
+    and `optim/lr` is the last update's."""
 
     def step(state: TrainState, batch: RolloutBatch):
-        grads, metrics = accumulate_gradients(graphdef, state, batch, opts)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        frozen = state.frozen
-        if "moe/expert_load" in metrics:
-            load = metrics.pop("moe/expert_load")
-            metrics["moe/expert_load_max"] = load.max()
-            metrics["moe/expert_load_min"] = load.min()
-            if opts.bias_update_rate:
-                frozen = update_routing_bias(frozen, load, opts.bias_update_rate)
-        metrics["optim/grad_norm"] = optax.global_norm(grads)
-        metrics["optim/lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
-        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, frozen=frozen)
-        return new, metrics
+        if opts.updates_per_batch == 1:
+            grads, metrics = accumulate_gradients(graphdef, state, batch, opts)
+            state, metrics = apply_update(state, grads, metrics, tx, lr_schedule, opts)
+        else:
+            state, per_update = ppo_updates(graphdef, state, batch, tx, lr_schedule, opts)
+            metrics = {k: reduce_updates(k, v) for k, v in per_update.items()}
+        for k in losses_lib.MIN_METRICS + losses_lib.MAX_METRICS:  # +-inf: no policy token in the batch (NaN stays)
+            if k in metrics:
+                metrics[k] = jnp.where(jnp.isinf(metrics[k]), 1.0 if "ratio" in k else 0.0, metrics[k])
+        return state, metrics
 
     return step
+
+
+def reduce_updates(key: str, values_U):
+    """One step metric from its per-update values [U]."""
+    if key in losses_lib.MIN_METRICS or key.endswith("_min"):
+        return values_U.min()
+    if key in losses_lib.MAX_METRICS or key.endswith("_max"):
+        return values_U.max()
+    return values_U[-1] if key == "optim/lr" else values_U.mean()
 
 
 def update_routing_bias(frozen, load_LxE, rate: float):

@@ -29,6 +29,8 @@ class RolloutBatch:
     logp_sample_NxC: float32 sampler logprobs, `log_softmax(logits / T)` at each target.
     advantages_N: float32. rewards_N: float32. valid_N: bool (False: excluded, e.g. infra error).
     truncated_N: bool (hit the token limit). group_id_N: int32.
+    logp_old_NxC: float32 trainer logprobs under the behaviour policy, filled in by the train step before the
+    first of several updates on one batch (`rl.ppo_epochs`, `rl.minibatches`); None otherwise.
     """
 
     tokens_RxL: jax.Array
@@ -44,6 +46,7 @@ class RolloutBatch:
     valid_N: jax.Array
     truncated_N: jax.Array
     group_id_N: jax.Array
+    logp_old_NxC: Any = None
 
     @property
     def samples_per_row(self) -> int:

@@ -166,3 +166,51 @@ def test_one_device_equals_eight_fake_devices(tmp_path):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     for preset, d in out.items():
         assert d["grad_diff"] <= 1e-5 and d["loss_diff"] <= 1e-6, (preset, d)
+
+
+def _bf16_state(loss_name, **opts_kw):
+    cfg = get_preset("tiny-dense", dtype="bfloat16", param_dtype="float32")
+    graphdef, model_state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    opts = ts.StepOptions(loss=losses.LossConfig(policy_loss=loss_name, eps_low=3e-4, eps_high=4e-4,
+                                                 aggregation="seq_mean_token_mean"),
+                          temperature=1.0, **opts_kw)
+    opt = optim.make_optimizer("adamw", lr=1e-3, schedule="constant")
+    graphdef, state = ts.create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), opts)
+    return graphdef, state, opts, opt
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("loss_name", ["ppo", "gspo"])
+def test_bf16_step_zero_ratio_is_exactly_one_and_nothing_is_clipped(loss_name, packed):
+    """GSPO's clip range is 3e-4 / 4e-4: any trainer-vs-sampler rounding in the ratio would clip most tokens."""
+    from posttrain.batching import random_batch as layout_batch
+
+    graphdef, state, opts, opt = _bf16_state(loss_name)
+    batch = jax.tree.map(jnp.asarray, layout_batch(0, prompts=2, group_size=4, prompt_len=16, completion_len=8,
+                                                   vocab_size=128, packed=packed))
+    assert batch.samples_per_row == (4 if packed else 1)
+    _, m = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))(state, batch)
+    assert float(m["policy/is_ratio_min"]) == 1.0 == float(m["policy/is_ratio_max"])
+    assert float(m["policy/clipfrac_low"]) == 0.0 == float(m["policy/clipfrac_high"])
+    assert float(m["policy/ppo_kl"]) == 0.0
+    assert float(m["rollout/logp_diff_mean"]) > 0.1  # the random "sampler" logprobs are far from the trainer's
+
+
+def test_ppo_epochs_first_update_ratio_is_one_later_updates_differ():
+    from posttrain.batching import random_batch as layout_batch
+
+    graphdef, state, opts, opt = _bf16_state("ppo", ppo_epochs=2, minibatches=2)
+    opts = opts._replace(loss=losses.LossConfig(eps_low=0.2, eps_high=0.2))
+    batch = jax.tree.map(jnp.asarray, layout_batch(1, prompts=4, group_size=2, prompt_len=16, completion_len=8,
+                                                   vocab_size=128))
+    new_state, per_update = jax.jit(lambda s, b: ts.ppo_updates(graphdef, s, b, opt.tx, opt.lr_schedule, opts))(
+        state, batch)
+    lo, hi = np.asarray(per_update["policy/is_ratio_min"]), np.asarray(per_update["policy/is_ratio_max"])
+    assert lo.shape == (4,) and int(new_state.step) == 4
+    assert lo[0] == 1.0 == hi[0]  # first update: the behaviour policy is the current one, exactly
+    assert np.all((lo[1:] < 1.0) | (hi[1:] > 1.0))  # later updates see moved weights
+    assert np.all(np.asarray(per_update["policy/ppo_kl"])[1:] != 0.0)
+    # the whole step reports the same updates, reduced over them
+    _, m = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))(state, batch)
+    np.testing.assert_allclose(float(m["policy/is_ratio_max"]), hi.max(), rtol=1e-6)
+    np.testing.assert_allclose(float(m["policy/loss"]), np.asarray(per_update["policy/loss"]).mean(), rtol=1e-5)
