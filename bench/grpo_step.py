@@ -1,10 +1,18 @@
-"""Train-step throughput and MFU of the GRPO update on SmolLM2-135M (the quickstart's shapes).
+"""GRPO train-step benchmark for any backend: step time, tokens/s, MFU and per-device peak memory; or, with
+--aot, the same step compiled ahead of time for an H200 / TPU v5p on this machine (no accelerator needed).
 
-MFU = 6 * params * tokens / step_seconds / peak, with `peak` measured in the same run by a jitted 2048^3 matmul
-in the same dtype, and `tokens` the non-padding tokens the step processes (prompt once per group + every
-completion token; packed rows). Prints one JSON object with --json.
+MFU = model FLOPs (`posttrain.flops`: 6 x active non-embedding params x tokens + LM head over scored tokens +
+causal attention of the packed rows) / step seconds / peak, against the bf16 (or compute-dtype) matmul peak
+measured in the same process, and against the chip's published peak where known. `mfu_6nd` is the older figure,
+6 x all params x tokens, for comparison with earlier runs.
 
-  python bench/grpo_step.py --json [--dtype float32] [--lora_rank 0] [--completion_len 24] [--steps 3] [--remat dots]
+  python bench/grpo_step.py --json                                   # SmolLM2-135M at the quickstart's shapes
+  python bench/grpo_step.py --model qwen3-0.6b --dtype bfloat16 --param-dtype float32 \\
+      --rows 16 --row-len 2176 --remat full --json                   # random weights of a preset
+  python bench/grpo_step.py ... --aot h200 --json                    # peak_gib from memory_analysis(), no GPU
+
+Packed rows: each row is one prompt of --prompt-len tokens followed by --group-size completions, so
+--row-len = prompt_len + group_size x completion_len. Prints one JSON line with --json.
 """
 from __future__ import annotations
 
@@ -12,15 +20,44 @@ import argparse
 import json
 import resource
 import statistics
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+PUBLISHED_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12}
 
 
-def matmul_peak(dtype, n: int = 2048, reps: int = 10) -> float:
-    """FLOP/s of a jitted n^3 matmul (float32 accumulation) in `dtype`."""
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="", help="a preset name (random weights), a .gguf / HF dir, or empty for "
+                                                "the default SmolLM2-135M-Instruct GGUF")
+    ap.add_argument("--dtype", default="auto", help="compute dtype: auto|float32|bfloat16 (auto: f32 on CPU)")
+    ap.add_argument("--param-dtype", default="auto", help="master-weight dtype: auto|float32|bfloat16")
+    ap.add_argument("--matmul-precision", default="default", choices=("default", "high", "highest"))
+    ap.add_argument("--rows", type=int, default=0, help="packed rows (0: the quickstart's 8 x 8 x 24 layout)")
+    ap.add_argument("--row-len", type=int, default=0)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--remat", default="dots", choices=("none", "dots", "names", "full"))
+    ap.add_argument("--remat-names", default="attn_out,mlp_in", help="for --remat names")
+    ap.add_argument("--lora_rank", type=int, default=0)
+    ap.add_argument("--microbatches", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--aot", default="", choices=("", "h200", "v5p"), help="compile for this chip; do not run")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if bool(args.rows) != bool(args.row_len):
+        ap.error("--rows and --row-len go together")
+    if args.rows and (args.row_len - args.prompt_len) % args.group_size:
+        ap.error(f"--row-len {args.row_len} - --prompt-len {args.prompt_len} must be a multiple of --group-size "
+                 f"{args.group_size}")
+    return args
+
+
+def matmul_peak(dtype, n: int, reps: int = 10) -> float:
+    """FLOP/s of a jitted n^3 matmul (float32 accumulation) in `dtype`, best of 3 rounds."""
+    import jax
+    import jax.numpy as jnp
+
     a = jnp.ones((n, n), dtype)
     f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     f(a, a).block_until_ready()
@@ -36,6 +73,8 @@ def matmul_peak(dtype, n: int = 2048, reps: int = 10) -> float:
 
 def quickstart_batch(tokenizer, P=8, G=8, completion_len=24, seed=0):
     """A packed batch shaped like a quickstart step: P arithmetic prompts x G completions of `completion_len`."""
+    import numpy as np
+
     from posttrain import batching
     from posttrain.rollout import Sample, chat_prompt
 
@@ -44,7 +83,7 @@ def quickstart_batch(tokenizer, P=8, G=8, completion_len=24, seed=0):
     for p in range(P):
         a, b = rng.integers(10, 100, 2)
         prompt = chat_prompt(tokenizer, f"What is {a} + {b}? Answer with just the number.")
-        for g in range(G):
+        for _ in range(G):
             toks = rng.integers(100, 40000, completion_len).astype(np.int32)
             samples.append(Sample(domain="arithmetic", group=p, prompt_ids=prompt,
                                   segments=[(toks, -rng.random(completion_len).astype(np.float32), True)],
@@ -52,53 +91,173 @@ def quickstart_batch(tokenizer, P=8, G=8, completion_len=24, seed=0):
     return batching.assemble(samples, group_size=G, pad_id=tokenizer.pad_id)[0]
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--lora_rank", type=int, default=0)
-    ap.add_argument("--completion_len", type=int, default=24)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--remat", default="dots", choices=("none", "dots", "full"), help="layer remat (quickstart: dots)")
-    ap.add_argument("--microbatches", type=int, default=1)
-    args = ap.parse_args()
+def model_config(args, backend: str):
+    """(ModelConfig, loaded Pretrained or None) for --model under the precision policy of `backend`."""
+    from posttrain.model.config import LoRAConfig
+    from posttrain.model.presets import PRESETS, get_preset
+    from posttrain.precision import resolve_policy
 
+    policy = resolve_policy(args.dtype, args.param_dtype, args.matmul_precision, backend=backend)
+    fields = dict(dtype=policy.compute_dtype, param_dtype=policy.param_dtype, matmul_precision=policy.matmul_precision,
+                  remat=args.remat, remat_names=tuple(n for n in args.remat_names.split(",") if n),
+                  lora=LoRAConfig(rank=args.lora_rank) if args.lora_rank else None)
+    if args.model in PRESETS:
+        return get_preset(args.model, **fields), None
+    if args.aot:
+        sys.exit(f"error: --aot needs a preset (--model one of {sorted(PRESETS)}), got {args.model!r}")
+    from posttrain.checkpoints import load_pretrained
+
+    pre = load_pretrained(args.model or None, **fields)
+    return pre.config, pre
+
+
+def make_batch(args, cfg, pretrained):
+    from posttrain.batching import random_batch
+
+    if args.rows:
+        batch = random_batch(0, prompts=args.rows, group_size=args.group_size, prompt_len=args.prompt_len,
+                             completion_len=(args.row_len - args.prompt_len) // args.group_size,
+                             vocab_size=cfg.vocab_size)
+        if batch.tokens_RxL.shape != (args.rows, args.row_len):
+            sys.exit(f"error: packed rows came out {batch.tokens_RxL.shape}, not ({args.rows}, {args.row_len}): use a "
+                     "--prompt-len that is a multiple of 16 and a completion region that is a multiple of 32")
+        return batch
+    if pretrained is not None and pretrained.tokenizer is not None:
+        return quickstart_batch(pretrained.tokenizer)
+    return random_batch(0, prompts=8, group_size=8, prompt_len=32, completion_len=24, vocab_size=cfg.vocab_size)
+
+
+def has_cuda_compiler_plugin() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _reexec_in_aot_venv(target: str) -> None:
+    """Runs this command under .venv-aot (made by `VENV=.venv-aot scripts/setup_env.sh aot`) when the current
+    interpreter lacks the CUDA compiler plugin that --aot h200 needs and that venv has it."""
+    import os
+    import pathlib
+
+    if target != "h200" or has_cuda_compiler_plugin():
+        return
+    venv = pathlib.Path(__file__).resolve().parents[1] / ".venv-aot"
+    python = venv / "bin" / "python"
+    if python.exists() and pathlib.Path(sys.prefix).resolve() != venv.resolve():
+        os.execv(str(python), [str(python), str(pathlib.Path(__file__).resolve()), *sys.argv[1:]])
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.aot:
+        import os
+
+        if argv is None:
+            _reexec_in_aot_venv(args.aot)
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from posttrain import flops as flops_lib
     from posttrain import losses, optim
     from posttrain import train_step as ts
-    from posttrain.checkpoints import load_pretrained
-    from posttrain.model.config import LoRAConfig
 
-    lora = LoRAConfig(rank=args.lora_rank) if args.lora_rank else None
-    pre = load_pretrained(dtype=args.dtype, remat=args.remat, lora=lora)
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(pre.state))
-    batch = jax.tree.map(jnp.asarray, quickstart_batch(pre.tokenizer, completion_len=args.completion_len))
-    tokens = int(np.asarray(batch.segment_ids_RxL != 0).sum())
+    backend = {"h200": "gpu", "v5p": "tpu"}.get(args.aot, jax.default_backend())
+    cfg, pre = model_config(args, backend)
+    batch = make_batch(args, cfg, pre)
     opts = ts.StepOptions(loss=losses.LossConfig(), temperature=1.0, lora_rank=args.lora_rank,
-                          num_microbatches=args.microbatches)
-    opt = optim.make_optimizer("adamw", lr=1e-5 if not lora else 1e-4, schedule="constant")
-    graphdef, state = ts.create_train_state(pre.graphdef, pre.state, opt.tx, jax.random.key(0), opts)
-    step = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts), donate_argnums=(0,))
-    t = time.perf_counter()
-    state, m = step(state, batch)
-    jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t
-    times = []
-    for _ in range(args.steps):
+                          num_microbatches=args.microbatches, matmul_precision=cfg.matmul_precision)
+    opt = optim.make_optimizer("adamw", lr=1e-5 if not args.lora_rank else 1e-4, schedule="constant")
+    abstract_model = flops_lib.abstract_model_state(cfg)
+    fl = flops_lib.train_step_flops(cfg, abstract_model, batch, lora=bool(args.lora_rank))
+    out = {"model": args.model or "SmolLM2-135M-Instruct", "dtype": cfg.dtype, "param_dtype": cfg.param_dtype,
+           "matmul_precision": cfg.matmul_precision, "remat": cfg.remat, "lora_rank": args.lora_rank,
+           "microbatches": args.microbatches, "params": fl.total_params, "active_params": fl.active_params,
+           "rows": int(batch.tokens_RxL.shape[0]), "row_len": int(batch.tokens_RxL.shape[1]),
+           "tokens_per_step": fl.tokens, "scored_tokens": fl.scored_tokens, "model_flops_per_step": fl.total}
+    if args.aot:
+        try:
+            out.update(aot_compile(args, cfg, opts, opt, batch, fl))
+        except RuntimeError as e:
+            sys.exit(f"error: {e}")
+    else:
+        if pre is not None:
+            graphdef, model_state = pre.graphdef, pre.state
+        else:
+            from posttrain.model.transformer import Transformer
+
+            graphdef, model_state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+        graphdef, state = ts.create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), opts)
+        step = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts), donate_argnums=(0,))
+        jbatch = jax.tree.map(jnp.asarray, batch)
         t = time.perf_counter()
-        state, m = step(state, batch)
+        state, m = step(state, jbatch)
         jax.block_until_ready(m)
-        times.append(time.perf_counter() - t)
-    step_s = statistics.median(times)
-    peak = matmul_peak(jnp.dtype(args.dtype))
-    flops = 6 * n_params * tokens
-    out = {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "lora_rank": args.lora_rank, "remat": args.remat,
-           "microbatches": args.microbatches,
-           "params": n_params, "tokens_per_step": tokens, "rows": int(batch.tokens_RxL.shape[0]),
-           "row_width": int(batch.tokens_RxL.shape[1]), "step_s": step_s, "steps_s": times,
-           "first_call_s": compile_s, "tokens_per_s": tokens / step_s, "model_flops_per_s": flops / step_s,
-           "peak_flops_per_s": peak, "mfu": flops / step_s / peak,
-           "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
+        first = time.perf_counter() - t
+        times = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            state, m = step(state, jbatch)
+            jax.block_until_ready(m)
+            times.append(time.perf_counter() - t)
+        step_s = statistics.median(times)
+        device = jax.devices()[0]
+        peak = matmul_peak(jnp.dtype(cfg.dtype), 2048 if device.platform == "cpu" else 8192)
+        published = next((v for k, v in PUBLISHED_PEAK_BF16.items() if k in device.device_kind), None)
+        stats = device.memory_stats() or {}
+        rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+        out.update({"device": device.device_kind, "step_s": step_s, "steps_s": times, "first_call_s": first,
+                    "tokens_per_s": fl.tokens / step_s, "model_flops_per_s": fl.total / step_s,
+                    "peak_flops_per_s": peak, "mfu": fl.total / step_s / peak,
+                    "mfu_published_peak": fl.total / step_s / published if published else None,
+                    "mfu_6nd": 6 * fl.total_params * fl.tokens / step_s / peak,
+                    "peak_gib": stats["peak_bytes_in_use"] / 2 ** 30 if "peak_bytes_in_use" in stats else rss_gib,
+                    "peak_rss_gib": rss_gib, "loss": float(m["policy/loss"]),
+                    "finite": bool(np.isfinite(float(m["optim/grad_norm"])))})
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+
+
+def aot_compile(args, cfg, opts, opt, batch, fl) -> dict:
+    """Lowers and compiles the donated, sharded train step for one device of `args.aot`; no weights allocated."""
+    import jax
+    import numpy as np
+
+    from posttrain import aot
+    from posttrain import mesh as mesh_lib
+    from posttrain import train_step as ts
+    from posttrain.model.transformer import Transformer
+    from flax import nnx
+
+    devices = aot.target_devices(args.aot)
+    mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1, "expert": 1}, devices=devices[:1])
+    box = {}
+
+    def init():
+        graphdef, model_state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+        box["graphdef"], state = ts.create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), opts)
+        return state
+
+    with jax.set_mesh(mesh):
+        state = jax.eval_shape(init)
+        state_sh = mesh_lib.state_shardings(state, mesh)
+        batch_sh = jax.tree.map(lambda x: mesh_lib.batch_sharding(mesh, np.ndim(x)), batch)
+        abstract_batch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=s),
+                                      batch, batch_sh)
+        abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_sh)
+        step = ts.make_train_step(box["graphdef"], opt.tx, opt.lr_schedule, opts)
+        lowered = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
+                          donate_argnums=(0,)).lower(abstract_state, abstract_batch)
+        _, report, seconds = aot.compile_with_report(lowered)
+    target = aot.TARGETS[args.aot]
+    return {"aot": args.aot, "device": str(devices[0].device_kind), "compile_s": round(seconds, 1),
+            **report.as_dict(), "hbm_gib": round(target.hbm_bytes / aot.GIB, 1),
+            "fits": report.peak <= 0.9 * target.hbm_bytes,
+            "step_s_at_published_peak": fl.total / target.peak_bf16_flops}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""bench/grpo_step.py end to end on a tiny preset (run mode), its argument checks, the AOT error without the
+compiler plugin, the analytic FLOP count against a hand count, and the XLA buffer report."""
+import importlib.util
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posttrain import aot, flops
+from posttrain.batching import random_batch
+from posttrain.model.presets import get_preset
+
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "grpo_step.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("grpo_step_bench", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_runs_a_preset_and_reports_step_mfu_and_memory(bench, capsys):
+    bench.main(["--model", "tiny-dense", "--rows", "2", "--row-len", "80", "--group-size", "2", "--prompt-len", "16",
+                "--remat", "dots", "--steps", "1", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (out["rows"], out["row_len"], out["tokens_per_step"]) == (2, 80, 160)
+    assert out["finite"] and out["step_s"] > 0 and 0 < out["mfu"] < 1 and out["peak_gib"] > 0
+    assert out["model_flops_per_step"] > 6 * out["active_params"] * out["tokens_per_step"]  # + head + attention
+
+
+def test_bad_arguments_stop_with_one_line(bench):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rows", "4"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rows", "4", "--row-len", "100", "--prompt-len", "16", "--group-size", "8"])
+
+
+def test_aot_without_the_compiler_plugin_names_the_install_command(bench):
+    if bench.has_cuda_compiler_plugin():
+        pytest.skip("the aot extra is installed here")
+    with pytest.raises(RuntimeError, match=r"\.\[aot\]"):
+        aot.target_devices("h200")
+    with pytest.raises(ValueError, match="unknown AOT target"):
+        aot.target_devices("a100")
+
+
+def test_flops_match_a_hand_count():
+    cfg = get_preset("tiny-dense")
+    batch = random_batch(0, prompts=2, group_size=2, prompt_len=16, completion_len=16, vocab_size=cfg.vocab_size)
+    f = flops.train_step_flops(cfg, flops.abstract_model_state(cfg), batch)
+    D, F, N, K, H, V, L = (cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size,
+                           cfg.num_layers)
+    per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F + 2 * D  # q, k, v, o, MLP, two norms
+    active = L * per_layer + D  # + final norm; embedding (and the tied/untied head) excluded
+    assert f.active_params == active
+    tokens = 2 * (16 + 2 * 16)
+    assert f.tokens == tokens and f.scored_tokens == 2 * 2 * 16
+    assert f.matmul == 6 * active * tokens
+    assert f.lm_head == 6 * D * V * 64
+    prompt_pairs = sum(range(1, 17))
+    completion_pairs = sum(16 + j + 1 for j in range(16))
+    assert f.attention == 3 * 2 * 2 * H * N * L * 2 * (prompt_pairs + 2 * completion_pairs)
+
+
+def test_buffer_report_names_the_largest_intermediate():
+    def f(a):
+        return jnp.sort(a @ a.T, axis=1)[:, :2]  # the [1024, 1024] float32 product must exist (4 MiB)
+
+    x = jnp.ones((1024, 64), jnp.float32)
+    _, report, seconds = aot.compile_with_report(jax.jit(f).lower(x))
+    assert report.peak == report.argument + report.output + report.temp - report.alias and seconds > 0
+    assert report.largest and report.largest[0][0] >= 1024 * 1024 * 4 and "1024,1024" in report.largest[0][1]
+    assert all(a[0] >= b[0] for a, b in zip(report.largest, report.largest[1:]))
