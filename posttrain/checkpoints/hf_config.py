@@ -278,6 +278,7 @@ def config_to_hf(cfg: ModelConfig, *, dtype: str | None = None, **extra) -> dict
           "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.norm_eps,
           "max_position_embeddings": cfg.max_position, "tie_word_embeddings": cfg.tie_embeddings,
           "rope_parameters": rope, "hidden_act": "silu", "dtype": dtype or cfg.param_dtype,
+          "torch_dtype": dtype or cfg.param_dtype,  # the key transformers < 4.56 and the engines built on it read
           "attention_dropout": 0.0}
     if mt not in ("qwen2", "mistral", "mixtral"):
         hf["attention_bias"] = False

@@ -90,7 +90,8 @@ def test_dtype_and_shards_are_honoured(tmp_path):
                 assert a.dtype.name == "bfloat16", k
                 total += a.nbytes
     assert total == index["metadata"]["total_size"]
-    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    written = json.loads((out / "config.json").read_text())
+    assert written["dtype"] == written["torch_dtype"] == "bfloat16"  # transformers 5 / older readers
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert model.dtype == torch.bfloat16  # transformers reads the dtype config.json declares
     back = load_hf_dir(out, dtype="float32")  # bf16 weights, f32 math on both sides
