@@ -156,6 +156,9 @@ class TrainConfig:
     workdir: str = "runs/default"
     log_every: int = 1
     max_train_seconds: float = 0.0
+    # a step whose loss or gradient is NaN/inf is skipped (nothing applied); this many in a row stop the run
+    # (after saving a checkpoint) with an error
+    max_nonfinite_skips: int = 3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -187,7 +190,7 @@ _CHOICES = {
 }
 _POSITIVE = {("rl", "group_size"), ("rl", "prompts_per_step"), ("rl", "num_microbatches"), ("rl", "ppo_epochs"),
              ("rl", "minibatches"),
-             ("sampling", "max_new_tokens"), ("train", "steps"), ("eval", "batch_size")}
+             ("sampling", "max_new_tokens"), ("train", "steps"), ("eval", "batch_size"), ("train", "max_nonfinite_skips")}
 
 
 class ConfigError(ValueError):

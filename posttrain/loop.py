@@ -71,7 +71,7 @@ def collect(run: "setup.Run", step: int, sample_fn) -> tuple[list, dict]:
     """Samples this step's groups; with dynamic sampling, redraws zero-variance groups (bounded rounds)."""
     cfg, G, P = run.cfg, run.cfg.rl.group_size, run.cfg.rl.prompts_per_step
     key = jax.random.fold_in(run.state.rng, step)  # invariant 10: a fresh key per step
-    kept, spare, perf, rounds, drawn = [], [], {}, 0, 0
+    kept, spare, perf, rounds, drawn, filtered = [], [], {}, 0, 0, 0
     while len(kept) < P:
         tasks = run.scheduler.next_tasks(step * 1000 + rounds, P - len(kept))
         episodes = [rollout.Episode(run.train_specs[d].id, dict(run.train_specs[d].kwargs), t,
@@ -86,12 +86,14 @@ def collect(run: "setup.Run", step: int, sample_fn) -> tuple[list, dict]:
         for g in groups:
             informative = len({s.reward for s in g if s.status != "infra_error"}) > 1
             (kept if informative or not cfg.rl.dynamic_sampling else spare).append(g)
+            filtered += int(cfg.rl.dynamic_sampling and not informative)
         rounds += 1
         if not cfg.rl.dynamic_sampling or rounds > cfg.rl.max_resample_rounds:
             break
     kept = (kept + spare)[:P]
     perf["rollout/resample_rounds"] = rounds - 1
     perf["rollout/groups_drawn"] = drawn
+    perf["rollout/frac_groups_filtered"] = filtered / max(drawn, 1)  # zero-variance groups set aside (DAPO)
     for gi, g in enumerate(kept):
         for s in g:
             s.group = gi
@@ -108,8 +110,28 @@ def archive(run: "setup.Run", step: int, samples) -> None:
                                 "replies": s.texts}) + "\n")
 
 
+class NonFiniteError(RuntimeError):
+    """Training stopped after `train.max_nonfinite_skips` consecutive steps with a non-finite loss or gradient."""
+
+
+def truncation_warning(cfg: Config) -> str | None:
+    """A warning when training rollouts sample from a truncated distribution (top-p < 1 or top-k > 0): the sampler's
+    logprobs then belong to the truncated distribution and the trainer's to the full softmax, so the behaviour
+    policy is not the one the loss assumes; TIS (`rl.tis_cap`) and the rollout/logp_diff metrics see the gap."""
+    s = cfg.sampling
+    if s.top_p < 1.0 or s.top_k > 0:
+        return (f"sampling.top_p={s.top_p} / top_k={s.top_k} truncate the training rollouts' distribution: the "
+                "trainer's logprobs are of the full softmax, so off-policy drift is built in (consider rl.tis_cap)")
+    return None
+
+
 def train(cfg: Config, *, workdir: str | None = None, progress: bool = True) -> dict:
-    """Runs (or resumes) GRPO training as configured; returns the summary dict (also in summary.json)."""
+    """Runs (or resumes) GRPO training as configured; returns the summary dict (also in summary.json).
+
+    Raises NonFiniteError (after saving a checkpoint) when `train.max_nonfinite_skips` consecutive steps had a
+    non-finite loss or gradient."""
+    if truncation_warning(cfg):
+        metrics_lib.log.warning(truncation_warning(cfg))
     run = setup.build(cfg, workdir)
     cfg, start = run.cfg, int(run.state.step)
     main = distributed.is_main_process()  # process 0 writes metrics, plots, trajectories and the summary
@@ -124,7 +146,7 @@ def train(cfg: Config, *, workdir: str | None = None, progress: bool = True) -> 
             writer.write(0, m)
         summary["eval_start"] = m
     # training wall time: the loop (rollouts, updates, checkpoints) minus in-loop evaluation
-    t_loop, eval_s, step = time.perf_counter(), 0.0, start
+    t_loop, eval_s, step, nonfinite_run = time.perf_counter(), 0.0, start, 0
     for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
         samples, perf = collect(run, step, make_sample_fn(run, sampling))
@@ -144,6 +166,21 @@ def train(cfg: Config, *, workdir: str | None = None, progress: bool = True) -> 
         m.update({"perf/step_s": t2 - t0, "perf/train_s": t2 - t1, "perf/tokens_per_s": tokens / (t2 - t0),
                   "perf/peak_rss_gb": _peak_rss_gb()})
         done = step + 1
+        nonfinite_run = nonfinite_run + 1 if m.get("policy/skipped_nonfinite", 0.0) > 0 else 0
+        if nonfinite_run:
+            metrics_lib.log.warning("step %d: non-finite loss or gradient (loss=%s, grad_norm=%s): update skipped "
+                                    "(%d in a row)", done, m.get("policy/loss"), m.get("optim/grad_norm"), nonfinite_run)
+        if nonfinite_run >= cfg.train.max_nonfinite_skips:
+            if writer:
+                writer.write(done, m)
+                writer.close()
+            run.checkpointer.save(done, run.state, run.checkpoint_meta(), force=True)
+            run.checkpointer.wait()
+            run.checkpointer.close()
+            run.close()
+            raise NonFiniteError(f"stopped at step {done}: {nonfinite_run} consecutive steps had a non-finite loss or "
+                                 f"gradient (nothing was applied; checkpoint saved at step {done} in "
+                                 f"{run.workdir / 'checkpoints'}); lower optim.lr or check the rewards/advantages")
         if cfg.eval.every_steps and done % cfg.eval.every_steps == 0 and done < cfg.train.steps:
             t_eval = time.perf_counter()
             m.update(run_eval(run, done))

@@ -122,14 +122,14 @@ def _combine(key):
 
 
 def reference_state(state: TrainState, opts: StepOptions):
-    """(params, rest) of the frozen reference model when the loss needs one (beta > 0), else None."""
+    """The nnx states of the frozen reference model (the initial policy, exactly) when the loss needs one
+    (beta > 0), else None. Under LoRA the reference is the frozen base plus the INITIAL adapters (non-zero when
+    training starts from an SFT adapter), kept in `ref_params`; without LoRA, a copy of the initial Params."""
     if opts.loss.beta <= 0:
         return None
-    if state.frozen["base"] is not None:  # LoRA: zero adapters give exactly the frozen base model
-        return model_states(jax.tree.map(jnp.zeros_like, state.params), state.frozen)
     if state.ref_params is None:
         raise ValueError("rl.beta > 0 needs a reference model: create the state with need_reference=True")
-    return state.ref_params, state.frozen["other"]
+    return model_states(state.ref_params, state.frozen)
 
 
 def accumulate_gradients(graphdef, state: TrainState, batch: RolloutBatch, opts: StepOptions, own_old=True):
@@ -174,7 +174,13 @@ def accumulate_gradients(graphdef, state: TrainState, batch: RolloutBatch, opts:
 
 def apply_update(state: TrainState, grads, metrics: dict, tx: optax.GradientTransformation, lr_schedule,
                  opts: StepOptions):
-    """One optimizer update (+ the aux-free routing-bias update); returns (state, metrics with optim/*, moe/*)."""
+    """One optimizer update (+ the aux-free routing-bias update); returns (state, metrics with optim/*, moe/*).
+
+    A non-finite loss or gradient norm is never applied: parameters, optimizer state and routing biases stay as
+    they were, the step counter still advances, and `policy/skipped_nonfinite` is 1 (the loop logs it and stops
+    after `train.max_nonfinite_skips` consecutive skips)."""
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["policy/loss"])
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     frozen = state.frozen
@@ -185,9 +191,12 @@ def apply_update(state: TrainState, grads, metrics: dict, tx: optax.GradientTran
         metrics["moe/expert_load_min"] = load.min()
         if opts.bias_update_rate:
             frozen = update_routing_bias(frozen, load, opts.bias_update_rate)
-    metrics["optim/grad_norm"] = optax.global_norm(grads)
+    metrics["optim/grad_norm"] = grad_norm
     metrics["optim/lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, frozen=frozen), metrics
+    metrics["policy/skipped_nonfinite"] = (~finite).astype(jnp.float32)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    return state.replace(step=state.step + 1, params=keep(params, state.params),
+                         opt_state=keep(opt_state, state.opt_state), frozen=keep(frozen, state.frozen)), metrics
 
 
 def behaviour_logprobs(graphdef, state: TrainState, batch: RolloutBatch, opts: StepOptions):
@@ -277,8 +286,8 @@ def create_train_state(graphdef, model_state, tx: optax.GradientTransformation, 
     """Splits a model state into trainable params / frozen state and initialises the optimizer.
 
     With `opts.lora_rank`, the trainable params are the model's `LoRAParam` adapters and every base `nnx.Param` is
-    frozen (and, with zero adapters, is the reference model); otherwise all Params train and, when
-    `need_reference`, a copy of the initial Params is kept as `ref_params`.
+    frozen; otherwise all Params train. When `need_reference`, a copy of the initial trainable params (the
+    adapters under LoRA: small) is kept as `ref_params`, so the reference is the initial policy exactly.
     Returns (graphdef for `merge_model`, TrainState). Raises ValueError for LoRA on a model without adapters.
     """
     model = nnx.merge(graphdef, *(model_state if isinstance(model_state, tuple) else (model_state,)))
@@ -291,8 +300,8 @@ def create_train_state(graphdef, model_state, tx: optax.GradientTransformation, 
     else:
         graphdef, trainable, other = nnx.split(model, nnx.Param, ...)
         frozen = {"base": None, "other": other}
-        if need_reference:
-            ref = jax.tree.map(jnp.copy, trainable)
+    if need_reference:
+        ref = jax.tree.map(jnp.copy, trainable)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=trainable, opt_state=tx.init(trainable),
                        frozen=frozen, ref_params=ref, rng=rng)
     return graphdef, state

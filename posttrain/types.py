@@ -58,8 +58,8 @@ class TrainState:
     """Everything a step reads and writes; checkpointed as one pytree.
 
     params: trainable nnx State (all Params, or only LoRA adapters). frozen: non-trainable nnx State (MoE
-    routing biases; the frozen base Params under LoRA). ref_params: the initial policy's Params when a KL
-    term needs a reference model and no frozen base already provides it, else None.
+    routing biases; the frozen base Params under LoRA). ref_params: the initial trainable params (all Params,
+    or the initial LoRA adapters) when a KL term needs the reference model (the initial policy), else None.
     step: int32 scalar, completed optimizer updates. rng: the run's PRNG key (sampling keys are derived
     from it by step, never reused).
     """

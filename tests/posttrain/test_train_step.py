@@ -14,6 +14,7 @@ from flax import nnx
 from posttrain import losses, optim
 from posttrain import train_step as ts
 from posttrain.model.config import LoRAConfig
+from posttrain.model.layers import LoRAParam
 from posttrain.model.presets import get_preset
 from posttrain.model.transformer import Transformer
 from posttrain.types import RolloutBatch
@@ -108,7 +109,48 @@ def test_lora_keeps_base_frozen_and_starts_at_the_base_model():
         np.testing.assert_array_equal(a, b)
     lora_b = [v for p, v in nnx.to_flat_state(state.params) if p[-1].endswith("_lora_b")]
     assert any(float(jnp.abs(v.get_value()).max()) > 0 for v in lora_b)
-    assert state.ref_params is None  # the base doubles as the reference: no second copy
+    # the reference keeps only the initial adapters (the base is shared, never copied)
+    assert len(jax.tree.leaves(state.ref_params)) == len(jax.tree.leaves(state.params))
+    assert all(not np.asarray(v).any() for p, v in nnx.to_flat_state(state.ref_params) if p[-1].endswith("_lora_b"))
+
+
+def test_lora_reference_is_the_initial_adapter_not_the_base():
+    """Starting GRPO from a trained (non-zero) adapter: the KL reference is that policy, so KL is 0 at step 0."""
+    cfg = get_preset("tiny-dense", lora=LoRAConfig(rank=4, targets=("q_proj", "v_proj", "gate_proj")))
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    for path, v in nnx.to_flat_state(nnx.state(model, LoRAParam)):
+        if path[-1].endswith("_lora_b"):  # an "SFT adapter"
+            v.set_value(jnp.asarray(rng.normal(0, 0.3, v.get_value().shape), v.get_value().dtype))
+    graphdef, model_state = nnx.split(model)
+    opts = ts.StepOptions(loss=losses.LossConfig(beta=0.1), temperature=1.0, lora_rank=4)
+    opt = optim.make_optimizer("adamw", lr=1e-3, schedule="constant")
+    graphdef, state = ts.create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), opts,
+                                            need_reference=True)
+    batch = random_batch()
+    _, m = grads_and_metrics(graphdef, state, batch, opts)
+    assert abs(float(m["policy/kl_ref"])) < 1e-7
+    zeroed = jax.tree.map(jnp.zeros_like, state.params)  # what the reference was before: the bare base model
+    policy = ts.score_logprobs(ts.merge_model(graphdef, state.params, state.frozen), batch, 1.0, 64)[0].logp_BxT
+    base = ts.score_logprobs(ts.merge_model(graphdef, zeroed, state.frozen), batch, 1.0, 64)[0].logp_BxT
+    assert float(jnp.abs(policy - base).max()) > 1e-2  # so a base-model reference would have shown KL > 0
+
+
+def test_nonfinite_loss_or_gradient_is_never_applied():
+    graphdef, state, opts, opt = make_state()
+    step = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    bad = random_batch()
+    bad = bad.replace(advantages_N=bad.advantages_N.at[0].set(jnp.nan))
+    state, m = step(state, bad)
+    assert float(m["policy/skipped_nonfinite"]) == 1.0 and not np.isfinite(float(m["policy/loss"]))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves((state.params, state.opt_state))):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    assert int(state.step) == 1
+    state, m = step(state, random_batch())
+    assert float(m["policy/skipped_nonfinite"]) == 0.0
+    assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before[0]),
+                                                                     jax.tree.leaves(state.params)))
 
 
 def test_aux_free_bias_moves_against_load():
