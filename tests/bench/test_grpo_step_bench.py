@@ -3,11 +3,9 @@ compiler plugin, the analytic FLOP count against a hand count, and the XLA buffe
 import importlib.util
 import json
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from posttrain import aot, flops

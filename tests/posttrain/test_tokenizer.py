@@ -5,8 +5,9 @@ import json
 import jinja2
 import numpy as np
 import pytest
+from helpers import smollm2_path
 
-from posttrain.checkpoints.gguf import default_model_path, read_gguf_metadata
+from posttrain.checkpoints.gguf import read_gguf_metadata
 from posttrain.tokenizer import Tokenizer, completion_lengths, mask_from_lengths
 
 transformers = pytest.importorskip("transformers")
@@ -35,12 +36,12 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def ours():
-    return Tokenizer.from_gguf_metadata(read_gguf_metadata(default_model_path()))
+    return Tokenizer.from_gguf_metadata(read_gguf_metadata(smollm2_path()))
 
 
 @pytest.fixture(scope="module")
 def theirs():
-    path = default_model_path()
+    path = smollm2_path()
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
@@ -145,7 +146,7 @@ def test_hf_dir_config_variants(ours, theirs, tmp_path):
 
 
 def test_gguf_metadata_errors():
-    metadata = read_gguf_metadata(default_model_path())
+    metadata = read_gguf_metadata(smollm2_path())
     with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 'llama'"):
         Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.model": "llama"})
     with pytest.raises(ValueError, match="unsupported GGUF pre-tokenizer 'mystery'"):

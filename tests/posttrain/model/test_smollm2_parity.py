@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import smollm2_path
 from flax import nnx
 
 from posttrain.checkpoints import load_pretrained
-from posttrain.checkpoints.gguf import default_model_path
+
 from posttrain.sampler import SamplingParams, pad_prompts, sample
 
 torch = pytest.importorskip("torch")
@@ -24,12 +25,12 @@ QUESTIONS = ["What is 12 + 35?", "Write a haiku about the sea.", "Name three pri
 
 @pytest.fixture(scope="module")
 def ours():
-    return load_pretrained()
+    return load_pretrained(smollm2_path())
 
 
 @pytest.fixture(scope="module")
 def theirs():
-    path = default_model_path()
+    path = smollm2_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                               dtype=torch.float32)
     return model.eval()
