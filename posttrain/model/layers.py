@@ -8,7 +8,8 @@ Every parameter is an `nnx.Param` whose `logical_axes` metadata names its dimens
 maps those names to mesh axes. Layers receive the few fields they need, never a config object.
 
 Both attentions run on the multi-source core of `posttrain.model.attention` (prompt prefix shared by a group of
-samples + per-sample cache + own tokens, one softmax).
+samples + per-sample cache + own tokens, one softmax) when given a [B, T, S] mask, and on the blockwise
+self-attention of `posttrain.model.flash` when given the row's ids (`flash.RowIds`: long training/prefill rows).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from posttrain.model.attention import Source, gqa_combine, gqa_logits, multi_source_attention
+from posttrain.model.attention import Source, multi_source_attention
+from posttrain.model.flash import attend
 from posttrain.model.config import LoRAConfig, MLAConfig, RopeConfig
 from posttrain.partitioning import with_logical_constraint
 from posttrain.precision import lax_precision
@@ -175,9 +177,9 @@ class Attention(nnx.Module):
 
     def __init__(self, *, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: RopeConfig,
                  qk_norm: bool, bias: bool, norm_eps: float, dtype, param_dtype, rngs: nnx.Rngs,
-                 lora: LoRAConfig | None = None):
+                 lora: LoRAConfig | None = None, matmul_precision: str = "default"):
         D, N, K, H = d_model, num_heads, num_kv_heads, head_dim
-        self.dtype, self.head_dim, self.rope = dtype, H, rope
+        self.dtype, self.head_dim, self.rope, self.matmul_precision = dtype, H, rope, matmul_precision
         self.q_proj = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), param_dtype, fan_in=D)
         self.k_proj = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype, fan_in=D)
         self.v_proj = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype, fan_in=D)
@@ -192,8 +194,9 @@ class Attention(nnx.Module):
         add_adapters(self, lora, {"q_proj": (D, N * H), "k_proj": (D, K * H), "v_proj": (D, K * H),
                                   "o_proj": (N * H, D)}, rngs, param_dtype)
 
-    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxT, extra_sources: Sequence[Source] = ()):
-        """Returns (y [B, T, D], entries {"k","v"} of these T tokens). Self-attention uses mask_BxTxT."""
+    def __call__(self, x_BxTxD, positions_BxT, mask, extra_sources: Sequence[Source] = ()):
+        """Returns (y [B, T, D], entries {"k","v"} of these T tokens). Self-attention uses `mask`: bool [B, T, T]
+        (dense, with any extra sources) or `flash.RowIds` (blockwise, no extra sources)."""
         q = project(self, "q_proj", "btd,dnh->btnh", x_BxTxD, self.dtype)
         k = project(self, "k_proj", "btd,dkh->btkh", x_BxTxD, self.dtype)
         v = project(self, "v_proj", "btd,dkh->btkh", x_BxTxD, self.dtype)
@@ -206,8 +209,7 @@ class Attention(nnx.Module):
         q = with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
         q, k, v = (checkpoint_name(a, "qkv") for a in (q, k, v))
         entries = {"k": k, "v": v}
-        sources = [*extra_sources, Source(entries, mask_BxTxT)]
-        o = multi_source_attention(q, sources, self.head_dim ** -0.5, gqa_logits, gqa_combine)
+        o = attend(q, entries, mask, self.head_dim ** -0.5, lax_precision(self.matmul_precision), extra_sources)
         o = checkpoint_name(o, "attn_out")
         return project(self, "o_proj", "btnh,nhd->btd", o, self.dtype), entries
 
@@ -226,9 +228,10 @@ class MLAttention(nnx.Module):
     """
 
     def __init__(self, *, d_model: int, num_heads: int, mla: MLAConfig, rope: RopeConfig, norm_eps: float,
-                 dtype, param_dtype, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
+                 dtype, param_dtype, rngs: nnx.Rngs, lora: LoRAConfig | None = None,
+                 matmul_precision: str = "default"):
         D, N, R, P = d_model, num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim
-        self.dtype, self.N, self.R, self.P = dtype, N, R, P
+        self.dtype, self.N, self.R, self.P, self.matmul_precision = dtype, N, R, P, matmul_precision
         self.nope, self.vdim = mla.qk_nope_head_dim, mla.v_head_dim
         qk = self.nope + P
         self.rope = rope
@@ -254,7 +257,8 @@ class MLAttention(nnx.Module):
         add_adapters(self, lora, {**q_shapes, "kv_a_proj": (D, R + P), "o_proj": (N * self.vdim, D)}, rngs,
                      param_dtype)
 
-    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxT, extra_sources: Sequence[Source] = ()):
+    def __call__(self, x_BxTxD, positions_BxT, mask, extra_sources: Sequence[Source] = ()):
+        """Returns (y [B, T, D], entries {"kv"}); `mask` as in `Attention.__call__`."""
         dt = self.dtype
         if self.q_lora:
             q = project(self, "q_b_proj", "btq,qnh->btnh",
@@ -273,8 +277,7 @@ class MLAttention(nnx.Module):
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None, :], k_nope.shape[:3] + (self.P,))], -1)
             v = dot("btr,rnh->btnh", latent, self.v_b_proj[...], dt)
             qf, k, v = (checkpoint_name(a, "qkv") for a in (jnp.concatenate([q_nope, q_rot], axis=-1), k, v))
-            o = multi_source_attention(qf, [Source({"k": k, "v": v}, mask_BxTxT)], self.scale,
-                                       gqa_logits, gqa_combine)
+            o = attend(qf, {"k": k, "v": v}, mask, self.scale, lax_precision(self.matmul_precision))
         else:  # absorbed form over compressed entries
             q_lat = dot("btnh,rnh->btnr", q_nope, self.k_b_proj[...], dt)
             qc = jnp.concatenate([q_lat, q_rot], axis=-1)
@@ -283,7 +286,7 @@ class MLAttention(nnx.Module):
             def combine(p, kv):
                 return jnp.einsum("btns,bsr->btnr", p, kv["kv"][..., :R], preferred_element_type=jnp.float32)
 
-            sources = [*extra_sources, Source(entries, mask_BxTxT)]
+            sources = [*extra_sources, Source(entries, mask)]
             o_lat = multi_source_attention(qc, sources, self.scale, _latent_logits, combine)
             o = dot("btnr,rnh->btnh", o_lat, self.v_b_proj[...], dt)
         o = checkpoint_name(o, "attn_out")

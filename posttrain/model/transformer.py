@@ -24,6 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from posttrain.model.config import ModelConfig
 from posttrain.model.attention import Source, cache_len, cache_seq_axis, to_cache_layout
+from posttrain.model.flash import self_mask
 from posttrain.model.layers import CHECKPOINT_NAMES, MLP, Attention, MLAttention, RMSNorm, dot, param
 from posttrain.model.moe import MoE
 from posttrain.partitioning import with_logical_constraint
@@ -96,12 +97,9 @@ def stack_layers(make_block, num: int, rngs: nnx.Rngs) -> nnx.Module:
 
 
 def attention_mask(segment_ids_BxT: jax.Array, branch_ids_BxT: jax.Array) -> jax.Array:
-    """bool [B, T, T]: causal, same non-zero segment, and key in the shared prefix (branch 0) or own branch."""
-    T = segment_ids_BxT.shape[1]
-    idx = jnp.arange(T)
-    seg_q, seg_k = segment_ids_BxT[:, :, None], segment_ids_BxT[:, None, :]
-    br_q, br_k = branch_ids_BxT[:, :, None], branch_ids_BxT[:, None, :]
-    return (idx[:, None] >= idx[None, :]) & (seg_q == seg_k) & (seg_k != 0) & ((br_k == 0) | (br_k == br_q))
+    """bool [B, T, T]: causal, same non-zero segment, and key in the shared prefix (branch 0) or own branch
+    (`flash.block_mask` over the whole row; the blockwise path evaluates the same rule per block)."""
+    return self_mask(segment_ids_BxT, branch_ids_BxT, blockwise=False)
 
 
 class DecodeCache(NamedTuple):
@@ -147,10 +145,12 @@ class Transformer(nnx.Module):
         def make_attn(r):
             if cfg.mla is not None:
                 return MLAttention(d_model=D, num_heads=cfg.num_heads, mla=cfg.mla, rope=cfg.rope,
-                                   norm_eps=cfg.norm_eps, dtype=self.dtype, param_dtype=pdt, rngs=r, lora=cfg.lora)
+                                         norm_eps=cfg.norm_eps, dtype=self.dtype, param_dtype=pdt, rngs=r, lora=cfg.lora,
+                                   matmul_precision=cfg.matmul_precision)
             return Attention(d_model=D, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                              head_dim=cfg.head_dim, rope=cfg.rope, qk_norm=cfg.qk_norm, bias=cfg.attention_bias,
-                             norm_eps=cfg.norm_eps, dtype=self.dtype, param_dtype=pdt, rngs=r, lora=cfg.lora)
+                             norm_eps=cfg.norm_eps, dtype=self.dtype, param_dtype=pdt, rngs=r, lora=cfg.lora,
+                             matmul_precision=cfg.matmul_precision)
 
         def make_dense(r):
             mlp_dim = cfg.moe.dense_mlp_dim if cfg.moe is not None else cfg.mlp_dim
@@ -200,10 +200,12 @@ class Transformer(nnx.Module):
     # ------------------------------------------------------------------ teacher-forced / prefill
     @_in_precision_scope
     def hidden_states(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, branch_ids_BxT=None,
-                      *, return_entries: bool = False, shared_entries=None):
+                      *, return_entries: bool = False, shared_entries=None, blockwise: bool | None = None):
         """Final-norm hidden states [B, T, D], aux dict (MoE losses summed over layers, expert load per layer),
         and (if asked) the per-stack attention entries [L, B, T, ...]. `shared_entries` ({stack: [L, 1, ...]},
-        cache layout): entries of C earlier tokens that every row continues (positions must then start at C)."""
+        cache layout): entries of C earlier tokens that every row continues (positions must then start at C).
+        blockwise: self-attention path, True blockwise (`flash.blockwise_attention`: never a [T, T] score or mask
+        tensor), False dense, None by shape (`flash.BLOCKWISE_MIN_LEN`); with `shared_entries` always dense."""
         B, T = tokens_BxT.shape
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -211,7 +213,7 @@ class Transformer(nnx.Module):
             segment_ids_BxT = jnp.ones((B, T), jnp.int32)
         if branch_ids_BxT is None:
             branch_ids_BxT = jnp.zeros((B, T), jnp.int32)
-        mask = attention_mask(segment_ids_BxT, branch_ids_BxT)
+        mask = self_mask(segment_ids_BxT, branch_ids_BxT, False if shared_entries is not None else blockwise)
         valid = segment_ids_BxT != 0
         x = self.embed(tokens_BxT)
         entries, auxes = {}, []
