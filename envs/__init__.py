@@ -14,6 +14,7 @@ ENTRY_POINTS = {
     "posttrain/GSM8K-v0": "envs.math:GSM8KEnv",
     "posttrain/HumanEval-v0": "envs.code:HumanEvalEnv",
     "posttrain/PythonTool-v0": "envs.tool:PythonToolEnv",
+    "posttrain/ReasoningGym-v0": "envs.reasoning_gym:ReasoningGymEnv",
     "posttrain/Terminal-v0": "envs.terminal:TerminalEnv",
 }
 

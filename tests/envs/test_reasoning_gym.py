@@ -1,0 +1,114 @@
+"""ReasoningGym-v0: extraction after the reasoning block, the dataset's own scorer, splits, levels, errors."""
+import subprocess
+import sys
+
+import gymnasium
+import pytest
+
+import envs  # noqa: F401
+from envs import reasoning_gym as rgenv
+
+
+def make(dataset="chain_sum", **kw):
+    return rgenv.ReasoningGymEnv(dataset=dataset, size=kw.pop("size", 16), num_test=kw.pop("num_test", 8), **kw)
+
+
+def test_gymnasium_make_and_episode_scores_reference_one():
+    env = gymnasium.make(rgenv.ENV_ID, dataset="chain_sum", size=16, num_test=4).unwrapped
+    obs, info = env.reset(seed=3)
+    assert "<answer>" in obs and obs.startswith(env.task["question"])
+    gold = env.task["answer"]
+    _, reward, terminated, truncated, info = env.step(f"<think>maybe <answer>-1</answer></think>\n<answer>{gold}</answer>")
+    assert (reward, terminated, truncated, info["status"], info["extracted"]) == (1.0, True, False, "ok", gold)
+
+
+def test_answer_inside_think_block_is_not_read():
+    env = make()
+    env.reset(options={"task": env.task_source.get_task(0)})
+    gold = env.task["answer"]
+    _, reward, _, _, info = env.step(f"<think><answer>{gold}</answer></think> I give up.")
+    assert reward < 1.0 and info["extracted"] is None and "no <answer>" in info["reason"]
+
+
+def test_multiline_answer_survives_extraction():
+    env = make("rotate_matrix")
+    task = env.task_source.get_task(0)
+    assert "\n" in task["answer"]
+    reward, info = env.score(task, f"<answer>\n{task['answer']}\n</answer>")
+    assert reward == 1.0 and info["extracted"] == task["answer"]
+
+
+def test_partial_credit_is_kept_in_reward_and_info():
+    env = make("gcd")  # the library's default scorer: len(gold) / len(answer) when the answer contains gold
+    task = env.task_source.get_task(0)
+    reward, info = env.score(task, f"<answer>{task['answer']} extra words</answer>")
+    assert 0.0 < reward < 1.0 and info["score"] == reward and info["status"] == "wrong"
+
+
+def test_scorer_exception_scores_zero_with_reason():
+    env = make("prime_factorization")
+    task = env.task_source.get_task(0)
+    reward, info = env.score(task, "<answer>not a number</answer>")
+    assert reward == 0.0 and info["reason"].startswith("scorer error")
+
+
+def test_splits_differ_and_are_deterministic():
+    train, test = make(split="train"), make(split="test")
+    a = [train.task_source.get_task(i)["question"] for i in range(8)]
+    assert a == [make(split="train").task_source.get_task(i)["question"] for i in range(8)]
+    assert a != [test.task_source.get_task(i)["question"] for i in range(8)]
+    assert test.task_source.num_tasks == 8 and train.task_source.num_tasks == 16
+
+
+def test_level_uses_library_curriculum():
+    easy = make("chain_sum", level=0).task_source.dataset.config
+    hard = make("chain_sum", level=rgenv.max_level("chain_sum")).task_source.dataset.config
+    assert (easy.max_terms, easy.max_digits) < (hard.max_terms, hard.max_digits)
+
+
+def test_config_as_json_string_or_mapping():
+    a = make(config='{"min_terms": 2, "max_terms": 2}').task_source.dataset.config
+    b = make(config={"min_terms": 2, "max_terms": 2}).task_source.dataset.config
+    assert a.max_terms == b.max_terms == 2
+
+
+def test_composite_default_config_builds():
+    env = make("composite")
+    assert env.golden_check().status == "verified"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"dataset": "chain_summ"}, r"unknown dataset 'chain_summ'; did you mean \['chain_sum'"),
+    ({"dataset": None}, r"kwarg 'dataset' is required"),
+    ({"config": {"bogus": 1}}, r"unknown config key\(s\) \['bogus'\]"),
+    ({"config": {"seed": 1}}, r"config key 'seed' is set by the env kwarg"),
+    ({"config": "{not json"}, r"config is not valid JSON"),
+    ({"config": {"min_terms": 5, "max_terms": 2}}, r"chain_sum: invalid config"),
+    ({"level": 99}, r"level must be an int in \[0, "),
+    ({"split": "dev"}, r"split must be 'train' or 'test'"),
+    ({"size": 0}, r"size must be an int >= 1"),
+])
+def test_bad_arguments_raise_one_clear_error(kwargs, match):
+    kwargs = {"dataset": "chain_sum", "size": 4, "num_test": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        rgenv.ReasoningGymEnv(**kwargs)
+
+
+def test_unverified_dataset_refused_unless_allowed():
+    with pytest.raises(RuntimeError, match="unverified.*allow_unverified=True"):
+        make("rush_hour")
+    env = make("rush_hour", allow_unverified=True)
+    assert env.golden_check().status == "unverified"
+
+
+def test_failed_golden_check_raises():
+    with pytest.raises(RuntimeError, match="puzzle24.*failed"):
+        make("puzzle24")
+
+
+def test_env_module_never_imports_jax():
+    code = ("import sys, envs.reasoning_gym as r, envs.domains as d; r.ReasoningGymEnv(dataset='chain_sum', size=4);"
+            "d.select('reasoning_gym/chain_sum'); print('jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-500:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
