@@ -6,6 +6,7 @@
   posttrain convert --model=PATH.gguf|HF_DIR --out=HF_DIR [--dtype=bfloat16] [--max_shard_mb=4096]
   posttrain convert --config=configs/X.py --checkpoint=DIR --out=HF_DIR  (a run's latest policy, LoRA merged)
                     [--peft_out=DIR]  (LoRA runs: also the unmerged adapter in PEFT format)
+  posttrain domains [--pattern='reasoning_gym/*']  (registered domains: golden-check status + a sample task)
 Multi-host: start one process per host with --distributed (launch/ has TPU-pod and SLURM scripts).
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import os
 import sys
 
-COMMANDS = ("train", "eval", "sample", "convert")
+COMMANDS = ("train", "eval", "sample", "convert", "domains")
 
 
 def _flags():
@@ -35,6 +36,7 @@ def _flags():
         flags.DEFINE_string("peft_out", None, "convert --checkpoint of a LoRA run: also write the adapter "
                             "(adapter_config.json + adapter_model.safetensors) here")
         flags.DEFINE_integer("max_new_tokens", 64, "sample: tokens to generate")
+        flags.DEFINE_string("pattern", "reasoning_gym/*", "domains: domain names or patterns, comma-separated")
         flags.DEFINE_float("temperature", 0.0, "sample: 0 = greedy")
         flags.DEFINE_bool("progress", True, "train: show a progress bar")
         flags.DEFINE_bool("distributed", False, "multi-host: call jax.distributed.initialize() first "
@@ -148,6 +150,18 @@ def cmd_convert(f) -> int:
     return 0
 
 
+def cmd_domains(f) -> int:
+    """Prints every registered domain matching --pattern with its golden-check status (`envs.domains`)."""
+    from envs import domains
+
+    try:
+        checks = domains.summary(f.pattern)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(domains.format_listing(checks))
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] not in COMMANDS:
@@ -164,7 +178,8 @@ def main(argv=None) -> int:
 
     distributed.initialize(True if f.distributed else None)
     _enable_compilation_cache()
-    return {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "convert": cmd_convert}[command](f)
+    return {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "convert": cmd_convert,
+                "domains": cmd_domains}[command](f)
 
 
 if __name__ == "__main__":
