@@ -81,9 +81,10 @@ def cmd_sample(f) -> int:
 
 def cmd_train(f) -> int:
     from posttrain import loop
+    from posttrain.run_plan import make_run_plan
 
-    cfg = _load_config(f)
-    summary = loop.train(cfg, workdir=f.workdir, progress=f.progress)
+    plan = make_run_plan(_load_config(f), workdir=f.workdir)  # every setting validated before any work
+    summary = loop.train(plan, progress=f.progress)
     keys = ("start_step", "end_step", "train_wall_s", "peak_rss_gb")
     out = {k: summary.get(k) for k in keys}
     for which in ("eval_start", "eval_end"):
@@ -121,7 +122,7 @@ def _run_policy(f):
     cfg = _load_config(f)
     run = setup.build(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint)))
     try:
-        mcfg = setup.load_policy(cfg, run.mesh)[0]  # the run's ModelConfig (the Run does not keep it)
+        mcfg = run.model_config
         state = nnx.state(nnx.merge(run.graphdef, *run.policy_state()))
     finally:
         run.checkpointer.close()
@@ -172,14 +173,35 @@ def main(argv=None) -> int:
     try:
         f(argv)
     except Exception as e:  # absl raises its own error types for unknown/invalid flags
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {flag_error_line(e, argv)}", file=sys.stderr)
         return 2
     from posttrain import distributed
+    from posttrain.config import ConfigError
 
     distributed.initialize(True if f.distributed else None)
     _enable_compilation_cache()
-    return {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "convert": cmd_convert,
+    try:
+        return {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "convert": cmd_convert,
                 "domains": cmd_domains}[command](f)
+    except ConfigError as e:  # raised before any model load or worker start: one line, no traceback
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+def flag_error_line(e: BaseException, argv) -> str:
+    """One line for a command-line error; an unknown --config.* key names the key and ml_collections' suggestion
+    (which arrives as the repr of a KeyError inside absl's error)."""
+    chain, c = [], e
+    while c is not None and all(c is not x for x in chain):
+        chain.append(c)
+        c = c.__cause__ or c.__context__
+    for c in chain:
+        if isinstance(c, KeyError) and c.args and isinstance(c.args[0], str) and "\n" in c.args[0]:
+            key, _, hint = c.args[0].partition("\n")
+            key = key.strip("'\"")
+            flag = next((a.split("=")[0] for a in argv if a.startswith("--config.") and key in a), key)
+            return f"unknown config key {flag.removeprefix('--')}: {hint.strip()}"
+    return " ".join(str(e).split())
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import os
 import types
 import typing
 from typing import Any, Mapping
@@ -188,9 +189,36 @@ _CHOICES = {
     ("model", "param_dtype"): ("auto", "float32", "bfloat16", "float16"),
     ("model", "matmul_precision"): ("default", "high", "highest"),
 }
-_POSITIVE = {("rl", "group_size"), ("rl", "prompts_per_step"), ("rl", "num_microbatches"), ("rl", "ppo_epochs"),
-             ("rl", "minibatches"),
-             ("sampling", "max_new_tokens"), ("train", "steps"), ("eval", "batch_size"), ("train", "max_nonfinite_skips")}
+_POSITIVE = (">= 1", lambda v: v >= 1)
+_NONNEGATIVE = (">= 0", lambda v: v >= 0)
+# (section, key) -> (what is allowed, check): every numeric setting with a bounded range, checked before any work
+_RANGES = {
+    **{("rl", k): _POSITIVE for k in ("group_size", "prompts_per_step", "num_microbatches", "ppo_epochs",
+                                      "minibatches")},
+    ("sampling", "max_new_tokens"): _POSITIVE, ("train", "steps"): _POSITIVE, ("eval", "batch_size"): _POSITIVE,
+    ("train", "max_nonfinite_skips"): _POSITIVE, ("env", "max_turns"): _POSITIVE, ("checkpoint", "keep"): _POSITIVE,
+    ("checkpoint", "every_steps"): _POSITIVE, ("eval", "max_new_tokens"): _POSITIVE,
+    ("sampling", "prompt_bucket"): _POSITIVE,
+    ("sampling", "temperature"): (">= 0 (0: greedy)", lambda v: v >= 0),
+    ("sampling", "top_p"): ("in (0, 1] (1: off)", lambda v: 0 < v <= 1),
+    ("sampling", "top_k"): (">= 0 (0: off)", lambda v: v >= 0),
+    ("sampling", "decode_shrink_steps"): _NONNEGATIVE,
+    ("eval", "temperature"): (">= 0 (0: greedy)", lambda v: v >= 0),
+    ("rl", "eps_low"): ("in [0, 1)", lambda v: 0 <= v < 1),
+    ("rl", "eps_high"): _NONNEGATIVE, ("rl", "beta"): _NONNEGATIVE, ("rl", "norm_constant"): _NONNEGATIVE,
+    ("rl", "tis_cap"): (">= 0 (0: off)", lambda v: v >= 0),
+    ("rl", "dual_clip_c"): ("0 (off) or > 1", lambda v: v == 0 or v > 1),
+    ("rl", "max_resample_rounds"): _NONNEGATIVE,
+    ("optim", "lr"): ("> 0", lambda v: v > 0), ("optim", "weight_decay"): _NONNEGATIVE,
+    ("optim", "grad_clip_norm"): (">= 0 (0: off)", lambda v: v >= 0), ("optim", "warmup_steps"): _NONNEGATIVE,
+    ("optim", "b1"): ("in [0, 1)", lambda v: 0 <= v < 1), ("optim", "b2"): ("in [0, 1)", lambda v: 0 <= v < 1),
+    ("optim", "eps"): ("> 0", lambda v: v > 0), ("optim", "min_lr_ratio"): ("in [0, 1]", lambda v: 0 <= v <= 1),
+    ("env", "num_workers"): _NONNEGATIVE, ("env", "step_timeout_s"): ("> 0", lambda v: v > 0),
+    ("train", "max_train_seconds"): _NONNEGATIVE, ("train", "log_every"): _POSITIVE,
+    ("eval", "num_tasks"): _POSITIVE, ("eval", "every_steps"): _NONNEGATIVE,
+    **{("mesh", k): ("-1 (the remaining devices) or >= 1", lambda v: v == -1 or v >= 1)
+       for k in ("data", "fsdp", "tensor", "expert")},
+}
 
 
 class ConfigError(ValueError):
@@ -258,13 +286,13 @@ def from_config_dict(cd) -> Config:
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
             raise ConfigError(f"{section}.{key}={value!r}; expected one of {choices}")
-    for section, key in _POSITIVE:
-        if getattr(getattr(cfg, section), key) < 1:
-            raise ConfigError(f"{section}.{key} must be >= 1, got {getattr(getattr(cfg, section), key)}")
-    if cfg.rl.eps_low < 0 or cfg.rl.eps_high < 0 or cfg.rl.beta < 0:
-        raise ConfigError("rl.eps_low, rl.eps_high and rl.beta must be >= 0")
-    if cfg.rl.dual_clip_c and cfg.rl.dual_clip_c <= 1:
-        raise ConfigError(f"rl.dual_clip_c must be > 1 (or 0 to disable), got {cfg.rl.dual_clip_c}")
+    for (section, key), (allowed, ok) in _RANGES.items():
+        value = getattr(getattr(cfg, section), key)
+        if not ok(value):
+            raise ConfigError(f"{section}.{key}={value!r} is out of range: must be {allowed}")
+    free = [k for k in ("data", "fsdp", "tensor", "expert") if getattr(cfg.mesh, k) == -1]
+    if len(free) > 1:
+        raise ConfigError(f"mesh: at most one axis may be -1, got {['mesh.' + k for k in free]}")
     if not cfg.env.train:
         raise ConfigError("env.train is empty: name at least one environment, e.g. posttrain/Arithmetic-v0")
     from posttrain.model.config import REMAT_NAMES
@@ -273,6 +301,9 @@ def from_config_dict(cd) -> Config:
         raise ConfigError(f"model.remat_names={list(cfg.model.remat_names)}; each must be one of {REMAT_NAMES}")
     if cfg.model.path and cfg.model.preset:
         raise ConfigError("set at most one of model.path and model.preset")
+    if cfg.model.path and not os.path.exists(cfg.model.path):
+        raise ConfigError(f"model.path={cfg.model.path!r}: no such file or directory (a .gguf file or an HF "
+                          "model directory)")
     return cfg
 
 

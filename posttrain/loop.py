@@ -18,6 +18,7 @@ import numpy as np
 
 from posttrain import batching, distributed, evaluate, metrics as metrics_lib, rollout, setup
 from posttrain.config import Config, to_dict
+from posttrain.run_plan import RunPlan, make_run_plan
 from posttrain.sampler import SamplingParams, sample, shared_prefix_len, shrink_schedule
 
 
@@ -39,8 +40,7 @@ def make_sample_fn(run: "setup.Run", params: SamplingParams):
     """(prompts, lengths, key, G) -> SampleOutput with the current policy (LoRA adapters merged)."""
     tok = run.tokenizer
     policy = run.policy_state()
-    shards = run.mesh.shape.get("data", 1) * run.mesh.shape.get("fsdp", 1)
-    multiple = math.lcm(8, shards)  # decode widths stay divisible by the batch shards
+    multiple = math.lcm(8, run.plan.batch_shards)  # decode widths stay divisible by the batch shards
 
     def fn(prompts, lengths, key, group_size):
         shared = shared_prefix_len(prompts, lengths)  # e.g. the chat template's system turn: prefilled once
@@ -55,8 +55,7 @@ def make_sample_fn(run: "setup.Run", params: SamplingParams):
 
 def run_eval(run: "setup.Run", step: int) -> dict:
     cfg = run.cfg
-    params = SamplingParams(max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature)
-    m, records = evaluate.evaluate(make_sample_fn(run, params), run.tokenizer, run.runner, run.eval_episodes,
+    m, records = evaluate.evaluate(make_sample_fn(run, run.plan.eval_sampling), run.tokenizer, run.runner, run.eval_episodes,
                                    batch_size=cfg.eval.batch_size, scorer=cfg.eval.scorer, max_turns=cfg.env.max_turns,
                                    pad_id=run.tokenizer.pad_id, key=jax.random.key(cfg.train.seed + 1),
                                    system_prompt=cfg.sampling.system_prompt, bucket=cfg.sampling.prompt_bucket)
@@ -125,20 +124,20 @@ def truncation_warning(cfg: Config) -> str | None:
     return None
 
 
-def train(cfg: Config, *, workdir: str | None = None, progress: bool = True) -> dict:
+def train(cfg: Config | RunPlan, *, workdir: str | None = None, progress: bool = True) -> dict:
     """Runs (or resumes) GRPO training as configured; returns the summary dict (also in summary.json).
 
-    Raises NonFiniteError (after saving a checkpoint) when `train.max_nonfinite_skips` consecutive steps had a
-    non-finite loss or gradient."""
-    if truncation_warning(cfg):
-        metrics_lib.log.warning(truncation_warning(cfg))
-    run = setup.build(cfg, workdir)
+    Raises ConfigError (before any work) for a config that makes no valid run plan, and NonFiniteError (after
+    saving a checkpoint) when `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
+    plan = cfg if isinstance(cfg, RunPlan) else make_run_plan(cfg, workdir=workdir)
+    if truncation_warning(plan.cfg):
+        metrics_lib.log.warning(truncation_warning(plan.cfg))
+    run = setup.build(plan)
     cfg, start = run.cfg, int(run.state.step)
     main = distributed.is_main_process()  # process 0 writes metrics, plots, trajectories and the summary
     writer = metrics_lib.MetricsWriter(run.workdir, resume_step=start if start else None) if main else None
     bar = metrics_lib.ProgressBar(cfg.train.steps, initial_step=start, disable=not (progress and main))
-    sampling = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
-                              top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k)
+    sampling = run.plan.sampling
     summary = {"start_step": start, "config": to_dict(cfg)}
     if start == 0 and cfg.eval.at_start and run.eval_episodes:
         m = run_eval(run, 0)

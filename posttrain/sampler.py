@@ -93,10 +93,16 @@ def categorical(u_N: jax.Array, logits_NxV: jax.Array, block: int = 256) -> jax.
     return b * block + inner
 
 
+def logprob_temperature(temperature: float) -> float:
+    """The T of every recorded and trained logprob `log_softmax(logits / T)`: the sampling temperature, or 1 for
+    greedy decoding (temperature 0). The one place this rule lives (sampler, trainer and run plan call it)."""
+    return temperature if temperature > 0 else 1.0
+
+
 def _pick(logits_MxV, key, t, params: SamplingParams, rows_M, num_rows: int):
     """(token_M, logp_M) for one step of the M decoded rows `rows_M` (of num_rows); see the module doc for the
     logprob definition. Row r's uniform is the r-th of num_rows drawn from (key, t), whichever slot it is in."""
-    T = params.temperature if params.temperature > 0 else 1.0
+    T = logprob_temperature(params.temperature)
     scaled = logits_MxV.astype(jnp.float32) / T
     logp_all = jax.nn.log_softmax(scaled, axis=-1)
     if params.temperature == 0:

@@ -13,11 +13,12 @@ from typing import Any
 import jax
 from flax import nnx
 
-from posttrain import distributed, losses as losses_lib
+from posttrain import distributed
 from posttrain import mesh as mesh_lib
 from posttrain import optim, train_step as ts
 from posttrain.config import Config, to_dict
-from posttrain.precision import resolve_policy
+from posttrain.precision import PrecisionPolicy, resolve_policy
+from posttrain.run_plan import RunPlan, make_run_plan, with_moe
 from posttrain.evaluate import eval_episodes
 from posttrain.rollout import InlineEnvs
 from posttrain.scheduler import TaskScheduler
@@ -27,6 +28,8 @@ from posttrain.types import RolloutBatch
 @dataclasses.dataclass
 class Run:
     cfg: Config
+    plan: RunPlan
+    model_config: Any
     workdir: pathlib.Path
     mesh: Any
     tokenizer: Any
@@ -64,8 +67,9 @@ def batch_shardings(mesh, batch: RolloutBatch) -> RolloutBatch:
     return jax.tree.map(lambda x: mesh_lib.batch_sharding(mesh, x.ndim), batch)
 
 
-def load_policy(cfg: Config, mesh):
-    """(ModelConfig, graphdef, state, tokenizer) from the configured source."""
+def load_policy(cfg: Config, mesh, policy: PrecisionPolicy | None = None):
+    """(ModelConfig, graphdef, state, tokenizer) from the configured source, under the precision policy (default:
+    the config's, resolved for this backend)."""
     from posttrain.checkpoints import load_pretrained
     from posttrain.model.presets import get_preset
     from posttrain.model.transformer import Transformer
@@ -74,7 +78,7 @@ def load_policy(cfg: Config, mesh):
 
     m = cfg.model
     lora = cfg.lora if cfg.lora.rank else None
-    policy = resolve_policy(m.dtype, m.param_dtype, m.matmul_precision)
+    policy = policy or resolve_policy(m.dtype, m.param_dtype, m.matmul_precision)
     fields = dict(dtype=policy.compute_dtype, param_dtype=policy.param_dtype, matmul_precision=policy.matmul_precision,
                   remat=m.remat, remat_names=tuple(m.remat_names), lora=lora)
     if m.preset:
@@ -112,31 +116,19 @@ def task_sources(specs) -> dict:
     return out
 
 
-def step_options(cfg: Config, mcfg) -> ts.StepOptions:
-    rl = cfg.rl
-    loss = losses_lib.LossConfig(
-        policy_loss=rl.loss, eps_low=rl.eps_low, eps_high=rl.eps_high, dual_clip_c=rl.dual_clip_c or None,
-        kl_estimator=rl.kl_estimator, beta=rl.beta, aggregation=rl.aggregation,
-        norm_constant=(rl.norm_constant or float(cfg.sampling.max_new_tokens)), tis_cap=rl.tis_cap or None)
-    moe = mcfg.moe
-    aux = (rl.moe_aux_coef if rl.moe_aux_coef >= 0 else moe.aux_loss_coef) if moe else 0.0
-    return ts.StepOptions(loss=loss, temperature=cfg.sampling.temperature or 1.0, num_microbatches=rl.num_microbatches,
-                          moe_aux_coef=aux, moe_z_coef=moe.z_loss_coef if moe else 0.0,
-                          bias_update_rate=moe.bias_update_rate if moe and moe.score_bias else 0.0,
-                          lora_rank=cfg.lora.rank, ppo_epochs=rl.ppo_epochs, minibatches=rl.minibatches,
-                          matmul_precision=cfg.model.matmul_precision)
+def build(cfg: Config | RunPlan, workdir: str | None = None) -> Run:
+    """Builds (or restores) everything a run needs, from its plan (made here from a Config when given one).
 
-
-def build(cfg: Config, workdir: str | None = None) -> Run:
-    """Builds (or restores) everything a run needs."""
+    Raises ConfigError (before any I/O) when the config does not make a valid plan."""
     from posttrain.checkpoints.orbax import Checkpointer
 
-    workdir = pathlib.Path(workdir or cfg.train.workdir)
+    plan = cfg if isinstance(cfg, RunPlan) else make_run_plan(cfg, workdir=workdir)
+    cfg, workdir = plan.cfg, plan.workdir
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
-    mesh = mesh_lib.make_mesh(dataclasses.asdict(cfg.mesh))
-    mcfg, graphdef, model_state, tokenizer = load_policy(cfg, mesh)
-    opts = step_options(cfg, mcfg)
+    mesh = mesh_lib.make_mesh(plan.mesh_shape)
+    mcfg, graphdef, model_state, tokenizer = load_policy(cfg, mesh, plan.precision)
+    opts = with_moe(plan.step_options, cfg, mcfg.moe)
     o = cfg.optim
     opt = optim.make_optimizer(o.name, lr=o.lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
                                grad_clip_norm=o.grad_clip_norm or None, warmup_steps=o.warmup_steps,
@@ -162,8 +154,7 @@ def build(cfg: Config, workdir: str | None = None) -> Run:
     if latest is not None:
         state, meta = ckpt.restore(None, state)  # newest usable step (falls back past a corrupt one)
         scheduler.load_state_dict(meta["scheduler"])
-    shards = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
-    return Run(cfg=cfg, workdir=workdir, mesh=mesh, tokenizer=tokenizer, graphdef=graphdef, state=state,
-               train_step=train_step, step_opts=opts, checkpointer=ckpt, scheduler=scheduler, runner=make_runner(cfg),
-               train_specs=dict(cfg.env.train), eval_episodes=evals,
-               row_multiple=cfg.rl.minibatches * cfg.rl.num_microbatches * shards)
+    return Run(cfg=cfg, plan=plan, model_config=mcfg, workdir=workdir, mesh=mesh, tokenizer=tokenizer,
+               graphdef=graphdef, state=state, train_step=train_step, step_opts=opts, checkpointer=ckpt,
+               scheduler=scheduler, runner=make_runner(cfg), train_specs=dict(cfg.env.train), eval_episodes=evals,
+               row_multiple=plan.row_multiple)

@@ -32,7 +32,10 @@ def test_config_files_exist():
 @pytest.mark.parametrize("section,key,value,match", [
     ("rl", "bogus", 1, r"unknown config key\(s\) \['rl.bogus'\]"),
     ("rl", "advantage", "ppo2", r"rl.advantage='ppo2'; expected one of"),
-    ("rl", "group_size", 0, r"rl.group_size must be >= 1"),
+    ("rl", "group_size", 0, r"rl.group_size=0 is out of range: must be >= 1"),
+    ("rl", "eps_low", 1.5, r"rl.eps_low=1.5 is out of range: must be in \[0, 1\)"),
+    ("sampling", "top_k", -2, r"sampling.top_k=-2 is out of range: must be >= 0"),
+    ("mesh", "fsdp", 0, r"mesh.fsdp=0 is out of range: must be -1"),
     ("optim", "lr", "fast", r"optim.lr: expected float"),
     ("env", "train", {}, r"env.train is empty"),
 ])

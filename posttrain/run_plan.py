@@ -1,0 +1,100 @@
+"""The run plan: every setting a run derives from its config, computed once and validated before any I/O.
+
+`make_run_plan(cfg)` reads the validated `Config` (see `posttrain.config`) and the device count, and returns a
+frozen `RunPlan`: the precision policy, the resolved mesh shape and batch shards, the row multiple of the rollout
+batch, the sampling parameters of training and evaluation rollouts, the logprob temperature, and the train step's
+static options (loss, microbatches, updates per batch). `setup.build`, the loop and the CLI read these fields and
+derive nothing again. It loads no model, starts no worker and writes nothing; bad combinations raise
+`ConfigError` (a ValueError) naming the keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+from typing import Mapping
+
+from posttrain import losses as losses_lib
+from posttrain import mesh as mesh_lib
+from posttrain.config import Config, ConfigError
+from posttrain.precision import PrecisionPolicy, resolve_policy
+from posttrain.sampler import SamplingParams, logprob_temperature
+from posttrain.train_step import StepOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    cfg: Config
+    workdir: pathlib.Path
+    precision: PrecisionPolicy
+    mesh_shape: Mapping[str, int]  # resolved axis sizes (no -1)
+    batch_shards: int  # devices the batch is split over (mesh axes of the "batch" rule)
+    row_multiple: int  # rollout rows are padded to a multiple of this: minibatches x microbatches x batch shards
+    sampling: SamplingParams  # training rollouts
+    eval_sampling: SamplingParams
+    logprob_temperature: float  # T of log_softmax(logits / T), shared by sampler and trainer
+    step_options: StepOptions
+
+
+def batch_shards(mesh_shape: Mapping[str, int], rules=mesh_lib.RULES) -> int:
+    """Number of batch shards: the product of the mesh axes that the logical "batch" axis maps to (mesh.RULES)."""
+    spec = mesh_lib.logical_to_spec(("batch",), rules)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+    return math.prod(mesh_shape[a] for a in axes)
+
+
+def step_options(cfg: Config) -> StepOptions:
+    """The train step's static options from the config (MoE coefficients: see `with_moe`)."""
+    rl = cfg.rl
+    loss = losses_lib.LossConfig(
+        policy_loss=rl.loss, eps_low=rl.eps_low, eps_high=rl.eps_high, dual_clip_c=rl.dual_clip_c or None,
+        kl_estimator=rl.kl_estimator, beta=rl.beta, aggregation=rl.aggregation,
+        norm_constant=(rl.norm_constant or float(cfg.sampling.max_new_tokens)), tis_cap=rl.tis_cap or None)
+    return StepOptions(loss=loss, temperature=logprob_temperature(cfg.sampling.temperature),
+                       num_microbatches=rl.num_microbatches, lora_rank=cfg.lora.rank, ppo_epochs=rl.ppo_epochs,
+                       minibatches=rl.minibatches, matmul_precision=cfg.model.matmul_precision)
+
+
+def with_moe(opts: StepOptions, cfg: Config, moe) -> StepOptions:
+    """`opts` with the MoE loss coefficients and routing-bias rate of the loaded model (its MoEConfig, or None):
+    they come from the checkpoint, so they are known only once the model is."""
+    if moe is None:
+        return opts
+    aux = cfg.rl.moe_aux_coef if cfg.rl.moe_aux_coef >= 0 else moe.aux_loss_coef
+    return opts._replace(moe_aux_coef=aux, moe_z_coef=moe.z_loss_coef,
+                         bias_update_rate=moe.bias_update_rate if moe.score_bias else 0.0)
+
+
+def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str | None = None,
+                  backend: str | None = None) -> RunPlan:
+    """Derives and validates every run setting (no I/O).
+
+    num_devices / backend default to the local JAX runtime's (all processes' devices). Raises ConfigError when the
+    mesh does not fit the devices or the rows of one step do not split into minibatches x microbatches x shards.
+    """
+    import jax
+
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    try:
+        shape = mesh_lib.mesh_shape(dataclasses.asdict(cfg.mesh), num_devices)
+    except ValueError as e:
+        raise ConfigError(f"mesh {dataclasses.asdict(cfg.mesh)} does not fit {num_devices} device(s): {e}") from e
+    shards = batch_shards(shape)
+    rl = cfg.rl
+    rows = rl.prompts_per_step if (rl.packed and cfg.env.max_turns == 1) else rl.prompts_per_step * rl.group_size
+    split = rl.minibatches * rl.num_microbatches * shards
+    if rl.minibatches > 1 and rows % (rl.minibatches * rl.num_microbatches):
+        raise ConfigError(f"rl.minibatches={rl.minibatches} x rl.num_microbatches={rl.num_microbatches} must divide the "
+                          f"{rows} rows of a step (rl.prompts_per_step={rl.prompts_per_step}"
+                          f"{'' if rows == rl.prompts_per_step else f' x rl.group_size={rl.group_size}'})")
+    try:
+        sampling = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
+                                  top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k)
+        eval_sampling = SamplingParams(max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature)
+        policy = resolve_policy(cfg.model.dtype, cfg.model.param_dtype, cfg.model.matmul_precision, backend)
+        opts = step_options(cfg)
+    except ValueError as e:  # the config's own checks make these unreachable; keep the contract if they drift
+        raise ConfigError(str(e)) from e
+    return RunPlan(cfg=cfg, workdir=pathlib.Path(workdir or cfg.train.workdir), precision=policy, mesh_shape=shape,
+                   batch_shards=shards, row_multiple=split, sampling=sampling, eval_sampling=eval_sampling,
+                   logprob_temperature=opts.temperature, step_options=opts)
