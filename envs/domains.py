@@ -125,7 +125,8 @@ def select(entries: Sequence[Mapping[str, Any]] | str, *, split: str = "train", 
         for domain in match_domains(entry["pattern"]):
             top = None if level is None else rg_env.max_level(dataset_of(domain))
             chosen[domain] = {"weight": float(weight), "level": None if top is None else min(level, top),
-                              "config": {**default_config(domain), **rg_env.parse_config(entry.get("config"))}}
+                              "config": {**default_config(domain),
+                                         **rg_env.parse_config(entry.get("config"), dataset_of(domain))}}
     specs, left_out = {}, {}
     for domain, c in chosen.items():
         check = check_domain(domain, config=c["config"], level=c["level"], seed=seed)
