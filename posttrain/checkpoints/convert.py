@@ -1,11 +1,14 @@
 """Load pretrained weights (HF safetensors directory or GGUF file) into a sharded nnx state (export: `export.py`).
 
 `load_pretrained(path, mesh=...)` is the one entry point the CLI, sampler and trainer use. Parameters are placed
-one tensor at a time with `jax.make_array_from_callback`, directly in their final sharding.
+one at a time with `jax.make_array_from_callback`, directly in their final sharding; HF tensors are read (and fp8
+ones dequantised) inside the callback, one layer at a time for the shard it asks for (`Lazy`), so the whole model is
+never in host memory.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import pathlib
@@ -16,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain import mesh as mesh_lib
+from posttrain.checkpoints import fp8 as fp8_lib
 from posttrain.checkpoints import hf as hf_lib
 from posttrain.checkpoints import hf_config as hf_config_lib
 from posttrain.model.config import ModelConfig
@@ -51,7 +55,7 @@ class SafetensorsDir:
             weight_map = None
         if not files:
             raise FileNotFoundError(f"{path}: no *.safetensors files")
-        self.handles, self.where = {}, {}
+        self.handles, self.where, self.headers = {}, {}, {}
         for f in files:
             try:
                 h = safe_open(str(path / f), framework="flax")
@@ -71,19 +75,63 @@ class SafetensorsDir:
     def keys(self):
         return self.where.keys()
 
+    def shape(self, name) -> tuple:
+        """The stored shape of `name`, from the header (nothing is read)."""
+        return tuple(self.handles[self.where[name]].get_slice(name).get_shape())
+
+    def dtype(self, name) -> str:
+        """The safetensors dtype code of `name` (F32, BF16, F8_E4M3, ...), from the header."""
+        return self.handles[self.where[name]].get_slice(name).get_dtype()
+
     def __getitem__(self, name) -> np.ndarray:
         try:
-            return np.asarray(self.handles[self.where[name]].get_tensor(name))
+            f = self.where[name]
+            if self.dtype(name) in fp8_lib.RAW_DTYPES:  # safetensors has no NumPy path for float8
+                if f not in self.headers:
+                    self.headers[f] = fp8_lib.read_header(self.path / f)
+                return fp8_lib.read_raw(self.path / f, self.headers[f], name)
+            return np.asarray(self.handles[f].get_tensor(name))
         except KeyError:
             raise
         except Exception as e:
             raise ValueError(f"{self.path}: tensor {name!r} could not be read ({e})") from e
 
 
+class Lazy(NamedTuple):
+    """One parameter, read when placed: `shape` (ours; [L, ...] for stacked blocks) and `read(index)` -> the
+    np.ndarray at `index` (a tuple of slices, as `jax.make_array_from_callback` passes), reading only the layers the
+    index covers, one HF tensor at a time."""
+
+    shape: tuple
+    read: Callable
+
+
+def _shape(tensors, name) -> tuple:
+    return tuple(tensors.shape(name)) if hasattr(tensors, "shape") else tuple(np.shape(tensors[name]))
+
+
+def _read_top(tensors, rule, names, j, index):
+    return np.asarray(rule.to_ours([tensors[n] for n in names])[j])[index]
+
+
+def _read_stacked(tensors, rule, layers, j, index):
+    out = None
+    rows = range(len(layers))[index[0]]
+    for k, i in enumerate(rows):  # one layer at a time; only this shard's slice is kept
+        a = np.asarray(rule.to_ours([tensors[n] for n in layers[i]])[j])[index[1:]]
+        out = np.empty((len(rows),) + a.shape, a.dtype) if out is None else out
+        out[k] = a
+    return out
+
+
 def hf_to_arrays(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], expected: Mapping[tuple, tuple], *,
                  rope_interleave: bool = True, used: set | None = None) -> dict:
-    """{our param path tuple: np.ndarray} from HF-named tensors, validated against `expected` shapes.
+    """{our param path tuple: `Lazy`} from HF-named tensors, validated against `expected` (per-layer) shapes.
 
+    Names and shapes are checked up front from `tensors.shape(name)` when it has one (headers, nothing read); the
+    tensors themselves are read when `place` asks for each parameter (`Lazy.read`), so the host never holds more
+    than one layer's tensor of one parameter plus the shard being placed. A rule with two outputs (DeepSeek's
+    kv_b_proj -> k_b_proj, v_b_proj) reads its tensor once per output.
     rope_interleave: DeepSeek's config.json `rope_interleave`; used: when given, the names read are added to it.
     Raises:
       ValueError: a missing tensor (named) or a shape mismatch (tensor name, expected and found shapes).
@@ -91,33 +139,34 @@ def hf_to_arrays(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], expected: 
     family = hf_lib.hf_family(cfg)
     used = set() if used is None else used
 
-    def apply(rule, prefix, our_prefix):
+    def hf_shapes(rule, our_prefix):  # the HF shapes the config implies (zero-stride views: nothing allocated)
+        want = [expected[our_prefix + tuple(o.split("."))] for o in rule.ours]
+        return [tuple(w.shape) for w in rule.to_hf([np.broadcast_to(np.float32(0), s) for s in want])]
+
+    def checked(rule, prefix, our_prefix, shapes):
         names = [prefix + n for n in rule.hf]
         used.update(names)
-        for n in names:
+        for n, w in zip(names, shapes):
             if n not in tensors:
                 raise ValueError(f"missing tensor {n!r} (needed for {cfg.name or family} {our_prefix}{rule.ours})")
-        want = [expected[our_prefix + tuple(o.split("."))] for o in rule.ours]
-        want_hf = rule.to_hf([np.zeros(s, np.float32) for s in want])
-        got = [tensors[n] for n in names]
-        for n, w, g in zip(names, want_hf, got):
-            if tuple(w.shape) != tuple(g.shape):
-                raise ValueError(f"tensor {n!r}: expected shape {tuple(w.shape)} from the config, found {tuple(g.shape)}")
-        return rule.to_ours(got)
+            if _shape(tensors, n) != w:
+                raise ValueError(f"tensor {n!r}: expected shape {w} from the config, found {_shape(tensors, n)}")
+        return names
 
     out = {}
     for rule in hf_lib.top_table(cfg):
-        for o, arr in zip(rule.ours, apply(rule, "", ())):
-            out[tuple(o.split("."))] = arr
+        names = checked(rule, "", (), hf_shapes(rule, ()))
+        for j, o in enumerate(rule.ours):
+            path = tuple(o.split("."))
+            out[path] = Lazy(tuple(expected[path]), functools.partial(_read_top, tensors, rule, names, j))
     for stack, first, num, is_moe in hf_lib.block_layout(cfg):
-        table = hf_lib.layer_table(cfg, family, is_moe, rope_interleave)
-        per = {}
-        for i in range(num):
-            for rule in table:
-                for o, arr in zip(rule.ours, apply(rule, f"model.layers.{first + i}.", (stack,))):
-                    per.setdefault(o, []).append(arr)
-        for o, arrs in per.items():
-            out[(stack,) + tuple(o.split("."))] = np.stack(arrs)
+        for rule in hf_lib.layer_table(cfg, family, is_moe, rope_interleave):
+            shapes = hf_shapes(rule, (stack,))
+            layers = [checked(rule, f"model.layers.{first + i}.", (stack,), shapes) for i in range(num)]
+            for j, o in enumerate(rule.ours):
+                path = (stack,) + tuple(o.split("."))
+                out[path] = Lazy((num,) + tuple(expected[path]),
+                                 functools.partial(_read_stacked, tensors, rule, layers, j))
     return out
 
 
@@ -160,9 +209,16 @@ def place(cfg: ModelConfig, arrays_fn: Callable[[dict], dict], mesh=None, rules=
                             else np.zeros(v.shape))
         if path not in arrays:
             raise ValueError(f"no weights for parameter {'/'.join(map(str, path))}")
-        host = np.asarray(arrays.pop(path)).astype(jnp.dtype(v.dtype))
+        got, dtype = arrays.pop(path), jnp.dtype(v.dtype)
+        if isinstance(got, Lazy):  # read per shard, straight into its final sharding
+            shape, read = got.shape, lambda i, r=got.read, d=dtype: np.asarray(r(i)).astype(d)
+        else:
+            host = np.asarray(got).astype(dtype)
+            shape, read = host.shape, lambda i, h=host: h[i]
+        if tuple(shape) != tuple(v.shape):
+            raise ValueError(f"parameter {'/'.join(map(str, path))}: expected shape {tuple(v.shape)}, got {shape}")
         sharding = flat_sh[path].get_value() if isinstance(flat_sh[path], nnx.Variable) else flat_sh[path]
-        leaves.append((path, v.replace(jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i]))))
+        leaves.append((path, v.replace(jax.make_array_from_callback(tuple(shape), sharding, read))))
     return graphdef, nnx.from_flat_state(leaves)
 
 
@@ -184,21 +240,25 @@ def load_hf_dir(path, *, mesh=None, dtype: str | None = None, param_dtype: str |
 
     dtype / param_dtype: compute and storage dtypes; None (default) means the checkpoint's dtype (config.json
     `dtype` / `torch_dtype`, float32 when absent). overrides: other ModelConfig fields.
+    FP8 block-quantised files (config.json `quantization_config` fp8 with `weight_block_size`, DeepSeek-V3 /
+    Kimi K2) are dequantised tensor by tensor as they are placed (`posttrain.checkpoints.fp8`); their
+    `*_scale_inv` tensors count as used, and the MTP layers' ones are skipped with the layers.
     Raises FileNotFoundError (no config.json / safetensors) and ValueError (unsupported config value, missing,
-    misshapen or unused tensor; each named).
+    misshapen or unused tensor, fp8 weight without its scale or with a misshapen one; each named).
     """
     path = pathlib.Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json (expected an HF model directory or a .gguf file)")
     hf_config = json.loads((path / "config.json").read_text())
     cfg = hf_lib.config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype)
-    tensors = SafetensorsDir(path)
-    cfg = dataclasses.replace(_tied_head(cfg, tensors), **overrides)
     norm = hf_config_lib.normalized(hf_config)
+    tensors = fp8_lib.Dequantized(SafetensorsDir(path), norm["weight_block_size"])
+    cfg = dataclasses.replace(_tied_head(cfg, tensors), **overrides)
     used = {"lm_head.weight"} if cfg.tie_embeddings else set()  # equal to the embedding (checked above)
     graphdef, state = place(cfg, lambda expected: hf_to_arrays(
         cfg, tensors, expected, rope_interleave=bool(norm.get("rope_interleave", True)), used=used), mesh)
-    hf_lib.check_unused(tensors.keys(), used, cfg.num_layers, norm.get("num_mtp_layers") or 0)
+    hf_lib.check_unused(tensors.keys(), used | tensors.scales_of(used), cfg.num_layers,
+                        norm.get("num_mtp_layers") or 0)
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from posttrain.tokenizer import Tokenizer

@@ -12,12 +12,14 @@ Every field of a family is in `FIELDS[family]` as one of
            absent) raises ValueError naming the key, the value and the supported values.
   ignored  changes nothing in the forward pass (initialisation, cache switch, token ids, output flags).
 An explicit null is accepted only where transformers gives it a meaning (`Field.nullable`); elsewhere it is an
-error. Keys no table lists are ignored, as transformers ignores them. `quantization_config` is refused.
+error. Keys no table lists are ignored, as transformers ignores them. `quantization_config` is accepted only for
+fp8 block quantisation (DeepSeek-V3 / Kimi K2; `posttrain.checkpoints.fp8`), other methods are refused.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping, NamedTuple
 
+from posttrain.checkpoints.fp8 import weight_block
 from posttrain.model.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "kimi_k2")
@@ -103,7 +105,8 @@ def normalized(hf: Mapping) -> dict:
     """config.json with aliases renamed to transformers' field names, checked against `FIELDS`.
 
     Returns {field: value} for every field of the family (transformers' default where the key is absent), plus
-    `model_type`, the rope keys and `dtype`. Raises ValueError for an unsupported family or value (naming the key).
+    `model_type`, the rope keys, `dtype`, and `weight_block_size` ((bO, bI) of an fp8 block-quantised file, else
+    None; `posttrain.checkpoints.fp8.weight_block`). Raises ValueError for an unsupported family or value (naming the key).
     """
     family = table_family(hf.get("model_type"))
     table = FIELDS[family]
@@ -111,10 +114,7 @@ def normalized(hf: Mapping) -> dict:
     for alias, name in ALIASES.get(family, {}).items():
         if alias in hf and name not in hf:
             hf[name] = hf.pop(alias)
-    if hf.get("quantization_config"):
-        q = hf["quantization_config"]
-        raise ValueError(f"config.json quantization_config (quant_method={q.get('quant_method')!r}) is not supported: "
-                         "load a dequantized bf16/f32 checkpoint")
+    block = weight_block(hf.get("quantization_config"))  # fp8 block quantisation only; anything else raises
     out = {k: hf[k] for k in ("model_type", "rope_theta", "rope_scaling", "partial_rotary_factor") if k in hf}
     for key, spec in table.items():
         value = hf.get(key, spec.default)
@@ -129,6 +129,7 @@ def normalized(hf: Mapping) -> dict:
     if out.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"config.json partial_rotary_factor={out['partial_rotary_factor']} is not supported")
     out["dtype"] = file_dtype(hf)
+    out["weight_block_size"] = block
     return out
 
 

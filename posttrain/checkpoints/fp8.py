@@ -1,0 +1,155 @@
+"""FP8 block-quantised safetensors (DeepSeek-V3 / Kimi K2 format), dequantised one tensor at a time on import.
+
+Format (DeepSeek-V3 `README_WEIGHTS.md` "FP8 Weight Documentation"; `inference/kernel.py:weight_dequant`;
+transformers `integrations/finegrained_fp8.py`): config.json carries
+  "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                          "weight_block_size": [128, 128]}
+and every quantised Linear weight `W` [O, I] (`<name>.weight`) is stored as float8_e4m3fn next to a float32
+`<name>.weight_scale_inv` [ceil(O / bO), ceil(I / bI)]. Dequantised, block (r, c) of W is
+  W_f32[r*bO:(r+1)*bO, c*bI:(c+1)*bI] = W_fp8[...].astype(f32) * scale_inv[r, c]
+with the last row/column blocks partial when O or I is not a multiple of the block (the reference kernel masks
+them). Norms, embeddings, the LM head and router gates are stored unquantised (bf16/f32) and pass through.
+
+safetensors cannot hand out float8 tensors as NumPy arrays (its numpy/flax paths look the dtype up on `numpy`), so
+float8 tensors are read here straight from the file: an 8-byte little-endian header length, a JSON header
+{name: {dtype, shape, data_offsets}}, then the data (https://github.com/huggingface/safetensors#format), memory-mapped.
+
+Dimension legend: O output features, I input features, bO x bI the block (`weight_block_size`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from typing import Iterable, Mapping
+
+import ml_dtypes
+import numpy as np
+
+SCALE_SUFFIX = "_scale_inv"
+RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def weight_block(qc: Mapping | None) -> tuple[int, int] | None:
+    """The (bO, bI) block of a config.json `quantization_config`; None when absent or empty (an unquantised file).
+
+    Accepted: quant_method "fp8", fmt "e4m3" (or absent), activation_scheme "dynamic" (or absent), and
+    weight_block_size a pair of positive ints. Raises ValueError naming the key and value for anything else
+    (other quant methods, per-tensor fp8, static activation scales)."""
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"config.json quantization_config quant_method={method!r} is not supported: only 'fp8' "
+                         "block-quantised checkpoints (DeepSeek-V3 / Kimi K2) are; load a dequantised bf16/f32 one")
+    for key, ok in (("fmt", ("e4m3", None)), ("activation_scheme", ("dynamic", None))):
+        if qc.get(key) not in ok:
+            raise ValueError(f"config.json quantization_config {key}={qc.get(key)!r} is not supported; "
+                             f"supported: {ok[0]!r}")
+    block = qc.get("weight_block_size")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"config.json quantization_config (quant_method='fp8') weight_block_size={block!r} is not "
+                         "supported; expected two positive ints such as [128, 128] (per-tensor fp8 is not supported)")
+    return int(block[0]), int(block[1])
+
+
+def scale_shape(shape_OxI: tuple, block: tuple[int, int]) -> tuple[int, int]:
+    """[ceil(O / bO), ceil(I / bI)]: the `weight_scale_inv` shape of a weight of shape [O, I]."""
+    return math.ceil(shape_OxI[0] / block[0]), math.ceil(shape_OxI[1] / block[1])
+
+
+def dequantize(w_OxI: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], name: str = "weight") -> np.ndarray:
+    """float32 [O, I]: each bO x bI block of `w_OxI` (float8_e4m3fn) times its float32 scale (partial last blocks
+    included). One output-sized array is allocated; scales are expanded one row block at a time.
+
+    Raises ValueError naming `name` for a weight that is not 2-d float8_e4m3fn, or a scale of the wrong shape."""
+    if w_OxI.dtype != ml_dtypes.float8_e4m3fn or w_OxI.ndim != 2:
+        raise ValueError(f"tensor {name!r}: expected a 2-d float8_e4m3fn weight next to its {SCALE_SUFFIX} tensor, "
+                         f"found {w_OxI.dtype} {tuple(w_OxI.shape)}")
+    want = scale_shape(w_OxI.shape, block)
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"tensor {name + SCALE_SUFFIX!r}: expected shape {want} (weight {tuple(w_OxI.shape)} in "
+                         f"{block[0]}x{block[1]} blocks), found {tuple(scale_inv.shape)}")
+    out = np.asarray(w_OxI).astype(np.float32)
+    scale = np.asarray(scale_inv, np.float32)
+    for r in range(want[0]):
+        out[r * block[0]:(r + 1) * block[0]] *= np.repeat(scale[r], block[1])[: out.shape[1]]
+    return out
+
+
+# --------------------------------------------------------------------------------------------- raw reading
+def read_header(file: pathlib.Path) -> tuple[dict, int]:
+    """({name: {"dtype", "shape", "data_offsets"}}, byte offset of the data) of a safetensors file."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def read_raw(file: pathlib.Path, header: tuple[dict, int], name: str) -> np.ndarray:
+    """Tensor `name` of a dtype in `RAW_DTYPES`, memory-mapped read-only (nothing is read until it is used).
+    Raises ValueError naming the tensor when its byte range does not match its dtype and shape."""
+    entries, start = header
+    e = entries[name]
+    dtype = np.dtype(RAW_DTYPES[e["dtype"]])
+    begin, end = e["data_offsets"]
+    if end - begin != dtype.itemsize * math.prod(e["shape"]):
+        raise ValueError(f"{file}: tensor {name!r} has {end - begin} bytes, not {e['shape']} x {dtype}")
+    return np.memmap(file, np.uint8, "r", start + begin, (end - begin,)).view(dtype).reshape(e["shape"])
+
+
+# --------------------------------------------------------------------------------------------- dequantising view
+class Dequantized:
+    """A tensor mapping (`convert.SafetensorsDir`) whose fp8 weights come out dequantised to float32.
+
+    A name with a `<name>_scale_inv` sibling is read as `dequantize(weight, scale)`; other names pass through.
+    `shape(name)` checks the pairing from the headers alone (nothing is read). block None (no quantization_config)
+    makes any float8 tensor an error. Errors (ValueError, naming the tensor): a float8 weight without its scale, a
+    scale of the wrong shape, a float8 tensor in a file whose config.json has no quantization_config.
+    """
+
+    def __init__(self, tensors, block: tuple[int, int] | None):
+        self.tensors, self.block = tensors, block
+
+    def __contains__(self, name):
+        return name in self.tensors
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def _scale(self, name: str) -> str | None:
+        scale = name + SCALE_SUFFIX
+        is_f8 = self.tensors.dtype(name).startswith("F8")
+        if self.block is None:
+            if is_f8:
+                raise ValueError(f"tensor {name!r} is {self.tensors.dtype(name)} but config.json has no "
+                                 "quantization_config (expected fp8 weight_block_size)")
+            return None
+        if scale in self.tensors:
+            return scale
+        if is_f8:
+            raise ValueError(f"tensor {name!r} is {self.tensors.dtype(name)} but its scale {scale!r} is missing")
+        return None
+
+    def shape(self, name: str) -> tuple:
+        """The shape `name` is read with; for a quantised weight, also checks its scale's shape."""
+        shape = tuple(self.tensors.shape(name))
+        scale = self._scale(name)
+        if scale is not None:
+            want, got = scale_shape(shape, self.block), tuple(self.tensors.shape(scale))
+            if len(shape) != 2 or got != want:
+                raise ValueError(f"tensor {scale!r}: expected shape {want} (weight {shape} in {self.block[0]}x"
+                                 f"{self.block[1]} blocks), found {got}")
+        return shape
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        scale = self._scale(name)
+        if scale is None:
+            return self.tensors[name]
+        return dequantize(self.tensors[name], self.tensors[scale], self.block, name)
+
+    def scales_of(self, names: Iterable[str]) -> set[str]:
+        """The `_scale_inv` tensors consumed by reading `names` (so `check_unused` does not report them)."""
+        return {n + SCALE_SUFFIX for n in names if self.block is not None and n + SCALE_SUFFIX in self.tensors}
