@@ -224,35 +224,15 @@ def main(argv=None):
 
 def aot_compile(args, cfg, opts, opt, batch, fl) -> dict:
     """Lowers and compiles the donated, sharded train step for one device of `args.aot`; no weights allocated."""
-    import jax
-    import numpy as np
-
-    from posttrain import aot
+    from posttrain import aot, plan
     from posttrain import mesh as mesh_lib
-    from posttrain import train_step as ts
-    from posttrain.model.transformer import Transformer
-    from flax import nnx
 
     devices = aot.target_devices(args.aot)
     mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1, "expert": 1}, devices=devices[:1])
-    box = {}
-
-    def init():
-        graphdef, model_state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-        box["graphdef"], state = ts.create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), opts)
-        return state
-
-    with jax.set_mesh(mesh):
-        state = jax.eval_shape(init)
-        state_sh = mesh_lib.state_shardings(state, mesh)
-        batch_sh = jax.tree.map(lambda x: mesh_lib.batch_sharding(mesh, np.ndim(x)), batch)
-        abstract_batch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=s),
-                                      batch, batch_sh)
-        abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_sh)
-        step = ts.make_train_step(box["graphdef"], opt.tx, opt.lr_schedule, opts)
-        lowered = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
-                          donate_argnums=(0,)).lower(abstract_state, abstract_batch)
-        _, report, seconds = aot.compile_with_report(lowered)
+    graphdef, state, state_sh = plan.abstract_train_state(cfg, opt.tx, opts, mesh)
+    batch_abs, batch_sh = plan.abstract_batch(batch, mesh)
+    report, seconds, _ = plan.compile_train_step(graphdef, state, state_sh, batch_abs, batch_sh, mesh, opt.tx,
+                                                 opt.lr_schedule, opts)
     target = aot.TARGETS[args.aot]
     return {"aot": args.aot, "device": str(devices[0].device_kind), "compile_s": round(seconds, 1),
             **report.as_dict(), "hbm_gib": round(target.hbm_bytes / aot.GIB, 1),

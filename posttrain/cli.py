@@ -7,6 +7,8 @@
   posttrain convert --config=configs/X.py --checkpoint=DIR --out=HF_DIR  (a run's latest policy, LoRA merged)
                     [--peft_out=DIR]  (LoRA runs: also the unmerged adapter in PEFT format)
   posttrain domains [--pattern='reasoning_gym/*']  (registered domains: golden-check status + a sample task)
+  posttrain plan --config=configs/plan/kimi_k2.py --target=v5p-512|h200x256|cpu-8 [--json] [--prompt_len=128]
+                 (compile the train step for that machine without it: fits? per-device memory, FLOPs)
 Multi-host: start one process per host with --distributed (launch/ has TPU-pod and SLURM scripts).
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import os
 import sys
 
-COMMANDS = ("train", "eval", "sample", "convert", "domains")
+COMMANDS = ("train", "eval", "sample", "convert", "domains", "plan")
 
 
 def _flags():
@@ -39,6 +41,9 @@ def _flags():
         flags.DEFINE_string("pattern", "reasoning_gym/*", "domains: domain names or patterns, comma-separated")
         flags.DEFINE_float("temperature", 0.0, "sample: 0 = greedy")
         flags.DEFINE_bool("progress", True, "train: show a progress bar")
+        flags.DEFINE_string("target", "cpu-8", "plan: cpu-N | v5p-N (TensorCores) | h200xN")
+        flags.DEFINE_bool("json", False, "plan: print one JSON line")
+        flags.DEFINE_integer("prompt_len", 128, "plan: prompt tokens per sequence (completions: sampling.max_new_tokens)")
         flags.DEFINE_bool("distributed", False, "multi-host: call jax.distributed.initialize() first "
                           "(also on with POSTTRAIN_DISTRIBUTED=1; see launch/)")
     return f
@@ -163,12 +168,44 @@ def cmd_domains(f) -> int:
     return 0
 
 
+def cmd_plan(f) -> int:
+    """Compiles the config's train step for --target and prints the per-device report; exit 1 when it does not fit."""
+    from posttrain.plan import plan_train_step
+
+    cfg = _load_config(f)
+    try:
+        report = plan_train_step(cfg, f.target, prompt_len=f.prompt_len)
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"error: {' '.join(str(e).split())}") from None
+    if f.json:
+        print(json.dumps(report))
+    else:
+        for k, v in report.items():
+            print(f"{k:>20}: {round(v, 3) if isinstance(v, float) else v}")
+    if not report["fits"]:
+        print(f"error: does not fit: peak {report['peak_gib']:.1f} GiB per device > 90% of {report['hbm_gib']:.1f} GiB "
+              f"HBM on {f.target}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _fake_cpu_devices_for_plan(argv) -> None:
+    """`plan --target=cpu-N` needs N CPU devices: ask XLA for them before JAX starts (unless XLA_FLAGS has it)."""
+    target = next((a.split("=", 1)[1] for a in argv if a.startswith("--target=")), "cpu-8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # TPU/GPU targets compile through their plugins' topologies
+    if target.startswith("cpu-") and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={target[4:]}").strip()
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] not in COMMANDS:
         print(__doc__, file=sys.stderr)
         return 2
     command = argv.pop(1)
+    if command == "plan":
+        _fake_cpu_devices_for_plan(argv)
     f = _flags()
     try:
         f(argv)
@@ -182,7 +219,7 @@ def main(argv=None) -> int:
     _enable_compilation_cache()
     try:
         return {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "convert": cmd_convert,
-                "domains": cmd_domains}[command](f)
+                "domains": cmd_domains, "plan": cmd_plan}[command](f)
     except ConfigError as e:  # raised before any model load or worker start: one line, no traceback
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

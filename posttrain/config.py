@@ -333,3 +333,30 @@ def env_spec(env_id: str, weight: float = 1.0, **kwargs):
     import ml_collections
 
     return ml_collections.ConfigDict({"id": env_id, "weight": weight, "kwargs": kwargs})
+
+
+def plan_config(preset: str, variant: str = "full", *, mesh: Mapping[str, int] | None = None):
+    """The config of a `posttrain plan` dry run (configs/plan/*.py) for a model preset: one GRPO step on a global
+    batch of 256 sequences x 4096 tokens (16 prompts x 16 samples, unpacked rows of 512 prompt tokens with
+    `--prompt_len=512` + 3584 completion tokens), bf16 compute, full remat, 16 accumulation microbatches.
+
+    variant "full": float32 master weights and Adam moments; "lora": rank-64 adapters on the dense projections,
+    frozen bf16 base weights (select it with `--config=configs/plan/<model>.py:lora`). mesh: axis sizes (default
+    all devices on fsdp). Raises ConfigError for another variant.
+    """
+    if variant not in ("full", "lora"):
+        raise ConfigError(f"plan variant {variant!r}: expected 'full' or 'lora' (--config=configs/plan/<model>.py:lora)")
+    c = default_config()
+    c.model.preset = preset
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "float32" if variant == "full" else "bfloat16"
+    c.model.remat = "full"
+    c.env.train = {"arithmetic": env_spec("posttrain/Arithmetic-v0")}  # a plan compiles the step only
+    c.rl.prompts_per_step, c.rl.group_size, c.rl.packed, c.rl.num_microbatches = 16, 16, False, 16
+    c.sampling.max_new_tokens = 4096 - 512
+    for axis, size in dict(mesh or {"fsdp": -1}).items():
+        setattr(c.mesh, axis, size)
+    if variant == "lora":
+        c.lora.rank, c.lora.alpha = 64, 128.0
+    return c
+

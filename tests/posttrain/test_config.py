@@ -7,7 +7,7 @@ import pytest
 
 from posttrain.config import Config, ConfigError, from_config_dict
 
-CONFIGS = sorted(pathlib.Path(__file__).resolve().parents[2].joinpath("configs").glob("*.py"))
+CONFIGS = sorted(pathlib.Path(__file__).resolve().parents[2].joinpath("configs").glob("**/*.py"))
 
 
 def load(path):

@@ -1,0 +1,7 @@
+"""`posttrain plan --config=configs/plan/deepseek_v3.py[:lora] --target=... --prompt_len=512`: does a GRPO step of
+deepseek-v3-671b fit (see posttrain.config.plan_config for the batch and precision)? Experts split over 8 devices."""
+from posttrain.config import plan_config
+
+
+def get_config(variant: str = "full"):
+    return plan_config("deepseek-v3-671b", variant or "full", mesh={"fsdp": -1, "expert": 8})

@@ -1,0 +1,7 @@
+"""`posttrain plan --config=configs/plan/kimi_k2.py[:lora] --target=... --prompt_len=512`: does a GRPO step of
+kimi-k2-1t fit (see posttrain.config.plan_config for the batch and precision)? Experts split over 8 devices."""
+from posttrain.config import plan_config
+
+
+def get_config(variant: str = "full"):
+    return plan_config("kimi-k2-1t", variant or "full", mesh={"fsdp": -1, "expert": 8})

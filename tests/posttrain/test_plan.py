@@ -1,0 +1,99 @@
+"""`posttrain plan` on fake CPU devices (its per-device numbers against a real sharded init), target parsing, the
+plan configs, and the launch scripts' dry runs."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from posttrain import plan
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _run(args, env_extra=None, timeout=300):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **(env_extra or {}))
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_plan_cli_on_eight_fake_cpu_devices():
+    r = _run([sys.executable, "-m", "posttrain.cli", "plan", "--config=configs/tiny.py", "--target=cpu-8", "--json",
+              "--prompt_len=16"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 8 and out["mesh"]["fsdp"] == 8 and out["fits"] is True
+    assert out["rows"] % 8 == 0 and out["peak_gib"] > 0 and out["compile_s"] > 0 and out["flops_per_step"] > 0
+    assert out["largest_buffers"] and out["involuntary_remat"] is False
+
+
+def test_planned_bytes_match_a_real_sharded_init():
+    """Parameters, optimizer state and frozen state one device holds: the plan's figures (from abstract shapes and
+    shardings) against what a real sharded init of the tiny MoE allocates on device 0 (expert-parallel mesh)."""
+    script = textwrap.dedent("""
+        import json, jax
+        from flax import nnx
+        from posttrain import optim, plan, train_step as ts, losses, mesh as mesh_lib
+        from posttrain.model.presets import get_preset
+        from posttrain.model.transformer import Transformer
+        from posttrain.partitioning import create_sharded
+        cfg = get_preset("tiny-deepseek", vocab_size=320)
+        mesh = mesh_lib.make_mesh({"fsdp": -1, "expert": 2})
+        opts = ts.StepOptions(loss=losses.LossConfig(beta=0.1), temperature=1.0)
+        opt = optim.make_optimizer("adamw", lr=1e-3, schedule="constant")
+        _, abstract, _ = plan.abstract_train_state(cfg, opt.tx, opts, mesh)
+        planned = plan.per_device_bytes((abstract.params, abstract.opt_state, abstract.frozen, abstract.ref_params))
+        graphdef, model_state = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+        with jax.set_mesh(mesh):
+            _, state = ts.create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), opts, need_reference=True)
+        dev0 = jax.devices()[0]
+        real = sum(s.data.nbytes for leaf in jax.tree.leaves((state.params, state.opt_state, state.frozen, state.ref_params))
+                   for s in leaf.addressable_shards if s.device == dev0)
+        total = sum(leaf.nbytes for leaf in jax.tree.leaves((state.params, state.opt_state, state.frozen, state.ref_params)))
+        print(json.dumps({"planned": planned, "real": real, "total": total}))
+    """)
+    r = _run([sys.executable, "-c", script], {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["real"] < got["total"] / 2  # really sharded
+    assert abs(got["planned"] - got["real"]) <= 0.10 * got["real"], got
+
+
+@pytest.mark.parametrize("target,match", [("v5p-3", "TensorCores"), ("tpu-8", "unknown target"),
+                                          ("cpu-64", "xla_force_host_platform_device_count=64"),
+                                          ("h200x12", "multiple of 8"), ("cpu-x", "expected cpu-N")])
+def test_bad_targets_raise_clear_errors(target, match):
+    with pytest.raises(ValueError, match=match):
+        plan.target_devices(target)
+
+
+def test_plan_configs_have_full_and_lora_variants():
+    import importlib.util
+
+    from posttrain.config import ConfigError, from_config_dict
+
+    for name in ("kimi_k2", "deepseek_v3", "qwen3_30b_a3b"):
+        spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / "plan" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        full, lora = from_config_dict(module.get_config()), from_config_dict(module.get_config("lora"))
+        assert full.model.param_dtype == "float32" and full.lora.rank == 0 and full.model.preset
+        assert lora.lora.rank > 0 and lora.model.param_dtype == "bfloat16"
+        assert full.rl.prompts_per_step * full.rl.group_size == 256
+        with pytest.raises(ConfigError, match="variant"):
+            module.get_config("qlora")
+
+
+def test_launch_scripts_dry_run_print_the_commands():
+    tpu = _run(["bash", "launch/tpu_pod.sh", "--dry-run", "--config=configs/plan/kimi_k2.py", "--config.mesh.expert=16"],
+               {"TPU_NAME": "my-v5p", "ZONE": "us-east5-a"})
+    assert tpu.returncode == 0, tpu.stderr
+    line = tpu.stdout.strip()
+    assert line.startswith("gcloud compute tpus tpu-vm ssh my-v5p --zone=us-east5-a") and "--worker=all" in line
+    assert "posttrain\\ train\\ --distributed" in line and "--config.mesh.expert=16" in line
+    slurm = _run(["bash", "launch/slurm_gpu.sbatch", "--dry-run", "--config=configs/plan/deepseek_v3.py"])
+    assert slurm.returncode == 0, slurm.stderr
+    assert slurm.stdout.strip() == ("srun --kill-on-bad-exit=1 .venv/bin/posttrain train --distributed --noprogress "
+                                    "--config=configs/plan/deepseek_v3.py")
