@@ -1,0 +1,41 @@
+"""posttrain: JAX-native post-training (GRPO with verifiable rewards) for language models.
+
+The public API, re-exported lazily (importing `posttrain` loads nothing heavy until a name is used):
+
+  load_pretrained, export_hf                       models from GGUF / HF directories, and back to HF
+  Transformer, ModelConfig, get_preset             the Flax NNX decoder and its shapes
+  SamplingParams, sample, pad_prompts              the jitted KV-cache sampler
+  ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS,        the GRPO math, selected by name
+  AGGREGATIONS, policy_loss, token_logprobs
+  Config, from_config_dict, default_config,        run configuration and the validated run plan
+  make_run_plan, RunPlan, PrecisionPolicy
+  train                                            the training loop (`posttrain train` on the command line)
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "load_pretrained": "posttrain.checkpoints", "export_hf": "posttrain.checkpoints.export",
+    "Transformer": "posttrain.model.transformer", "ModelConfig": "posttrain.model.config",
+    "get_preset": "posttrain.model.presets",
+    "SamplingParams": "posttrain.sampler", "sample": "posttrain.sampler", "pad_prompts": "posttrain.sampler",
+    "ADVANTAGES": "posttrain.advantages", "POLICY_LOSSES": "posttrain.losses", "KL_ESTIMATORS": "posttrain.losses",
+    "AGGREGATIONS": "posttrain.losses", "policy_loss": "posttrain.losses", "token_logprobs": "posttrain.logprobs",
+    "Config": "posttrain.config", "from_config_dict": "posttrain.config", "default_config": "posttrain.config",
+    "make_run_plan": "posttrain.run_plan", "RunPlan": "posttrain.run_plan", "PrecisionPolicy": "posttrain.precision",
+    "train": "posttrain.loop",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'posttrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
