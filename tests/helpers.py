@@ -9,9 +9,9 @@ from posttrain.model.transformer import Transformer
 
 
 def random_model(preset, seed=0, std=0.2, **overrides):
-    """(cfg, graphdef, state) of a preset (fields replaced by `overrides`) with random weights: norms ~ 1 + 0.2 N(0,1), DeepSeek's selection bias
-    ~ 0.3 N(0,1), every other weight std * N(0,1). Drawn with numpy into the abstract state (fast: no init
-    compile), so logits, routing and rotary terms are far from zero."""
+    """(cfg, graphdef, state) of a preset (fields replaced by `overrides`) with random weights: norms ~ 1 +
+    0.2 N(0,1), DeepSeek's selection bias ~ 0.3 N(0,1), every other weight std * N(0,1). Drawn with numpy into
+    the abstract state (fast: no init compile), so logits, routing and rotary terms are far from zero."""
     cfg = get_preset(preset, **overrides)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     rng = np.random.default_rng(seed)

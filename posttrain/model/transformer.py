@@ -145,7 +145,7 @@ class Transformer(nnx.Module):
         def make_attn(r):
             if cfg.mla is not None:
                 return MLAttention(d_model=D, num_heads=cfg.num_heads, mla=cfg.mla, rope=cfg.rope,
-                                         norm_eps=cfg.norm_eps, dtype=self.dtype, param_dtype=pdt, rngs=r, lora=cfg.lora,
+                                   norm_eps=cfg.norm_eps, dtype=self.dtype, param_dtype=pdt, rngs=r, lora=cfg.lora,
                                    matmul_precision=cfg.matmul_precision)
             return Attention(d_model=D, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                              head_dim=cfg.head_dim, rope=cfg.rope, qk_norm=cfg.qk_norm, bias=cfg.attention_bias,
