@@ -104,7 +104,8 @@ def read_raw(file: pathlib.Path, header: tuple[dict, int], name: str) -> np.ndar
 class Dequantized:
     """A tensor mapping (`convert.SafetensorsDir`) whose fp8 weights come out dequantised to float32.
 
-    A name with a `<name>_scale_inv` sibling is read as `dequantize(weight, scale)`; other names pass through.
+    A float8 tensor is read as `dequantize(weight, <name>_scale_inv)` (quantised = stored as float8, as DeepSeek-V3's
+    `inference/fp8_cast_bf16.py` decides); other names pass through.
     `shape(name)` checks the pairing from the headers alone (nothing is read). block None (no quantization_config)
     makes any float8 tensor an error. Errors (ValueError, naming the tensor): a float8 weight without its scale, a
     scale of the wrong shape, a float8 tensor in a file whose config.json has no quantization_config.
@@ -127,11 +128,11 @@ class Dequantized:
                 raise ValueError(f"tensor {name!r} is {self.tensors.dtype(name)} but config.json has no "
                                  "quantization_config (expected fp8 weight_block_size)")
             return None
-        if scale in self.tensors:
-            return scale
-        if is_f8:
+        if not is_f8:  # a scale next to an unquantised weight is read by nothing (check_unused names it)
+            return None
+        if scale not in self.tensors:
             raise ValueError(f"tensor {name!r} is {self.tensors.dtype(name)} but its scale {scale!r} is missing")
-        return None
+        return scale
 
     def shape(self, name: str) -> tuple:
         """The shape `name` is read with; for a quantised weight, also checks its scale's shape."""
@@ -152,4 +153,5 @@ class Dequantized:
 
     def scales_of(self, names: Iterable[str]) -> set[str]:
         """The `_scale_inv` tensors consumed by reading `names` (so `check_unused` does not report them)."""
-        return {n + SCALE_SUFFIX for n in names if self.block is not None and n + SCALE_SUFFIX in self.tensors}
+        return {n + SCALE_SUFFIX for n in names if self.block is not None and n in self.tensors
+                and self.tensors.dtype(n).startswith("F8") and n + SCALE_SUFFIX in self.tensors}
