@@ -14,6 +14,7 @@ import types
 import typing
 from typing import Any, Mapping
 
+from posttrain.curriculum import CurriculumConfig
 from posttrain.model.config import LoRAConfig, MLAConfig, ModelConfig, MoEConfig, RopeConfig  # noqa: F401
 
 
@@ -174,6 +175,8 @@ class Config:
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     train: TrainConfig = TrainConfig()
+    # difficulty curriculum per domain (ReasoningGym-v0 levels; posttrain.curriculum), off unless enabled
+    curriculum: CurriculumConfig = CurriculumConfig()
 
 
 _CHOICES = {
@@ -239,8 +242,8 @@ def _convert(cls, value, path: str):
         kwargs = {k: _convert(hints[k], v, f"{path}.{k}".lstrip(".")) for k, v in value.items()}
         try:
             return cls(**kwargs)
-        except TypeError as e:
-            raise ConfigError(f"{path or 'config'}: {e}") from e
+        except (TypeError, ValueError) as e:  # the dataclass's own validation
+            raise ConfigError(f"{path or 'config'}: {' '.join(str(e).split())}") from e
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(cls)
         if value is None and type(None) in args:

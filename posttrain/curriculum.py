@@ -29,6 +29,7 @@ class CurriculumConfig:
     counts as a pass (partial credit below it does not); weighting: "fixed" | "learning_progress"; lp_fast/lp_slow:
     EMA rates (0 < lp_slow < lp_fast <= 1); lp_floor: weight share every domain keeps (> 0)."""
 
+    enabled: bool = False  # the run config's switch (`curriculum.enabled`); the class works either way
     low: float = 0.2
     high: float = 0.8
     step: int = 1

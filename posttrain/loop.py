@@ -99,6 +99,17 @@ def collect(run: "setup.Run", step: int, sample_fn) -> tuple[list, dict]:
     return [s for g in kept for s in g], perf
 
 
+def advance_curriculum(run: "setup.Run", samples) -> dict:
+    """Feeds this step's rewards (infra errors excluded) to the curriculum; domains whose level moved get their
+    tasks at the new level from the next step on; mix weights follow it. Returns the curriculum/* metrics."""
+    cur = run.curriculum
+    moved = cur.update({d: [s.reward for s in samples if s.domain == d and s.status != "infra_error"]
+                        for d in cur.names})
+    setup.apply_levels(cur, run.train_specs, run.scheduler, [d for d in moved if cur.max_levels[d] > 0])
+    run.scheduler.set_weights(cur.weights())
+    return cur.metrics()
+
+
 def archive(run: "setup.Run", step: int, samples) -> None:
     path = run.workdir / "trajectories" / f"step_{step:06d}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -149,6 +160,8 @@ def train(cfg: Config | RunPlan, *, workdir: str | None = None, progress: bool =
     for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
         samples, perf = collect(run, step, make_sample_fn(run, sampling))
+        if run.curriculum is not None:
+            perf.update(advance_curriculum(run, samples))
         batch, roll = batching.assemble(samples, group_size=cfg.rl.group_size, advantage=cfg.rl.advantage,
                                         pad_id=run.tokenizer.pad_id, packed=cfg.rl.packed,
                                         overlong_filter=cfg.rl.overlong_filter, prompt_bucket=cfg.sampling.prompt_bucket,

@@ -73,6 +73,24 @@ class TaskScheduler:
                 cur.epoch, cur.index = cur.epoch + 1, 0
         return out
 
+    def set_source(self, name: str, source) -> None:
+        """Replaces domain `name`'s task source (e.g. the same tasks at a new curriculum level), keeping its cursor.
+
+        Raises ValueError for an unknown domain or a source of another size (the cursor indexes its pass order)."""
+        if name not in self.sources:
+            raise ValueError(f"unknown domain {name!r}; known {self.names}")
+        if source.num_tasks != self.sources[name].num_tasks:
+            raise ValueError(f"domain {name!r}: new source has {source.num_tasks} tasks, the old one "
+                             f"{self.sources[name].num_tasks}")
+        self.sources[name] = source
+
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """New mix weights (one > 0 per domain), e.g. from a learning-progress curriculum."""
+        if set(weights) != set(self.names) or any(not w > 0 for w in weights.values()):
+            raise ValueError(f"weights must give a positive weight for each of {self.names}, got {dict(weights)}")
+        w = np.asarray([weights[n] for n in self.names], np.float64)
+        self.probs = w / w.sum()
+
     def state_dict(self) -> dict:
         return {"seed": self.seed, "cursors": {n: dataclasses.asdict(c) for n, c in self.cursors.items()}}
 

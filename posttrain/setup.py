@@ -43,6 +43,7 @@ class Run:
     train_specs: dict
     eval_episodes: dict
     row_multiple: int
+    curriculum: Any = None  # posttrain.curriculum.DifficultyCurriculum when curriculum.enabled
 
     def policy_state(self):
         """The current policy's nnx states for the sampler (adapters, base, rest under LoRA)."""
@@ -52,7 +53,10 @@ class Run:
         return jax.tree.map(distributed.global_array, batch, batch_shardings(self.mesh, batch))
 
     def checkpoint_meta(self) -> dict:
-        return {"scheduler": self.scheduler.state_dict(), "config": to_dict(self.cfg)}
+        meta = {"scheduler": self.scheduler.state_dict(), "config": to_dict(self.cfg)}
+        if self.curriculum is not None:
+            meta["curriculum"] = self.curriculum.state_dict()
+        return meta
 
     def close(self):
         if hasattr(self.runner, "close"):
@@ -116,6 +120,15 @@ def task_sources(specs) -> dict:
     return out
 
 
+def apply_levels(curriculum, train_specs: dict, scheduler: TaskScheduler, domains) -> None:
+    """Puts each of `domains` at its curriculum level: its env spec gets kwargs["level"] (episodes are built from
+    the specs) and the scheduler gets the task source of that level (same tasks, same cursor)."""
+    for d in domains:
+        spec = train_specs[d]
+        train_specs[d] = dataclasses.replace(spec, kwargs={**dict(spec.kwargs), "level": curriculum.levels[d]})
+        scheduler.set_source(d, task_sources({d: train_specs[d]})[d][2])
+
+
 def build(cfg: Config | RunPlan, workdir: str | None = None) -> Run:
     """Builds (or restores) everything a run needs, from its plan (made here from a Config when given one).
 
@@ -150,11 +163,21 @@ def build(cfg: Config | RunPlan, workdir: str | None = None) -> Run:
     evals = eval_episodes(task_sources(cfg.env.eval), cfg.eval.num_tasks) if cfg.env.eval else {}
     ckpt = Checkpointer(workdir / "checkpoints", every_steps=cfg.checkpoint.every_steps, keep=cfg.checkpoint.keep,
                         async_save=cfg.checkpoint.async_save)
+    train_specs, cur = dict(cfg.env.train), None
+    if cfg.curriculum.enabled:
+        from posttrain.curriculum import from_env_specs
+
+        cur = from_env_specs(train_specs, cfg.curriculum)
     latest = ckpt.latest_step()
     if latest is not None:
         state, meta = ckpt.restore(None, state)  # newest usable step (falls back past a corrupt one)
         scheduler.load_state_dict(meta["scheduler"])
+        if cur is not None:
+            cur.load_state_dict(meta["curriculum"])
+    if cur is not None:  # every curriculum domain's tasks at its (start or restored) level
+        apply_levels(cur, train_specs, scheduler, [d for d in cur.names if cur.max_levels[d] > 0])
+        scheduler.set_weights(cur.weights())
     return Run(cfg=cfg, plan=plan, model_config=mcfg, workdir=workdir, mesh=mesh, tokenizer=tokenizer,
                graphdef=graphdef, state=state, train_step=train_step, step_opts=opts, checkpointer=ckpt,
-               scheduler=scheduler, runner=make_runner(cfg), train_specs=dict(cfg.env.train), eval_episodes=evals,
+               scheduler=scheduler, runner=make_runner(cfg), train_specs=train_specs, curriculum=cur, eval_episodes=evals,
                row_multiple=plan.row_multiple)

@@ -1,6 +1,7 @@
 """Training faults the loop must survive or stop on cleanly: non-finite steps are skipped, logged and counted,
 and a run of them stops with a checkpoint; dynamic-sampling and truncated-sampling reporting."""
 import json
+import pathlib
 
 import pytest
 
@@ -72,3 +73,56 @@ def test_truncated_sampling_warns():
     assert loop.truncation_warning(tiny_config("/tmp/x")) is None
     assert "top_p=0.9" in loop.truncation_warning(tiny_config("/tmp/x", **{"sampling.top_p": 0.9}))
     assert "top_k=20" in loop.truncation_warning(tiny_config("/tmp/x", **{"sampling.top_k": 20}))
+
+
+def test_advance_curriculum_moves_specs_and_task_sources():
+    """A failing step moves chain_sum from level 2 to 1: its env spec and task source follow, weights stay valid."""
+    import types
+
+    from posttrain import setup
+    from posttrain.config import EnvSpec
+    from posttrain.curriculum import CurriculumConfig, from_env_specs
+    from posttrain.rollout import Sample
+    from posttrain.scheduler import TaskScheduler
+
+    spec = EnvSpec(id="posttrain/ReasoningGym-v0", weight=1.0,
+                   kwargs={"dataset": "chain_sum", "config": "{}", "level": 2, "size": 50, "split": "train"})
+    specs = {"chain": spec}
+    cur = from_env_specs(specs, CurriculumConfig(enabled=True, window=8, min_episodes=8))
+    source = setup.task_sources(specs)["chain"][2]
+    scheduler = TaskScheduler({"chain": source}, {"chain": 1.0})
+    run = types.SimpleNamespace(curriculum=cur, train_specs=dict(specs), scheduler=scheduler)
+    m = loop.advance_curriculum(run, [Sample(domain="chain", group=0, prompt_ids=[], reward=0.0, status="ok")] * 8)
+    assert m["curriculum/chain/level"] == 1.0 and run.train_specs["chain"].kwargs["level"] == 1
+    assert scheduler.sources["chain"] is not source and scheduler.sources["chain"].num_tasks == source.num_tasks
+    assert scheduler.sources["chain"].get_task(0) != source.get_task(0)  # the level-1 task differs
+    m = loop.advance_curriculum(run, [Sample(domain="chain", group=0, prompt_ids=[], reward=0.0, status="infra_error")] * 8)
+    assert m["curriculum/chain/level"] == 1.0  # infra errors are not failures
+
+
+@pytest.mark.slow  # ~1-2 min: several sampler compiles as prompts change with the level
+def test_curriculum_moves_levels_in_the_loop_and_resumes(tmp_path):
+    """chain_sum starts at level 2; a random tiny model passes nothing, so with window = min_episodes = 16 (one
+    step's episodes) the level falls one step per step, the env specs follow, and a resumed run keeps it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reasoning_tiny", pathlib.Path(__file__).resolve().parents[2]
+                                                  / "configs" / "reasoning_tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    chain = c.env.train["reasoning_gym/chain_sum"]
+    chain.kwargs.level = 2
+    c.env.train = {"reasoning_gym/chain_sum": chain}
+    c.env.eval = {}
+    c.eval.at_start = c.eval.at_end = False
+    c.curriculum.enabled, c.curriculum.window, c.curriculum.min_episodes = True, 16, 16
+    c.train.workdir, c.checkpoint.async_save, c.checkpoint.every_steps = str(tmp_path), False, 1
+    c.sampling.max_new_tokens = 4
+    for steps in (2, 3):
+        c.train.steps = steps
+        loop.train(from_config_dict(c), progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    levels = [r["curriculum/reasoning_gym/chain_sum/level"] for r in rows if "curriculum/reasoning_gym/chain_sum/level" in r]
+    moves = [r["curriculum/reasoning_gym/chain_sum/moves"] for r in rows if "curriculum/reasoning_gym/chain_sum/moves" in r]
+    assert levels == [1.0, 0.0, 0.0] and moves == [1.0, 2.0, 2.0]  # step 3 ran after a resume: state restored
