@@ -188,7 +188,8 @@ def arrays_to_hf(cfg: ModelConfig, arrays: Mapping[tuple, np.ndarray]) -> dict[s
 
 # --------------------------------------------------------------------------------------------- placing
 def place(cfg: ModelConfig, arrays_fn: Callable[[dict], dict], mesh=None, rules=mesh_lib.RULES, seed: int = 0):
-    """Builds the abstract model, gets arrays from `arrays_fn(expected_shapes)`, and places them sharded."""
+    """Builds the abstract model, gets {path: np.ndarray or `Lazy`} from `arrays_fn(expected_shapes)`, and places
+    each parameter sharded (a `Lazy` one is read inside `jax.make_array_from_callback`, one shard at a time)."""
     import jax.numpy as jnp
 
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
