@@ -125,9 +125,9 @@ def test_kimi_k2_keys_are_covered_by_deepseek_v3():
     known = ({f.name for f in dataclasses.fields(cls)} | set(cls.attribute_map) | GENERIC | set(FIELDS["deepseek_v3"])
              | set(ALIASES["deepseek_v3"]) | {"quantization_config"})
     assert not sorted(set(KIMI_K2) - known)
-    with pytest.raises(ValueError, match="quantization_config .*fp8"):
-        config_from_hf(KIMI_K2)
-    cfg = config_from_hf({k: v for k, v in KIMI_K2.items() if k != "quantization_config"})
+    assert hf_config.normalized(KIMI_K2)["weight_block_size"] == (128, 128)  # FP8 blocks: read, dequantised on load
+    cfg = config_from_hf(KIMI_K2)
+    assert cfg == config_from_hf({k: v for k, v in KIMI_K2.items() if k != "quantization_config"})
     assert cfg.name == "kimi_k2" and cfg.param_dtype == "bfloat16"
     assert (cfg.moe.num_experts, cfg.moe.num_groups, cfg.moe.topk_groups, cfg.moe.routed_scaling_factor,
             cfg.moe.first_k_dense, cfg.num_heads) == (384, 1, 1, 2.827, 1, 64)
