@@ -106,7 +106,8 @@ def _opaque(fn, *static):
     of the loop and stacks it over all [I, J] block pairs: [I, J, B, K, G, Q, C] buffers, the very score-sized
     memory this module avoids (measured: 4 x 64 GiB at 4 x 16,384 tokens). A checkpoint that saves nothing keeps
     the loops whole."""
-    return jax.checkpoint(lambda *arrays: fn(*arrays, *static), policy=jax.checkpoint_policies.nothing_saveable)
+    return jax.checkpoint(lambda *arrays: fn(*arrays, *static), policy=jax.checkpoint_policies.nothing_saveable,
+                          prevent_cse=False)
 
 
 def _forward(q_IxBxKxGxQxH, k_JxBxKxCxH, v_JxBxKxCxE, seg_q, br_q, seg_k, br_k, scale, prec):

@@ -7,7 +7,8 @@ Two entry points share every layer:
   * `hidden_states(tokens, positions, segment_ids, branch_ids)`: teacher-forced pass over (possibly packed)
     sequences. Token i may attend to token j <= i iff both have the same non-zero segment id and j's branch
     is 0 (the shared prefix) or equal to i's branch. Branches let one prompt be followed by its G completions
-    in one row, so the prompt is computed (forward and backward) once per group.
+    in one row, so the prompt is computed (forward and backward) once per group. Rows of at least
+    `flash.BLOCKWISE_MIN_LEN` tokens run blockwise attention (`posttrain.model.flash`): the mask stays ids.
   * `prefill` + `decode_step`: the KV-cache path used by the sampler. The prompt's cache is computed once per
     prompt and read by all G samples (`attention.Source(group=G)`); each sample appends to its own cache.
 Layers are stacked on a leading `layers` axis and applied with `jax.lax.scan` (optionally rematerialised).
