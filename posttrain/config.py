@@ -341,7 +341,7 @@ def env_spec(env_id: str, weight: float = 1.0, **kwargs):
 def plan_config(preset: str, variant: str = "full", *, mesh: Mapping[str, int] | None = None):
     """The config of a `posttrain plan` dry run (configs/plan/*.py) for a model preset: one GRPO step on a global
     batch of 256 sequences x 4096 tokens (16 prompts x 16 samples, unpacked rows of 512 prompt tokens with
-    `--prompt_len=512` + 3584 completion tokens), bf16 compute, full remat, 16 accumulation microbatches.
+    `--prompt_len=512` + 3584 completion tokens), bf16 compute, full remat, no accumulation microbatches.
 
     variant "full": float32 master weights and Adam moments; "lora": rank-64 adapters on the dense projections,
     frozen bf16 base weights (select it with `--config=configs/plan/<model>.py:lora`). mesh: axis sizes (default
@@ -355,7 +355,7 @@ def plan_config(preset: str, variant: str = "full", *, mesh: Mapping[str, int] |
     c.model.param_dtype = "float32" if variant == "full" else "bfloat16"
     c.model.remat = "full"
     c.env.train = {"arithmetic": env_spec("posttrain/Arithmetic-v0")}  # a plan compiles the step only
-    c.rl.prompts_per_step, c.rl.group_size, c.rl.packed, c.rl.num_microbatches = 16, 16, False, 16
+    c.rl.prompts_per_step, c.rl.group_size, c.rl.packed = 16, 16, False  # 256 rows: one per device on 256
     c.sampling.max_new_tokens = 4096 - 512
     for axis, size in dict(mesh or {"fsdp": -1}).items():
         setattr(c.mesh, axis, size)

@@ -70,7 +70,8 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
     """Derives and validates every run setting (no I/O).
 
     num_devices / backend default to the local JAX runtime's (all processes' devices). Raises ConfigError when the
-    mesh does not fit the devices or the rows of one step do not split into minibatches x microbatches x shards.
+    mesh does not fit the devices or the rows of one step (prompts, or prompts x group size when rows are not
+    packed) do not split into minibatches x microbatches x batch shards.
     """
     import jax
 
@@ -83,10 +84,11 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
     rl = cfg.rl
     rows = rl.prompts_per_step if (rl.packed and cfg.env.max_turns == 1) else rl.prompts_per_step * rl.group_size
     split = rl.minibatches * rl.num_microbatches * shards
-    if rl.minibatches > 1 and rows % (rl.minibatches * rl.num_microbatches):
-        raise ConfigError(f"rl.minibatches={rl.minibatches} x rl.num_microbatches={rl.num_microbatches} must divide the "
-                          f"{rows} rows of a step (rl.prompts_per_step={rl.prompts_per_step}"
-                          f"{'' if rows == rl.prompts_per_step else f' x rl.group_size={rl.group_size}'})")
+    if rows % split:  # padding would add whole fake rows to every microbatch on every device
+        raise ConfigError(f"the {rows} rows of a step (rl.prompts_per_step={rl.prompts_per_step}"
+                          f"{'' if rows == rl.prompts_per_step else f' x rl.group_size={rl.group_size}'}) do not divide "
+                          f"into rl.minibatches={rl.minibatches} x rl.num_microbatches={rl.num_microbatches} x "
+                          f"{shards} batch shards of the mesh {shape}: change one of them")
     try:
         sampling = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
                                   top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k)
