@@ -174,7 +174,7 @@ def plan_train_step(cfg, target: str, *, prompt_len: int = 128) -> dict:
             raise
         report = aot.MemoryReport(per_device_bytes(state), per_device_bytes(state), int(float(needed.group(1)) * 1e9),
                                   per_device_bytes(state), [])
-        seconds, log = float("nan"), str(e)
+        seconds, log = None, str(e)
     fl = flops_lib.train_step_flops(model_cfg, state.params if not cfg.lora.rank else
                                     flops_lib.abstract_model_state(model_cfg), batch, lora=bool(cfg.lora.rank))
     n = len(devices)
@@ -187,7 +187,7 @@ def plan_train_step(cfg, target: str, *, prompt_len: int = 128) -> dict:
            "gradients_gib": per_device_bytes(state.params) / aot.GIB,
            "frozen_gib": per_device_bytes((state.frozen, state.ref_params)) / aot.GIB,
            **report.as_dict(), "hbm_gib": hbm / aot.GIB, "fits": report.peak <= 0.9 * hbm,
-           "compile_s": round(seconds, 1), "flops_per_step": fl.total,
+           "compile_s": None if seconds is None else round(seconds, 1), "flops_per_step": fl.total,
            "step_s_estimate": fl.total / n / peak if peak else None,
            "involuntary_remat": "Involuntary full rematerialization" in log,
            "compiler_refused": "RESOURCE_EXHAUSTED" in log}
