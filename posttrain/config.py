@@ -344,7 +344,7 @@ def plan_config(preset: str, variant: str = "full", *, mesh: Mapping[str, int] |
     `--prompt_len=512` + 3584 completion tokens), bf16 compute, full remat, no accumulation microbatches.
 
     variant "full": float32 master weights and Adam moments; "lora": rank-64 adapters on the dense projections,
-    frozen bf16 base weights (select it with `--config=configs/plan/<model>.py:lora`). mesh: axis sizes (default
+    frozen bf16 base weights, 4 accumulation microbatches (select it with `--config=configs/plan/<model>.py:lora`). mesh: axis sizes (default
     all devices on fsdp). Raises ConfigError for another variant.
     """
     if variant not in ("full", "lora"):
@@ -359,7 +359,7 @@ def plan_config(preset: str, variant: str = "full", *, mesh: Mapping[str, int] |
     c.sampling.max_new_tokens = 4096 - 512
     for axis, size in dict(mesh or {"fsdp": -1}).items():
         setattr(c.mesh, axis, size)
-    if variant == "lora":
-        c.lora.rank, c.lora.alpha = 64, 128.0
+    if variant == "lora":  # sized for 64 devices (v5p-128): 4 rows each, one per accumulation microbatch
+        c.lora.rank, c.lora.alpha, c.rl.num_microbatches = 64, 128.0, 4
     return c
 
