@@ -17,6 +17,7 @@ import re
 import tempfile
 import time
 
+import jax
 
 GIB = 1 << 30
 
@@ -89,11 +90,16 @@ def compile_with_report(lowered, top: int = 5):
 
     The largest buffers are the `top` largest distinct values in the buffer assignment (shapes as XLA prints them).
     """
-    with tempfile.TemporaryDirectory() as dump:
-        t = time.perf_counter()
-        compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_pass_re": "NOTHING"})
-        seconds = time.perf_counter() - t
-        largest = largest_buffers(pathlib.Path(dump), top)
+    cache_was_on = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # a cached executable would skip the dump
+    try:
+        with tempfile.TemporaryDirectory() as dump:
+            t = time.perf_counter()
+            compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_pass_re": "NOTHING"})
+            seconds = time.perf_counter() - t
+            largest = largest_buffers(pathlib.Path(dump), top)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache_was_on)
     m = compiled.memory_analysis()
     report = MemoryReport(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
                           m.alias_size_in_bytes, largest)

@@ -173,8 +173,12 @@ def cmd_plan(f) -> int:
     from posttrain.plan import plan_train_step
 
     cfg = _load_config(f)
+    from posttrain.config import ConfigError
+
     try:
         report = plan_train_step(cfg, f.target, prompt_len=f.prompt_len)
+    except ConfigError:
+        raise  # main() prints it in one line with exit code 2
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"error: {' '.join(str(e).split())}") from None
     if f.json:

@@ -20,8 +20,11 @@ def _run(args, env_extra=None, timeout=300):
 
 
 def test_plan_cli_on_eight_fake_cpu_devices():
-    r = _run([sys.executable, "-m", "posttrain.cli", "plan", "--config=configs/tiny.py", "--target=cpu-8", "--json",
-              "--prompt_len=16"])
+    cmd = [sys.executable, "-m", "posttrain.cli", "plan", "--config=configs/tiny.py", "--target=cpu-8", "--json",
+           "--prompt_len=16"]
+    r = _run(cmd)  # tiny.py has 4 prompts per step: they do not split over 8 devices
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: the 4 rows of a step")
+    r = _run(cmd + ["--config.rl.prompts_per_step=8"])
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["devices"] == 8 and out["mesh"]["fsdp"] == 8 and out["fits"] is True
