@@ -52,10 +52,10 @@ def _train_grad_hlo(preset: str, matmul_precision: str) -> str:
     return jax.jit(jax.grad(loss)).lower(state).as_text()
 
 
-@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-deepseek"])
-def test_model_policy_sets_every_dot_forward_and_backward(preset):
-    """With JAX's default left at DEFAULT, the model's own "highest" reaches every dot: attention, projections,
-    SwiGLU's hand-written backward, MoE expert matmuls, the chunked logprob custom VJP."""
+def test_model_policy_sets_every_dot_forward_and_backward(preset="tiny-deepseek"):
+    """With JAX's default left at DEFAULT, the model's own "highest" reaches every dot: MLA attention, projections,
+    SwiGLU's hand-written backward (its first layer is dense, and it has shared experts), MoE expert matmuls, the
+    chunked logprob custom VJP. (The blockwise attention's custom VJP: tests/posttrain/model.)"""
     with jax.default_matmul_precision("default"):
         pinned = dot_precisions(_train_grad_hlo(preset, "highest"))
         free = dot_precisions(_train_grad_hlo(preset, "default"))
