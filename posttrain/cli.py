@@ -220,7 +220,8 @@ def main(argv=None) -> int:
     from posttrain.config import ConfigError
 
     distributed.initialize(True if f.distributed else None)
-    _enable_compilation_cache()
+    if command != "plan":  # a plan measures a real compile (time, buffer report): no persistent cache
+        _enable_compilation_cache()
     try:
         return {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "convert": cmd_convert,
                 "domains": cmd_domains, "plan": cmd_plan}[command](f)
