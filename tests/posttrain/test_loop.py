@@ -12,7 +12,8 @@ import pytest
 from envs import base
 from posttrain import loop
 from posttrain.checkpoints.orbax import Checkpointer
-from posttrain.config import default_config, env_spec, from_config_dict
+from posttrain.config import from_config_dict
+from helpers import tiny_config
 
 
 class DigitEnv(base.TextEnv):
@@ -44,24 +45,6 @@ def compilation_cache(tmp_path_factory):
 
     jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla")))
     yield
-
-
-def tiny_config(workdir, **over):
-    c = default_config()
-    c.model.preset = "tiny-dense"
-    c.model.overrides = {"vocab_size": 320}
-    c.env.train = {"arith": env_spec("posttrain/Arithmetic-v0", split="train", digits=1, num_test=20)}
-    c.rl.group_size, c.rl.prompts_per_step = 4, 4
-    c.sampling.max_new_tokens = 6
-    c.optim.lr = 1e-3
-    c.eval.at_start = c.eval.at_end = False
-    c.train.workdir = str(workdir)
-    c.checkpoint.every_steps = 2
-    c.checkpoint.async_save = False
-    for k, v in over.items():
-        section, key = k.split(".")
-        setattr(getattr(c, section), key, v)
-    return from_config_dict(c)
 
 
 def read(workdir):

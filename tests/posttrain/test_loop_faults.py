@@ -7,23 +7,8 @@ import pytest
 
 from posttrain import loop
 from posttrain.checkpoints.orbax import Checkpointer
-from posttrain.config import default_config, env_spec, from_config_dict
-
-
-def tiny_config(workdir, **over):
-    c = default_config()
-    c.model.preset = "tiny-dense"
-    c.model.overrides = {"vocab_size": 320}
-    c.env.train = {"arith": env_spec("posttrain/Arithmetic-v0", split="train", digits=1, num_test=20)}
-    c.rl.group_size, c.rl.prompts_per_step = 4, 4
-    c.sampling.max_new_tokens = 4
-    c.eval.at_start = c.eval.at_end = False
-    c.train.workdir = str(workdir)
-    c.checkpoint.async_save = False
-    for k, v in over.items():
-        section, key = k.split(".")
-        setattr(getattr(c, section), key, v)
-    return from_config_dict(c)
+from posttrain.config import from_config_dict
+from helpers import tiny_config
 
 
 def test_consecutive_nonfinite_steps_stop_the_run_with_a_checkpoint(tmp_path, caplog):
