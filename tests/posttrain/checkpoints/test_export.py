@@ -103,13 +103,11 @@ def test_dtype_and_shards_are_honoured(tmp_path):
 
 
 def test_smollm2_tokenizer_exports_for_transformers(tmp_path):
-    from posttrain.checkpoints.gguf import default_model_path, read_gguf_metadata
+    from helpers import smollm2_path
 
-    try:
-        path = default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    tok = Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
+    from posttrain.checkpoints.gguf import read_gguf_metadata
+
+    tok = Tokenizer.from_gguf_metadata(read_gguf_metadata(smollm2_path()))
     save_tokenizer(tok, tmp_path)
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     chat = CHAT + [{"role": "assistant", "content": "42"}, {"role": "user", "content": "x\n 1 <|im_end|> é 日本"}]
