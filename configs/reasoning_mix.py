@@ -26,6 +26,10 @@ def get_config():
     c.env.eval = mix(EASY, "test", size=10_000, num_test=50)
     c.rl.group_size = 8
     c.rl.prompts_per_step = 16
+    # 16 packed rows of ~1,700 tokens: without remat and accumulation the first update took 24 GB and was killed on
+    # the 2-core, 24 GB CPU machine; 8 microbatches of 2 rows with matmul outputs kept (as the quickstart does)
+    c.rl.num_microbatches = 8
+    c.model.remat = "dots"
     c.sampling.max_new_tokens = 192
     c.sampling.temperature = 1.0
     c.eval.max_new_tokens = 192
