@@ -141,8 +141,9 @@ def train(cfg: Config | RunPlan, *, workdir: str | None = None, progress: bool =
     Raises ConfigError (before any work) for a config that makes no valid run plan, and NonFiniteError (after
     saving a checkpoint) when `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
     plan = cfg if isinstance(cfg, RunPlan) else make_run_plan(cfg, workdir=workdir)
-    if truncation_warning(plan.cfg):
-        metrics_lib.log.warning(truncation_warning(plan.cfg))
+    warning = truncation_warning(plan.cfg)
+    if warning:
+        metrics_lib.log.warning(warning)
     run = setup.build(plan)
     cfg, start = run.cfg, int(run.state.step)
     main = distributed.is_main_process()  # process 0 writes metrics, plots, trajectories and the summary
