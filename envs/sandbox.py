@@ -291,11 +291,15 @@ def _run_in(host_dir, storage, uid, files, argv, limits, stdin, isolation, t0) -
     rc = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
     return _classify(limits, started=status_bytes.startswith(b"x"), why=why, killed=killed, rc=rc, stdout=out,
                      stderr=err, wall=time.monotonic() - t0, cpu=_program_cpu_s(status_bytes, usage),
-                     disk_full=_disk_full(fs_root))
+                     disk_full=_disk_full(fs_root) or (fs_root is not None and rc == 128 + signal.SIGBUS))
 
 
 def _disk_full(fs_root: str | None) -> bool:
-    """Whether the sandbox's capped fs (cwd + /tmp + /dev/shm) has (almost) no space or inodes left."""
+    """Whether the sandbox's capped fs (cwd + /tmp + /dev/shm) has (almost) no space or inodes left.
+
+    Read after the run, so a program that filled the fs and freed it on the way out (Python's
+    resource_tracker unlinks leaked /dev/shm segments) is not seen here; touching a tmpfs-backed mapping
+    past the cap raises SIGBUS, which `run` therefore also counts as a disk limit when the fs is capped."""
     if fs_root is None:
         return False
     try:
