@@ -65,7 +65,14 @@ class MoEConfig:
     score_bias: aux-loss-free load balancing (DeepSeek-V3 §2.1.2): a per-expert bias added to the scores for
       expert *selection* only, nudged by `bias_update_rate * sign(mean_load - load)` after each step.
     first_k_dense: the first k layers use a dense MLP of `dense_mlp_dim` (DeepSeek's first_k_dense_replace).
-    capacity_factor: None means dropless (every routed token is computed); dispatch is sort + ragged_dot.
+    How the experts run (settings of the run, not of the checkpoint; `setup` copies them from `model.moe_*`):
+    gmm_impl: the grouped matmul of the expert MLPs (`posttrain.model.gmm.IMPLS`; "auto" picks per backend).
+    capacity_factor: None means dropless (every routed token is computed); a float c > 0 gives every expert
+      fixed [C = ceil(c * tokens * k / E)] slots, tokens over capacity are dropped and counted
+      (`moe/dropped_frac`).
+    ep_capacity_factor: under expert parallelism without a ragged all-to-all (CPU), each expert shard receives
+      at most ceil(ep_capacity_factor * tokens * k / shards) rows from each source shard; rows over it are
+      dropped and counted (`moe/ep_dropped_frac`).
     """
 
     num_experts: int
@@ -84,6 +91,8 @@ class MoEConfig:
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     capacity_factor: float | None = None
+    gmm_impl: str = "auto"
+    ep_capacity_factor: float = 2.0
 
     def __post_init__(self):
         if self.scoring not in ("softmax", "sigmoid"):
@@ -95,8 +104,10 @@ class MoEConfig:
                              f"1 <= topk_groups={self.topk_groups} <= num_groups")
         if self.first_k_dense and self.dense_mlp_dim <= 0:
             raise ValueError("first_k_dense > 0 needs dense_mlp_dim > 0")
-        if self.capacity_factor is not None:
-            raise ValueError("capacity_factor is not supported: dispatch is dropless (set it to None)")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"MoEConfig.capacity_factor={self.capacity_factor}; expected None (dropless) or > 0")
+        if not self.ep_capacity_factor > 0:
+            raise ValueError(f"MoEConfig.ep_capacity_factor={self.ep_capacity_factor}; expected > 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
