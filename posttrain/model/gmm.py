@@ -1,0 +1,157 @@
+"""Grouped matmul for Mixture-of-Experts: rows sorted by expert, each contiguous group times its expert's weight.
+
+Dimension legend: M rows (token-expert assignments, sorted by expert), D input features, F output features,
+E groups (experts), G = E + 1 (the last group holds rows that belong to no expert), Nb padded blocks of `block`
+rows, C expert capacity (rows per expert in the capacity layout).
+
+    y[r] = x[r] @ w[e(r)]   for the rows r of group e (rows sizes[0] + ... + sizes[E-1] onward: y[r] = 0)
+
+One function, `grouped_matmul(x_MxD, w_ExDxF, sizes_E, impl=...)`, with interchangeable implementations
+(`IMPLS`), all equal to `reference` in values and gradients:
+
+- "ragged": `jax.lax.ragged_dot` (XLA). Fine on CPU; on an H200 it measured 177x slower than a dense dot of the
+  same FLOPs, and XLA:GPU expands its weight gradient across all groups.
+- "padded": dropless padded dense. Each group is padded to a multiple of `block` rows (at most M + E * block
+  rows in all, so the bound is M / block + E blocks), every block gathers its expert's weight, and one batched
+  matmul [Nb, block, D] x [Nb, D, F] runs over the blocks; the weight gradient is the per-block gradient summed
+  back per expert (`segment_sum`). Extra memory: Nb x D x F weight copies and E x block padding rows.
+- "megablox": the TPU Pallas kernel `jax.experimental.pallas.ops.tpu.megablox.gmm` (its own custom VJP: `gmm`
+  for the input gradient, `tgmm` for the weight gradient). Runs under `interpret=True` off TPU (slow; tests).
+- "capacity": the fixed-capacity layout [E, C, D] x [E, D, F] (Switch Transformer, Fedus et al. 2021). Needs
+  every group to fit in `capacity` rows: the caller drops the rows over capacity first (`posttrain.model.moe`
+  counts them). Not dropless; opt in with `MoEConfig.capacity_factor`.
+- "auto": `auto_impl(platform)`: megablox on TPU, padded on GPU (ragged_dot is slow there), ragged on CPU.
+
+Not here yet: the Hopper Pallas kernels (`pallas.ops.gpu.ragged_dot_mgpu` forward, `transposed_ragged_dot_mgpu`
+weight gradient) need a GPU to test, so GPUs use "padded".
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("auto", "ragged", "padded", "megablox", "capacity")
+
+
+def auto_impl(platform: str | None = None) -> str:
+    """The implementation "auto" resolves to on `platform` (default: `jax.default_backend()`)."""
+    platform = platform or jax.default_backend()
+    return {"tpu": "megablox", "gpu": "padded", "cuda": "padded", "rocm": "padded"}.get(platform, "ragged")
+
+
+def default_block(rows: int, groups: int) -> int:
+    """Block rows for "padded": the padding (on average block/2 per group) stays near 1/8 of the rows, within
+    [8, 512] and a power of two (MXU/tensor-core friendly from 128 up)."""
+    target = max(rows // (4 * max(groups, 1)), 1)
+    return int(min(512, max(8, 1 << (target.bit_length() - 1))))
+
+
+def reference(x_MxD, w_ExDxF, sizes_E, *, precision=None, out_dtype=jnp.float32):
+    """Dense reference (tests): every row times every expert, masked to its own group. O(M E D F) FLOPs."""
+    M, E = x_MxD.shape[0], w_ExDxF.shape[0]
+    group_M = _group_of_rows(sizes_E, M)
+    y_ExMxF = jnp.einsum("md,edf->emf", x_MxD, w_ExDxF, precision=precision, preferred_element_type=jnp.float32)
+    onehot_MxE = jax.nn.one_hot(group_M, E, dtype=jnp.float32)  # group E (no expert) -> all zeros
+    return jnp.einsum("emf,me->mf", y_ExMxF, onehot_MxE, precision="highest").astype(out_dtype)
+
+
+def grouped_matmul(x_MxD: jax.Array, w_ExDxF: jax.Array, sizes_E: jax.Array, *, impl: str = "auto",
+                   block: int | None = None, capacity: int | None = None, precision=None,
+                   out_dtype=jnp.float32, platform: str | None = None) -> jax.Array:
+    """y[M, F] = x[r] @ w[group(r)] for rows sorted by group; rows past sum(sizes) give 0.
+
+    x_MxD: rows in the compute dtype, sorted by group. w_ExDxF: one weight per group. sizes_E: int32 [E], rows per
+    group (sum <= M). impl: one of IMPLS. block: rows per block for "padded" (default `default_block`).
+    capacity: rows per group for "capacity" (required there; every sizes[e] must be <= capacity, else rows are
+    silently lost, so the caller drops and counts them first). precision: a `jax.lax.Precision` or None (the
+    ambient default). Accumulates in float32; returns `out_dtype`.
+    Raises ValueError for an unknown impl, mismatched shapes or a missing capacity.
+    """
+    M, D = x_MxD.shape
+    E, Dw, F = w_ExDxF.shape
+    if Dw != D or sizes_E.shape != (E,):
+        raise ValueError(f"grouped_matmul: x {x_MxD.shape}, w {w_ExDxF.shape}, sizes {sizes_E.shape} do not match")
+    impl = auto_impl(platform) if impl == "auto" else impl
+    sizes_E = sizes_E.astype(jnp.int32)
+    if impl == "ragged":
+        y = jax.lax.ragged_dot(x_MxD, w_ExDxF, sizes_E, precision=precision, preferred_element_type=jnp.float32)
+    elif impl == "padded":
+        y = _padded(x_MxD, w_ExDxF, sizes_E, block or default_block(M, E), precision)
+    elif impl == "megablox":
+        y = _megablox(x_MxD, w_ExDxF, sizes_E, interpret=jax.default_backend() != "tpu")
+    elif impl == "capacity":
+        if not capacity:
+            raise ValueError("grouped_matmul(impl='capacity') needs capacity > 0")
+        y = _capacity(x_MxD, w_ExDxF, sizes_E, capacity, precision)
+    else:
+        raise ValueError(f"grouped_matmul: impl={impl!r}; expected one of {IMPLS}")
+    return y.astype(out_dtype)
+
+
+def _group_of_rows(sizes_E, M):
+    """Group id of every row [M] int32; rows past sum(sizes) get E."""
+    ends = jnp.cumsum(sizes_E)
+    return jnp.searchsorted(ends, jnp.arange(M, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
+def _padded(x_MxD, w_ExDxF, sizes_E, block, precision):
+    M, D = x_MxD.shape
+    E, _, F = w_ExDxF.shape
+    Nb = M // block + E  # sum_e ceil(s_e / block) <= sum_e (floor(s_e / block) + 1) <= M // block + E
+    starts_E = jnp.cumsum(sizes_E) - sizes_E
+    blocks_E = (sizes_E + block - 1) // block
+    pstarts_E = block * (jnp.cumsum(blocks_E) - blocks_E)  # padded start row of each group
+    # each padded slot p: its group, and the source row it holds (or M: padding)
+    block_group_Nb = jnp.searchsorted(jnp.cumsum(blocks_E), jnp.arange(Nb, dtype=jnp.int32), side="right")
+    slot_group = jnp.repeat(block_group_Nb, block, total_repeat_length=Nb * block)
+    g = jnp.minimum(slot_group, E - 1)
+    offset = jnp.arange(Nb * block, dtype=jnp.int32) - pstarts_E[g]
+    valid = (slot_group < E) & (offset < sizes_E[g])
+    src = jnp.where(valid, starts_E[g] + offset, M)
+    xp = jnp.concatenate([x_MxD, jnp.zeros((1, D), x_MxD.dtype)])[src].reshape(Nb, block, D)
+    w_blocks = w_ExDxF[jnp.minimum(block_group_Nb, E - 1)]  # [Nb, D, F]
+    yp = jnp.einsum("nbd,ndf->nbf", xp, w_blocks, precision=precision, preferred_element_type=jnp.float32)
+    # back to row order: row r sits at padded slot pstart[g] + (r - start[g])
+    group_M = _group_of_rows(sizes_E, M)
+    gm = jnp.minimum(group_M, E - 1)
+    dest = jnp.where(group_M < E, pstarts_E[gm] + jnp.arange(M, dtype=jnp.int32) - starts_E[gm], Nb * block)
+    return jnp.concatenate([yp.reshape(Nb * block, F), jnp.zeros((1, F), yp.dtype)])[dest]
+
+
+def _capacity(x_MxD, w_ExDxF, sizes_E, C, precision):
+    M, D = x_MxD.shape
+    E, _, F = w_ExDxF.shape
+    starts_E = jnp.cumsum(sizes_E) - sizes_E
+    slot = jnp.arange(C, dtype=jnp.int32)
+    src_ExC = jnp.where(slot[None, :] < sizes_E[:, None], starts_E[:, None] + slot[None, :], M)
+    xc = jnp.concatenate([x_MxD, jnp.zeros((1, D), x_MxD.dtype)])[src_ExC]  # [E, C, D]
+    yc = jnp.einsum("ecd,edf->ecf", xc, w_ExDxF, precision=precision, preferred_element_type=jnp.float32)
+    group_M = _group_of_rows(sizes_E, M)
+    gm = jnp.minimum(group_M, E - 1)
+    pos = jnp.arange(M, dtype=jnp.int32) - starts_E[gm]
+    dest = jnp.where((group_M < E) & (pos < C), gm * C + pos, E * C)
+    return jnp.concatenate([yc.reshape(E * C, F), jnp.zeros((1, F), yc.dtype)])[dest]
+
+
+@functools.cache
+def _megablox_ops():
+    from jax.experimental.pallas.ops.tpu.megablox import ops
+
+    return ops
+
+
+def _megablox(x_MxD, w_ExDxF, sizes_E, *, interpret):
+    """megablox.gmm needs M to be a multiple of the row tile: pad with rows outside every group. It leaves rows
+    outside every group uninitialised in its output and in its input gradient, so both are masked with `where`
+    (whose cotangent selects, so the garbage never reaches x's gradient)."""
+    M, D = x_MxD.shape
+    F = w_ExDxF.shape[2]
+    tm = min(128, -(-M // 8) * 8)
+    Mp = -(-M // tm) * tm
+    valid = (jnp.arange(Mp) < jnp.sum(sizes_E))[:, None]
+    xp = jnp.where(valid, jnp.pad(x_MxD, ((0, Mp - M), (0, 0))), 0).astype(w_ExDxF.dtype)
+    tiling = (tm, min(128, D), min(128, F))
+    y = _megablox_ops().gmm(xp, w_ExDxF, sizes_E, jnp.float32, tiling, None, None, False, interpret)
+    return jnp.where(valid, y, 0)[:M]
