@@ -86,8 +86,8 @@ def make_settings(quick: bool = False, steps: int = 4, posttrain_remat: str = "d
 
 
 def scheduled_questions(steps: int, prompts_per_step: int, seed: int = 0) -> list[dict]:
-    """The arithmetic tasks posttrain's loop trains on, in order: what `loop.collect` draws from its scheduler
-    (domain "arithmetic", `next_tasks(step * 1000, P)` per step, no dynamic sampling). Imports no JAX."""
+    """The arithmetic tasks posttrain's loop trains on, in order: what `rollouter.Rollouter.draw` draws from its
+    scheduler (domain "arithmetic", `next_tasks(step * 1000, P)` per step, no dynamic sampling). Imports no JAX."""
     from envs.arithmetic import ArithmeticTasks
     from posttrain.scheduler import TaskScheduler
 

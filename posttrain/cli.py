@@ -90,7 +90,7 @@ def cmd_train(f) -> int:
 
     plan = make_run_plan(_load_config(f), workdir=f.workdir)  # every setting validated before any work
     summary = loop.train(plan, progress=f.progress)
-    keys = ("start_step", "end_step", "train_wall_s", "peak_rss_gb")
+    keys = ("start_step", "end_step", "train_wall_s", "peak_rss_gb", "env_episodes")
     out = {k: summary.get(k) for k in keys}
     for which in ("eval_start", "eval_end"):
         if which in summary:
@@ -102,17 +102,18 @@ def cmd_train(f) -> int:
 def cmd_eval(f) -> int:
     import dataclasses
 
-    from posttrain import loop, setup
+    from posttrain import loop
+    from posttrain.run_plan import make_run_plan
 
     cfg = _load_config(f)
     if not f.checkpoint:
         raise SystemExit("error: --checkpoint=<run workdir> is required")
-    run = setup.build(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint)))
-    step = int(run.state.step)
-    m = loop.run_eval(run, step)
-    run.checkpointer.close()
-    run.close()
-    print(json.dumps({"step": step, **m}))
+    rollouter, learner = loop.build(make_run_plan(dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint))))
+    m = loop.evaluate(rollouter, learner)
+    learner.close()
+    rollouter.close()
+    print(json.dumps({"step": learner.step, **m}))
     return 0
 
 
@@ -122,17 +123,18 @@ def _run_policy(f):
 
     from flax import nnx
 
-    from posttrain import setup
+    from posttrain import loop
+    from posttrain.run_plan import make_run_plan
 
     cfg = _load_config(f)
-    run = setup.build(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint)))
+    rollouter, learner = loop.build(make_run_plan(dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint))))
     try:
-        mcfg = run.model_config
-        state = nnx.state(nnx.merge(run.graphdef, *run.policy_state()))
+        state = nnx.state(nnx.merge(learner.graphdef, *learner.policy()))
     finally:
-        run.checkpointer.close()
-        run.close()
-    return mcfg, state, run.tokenizer
+        learner.close()
+        rollouter.close()
+    return learner.model_config, state, rollouter.tokenizer
 
 
 def cmd_convert(f) -> int:

@@ -2,10 +2,11 @@
 same program (JAX's multi-controller model). Nothing here is a cluster manager: the launcher (TPU pod ssh,
 SLURM `srun`, Kubernetes) starts the processes and `jax.distributed.initialize` finds its peers.
 
-Data flow under several processes: every process samples the same rollout batch (the jitted sampler runs on
-the global mesh, its outputs are gathered to every host with `to_host`), scores it in its own env pool
-(deterministic seeds: the same rewards everywhere), assembles the same host batch and builds the global
-training arrays from it with `global_array` (each process supplies only its addressable shards). Metrics
+Data flow under several processes: the jitted sampler runs on the global mesh and its outputs are gathered to
+every host with `to_host`; each process then steps only its share of the episodes (`host_share`: a contiguous
+block of the batch) in its own env pool, and the results of all shares are exchanged with `allgather_objects`,
+so every process assembles the same host batch and builds the global training arrays from it with
+`global_array` (each process supplies only its addressable shards). Metrics
 files, plots and progress bars are written by process 0 only; orbax checkpoints are written by all processes
 together (orbax coordinates them).
 
@@ -14,6 +15,7 @@ With one process every function here reduces to the single-host behaviour.
 from __future__ import annotations
 
 import os
+import pickle
 
 import jax
 import numpy as np
@@ -77,3 +79,25 @@ def agree(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag, np.bool_)))
+
+
+def host_share(n: int) -> range:
+    """The items of a list of `n` this process handles: a contiguous block, blocks of all processes in process
+    order (sizes differ by at most one). One process: range(n)."""
+    count, index = jax.process_count(), jax.process_index()
+    return range(n * index // count, n * (index + 1) // count)
+
+
+def allgather_objects(obj) -> list:
+    """Every process's `obj` (picklable; the processes of one job trust each other), in process order, on every
+    process. Two collectives (sizes, then the padded bytes): every process must call it. One process: [obj]."""
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int32))).reshape(-1)
+    buf = np.zeros(int(sizes.max()), np.uint8)
+    buf[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(sizes), -1)
+    return [pickle.loads(rows[p, :int(sizes[p])].tobytes()) for p in range(len(sizes))]

@@ -35,6 +35,20 @@ __all__ = ["REDUCTIONS", "MetricsWriter", "ProgressBar", "masked_max", "masked_m
 log = logging.getLogger(__name__)
 
 
+def peak_rss_gb() -> float:
+    """This process's peak resident set size in GiB (Linux ru_maxrss is in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def step_perf(tokens: int, step_s: float, train_s: float) -> dict[str, float]:
+    """perf/* of one training step: its wall time (rollouts + update), the update's, tokens trained per second
+    of the step, and the peak RSS so far."""
+    return {"perf/step_s": step_s, "perf/train_s": train_s, "perf/tokens_per_s": tokens / step_s,
+            "perf/peak_rss_gb": peak_rss_gb()}
+
+
 # ----------------------------------------------------------------------------- device side
 def _count(x, mask, axis):
     mask = jnp.broadcast_to(jnp.asarray(mask).astype(bool), jnp.shape(x))

@@ -72,6 +72,47 @@ class InlineEnvs:
         self._cache.clear()
 
 
+class HostShardedEnvs:
+    """An EnvRunner over all processes: each process resets and steps only its share of the episodes
+    (`distributed.host_share`, a contiguous block in reset order) in its own `local` runner, and every process
+    gets the results of all shares (`distributed.allgather_objects`), in order. With one process it is `local`.
+
+    `episodes` / `env_steps` count what this process ran itself (its share), since construction.
+    """
+
+    def __init__(self, local: EnvRunner):
+        self.local = local
+        self.episodes = 0
+        self.env_steps = 0
+        self._share = range(0)
+
+    def reset(self, episodes):
+        from posttrain import distributed
+
+        self._share = distributed.host_share(len(episodes))
+        mine = [episodes[i] for i in self._share]
+        out = self.local.reset(mine) if mine else []
+        self.episodes += len(mine)
+        return [r for part in distributed.allgather_objects(out) for r in part]
+
+    def step(self, actions, indices=None):
+        from posttrain import distributed
+
+        indices = range(len(actions)) if indices is None else indices  # None: every episode of the reset
+        if len(actions) != len(indices):
+            raise ValueError(f"step got {len(actions)} actions for {len(indices)} episodes")
+        mine = [(i, a) for i, a in zip(indices, actions) if i in self._share]
+        out = self.local.step([a for _, a in mine], [i - self._share.start for i, _ in mine]) if mine else []
+        self.env_steps += len(mine)
+        results = dict(pair for part in distributed.allgather_objects(list(zip([i for i, _ in mine], out)))
+                       for pair in part)
+        return [results[i] for i in indices]
+
+    def close(self):
+        if hasattr(self.local, "close"):
+            self.local.close()
+
+
 @dataclasses.dataclass
 class Sample:
     """One sampled episode. `segments`: (tokens int32, logp float32, is_policy) after the prompt."""

@@ -3,8 +3,8 @@
 `make_run_plan(cfg)` reads the validated `Config` (see `posttrain.config`) and the device count, and returns a
 frozen `RunPlan`: the precision policy, the resolved mesh shape and batch shards, the row multiple of the rollout
 batch, the sampling parameters of training and evaluation rollouts, the logprob temperature, and the train step's
-static options (loss, microbatches, updates per batch). `setup.build`, the loop and the CLI read these fields and
-derive nothing again. It loads no model, starts no worker and writes nothing; bad combinations raise
+static options (loss, microbatches, updates per batch). The rollouter, the learner, the loop and the CLI read these
+fields and derive nothing again. It loads no model, starts no worker and writes nothing; bad combinations raise
 `ConfigError` (a ValueError) naming the keys.
 """
 from __future__ import annotations
@@ -30,10 +30,18 @@ class RunPlan:
     mesh_shape: Mapping[str, int]  # resolved axis sizes (no -1)
     batch_shards: int  # devices the batch is split over (mesh axes of the "batch" rule)
     row_multiple: int  # rollout rows are padded to a multiple of this: minibatches x microbatches x batch shards
+    decode_multiple: int  # the sampler's decode widths stay multiples of this (of 8 and of the batch shards)
     sampling: SamplingParams  # training rollouts
     eval_sampling: SamplingParams
     logprob_temperature: float  # T of log_softmax(logits / T), shared by sampler and trainer
     step_options: StepOptions
+    warnings: tuple[str, ...] = ()  # legal but suspect settings, logged when a run starts
+
+    def eval_due(self, done: int) -> bool:
+        """Whether the evaluation of `eval.every_steps` runs after `done` completed steps (the last step's is the
+        `eval.at_end` one)."""
+        every = self.cfg.eval.every_steps
+        return bool(every) and done % every == 0 and done < self.cfg.train.steps
 
 
 def batch_shards(mesh_shape: Mapping[str, int], rules=mesh_lib.RULES) -> int:
@@ -53,6 +61,17 @@ def step_options(cfg: Config) -> StepOptions:
     return StepOptions(loss=loss, temperature=logprob_temperature(cfg.sampling.temperature),
                        num_microbatches=rl.num_microbatches, lora_rank=cfg.lora.rank, ppo_epochs=rl.ppo_epochs,
                        minibatches=rl.minibatches, matmul_precision=cfg.model.matmul_precision)
+
+
+def truncation_warning(cfg: Config) -> str | None:
+    """A warning when training rollouts sample from a truncated distribution (top-p < 1 or top-k > 0): the sampler's
+    logprobs then belong to the truncated distribution and the trainer's to the full softmax, so the behaviour
+    policy is not the one the loss assumes; TIS (`rl.tis_cap`) and the rollout/logp_diff metrics see the gap."""
+    s = cfg.sampling
+    if s.top_p < 1.0 or s.top_k > 0:
+        return (f"sampling.top_p={s.top_p} / top_k={s.top_k} truncate the training rollouts' distribution: the "
+                "trainer's logprobs are of the full softmax, so off-policy drift is built in (consider rl.tis_cap)")
+    return None
 
 
 def with_moe(opts: StepOptions, cfg: Config, moe) -> StepOptions:
@@ -98,5 +117,6 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
     except ValueError as e:  # the config's own checks make these unreachable; keep the contract if they drift
         raise ConfigError(str(e)) from e
     return RunPlan(cfg=cfg, workdir=pathlib.Path(workdir or cfg.train.workdir), precision=policy, mesh_shape=shape,
-                   batch_shards=shards, row_multiple=split, sampling=sampling, eval_sampling=eval_sampling,
-                   logprob_temperature=opts.temperature, step_options=opts)
+                   batch_shards=shards, row_multiple=split, decode_multiple=math.lcm(8, shards), sampling=sampling,
+                   eval_sampling=eval_sampling, logprob_temperature=opts.temperature, step_options=opts,
+                   warnings=tuple(w for w in (truncation_warning(cfg),) if w))

@@ -1,6 +1,7 @@
-"""(~45 s; in the default run: the one test of the multi-process path.) Multi-process runs through `jax.distributed` (the multi-host code path of TPU pods and GPU clusters), on CPU:
+"""(~45 s; in the default run: the tests of the multi-process path, one two-process run shared.) Multi-process runs through `jax.distributed` (the multi-host code path of TPU pods and GPU clusters), on CPU:
 two processes with two devices each train the tiny config and log the same metrics as one process with four
-devices (same mesh shape, fsdp=4), and only process 0 writes metrics files."""
+devices (same mesh shape, fsdp=4), only process 0 writes metrics files, and each process steps only its half of
+the environment episodes (the printed summary's `env_episodes`)."""
 import json
 import os
 import socket
@@ -46,9 +47,15 @@ def _train(workdir, nproc: int, devices_per_proc: int, timeout=600):
     return [r for r in rows if "policy/loss" in r], outs
 
 
-def test_two_processes_match_one_process(tmp_path):
-    single, _ = _train(tmp_path / "single", 1, 4)
-    multi, outs = _train(tmp_path / "multi", 2, 2)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(single-process metrics, its stdout lines; two-process metrics, their stdout lines): trained once."""
+    tmp = tmp_path_factory.mktemp("distributed")
+    return _train(tmp / "single", 1, 4), _train(tmp / "multi", 2, 2)
+
+
+def test_two_processes_match_one_process(runs):
+    (single, _), (multi, outs) = runs
     assert len(single) == len(multi) == 2
     for a, b in zip(single, multi):
         for k in KEYS:
@@ -56,3 +63,13 @@ def test_two_processes_match_one_process(tmp_path):
     # process 0 alone wrote the metrics (one row per step, not two) and printed the summary
     assert [r["step"] for r in multi] == [1, 2]
     assert all(json.loads(o.strip().splitlines()[-1])["end_step"] == 2 for o in outs)
+
+
+def test_each_process_steps_half_of_the_episodes(runs):
+    """2 steps x 4 prompts x 4 samples = 32 env episodes: one process steps all 32, each of two processes its 16
+    (the results are exchanged, so both still train on all 32: see the test above)."""
+    (_, single_outs), (_, multi_outs) = runs
+    single = [json.loads(o.strip().splitlines()[-1])["env_episodes"] for o in single_outs]
+    multi = [json.loads(o.strip().splitlines()[-1])["env_episodes"] for o in multi_outs]
+    assert single == [32]
+    assert multi == [16, 16] and sum(multi) == single[0]

@@ -13,6 +13,7 @@ from envs import base
 from posttrain import loop
 from posttrain.checkpoints.orbax import Checkpointer
 from posttrain.config import from_config_dict
+from posttrain.rollouter import Rollouter
 from helpers import tiny_config
 
 
@@ -128,14 +129,14 @@ def digit_config(workdir, **over):
 
 
 def scripted_policy(monkeypatch, reply_for):
-    """Replaces the loop's sampler by a script: reply_for(decoded prompt, row) -> reply text (then EOS).
+    """Replaces the rollouter's sampler by a script: reply_for(decoded prompt, row) -> reply text (then EOS).
     Returns the list of decoded prompts it was asked to continue."""
     from posttrain.sampler import SampleOutput
 
     seen = []
 
-    def make_sample_fn(run, params):
-        tok, Lg = run.tokenizer, params.max_new_tokens
+    def sample_fn(rollouter, policy, params):
+        tok, Lg = rollouter.tokenizer, params.max_new_tokens
 
         def fn(prompts, lengths, key, group_size):
             texts = [tok.decode([int(t) for t in p[:n]], skip_special_tokens=False)
@@ -153,7 +154,7 @@ def scripted_policy(monkeypatch, reply_for):
 
         return fn
 
-    monkeypatch.setattr(loop, "make_sample_fn", make_sample_fn)
+    monkeypatch.setattr(Rollouter, "sample_fn", sample_fn)
     return seen
 
 

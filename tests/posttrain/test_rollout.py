@@ -69,3 +69,64 @@ def _key():
     import jax
 
     return jax.random.key(0)
+
+
+def test_host_sharded_envs_step_only_their_share_and_return_every_result(monkeypatch):
+    """Two processes, simulated by two threads (one `allgather_objects` rendezvous per call): each resets and steps
+    only its contiguous block of episodes (2 and 3 of 5), also on a later turn that steps a subset, and both get
+    every result in the caller's order."""
+    import threading
+
+    from posttrain import distributed
+    from posttrain.rollout import HostShardedEnvs
+
+    class Recorder:  # a local EnvRunner that echoes which of its own episodes it stepped
+        def __init__(self):
+            self.episodes, self.calls = [], []
+
+        def reset(self, episodes):
+            self.episodes = list(episodes)
+            return [(f"obs {e}", {}) for e in episodes]
+
+        def step(self, actions, indices):
+            self.calls.append(list(indices))
+            return [(f"{self.episodes[i]}:{a}", 0.0, False, False, {}) for i, a in zip(indices, actions)]
+
+    local, barrier, slots = threading.local(), threading.Barrier(2, timeout=30), [None, None]
+
+    def allgather(obj):
+        slots[local.pid] = obj
+        barrier.wait()
+        out = list(slots)
+        barrier.wait()
+        return out
+
+    monkeypatch.setattr(distributed, "allgather_objects", allgather)
+    monkeypatch.setattr(distributed, "host_share", lambda n: range(n * local.pid // 2, n * (local.pid + 1) // 2))
+    runners, results, errors = [Recorder(), Recorder()], [None, None], []
+
+    def process(pid):
+        local.pid = pid
+        try:
+            envs = HostShardedEnvs(runners[pid])
+            results[pid] = (envs.reset(list(range(5))), envs.step(["a"] * 5), envs.step(["b", "c"], [1, 4]),
+                            envs.episodes, envs.env_steps)
+        except BaseException as e:  # noqa: BLE001  (re-raised below, in the test's thread)
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=process, args=(pid,)) for pid in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    assert results[0][:3] == results[1][:3]
+    first, second, third = results[0][:3]
+    assert [obs for obs, _ in first] == [f"obs {e}" for e in range(5)]
+    assert [r[0] for r in second] == [f"{e}:a" for e in range(5)]
+    assert [r[0] for r in third] == ["1:b", "4:c"]
+    assert runners[0].episodes == [0, 1] and runners[1].episodes == [2, 3, 4]
+    assert runners[0].calls == [[0, 1], [1]] and runners[1].calls == [[0, 1, 2], [2]]  # local indices
+    assert results[0][3:] == (2, 3) and results[1][3:] == (3, 4)  # (episodes, env steps) each process ran

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain import cli, loop, run_plan, setup
+from posttrain import cli, loop, rollouter, run_plan, setup
 from posttrain import train_step as ts
 from posttrain.config import ConfigError, default_config, env_spec, from_config_dict
 from posttrain.sampler import logprob_temperature, pad_prompts, sample
@@ -35,8 +35,8 @@ def test_bad_config_exits_2_with_one_line_before_any_work(override, named, monke
         raise AssertionError("a bad config reached model loading / worker start")
 
     monkeypatch.setattr(setup, "load_policy", forbidden)
-    monkeypatch.setattr(setup, "make_runner", forbidden)
-    monkeypatch.setattr(loop.setup, "build", forbidden)
+    monkeypatch.setattr(rollouter, "make_runner", forbidden)
+    monkeypatch.setattr(loop, "build", forbidden)
     argv = ["posttrain", "train", f"--config={TINY}", override, f"--workdir={tmp_path}"]
     if override == "--config.model.preset=":
         argv.append("--config.model.path=/nonexistent/model.gguf")

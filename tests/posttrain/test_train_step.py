@@ -177,7 +177,7 @@ SHARDED = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from test_train_step import make_state, random_batch
     from posttrain import mesh as mesh_lib, train_step as ts
-    from posttrain.setup import batch_shardings
+    from posttrain.learner import batch_shardings
     out = {}
     for preset in ("tiny-dense", "tiny-moe"):
         batch = random_batch(R=8, S=2)
