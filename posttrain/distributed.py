@@ -4,11 +4,11 @@ SLURM `srun`, Kubernetes) starts the processes and `jax.distributed.initialize` 
 
 Data flow under several processes: the jitted sampler runs on the global mesh and its outputs are gathered to
 every host with `to_host`; each process then steps only its share of the episodes (`host_share`: a contiguous
-block of the batch) in its own env pool, and the results of all shares are exchanged with `allgather_objects`,
-so every process assembles the same host batch and builds the global training arrays from it with
-`global_array` (each process supplies only its addressable shards). Metrics
-files, plots and progress bars are written by process 0 only; orbax checkpoints are written by all processes
-together (orbax coordinates them).
+block of the batch) in its own env pool, and the results of all shares are exchanged with `allgather_objects`
+(`rollout.HostShardedEnvs`), so every process assembles the same host batch and builds the global training
+arrays from it with `global_array` (each process supplies only its addressable shards). Metrics files, plots
+and progress bars are written by process 0 only; orbax checkpoints are written by all processes together
+(orbax coordinates them).
 
 With one process every function here reduces to the single-host behaviour.
 """

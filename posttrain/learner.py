@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import re
 from typing import Any, Callable, Mapping
 
 import jax
@@ -32,8 +33,13 @@ def batch_shardings(mesh, batch: RolloutBatch | None = None) -> RolloutBatch:
         return jax.tree.map(lambda x: mesh_lib.batch_sharding(mesh, x.ndim), batch)
     fields = {}
     for f in dataclasses.fields(RolloutBatch):
-        optional = f.default is None
-        fields[f.name] = None if optional else mesh_lib.batch_sharding(mesh, len(f.name.rsplit("_", 1)[1].split("x")))
+        dims = re.fullmatch(r".+_([A-Z][A-Za-z]?(?:x[A-Z][A-Za-z]?)*)", f.name)
+        if f.default is None:
+            fields[f.name] = None
+        elif dims is None:
+            raise ValueError(f"RolloutBatch field {f.name!r} needs a dimension suffix (e.g. _NxC) or a None default")
+        else:
+            fields[f.name] = mesh_lib.batch_sharding(mesh, len(dims.group(1).split("x")))
     return RolloutBatch(**fields)
 
 
@@ -126,6 +132,10 @@ class Learner:
             trim_host_heap()
             self.checkpointer.save(self.step, self.state, {**rollout_state, "config": to_dict(self.plan.cfg)},
                                    force=force)
+
+    def wait(self) -> None:
+        """Blocks until pending (async) saves are on disk."""
+        self.checkpointer.wait()
 
     def close(self) -> None:
         """Waits for pending saves and closes the checkpointer."""

@@ -61,8 +61,7 @@ def train(cfg: Config | RunPlan, *, workdir: str | None = None, progress: bool =
         summary["eval_start"] = m = evaluate(rollouter, learner)
         if writer:
             writer.write(0, m)
-    # training wall time: the loop (rollouts, updates, checkpoints) minus in-loop evaluation
-    t_loop, eval_s = time.perf_counter(), 0.0
+    clock = metrics_lib.TrainClock()  # training wall time: rollouts, updates, checkpoints; not in-loop evaluation
     for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
         traj = rollouter.collect(step, learner.policy(), learner.rng)
@@ -70,7 +69,7 @@ def train(cfg: Config | RunPlan, *, workdir: str | None = None, progress: bool =
         m = learner.update(traj.batch)
         t2 = time.perf_counter()
         m.update(traj.metrics)
-        m.update(metrics_lib.step_perf(traj.num_tokens, step_s=t2 - t0, train_s=t2 - t1))
+        m.update(metrics_lib.step_perf(traj.num_tokens, t0, t1, t2))
         if main:
             write_jsonl(plan.workdir / "trajectories" / f"step_{step:06d}.jsonl", traj.records)
         if learner.nonfinite_run >= cfg.train.max_nonfinite_skips:
@@ -85,21 +84,19 @@ def train(cfg: Config | RunPlan, *, workdir: str | None = None, progress: bool =
                                  f"{learner.step} in {plan.workdir / 'checkpoints'}); lower optim.lr or check the "
                                  "rewards/advantages")
         if plan.eval_due(learner.step):
-            t_eval = time.perf_counter()
-            m.update(evaluate(rollouter, learner))
-            eval_s += time.perf_counter() - t_eval
+            with clock.paused():
+                m.update(evaluate(rollouter, learner))
         if writer:
             writer.write(learner.step, m)
         bar.update(m)
         learner.save(rollouter.state_dict())
-        if cfg.train.max_train_seconds and distributed.agree(
-                time.perf_counter() - t_loop - eval_s >= cfg.train.max_train_seconds):
+        if cfg.train.max_train_seconds and distributed.agree(clock.seconds >= cfg.train.max_train_seconds):
             summary["stopped_early"] = f"max_train_seconds={cfg.train.max_train_seconds} reached"
             break
     end = learner.step
     learner.save(rollouter.state_dict(), force=True)
-    learner.checkpointer.wait()
-    train_s = time.perf_counter() - t_loop - eval_s
+    learner.wait()
+    train_s = clock.seconds
     if cfg.eval.at_end and rollouter.eval_episodes and end > start:
         summary["eval_end"] = m = evaluate(rollouter, learner)
         if writer:

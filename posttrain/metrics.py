@@ -17,6 +17,7 @@ and `ProgressBar` shows reward and step time on a tqdm bar.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -42,11 +43,30 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
-def step_perf(tokens: int, step_s: float, train_s: float) -> dict[str, float]:
-    """perf/* of one training step: its wall time (rollouts + update), the update's, tokens trained per second
-    of the step, and the peak RSS so far."""
-    return {"perf/step_s": step_s, "perf/train_s": train_s, "perf/tokens_per_s": tokens / step_s,
-            "perf/peak_rss_gb": peak_rss_gb()}
+def step_perf(tokens: int, t_start: float, t_update: float, t_end: float) -> dict[str, float]:
+    """perf/* of one training step from its `time.perf_counter()` marks (start, update start, end): its wall time
+    (rollouts + update), the update's, tokens trained per second of the step, and the peak RSS so far."""
+    return {"perf/step_s": t_end - t_start, "perf/train_s": t_end - t_update,
+            "perf/tokens_per_s": tokens / (t_end - t_start), "perf/peak_rss_gb": peak_rss_gb()}
+
+
+class TrainClock:
+    """Training wall time: seconds since construction minus those spent inside `paused()` (evaluation)."""
+
+    def __init__(self):
+        self._start, self._paused = time.perf_counter(), 0.0
+
+    @contextlib.contextmanager
+    def paused(self):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused += time.perf_counter() - t
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self._start - self._paused
 
 
 # ----------------------------------------------------------------------------- device side
