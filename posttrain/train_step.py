@@ -108,6 +108,8 @@ def _microbatch_loss(params, frozen, ref_model_state, mb: RolloutBatch, den, gra
         metrics["moe/load_balance_loss"] = share * aux["load_balance_loss"]
         metrics["moe/router_z_loss"] = share * aux["router_z_loss"]
         metrics["moe/expert_load"] = share * aux["expert_load"]
+        if "ep_dropped_frac" in aux:
+            metrics["moe/ep_dropped_frac"] = share * aux["ep_dropped_frac"]
     return loss, metrics
 
 

@@ -1,4 +1,4 @@
-"""Mixture-of-Experts feed-forward: top-k routing, dropless dispatch (sort + ragged_dot), expert parallelism.
+"""Mixture-of-Experts feed-forward: top-k routing, dropless dispatch (sort + ragged_dot), all-to-all expert parallelism.
 
 Dimension legend: B batch, T length, D d_model, E experts (El experts local to one 'expert' shard),
 F expert MLP hidden, M tokens (B*T), k experts per token.
@@ -9,20 +9,44 @@ scaling factor, and an optional aux-loss-free selection bias (DeepSeek-V3 §2.1.
 Auxiliary outputs: the Switch-Transformer load-balancing loss E * sum_e f_e * p_e (Fedus et al. 2021), the router
 z-loss mean(logsumexp(logits)^2) (Zoph et al. 2022, ST-MoE), and the per-expert load (fraction of assignments).
 
-Dispatch is dropless: assignments are sorted by expert and each expert's contiguous rows go through one
-`jax.lax.ragged_dot`. Under a mesh with an 'expert' axis, the dispatch runs in `shard_map`: tokens are
-all-gathered across the expert shards, each shard computes its own experts' rows, and a reduce-scatter returns
-each token's combined output to its shard (tensor-sharded expert MLPs are psum-reduced as well).
+Dispatch on one device is dropless: assignments are sorted by expert and each expert's contiguous rows go through
+one `jax.lax.ragged_dot`.
+
+Expert parallelism (`dispatch` under a mesh with an 'expert' axis of S > 1 shards, El = E/S experts each) runs in
+`shard_map` as an all-to-all exchange. Each source shard holds m tokens and routes them itself (routing happens
+before dispatch); its n = m*k assignment rows are stably sorted by destination shard (expert id // El) and written
+into a fixed [S, C, D] send buffer (plus the expert ids, -1 marking empty slots), C = ceil(ep_capacity_factor *
+n / S) rows per (source, destination) pair. `jax.lax.all_to_all` delivers chunk j to expert shard j, which runs
+its experts on the S*C received rows (`expert_ffn`, one expert per row, weight 1, padding weight 0;
+tensor-sharded expert MLPs psum over 'exp_mlp'), and a second all-to-all returns the rows (compute dtype), slot-aligned,
+to their source, which scatter-adds them into the token positions with the routing weights in float32. Per-device memory
+and traffic are O(ep_capacity_factor * m * k * D) whatever S is.
+Overflow policy: when more than C of a source shard's rows go to one destination, the first C in (token, slot)
+order are kept and the rest are DROPPED: they contribute 0 to the output (and get no gradient), as if their routing
+weight were 0; the routing weights are not renormalised. The dropped fraction of all assignments is returned and
+reported as aux `ep_dropped_frac` (metric `moe/ep_dropped_frac`); ep_capacity_factor >= S can never drop.
+On TPU/GPU meshes the default is the ragged variant (`jax.lax.ragged_all_to_all`, which XLA:CPU lacks): sources send
+exactly their rows and an expert shard receives at most R = ceil(ep_capacity_factor * n) rows in total, filled
+from the sources in shard order (rows past R are dropped and counted the same way); compile-checked only.
+Tokens replicated over the expert axis (it is not a batch axis) are first split over it, so every token is computed
+once, and the outputs all-gathered at the end. Where they cannot be split (a decode batch smaller than the mesh), or
+with one expert shard, the dropless all-gather form runs instead: every expert shard sees all tokens of its group,
+computes its own experts' rows (others add 0), and a reduce-scatter / psum combines (memory grows with S; kept as
+`dispatch(ep_impl="all_gather")` for comparison, see bench/moe_ep_memory.py). The exchanges live in
+`posttrain/model/expert_parallel.py`.
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec
 
 from posttrain import mesh as mesh_lib
+from posttrain.model import expert_parallel as ep_lib
+from posttrain.model import gmm
 from posttrain.model.config import MoEConfig
 from posttrain.model.layers import MLP, dot, param
 from posttrain.partitioning import active_mesh, current_rules
@@ -70,25 +94,59 @@ def router_aux(logits_MxE, probs_MxE, experts_Mxk, valid_M):
             "expert_load": load}
 
 
-def expert_ffn(x_MxD, experts_Mxk, weights_Mxk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, dtype, expert_offset=0):
-    """Dropless gated-MLP over the experts held locally (ids [offset, offset + El)); other assignments add 0."""
+def expert_capacity(rows: int, num_experts: int, capacity_factor: float) -> int:
+    """Slots per expert of the capacity layout: ceil(capacity_factor * rows / num_experts), rows = tokens * k."""
+    return max(1, math.ceil(capacity_factor * rows / num_experts))
+
+
+def expert_keys(experts_Mxk, num_local: int, expert_offset=0, capacity: int | None = None):
+    """Which local group every assignment row (token-major, [M*k]) goes to: its local expert id, or `num_local`
+    for rows computed nowhere (another shard's expert, or over `capacity`: an expert keeps its first `capacity`
+    rows in token order). Returns (keys [M*k] int32, dropped: int32 count of local rows over capacity)."""
+    local_id = experts_Mxk.reshape(-1) - expert_offset
+    is_local = (local_id >= 0) & (local_id < num_local)
+    key = jnp.where(is_local, local_id, num_local).astype(jnp.int32)
+    if capacity is None:
+        return key, jnp.zeros((), jnp.int32)
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=num_local + 1)
+    n = key.shape[0]
+    sorted_rank = jnp.arange(n, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[key[order]]
+    rank = jnp.zeros((n,), jnp.int32).at[order].set(sorted_rank)  # 0-based position within its expert
+    keep = is_local & (rank < capacity)
+    return jnp.where(keep, key, num_local), jnp.sum(is_local & ~keep).astype(jnp.int32)
+
+
+def expert_ffn(x_MxD, experts_Mxk, weights_Mxk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, dtype, expert_offset=0, *,
+               impl: str = "auto", capacity_factor: float | None = None, precision=None):
+    """Gated-MLP over the experts held locally (ids [offset, offset + El)); other assignments add 0.
+
+    x_MxD: tokens; experts_Mxk int32 / weights_Mxk float32 from `route` (k may be 1: e.g. rows received by an
+    expert shard, weight 0 for padding). The rows are sorted by local expert and run through
+    `gmm.grouped_matmul(impl=...)` three times (gate, up, down). capacity_factor None: dropless; else every local
+    expert computes at most `expert_capacity(M * k, El, capacity_factor)` rows and the rest add 0 (count them with
+    `expert_keys`). Returns y_MxD float32 = sum_k weight * expert_k(x).
+    """
     M, k = experts_Mxk.shape
     El = w_gate_ExDxF.shape[0]
-    local_id = experts_Mxk.reshape(-1) - expert_offset
-    is_local = (local_id >= 0) & (local_id < El)
-    key = jnp.where(is_local, local_id, El)  # non-local rows sort last, outside every group
-    order = jnp.argsort(key, stable=True)
+    capacity = None if capacity_factor is None else expert_capacity(M * k, El, capacity_factor)
+    impl = "capacity" if capacity is not None else impl
+    key, _ = expert_keys(experts_Mxk, El, expert_offset, capacity)
+    order = jnp.argsort(key, stable=True)  # rows computed nowhere sort last, outside every group
     token = order // k
     sizes = jnp.bincount(key, length=El + 1)[:El].astype(jnp.int32)
     xs = x_MxD[token].astype(dtype)
+    gmm_kw = dict(impl=impl, capacity=capacity, precision=precision)
+
+    def mm(a, w):
+        return gmm.grouped_matmul(a, w.astype(dtype), sizes, out_dtype=dtype, **gmm_kw)
+
     # matmul outputs in the compute dtype, named "dot" for the "dots" remat policy (like `layers.dot`)
-    g = checkpoint_name(jax.lax.ragged_dot(xs, w_gate_ExDxF.astype(dtype), sizes,
-                                           preferred_element_type=jnp.float32).astype(dtype), "dot")
-    u = checkpoint_name(jax.lax.ragged_dot(xs, w_up_ExDxF.astype(dtype), sizes,
-                                           preferred_element_type=jnp.float32).astype(dtype), "dot")
+    g = checkpoint_name(mm(xs, w_gate_ExDxF), "dot")
+    u = checkpoint_name(mm(xs, w_up_ExDxF), "dot")
     h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dtype)
-    y = jax.lax.ragged_dot(h, w_down_ExFxD.astype(dtype), sizes, preferred_element_type=jnp.float32)
-    w = jnp.where(is_local, weights_Mxk.reshape(-1), 0.0)[order]
+    y = gmm.grouped_matmul(h, w_down_ExFxD.astype(dtype), sizes, **gmm_kw)
+    w = jnp.where(key < El, weights_Mxk.reshape(-1), 0.0)[order]
     return jnp.zeros((M, x_MxD.shape[-1]), jnp.float32).at[token].add(y * w[:, None])
 
 
@@ -96,55 +154,54 @@ def _axes(spec_entry) -> tuple[str, ...]:
     return () if spec_entry is None else (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
 
 
-def dispatch(x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype):
-    """`expert_ffn` over all experts; under an active mesh, expert-parallel in shard_map (see module doc)."""
+EP_IMPLS = ("auto", "all_to_all", "ragged", "all_gather")
+
+
+def _platform(mesh) -> str:
+    device = getattr(mesh, "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
+
+
+def dispatch(x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype, ep_capacity_factor: float = 2.0,
+             ep_impl: str = "auto", *, _ragged_impl=None):
+    """`expert_ffn` over all experts; under an active mesh, expert-parallel in shard_map (see module doc).
+
+    x_MxD: tokens (any float dtype); experts_Mxk int32 and weights_Mxk float32 from `route`; w_gate/w_up
+    [E, D, F], w_down [E, F, D]; dtype: compute dtype. ep_capacity_factor (cf): the all-to-all capacity, C =
+    ceil(cf * m * k / S) rows per (source, destination) pair (ragged: ceil(cf * m * k) rows per expert shard).
+    ep_impl: "auto" (ragged on a TPU/GPU mesh, else all_to_all; all_gather where no exchange applies),
+    "all_to_all" (fixed capacity), "ragged" (`jax.lax.ragged_all_to_all`; not on CPU) or "all_gather" (the
+    dropless all-gather / reduce-scatter form, kept for comparison). _ragged_impl: tests' CPU stand-in.
+    Returns (y_MxD float32, ep_dropped_frac float32 scalar: the fraction of the M*k assignments dropped).
+    """
+    if ep_impl not in EP_IMPLS:
+        raise ValueError(f"ep_impl={ep_impl!r}; expected one of {EP_IMPLS}")
+    zero = jnp.zeros((), jnp.float32)
     mesh = active_mesh()
     if mesh is None:
-        return expert_ffn(x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype)
+        return expert_ffn(x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype), zero
     rules = current_rules()
     ex_axes = _axes(mesh_lib.logical_to_spec(("exp",), rules)[0])
     mlp_axes = _axes(mesh_lib.logical_to_spec(("exp_mlp",), rules)[0])
     tok_axes = _axes(mesh_lib.logical_to_spec(("batch",), rules)[0])
-    shards = 1
-    for a in tok_axes:
-        shards *= mesh.shape[a]
-    if x_MxD.shape[0] % shards:
+    size = lambda axes: ep_lib.mesh_size(mesh, axes)
+    M = x_MxD.shape[0]
+    if M % size(tok_axes):
         tok_axes = ()  # e.g. a decode batch smaller than the mesh: tokens replicated
-    gather = tuple(a for a in ex_axes if a in tok_axes)
-    psum_only = tuple(a for a in ex_axes if a not in tok_axes) + mlp_axes
-    tok = PartitionSpec(tok_axes or None, None)
-    ex = tuple(ex_axes) or None
-    mlp = tuple(mlp_axes) or None
-    E = w_gate.shape[0]
-
-    def local(x, e, w, wg, wu, wd):
-        if gather:
-            x, e, w = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, e, w))
-        offset = 0
-        if ex_axes:
-            offset = jax.lax.axis_index(ex_axes) * (E // _size(mesh, ex_axes))
-        y = expert_ffn(x, e, w, wg, wu, wd, dtype, expert_offset=offset)
-        if psum_only:
-            y = jax.lax.psum(y, psum_only)
-        if gather:
-            y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
-        return y
-
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, PartitionSpec(ex, None, mlp),
-                                                   PartitionSpec(ex, None, mlp), PartitionSpec(ex, mlp, None)),
-                       out_specs=tok, check_vma=False)
-    return fn(x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down)
-
-
-def _size(mesh, axes):
-    n = 1
-    for a in axes:
-        n *= mesh.shape[a]
-    return n
+    outside = tuple(a for a in ex_axes if a not in tok_axes)  # expert axes the tokens are replicated over
+    args = (x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype)
+    if ep_impl == "all_gather" or size(ex_axes) == 1 or M % (size(tok_axes) * size(outside)):
+        # nothing to exchange (one expert shard), or replicated tokens that do not split over the expert shards
+        # (decode): the exact, dropless all-gather / psum form
+        return ep_lib.dispatch_gather(expert_ffn, *args, mesh, ex_axes, mlp_axes, tok_axes), zero
+    ragged = ep_impl == "ragged" or (ep_impl == "auto" and _platform(mesh) in ("tpu", "gpu"))
+    return ep_lib.dispatch_all_to_all(expert_ffn, *args, float(ep_capacity_factor), mesh, ex_axes, mlp_axes,
+                                      tok_axes, ragged=ragged, ragged_impl=_ragged_impl)
 
 
 class MoE(nnx.Module):
-    """Routed experts (+ optional always-on shared experts). Returns (y_BxTxD, aux dict)."""
+    """Routed experts (+ optional always-on shared experts). Returns (y_BxTxD, aux dict): `router_aux`'s entries
+    and ep_dropped_frac (float32 scalar, the fraction of assignments the expert-parallel exchange dropped)."""
 
     def __init__(self, *, d_model: int, moe: MoEConfig, dtype, param_dtype, rngs: nnx.Rngs, lora=None,
                  matmul_precision: str = "default"):
@@ -152,6 +209,7 @@ class MoE(nnx.Module):
         self.dtype = dtype
         self.k, self.scoring, self.norm_topk_prob = moe.num_experts_per_tok, moe.scoring, moe.norm_topk_prob
         self.scaling, self.num_groups, self.topk_groups = moe.routed_scaling_factor, moe.num_groups, moe.topk_groups
+        self.ep_capacity_factor = float(moe.ep_capacity_factor)
         self.router = param(rngs, (D, E), ("embed", None), param_dtype, fan_in=D)
         self.gate_proj = param(rngs, (E, D, F), ("exp", "embed", "exp_mlp"), param_dtype, fan_in=D)
         self.up_proj = param(rngs, (E, D, F), ("exp", "embed", "exp_mlp"), param_dtype, fan_in=D)
@@ -169,8 +227,9 @@ class MoE(nnx.Module):
         weights, experts, probs = route(logits, bias, k=self.k, scoring=self.scoring,
                                         norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.scaling,
                                         num_groups=self.num_groups, topk_groups=self.topk_groups)
-        y = dispatch(x, experts, weights, self.gate_proj[...], self.up_proj[...], self.down_proj[...], self.dtype)
+        y, dropped = dispatch(x, experts, weights, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
+                              self.dtype, ep_capacity_factor=self.ep_capacity_factor)
         y = y.reshape(B, T, D).astype(x_BxTxD.dtype)
         if self.shared is not None:
             y = y + self.shared(x_BxTxD)
-        return y, router_aux(logits, probs, experts, valid_BxT.reshape(-1))
+        return y, dict(router_aux(logits, probs, experts, valid_BxT.reshape(-1)), ep_dropped_frac=dropped)

@@ -317,12 +317,14 @@ def _write_position(cache_e: jax.Array, new_e: jax.Array, name: str, t: jax.Arra
 
 
 def _merge_aux(auxes: list[dict]) -> dict:
-    """Sums MoE losses over all MoE layers; keeps the per-layer expert load [L, E]."""
+    """Sums MoE losses over all MoE layers; keeps the per-layer expert load [L, E]; averages ep_dropped_frac."""
     out = {}
     for aux in auxes:
         for k, v in aux.items():
             if k == "expert_load":
                 out[k] = v if k not in out else jnp.concatenate([out[k], v])
+            elif k == "ep_dropped_frac":  # a fraction: the mean over layers (every MoE layer has the same count)
+                out[k] = v.mean()
             else:
                 out[k] = out.get(k, 0.0) + v.sum()
     return out

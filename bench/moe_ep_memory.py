@@ -1,0 +1,108 @@
+"""Per-device temporary memory of one expert-parallel MoE layer, compiled ahead of time for TPU v5p.
+
+    .venv-aot/bin/python bench/moe_ep_memory.py --json [--eps 4,8,16] [--tokens 4096]
+        [--impls all_to_all,ragged,all_gather] [--gmm-impl ragged] [--capacity-factor 2.0]
+
+Workload: one `qwen3-30b-a3b` MoE layer (d_model D 2048, E 128 experts, top-k 8, expert MLP F 768, softmax routing),
+bf16 parameters and compute, `--tokens` tokens per device. Forward and backward (gradients w.r.t. the tokens, the
+router and the three expert weights) of sum(y * g) for a fixed cotangent g, under `jax.jit` on a mesh whose only
+non-trivial axis is 'expert' = EP (the default rules then split the tokens over the same axis and the experts
+E/EP per device). Devices: the v5p topology with EP chips (`posttrain.plan.target_devices("v5p-<2*EP>")`; needs
+libtpu, e.g. `.venv-aot` with `libtpu==0.0.42.*`). Nothing runs; only `compiled.memory_analysis()` is read.
+
+Implementations (`posttrain.model.moe.dispatch(ep_impl=...)`): "all_to_all" (fixed send capacity
+`--capacity-factor`, default MoEConfig's 2.0), "ragged" (`jax.lax.ragged_all_to_all`, receive capacity from the
+same factor) and "all_gather" (every token gathered onto every expert shard, then reduce-scattered; the form used
+before the all-to-all). --gmm-impl: the grouped matmul inside `expert_ffn` (`posttrain.model.gmm.IMPLS`; default
+"ragged" = `jax.lax.ragged_dot`, whose memory does not depend on the experts per shard, so the numbers isolate the
+exchange; "padded" pads every local expert's rows to a block, which costs more at fewer shards). Prints ONE JSON
+line:
+{"tokens_per_device", "capacity_factor", "gmm_impl", "temp_bytes": {impl: {EP: bytes}}, "temp_gib": ..., "peak_gib": ...,
+ "compile_s": ..., "spread": {impl: max/min - 1 over EP}}.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+D, E, K, F = 2048, 128, 8, 768  # qwen3-30b-a3b
+_EXPERT_FFN = None
+
+
+def compile_layer(ep: int, tokens_per_device: int, impl: str, capacity_factor: float, gmm_impl: str):
+    """(memory_analysis, compile seconds) of one MoE layer's forward + backward at expert parallelism `ep`."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from posttrain import mesh as mesh_lib
+    from posttrain import plan
+    from posttrain.model import moe
+
+    global _EXPERT_FFN
+    _EXPERT_FFN = _EXPERT_FFN or moe.expert_ffn
+    if gmm_impl != "auto":  # dispatch looks expert_ffn up at call time
+        moe.expert_ffn = functools.partial(_EXPERT_FFN, impl=gmm_impl)
+    devices = plan.target_devices(f"v5p-{2 * ep}")[0]
+    assert len(devices) == ep, (ep, len(devices))
+    mesh = mesh_lib.make_mesh({"expert": ep}, devices=devices)
+    M = tokens_per_device * ep
+    bf = jnp.bfloat16
+
+    def loss(x, router, wg, wu, wd, g):
+        logits = jnp.einsum("md,de->me", x.astype(jnp.float32), router.astype(jnp.float32))
+        w, e, _ = moe.route(logits, None, k=K, scoring="softmax", norm_topk_prob=True, routed_scaling_factor=1.0)
+        y, _ = moe.dispatch(x, e, w, wg, wu, wd, bf, ep_capacity_factor=capacity_factor, ep_impl=impl)
+        return (y * g).sum()
+
+    sh = lambda *spec: NamedSharding(mesh, P(*spec))
+    args = (jax.ShapeDtypeStruct((M, D), bf, sharding=sh("expert", None)),
+            jax.ShapeDtypeStruct((D, E), bf, sharding=sh(None, None)),
+            jax.ShapeDtypeStruct((E, D, F), bf, sharding=sh("expert", None, None)),
+            jax.ShapeDtypeStruct((E, D, F), bf, sharding=sh("expert", None, None)),
+            jax.ShapeDtypeStruct((E, F, D), bf, sharding=sh("expert", None, None)),
+            jax.ShapeDtypeStruct((M, D), jnp.float32, sharding=sh("expert", None)))
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args)
+        t = time.perf_counter()
+        compiled = lowered.compile()
+        seconds = time.perf_counter() - t
+    return compiled.memory_analysis(), seconds
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON line (the only output format)")
+    ap.add_argument("--eps", default="4,8,16")
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per device")
+    ap.add_argument("--impls", default="all_to_all,ragged,all_gather")
+    ap.add_argument("--gmm-impl", default="ragged", help="grouped matmul of expert_ffn (posttrain.model.gmm.IMPLS)")
+    ap.add_argument("--capacity-factor", type=float, default=2.0)
+    a = ap.parse_args()
+    eps = [int(v) for v in a.eps.split(",")]
+    out = {"tokens_per_device": a.tokens, "capacity_factor": a.capacity_factor, "gmm_impl": a.gmm_impl,
+           "temp_bytes": {}, "temp_gib": {},
+           "peak_gib": {}, "compile_s": {}, "spread": {}}
+    for impl in a.impls.split(","):
+        for key in ("temp_bytes", "temp_gib", "peak_gib", "compile_s"):
+            out[key][impl] = {}
+        for ep in eps:
+            m, s = compile_layer(ep, a.tokens, impl, a.capacity_factor, a.gmm_impl)
+            peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+            out["temp_bytes"][impl][ep] = m.temp_size_in_bytes
+            out["temp_gib"][impl][ep] = round(m.temp_size_in_bytes / 2**30, 3)
+            out["peak_gib"][impl][ep] = round(peak / 2**30, 3)
+            out["compile_s"][impl][ep] = round(s, 1)
+        temps = list(out["temp_bytes"][impl].values())
+        out["spread"][impl] = round(max(temps) / min(temps) - 1, 4)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
