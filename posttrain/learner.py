@@ -33,7 +33,7 @@ def batch_shardings(mesh, batch: RolloutBatch | None = None) -> RolloutBatch:
         return jax.tree.map(lambda x: mesh_lib.batch_sharding(mesh, x.ndim), batch)
     fields = {}
     for f in dataclasses.fields(RolloutBatch):
-        dims = re.fullmatch(r".+_([A-Z][A-Za-z]?(?:x[A-Z][A-Za-z]?)*)", f.name)
+        dims = re.fullmatch(r".+_([A-Za-z][a-z]?(?:x[A-Za-z][a-z]?)*)", f.name)
         if f.default is None:
             fields[f.name] = None
         elif dims is None:
