@@ -136,9 +136,10 @@ def has_cuda_compiler_plugin() -> bool:
         return False
 
 
-def _reexec_in_aot_venv(target: str) -> None:
-    """Runs this command under .venv-aot (made by `VENV=.venv-aot scripts/setup_env.sh aot`) when the current
-    interpreter lacks the CUDA compiler plugin that --aot h200 needs and that venv has it."""
+def _reexec_in_aot_venv(target: str, script: str = __file__) -> None:
+    """Runs `script` (this one by default) with this command's arguments under .venv-aot (made by
+    `VENV=.venv-aot scripts/setup_env.sh aot`) when the current interpreter lacks the CUDA compiler plugin that
+    --aot h200 needs and that venv has it."""
     import os
     import pathlib
 
@@ -147,7 +148,7 @@ def _reexec_in_aot_venv(target: str) -> None:
     venv = pathlib.Path(__file__).resolve().parents[1] / ".venv-aot"
     python = venv / "bin" / "python"
     if python.exists() and pathlib.Path(sys.prefix).resolve() != venv.resolve():
-        os.execv(str(python), [str(python), str(pathlib.Path(__file__).resolve()), *sys.argv[1:]])
+        os.execv(str(python), [str(python), str(pathlib.Path(script).resolve()), *sys.argv[1:]])
 
 
 def main(argv=None):

@@ -60,14 +60,14 @@ def assemble(samples: Sequence[Sample], *, group_size: int, advantage: str = "gr
                   "group_id_N": np.asarray([s.group for s in samples], np.int32)}
     arrays.update(per_sample)
     if n_extra_rows:
-        arrays = {k: _pad_rows(v, n_extra_rows * (spr if k.endswith(("_NxC", "_N")) else 1))
-                  for k, v in arrays.items()}
+        arrays = {k: _pad_rows(v, n_extra_rows * (spr if k.endswith(("_NxC", "_N")) else 1),
+                               -1 if k == "routed_experts_RxLxLmxk" else 0) for k, v in arrays.items()}
     return RolloutBatch(**arrays), rollout_metrics(samples, rewards, zero_std, G)
 
 
-def _pad_rows(x, n):
-    """Appends n all-zero rows: segment 0 (padding), no loss mask, invalid, advantage 0."""
-    return np.concatenate([x, np.zeros((n,) + x.shape[1:], x.dtype)])
+def _pad_rows(x, n, fill=0):
+    """Appends n rows of `fill` (0: segment 0 (padding), no loss mask, invalid, advantage 0; -1: no replay)."""
+    return np.concatenate([x, np.full((n,) + x.shape[1:], fill, x.dtype)])
 
 
 def _packed(samples, G, C, pad_id, prompt_bucket, row_bucket):
@@ -78,9 +78,11 @@ def _packed(samples, G, C, pad_id, prompt_bucket, row_bucket):
     used = max(sum(len(samples[p * G + g].segments[0][0]) for g in range(G)) for p in range(P))
     L = min(Lpb + _round_up(used, row_bucket), Lpb + G * C)
     a = _empty(P, L, len(samples), C, pad_id)
+    routed = _routed_experts(samples, P, L)
     for p in range(P):
         prompt = samples[p * G].prompt_ids
         lp = len(prompt)
+        _put_routing(routed, p, 0, samples[p * G].routing, 0, lp)
         a["tokens_RxL"][p, :lp] = prompt
         a["positions_RxL"][p, :lp] = np.arange(lp)
         a["segment_ids_RxL"][p, :lp] = 1
@@ -97,7 +99,10 @@ def _packed(samples, G, C, pad_id, prompt_bucket, row_bucket):
             a["score_pos_NxC"][n, :k] = np.concatenate([[lp - 1], start + np.arange(k - 1)]) if k else []
             a["loss_mask_NxC"][n, :k] = True
             a["logp_sample_NxC"][n, :k] = logp
+            _put_routing(routed, p, start, samples[n].routing, lp, k)
             start += k
+    if routed is not None:
+        a["routed_experts_RxLxLmxk"] = routed
     return a
 
 
@@ -105,6 +110,7 @@ def _unpacked(samples, C, pad_id, prompt_bucket):
     N = len(samples)
     L = _round_up(max(len(s.prompt_ids) + s.completion_len for s in samples), prompt_bucket)
     a = _empty(N, L, N, C, pad_id)
+    routed = _routed_experts(samples, N, L)
     for n, s in enumerate(samples):
         lp = len(s.prompt_ids)
         tokens = np.concatenate([s.prompt_ids] + [t for t, _, _ in s.segments]).astype(np.int32)
@@ -116,7 +122,23 @@ def _unpacked(samples, C, pad_id, prompt_bucket):
         a["score_pos_NxC"][n, :k] = lp - 1 + np.arange(k)
         a["loss_mask_NxC"][n, :k] = np.concatenate([np.full(len(t), pol) for t, _, pol in s.segments])
         a["logp_sample_NxC"][n, :k] = np.concatenate([lp_ for _, lp_, _ in s.segments])
+        _put_routing(routed, n, 0, s.routing, 0, len(tokens))
+    if routed is not None:
+        a["routed_experts_RxLxLmxk"] = routed
     return a
+
+
+def _routed_experts(samples, R, L):
+    """The [R, L, Lm, k] routing-replay array, all -1 (route normally), when the samples carry routing."""
+    ref = next((s.routing for s in samples if s.routing is not None), None)
+    return None if ref is None else np.full((R, L) + ref.shape[1:], -1, np.int32)
+
+
+def _put_routing(routed, row, start, routing, offset, n):
+    """routed[row, start:start + n] = routing[offset:offset + n] (as far as `routing` reaches)."""
+    if routed is not None and routing is not None:
+        part = routing[offset:offset + n]
+        routed[row, start:start + len(part)] = part
 
 
 def _empty(R, L, N, C, pad_id):

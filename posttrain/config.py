@@ -94,6 +94,9 @@ class GRPOConfig:
     overlong_filter: bool = False
     packed: bool = True
     moe_aux_coef: float = -1.0
+    # MoE routing replay: "replay" records the sampler's expert selection of every token and makes the train step
+    # select the same experts (gate values and router gradients from the current weights); "off" routes anew
+    routing_replay: str = "off"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -184,6 +187,7 @@ _CHOICES = {
     ("rl", "loss"): ("ppo", "gspo"),
     ("rl", "kl_estimator"): ("k1", "k2", "k3"),
     ("rl", "aggregation"): ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+    ("rl", "routing_replay"): ("off", "replay"),
     ("optim", "schedule"): ("constant", "cosine", "linear"),
     ("optim", "name"): ("adamw", "adam", "sgd"),
     ("eval", "scorer"): ("env", "last_integer"),

@@ -115,7 +115,9 @@ class HostShardedEnvs:
 
 @dataclasses.dataclass
 class Sample:
-    """One sampled episode. `segments`: (tokens int32, logp float32, is_policy) after the prompt."""
+    """One sampled episode. `segments`: (tokens int32, logp float32, is_policy) after the prompt. `routing`:
+    with routing replay, the experts the sampler's MoE layers selected for the prompt and segment tokens, int32
+    [tokens, Lm, k] (-1: none; may be shorter than prompt + segments), else None."""
 
     domain: str
     group: int
@@ -127,6 +129,7 @@ class Sample:
     truncated: bool = False
     texts: list = dataclasses.field(default_factory=list)
     info: dict = dataclasses.field(default_factory=dict)
+    routing: Any = None
 
     @property
     def completion_len(self) -> int:
@@ -192,6 +195,10 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
             seg = out.tokens_NxLg[row, :n].astype(np.int32)
             samples[i].segments.append((seg, out.logp_NxLg[row, :n].astype(np.float32), True))
             samples[i].truncated = bool(out.truncated_N[row])
+            if getattr(out, "experts_NxLgxLxk", None) is not None:  # the prefill covered the whole context
+                context = len(prompts[i // G]) if turn == 0 else len(contexts[i])
+                samples[i].routing = np.concatenate([out.prompt_experts_PxLpxLxk[i // G if turn == 0 else row, :context],
+                                                     out.experts_NxLgxLxk[row, :n]]).astype(np.int32)
             replies.append(tokenizer.decode(seg.tolist(), skip_special_tokens=True))
             samples[i].texts.append(replies[-1])
         t = time.perf_counter()

@@ -138,7 +138,8 @@ class Rollouter:
             with jax.set_mesh(self.mesh):
                 return sample(self.graphdef, policy, np.asarray(prompts), np.asarray(lengths), key,
                               group_size=group_size, params=params, stop_ids=tuple(tok.stop_ids), pad_id=tok.pad_id,
-                              shared_prefix_len=shared, shrink=shrink)
+                              shared_prefix_len=shared, shrink=shrink,
+                              record_routing=plan.cfg.rl.routing_replay == "replay")
 
         return fn
 

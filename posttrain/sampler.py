@@ -45,6 +45,10 @@ class SampleOutput(NamedTuple):
     logp_NxLg: jax.Array        # float32, log_softmax(logits / T) at each token; 0 after the stop token
     lengths_N: jax.Array        # int32, generated tokens including the stop token
     truncated_N: jax.Array      # bool, no stop token within Lg
+    # routing replay (`sample(record_routing=True)` on a MoE model; else None): the experts each MoE layer
+    # selected for every prompt token and every generated token that was fed back (the last one never is: -1)
+    prompt_experts_PxLpxLxk: jax.Array | None = None  # int32 [P, Lp, L, k] (L MoE layers)
+    experts_NxLgxLxk: jax.Array | None = None         # int32 [N, Lg, L, k]; -1 where not computed
 
 
 def filter_logits(scaled_NxV: jax.Array, top_k: int, top_p: float) -> jax.Array:
@@ -115,10 +119,10 @@ def _pick(logits_MxV, key, t, params: SamplingParams, rows_M, num_rows: int):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "group_size", "params", "stop_ids", "pad_id",
-                                             "shared_prefix_len", "shrink"))
+                                             "shared_prefix_len", "shrink", "record_routing"))
 def sample(graphdef, state, prompts_PxLp, lengths_P, key, *, group_size: int, params: SamplingParams,
            stop_ids: tuple[int, ...], pad_id: int, shared_prefix_len: int = 0,
-           shrink: tuple[int, ...] = ()) -> SampleOutput:
+           shrink: tuple[int, ...] = (), record_routing: bool = False) -> SampleOutput:
     """Samples `group_size` continuations of each right-padded prompt.
 
     Args:
@@ -135,6 +139,7 @@ def sample(graphdef, state, prompts_PxLp, lengths_P, key, *, group_size: int, pa
         >= N are ignored. Outputs are the same up to float rounding (each row keeps its own random draws; a
         narrower batch can round the logits differently); each width compiles its own decode loop. On a sharded
         batch, use widths divisible by the batch shards.
+      record_routing: also return the MoE layers' expert selections (routing replay; see `SampleOutput`).
     Returns:
       SampleOutput with N = P * group_size rows; row p*G + g is sample g of prompt p.
     Raises:
@@ -144,8 +149,9 @@ def sample(graphdef, state, prompts_PxLp, lengths_P, key, *, group_size: int, pa
         raise ValueError(f"shrink must be strictly decreasing positive batch widths, got {shrink}")
     model = nnx.merge(graphdef, *(state if isinstance(state, tuple) else (state,)))
     Lg = params.max_new_tokens
-    logits0, cache = model.prefill(prompts_PxLp, lengths_P, group=group_size, max_new=Lg,
-                                  shared_len=shared_prefix_len)
+    logits0, cache, prompt_routing = model.prefill(prompts_PxLp, lengths_P, group=group_size, max_new=Lg,
+                                                   shared_len=shared_prefix_len, return_routing=True)
+    record_routing = record_routing and prompt_routing is not None
     logits0 = jnp.repeat(logits0, group_size, axis=0)
     N = logits0.shape[0]
     stops = jnp.asarray(stop_ids, jnp.int32)
@@ -155,27 +161,37 @@ def sample(graphdef, state, prompts_PxLp, lengths_P, key, *, group_size: int, pa
     logp = jnp.zeros((N, Lg), jnp.float32).at[:, 0].set(lp)
     done = jnp.isin(tok, stops)  # per slot
     lengths = jnp.ones((N,), jnp.int32)
+    experts = None  # [N, Lg, L, k]: the experts of generated token t - 1, written when it is fed at step t
+    if record_routing:
+        L, k = prompt_routing.shape[0], prompt_routing.shape[-1]
+        experts = jnp.full((N, Lg, L, k), -1, jnp.int32)
 
     def body(carry):
-        t, tokens, logp, lengths, rows, done, cache, prev = carry
-        logits, cache = model.decode_step(prev, cache)
+        t, tokens, logp, lengths, rows, done, cache, prev, experts = carry
+        if record_routing:
+            logits, cache, routed_LxMxk = model.decode_step(prev, cache, return_routing=True)
+            experts = experts.at[rows, t - 1].set(jnp.where(done[:, None, None], -1, routed_LxMxk.transpose(1, 0, 2)))
+        else:
+            logits, cache = model.decode_step(prev, cache)
         tok, lp = _pick(logits, key, t, params, rows, N)
         tok = jnp.where(done, pad_id, tok)
         tokens = tokens.at[rows, t].set(tok)
         logp = logp.at[rows, t].set(jnp.where(done, 0.0, lp))
         lengths = lengths.at[rows].add((~done).astype(jnp.int32))
-        return t + 1, tokens, logp, lengths, rows, done | jnp.isin(tok, stops), cache, tok
+        return t + 1, tokens, logp, lengths, rows, done | jnp.isin(tok, stops), cache, tok, experts
 
-    carry = (jnp.ones((), jnp.int32), tokens, logp, lengths, rows, done, cache, tok)
+    carry = (jnp.ones((), jnp.int32), tokens, logp, lengths, rows, done, cache, tok, experts)
     for width in tuple(w for w in shrink if w < N) + (0,):
         carry = jax.lax.while_loop(lambda c, w=width: (c[0] < Lg) & ((~c[5]).sum() > w), body, carry)
         if width:  # keep the unfinished slots first (at most `width` of them), drop the rest
-            t, tokens, logp, lengths, rows, done, cache, prev = carry
+            t, tokens, logp, lengths, rows, done, cache, prev, experts = carry
             keep = jnp.argsort(done.astype(jnp.int32), stable=True)[:width].astype(jnp.int32)
-            carry = (t, tokens, logp, lengths, rows[keep], done[keep], cache.take_rows(keep), prev[keep])
-    _, tokens, logp, lengths, _, _, _, _ = carry
+            carry = (t, tokens, logp, lengths, rows[keep], done[keep], cache.take_rows(keep), prev[keep], experts)
+    _, tokens, logp, lengths, _, _, _, _, experts = carry
     truncated = (lengths == Lg) & ~jnp.isin(tokens[:, -1], stops)  # no stop token within Lg
-    return SampleOutput(tokens, logp, lengths, truncated)
+    if not record_routing:
+        return SampleOutput(tokens, logp, lengths, truncated)
+    return SampleOutput(tokens, logp, lengths, truncated, prompt_routing.transpose(1, 2, 0, 3), experts)
 
 
 def shrink_schedule(num_rows: int, multiple: int = 8, steps: int = 2, factor: float = 0.75) -> tuple[int, ...]:

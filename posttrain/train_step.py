@@ -66,8 +66,10 @@ def score_logprobs(model, batch: RolloutBatch, temperature: float, chunk: int, w
     Only slots with a policy token are pushed through the unembedding: slots are reordered valid-first and
     chunks holding none are skipped, so the vocabulary-wide matmuls scale with real tokens, not with N * C.
     """
+    replay = batch.routed_experts_RxLxLmxk  # routing replay: the sampler's expert selections, or None
     h, aux = model.hidden_states(batch.tokens_RxL, batch.positions_RxL, batch.segment_ids_RxL,
-                                 batch.branch_ids_RxL)
+                                 batch.branch_ids_RxL,
+                                 replay_experts_LxBxTxk=None if replay is None else replay.transpose(2, 0, 1, 3))
     R, L, D = h.shape
     N, C = batch.targets_NxC.shape
     rows = jnp.repeat(jnp.arange(R, dtype=jnp.int32), N // R)

@@ -31,6 +31,9 @@ class RolloutBatch:
     truncated_N: bool (hit the token limit). group_id_N: int32.
     logp_old_NxC: float32 trainer logprobs under the behaviour policy, filled in by the train step before the
     first of several updates on one batch (`rl.ppo_epochs`, `rl.minibatches`); None otherwise.
+    routed_experts_RxLxLmxk: routing replay (`rl.routing_replay="replay"` on an MoE model; else None): int32
+    [R, L, Lm, k], the experts the sampler's Lm MoE layers selected for every row token, -1 where it has none
+    (the last generated token, padding, env tokens): the train step selects these (`moe.route(replay_Mxk=)`).
     """
 
     tokens_RxL: jax.Array
@@ -47,6 +50,7 @@ class RolloutBatch:
     truncated_N: jax.Array
     group_id_N: jax.Array
     logp_old_NxC: Any = None
+    routed_experts_RxLxLmxk: Any = None
 
     @property
     def samples_per_row(self) -> int:

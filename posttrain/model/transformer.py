@@ -71,12 +71,12 @@ class Block(nnx.Module):
         self.input_norm = RMSNorm(d_model, eps, param_dtype=param_dtype, rngs=rngs)
         self.post_attn_norm = RMSNorm(d_model, eps, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, positions, mask, extra_sources=(), valid=None):
+    def __call__(self, x, positions, mask, extra_sources=(), valid=None, replay=None):
         h, entries = self.attn(self.input_norm(x), positions, mask, extra_sources)
         x = x + h
         ffn_in = checkpoint_name(self.post_attn_norm(x), "mlp_in")
         if isinstance(self.ffn, MoE):
-            f, aux = self.ffn(ffn_in, valid)
+            f, aux = self.ffn(ffn_in, valid, replay)
         else:
             f, aux = self.ffn(ffn_in), {}
         x = with_logical_constraint(x + f, ("batch", "length", "embed"))
@@ -201,12 +201,15 @@ class Transformer(nnx.Module):
     # ------------------------------------------------------------------ teacher-forced / prefill
     @_in_precision_scope
     def hidden_states(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, branch_ids_BxT=None,
-                      *, return_entries: bool = False, shared_entries=None, blockwise: bool | None = None):
+                      *, return_entries: bool = False, shared_entries=None, blockwise: bool | None = None,
+                      replay_experts_LxBxTxk=None):
         """Final-norm hidden states [B, T, D], aux dict (MoE losses summed over layers, expert load per layer),
         and (if asked) the per-stack attention entries [L, B, T, ...]. `shared_entries` ({stack: [L, 1, ...]},
         cache layout): entries of C earlier tokens that every row continues (positions must then start at C).
         blockwise: self-attention path, True blockwise (`flash.blockwise_attention`: never a [T, T] score or mask
-        tensor), False dense, None by shape (`flash.BLOCKWISE_MIN_LEN`); with `shared_entries` always dense."""
+        tensor), False dense, None by shape (`flash.BLOCKWISE_MIN_LEN`); with `shared_entries` always dense.
+        replay_experts_LxBxTxk: routing replay for the MoE stack (int, -1: route normally; `moe.route`); the
+        aux dict's "routed_experts" [L, B, T, k] int32 is the selection the MoE layers made."""
         B, T = tokens_BxT.shape
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -219,15 +222,17 @@ class Transformer(nnx.Module):
         x = self.embed(tokens_BxT)
         entries, auxes = {}, []
 
-        def body(block, h, shared_l):
+        def body(block, h, inputs):
+            shared_l, replay_l = inputs
             sources = ()
             if shared_l is not None:  # every row attends to all C shared tokens
                 sources = (Source(shared_l, jnp.ones((1, 1, cache_len(shared_l)), bool), B),)
-            h, ent, aux = block(h, positions_BxT, mask, sources, valid)
+            h, ent, aux = block(h, positions_BxT, mask, sources, valid, replay_l)
             return h, (ent if return_entries else None, aux)
 
         for name, stack in self.stacks():
-            x, (ent, aux) = self._scan(stack, x, None if shared_entries is None else shared_entries[name], body)
+            shared = None if shared_entries is None else shared_entries[name]
+            x, (ent, aux) = self._scan(stack, x, (shared, replay_experts_LxBxTxk if name == "moe" else None), body)
             entries[name] = ent
             auxes.append(aux)
         aux = _merge_aux(auxes)
@@ -241,24 +246,31 @@ class Transformer(nnx.Module):
         return self.logits(h), aux
 
     @_in_precision_scope
-    def prefill(self, prompts_PxLp, lengths_P, *, group: int, max_new: int, shared_len: int = 0):
+    def prefill(self, prompts_PxLp, lengths_P, *, group: int, max_new: int, shared_len: int = 0,
+                return_routing: bool = False):
         """Runs right-padded prompts once; returns (logits [P, V] at each prompt's last token, DecodeCache
-        with an empty per-sample suffix of width `max_new` for P * group samples).
+        with an empty per-sample suffix of width `max_new` for P * group samples), and with `return_routing`
+        the MoE layers' expert selection of every prompt token, int32 [L, P, Lp, k] (None without MoE layers).
 
         shared_len: C > 0 when all prompts begin with the same C tokens (C < every length; see
         `sampler.shared_prefix_len`): those are run once, and every prompt's remainder attends to them.
         """
         P, Lp = prompts_PxLp.shape
-        shared = None
+        shared, routing = None, []
         if shared_len:
-            _, _, shared = self.hidden_states(prompts_PxLp[:1, :shared_len], return_entries=True)
+            _, aux, shared = self.hidden_states(prompts_PxLp[:1, :shared_len], return_entries=True)
             shared = {name: to_cache_layout(e) for name, e in shared.items()}
             prompts_PxLp, lengths_P = prompts_PxLp[:, shared_len:], lengths_P - shared_len
             Lp = Lp - shared_len
+            if "routed_experts" in aux:
+                r = aux["routed_experts"]
+                routing.append(jnp.broadcast_to(r, (r.shape[0], P) + r.shape[2:]))
         segment = (jnp.arange(Lp)[None, :] < lengths_P[:, None]).astype(jnp.int32)
         positions = jnp.broadcast_to(shared_len + jnp.arange(Lp, dtype=jnp.int32), (P, Lp))
-        h, _, entries = self.hidden_states(prompts_PxLp, positions, segment, None, return_entries=True,
-                                           shared_entries=shared)
+        h, aux, entries = self.hidden_states(prompts_PxLp, positions, segment, None, return_entries=True,
+                                             shared_entries=shared)
+        if "routed_experts" in aux:
+            routing.append(aux["routed_experts"])
         last = jnp.take_along_axis(h, (lengths_P - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
         entries = {name: to_cache_layout(e) for name, e in entries.items()}
 
@@ -269,12 +281,15 @@ class Transformer(nnx.Module):
 
         suffix = {stack: {name: empty(name, e) for name, e in ent.items()} for stack, ent in entries.items()}
         cache = DecodeCache(entries, lengths_P.astype(jnp.int32), suffix, jnp.zeros((), jnp.int32), shared)
+        if return_routing:
+            return self.logits(last), cache, (jnp.concatenate(routing, axis=2) if routing else None)
         return self.logits(last), cache
 
     # ------------------------------------------------------------------ decoding
     @_in_precision_scope
-    def decode_step(self, tokens_N, cache: DecodeCache):
-        """Appends one token per sample; returns (logits [N, V] for the next token, updated cache)."""
+    def decode_step(self, tokens_N, cache: DecodeCache, *, return_routing: bool = False):
+        """Appends one token per sample; returns (logits [N, V] for the next token, updated cache), and with
+        `return_routing` the MoE layers' expert selection for the appended tokens, int32 [L, N, k] (or None)."""
         N = tokens_N.shape[0]
         P = cache.prefix_len_P.shape[0]
         G = N // P
@@ -288,7 +303,7 @@ class Transformer(nnx.Module):
         suffix_mask = jnp.broadcast_to((jnp.arange(width) < t)[None, None, :], (N, 1, width))
         self_mask = jnp.ones((N, 1, 1), bool)
         valid = jnp.ones((N, 1), bool)
-        new_suffix = {}
+        new_suffix, routing = {}, None
         for name, stack in self.stacks():
             # Each layer reads its cache slices as scan inputs and returns this token's entries; they are written
             # once after the scan. (Carrying the whole [L, N, Lg, ...] suffix through the layer scan made XLA CPU
@@ -298,15 +313,17 @@ class Transformer(nnx.Module):
                 sources = (Source(prefix_l, prefix_mask, G), Source(suffix_l, suffix_mask, 1))
                 if shared_l is not None:
                     sources = (Source(shared_l, jnp.ones((1, 1, C), bool), N),) + sources
-                h, ent, _ = block(h, positions, self_mask, sources, valid)
-                return h, ent
+                h, ent, aux = block(h, positions, self_mask, sources, valid)
+                return h, (ent, aux.get("routed_experts"))
 
             shared = None if cache.shared is None else cache.shared[name]
-            x, ent = self._scan(stack, x, (cache.prefix[name], cache.suffix[name], shared), body)
+            x, (ent, routed) = self._scan(stack, x, (cache.prefix[name], cache.suffix[name], shared), body)
+            routing = routed[:, :, 0] if routed is not None else routing
             new_suffix[name] = {k: _write_position(cache.suffix[name][k], e, k, t)
                                 for k, e in to_cache_layout(ent).items()}
         logits = self.logits(self.final_norm(x))[:, 0]
-        return logits, cache._replace(suffix=new_suffix, step=t + 1)
+        cache = cache._replace(suffix=new_suffix, step=t + 1)
+        return (logits, cache, routing) if return_routing else (logits, cache)
 
 
 def _write_position(cache_e: jax.Array, new_e: jax.Array, name: str, t: jax.Array) -> jax.Array:
@@ -321,7 +338,9 @@ def _merge_aux(auxes: list[dict]) -> dict:
     out = {}
     for aux in auxes:
         for k, v in aux.items():
-            if k == "expert_load":
+            if k == "routed_experts":  # [L, B, T, k] selections, kept as they are
+                out[k] = v
+            elif k == "expert_load":
                 out[k] = v if k not in out else jnp.concatenate([out[k], v])
             elif k == "ep_dropped_frac":  # a fraction: the mean over layers (every MoE layer has the same count)
                 out[k] = v.mean()
