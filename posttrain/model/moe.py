@@ -57,10 +57,13 @@ class ExpertBias(nnx.Variable):
 
 
 def route(logits_MxE: jax.Array, bias_E: jax.Array | None, *, k: int, scoring: str, norm_topk_prob: bool,
-          routed_scaling_factor: float, num_groups: int = 1, topk_groups: int = 1):
+          routed_scaling_factor: float, num_groups: int = 1, topk_groups: int = 1, replay_Mxk=None):
     """Top-k routing. Returns (weights_Mxk f32, experts_Mxk int32, probs_MxE f32 used by the balance loss).
 
     The bias (if any) only affects which experts are *selected*; weights come from the unbiased scores.
+    replay_Mxk: routing replay (int, -1 = none): where >= 0, that expert is selected instead of the top-k
+    choice (e.g. the sampler's selection), while its weight still comes from the current scores, so the router
+    gets the same gradient form as without replay.
     """
     logits = logits_MxE.astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
@@ -73,6 +76,8 @@ def route(logits_MxE: jax.Array, bias_E: jax.Array | None, *, k: int, scoring: s
         keep = jnp.zeros((M, num_groups), bool).at[jnp.arange(M)[:, None], top_groups].set(True)
         choice = jnp.where(jnp.repeat(keep, E // num_groups, axis=1), choice, -jnp.inf)
     _, experts = jax.lax.top_k(choice, k)
+    if replay_Mxk is not None:
+        experts = jnp.where(replay_Mxk >= 0, replay_Mxk.astype(experts.dtype), experts)
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
@@ -219,17 +224,22 @@ class MoE(nnx.Module):
                            rngs=rngs, lora=lora, matmul_precision=matmul_precision)
                        if moe.num_shared_experts else None)
 
-    def __call__(self, x_BxTxD, valid_BxT):
+    def __call__(self, x_BxTxD, valid_BxT, replay_BxTxk=None):
+        """replay_BxTxk: experts to select per token (routing replay, -1: route normally) or None. The aux dict
+        carries the selection as "routed_experts" [B, T, k] int32 (what a sampler records for replay)."""
         B, T, D = x_BxTxD.shape
         x = x_BxTxD.reshape(B * T, D)
         logits = dot("md,de->me", x.astype(jnp.float32), self.router[...].astype(jnp.float32), jnp.float32)
         bias = None if self.score_bias is None else self.score_bias[...]
+        replay = None if replay_BxTxk is None else replay_BxTxk.reshape(B * T, self.k)
         weights, experts, probs = route(logits, bias, k=self.k, scoring=self.scoring,
                                         norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.scaling,
-                                        num_groups=self.num_groups, topk_groups=self.topk_groups)
+                                        num_groups=self.num_groups, topk_groups=self.topk_groups,
+                                        replay_Mxk=replay)
         y, dropped = dispatch(x, experts, weights, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
                               self.dtype, ep_capacity_factor=self.ep_capacity_factor)
         y = y.reshape(B, T, D).astype(x_BxTxD.dtype)
         if self.shared is not None:
             y = y + self.shared(x_BxTxD)
-        return y, dict(router_aux(logits, probs, experts, valid_BxT.reshape(-1)), ep_dropped_frac=dropped)
+        return y, dict(router_aux(logits, probs, experts, valid_BxT.reshape(-1)), ep_dropped_frac=dropped,
+                       routed_experts=experts.reshape(B, T, self.k))
