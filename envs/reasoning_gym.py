@@ -9,7 +9,10 @@ each dataset's own ``score_answer(answer, entry) -> float in [0, 1]``, ``reasoni
 An episode: the question plus `INSTRUCTION` (answer inside ``<answer>`` tags); the reply after the last
 ``</think>`` (`verifiers.strip_reasoning`) is searched for the last ``<answer>...</answer>`` (multi-line answers
 kept); the reward is the dataset's score of that answer, partial credit included (``info["score"]``);
-``info["status"]`` is "ok" only at score 1. A reply without answer tags scores 0.
+``info["status"]`` is "ok" only at score 1. A reply with no answer tag at all (small instruct models such as
+SmolLM2-135M ignore the instruction and write "The answer is 12.") is read by a conservative fallback on its
+last non-empty line only (`fallback_answer`: ``\\boxed{}``, "answer is/: X", "... = X", "... is X", a lone
+token), so a revised or buried number never scores; ``fallback=False`` keeps tags only.
 
 Splits: "train" is the dataset built with ``seed`` and ``size``; "test" the same config with seed
 ``seed + TEST_SEED_OFFSET`` and ``num_test`` items (procedural generation; in a tiny task space an item may
@@ -21,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -150,6 +154,78 @@ def extract_reply_answer(text: str, think_tags: tuple[str, str] | None = verifie
     return library().utils.extract_answer(reply[:end + len("</answer>")], tag_name="answer")
 
 
+_ANSWER_PHRASE_RE = re.compile(r"\banswer\b.*?(?:\bis\b|:|=)\s*(.*)$", re.I)  # "the (final) answer ... is/:/= X"
+_IS_LAST_RE = re.compile(r"\bis\s+(\S+)$")  # "... is X" (X one token)
+_WRAPPERS = " \t*_`\"'$"
+FALLBACK_MAX_LINE = 1000  # a longer last line is not read by the fallback (bounded regex work)
+
+
+def _clean(candidate: str) -> str | None:
+    """`candidate` without markdown/quote wrappers and one trailing sentence period; None when empty or longer
+    than `verifiers.MAX_ANSWER_CHARS`."""
+    text = candidate.strip().strip(_WRAPPERS)
+    if text[-1:] in (".", "!") :
+        text = text[:-1].rstrip().strip(_WRAPPERS)
+    return text if text and len(text) <= verifiers.MAX_ANSWER_CHARS else None
+
+
+def fallback_answer(reply: str) -> tuple[str | None, str]:
+    """(answer, form) read from the LAST non-empty line of a reply that has no answer tag, or (None, "none").
+
+    For small instruct models that ignore the tag instruction (SmolLM2-135M-Instruct writes "The answer is 12.",
+    "3 * 4 = 12" or "The LCM of 4 and 6 is 12."). Only the last line is read, so an answer that a later line
+    revises never scores; nothing is searched for the gold answer. Forms, in order:
+      "boxed":    the last ``\\boxed{X}`` on that line -> X
+      "phrase":   "... answer ... is X" / "Answer: X" / "answer = X" -> X (the rest of the line after the first
+                  is/:/= that follows the word "answer"; after its last "=" when it holds one, e.g. "is 3+4 = 7")
+      "equation": "... = X" with X one token (no space) -> X (after the last "=")
+      "is":       "... is X." with X one token -> X
+      "bare":     the line is one token -> that token
+    The result drops markdown/quote wrappers (``**``, backticks, quotes, ``$``) and one trailing "." or "!".
+    Multi-line answers need the tags.
+    """
+    lines = [line for line in reply.splitlines() if line.strip()]
+    if not lines or len(lines[-1]) > FALLBACK_MAX_LINE:
+        return None, "none"
+    line = lines[-1].strip()
+    if "\\boxed" in line or "\\fbox" in line:
+        boxed = verifiers.extract_boxed(line)
+        return (None, "none") if boxed is None else (_clean(boxed), "boxed")
+    m = _ANSWER_PHRASE_RE.search(line)
+    if m:
+        phrase = m.group(1)
+        if "=" in phrase:  # "The answer is 3 + 4 = 7." -> 7
+            rhs = _clean(phrase.rsplit("=", 1)[1])
+            return (rhs, "phrase") if rhs is not None and not any(c.isspace() for c in rhs) else (None, "none")
+        return _clean(phrase), "phrase"
+    if "=" in line:
+        rhs = _clean(line.rsplit("=", 1)[1])
+        return (rhs, "equation") if rhs is not None and not any(c.isspace() for c in rhs) else (None, "none")
+    m = _IS_LAST_RE.search(line)
+    if m:
+        return _clean(m.group(1)), "is"
+    bare = _clean(line)
+    return (bare, "bare") if bare is not None and not any(c.isspace() for c in bare) else (None, "none")
+
+
+def read_answer(text: str, think_tags: tuple[str, str] | None = verifiers.THINK_TAGS, *,
+                fallback: bool = True) -> tuple[str | None, str]:
+    """(answer, method) of a reply: the last ``<answer>...</answer>`` after the reasoning block (method
+    "answer_tag"); when the reply (after its reasoning block) has no ``<answer>`` tag at all and `fallback`,
+    `fallback_answer` on it (method "fallback_<form>"); else (None, "none"). A reply with an opened but
+    unclosed or empty tag is not read by the fallback. Never raises on odd text."""
+    if not isinstance(text, str):
+        return None, "none"
+    reply = verifiers.strip_reasoning(text, think_tags)
+    if "<answer>" in reply or "</answer>" in reply:
+        answer = extract_reply_answer(text, think_tags)
+        return (answer, "answer_tag") if answer is not None else (None, "none")
+    if not fallback:
+        return None, "none"
+    answer, form = fallback_answer(reply)
+    return (answer, f"fallback_{form}") if answer is not None else (None, "none")
+
+
 def reference_reply(entry: Mapping[str, Any]) -> tuple[str | None, str]:
     """(an answer the dataset's scorer should accept, where it came from): the entry's reference answer
     ("answer"), else a library-provided reply in its metadata (`REFERENCE_REPLY_KEYS`), else (None, "none")."""
@@ -223,19 +299,22 @@ class ReasoningGymEnv(base.TextEnv):
     """posttrain/ReasoningGym-v0: single-turn; reward = the dataset's ``score_answer`` of the tagged answer.
 
     Kwargs: those of `ReasoningGymTasks` (``dataset`` required), ``self_check`` (run `golden_check` at
-    construction: RuntimeError when it fails) and ``allow_unverified`` (accept a dataset with no reference reply,
-    "unverified", instead of raising). Scorer exceptions on odd replies score 0 with the reason in info.
+    construction: RuntimeError when it fails), ``allow_unverified`` (accept a dataset with no reference reply,
+    "unverified", instead of raising) and ``fallback`` (default True: a reply without any answer tag is read by
+    `fallback_answer`, its last line; False: tags only). Scorer exceptions on odd replies score 0 with the
+    reason in info; ``info["method"]`` says how the answer was read (`read_answer`).
     """
 
     think_tags = verifiers.THINK_TAGS
 
     def __init__(self, *, dataset: str | None = None, config: Mapping[str, Any] | str | None = None,
                  split: str = "train", seed: int = 0, size: int = 1000, num_test: int = 100,
-                 level: int | None = None, self_check: bool = True, allow_unverified: bool = False) -> None:
+                 level: int | None = None, self_check: bool = True, allow_unverified: bool = False,
+                 fallback: bool = True) -> None:
         if not isinstance(dataset, str) or not dataset:
             raise ValueError(f"{ENV_ID}: kwarg 'dataset' is required (a reasoning-gym dataset name, e.g. "
                              f"'chain_sum'), got {dataset!r}")
-        self.allow_unverified = allow_unverified
+        self.allow_unverified, self.fallback = allow_unverified, bool(fallback)
         tasks = ReasoningGymTasks(dataset, config, split=split, seed=seed, size=size, num_test=num_test, level=level)
         super().__init__(tasks, max_turns=1, self_check=self_check)
 
@@ -250,11 +329,12 @@ class ReasoningGymEnv(base.TextEnv):
 
     def score(self, task: Mapping[str, Any], reply: str) -> tuple[float, dict]:
         """(reward in [0, 1], info) of `reply` on `task` through the dataset's own scorer."""
-        answer = extract_reply_answer(reply, self.think_tags)
+        answer, method = read_answer(reply, self.think_tags, fallback=self.fallback)
         entry = {"question": task["question"], "answer": task["answer"], "metadata": task["metadata"]}
         try:
             value = float(self.task_source.dataset.score_answer(answer, entry))
-            reason = "no <answer>...</answer> after the reasoning block" if answer is None else ""
+            reason = ("no <answer>...</answer> after the reasoning block" + (" and no final-answer last line"
+                      if self.fallback else "")) if answer is None else ""
         except Exception as exc:  # noqa: BLE001 - a scorer crash on odd text scores 0 with a reason
             value, reason = 0.0, f"scorer error: {type(exc).__name__}: {exc}"[:300]
         if not 0.0 <= value <= 1.0:  # NaN included
@@ -264,15 +344,16 @@ class ReasoningGymEnv(base.TextEnv):
             reason = "partial credit" if value > 0 else "answer scored 0"
         shown = answer if answer is None or len(answer) <= verifiers.MAX_ANSWER_CHARS else answer[:200] + "..."
         return value, {"status": status, "score": value, "extracted": shown, "gold": task["answer"],
-                       "method": "answer_tag", "reason": reason, "level": task.get("level")}
+                       "method": method, "reason": reason, "level": task.get("level")}
 
     def turn_step(self, action: str) -> tuple[str, float, bool, dict]:
         reward, info = self.score(self.task, action)
         return "", reward, True, info
 
     def golden_episodes(self) -> list[tuple[dict, list[str], float]]:
-        """(task, [reply], expected) for task 0: the reference reply after a think block (expect 1.0), the
-        reference outside answer tags, and a wrong answer in tags after a think block holding the reference
+        """(task, [reply], expected) for task 0: the reference reply after a think block (expect 1.0), an untagged
+        reply that states the reference and then revises it to a wrong answer on its last line (read by the
+        fallback), and a wrong answer in tags after a think block holding the reference
         (both expected below 1, written as 0.0: `golden_check` tests them with "< 1", since some scorers give
         a small format credit, e.g. 0.01, even to a missing answer). Empty when there is no reference reply."""
         task = self.task_source.get_task(0)
@@ -281,7 +362,7 @@ class ReasoningGymEnv(base.TextEnv):
             return []
         wrong = self._wrong_answer(task, good)
         return [(task, [f"<think>First a guess: <answer>{wrong}</answer>.</think>\n<answer>\n{good}\n</answer>"], 1.0),
-                (task, [f"The answer is {good}"], 0.0),
+                (task, [f"At first I get {good}.\nNo: the answer is {wrong}"], 0.0),
                 (task, [f"<think>It is <answer>{good}</answer>.</think>\n<answer>{wrong}</answer>"], 0.0)]
 
     def _wrong_answer(self, task: dict, good: str) -> str:

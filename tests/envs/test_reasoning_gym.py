@@ -30,6 +30,62 @@ def test_answer_inside_think_block_is_not_read():
     assert reward < 1.0 and info["extracted"] is None and "no <answer>" in info["reason"]
 
 
+# Reply forms -> extracted answer (`read_answer`): {g} is the task's gold answer, {w} a wrong one. The forms are
+# what SmolLM2-135M-Instruct writes for these prompts (it never writes the tags); the second half must not score.
+REPLY_FORMS = [
+    ("<answer>{g}</answer>", "{g}", "answer_tag", 1.0),
+    ("<think>maybe {w}</think>\nSo <answer> {g} </answer>.", "{g}", "answer_tag", 1.0),
+    ("The answer is {g}.", "{g}", "fallback_phrase", 1.0),
+    ("The final answer to this arithmetic problem is {g}.", "{g}", "fallback_phrase", 1.0),
+    ("Let me think.\n**Answer:** `{g}`", "{g}", "fallback_phrase", 1.0),
+    ("The answer is {w} + 0 = {g}.", "{g}", "fallback_phrase", 1.0),
+    ("{w} - {w} + {g} = {g}", "{g}", "fallback_equation", 1.0),
+    ("The greatest common divisor of the two numbers is {g}.", "{g}", "fallback_is", 1.0),
+    ("Step 1: something.\n\n$\\boxed{{{g}}}$", "{g}", "fallback_boxed", 1.0),
+    ("{g}", "{g}", "fallback_bare", 1.0),
+    # must not score
+    ("", None, "none", 0.0),
+    ("   \n\n ", None, "none", 0.0),
+    ("I first get {g}.\nNo, I made a mistake: the answer is {w}.", "{w}", "fallback_phrase", 0.0),
+    ("The answer is {g}.\nWait, recheck: {g} + 1 = {w}", "{w}", "fallback_equation", 0.0),
+    ("<answer>{w}</answer> Actually the answer is {g}.", "{w}", "answer_tag", 0.0),
+    ("The answer is {g}.\n<answer>{w}</answer>", "{w}", "answer_tag", 0.0),
+    ("<think>The answer is {g}.</think>", None, "none", 0.0),
+    ("The answer is {g}. <answer>", None, "none", 0.0),
+    ("<answer></answer>\nThe answer is {g}.", "", "answer_tag", 0.0),
+    ("The sum is {g} and the product is {w}.\nI am not sure which one.", None, "none", 0.0),
+    ("{g} = {w} + 1 and so on", None, "none", 0.0),
+    ("The question asks for the result, which is a multiplication of {g} terms.", None, "none", 0.0),
+    ("The letter appears {g} times in the text.", None, "none", 0.0),
+    ("The answer is \\boxed{{{g}", None, "none", 0.0),
+]
+
+
+@pytest.mark.parametrize("reply,extracted,method,reward", REPLY_FORMS)
+def test_reply_forms_table(reply, extracted, method, reward):
+    env = make("gcd")
+    task = env.task_source.get_task(0)
+    gold, wrong = task["answer"], str(int(task["answer"]) + 7)
+    reply = reply.format(g=gold, w=wrong)
+    got, info = env.score(task, reply)
+    assert (info["extracted"], info["method"], got) == (
+        None if extracted is None else extracted.format(g=gold, w=wrong), method, reward)
+    assert (got == 1.0) == (info["status"] == "ok")
+
+
+def test_fallback_off_reads_tags_only():
+    env = make("gcd", fallback=False)
+    task = env.task_source.get_task(0)
+    assert env.score(task, f"The answer is {task['answer']}.")[0] == 0.0
+    assert env.score(task, f"<answer>{task['answer']}</answer>")[0] == 1.0
+
+
+def test_fallback_reads_only_the_last_line_and_never_a_long_one():
+    assert rgenv.fallback_answer("The answer is 3.\nThen I doubled it.") == (None, "none")
+    assert rgenv.fallback_answer("x " * rgenv.FALLBACK_MAX_LINE + "= 4") == (None, "none")
+    assert rgenv.read_answer(None) == (None, "none")
+
+
 def test_multiline_answer_survives_extraction():
     env = make("rotate_matrix")
     task = env.task_source.get_task(0)
