@@ -108,9 +108,12 @@ def cmd_eval(f) -> int:
     cfg = _load_config(f)
     if not f.checkpoint:
         raise SystemExit("error: --checkpoint=<run workdir> is required")
-    rollouter, learner = loop.build(make_run_plan(dataclasses.replace(
-        cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint))))
-    m = loop.evaluate(rollouter, learner)
+    from posttrain.partitioning import use_rules
+
+    plan = make_run_plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint)))
+    with use_rules(plan.rules):
+        rollouter, learner = loop.build(plan)
+        m = loop.evaluate(rollouter, learner)
     learner.close()
     rollouter.close()
     print(json.dumps({"step": learner.step, **m}))

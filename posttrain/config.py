@@ -39,12 +39,15 @@ class ModelSource:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """Per-axis device counts; one axis may be -1 (all remaining devices)."""
+    """Per-axis device counts; one axis may be -1 (all remaining devices). `rules`: overlays of the logical-axis
+    rules (`posttrain.mesh.RULES`), logical axis -> mesh axis, list of mesh axes, or None (replicated), e.g.
+    {"embed": None} turns FSDP of the weights off; applied by training, sampling and `posttrain plan` alike."""
 
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
     expert: int = 1
+    rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -297,6 +300,12 @@ def from_config_dict(cd) -> Config:
         value = getattr(getattr(cfg, section), key)
         if not ok(value):
             raise ConfigError(f"{section}.{key}={value!r} is out of range: must be {allowed}")
+    try:
+        from posttrain import mesh as mesh_lib
+
+        mesh_lib.rules_with_overrides(cfg.mesh.rules)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"mesh.rules={dict(cfg.mesh.rules)!r}: {e}") from None
     free = [k for k in ("data", "fsdp", "tensor", "expert") if getattr(cfg.mesh, k) == -1]
     if len(free) > 1:
         raise ConfigError(f"mesh: at most one axis may be -1, got {['mesh.' + k for k in free]}")

@@ -25,12 +25,12 @@ from posttrain.run_plan import RunPlan, with_moe
 from posttrain.types import RolloutBatch, TrainState
 
 
-def batch_shardings(mesh, batch: RolloutBatch | None = None) -> RolloutBatch:
+def batch_shardings(mesh, batch: RolloutBatch | None = None, rules=mesh_lib.RULES) -> RolloutBatch:
     """A RolloutBatch of NamedShardings: rows / samples split over the mesh's batch shards. Of `batch`'s arrays
     when given; else of every field by its dimension suffix (`_RxL`: 2 dims, `_N`: 1), with None (the argument's
     own placement) for the optional fields (default None), so a new field needs no change here."""
     if batch is not None:
-        return jax.tree.map(lambda x: mesh_lib.batch_sharding(mesh, x.ndim), batch)
+        return jax.tree.map(lambda x: mesh_lib.batch_sharding(mesh, x.ndim, rules), batch)
     fields = {}
     for f in dataclasses.fields(RolloutBatch):
         dims = re.fullmatch(r".+_([A-Za-z][a-z]?(?:x[A-Za-z][a-z]?)*)", f.name)
@@ -39,7 +39,7 @@ def batch_shardings(mesh, batch: RolloutBatch | None = None) -> RolloutBatch:
         elif dims is None:
             raise ValueError(f"RolloutBatch field {f.name!r} needs a dimension suffix (e.g. _NxC) or a None default")
         else:
-            fields[f.name] = mesh_lib.batch_sharding(mesh, len(dims.group(1).split("x")))
+            fields[f.name] = mesh_lib.batch_sharding(mesh, len(dims.group(1).split("x")), rules)
     return RolloutBatch(**fields)
 
 
@@ -82,7 +82,7 @@ class Learner:
             graphdef, state = ts.create_train_state(graphdef, weights, opt.tx, jax.random.key(cfg.train.seed), opts,
                                                     need_reference=cfg.rl.beta > 0)
         state_sh = jax.tree.map(lambda x: x.sharding, state)
-        batch_sh = batch_shardings(mesh)
+        batch_sh = batch_shardings(mesh, rules=plan.rules)
         step_fn = ts.jit_train_step(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts), state_sh, batch_sh)
         ckpt = Checkpointer(plan.workdir / "checkpoints", every_steps=cfg.checkpoint.every_steps,
                             keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
@@ -106,7 +106,7 @@ class Learner:
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """One train step on a host batch; returns its metrics. A skipped (non-finite) update is logged and
         counted in `nonfinite_run`."""
-        placed = jax.tree.map(distributed.global_array, batch, batch_shardings(self.mesh, batch))
+        placed = jax.tree.map(distributed.global_array, batch, batch_shardings(self.mesh, batch, self.plan.rules))
         with jax.set_mesh(self.mesh):
             self.state, m = self.step_fn(self.state, placed)
         m = {k: float(v) for k, v in jax.device_get(m).items()}

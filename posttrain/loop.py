@@ -14,6 +14,7 @@ from posttrain import distributed, metrics as metrics_lib, setup
 from posttrain import mesh as mesh_lib
 from posttrain.config import Config, to_dict
 from posttrain.learner import Learner
+from posttrain.partitioning import use_rules
 from posttrain.rollouter import Rollouter, write_jsonl
 from posttrain.run_plan import RunPlan, make_run_plan
 
@@ -29,7 +30,7 @@ def build(plan: RunPlan) -> tuple[Rollouter, Learner]:
     plan.workdir.mkdir(parents=True, exist_ok=True)
     (plan.workdir / "config.json").write_text(json.dumps(to_dict(plan.cfg), indent=2, default=str))
     mesh = mesh_lib.make_mesh(plan.mesh_shape)
-    model_config, graphdef, weights, tokenizer = setup.load_policy(plan.cfg, mesh, plan.precision)
+    model_config, graphdef, weights, tokenizer = setup.load_policy(plan.cfg, mesh, plan.precision, plan.rules)
     learner = Learner.create(plan, mesh, model_config, graphdef, weights)
     rollouter = Rollouter.create(plan, mesh, learner.graphdef, tokenizer, meta=learner.restore())
     return rollouter, learner
@@ -49,6 +50,11 @@ def train(cfg: Config | RunPlan, *, workdir: str | None = None, progress: bool =
     Raises ConfigError (before any work) for a config that makes no valid run plan, and NonFiniteError (after
     saving a checkpoint) when `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
     plan = cfg if isinstance(cfg, RunPlan) else make_run_plan(cfg, workdir=workdir)
+    with use_rules(plan.rules):  # the activation sharding constraints traced by the sampler and the train step
+        return _train(plan, progress)
+
+
+def _train(plan: RunPlan, progress: bool) -> dict:
     for warning in plan.warnings:
         metrics_lib.log.warning(warning)
     rollouter, learner = build(plan)

@@ -111,12 +111,15 @@ def captured_stderr():
             out["text"] = tmp.read().decode(errors="replace")
 
 
-def compile_train_step(graphdef, state, state_sh, batch, batch_sh, mesh, tx, lr_schedule, opts):
-    """Lowers and compiles the donated train step for `mesh`; returns (MemoryReport, compile seconds, XLA log)."""
+def compile_train_step(graphdef, state, state_sh, batch, batch_sh, mesh, tx, lr_schedule, opts,
+                       rules=mesh_lib.RULES):
+    """Lowers and compiles the donated train step for `mesh` (activation constraints by `rules`); returns
+    (MemoryReport, compile seconds, XLA log)."""
     from posttrain import train_step as ts
+    from posttrain.partitioning import use_rules
 
     step = ts.make_train_step(graphdef, tx, lr_schedule, opts)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), use_rules(rules):
         lowered = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
                           donate_argnums=(0,)).lower(state, batch)
         with captured_stderr() as log:
@@ -143,6 +146,7 @@ def plan_train_step(cfg, target: str, *, prompt_len: int = 128) -> dict:
     from posttrain import optim
     from posttrain.batching import random_batch
     from posttrain.model.presets import get_preset
+    from posttrain.partitioning import assert_sufficiently_sharded
     from posttrain.run_plan import make_run_plan, with_moe
 
     devices, platform, hbm, peak = target_devices(target)
@@ -160,14 +164,15 @@ def plan_train_step(cfg, target: str, *, prompt_len: int = 128) -> dict:
     opt = optim.make_optimizer(o.name, lr=o.lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
                                grad_clip_norm=o.grad_clip_norm or None, warmup_steps=o.warmup_steps,
                                total_steps=cfg.train.steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
-    graphdef, state, state_sh = abstract_train_state(model_cfg, opt.tx, opts, mesh)
+    graphdef, state, state_sh = abstract_train_state(model_cfg, opt.tx, opts, mesh, plan.rules)
+    assert_sufficiently_sharded(state.params, mesh)
     batch = random_batch(0, prompts=cfg.rl.prompts_per_step, group_size=cfg.rl.group_size, prompt_len=prompt_len,
                          completion_len=cfg.sampling.max_new_tokens, vocab_size=model_cfg.vocab_size,
                          packed=cfg.rl.packed, row_multiple=plan.row_multiple)
-    batch_abs, batch_sh = abstract_batch(batch, mesh)
+    batch_abs, batch_sh = abstract_batch(batch, mesh, plan.rules)
     try:
         report, seconds, log = compile_train_step(graphdef, state, state_sh, batch_abs, batch_sh, mesh, opt.tx,
-                                                  opt.lr_schedule, opts)
+                                                  opt.lr_schedule, opts, plan.rules)
     except Exception as e:  # noqa: BLE001 - XLA:TPU refuses to compile a program that cannot fit in HBM
         needed = re.search(r"required for HLO temporaries \(([\d.]+)G\)", str(e))
         if not needed:

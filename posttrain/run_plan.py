@@ -28,6 +28,7 @@ class RunPlan:
     workdir: pathlib.Path
     precision: PrecisionPolicy
     mesh_shape: Mapping[str, int]  # resolved axis sizes (no -1)
+    rules: tuple  # logical-axis rules: mesh.RULES with the config's `mesh.rules` overlays
     batch_shards: int  # devices the batch is split over (mesh axes of the "batch" rule)
     row_multiple: int  # rollout rows are padded to a multiple of this: minibatches x microbatches x batch shards
     decode_multiple: int  # the sampler's decode widths stay multiples of this (of 8 and of the batch shards)
@@ -95,11 +96,13 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
     import jax
 
     num_devices = jax.device_count() if num_devices is None else num_devices
+    sizes = {axis: getattr(cfg.mesh, axis) for axis in mesh_lib.MESH_AXES}
     try:
-        shape = mesh_lib.mesh_shape(dataclasses.asdict(cfg.mesh), num_devices)
+        shape = mesh_lib.mesh_shape(sizes, num_devices)
     except ValueError as e:
-        raise ConfigError(f"mesh {dataclasses.asdict(cfg.mesh)} does not fit {num_devices} device(s): {e}") from e
-    shards = batch_shards(shape)
+        raise ConfigError(f"mesh {sizes} does not fit {num_devices} device(s): {e}") from e
+    rules = mesh_lib.rules_with_overrides(cfg.mesh.rules)  # validated with the config
+    shards = batch_shards(shape, rules)
     rl = cfg.rl
     rows = rl.prompts_per_step if (rl.packed and cfg.env.max_turns == 1) else rl.prompts_per_step * rl.group_size
     split = rl.minibatches * rl.num_microbatches * shards
@@ -117,6 +120,6 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
     except ValueError as e:  # the config's own checks make these unreachable; keep the contract if they drift
         raise ConfigError(str(e)) from e
     return RunPlan(cfg=cfg, workdir=pathlib.Path(workdir or cfg.train.workdir), precision=policy, mesh_shape=shape,
-                   batch_shards=shards, row_multiple=split, decode_multiple=math.lcm(8, shards), sampling=sampling,
+                   rules=rules, batch_shards=shards, row_multiple=split, decode_multiple=math.lcm(8, shards), sampling=sampling,
                    eval_sampling=eval_sampling, logprob_temperature=opts.temperature, step_options=opts,
                    warnings=tuple(w for w in (truncation_warning(cfg),) if w))

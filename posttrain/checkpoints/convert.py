@@ -235,7 +235,7 @@ def _tied_head(cfg: ModelConfig, tensors) -> ModelConfig:
     return dataclasses.replace(cfg, tie_embeddings=False)
 
 
-def load_hf_dir(path, *, mesh=None, dtype: str | None = None, param_dtype: str | None = None,
+def load_hf_dir(path, *, mesh=None, rules=mesh_lib.RULES, dtype: str | None = None, param_dtype: str | None = None,
                 **overrides) -> Pretrained:
     """Loads config.json + safetensors (+ tokenizer files when present) from an HF model directory.
 
@@ -257,7 +257,7 @@ def load_hf_dir(path, *, mesh=None, dtype: str | None = None, param_dtype: str |
     cfg = dataclasses.replace(_tied_head(cfg, tensors), **overrides)
     used = {"lm_head.weight"} if cfg.tie_embeddings else set()  # equal to the embedding (checked above)
     graphdef, state = place(cfg, lambda expected: hf_to_arrays(
-        cfg, tensors, expected, rope_interleave=bool(norm.get("rope_interleave", True)), used=used), mesh)
+        cfg, tensors, expected, rope_interleave=bool(norm.get("rope_interleave", True)), used=used), mesh, rules)
     hf_lib.check_unused(tensors.keys(), used | tensors.scales_of(used), cfg.num_layers,
                         norm.get("num_mtp_layers") or 0)
     tokenizer = None
@@ -275,8 +275,8 @@ def gguf_file_dtype(tensor_types: Mapping[str, int]) -> str:
     return {frozenset({"F16"}): "float16", frozenset({"BF16"}): "bfloat16"}.get(frozenset(kinds), "float32")
 
 
-def load_gguf_file(path, *, mesh=None, dtype: str | None = None, param_dtype: str | None = None,
-                   **overrides) -> Pretrained:
+def load_gguf_file(path, *, mesh=None, rules=mesh_lib.RULES, dtype: str | None = None,
+                   param_dtype: str | None = None, **overrides) -> Pretrained:
     """Loads a GGUF file (dequantized through the `gguf` package) and its embedded tokenizer.
 
     dtype / param_dtype: None (default) means the file's dtype (`gguf_file_dtype`)."""
@@ -286,14 +286,15 @@ def load_gguf_file(path, *, mesh=None, dtype: str | None = None, param_dtype: st
     own = gguf_file_dtype(ckpt.metadata["tensor_types"])
     cfg = dataclasses.replace(hf_lib.config_from_hf(ckpt.hf_config, dtype=dtype or own,
                                                     param_dtype=param_dtype or own), **overrides)
-    graphdef, state = place(cfg, lambda expected: hf_to_arrays(cfg, ckpt.state_dict, expected), mesh)
+    graphdef, state = place(cfg, lambda expected: hf_to_arrays(cfg, ckpt.state_dict, expected), mesh, rules)
     return Pretrained(cfg, graphdef, state, ckpt.tokenizer)
 
 
 def load_pretrained(path=None, **kwargs) -> Pretrained:
     """A `.gguf` file or an HF directory; None means the default model (SmolLM2-135M-Instruct GGUF).
 
-    kwargs: mesh (parameters are placed sharded on it), dtype, param_dtype, and any other ModelConfig field to
+    kwargs: mesh (parameters are placed sharded on it), rules (the logical-axis rules, default `mesh.RULES`),
+    dtype, param_dtype, and any other ModelConfig field to
     override (e.g. remat="full", lora=LoRAConfig(rank=16)); LoRA adapters absent from the checkpoint start fresh.
     """
     if path is None:

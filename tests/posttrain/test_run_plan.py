@@ -25,6 +25,7 @@ BAD = [  # (override, what the one line must name)
     ("--config.rl.group_size=two", "group_size"),
     ("--config.mesh.data=3", "mesh"),
     ("--config.rl.minibatches=3", "rl.minibatches=3"),
+    ("--config.rl.routing_replay=on", "rl.routing_replay='on'"),
     ("--config.model.preset=", "model.path"),  # with the next override: a missing model file
 ]
 
@@ -111,3 +112,35 @@ def test_plan_is_frozen():
     plan = run_plan.make_run_plan(_tiny_cfg())
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.row_multiple = 3
+
+
+def _rules_cfg(**rules):
+    c = default_config()
+    c.model.preset, c.model.overrides = "tiny-dense", {"vocab_size": 320}
+    c.env.train = {"a": env_spec("posttrain/Arithmetic-v0")}
+    c.mesh.rules = rules
+    return c
+
+
+@pytest.mark.parametrize("rules,error", [({"embedd": None}, "unknown logical axis 'embedd'"),
+                                         ({"embed": "fsdpp"}, "mesh axes are")])
+def test_mesh_rules_with_unknown_names_are_config_errors(rules, error):
+    with pytest.raises(ConfigError, match=error):
+        from_config_dict(_rules_cfg(**rules))
+
+
+def test_mesh_rules_overlay_the_parameter_and_batch_shardings():
+    # the same overlay reaches the batch shard count (run plan) and the parameters' placement (load_policy)
+    plans = {name: run_plan.make_run_plan(from_config_dict(_rules_cfg(**rules)), num_devices=8)
+             for name, rules in (("default", {}), ("no_fsdp", {"embed": None}), ("data_batch", {"batch": ["data"]}))}
+    assert [plans[n].batch_shards for n in plans] == [8, 8, 1]
+    assert dict(plans["no_fsdp"].rules)["embed"] is None and dict(plans["default"].rules)["embed"] == "fsdp"
+    from posttrain import mesh as mesh_lib
+
+    specs = {}
+    for name in ("default", "no_fsdp"):
+        plan = run_plan.make_run_plan(plans[name].cfg)  # this process's one device
+        mesh = mesh_lib.make_mesh(plan.mesh_shape)
+        _, _, state, _ = setup.load_policy(plan.cfg, mesh, plan.precision, plan.rules)
+        specs[name] = tuple(state["embedding"].value.sharding.spec)
+    assert specs == {"default": ("tensor", "fsdp"), "no_fsdp": ("tensor", None)}
