@@ -15,8 +15,9 @@ last non-empty line only (`fallback_answer`: ``\\boxed{}``, "answer is/: X", "..
 token), so a revised or buried number never scores; ``fallback=False`` keeps tags only.
 
 Splits: "train" is the dataset built with ``seed`` and ``size``; "test" the same config with seed
-``seed + TEST_SEED_OFFSET`` and ``num_test`` items (procedural generation; in a tiny task space an item may
-repeat across splits). Tasks carry the dataset's whole entry (question, answer, metadata), so any worker can
+``seed + TEST_SEED_OFFSET`` and ``num_test`` items. The question sets are disjoint (`held_out`: a question is
+held out when its CRC32 falls in one of `HELD_OUT_BUCKETS` buckets; each split redraws an item of the wrong side,
+deterministically), so a small procedural task space cannot leak eval questions into training. Tasks carry the dataset's whole entry (question, answer, metadata), so any worker can
 score them whatever its own kwargs. No JAX.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ import dataclasses
 import difflib
 import json
 import re
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +36,8 @@ ENV_ID = "posttrain/ReasoningGym-v0"
 INSTRUCTION = ("\n\nThink it through, then give only the final answer inside <answer></answer> tags, "
                "in the format the question asks for (it may span several lines).")
 TEST_SEED_OFFSET = 1_000_003  # test split seed = train seed + this (a different procedural stream)
+HELD_OUT_BUCKETS = 8  # a question is held out (test split only) when crc32(question) % this == 0
+MAX_DRAWS = 256  # draws per task before a split gives up: (7/8)**256 ~ 1e-15 for a test task of a large space
 # Metadata fields in which reasoning-gym ships a reply its own scorer accepts, for datasets without a reference
 # answer (answer=None): graph_color "possible_answer", propositional_logic "example_answer", rubiks_cube
 # "example_correct_answer". Datasets with neither an answer nor one of these are "unverified".
@@ -226,6 +230,13 @@ def read_answer(text: str, think_tags: tuple[str, str] | None = verifiers.THINK_
     return (answer, f"fallback_{form}") if answer is not None else (None, "none")
 
 
+def held_out(question: str) -> bool:
+    """Whether `question` belongs to the held-out (test) side of the split: ``crc32(question) % HELD_OUT_BUCKETS
+    == 0`` (stable across processes and versions, unlike ``hash``). Train tasks never have it, test tasks always,
+    so the two splits' question sets are disjoint whatever the seeds and the size of the task space."""
+    return zlib.crc32(question.encode("utf-8", "surrogatepass")) % HELD_OUT_BUCKETS == 0
+
+
 def reference_reply(entry: Mapping[str, Any]) -> tuple[str | None, str]:
     """(an answer the dataset's scorer should accept, where it came from): the entry's reference answer
     ("answer"), else a library-provided reply in its metadata (`REFERENCE_REPLY_KEYS`), else (None, "none")."""
@@ -245,7 +256,8 @@ class ReasoningGymTasks:
     Args:
       dataset: a reasoning-gym dataset name (`dataset_names()`).
       config: its config (mapping or JSON object string; library defaults for missing keys).
-      split: "train" (seed `seed`, `size` items) or "test" (seed `seed + TEST_SEED_OFFSET`, `num_test` items).
+      split: "train" (seed `seed`, `size` items) or "test" (seed `seed + TEST_SEED_OFFSET`, `num_test` items);
+        train questions are never `held_out`, test questions always are (disjoint question sets).
       level: optional curriculum level.
     Task dict: ``{"id": "reasoning_gym/<dataset>-<split>-<i>", "dataset", "question", "answer" (str or None),
     "metadata" (the library's dict), "level"}``. Raises ValueError on bad arguments, IndexError on a bad index.
@@ -277,8 +289,22 @@ class ReasoningGymTasks:
             self._cache[index] = self._make_task(index)
         return dict(self._cache[index])
 
+    def _entry(self, index: int) -> dict:
+        """The library entry of task `index`: draw ``index + k * num_tasks`` for k = 0, 1, ... (modulo the size
+        for datasets with a fixed item list) until `held_out(question)` matches the split."""
+        n, want = self._num_tasks, self.split == "test"
+        for k in range(MAX_DRAWS):
+            try:
+                entry = self.dataset[index + k * n]
+            except IndexError:  # a fixed item list (gsm_symbolic, list_functions, word_ladder): wrap around
+                entry = self.dataset[(index + k) % n]
+            if held_out(entry["question"]) == want:
+                return entry
+        raise ValueError(f"reasoning_gym/{self.name}: no {self.split} question in {MAX_DRAWS} draws for task "
+                         f"{index} (a task space this small cannot be split into train and held-out questions)")
+
     def _make_task(self, index: int) -> dict:
-        entry = self.dataset[index]
+        entry = self._entry(index)
         answer = entry.get("answer")
         return {"id": f"reasoning_gym/{self.name}-{self.split}-{index}", "dataset": self.name,
                 "question": entry["question"], "answer": None if answer is None else str(answer),

@@ -116,6 +116,19 @@ def test_splits_differ_and_are_deterministic():
     assert test.task_source.num_tasks == 8 and train.task_source.num_tasks == 16
 
 
+@pytest.mark.parametrize("dataset,level", [("chain_sum", 0), ("gcd", 0), ("coin_flip", None), ("word_ladder", None)])
+def test_eval_questions_never_appear_in_training(dataset, level):
+    """A small task space (chain_sum level 0 repeats questions within 2,000 items) still splits cleanly; word_ladder
+    has a fixed item list (draws wrap around)."""
+    size = 300 if dataset == "word_ladder" else 2000
+    train = rgenv.ReasoningGymTasks(dataset, split="train", size=size, level=level)
+    test = rgenv.ReasoningGymTasks(dataset, split="test", num_test=40, level=level)
+    train_q = {train.get_task(i)["question"] for i in range(size)}
+    test_q = {test.get_task(i)["question"] for i in range(40)}
+    assert train_q.isdisjoint(test_q) and len(test_q) > 1
+    assert all(rgenv.held_out(q) for q in test_q) and not any(rgenv.held_out(q) for q in train_q)
+
+
 def test_level_uses_library_curriculum():
     easy = make("chain_sum", level=0).task_source.dataset.config
     hard = make("chain_sum", level=rgenv.max_level("chain_sum")).task_source.dataset.config
