@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import fnmatch
 import os
 import types
 import typing
@@ -130,6 +131,9 @@ class EnvConfig:
 
     train: Mapping[str, EnvSpec] = dataclasses.field(default_factory=dict)
     eval: Mapping[str, EnvSpec] = dataclasses.field(default_factory=dict)
+    # comma-separated name patterns (fnmatch; e.g. "reasoning_gym/gcd,reasoning_gym/l*"): only the train and eval
+    # envs whose mix name matches one are kept (`--config.env.train...` cannot name keys holding "/"); "" keeps all
+    domains: str = ""
     num_workers: int = 0
     step_timeout_s: float = 60.0
     max_turns: int = 1
@@ -309,6 +313,8 @@ def from_config_dict(cd) -> Config:
     free = [k for k in ("data", "fsdp", "tensor", "expert") if getattr(cfg.mesh, k) == -1]
     if len(free) > 1:
         raise ConfigError(f"mesh: at most one axis may be -1, got {['mesh.' + k for k in free]}")
+    if cfg.env.domains:
+        cfg = _keep_domains(cfg)
     if not cfg.env.train:
         raise ConfigError("env.train is empty: name at least one environment, e.g. posttrain/Arithmetic-v0")
     from posttrain.model.config import REMAT_NAMES
@@ -321,6 +327,24 @@ def from_config_dict(cd) -> Config:
         raise ConfigError(f"model.path={cfg.model.path!r}: no such file or directory (a .gguf file or an HF "
                           "model directory)")
     return cfg
+
+
+def _keep_domains(cfg: Config) -> Config:
+    """`cfg` with env.train and env.eval cut to the names matching a pattern of `env.domains`. Raises ConfigError
+    on an empty pattern list or a pattern that matches no env.train name."""
+    patterns = [p.strip() for p in cfg.env.domains.split(",") if p.strip()]
+    if not patterns:
+        raise ConfigError(f"env.domains={cfg.env.domains!r}: no pattern (comma-separated names or fnmatch patterns)")
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in cfg.env.train):
+            raise ConfigError(f"env.domains: pattern {pattern!r} matches no env.train name; names: "
+                              f"{sorted(cfg.env.train)}")
+
+    def keep(specs):
+        return {n: s for n, s in specs.items() if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+
+    return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, train=keep(cfg.env.train),
+                                                            eval=keep(cfg.env.eval)))
 
 
 def to_dict(cfg: Config) -> dict:

@@ -44,3 +44,23 @@ def test_bad_values_raise_one_clear_error(section, key, value, match):
     raw[section][key] = value  # a plain dict: ml_collections' own type checks would catch some earlier
     with pytest.raises(ConfigError, match=match):
         from_config_dict(raw)
+
+
+def test_env_domains_keeps_matching_train_and_eval_envs():
+    from posttrain.config import default_config, env_spec
+
+    cd = default_config()
+    names = ("reasoning_gym/gcd", "reasoning_gym/lcm", "reasoning_gym/leg_counting", "arith")
+    cd.env.train = {n: env_spec("posttrain/Arithmetic-v0") for n in names}
+    cd.env.eval = {n: env_spec("posttrain/Arithmetic-v0") for n in names}
+    cd.env.domains = " reasoning_gym/l*, arith"  # what --config.env.domains='...' sets
+    cfg = from_config_dict(cd)
+    assert sorted(cfg.env.train) == sorted(cfg.env.eval) == ["arith", "reasoning_gym/lcm", "reasoning_gym/leg_counting"]
+    assert sorted(from_config_dict(dataclasses.asdict(cfg)).env.train) == sorted(cfg.env.train)  # idempotent
+    cd.env.domains = ""
+    assert len(from_config_dict(cd).env.train) == 4
+    for bad, match in (("reasoning_gym/x*", "pattern 'reasoning_gym/x\\*' matches no env.train name"),
+                       (" , ", "no pattern")):
+        cd.env.domains = bad
+        with pytest.raises(ConfigError, match=match):
+            from_config_dict(cd)
