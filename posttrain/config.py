@@ -36,6 +36,11 @@ class ModelSource:
     # what the backward pass keeps per layer: none | dots | names | full (see ModelConfig.remat)
     remat: str = "none"
     remat_names: tuple[str, ...] = ("attn_out", "mlp_in")
+    # how MoE experts run (ModelConfig.moe_*): grouped matmul auto|ragged|padded|megablox; capacity factor (0:
+    # dropless); the expert-parallel all-to-all capacity factor
+    moe_gmm_impl: str = "auto"
+    moe_capacity_factor: float = 0.0
+    moe_ep_capacity_factor: float = 2.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -202,6 +207,7 @@ _CHOICES = {
     ("model", "dtype"): ("auto", "float32", "bfloat16", "float16"),
     ("model", "param_dtype"): ("auto", "float32", "bfloat16", "float16"),
     ("model", "matmul_precision"): ("default", "high", "highest"),
+    ("model", "moe_gmm_impl"): ("auto", "ragged", "padded", "megablox"),
 }
 _POSITIVE = (">= 1", lambda v: v >= 1)
 _NONNEGATIVE = (">= 0", lambda v: v >= 0)
@@ -217,6 +223,8 @@ _RANGES = {
     ("sampling", "top_p"): ("in (0, 1] (1: off)", lambda v: 0 < v <= 1),
     ("sampling", "top_k"): (">= 0 (0: off)", lambda v: v >= 0),
     ("sampling", "decode_shrink_steps"): _NONNEGATIVE,
+    ("model", "moe_capacity_factor"): (">= 0 (0: dropless)", lambda v: v >= 0),
+    ("model", "moe_ep_capacity_factor"): ("> 0", lambda v: v > 0),
     ("eval", "temperature"): (">= 0 (0: greedy)", lambda v: v >= 0),
     ("rl", "eps_low"): ("in [0, 1)", lambda v: 0 <= v < 1),
     ("rl", "eps_high"): _NONNEGATIVE, ("rl", "beta"): _NONNEGATIVE, ("rl", "norm_constant"): _NONNEGATIVE,

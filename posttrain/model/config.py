@@ -65,14 +65,8 @@ class MoEConfig:
     score_bias: aux-loss-free load balancing (DeepSeek-V3 §2.1.2): a per-expert bias added to the scores for
       expert *selection* only, nudged by `bias_update_rate * sign(mean_load - load)` after each step.
     first_k_dense: the first k layers use a dense MLP of `dense_mlp_dim` (DeepSeek's first_k_dense_replace).
-    How the experts run (settings of the run, not of the checkpoint; `setup` copies them from `model.moe_*`):
-    gmm_impl: the grouped matmul of the expert MLPs (`posttrain.model.gmm.IMPLS`; "auto" picks per backend).
-    capacity_factor: None means dropless (every routed token is computed); a float c > 0 gives every expert
-      fixed [C = ceil(c * tokens * k / E)] slots, tokens over capacity are dropped and counted
-      (`moe/dropped_frac`).
-    ep_capacity_factor: under expert parallelism without a ragged all-to-all (CPU), each expert shard receives
-      at most ceil(ep_capacity_factor * tokens * k / shards) rows from each source shard; rows over it are
-      dropped and counted (`moe/ep_dropped_frac`).
+    How the experts run is a setting of the run, not of the checkpoint: `ModelConfig.moe_gmm_impl`,
+    `moe_capacity_factor`, `moe_ep_capacity_factor`.
     """
 
     num_experts: int
@@ -90,9 +84,6 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
-    capacity_factor: float | None = None
-    gmm_impl: str = "auto"
-    ep_capacity_factor: float = 2.0
 
     def __post_init__(self):
         if self.scoring not in ("softmax", "sigmoid"):
@@ -104,10 +95,6 @@ class MoEConfig:
                              f"1 <= topk_groups={self.topk_groups} <= num_groups")
         if self.first_k_dense and self.dense_mlp_dim <= 0:
             raise ValueError("first_k_dense > 0 needs dense_mlp_dim > 0")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"MoEConfig.capacity_factor={self.capacity_factor}; expected None (dropless) or > 0")
-        if not self.ep_capacity_factor > 0:
-            raise ValueError(f"MoEConfig.ep_capacity_factor={self.ep_capacity_factor}; expected > 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,6 +126,13 @@ class ModelConfig:
       the projections: ~+1/3 of the layer FLOPs, less memory than "dots"); "full" only the block input (recompute
       the whole forward: +1/3 FLOPs of a train step, least memory).
     lora: adapters added to the projections (None or rank 0: none).
+    How MoE experts run (settings of the run; `model.moe_*` in the run config):
+    moe_gmm_impl: the grouped matmul of the expert MLPs (`posttrain.model.gmm.IMPLS`; "auto" per backend).
+    moe_capacity_factor: 0 dropless (every routed token is computed); c > 0 gives every expert
+      ceil(c * tokens * k / E) slots per call and drops the rest (`moe.expert_keys` counts them).
+    moe_ep_capacity_factor: expert parallelism's all-to-all capacity: each expert shard receives at most
+      ceil(cf * m * k / S) rows from each of the S source shards of m tokens; rows over it are dropped and
+      counted (metric `moe/ep_dropped_frac`).
     """
 
     vocab_size: int
@@ -162,6 +156,9 @@ class ModelConfig:
     remat: str = "none"
     remat_names: tuple[str, ...] = ("attn_out", "mlp_in")
     lora: LoRAConfig | None = None
+    moe_gmm_impl: str = "auto"
+    moe_capacity_factor: float = 0.0
+    moe_ep_capacity_factor: float = 2.0
     name: str = ""
 
     def __post_init__(self):
@@ -177,6 +174,14 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; expected one of {REMAT_MODES}")
         if self.matmul_precision not in PRECISIONS:
             raise ValueError(f"ModelConfig.matmul_precision={self.matmul_precision!r}; expected one of {PRECISIONS}")
+        from posttrain.model.gmm import IMPLS
+
+        if self.moe_gmm_impl not in IMPLS or self.moe_gmm_impl == "capacity":
+            raise ValueError(f"ModelConfig.moe_gmm_impl={self.moe_gmm_impl!r}; expected one of "
+                             f"{tuple(i for i in IMPLS if i != 'capacity')} (capacity: set moe_capacity_factor)")
+        if self.moe_capacity_factor < 0 or not self.moe_ep_capacity_factor > 0:
+            raise ValueError(f"ModelConfig.moe_capacity_factor={self.moe_capacity_factor} (>= 0, 0: dropless), "
+                             f"moe_ep_capacity_factor={self.moe_ep_capacity_factor} (> 0)")
         bad = set(self.remat_names) - set(REMAT_NAMES)
         if bad:
             raise ValueError(f"ModelConfig.remat_names has unknown names {sorted(bad)}; known: {REMAT_NAMES}")

@@ -72,13 +72,16 @@ def grouped_matmul(x_MxD: jax.Array, w_ExDxF: jax.Array, sizes_E: jax.Array, *, 
     group (sum <= M). impl: one of IMPLS. block: rows per block for "padded" (default `default_block`).
     capacity: rows per group for "capacity" (required there; every sizes[e] must be <= capacity, else rows are
     silently lost, so the caller drops and counts them first). precision: a `jax.lax.Precision` or None (the
-    ambient default). Accumulates in float32; returns `out_dtype`.
+    ambient default). platform: the backend compiled for (default `jax.default_backend()`; a TPU mesh compiled
+    ahead of time on a CPU host says "tpu"): picks "auto" and megablox's interpret mode. Accumulates in float32;
+    returns `out_dtype`.
     Raises ValueError for an unknown impl, mismatched shapes or a missing capacity.
     """
     M, D = x_MxD.shape
     E, Dw, F = w_ExDxF.shape
     if Dw != D or sizes_E.shape != (E,):
         raise ValueError(f"grouped_matmul: x {x_MxD.shape}, w {w_ExDxF.shape}, sizes {sizes_E.shape} do not match")
+    platform = platform or jax.default_backend()
     impl = auto_impl(platform) if impl == "auto" else impl
     sizes_E = sizes_E.astype(jnp.int32)
     if impl == "ragged":
@@ -86,7 +89,7 @@ def grouped_matmul(x_MxD: jax.Array, w_ExDxF: jax.Array, sizes_E: jax.Array, *, 
     elif impl == "padded":
         y = _padded(x_MxD, w_ExDxF, sizes_E, block or default_block(M, E), precision)
     elif impl == "megablox":
-        y = _megablox(x_MxD, w_ExDxF, sizes_E, interpret=jax.default_backend() != "tpu")
+        y = _megablox(x_MxD, w_ExDxF, sizes_E, interpret=platform != "tpu")
     elif impl == "capacity":
         if not capacity:
             raise ValueError("grouped_matmul(impl='capacity') needs capacity > 0")

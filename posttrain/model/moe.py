@@ -37,6 +37,7 @@ computes its own experts' rows (others add 0), and a reduce-scatter / psum combi
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -123,14 +124,15 @@ def expert_keys(experts_Mxk, num_local: int, expert_offset=0, capacity: int | No
 
 
 def expert_ffn(x_MxD, experts_Mxk, weights_Mxk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, dtype, expert_offset=0, *,
-               impl: str = "auto", capacity_factor: float | None = None, precision=None):
+               impl: str = "auto", capacity_factor: float | None = None, precision=None, platform: str | None = None):
     """Gated-MLP over the experts held locally (ids [offset, offset + El)); other assignments add 0.
 
     x_MxD: tokens; experts_Mxk int32 / weights_Mxk float32 from `route` (k may be 1: e.g. rows received by an
     expert shard, weight 0 for padding). The rows are sorted by local expert and run through
     `gmm.grouped_matmul(impl=...)` three times (gate, up, down). capacity_factor None: dropless; else every local
     expert computes at most `expert_capacity(M * k, El, capacity_factor)` rows and the rest add 0 (count them with
-    `expert_keys`). Returns y_MxD float32 = sum_k weight * expert_k(x).
+    `expert_keys`). precision, platform: passed to `gmm.grouped_matmul`. Returns y_MxD float32 =
+    sum_k weight * expert_k(x).
     """
     M, k = experts_Mxk.shape
     El = w_gate_ExDxF.shape[0]
@@ -141,7 +143,7 @@ def expert_ffn(x_MxD, experts_Mxk, weights_Mxk, w_gate_ExDxF, w_up_ExDxF, w_down
     token = order // k
     sizes = jnp.bincount(key, length=El + 1)[:El].astype(jnp.int32)
     xs = x_MxD[token].astype(dtype)
-    gmm_kw = dict(impl=impl, capacity=capacity, precision=precision)
+    gmm_kw = dict(impl=impl, capacity=capacity, precision=precision, platform=platform)
 
     def mm(a, w):
         return gmm.grouped_matmul(a, w.astype(dtype), sizes, out_dtype=dtype, **gmm_kw)
@@ -168,7 +170,7 @@ def _platform(mesh) -> str:
 
 
 def dispatch(x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype, ep_capacity_factor: float = 2.0,
-             ep_impl: str = "auto", *, _ragged_impl=None):
+             ep_impl: str = "auto", *, ffn_kw: dict | None = None, _ragged_impl=None):
     """`expert_ffn` over all experts; under an active mesh, expert-parallel in shard_map (see module doc).
 
     x_MxD: tokens (any float dtype); experts_Mxk int32 and weights_Mxk float32 from `route`; w_gate/w_up
@@ -176,15 +178,17 @@ def dispatch(x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype, ep_ca
     ceil(cf * m * k / S) rows per (source, destination) pair (ragged: ceil(cf * m * k) rows per expert shard).
     ep_impl: "auto" (ragged on a TPU/GPU mesh, else all_to_all; all_gather where no exchange applies),
     "all_to_all" (fixed capacity), "ragged" (`jax.lax.ragged_all_to_all`; not on CPU) or "all_gather" (the
-    dropless all-gather / reduce-scatter form, kept for comparison). _ragged_impl: tests' CPU stand-in.
+    dropless all-gather / reduce-scatter form, kept for comparison). ffn_kw: `expert_ffn` keywords (impl,
+    capacity_factor) of every local expert computation. _ragged_impl: tests' CPU stand-in.
     Returns (y_MxD float32, ep_dropped_frac float32 scalar: the fraction of the M*k assignments dropped).
     """
     if ep_impl not in EP_IMPLS:
         raise ValueError(f"ep_impl={ep_impl!r}; expected one of {EP_IMPLS}")
     zero = jnp.zeros((), jnp.float32)
     mesh = active_mesh()
+    ffn = functools.partial(expert_ffn, **(ffn_kw or {}), platform=None if mesh is None else _platform(mesh))
     if mesh is None:
-        return expert_ffn(x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype), zero
+        return ffn(x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype), zero
     rules = current_rules()
     ex_axes = _axes(mesh_lib.logical_to_spec(("exp",), rules)[0])
     mlp_axes = _axes(mesh_lib.logical_to_spec(("exp_mlp",), rules)[0])
@@ -198,9 +202,9 @@ def dispatch(x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype, ep_ca
     if ep_impl == "all_gather" or size(ex_axes) == 1 or M % (size(tok_axes) * size(outside)):
         # nothing to exchange (one expert shard), or replicated tokens that do not split over the expert shards
         # (decode): the exact, dropless all-gather / psum form
-        return ep_lib.dispatch_gather(expert_ffn, *args, mesh, ex_axes, mlp_axes, tok_axes), zero
+        return ep_lib.dispatch_gather(ffn, *args, mesh, ex_axes, mlp_axes, tok_axes), zero
     ragged = ep_impl == "ragged" or (ep_impl == "auto" and _platform(mesh) in ("tpu", "gpu"))
-    return ep_lib.dispatch_all_to_all(expert_ffn, *args, float(ep_capacity_factor), mesh, ex_axes, mlp_axes,
+    return ep_lib.dispatch_all_to_all(ffn, *args, float(ep_capacity_factor), mesh, ex_axes, mlp_axes,
                                       tok_axes, ragged=ragged, ragged_impl=_ragged_impl)
 
 
@@ -209,12 +213,15 @@ class MoE(nnx.Module):
     and ep_dropped_frac (float32 scalar, the fraction of assignments the expert-parallel exchange dropped)."""
 
     def __init__(self, *, d_model: int, moe: MoEConfig, dtype, param_dtype, rngs: nnx.Rngs, lora=None,
-                 matmul_precision: str = "default"):
+                 matmul_precision: str = "default", gmm_impl: str = "auto", capacity_factor: float = 0.0,
+                 ep_capacity_factor: float = 2.0):
+        """gmm_impl, capacity_factor (0: dropless), ep_capacity_factor: see `ModelConfig.moe_*`."""
         D, E, F = d_model, moe.num_experts, moe.expert_mlp_dim
         self.dtype = dtype
         self.k, self.scoring, self.norm_topk_prob = moe.num_experts_per_tok, moe.scoring, moe.norm_topk_prob
         self.scaling, self.num_groups, self.topk_groups = moe.routed_scaling_factor, moe.num_groups, moe.topk_groups
-        self.ep_capacity_factor = float(moe.ep_capacity_factor)
+        self.gmm_impl, self.capacity_factor = gmm_impl, float(capacity_factor) or None
+        self.ep_capacity_factor = float(ep_capacity_factor)
         self.router = param(rngs, (D, E), ("embed", None), param_dtype, fan_in=D)
         self.gate_proj = param(rngs, (E, D, F), ("exp", "embed", "exp_mlp"), param_dtype, fan_in=D)
         self.up_proj = param(rngs, (E, D, F), ("exp", "embed", "exp_mlp"), param_dtype, fan_in=D)
@@ -237,7 +244,8 @@ class MoE(nnx.Module):
                                         num_groups=self.num_groups, topk_groups=self.topk_groups,
                                         replay_Mxk=replay)
         y, dropped = dispatch(x, experts, weights, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
-                              self.dtype, ep_capacity_factor=self.ep_capacity_factor)
+                              self.dtype, ep_capacity_factor=self.ep_capacity_factor,
+                              ffn_kw=dict(impl=self.gmm_impl, capacity_factor=self.capacity_factor))
         y = y.reshape(B, T, D).astype(x_BxTxD.dtype)
         if self.shared is not None:
             y = y + self.shared(x_BxTxD)

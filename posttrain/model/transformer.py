@@ -161,7 +161,8 @@ class Transformer(nnx.Module):
 
         def make_moe(r):
             ffn = MoE(d_model=D, moe=cfg.moe, dtype=self.dtype, param_dtype=pdt, rngs=r, lora=cfg.lora,
-                      matmul_precision=cfg.matmul_precision)
+                      matmul_precision=cfg.matmul_precision, gmm_impl=cfg.moe_gmm_impl,
+                      capacity_factor=cfg.moe_capacity_factor, ep_capacity_factor=cfg.moe_ep_capacity_factor)
             return Block(make_attn(r), ffn, d_model=D, eps=cfg.norm_eps, param_dtype=pdt, rngs=r)
 
         self.dense_layers = stack_layers(make_dense, self.num_dense, rngs) if self.num_dense else None

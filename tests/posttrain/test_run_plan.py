@@ -144,3 +144,21 @@ def test_mesh_rules_overlay_the_parameter_and_batch_shardings():
         _, _, state, _ = setup.load_policy(plan.cfg, mesh, plan.precision, plan.rules)
         specs[name] = tuple(state["embedding"].value.sharding.spec)
     assert specs == {"default": ("tensor", "fsdp"), "no_fsdp": ("tensor", None)}
+
+
+def test_moe_run_settings_reach_the_moe_layers():
+    from posttrain.model.transformer import Transformer  # noqa: F401  (graphdef merge)
+
+    c = _rules_cfg()
+    c.model.preset = "tiny-moe"
+    c.model.moe_gmm_impl, c.model.moe_capacity_factor, c.model.moe_ep_capacity_factor = "ragged", 1.5, 3.0
+    plan = run_plan.make_run_plan(from_config_dict(c))
+    from posttrain import mesh as mesh_lib
+
+    mcfg, graphdef, state, _ = setup.load_policy(plan.cfg, mesh_lib.make_mesh(plan.mesh_shape), plan.precision,
+                                                 plan.rules)
+    ffn = nnx.merge(graphdef, state).moe_layers.ffn
+    assert (ffn.gmm_impl, ffn.capacity_factor, ffn.ep_capacity_factor) == ("ragged", 1.5, 3.0)
+    c.model.moe_gmm_impl = "capacity"  # chosen by moe_capacity_factor, not by name
+    with pytest.raises(ConfigError, match="model.moe_gmm_impl"):
+        from_config_dict(c)

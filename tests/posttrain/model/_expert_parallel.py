@@ -32,11 +32,10 @@ MESHES = {"ep8": {"expert": 8}, "dp2-ep4": {"data": 2, "expert": 4},
           "fsdp2-ep2-tp2": {"fsdp": 2, "expert": 2, "tensor": 2}}
 E, D, F, M = 16, 16, 8, 64
 NO_DROP = 8.0  # ep_capacity_factor >= expert shards: C = m*k, nothing can overflow (overflow: dispatch_case)
-ROUTINGS = {"softmax-top2": MoEConfig(num_experts=E, num_experts_per_tok=2, expert_mlp_dim=F,
-                                      ep_capacity_factor=NO_DROP),
+ROUTINGS = {"softmax-top2": MoEConfig(num_experts=E, num_experts_per_tok=2, expert_mlp_dim=F),
             "sigmoid-groups-shared": MoEConfig(num_experts=E, num_experts_per_tok=4, expert_mlp_dim=F,
                                                scoring="sigmoid", num_groups=4, topk_groups=2, num_shared_experts=1,
-                                               routed_scaling_factor=2.5, ep_capacity_factor=NO_DROP)}
+                                               routed_scaling_factor=2.5)}
 REPLICATED_TOKENS = mesh_lib.rules_with_overrides({"batch": ("data", "fsdp")})  # tokens replicated over 'expert'
 
 
@@ -72,7 +71,8 @@ def moe_case(cfg, mesh, rules=mesh_lib.RULES, shape=(4, M // 4)):
 
 
 def MoE_(cfg):
-    return moe_lib.MoE(d_model=D, moe=cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    return moe_lib.MoE(d_model=D, moe=cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0),
+                       ep_capacity_factor=NO_DROP)
 
 
 def expected_keep(experts_Mxk, blocks, S, cf):
