@@ -101,7 +101,8 @@ def send_slots(dest_n, num_shards: int, capacity: int):
 
     Rows are stably sorted by destination; the first `capacity` rows (in row order) for each destination fill
     slots [dest * capacity, (dest + 1) * capacity) of the [S*C] send buffer, the rest are dropped.
-    Returns (src_SC int32: the row in each slot, n for an empty slot; kept_n bool: the row has a slot).
+    Returns (src_SC int32: the row in each slot, n for an empty slot; slot_n int32: each row's slot, S*C when
+    dropped).
     """
     n = dest_n.shape[0]
     order = jnp.argsort(dest_n, stable=True)
@@ -111,8 +112,16 @@ def send_slots(dest_n, num_shards: int, capacity: int):
     kept_sorted = rank < capacity
     slot = jnp.where(kept_sorted, dest_sorted * capacity + rank, num_shards * capacity)
     src = jnp.full((num_shards * capacity,), n, jnp.int32).at[slot].set(order.astype(jnp.int32), mode="drop")
-    kept = jnp.zeros((n,), bool).at[order].set(kept_sorted)
-    return src, kept
+    return src, jnp.zeros((n,), jnp.int32).at[order].set(slot.astype(jnp.int32))
+
+
+def combine(rows_nxD, weights_mxk, keep_n):
+    """sum_k weight * row per token, float32 [m, D], from the returned rows in token-major order [m*k, D]
+    (compute dtype). One fused convert-multiply-reduce: no float32 [m*k, D] copy; dropped rows (keep_n False)
+    add 0."""
+    m, k = weights_mxk.shape
+    w = jnp.where(keep_n.reshape(m, k), weights_mxk, 0.0).astype(jnp.float32)
+    return (rows_nxD.reshape(m, k, -1).astype(jnp.float32) * w[..., None]).sum(1)
 
 
 def _expert_side(ffn, recv_x, recv_e, wg, wu, wd, dtype, ex_axes, mlp_axes, El):
@@ -135,7 +144,7 @@ def exchange_fixed(ffn, x_mxD, e_mxk, w_mxk, wg, wu, wd, dtype, capacity_factor,
     n = m * k
     C = min(n, max(1, math.ceil(capacity_factor * n / S)))
     e_n = e_mxk.reshape(n)
-    src_SC, kept_n = send_slots(e_n // El, S, C)
+    src_SC, slot_n = send_slots(e_n // El, S, C)
     filled = src_SC < n
     row = jnp.minimum(src_SC, n - 1)
     tok = row // k
@@ -145,8 +154,8 @@ def exchange_fixed(ffn, x_mxD, e_mxk, w_mxk, wg, wu, wd, dtype, capacity_factor,
     recv_e = jax.lax.all_to_all(send_e, ex_axes, 0, 0, tiled=True)
     y = _expert_side(ffn, recv_x, recv_e, wg, wu, wd, dtype, ex_axes, mlp_axes, El)
     back = jax.lax.all_to_all(y, ex_axes, 0, 0, tiled=True)  # slot-aligned with send_x
-    w_SC = jnp.where(filled, w_mxk.reshape(n)[row], 0.0).astype(jnp.float32)
-    out = jnp.zeros((m, x_mxD.shape[-1]), jnp.float32).at[tok].add(back.astype(jnp.float32) * w_SC[:, None])
+    kept_n = slot_n < S * C
+    out = combine(back[jnp.minimum(slot_n, S * C - 1)], w_mxk, kept_n)
     return out, (n - kept_n.sum()).astype(jnp.float32)
 
 
@@ -182,9 +191,9 @@ def exchange_ragged(ffn, x_mxD, e_mxk, w_mxk, wg, wu, wd, dtype, capacity_factor
     bwd = (dst_off[:, me], kept[:, me], src_off[:, me], kept[me])
     back = a2a(y, jnp.zeros((n, y.shape[-1]), dtype), *bwd, axis_name=ex_axes)  # aligned with the sorted rows
     rank = jnp.arange(n, dtype=jnp.int32) - src_off[me][dest_sorted]
-    w_sorted = jnp.where(rank < kept[me][dest_sorted], w_mxk.reshape(n)[order], 0.0).astype(jnp.float32)
-    out = jnp.zeros((m, x_mxD.shape[-1]), jnp.float32).at[order // k].add(back.astype(jnp.float32) *
-                                                                          w_sorted[:, None])
+    position = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))  # row -> sorted index
+    kept_n = (rank < kept[me][dest_sorted])[position]
+    out = combine(back[position], w_mxk, kept_n)
     return out, (n - kept[me].sum()).astype(jnp.float32)
 
 

@@ -18,9 +18,9 @@ before dispatch); its n = m*k assignment rows are stably sorted by destination s
 into a fixed [S, C, D] send buffer (plus the expert ids, -1 marking empty slots), C = ceil(ep_capacity_factor *
 n / S) rows per (source, destination) pair. `jax.lax.all_to_all` delivers chunk j to expert shard j, which runs
 its experts on the S*C received rows (`expert_ffn`, one expert per row, weight 1, padding weight 0;
-tensor-sharded expert MLPs psum over 'exp_mlp'), and a second all-to-all returns the rows (compute dtype), slot-aligned,
-to their source, which scatter-adds them into the token positions with the routing weights in float32. Per-device memory
-and traffic are O(ep_capacity_factor * m * k * D) whatever S is.
+tensor-sharded expert MLPs psum over 'exp_mlp'), and a second all-to-all returns the rows (compute dtype),
+slot-aligned, to their source, which sums each token's k rows with the routing weights in float32. Per-device
+memory and traffic are O(ep_capacity_factor * m * k * D) whatever S is.
 Overflow policy: when more than C of a source shard's rows go to one destination, the first C in (token, slot)
 order are kept and the rest are DROPPED: they contribute 0 to the output (and get no gradient), as if their routing
 weight were 0; the routing weights are not renormalised. The dropped fraction of all assignments is returned and
