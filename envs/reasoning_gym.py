@@ -6,9 +6,9 @@ used as is: ``reasoning_gym.create_dataset``-style construction from the registe
 each dataset's own ``score_answer(answer, entry) -> float in [0, 1]``, ``reasoning_gym.utils.extract_answer``
 (the last ``<answer>...</answer>``, the library's convention) and its curricula for difficulty levels.
 
-An episode: the question plus `INSTRUCTION` (answer inside ``<answer>`` tags); the reply after the last
-``</think>`` (`verifiers.strip_reasoning`) is searched for the last ``<answer>...</answer>`` (multi-line answers
-kept); the reward is the dataset's score of that answer, partial credit included (``info["score"]``);
+An episode: the question plus `INSTRUCTION` (or the env's ``instruction``; answer inside ``<answer>`` tags); the
+reply after the last ``</think>`` (`verifiers.strip_reasoning`) is searched for the last ``<answer>...</answer>``
+(multi-line answers kept); the reward is the dataset's score of that answer, partial credit included (``info["score"]``);
 ``info["status"]`` is "ok" only at score 1. A reply with no answer tag at all (small instruct models such as
 SmolLM2-135M ignore the instruction and write "The answer is 12.") is read by a conservative fallback on its
 last non-empty line only (`fallback_answer`: ``\\boxed{}``, "answer is/: X", "... = X", "... is X", a lone
@@ -17,8 +17,8 @@ token), so a revised or buried number never scores; ``fallback=False`` keeps tag
 Splits: "train" is the dataset built with ``seed`` and ``size``; "test" the same config with seed
 ``seed + TEST_SEED_OFFSET`` and ``num_test`` items. The question sets are disjoint (`held_out`: a question is
 held out when its CRC32 falls in one of `HELD_OUT_BUCKETS` buckets; each split redraws an item of the wrong side,
-deterministically), so a small procedural task space cannot leak eval questions into training. Tasks carry the dataset's whole entry (question, answer, metadata), so any worker can
-score them whatever its own kwargs. No JAX.
+deterministically), so a small procedural task space cannot leak eval questions into training. Tasks carry the
+dataset's whole entry (question, answer, metadata), so any worker can score them whatever its own kwargs. No JAX.
 """
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ from envs import base, verifiers
 ENV_ID = "posttrain/ReasoningGym-v0"
 INSTRUCTION = ("\n\nThink it through, then give only the final answer inside <answer></answer> tags, "
                "in the format the question asks for (it may span several lines).")
+# For small instruct models: SmolLM2-135M echoes the long instruction's words ("in the format the question asks
+# for", empty "<answer></answer>") instead of answering; this one keeps the convention in a few words.
+SHORT_INSTRUCTION = "\n\nGive only the final answer inside <answer></answer> tags."
 TEST_SEED_OFFSET = 1_000_003  # test split seed = train seed + this (a different procedural stream)
 HELD_OUT_BUCKETS = 8  # a question is held out (test split only) when crc32(question) % this == 0
 MAX_DRAWS = 256  # draws per task before a split gives up: (7/8)**256 ~ 1e-15 for a test task of a large space
@@ -158,7 +161,7 @@ def extract_reply_answer(text: str, think_tags: tuple[str, str] | None = verifie
     return library().utils.extract_answer(reply[:end + len("</answer>")], tag_name="answer")
 
 
-_ANSWER_PHRASE_RE = re.compile(r"\banswer\b.*?(?:\bis\b|:|=)\s*(.*)$", re.I)  # "the (final) answer ... is/:/= X"
+_ANSWER_PHRASE_RE = re.compile(r"\banswer\b.*?(?:\bis\b\s*:?|:|=)\s*(.*)$", re.I)  # "the (final) answer ... is/:/= X"
 _IS_LAST_RE = re.compile(r"\bis\s+(\S+)$")  # "... is X" (X one token)
 _WRAPPERS = " \t*_`\"'$"
 FALLBACK_MAX_LINE = 1000  # a longer last line is not read by the fallback (bounded regex work)
@@ -326,9 +329,10 @@ class ReasoningGymEnv(base.TextEnv):
 
     Kwargs: those of `ReasoningGymTasks` (``dataset`` required), ``self_check`` (run `golden_check` at
     construction: RuntimeError when it fails), ``allow_unverified`` (accept a dataset with no reference reply,
-    "unverified", instead of raising) and ``fallback`` (default True: a reply without any answer tag is read by
-    `fallback_answer`, its last line; False: tags only). Scorer exceptions on odd replies score 0 with the
-    reason in info; ``info["method"]`` says how the answer was read (`read_answer`).
+    "unverified", instead of raising), ``fallback`` (default True: a reply without any answer tag is read by
+    `fallback_answer`, its last line; False: tags only) and ``instruction`` (the text after the question; None:
+    `INSTRUCTION`; `SHORT_INSTRUCTION` suits models too small to follow the tag format). Scorer exceptions on odd
+    replies score 0 with the reason in info; ``info["method"]`` says how the answer was read (`read_answer`).
     """
 
     think_tags = verifiers.THINK_TAGS
@@ -336,11 +340,14 @@ class ReasoningGymEnv(base.TextEnv):
     def __init__(self, *, dataset: str | None = None, config: Mapping[str, Any] | str | None = None,
                  split: str = "train", seed: int = 0, size: int = 1000, num_test: int = 100,
                  level: int | None = None, self_check: bool = True, allow_unverified: bool = False,
-                 fallback: bool = True) -> None:
+                 fallback: bool = True, instruction: str | None = None) -> None:
         if not isinstance(dataset, str) or not dataset:
             raise ValueError(f"{ENV_ID}: kwarg 'dataset' is required (a reasoning-gym dataset name, e.g. "
                              f"'chain_sum'), got {dataset!r}")
         self.allow_unverified, self.fallback = allow_unverified, bool(fallback)
+        if instruction is not None and not isinstance(instruction, str):
+            raise ValueError(f"{ENV_ID}: instruction must be a str or None, got {type(instruction).__name__}")
+        self.instruction = INSTRUCTION if instruction is None else instruction
         tasks = ReasoningGymTasks(dataset, config, split=split, seed=seed, size=size, num_test=num_test, level=level)
         super().__init__(tasks, max_turns=1, self_check=self_check)
 
@@ -351,7 +358,7 @@ class ReasoningGymEnv(base.TextEnv):
         return task
 
     def first_observation(self, task: dict) -> str:
-        return task["question"] + INSTRUCTION
+        return task["question"] + self.instruction
 
     def score(self, task: Mapping[str, Any], reply: str) -> tuple[float, dict]:
         """(reward in [0, 1], info) of `reply` on `task` through the dataset's own scorer."""

@@ -37,6 +37,7 @@ REPLY_FORMS = [
     ("<think>maybe {w}</think>\nSo <answer> {g} </answer>.", "{g}", "answer_tag", 1.0),
     ("The answer is {g}.", "{g}", "fallback_phrase", 1.0),
     ("The final answer to this arithmetic problem is {g}.", "{g}", "fallback_phrase", 1.0),
+    ("Here is how to count them:\n\nThe answer is: {g}", "{g}", "fallback_phrase", 1.0),
     ("Let me think.\n**Answer:** `{g}`", "{g}", "fallback_phrase", 1.0),
     ("The answer is {w} + 0 = {g}.", "{g}", "fallback_phrase", 1.0),
     ("{w} - {w} + {g} = {g}", "{g}", "fallback_equation", 1.0),
@@ -71,6 +72,15 @@ def test_reply_forms_table(reply, extracted, method, reward):
     assert (info["extracted"], info["method"], got) == (
         None if extracted is None else extracted.format(g=gold, w=wrong), method, reward)
     assert (got == 1.0) == (info["status"] == "ok")
+
+
+def test_instruction_kwarg_sets_the_prompt_suffix():
+    env = make("gcd", instruction=rgenv.SHORT_INSTRUCTION)
+    obs, _ = env.reset(options={"task": env.task_source.get_task(0)})
+    assert obs == env.task["question"] + rgenv.SHORT_INSTRUCTION and "<answer>" in obs
+    assert make("gcd").instruction == rgenv.INSTRUCTION
+    with pytest.raises(ValueError, match="instruction must be a str"):
+        make("gcd", instruction=3)
 
 
 def test_fallback_off_reads_tags_only():

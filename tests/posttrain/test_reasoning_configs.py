@@ -25,9 +25,9 @@ def test_reasoning_mix_has_at_least_eight_easy_verified_domains():
     cfg = load("reasoning_mix")
     assert len(cfg.env.train) >= 8 and set(cfg.env.train) == set(cfg.env.eval)
     assert all(name.startswith("reasoning_gym/") for name in cfg.env.train)
-    assert {s.kwargs["level"] for s in cfg.env.train.values()} == {0}
+    assert all(s.kwargs.get("level") is None and s.kwargs["config"] != "{}" for s in cfg.env.train.values())
     assert {s.kwargs["split"] for s in cfg.env.eval.values()} == {"test"}
-    assert cfg.model.preset in ("", None) and cfg.sampling.max_new_tokens >= 128
+    assert cfg.model.preset in ("", None) and cfg.sampling.max_new_tokens >= 48
 
 
 @pytest.mark.parametrize("split", ["train", "eval"])
