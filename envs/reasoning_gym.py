@@ -279,6 +279,8 @@ class ReasoningGymTasks:
         self.dataset = build_dataset(dataset, config, seed=s, size=n, level=level)
         self._num_tasks = n
         self._cache: dict[int, dict] = {}  # generation is deterministic per index; some items take ~1 s
+        if split == "test":
+            self.get_task(0)  # a task space with no held-out question fails here, not in the middle of a run
 
     @property
     def num_tasks(self) -> int:

@@ -139,6 +139,12 @@ def test_eval_questions_never_appear_in_training(dataset, level):
     assert all(rgenv.held_out(q) for q in test_q) and not any(rgenv.held_out(q) for q in train_q)
 
 
+def test_task_space_without_held_out_questions_fails_at_construction():
+    with pytest.raises(ValueError, match="coin_flip: no test question in 256 draws"):
+        rgenv.ReasoningGymTasks("coin_flip", split="test", num_test=4, level=0)  # 3 flips: a handful of questions
+    assert rgenv.ReasoningGymTasks("coin_flip", split="train", size=4, level=0).get_task(3)["question"]
+
+
 def test_level_uses_library_curriculum():
     easy = make("chain_sum", level=0).task_source.dataset.config
     hard = make("chain_sum", level=rgenv.max_level("chain_sum")).task_source.dataset.config
