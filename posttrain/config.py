@@ -383,14 +383,16 @@ def env_spec(env_id: str, weight: float = 1.0, **kwargs):
     return ml_collections.ConfigDict({"id": env_id, "weight": weight, "kwargs": kwargs})
 
 
-def plan_config(preset: str, variant: str = "full", *, mesh: Mapping[str, int] | None = None):
+def plan_config(preset: str, variant: str = "full", *, mesh: Mapping[str, int] | None = None,
+                rules: Mapping[str, Any] | None = None):
     """The config of a `posttrain plan` dry run (configs/plan/*.py) for a model preset: one GRPO step on a global
     batch of 256 sequences x 4096 tokens (16 prompts x 16 samples, unpacked rows of 512 prompt tokens with
     `--prompt_len=512` + 3584 completion tokens), bf16 compute, full remat, no accumulation microbatches.
 
     variant "full": float32 master weights and Adam moments; "lora": rank-64 adapters on the dense projections,
-    frozen bf16 base weights, 4 accumulation microbatches (select it with `--config=configs/plan/<model>.py:lora`). mesh: axis sizes (default
-    all devices on fsdp). Raises ConfigError for another variant.
+    frozen bf16 base weights, 4 accumulation microbatches (select it with `--config=configs/plan/<model>.py:lora`).
+    mesh: axis sizes (default all devices on fsdp); rules: `mesh.rules` overlays. Raises ConfigError for another
+    variant.
     """
     if variant not in ("full", "lora"):
         raise ConfigError(f"plan variant {variant!r}: expected 'full' or 'lora' (--config=configs/plan/<model>.py:lora)")
@@ -404,6 +406,7 @@ def plan_config(preset: str, variant: str = "full", *, mesh: Mapping[str, int] |
     c.sampling.max_new_tokens = 4096 - 512
     for axis, size in dict(mesh or {"fsdp": -1}).items():
         setattr(c.mesh, axis, size)
+    c.mesh.rules = dict(rules or {})
     if variant == "lora":  # sized for 64 devices (v5p-128): 4 rows each, one per accumulation microbatch
         c.lora.rank, c.lora.alpha, c.rl.num_microbatches = 64, 128.0, 4
     return c

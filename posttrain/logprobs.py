@@ -66,20 +66,22 @@ def chunked_token_logprobs(
     h_BxTxD, w_DxV, targets_BxT, temperature: float = 1.0, *, chunk_size: int = 1024,
     with_entropy: bool = False, valid_BxT=None, precision: str | None = None,
 ) -> LogprobsOut:
-    """`token_logprobs(h @ w, targets, temperature)` (and optionally `token_entropy`) C tokens at a time.
+    """`token_logprobs(h @ w, targets, temperature)` (and optionally `token_entropy`) C positions of every row at a
+    time.
 
-    Neither pass holds more than [C, V] logits; the backward pass recomputes each chunk's logits and adds its
-    weight gradient into one float32 [D, V] accumulator.
+    Neither pass holds more than [B, C, V] logits; the backward pass recomputes each chunk's logits and adds its
+    weight gradient into one float32 [D, V] accumulator. Chunks run along T, so rows split over devices (B
+    sharded) stay where they are: each device computes its own rows' part of every chunk.
 
     Args:
       h_BxTxD: final hidden states (after the final norm), any float dtype (the compute dtype).
       w_DxV: unembedding matrix (the transposed tied embedding for tied models); cast to h's dtype for the matmul.
       targets_BxT: int token ids whose logprob is wanted (the next tokens).
       temperature: sampling temperature (> 0, a Python float); logits are divided by it.
-      chunk_size: C, tokens per chunk (static); the last chunk is zero-padded.
+      chunk_size: C, positions per row per chunk (static); the last chunk is zero-padded.
       with_entropy: also return the per-token entropy.
-      valid_BxT: optional bool mask; a chunk with no valid token is skipped in both passes (`lax.cond`) and returns
-        zeros. Put valid tokens first (see `valid_first_order`) to skip all padding chunks.
+      valid_BxT: optional bool mask; a chunk with no valid token in any row is skipped in both passes (`lax.cond`)
+        and returns zeros. Put each row's valid tokens first (see `valid_first_order`) to skip padding chunks.
       precision: matmul precision "default" | "high" | "highest" (None: the backend's default).
     Returns:
       LogprobsOut(logp_BxT float32, entropy_BxT float32 or None). Matmuls accumulate in float32; gradients come
@@ -94,77 +96,82 @@ def chunked_token_logprobs(
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     prec = lax_precision(precision)
-    n = b * t
-    c = min(chunk_size, n)
-    k = -(-n // c)
-    h_KxCxD = jnp.pad(jnp.reshape(h_BxTxD, (n, d)), ((0, k * c - n), (0, 0))).reshape(k, c, d)
-    tgt_KxC = jnp.pad(jnp.reshape(targets_BxT, (n,)).astype(jnp.int32), (0, k * c - n)).reshape(k, c)
+    c = min(chunk_size, t)
+    k = -(-t // c)
+
+    def chunks(x_BxT, *tail):  # [B, T, ...] -> [K, B, C, ...], zero-padded along T
+        x = jnp.pad(x_BxT, ((0, 0), (0, k * c - t)) + ((0, 0),) * len(tail))
+        return jnp.moveaxis(x.reshape((b, k, c) + tail), 1, 0)
+
+    h_KxBxCxD = chunks(h_BxTxD, d)
+    tgt_KxBxC = chunks(jnp.asarray(targets_BxT, jnp.int32))
     valid = jnp.ones((b, t), bool) if valid_BxT is None else jnp.asarray(valid_BxT, bool)
-    any_K = jnp.pad(jnp.reshape(valid, (n,)), (0, k * c - n)).reshape(k, c).any(-1)
+    any_K = chunks(valid).any((1, 2))
     inv_t = jnp.asarray(1.0 / temperature, jnp.float32)
-    logp_KxC, ent_KxC = _chunked(h_KxCxD, w_DxV, tgt_KxC, any_K, inv_t, with_entropy, prec)
-    unchunk = lambda x_KxC: x_KxC.reshape(k * c)[:n].reshape(b, t)
-    return LogprobsOut(unchunk(logp_KxC), unchunk(ent_KxC) if with_entropy else None)
+    logp_KxBxC, ent_KxBxC = _chunked(h_KxBxCxD, w_DxV, tgt_KxBxC, any_K, inv_t, with_entropy, prec)
+    unchunk = lambda x_KxBxC: jnp.moveaxis(x_KxBxC, 0, 1).reshape(b, k * c)[:, :t]
+    return LogprobsOut(unchunk(logp_KxBxC), unchunk(ent_KxBxC) if with_entropy else None)
 
 
-def _chunk_logits(h_CxD, w_DxV, inv_t, prec):
-    """float32 [C, V] logits / T of one chunk (operands in h's dtype, float32 accumulation)."""
-    return jnp.dot(h_CxD, w_DxV.astype(h_CxD.dtype), precision=prec, preferred_element_type=jnp.float32) * inv_t
+def _chunk_logits(h_BxCxD, w_DxV, inv_t, prec):
+    """float32 [B, C, V] logits / T of one chunk (operands in h's dtype, float32 accumulation)."""
+    return jnp.dot(h_BxCxD, w_DxV.astype(h_BxCxD.dtype), precision=prec, preferred_element_type=jnp.float32) * inv_t
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _chunked(h_KxCxD, w_DxV, tgt_KxC, any_K, inv_t, with_entropy, prec):
-    return _chunked_fwd(h_KxCxD, w_DxV, tgt_KxC, any_K, inv_t, with_entropy, prec)[0]
+def _chunked(h_KxBxCxD, w_DxV, tgt_KxBxC, any_K, inv_t, with_entropy, prec):
+    return _chunked_fwd(h_KxBxCxD, w_DxV, tgt_KxBxC, any_K, inv_t, with_entropy, prec)[0]
 
 
-def _chunked_fwd(h_KxCxD, w_DxV, tgt_KxC, any_K, inv_t, with_entropy, prec):
-    def compute(h_CxD, tgt_C):
-        z_CxV = _chunk_logits(h_CxD, w_DxV, inv_t, prec)
-        logp_C, ent_C = logp_and_entropy(z_CxV, tgt_C, with_entropy)
-        return logp_C, ent_C if with_entropy else jnp.zeros_like(logp_C)
+def _chunked_fwd(h_KxBxCxD, w_DxV, tgt_KxBxC, any_K, inv_t, with_entropy, prec):
+    def compute(h_BxCxD, tgt_BxC):
+        z_BxCxV = _chunk_logits(h_BxCxD, w_DxV, inv_t, prec)
+        logp_BxC, ent_BxC = logp_and_entropy(z_BxCxV, tgt_BxC, with_entropy)
+        return logp_BxC, ent_BxC if with_entropy else jnp.zeros_like(logp_BxC)
 
-    def skip(h_CxD, tgt_C):
-        zeros = jnp.zeros(tgt_C.shape, jnp.float32)
+    def skip(h_BxCxD, tgt_BxC):
+        zeros = jnp.zeros(tgt_BxC.shape, jnp.float32)
         return zeros, zeros
 
     def body(_, xs):
-        h_CxD, tgt_C, any_valid = xs
-        return None, jax.lax.cond(any_valid, compute, skip, h_CxD, tgt_C)
+        h_BxCxD, tgt_BxC, any_valid = xs
+        return None, jax.lax.cond(any_valid, compute, skip, h_BxCxD, tgt_BxC)
 
-    _, out = jax.lax.scan(body, None, (h_KxCxD, tgt_KxC, any_K))
-    return out, (h_KxCxD, w_DxV, tgt_KxC, any_K, inv_t)
+    _, out = jax.lax.scan(body, None, (h_KxBxCxD, tgt_KxBxC, any_K))
+    return out, (h_KxBxCxD, w_DxV, tgt_KxBxC, any_K, inv_t)
 
 
 def _chunked_bwd(with_entropy, prec, res, g):
     """d/dz of logp_t = onehot_t - p; of H = -sum p log p: -p (log p + H); z = h w / T."""
-    h_KxCxD, w_DxV, tgt_KxC, any_K, inv_t = res
-    g_logp_KxC, g_ent_KxC = g
-    cdt = h_KxCxD.dtype
+    h_KxBxCxD, w_DxV, tgt_KxBxC, any_K, inv_t = res
+    g_logp_KxBxC, g_ent_KxBxC = g
+    cdt = h_KxBxCxD.dtype
 
-    def compute(dw_DxV, h_CxD, tgt_C, g_logp_C, g_ent_C):
-        z_CxV = _chunk_logits(h_CxD, w_DxV, inv_t, prec)
-        logp_CxV = jax.nn.log_softmax(z_CxV, axis=-1)
-        p_CxV = jnp.exp(logp_CxV)
-        onehot_CxV = jax.nn.one_hot(tgt_C, z_CxV.shape[-1], dtype=jnp.float32)
-        dz_CxV = g_logp_C[:, None] * (onehot_CxV - p_CxV)
+    def compute(dw_DxV, h_BxCxD, tgt_BxC, g_logp_BxC, g_ent_BxC):
+        z_BxCxV = _chunk_logits(h_BxCxD, w_DxV, inv_t, prec)
+        logp_BxCxV = jax.nn.log_softmax(z_BxCxV, axis=-1)
+        p_BxCxV = jnp.exp(logp_BxCxV)
+        onehot_BxCxV = jax.nn.one_hot(tgt_BxC, z_BxCxV.shape[-1], dtype=jnp.float32)
+        dz_BxCxV = g_logp_BxC[..., None] * (onehot_BxCxV - p_BxCxV)
         if with_entropy:
-            ent_C = -jnp.sum(p_CxV * logp_CxV, axis=-1)
-            dz_CxV = dz_CxV - g_ent_C[:, None] * p_CxV * (logp_CxV + ent_C[:, None])
-        dz_CxV = (dz_CxV * inv_t).astype(cdt)
-        dh_CxD = jnp.dot(dz_CxV, w_DxV.astype(cdt).T, precision=prec, preferred_element_type=jnp.float32)
-        dw_DxV = dw_DxV + jnp.dot(h_CxD.T, dz_CxV, precision=prec, preferred_element_type=jnp.float32)
-        return dw_DxV, dh_CxD.astype(cdt)
+            ent_BxC = -jnp.sum(p_BxCxV * logp_BxCxV, axis=-1)
+            dz_BxCxV = dz_BxCxV - g_ent_BxC[..., None] * p_BxCxV * (logp_BxCxV + ent_BxC[..., None])
+        dz_BxCxV = (dz_BxCxV * inv_t).astype(cdt)
+        dh_BxCxD = jnp.dot(dz_BxCxV, w_DxV.astype(cdt).T, precision=prec, preferred_element_type=jnp.float32)
+        dw_DxV = dw_DxV + jnp.einsum("bcd,bcv->dv", h_BxCxD, dz_BxCxV, precision=prec,
+                                     preferred_element_type=jnp.float32)
+        return dw_DxV, dh_BxCxD.astype(cdt)
 
-    def skip(dw_DxV, h_CxD, tgt_C, g_logp_C, g_ent_C):
-        return dw_DxV, jnp.zeros_like(h_CxD)
+    def skip(dw_DxV, h_BxCxD, tgt_BxC, g_logp_BxC, g_ent_BxC):
+        return dw_DxV, jnp.zeros_like(h_BxCxD)
 
     def body(dw_DxV, xs):
-        h_CxD, tgt_C, any_valid, g_logp_C, g_ent_C = xs
-        return jax.lax.cond(any_valid, compute, skip, dw_DxV, h_CxD, tgt_C, g_logp_C, g_ent_C)
+        h_BxCxD, tgt_BxC, any_valid, g_logp_BxC, g_ent_BxC = xs
+        return jax.lax.cond(any_valid, compute, skip, dw_DxV, h_BxCxD, tgt_BxC, g_logp_BxC, g_ent_BxC)
 
     dw0 = jnp.zeros(w_DxV.shape, jnp.float32)
-    dw_DxV, dh_KxCxD = jax.lax.scan(body, dw0, (h_KxCxD, tgt_KxC, any_K, g_logp_KxC, g_ent_KxC))
-    return dh_KxCxD, dw_DxV.astype(w_DxV.dtype), None, None, jnp.zeros_like(inv_t)
+    dw_DxV, dh_KxBxCxD = jax.lax.scan(body, dw0, (h_KxBxCxD, tgt_KxBxC, any_K, g_logp_KxBxC, g_ent_KxBxC))
+    return dh_KxBxCxD, dw_DxV.astype(w_DxV.dtype), None, None, jnp.zeros_like(inv_t)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
