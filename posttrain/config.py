@@ -383,6 +383,12 @@ def env_spec(env_id: str, weight: float = 1.0, **kwargs):
     return ml_collections.ConfigDict({"id": env_id, "weight": weight, "kwargs": kwargs})
 
 
+# `mesh.rules` for MLA models on large meshes (DeepSeek-V3, Kimi K2): the latent projections' logical axes are
+# replicated by default; split over fsdp instead (replicated, DeepSeek-V3's q_b_proj alone took 8 GiB of float32
+# weights per device, and as much again per Adam moment and gradient)
+MLA_LATENTS_OVER_FSDP = {"q_lora": "fsdp", "kv_lora": "fsdp"}
+
+
 def plan_config(preset: str, variant: str = "full", *, mesh: Mapping[str, int] | None = None,
                 rules: Mapping[str, Any] | None = None):
     """The config of a `posttrain plan` dry run (configs/plan/*.py) for a model preset: one GRPO step on a global

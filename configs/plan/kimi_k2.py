@@ -1,11 +1,9 @@
 """`posttrain plan --config=configs/plan/kimi_k2.py[:lora] --target=... --prompt_len=512`: does a GRPO step of
-kimi-k2-1t fit (see posttrain.config.plan_config for the batch and precision)? Experts split over 8 devices; the MLA
-latent projections (logical axes q_lora / kv_lora, replicated by default) are split over fsdp by `mesh.rules`:
-replicated, DeepSeek-V3's q_b_proj alone took 8 GiB of float32 weights per device (and as much again per Adam
-moment and gradient)."""
-from posttrain.config import plan_config
+kimi-k2-1t fit (see posttrain.config.plan_config for the batch and precision)? Experts split over 8 devices,
+the MLA latent projections over fsdp (`MLA_LATENTS_OVER_FSDP`)."""
+from posttrain.config import MLA_LATENTS_OVER_FSDP, plan_config
 
 
 def get_config(variant: str = "full"):
     return plan_config("kimi-k2-1t", variant or "full", mesh={"fsdp": -1, "expert": 8},
-                       rules={"q_lora": "fsdp", "kv_lora": "fsdp"})
+                       rules=MLA_LATENTS_OVER_FSDP)
