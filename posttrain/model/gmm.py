@@ -7,7 +7,7 @@ rows, C expert capacity (rows per expert in the capacity layout).
     y[r] = x[r] @ w[e(r)]   for the rows r of group e (rows sizes[0] + ... + sizes[E-1] onward: y[r] = 0)
 
 One function, `grouped_matmul(x_MxD, w_ExDxF, sizes_E, impl=...)`, with interchangeable implementations
-(`IMPLS`), all equal to `reference` in values and gradients:
+(`IMPLS`), equal in values and gradients (tests/posttrain/model/test_gmm.py: against NumPy):
 
 - "ragged": `jax.lax.ragged_dot` (XLA). Fine on CPU; on an H200 it measured 177x slower than a dense dot of the
   same FLOPs, and XLA:GPU expands its weight gradient across all groups.
@@ -52,15 +52,6 @@ def default_block(rows: int, groups: int) -> int:
     dense peer's throughput on CPU, against 0.34 at this block (`bench/moe.py`)."""
     mean = max(rows // max(groups, 1), 1)
     return int(min(1024, max(8, 1 << (mean.bit_length() - 1))))
-
-
-def reference(x_MxD, w_ExDxF, sizes_E, *, precision=None, out_dtype=jnp.float32):
-    """Dense reference (tests): every row times every expert, masked to its own group. O(M E D F) FLOPs."""
-    M, E = x_MxD.shape[0], w_ExDxF.shape[0]
-    group_M = _group_of_rows(sizes_E, M)
-    y_ExMxF = jnp.einsum("md,edf->emf", x_MxD, w_ExDxF, precision=precision, preferred_element_type=jnp.float32)
-    onehot_MxE = jax.nn.one_hot(group_M, E, dtype=jnp.float32)  # group E (no expert) -> all zeros
-    return jnp.einsum("emf,me->mf", y_ExMxF, onehot_MxE, precision="highest").astype(out_dtype)
 
 
 def grouped_matmul(x_MxD: jax.Array, w_ExDxF: jax.Array, sizes_E: jax.Array, *, impl: str = "auto",
