@@ -9,8 +9,9 @@ rows, C expert capacity (rows per expert in the capacity layout).
 One function, `grouped_matmul(x_MxD, w_ExDxF, sizes_E, impl=...)`, with interchangeable implementations
 (`IMPLS`), equal in values and gradients (tests/posttrain/model/test_gmm.py: against NumPy):
 
-- "ragged": `jax.lax.ragged_dot` (XLA). Fine on CPU; on an H200 it measured 177x slower than a dense dot of the
-  same FLOPs, and XLA:GPU expands its weight gradient across all groups.
+- "ragged": `jax.lax.ragged_dot` (XLA). Fine for a few experts; XLA expands it across all groups: on an H200 it
+  measured 177x slower than a dense dot of the same FLOPs, and one 16k-token, 128-expert layer compiled for an
+  H200 needs 256 GiB of temp (`bench/moe.py --aot h200`).
 - "padded": dropless padded dense. Each group is padded to a multiple of `block` rows (at most M + E * block
   rows in all, so the bound is M / block + E blocks), every block gathers its expert's weight, and one batched
   matmul [Nb, block, D] x [Nb, D, F] runs over the blocks; the weight gradient is the per-block gradient summed
