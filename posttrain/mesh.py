@@ -162,6 +162,12 @@ def state_shardings(state, mesh: Mesh, rules=RULES):
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def batch_shards(mesh_shape: Mapping[str, int], rules=RULES) -> int:
+    """Number of batch shards: the product of the mesh axes that the logical "batch" axis maps to under `rules`
+    (the one place this count is computed: the run plan and the train step call it)."""
+    return math.prod(mesh_shape[a] for a in _as_tuple(logical_to_spec(("batch",), rules)[0]))
+
+
 def batch_sharding(mesh: Mesh, ndim: int, rules=RULES) -> NamedSharding:
     """Sharding for a [batch, ...] activation/input array: batch split over the batch rule's axes."""
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))

@@ -45,13 +45,6 @@ class RunPlan:
         return bool(every) and done % every == 0 and done < self.cfg.train.steps
 
 
-def batch_shards(mesh_shape: Mapping[str, int], rules=mesh_lib.RULES) -> int:
-    """Number of batch shards: the product of the mesh axes that the logical "batch" axis maps to (mesh.RULES)."""
-    spec = mesh_lib.logical_to_spec(("batch",), rules)[0]
-    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-    return math.prod(mesh_shape[a] for a in axes)
-
-
 def step_options(cfg: Config) -> StepOptions:
     """The train step's static options from the config (MoE coefficients: see `with_moe`)."""
     rl = cfg.rl
@@ -102,7 +95,7 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
     except ValueError as e:
         raise ConfigError(f"mesh {sizes} does not fit {num_devices} device(s): {e}") from e
     rules = mesh_lib.rules_with_overrides(cfg.mesh.rules)  # validated with the config
-    shards = batch_shards(shape, rules)
+    shards = mesh_lib.batch_shards(shape, rules)
     rl = cfg.rl
     rows = rl.prompts_per_step if (rl.packed and cfg.env.max_turns == 1) else rl.prompts_per_step * rl.group_size
     split = rl.minibatches * rl.num_microbatches * shards

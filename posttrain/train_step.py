@@ -16,7 +16,6 @@ order each epoch. The sampler's logprobs serve only truncated importance samplin
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -98,9 +97,7 @@ def _local_shards(rows: int) -> int:
     mesh = active_mesh()
     if mesh is None:
         return 1
-    spec = mesh_lib.logical_to_spec(("batch",), current_rules())[0]
-    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-    n = math.prod(mesh.shape[a] for a in axes)
+    n = mesh_lib.batch_shards(mesh.shape, current_rules())
     return n if rows % n == 0 else 1
 
 

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from posttrain import cli, loop, rollouter, run_plan, setup
+from posttrain import mesh as mesh_lib
 from posttrain import train_step as ts
 from posttrain.config import ConfigError, default_config, env_spec, from_config_dict
 from posttrain.sampler import logprob_temperature, pad_prompts, sample
@@ -72,8 +73,8 @@ def _tiny_cfg(**over):
 
 
 def test_batch_shards_follow_the_batch_rule():
-    assert run_plan.batch_shards({"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}) == 4
-    assert run_plan.batch_shards({"data": 1, "fsdp": 2, "tensor": 1, "expert": 4}) == 8  # expert splits the batch
+    assert mesh_lib.batch_shards({"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}) == 4
+    assert mesh_lib.batch_shards({"data": 1, "fsdp": 2, "tensor": 1, "expert": 4}) == 8  # expert splits the batch
     plan = run_plan.make_run_plan(_tiny_cfg(**{"mesh.tensor": 2, "rl.num_microbatches": 2}), num_devices=8)
     assert plan.mesh_shape == {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}
     assert plan.batch_shards == 4 and plan.row_multiple == 2 * 4
@@ -135,8 +136,6 @@ def test_mesh_rules_overlay_the_parameter_and_batch_shardings():
              for name, rules in (("default", {}), ("no_fsdp", {"embed": None}), ("data_batch", {"batch": ["data"]}))}
     assert [plans[n].batch_shards for n in plans] == [8, 8, 1]
     assert dict(plans["no_fsdp"].rules)["embed"] is None and dict(plans["default"].rules)["embed"] == "fsdp"
-    from posttrain import mesh as mesh_lib
-
     specs = {}
     for name in ("default", "no_fsdp"):
         plan = run_plan.make_run_plan(plans[name].cfg)  # this process's one device
@@ -153,8 +152,6 @@ def test_moe_run_settings_reach_the_moe_layers():
     c.model.preset = "tiny-moe"
     c.model.moe_gmm_impl, c.model.moe_capacity_factor, c.model.moe_ep_capacity_factor = "ragged", 1.5, 3.0
     plan = run_plan.make_run_plan(from_config_dict(c))
-    from posttrain import mesh as mesh_lib
-
     mcfg, graphdef, state, _ = setup.load_policy(plan.cfg, mesh_lib.make_mesh(plan.mesh_shape), plan.precision,
                                                  plan.rules)
     ffn = nnx.merge(graphdef, state).moe_layers.ffn
