@@ -360,6 +360,17 @@ def extract_code_blocks(text: str, languages: tuple[str, ...] = ("python", "py")
 
 
 def extract_tag(text: str, tag: str) -> str | None:
-    """Content of the last ``<tag>...</tag>`` in `text`, stripped, or None."""
-    matches = re.findall(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.S)
+    """Content of the last ``<tag>...</tag>`` in `text` (the last non-overlapping match of
+    ``<tag>(.*?)</tag>``), stripped, or None. Never raises on odd text.
+
+    Linear in len(text): the text after the last ``</tag>`` is dropped before the regex runs, so no scan
+    starts at an opening tag that is never closed (``"<answer>" * n`` was quadratic: 7 s at 100 KB).
+    """
+    if not isinstance(text, str):
+        return None
+    close = f"</{tag}>"
+    end = text.rfind(close)
+    if end < 0:
+        return None
+    matches = re.findall(rf"<{re.escape(tag)}>(.*?){re.escape(close)}", text[:end + len(close)], flags=re.S)
     return matches[-1].strip() if matches else None

@@ -280,6 +280,29 @@ def test_answers_longer_than_the_cap_are_refused_before_comparison():
         False, f"answer of {v.MAX_ANSWER_CHARS + 1} chars is longer than MAX_ANSWER_CHARS={v.MAX_ANSWER_CHARS}")
 
 
+TEXT_SHAPES = {  # the other readers of model text (code envs, tags, format reward)
+    "open_tags": lambda n: "<answer>" * (n // 8), "open_tags_closed": lambda n: "<answer>" * (n // 8) + "</answer>",
+    "open_fences": lambda n: "```python\n" * (n // 10), "nested_think": lambda n: "<think>" * (n // 7),
+    "lt": lambda n: "<answer>" + "<" * n,
+}
+
+
+@pytest.mark.parametrize("reader", ["extract_tag", "extract_code_blocks", "check_format"])
+@pytest.mark.parametrize("shape", sorted(TEXT_SHAPES))
+def test_tag_fence_and_format_readers_are_linear(reader, shape):
+    fn = (lambda t: v.extract_tag(t, "answer")) if reader == "extract_tag" else getattr(v, reader)
+    small, big = TEXT_SHAPES[shape](100_000), TEXT_SHAPES[shape](1_000_000)
+    t_small, t_big = _best_time(lambda: fn(small)), _best_time(lambda: fn(big))
+    assert t_big < 1.0 and t_big / max(t_small, 1e-3) < 20, (reader, shape, t_small, t_big)
+
+
+@pytest.mark.parametrize("text,expected", [  # same answer as the last match of <tag>(.*?)</tag> over the text
+    ("<answer>1</answer><answer>2</answer>", "2"), ("<answer>1</answer>x</answer>", "1"), ("<answer>1<answer>2</answer>", "1<answer>2"),
+    ("<answer> 5 </answer><answer>", "5"), ("<answer>5", None), ("5</answer>", None), ("", None), (None, None)])
+def test_extract_tag(text, expected):
+    assert v.extract_tag(text, "answer") == expected
+
+
 @pytest.mark.parametrize("text", ["a 1,234 b 5", "x -3.5", "1,234,567", "3-5", "12,34", ".5 and 7.", "1.2.3"])
 def test_last_number_matches_the_whole_text_regex(text):
     import re
