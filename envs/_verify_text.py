@@ -37,6 +37,9 @@ _VULGAR = "\u00bc\u00bd\u00be" + "".join(chr(c) for c in range(0x2150, 0x215f)) 
 _SUPER_RE = re.compile(f"[{''.join(_SUPER)}]+")
 _SUB_RE = re.compile(f"[{''.join(_SUB)}]+")
 _VULGAR_RE = re.compile(f"(\\d?)([{_VULGAR}])")
+_SUPER_DIGITS, _SUB_DIGITS = "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079", "".join(_SUB)[:10]
+_SUPSUB_FRAC_RE = re.compile(  # ¹⁄₁₆, 1¹⁄₁₆: any fraction; not after a letter or bracket (x²⁄₃ is not x times 2/3)
+    f"(?<![A-Za-z)\\]}}])(\\d?)([{_SUPER_DIGITS}]+)[\u2044\u2215/]([{_SUB_DIGITS}]+)")
 _OTHER_DIGIT_RE = re.compile(r"(?![0-9])\d")  # any Unicode decimal digit that is not ASCII
 _ASCII_OTHER = {"\u2044": "/", "\u2215": "/", "\u066b": ".", "\u066c": ",", "\u00d7": "\\times "}
 
@@ -50,10 +53,16 @@ def _vulgar(m: re.Match) -> str:
     return f"{m.group(1)}{'+' if m.group(1) else ''}\\frac{{{num}}}{{{den}}}"
 
 
+def _supsub_fraction(m: re.Match) -> str:
+    num, den = "".join(_SUPER[c] for c in m.group(2)), "".join(_SUB[c] for c in m.group(3))
+    return f"{m.group(1)}{'+' if m.group(1) else ''}\\frac{{{num}}}{{{den}}}"
+
+
 def normalize_unicode(text: str) -> str:
     """`text` with numerals in ASCII: minus signs -> ``-``; digits of any script (full-width ``７``,
     Arabic-Indic, ...) -> ``0-9``; superscripts -> ``^{...}`` (``10⁻³`` -> ``10^{-3}``), subscripts ->
-    ``_{...}``; one-character fractions -> ``\\frac{a}{b}`` (``3½`` -> ``3+\\frac{1}{2}``); thin, narrow
+    ``_{...}``; one-character fractions and superscript/subscript ones -> ``\\frac{a}{b}`` (``3½`` ->
+    ``3+\\frac{1}{2}``, ``¹⁄₁₆`` -> ``\\frac{1}{16}``); thin, narrow
     or no-break spaces between digit groups removed (``1 234`` -> ``1234``), other Unicode spaces ->
     ``" "``; zero-width and bidi marks removed; then NFKC (Unicode TR15) for everything else.
 
@@ -73,6 +82,8 @@ def normalize_unicode(text: str) -> str:
             text = text.replace(c, "-")
     if "\u2013" in text:
         text = _EN_DASH_RE.sub("-", text)
+    if _has_any(text, _SUB_DIGITS) and _has_any(text, _SUPER_DIGITS):
+        text = _SUPSUB_FRAC_RE.sub(_supsub_fraction, text)
     if _has_any(text, "".join(_SUPER)):
         text = _SUPER_RE.sub(lambda m: "^{" + "".join(_SUPER[c] for c in m.group()) + "}", text)
     if _has_any(text, "".join(_SUB)):

@@ -184,6 +184,7 @@ def test_separate_powers_are_compared(pred, gold, same):
     ("the total is 1\u2009234 apples", "1234", 1.0), ("#### 1\u200b2", "12", 1.0), ("#### \u00a07", "7", 1.0),
     (r"\boxed{2⁵}", "32", 1.0), (r"\boxed{10⁻³}", "0.001", 1.0), (r"\boxed{x²+1}", "x^2+1", 1.0),
     ("#### ½", "0.5", 1.0), ("#### 3½", "3.5", 1.0), ("#### 3½", "31/2", 0.0), ("\\boxed{\u22121/2}", "-0.5", 1.0),
+    (r"\boxed{¹⁄₂}", "0.5", 1.0), ("#### 1¹⁄₁₆", "1.0625", 1.0), ("#### 1¹⁄₁₆", "11/16", 0.0),  # super/sub fractions
 ])
 def test_unicode_numerals_are_normalised_before_extraction_and_comparison(response, gold, reward):
     assert v.score_math(response, gold).reward == reward
@@ -191,7 +192,8 @@ def test_unicode_numerals_are_normalised_before_extraction_and_comparison(respon
 
 @pytest.mark.parametrize("raw,ascii_", [
     ("\u22127", "-7"), ("\uff17", "7"), ("1\u2009000", "1000"), ("x\u00b2", "x^{2}"), ("10\u207b\u00b3", "10^{-3}"),
-    ("a\u2082", "a_{2}"), ("\u00bd", "\\frac{1}{2}"), ("2\u00d73", "2\\times 3"), ("3\u00a0apples", "3 apples"),
+    ("a\u2082", "a_{2}"), ("\u00bd", "\\frac{1}{2}"), ("¹⁄₁₆", "\\frac{1}{16}"), ("3¹⁵⁄₁₆", "3+\\frac{15}{16}"),
+    ("x²⁄₃", "x^{2}/_{3}"), ("2\u00d73", "2\\times 3"), ("3\u00a0apples", "3 apples"),
     ("plain ascii - 7", "plain ascii - 7")])
 def test_normalize_unicode(raw, ascii_):
     assert v.normalize_unicode(raw) == ascii_
