@@ -134,14 +134,16 @@ UNITS = (
     "cubic centimeters", "cm^2", "cm^{2}", "ft^2", "ft^{2}", "cm^3", "cm^{3}", "\\%",
 )
 _UNIT_ALT = "|".join(re.escape(u) for u in sorted(UNITS, key=len, reverse=True))
-_UNIT_TAIL_RE = re.compile(
-    rf"(?:\\[,;:! ]|\s)*(?:\\(?:text|mbox|mathrm|textrm)\{{\s*(?:{_UNIT_ALT})\s*\}}|(?:{_UNIT_ALT}))\Z")
+_UNIT_POWER = r"(?:\^\s*\{?\s*[23]\s*\}?)?"  # \text{ cm}^2, \mbox{ inches}^{3} (MATH answers)
+_UNIT_TAIL_RE = re.compile(  # spacing (\, \; \! ~ or white space), then a unit, plain or wrapped
+    rf"(?:\\[,;:! ]|\s|~)*(?:\\(?:text|mbox|mathrm|textrm)\{{[\s~]*(?:{_UNIT_ALT})\s*\}}{_UNIT_POWER}|(?:{_UNIT_ALT}))\Z")
 _UNIT_WINDOW = 48  # longest unit with its \text{...} wrapper and spacing, in chars
 
 
 def strip_unit(answer: str) -> str:
     """`answer` without one trailing unit from `UNITS` (plain, ``\\%``, or wrapped in ``\\text{}``,
-    ``\\mbox{}``, ``\\mathrm{}``), when something remains before it: ``42 dollars`` -> ``42``,
+    ``\\mbox{}``, ``\\mathrm{}``, with an optional ``^2`` / ``^3`` after the wrapper: ``6\\text{ cm}^2``), when
+    something remains before it: ``42 dollars`` -> ``42``,
     ``5\\text{ cm}`` -> ``5``, ``50\\%`` -> ``50``, ``30^\\circ`` -> ``30``; ``3x``, ``7i``, ``2\\pi``
     and ``dollars`` stay as they are. A unit glued to letters (``3xcm``) is not stripped.
     Looks only at the last `_UNIT_WINDOW` chars, so the cost does not grow with len(answer).

@@ -215,6 +215,9 @@ def test_unicode_is_normalised_everywhere():
     (r"\boxed{5\text{ cm}}", "5", 1.0), ("#### 5 cm", "5", 1.0), ("#### 12 km/h", "12", 1.0),
     (r"\boxed{30^\circ}", "30", 1.0), ("#### 3 hours", "3", 1.0), (r"\boxed{4\,\mathrm{kg}}", "4", 1.0),
     (r"\boxed{\frac{1}{2}\text{ cm}}", "0.5", 1.0), ("#### 42 apples", "42", 0.0),  # not a unit of the list
+    (r"\boxed{6 \text{ cm}^2}", "6", 1.0), (r"\boxed{4\mbox{ inches}^{3}}", "4", 1.0), (r"\boxed{5 \mathrm{~cm}}", "5", 1.0),
+    ("#### 5~cm", "5", 1.0), (r"\boxed{9\text{ square units}}", "9", 1.0), (r"\boxed{3 \text{ m}^2}", "3", 0.0),
+    (r"\boxed{2x^2}", "2", 0.0), (r"\boxed{2x^2}", "2x^2", 1.0),
 ])
 def test_only_listed_units_are_stripped(response, gold, reward):
     assert v.score_math(response, gold).reward == reward
@@ -222,7 +225,9 @@ def test_only_listed_units_are_stripped(response, gold, reward):
 
 @pytest.mark.parametrize("raw,stripped", [
     ("3x", "3x"), ("7i", "7i"), ("2e", "2e"), ("5 m", "5 m"), ("dollars", "dollars"), ("3xcm", "3xcm"),
-    ("42 dollars", "42"), ("5cm", "5"), ("5 \\text{cm}", "5"), ("50\\%", "50"), ("12 m/s", "12")])
+    ("42 dollars", "42"), ("5cm", "5"), ("5 \\text{cm}", "5"), ("50\\%", "50"), ("12 m/s", "12"),
+    ("6\\text{ cm}^2", "6"), ("6\\text{ cm}^{2}", "6"), ("5\\mathrm{~cm}", "5"), ("5~cm", "5"), ("3\\text{ m}^2", "3\\text{ m}^2"),
+    ("x^2", "x^2"), ("2^3", "2^3")])
 def test_strip_unit(raw, stripped):
     assert v.strip_unit(raw) == stripped
     assert all(len(u) > 1 for u in v.UNITS if u.isalpha())  # no single letter is a unit
