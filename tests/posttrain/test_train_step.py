@@ -136,21 +136,47 @@ def test_lora_reference_is_the_initial_adapter_not_the_base():
     assert float(jnp.abs(policy - base).max()) > 1e-2  # so a base-model reference would have shown KL > 0
 
 
-def test_nonfinite_loss_or_gradient_is_never_applied():
-    graphdef, state, opts, opt = make_state()
+def _set(field, index, value, scale=None):
+    def edit(b):
+        x = getattr(b, field)
+        return b.replace(**{field: x * scale if scale is not None else x.at[index].set(value)})
+    return edit
+
+
+# id -> (make_state kwargs, StepOptions changes, batch edit, loss finite?, skipped fraction of the updates)
+NONFINITE = {
+    "nan-advantage": ({}, {}, _set("advantages_N", 0, jnp.nan), False, 1.0),
+    "+inf-advantage": ({}, {}, _set("advantages_N", 0, jnp.inf), False, 1.0),
+    "-inf-advantage": ({}, {}, _set("advantages_N", 3, -jnp.inf), False, 1.0),
+    "finite-loss-overflowing-gradient": ({}, {}, _set("advantages_N", None, None, scale=1e30), True, 1.0),
+    "nan-sampler-logprob-under-tis": ({"tis_cap": 2.0}, {}, _set("logp_sample_NxC", (0, 0), jnp.nan), False, 1.0),
+    "nan-in-one-of-two-microbatches": ({"M": 2}, {}, _set("advantages_N", 5, jnp.nan), False, 1.0),
+    "nan-in-one-of-two-minibatches": ({}, {"ppo_epochs": 2, "minibatches": 2}, _set("advantages_N", 0, jnp.nan),
+                                      False, 0.5),  # its two updates are skipped, the other block's two applied
+}
+
+
+@pytest.mark.parametrize("case", list(NONFINITE))
+def test_nonfinite_loss_or_gradient_is_never_applied(case):
+    state_kw, opts_kw, edit, loss_finite, skipped = NONFINITE[case]
+    graphdef, state, opts, opt = make_state(**state_kw)
+    opts = opts._replace(**opts_kw)
     step = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))
     before = jax.tree.map(np.asarray, (state.params, state.opt_state))
-    bad = random_batch()
-    bad = bad.replace(advantages_N=bad.advantages_N.at[0].set(jnp.nan))
-    state, m = step(state, bad)
-    assert float(m["policy/skipped_nonfinite"]) == 1.0 and not np.isfinite(float(m["policy/loss"]))
-    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves((state.params, state.opt_state))):
-        np.testing.assert_array_equal(a, np.asarray(b))
-    assert int(state.step) == 1
-    state, m = step(state, random_batch())
+    new, m = step(state, edit(random_batch()))
+    assert float(m["policy/skipped_nonfinite"]) == skipped
+    assert np.isfinite(float(m["policy/loss"])) == loss_finite and not np.isfinite(float(m["optim/grad_norm"]))
+    assert int(new.step) == opts.updates_per_batch  # the counter advances, skipped or not
+    changed = [not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before),
+                                                                   jax.tree.leaves((new.params, new.opt_state)))]
+    if skipped == 1.0:  # nothing applied: parameters and optimizer moments bit for bit
+        assert not any(changed)
+    else:  # only the finite block's updates: finite weights that moved
+        assert any(changed) and all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(new.params))
+    new, m = step(new, random_batch())  # a finite batch after a skip is applied
     assert float(m["policy/skipped_nonfinite"]) == 0.0
     assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before[0]),
-                                                                     jax.tree.leaves(state.params)))
+                                                                     jax.tree.leaves(new.params)))
 
 
 def test_aux_free_bias_moves_against_load():
