@@ -39,6 +39,8 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--remat", default="dots", choices=("none", "dots", "names", "full"))
     ap.add_argument("--remat-names", default="attn_out,mlp_in", help="for --remat names")
+    ap.add_argument("--attention", default="auto", help="ModelConfig.attention_impl of packed rows: auto|blockwise|"
+                                                        "splash|pallas_gpu|dense")
     ap.add_argument("--lora_rank", type=int, default=0)
     ap.add_argument("--microbatches", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
@@ -99,7 +101,8 @@ def model_config(args, backend: str):
 
     policy = resolve_policy(args.dtype, args.param_dtype, args.matmul_precision, backend=backend)
     fields = dict(dtype=policy.compute_dtype, param_dtype=policy.param_dtype, matmul_precision=policy.matmul_precision,
-                  remat=args.remat, remat_names=tuple(n for n in args.remat_names.split(",") if n),
+                  attention_impl=args.attention, remat=args.remat,
+                  remat_names=tuple(n for n in args.remat_names.split(",") if n),
                   lora=LoRAConfig(rank=args.lora_rank) if args.lora_rank else None)
     if args.model in PRESETS:
         return get_preset(args.model, **fields), None

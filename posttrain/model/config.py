@@ -126,6 +126,10 @@ class ModelConfig:
       the projections: ~+1/3 of the layer FLOPs, less memory than "dots"); "full" only the block input (recompute
       the whole forward: +1/3 FLOPs of a train step, least memory).
     lora: adapters added to the projections (None or rank 0: none).
+    attention_impl: self-attention of packed rows given as ids (rows of >= `flash.BLOCKWISE_MIN_LEN` tokens;
+      `posttrain.model.fused_attention.IMPLS`): "auto" (splash on a TPU mesh, the Pallas GPU kernel on a GPU
+      mesh, else blockwise), "blockwise", "splash", "pallas_gpu" (the Pallas interpreter off their platform) or
+      "dense".
     How MoE experts run (settings of the run; `model.moe_*` in the run config):
     moe_gmm_impl: the grouped matmul of the expert MLPs (`posttrain.model.gmm.IMPLS`; "auto" per backend).
     moe_capacity_factor: 0 dropless (every routed token is computed); c > 0 gives every expert
@@ -156,6 +160,7 @@ class ModelConfig:
     remat: str = "none"
     remat_names: tuple[str, ...] = ("attn_out", "mlp_in")
     lora: LoRAConfig | None = None
+    attention_impl: str = "auto"
     moe_gmm_impl: str = "auto"
     moe_capacity_factor: float = 0.0
     moe_ep_capacity_factor: float = 2.0
@@ -174,7 +179,11 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; expected one of {REMAT_MODES}")
         if self.matmul_precision not in PRECISIONS:
             raise ValueError(f"ModelConfig.matmul_precision={self.matmul_precision!r}; expected one of {PRECISIONS}")
+        from posttrain.model.fused_attention import IMPLS as ATTENTION_IMPLS
         from posttrain.model.gmm import IMPLS
+
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"ModelConfig.attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
 
         if self.moe_gmm_impl not in IMPLS or self.moe_gmm_impl == "capacity":
             raise ValueError(f"ModelConfig.moe_gmm_impl={self.moe_gmm_impl!r}; expected one of "

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from posttrain.model import fused_attention
 from posttrain.model.attention import NEG_INF, Source, gqa_combine, gqa_logits, multi_source_attention
 
 # Default block lengths (queries and keys) by backend. CPU, measured on the 2-core machine (tiny-qwen3, 2 rows,
@@ -223,17 +224,28 @@ def blockwise_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxE, ids: RowIds, scale: flo
     return o.transpose(1, 0, 4, 2, 3, 5).reshape(B, I * Q, N, E)[:, :T]  # [I, B, K, G, Q, E] -> [B, T, N, E]
 
 
-def attend(q_BxTxNxH, kv: dict, mask, scale: float, precision=None, extra_sources=()) -> jax.Array:
+def attend(q_BxTxNxH, kv: dict, mask, scale: float, precision=None, extra_sources=(), impl: str = "auto") -> jax.Array:
     """Attention of queries over their own entries kv {"k": [B, T, K, H], "v": [B, T, K, E]} (+ extra sources).
 
-    mask: `RowIds` -> `blockwise_attention` (one source only: raises ValueError with extra_sources); a bool
-    [B, T, S] array -> the dense multi-source softmax (`attention.multi_source_attention`). Returns [B, T, N, E].
+    mask: `RowIds` -> the branch-masked self-attention of `impl` (`fused_attention.resolve_impl` on the mesh's
+    platform: splash / Pallas GPU kernels (interpreted off their platform), else `blockwise_attention`; "dense"
+    the one-softmax reference; the kernels ignore `precision`); one source only: raises ValueError with
+    extra_sources. A bool [B, T, S] array (short rows, `self_mask`; `impl` unused) ->
+    the dense multi-source softmax (`attention.multi_source_attention`). Returns [B, T, N, E].
     """
     if isinstance(mask, RowIds):
         if extra_sources:
             raise ValueError(f"blockwise attention takes one source; got {len(extra_sources)} extra sources "
                              "(pass a [B, T, S] mask for prefill/decode with cached sources)")
-        return blockwise_attention(q_BxTxNxH, kv["k"], kv["v"], mask, scale, precision=precision)
+        k, v = kv["k"], kv["v"]
+        platform = fused_attention.mesh_platform()
+        impl = fused_attention.resolve_impl(impl, platform, q_BxTxNxH.shape[-1], v.shape[-1])
+        if impl in ("splash", "pallas_gpu"):
+            return fused_attention.fused(impl, q_BxTxNxH, k, v, mask.segment_BxT, mask.branch_BxT, scale, platform)
+        if impl == "dense":
+            mask = self_mask(mask.segment_BxT, mask.branch_BxT, blockwise=False)
+        else:
+            return blockwise_attention(q_BxTxNxH, k, v, mask, scale, precision=precision)
     return multi_source_attention(q_BxTxNxH, [*extra_sources, Source(kv, mask)], scale, gqa_logits, gqa_combine)
 
 

@@ -177,9 +177,11 @@ class Attention(nnx.Module):
 
     def __init__(self, *, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: RopeConfig,
                  qk_norm: bool, bias: bool, norm_eps: float, dtype, param_dtype, rngs: nnx.Rngs,
-                 lora: LoRAConfig | None = None, matmul_precision: str = "default"):
+                 lora: LoRAConfig | None = None, matmul_precision: str = "default",
+                 attention_impl: str = "auto"):
         D, N, K, H = d_model, num_heads, num_kv_heads, head_dim
         self.dtype, self.head_dim, self.rope, self.matmul_precision = dtype, H, rope, matmul_precision
+        self.attention_impl = attention_impl
         self.q_proj = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), param_dtype, fan_in=D)
         self.k_proj = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype, fan_in=D)
         self.v_proj = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype, fan_in=D)
@@ -209,7 +211,8 @@ class Attention(nnx.Module):
         q = with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
         q, k, v = (checkpoint_name(a, "qkv") for a in (q, k, v))
         entries = {"k": k, "v": v}
-        o = attend(q, entries, mask, self.head_dim ** -0.5, lax_precision(self.matmul_precision), extra_sources)
+        o = attend(q, entries, mask, self.head_dim ** -0.5, lax_precision(self.matmul_precision), extra_sources,
+                   self.attention_impl)
         o = checkpoint_name(o, "attn_out")
         return project(self, "o_proj", "btnh,nhd->btd", o, self.dtype), entries
 
@@ -229,9 +232,10 @@ class MLAttention(nnx.Module):
 
     def __init__(self, *, d_model: int, num_heads: int, mla: MLAConfig, rope: RopeConfig, norm_eps: float,
                  dtype, param_dtype, rngs: nnx.Rngs, lora: LoRAConfig | None = None,
-                 matmul_precision: str = "default"):
+                 matmul_precision: str = "default", attention_impl: str = "auto"):
         D, N, R, P = d_model, num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim
         self.dtype, self.N, self.R, self.P, self.matmul_precision = dtype, N, R, P, matmul_precision
+        self.attention_impl = attention_impl
         self.nope, self.vdim = mla.qk_nope_head_dim, mla.v_head_dim
         qk = self.nope + P
         self.rope = rope
@@ -277,7 +281,8 @@ class MLAttention(nnx.Module):
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None, :], k_nope.shape[:3] + (self.P,))], -1)
             v = dot("btr,rnh->btnh", latent, self.v_b_proj[...], dt)
             qf, k, v = (checkpoint_name(a, "qkv") for a in (jnp.concatenate([q_nope, q_rot], axis=-1), k, v))
-            o = attend(qf, {"k": k, "v": v}, mask, self.scale, lax_precision(self.matmul_precision))
+            o = attend(qf, {"k": k, "v": v}, mask, self.scale, lax_precision(self.matmul_precision),
+                       impl=self.attention_impl)
         else:  # absorbed form over compressed entries
             q_lat = dot("btnh,rnh->btnr", q_nope, self.k_b_proj[...], dt)
             qc = jnp.concatenate([q_lat, q_rot], axis=-1)

@@ -147,11 +147,11 @@ class Transformer(nnx.Module):
             if cfg.mla is not None:
                 return MLAttention(d_model=D, num_heads=cfg.num_heads, mla=cfg.mla, rope=cfg.rope,
                                    norm_eps=cfg.norm_eps, dtype=self.dtype, param_dtype=pdt, rngs=r, lora=cfg.lora,
-                                   matmul_precision=cfg.matmul_precision)
+                                   matmul_precision=cfg.matmul_precision, attention_impl=cfg.attention_impl)
             return Attention(d_model=D, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                              head_dim=cfg.head_dim, rope=cfg.rope, qk_norm=cfg.qk_norm, bias=cfg.attention_bias,
                              norm_eps=cfg.norm_eps, dtype=self.dtype, param_dtype=pdt, rngs=r, lora=cfg.lora,
-                             matmul_precision=cfg.matmul_precision)
+                             matmul_precision=cfg.matmul_precision, attention_impl=cfg.attention_impl)
 
         def make_dense(r):
             mlp_dim = cfg.moe.dense_mlp_dim if cfg.moe is not None else cfg.mlp_dim
