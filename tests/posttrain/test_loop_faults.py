@@ -59,3 +59,29 @@ def test_curriculum_moves_levels_in_the_loop_and_resumes(tmp_path):
     levels = [r["curriculum/reasoning_gym/chain_sum/level"] for r in rows if "curriculum/reasoning_gym/chain_sum/level" in r]
     moves = [r["curriculum/reasoning_gym/chain_sum/moves"] for r in rows if "curriculum/reasoning_gym/chain_sum/moves" in r]
     assert levels == [1.0, 0.0, 0.0] and moves == [1.0, 2.0, 2.0]  # step 3 ran after a resume: state restored
+
+
+def test_skips_are_counted_in_a_row_reset_by_a_finite_update_and_logged_with_the_step(tmp_path, caplog):
+    """The loop stops on `learner.nonfinite_run`: consecutive skips only (a finite update in between resets it)."""
+    import numpy as np
+
+    from posttrain import batching, setup
+    from posttrain import mesh as mesh_lib
+    from posttrain.learner import Learner
+
+    plan = make_run_plan(tiny_config(tmp_path))
+    mesh = mesh_lib.make_mesh(plan.mesh_shape)
+    model_config, graphdef, weights, _ = setup.load_policy(plan.cfg, mesh, plan.precision)
+    learner = Learner.create(plan, mesh, model_config, graphdef, weights)
+    good = batching.random_batch(0, prompts=4, group_size=4, prompt_len=16, completion_len=8, vocab_size=320,
+                                 row_multiple=plan.row_multiple)
+    bad = good.replace(advantages_N=np.where(np.arange(len(good.advantages_N)) == 1, np.nan, good.advantages_N))
+    runs, skipped = [], []
+    for batch in (bad, good, bad, bad, good):
+        skipped.append(learner.update(batch)["policy/skipped_nonfinite"])
+        runs.append(learner.nonfinite_run)
+    learner.close()
+    assert (runs, skipped) == ([1, 0, 1, 2, 0], [1.0, 0.0, 1.0, 1.0, 0.0])
+    lines = [r.getMessage() for r in caplog.records if "update skipped" in r.getMessage()]
+    assert [line.split(":")[0] for line in lines] == ["step 1", "step 3", "step 4"], lines
+    assert lines[-1].endswith("(2 in a row)")
