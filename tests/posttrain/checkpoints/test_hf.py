@@ -283,15 +283,48 @@ def test_unused_tensors_are_errors_unless_allowlisted(tmp_path, case):
         assert load_hf_dir(path).config.tie_embeddings == (family == "qwen2-tied")
 
 
-def test_tied_config_with_a_different_head_uses_the_files_head_like_transformers(tmp_path):
-    path, _ = _tiny_hf(tmp_path, *FAMILIES["qwen2-tied"])
-    _rewrite(path, _add(**{"lm_head.weight": torch.randn(V, 64, generator=torch.Generator().manual_seed(1))}))
+def _head(delta=None):
+    """Tensor edit: an `lm_head.weight` beside the embedding: a fresh random one, or the embedding + `delta` at [0, 0]."""
+    def edit(t):
+        if delta is None:
+            t["lm_head.weight"] = torch.randn(V, 64, generator=torch.Generator().manual_seed(1))
+        else:
+            t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+            t["lm_head.weight"][0, 0] += delta
+    return edit
+
+
+# id -> (family, tensor edit, tied after loading, or an error regex): the file's head is used whenever it differs from
+# the embedding (as transformers does), however small the difference; never silently replaced by the embedding
+TIED = {
+    "tied-config-different-head": ("qwen2-tied", _head(), False),
+    "tied-config-head-differs-in-one-element": ("qwen2-tied", _head(1e-3), False),
+    "tied-config-head-equal-to-embedding": ("qwen2-tied", _head(0.0), True),
+    "tied-config-no-head": ("qwen2-tied", None, True),
+    "untied-config-no-head": ("qwen3", lambda t: t.pop("lm_head.weight"), r"missing tensor 'lm_head\.weight'"),
+}
+
+
+@pytest.mark.parametrize("case", list(TIED))
+def test_lm_head_is_the_files_like_transformers_or_refused(tmp_path, case):
+    family, edit, tied = TIED[case]
+    path, _ = _tiny_hf(tmp_path, *FAMILIES[family])
+    if edit:
+        _rewrite(path, edit)
+    if isinstance(tied, str):
+        with pytest.raises(ValueError, match=tied):
+            load_hf_dir(path)
+        return
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokens = _tokens(5, (2, 16))
-    theirs = _torch_logits(model, tokens)
     pre = load_hf_dir(path)
-    assert pre.config.tie_embeddings is False
-    np.testing.assert_allclose(_our_logits(pre.graphdef, pre.state, tokens), theirs, rtol=0, atol=1e-4)
+    assert pre.config.tie_embeddings is tied
+    head = dict(nnx.to_flat_state(pre.state)).get(("lm_head",))
+    if edit is not None and not tied:  # the file's head, exactly (our kernel is its transpose)
+        file_head = safetensors_torch.load_file(path / "model.safetensors")["lm_head.weight"].numpy()
+        np.testing.assert_array_equal(np.asarray(head.get_value()).T, file_head)
+    np.testing.assert_allclose(_our_logits(pre.graphdef, pre.state, tokens), _torch_logits(model, tokens), rtol=0,
+                               atol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------ dtype
