@@ -73,11 +73,12 @@ def test_export_loads_in_transformers_and_gives_the_same_greedy_reply(tmp_path):
     assert theirs == reply
 
 
-def test_dtype_and_shards_are_honoured(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_dtype_and_shards_are_honoured(tmp_path, dtype):
     from safetensors import safe_open
 
     pre = load_hf_dir(_hf_dir(tmp_path / "src"))
-    out = export_hf(pre.config, pre.state, tmp_path / "out", tokenizer=Tokenizer.byte_level(), dtype="bfloat16",
+    out = export_hf(pre.config, pre.state, tmp_path / "out", tokenizer=Tokenizer.byte_level(), dtype=dtype,
                     max_shard_bytes=40_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -87,14 +88,15 @@ def test_dtype_and_shards_are_honoured(tmp_path):
         with safe_open(str(out / s), "np") as f:
             for k in f.keys():
                 a = f.get_tensor(k)
-                assert a.dtype.name == "bfloat16", k
+                assert a.dtype.name == dtype, k
                 total += a.nbytes
     assert total == index["metadata"]["total_size"]
     written = json.loads((out / "config.json").read_text())
-    assert written["dtype"] == written["torch_dtype"] == "bfloat16"  # transformers 5 / older readers
+    assert written["dtype"] == written["torch_dtype"] == dtype  # transformers 5 / older readers
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
-    assert model.dtype == torch.bfloat16  # transformers reads the dtype config.json declares
-    back = load_hf_dir(out, dtype="float32")  # bf16 weights, f32 math on both sides
+    assert model.dtype == getattr(torch, dtype)  # transformers reads the dtype config.json declares
+    assert load_hf_dir(out).config.param_dtype == dtype  # and so do we, by default
+    back = load_hf_dir(out, dtype="float32")  # the exported weights, f32 math on both sides
     tokens = np.random.default_rng(0).integers(0, V, (2, 12))
     theirs = _logits(model.float().eval(), tokens)
     np.testing.assert_allclose(np.asarray(nnx.merge(back.graphdef, back.state)(tokens)[0]), theirs, atol=1e-4)
