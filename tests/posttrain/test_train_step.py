@@ -114,9 +114,14 @@ def test_lora_keeps_base_frozen_and_starts_at_the_base_model():
     assert all(not np.asarray(v).any() for p, v in nnx.to_flat_state(state.ref_params) if p[-1].endswith("_lora_b"))
 
 
-def test_lora_reference_is_the_initial_adapter_not_the_base():
+@pytest.mark.parametrize("preset,targets", [
+    ("tiny-dense", ("q_proj", "v_proj", "gate_proj")),
+    ("tiny-qwen3", LoRAConfig.targets),  # every default target, attention and MLP
+    ("tiny-deepseek", ("q_a_proj", "q_b_proj", "kv_a_proj", "o_proj", "gate_proj")),  # MLA + dense / shared MLPs
+])
+def test_lora_reference_is_the_initial_adapter_not_the_base(preset, targets):
     """Starting GRPO from a trained (non-zero) adapter: the KL reference is that policy, so KL is 0 at step 0."""
-    cfg = get_preset("tiny-dense", lora=LoRAConfig(rank=4, targets=("q_proj", "v_proj", "gate_proj")))
+    cfg = get_preset(preset, lora=LoRAConfig(rank=4, targets=targets))
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     for path, v in nnx.to_flat_state(nnx.state(model, LoRAParam)):
