@@ -210,15 +210,19 @@ def fractions_equal(p: str, fp: fractions.Fraction, g: str, fg: fractions.Fracti
     return fp == fg
 
 
-_TOWER_RE = re.compile(r"\^\s*\{[^{}]*\^|\^\s*(?:\d+|\w)\s*\^|\*\*\s*[\w.]+\s*\*\*")
+# a numeric power tower: a power whose exponent is itself a number raised to a power (9^{9^9}, 2^3^4, 2**2**40);
+# symbolic ones (e^{x^2}, 2^{n^2}) are cheap for sympy and compared
+_TOWER_RE = re.compile(r"\^\s*\{\s*[-+(]*\s*\d[\d.]*\s*\)?\s*\}?\s*\^|\^\s*\d[\d.]*\s*\^"
+                       r"|\*\*\s*\(?\s*[\d.]+\s*\)?\s*\*\*")
 
 
 def too_costly(expr: str) -> bool:
     """Whether symbolic evaluation of `expr` is refused up front (a cheap screen before the worker's
-    time bound, so runaway answers rarely cost a worker): longer than MAX_SYMBOLIC_CHARS, a power
-    tower (a power inside an exponent or chained: ``9^{9^{9^9}}``, ``2^3^4``, ``2**2**40``), an
-    exponent of 4+ digits, or a factorial of anything but a literal of at most 3 digits. Separate
-    powers and powers of brackets are fine (``x^2+y^2``, ``(x+1)^2``)."""
+    time bound, so runaway answers rarely cost a worker): longer than MAX_SYMBOLIC_CHARS, a numeric
+    power tower (a number raised to a power inside an exponent, or chained: ``9^{9^{9^9}}``, ``2^3^4``,
+    ``2**2**40``), an exponent of 4+ digits, or a factorial of anything but a literal of at most 3
+    digits. Separate powers, powers of brackets and symbolic towers are fine (``x^2+y^2``, ``(x+1)^2``,
+    ``e^{x^2}``, ``2^{n^2}``); whatever passes is still bounded by the worker's time limit."""
     if len(expr) > MAX_SYMBOLIC_CHARS or _TOWER_RE.search(expr):
         return True
     if re.search(r"\^\s*\{?\s*[-+]?\d{4,}", expr):
