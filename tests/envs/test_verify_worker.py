@@ -86,3 +86,22 @@ def test_a_worker_that_dies_is_an_infra_error_not_a_timeout(monkeypatch):
         assert pool.compare("x+1", "1+x", timeout_s=30) == (True, "")  # replaced
     finally:
         pool.close()
+
+
+RUNAWAY = [HUGE, r"\binom{10^{9}}{10^{8}}", r"\binom{10^{12}}{10^{11}}+1"]  # sympy evaluates each for minutes
+CALLERS = {  # every public scoring entry point -> (its result for a runaway answer, what it must be)
+    "score_math": (lambda e: (lambda r: (r.reward, r.status))(v.score_math(rf"\boxed{{{e}}}", "1", timeout_s=1.0)),
+                   (0.0, "timeout")),
+    "answers_equivalent": (lambda e: v.answers_equivalent(e, "1", timeout_s=1.0), False),
+    "compare_answers": (lambda e: v.compare_answers(e, "1", timeout_s=1.0)[0], None),
+}
+
+
+@pytest.mark.parametrize("caller", list(CALLERS))
+@pytest.mark.parametrize("expr", RUNAWAY)
+def test_every_entry_point_is_bounded_off_the_main_thread(expr, caller):
+    call, want = CALLERS[caller]
+    w.pool().compare("1", "1")  # warm: the bound is timeout_s plus at most a worker's start-up
+    t0 = time.monotonic()
+    assert _in_thread(lambda: call(expr)) == want
+    assert time.monotonic() - t0 < 3.0
