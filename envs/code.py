@@ -6,7 +6,9 @@ The 164 problems are read from the data file shipped in the PyPI package ``human
 ``<prompt + completion>`` + the problem's ``test`` + ``check(<entry_point>)`` runs in `envs.sandbox`
 (own process group, resource limits, no network); reward 1 when it exits 0.
 
-Completion handling (`assemble_program`): a fenced ```python block is used if present (the first one
+Completion handling: a reasoning trace is cut off first (the reply after the last ``</think>``,
+`verifiers.strip_reasoning`; `HumanEvalEnv.think_tags` sets or disables it), so a draft inside the trace
+is never the solution. Then (`assemble_program`) a fenced ```python block is used if present (the first one
 that defines the entry point, else the first one), otherwise the raw text. If the code defines
 ``def <entry_point>(`` at column 0 it is a full function and is appended after the prompt (the prompt's
 imports and helpers stay defined, the stub is redefined); otherwise it is a function body appended to
@@ -138,6 +140,8 @@ class HumanEvalEnv(base.TextEnv):
       self_check: the canonical solution of HumanEval/0 must score 1 and an empty body 0.
     """
 
+    think_tags = verifiers.THINK_TAGS  # reasoning trace cut off before the code is read (None: read the whole reply)
+
     def __init__(self, *, split: str = "test", path: str | None = None, limits: sandbox.Limits | None = None,
                  isolation: str = "strict", self_check: bool = True) -> None:
         self.limits = limits if limits is not None else sandbox.Limits()
@@ -153,6 +157,7 @@ class HumanEvalEnv(base.TextEnv):
 
     def turn_step(self, action: str) -> tuple[str, float, bool, dict]:
         site_dirs, argv = _fast_start()
+        action = verifiers.strip_reasoning(action, self.think_tags)
         program = RUNNER.format(source=assemble_program(self.task, action), site_dirs=site_dirs)
         nonce = secrets.token_hex(16)
         result = sandbox.run(program, argv, limits=self.limits, stdin=nonce + "\n", isolation=self.isolation)

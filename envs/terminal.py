@@ -8,6 +8,8 @@ Protocol, one model turn per step():
   * A line of the turn, outside code blocks, that is exactly ``DONE`` ends the episode (after that
     turn's block, if any, has run). The task's checker then inspects the workspace: reward 1 or 0.
   * A turn with neither a block nor DONE gets a reminder of the protocol as observation.
+  * A reasoning trace is cut off first (the turn after its last ``</think>``, `verifiers.strip_reasoning`;
+    `TerminalEnv.think_tags`): commands and DONE inside the trace are not acted on.
   * After `max_turns` turns the episode is truncated and the checker still scores the workspace.
 
 Checkers run on the host after the episode and hold their truth in host memory: expected contents and
@@ -149,6 +151,8 @@ class TerminalEnv(base.TextEnv):
     cannot set up the workspace. Tasks form one split, "test". close() removes the workspace.
     """
 
+    think_tags = verifiers.THINK_TAGS  # reasoning trace cut off before commands and DONE are read (None: keep it)
+
     def __init__(self, *, tasks: list[dict] | None = None, max_turns: int = 8,
                  limits: sandbox.Limits | None = None, max_output_chars: int = 2000,
                  isolation: str = "strict", self_check: bool = True) -> None:
@@ -183,6 +187,7 @@ class TerminalEnv(base.TextEnv):
         return task["instruction"] + PROTOCOL
 
     def turn_step(self, action: str) -> tuple[str, float, bool, dict]:
+        action = verifiers.strip_reasoning(action, self.think_tags)  # commands and DONE only after the trace
         blocks = verifiers.extract_code_blocks(action, ("bash", "sh", "shell"))
         done = bool(_DONE_RE.search(_FENCED_RE.sub("", action)))
         observation, info = REMINDER, {"status": "ok", "reason": ""}

@@ -75,3 +75,26 @@ def test_exiting_early_with_status_zero_does_not_pass(env, cheat):
 def test_all_canonical_solutions_pass(env):
     failures = [p["task_id"] for p in PROBLEMS if _score(env, p, p["canonical_solution"])[0] != 1.0]
     assert failures == []
+
+
+GOOD, BAD = PROBLEMS[2]["canonical_solution"], "    return 0.5\n"  # truncate_number: body that passes / fails
+
+
+def _fence(body):
+    return f"```python\n{PROBLEMS[2]['prompt']}{body}```"
+
+
+# reply -> reward: only the reply after the last </think> is read (issue 13 item 9 for code)
+@pytest.mark.parametrize("reply,think_tags,reward", [
+    (f"<think>draft:\n{_fence(BAD)}</think>\n{_fence(GOOD)}", code.HumanEvalEnv.think_tags, 1.0),
+    (f"<think>draft:\n{_fence(GOOD)}</think>\n{_fence(BAD)}", code.HumanEvalEnv.think_tags, 0.0),
+    (f"<think>\n{_fence(GOOD)}</think>Sorry, no idea.", code.HumanEvalEnv.think_tags, 0.0),
+    (f"<think>still thinking\n{_fence(GOOD)}", code.HumanEvalEnv.think_tags, 0.0),  # cut off inside the trace
+    (f"<think>a</think><think>\n{_fence(GOOD)}</think>{GOOD}", code.HumanEvalEnv.think_tags, 1.0),  # raw body after
+    (f"<think>\n{_fence(GOOD)}\n</think>", None, 1.0),  # turned off: the whole reply is read
+    (_fence(GOOD), code.HumanEvalEnv.think_tags, 1.0),  # no trace
+])
+def test_code_is_read_after_the_reasoning_trace(reply, think_tags, reward):
+    env = code.HumanEvalEnv(self_check=False)
+    env.think_tags = think_tags
+    assert _score(env, PROBLEMS[2], reply)[0] == reward

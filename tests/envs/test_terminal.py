@@ -75,3 +75,27 @@ def test_task_validation():
     with pytest.raises(ValueError, match="check"):
         env.reset(options={"task": {"id": "x", "instruction": "i", "files": {}}})
     env.close()
+
+
+# turn -> (episode ended, hello.txt written): commands and DONE inside a reasoning trace are not acted on
+@pytest.mark.parametrize("turn,think_tags,ended,wrote", [
+    ("<think>maybe\n" + _bash("echo 'Hello, posttrain!' > hello.txt") + "\nDONE\n</think>ok", TerminalEnv.think_tags,
+     False, False),
+    ("<think>\nDONE\n</think>\n" + _bash("echo 'Hello, posttrain!' > hello.txt"), TerminalEnv.think_tags, False, True),
+    ("<think>" + _bash("rm -f x") + "</think>" + _bash("echo 'Hello, posttrain!' > hello.txt") + "\nDONE",
+     TerminalEnv.think_tags, True, True),
+    ("<think>cut off " + _bash("echo 'Hello, posttrain!' > hello.txt") + "\nDONE\n", TerminalEnv.think_tags, False,
+     False),
+    ("<think>\nDONE\n</think>\n" + _bash("echo 'Hello, posttrain!' > hello.txt"), None, True, True),  # turned off
+])
+def test_commands_and_done_are_read_after_the_reasoning_trace(turn, think_tags, ended, wrote):
+    env = TerminalEnv(max_turns=4, self_check=False)
+    env.think_tags = think_tags
+    try:
+        env.reset(options={"task": {"id": "hello-file"}})
+        _, reward, terminated, *_ = env.step(turn)
+        assert terminated == ended and reward == (1.0 if ended and wrote else 0.0)
+        if not ended:  # a second turn ends it: the checker says whether the first turn wrote the file
+            assert env.step("DONE")[1] == (1.0 if wrote else 0.0)
+    finally:
+        env.close()
