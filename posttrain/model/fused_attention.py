@@ -24,6 +24,10 @@ is `q_id == kv_id` + causal. Two exact reformulations, both checked against `fla
     GQA by repeating kv heads (autodiff sums their gradients); MLA (E != H) by zero-padding q, k, v to D.
 
 Rows are padded to the kernel block with segment 0 (padding); padding queries get output 0 like the reference.
+Splash runs its separate dq backward kernel: the fused one (use_fused_bwd_kernel) keeps dq per kv block.
+Measured AOT (`bench/grpo_step.py --model qwen3-0.6b --dtype bfloat16 --param-dtype float32 --rows 4
+--row-len 16384 --remat full`, one device): v5p splash peak 23.40 GiB (fused splash backward 29.50 GiB: two
+bf16 [4, 32, 16, 16384, 128] dq-partial buffers), blockwise 23.44; H200 Pallas GPU 16.59 GiB, blockwise 16.46.
 Ids must satisfy 0 <= branch < 2**BRANCH_BITS and 0 <= segment < 2**(31 - BRANCH_BITS) (unchecked: traced).
 """
 from __future__ import annotations
