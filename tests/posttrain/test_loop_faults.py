@@ -26,11 +26,16 @@ def test_consecutive_nonfinite_steps_stop_the_run_with_a_checkpoint(tmp_path, ca
     assert sum("update skipped" in r.getMessage() for r in caplog.records) == 2
 
 
-def test_truncated_sampling_warns():
-    assert make_run_plan(tiny_config("/tmp/x")).warnings == ()
-    (warning,) = make_run_plan(tiny_config("/tmp/x", **{"sampling.top_p": 0.9})).warnings
-    assert "top_p=0.9" in warning
-    assert "top_k=20" in truncation_warning(tiny_config("/tmp/x", **{"sampling.top_k": 20}))
+@pytest.mark.parametrize("top_p,top_k,warned", [
+    (1.0, 0, False), (0.9, 0, True), (0.999, 0, True), (1.0, 20, True), (1.0, 1, True), (0.95, 50, True)])
+def test_truncated_sampling_warns(top_p, top_k, warned):
+    """Any truncation of the training rollouts' distribution (top-p < 1 or top-k > 0) is warned about, once, in the
+    run plan; the full distribution is not."""
+    cfg = tiny_config("/tmp/x", **{"sampling.top_p": top_p, "sampling.top_k": top_k})
+    warnings = make_run_plan(cfg).warnings
+    assert len(warnings) == int(warned) and (truncation_warning(cfg) is not None) == warned
+    if warned:
+        assert f"top_p={top_p}" in warnings[0] and f"top_k={top_k}" in warnings[0] and "rl.tis_cap" in warnings[0]
 
 
 @pytest.mark.slow  # ~1-2 min: several sampler compiles as prompts change with the level
