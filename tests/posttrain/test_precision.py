@@ -92,3 +92,29 @@ def test_highest_and_default_agree_on_cpu():
         model.matmul_precision = prec
         outs.append(np.asarray(model(tokens)[0]))
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,param_dtype,want", [  # (compute, master) the run gets from a bfloat16 checkpoint
+    ("auto", "auto", ("float32", "float32")),  # CPU auto: float32 master weights, not the file's bfloat16
+    ("auto", "bfloat16", ("float32", "bfloat16")),  # the documented memory choice
+    ("bfloat16", "float32", ("bfloat16", "float32")),
+])
+def test_training_takes_its_dtypes_from_the_policy_not_the_checkpoint(tmp_path, dtype, param_dtype, want):
+    """Issue 14 item 3: loaders default to the file's dtype (tests/posttrain/checkpoints), a training run to its
+    precision policy, whatever the checkpoint was saved in."""
+    from posttrain import setup
+    from posttrain import mesh as mesh_lib
+    from posttrain.checkpoints.export import export_hf
+    from posttrain.run_plan import make_run_plan
+    from posttrain.tokenizer import Tokenizer
+
+    from helpers import random_model, tiny_config
+
+    cfg, _, state = random_model("tiny-dense", vocab_size=320)
+    export_hf(cfg, state, tmp_path / "ckpt", tokenizer=Tokenizer.byte_level(), dtype="bfloat16")
+    run = tiny_config(tmp_path / "run", **{"model.preset": "", "model.overrides": {}, "model.path": str(tmp_path / "ckpt"),
+                                           "model.dtype": dtype, "model.param_dtype": param_dtype})
+    plan = make_run_plan(run, backend="cpu")
+    mcfg, _, weights, _ = setup.load_policy(plan.cfg, mesh_lib.make_mesh(plan.mesh_shape), plan.precision)
+    assert (mcfg.dtype, mcfg.param_dtype) == want
+    assert {np.asarray(v.get_value()).dtype.name for _, v in nnx.to_flat_state(weights)} == {want[1]}
