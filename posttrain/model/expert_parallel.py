@@ -33,21 +33,39 @@ def mesh_size(mesh, axes) -> int:
     return n
 
 
-def _specs(ex_axes, mlp_axes, tok_axes):
+def _specs(ex_axes, mlp_axes, tok_axes, embed_axes=()):
     tok = PartitionSpec(tok_axes or None, None)
-    ex, mlp = tuple(ex_axes) or None, tuple(mlp_axes) or None
-    return tok, (tok, tok, tok, PartitionSpec(ex, None, mlp), PartitionSpec(ex, None, mlp),
-                 PartitionSpec(ex, mlp, None))
+    ex, mlp, emb = tuple(ex_axes) or None, tuple(mlp_axes) or None, tuple(embed_axes) or None
+    return tok, (tok, tok, tok, PartitionSpec(ex, emb, mlp), PartitionSpec(ex, emb, mlp),
+                 PartitionSpec(ex, mlp, emb))
+
+
+def gather_weights(wg, wu, wd, dtype, embed_axes):
+    """FSDP inside shard_map: the expert weights arrive split over `embed_axes` on D (their parameter sharding)
+    and are cast to the compute dtype before the all-gather, so each layer gathers [El, D, F] in bf16 (not
+    float32), and the gradient leaves through the all-gather's transpose, a reduce-scatter in the compute dtype.
+    Entering shard_map with D whole would make XLA gather float32 weights outside it and sum each device's full
+    float32 [El, D, F] weight gradient with a psum inside (measured for Kimi K2 on v5p-512: three 2.6 GiB
+    float32 buffers per layer)."""
+    cast = [w.astype(dtype) for w in (wg, wu, wd)]
+    if not embed_axes:
+        return cast
+    wg, wu, wd = cast
+    return (jax.lax.all_gather(wg, embed_axes, axis=1, tiled=True),
+            jax.lax.all_gather(wu, embed_axes, axis=1, tiled=True),
+            jax.lax.all_gather(wd, embed_axes, axis=2, tiled=True))
 
 
 def dispatch_gather(ffn, x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype, mesh, ex_axes, mlp_axes,
-                    tok_axes):
-    """All-gather form (module doc). x_MxD [M, D], experts/weights [M, k]; returns y_MxD float32."""
+                    tok_axes, embed_axes=()):
+    """All-gather form (module doc). x_MxD [M, D], experts/weights [M, k]; weights split on D over embed_axes
+    (`gather_weights`); returns y_MxD float32."""
     gather = tuple(a for a in ex_axes if a in tok_axes)
     psum_only = tuple(a for a in ex_axes if a not in tok_axes) + tuple(mlp_axes)
     El = w_gate.shape[0] // mesh_size(mesh, ex_axes)
 
     def local(x, e, w, wg, wu, wd):
+        wg, wu, wd = gather_weights(wg, wu, wd, dtype, embed_axes)
         if gather:
             x, e, w = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, e, w))
         offset = jax.lax.axis_index(ex_axes) * El if ex_axes else 0
@@ -58,19 +76,20 @@ def dispatch_gather(ffn, x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, 
             y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
         return y
 
-    tok, in_specs = _specs(ex_axes, mlp_axes, tok_axes)
+    tok, in_specs = _specs(ex_axes, mlp_axes, tok_axes, embed_axes)
     fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tok, check_vma=False)
     return fn(x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down)
 
 
 def dispatch_all_to_all(ffn, x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype, capacity_factor: float,
-                        mesh, ex_axes, mlp_axes, tok_axes, ragged: bool = False, ragged_impl=None):
+                        mesh, ex_axes, mlp_axes, tok_axes, ragged: bool = False, ragged_impl=None, embed_axes=()):
     """All-to-all forms (module doc), tokens split over `tok_axes`. Expert axes the tokens are replicated over
     (not in tok_axes) first split the tokens further, so every token is computed once, and all-gather the outputs
     at the end: the alternative psum form runs every token's local-expert rows on every expert shard ([m*k, D]
     expert rows and an [m, D] float32 all-reduce per device) against [~cf*m*k/S', D] rows and an [m, D]
     all-gather here: lower memory and traffic. Needs M divisible by the token shards times those axes.
-    ragged_impl: a stand-in for `jax.lax.ragged_all_to_all` (tests on CPU). Returns (y_MxD float32, dropped
+    ragged_impl: a stand-in for `jax.lax.ragged_all_to_all` (tests on CPU). embed_axes: the weights' D split
+    (`gather_weights`). Returns (y_MxD float32, dropped
     fraction float32 scalar)."""
     S = mesh_size(mesh, ex_axes)
     El = w_gate.shape[0] // S
@@ -78,6 +97,7 @@ def dispatch_all_to_all(ffn, x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_do
     count_axes = tuple(tok_axes) + outside  # axes over which shard_map instances hold distinct tokens
 
     def local(x, e, w, wg, wu, wd):
+        wg, wu, wd = gather_weights(wg, wu, wd, dtype, embed_axes)
         if outside:
             mm = x.shape[0] // mesh_size(mesh, outside)
             start = jax.lax.axis_index(outside) * mm
@@ -91,7 +111,7 @@ def dispatch_all_to_all(ffn, x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_do
             dropped, total = jax.lax.psum(dropped, count_axes), jax.lax.psum(total, count_axes)
         return y, dropped / total
 
-    tok, in_specs = _specs(ex_axes, mlp_axes, tok_axes)
+    tok, in_specs = _specs(ex_axes, mlp_axes, tok_axes, embed_axes)
     fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(tok, PartitionSpec()), check_vma=False)
     return fn(x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down)
 

@@ -193,6 +193,8 @@ def dispatch(x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype, ep_ca
     ex_axes = _axes(mesh_lib.logical_to_spec(("exp",), rules)[0])
     mlp_axes = _axes(mesh_lib.logical_to_spec(("exp_mlp",), rules)[0])
     tok_axes = _axes(mesh_lib.logical_to_spec(("batch",), rules)[0])
+    embed_axes = tuple(a for a in _axes(mesh_lib.logical_to_spec(("embed",), rules)[0])
+                       if a not in ex_axes and a not in mlp_axes)  # the weights' FSDP split of D
     size = lambda axes: ep_lib.mesh_size(mesh, axes)
     M = x_MxD.shape[0]
     if M % size(tok_axes):
@@ -202,10 +204,10 @@ def dispatch(x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype, ep_ca
     if ep_impl == "all_gather" or size(ex_axes) == 1 or M % (size(tok_axes) * size(outside)):
         # nothing to exchange (one expert shard), or replicated tokens that do not split over the expert shards
         # (decode): the exact, dropless all-gather / psum form
-        return ep_lib.dispatch_gather(ffn, *args, mesh, ex_axes, mlp_axes, tok_axes), zero
+        return ep_lib.dispatch_gather(ffn, *args, mesh, ex_axes, mlp_axes, tok_axes, embed_axes), zero
     ragged = ep_impl == "ragged" or (ep_impl == "auto" and _platform(mesh) in ("tpu", "gpu"))
     return ep_lib.dispatch_all_to_all(ffn, *args, float(ep_capacity_factor), mesh, ex_axes, mlp_axes,
-                                      tok_axes, ragged=ragged, ragged_impl=_ragged_impl)
+                                      tok_axes, ragged=ragged, ragged_impl=_ragged_impl, embed_axes=embed_axes)
 
 
 class MoE(nnx.Module):
