@@ -235,7 +235,7 @@ def aot_compile(args, cfg, opts, opt, batch, fl) -> dict:
     mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1, "expert": 1}, devices=devices[:1])
     graphdef, state, state_sh = plan.abstract_train_state(cfg, opt.tx, opts, mesh)
     batch_abs, batch_sh = plan.abstract_batch(batch, mesh)
-    report, seconds, _ = plan.compile_train_step(graphdef, state, state_sh, batch_abs, batch_sh, mesh, opt.tx,
+    report, seconds, _, _ = plan.compile_train_step(graphdef, state, state_sh, batch_abs, batch_sh, mesh, opt.tx,
                                                  opt.lr_schedule, opts)
     target = aot.TARGETS[args.aot]
     return {"aot": args.aot, "device": str(devices[0].device_kind), "compile_s": round(seconds, 1),

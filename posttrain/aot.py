@@ -117,3 +117,98 @@ def largest_buffers(dump_dir: pathlib.Path, top: int = 5) -> list:
             seen[op] = max(seen.get(op, (0, ""))[0], size), shape
     ranked = sorted(((size, shape, op) for op, (size, shape) in seen.items()), reverse=True)
     return ranked[:top]
+
+
+# ----------------------------------------------------------------------------------------------- collective bytes
+COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+                    "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1,
+                "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
+                "f64": 8, "c64": 8, "c128": 16}
+_SHAPE_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_COLLECTIVE_RE = re.compile(r"^(.*?)\s(" + "|".join(sorted(COLLECTIVE_KINDS, key=len, reverse=True)) +
+                            r")(-start)?\(([^)]*)\)")
+_CALLEE_RE = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _type_bytes(type_text: str) -> int:
+    """Bytes of an HLO type as printed (array or tuple; layouts ignored)."""
+    total = 0.0
+    for dtype, dims in _SHAPE_RE.findall(type_text):
+        if dtype in _DTYPE_BYTES:
+            n = 1
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            total += n * _DTYPE_BYTES[dtype]
+    return int(total)
+
+
+def collective_bytes(hlo_text: str) -> dict:
+    """Bytes each device moves per execution, by collective kind, from an optimized HLO module's text
+    (`compiled.as_text()`).
+
+    Each collective counts its full per-device buffer: the gathered result for all-gather, the operand for the
+    others (reduce-scatter: before scattering). An async `-start` op counts once. A collective inside a while loop
+    counts `known_trip_count` times (XLA annotates scans with it; a loop without it counts once and is reported
+    in "unknown_trip_count_loops"), nested loops multiply. Returns {kind: bytes} for every kind in
+    COLLECTIVE_KINDS, plus "total" and "unknown_trip_count_loops".
+    """
+    comps, types, current = {}, {}, None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
+            current = comps.setdefault(name.lstrip("%"), {"entry": line.startswith("ENTRY"), "ops": [],
+                                                          "calls": []})
+            continue
+        m = _INSTR_RE.match(line)
+        if not m or current is None:
+            continue
+        name, rest = m.groups()
+        c = _COLLECTIVE_RE.match(rest)
+        types[name] = c.group(1) if c else rest.split(" ", 1)[0] if not rest.startswith("(") else \
+            rest[:_closing_paren(rest) + 1]
+        if c:
+            current["ops"].append((c.group(2), c.group(1), bool(c.group(3)), [o.strip().lstrip("%").split()[-1].lstrip("%")
+                                                           for o in c.group(4).split(",") if o.strip()]))
+        trips = int(t.group(1)) if (t := _TRIP_RE.search(rest)) else None
+        for role, callee in _CALLEE_RE.findall(rest):
+            current["calls"].append((callee, trips if role in ("body", "condition") else 1, role))
+        for b in _BRANCHES_RE.findall(rest):
+            current["calls"] += [(x.strip().lstrip("%"), 1, "branch") for x in b.split(",") if x.strip()]
+    out = dict.fromkeys(COLLECTIVE_KINDS, 0)
+    unknown = set()
+
+    def visit(name, mult, depth=0):
+        comp = comps.get(name)
+        if comp is None or depth > 64:
+            return
+        for kind, result_type, is_async, operands in comp["ops"]:
+            operand = sum(_type_bytes(types.get(o, "")) for o in operands)
+            result = _type_bytes(result_type) - (operand if is_async and result_type.startswith("(") else 0)
+            moved = result if kind == "all-gather" else operand  # an async start's result tuple holds its operands
+            out[kind] += mult * moved
+        for callee, trips, role in comp["calls"]:
+            if role == "body" and trips is None:
+                unknown.add(callee)
+            if role != "condition":
+                visit(callee, mult * (trips or 1), depth + 1)
+
+    for name, comp in comps.items():
+        if comp["entry"]:
+            visit(name, 1)
+    out["total"] = sum(out[k] for k in COLLECTIVE_KINDS)
+    out["unknown_trip_count_loops"] = len(unknown)
+    return out
+
+
+def _closing_paren(text: str) -> int:
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            return i
+    return len(text) - 1

@@ -7,7 +7,7 @@
   posttrain convert --config=configs/X.py --checkpoint=DIR --out=HF_DIR  (a run's latest policy, LoRA merged)
                     [--peft_out=DIR]  (LoRA runs: also the unmerged adapter in PEFT format)
   posttrain domains [--pattern='reasoning_gym/*']  (registered domains: golden-check status + a sample task)
-  posttrain plan --config=configs/plan/kimi_k2.py --target=v5p-512|h200x256|cpu-8 [--json] [--prompt_len=128]
+  posttrain plan --config=configs/plan/kimi_k2.py --target=v5p-512|h200x256|cpu-8 [--json] [--prompt_len=512] [--nosampler]
                  (compile the train step for that machine without it: fits? per-device memory, FLOPs)
 Multi-host: start one process per host with --distributed (launch/ has TPU-pod and SLURM scripts).
 """
@@ -43,7 +43,8 @@ def _flags():
         flags.DEFINE_bool("progress", True, "train: show a progress bar")
         flags.DEFINE_string("target", "cpu-8", "plan: cpu-N | v5p-N (TensorCores) | h200xN")
         flags.DEFINE_bool("json", False, "plan: print one JSON line")
-        flags.DEFINE_integer("prompt_len", 128, "plan: prompt tokens per sequence (completions: sampling.max_new_tokens)")
+        flags.DEFINE_integer("prompt_len", 512, "plan: prompt tokens per sequence (completions: sampling.max_new_tokens)")
+        flags.DEFINE_bool("sampler", True, "plan: also compile the rollout sampler (prefill + decode loop)")
         flags.DEFINE_bool("distributed", False, "multi-host: call jax.distributed.initialize() first "
                           "(also on with POSTTRAIN_DISTRIBUTED=1; see launch/)")
     return f
@@ -181,7 +182,7 @@ def cmd_plan(f) -> int:
     from posttrain.config import ConfigError
 
     try:
-        report = plan_train_step(cfg, f.target, prompt_len=f.prompt_len)
+        report = plan_train_step(cfg, f.target, prompt_len=f.prompt_len, sampler=f.sampler)
     except ConfigError:
         raise  # main() prints it in one line with exit code 2
     except (ValueError, RuntimeError) as e:
@@ -192,7 +193,9 @@ def cmd_plan(f) -> int:
         for k, v in report.items():
             print(f"{k:>20}: {round(v, 3) if isinstance(v, float) else v}")
     if not report["fits"]:
-        print(f"error: does not fit: peak {report['peak_gib']:.1f} GiB per device > 90% of {report['hbm_gib']:.1f} GiB "
+        what, peak = (("sampler", report["sample_peak_gib"]) if report.get("sample_fits") is False
+                      else ("train step", report["peak_gib"]))
+        print(f"error: does not fit: {what} peak {peak:.1f} GiB per device > 90% of {report['hbm_gib']:.1f} GiB "
               f"HBM on {f.target}", file=sys.stderr)
         return 1
     return 0

@@ -392,8 +392,8 @@ MLA_LATENTS_OVER_FSDP = {"q_lora": "fsdp", "kv_lora": "fsdp"}
 def plan_config(preset: str, variant: str = "full", *, mesh: Mapping[str, int] | None = None,
                 rules: Mapping[str, Any] | None = None):
     """The config of a `posttrain plan` dry run (configs/plan/*.py) for a model preset: one GRPO step on a global
-    batch of 256 sequences x 4096 tokens (16 prompts x 16 samples, unpacked rows of 512 prompt tokens with
-    `--prompt_len=512` + 3584 completion tokens), bf16 compute, full remat, no accumulation microbatches.
+    batch of 256 sequences x 4096 tokens (16 prompts x 16 samples, unpacked rows of 512 prompt tokens (plan's
+    default `--prompt_len=512`) + 3584 completion tokens), bf16 compute, full remat, no accumulation microbatches.
 
     variant "full": float32 master weights and Adam moments; "lora": rank-64 adapters on the dense projections,
     frozen bf16 base weights, 4 accumulation microbatches (select it with `--config=configs/plan/<model>.py:lora`).

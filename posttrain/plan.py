@@ -11,7 +11,8 @@ Per device: parameter, optimizer and gradient bytes (from the shardings), the co
 peak (argument + output + temp - alias), peak vs HBM (fits at <= 90%), analytic model FLOPs (`posttrain.flops`;
 XLA's cost analysis counts a scanned layer once), a step-time estimate at the chip's published peak FLOP/s, the
 compile time, and whether XLA logged "Involuntary full rematerialization" (a sharding that forces whole arrays to
-be rematerialised). Not yet: collective bytes by kind and the sampler's decode step.
+be rematerialised), collective bytes by kind (`aot.collective_bytes`: scanned layers counted per trip), and the
+same for the rollout sampler (prefill + decode loop) unless `sampler=False`.
 """
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def captured_stderr():
 def compile_train_step(graphdef, state, state_sh, batch, batch_sh, mesh, tx, lr_schedule, opts,
                        rules=mesh_lib.RULES):
     """Lowers and compiles the donated train step for `mesh` (activation constraints by `rules`); returns
-    (MemoryReport, compile seconds, XLA log)."""
+    (MemoryReport, compile seconds, XLA log, collective bytes by kind per device: `aot.collective_bytes`)."""
     from posttrain import train_step as ts
     from posttrain.partitioning import use_rules
 
@@ -123,8 +124,31 @@ def compile_train_step(graphdef, state, state_sh, batch, batch_sh, mesh, tx, lr_
         lowered = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
                           donate_argnums=(0,)).lower(state, batch)
         with captured_stderr() as log:
-            _, report, seconds = aot.compile_with_report(lowered)
-    return report, seconds, log["text"]
+            compiled, report, seconds = aot.compile_with_report(lowered)
+    return report, seconds, log["text"], aot.collective_bytes(compiled.as_text())
+
+
+def compile_sampler(graphdef, policy, mesh, rules, *, prompts: int, prompt_len: int, group_size: int, params,
+                    shrink=(), record_routing: bool = False):
+    """Lowers and compiles the rollout sampler (`sampler.sample`: prefill, then the decode loop over
+    `model.decode_step`) for `mesh` with the policy's abstract states, as the rollouter calls it (prompts
+    replicated on entry, activations split by `rules`); returns (MemoryReport, compile seconds)."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from posttrain.partitioning import use_rules
+    from posttrain.sampler import sample
+
+    rep = NamedSharding(mesh, PartitionSpec())
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    args = (jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32, sharding=rep),
+            jax.ShapeDtypeStruct((prompts,), jnp.int32, sharding=rep),
+            jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep))
+    with jax.set_mesh(mesh), use_rules(rules):
+        lowered = sample.lower(graphdef, policy, *args, group_size=group_size, params=params, stop_ids=(0,),
+                               pad_id=0, shrink=tuple(shrink), record_routing=record_routing)
+        _, report, seconds = aot.compile_with_report(lowered)
+    return report, seconds
 
 
 def per_device_bytes(tree) -> int:
@@ -137,11 +161,12 @@ def per_device_bytes(tree) -> int:
     return total
 
 
-def plan_train_step(cfg, target: str, *, prompt_len: int = 128) -> dict:
+def plan_train_step(cfg, target: str, *, prompt_len: int = 128, sampler: bool = True) -> dict:
     """The per-device report of `cfg`'s train step on `target` (see the module doc) for one step's batch:
     rl.prompts_per_step prompts of `prompt_len` tokens, each with rl.group_size completions of
-    sampling.max_new_tokens tokens, packed per rl.packed. Raises ConfigError for a config that makes no valid plan
-    on the target, ValueError/RuntimeError from `target_devices`."""
+    sampling.max_new_tokens tokens, packed per rl.packed; with `sampler`, also the rollout sampler's compile for
+    the same prompts (`sample_*` keys; `fits` then needs both). Raises ConfigError for a config that makes no
+    valid plan on the target, ValueError/RuntimeError from `target_devices`."""
     from posttrain import flops as flops_lib
     from posttrain import optim
     from posttrain.batching import random_batch
@@ -173,15 +198,15 @@ def plan_train_step(cfg, target: str, *, prompt_len: int = 128) -> dict:
                          packed=cfg.rl.packed, row_multiple=plan.row_multiple)
     batch_abs, batch_sh = abstract_batch(batch, mesh, plan.rules)
     try:
-        report, seconds, log = compile_train_step(graphdef, state, state_sh, batch_abs, batch_sh, mesh, opt.tx,
-                                                  opt.lr_schedule, opts, plan.rules)
+        report, seconds, log, collectives = compile_train_step(graphdef, state, state_sh, batch_abs, batch_sh, mesh,
+                                                               opt.tx, opt.lr_schedule, opts, plan.rules)
     except Exception as e:  # noqa: BLE001 - XLA:TPU refuses to compile a program that cannot fit in HBM
         needed = re.search(r"required for HLO temporaries \(([\d.]+)G\)", str(e))
         if not needed:
             raise
         report = aot.MemoryReport(per_device_bytes(state), per_device_bytes(state), int(float(needed.group(1)) * 1e9),
                                   per_device_bytes(state), [])
-        seconds, log = None, str(e)
+        seconds, log, collectives = None, str(e), {}
     fl = flops_lib.train_step_flops(model_cfg, state.params if not cfg.lora.rank else
                                     flops_lib.abstract_model_state(model_cfg), batch, lora=bool(cfg.lora.rank))
     n = len(devices)
@@ -195,7 +220,23 @@ def plan_train_step(cfg, target: str, *, prompt_len: int = 128) -> dict:
            "frozen_gib": per_device_bytes((state.frozen, state.ref_params)) / aot.GIB,
            **report.as_dict(), "hbm_gib": hbm / aot.GIB, "fits": report.peak <= 0.9 * hbm,
            "compile_s": None if seconds is None else round(seconds, 1), "flops_per_step": fl.total,
+           "collective_gib": {k: round(v / aot.GIB, 3) for k, v in collectives.items()
+                              if k in aot.COLLECTIVE_KINDS and v},
            "step_s_estimate": fl.total / n / peak if peak else None,
            "involuntary_remat": "Involuntary full rematerialization" in log,
            "compiler_refused": "RESOURCE_EXHAUSTED" in log}
+    if sampler:
+        from posttrain import train_step as ts
+        from posttrain.sampler import shrink_schedule
+
+        n = cfg.rl.prompts_per_step * cfg.rl.group_size
+        srep, sseconds = compile_sampler(graphdef, ts.model_states(state.params, state.frozen), mesh, plan.rules,
+                                         prompts=cfg.rl.prompts_per_step, prompt_len=prompt_len,
+                                         group_size=cfg.rl.group_size, params=plan.sampling,
+                                         shrink=shrink_schedule(n, plan.decode_multiple,
+                                                                steps=cfg.sampling.decode_shrink_steps),
+                                         record_routing=cfg.rl.routing_replay == "replay")
+        out.update({"sample_peak_gib": round(srep.peak / aot.GIB, 6), "sample_temp_gib": round(srep.temp / aot.GIB, 6),
+                    "sample_compile_s": round(sseconds, 1), "sample_fits": srep.peak <= 0.9 * hbm})
+        out["fits"] = out["fits"] and out["sample_fits"]
     return out

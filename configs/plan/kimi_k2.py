@@ -1,4 +1,4 @@
-"""`posttrain plan --config=configs/plan/kimi_k2.py[:lora] --target=... --prompt_len=512`: does a GRPO step of
+"""`posttrain plan --config=configs/plan/kimi_k2.py[:lora] --target=...`: does a GRPO step of
 kimi-k2-1t fit (see posttrain.config.plan_config for the batch and precision)? Experts split over 8 devices,
 the MLA latent projections over fsdp (`MLA_LATENTS_OVER_FSDP`)."""
 from posttrain.config import MLA_LATENTS_OVER_FSDP, plan_config

@@ -1,4 +1,4 @@
-"""`posttrain plan --config=configs/plan/qwen3_30b_a3b.py[:lora] --target=... --prompt_len=512`: does a GRPO step of
+"""`posttrain plan --config=configs/plan/qwen3_30b_a3b.py[:lora] --target=...`: does a GRPO step of
 qwen3-30b-a3b fit (see posttrain.config.plan_config for the batch and precision)? Experts split over 8 devices."""
 from posttrain.config import plan_config
 

@@ -30,6 +30,71 @@ def test_plan_cli_on_eight_fake_cpu_devices():
     assert out["devices"] == 8 and out["mesh"]["fsdp"] == 8 and out["fits"] is True
     assert out["rows"] % 8 == 0 and out["peak_gib"] > 0 and out["compile_s"] > 0 and out["flops_per_step"] > 0
     assert out["largest_buffers"] and out["involuntary_remat"] is False
+    assert out["collective_gib"]["all-gather"] > 0  # FSDP gathers the weights
+    assert out["sample_peak_gib"] > 0 and out["sample_compile_s"] > 0 and out["sample_fits"] is True
+
+
+def test_collective_bytes_count_each_scanned_layer():
+    """A 10-layer scan with weights split over 8 devices: each layer all-gathers its [64, 64] float32 weight in
+    the forward and again in the backward, and all-reduces its weight gradient: 20 and 10 x 16 KiB."""
+    script = textwrap.dedent("""
+        import json, jax, jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from posttrain import aot
+        mesh = jax.make_mesh((8,), ("fsdp",))
+        def loss(w, x):
+            y, _ = jax.lax.scan(lambda c, wl: (jnp.tanh(c @ wl), None), x, w)
+            return y.sum()
+        w = jax.ShapeDtypeStruct((10, 64, 64), jnp.float32, sharding=NamedSharding(mesh, P(None, "fsdp", None)))
+        x = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", None)))
+        print(json.dumps(aot.collective_bytes(jax.jit(jax.grad(loss)).lower(w, x).compile().as_text())))
+    """)
+    r = _run([sys.executable, "-c", script], {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    layer = 64 * 64 * 4
+    assert got["all-gather"] == 20 * layer and got["all-reduce"] + got["reduce-scatter"] == 10 * layer, got
+    assert got["total"] == 30 * layer and got["unknown_trip_count_loops"] == 0
+
+
+def test_collective_bytes_parse_async_and_nested_loops():
+    """Hand-written HLO: an async all-gather (its start's result tuple holds the operand), a reduce-scatter in a
+    loop of 3 nested in a loop of 4 (x12), and a loop without a trip count (counted once, reported)."""
+    hlo = textwrap.dedent("""
+        %inner (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+          %p = (s32[], f32[8]) parameter(0)
+          %x = f32[8]{0} get-tuple-element(%p), index=1
+          %rs = f32[2]{0} reduce-scatter(%x), dimensions={0}, to_apply=%add
+          ROOT %t = (s32[], f32[8]) tuple(%i, %x)
+        }
+
+        %outer (q: (s32[], f32[8])) -> (s32[], f32[8]) {
+          %q = (s32[], f32[8]) parameter(0)
+          %w = (s32[], f32[8]) while(%q), condition=%c, body=%inner, backend_config={"known_trip_count":{"n":"3"}}
+          ROOT %r = (s32[], f32[8]) tuple(%i, %x)
+        }
+
+        %unknown (u: (s32[], bf16[4])) -> (s32[], bf16[4]) {
+          %u = (s32[], bf16[4]) parameter(0)
+          %v = bf16[4]{0} get-tuple-element(%u), index=1
+          %ar = bf16[4]{0} all-reduce(%v), to_apply=%add
+          ROOT %t2 = (s32[], bf16[4]) tuple(%i, %v)
+        }
+
+        ENTRY %main (a: f32[4,16]) -> f32[16,16] {
+          %a = f32[4,16]{1,0} parameter(0)
+          %ags = (f32[4,16]{1,0}, f32[16,16]{1,0}) all-gather-start(%a), dimensions={0}
+          %agd = f32[16,16]{1,0} all-gather-done(%ags)
+          %w1 = (s32[], f32[8]) while(%init), condition=%c, body=%outer, backend_config={"known_trip_count":{"n":"4"}}
+          %w2 = (s32[], bf16[4]) while(%init2), condition=%c, body=%unknown
+          ROOT %o = f32[16,16]{1,0} copy(%agd)
+        }
+    """)
+    from posttrain import aot
+
+    got = aot.collective_bytes(hlo)
+    assert got["all-gather"] == 16 * 16 * 4 and got["reduce-scatter"] == 12 * 8 * 4 and got["all-reduce"] == 4 * 2
+    assert got["unknown_trip_count_loops"] == 1 and got["total"] == 1024 + 384 + 8
 
 
 def test_planned_bytes_match_a_real_sharded_init():
