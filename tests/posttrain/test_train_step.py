@@ -241,8 +241,8 @@ def test_one_device_equals_eight_fake_devices(tmp_path):
         assert d["grad_diff"] <= 1e-5 and d["loss_diff"] <= 1e-6, (preset, d)
 
 
-def _bf16_state(loss_name, **opts_kw):
-    cfg = get_preset("tiny-dense", dtype="bfloat16", param_dtype="float32")
+def _bf16_state(loss_name, preset="tiny-dense", param_dtype="float32", **opts_kw):
+    cfg = get_preset(preset, dtype="bfloat16", param_dtype=param_dtype)
     graphdef, model_state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
     opts = ts.StepOptions(loss=losses.LossConfig(policy_loss=loss_name, eps_low=3e-4, eps_high=4e-4,
                                                  aggregation="seq_mean_token_mean"),
@@ -252,13 +252,16 @@ def _bf16_state(loss_name, **opts_kw):
     return graphdef, state, opts, opt
 
 
-@pytest.mark.parametrize("packed", [True, False])
-@pytest.mark.parametrize("loss_name", ["ppo", "gspo"])
-def test_bf16_step_zero_ratio_is_exactly_one_and_nothing_is_clipped(loss_name, packed):
+@pytest.mark.parametrize("loss_name,packed,variant", [
+    ("ppo", True, {}), ("ppo", False, {}), ("gspo", True, {}), ("gspo", False, {}),
+    ("gspo", True, {"preset": "tiny-deepseek"}),  # MLA + routed experts in bf16
+    ("gspo", True, {"param_dtype": "bfloat16", "num_microbatches": 2}),  # bf16 master weights, accumulation
+])
+def test_bf16_step_zero_ratio_is_exactly_one_and_nothing_is_clipped(loss_name, packed, variant):
     """GSPO's clip range is 3e-4 / 4e-4: any trainer-vs-sampler rounding in the ratio would clip most tokens."""
     from posttrain.batching import random_batch as layout_batch
 
-    graphdef, state, opts, opt = _bf16_state(loss_name)
+    graphdef, state, opts, opt = _bf16_state(loss_name, **variant)
     batch = jax.tree.map(jnp.asarray, layout_batch(0, prompts=2, group_size=4, prompt_len=16, completion_len=8,
                                                    vocab_size=128, packed=packed))
     assert batch.samples_per_row == (4 if packed else 1)
