@@ -41,6 +41,9 @@ class ModelSource:
     moe_gmm_impl: str = "auto"
     moe_capacity_factor: float = 0.0
     moe_ep_capacity_factor: float = 2.0
+    # self-attention of long packed rows (ModelConfig.attention_impl): auto (splash on TPU, Pallas mha on GPU,
+    # blockwise elsewhere) | blockwise | splash | pallas_gpu | dense
+    attention_impl: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -208,6 +211,7 @@ _CHOICES = {
     ("model", "param_dtype"): ("auto", "float32", "bfloat16", "float16"),
     ("model", "matmul_precision"): ("default", "high", "highest"),
     ("model", "moe_gmm_impl"): ("auto", "ragged", "padded", "megablox"),
+    ("model", "attention_impl"): ("auto", "blockwise", "splash", "pallas_gpu", "dense"),
 }
 _POSITIVE = (">= 1", lambda v: v >= 1)
 _NONNEGATIVE = (">= 0", lambda v: v >= 0)

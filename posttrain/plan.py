@@ -185,7 +185,8 @@ def plan_train_step(cfg, target: str, *, prompt_len: int = 128, sampler: bool = 
                            remat_names=tuple(m.remat_names), matmul_precision=p.matmul_precision,
                            lora=cfg.lora if cfg.lora.rank else None, moe_gmm_impl=m.moe_gmm_impl,
                            moe_capacity_factor=m.moe_capacity_factor,
-                           moe_ep_capacity_factor=m.moe_ep_capacity_factor, **dict(m.overrides))
+                           moe_ep_capacity_factor=m.moe_ep_capacity_factor, attention_impl=m.attention_impl,
+                           **dict(m.overrides))
     opts = with_moe(plan.step_options, cfg, model_cfg.moe)
     o = cfg.optim
     opt = optim.make_optimizer(o.name, lr=o.lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
