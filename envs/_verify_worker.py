@@ -200,9 +200,15 @@ class _Worker:
         return line
 
     def kill(self) -> None:
+        """Kill and reap the process and close its pipes. Never raises: a request the dead worker never read
+        is still in stdin's buffer, and closing flushes it (BrokenPipeError), which is dropped here."""
         self.proc.kill()
         self.proc.wait()
-        self.proc.stdin.close(), self.proc.stdout.close()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
 
 
 class WorkerPool:

@@ -76,11 +76,14 @@ def test_bad_arguments_are_one_clear_error():
         w.WorkerPool(0)
 
 
-def test_a_worker_that_dies_is_an_infra_error_not_a_timeout(monkeypatch):
+@pytest.mark.parametrize("reaped", [False, True])  # True: the request's write itself fails (broken pipe)
+def test_a_worker_that_dies_is_an_infra_error_not_a_timeout(reaped):
     pool = w.WorkerPool(1)
     try:
         assert pool.compare("1", "1") == (True, "")
         pool._idle[0].proc.kill()  # dies while idle: the next request finds it gone
+        if reaped:
+            pool._idle[0].proc.wait()
         equal, reason = pool.compare("2", "2", timeout_s=5)
         assert equal is None and reason.startswith("infra: verifier worker failed")
         assert pool.compare("x+1", "1+x", timeout_s=30) == (True, "")  # replaced
