@@ -205,3 +205,41 @@ def test_cli_convert_of_a_lora_run_checkpoint(tmp_path):
     adapters = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
     layers = json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"]
     assert sum(n.endswith("lora_A.weight") for n in adapters) == 7 * layers  # q k v o gate up down per layer
+
+
+def test_convert_of_a_lora_run_checkpoint_in_process(tmp_path):
+    """`posttrain convert --checkpoint=RUN --peft_out=...` (issue 14 item 4's command) on a LoRA run's checkpoint after
+    one update: a directory transformers loads (tokenizer, model) with the run's policy logits, and the adapter."""
+    import types
+
+    from posttrain import batching, cli, loop
+    from posttrain import train_step as ts
+    from posttrain.config import to_dict
+    from posttrain.run_plan import make_run_plan
+    from helpers import tiny_config
+
+    cfg = tiny_config(tmp_path / "run", **{"lora.rank": 4, "optim.lr": 1e-2})
+    plan = make_run_plan(cfg)
+    rollouter, learner = loop.build(plan)
+    try:
+        learner.update(batching.random_batch(0, prompts=4, group_size=4, prompt_len=16, completion_len=8,
+                                             vocab_size=320, row_multiple=plan.row_multiple))
+        learner.save(rollouter.state_dict(), force=True)
+        learner.wait()
+        tokens = np.random.default_rng(3).integers(0, 259, (2, 12))
+        ours = np.asarray(nnx.merge(learner.graphdef, *learner.policy())(tokens)[0])
+        bare = ts.merge_model(learner.graphdef, jax.tree.map(jax.numpy.zeros_like, learner.state.params),
+                              learner.state.frozen)  # the base model without the trained adapters
+        assert np.abs(np.asarray(bare(tokens)[0]) - ours).max() > 1e-2, "adapters unchanged: the test would prove little"
+    finally:
+        learner.close()
+        rollouter.close()
+    flags = types.SimpleNamespace(config=to_dict(cfg), checkpoint=str(tmp_path / "run"), out=str(tmp_path / "hf"),
+                                  peft_out=str(tmp_path / "peft"), dtype=None, max_shard_mb=4096, model=None)
+    assert cli.cmd_convert(flags) == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False) == \
+        Tokenizer.byte_level().apply_chat_template(CHAT, add_generation_prompt=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    np.testing.assert_allclose(_logits(model, tokens), ours, rtol=0, atol=1e-4)  # adapters merged, after the update
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["r"] == 4
