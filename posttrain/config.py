@@ -44,6 +44,9 @@ class ModelSource:
     # self-attention of long packed rows (ModelConfig.attention_impl): auto (splash on TPU, Pallas mha on GPU,
     # blockwise elsewhere) | blockwise | splash | pallas_gpu | dense
     attention_impl: str = "auto"
+    # gradients of the scanned layers' matrices: param (their dtype) | compute (ModelConfig.grad_dtype: half the
+    # gradient memory under bf16 compute + f32 master weights; gradients rounded to bf16)
+    grad_dtype: str = "param"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -212,6 +215,7 @@ _CHOICES = {
     ("model", "matmul_precision"): ("default", "high", "highest"),
     ("model", "moe_gmm_impl"): ("auto", "ragged", "padded", "megablox"),
     ("model", "attention_impl"): ("auto", "blockwise", "splash", "pallas_gpu", "dense"),
+    ("model", "grad_dtype"): ("param", "compute"),
 }
 _POSITIVE = (">= 1", lambda v: v >= 1)
 _NONNEGATIVE = (">= 0", lambda v: v >= 0)

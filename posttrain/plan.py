@@ -186,6 +186,7 @@ def plan_train_step(cfg, target: str, *, prompt_len: int = 128, sampler: bool = 
                            lora=cfg.lora if cfg.lora.rank else None, moe_gmm_impl=m.moe_gmm_impl,
                            moe_capacity_factor=m.moe_capacity_factor,
                            moe_ep_capacity_factor=m.moe_ep_capacity_factor, attention_impl=m.attention_impl,
+                           grad_dtype=m.grad_dtype,
                            **dict(m.overrides))
     opts = with_moe(plan.step_options, cfg, model_cfg.moe)
     o = cfg.optim

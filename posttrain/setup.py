@@ -29,7 +29,7 @@ def load_policy(cfg: Config, mesh, policy: PrecisionPolicy | None = None, rules=
     fields = dict(dtype=policy.compute_dtype, param_dtype=policy.param_dtype, matmul_precision=policy.matmul_precision,
                   remat=m.remat, remat_names=tuple(m.remat_names), lora=lora, moe_gmm_impl=m.moe_gmm_impl,
                   moe_capacity_factor=m.moe_capacity_factor, moe_ep_capacity_factor=m.moe_ep_capacity_factor,
-                  attention_impl=m.attention_impl)
+                  attention_impl=m.attention_impl, grad_dtype=m.grad_dtype)
     if m.preset:
         mcfg = get_preset(m.preset, **fields, **dict(m.overrides))
         tokenizer = Tokenizer.byte_level()

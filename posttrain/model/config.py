@@ -11,6 +11,7 @@ import dataclasses
 _DTYPES = ("float32", "bfloat16", "float16")
 PRECISIONS = ("default", "high", "highest")  # the names of `posttrain.precision`
 REMAT_MODES = ("none", "dots", "names", "full")
+GRAD_DTYPES = ("param", "compute")  # see ModelConfig.grad_dtype
 REMAT_NAMES = ("dot", "qkv", "attn_out", "mlp_in")  # `posttrain.model.layers.CHECKPOINT_NAMES`
 
 
@@ -126,6 +127,13 @@ class ModelConfig:
       the projections: ~+1/3 of the layer FLOPs, less memory than "dots"); "full" only the block input (recompute
       the whole forward: +1/3 FLOPs of a train step, least memory).
     lora: adapters added to the projections (None or rank 0: none).
+    grad_dtype: "param" (default) or "compute": with "compute" the scanned layers' matrix weights (everything of
+      >= 2 dims per layer but the MoE router, which scores in float32) enter the layer scan already cast to the
+      compute dtype, so their gradients are stacked in it (bfloat16: half the gradient memory of float32 master
+      weights; the optimizer upcasts them). The forward is unchanged (those weights are cast before every use
+      anyway); the gradients are rounded to the compute dtype before the update and summed across devices in it
+      (instead of float32 accumulation). XLA:TPU already holds such a copy of the weights (it hoists each layer's
+      cast out of the scan), so there it only halves the gradients. Training and prefill only; decode is unchanged.
     attention_impl: self-attention of packed rows given as ids (rows of >= `flash.BLOCKWISE_MIN_LEN` tokens;
       `posttrain.model.fused_attention.IMPLS`): "auto" (splash on a TPU mesh, the Pallas GPU kernel on a GPU
       mesh, else blockwise), "blockwise", "splash", "pallas_gpu" (the Pallas interpreter off their platform) or
@@ -161,6 +169,7 @@ class ModelConfig:
     remat_names: tuple[str, ...] = ("attn_out", "mlp_in")
     lora: LoRAConfig | None = None
     attention_impl: str = "auto"
+    grad_dtype: str = "param"
     moe_gmm_impl: str = "auto"
     moe_capacity_factor: float = 0.0
     moe_ep_capacity_factor: float = 2.0
@@ -179,6 +188,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; expected one of {REMAT_MODES}")
         if self.matmul_precision not in PRECISIONS:
             raise ValueError(f"ModelConfig.matmul_precision={self.matmul_precision!r}; expected one of {PRECISIONS}")
+        if self.grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"ModelConfig.grad_dtype={self.grad_dtype!r}; expected one of {GRAD_DTYPES}")
         from posttrain.model.fused_attention import IMPLS as ATTENTION_IMPLS
         from posttrain.model.gmm import IMPLS
 

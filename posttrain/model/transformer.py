@@ -138,6 +138,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.num_dense, self.num_moe = cfg.num_dense_layers, cfg.num_moe_layers
         self.tie_embeddings, self.remat, self.remat_names = cfg.tie_embeddings, cfg.remat, tuple(cfg.remat_names)
+        self.grad_dtype = cfg.grad_dtype
         self.matmul_precision = cfg.matmul_precision
         self.dtype, pdt = _DT[cfg.dtype], _DT[cfg.param_dtype]
         D, V = cfg.d_model, cfg.vocab_size
@@ -188,8 +189,10 @@ class Transformer(nnx.Module):
         """float32 logits [..., V] from final hidden states."""
         return dot("...d,dv->...v", h_BxTxD, self.unembedding(), self.dtype).astype(jnp.float32)
 
-    def _scan(self, stack, x, xs, body, carry_extra=None):
+    def _scan(self, stack, x, xs, body, carry_extra=None, weights_in_compute_dtype: bool = False):
         graphdef, state = nnx.split(stack)
+        if weights_in_compute_dtype:
+            state = matrices_in_dtype(state, self.dtype)
 
         def step(carry, inputs):
             layer_state, extra = inputs
@@ -233,7 +236,8 @@ class Transformer(nnx.Module):
 
         for name, stack in self.stacks():
             shared = None if shared_entries is None else shared_entries[name]
-            x, (ent, aux) = self._scan(stack, x, (shared, replay_experts_LxBxTxk if name == "moe" else None), body)
+            x, (ent, aux) = self._scan(stack, x, (shared, replay_experts_LxBxTxk if name == "moe" else None), body,
+                                       weights_in_compute_dtype=self.grad_dtype == "compute")
             entries[name] = ent
             auxes.append(aux)
         aux = _merge_aux(auxes)
@@ -325,6 +329,24 @@ class Transformer(nnx.Module):
         logits = self.logits(self.final_norm(x))[:, 0]
         cache = cache._replace(suffix=new_suffix, step=t + 1)
         return (logits, cache, routing) if return_routing else (logits, cache)
+
+
+_FLOAT32_USES = ("router",)  # per-layer matrices used in float32 (MoE scores), never cast by `matrices_in_dtype`
+
+
+def matrices_in_dtype(state, dtype):
+    """The scanned layers' state with every floating leaf of >= 3 dims ([L, ...] stacks of matrices, experts)
+    cast to `dtype` when that is narrower, except `_FLOAT32_USES` (see ModelConfig.grad_dtype)."""
+    narrow = jnp.dtype(dtype)
+
+    def cast(path, x):
+        keep = any(name in jax.tree_util.keystr(path) for name in _FLOAT32_USES)
+        if (x.ndim >= 3 and jnp.issubdtype(x.dtype, jnp.floating) and narrow.itemsize < x.dtype.itemsize
+                and not keep):
+            return x.astype(narrow)
+        return x
+
+    return jax.tree_util.tree_map_with_path(cast, state)
 
 
 def _write_position(cache_e: jax.Array, new_e: jax.Array, name: str, t: jax.Array) -> jax.Array:

@@ -151,7 +151,7 @@ def test_moe_run_settings_reach_the_moe_layers():
     c = _rules_cfg()
     c.model.preset = "tiny-moe"
     c.model.moe_gmm_impl, c.model.moe_capacity_factor, c.model.moe_ep_capacity_factor = "ragged", 1.5, 3.0
-    c.model.attention_impl = "pallas_gpu"
+    c.model.attention_impl, c.model.grad_dtype = "pallas_gpu", "compute"
     plan = run_plan.make_run_plan(from_config_dict(c))
     mcfg, graphdef, state, _ = setup.load_policy(plan.cfg, mesh_lib.make_mesh(plan.mesh_shape), plan.precision,
                                                  plan.rules)
@@ -159,6 +159,7 @@ def test_moe_run_settings_reach_the_moe_layers():
     ffn = model.moe_layers.ffn
     assert (ffn.gmm_impl, ffn.capacity_factor, ffn.ep_capacity_factor) == ("ragged", 1.5, 3.0)
     assert mcfg.attention_impl == "pallas_gpu" and model.moe_layers.attn.attention_impl == "pallas_gpu"
+    assert mcfg.grad_dtype == model.grad_dtype == "compute"
     c.model.attention_impl = "flash"
     with pytest.raises(ConfigError, match="model.attention_impl"):
         from_config_dict(c)
