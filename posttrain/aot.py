@@ -6,8 +6,8 @@ Targets (published figures: NVIDIA H200 SXM datasheet; Google Cloud TPU v5p syst
         (jax-cuda12-plugin + pjrt of the installed jaxlib's version; no CUDA libraries) and runs on a CPU machine.
   v5p   TPU, 95 GiB HBM2e, 459 TFLOP/s bf16, 2.765 TB/s. Needs the `tpu` extra (libtpu).
 
-Memory per device = argument + output + temp - alias bytes of `compiled.memory_analysis()` (donated inputs alias
-outputs). Facts: `../shared/PLATFORM-NOTES.md`; the H200 target description ships as `targets/h200.txtpb`.
+Memory per device = argument + output - alias bytes of `compiled.memory_analysis()` (donated inputs alias outputs)
++ the temp allocation of XLA's buffer assignment; see `MemoryReport`. Facts: `../shared/PLATFORM-NOTES.md`; the H200 target description ships as `targets/h200.txtpb`.
 """
 from __future__ import annotations
 
@@ -64,22 +64,33 @@ def target_devices(name: str, topology: str | None = None) -> list:
 
 @dataclasses.dataclass
 class MemoryReport:
-    """Per-device bytes of one compiled program and its largest buffers [(bytes, shape, producing op)]."""
+    """Per-device bytes of one compiled program and its largest buffers [(bytes, shape, producing op)].
+
+    peak = argument + output - alias + the temp allocation XLA's buffer assignment made (`assigned_temp`: its
+    preallocated-temp allocation in device memory), falling back to memory_analysis()'s temp_size when no buffer
+    assignment was dumped. On TPU temp_size overstates what the buffer assignment allocates: Kimi K2 on v5p-512
+    reported temp_size 53.0 GiB against a 39.4 GiB temp allocation, whose sum with the arguments (87.9 GiB) agrees
+    with XLA's own peak_memory_in_bytes (87.7 GiB). (XLA:CPU's peak_memory_in_bytes leaves temporaries out, so
+    that field is not used.)
+    """
 
     argument: int
     output: int
     temp: int
     alias: int
     largest: list
+    assigned_temp: int | None = None
 
     @property
     def peak(self) -> int:
-        return self.argument + self.output + self.temp - self.alias
+        temp = self.temp if self.assigned_temp is None else self.assigned_temp
+        return self.argument + self.output + temp - self.alias
 
     def as_dict(self) -> dict:
-        g = lambda b: round(b / GIB, 3)
+        g = lambda b: round(b / GIB, 6)
         return {"peak_gib": g(self.peak), "argument_gib": g(self.argument), "output_gib": g(self.output),
-                "temp_gib": g(self.temp), "alias_gib": g(self.alias),
+                "temp_gib": g(self.temp), "assigned_temp_gib": None if self.assigned_temp is None else
+                g(self.assigned_temp), "alias_gib": g(self.alias),
                 "largest_buffers": [{"gib": g(b), "shape": s, "op": op} for b, s, op in self.largest]}
 
 
@@ -95,13 +106,26 @@ def compile_with_report(lowered, top: int = 5):
         compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_pass_re": "NOTHING"})
         seconds = time.perf_counter() - t
         largest = largest_buffers(pathlib.Path(dump), top)
+        assigned = assigned_temp_bytes(pathlib.Path(dump))
     m = compiled.memory_analysis()
     report = MemoryReport(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
-                          m.alias_size_in_bytes, largest)
+                          m.alias_size_in_bytes, largest, assigned)
     return compiled, report, seconds
 
 
 _VALUE_RE = re.compile(r"^\s*value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)")
+
+
+_TEMP_RE = re.compile(r"^allocation \d+: size (\d+),(?! color [1-9])[^\n]*preallocated-temp", re.M)
+
+
+def assigned_temp_bytes(dump_dir: pathlib.Path) -> int | None:
+    """Bytes of the device-memory temp allocation(s) in the newest `*buffer-assignment.txt` of an XLA dump (None
+    without one). Other colors (TPU VMEM, semaphores) are on-chip scratch, not HBM."""
+    files = sorted(dump_dir.glob("*buffer-assignment.txt"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        return None
+    return sum(int(b) for b in _TEMP_RE.findall(files[-1].read_text(errors="replace")))
 
 
 def largest_buffers(dump_dir: pathlib.Path, top: int = 5) -> list:
