@@ -185,7 +185,7 @@ def cmd_plan(f) -> int:
         report = plan_train_step(cfg, f.target, prompt_len=f.prompt_len, sampler=f.sampler)
     except ConfigError:
         raise  # main() prints it in one line with exit code 2
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, AssertionError) as e:  # AssertionError: assert_sufficiently_sharded
         raise SystemExit(f"error: {' '.join(str(e).split())}") from None
     if f.json:
         print(json.dumps(report))

@@ -194,7 +194,7 @@ def plan_train_step(cfg, target: str, *, prompt_len: int = 128, sampler: bool = 
                                grad_clip_norm=o.grad_clip_norm or None, warmup_steps=o.warmup_steps,
                                total_steps=cfg.train.steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
     graphdef, state, state_sh = abstract_train_state(model_cfg, opt.tx, opts, mesh, plan.rules)
-    assert_sufficiently_sharded(state.params, mesh)
+    assert_sufficiently_sharded((state.params, state.frozen), mesh)  # the whole model (LoRA: adapters + base)
     batch = random_batch(0, prompts=cfg.rl.prompts_per_step, group_size=cfg.rl.group_size, prompt_len=prompt_len,
                          completion_len=cfg.sampling.max_new_tokens, vocab_size=model_cfg.vocab_size,
                          packed=cfg.rl.packed, row_multiple=plan.row_multiple)

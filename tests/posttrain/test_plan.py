@@ -32,6 +32,12 @@ def test_plan_cli_on_eight_fake_cpu_devices():
     assert out["largest_buffers"] and out["involuntary_remat"] is False
     assert out["collective_gib"]["all-gather"] > 0  # FSDP gathers the weights
     assert out["sample_peak_gib"] > 0 and out["sample_compile_s"] > 0 and out["sample_fits"] is True
+    # LoRA: the trainable params are small replicated adapters; the sharding check covers the whole model
+    r = _run(cmd + ["--config.rl.prompts_per_step=8", "--config.lora.rank=4", "--nosampler"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    lora = json.loads(r.stdout.strip().splitlines()[-1])
+    assert lora["lora_rank"] == 4 and lora["fits"] is True and "sample_peak_gib" not in lora
+    assert lora["optimizer_gib"] < out["optimizer_gib"]  # Adam moments of the adapters only
 
 
 def test_collective_bytes_count_each_scanned_layer():
