@@ -178,6 +178,19 @@ def _tree_mha_module():
     return module
 
 
+def gpu_block_sizes(module, head_dim: int):
+    """The Pallas GPU kernel's block sizes: its defaults (forward 128 x 128, backward 32) up to head dim 128; above
+    (the kernel pads to 256), forward key blocks of 64. Measured for an H200 (AOT): head dim 192 with 128-key
+    blocks asks 328,192 bytes of shared memory per block, over the 232,448 available (DeepSeek-V3's MLA,
+    qk head dim 192, did not compile); 64-key blocks compile for head dims 192 and 256."""
+    sizes = module.BlockSizes.get_default()
+    if head_dim > 128:
+        sizes = module.BlockSizes(block_q=sizes.block_q, block_k=64, block_q_dkv=sizes.block_q_dkv,
+                                  block_kv_dkv=sizes.block_kv_dkv, block_q_dq=sizes.block_q_dq,
+                                  block_kv_dq=sizes.block_kv_dq)
+    return sizes
+
+
 def pallas_gpu_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxE, segment_BxT, branch_BxT, scale: float, *,
                          interpret: bool = False) -> jax.Array:
     """Branch-masked self-attention with the Pallas GPU (Triton) FlashAttention kernel in one call (module doc).
@@ -194,7 +207,7 @@ def pallas_gpu_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxE, segment_BxT, branch_Bx
     rep = lambda x: jnp.repeat(x, N // K, axis=2)
     seg, br = (_pad_rows(a.astype(jnp.int32), T_pad) for a in (segment_BxT, branch_BxT))
     module = _tree_mha_module()
-    sizes = module.BlockSizes.get_default()
+    sizes = gpu_block_sizes(module, D)
     o = module.mha(pad(q_BxTxNxH), pad(rep(k_BxTxKxH)), pad(rep(v_BxTxKxE)), _code(seg, br), sm_scale=float(scale),
                    causal=True, block_sizes=sizes, interpret=interpret)
     o = jnp.where((seg != 0)[:, :, None, None], o, 0).astype(dt)

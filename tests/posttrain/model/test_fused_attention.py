@@ -78,6 +78,22 @@ def test_fused_matches_blockwise_f32(impl, name, N, K, H, E):
             assert float(jnp.abs(a - b).max()) <= 1e-5
 
 
+def test_pallas_gpu_wide_heads_use_smaller_key_blocks():
+    """Head dims over 128 (DeepSeek-V3's MLA: 192) run with 64-key forward blocks (`gpu_block_sizes`; 128-key
+    blocks exceed an H200's shared memory); still equal to blockwise."""
+    sizes = fused_attention.gpu_block_sizes(fused_attention._tree_mha_module(), 192)
+    assert sizes.block_k == 64 and fused_attention.gpu_block_sizes(fused_attention._tree_mha_module(), 128).block_k == 128
+    ids = packed_ids()
+    real = np.asarray(ids.segment_BxT != 0)
+    q, k, v, w = inputs(2, 2, 160, 136, jnp.float32)
+    w = w * real[:, :, None, None]
+    (o, grads), (o_ref, grads_ref) = (value_and_grads(impl, q, k, v, w, ids, scale=160 ** -0.5)
+                                      for impl in ("pallas_gpu", "blockwise"))
+    assert float(jnp.abs(o[real] - o_ref[real]).max()) <= 1e-5
+    for a, b in zip(grads, grads_ref):
+        assert float(jnp.abs(a - b).max()) <= 1e-5
+
+
 @pytest.mark.parametrize("impl", ["splash", "pallas_gpu"])
 def test_fused_matches_blockwise_bf16(impl):
     errs, _ = compare(impl, 4, 2, 16, 16, jnp.bfloat16)
