@@ -175,7 +175,7 @@ def collective_bytes(hlo_text: str) -> dict:
     (`compiled.as_text()`).
 
     Each collective counts its full per-device buffer: the gathered result for all-gather, the operand for the
-    others (reduce-scatter: before scattering). An async `-start` op counts once. A collective inside a while loop
+    others (reduce-scatter: before scattering; ragged-all-to-all: its input buffer, the rows it may send). An async `-start` op counts once. A collective inside a while loop
     counts `known_trip_count` times (XLA annotates scans with it; a loop without it counts once and is reported
     in "unknown_trip_count_loops"), nested loops multiply. Returns {kind: bytes} for every kind in
     COLLECTIVE_KINDS, plus "total" and "unknown_trip_count_loops".
@@ -210,6 +210,8 @@ def collective_bytes(hlo_text: str) -> dict:
         if comp is None or depth > 64:
             return
         for kind, result_type, is_async, operands in comp["ops"]:
+            if kind == "ragged-all-to-all":  # operands: input, output buffer, offsets and sizes: the input moves
+                operands = operands[:1]
             operand = sum(_type_bytes(types.get(o, "")) for o in operands)
             result = _type_bytes(result_type) - (operand if is_async and result_type.startswith("(") else 0)
             moved = result if kind == "all-gather" else operand  # an async start's result tuple holds its operands

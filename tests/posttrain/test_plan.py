@@ -65,7 +65,8 @@ def test_collective_bytes_count_each_scanned_layer():
 
 def test_collective_bytes_parse_async_and_nested_loops():
     """Hand-written HLO: an async all-gather (its start's result tuple holds the operand), a reduce-scatter in a
-    loop of 3 nested in a loop of 4 (x12), and a loop without a trip count (counted once, reported)."""
+    loop of 3 nested in a loop of 4 (x12), and a loop without a trip count (counted once, reported) holding an
+    all-reduce and a ragged all-to-all."""
     hlo = textwrap.dedent("""
         %inner (p: (s32[], f32[8])) -> (s32[], f32[8]) {
           %p = (s32[], f32[8]) parameter(0)
@@ -84,6 +85,9 @@ def test_collective_bytes_parse_async_and_nested_loops():
           %u = (s32[], bf16[4]) parameter(0)
           %v = bf16[4]{0} get-tuple-element(%u), index=1
           %ar = bf16[4]{0} all-reduce(%v), to_apply=%add
+          %off = s64[2]{0} constant({0, 2})
+          %out = bf16[8]{0} broadcast(%zero), dimensions={}
+          %ra = bf16[8]{0} ragged-all-to-all(%v, %out, %off, %off, %off, %off)
           ROOT %t2 = (s32[], bf16[4]) tuple(%i, %v)
         }
 
@@ -100,7 +104,8 @@ def test_collective_bytes_parse_async_and_nested_loops():
 
     got = aot.collective_bytes(hlo)
     assert got["all-gather"] == 16 * 16 * 4 and got["reduce-scatter"] == 12 * 8 * 4 and got["all-reduce"] == 4 * 2
-    assert got["unknown_trip_count_loops"] == 1 and got["total"] == 1024 + 384 + 8
+    assert got["ragged-all-to-all"] == 4 * 2  # its input, not the output buffer or the offsets
+    assert got["unknown_trip_count_loops"] == 1 and got["total"] == 1024 + 384 + 8 + 8
 
 
 def test_planned_bytes_match_a_real_sharded_init():
