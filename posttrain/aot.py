@@ -119,22 +119,26 @@ _VALUE_RE = re.compile(r"^\s*value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): 
 _TEMP_RE = re.compile(r"^allocation \d+: size (\d+),(?! color [1-9])[^\n]*preallocated-temp", re.M)
 
 
-def assigned_temp_bytes(dump_dir: pathlib.Path) -> int | None:
-    """Bytes of the device-memory temp allocation(s) in the newest `*buffer-assignment.txt` of an XLA dump (None
-    without one). Other colors (TPU VMEM, semaphores) are on-chip scratch, not HBM."""
+def _buffer_assignment(dump_dir: pathlib.Path) -> str | None:
+    """The text of the newest `*buffer-assignment.txt` of an XLA dump, or None."""
     files = sorted(dump_dir.glob("*buffer-assignment.txt"), key=lambda p: p.stat().st_mtime)
-    if not files:
-        return None
-    return sum(int(b) for b in _TEMP_RE.findall(files[-1].read_text(errors="replace")))
+    return files[-1].read_text(errors="replace") if files else None
+
+
+def assigned_temp_bytes(dump_dir: pathlib.Path) -> int | None:
+    """Bytes of the device-memory temp allocation(s) in an XLA dump's buffer assignment (None without one). Other
+    colors (TPU VMEM, semaphores) are on-chip scratch, not HBM."""
+    text = _buffer_assignment(dump_dir)
+    return None if text is None else sum(int(b) for b in _TEMP_RE.findall(text))
 
 
 def largest_buffers(dump_dir: pathlib.Path, top: int = 5) -> list:
-    """[(bytes, shape, op)] of the largest values in the newest `*buffer-assignment.txt` of an XLA dump."""
-    files = sorted(dump_dir.glob("*buffer-assignment.txt"), key=lambda p: p.stat().st_mtime)
-    if not files:
+    """[(bytes, shape, op)] of the largest values in an XLA dump's buffer assignment."""
+    text = _buffer_assignment(dump_dir)
+    if text is None:
         return []
     seen = {}
-    for line in files[-1].read_text(errors="replace").splitlines():
+    for line in text.splitlines():
         m = _VALUE_RE.match(line)
         if m:
             op, size, shape = m.group(1), int(m.group(2)), m.group(3).split("{")[0]
