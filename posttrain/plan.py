@@ -161,7 +161,7 @@ def per_device_bytes(tree) -> int:
     return total
 
 
-def plan_train_step(cfg, target: str, *, prompt_len: int = 128, sampler: bool = True) -> dict:
+def plan_train_step(cfg, target: str, *, prompt_len: int = 512, sampler: bool = True) -> dict:
     """The per-device report of `cfg`'s train step on `target` (see the module doc) for one step's batch:
     rl.prompts_per_step prompts of `prompt_len` tokens, each with rl.group_size completions of
     sampling.max_new_tokens tokens, packed per rl.packed; with `sampler`, also the rollout sampler's compile for
