@@ -7,7 +7,8 @@ Targets (published figures: NVIDIA H200 SXM datasheet; Google Cloud TPU v5p syst
   v5p   TPU, 95 GiB HBM2e, 459 TFLOP/s bf16, 2.765 TB/s. Needs the `tpu` extra (libtpu).
 
 Memory per device = argument + output - alias bytes of `compiled.memory_analysis()` (donated inputs alias outputs)
-+ the temp allocation of XLA's buffer assignment; see `MemoryReport`. Facts: `../shared/PLATFORM-NOTES.md`; the H200 target description ships as `targets/h200.txtpb`.
++ the temp allocation of XLA's buffer assignment; see `MemoryReport`. Facts: `../shared/PLATFORM-NOTES.md`; the
+H200 target description ships as `targets/h200.txtpb`.
 """
 from __future__ import annotations
 
@@ -179,10 +180,10 @@ def collective_bytes(hlo_text: str) -> dict:
     (`compiled.as_text()`).
 
     Each collective counts its full per-device buffer: the gathered result for all-gather, the operand for the
-    others (reduce-scatter: before scattering; ragged-all-to-all: its input buffer, the rows it may send). An async `-start` op counts once. A collective inside a while loop
-    counts `known_trip_count` times (XLA annotates scans with it; a loop without it counts once and is reported
-    in "unknown_trip_count_loops"), nested loops multiply. Returns {kind: bytes} for every kind in
-    COLLECTIVE_KINDS, plus "total" and "unknown_trip_count_loops".
+    others (reduce-scatter: before scattering; ragged-all-to-all: its input buffer, the rows it may send). An async
+    `-start` op counts once. A collective inside a while loop counts `known_trip_count` times (XLA annotates scans
+    with it; a loop without it counts once and is reported in "unknown_trip_count_loops"), nested loops multiply.
+    Returns {kind: bytes} for every kind in COLLECTIVE_KINDS, plus "total" and "unknown_trip_count_loops".
     """
     comps, types, current = {}, {}, None
     for line in hlo_text.splitlines():
@@ -196,11 +197,12 @@ def collective_bytes(hlo_text: str) -> dict:
             continue
         name, rest = m.groups()
         c = _COLLECTIVE_RE.match(rest)
-        types[name] = c.group(1) if c else rest.split(" ", 1)[0] if not rest.startswith("(") else \
-            rest[:_closing_paren(rest) + 1]
         if c:
-            current["ops"].append((c.group(2), c.group(1), bool(c.group(3)), [o.strip().lstrip("%").split()[-1].lstrip("%")
-                                                           for o in c.group(4).split(",") if o.strip()]))
+            types[name] = c.group(1)
+            operands = [o.split()[-1].lstrip("%") for o in c.group(4).split(",") if o.strip()]
+            current["ops"].append((c.group(2), c.group(1), bool(c.group(3)), operands))
+        else:  # the result type: a tuple in parentheses or one array type
+            types[name] = rest[:_closing_paren(rest) + 1] if rest.startswith("(") else rest.split(" ", 1)[0]
         trips = int(t.group(1)) if (t := _TRIP_RE.search(rest)) else None
         for role, callee in _CALLEE_RE.findall(rest):
             current["calls"].append((callee, trips if role in ("body", "condition") else 1, role))

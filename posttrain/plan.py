@@ -8,8 +8,9 @@ the same rules as training, and the step is the training step (policy loss, refe
 optimizer update), jitted with the same shardings and donation.
 
 Per device: parameter, optimizer and gradient bytes (from the shardings), the compiled program's temp bytes and
-peak (argument + output + temp - alias), peak vs HBM (fits at <= 90%), analytic model FLOPs (`posttrain.flops`;
-XLA's cost analysis counts a scanned layer once), a step-time estimate at the chip's published peak FLOP/s, the
+peak (`aot.MemoryReport.peak`: arguments + outputs - aliases + the buffer assignment's temp allocation), peak vs
+HBM (fits at <= 90%), analytic model FLOPs (`posttrain.flops`; XLA's cost analysis counts a scanned layer once),
+a step-time estimate at the chip's published peak FLOP/s, the
 compile time, and whether XLA logged "Involuntary full rematerialization" (a sharding that forces whole arrays to
 be rematerialised), collective bytes by kind (`aot.collective_bytes`: scanned layers counted per trip), and the
 same for the rollout sampler (prefill + decode loop) unless `sampler=False`.
@@ -231,14 +232,15 @@ def plan_train_step(cfg, target: str, *, prompt_len: int = 512, sampler: bool = 
         from posttrain import train_step as ts
         from posttrain.sampler import shrink_schedule
 
-        n = cfg.rl.prompts_per_step * cfg.rl.group_size
+        samples = cfg.rl.prompts_per_step * cfg.rl.group_size
         srep, sseconds = compile_sampler(graphdef, ts.model_states(state.params, state.frozen), mesh, plan.rules,
                                          prompts=cfg.rl.prompts_per_step, prompt_len=prompt_len,
                                          group_size=cfg.rl.group_size, params=plan.sampling,
-                                         shrink=shrink_schedule(n, plan.decode_multiple,
+                                         shrink=shrink_schedule(samples, plan.decode_multiple,
                                                                 steps=cfg.sampling.decode_shrink_steps),
                                          record_routing=cfg.rl.routing_replay == "replay")
-        out.update({"sample_peak_gib": round(srep.peak / aot.GIB, 6), "sample_temp_gib": round(srep.temp / aot.GIB, 6),
+        sd = srep.as_dict()
+        out.update({"sample_peak_gib": sd["peak_gib"], "sample_temp_gib": sd["temp_gib"],
                     "sample_compile_s": round(sseconds, 1), "sample_fits": srep.peak <= 0.9 * hbm})
         out["fits"] = out["fits"] and out["sample_fits"]
     return out
