@@ -32,6 +32,7 @@ Ids must satisfy 0 <= branch < 2**BRANCH_BITS and 0 <= segment < 2**(31 - BRANCH
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import sys
@@ -184,11 +185,7 @@ def gpu_block_sizes(module, head_dim: int):
     blocks asks 328,192 bytes of shared memory per block, over the 232,448 available (DeepSeek-V3's MLA,
     qk head dim 192, did not compile); 64-key blocks compile for head dims 192 and 256."""
     sizes = module.BlockSizes.get_default()
-    if head_dim > 128:
-        sizes = module.BlockSizes(block_q=sizes.block_q, block_k=64, block_q_dkv=sizes.block_q_dkv,
-                                  block_kv_dkv=sizes.block_kv_dkv, block_q_dq=sizes.block_q_dq,
-                                  block_kv_dq=sizes.block_kv_dq)
-    return sizes
+    return dataclasses.replace(sizes, block_k=64) if head_dim > 128 else sizes
 
 
 def pallas_gpu_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxE, segment_BxT, branch_BxT, scale: float, *,
