@@ -1,7 +1,7 @@
 """GRPO train-step benchmark for any backend: step time, tokens/s, MFU and per-device peak memory; or, with
 --aot, the same step compiled ahead of time for an H200 / TPU v5p on this machine (no accelerator needed).
 
-MFU = model FLOPs (`posttrain.flops`: 6 x active non-embedding params x tokens + LM head over scored tokens +
+MFU = model FLOPs (`posttrain.model.flops`: 6 x active non-embedding params x tokens + LM head over scored tokens +
 causal attention of the packed rows) / step seconds / peak, against the bf16 (or compute-dtype) matmul peak
 measured in the same process, and against the chip's published peak where known. `mfu_6nd` is the older figure,
 6 x all params x tokens, for comparison with earlier runs.
@@ -77,8 +77,8 @@ def quickstart_batch(tokenizer, P=8, G=8, completion_len=24, seed=0):
     """A packed batch shaped like a quickstart step: P arithmetic prompts x G completions of `completion_len`."""
     import numpy as np
 
-    from posttrain import batching
-    from posttrain.rollout import Sample, chat_prompt
+    from posttrain.rollout import batching
+    from posttrain.rollout.episodes import Sample, chat_prompt
 
     rng = np.random.default_rng(seed)
     samples = []
@@ -97,7 +97,7 @@ def model_config(args, backend: str):
     """(ModelConfig, loaded Pretrained or None) for --model under the precision policy of `backend`."""
     from posttrain.model.config import LoRAConfig
     from posttrain.model.presets import PRESETS, get_preset
-    from posttrain.precision import resolve_policy
+    from posttrain.infra.precision import resolve_policy
 
     policy = resolve_policy(args.dtype, args.param_dtype, args.matmul_precision, backend=backend)
     fields = dict(dtype=policy.compute_dtype, param_dtype=policy.param_dtype, matmul_precision=policy.matmul_precision,
@@ -115,7 +115,7 @@ def model_config(args, backend: str):
 
 
 def make_batch(args, cfg, pretrained):
-    from posttrain.batching import random_batch
+    from posttrain.rollout.batching import random_batch
 
     if args.rows:
         batch = random_batch(0, prompts=args.rows, group_size=args.group_size, prompt_len=args.prompt_len,
@@ -167,10 +167,10 @@ def main(argv=None):
     import numpy as np
     from flax import nnx
 
-    from posttrain import flops as flops_lib
-    from posttrain import losses, optim
-    from posttrain import train_step as ts
-
+    from posttrain.model import flops as flops_lib
+    from posttrain.algos.grpo import losses
+    from posttrain.learn import optim
+    from posttrain.algos.grpo import step as ts
     backend = {"h200": "gpu", "v5p": "tpu"}.get(args.aot, jax.default_backend())
     cfg, pre = model_config(args, backend)
     batch = make_batch(args, cfg, pre)
@@ -228,9 +228,9 @@ def main(argv=None):
 
 def aot_compile(args, cfg, opts, opt, batch, fl) -> dict:
     """Lowers and compiles the donated, sharded train step for one device of `args.aot`; no weights allocated."""
-    from posttrain import aot, plan
-    from posttrain import mesh as mesh_lib
-
+    from posttrain.infra import aot
+    from posttrain.recipes import dryrun as plan
+    from posttrain.infra import mesh as mesh_lib
     devices = aot.target_devices(args.aot)
     mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1, "expert": 1}, devices=devices[:1])
     graphdef, state, state_sh = plan.abstract_train_state(cfg, opt.tx, opts, mesh)

@@ -10,7 +10,7 @@ same math, less memory, and faster than no remat on this CPU; `--posttrain-remat
 `Arithmetic-v0` train split ("What is a + b? Answer with just the number.", a, b in [10, 99]); TRL gets the SAME
 questions in the SAME order (posttrain's `TaskScheduler` order for seed 0, checked afterwards against the prompts
 posttrain archived), as chat messages rendered by the model's own chat template. Reward 1 when the last integer
-of the reply equals a + b (`envs.verifiers.last_integer` on the TRL side; posttrain's env reads the last number).
+of the reply equals a + b (`envs.verify.answers.last_integer` on the TRL side; posttrain's env reads the last number).
 Per step: P prompts x G samples (default 8 x 8 = 64 completions), 24 new tokens, temperature 1.0 (top-p 1, top-k
 off), GRPO advantages (group mean / group std), clipped surrogate eps 0.2, beta 0 (no reference model), loss =
 sum over all completion tokens / number of completion tokens (posttrain `token_mean`, TRL `loss_type="dapo"`;
@@ -88,8 +88,8 @@ def make_settings(quick: bool = False, steps: int = 4, posttrain_remat: str = "d
 def scheduled_questions(steps: int, prompts_per_step: int, seed: int = 0) -> list[dict]:
     """The arithmetic tasks posttrain's loop trains on, in order: what `rollouter.Rollouter.draw` draws from its
     scheduler (domain "arithmetic", `next_tasks(step * 1000, P)` per step, no dynamic sampling). Imports no JAX."""
-    from envs.arithmetic import ArithmeticTasks
-    from posttrain.scheduler import TaskScheduler
+    from envs.tasks.arithmetic import ArithmeticTasks
+    from posttrain.tasks.scheduler import TaskScheduler
 
     sched = TaskScheduler({"arithmetic": ArithmeticTasks("train", digits=2)}, {"arithmetic": 1.0}, seed=seed)
     return [t for s in range(steps) for _, t in sched.next_tasks(s * 1000, prompts_per_step)]
@@ -102,10 +102,9 @@ def peak_rss_gb() -> float:
 
 # ----------------------------------------------------------------------------------------------- posttrain side
 def run_posttrain(s: dict) -> dict:
-    """Trains s["steps"] steps with `posttrain.loop.train`; step times and rewards from metrics.jsonl."""
+    """Trains s["steps"] steps with `posttrain.recipes.grpo.train`; step times and rewards from metrics.jsonl."""
     from posttrain import config as cfglib
-    from posttrain import loop
-
+    from posttrain.recipes import grpo as loop
     with tempfile.TemporaryDirectory(prefix="grpo_vs_trl_pt_") as workdir:
         c = cfglib.default_config()
         c.env.train = {"arithmetic": cfglib.env_spec("posttrain/Arithmetic-v0", split="train", digits=2)}
@@ -143,7 +142,7 @@ def run_trl(s: dict) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    from envs.verifiers import last_integer
+    from envs.verify.answers import last_integer
 
     path = pathlib.Path(s["model_path"])
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)

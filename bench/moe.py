@@ -120,8 +120,7 @@ def main(argv=None):
                      "expert_mlp": args.expert_mlp}, "dtype": jnp.dtype(dtype).name, "platform": platform,
            "auto": gmm.auto_impl(platform), "flops_per_step": flops(args), "results": {}}
     if args.aot:
-        from posttrain import aot
-
+        from posttrain.infra import aot
         device = aot.target_devices(args.aot)[0]
         specs = inputs(args, dtype, jax.sharding.SingleDeviceSharding(device))
         for impl in ["dense"] + impls:

@@ -33,7 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from envs import code  # noqa: E402  (after the path tweak, so the bench runs from a checkout)
+from envs.tasks import humaneval as code  # noqa: E402  (after the path tweak, so the bench runs from a checkout)
 
 
 def _unsafe_execute_enabled(problem: dict, completion: str, timeout: float, result: list) -> None:

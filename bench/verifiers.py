@@ -3,7 +3,7 @@
     python bench/verifiers.py --json [--repeats N]
 
 For each shape (spaces, tabs, digits, commas, nested braces, repeated ``\\text{``, ...; the same shapes as
-tests/envs/test_verifiers.py) builds a 100 KB and a 1 MB response and times `envs.verifiers.score_math`
+tests/envs/test_verifiers.py) builds a 100 KB and a 1 MB response and times `envs.verify.answers.score_math`
 against gold "42" (best of --repeats). Also times one warm symbolic comparison through the worker pool
 and one call that has to be cut off by the time bound.
 

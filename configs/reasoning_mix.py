@@ -1,6 +1,6 @@
 """GRPO on a mix of ten easy reasoning-gym domains (issue 16) with the default SmolLM2-135M-Instruct policy on a CPU.
 
-Domains are selected through the registry (`envs.domains.select`): each entry is a pattern with a weight and
+Domains are selected through the registry (`envs.tasks.domains.select`): each entry is a pattern with a weight and
 dataset-config overrides that make the tasks easy enough for a 135M model (one-digit sums and products, small
 GCD/LCM/bit counts, short words and texts: measured at T=0.7 it solves 0-35% of each, never all; the library's
 curriculum level 0 is still 0% on most of them); only golden-verified domains are kept (the left-out ones are
@@ -11,8 +11,8 @@ never occur in training), greedy, scored by the env (each dataset's own scorer):
 A step (4 prompts x 8 samples x <= 64 tokens) takes ~20-40 s on 2 CPU cores; training stops after 20 minutes.
 Run: posttrain train --config=configs/reasoning_mix.py [--config.env.domains='reasoning_gym/gcd,reasoning_gym/l*']
 """
-from envs import domains
-from envs import reasoning_gym as rg_env
+from envs.tasks import domains
+from envs.tasks import reasoning_gym as rg_env
 from posttrain.config import default_config, env_spec
 
 EASY_CONFIGS = {
@@ -32,7 +32,7 @@ EASY = [{"pattern": "reasoning_gym/" + name, "weight": 1.0, "config": config} fo
 
 
 def mix(entries, split, **kwargs):
-    """{domain: env_spec} for the registry's selection of `entries` (see `envs.domains.select`)."""
+    """{domain: env_spec} for the registry's selection of `entries` (see `envs.tasks.domains.select`)."""
     specs, _ = domains.select(entries, split=split, **kwargs)
     return {name: env_spec(s["id"], s["weight"], **s["kwargs"], instruction=rg_env.SHORT_INSTRUCTION)
             for name, s in specs.items()}

@@ -1,6 +1,6 @@
 """A tiny random-init model on three reasoning-gym domains at curriculum level 0: the registry and
 ReasoningGym-v0 through the whole loop in seconds (for tests; it learns nothing useful)."""
-from envs import domains
+from envs.tasks import domains
 from posttrain.config import default_config, env_spec
 
 DOMAINS = [{"pattern": "reasoning_gym/chain_sum", "weight": 2.0, "level": 0},

@@ -10,12 +10,12 @@ Importing this package registers every environment id with gymnasium (idempotent
 import gymnasium
 
 ENTRY_POINTS = {
-    "posttrain/Arithmetic-v0": "envs.arithmetic:ArithmeticEnv",
-    "posttrain/GSM8K-v0": "envs.math:GSM8KEnv",
-    "posttrain/HumanEval-v0": "envs.code:HumanEvalEnv",
-    "posttrain/PythonTool-v0": "envs.tool:PythonToolEnv",
-    "posttrain/ReasoningGym-v0": "envs.reasoning_gym:ReasoningGymEnv",
-    "posttrain/Terminal-v0": "envs.terminal:TerminalEnv",
+    "posttrain/Arithmetic-v0": "envs.tasks.arithmetic:ArithmeticEnv",
+    "posttrain/GSM8K-v0": "envs.tasks.gsm8k:GSM8KEnv",
+    "posttrain/HumanEval-v0": "envs.tasks.humaneval:HumanEvalEnv",
+    "posttrain/PythonTool-v0": "envs.tasks.python_tool:PythonToolEnv",
+    "posttrain/ReasoningGym-v0": "envs.tasks.reasoning_gym:ReasoningGymEnv",
+    "posttrain/Terminal-v0": "envs.tasks.terminal:TerminalEnv",
 }
 
 

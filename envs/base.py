@@ -19,8 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 import gymnasium
 from gymnasium.spaces import Text
 
-from envs import verifiers
-
+from envs.verify import answers as verifiers
 MAX_TEXT_CHARS = 1 << 20  # generous bound for observations and actions (characters)
 
 

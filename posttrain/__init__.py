@@ -19,12 +19,12 @@ _EXPORTS = {
     "load_pretrained": "posttrain.checkpoints", "export_hf": "posttrain.checkpoints.export",
     "Transformer": "posttrain.model.transformer", "ModelConfig": "posttrain.model.config",
     "get_preset": "posttrain.model.presets",
-    "SamplingParams": "posttrain.sampler", "sample": "posttrain.sampler", "pad_prompts": "posttrain.sampler",
-    "ADVANTAGES": "posttrain.advantages", "POLICY_LOSSES": "posttrain.losses", "KL_ESTIMATORS": "posttrain.losses",
-    "AGGREGATIONS": "posttrain.losses", "policy_loss": "posttrain.losses", "token_logprobs": "posttrain.logprobs",
+    "SamplingParams": "posttrain.rollout.sampler", "sample": "posttrain.rollout.sampler", "pad_prompts": "posttrain.rollout.sampler",
+    "ADVANTAGES": "posttrain.algos.grpo.advantages", "POLICY_LOSSES": "posttrain.algos.grpo.losses", "KL_ESTIMATORS": "posttrain.algos.grpo.losses",
+    "AGGREGATIONS": "posttrain.algos.grpo.losses", "policy_loss": "posttrain.algos.grpo.losses", "token_logprobs": "posttrain.learn.logprobs",
     "Config": "posttrain.config", "from_config_dict": "posttrain.config", "default_config": "posttrain.config",
-    "make_run_plan": "posttrain.run_plan", "RunPlan": "posttrain.run_plan", "PrecisionPolicy": "posttrain.precision",
-    "train": "posttrain.loop",
+    "make_run_plan": "posttrain.recipes.run_plan", "RunPlan": "posttrain.recipes.run_plan", "PrecisionPolicy": "posttrain.infra.precision",
+    "train": "posttrain.recipes.grpo",
 }
 __all__ = sorted(_EXPORTS)
 

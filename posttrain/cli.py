@@ -71,7 +71,7 @@ def cmd_sample(f) -> int:
     import jax
 
     from posttrain.checkpoints import load_pretrained
-    from posttrain.sampler import SamplingParams, pad_prompts, sample
+    from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
 
     pre = load_pretrained(f.model)
     tok = pre.tokenizer
@@ -86,8 +86,8 @@ def cmd_sample(f) -> int:
 
 
 def cmd_train(f) -> int:
-    from posttrain import loop
-    from posttrain.run_plan import make_run_plan
+    from posttrain.recipes import grpo as loop
+    from posttrain.recipes.run_plan import make_run_plan
 
     plan = make_run_plan(_load_config(f), workdir=f.workdir)  # every setting validated before any work
     summary = loop.train(plan, progress=f.progress)
@@ -103,13 +103,13 @@ def cmd_train(f) -> int:
 def cmd_eval(f) -> int:
     import dataclasses
 
-    from posttrain import loop
-    from posttrain.run_plan import make_run_plan
+    from posttrain.recipes import grpo as loop
+    from posttrain.recipes.run_plan import make_run_plan
 
     cfg = _load_config(f)
     if not f.checkpoint:
         raise SystemExit("error: --checkpoint=<run workdir> is required")
-    from posttrain.partitioning import use_rules
+    from posttrain.infra.partitioning import use_rules
 
     plan = make_run_plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint)))
     with use_rules(plan.rules):
@@ -127,8 +127,8 @@ def _run_policy(f):
 
     from flax import nnx
 
-    from posttrain import loop
-    from posttrain.run_plan import make_run_plan
+    from posttrain.recipes import grpo as loop
+    from posttrain.recipes.run_plan import make_run_plan
 
     cfg = _load_config(f)
     rollouter, learner = loop.build(make_run_plan(dataclasses.replace(
@@ -163,9 +163,8 @@ def cmd_convert(f) -> int:
 
 
 def cmd_domains(f) -> int:
-    """Prints every registered domain matching --pattern with its golden-check status (`envs.domains`)."""
-    from envs import domains
-
+    """Prints every registered domain matching --pattern with its golden-check status (`envs.tasks.domains`)."""
+    from envs.tasks import domains
     try:
         checks = domains.summary(f.pattern)
     except ValueError as e:
@@ -176,7 +175,7 @@ def cmd_domains(f) -> int:
 
 def cmd_plan(f) -> int:
     """Compiles the config's train step for --target and prints the per-device report; exit 1 when it does not fit."""
-    from posttrain.plan import plan_train_step
+    from posttrain.recipes.dryrun import plan_train_step
 
     cfg = _load_config(f)
     from posttrain.config import ConfigError
@@ -224,7 +223,7 @@ def main(argv=None) -> int:
     except Exception as e:  # absl raises its own error types for unknown/invalid flags
         print(f"error: {flag_error_line(e, argv)}", file=sys.stderr)
         return 2
-    from posttrain import distributed
+    from posttrain.infra import distributed
     from posttrain.config import ConfigError
 
     distributed.initialize(True if f.distributed else None)

@@ -7,7 +7,7 @@ import pytest
 # The suite compares against float32 references (NumPy, transformers, sharded vs single device). Pin true float32
 # matmuls for this process and its subprocesses: on NVIDIA GPUs JAX's default float32 matmul is TF32 (relative
 # error ~3e-4), which fails those comparisons. The product takes its precision from the config's policy
-# (`posttrain.precision`); tests/posttrain/test_precision.py checks both mechanisms in the lowered HLO.
+# (`posttrain.infra.precision`); tests/posttrain/test_precision.py checks both mechanisms in the lowered HLO.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 import jax  # noqa: E402
 

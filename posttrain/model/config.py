@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 _DTYPES = ("float32", "bfloat16", "float16")
-PRECISIONS = ("default", "high", "highest")  # the names of `posttrain.precision`
+PRECISIONS = ("default", "high", "highest")  # the names of `posttrain.infra.precision`
 REMAT_MODES = ("none", "dots", "names", "full")
 GRAD_DTYPES = ("param", "compute")  # see ModelConfig.grad_dtype
 REMAT_NAMES = ("dot", "qkv", "attn_out", "mlp_in")  # `posttrain.model.layers.CHECKPOINT_NAMES`
@@ -119,7 +119,7 @@ class ModelConfig:
 
     Dims: vocab_size V, d_model D, num_heads N, num_kv_heads K (GQA groups N // K), head_dim H, mlp_dim F.
     param_dtype: storage dtype of parameters; dtype: compute dtype of matmuls (softmax, norms and logits are f32).
-    matmul_precision: "default" | "high" | "highest", applied to every dot (see `posttrain.precision`).
+    matmul_precision: "default" | "high" | "highest", applied to every dot (see `posttrain.infra.precision`).
     remat: per scanned block, what the backward pass keeps from the forward (`posttrain.model.transformer.REMAT`):
       "none" everything autodiff saves (most memory, no recompute); "dots" every weight-matmul output, in the
       compute dtype (recomputes norms, RoPE, softmax, elementwise ops: ~no extra FLOPs); "names" only the
@@ -135,7 +135,7 @@ class ModelConfig:
       (instead of float32 accumulation). XLA:TPU already holds such a copy of the weights (it hoists each layer's
       cast out of the scan), so there it only halves the gradients. Training and prefill only; decode is unchanged.
     attention_impl: self-attention of packed rows given as ids (rows of >= `flash.BLOCKWISE_MIN_LEN` tokens;
-      `posttrain.model.fused_attention.IMPLS`): "auto" (splash on a TPU mesh, the Pallas GPU kernel on a GPU
+      `posttrain.model.attention_kernels.IMPLS`): "auto" (splash on a TPU mesh, the Pallas GPU kernel on a GPU
       mesh, else blockwise), "blockwise", "splash", "pallas_gpu" (the Pallas interpreter off their platform) or
       "dense".
     How MoE experts run (settings of the run; `model.moe_*` in the run config):
@@ -190,7 +190,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.matmul_precision={self.matmul_precision!r}; expected one of {PRECISIONS}")
         if self.grad_dtype not in GRAD_DTYPES:
             raise ValueError(f"ModelConfig.grad_dtype={self.grad_dtype!r}; expected one of {GRAD_DTYPES}")
-        from posttrain.model.fused_attention import IMPLS as ATTENTION_IMPLS
+        from posttrain.model.attention_kernels import IMPLS as ATTENTION_IMPLS
         from posttrain.model.gmm import IMPLS
 
         if self.attention_impl not in ATTENTION_IMPLS:

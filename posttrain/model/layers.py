@@ -4,12 +4,12 @@ Dimension legend (used in every name suffix of this module):
   B batch, T query length, S key length, D d_model, N query heads, K kv heads, H head dim,
   F MLP hidden, R MLA latent rank (kv_lora_rank), P rotary dims of MLA (qk_rope_head_dim), C cache-entry dims.
 
-Every parameter is an `nnx.Param` whose `logical_axes` metadata names its dimensions; `posttrain.mesh.RULES`
+Every parameter is an `nnx.Param` whose `logical_axes` metadata names its dimensions; `posttrain.infra.mesh.RULES`
 maps those names to mesh axes. Layers receive the few fields they need, never a config object.
 
 Both attentions run on the multi-source core of `posttrain.model.attention` (prompt prefix shared by a group of
 samples + per-sample cache + own tokens, one softmax) when given a [B, T, S] mask, and on the blockwise
-self-attention of `posttrain.model.flash` when given the row's ids (`flash.RowIds`: long training/prefill rows).
+self-attention of `posttrain.model.blockwise_attention` when given the row's ids (`flash.RowIds`: long training/prefill rows).
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from posttrain.model.attention import Source, multi_source_attention
-from posttrain.model.flash import attend
+from posttrain.model.blockwise_attention import attend
 from posttrain.model.config import LoRAConfig, MLAConfig, RopeConfig
-from posttrain.partitioning import with_logical_constraint
-from posttrain.precision import lax_precision
+from posttrain.infra.partitioning import with_logical_constraint
+from posttrain.infra.precision import lax_precision
 
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtype, *, init: str = "normal",

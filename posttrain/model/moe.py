@@ -45,12 +45,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from posttrain import mesh as mesh_lib
+from posttrain.infra import mesh as mesh_lib
 from posttrain.model import expert_parallel as ep_lib
 from posttrain.model import gmm
 from posttrain.model.config import MoEConfig
 from posttrain.model.layers import MLP, dot, param
-from posttrain.partitioning import active_mesh, current_rules
+from posttrain.infra.partitioning import active_mesh, current_rules
 
 
 class ExpertBias(nnx.Variable):

@@ -8,7 +8,7 @@ Two entry points share every layer:
     sequences. Token i may attend to token j <= i iff both have the same non-zero segment id and j's branch
     is 0 (the shared prefix) or equal to i's branch. Branches let one prompt be followed by its G completions
     in one row, so the prompt is computed (forward and backward) once per group. Rows of at least
-    `flash.BLOCKWISE_MIN_LEN` tokens run blockwise attention (`posttrain.model.flash`): the mask stays ids.
+    `flash.BLOCKWISE_MIN_LEN` tokens run blockwise attention (`posttrain.model.blockwise_attention`): the mask stays ids.
   * `prefill` + `decode_step`: the KV-cache path used by the sampler. The prompt's cache is computed once per
     prompt and read by all G samples (`attention.Source(group=G)`); each sample appends to its own cache.
 Layers are stacked on a leading `layers` axis and applied with `jax.lax.scan` (optionally rematerialised).
@@ -25,12 +25,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from posttrain.model.config import ModelConfig
 from posttrain.model.attention import Source, cache_len, cache_seq_axis, to_cache_layout
-from posttrain.model.flash import self_mask
+from posttrain.model.blockwise_attention import self_mask
 from posttrain.model.layers import CHECKPOINT_NAMES, MLP, Attention, MLAttention, RMSNorm, dot, param
 from posttrain.model.moe import MoE
-from posttrain.partitioning import with_logical_constraint
-from posttrain.precision import DTYPES as _DT
-from posttrain.precision import matmul_scope
+from posttrain.infra.partitioning import with_logical_constraint
+from posttrain.infra.precision import DTYPES as _DT
+from posttrain.infra.precision import matmul_scope
 
 
 def remat_policy(remat: str, names: tuple[str, ...] = ()):
@@ -53,7 +53,7 @@ def remat_policy(remat: str, names: tuple[str, ...] = ()):
 
 
 def _in_precision_scope(method):
-    """Runs a Transformer entry point under its matmul precision (`posttrain.precision.matmul_scope`)."""
+    """Runs a Transformer entry point under its matmul precision (`posttrain.infra.precision.matmul_scope`)."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -133,7 +133,7 @@ class DecodeCache(NamedTuple):
 
 
 class Transformer(nnx.Module):
-    """The decoder. Construct under `posttrain.partitioning.create_sharded` to create parameters sharded."""
+    """The decoder. Construct under `posttrain.infra.partitioning.create_sharded` to create parameters sharded."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.num_dense, self.num_moe = cfg.num_dense_layers, cfg.num_moe_layers

@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from posttrain import aot, flops
-from posttrain.batching import random_batch
+from posttrain.infra import aot
+
+from posttrain.model import flops
+from posttrain.rollout.batching import random_batch
 from posttrain.model.presets import get_preset
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "grpo_step.py"

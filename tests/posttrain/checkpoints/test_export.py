@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.checkpoints.convert import load_hf_dir
+from posttrain.checkpoints.load import load_hf_dir
 from posttrain.checkpoints.export import export_hf, save_tokenizer
 from posttrain.model.config import LoRAConfig
-from posttrain.sampler import SamplingParams, pad_prompts, sample
-from posttrain.tokenizer import Tokenizer
+from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
+from posttrain.model.tokenizer import Tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -212,10 +212,14 @@ def test_convert_of_a_lora_run_checkpoint_in_process(tmp_path):
     one update: a directory transformers loads (tokenizer, model) with the run's policy logits, and the adapter."""
     import types
 
-    from posttrain import batching, cli, loop
-    from posttrain import train_step as ts
+    from posttrain.rollout import batching
+
+    from posttrain import cli
+
+    from posttrain.recipes import grpo as loop
+    from posttrain.algos.grpo import step as ts
     from posttrain.config import to_dict
-    from posttrain.run_plan import make_run_plan
+    from posttrain.recipes.run_plan import make_run_plan
     from helpers import tiny_config
 
     cfg = tiny_config(tmp_path / "run", **{"lora.rank": 4, "optim.lr": 1e-2})

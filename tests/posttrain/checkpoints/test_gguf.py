@@ -12,7 +12,7 @@ from gguf import GGUFValueType as T
 
 from flax import nnx
 
-from posttrain.checkpoints.convert import gguf_file_dtype, load_gguf_file
+from posttrain.checkpoints.load import gguf_file_dtype, load_gguf_file
 from posttrain.checkpoints.gguf import default_model_path, load_gguf, read_gguf_metadata, unpermute_qk
 
 torch = pytest.importorskip("torch")

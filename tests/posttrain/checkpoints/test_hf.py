@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.checkpoints.convert import export_hf, load_hf_dir
+from posttrain.checkpoints.load import export_hf, load_hf_dir
 from helpers import random_model
 
 torch = pytest.importorskip("torch")

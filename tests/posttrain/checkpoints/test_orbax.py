@@ -248,7 +248,7 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
-from posttrain import mesh as mesh_lib
+from posttrain.infra import mesh as mesh_lib
 from posttrain.checkpoints.orbax import Checkpointer
 from posttrain.model.presets import get_preset
 from posttrain.model.transformer import Transformer

@@ -22,11 +22,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from posttrain import mesh as mesh_lib  # noqa: E402
+from posttrain.infra import mesh as mesh_lib  # noqa: E402
 from posttrain.model import expert_parallel as ep_lib  # noqa: E402
 from posttrain.model import moe as moe_lib  # noqa: E402
 from posttrain.model.config import MoEConfig  # noqa: E402
-from posttrain.partitioning import use_rules  # noqa: E402
+from posttrain.infra.partitioning import use_rules  # noqa: E402
 
 MESHES = {"ep8": {"expert": 8}, "dp2-ep4": {"data": 2, "expert": 4},
           "fsdp2-ep2-tp2": {"fsdp": 2, "expert": 2, "tensor": 2}}

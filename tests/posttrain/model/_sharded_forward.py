@@ -19,13 +19,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from posttrain import mesh as mesh_lib  # noqa: E402
-from posttrain.checkpoints.convert import export_hf, load_hf_dir  # noqa: E402
+from posttrain.infra import mesh as mesh_lib  # noqa: E402
+from posttrain.checkpoints.load import export_hf, load_hf_dir  # noqa: E402
 from posttrain.model import moe as moe_lib  # noqa: E402
 from posttrain.model.presets import get_preset  # noqa: E402
 from posttrain.model.transformer import Transformer  # noqa: E402
-from posttrain.partitioning import create_sharded  # noqa: E402
-from posttrain.sampler import SamplingParams, sample  # noqa: E402
+from posttrain.infra.partitioning import create_sharded  # noqa: E402
+from posttrain.rollout.sampler import SamplingParams, sample  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/
 from helpers import random_model  # noqa: E402

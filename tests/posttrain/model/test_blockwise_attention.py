@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.model import flash
+from posttrain.model import blockwise_attention as flash
 from posttrain.model.attention import Source, gqa_combine, gqa_logits, multi_source_attention
-from posttrain.model.flash import RowIds, block_mask, blockwise_attention, live_blocks, self_mask
+from posttrain.model.blockwise_attention import RowIds, block_mask, blockwise_attention, live_blocks, self_mask
 from helpers import random_model
 
 T = 45  # not a multiple of any block used below

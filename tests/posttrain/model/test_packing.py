@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from posttrain.model.transformer import attention_mask
-from posttrain.sampler import SamplingParams, pad_prompts, sample
-from posttrain.tokenizer import completion_lengths, mask_from_lengths
+from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
+from posttrain.model.tokenizer import completion_lengths, mask_from_lengths
 from helpers import random_model
 
 EOS = PAD = 2

@@ -13,7 +13,7 @@ from flax import nnx
 
 from posttrain.checkpoints import load_pretrained
 
-from posttrain.sampler import SamplingParams, pad_prompts, sample
+from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

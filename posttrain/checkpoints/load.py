@@ -1,0 +1,316 @@
+"""Load pretrained weights (HF safetensors directory or GGUF file) into a sharded nnx state (export: `export.py`).
+
+`load_pretrained(path, mesh=...)` is the one entry point the CLI, sampler and trainer use. Parameters are placed
+one at a time with `jax.make_array_from_callback`, directly in their final sharding; HF tensors are read (and fp8
+ones dequantised) inside the callback, one layer at a time for the shard it asks for (`Lazy`), so the whole model is
+never in host memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import pathlib
+from typing import Callable, Mapping, NamedTuple
+
+import jax
+import numpy as np
+from flax import nnx
+
+from posttrain.infra import mesh as mesh_lib
+from posttrain.checkpoints import fp8 as fp8_lib
+from posttrain.checkpoints import hf as hf_lib
+from posttrain.checkpoints import hf_config as hf_config_lib
+from posttrain.model.config import ModelConfig
+from posttrain.model.layers import LoRAParam
+from posttrain.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+
+class Pretrained(NamedTuple):
+    """A loaded model: its config, nnx graphdef and state (params + other variables), and tokenizer (or None)."""
+
+    config: ModelConfig
+    graphdef: object
+    state: object
+    tokenizer: object
+
+
+# --------------------------------------------------------------------------------------------- reading
+class SafetensorsDir:
+    """Lazy tensor access over `model.safetensors` or an index of shards. Raises ValueError when unreadable."""
+
+    def __init__(self, path: pathlib.Path):
+        from safetensors import safe_open
+
+        self.path = path
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.safetensors files")
+        self.handles, self.where, self.headers = {}, {}, {}
+        for f in files:
+            try:
+                h = safe_open(str(path / f), framework="flax")
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise ValueError(f"{path / f}: not a readable safetensors file ({e})") from e
+            self.handles[f] = h
+            for k in h.keys():
+                self.where[k] = f
+        if weight_map:
+            missing = sorted(set(weight_map) - set(self.where))
+            if missing:
+                raise ValueError(f"{index}: tensors listed but absent from the shards, e.g. {missing[:3]}")
+
+    def __contains__(self, name):
+        return name in self.where
+
+    def keys(self):
+        return self.where.keys()
+
+    def shape(self, name) -> tuple:
+        """The stored shape of `name`, from the header (nothing is read)."""
+        return tuple(self.handles[self.where[name]].get_slice(name).get_shape())
+
+    def dtype(self, name) -> str:
+        """The safetensors dtype code of `name` (F32, BF16, F8_E4M3, ...), from the header."""
+        return self.handles[self.where[name]].get_slice(name).get_dtype()
+
+    def __getitem__(self, name) -> np.ndarray:
+        try:
+            f = self.where[name]
+            if self.dtype(name) in fp8_lib.RAW_DTYPES:  # safetensors has no NumPy path for float8
+                if f not in self.headers:
+                    self.headers[f] = fp8_lib.read_header(self.path / f)
+                return fp8_lib.read_raw(self.path / f, self.headers[f], name)
+            return np.asarray(self.handles[f].get_tensor(name))
+        except KeyError:
+            raise
+        except Exception as e:
+            raise ValueError(f"{self.path}: tensor {name!r} could not be read ({e})") from e
+
+
+class Lazy(NamedTuple):
+    """One parameter, read when placed: `shape` (ours; [L, ...] for stacked blocks) and `read(index)` -> the
+    np.ndarray at `index` (a tuple of slices, as `jax.make_array_from_callback` passes), reading only the layers the
+    index covers, one HF tensor at a time."""
+
+    shape: tuple
+    read: Callable
+
+
+def _shape(tensors, name) -> tuple:
+    return tuple(tensors.shape(name)) if hasattr(tensors, "shape") else tuple(np.shape(tensors[name]))
+
+
+def _read_top(tensors, rule, names, j, index):
+    return np.asarray(rule.to_ours([tensors[n] for n in names])[j])[index]
+
+
+def _read_stacked(tensors, rule, layers, j, index):
+    out = None
+    rows = range(len(layers))[index[0]]
+    for k, i in enumerate(rows):  # one layer at a time; only this shard's slice is kept
+        a = np.asarray(rule.to_ours([tensors[n] for n in layers[i]])[j])[index[1:]]
+        out = np.empty((len(rows),) + a.shape, a.dtype) if out is None else out
+        out[k] = a
+    return out
+
+
+def hf_to_arrays(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], expected: Mapping[tuple, tuple], *,
+                 rope_interleave: bool = True, used: set | None = None) -> dict:
+    """{our param path tuple: `Lazy`} from HF-named tensors, validated against `expected` (per-layer) shapes.
+
+    Names and shapes are checked up front from `tensors.shape(name)` when it has one (headers, nothing read); the
+    tensors themselves are read when `place` asks for each parameter (`Lazy.read`), so the host never holds more
+    than one layer's tensor of one parameter plus the shard being placed. A rule with two outputs (DeepSeek's
+    kv_b_proj -> k_b_proj, v_b_proj) reads its tensor once per output.
+    rope_interleave: DeepSeek's config.json `rope_interleave`; used: when given, the names read are added to it.
+    Raises:
+      ValueError: a missing tensor (named) or a shape mismatch (tensor name, expected and found shapes).
+    """
+    family = hf_lib.hf_family(cfg)
+    used = set() if used is None else used
+
+    def hf_shapes(rule, our_prefix):  # the HF shapes the config implies (zero-stride views: nothing allocated)
+        want = [expected[our_prefix + tuple(o.split("."))] for o in rule.ours]
+        return [tuple(w.shape) for w in rule.to_hf([np.broadcast_to(np.float32(0), s) for s in want])]
+
+    def checked(rule, prefix, our_prefix, shapes):
+        names = [prefix + n for n in rule.hf]
+        used.update(names)
+        for n, w in zip(names, shapes):
+            if n not in tensors:
+                raise ValueError(f"missing tensor {n!r} (needed for {cfg.name or family} {our_prefix}{rule.ours})")
+            if _shape(tensors, n) != w:
+                raise ValueError(f"tensor {n!r}: expected shape {w} from the config, found {_shape(tensors, n)}")
+        return names
+
+    out = {}
+    for rule in hf_lib.top_table(cfg):
+        names = checked(rule, "", (), hf_shapes(rule, ()))
+        for j, o in enumerate(rule.ours):
+            path = tuple(o.split("."))
+            out[path] = Lazy(tuple(expected[path]), functools.partial(_read_top, tensors, rule, names, j))
+    for stack, first, num, is_moe in hf_lib.block_layout(cfg):
+        for rule in hf_lib.layer_table(cfg, family, is_moe, rope_interleave):
+            shapes = hf_shapes(rule, (stack,))
+            layers = [checked(rule, f"model.layers.{first + i}.", (stack,), shapes) for i in range(num)]
+            for j, o in enumerate(rule.ours):
+                path = (stack,) + tuple(o.split("."))
+                out[path] = Lazy((num,) + tuple(expected[path]),
+                                 functools.partial(_read_stacked, tensors, rule, layers, j))
+    return out
+
+
+def arrays_to_hf(cfg: ModelConfig, arrays: Mapping[tuple, np.ndarray]) -> dict[str, np.ndarray]:
+    """Inverse of `hf_to_arrays`: HF-named tensors from our param arrays."""
+    family = hf_lib.hf_family(cfg)
+    out = {}
+    for rule in hf_lib.top_table(cfg):
+        for n, a in zip(rule.hf, rule.to_hf([arrays[tuple(o.split("."))] for o in rule.ours])):
+            out[n] = a
+    for stack, first, num, is_moe in hf_lib.block_layout(cfg):
+        for rule in hf_lib.layer_table(cfg, family, is_moe):
+            for i in range(num):
+                ours = [arrays[(stack,) + tuple(o.split("."))][i] for o in rule.ours]
+                for n, a in zip(rule.hf, rule.to_hf(ours)):
+                    out[f"model.layers.{first + i}.{n}"] = a
+    return out
+
+
+# --------------------------------------------------------------------------------------------- placing
+def place(cfg: ModelConfig, arrays_fn: Callable[[dict], dict], mesh=None, rules=mesh_lib.RULES, seed: int = 0):
+    """Builds the abstract model, gets {path: np.ndarray or `Lazy`} from `arrays_fn(expected_shapes)`, and places
+    each parameter sharded (a `Lazy` one is read inside `jax.make_array_from_callback`, one shard at a time)."""
+    import jax.numpy as jnp
+
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
+    graphdef, abstract_state = nnx.split(abstract)
+    mesh = mesh if mesh is not None else mesh_lib.make_mesh({"fsdp": 1}, jax.devices()[:1])
+    shardings = mesh_lib.state_shardings(abstract_state, mesh, rules)
+    flat_abs = dict(nnx.to_flat_state(abstract_state))
+    flat_sh = dict(nnx.to_flat_state(shardings))
+    # per-layer shapes for stacked blocks (the table converts one layer at a time)
+    expected = {path: tuple(v.shape[1:] if path[0].endswith("_layers") else v.shape) for path, v in flat_abs.items()}
+    arrays = dict(arrays_fn(expected))
+    leaves = []
+    rng = np.random.default_rng(seed)
+    for path, v in flat_abs.items():
+        if path not in arrays and isinstance(v, LoRAParam):  # fresh adapters: A Gaussian (fan-in), B zero
+            fan_in = v.shape[-2]
+            arrays[path] = (rng.standard_normal(v.shape) * fan_in ** -0.5 if path[-1].endswith("_lora_a")
+                            else np.zeros(v.shape))
+        if path not in arrays:
+            raise ValueError(f"no weights for parameter {'/'.join(map(str, path))}")
+        got, dtype = arrays.pop(path), jnp.dtype(v.dtype)
+        if isinstance(got, Lazy):  # read per shard, straight into its final sharding
+            shape, read = got.shape, lambda i, r=got.read, d=dtype: np.asarray(r(i)).astype(d)
+        else:
+            host = np.asarray(got).astype(dtype)
+            shape, read = host.shape, lambda i, h=host: h[i]
+        if tuple(shape) != tuple(v.shape):
+            raise ValueError(f"parameter {'/'.join(map(str, path))}: expected shape {tuple(v.shape)}, got {shape}")
+        sharding = flat_sh[path].get_value() if isinstance(flat_sh[path], nnx.Variable) else flat_sh[path]
+        leaves.append((path, v.replace(jax.make_array_from_callback(tuple(shape), sharding, read))))
+    return graphdef, nnx.from_flat_state(leaves)
+
+
+def _tied_head(cfg: ModelConfig, tensors) -> ModelConfig:
+    """transformers' rule for a tied config whose file also holds `lm_head.weight`: equal to the embedding -> tied;
+    different -> untied, the file's head is used (`PreTrainedModel.tie_weights` skips the tie, with a warning)."""
+    if not cfg.tie_embeddings or "lm_head.weight" not in tensors:
+        return cfg
+    if np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+        return cfg
+    log.warning("tie_word_embeddings is true but the file's lm_head.weight differs from the embedding: loading it "
+                "untied, as transformers does")
+    return dataclasses.replace(cfg, tie_embeddings=False)
+
+
+def load_hf_dir(path, *, mesh=None, rules=mesh_lib.RULES, dtype: str | None = None, param_dtype: str | None = None,
+                **overrides) -> Pretrained:
+    """Loads config.json + safetensors (+ tokenizer files when present) from an HF model directory.
+
+    dtype / param_dtype: compute and storage dtypes; None (default) means the checkpoint's dtype (config.json
+    `dtype` / `torch_dtype`, float32 when absent). overrides: other ModelConfig fields.
+    FP8 block-quantised files (config.json `quantization_config` fp8 with `weight_block_size`, DeepSeek-V3 /
+    Kimi K2) are dequantised tensor by tensor as they are placed (`posttrain.checkpoints.fp8`); their
+    `*_scale_inv` tensors count as used, and the MTP layers' ones are skipped with the layers.
+    Raises FileNotFoundError (no config.json / safetensors) and ValueError (unsupported config value, missing,
+    misshapen or unused tensor, fp8 weight without its scale or with a misshapen one; each named).
+    """
+    path = pathlib.Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}: no config.json (expected an HF model directory or a .gguf file)")
+    hf_config = json.loads((path / "config.json").read_text())
+    cfg = hf_lib.config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype)
+    norm = hf_config_lib.normalized(hf_config)
+    tensors = fp8_lib.Dequantized(SafetensorsDir(path), norm["weight_block_size"])
+    cfg = dataclasses.replace(_tied_head(cfg, tensors), **overrides)
+    used = {"lm_head.weight"} if cfg.tie_embeddings else set()  # equal to the embedding (checked above)
+    graphdef, state = place(cfg, lambda expected: hf_to_arrays(
+        cfg, tensors, expected, rope_interleave=bool(norm.get("rope_interleave", True)), used=used), mesh, rules)
+    hf_lib.check_unused(tensors.keys(), used | tensors.scales_of(used), cfg.num_layers,
+                        norm.get("num_mtp_layers") or 0)
+    tokenizer = None
+    if (path / "tokenizer.json").exists():
+        from posttrain.model.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_hf_dir(path)
+    return Pretrained(cfg, graphdef, state, tokenizer)
+
+
+def gguf_file_dtype(tensor_types: Mapping[str, int]) -> str:
+    """The dtype a GGUF file's weights are stored in: float16 / bfloat16 when every non-F32 tensor is F16 / BF16
+    (norms stay F32 in such files), else float32 (quantized blocks dequantize exactly to float32)."""
+    kinds = set(tensor_types) - {"F32"}
+    return {frozenset({"F16"}): "float16", frozenset({"BF16"}): "bfloat16"}.get(frozenset(kinds), "float32")
+
+
+def load_gguf_file(path, *, mesh=None, rules=mesh_lib.RULES, dtype: str | None = None,
+                   param_dtype: str | None = None, **overrides) -> Pretrained:
+    """Loads a GGUF file (dequantized through the `gguf` package) and its embedded tokenizer.
+
+    dtype / param_dtype: None (default) means the file's dtype (`gguf_file_dtype`)."""
+    from posttrain.checkpoints import gguf as gguf_lib
+
+    ckpt = gguf_lib.load_gguf(path)
+    own = gguf_file_dtype(ckpt.metadata["tensor_types"])
+    cfg = dataclasses.replace(hf_lib.config_from_hf(ckpt.hf_config, dtype=dtype or own,
+                                                    param_dtype=param_dtype or own), **overrides)
+    graphdef, state = place(cfg, lambda expected: hf_to_arrays(cfg, ckpt.state_dict, expected), mesh, rules)
+    return Pretrained(cfg, graphdef, state, ckpt.tokenizer)
+
+
+def load_pretrained(path=None, **kwargs) -> Pretrained:
+    """A `.gguf` file or an HF directory; None means the default model (SmolLM2-135M-Instruct GGUF).
+
+    kwargs: mesh (parameters are placed sharded on it), rules (the logical-axis rules, default `mesh.RULES`),
+    dtype, param_dtype, and any other ModelConfig field to
+    override (e.g. remat="full", lora=LoRAConfig(rank=16)); LoRA adapters absent from the checkpoint start fresh.
+    """
+    if path is None:
+        from posttrain.checkpoints import gguf as gguf_lib
+
+        path = gguf_lib.default_model_path()
+    path = pathlib.Path(path)
+    if path.is_dir():
+        return load_hf_dir(path, **kwargs)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such model file or directory")
+    return load_gguf_file(path, **kwargs)
+
+
+def export_hf(cfg: ModelConfig, state, out_dir, **kwargs) -> pathlib.Path:
+    """`posttrain.checkpoints.export.export_hf` (a complete HF model directory); kept here for old imports."""
+    from posttrain.checkpoints.export import export_hf as export
+
+    return export(cfg, state, out_dir, **kwargs)

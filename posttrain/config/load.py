@@ -1,0 +1,245 @@
+"""Loading a run configuration: an ml-collections ConfigDict -> a validated, frozen `Config` (`schema.py`).
+
+`configs/*.py` files define `get_config() -> ml_collections.ConfigDict`; the CLI applies `--config.a.b=v`
+overrides; `from_config_dict` turns the result into a frozen `Config`, rejecting unknown keys, wrong types,
+out-of-range numbers and unknown names of what lives below this package (dtypes, remat modes, kernels) with one
+`ConfigError` that names the key path. Names of registries above it (advantages, policy losses, KL estimators,
+aggregations, optimizers, schedules, eval scorers) are checked against the registries themselves by
+`posttrain.recipes.run_plan.make_run_plan`. This is the only module that knows ml_collections.
+"""
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import fnmatch
+import os
+import types
+import typing
+from typing import Any, Mapping
+
+from posttrain.config.schema import Config
+
+_CHOICES = {
+    ("rl", "advantage"): ("grpo", "dr_grpo", "rloo"),
+    ("rl", "loss"): ("ppo", "gspo"),
+    ("rl", "kl_estimator"): ("k1", "k2", "k3"),
+    ("rl", "aggregation"): ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+    ("rl", "routing_replay"): ("off", "replay"),
+    ("optim", "schedule"): ("constant", "cosine", "linear"),
+    ("optim", "name"): ("adamw", "adam", "sgd"),
+    ("eval", "scorer"): ("env", "last_integer"),
+    ("model", "remat"): ("none", "dots", "names", "full"),
+    ("model", "dtype"): ("auto", "float32", "bfloat16", "float16"),
+    ("model", "param_dtype"): ("auto", "float32", "bfloat16", "float16"),
+    ("model", "matmul_precision"): ("default", "high", "highest"),
+    ("model", "moe_gmm_impl"): ("auto", "ragged", "padded", "megablox"),
+    ("model", "attention_impl"): ("auto", "blockwise", "splash", "pallas_gpu", "dense"),
+    ("model", "grad_dtype"): ("param", "compute"),
+}
+_POSITIVE = (">= 1", lambda v: v >= 1)
+_NONNEGATIVE = (">= 0", lambda v: v >= 0)
+# (section, key) -> (what is allowed, check): every numeric setting with a bounded range, checked before any work
+_RANGES = {
+    **{("rl", k): _POSITIVE for k in ("group_size", "prompts_per_step", "num_microbatches", "ppo_epochs",
+                                      "minibatches")},
+    ("sampling", "max_new_tokens"): _POSITIVE, ("train", "steps"): _POSITIVE, ("eval", "batch_size"): _POSITIVE,
+    ("train", "max_nonfinite_skips"): _POSITIVE, ("env", "max_turns"): _POSITIVE, ("checkpoint", "keep"): _POSITIVE,
+    ("checkpoint", "every_steps"): _POSITIVE, ("eval", "max_new_tokens"): _POSITIVE,
+    ("sampling", "prompt_bucket"): _POSITIVE,
+    ("sampling", "temperature"): (">= 0 (0: greedy)", lambda v: v >= 0),
+    ("sampling", "top_p"): ("in (0, 1] (1: off)", lambda v: 0 < v <= 1),
+    ("sampling", "top_k"): (">= 0 (0: off)", lambda v: v >= 0),
+    ("sampling", "decode_shrink_steps"): _NONNEGATIVE,
+    ("model", "moe_capacity_factor"): (">= 0 (0: dropless)", lambda v: v >= 0),
+    ("model", "moe_ep_capacity_factor"): ("> 0", lambda v: v > 0),
+    ("eval", "temperature"): (">= 0 (0: greedy)", lambda v: v >= 0),
+    ("rl", "eps_low"): ("in [0, 1)", lambda v: 0 <= v < 1),
+    ("rl", "eps_high"): _NONNEGATIVE, ("rl", "beta"): _NONNEGATIVE, ("rl", "norm_constant"): _NONNEGATIVE,
+    ("rl", "tis_cap"): (">= 0 (0: off)", lambda v: v >= 0),
+    ("rl", "dual_clip_c"): ("0 (off) or > 1", lambda v: v == 0 or v > 1),
+    ("rl", "max_resample_rounds"): _NONNEGATIVE,
+    ("optim", "lr"): ("> 0", lambda v: v > 0), ("optim", "weight_decay"): _NONNEGATIVE,
+    ("optim", "grad_clip_norm"): (">= 0 (0: off)", lambda v: v >= 0), ("optim", "warmup_steps"): _NONNEGATIVE,
+    ("optim", "b1"): ("in [0, 1)", lambda v: 0 <= v < 1), ("optim", "b2"): ("in [0, 1)", lambda v: 0 <= v < 1),
+    ("optim", "eps"): ("> 0", lambda v: v > 0), ("optim", "min_lr_ratio"): ("in [0, 1]", lambda v: 0 <= v <= 1),
+    ("env", "num_workers"): _NONNEGATIVE, ("env", "step_timeout_s"): ("> 0", lambda v: v > 0),
+    ("train", "max_train_seconds"): _NONNEGATIVE, ("train", "log_every"): _POSITIVE,
+    ("eval", "num_tasks"): _POSITIVE, ("eval", "every_steps"): _NONNEGATIVE,
+    **{("mesh", k): ("-1 (the remaining devices) or >= 1", lambda v: v == -1 or v >= 1)
+       for k in ("data", "fsdp", "tensor", "expert")},
+}
+
+
+class ConfigError(ValueError):
+    """A config key or value is invalid; the message names the dotted key path."""
+
+
+def _convert(cls, value, path: str):
+    origin = typing.get_origin(cls)
+    if dataclasses.is_dataclass(cls):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(value).__name__}")
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {[f'{path}.{k}'.lstrip('.') for k in unknown]}; "
+                              f"valid keys under {path or 'config'}: {sorted(names)}")
+        kwargs = {k: _convert(hints[k], v, f"{path}.{k}".lstrip(".")) for k, v in value.items()}
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as e:  # the dataclass's own validation
+            raise ConfigError(f"{path or 'config'}: {' '.join(str(e).split())}") from e
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(cls)
+        if value is None and type(None) in args:
+            return None
+        return _convert(next(a for a in args if a is not type(None)), value, path)
+    if origin is tuple:
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list/tuple, got {value!r}")
+        return tuple(value)
+    if origin in (Mapping, dict, collections.abc.Mapping) or cls is Mapping:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        item = typing.get_args(cls)[1] if typing.get_args(cls) else Any
+        return {k: (_convert(item, v, f"{path}.{k}") if item is not Any else _plain(v)) for k, v in value.items()}
+    if cls is Any:
+        return _plain(value)
+    if cls is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if cls in (int, float, str, bool) and (not isinstance(value, cls) or (cls is int and isinstance(value, bool))):
+        raise ConfigError(f"{path}: expected {cls.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _plain(v):
+    """ConfigDict/FrozenConfigDict -> nested dict (for free-form kwargs)."""
+    if isinstance(v, Mapping) or hasattr(v, "to_dict"):
+        d = v.to_dict() if hasattr(v, "to_dict") else v
+        return {k: _plain(x) for k, x in d.items()}
+    if isinstance(v, list):
+        return tuple(_plain(x) for x in v)
+    return v
+
+
+def from_config_dict(cd) -> Config:
+    """Converts a ConfigDict (or plain nested dict) into a validated, frozen `Config`.
+
+    Raises:
+      ConfigError: unknown keys, wrong types, out-of-range or unknown choice values (names the key path).
+    """
+    raw = cd.to_dict() if hasattr(cd, "to_dict") else dict(cd)
+    cfg = _convert(Config, raw, "")
+    for (section, key), choices in _CHOICES.items():
+        value = getattr(getattr(cfg, section), key)
+        if value not in choices:
+            raise ConfigError(f"{section}.{key}={value!r}; expected one of {choices}")
+    for (section, key), (allowed, ok) in _RANGES.items():
+        value = getattr(getattr(cfg, section), key)
+        if not ok(value):
+            raise ConfigError(f"{section}.{key}={value!r} is out of range: must be {allowed}")
+    try:
+        from posttrain.infra import mesh as mesh_lib
+        mesh_lib.rules_with_overrides(cfg.mesh.rules)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"mesh.rules={dict(cfg.mesh.rules)!r}: {e}") from None
+    free = [k for k in ("data", "fsdp", "tensor", "expert") if getattr(cfg.mesh, k) == -1]
+    if len(free) > 1:
+        raise ConfigError(f"mesh: at most one axis may be -1, got {['mesh.' + k for k in free]}")
+    if cfg.env.domains:
+        cfg = _keep_domains(cfg)
+    if not cfg.env.train:
+        raise ConfigError("env.train is empty: name at least one environment, e.g. posttrain/Arithmetic-v0")
+    from posttrain.model.config import REMAT_NAMES
+
+    if set(cfg.model.remat_names) - set(REMAT_NAMES):
+        raise ConfigError(f"model.remat_names={list(cfg.model.remat_names)}; each must be one of {REMAT_NAMES}")
+    if cfg.model.path and cfg.model.preset:
+        raise ConfigError("set at most one of model.path and model.preset")
+    if cfg.model.path and not os.path.exists(cfg.model.path):
+        raise ConfigError(f"model.path={cfg.model.path!r}: no such file or directory (a .gguf file or an HF "
+                          "model directory)")
+    return cfg
+
+
+def _keep_domains(cfg: Config) -> Config:
+    """`cfg` with env.train and env.eval cut to the names matching a pattern of `env.domains`. Raises ConfigError
+    on an empty pattern list or a pattern that matches no env.train name."""
+    patterns = [p.strip() for p in cfg.env.domains.split(",") if p.strip()]
+    if not patterns:
+        raise ConfigError(f"env.domains={cfg.env.domains!r}: no pattern (comma-separated names or fnmatch patterns)")
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in cfg.env.train):
+            raise ConfigError(f"env.domains: pattern {pattern!r} matches no env.train name; names: "
+                              f"{sorted(cfg.env.train)}")
+
+    def keep(specs):
+        return {n: s for n, s in specs.items() if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+
+    return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, train=keep(cfg.env.train),
+                                                            eval=keep(cfg.env.eval)))
+
+
+def to_dict(cfg: Config) -> dict:
+    """Plain nested dict of a Config (JSON-serialisable; stored with checkpoints)."""
+    return dataclasses.asdict(cfg)
+
+
+def default_config():
+    """An `ml_collections.ConfigDict` holding every default of `Config` (the base that configs/*.py edit).
+
+    Example (a config file)::
+
+        from posttrain.config import default_config, env_spec
+        def get_config():
+            c = default_config()
+            c.env.train = {"arithmetic": env_spec("posttrain/Arithmetic-v0", split="train")}
+            return c
+    """
+    import ml_collections
+
+    return ml_collections.ConfigDict(to_dict(Config()))
+
+
+def env_spec(env_id: str, weight: float = 1.0, **kwargs):
+    """A ConfigDict for one entry of `env.train` / `env.eval`: an env id, its mix weight and constructor kwargs."""
+    import ml_collections
+
+    return ml_collections.ConfigDict({"id": env_id, "weight": weight, "kwargs": kwargs})
+
+
+# `mesh.rules` for MLA models on large meshes (DeepSeek-V3, Kimi K2): the latent projections' logical axes are
+# replicated by default; split over fsdp instead (replicated, DeepSeek-V3's q_b_proj alone took 8 GiB of float32
+# weights per device, and as much again per Adam moment and gradient)
+MLA_LATENTS_OVER_FSDP = {"q_lora": "fsdp", "kv_lora": "fsdp"}
+
+
+def plan_config(preset: str, variant: str = "full", *, mesh: Mapping[str, int] | None = None,
+                rules: Mapping[str, Any] | None = None):
+    """The config of a `posttrain plan` dry run (configs/plan/*.py) for a model preset: one GRPO step on a global
+    batch of 256 sequences x 4096 tokens (16 prompts x 16 samples, unpacked rows of 512 prompt tokens (plan's
+    default `--prompt_len=512`) + 3584 completion tokens), bf16 compute, full remat, no accumulation microbatches.
+
+    variant "full": float32 master weights and Adam moments; "lora": rank-64 adapters on the dense projections,
+    frozen bf16 base weights, 4 accumulation microbatches (select it with `--config=configs/plan/<model>.py:lora`).
+    mesh: axis sizes (default all devices on fsdp); rules: `mesh.rules` overlays. Raises ConfigError for another
+    variant.
+    """
+    if variant not in ("full", "lora"):
+        raise ConfigError(f"plan variant {variant!r}: expected 'full' or 'lora' (--config=configs/plan/<model>.py:lora)")
+    c = default_config()
+    c.model.preset = preset
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "float32" if variant == "full" else "bfloat16"
+    c.model.remat = "full"
+    c.env.train = {"arithmetic": env_spec("posttrain/Arithmetic-v0")}  # a plan compiles the step only
+    c.rl.prompts_per_step, c.rl.group_size, c.rl.packed = 16, 16, False  # 256 rows: one per device on 256
+    c.sampling.max_new_tokens = 4096 - 512
+    for axis, size in dict(mesh or {"fsdp": -1}).items():
+        setattr(c.mesh, axis, size)
+    c.mesh.rules = dict(rules or {})
+    if variant == "lora":  # sized for 64 devices (v5p-128): 4 rows each, one per accumulation microbatch
+        c.lora.rank, c.lora.alpha, c.rl.num_microbatches = 64, 128.0, 4
+    return c
+

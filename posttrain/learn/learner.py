@@ -1,0 +1,144 @@
+"""The update phase: the train state, its jitted GRPO step with explicit in/out shardings, and its checkpoints.
+
+A `Learner` holds what updates need and nothing rollouts need: the plan, the mesh, the model config and graphdef,
+the `TrainState` (replaced by every update: the old one is donated), the shardings of state and batch, the jitted
+step and the checkpointer. `update(batch)` places a host `RolloutBatch` (the full global batch, the same on every
+process) on the mesh, runs one step and returns its metrics as floats; `policy()` gives the rollouter the current
+policy states; `save` / `restore` write and read the state with the rollouter's resumable state as metadata.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import re
+from typing import Any, Callable, Mapping
+
+import jax
+
+from posttrain.infra import distributed
+from posttrain.infra import mesh as mesh_lib
+from posttrain.infra import metrics as metrics_lib
+from posttrain.learn import optim
+from posttrain.algos.grpo import step as ts
+from posttrain.checkpoints.orbax import Checkpointer
+from posttrain.config import to_dict
+from posttrain.recipes.run_plan import RunPlan, with_moe
+from posttrain.types import RolloutBatch, TrainState
+
+
+def batch_shardings(mesh, batch: RolloutBatch | None = None, rules=mesh_lib.RULES) -> RolloutBatch:
+    """A RolloutBatch of NamedShardings: rows / samples split over the mesh's batch shards. Of `batch`'s arrays
+    when given; else of every field by its dimension suffix (`_RxL`: 2 dims, `_N`: 1), with None (the argument's
+    own placement) for the optional fields (default None), so a new field needs no change here."""
+    if batch is not None:
+        return jax.tree.map(lambda x: mesh_lib.batch_sharding(mesh, x.ndim, rules), batch)
+    fields = {}
+    for f in dataclasses.fields(RolloutBatch):
+        dims = re.fullmatch(r".+_([A-Za-z][a-z]?(?:x[A-Za-z][a-z]?)*)", f.name)
+        if f.default is None:
+            fields[f.name] = None
+        elif dims is None:
+            raise ValueError(f"RolloutBatch field {f.name!r} needs a dimension suffix (e.g. _NxC) or a None default")
+        else:
+            fields[f.name] = mesh_lib.batch_sharding(mesh, len(dims.group(1).split("x")), rules)
+    return RolloutBatch(**fields)
+
+
+def trim_host_heap() -> None:
+    """Returns freed heap pages to the OS (glibc `malloc_trim`; a no-op elsewhere). Called before a checkpoint
+    save: the train step's freed temporaries otherwise stay resident while orbax allocates its host copies on
+    top of them, raising the peak RSS of a CPU run."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclasses.dataclass
+class Learner:
+    """The update phase of a run (see the module docstring). `nonfinite_run`: consecutive updates skipped for a
+    non-finite loss or gradient, up to the last one."""
+
+    plan: RunPlan
+    mesh: jax.sharding.Mesh
+    model_config: Any  # posttrain.model.config.ModelConfig
+    graphdef: Any  # nnx.GraphDef that merges `policy()`
+    state: TrainState
+    state_shardings: TrainState  # of NamedSharding
+    batch_shardings: RolloutBatch  # of NamedSharding (None: optional field, placed as given)
+    step_fn: Callable[[TrainState, RolloutBatch], tuple[TrainState, dict]]  # jitted, state donated
+    checkpointer: Checkpointer
+    nonfinite_run: int = 0
+
+    @classmethod
+    def create(cls, plan: RunPlan, mesh, model_config, graphdef, weights) -> "Learner":
+        """A fresh train state from the loaded model (`graphdef`, `weights`: its nnx state) and the plan's
+        optimizer, step options (with the model's MoE coefficients) and checkpoint settings."""
+        cfg, o = plan.cfg, plan.cfg.optim
+        opts = with_moe(plan.step_options, cfg, model_config.moe)
+        opt = optim.make_optimizer(o.name, lr=o.lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
+                                   grad_clip_norm=o.grad_clip_norm or None, warmup_steps=o.warmup_steps,
+                                   total_steps=cfg.train.steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
+        with jax.set_mesh(mesh):
+            graphdef, state = ts.create_train_state(graphdef, weights, opt.tx, jax.random.key(cfg.train.seed), opts,
+                                                    need_reference=cfg.rl.beta > 0)
+        state_sh = jax.tree.map(lambda x: x.sharding, state)
+        batch_sh = batch_shardings(mesh, rules=plan.rules)
+        step_fn = ts.jit_train_step(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts), state_sh, batch_sh)
+        ckpt = Checkpointer(plan.workdir / "checkpoints", every_steps=cfg.checkpoint.every_steps,
+                            keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+        return cls(plan=plan, mesh=mesh, model_config=model_config, graphdef=graphdef, state=state,
+                   state_shardings=state_sh, batch_shardings=batch_sh, step_fn=step_fn, checkpointer=ckpt)
+
+    @property
+    def step(self) -> int:
+        """Completed optimizer updates."""
+        return int(self.state.step)
+
+    @property
+    def rng(self) -> jax.Array:
+        """The run's PRNG key (the rollouter folds the step into it)."""
+        return self.state.rng
+
+    def policy(self) -> tuple:
+        """The current policy's nnx states, in `graphdef`'s split order (adapters, base, rest under LoRA)."""
+        return ts.model_states(self.state.params, self.state.frozen)
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """One train step on a host batch; returns its metrics. A skipped (non-finite) update is logged and
+        counted in `nonfinite_run`."""
+        placed = jax.tree.map(distributed.global_array, batch, batch_shardings(self.mesh, batch, self.plan.rules))
+        with jax.set_mesh(self.mesh):
+            self.state, m = self.step_fn(self.state, placed)
+        m = {k: float(v) for k, v in jax.device_get(m).items()}
+        self.nonfinite_run = self.nonfinite_run + 1 if m.get("policy/skipped_nonfinite", 0.0) > 0 else 0
+        if self.nonfinite_run:
+            metrics_lib.log.warning("step %d: non-finite loss or gradient (loss=%s, grad_norm=%s): update skipped "
+                                    "(%d in a row)", self.step, m.get("policy/loss"), m.get("optim/grad_norm"),
+                                    self.nonfinite_run)
+        return m
+
+    def restore(self) -> dict | None:
+        """Restores the newest usable checkpoint (falling back past a corrupt one) into `state`; returns its
+        metadata (the rollouter's state, the config), or None when there is none."""
+        if self.checkpointer.latest_step() is None:
+            return None
+        self.state, meta = self.checkpointer.restore(None, self.state)
+        return meta
+
+    def save(self, rollout_state: Mapping, *, force: bool = False) -> None:
+        """Saves the state at its step when the checkpoint interval says so (or `force`), with the rollouter's
+        state and the config as metadata."""
+        if force or self.checkpointer.should_save(self.step):
+            trim_host_heap()
+            self.checkpointer.save(self.step, self.state, {**rollout_state, "config": to_dict(self.plan.cfg)},
+                                   force=force)
+
+    def wait(self) -> None:
+        """Blocks until pending (async) saves are on disk."""
+        self.checkpointer.wait()
+
+    def close(self) -> None:
+        """Waits for pending saves and closes the checkpointer."""
+        self.checkpointer.wait()
+        self.checkpointer.close()

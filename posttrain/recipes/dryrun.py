@@ -1,0 +1,245 @@
+"""`posttrain plan`: does this config's GRPO train step fit that machine? Answered by compiling it for the target
+topology on this machine (no weights allocated, no accelerator needed) and reading the compiled program.
+
+Targets: `cpu-N` (N local CPU devices; fake them with XLA_FLAGS=--xla_force_host_platform_device_count=N),
+`v5p-N` (Cloud TPU naming: N TensorCores = N/2 chips; needs the `tpu` extra), `h200xN` (N GPUs, 8 per host; needs
+the `aot` extra). The mesh is the config's `mesh` resolved for the target's device count, parameters are sharded by
+the same rules as training, and the step is the training step (policy loss, reference KL when configured,
+optimizer update), jitted with the same shardings and donation.
+
+Per device: parameter, optimizer and gradient bytes (from the shardings), the compiled program's temp bytes and
+peak (`aot.MemoryReport.peak`: arguments + outputs - aliases + the buffer assignment's temp allocation), peak vs
+HBM (fits at <= 90%), analytic model FLOPs (`posttrain.model.flops`; XLA's cost analysis counts a scanned layer once),
+a step-time estimate at the chip's published peak FLOP/s, the
+compile time, and whether XLA logged "Involuntary full rematerialization" (a sharding that forces whole arrays to
+be rematerialised), collective bytes by kind (`aot.collective_bytes`: scanned layers counted per trip), and the
+same for the rollout sampler (prefill + decode loop) unless `sampler=False`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import tempfile
+
+import jax
+import numpy as np
+
+from posttrain.infra import aot
+from posttrain.infra import mesh as mesh_lib
+_V5P_TOPOLOGIES = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
+                   512: "8x8x8", 1024: "8x8x16"}
+
+
+def target_devices(target: str):
+    """(devices, platform, hbm bytes per device, published bf16 peak FLOP/s per device or None) for a target name.
+
+    Raises ValueError for an unknown target or a device count the target cannot have, RuntimeError when the
+    compiler for the target is missing (the message names the install command).
+    """
+    kind, _, count = target.replace("x", "-", 1).partition("-") if target.startswith("h200x") else \
+        target.partition("-")
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"target {target!r}: expected cpu-N, v5p-N or h200xN")
+    n = int(count)
+    if kind == "cpu":
+        devices = jax.devices("cpu")
+        if len(devices) < n:
+            raise ValueError(f"target cpu-{n} needs {n} CPU devices, this process has {len(devices)}: set "
+                             f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting")
+        import psutil
+
+        return devices[:n], "cpu", psutil.virtual_memory().total // n, None
+    if kind == "v5p":
+        chips = n // 2
+        if n % 2 or chips not in _V5P_TOPOLOGIES:
+            raise ValueError(f"target v5p-{n}: v5p-N counts TensorCores (2 per chip); supported N: "
+                             f"{sorted(2 * c for c in _V5P_TOPOLOGIES)}")
+        t = aot.TARGETS["v5p"]
+        return aot.target_devices("v5p", "v5p:" + _V5P_TOPOLOGIES[chips]), "tpu", t.hbm_bytes, t.peak_bf16_flops
+    if kind == "h200":
+        hosts, per_host = (1, n) if n <= 8 else (n // 8, 8)
+        if hosts * per_host != n:
+            raise ValueError(f"target h200x{n}: more than 8 GPUs must be a multiple of 8 (8 per host)")
+        t = aot.TARGETS["h200"]
+        return aot.target_devices("h200", f"1x{hosts}x{per_host}"), "gpu", t.hbm_bytes, t.peak_bf16_flops
+    raise ValueError(f"unknown target {target!r}: expected cpu-N, v5p-N or h200xN")
+
+
+def abstract_train_state(model_cfg, tx, opts, mesh, rules=mesh_lib.RULES):
+    """(graphdef, abstract TrainState with shardings, its shardings) for `model_cfg` on `mesh` (nothing allocated)."""
+    from flax import nnx
+
+    from posttrain.algos.grpo import step as ts
+    from posttrain.model.transformer import Transformer
+
+    box = {}
+
+    def init():
+        graphdef, model_state = nnx.split(Transformer(model_cfg, rngs=nnx.Rngs(0)))
+        box["graphdef"], state = ts.create_train_state(graphdef, model_state, tx, jax.random.key(0), opts,
+                                                       need_reference=opts.loss.beta > 0)
+        return state
+
+    with jax.set_mesh(mesh):
+        state = jax.eval_shape(init)
+        shardings = mesh_lib.state_shardings(state, mesh, rules)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+    return box["graphdef"], abstract, shardings
+
+
+def abstract_batch(batch, mesh, rules=mesh_lib.RULES):
+    """(ShapeDtypeStructs of a numpy RolloutBatch with the batch sharding, the shardings)."""
+    shardings = jax.tree.map(lambda x: mesh_lib.batch_sharding(mesh, np.ndim(x), rules), batch)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=s),
+                        batch, shardings), shardings
+
+
+@contextlib.contextmanager
+def captured_stderr():
+    """Captures what C++ code writes to file descriptor 2 (XLA's warnings); yields a dict filled with "text"."""
+    out = {"text": ""}
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield out
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            out["text"] = tmp.read().decode(errors="replace")
+
+
+def compile_train_step(graphdef, state, state_sh, batch, batch_sh, mesh, tx, lr_schedule, opts,
+                       rules=mesh_lib.RULES):
+    """Lowers and compiles the donated train step for `mesh` (activation constraints by `rules`); returns
+    (MemoryReport, compile seconds, XLA log, collective bytes by kind per device: `aot.collective_bytes`)."""
+    from posttrain.algos.grpo import step as ts
+    from posttrain.infra.partitioning import use_rules
+
+    step = ts.make_train_step(graphdef, tx, lr_schedule, opts)
+    with jax.set_mesh(mesh), use_rules(rules):
+        lowered = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
+                          donate_argnums=(0,)).lower(state, batch)
+        with captured_stderr() as log:
+            compiled, report, seconds = aot.compile_with_report(lowered)
+    return report, seconds, log["text"], aot.collective_bytes(compiled.as_text())
+
+
+def compile_sampler(graphdef, policy, mesh, rules, *, prompts: int, prompt_len: int, group_size: int, params,
+                    shrink=(), record_routing: bool = False):
+    """Lowers and compiles the rollout sampler (`sampler.sample`: prefill, then the decode loop over
+    `model.decode_step`) for `mesh` with the policy's abstract states, as the rollouter calls it (prompts
+    replicated on entry, activations split by `rules`); returns (MemoryReport, compile seconds)."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from posttrain.infra.partitioning import use_rules
+    from posttrain.rollout.sampler import sample
+
+    rep = NamedSharding(mesh, PartitionSpec())
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    args = (jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32, sharding=rep),
+            jax.ShapeDtypeStruct((prompts,), jnp.int32, sharding=rep),
+            jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep))
+    with jax.set_mesh(mesh), use_rules(rules):
+        lowered = sample.lower(graphdef, policy, *args, group_size=group_size, params=params, stop_ids=(0,),
+                               pad_id=0, shrink=tuple(shrink), record_routing=record_routing)
+        _, report, seconds = aot.compile_with_report(lowered)
+    return report, seconds
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard of each leaf)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        itemsize = 8 if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else np.dtype(leaf.dtype).itemsize
+        total += math.prod(shape) * itemsize
+    return total
+
+
+def plan_train_step(cfg, target: str, *, prompt_len: int = 512, sampler: bool = True) -> dict:
+    """The per-device report of `cfg`'s train step on `target` (see the module doc) for one step's batch:
+    rl.prompts_per_step prompts of `prompt_len` tokens, each with rl.group_size completions of
+    sampling.max_new_tokens tokens, packed per rl.packed; with `sampler`, also the rollout sampler's compile for
+    the same prompts (`sample_*` keys; `fits` then needs both). Raises ConfigError for a config that makes no
+    valid plan on the target, ValueError/RuntimeError from `target_devices`."""
+    from posttrain.model import flops as flops_lib
+    from posttrain.learn import optim
+    from posttrain.rollout.batching import random_batch
+    from posttrain.model.presets import get_preset
+    from posttrain.infra.partitioning import assert_sufficiently_sharded
+    from posttrain.recipes.run_plan import make_run_plan, with_moe
+
+    devices, platform, hbm, peak = target_devices(target)
+    plan = make_run_plan(cfg, num_devices=len(devices), backend=platform)
+    mesh = mesh_lib.make_mesh(plan.mesh_shape, devices=devices)
+    m = cfg.model
+    if not m.preset:
+        raise ValueError("plan needs model.preset (shapes only; no weights are read)")
+    p = plan.precision
+    model_cfg = get_preset(m.preset, dtype=p.compute_dtype, param_dtype=p.param_dtype, remat=m.remat,
+                           remat_names=tuple(m.remat_names), matmul_precision=p.matmul_precision,
+                           lora=cfg.lora if cfg.lora.rank else None, moe_gmm_impl=m.moe_gmm_impl,
+                           moe_capacity_factor=m.moe_capacity_factor,
+                           moe_ep_capacity_factor=m.moe_ep_capacity_factor, attention_impl=m.attention_impl,
+                           grad_dtype=m.grad_dtype,
+                           **dict(m.overrides))
+    opts = with_moe(plan.step_options, cfg, model_cfg.moe)
+    o = cfg.optim
+    opt = optim.make_optimizer(o.name, lr=o.lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
+                               grad_clip_norm=o.grad_clip_norm or None, warmup_steps=o.warmup_steps,
+                               total_steps=cfg.train.steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
+    graphdef, state, state_sh = abstract_train_state(model_cfg, opt.tx, opts, mesh, plan.rules)
+    assert_sufficiently_sharded((state.params, state.frozen), mesh)  # the whole model (LoRA: adapters + base)
+    batch = random_batch(0, prompts=cfg.rl.prompts_per_step, group_size=cfg.rl.group_size, prompt_len=prompt_len,
+                         completion_len=cfg.sampling.max_new_tokens, vocab_size=model_cfg.vocab_size,
+                         packed=cfg.rl.packed, row_multiple=plan.row_multiple)
+    batch_abs, batch_sh = abstract_batch(batch, mesh, plan.rules)
+    try:
+        report, seconds, log, collectives = compile_train_step(graphdef, state, state_sh, batch_abs, batch_sh, mesh,
+                                                               opt.tx, opt.lr_schedule, opts, plan.rules)
+    except Exception as e:  # noqa: BLE001 - XLA:TPU refuses to compile a program that cannot fit in HBM
+        needed = re.search(r"required for HLO temporaries \(([\d.]+)G\)", str(e))
+        if not needed:
+            raise
+        report = aot.MemoryReport(per_device_bytes(state), per_device_bytes(state), int(float(needed.group(1)) * 1e9),
+                                  per_device_bytes(state), [])
+        seconds, log, collectives = None, str(e), {}
+    fl = flops_lib.train_step_flops(model_cfg, state.params if not cfg.lora.rank else
+                                    flops_lib.abstract_model_state(model_cfg), batch, lora=bool(cfg.lora.rank))
+    n = len(devices)
+    out = {"target": target, "devices": n, "mesh": dict(plan.mesh_shape), "model": m.preset, "packed": cfg.rl.packed,
+           "sequences": cfg.rl.prompts_per_step * cfg.rl.group_size,
+           "compute_dtype": p.compute_dtype, "param_dtype": p.param_dtype, "remat": m.remat, "lora_rank": cfg.lora.rank,
+           "rows": int(batch.tokens_RxL.shape[0]), "row_len": int(batch.tokens_RxL.shape[1]),
+           "params": fl.total_params, "params_gib": per_device_bytes(state.params) / aot.GIB,
+           "optimizer_gib": per_device_bytes(state.opt_state) / aot.GIB,
+           "gradients_gib": per_device_bytes(state.params) / aot.GIB,
+           "frozen_gib": per_device_bytes((state.frozen, state.ref_params)) / aot.GIB,
+           **report.as_dict(), "hbm_gib": hbm / aot.GIB, "fits": report.peak <= 0.9 * hbm,
+           "compile_s": None if seconds is None else round(seconds, 1), "flops_per_step": fl.total,
+           "collective_gib": {k: round(v / aot.GIB, 3) for k, v in collectives.items()
+                              if k in aot.COLLECTIVE_KINDS and v},
+           "step_s_estimate": fl.total / n / peak if peak else None,
+           "involuntary_remat": "Involuntary full rematerialization" in log,
+           "compiler_refused": "RESOURCE_EXHAUSTED" in log}
+    if sampler:
+        from posttrain.algos.grpo import step as ts
+        from posttrain.rollout.sampler import shrink_schedule
+
+        samples = cfg.rl.prompts_per_step * cfg.rl.group_size
+        srep, sseconds = compile_sampler(graphdef, ts.model_states(state.params, state.frozen), mesh, plan.rules,
+                                         prompts=cfg.rl.prompts_per_step, prompt_len=prompt_len,
+                                         group_size=cfg.rl.group_size, params=plan.sampling,
+                                         shrink=shrink_schedule(samples, plan.decode_multiple,
+                                                                steps=cfg.sampling.decode_shrink_steps),
+                                         record_routing=cfg.rl.routing_replay == "replay")
+        sd = srep.as_dict()
+        out.update({"sample_peak_gib": sd["peak_gib"], "sample_temp_gib": sd["temp_gib"],
+                    "sample_compile_s": round(sseconds, 1), "sample_fits": srep.peak <= 0.9 * hbm})
+        out["fits"] = out["fits"] and out["sample_fits"]
+    return out

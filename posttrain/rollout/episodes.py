@@ -1,0 +1,218 @@
+"""Host orchestration of rollouts: prompts -> G samples each -> (multi-turn) env episodes -> RolloutBatch.
+
+Dimension legend: P prompts (groups), G group size, N = P*G samples, Lp prompt width, C scored slots, L row width.
+
+The sampler is passed in as a function, the environments as an `EnvRunner` (`envs.pool.processes.EnvPool` or the
+in-process `InlineEnvs`), so this module holds no model or env internals. Token bookkeeping is exact: what the
+trainer scores is exactly what the sampler produced (no re-tokenisation of model text); tokens inserted by the
+environment or the chat template between turns are kept in the sequence but masked out of the loss.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Episode:
+    """One environment episode to run: env id + constructor kwargs, the task dict, and a reset seed."""
+
+    env_id: str
+    env_kwargs: dict
+    task: dict
+    seed: int
+    domain: str = ""
+
+
+class EnvRunner(Protocol):
+    def reset(self, episodes: Sequence[Episode]) -> list[tuple[str, dict]]: ...
+
+    def step(self, actions: Sequence[str], indices: Sequence[int] | None = None
+             ) -> list[tuple[str, float, bool, bool, dict]]: ...
+
+
+class InlineEnvs:
+    """Runs environments in this process (no isolation of env *code*; sandboxes still isolate model code).
+
+    Suited to cheap verifiers (arithmetic, math); use `envs.pool.processes.EnvPool` for anything that may hang or crash.
+    """
+
+    def __init__(self):
+        import gymnasium
+
+        import envs  # noqa: F401  (registers ids)
+
+        self._make = gymnasium.make
+        self._cache: dict[tuple, Any] = {}
+        self._active: list[Any] = []
+
+    def reset(self, episodes):
+        out, self._active = [], []
+        for i, ep in enumerate(episodes):
+            key = (ep.env_id, tuple(sorted(ep.env_kwargs.items())), i)
+            if key not in self._cache:
+                self._cache[key] = self._make(ep.env_id, **ep.env_kwargs).unwrapped
+            env = self._cache[key]
+            self._active.append(env)
+            out.append(env.reset(seed=ep.seed, options={"task": ep.task}))
+        return out
+
+    def step(self, actions, indices=None):
+        """Steps episodes `indices` (default: all, in reset order) with one action each."""
+        indices = range(len(self._active)) if indices is None else indices
+        if len(actions) != len(indices):
+            raise ValueError(f"step got {len(actions)} actions for {len(indices)} episodes")
+        return [self._active[i].step(a) for i, a in zip(indices, actions)]
+
+    def close(self):
+        self._cache.clear()
+
+
+class HostShardedEnvs:
+    """An EnvRunner over all processes: each process resets and steps only its share of the episodes
+    (`distributed.host_share`, a contiguous block in reset order) in its own `local` runner, and every process
+    gets the results of all shares (`distributed.allgather_objects`), in order. With one process it is `local`.
+
+    `episodes` / `env_steps` count what this process ran itself (its share), since construction.
+    """
+
+    def __init__(self, local: EnvRunner):
+        self.local = local
+        self.episodes = 0
+        self.env_steps = 0
+        self._share = range(0)
+
+    def reset(self, episodes):
+        from posttrain.infra import distributed
+        self._share = distributed.host_share(len(episodes))
+        mine = [episodes[i] for i in self._share]
+        out = self.local.reset(mine) if mine else []
+        self.episodes += len(mine)
+        return [r for part in distributed.allgather_objects(out) for r in part]
+
+    def step(self, actions, indices=None):
+        from posttrain.infra import distributed
+        indices = range(len(actions)) if indices is None else indices  # None: every episode of the reset
+        if len(actions) != len(indices):
+            raise ValueError(f"step got {len(actions)} actions for {len(indices)} episodes")
+        mine = [(i, a) for i, a in zip(indices, actions) if i in self._share]
+        out = self.local.step([a for _, a in mine], [i - self._share.start for i, _ in mine]) if mine else []
+        self.env_steps += len(mine)
+        results = dict(pair for part in distributed.allgather_objects(list(zip([i for i, _ in mine], out)))
+                       for pair in part)
+        return [results[i] for i in indices]
+
+    def close(self):
+        if hasattr(self.local, "close"):
+            self.local.close()
+
+
+@dataclasses.dataclass
+class Sample:
+    """One sampled episode. `segments`: (tokens int32, logp float32, is_policy) after the prompt. `routing`:
+    with routing replay, the experts the sampler's MoE layers selected for the prompt and segment tokens, int32
+    [tokens, Lm, k] (-1: none; may be shorter than prompt + segments), else None."""
+
+    domain: str
+    group: int
+    prompt_ids: list[int]
+    segments: list = dataclasses.field(default_factory=list)
+    reward: float = 0.0
+    status: str = ""
+    done: bool = False
+    truncated: bool = False
+    texts: list = dataclasses.field(default_factory=list)
+    info: dict = dataclasses.field(default_factory=dict)
+    routing: Any = None
+
+    @property
+    def completion_len(self) -> int:
+        return sum(len(t) for t, _, _ in self.segments)
+
+
+SampleFn = Callable[[np.ndarray, np.ndarray, Any, int], Any]  # (prompts_PxLp, lengths_P, key, G) -> SampleOutput
+
+
+def chat_prompt(tokenizer, observation: str, system_prompt: str = "") -> list[int]:
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+    messages.append({"role": "user", "content": observation})
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def turn_bridge(tokenizer, reply: str, observation: str, ended_with_stop: bool) -> list[int]:
+    """Tokens between a sampled assistant turn and the next one: the rest of the template after the
+    assistant's end-of-turn token, the observation as a user message, and the next generation prompt."""
+    base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": reply}]
+    before = tokenizer.apply_chat_template(base, add_generation_prompt=False)
+    after = tokenizer.apply_chat_template(base + [{"role": "user", "content": observation}],
+                                          add_generation_prompt=True)
+    end_text = tokenizer.decode([tokenizer.stop_ids[0]], skip_special_tokens=False)
+    cut = before.rfind(end_text)
+    tail = before[cut + len(end_text):] if cut >= 0 else ""
+    text = ("" if ended_with_stop else end_text) + tail + after[len(before):]
+    return tokenizer.encode(text)
+
+
+def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Sequence[Episode], *,
+                 group_size: int, max_turns: int, key, pad_id: int, bucket: int = 16,
+                 system_prompt: str = "") -> tuple[list[Sample], dict]:
+    """Runs P episodes x G samples to completion; returns the samples (group-major) and timing stats."""
+    import jax
+
+    from posttrain.infra import distributed
+    from posttrain.rollout.sampler import pad_prompts
+
+    G = group_size
+    t0 = time.perf_counter()
+    expanded = [ep for ep in episodes for _ in range(G)]
+    first = runner.reset(expanded)
+    prompts = [chat_prompt(tokenizer, first[p * G][0], system_prompt) for p in range(len(episodes))]
+    samples = [Sample(domain=ep.domain, group=i // G, prompt_ids=prompts[i // G]) for i, ep in enumerate(expanded)]
+    gen_s = env_s = 0.0
+    contexts = None  # per-sample full token context for turns >= 2
+    for turn in range(max_turns):
+        active = [i for i, s in enumerate(samples) if not s.done]
+        if not active:
+            break
+        t = time.perf_counter()
+        if turn == 0:
+            toks, lens = pad_prompts(prompts, pad_id, bucket)
+            out = sample_fn(toks, lens, jax.random.fold_in(key, turn), G)
+        else:
+            toks, lens = pad_prompts([contexts[i] for i in active], pad_id, bucket)
+            out = sample_fn(toks, lens, jax.random.fold_in(key, turn), 1)
+        out = distributed.to_host(out)  # every process gets the full batch (one process: np.asarray)
+        gen_s += time.perf_counter() - t
+        replies = []
+        for row, i in enumerate(active):
+            n = int(out.lengths_N[row])
+            seg = out.tokens_NxLg[row, :n].astype(np.int32)
+            samples[i].segments.append((seg, out.logp_NxLg[row, :n].astype(np.float32), True))
+            samples[i].truncated = bool(out.truncated_N[row])
+            if getattr(out, "experts_NxLgxLxk", None) is not None:  # the prefill covered the whole context
+                context = len(prompts[i // G]) if turn == 0 else len(contexts[i])
+                samples[i].routing = np.concatenate([out.prompt_experts_PxLpxLxk[i // G if turn == 0 else row, :context],
+                                                     out.experts_NxLgxLxk[row, :n]]).astype(np.int32)
+            replies.append(tokenizer.decode(seg.tolist(), skip_special_tokens=True))
+            samples[i].texts.append(replies[-1])
+        t = time.perf_counter()
+        results = runner.step(replies, None if turn == 0 else active)
+        env_s += time.perf_counter() - t
+        for row, i in enumerate(active):
+            obs, reward, terminated, truncated, info = results[row]
+            s = samples[i]
+            s.reward, s.status, s.info = float(reward), str(info.get("status", "")), info
+            s.done = bool(terminated or truncated)
+            if not s.done:
+                bridge = turn_bridge(tokenizer, replies[row], obs, not s.truncated)
+                s.segments.append((np.asarray(bridge, np.int32), np.zeros(len(bridge), np.float32), False))
+        contexts = [s.prompt_ids + [int(x) for t, _, _ in s.segments for x in t] for s in samples]
+    for s in samples:
+        if not s.done:  # hit max_turns inside the rollout without the env ending the episode
+            s.done, s.status = True, s.status or "wrong"
+    return samples, {"perf/gen_s": gen_s, "perf/reward_s": env_s, "perf/rollout_s": time.perf_counter() - t0}
+

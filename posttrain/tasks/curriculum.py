@@ -1,0 +1,156 @@
+"""Difficulty curriculum per domain: a level that follows the recent pass rate, and mix weights that can follow
+learning progress. Host-side, pure Python + NumPy (no JAX); the whole state is a small JSON dict saved with
+every checkpoint, so a resumed run continues with the same levels, windows and weights (DESIGN.md invariant 9).
+
+Levels are reasoning-gym curriculum levels (``reasoning_gym.factory.create_curriculum(name).set_global_level``,
+applied by `envs.tasks.reasoning_gym.build_dataset(level=...)`), 0 = easiest, up to each dataset's top level
+(`envs.tasks.reasoning_gym.max_level`). Rule (per domain, after each batch of its episodes):
+  pass rate r = mean(reward >= pass_threshold) over the last `window` episodes at the current level;
+  once at least `min_episodes` are in the window: r > high -> level += step, r < low -> level -= step (clipped to
+  [0, max_level]); on a move the window restarts (the old level's episodes say nothing about the new one).
+Learning-progress weights (Kanitscheider et al. 2021, "Multi-task curriculum learning in a complex, visual,
+hard-exploration domain: Minecraft", arXiv:2106.14876; Portelas et al. 2019 ALP): LP = |fast EMA - slow EMA| of
+the domain's batch pass rate; weight = base weight * (lp_floor + LP / max LP over domains), so domains that are
+changing get sampled more and none drops to 0.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from posttrain.config.schema import CurriculumConfig
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class DifficultyCurriculum:
+    """Per-domain levels and weights.
+
+    Args:
+      domains: {domain: (start level, max level)} for every domain of the mix; a domain with max level 0 (no
+        curriculum) keeps level 0 but still has a pass rate and a learning-progress weight.
+      weights: {domain: base mix weight > 0}, same keys.
+      config: CurriculumConfig.
+    Raises ValueError on mismatched keys, a start level outside [0, max], or a non-positive weight.
+    """
+
+    def __init__(self, domains: Mapping[str, tuple[int, int]], weights: Mapping[str, float],
+                 config: CurriculumConfig = CurriculumConfig()):
+        if not domains or set(domains) != set(weights):
+            raise ValueError(f"curriculum: weights must name exactly the domains {sorted(domains)}, got {sorted(weights)}")
+        for name, (level, top) in domains.items():
+            if not (_is_int(level) and _is_int(top) and 0 <= level <= top):
+                raise ValueError(f"curriculum: domain {name!r} start level {level!r} outside [0, max level {top!r}]")
+            if not weights[name] > 0:
+                raise ValueError(f"curriculum: domain {name!r} weight must be > 0, got {weights[name]!r}")
+        self.config = config
+        self.names = sorted(domains)
+        self.max_levels = {n: int(domains[n][1]) for n in self.names}
+        self.base_weights = {n: float(weights[n]) for n in self.names}
+        self.levels = {n: int(domains[n][0]) for n in self.names}
+        self.windows = {n: collections.deque(maxlen=config.window) for n in self.names}
+        self.ema_fast: dict[str, float | None] = {n: None for n in self.names}
+        self.ema_slow: dict[str, float | None] = {n: None for n in self.names}
+        self.moves = {n: 0 for n in self.names}
+
+    def update(self, rewards: Mapping[str, Sequence[float]]) -> dict[str, tuple[int, int]]:
+        """Adds one step's episode rewards per domain; returns {domain: (old level, new level)} for domains that
+        moved (the caller rebuilds their task sources at the new level). Raises ValueError on an unknown domain."""
+        unknown = sorted(set(rewards) - set(self.names))
+        if unknown:
+            raise ValueError(f"curriculum: rewards for unknown domain(s) {unknown}; known {self.names}")
+        cfg, moved = self.config, {}
+        for name in sorted(rewards):
+            passes = [1 if float(r) >= cfg.pass_threshold else 0 for r in rewards[name]]
+            if not passes:
+                continue
+            rate = sum(passes) / len(passes)
+            fast, slow = self.ema_fast[name], self.ema_slow[name]
+            self.ema_fast[name] = rate if fast is None else fast + cfg.lp_fast * (rate - fast)
+            self.ema_slow[name] = rate if slow is None else slow + cfg.lp_slow * (rate - slow)
+            window = self.windows[name]
+            window.extend(passes)
+            if len(window) < cfg.min_episodes:
+                continue
+            recent = sum(window) / len(window)
+            old = self.levels[name]
+            if recent > cfg.high:
+                new = min(old + cfg.step, self.max_levels[name])
+            elif recent < cfg.low:
+                new = max(old - cfg.step, 0)
+            else:
+                new = old
+            if new != old:
+                self.levels[name], moved[name] = new, (old, new)
+                self.moves[name] += 1
+                window.clear()
+        return moved
+
+    def pass_rate(self, name: str) -> float | None:
+        """Pass rate over `name`'s current window (None when empty)."""
+        window = self.windows[name]
+        return sum(window) / len(window) if window else None
+
+    def learning_progress(self, name: str) -> float:
+        """|fast EMA - slow EMA| of `name`'s batch pass rate (0 before its first episode)."""
+        fast, slow = self.ema_fast[name], self.ema_slow[name]
+        return 0.0 if fast is None else abs(fast - slow)
+
+    def weights(self) -> dict[str, float]:
+        """Mix weights: the base weights ("fixed"), or base * (lp_floor + LP / max LP) ("learning_progress";
+        the base weights while no domain has progress)."""
+        if self.config.weighting == "fixed":
+            return dict(self.base_weights)
+        lp = {n: self.learning_progress(n) for n in self.names}
+        top = max(lp.values())
+        if top <= 0.0:
+            return dict(self.base_weights)
+        return {n: self.base_weights[n] * (self.config.lp_floor + lp[n] / top) for n in self.names}
+
+    def metrics(self) -> dict[str, float]:
+        """`curriculum/<domain>/{level,pass_rate,learning_progress,weight,moves}` (pass_rate -1 when empty)."""
+        out, weights = {}, self.weights()
+        for n in self.names:
+            rate = self.pass_rate(n)
+            out.update({f"curriculum/{n}/level": float(self.levels[n]),
+                        f"curriculum/{n}/pass_rate": -1.0 if rate is None else rate,
+                        f"curriculum/{n}/learning_progress": self.learning_progress(n),
+                        f"curriculum/{n}/weight": weights[n], f"curriculum/{n}/moves": float(self.moves[n])})
+        return out
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable state: levels, windows, EMAs and move counts per domain."""
+        return {"domains": {n: {"level": self.levels[n], "window": list(self.windows[n]), "ema_fast": self.ema_fast[n],
+                                "ema_slow": self.ema_slow[n], "moves": self.moves[n]} for n in self.names}}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restores `state_dict()` exactly. Raises ValueError when its domains differ from the configured ones or a
+        saved level exceeds a domain's max level."""
+        saved = state.get("domains", {})
+        if set(saved) != set(self.names):
+            raise ValueError(f"checkpoint curriculum is for domains {sorted(saved)}, config has {self.names}")
+        for n in self.names:
+            s = saved[n]
+            if not 0 <= int(s["level"]) <= self.max_levels[n]:
+                raise ValueError(f"checkpoint curriculum level {s['level']} of {n!r} outside [0, {self.max_levels[n]}]")
+            self.levels[n] = int(s["level"])
+            self.windows[n] = collections.deque((int(x) for x in s["window"]), maxlen=self.config.window)
+            self.ema_fast[n], self.ema_slow[n], self.moves[n] = s["ema_fast"], s["ema_slow"], int(s["moves"])
+
+
+def from_env_specs(specs: Mapping[str, Mapping], config: CurriculumConfig = CurriculumConfig()) -> DifficultyCurriculum:
+    """A curriculum over env specs (``{domain: {"id", "weight", "kwargs"}}`` mappings or objects with those
+    attributes): a ReasoningGym-v0 domain starts at its kwargs' ``level`` (0 if absent) up to the dataset's top
+    curriculum level; any other domain (or a dataset without a curriculum) has the single level 0."""
+    from envs.tasks import reasoning_gym as rg_env
+    domains, weights = {}, {}
+    for name, spec in specs.items():
+        get = spec.get if isinstance(spec, Mapping) else lambda k, d=None, s=spec: getattr(s, k, d)
+        kwargs = dict(get("kwargs", {}) or {})
+        top = rg_env.max_level(kwargs["dataset"]) if get("id") == rg_env.ENV_ID else None
+        domains[name] = (int(kwargs.get("level") or 0) if top is not None else 0, top or 0)
+        weights[name] = float(get("weight", 1.0))
+    return DifficultyCurriculum(domains, weights, config)

@@ -1,0 +1,101 @@
+"""Tests for envs/code.py (HumanEval-v0). A few problems here; all 164 in the slow test and the bench."""
+import pytest
+
+from envs.tasks import humaneval as code
+
+from envs import sandbox
+PROBLEMS = code.load_problems()
+
+
+@pytest.fixture(scope="module")
+def env():
+    return code.HumanEvalEnv()  # the self-check runs HumanEval/0 twice in the sandbox
+
+
+def _score(env, task, completion):
+    env.reset(options={"task": task})
+    _, reward, terminated, truncated, info = env.step(completion)
+    assert terminated and not truncated
+    return reward, info
+
+
+def test_problems_come_from_the_package_in_order():
+    assert len(PROBLEMS) == 164
+    assert [p["task_id"] for p in PROBLEMS[:3]] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert {"prompt", "canonical_solution", "test", "entry_point"} <= set(PROBLEMS[0])
+    with pytest.raises(FileNotFoundError, match="nope"):
+        code.load_problems("/nope.jsonl.gz")
+    with pytest.raises(ValueError, match="test"):
+        code.HumanEvalTasks("train")
+
+
+def test_assemble_program_variants():
+    task = PROBLEMS[2]  # truncate_number(number: float) -> float: return number % 1.0
+    body = "    return number % 1.0\n"
+    full = f"Sure!\n```python\ndef truncate_number(number: float) -> float:\n{body}```\nDone."
+    assert code.assemble_program(task, body).startswith(task["prompt"] + body)
+    assert "\n\ndef truncate_number" in code.assemble_program(task, full)
+    unindented = code.assemble_program(task, "return number % 1.0")
+    assert task["prompt"] + "    return number % 1.0" in unindented
+    assert code.assemble_program(task, full).rstrip().endswith("check(truncate_number)")
+
+
+@pytest.mark.parametrize("index", [0, 2, 12, 53])
+def test_canonical_solutions_pass_as_body_or_full_function(env, index):
+    task = PROBLEMS[index]
+    assert _score(env, task, task["canonical_solution"])[0] == 1.0
+    fenced = f"Here you go:\n```python\n{task['prompt']}{task['canonical_solution']}```\n"
+    reward, info = _score(env, task, fenced)
+    assert reward == 1.0 and info["status"] == "ok"
+
+
+@pytest.mark.parametrize("completion,status", [
+    ("", "wrong"), ("    return 0.5\n", "wrong"), ("    return undefined_name\n", "runtime_error"),
+    ("    return (\n", "runtime_error"), ("I cannot solve this.", "runtime_error")])
+def test_wrong_completions_score_zero_with_status(env, completion, status):
+    reward, info = _score(env, PROBLEMS[2], completion)
+    assert reward == 0.0 and info["status"] == status and info["reason"]
+
+
+def test_limits_are_enforced():
+    env = code.HumanEvalEnv(limits=sandbox.Limits(cpu_s=1.0, wall_s=2.0, max_output_bytes=1 << 12))
+    reward, info = _score(env, PROBLEMS[2], "    while True:\n        pass\n")
+    assert reward == 0.0 and info["status"] == "timeout"
+    reward, info = _score(env, PROBLEMS[2], "    print('x' * 100000)\n    return number % 1.0\n")
+    assert reward == 0.0 and info["status"] == "output_limit"
+
+
+@pytest.mark.parametrize("cheat", ["import sys; sys.exit(0)", "import os; os._exit(0)",
+                                   "raise SystemExit(0)", "print('ok')"])
+def test_exiting_early_with_status_zero_does_not_pass(env, cheat):
+    reward, info = _score(env, PROBLEMS[2], f"    {cheat}\n")
+    assert reward == 0.0 and info["status"] in ("wrong", "runtime_error")
+
+
+@pytest.mark.slow
+def test_all_canonical_solutions_pass(env):
+    failures = [p["task_id"] for p in PROBLEMS if _score(env, p, p["canonical_solution"])[0] != 1.0]
+    assert failures == []
+
+
+GOOD, BAD = PROBLEMS[2]["canonical_solution"], "    return 0.5\n"  # truncate_number: body that passes / fails
+
+
+def _fence(body):
+    return f"```python\n{PROBLEMS[2]['prompt']}{body}```"
+
+
+# reply -> reward: only the reply after the last </think> is read (issue 13 item 9 for code)
+@pytest.mark.parametrize("reply,think_tags,reward", [
+    (f"<think>draft:\n{_fence(BAD)}</think>\n{_fence(GOOD)}", code.HumanEvalEnv.think_tags, 1.0),
+    (f"<think>draft:\n{_fence(GOOD)}</think>\n{_fence(BAD)}", code.HumanEvalEnv.think_tags, 0.0),
+    (f"<think>\n{_fence(GOOD)}</think>Sorry, no idea.", code.HumanEvalEnv.think_tags, 0.0),
+    (f"<think>still thinking\n{_fence(GOOD)}", code.HumanEvalEnv.think_tags, 0.0),  # cut off inside the trace
+    (f"<think>a</think><think>\n{_fence(GOOD)}</think>{GOOD}", code.HumanEvalEnv.think_tags, 1.0),  # raw body after
+    (f"<think>\n{_fence(GOOD)}\n</think>", None, 1.0),  # turned off: the whole reply is read
+    (_fence(GOOD), code.HumanEvalEnv.think_tags, 1.0),  # no trace
+])
+def test_code_is_read_after_the_reasoning_trace(reply, think_tags, reward):
+    env = code.HumanEvalEnv(self_check=False)
+    env.think_tags = think_tags
+    assert _score(env, PROBLEMS[2], reply)[0] == reward

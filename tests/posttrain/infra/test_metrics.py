@@ -1,0 +1,140 @@
+"""Tests for posttrain.infra.metrics: masked reductions vs NumPy, JSONL/TensorBoard/PNG writers, progress bar."""
+
+import io
+import json
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posttrain.infra import metrics as M
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# ----- device side -----
+def np_reduce(kind, x, mask, axis):
+    fn = {"mean": np.mean, "max": np.max, "min": np.min}[kind]
+    if axis is None:
+        return fn(x[mask]) if mask.any() else 0.0
+    return np.array([fn(r[m]) if m.any() else 0.0 for r, m in zip(x, mask)])
+
+
+@pytest.mark.parametrize("kind", sorted(M.REDUCTIONS))
+@pytest.mark.parametrize("axis", [None, -1])
+def test_masked_reductions_match_numpy(kind, axis):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 7)).astype(np.float32)
+    mask = rng.random((4, 7)) > 0.5
+    mask[1] = False  # an empty row
+    x_bad = np.where(mask, x, np.nan)
+    x_bad[0, ~mask[0]] = np.inf  # garbage at masked positions must not leak
+    got = jax.jit(M.REDUCTIONS[kind], static_argnums=2)(x_bad, mask, axis)
+    np.testing.assert_allclose(np.asarray(got), np_reduce(kind, x, mask, axis), rtol=1e-6)
+    assert got.dtype == jnp.float32
+
+
+def test_masked_reductions_of_nothing_are_zero():
+    for fn in M.REDUCTIONS.values():
+        assert float(fn(jnp.array([np.nan, 5.0]), jnp.array([0, 0]))) == 0.0
+
+
+# ----- host side -----
+def write_steps(workdir, steps, **kw):
+    with M.MetricsWriter(workdir, **kw) as w:
+        for s in steps:
+            w.write(s, {"reward/mean": s / 10, "policy/loss": np.float32(-s), "optim/lr": jnp.float32(1e-3),
+                        "perf/step_s": 2})
+    return w
+
+
+def test_jsonl_round_trip(tmp_path):
+    write_steps(tmp_path, range(3))
+    with M.MetricsWriter(tmp_path, plot=False, tensorboard=False) as w:
+        w.write(3, {"eval/accuracy": 0.5, "policy/loss": float("nan"), "x": np.array([[7]])})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == M.read_metrics(tmp_path / "metrics.jsonl")
+    recs = M.read_metrics(tmp_path / "metrics.jsonl")
+    assert recs[1] == {"step": 1, "reward/mean": 0.1, "policy/loss": -1.0,
+                       "optim/lr": pytest.approx(1e-3), "perf/step_s": 2.0}
+    assert recs[3] == {"step": 3, "eval/accuracy": 0.5, "policy/loss": None, "x": 7.0}  # NaN -> null
+
+
+def test_resume_drops_later_steps_and_keeps_whole_history(tmp_path):
+    write_steps(tmp_path, range(10))
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 10, "reward/me')  # a line cut short by a crash
+    w = write_steps(tmp_path, range(6, 9), resume_step=5, plot_every_s=0.0)
+    steps = [r["step"] for r in M.read_metrics(tmp_path / "metrics.jsonl")]
+    assert steps == list(range(9))  # 6..9 of the first run and the partial line are gone; no duplicates
+    assert [s for s, _ in w.history["reward/mean"]] == list(range(9))  # plotted from the whole history
+    assert M.read_metrics(tmp_path / "metrics.jsonl", max_step=2)[-1]["step"] == 2
+
+
+def test_png_is_valid_and_throttled(tmp_path):
+    png = tmp_path / "reward_curve.png"
+    w = M.MetricsWriter(tmp_path, plot_every_s=3600, tensorboard=False)
+    w.write(0, {"reward/mean": 0.1})
+    assert png.read_bytes()[:8] == PNG_MAGIC  # first write plots
+    png.unlink()
+    w.write(1, {"reward/mean": 0.2, "eval/accuracy": 0.3})
+    assert not png.exists()  # throttled
+    w.close()
+    data = png.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    import matplotlib.image
+
+    img = matplotlib.image.imread(io.BytesIO(data), format="png")
+    assert img.shape[:2] == (400, 700) and img.std() > 0  # something was drawn
+    assert not list(tmp_path.glob("*.tmp"))
+    w.close()  # idempotent
+
+
+def read_tb_scalars(logdir):
+    """(tag, step, value) triples of every scalar in the TFRecord event files under logdir."""
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    files = sorted(logdir.rglob("events.out.tfevents.*"))
+    assert files, f"no event file under {logdir}"
+    for path in files:
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    return out
+
+
+def test_tensorboard_events_written(tmp_path):
+    write_steps(tmp_path, range(3))
+    scalars = read_tb_scalars(tmp_path / "tensorboard")
+    assert ("reward/mean", 2, pytest.approx(0.2)) in scalars
+    assert sorted(s for t, s, _ in scalars if t == "policy/loss") == [0, 1, 2]
+
+
+def test_bad_metrics_raise_clear_errors(tmp_path):
+    with M.MetricsWriter(tmp_path, plot=False, tensorboard=False) as w:
+        with pytest.raises(TypeError, match="'policy/loss' must be a real scalar"):
+            w.write(0, {"policy/loss": np.ones(3)})
+        with pytest.raises(TypeError, match="'tag'"):
+            w.write(0, {"tag": "abc"})
+        with pytest.raises(TypeError, match="step must be an int"):
+            w.write(1.5, {})
+        with pytest.raises(ValueError, match="step must be >= 0"):
+            w.write(-1, {})
+    assert (tmp_path / "metrics.jsonl").read_text() == ""  # nothing half-written
+    with pytest.raises(FileNotFoundError, match="no metrics file"):
+        M.read_metrics(tmp_path / "missing.jsonl")
+
+
+def test_progress_bar_shows_reward_and_step_time():
+    stream = io.StringIO()
+    bar = M.ProgressBar(10, initial_step=2, file=stream)
+    bar.update({"reward/mean": jnp.float32(0.4567), "perf/step_s": 12.34, "policy/loss": 1.0})
+    bar.close()
+    text = stream.getvalue()
+    assert "3/10" in text and "reward=0.457" in text and "step_s=12.3" in text and "loss" not in text

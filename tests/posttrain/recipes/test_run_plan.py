@@ -1,0 +1,175 @@
+"""The run plan: bad configs stop with one line and exit 2 before any model load or worker start; the logprob
+temperature and the batch shard count each come from one function."""
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain import cli
+
+from posttrain.recipes import grpo as loop, run_plan
+
+from posttrain.rollout import rollouter
+
+from posttrain.checkpoints import policy as setup
+from posttrain.infra import mesh as mesh_lib
+from posttrain.algos.grpo import step as ts
+from posttrain.config import ConfigError, default_config, env_spec, from_config_dict
+from posttrain.rollout.sampler import logprob_temperature, pad_prompts, sample
+
+TINY = "configs/tiny.py"
+BAD = [  # (override, what the one line must name)
+    ("--config.rl.eps_low=1.5", "rl.eps_low=1.5"),
+    ("--config.sampling.temperature=-1", "sampling.temperature=-1"),
+    ("--config.sampling.top_p=0", "sampling.top_p=0"),
+    ("--config.rl.tis_cap=-1", "rl.tis_cap=-1"),
+    ("--config.rl.group_sizee=3", "group_sizee"),
+    ("--config.optim.lrr=0.1", "lrr"),
+    ("--config.rl.group_size=two", "group_size"),
+    ("--config.mesh.data=3", "mesh"),
+    ("--config.rl.minibatches=3", "rl.minibatches=3"),
+    ("--config.rl.routing_replay=on", "rl.routing_replay='on'"),
+    ("--config.model.preset=", "model.path"),  # with the next override: a missing model file
+]
+
+
+@pytest.mark.parametrize("override,named", BAD, ids=[b[0].split("=")[0].removeprefix("--config.") for b in BAD])
+def test_bad_config_exits_2_with_one_line_before_any_work(override, named, monkeypatch, capsys, tmp_path):
+    def forbidden(*a, **k):
+        raise AssertionError("a bad config reached model loading / worker start")
+
+    monkeypatch.setattr(setup, "load_policy", forbidden)
+    monkeypatch.setattr(rollouter, "make_runner", forbidden)
+    monkeypatch.setattr(loop, "build", forbidden)
+    argv = ["posttrain", "train", f"--config={TINY}", override, f"--workdir={tmp_path}"]
+    if override == "--config.model.preset=":
+        argv.append("--config.model.path=/nonexistent/model.gguf")
+    monkeypatch.setattr(sys, "argv", list(argv))  # ml_collections reads --config.* overrides from sys.argv
+    rc = cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    assert named in err, err
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_library_api_raises_value_error():
+    c = default_config()
+    c.env.train = {"a": env_spec("posttrain/Arithmetic-v0")}
+    c.rl.eps_low = 1.5
+    with pytest.raises(ValueError, match=r"rl\.eps_low=1\.5"):
+        from_config_dict(c)
+    c.rl.eps_low, c.mesh.data = 0.2, 3
+    with pytest.raises(ConfigError, match="does not fit 2 device"):
+        run_plan.make_run_plan(from_config_dict(c), num_devices=2)
+
+
+def _tiny_cfg(**over):
+    c = default_config()
+    c.model.preset = "tiny-dense"
+    c.env.train = {"a": env_spec("posttrain/Arithmetic-v0", digits=1)}
+    for k, v in over.items():
+        section, key = k.split(".")
+        setattr(getattr(c, section), key, v)
+    return from_config_dict(c)
+
+
+def test_batch_shards_follow_the_batch_rule():
+    assert mesh_lib.batch_shards({"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}) == 4
+    assert mesh_lib.batch_shards({"data": 1, "fsdp": 2, "tensor": 1, "expert": 4}) == 8  # expert splits the batch
+    plan = run_plan.make_run_plan(_tiny_cfg(**{"mesh.tensor": 2, "rl.num_microbatches": 2}), num_devices=8)
+    assert plan.mesh_shape == {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}
+    assert plan.batch_shards == 4 and plan.row_multiple == 2 * 4
+
+
+def test_sampler_and_trainer_use_the_same_logprob_temperature():
+    """For T in {0, 0.6, 1}, the sampler's recorded logprobs equal the trainer's at the plan's temperature
+    (greedy: T = 1), and a different T is visible."""
+    from posttrain.rollout import batching
+    from posttrain.model.presets import get_preset
+    from posttrain.model.transformer import Transformer
+    from posttrain.rollout.episodes import Sample
+
+    graphdef, state = nnx.split(Transformer(get_preset("tiny-dense"), rngs=nnx.Rngs(0)))
+    score = jax.jit(lambda b, t: ts.score_logprobs(nnx.merge(graphdef, state), b, t, 64)[0].logp_BxT,
+                    static_argnums=1)
+    prompt_ids = [[1, 2, 3, 4], [5, 6, 7]]
+    prompts, lengths = pad_prompts(prompt_ids, 0)
+    for temperature in (0.0, 0.6, 1.0):
+        plan = run_plan.make_run_plan(_tiny_cfg(**{"sampling.temperature": temperature, "sampling.max_new_tokens": 5}))
+        assert plan.step_options.temperature == plan.logprob_temperature == logprob_temperature(temperature)
+        assert plan.logprob_temperature == (temperature or 1.0)
+        out = sample(graphdef, state, prompts, lengths, jax.random.key(1), group_size=2, params=plan.sampling,
+                     stop_ids=(), pad_id=0)
+        samples = [Sample(domain="d", group=n // 2, prompt_ids=prompt_ids[n // 2], status="ok",
+                          segments=[(np.asarray(out.tokens_NxLg[n]), np.asarray(out.logp_NxLg[n]), True)])
+                   for n in range(4)]
+        batch = jax.tree.map(jnp.asarray, batching.assemble(samples, group_size=2)[0])
+        mask, recorded = np.asarray(batch.loss_mask_NxC), np.asarray(batch.logp_sample_NxC)
+        trainer = np.asarray(score(batch, plan.step_options.temperature))
+        np.testing.assert_allclose(trainer[mask], recorded[mask], atol=2e-5, err_msg=f"T={temperature}")
+        assert np.abs(np.asarray(score(batch, 0.3))[mask] - recorded[mask]).max() > 1e-2
+
+
+def test_plan_is_frozen():
+    plan = run_plan.make_run_plan(_tiny_cfg())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.row_multiple = 3
+
+
+def _rules_cfg(**rules):
+    c = default_config()
+    c.model.preset, c.model.overrides = "tiny-dense", {"vocab_size": 320}
+    c.env.train = {"a": env_spec("posttrain/Arithmetic-v0")}
+    c.mesh.rules = rules
+    return c
+
+
+@pytest.mark.parametrize("rules,error", [({"embedd": None}, "unknown logical axis 'embedd'"),
+                                         ({"embed": "fsdpp"}, "mesh axes are")])
+def test_mesh_rules_with_unknown_names_are_config_errors(rules, error):
+    with pytest.raises(ConfigError, match=error):
+        from_config_dict(_rules_cfg(**rules))
+
+
+def test_mesh_rules_overlay_the_parameter_and_batch_shardings():
+    # the same overlay reaches the batch shard count (run plan) and the parameters' placement (load_policy)
+    plans = {name: run_plan.make_run_plan(from_config_dict(_rules_cfg(**rules)), num_devices=8)
+             for name, rules in (("default", {}), ("no_fsdp", {"embed": None}), ("data_batch", {"batch": ["data"]}))}
+    assert [plans[n].batch_shards for n in plans] == [8, 8, 1]
+    assert dict(plans["no_fsdp"].rules)["embed"] is None and dict(plans["default"].rules)["embed"] == "fsdp"
+    specs = {}
+    for name in ("default", "no_fsdp"):
+        plan = run_plan.make_run_plan(plans[name].cfg)  # this process's one device
+        mesh = mesh_lib.make_mesh(plan.mesh_shape)
+        _, _, state, _ = setup.load_policy(plan.cfg, mesh, plan.precision, plan.rules)
+        specs[name] = tuple(state["embedding"].value.sharding.spec)
+    assert specs == {"default": ("tensor", "fsdp"), "no_fsdp": ("tensor", None)}
+
+
+def test_moe_run_settings_reach_the_moe_layers():
+    from posttrain.model.transformer import Transformer  # noqa: F401  (graphdef merge)
+
+    c = _rules_cfg()
+    c.model.preset = "tiny-moe"
+    c.model.moe_gmm_impl, c.model.moe_capacity_factor, c.model.moe_ep_capacity_factor = "ragged", 1.5, 3.0
+    c.model.attention_impl, c.model.grad_dtype = "pallas_gpu", "compute"
+    plan = run_plan.make_run_plan(from_config_dict(c))
+    mcfg, graphdef, state, _ = setup.load_policy(plan.cfg, mesh_lib.make_mesh(plan.mesh_shape), plan.precision,
+                                                 plan.rules)
+    model = nnx.merge(graphdef, state)
+    ffn = model.moe_layers.ffn
+    assert (ffn.gmm_impl, ffn.capacity_factor, ffn.ep_capacity_factor) == ("ragged", 1.5, 3.0)
+    assert mcfg.attention_impl == "pallas_gpu" and model.moe_layers.attn.attention_impl == "pallas_gpu"
+    assert mcfg.grad_dtype == model.grad_dtype == "compute"
+    c.model.attention_impl = "flash"
+    with pytest.raises(ConfigError, match="model.attention_impl"):
+        from_config_dict(c)
+    c.model.attention_impl = "auto"
+    c.model.moe_gmm_impl = "capacity"  # chosen by moe_capacity_factor, not by name
+    with pytest.raises(ConfigError, match="model.moe_gmm_impl"):
+        from_config_dict(c)

@@ -1,0 +1,132 @@
+"""Rollouts: exact token bookkeeping across turns (what the trainer scores is what the sampler produced; env and
+template tokens in between are masked), group layout, and the in-process env runner."""
+import numpy as np
+
+from posttrain.rollout import batching
+from posttrain.rollout.episodes import Episode, InlineEnvs, run_episodes
+from posttrain.rollout.sampler import SampleOutput
+from posttrain.model.tokenizer import Tokenizer
+
+TOK = Tokenizer.byte_level()
+STOP = TOK.stop_ids[0]
+
+
+def scripted(replies_by_turn):
+    """A sample_fn returning fixed replies per call (turn), with made-up logprobs."""
+    calls = []
+
+    def fn(prompts, lengths, key, group_size):
+        turn = len(calls)
+        calls.append((np.asarray(prompts).copy(), np.asarray(lengths).copy(), group_size))
+        n = len(lengths) * group_size
+        texts = [replies_by_turn[turn][i % len(replies_by_turn[turn])] for i in range(n)]
+        ids = [TOK.encode(t) + [STOP] for t in texts]
+        width = max(map(len, ids))
+        tokens = np.full((n, width), TOK.pad_id, np.int32)
+        logp = np.zeros((n, width), np.float32)
+        for i, row in enumerate(ids):
+            tokens[i, :len(row)] = row
+            logp[i, :len(row)] = -0.1 * (turn + 1)
+        return SampleOutput(tokens, logp, np.asarray([len(r) for r in ids], np.int32), np.zeros(n, bool))
+
+    return fn, calls
+
+
+def test_multi_turn_tool_episode_keeps_policy_tokens_and_masks_tool_output():
+    fn, calls = scripted([["```python\nprint(6 * 7)\n```"], ["\\boxed{42}"]])
+    task = {"id": "t", "question": "What is 6 * 7?", "answer": "42"}
+    eps = [Episode("posttrain/PythonTool-v0", {"max_turns": 3}, task, seed=0, domain="tool")]
+    samples, perf = run_episodes(fn, TOK, InlineEnvs(), eps, group_size=2, max_turns=3, key=_key(), pad_id=TOK.pad_id)
+    assert len(calls) == 2 and calls[1][2] == 1  # second turn: each sample continues its own context
+    for s in samples:
+        assert s.reward == 1.0 and s.done and len(s.segments) == 3
+        first, bridge, second = s.segments
+        assert first[2] and not bridge[2] and second[2]
+        bridge_text = TOK.decode(bridge[0].tolist(), skip_special_tokens=False)
+        assert "42" in bridge_text and bridge_text.rstrip().endswith("<|im_start|>assistant")
+        # the second prompt is exactly prompt + turn 1 + bridge: the sampler continued the same token stream
+        ctx = s.prompt_ids + first[0].tolist() + bridge[0].tolist()
+        assert any(list(row[:n]) == ctx for row, n in zip(calls[1][0], calls[1][1]))
+    batch, m = batching.assemble(samples, group_size=2, pad_id=TOK.pad_id)
+    n1, nb, n2 = (len(seg[0]) for seg in samples[0].segments)
+    mask = batch.loss_mask_NxC[0]
+    assert mask[:n1].all() and not mask[n1:n1 + nb].any() and mask[n1 + nb:n1 + nb + n2].all()
+    np.testing.assert_allclose(batch.logp_sample_NxC[0, n1 + nb:n1 + nb + n2], -0.2)
+    assert m["response_length/mean"] == n1 + n2
+
+
+def test_single_turn_groups_share_one_prompt():
+    fn, calls = scripted([["The answer is 122.", "no idea"]])
+    eps = [Episode("posttrain/Arithmetic-v0", {}, {"question": f"What is {a} + 63?", "answer": str(a + 63)},
+                   seed=i) for i, a in enumerate((59, 10))]
+    samples, _ = run_episodes(fn, TOK, InlineEnvs(), eps, group_size=2, max_turns=1, key=_key(), pad_id=TOK.pad_id)
+    assert len(calls) == 1 and calls[0][0].shape[0] == 2 and calls[0][2] == 2  # P prompts, G samples each
+    assert [s.group for s in samples] == [0, 0, 1, 1]
+    assert [s.reward for s in samples] == [1.0, 0.0, 0.0, 0.0]
+
+
+def _key():
+    import jax
+
+    return jax.random.key(0)
+
+
+def test_host_sharded_envs_step_only_their_share_and_return_every_result(monkeypatch):
+    """Two processes, simulated by two threads (one `allgather_objects` rendezvous per call): each resets and steps
+    only its contiguous block of episodes (2 and 3 of 5), also on a later turn that steps a subset, and both get
+    every result in the caller's order."""
+    import threading
+
+    from posttrain.infra import distributed
+    from posttrain.rollout.episodes import HostShardedEnvs
+
+    class Recorder:  # a local EnvRunner that echoes which of its own episodes it stepped
+        def __init__(self):
+            self.episodes, self.calls = [], []
+
+        def reset(self, episodes):
+            self.episodes = list(episodes)
+            return [(f"obs {e}", {}) for e in episodes]
+
+        def step(self, actions, indices):
+            self.calls.append(list(indices))
+            return [(f"{self.episodes[i]}:{a}", 0.0, False, False, {}) for i, a in zip(indices, actions)]
+
+    local, barrier, slots = threading.local(), threading.Barrier(2, timeout=30), [None, None]
+
+    def allgather(obj):
+        slots[local.pid] = obj
+        barrier.wait()
+        out = list(slots)
+        barrier.wait()
+        return out
+
+    monkeypatch.setattr(distributed, "allgather_objects", allgather)
+    monkeypatch.setattr(distributed, "host_share", lambda n: range(n * local.pid // 2, n * (local.pid + 1) // 2))
+    runners, results, errors = [Recorder(), Recorder()], [None, None], []
+
+    def process(pid):
+        local.pid = pid
+        try:
+            envs = HostShardedEnvs(runners[pid])
+            results[pid] = (envs.reset(list(range(5))), envs.step(["a"] * 5), envs.step(["b", "c"], [1, 4]),
+                            envs.episodes, envs.env_steps)
+        except BaseException as e:  # noqa: BLE001  (re-raised below, in the test's thread)
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=process, args=(pid,)) for pid in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    assert results[0][:3] == results[1][:3]
+    first, second, third = results[0][:3]
+    assert [obs for obs, _ in first] == [f"obs {e}" for e in range(5)]
+    assert [r[0] for r in second] == [f"{e}:a" for e in range(5)]
+    assert [r[0] for r in third] == ["1:b", "4:c"]
+    assert runners[0].episodes == [0, 1] and runners[1].episodes == [2, 3, 4]
+    assert runners[0].calls == [[0, 1], [1]] and runners[1].calls == [[0, 1, 2], [2]]  # local indices
+    assert results[0][3:] == (2, 3) and results[1][3:] == (3, 4)  # (episodes, env steps) each process ran
