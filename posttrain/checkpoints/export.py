@@ -12,7 +12,10 @@ offline as is:
   tokenizer.json                   the `tokenizers` model (vocabulary, merges, pre-tokenizer, added tokens)
   tokenizer_config.json            tokenizer class, special tokens, `chat_template`
   special_tokens_map.json          bos / eos / pad / unk strings
-LoRA adapters are merged into their base weights here; `posttrain.checkpoints.peft` writes them unmerged.
+Tensor names and layouts come from the table in `posttrain.checkpoints.hf` (`arrays_to_hf`, the inverse of the
+import's `hf_to_arrays`); this module holds the writers (`write_safetensors`, `save_tokenizer`, `generation_config`)
+that `peft` reuses. LoRA adapters are merged into their base weights here; `posttrain.checkpoints.peft` writes them
+unmerged.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from posttrain.checkpoints import hf as hf_lib
 from posttrain.checkpoints import hf_config as hf_config_lib
 from posttrain.model.config import ModelConfig
 
@@ -112,7 +116,6 @@ def export_hf(cfg: ModelConfig, state, out_dir, *, tokenizer=None, dtype: str | 
     LoRA adapters in `state` are merged into their base weights (W + alpha/r * A @ B) first.
     Raises ValueError for an unsupported dtype or a config the HF family cannot express.
     """
-    from posttrain.checkpoints.load import arrays_to_hf
     from posttrain.model.lora import merge_adapters
 
     dtype = dtype or cfg.param_dtype
@@ -126,7 +129,7 @@ def export_hf(cfg: ModelConfig, state, out_dir, *, tokenizer=None, dtype: str | 
     arrays = flat_arrays(state)
     if cfg.lora is not None and cfg.lora.rank:
         arrays = merge_adapters(arrays, cfg.lora.alpha / cfg.lora.rank)
-    tensors = {n: a.astype(np_dtype) for n, a in arrays_to_hf(cfg, arrays).items()}
+    tensors = {n: a.astype(np_dtype) for n, a in hf_lib.arrays_to_hf(cfg, arrays).items()}
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     write_safetensors(tensors, out, max_shard_bytes)
     if tokenizer is not None:

@@ -4,7 +4,11 @@ Format: a directory with `config.json` and `model.safetensors` or sharded `model
 `model.safetensors.index.json` (https://huggingface.co/docs/safetensors). HF linear weights are [out, in]; ours
 are einsum-shaped ([in, heads, head_dim] etc., see `posttrain.model.layers`).
 
-One bidirectional table per family (`layer_table`) drives import *and* export, so the two cannot drift apart.
+This module holds the name / layout mapping in both directions, and nothing else: one bidirectional table per family
+(`Rule`s from `layer_table` / `top_table`, laid out by `block_layout`) drives import (`hf_to_arrays`, read lazily
+per shard through `Lazy`) *and* export (`arrays_to_hf`), so the two cannot drift apart. Reading files and placing
+parameters is `posttrain.checkpoints.load`, writing them `posttrain.checkpoints.export` / `peft`; load and export
+import only this table, never each other.
 DeepSeek stores its rotary dims interleaved (x0, x1), (x2, x3)... when config.json has `rope_interleave: true`
 (transformers' default); we permute those rows to the half-split layout on import (and back on export): q.k is
 unchanged when both sides get the same permutation. With `rope_interleave: false` the rows are already half-split.
@@ -15,8 +19,9 @@ transformers does not use either (`UNUSED_OK`).
 """
 from __future__ import annotations
 
+import functools
 import re
-from typing import Callable, Iterable, NamedTuple
+from typing import Callable, Iterable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -158,3 +163,93 @@ def check_unused(names: Iterable[str], used: set[str], num_layers: int, mtp_laye
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
         raise ValueError(f"tensor(s) {', '.join(map(repr, extra[:5]))}{more} in the checkpoint are not used by the "
                          "model its config.json describes (a config key missing or wrong?)")
+
+
+# -------------------------------------------------------------------------------- HF tensors <-> our arrays
+class Lazy(NamedTuple):
+    """One parameter, read when placed: `shape` (ours; [L, ...] for stacked blocks) and `read(index)` -> the
+    np.ndarray at `index` (a tuple of slices, as `jax.make_array_from_callback` passes), reading only the layers the
+    index covers, one HF tensor at a time."""
+
+    shape: tuple
+    read: Callable
+
+
+def _shape(tensors, name) -> tuple:
+    return tuple(tensors.shape(name)) if hasattr(tensors, "shape") else tuple(np.shape(tensors[name]))
+
+
+def _read_top(tensors, rule, names, j, index):
+    return np.asarray(rule.to_ours([tensors[n] for n in names])[j])[index]
+
+
+def _read_stacked(tensors, rule, layers, j, index):
+    out = None
+    rows = range(len(layers))[index[0]]
+    for k, i in enumerate(rows):  # one layer at a time; only this shard's slice is kept
+        a = np.asarray(rule.to_ours([tensors[n] for n in layers[i]])[j])[index[1:]]
+        out = np.empty((len(rows),) + a.shape, a.dtype) if out is None else out
+        out[k] = a
+    return out
+
+
+def hf_to_arrays(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], expected: Mapping[tuple, tuple], *,
+                 rope_interleave: bool = True, used: set | None = None) -> dict:
+    """{our param path tuple: `Lazy`} from HF-named tensors, validated against `expected` (per-layer) shapes.
+
+    Names and shapes are checked up front from `tensors.shape(name)` when it has one (headers, nothing read); the
+    tensors themselves are read when `load.place` asks for each parameter (`Lazy.read`), so the host never holds more
+    than one layer's tensor of one parameter plus the shard being placed. A rule with two outputs (DeepSeek's
+    kv_b_proj -> k_b_proj, v_b_proj) reads its tensor once per output.
+    rope_interleave: DeepSeek's config.json `rope_interleave`; used: when given, the names read are added to it.
+    Raises:
+      ValueError: a missing tensor (named) or a shape mismatch (tensor name, expected and found shapes).
+    """
+    family = hf_family(cfg)
+    used = set() if used is None else used
+
+    def hf_shapes(rule, our_prefix):  # the HF shapes the config implies (zero-stride views: nothing allocated)
+        want = [expected[our_prefix + tuple(o.split("."))] for o in rule.ours]
+        return [tuple(w.shape) for w in rule.to_hf([np.broadcast_to(np.float32(0), s) for s in want])]
+
+    def checked(rule, prefix, our_prefix, shapes):
+        names = [prefix + n for n in rule.hf]
+        used.update(names)
+        for n, w in zip(names, shapes):
+            if n not in tensors:
+                raise ValueError(f"missing tensor {n!r} (needed for {cfg.name or family} {our_prefix}{rule.ours})")
+            if _shape(tensors, n) != w:
+                raise ValueError(f"tensor {n!r}: expected shape {w} from the config, found {_shape(tensors, n)}")
+        return names
+
+    out = {}
+    for rule in top_table(cfg):
+        names = checked(rule, "", (), hf_shapes(rule, ()))
+        for j, o in enumerate(rule.ours):
+            path = tuple(o.split("."))
+            out[path] = Lazy(tuple(expected[path]), functools.partial(_read_top, tensors, rule, names, j))
+    for stack, first, num, is_moe in block_layout(cfg):
+        for rule in layer_table(cfg, family, is_moe, rope_interleave):
+            shapes = hf_shapes(rule, (stack,))
+            layers = [checked(rule, f"model.layers.{first + i}.", (stack,), shapes) for i in range(num)]
+            for j, o in enumerate(rule.ours):
+                path = (stack,) + tuple(o.split("."))
+                out[path] = Lazy((num,) + tuple(expected[path]),
+                                 functools.partial(_read_stacked, tensors, rule, layers, j))
+    return out
+
+
+def arrays_to_hf(cfg: ModelConfig, arrays: Mapping[tuple, np.ndarray]) -> dict[str, np.ndarray]:
+    """Inverse of `hf_to_arrays`: HF-named tensors from our param arrays."""
+    family = hf_family(cfg)
+    out = {}
+    for rule in top_table(cfg):
+        for n, a in zip(rule.hf, rule.to_hf([arrays[tuple(o.split("."))] for o in rule.ours])):
+            out[n] = a
+    for stack, first, num, is_moe in block_layout(cfg):
+        for rule in layer_table(cfg, family, is_moe):
+            for i in range(num):
+                ours = [arrays[(stack,) + tuple(o.split("."))][i] for o in rule.ours]
+                for n, a in zip(rule.hf, rule.to_hf(ours)):
+                    out[f"model.layers.{first + i}.{n}"] = a
+    return out

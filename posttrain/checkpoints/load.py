@@ -1,14 +1,15 @@
-"""Load pretrained weights (HF safetensors directory or GGUF file) into a sharded nnx state (export: `export.py`).
+"""Load pretrained weights (HF safetensors directory or GGUF file) into a sharded nnx state.
 
-`load_pretrained(path, mesh=...)` is the one entry point the CLI, sampler and trainer use. Parameters are placed
-one at a time with `jax.make_array_from_callback`, directly in their final sharding; HF tensors are read (and fp8
-ones dequantised) inside the callback, one layer at a time for the shard it asks for (`Lazy`), so the whole model is
-never in host memory.
+`load_pretrained(path, mesh=...)` is the one entry point the CLI, sampler and trainer use. This module holds the
+readers (`SafetensorsDir`, the GGUF path through `posttrain.checkpoints.gguf`) and the placement (`place`); the
+HF name / layout mapping is `posttrain.checkpoints.hf` (`hf_to_arrays`), export is `posttrain.checkpoints.export`.
+Parameters are placed one at a time with `jax.make_array_from_callback`, directly in their final sharding; HF
+tensors are read (and fp8 ones dequantised) inside the callback, one layer at a time for the shard it asks for
+(`hf.Lazy`), so the whole model is never in host memory.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import pathlib
@@ -97,99 +98,10 @@ class SafetensorsDir:
             raise ValueError(f"{self.path}: tensor {name!r} could not be read ({e})") from e
 
 
-class Lazy(NamedTuple):
-    """One parameter, read when placed: `shape` (ours; [L, ...] for stacked blocks) and `read(index)` -> the
-    np.ndarray at `index` (a tuple of slices, as `jax.make_array_from_callback` passes), reading only the layers the
-    index covers, one HF tensor at a time."""
-
-    shape: tuple
-    read: Callable
-
-
-def _shape(tensors, name) -> tuple:
-    return tuple(tensors.shape(name)) if hasattr(tensors, "shape") else tuple(np.shape(tensors[name]))
-
-
-def _read_top(tensors, rule, names, j, index):
-    return np.asarray(rule.to_ours([tensors[n] for n in names])[j])[index]
-
-
-def _read_stacked(tensors, rule, layers, j, index):
-    out = None
-    rows = range(len(layers))[index[0]]
-    for k, i in enumerate(rows):  # one layer at a time; only this shard's slice is kept
-        a = np.asarray(rule.to_ours([tensors[n] for n in layers[i]])[j])[index[1:]]
-        out = np.empty((len(rows),) + a.shape, a.dtype) if out is None else out
-        out[k] = a
-    return out
-
-
-def hf_to_arrays(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], expected: Mapping[tuple, tuple], *,
-                 rope_interleave: bool = True, used: set | None = None) -> dict:
-    """{our param path tuple: `Lazy`} from HF-named tensors, validated against `expected` (per-layer) shapes.
-
-    Names and shapes are checked up front from `tensors.shape(name)` when it has one (headers, nothing read); the
-    tensors themselves are read when `place` asks for each parameter (`Lazy.read`), so the host never holds more
-    than one layer's tensor of one parameter plus the shard being placed. A rule with two outputs (DeepSeek's
-    kv_b_proj -> k_b_proj, v_b_proj) reads its tensor once per output.
-    rope_interleave: DeepSeek's config.json `rope_interleave`; used: when given, the names read are added to it.
-    Raises:
-      ValueError: a missing tensor (named) or a shape mismatch (tensor name, expected and found shapes).
-    """
-    family = hf_lib.hf_family(cfg)
-    used = set() if used is None else used
-
-    def hf_shapes(rule, our_prefix):  # the HF shapes the config implies (zero-stride views: nothing allocated)
-        want = [expected[our_prefix + tuple(o.split("."))] for o in rule.ours]
-        return [tuple(w.shape) for w in rule.to_hf([np.broadcast_to(np.float32(0), s) for s in want])]
-
-    def checked(rule, prefix, our_prefix, shapes):
-        names = [prefix + n for n in rule.hf]
-        used.update(names)
-        for n, w in zip(names, shapes):
-            if n not in tensors:
-                raise ValueError(f"missing tensor {n!r} (needed for {cfg.name or family} {our_prefix}{rule.ours})")
-            if _shape(tensors, n) != w:
-                raise ValueError(f"tensor {n!r}: expected shape {w} from the config, found {_shape(tensors, n)}")
-        return names
-
-    out = {}
-    for rule in hf_lib.top_table(cfg):
-        names = checked(rule, "", (), hf_shapes(rule, ()))
-        for j, o in enumerate(rule.ours):
-            path = tuple(o.split("."))
-            out[path] = Lazy(tuple(expected[path]), functools.partial(_read_top, tensors, rule, names, j))
-    for stack, first, num, is_moe in hf_lib.block_layout(cfg):
-        for rule in hf_lib.layer_table(cfg, family, is_moe, rope_interleave):
-            shapes = hf_shapes(rule, (stack,))
-            layers = [checked(rule, f"model.layers.{first + i}.", (stack,), shapes) for i in range(num)]
-            for j, o in enumerate(rule.ours):
-                path = (stack,) + tuple(o.split("."))
-                out[path] = Lazy((num,) + tuple(expected[path]),
-                                 functools.partial(_read_stacked, tensors, rule, layers, j))
-    return out
-
-
-def arrays_to_hf(cfg: ModelConfig, arrays: Mapping[tuple, np.ndarray]) -> dict[str, np.ndarray]:
-    """Inverse of `hf_to_arrays`: HF-named tensors from our param arrays."""
-    family = hf_lib.hf_family(cfg)
-    out = {}
-    for rule in hf_lib.top_table(cfg):
-        for n, a in zip(rule.hf, rule.to_hf([arrays[tuple(o.split("."))] for o in rule.ours])):
-            out[n] = a
-    for stack, first, num, is_moe in hf_lib.block_layout(cfg):
-        for rule in hf_lib.layer_table(cfg, family, is_moe):
-            for i in range(num):
-                ours = [arrays[(stack,) + tuple(o.split("."))][i] for o in rule.ours]
-                for n, a in zip(rule.hf, rule.to_hf(ours)):
-                    out[f"model.layers.{first + i}.{n}"] = a
-    return out
-
-
 # --------------------------------------------------------------------------------------------- placing
 def place(cfg: ModelConfig, arrays_fn: Callable[[dict], dict], mesh=None, rules=mesh_lib.RULES, seed: int = 0):
-    """Builds the abstract model, gets {path: np.ndarray or `Lazy`} from `arrays_fn(expected_shapes)`, and places
-    each parameter sharded (a `Lazy` one is read inside `jax.make_array_from_callback`, one shard at a time)."""
+    """Builds the abstract model, gets {path: np.ndarray or `hf.Lazy`} from `arrays_fn(expected_shapes)`, and places
+    each parameter sharded (an `hf.Lazy` one is read inside `jax.make_array_from_callback`, one shard at a time)."""
     import jax.numpy as jnp
 
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
@@ -211,7 +123,7 @@ def place(cfg: ModelConfig, arrays_fn: Callable[[dict], dict], mesh=None, rules=
         if path not in arrays:
             raise ValueError(f"no weights for parameter {'/'.join(map(str, path))}")
         got, dtype = arrays.pop(path), jnp.dtype(v.dtype)
-        if isinstance(got, Lazy):  # read per shard, straight into its final sharding
+        if isinstance(got, hf_lib.Lazy):  # read per shard, straight into its final sharding
             shape, read = got.shape, lambda i, r=got.read, d=dtype: np.asarray(r(i)).astype(d)
         else:
             host = np.asarray(got).astype(dtype)
@@ -256,7 +168,7 @@ def load_hf_dir(path, *, mesh=None, rules=mesh_lib.RULES, dtype: str | None = No
     tensors = fp8_lib.Dequantized(SafetensorsDir(path), norm["weight_block_size"])
     cfg = dataclasses.replace(_tied_head(cfg, tensors), **overrides)
     used = {"lm_head.weight"} if cfg.tie_embeddings else set()  # equal to the embedding (checked above)
-    graphdef, state = place(cfg, lambda expected: hf_to_arrays(
+    graphdef, state = place(cfg, lambda expected: hf_lib.hf_to_arrays(
         cfg, tensors, expected, rope_interleave=bool(norm.get("rope_interleave", True)), used=used), mesh, rules)
     hf_lib.check_unused(tensors.keys(), used | tensors.scales_of(used), cfg.num_layers,
                         norm.get("num_mtp_layers") or 0)
@@ -286,7 +198,7 @@ def load_gguf_file(path, *, mesh=None, rules=mesh_lib.RULES, dtype: str | None =
     own = gguf_file_dtype(ckpt.metadata["tensor_types"])
     cfg = dataclasses.replace(hf_lib.config_from_hf(ckpt.hf_config, dtype=dtype or own,
                                                     param_dtype=param_dtype or own), **overrides)
-    graphdef, state = place(cfg, lambda expected: hf_to_arrays(cfg, ckpt.state_dict, expected), mesh, rules)
+    graphdef, state = place(cfg, lambda expected: hf_lib.hf_to_arrays(cfg, ckpt.state_dict, expected), mesh, rules)
     return Pretrained(cfg, graphdef, state, ckpt.tokenizer)
 
 
@@ -308,9 +220,3 @@ def load_pretrained(path=None, **kwargs) -> Pretrained:
         raise FileNotFoundError(f"{path}: no such model file or directory")
     return load_gguf_file(path, **kwargs)
 
-
-def export_hf(cfg: ModelConfig, state, out_dir, **kwargs) -> pathlib.Path:
-    """`posttrain.checkpoints.export.export_hf` (a complete HF model directory); kept here for old imports."""
-    from posttrain.checkpoints.export import export_hf as export
-
-    return export(cfg, state, out_dir, **kwargs)

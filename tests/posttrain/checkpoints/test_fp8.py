@@ -19,7 +19,8 @@ import pytest
 from flax import nnx
 
 from posttrain.checkpoints import fp8
-from posttrain.checkpoints.load import SafetensorsDir, arrays_to_hf, hf_to_arrays, load_hf_dir
+from posttrain.checkpoints.hf import arrays_to_hf, hf_to_arrays
+from posttrain.checkpoints.load import SafetensorsDir, load_hf_dir
 from posttrain.checkpoints.export import flat_arrays
 from posttrain.checkpoints.hf_config import config_from_hf, normalized
 

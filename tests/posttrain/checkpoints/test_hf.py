@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.checkpoints.load import export_hf, load_hf_dir
+from posttrain.checkpoints.export import export_hf
+from posttrain.checkpoints.load import load_hf_dir
 from helpers import random_model
 
 torch = pytest.importorskip("torch")

@@ -20,7 +20,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from posttrain.infra import mesh as mesh_lib  # noqa: E402
-from posttrain.checkpoints.load import export_hf, load_hf_dir  # noqa: E402
+from posttrain.checkpoints.export import export_hf  # noqa: E402
+from posttrain.checkpoints.load import load_hf_dir  # noqa: E402
 from posttrain.model import moe as moe_lib  # noqa: E402
 from posttrain.model.presets import get_preset  # noqa: E402
 from posttrain.model.transformer import Transformer  # noqa: E402

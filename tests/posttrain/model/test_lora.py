@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posttrain.checkpoints.load import export_hf, load_hf_dir
+from posttrain.checkpoints.export import export_hf
+from posttrain.checkpoints.load import load_hf_dir
 from posttrain.model.config import LoRAConfig
 from posttrain.model.layers import LoRAParam
 from posttrain.model.presets import get_preset
