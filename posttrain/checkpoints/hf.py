@@ -8,7 +8,7 @@ This module holds the name / layout mapping in both directions, and nothing else
 (`Rule`s from `layer_table` / `top_table`, laid out by `block_layout`) drives import (`hf_to_arrays`, read lazily
 per shard through `Lazy`) *and* export (`arrays_to_hf`), so the two cannot drift apart. Reading files and placing
 parameters is `posttrain.checkpoints.load`, writing them `posttrain.checkpoints.export` / `peft`; load and export
-import only this table, never each other.
+take the table from here and never import each other.
 DeepSeek stores its rotary dims interleaved (x0, x1), (x2, x3)... when config.json has `rope_interleave: true`
 (transformers' default); we permute those rows to the half-split layout on import (and back on export): q.k is
 unchanged when both sides get the same permutation. With `rope_interleave: false` the rows are already half-split.
