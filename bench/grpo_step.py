@@ -14,6 +14,8 @@ measured in the same process, and against the chip's published peak where known.
 Packed rows: each row is one prompt of --prompt-len tokens followed by --group-size completions, so
 --row-len = prompt_len + group_size x completion_len. Prints one JSON line with --json.
 """
+from posttrain.algos.grpo.advantages import advantage_fn
+from posttrain.learn.state import create_train_state
 from __future__ import annotations
 
 import argparse
@@ -90,7 +92,7 @@ def quickstart_batch(tokenizer, P=8, G=8, completion_len=24, seed=0):
             samples.append(Sample(domain="arithmetic", group=p, prompt_ids=prompt,
                                   segments=[(toks, -rng.random(completion_len).astype(np.float32), True)],
                                   reward=float(rng.random() < 0.3), status="ok", done=True))
-    return batching.assemble(samples, group_size=G, pad_id=tokenizer.pad_id)[0]
+    return batching.assemble(samples, advantage_fn("grpo"), group_size=G, pad_id=tokenizer.pad_id)[0]
 
 
 def model_config(args, backend: str):
@@ -118,7 +120,7 @@ def make_batch(args, cfg, pretrained):
     from posttrain.rollout.batching import random_batch
 
     if args.rows:
-        batch = random_batch(0, prompts=args.rows, group_size=args.group_size, prompt_len=args.prompt_len,
+        batch = random_batch(0, advantage_fn("grpo"), prompts=args.rows, group_size=args.group_size, prompt_len=args.prompt_len,
                              completion_len=(args.row_len - args.prompt_len) // args.group_size,
                              vocab_size=cfg.vocab_size)
         if batch.tokens_RxL.shape != (args.rows, args.row_len):
@@ -127,7 +129,7 @@ def make_batch(args, cfg, pretrained):
         return batch
     if pretrained is not None and pretrained.tokenizer is not None:
         return quickstart_batch(pretrained.tokenizer)
-    return random_batch(0, prompts=8, group_size=8, prompt_len=32, completion_len=24, vocab_size=cfg.vocab_size)
+    return random_batch(0, advantage_fn("grpo"), prompts=8, group_size=8, prompt_len=32, completion_len=24, vocab_size=cfg.vocab_size)
 
 
 def has_cuda_compiler_plugin() -> bool:
@@ -196,7 +198,7 @@ def main(argv=None):
             from posttrain.model.transformer import Transformer
 
             graphdef, model_state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-        graphdef, state = ts.create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), opts)
+        graphdef, state = create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), lora_rank=opts.lora_rank)
         step = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts), donate_argnums=(0,))
         jbatch = jax.tree.map(jnp.asarray, batch)
         t = time.perf_counter()

@@ -100,45 +100,24 @@ def cmd_train(f) -> int:
     return 0
 
 
-def cmd_eval(f) -> int:
+def _run_plan(f):
+    """The run plan of --config for the run in --checkpoint (its workdir)."""
     import dataclasses
 
-    from posttrain.recipes import grpo as loop
     from posttrain.recipes.run_plan import make_run_plan
 
     cfg = _load_config(f)
     if not f.checkpoint:
         raise SystemExit("error: --checkpoint=<run workdir> is required")
-    from posttrain.infra.partitioning import use_rules
+    return make_run_plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint)))
 
-    plan = make_run_plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint)))
-    with use_rules(plan.rules):
-        rollouter, learner = loop.build(plan)
-        m = loop.evaluate(rollouter, learner)
-    learner.close()
-    rollouter.close()
-    print(json.dumps({"step": learner.step, **m}))
+
+def cmd_eval(f) -> int:
+    from posttrain.recipes import grpo
+
+    step, m = grpo.evaluate_run(_run_plan(f))
+    print(json.dumps({"step": step, **m}))
     return 0
-
-
-def _run_policy(f):
-    """(ModelConfig, nnx state, tokenizer) of the latest checkpoint of the run in --checkpoint (LoRA unmerged)."""
-    import dataclasses
-
-    from flax import nnx
-
-    from posttrain.recipes import grpo as loop
-    from posttrain.recipes.run_plan import make_run_plan
-
-    cfg = _load_config(f)
-    rollouter, learner = loop.build(make_run_plan(dataclasses.replace(
-        cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint))))
-    try:
-        state = nnx.state(nnx.merge(learner.graphdef, *learner.policy()))
-    finally:
-        learner.close()
-        rollouter.close()
-    return learner.model_config, state, rollouter.tokenizer
 
 
 def cmd_convert(f) -> int:
@@ -148,7 +127,9 @@ def cmd_convert(f) -> int:
     if not f.out:
         raise SystemExit("error: --out=<directory> is required")
     if f.checkpoint:
-        cfg, state, tokenizer = _run_policy(f)
+        from posttrain.recipes import grpo
+
+        cfg, state, tokenizer = grpo.run_policy(_run_plan(f))
     else:
         pre = load_pretrained(f.model)
         cfg, state, tokenizer = pre.config, pre.state, pre.tokenizer
@@ -194,7 +175,10 @@ def cmd_plan(f) -> int:
     if not report["fits"]:
         what, peak = (("sampler", report["sample_peak_gib"]) if report.get("sample_fits") is False
                       else ("train step", report["peak_gib"]))
-        print(f"error: does not fit: {what} peak {peak:.1f} GiB per device > 90% of {report['hbm_gib']:.1f} GiB "
+        from posttrain.infra.aot import HBM_FIT_FRACTION
+
+        print(f"error: does not fit: {what} peak {peak:.1f} GiB per device > {HBM_FIT_FRACTION:.0%} of "
+              f"{report['hbm_gib']:.1f} GiB "
               f"HBM on {f.target}", file=sys.stderr)
         return 1
     return 0

@@ -1,46 +1,67 @@
 """Loading the policy a run starts from: the model (a preset with fresh weights, or a GGUF / HF checkpoint) created
-sharded on the run's mesh under its precision policy, and its tokenizer. Upstream of both run phases
-(`posttrain.rollout.rollouter`, `posttrain.learn.learner`); `posttrain.recipes.grpo.build` wires them.
+sharded on the run's mesh under its precision policy, and its tokenizer.
+
+`PolicySource` is this package's typed settings (built by `posttrain.recipes.run_plan` from the config's `model`
+and `lora` sections and the resolved precision policy); `PolicySource.model_fields` is the one place a run's
+model options become `ModelConfig` fields, for training, evaluation and `posttrain plan` alike.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Mapping
+
 from flax import nnx
 
-from posttrain.config import Config
-from posttrain.infra.precision import PrecisionPolicy, resolve_policy
+from posttrain.model.config import ModelConfig
 
 
-def load_policy(cfg: Config, mesh, policy: PrecisionPolicy | None = None, rules=None):
-    """(ModelConfig, graphdef, state, tokenizer) from the configured source, under the precision policy (default:
-    the config's, resolved for this backend), its parameters sharded on `mesh` by `rules` (default: `mesh.RULES`
-    with the config's `mesh.rules` overlays). Raises AssertionError (`partitioning.assert_sufficiently_sharded`)
-    when the rules leave most of a large model's parameter elements replicated on a multi-device mesh."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolicySource:
+    """Where the policy comes from and how it is built.
+
+    path: a .gguf file or HF model directory ("" with no preset: the default SmolLM2-135M-Instruct GGUF);
+    preset: a `posttrain.model.presets` name (random init, byte tokenizer); overrides: preset fields replaced;
+    seed: the preset's init seed; fields: `ModelConfig` fields set by the run (dtypes and matmul precision from
+    the precision policy, remat, LoRA, MoE and attention kernels), applied to a preset and to a checkpoint's config.
+    """
+
+    path: str = ""
+    preset: str = ""
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    seed: int = 0
+    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def preset_config(self) -> ModelConfig:
+        """The preset's ModelConfig with the run's fields and the overrides. Raises ValueError without a preset."""
+        from posttrain.model.presets import get_preset
+
+        if not self.preset:
+            raise ValueError("no model.preset: shapes of a checkpoint come from its file (load_policy)")
+        return get_preset(self.preset, **dict(self.fields), **dict(self.overrides))
+
+
+def load_policy(source: PolicySource, mesh, rules):
+    """(ModelConfig, graphdef, state, tokenizer) of `source`, its parameters sharded on `mesh` by `rules`.
+
+    Raises ValueError for a preset whose vocabulary is smaller than the byte tokenizer's or a checkpoint without
+    a tokenizer, AssertionError (`partitioning.assert_sufficiently_sharded`) when the rules leave most of a large
+    model's parameter elements replicated on a multi-device mesh."""
     from posttrain.checkpoints import load_pretrained
-    from posttrain.model.presets import get_preset
-    from posttrain.model.transformer import Transformer
-    from posttrain.infra import mesh as mesh_lib
     from posttrain.infra.partitioning import assert_sufficiently_sharded, create_sharded
     from posttrain.model.tokenizer import Tokenizer
+    from posttrain.model.transformer import Transformer
 
-    m = cfg.model
-    rules = rules if rules is not None else mesh_lib.rules_with_overrides(cfg.mesh.rules)
-    lora = cfg.lora if cfg.lora.rank else None
-    policy = policy or resolve_policy(m.dtype, m.param_dtype, m.matmul_precision)
-    fields = dict(dtype=policy.compute_dtype, param_dtype=policy.param_dtype, matmul_precision=policy.matmul_precision,
-                  remat=m.remat, remat_names=tuple(m.remat_names), lora=lora, moe_gmm_impl=m.moe_gmm_impl,
-                  moe_capacity_factor=m.moe_capacity_factor, moe_ep_capacity_factor=m.moe_ep_capacity_factor,
-                  attention_impl=m.attention_impl, grad_dtype=m.grad_dtype)
-    if m.preset:
-        mcfg = get_preset(m.preset, **fields, **dict(m.overrides))
+    if source.preset:
+        mcfg = source.preset_config()
         tokenizer = Tokenizer.byte_level()
         if mcfg.vocab_size < tokenizer.vocab_size:
-            raise ValueError(f"preset {m.preset!r} has vocab_size {mcfg.vocab_size} < {tokenizer.vocab_size} ids of "
-                             "the byte tokenizer; set model.overrides.vocab_size")
-        graphdef, state = create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(cfg.train.seed)), mesh, rules)
+            raise ValueError(f"preset {source.preset!r} has vocab_size {mcfg.vocab_size} < {tokenizer.vocab_size} "
+                             "ids of the byte tokenizer; set model.overrides.vocab_size")
+        graphdef, state = create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(source.seed)), mesh, rules)
         assert_sufficiently_sharded(state, mesh)
         return mcfg, graphdef, state, tokenizer
-    pre = load_pretrained(m.path or None, mesh=mesh, rules=rules, **fields)
+    pre = load_pretrained(source.path or None, mesh=mesh, rules=rules, **dict(source.fields))
     if pre.tokenizer is None:
-        raise ValueError(f"{m.path}: no tokenizer found next to the weights (tokenizer.json)")
+        raise ValueError(f"{source.path}: no tokenizer found next to the weights (tokenizer.json)")
     assert_sufficiently_sharded(pre.state, mesh)
     return pre.config, pre.graphdef, pre.state, pre.tokenizer

@@ -18,23 +18,22 @@ import typing
 from typing import Any, Mapping
 
 from posttrain.config.schema import Config
+from posttrain.infra.precision import DTYPES, PRECISIONS
+from posttrain.model.attention_kernels import IMPLS as ATTENTION_IMPLS
+from posttrain.model.config import GRAD_DTYPES, REMAT_MODES, REMAT_NAMES
+from posttrain.model.gmm import IMPLS as GMM_IMPLS
 
+# (section, key) -> allowed values, from the tables of the packages below config/ that own them; the names of
+# registries above it are checked by `posttrain.recipes.run_plan.check_names` against the registries themselves
 _CHOICES = {
-    ("rl", "advantage"): ("grpo", "dr_grpo", "rloo"),
-    ("rl", "loss"): ("ppo", "gspo"),
-    ("rl", "kl_estimator"): ("k1", "k2", "k3"),
-    ("rl", "aggregation"): ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
     ("rl", "routing_replay"): ("off", "replay"),
-    ("optim", "schedule"): ("constant", "cosine", "linear"),
-    ("optim", "name"): ("adamw", "adam", "sgd"),
-    ("eval", "scorer"): ("env", "last_integer"),
-    ("model", "remat"): ("none", "dots", "names", "full"),
-    ("model", "dtype"): ("auto", "float32", "bfloat16", "float16"),
-    ("model", "param_dtype"): ("auto", "float32", "bfloat16", "float16"),
-    ("model", "matmul_precision"): ("default", "high", "highest"),
-    ("model", "moe_gmm_impl"): ("auto", "ragged", "padded", "megablox"),
-    ("model", "attention_impl"): ("auto", "blockwise", "splash", "pallas_gpu", "dense"),
-    ("model", "grad_dtype"): ("param", "compute"),
+    ("model", "remat"): REMAT_MODES,
+    ("model", "dtype"): ("auto",) + tuple(DTYPES),
+    ("model", "param_dtype"): ("auto",) + tuple(DTYPES),
+    ("model", "matmul_precision"): PRECISIONS,
+    ("model", "moe_gmm_impl"): tuple(i for i in GMM_IMPLS if i != "capacity"),
+    ("model", "attention_impl"): ATTENTION_IMPLS,
+    ("model", "grad_dtype"): GRAD_DTYPES,
 }
 _POSITIVE = (">= 1", lambda v: v >= 1)
 _NONNEGATIVE = (">= 0", lambda v: v >= 0)
@@ -151,8 +150,6 @@ def from_config_dict(cd) -> Config:
         cfg = _keep_domains(cfg)
     if not cfg.env.train:
         raise ConfigError("env.train is empty: name at least one environment, e.g. posttrain/Arithmetic-v0")
-    from posttrain.model.config import REMAT_NAMES
-
     if set(cfg.model.remat_names) - set(REMAT_NAMES):
         raise ConfigError(f"model.remat_names={list(cfg.model.remat_names)}; each must be one of {REMAT_NAMES}")
     if cfg.model.path and cfg.model.preset:

@@ -7,12 +7,43 @@ the last integer of the final reply with the task's `answer` (the quickstart's f
 """
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from posttrain.config import EnvSpec
 from posttrain.rollout.episodes import Episode, run_episodes
+from posttrain.rollout.rollouter import task_sources
+from posttrain.rollout.sampler import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalSettings:
+    """What held-out evaluation needs of a run (built by `posttrain.recipes.run_plan`). specs: the eval env mix;
+    num_tasks: the first this many tasks of each domain; batch_size: episodes per sampler call; scorer: a SCORERS
+    name; sampling: the eval rollouts' SamplingParams (greedy by default); max_turns, system_prompt,
+    prompt_bucket: as in training rollouts; seed: of the sampling key; every_steps (0: never) / at_start /
+    at_end: when the loop evaluates."""
+
+    specs: Mapping[str, EnvSpec]
+    sampling: SamplingParams
+    num_tasks: int = 200
+    batch_size: int = 64
+    scorer: str = "env"
+    max_turns: int = 1
+    system_prompt: str = ""
+    prompt_bucket: int = 16
+    seed: int = 1
+    every_steps: int = 0
+    at_start: bool = True
+    at_end: bool = True
+
+    def due(self, done: int, total_steps: int) -> bool:
+        """Whether the evaluation of `every_steps` runs after `done` completed steps (the last step's is the
+        `at_end` one)."""
+        return bool(self.every_steps) and done % self.every_steps == 0 and done < total_steps
 
 
 def eval_episodes(sources: Mapping[str, tuple], num_tasks: int) -> dict[str, list[Episode]]:
@@ -24,17 +55,29 @@ def eval_episodes(sources: Mapping[str, tuple], num_tasks: int) -> dict[str, lis
     return out
 
 
-def solved(sample, scorer: str) -> bool:
-    if scorer == "last_integer":
-        from envs.verify.answers import last_integer
-
-        task_answer = sample.info.get("gold", sample.info.get("answer"))
-        got = last_integer(sample.texts[-1] if sample.texts else "")
-        try:
-            return got is not None and int(str(task_answer).replace(",", "")) == got
-        except (TypeError, ValueError):
-            return False
+def solved_by_env(sample) -> bool:
+    """The environment's verified reward: >= 1 counts as solved."""
     return sample.reward >= 1.0
+
+
+def solved_by_last_integer(sample) -> bool:
+    """The last integer of the final reply equals the task's answer (`info["gold"]` or `info["answer"]`)."""
+    from envs.verify.answers import last_integer
+
+    task_answer = sample.info.get("gold", sample.info.get("answer"))
+    got = last_integer(sample.texts[-1] if sample.texts else "")
+    try:
+        return got is not None and int(str(task_answer).replace(",", "")) == got
+    except (TypeError, ValueError):
+        return False
+
+
+SCORERS: dict[str, Callable] = {"env": solved_by_env, "last_integer": solved_by_last_integer}
+
+
+def solved(sample, scorer: str) -> bool:
+    """Whether `sample` solved its task by SCORERS[scorer]. Raises KeyError for an unknown scorer."""
+    return SCORERS[scorer](sample)
 
 
 def evaluate(sample_fn, tokenizer, runner, episodes: Mapping[str, Sequence[Episode]], *, batch_size: int,
@@ -79,3 +122,17 @@ def regression_table(before: Mapping[str, float], after: Mapping[str, float]) ->
         b, a = before.get(k, float("nan")), after.get(k, float("nan"))
         lines.append(f"{k:40s} {b:8.3f} {a:8.3f} {a - b:+8.3f}")
     return "\n".join(lines)
+
+
+def settings_episodes(settings: EvalSettings) -> dict[str, list[Episode]]:
+    """The held-out episodes of `settings` ({} without eval specs); constructing each env runs its self-check."""
+    return eval_episodes(task_sources(settings.specs), settings.num_tasks) if settings.specs else {}
+
+
+def run(settings: EvalSettings, episodes: Mapping[str, Sequence[Episode]], sample_fn, tokenizer, runner):
+    """`evaluate` with the settings' scorer, batch, turns, prompt and sampling key: (eval/* metrics, records)."""
+    import jax
+
+    return evaluate(sample_fn, tokenizer, runner, episodes, batch_size=settings.batch_size, scorer=settings.scorer,
+                    max_turns=settings.max_turns, pad_id=tokenizer.pad_id, key=jax.random.key(settings.seed),
+                    system_prompt=settings.system_prompt, bucket=settings.prompt_bucket)

@@ -19,6 +19,14 @@ import tempfile
 import time
 
 GIB = 1 << 30
+# a program fits a device when its peak is at most this share of the device's memory (the rest: the runtime's own
+# allocations and fragmentation)
+HBM_FIT_FRACTION = 0.9
+
+
+def fits(peak_bytes: int, hbm_bytes: int) -> bool:
+    """Whether a compiled program's peak (bytes per device) fits a device of `hbm_bytes`: peak <= 90% of it."""
+    return peak_bytes <= HBM_FIT_FRACTION * hbm_bytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""The update phase: the train state, its jitted GRPO step with explicit in/out shardings, and its checkpoints.
+"""The update phase: the train state, its jitted step with explicit in/out shardings, and its checkpoints.
 
-A `Learner` holds what updates need and nothing rollouts need: the plan, the mesh, the model config and graphdef,
+A `Learner` holds what updates need and nothing rollouts need: its settings, the mesh, the model config and graphdef,
 the `TrainState` (replaced by every update: the old one is donated), the shardings of state and batch, the jitted
 step and the checkpointer. `update(batch)` places a host `RolloutBatch` (the full global batch, the same on every
 process) on the mesh, runs one step and returns its metrics as floats; `policy()` gives the rollouter the current
@@ -10,20 +10,41 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import pathlib
 import re
 from typing import Any, Callable, Mapping
 
 import jax
 
+from posttrain.checkpoints.orbax import Checkpointer
+from posttrain.config import CheckpointConfig
 from posttrain.infra import distributed
 from posttrain.infra import mesh as mesh_lib
 from posttrain.infra import metrics as metrics_lib
-from posttrain.learn import optim
-from posttrain.algos.grpo import step as ts
-from posttrain.checkpoints.orbax import Checkpointer
-from posttrain.config import to_dict
-from posttrain.recipes.run_plan import RunPlan, with_moe
+from posttrain.learn import step as step_lib
+from posttrain.learn.optim import OptimizerSettings
+from posttrain.learn.state import create_train_state, model_states
 from posttrain.types import RolloutBatch, TrainState
+
+# (graphdef, optax transformation, lr schedule, the loaded model's ModelConfig) -> the pure step (state, batch)
+StepBuilder = Callable[[Any, Any, Any, Any], Callable]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LearnerSettings:
+    """What the update phase needs of a run. workdir: the run's directory (checkpoints/ under it); optimizer: its
+    settings; lora_rank: adapters only when > 0; need_reference: keep the initial policy for a KL term; seed: of
+    the run's PRNG key; checkpoint: the config's checkpoint section; rules: logical-axis rules (batch sharding);
+    config_dict: the run's config as a plain dict, stored with every checkpoint."""
+
+    workdir: pathlib.Path
+    optimizer: OptimizerSettings
+    lora_rank: int = 0
+    need_reference: bool = False
+    seed: int = 0
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    rules: tuple = mesh_lib.RULES
+    config_dict: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def batch_shardings(mesh, batch: RolloutBatch | None = None, rules=mesh_lib.RULES) -> RolloutBatch:
@@ -59,7 +80,7 @@ class Learner:
     """The update phase of a run (see the module docstring). `nonfinite_run`: consecutive updates skipped for a
     non-finite loss or gradient, up to the last one."""
 
-    plan: RunPlan
+    settings: LearnerSettings
     mesh: jax.sharding.Mesh
     model_config: Any  # posttrain.model.config.ModelConfig
     graphdef: Any  # nnx.GraphDef that merges `policy()`
@@ -71,23 +92,23 @@ class Learner:
     nonfinite_run: int = 0
 
     @classmethod
-    def create(cls, plan: RunPlan, mesh, model_config, graphdef, weights) -> "Learner":
-        """A fresh train state from the loaded model (`graphdef`, `weights`: its nnx state) and the plan's
-        optimizer, step options (with the model's MoE coefficients) and checkpoint settings."""
-        cfg, o = plan.cfg, plan.cfg.optim
-        opts = with_moe(plan.step_options, cfg, model_config.moe)
-        opt = optim.make_optimizer(o.name, lr=o.lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
-                                   grad_clip_norm=o.grad_clip_norm or None, warmup_steps=o.warmup_steps,
-                                   total_steps=cfg.train.steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
+    def create(cls, settings: LearnerSettings, mesh, model_config, graphdef, weights,
+               build_step: StepBuilder) -> "Learner":
+        """A fresh train state from the loaded model (`graphdef`, `weights`: its nnx state), the settings'
+        optimizer and checkpoints, and the algorithm's step: `build_step(graphdef, tx, lr_schedule, model_config)`
+        returns the pure step, jitted here by `learn.step.jit_step` with the state's and batch's shardings."""
+        opt = settings.optimizer.build()
         with jax.set_mesh(mesh):
-            graphdef, state = ts.create_train_state(graphdef, weights, opt.tx, jax.random.key(cfg.train.seed), opts,
-                                                    need_reference=cfg.rl.beta > 0)
+            graphdef, state = create_train_state(graphdef, weights, opt.tx, jax.random.key(settings.seed),
+                                                 lora_rank=settings.lora_rank,
+                                                 need_reference=settings.need_reference)
         state_sh = jax.tree.map(lambda x: x.sharding, state)
-        batch_sh = batch_shardings(mesh, rules=plan.rules)
-        step_fn = ts.jit_train_step(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts), state_sh, batch_sh)
-        ckpt = Checkpointer(plan.workdir / "checkpoints", every_steps=cfg.checkpoint.every_steps,
-                            keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
-        return cls(plan=plan, mesh=mesh, model_config=model_config, graphdef=graphdef, state=state,
+        batch_sh = batch_shardings(mesh, rules=settings.rules)
+        step_fn = step_lib.jit_step(build_step(graphdef, opt.tx, opt.lr_schedule, model_config), state_sh, batch_sh)
+        c = settings.checkpoint
+        ckpt = Checkpointer(settings.workdir / "checkpoints", every_steps=c.every_steps, keep=c.keep,
+                            async_save=c.async_save)
+        return cls(settings=settings, mesh=mesh, model_config=model_config, graphdef=graphdef, state=state,
                    state_shardings=state_sh, batch_shardings=batch_sh, step_fn=step_fn, checkpointer=ckpt)
 
     @property
@@ -102,12 +123,12 @@ class Learner:
 
     def policy(self) -> tuple:
         """The current policy's nnx states, in `graphdef`'s split order (adapters, base, rest under LoRA)."""
-        return ts.model_states(self.state.params, self.state.frozen)
+        return model_states(self.state.params, self.state.frozen)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """One train step on a host batch; returns its metrics. A skipped (non-finite) update is logged and
         counted in `nonfinite_run`."""
-        placed = jax.tree.map(distributed.global_array, batch, batch_shardings(self.mesh, batch, self.plan.rules))
+        placed = jax.tree.map(distributed.global_array, batch, batch_shardings(self.mesh, batch, self.settings.rules))
         with jax.set_mesh(self.mesh):
             self.state, m = self.step_fn(self.state, placed)
         m = {k: float(v) for k, v in jax.device_get(m).items()}
@@ -131,7 +152,7 @@ class Learner:
         state and the config as metadata."""
         if force or self.checkpointer.should_save(self.step):
             trim_host_heap()
-            self.checkpointer.save(self.step, self.state, {**rollout_state, "config": to_dict(self.plan.cfg)},
+            self.checkpointer.save(self.step, self.state, {**rollout_state, "config": dict(self.settings.config_dict)},
                                    force=force)
 
     def wait(self) -> None:

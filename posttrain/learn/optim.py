@@ -2,7 +2,8 @@
 
 Dimension legend: none; the optimizer maps a pytree of float gradients to updates of the same structure.
 
-Plain arguments only; `config.py` converts an OptimConfig into them. The learning-rate schedule is
+Plain arguments, or an `OptimizerSettings` (built by `posttrain.recipes.run_plan` from the config's `optim`
+section and the run's step count) whose `build()` is the one place a run's optimizer is made. The learning-rate schedule is
 returned alongside the transformation so the train step can log `optim/lr` for the step it applies.
 
 Schedule (lr in parameter units per unit of normalised gradient, `step` = number of updates already
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["OPTIMIZERS", "SCHEDULES", "Optimizer", "make_optimizer", "make_schedule"]
+__all__ = ["OPTIMIZERS", "SCHEDULES", "Optimizer", "OptimizerSettings", "make_optimizer", "make_schedule"]
 
 
 # --- decay shapes: progress p in [0, 1] -> multiplier of the peak rate, ending at min_lr_ratio.
@@ -173,3 +174,25 @@ def _labels(trainable_mask):
     if callable(trainable_mask):
         return lambda params: to_label(trainable_mask(params))
     return to_label(trainable_mask)
+
+
+class OptimizerSettings(NamedTuple):
+    """Every argument of `make_optimizer` a run sets (see its docstring for units and ranges); `build()` makes the
+    optimizer. The learner and `posttrain plan` build theirs from the same settings."""
+
+    name: str = "adamw"
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    grad_clip_norm: float | None = 1.0
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+
+    def build(self) -> Optimizer:
+        """`make_optimizer(**self)`; raises its ValueErrors."""
+        s = self._asdict()
+        return make_optimizer(s.pop("name"), **s)

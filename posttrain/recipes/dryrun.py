@@ -67,19 +67,20 @@ def target_devices(target: str):
     raise ValueError(f"unknown target {target!r}: expected cpu-N, v5p-N or h200xN")
 
 
-def abstract_train_state(model_cfg, tx, opts, mesh, rules=mesh_lib.RULES):
+def abstract_train_state(model_cfg, tx, mesh, rules=mesh_lib.RULES, *, lora_rank: int = 0,
+                         need_reference: bool = False):
     """(graphdef, abstract TrainState with shardings, its shardings) for `model_cfg` on `mesh` (nothing allocated)."""
     from flax import nnx
 
-    from posttrain.algos.grpo import step as ts
+    from posttrain.learn.state import create_train_state
     from posttrain.model.transformer import Transformer
 
     box = {}
 
     def init():
         graphdef, model_state = nnx.split(Transformer(model_cfg, rngs=nnx.Rngs(0)))
-        box["graphdef"], state = ts.create_train_state(graphdef, model_state, tx, jax.random.key(0), opts,
-                                                       need_reference=opts.loss.beta > 0)
+        box["graphdef"], state = create_train_state(graphdef, model_state, tx, jax.random.key(0),
+                                                    lora_rank=lora_rank, need_reference=need_reference)
         return state
 
     with jax.set_mesh(mesh):
@@ -112,17 +113,15 @@ def captured_stderr():
             out["text"] = tmp.read().decode(errors="replace")
 
 
-def compile_train_step(graphdef, state, state_sh, batch, batch_sh, mesh, tx, lr_schedule, opts,
-                       rules=mesh_lib.RULES):
-    """Lowers and compiles the donated train step for `mesh` (activation constraints by `rules`); returns
-    (MemoryReport, compile seconds, XLA log, collective bytes by kind per device: `aot.collective_bytes`)."""
-    from posttrain.algos.grpo import step as ts
+def compile_train_step(step_fn, state, state_sh, batch, batch_sh, mesh, rules=mesh_lib.RULES):
+    """Lowers and compiles the pure step `step_fn`, jitted as the learner jits it (`learn.step.jit_step`: explicit
+    shardings, state donated), for `mesh` (activation constraints by `rules`); returns (MemoryReport, compile
+    seconds, XLA log, collective bytes by kind per device: `aot.collective_bytes`)."""
     from posttrain.infra.partitioning import use_rules
+    from posttrain.learn.step import jit_step
 
-    step = ts.make_train_step(graphdef, tx, lr_schedule, opts)
     with jax.set_mesh(mesh), use_rules(rules):
-        lowered = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
-                          donate_argnums=(0,)).lower(state, batch)
+        lowered = jit_step(step_fn, state_sh, batch_sh).lower(state, batch)
         with captured_stderr() as log:
             compiled, report, seconds = aot.compile_with_report(lowered)
     return report, seconds, log["text"], aot.collective_bytes(compiled.as_text())
@@ -162,46 +161,48 @@ def per_device_bytes(tree) -> int:
 
 
 def plan_train_step(cfg, target: str, *, prompt_len: int = 512, sampler: bool = True) -> dict:
-    """The per-device report of `cfg`'s train step on `target` (see the module doc) for one step's batch:
-    rl.prompts_per_step prompts of `prompt_len` tokens, each with rl.group_size completions of
-    sampling.max_new_tokens tokens, packed per rl.packed; with `sampler`, also the rollout sampler's compile for
-    the same prompts (`sample_*` keys; `fits` then needs both). Raises ConfigError for a config that makes no
-    valid plan on the target, ValueError/RuntimeError from `target_devices`."""
-    from posttrain.model import flops as flops_lib
-    from posttrain.learn import optim
-    from posttrain.rollout.batching import random_batch
-    from posttrain.model.presets import get_preset
-    from posttrain.infra.partitioning import assert_sufficiently_sharded
-    from posttrain.recipes.run_plan import make_run_plan, with_moe
+    """The per-device report of `cfg`'s run on `target` (see `plan_report`): the run plan is made for the target's
+    devices and backend. Raises ConfigError for a config that makes no valid plan on the target,
+    ValueError/RuntimeError from `target_devices`."""
+    from posttrain.recipes.run_plan import make_run_plan
 
     devices, platform, hbm, peak = target_devices(target)
     plan = make_run_plan(cfg, num_devices=len(devices), backend=platform)
+    return plan_report(plan, devices, hbm, peak, target=target, prompt_len=prompt_len, sampler=sampler)
+
+
+def plan_report(plan, devices, hbm: int, peak, *, target: str, prompt_len: int = 512, sampler: bool = True) -> dict:
+    """The per-device report of the run plan `plan` (made for `devices`) on `target` (see the module doc; hbm:
+    bytes per device; peak: bf16 FLOP/s per device or None) for one step's batch:
+    rollout.prompts_per_step prompts of `prompt_len` tokens, each with group_size completions of the sampling's
+    max_new_tokens, packed per the plan; with `sampler`, also the rollout sampler's compile for the same prompts
+    (`sample_*` keys; `fits` then needs both). The step compiled is the learner's: the GRPO recipe's step builder
+    jitted by `learn.step.jit_step`. Raises ValueError without a model preset (shapes only, no weights)."""
+    from posttrain.infra.partitioning import assert_sufficiently_sharded
+    from posttrain.learn.state import model_states
+    from posttrain.model import flops as flops_lib
+    from posttrain.recipes.grpo import step_builder
+    from posttrain.rollout.batching import random_batch
+    from posttrain.algos.grpo.advantages import advantage_fn
+
     mesh = mesh_lib.make_mesh(plan.mesh_shape, devices=devices)
-    m = cfg.model
-    if not m.preset:
+    if not plan.policy.preset:
         raise ValueError("plan needs model.preset (shapes only; no weights are read)")
-    p = plan.precision
-    model_cfg = get_preset(m.preset, dtype=p.compute_dtype, param_dtype=p.param_dtype, remat=m.remat,
-                           remat_names=tuple(m.remat_names), matmul_precision=p.matmul_precision,
-                           lora=cfg.lora if cfg.lora.rank else None, moe_gmm_impl=m.moe_gmm_impl,
-                           moe_capacity_factor=m.moe_capacity_factor,
-                           moe_ep_capacity_factor=m.moe_ep_capacity_factor, attention_impl=m.attention_impl,
-                           grad_dtype=m.grad_dtype,
-                           **dict(m.overrides))
-    opts = with_moe(plan.step_options, cfg, model_cfg.moe)
-    o = cfg.optim
-    opt = optim.make_optimizer(o.name, lr=o.lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
-                               grad_clip_norm=o.grad_clip_norm or None, warmup_steps=o.warmup_steps,
-                               total_steps=cfg.train.steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
-    graphdef, state, state_sh = abstract_train_state(model_cfg, opt.tx, opts, mesh, plan.rules)
+    model_cfg = plan.policy.preset_config()
+    opt = plan.learner.optimizer.build()
+    lora_rank = plan.learner.lora_rank
+    graphdef, state, state_sh = abstract_train_state(model_cfg, opt.tx, mesh, plan.rules, lora_rank=lora_rank,
+                                                     need_reference=plan.learner.need_reference)
     assert_sufficiently_sharded((state.params, state.frozen), mesh)  # the whole model (LoRA: adapters + base)
-    batch = random_batch(0, prompts=cfg.rl.prompts_per_step, group_size=cfg.rl.group_size, prompt_len=prompt_len,
-                         completion_len=cfg.sampling.max_new_tokens, vocab_size=model_cfg.vocab_size,
-                         packed=cfg.rl.packed, row_multiple=plan.row_multiple)
+    ro = plan.rollout
+    batch = random_batch(0, advantage_fn(plan.advantage), prompts=ro.prompts_per_step, group_size=ro.group_size,
+                         prompt_len=prompt_len, completion_len=ro.sampling.max_new_tokens,
+                         vocab_size=model_cfg.vocab_size, packed=ro.packed, row_multiple=ro.row_multiple)
     batch_abs, batch_sh = abstract_batch(batch, mesh, plan.rules)
+    step_fn = step_builder(plan)(graphdef, opt.tx, opt.lr_schedule, model_cfg)
     try:
-        report, seconds, log, collectives = compile_train_step(graphdef, state, state_sh, batch_abs, batch_sh, mesh,
-                                                               opt.tx, opt.lr_schedule, opts, plan.rules)
+        report, seconds, log, collectives = compile_train_step(step_fn, state, state_sh, batch_abs, batch_sh, mesh,
+                                                               plan.rules)
     except Exception as e:  # noqa: BLE001 - XLA:TPU refuses to compile a program that cannot fit in HBM
         needed = re.search(r"required for HLO temporaries \(([\d.]+)G\)", str(e))
         if not needed:
@@ -209,18 +210,20 @@ def plan_train_step(cfg, target: str, *, prompt_len: int = 512, sampler: bool = 
         report = aot.MemoryReport(per_device_bytes(state), per_device_bytes(state), int(float(needed.group(1)) * 1e9),
                                   per_device_bytes(state), [])
         seconds, log, collectives = None, str(e), {}
-    fl = flops_lib.train_step_flops(model_cfg, state.params if not cfg.lora.rank else
-                                    flops_lib.abstract_model_state(model_cfg), batch, lora=bool(cfg.lora.rank))
+    fl = flops_lib.train_step_flops(model_cfg, state.params if not lora_rank else
+                                    flops_lib.abstract_model_state(model_cfg), batch, lora=bool(lora_rank))
     n = len(devices)
-    out = {"target": target, "devices": n, "mesh": dict(plan.mesh_shape), "model": m.preset, "packed": cfg.rl.packed,
-           "sequences": cfg.rl.prompts_per_step * cfg.rl.group_size,
-           "compute_dtype": p.compute_dtype, "param_dtype": p.param_dtype, "remat": m.remat, "lora_rank": cfg.lora.rank,
+    p = plan.precision
+    out = {"target": target, "devices": n, "mesh": dict(plan.mesh_shape), "model": plan.policy.preset,
+           "packed": ro.packed, "sequences": ro.prompts_per_step * ro.group_size,
+           "compute_dtype": p.compute_dtype, "param_dtype": p.param_dtype, "remat": model_cfg.remat,
+           "lora_rank": lora_rank,
            "rows": int(batch.tokens_RxL.shape[0]), "row_len": int(batch.tokens_RxL.shape[1]),
            "params": fl.total_params, "params_gib": per_device_bytes(state.params) / aot.GIB,
            "optimizer_gib": per_device_bytes(state.opt_state) / aot.GIB,
            "gradients_gib": per_device_bytes(state.params) / aot.GIB,
            "frozen_gib": per_device_bytes((state.frozen, state.ref_params)) / aot.GIB,
-           **report.as_dict(), "hbm_gib": hbm / aot.GIB, "fits": report.peak <= 0.9 * hbm,
+           **report.as_dict(), "hbm_gib": hbm / aot.GIB, "fits": aot.fits(report.peak, hbm),
            "compile_s": None if seconds is None else round(seconds, 1), "flops_per_step": fl.total,
            "collective_gib": {k: round(v / aot.GIB, 3) for k, v in collectives.items()
                               if k in aot.COLLECTIVE_KINDS and v},
@@ -228,18 +231,17 @@ def plan_train_step(cfg, target: str, *, prompt_len: int = 512, sampler: bool = 
            "involuntary_remat": "Involuntary full rematerialization" in log,
            "compiler_refused": "RESOURCE_EXHAUSTED" in log}
     if sampler:
-        from posttrain.algos.grpo import step as ts
         from posttrain.rollout.sampler import shrink_schedule
 
-        samples = cfg.rl.prompts_per_step * cfg.rl.group_size
-        srep, sseconds = compile_sampler(graphdef, ts.model_states(state.params, state.frozen), mesh, plan.rules,
-                                         prompts=cfg.rl.prompts_per_step, prompt_len=prompt_len,
-                                         group_size=cfg.rl.group_size, params=plan.sampling,
-                                         shrink=shrink_schedule(samples, plan.decode_multiple,
-                                                                steps=cfg.sampling.decode_shrink_steps),
-                                         record_routing=cfg.rl.routing_replay == "replay")
+        samples = ro.prompts_per_step * ro.group_size
+        srep, sseconds = compile_sampler(graphdef, model_states(state.params, state.frozen), mesh, plan.rules,
+                                         prompts=ro.prompts_per_step, prompt_len=prompt_len,
+                                         group_size=ro.group_size, params=ro.sampling,
+                                         shrink=shrink_schedule(samples, ro.decode_multiple,
+                                                                steps=ro.decode_shrink_steps),
+                                         record_routing=ro.record_routing)
         sd = srep.as_dict()
         out.update({"sample_peak_gib": sd["peak_gib"], "sample_temp_gib": sd["temp_gib"],
-                    "sample_compile_s": round(sseconds, 1), "sample_fits": srep.peak <= 0.9 * hbm})
+                    "sample_compile_s": round(sseconds, 1), "sample_fits": aot.fits(srep.peak, hbm)})
         out["fits"] = out["fits"] and out["sample_fits"]
     return out

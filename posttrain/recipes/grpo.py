@@ -1,5 +1,6 @@
-"""The training loop, the only imperative driver: plan -> rollouter / learner -> for each step: collect, train, log,
-save, evaluate. No math and no derived settings live here (those are `posttrain.recipes.run_plan.RunPlan`'s).
+"""The GRPO recipe, the only imperative driver of a run: plan -> rollouter / learner -> for each step: collect,
+train, log, save, evaluate. No math and no derived settings live here (those are `posttrain.recipes.run_plan`'s);
+the GRPO math is `posttrain.algos.grpo`'s (advantages handed to the rollouter, the step built on `learn.step`).
 
 Outputs in the workdir: `metrics.jsonl`, TensorBoard events, `reward_curve.png`, `trajectories/step_*.jsonl`
 (prompts, replies, rewards), `eval/step_*.jsonl`, `checkpoints/` (Orbax), `summary.json`. Re-running the same
@@ -10,39 +11,50 @@ from __future__ import annotations
 import json
 import time
 
+from posttrain.algos.grpo import step as grpo_step
+from posttrain.algos.grpo.advantages import advantage_fn
+from posttrain.checkpoints.policy import load_policy
+from posttrain.config import Config
+from posttrain.eval import runner as eval_runner
 from posttrain.infra import distributed, metrics as metrics_lib
-
-from posttrain.checkpoints import policy as setup
 from posttrain.infra import mesh as mesh_lib
-from posttrain.config import Config, to_dict
-from posttrain.learn.learner import Learner
 from posttrain.infra.partitioning import use_rules
-from posttrain.rollout.rollouter import Rollouter, write_jsonl
+from posttrain.learn.learner import Learner
 from posttrain.recipes.run_plan import RunPlan, make_run_plan
+from posttrain.rollout.rollouter import Rollouter, write_jsonl
 
 
 class NonFiniteError(RuntimeError):
     """Training stopped after `train.max_nonfinite_skips` consecutive steps with a non-finite loss or gradient."""
 
 
-def build(plan: RunPlan) -> tuple[Rollouter, Learner]:
-    """The two phases of a run: the policy loaded on the plan's mesh, the learner's train state (restored from the
-    newest checkpoint in the workdir, if any) and the rollouter (its scheduler and curriculum restored with it).
-    Writes the workdir's config.json."""
+def step_builder(plan: RunPlan):
+    """The learner's `build_step`: the GRPO step of `plan` for the loaded model (its MoE coefficients)."""
+    return lambda graphdef, tx, lr_schedule, model_config: grpo_step.make_train_step(
+        graphdef, tx, lr_schedule, plan.model_step(model_config.moe))
+
+
+def build(plan: RunPlan) -> tuple[Rollouter, Learner, dict]:
+    """The phases of a run: the policy loaded on the plan's mesh, the learner's train state (restored from the
+    newest checkpoint in the workdir, if any), the rollouter (its scheduler and curriculum restored with it) and
+    the held-out episodes. Writes the workdir's config.json."""
     plan.workdir.mkdir(parents=True, exist_ok=True)
-    (plan.workdir / "config.json").write_text(json.dumps(to_dict(plan.cfg), indent=2, default=str))
+    (plan.workdir / "config.json").write_text(json.dumps(plan.config_dict, indent=2, default=str))
     mesh = mesh_lib.make_mesh(plan.mesh_shape)
-    model_config, graphdef, weights, tokenizer = setup.load_policy(plan.cfg, mesh, plan.precision, plan.rules)
-    learner = Learner.create(plan, mesh, model_config, graphdef, weights)
-    rollouter = Rollouter.create(plan, mesh, learner.graphdef, tokenizer, meta=learner.restore())
-    return rollouter, learner
+    model_config, graphdef, weights, tokenizer = load_policy(plan.policy, mesh, plan.rules)
+    learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, step_builder(plan))
+    rollouter = Rollouter.create(plan.rollout, mesh, learner.graphdef, tokenizer, advantage_fn(plan.advantage),
+                                 meta=learner.restore())
+    return rollouter, learner, eval_runner.settings_episodes(plan.eval)
 
 
-def evaluate(rollouter: Rollouter, learner: Learner) -> dict:
-    """eval/* metrics of the learner's current policy; process 0 writes the records to eval/step_*.jsonl."""
-    m, records = rollouter.evaluate(learner.policy())
+def evaluate(plan: RunPlan, rollouter: Rollouter, learner: Learner, episodes: dict) -> dict:
+    """eval/* metrics of the learner's current policy on `episodes`; process 0 writes the records to
+    eval/step_*.jsonl."""
+    sample_fn = rollouter.sample_fn(learner.policy(), plan.eval.sampling)
+    m, records = eval_runner.run(plan.eval, episodes, sample_fn, rollouter.tokenizer, rollouter.runner)
     if distributed.is_main_process():
-        write_jsonl(learner.plan.workdir / "eval" / f"step_{learner.step:06d}.jsonl", records)
+        write_jsonl(plan.workdir / "eval" / f"step_{learner.step:06d}.jsonl", records)
     return m
 
 
@@ -59,18 +71,18 @@ def train(cfg: Config | RunPlan, *, workdir: str | None = None, progress: bool =
 def _train(plan: RunPlan, progress: bool) -> dict:
     for warning in plan.warnings:
         metrics_lib.log.warning(warning)
-    rollouter, learner = build(plan)
-    cfg, start = plan.cfg, learner.step
+    rollouter, learner, episodes = build(plan)
+    start, steps = learner.step, plan.train.steps
     main = distributed.is_main_process()  # process 0 writes metrics, plots, trajectories and the summary
     writer = metrics_lib.MetricsWriter(plan.workdir, resume_step=start if start else None) if main else None
-    bar = metrics_lib.ProgressBar(cfg.train.steps, initial_step=start, disable=not (progress and main))
-    summary = {"start_step": start, "config": to_dict(cfg)}
-    if start == 0 and cfg.eval.at_start and rollouter.eval_episodes:
-        summary["eval_start"] = m = evaluate(rollouter, learner)
+    bar = metrics_lib.ProgressBar(steps, initial_step=start, disable=not (progress and main))
+    summary = {"start_step": start, "config": plan.config_dict}
+    if start == 0 and plan.eval.at_start and episodes:
+        summary["eval_start"] = m = evaluate(plan, rollouter, learner, episodes)
         if writer:
             writer.write(0, m)
     clock = metrics_lib.TrainClock()  # training wall time: rollouts, updates, checkpoints; not in-loop evaluation
-    for step in range(start, cfg.train.steps):
+    for step in range(start, steps):
         t0 = time.perf_counter()
         traj = rollouter.collect(step, learner.policy(), learner.rng)
         t1 = time.perf_counter()
@@ -80,7 +92,7 @@ def _train(plan: RunPlan, progress: bool) -> dict:
         m.update(metrics_lib.step_perf(traj.num_tokens, t0, t1, t2))
         if main:
             write_jsonl(plan.workdir / "trajectories" / f"step_{step:06d}.jsonl", traj.records)
-        if learner.nonfinite_run >= cfg.train.max_nonfinite_skips:
+        if learner.nonfinite_run >= plan.train.max_nonfinite_skips:
             if writer:
                 writer.write(learner.step, m)
                 writer.close()
@@ -91,22 +103,23 @@ def _train(plan: RunPlan, progress: bool) -> dict:
                                  f"non-finite loss or gradient (nothing was applied; checkpoint saved at step "
                                  f"{learner.step} in {plan.workdir / 'checkpoints'}); lower optim.lr or check the "
                                  "rewards/advantages")
-        if plan.eval_due(learner.step):
+        if plan.eval.due(learner.step, steps):
             with clock.paused():
-                m.update(evaluate(rollouter, learner))
+                m.update(evaluate(plan, rollouter, learner, episodes))
         if writer:
             writer.write(learner.step, m)
         bar.update(m)
         learner.save(rollouter.state_dict())
-        if cfg.train.max_train_seconds and distributed.agree(clock.seconds >= cfg.train.max_train_seconds):
-            summary["stopped_early"] = f"max_train_seconds={cfg.train.max_train_seconds} reached"
+        limit = plan.train.max_train_seconds
+        if limit and distributed.agree(clock.seconds >= limit):
+            summary["stopped_early"] = f"max_train_seconds={limit} reached"
             break
     end = learner.step
     learner.save(rollouter.state_dict(), force=True)
     learner.wait()
     train_s = clock.seconds
-    if cfg.eval.at_end and rollouter.eval_episodes and end > start:
-        summary["eval_end"] = m = evaluate(rollouter, learner)
+    if plan.eval.at_end and episodes and end > start:
+        summary["eval_end"] = m = evaluate(plan, rollouter, learner, episodes)
         if writer:
             writer.write(end, m)
     learner.close()
@@ -119,3 +132,27 @@ def _train(plan: RunPlan, progress: bool) -> dict:
     if main:
         (plan.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def evaluate_run(plan: RunPlan) -> tuple[int, dict]:
+    """(step, eval/* metrics) of the newest checkpoint of the run in `plan.workdir` on the plan's eval suite."""
+    with use_rules(plan.rules):
+        rollouter, learner, episodes = build(plan)
+        try:
+            return learner.step, evaluate(plan, rollouter, learner, episodes)
+        finally:
+            learner.close()
+            rollouter.close()
+
+
+def run_policy(plan: RunPlan):
+    """(ModelConfig, nnx state, tokenizer) of the newest checkpoint of the run in `plan.workdir` (LoRA unmerged)."""
+    from flax import nnx
+
+    rollouter, learner, _ = build(plan)
+    try:
+        state = nnx.state(nnx.merge(learner.graphdef, *learner.policy()))
+    finally:
+        learner.close()
+        rollouter.close()
+    return learner.model_config, state, rollouter.tokenizer

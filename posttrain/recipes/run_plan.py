@@ -1,11 +1,15 @@
 """The run plan: every setting a run derives from its config, computed once and validated before any I/O.
 
-`make_run_plan(cfg)` reads the validated `Config` (see `posttrain.config`) and the device count, and returns a
-frozen `RunPlan`: the precision policy, the resolved mesh shape and batch shards, the row multiple of the rollout
-batch, the sampling parameters of training and evaluation rollouts, the logprob temperature, and the train step's
-static options (loss, microbatches, updates per batch). The rollouter, the learner, the loop and the CLI read these
-fields and derive nothing again. It loads no model, starts no worker and writes nothing; bad combinations raise
+`make_run_plan(cfg)` is the only reader of a `Config` (DESIGN "Configuration flows one way"): from the validated
+config and the device count it builds a frozen `RunPlan` of each component's own typed settings (`PolicySource`,
+`RolloutSettings`, `grpo.StepOptions`, `OptimizerSettings`, `LearnerSettings`, `EvalSettings`, `TrainSettings`),
+the precision policy, the resolved mesh shape and its batch shards. The components read only their settings and
+derive nothing again. It loads no model, starts no worker and writes nothing; bad combinations raise
 `ConfigError` (a ValueError) naming the keys.
+
+It lives in `recipes/` (above every component) rather than in `config/`, so that each settings type stays next to
+the code it configures and names are checked against the registries themselves (ADVANTAGES, POLICY_LOSSES,
+KL_ESTIMATORS, AGGREGATIONS, OPTIMIZERS, SCHEDULES, SCORERS): no second list of names to keep in step.
 """
 from __future__ import annotations
 
@@ -15,46 +19,69 @@ import pathlib
 from typing import Mapping
 
 from posttrain.algos.grpo import losses as losses_lib
-from posttrain.infra import mesh as mesh_lib
-from posttrain.config import Config, ConfigError
-from posttrain.infra.precision import PrecisionPolicy, resolve_policy
-from posttrain.rollout.sampler import SamplingParams, logprob_temperature
+from posttrain.algos.grpo.advantages import ADVANTAGES
 from posttrain.algos.grpo.step import StepOptions
+from posttrain.checkpoints.policy import PolicySource
+from posttrain.config import Config, ConfigError, to_dict
+from posttrain.eval.runner import SCORERS, EvalSettings
+from posttrain.infra import mesh as mesh_lib
+from posttrain.infra.precision import PrecisionPolicy, resolve_policy
+from posttrain.learn.learner import LearnerSettings
+from posttrain.learn.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
+from posttrain.rollout.rollouter import RolloutSettings
+from posttrain.rollout.sampler import SamplingParams, logprob_temperature
+
+# (section, key) -> the registry whose keys are its allowed values
+REGISTRY_NAMES = {("rl", "advantage"): ADVANTAGES, ("rl", "loss"): losses_lib.POLICY_LOSSES,
+                  ("rl", "kl_estimator"): losses_lib.KL_ESTIMATORS, ("rl", "aggregation"): losses_lib.AGGREGATIONS,
+                  ("optim", "name"): OPTIMIZERS, ("optim", "schedule"): SCHEDULES, ("eval", "scorer"): SCORERS}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainSettings:
+    """The loop's own settings: steps (updates in the run), max_train_seconds (0: no limit; rollouts, updates and
+    checkpoints count, in-loop evaluation does not), max_nonfinite_skips (consecutive skipped updates that stop
+    the run)."""
+
+    steps: int
+    max_train_seconds: float = 0.0
+    max_nonfinite_skips: int = 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunPlan:
-    cfg: Config
+    """Every derived setting of one run. `config_dict`: the config as a plain dict (config.json, checkpoint
+    metadata, the summary); the components' settings below are all that code reads."""
+
     workdir: pathlib.Path
+    config_dict: dict
     precision: PrecisionPolicy
     mesh_shape: Mapping[str, int]  # resolved axis sizes (no -1)
     rules: tuple  # logical-axis rules: mesh.RULES with the config's `mesh.rules` overlays
     batch_shards: int  # devices the batch is split over (mesh axes of the "batch" rule)
-    row_multiple: int  # rollout rows are padded to a multiple of this: minibatches x microbatches x batch shards
-    decode_multiple: int  # the sampler's decode widths stay multiples of this (of 8 and of the batch shards)
-    sampling: SamplingParams  # training rollouts
-    eval_sampling: SamplingParams
-    logprob_temperature: float  # T of log_softmax(logits / T), shared by sampler and trainer
-    step_options: StepOptions
+    policy: PolicySource
+    rollout: RolloutSettings
+    advantage: str  # an ADVANTAGES name (the rollout phase is handed its function)
+    step: StepOptions  # the GRPO step's options before the loaded model's MoE coefficients (`model_step`)
+    moe_aux_coef: float  # rl.moe_aux_coef (< 0: the model's own)
+    learner: LearnerSettings
+    eval: EvalSettings
+    train: TrainSettings
     warnings: tuple[str, ...] = ()  # legal but suspect settings, logged when a run starts
 
-    def eval_due(self, done: int) -> bool:
-        """Whether the evaluation of `eval.every_steps` runs after `done` completed steps (the last step's is the
-        `eval.at_end` one)."""
-        every = self.cfg.eval.every_steps
-        return bool(every) and done % every == 0 and done < self.cfg.train.steps
+    def model_step(self, moe) -> StepOptions:
+        """The step options for the loaded model (its MoEConfig or None): MoE coefficients and bias rate."""
+        from posttrain.algos.grpo.step import with_moe
+
+        return with_moe(self.step, moe, self.moe_aux_coef)
 
 
-def step_options(cfg: Config) -> StepOptions:
-    """The train step's static options from the config (MoE coefficients: see `with_moe`)."""
-    rl = cfg.rl
-    loss = losses_lib.LossConfig(
-        policy_loss=rl.loss, eps_low=rl.eps_low, eps_high=rl.eps_high, dual_clip_c=rl.dual_clip_c or None,
-        kl_estimator=rl.kl_estimator, beta=rl.beta, aggregation=rl.aggregation,
-        norm_constant=(rl.norm_constant or float(cfg.sampling.max_new_tokens)), tis_cap=rl.tis_cap or None)
-    return StepOptions(loss=loss, temperature=logprob_temperature(cfg.sampling.temperature),
-                       num_microbatches=rl.num_microbatches, lora_rank=cfg.lora.rank, ppo_epochs=rl.ppo_epochs,
-                       minibatches=rl.minibatches, matmul_precision=cfg.model.matmul_precision)
+def check_names(cfg: Config) -> None:
+    """Raises ConfigError for a name that is not a key of its registry (REGISTRY_NAMES)."""
+    for (section, key), registry in REGISTRY_NAMES.items():
+        value = getattr(getattr(cfg, section), key)
+        if value not in registry:
+            raise ConfigError(f"{section}.{key}={value!r}; expected one of {tuple(registry)}")
 
 
 def truncation_warning(cfg: Config) -> str | None:
@@ -68,34 +95,40 @@ def truncation_warning(cfg: Config) -> str | None:
     return None
 
 
-def with_moe(opts: StepOptions, cfg: Config, moe) -> StepOptions:
-    """`opts` with the MoE loss coefficients and routing-bias rate of the loaded model (its MoEConfig, or None):
-    they come from the checkpoint, so they are known only once the model is."""
-    if moe is None:
-        return opts
-    aux = cfg.rl.moe_aux_coef if cfg.rl.moe_aux_coef >= 0 else moe.aux_loss_coef
-    return opts._replace(moe_aux_coef=aux, moe_z_coef=moe.z_loss_coef,
-                         bias_update_rate=moe.bias_update_rate if moe.score_bias else 0.0)
+def policy_source(cfg: Config, policy: PrecisionPolicy) -> PolicySource:
+    """The one mapping of the config's `model` / `lora` sections (and the precision policy) to ModelConfig fields."""
+    m = cfg.model
+    fields = dict(dtype=policy.compute_dtype, param_dtype=policy.param_dtype, matmul_precision=policy.matmul_precision,
+                  remat=m.remat, remat_names=tuple(m.remat_names), lora=cfg.lora if cfg.lora.rank else None,
+                  moe_gmm_impl=m.moe_gmm_impl, moe_capacity_factor=m.moe_capacity_factor,
+                  moe_ep_capacity_factor=m.moe_ep_capacity_factor, attention_impl=m.attention_impl,
+                  grad_dtype=m.grad_dtype)
+    return PolicySource(path=m.path, preset=m.preset, overrides=dict(m.overrides), seed=cfg.train.seed, fields=fields)
 
 
-def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str | None = None,
-                  backend: str | None = None) -> RunPlan:
-    """Derives and validates every run setting (no I/O).
+def step_options(cfg: Config) -> StepOptions:
+    """The GRPO step's static options (MoE coefficients: `RunPlan.model_step`). The logprob temperature is decided
+    here once (`sampler.logprob_temperature` of the training rollouts' temperature)."""
+    rl = cfg.rl
+    loss = losses_lib.LossConfig(
+        policy_loss=rl.loss, eps_low=rl.eps_low, eps_high=rl.eps_high, dual_clip_c=rl.dual_clip_c or None,
+        kl_estimator=rl.kl_estimator, beta=rl.beta, aggregation=rl.aggregation,
+        norm_constant=(rl.norm_constant or float(cfg.sampling.max_new_tokens)), tis_cap=rl.tis_cap or None)
+    return StepOptions(loss=loss, temperature=logprob_temperature(cfg.sampling.temperature),
+                       num_microbatches=rl.num_microbatches, lora_rank=cfg.lora.rank, ppo_epochs=rl.ppo_epochs,
+                       minibatches=rl.minibatches, matmul_precision=cfg.model.matmul_precision)
 
-    num_devices / backend default to the local JAX runtime's (all processes' devices). Raises ConfigError when the
-    mesh does not fit the devices or the rows of one step (prompts, or prompts x group size when rows are not
-    packed) do not split into minibatches x microbatches x batch shards.
-    """
-    import jax
 
-    num_devices = jax.device_count() if num_devices is None else num_devices
-    sizes = {axis: getattr(cfg.mesh, axis) for axis in mesh_lib.MESH_AXES}
-    try:
-        shape = mesh_lib.mesh_shape(sizes, num_devices)
-    except ValueError as e:
-        raise ConfigError(f"mesh {sizes} does not fit {num_devices} device(s): {e}") from e
-    rules = mesh_lib.rules_with_overrides(cfg.mesh.rules)  # validated with the config
-    shards = mesh_lib.batch_shards(shape, rules)
+def optimizer_settings(cfg: Config) -> OptimizerSettings:
+    """The run's optimizer: the config's `optim` section over `train.steps` updates (grad_clip_norm 0: off)."""
+    o = cfg.optim
+    return OptimizerSettings(name=o.name, lr=o.lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
+                             grad_clip_norm=o.grad_clip_norm or None, warmup_steps=o.warmup_steps,
+                             total_steps=cfg.train.steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
+
+
+def _rows_and_split(cfg: Config, shape, shards: int) -> int:
+    """The row multiple (minibatches x microbatches x batch shards); ConfigError when a step's rows do not split."""
     rl = cfg.rl
     rows = rl.prompts_per_step if (rl.packed and cfg.env.max_turns == 1) else rl.prompts_per_step * rl.group_size
     split = rl.minibatches * rl.num_microbatches * shards
@@ -104,15 +137,61 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
                           f"{'' if rows == rl.prompts_per_step else f' x rl.group_size={rl.group_size}'}) do not divide "
                           f"into rl.minibatches={rl.minibatches} x rl.num_microbatches={rl.num_microbatches} x "
                           f"{shards} batch shards of the mesh {shape}: change one of them")
+    return split
+
+
+def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str | None = None,
+                  backend: str | None = None) -> RunPlan:
+    """Derives and validates every run setting (no I/O).
+
+    num_devices / backend default to the local JAX runtime's (all processes' devices). Raises ConfigError for a
+    name that is not in its registry, when the mesh does not fit the devices or the rows of one step (prompts, or
+    prompts x group size when rows are not packed) do not split into minibatches x microbatches x batch shards.
+    """
+    import jax
+
+    check_names(cfg)
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    sizes = {axis: getattr(cfg.mesh, axis) for axis in mesh_lib.MESH_AXES}
     try:
-        sampling = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
-                                  top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k)
+        shape = mesh_lib.mesh_shape(sizes, num_devices)
+    except ValueError as e:
+        raise ConfigError(f"mesh {sizes} does not fit {num_devices} device(s): {e}") from e
+    rules = mesh_lib.rules_with_overrides(cfg.mesh.rules)  # validated with the config
+    shards = mesh_lib.batch_shards(shape, rules)
+    split = _rows_and_split(cfg, shape, shards)
+    try:
+        s = cfg.sampling
+        sampling = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                                  top_k=s.top_k)
         eval_sampling = SamplingParams(max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature)
-        policy = resolve_policy(cfg.model.dtype, cfg.model.param_dtype, cfg.model.matmul_precision, backend)
+        precision = resolve_policy(cfg.model.dtype, cfg.model.param_dtype, cfg.model.matmul_precision, backend)
         opts = step_options(cfg)
     except ValueError as e:  # the config's own checks make these unreachable; keep the contract if they drift
         raise ConfigError(str(e)) from e
-    return RunPlan(cfg=cfg, workdir=pathlib.Path(workdir or cfg.train.workdir), precision=policy, mesh_shape=shape,
-                   rules=rules, batch_shards=shards, row_multiple=split, decode_multiple=math.lcm(8, shards), sampling=sampling,
-                   eval_sampling=eval_sampling, logprob_temperature=opts.temperature, step_options=opts,
+    wd = pathlib.Path(workdir or cfg.train.workdir)
+    config_dict = to_dict(cfg)
+    rl, env = cfg.rl, cfg.env
+    rollout = RolloutSettings(
+        train_specs=dict(env.train), group_size=rl.group_size, prompts_per_step=rl.prompts_per_step,
+        sampling=sampling, max_turns=env.max_turns, prompt_bucket=s.prompt_bucket, system_prompt=s.system_prompt,
+        decode_shrink_steps=s.decode_shrink_steps, decode_multiple=math.lcm(8, shards), row_multiple=split,
+        packed=rl.packed, overlong_filter=rl.overlong_filter, dynamic_sampling=rl.dynamic_sampling,
+        max_resample_rounds=rl.max_resample_rounds, record_routing=rl.routing_replay == "replay",
+        num_workers=env.num_workers, step_timeout_s=env.step_timeout_s, seed=cfg.train.seed,
+        curriculum=cfg.curriculum)
+    learner = LearnerSettings(workdir=wd, optimizer=optimizer_settings(cfg), lora_rank=cfg.lora.rank,
+                              need_reference=rl.beta > 0, seed=cfg.train.seed, checkpoint=cfg.checkpoint,
+                              rules=rules, config_dict=config_dict)
+    e = cfg.eval
+    evaluation = EvalSettings(specs=dict(env.eval), sampling=eval_sampling, num_tasks=e.num_tasks,
+                              batch_size=e.batch_size, scorer=e.scorer, max_turns=env.max_turns,
+                              system_prompt=s.system_prompt, prompt_bucket=s.prompt_bucket, seed=cfg.train.seed + 1,
+                              every_steps=e.every_steps, at_start=e.at_start, at_end=e.at_end)
+    t = cfg.train
+    return RunPlan(workdir=wd, config_dict=config_dict, precision=precision, mesh_shape=shape, rules=rules,
+                   batch_shards=shards, policy=policy_source(cfg, precision), rollout=rollout, advantage=rl.advantage,
+                   step=opts, moe_aux_coef=rl.moe_aux_coef, learner=learner, eval=evaluation,
+                   train=TrainSettings(steps=t.steps, max_train_seconds=t.max_train_seconds,
+                                       max_nonfinite_skips=t.max_nonfinite_skips),
                    warnings=tuple(w for w in (truncation_warning(cfg),) if w))

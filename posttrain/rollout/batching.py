@@ -1,4 +1,7 @@
-"""RolloutBatch assembly from sampled episodes: advantages, packed or unpacked rows, scored slots, metrics.
+"""RolloutBatch assembly from sampled episodes: packed or unpacked rows, scored slots, advantages, metrics.
+
+The advantages come from the algorithm: `assemble` is handed an `AdvantageFn` (GRPO's estimators:
+`posttrain.algos.grpo.advantages.advantage_fn`) and calls it on the samples' rewards and validity.
 
 Dimension legend: see `posttrain.types` (R rows, L width, N samples, C scored slots), P groups, G group size.
 
@@ -10,11 +13,10 @@ but masked out of the loss. Widths are rounded up to buckets so batches of simil
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from posttrain.algos.grpo import advantages as adv_lib
 from posttrain.rollout.episodes import Sample
 from posttrain.types import RolloutBatch
 
@@ -23,20 +25,26 @@ def _round_up(x: int, m: int) -> int:
     return max(m, -(-x // m) * m)
 
 
-def sample_arrays(samples: Sequence[Sample], *, group_size: int, advantage: str, overlong_filter: bool):
-    """Per-sample rewards, validity, advantages and per-group zero-std flags (numpy)."""
+# (rewards_N float32, valid_N bool, group_size) -> an object with `.advantages` (float32 [N]) and `.zero_std_P`
+# (bool [P]: groups without signal); samples of a group are contiguous
+AdvantageFn = Callable[[np.ndarray, np.ndarray, int], Any]
+
+
+def sample_arrays(samples: Sequence[Sample], advantage_fn: AdvantageFn, *, group_size: int, overlong_filter: bool):
+    """Per-sample rewards, validity (`Sample.counts` and a non-empty completion), advantages and per-group zero-std
+    flags (numpy), and the policy-token switch per sample (False: overlong-filtered)."""
     rewards = np.asarray([s.reward for s in samples], np.float32)
-    valid = np.asarray([s.status != "infra_error" and s.completion_len > 0 for s in samples])
-    adv = adv_lib.compute_advantages(advantage, rewards, valid, group_size=group_size)
+    valid = np.asarray([s.counts and s.completion_len > 0 for s in samples])
+    adv = advantage_fn(rewards, valid, group_size)
     advantages = np.asarray(adv.advantages, np.float32)
     policy_ok = valid & ~(overlong_filter & np.asarray([s.truncated for s in samples]))
     return rewards, valid, advantages, np.asarray(adv.zero_std_P), policy_ok
 
 
-def assemble(samples: Sequence[Sample], *, group_size: int, advantage: str = "grpo", pad_id: int = 0,
+def assemble(samples: Sequence[Sample], advantage_fn: AdvantageFn, *, group_size: int, pad_id: int = 0,
              packed: bool = True, overlong_filter: bool = False, prompt_bucket: int = 16,
              completion_bucket: int = 8, row_bucket: int = 32, row_multiple: int = 1) -> tuple[RolloutBatch, dict]:
-    """Builds the (numpy) RolloutBatch and the rollout metrics.
+    """Builds the (numpy) RolloutBatch and the rollout metrics; `advantage_fn` gives the samples' advantages.
 
     Rows are padded with fully masked, invalid rows up to a multiple of `row_multiple` (microbatches x data
     shards). Raises ValueError when the samples are not laid out in complete groups of `group_size`.
@@ -45,7 +53,7 @@ def assemble(samples: Sequence[Sample], *, group_size: int, advantage: str = "gr
     if len(samples) % G or any(samples[i].group != samples[i - i % G].group for i in range(len(samples))):
         raise ValueError(f"{len(samples)} samples are not complete contiguous groups of {G}")
     rewards, valid, advantages, zero_std, policy_ok = sample_arrays(
-        samples, group_size=G, advantage=advantage, overlong_filter=overlong_filter)
+        samples, advantage_fn, group_size=G, overlong_filter=overlong_filter)
     single_turn = all(len(s.segments) == 1 for s in samples)
     C = _round_up(max(s.completion_len for s in samples), completion_bucket)
     if packed and single_turn:
@@ -164,7 +172,7 @@ def rollout_metrics(samples: Sequence[Sample], rewards, zero_std, group_size: in
     return m
 
 
-def random_batch(seed: int, *, prompts: int, group_size: int, prompt_len: int, completion_len: int,
+def random_batch(seed: int, advantage_fn: AdvantageFn, *, prompts: int, group_size: int, prompt_len: int, completion_len: int,
                  vocab_size: int, packed: bool = True, row_multiple: int = 1) -> RolloutBatch:
     """A (numpy) RolloutBatch of random tokens with the real layout, for benchmarks, memory plans and tests:
     `prompts` prompts of `prompt_len` tokens, each with `group_size` completions of `completion_len` tokens
@@ -180,4 +188,4 @@ def random_batch(seed: int, *, prompts: int, group_size: int, prompt_len: int, c
             samples.append(Sample(domain="random", group=p, prompt_ids=prompt,
                                   segments=[(toks, -rng.random(completion_len).astype(np.float32), True)],
                                   reward=float(rng.random() < 0.3), status="ok", done=True))
-    return assemble(samples, group_size=group_size, packed=packed, row_multiple=row_multiple)[0]
+    return assemble(samples, advantage_fn, group_size=group_size, packed=packed, row_multiple=row_multiple)[0]

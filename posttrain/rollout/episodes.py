@@ -133,6 +133,13 @@ class Sample:
     def completion_len(self) -> int:
         return sum(len(t) for t, _, _ in self.segments)
 
+    @property
+    def counts(self) -> bool:
+        """Whether the sample's reward says anything about the policy: False for an infrastructure failure (worker
+        crash, sandbox failure, harness timeout), never scored as a wrong answer (DESIGN invariant 6). The one
+        definition read by batching, dynamic sampling and the curriculum."""
+        return self.status != "infra_error"
+
 
 SampleFn = Callable[[np.ndarray, np.ndarray, Any, int], Any]  # (prompts_PxLp, lengths_P, key, G) -> SampleOutput
 

@@ -1,9 +1,10 @@
 """The rollout phase: the policy's samples on this step's tasks, scored by the environments, as a training batch.
 
-A `Rollouter` holds what rollouts need and nothing the update needs: the plan, the mesh and graphdef the sampler
-runs on, the tokenizer, the environment runner, the task scheduler (and the curriculum that moves its levels),
-and the held-out evaluation episodes. `collect(step, policy, rng)` returns `Trajectories`: the array-native
-`RolloutBatch` (numpy, the full global batch on every process), the rollout metrics and the archive records.
+A `Rollouter` holds what rollouts need and nothing the update needs: its settings (`RolloutSettings`), the mesh
+and graphdef the sampler runs on, the tokenizer, the environment runner, the task scheduler (and the curriculum
+that moves its levels) and the algorithm's advantage function. `collect(step, policy, rng)` returns
+`Trajectories`: the array-native `RolloutBatch` (numpy, the full global batch on every process), the rollout
+metrics and the archive records. Held-out evaluation is `posttrain.eval`'s; it samples through `sample_fn`.
 
 Under several processes the sampler runs on the global mesh (every process passes the same prompts), and the
 runner is a `rollout.HostShardedEnvs`: each process resets and steps only its share of the episodes, and the
@@ -20,14 +21,45 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from posttrain.config import CurriculumConfig, EnvSpec
 from posttrain.rollout import batching, episodes as rollout
-
-from posttrain.eval import runner as evaluate_lib
-from posttrain.config import Config, EnvSpec
-from posttrain.recipes.run_plan import RunPlan
 from posttrain.rollout.sampler import SamplingParams, sample, shared_prefix_len, shrink_schedule
 from posttrain.tasks.scheduler import TaskScheduler
 from posttrain.types import RolloutBatch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutSettings:
+    """What the rollout phase needs of a run (built by `posttrain.recipes.run_plan`).
+
+    train_specs: the training env mix {domain: EnvSpec}; group_size (G) samples per prompt, prompts_per_step (P);
+    sampling: the training rollouts' SamplingParams; max_turns: env turns per episode; prompt_bucket: prompt
+    widths round up to it; system_prompt: "" for none; decode_shrink_steps / decode_multiple: the sampler's
+    decode-width schedule (`sampler.shrink_schedule`); row_multiple: rows pad to a multiple of it (minibatches x
+    microbatches x batch shards); packed: a prompt and its G completions in one row; overlong_filter: truncated
+    samples leave the loss; dynamic_sampling / max_resample_rounds: redraw zero-variance groups (DAPO), bounded;
+    record_routing: routing replay; num_workers / step_timeout_s: env worker processes (0: in-process) and their
+    per-step timeout in seconds; seed: the task order's; curriculum: the config's curriculum section."""
+
+    train_specs: Mapping[str, EnvSpec]
+    group_size: int
+    prompts_per_step: int
+    sampling: SamplingParams
+    max_turns: int = 1
+    prompt_bucket: int = 16
+    system_prompt: str = ""
+    decode_shrink_steps: int = 0
+    decode_multiple: int = 8
+    row_multiple: int = 1
+    packed: bool = True
+    overlong_filter: bool = False
+    dynamic_sampling: bool = False
+    max_resample_rounds: int = 2
+    record_routing: bool = False
+    num_workers: int = 0
+    step_timeout_s: float = 60.0
+    seed: int = 0
+    curriculum: CurriculumConfig = CurriculumConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +79,13 @@ class Trajectories:
         return int(np.asarray(self.batch.loss_mask_NxC).sum())
 
 
-def make_runner(cfg: Config) -> rollout.EnvRunner:
-    """This process's env runner: in-process (env.num_workers = 0) or a pool of worker processes."""
-    if cfg.env.num_workers <= 0:
+def make_runner(num_workers: int, step_timeout_s: float) -> rollout.EnvRunner:
+    """This process's env runner: in-process (num_workers = 0) or a pool of worker processes."""
+    if num_workers <= 0:
         return rollout.InlineEnvs()
     from envs.pool.processes import EnvPool
 
-    return EnvPool(num_workers=cfg.env.num_workers, step_timeout_s=cfg.env.step_timeout_s)
+    return EnvPool(num_workers=num_workers, step_timeout_s=step_timeout_s)
 
 
 def task_sources(specs: Mapping[str, EnvSpec]) -> dict:
@@ -94,30 +126,29 @@ class Rollouter:
     """The rollout phase of a run (see the module docstring). `train_specs` and `scheduler` change in place when
     the curriculum moves a level; `state_dict()` is what a checkpoint keeps of them."""
 
-    plan: RunPlan
+    settings: RolloutSettings
     mesh: jax.sharding.Mesh
     graphdef: Any  # nnx.GraphDef of the policy, merged with the learner's policy states
     tokenizer: Any  # posttrain.model.tokenizer.Tokenizer
     runner: rollout.HostShardedEnvs
     scheduler: TaskScheduler
     train_specs: dict[str, EnvSpec]
-    eval_episodes: dict[str, list[rollout.Episode]]
+    advantage_fn: batching.AdvantageFn  # the algorithm's advantages of a step's rewards
     curriculum: Any = None  # posttrain.tasks.curriculum.DifficultyCurriculum when curriculum.enabled
 
     @classmethod
-    def create(cls, plan: RunPlan, mesh, graphdef, tokenizer, meta: Mapping | None = None) -> "Rollouter":
-        """Tasks, environments and scheduler of `plan`; `meta` (a checkpoint's) restores the scheduler's cursors
-        and the curriculum's levels."""
-        cfg = plan.cfg
-        train = task_sources(cfg.env.train)
+    def create(cls, settings: RolloutSettings, mesh, graphdef, tokenizer, advantage_fn: batching.AdvantageFn,
+               meta: Mapping | None = None) -> "Rollouter":
+        """Tasks, environments and scheduler of `settings`; `meta` (a checkpoint's) restores the scheduler's
+        cursors and the curriculum's levels."""
+        train = task_sources(settings.train_specs)
         scheduler = TaskScheduler({n: s for n, (_, _, s) in train.items()},
-                                  {n: cfg.env.train[n].weight for n in train}, seed=cfg.train.seed)
-        evals = evaluate_lib.eval_episodes(task_sources(cfg.env.eval), cfg.eval.num_tasks) if cfg.env.eval else {}
-        train_specs, cur = dict(cfg.env.train), None
-        if cfg.curriculum.enabled:
+                                  {n: settings.train_specs[n].weight for n in train}, seed=settings.seed)
+        train_specs, cur = dict(settings.train_specs), None
+        if settings.curriculum.enabled:
             from posttrain.tasks.curriculum import from_env_specs
 
-            cur = from_env_specs(train_specs, cfg.curriculum)
+            cur = from_env_specs(train_specs, settings.curriculum)
         if meta is not None:
             scheduler.load_state_dict(meta["scheduler"])
             if cur is not None:
@@ -125,30 +156,29 @@ class Rollouter:
         if cur is not None:  # every curriculum domain's tasks at its (start or restored) level
             apply_levels(cur, train_specs, scheduler, [d for d in cur.names if cur.max_levels[d] > 0])
             scheduler.set_weights(cur.weights())
-        return cls(plan=plan, mesh=mesh, graphdef=graphdef, tokenizer=tokenizer,
-                   runner=rollout.HostShardedEnvs(make_runner(cfg)), scheduler=scheduler, train_specs=train_specs,
-                   eval_episodes=evals, curriculum=cur)
+        runner = rollout.HostShardedEnvs(make_runner(settings.num_workers, settings.step_timeout_s))
+        return cls(settings=settings, mesh=mesh, graphdef=graphdef, tokenizer=tokenizer, runner=runner,
+                   scheduler=scheduler, train_specs=train_specs, advantage_fn=advantage_fn, curriculum=cur)
 
     def sample_fn(self, policy: tuple, params: SamplingParams) -> rollout.SampleFn:
         """(prompts, lengths, key, G) -> SampleOutput with the policy states `policy` (LoRA adapters merged)."""
-        tok, plan = self.tokenizer, self.plan
+        tok, st = self.tokenizer, self.settings
 
         def fn(prompts, lengths, key, group_size):
             shared = shared_prefix_len(prompts, lengths)  # e.g. the chat template's system turn: prefilled once
-            shrink = shrink_schedule(len(prompts) * group_size, plan.decode_multiple,
-                                     steps=plan.cfg.sampling.decode_shrink_steps)
+            shrink = shrink_schedule(len(prompts) * group_size, st.decode_multiple, steps=st.decode_shrink_steps)
             with jax.set_mesh(self.mesh):
                 return sample(self.graphdef, policy, np.asarray(prompts), np.asarray(lengths), key,
                               group_size=group_size, params=params, stop_ids=tuple(tok.stop_ids), pad_id=tok.pad_id,
                               shared_prefix_len=shared, shrink=shrink,
-                              record_routing=plan.cfg.rl.routing_replay == "replay")
+                              record_routing=st.record_routing)
 
         return fn
 
     def draw(self, step: int, sample_fn, key) -> tuple[list[rollout.Sample], dict]:
         """Samples this step's groups; with dynamic sampling, redraws zero-variance groups (bounded rounds)."""
-        cfg = self.plan.cfg
-        G, P = cfg.rl.group_size, cfg.rl.prompts_per_step
+        st = self.settings
+        G, P = st.group_size, st.prompts_per_step
         kept, spare, perf, rounds, drawn, filtered = [], [], {}, 0, 0, 0
         while len(kept) < P:
             tasks = self.scheduler.next_tasks(step * 1000 + rounds, P - len(kept))
@@ -156,16 +186,16 @@ class Rollouter:
                                         seed=step * 100003 + drawn + i, domain=d) for i, (d, t) in enumerate(tasks)]
             drawn += len(episodes)
             samples, p = rollout.run_episodes(sample_fn, self.tokenizer, self.runner, episodes, group_size=G,
-                                              max_turns=cfg.env.max_turns, key=jax.random.fold_in(key, rounds),
-                                              pad_id=self.tokenizer.pad_id, bucket=cfg.sampling.prompt_bucket,
-                                              system_prompt=cfg.sampling.system_prompt)
+                                              max_turns=st.max_turns, key=jax.random.fold_in(key, rounds),
+                                              pad_id=self.tokenizer.pad_id, bucket=st.prompt_bucket,
+                                              system_prompt=st.system_prompt)
             perf = {k: perf.get(k, 0.0) + v for k, v in p.items()}
             for g in (samples[i * G:(i + 1) * G] for i in range(len(episodes))):
-                informative = len({s.reward for s in g if s.status != "infra_error"}) > 1
-                (kept if informative or not cfg.rl.dynamic_sampling else spare).append(g)
-                filtered += int(cfg.rl.dynamic_sampling and not informative)
+                informative = len({s.reward for s in g if s.counts}) > 1
+                (kept if informative or not st.dynamic_sampling else spare).append(g)
+                filtered += int(st.dynamic_sampling and not informative)
             rounds += 1
-            if not cfg.rl.dynamic_sampling or rounds > cfg.rl.max_resample_rounds:
+            if not st.dynamic_sampling or rounds > st.max_resample_rounds:
                 break
         kept = (kept + spare)[:P]
         perf["rollout/resample_rounds"] = rounds - 1
@@ -180,7 +210,7 @@ class Rollouter:
         """Feeds this step's rewards (infra errors excluded) to the curriculum; domains whose level moved get their
         tasks at the new level from the next step on; mix weights follow it. Returns the curriculum/* metrics."""
         cur = self.curriculum
-        moved = cur.update({d: [s.reward for s in samples if s.domain == d and s.status != "infra_error"]
+        moved = cur.update({d: [s.reward for s in samples if s.domain == d and s.counts]
                             for d in cur.names})
         apply_levels(cur, self.train_specs, self.scheduler, [d for d in moved if cur.max_levels[d] > 0])
         self.scheduler.set_weights(cur.weights())
@@ -189,26 +219,16 @@ class Rollouter:
     def collect(self, step: int, policy: tuple, rng) -> Trajectories:
         """Step `step`'s trajectories from the policy states `policy`, sampled with keys from the run's `rng`
         folded with the step (invariant 10: a fresh key per step)."""
-        cfg = self.plan.cfg
-        samples, perf = self.draw(step, self.sample_fn(policy, self.plan.sampling), jax.random.fold_in(rng, step))
+        st = self.settings
+        samples, perf = self.draw(step, self.sample_fn(policy, st.sampling), jax.random.fold_in(rng, step))
         if self.curriculum is not None:
             perf.update(self.advance_curriculum(samples))
-        batch, metrics = batching.assemble(samples, group_size=cfg.rl.group_size, advantage=cfg.rl.advantage,
-                                           pad_id=self.tokenizer.pad_id, packed=cfg.rl.packed,
-                                           overlong_filter=cfg.rl.overlong_filter,
-                                           prompt_bucket=cfg.sampling.prompt_bucket,
-                                           row_multiple=self.plan.row_multiple)
+        batch, metrics = batching.assemble(samples, self.advantage_fn, group_size=st.group_size,
+                                           pad_id=self.tokenizer.pad_id, packed=st.packed,
+                                           overlong_filter=st.overlong_filter, prompt_bucket=st.prompt_bucket,
+                                           row_multiple=st.row_multiple)
         return Trajectories(batch=batch, metrics={**metrics, **perf},
                             records=archive_records(samples, self.tokenizer))
-
-    def evaluate(self, policy: tuple) -> tuple[dict, list]:
-        """(eval/* metrics, per-task records) of the policy states `policy` on the held-out episodes."""
-        cfg = self.plan.cfg
-        return evaluate_lib.evaluate(self.sample_fn(policy, self.plan.eval_sampling), self.tokenizer, self.runner,
-                                     self.eval_episodes, batch_size=cfg.eval.batch_size, scorer=cfg.eval.scorer,
-                                     max_turns=cfg.env.max_turns, pad_id=self.tokenizer.pad_id,
-                                     key=jax.random.key(cfg.train.seed + 1), system_prompt=cfg.sampling.system_prompt,
-                                     bucket=cfg.sampling.prompt_bucket)
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the rollouts: the scheduler's cursors (and the curriculum's state)."""

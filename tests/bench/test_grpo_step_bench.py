@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.infra import aot
 
 from posttrain.model import flops
@@ -52,7 +53,7 @@ def test_aot_without_the_compiler_plugin_names_the_install_command(bench):
 
 def test_flops_match_a_hand_count():
     cfg = get_preset("tiny-dense")
-    batch = random_batch(0, prompts=2, group_size=2, prompt_len=16, completion_len=16, vocab_size=cfg.vocab_size)
+    batch = random_batch(0, advantage_fn("grpo"), prompts=2, group_size=2, prompt_len=16, completion_len=16, vocab_size=cfg.vocab_size)
     f = flops.train_step_flops(cfg, flops.abstract_model_state(cfg), batch)
     D, F, N, K, H, V, L = (cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size,
                            cfg.num_layers)

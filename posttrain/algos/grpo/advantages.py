@@ -20,6 +20,8 @@ All math is float32, jit-compatible and shape-static.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Callable, NamedTuple
 
 import jax
@@ -186,3 +188,15 @@ def compute_advantages(
     out = ADVANTAGES[name](reshape(rewards_B), reshape(valid_B), **kwargs)
     return Advantages(out.advantages.reshape(-1), out.zero_std_P)
 
+
+def advantage_fn(name: str, **kwargs) -> Callable[[Any, Any, int], Advantages]:
+    """The rollout phase's advantage function (`posttrain.rollout.batching.AdvantageFn`) of estimator `name`:
+    `(rewards_B, valid_B, group_size) -> compute_advantages(name, rewards_B, valid_B, group_size=group_size)`.
+    Raises ValueError for an unknown name (lists the valid ones)."""
+    if name not in ADVANTAGES:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ADVANTAGES)}")
+    return functools.partial(_flat_advantages, name, **kwargs)
+
+
+def _flat_advantages(name, rewards_B, valid_B, group_size, **kwargs) -> Advantages:
+    return compute_advantages(name, rewards_B, valid_B, group_size=group_size, **kwargs)

@@ -16,7 +16,7 @@ from envs.sandbox import procs
 from envs import sandbox
 from envs.sandbox import Limits, run
 
-PROJECT_FILE = Path(__file__).resolve().parents[2] / "pyproject.toml"
+PROJECT_FILE = Path(__file__).resolve().parents[3] / "pyproject.toml"
 FAST = Limits(cpu_s=5, wall_s=10)
 
 

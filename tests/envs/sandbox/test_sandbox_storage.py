@@ -15,7 +15,7 @@ from envs.sandbox import holder as _sandbox_holder
 from envs import sandbox
 from envs.sandbox import Limits, run
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DISK = Limits(cpu_s=10, wall_s=20, disk_mb=16)
 FILL = """
 import errno, os, sys

@@ -9,7 +9,7 @@ import pytest
 
 from envs.verify import worker as w
 from envs.verify import answers as v
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HUGE = r"\binom{1000000000}{100000000}"  # sympy evaluates this for minutes
 
 

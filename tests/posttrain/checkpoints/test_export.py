@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from posttrain.algos.grpo.advantages import advantage_fn
+from posttrain.learn.state import merge_model
 from posttrain.checkpoints.load import load_hf_dir
 from posttrain.checkpoints.export import export_hf, save_tokenizer
 from posttrain.model.config import LoRAConfig
@@ -224,15 +226,15 @@ def test_convert_of_a_lora_run_checkpoint_in_process(tmp_path):
 
     cfg = tiny_config(tmp_path / "run", **{"lora.rank": 4, "optim.lr": 1e-2})
     plan = make_run_plan(cfg)
-    rollouter, learner = loop.build(plan)
+    rollouter, learner, _ = loop.build(plan)
     try:
-        learner.update(batching.random_batch(0, prompts=4, group_size=4, prompt_len=16, completion_len=8,
-                                             vocab_size=320, row_multiple=plan.row_multiple))
+        learner.update(batching.random_batch(0, advantage_fn("grpo"), prompts=4, group_size=4, prompt_len=16, completion_len=8,
+                                             vocab_size=320, row_multiple=plan.rollout.row_multiple))
         learner.save(rollouter.state_dict(), force=True)
         learner.wait()
         tokens = np.random.default_rng(3).integers(0, 259, (2, 12))
         ours = np.asarray(nnx.merge(learner.graphdef, *learner.policy())(tokens)[0])
-        bare = ts.merge_model(learner.graphdef, jax.tree.map(jax.numpy.zeros_like, learner.state.params),
+        bare = merge_model(learner.graphdef, jax.tree.map(jax.numpy.zeros_like, learner.state.params),
                               learner.state.frozen)  # the base model without the trained adapters
         assert np.abs(np.asarray(bare(tokens)[0]) - ours).max() > 1e-2, "adapters unchanged: the test would prove little"
     finally:

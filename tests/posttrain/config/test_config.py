@@ -7,7 +7,7 @@ import pytest
 
 from posttrain.config import Config, ConfigError, from_config_dict
 
-CONFIGS = sorted(pathlib.Path(__file__).resolve().parents[2].joinpath("configs").glob("**/*.py"))
+CONFIGS = sorted(pathlib.Path(__file__).resolve().parents[3].joinpath("configs").glob("**/*.py"))
 
 
 def load(path):
@@ -31,7 +31,8 @@ def test_config_files_exist():
 
 @pytest.mark.parametrize("section,key,value,match", [
     ("rl", "bogus", 1, r"unknown config key\(s\) \['rl.bogus'\]"),
-    ("rl", "advantage", "ppo2", r"rl.advantage='ppo2'; expected one of"),
+    ("rl", "routing_replay", "always", r"rl.routing_replay='always'; expected one of"),
+    ("model", "attention_impl", "flash", r"model.attention_impl='flash'; expected one of"),
     ("rl", "group_size", 0, r"rl.group_size=0 is out of range: must be >= 1"),
     ("rl", "eps_low", 1.5, r"rl.eps_low=1.5 is out of range: must be in \[0, 1\)"),
     ("sampling", "top_k", -2, r"sampling.top_k=-2 is out of range: must be >= 0"),

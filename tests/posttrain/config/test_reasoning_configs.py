@@ -11,7 +11,7 @@ from posttrain.config import from_config_dict
 from posttrain.model.presets import get_preset
 from posttrain.model.tokenizer import Tokenizer
 
-CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = pathlib.Path(__file__).resolve().parents[3] / "configs"
 
 
 def load(stem):

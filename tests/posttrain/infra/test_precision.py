@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from posttrain.algos.grpo.advantages import advantage_fn
+from posttrain.learn.logprobs import score_logprobs
 from posttrain.infra import precision as P
 from posttrain.algos.grpo import step as ts
 from posttrain.rollout.batching import random_batch
@@ -41,12 +43,12 @@ def test_resolve_policy_auto_and_errors():
 def _train_grad_hlo(preset: str, matmul_precision: str) -> str:
     cfg = get_preset(preset, matmul_precision=matmul_precision, remat="dots")
     graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-    batch = jax.tree.map(jnp.asarray, random_batch(0, prompts=2, group_size=2, prompt_len=16, completion_len=8,
+    batch = jax.tree.map(jnp.asarray, random_batch(0, advantage_fn("grpo"), prompts=2, group_size=2, prompt_len=16, completion_len=8,
                                                    vocab_size=cfg.vocab_size))
 
     def loss(st):
         model = nnx.merge(graphdef, st)
-        out, _ = ts.score_logprobs(model, batch, 1.0, 16, with_entropy=True, precision=matmul_precision)
+        out, _ = score_logprobs(model, batch, 1.0, 16, with_entropy=True, precision=matmul_precision)
         return out.logp_BxT.sum() + out.entropy_BxT.sum()
 
     return jax.jit(jax.grad(loss)).lower(state).as_text()
@@ -115,6 +117,6 @@ def test_training_takes_its_dtypes_from_the_policy_not_the_checkpoint(tmp_path, 
     run = tiny_config(tmp_path / "run", **{"model.preset": "", "model.overrides": {}, "model.path": str(tmp_path / "ckpt"),
                                            "model.dtype": dtype, "model.param_dtype": param_dtype})
     plan = make_run_plan(run, backend="cpu")
-    mcfg, _, weights, _ = setup.load_policy(plan.cfg, mesh_lib.make_mesh(plan.mesh_shape), plan.precision)
+    mcfg, _, weights, _ = setup.load_policy(plan.policy, mesh_lib.make_mesh(plan.mesh_shape), plan.rules)
     assert (mcfg.dtype, mcfg.param_dtype) == want
     assert {np.asarray(v.get_value()).dtype.name for _, v in nnx.to_flat_state(weights)} == {want[1]}

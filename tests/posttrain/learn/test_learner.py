@@ -5,11 +5,13 @@ import dataclasses
 import jax
 import numpy as np
 
+from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.rollout import batching
 
 from posttrain.checkpoints import policy as setup
 from posttrain.infra import mesh as mesh_lib
 from posttrain.learn.learner import Learner, batch_shardings
+from posttrain.recipes import grpo
 from posttrain.recipes.run_plan import make_run_plan
 from posttrain.types import RolloutBatch
 from helpers import tiny_config
@@ -17,7 +19,7 @@ from helpers import tiny_config
 
 def test_batch_shardings_of_the_fields_match_those_of_a_batch():
     mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1, "expert": 1})
-    batch = batching.random_batch(0, prompts=2, group_size=2, prompt_len=16, completion_len=4, vocab_size=50)
+    batch = batching.random_batch(0, advantage_fn("grpo"), prompts=2, group_size=2, prompt_len=16, completion_len=4, vocab_size=50)
     template, actual = batch_shardings(mesh), batch_shardings(mesh, batch)
     for f in dataclasses.fields(RolloutBatch):
         want = getattr(actual, f.name)
@@ -31,11 +33,11 @@ def test_update_then_save_and_restore(tmp_path):
     """One update, a save, a second update, then restore: back at the saved step and parameters."""
     plan = make_run_plan(tiny_config(tmp_path))
     mesh = mesh_lib.make_mesh(plan.mesh_shape)
-    model_config, graphdef, weights, _ = setup.load_policy(plan.cfg, mesh, plan.precision)
-    learner = Learner.create(plan, mesh, model_config, graphdef, weights)
+    model_config, graphdef, weights, _ = setup.load_policy(plan.policy, mesh, plan.rules)
+    learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, grpo.step_builder(plan))
     assert learner.restore() is None and learner.step == 0
-    batch = batching.random_batch(0, prompts=4, group_size=4, prompt_len=16, completion_len=8, vocab_size=320,
-                                  row_multiple=plan.row_multiple)
+    batch = batching.random_batch(0, advantage_fn("grpo"), prompts=4, group_size=4, prompt_len=16, completion_len=8, vocab_size=320,
+                                  row_multiple=plan.rollout.row_multiple)
     m = learner.update(batch)
     assert learner.step == 1 and learner.nonfinite_run == 0
     assert np.isfinite(m["policy/loss"]) and m["optim/grad_norm"] > 0

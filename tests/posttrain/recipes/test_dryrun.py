@@ -9,8 +9,9 @@ import textwrap
 
 import pytest
 
+from posttrain.learn.state import create_train_state
 from posttrain.recipes import dryrun as plan
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def _run(args, env_extra=None, timeout=300):
@@ -127,7 +128,7 @@ def test_planned_bytes_match_a_real_sharded_init():
         planned = plan.per_device_bytes((abstract.params, abstract.opt_state, abstract.frozen, abstract.ref_params))
         graphdef, model_state = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
         with jax.set_mesh(mesh):
-            _, state = ts.create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), opts, need_reference=True)
+            _, state = create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), lora_rank=opts.lora_rank, need_reference=True)
         dev0 = jax.devices()[0]
         real = sum(s.data.nbytes for leaf in jax.tree.leaves((state.params, state.opt_state, state.frozen, state.ref_params))
                    for s in leaf.addressable_shards if s.device == dev0)

@@ -5,6 +5,7 @@ import pathlib
 
 import pytest
 
+from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.recipes import grpo as loop
 from posttrain.recipes.run_plan import make_run_plan, truncation_warning
 from posttrain.checkpoints.orbax import Checkpointer
@@ -44,7 +45,7 @@ def test_curriculum_moves_levels_in_the_loop_and_resumes(tmp_path):
     step's episodes) the level falls one step per step, the env specs follow, and a resumed run keeps it."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("reasoning_tiny", pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("reasoning_tiny", pathlib.Path(__file__).resolve().parents[3]
                                                   / "configs" / "reasoning_tiny.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -78,10 +79,10 @@ def test_skips_are_counted_in_a_row_reset_by_a_finite_update_and_logged_with_the
 
     plan = make_run_plan(tiny_config(tmp_path))
     mesh = mesh_lib.make_mesh(plan.mesh_shape)
-    model_config, graphdef, weights, _ = setup.load_policy(plan.cfg, mesh, plan.precision)
-    learner = Learner.create(plan, mesh, model_config, graphdef, weights)
-    good = batching.random_batch(0, prompts=4, group_size=4, prompt_len=16, completion_len=8, vocab_size=320,
-                                 row_multiple=plan.row_multiple)
+    model_config, graphdef, weights, _ = setup.load_policy(plan.policy, mesh, plan.rules)
+    learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, loop.step_builder(plan))
+    good = batching.random_batch(0, advantage_fn("grpo"), prompts=4, group_size=4, prompt_len=16, completion_len=8, vocab_size=320,
+                                 row_multiple=plan.rollout.row_multiple)
     bad = good.replace(advantages_N=np.where(np.arange(len(good.advantages_N)) == 1, np.nan, good.advantages_N))
     runs, skipped = [], []
     for batch in (bad, good, bad, bad, good):

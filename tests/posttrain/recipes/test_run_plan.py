@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from posttrain.algos.grpo.advantages import advantage_fn
+from posttrain.learn.logprobs import score_logprobs
 from posttrain import cli
 
 from posttrain.recipes import grpo as loop, run_plan
@@ -83,7 +85,7 @@ def test_batch_shards_follow_the_batch_rule():
     assert mesh_lib.batch_shards({"data": 1, "fsdp": 2, "tensor": 1, "expert": 4}) == 8  # expert splits the batch
     plan = run_plan.make_run_plan(_tiny_cfg(**{"mesh.tensor": 2, "rl.num_microbatches": 2}), num_devices=8)
     assert plan.mesh_shape == {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}
-    assert plan.batch_shards == 4 and plan.row_multiple == 2 * 4
+    assert plan.batch_shards == 4 and plan.rollout.row_multiple == 2 * 4
 
 
 def test_sampler_and_trainer_use_the_same_logprob_temperature():
@@ -95,22 +97,21 @@ def test_sampler_and_trainer_use_the_same_logprob_temperature():
     from posttrain.rollout.episodes import Sample
 
     graphdef, state = nnx.split(Transformer(get_preset("tiny-dense"), rngs=nnx.Rngs(0)))
-    score = jax.jit(lambda b, t: ts.score_logprobs(nnx.merge(graphdef, state), b, t, 64)[0].logp_BxT,
+    score = jax.jit(lambda b, t: score_logprobs(nnx.merge(graphdef, state), b, t, 64)[0].logp_BxT,
                     static_argnums=1)
     prompt_ids = [[1, 2, 3, 4], [5, 6, 7]]
     prompts, lengths = pad_prompts(prompt_ids, 0)
     for temperature in (0.0, 0.6, 1.0):
         plan = run_plan.make_run_plan(_tiny_cfg(**{"sampling.temperature": temperature, "sampling.max_new_tokens": 5}))
-        assert plan.step_options.temperature == plan.logprob_temperature == logprob_temperature(temperature)
-        assert plan.logprob_temperature == (temperature or 1.0)
-        out = sample(graphdef, state, prompts, lengths, jax.random.key(1), group_size=2, params=plan.sampling,
+        assert plan.step.temperature == logprob_temperature(temperature) == (temperature or 1.0)
+        out = sample(graphdef, state, prompts, lengths, jax.random.key(1), group_size=2, params=plan.rollout.sampling,
                      stop_ids=(), pad_id=0)
         samples = [Sample(domain="d", group=n // 2, prompt_ids=prompt_ids[n // 2], status="ok",
                           segments=[(np.asarray(out.tokens_NxLg[n]), np.asarray(out.logp_NxLg[n]), True)])
                    for n in range(4)]
-        batch = jax.tree.map(jnp.asarray, batching.assemble(samples, group_size=2)[0])
+        batch = jax.tree.map(jnp.asarray, batching.assemble(samples, advantage_fn("grpo"), group_size=2)[0])
         mask, recorded = np.asarray(batch.loss_mask_NxC), np.asarray(batch.logp_sample_NxC)
-        trainer = np.asarray(score(batch, plan.step_options.temperature))
+        trainer = np.asarray(score(batch, plan.step.temperature))
         np.testing.assert_allclose(trainer[mask], recorded[mask], atol=2e-5, err_msg=f"T={temperature}")
         assert np.abs(np.asarray(score(batch, 0.3))[mask] - recorded[mask]).max() > 1e-2
 
@@ -118,7 +119,7 @@ def test_sampler_and_trainer_use_the_same_logprob_temperature():
 def test_plan_is_frozen():
     plan = run_plan.make_run_plan(_tiny_cfg())
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.row_multiple = 3
+        plan.rollout.row_multiple = 3
 
 
 def _rules_cfg(**rules):
@@ -138,15 +139,16 @@ def test_mesh_rules_with_unknown_names_are_config_errors(rules, error):
 
 def test_mesh_rules_overlay_the_parameter_and_batch_shardings():
     # the same overlay reaches the batch shard count (run plan) and the parameters' placement (load_policy)
-    plans = {name: run_plan.make_run_plan(from_config_dict(_rules_cfg(**rules)), num_devices=8)
-             for name, rules in (("default", {}), ("no_fsdp", {"embed": None}), ("data_batch", {"batch": ["data"]}))}
+    cfgs = {name: from_config_dict(_rules_cfg(**rules))
+            for name, rules in (("default", {}), ("no_fsdp", {"embed": None}), ("data_batch", {"batch": ["data"]}))}
+    plans = {name: run_plan.make_run_plan(cfg, num_devices=8) for name, cfg in cfgs.items()}
     assert [plans[n].batch_shards for n in plans] == [8, 8, 1]
     assert dict(plans["no_fsdp"].rules)["embed"] is None and dict(plans["default"].rules)["embed"] == "fsdp"
     specs = {}
     for name in ("default", "no_fsdp"):
-        plan = run_plan.make_run_plan(plans[name].cfg)  # this process's one device
+        plan = run_plan.make_run_plan(cfgs[name])  # this process's one device
         mesh = mesh_lib.make_mesh(plan.mesh_shape)
-        _, _, state, _ = setup.load_policy(plan.cfg, mesh, plan.precision, plan.rules)
+        _, _, state, _ = setup.load_policy(plan.policy, mesh, plan.rules)
         specs[name] = tuple(state["embedding"].value.sharding.spec)
     assert specs == {"default": ("tensor", "fsdp"), "no_fsdp": ("tensor", None)}
 
@@ -159,7 +161,7 @@ def test_moe_run_settings_reach_the_moe_layers():
     c.model.moe_gmm_impl, c.model.moe_capacity_factor, c.model.moe_ep_capacity_factor = "ragged", 1.5, 3.0
     c.model.attention_impl, c.model.grad_dtype = "pallas_gpu", "compute"
     plan = run_plan.make_run_plan(from_config_dict(c))
-    mcfg, graphdef, state, _ = setup.load_policy(plan.cfg, mesh_lib.make_mesh(plan.mesh_shape), plan.precision,
+    mcfg, graphdef, state, _ = setup.load_policy(plan.policy, mesh_lib.make_mesh(plan.mesh_shape),
                                                  plan.rules)
     model = nnx.merge(graphdef, state)
     ffn = model.moe_layers.ffn
@@ -173,3 +175,13 @@ def test_moe_run_settings_reach_the_moe_layers():
     c.model.moe_gmm_impl = "capacity"  # chosen by moe_capacity_factor, not by name
     with pytest.raises(ConfigError, match="model.moe_gmm_impl"):
         from_config_dict(c)
+
+
+@pytest.mark.parametrize("section,key", sorted(run_plan.REGISTRY_NAMES))
+def test_registry_names_are_checked_against_the_registries(section, key):
+    """Each name the plan checks is allowed exactly when it is a key of its registry (no second list)."""
+    registry = run_plan.REGISTRY_NAMES[(section, key)]
+    for name in registry:  # every registered name makes a plan
+        run_plan.make_run_plan(_tiny_cfg(**{f"{section}.{key}": name}))
+    with pytest.raises(ConfigError, match=rf"{section}.{key}='nope'; expected one of"):
+        run_plan.make_run_plan(_tiny_cfg(**{f"{section}.{key}": "nope"}))

@@ -2,6 +2,7 @@
 template tokens in between are masked), group layout, and the in-process env runner."""
 import numpy as np
 
+from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.rollout import batching
 from posttrain.rollout.episodes import Episode, InlineEnvs, run_episodes
 from posttrain.rollout.sampler import SampleOutput
@@ -47,7 +48,7 @@ def test_multi_turn_tool_episode_keeps_policy_tokens_and_masks_tool_output():
         # the second prompt is exactly prompt + turn 1 + bridge: the sampler continued the same token stream
         ctx = s.prompt_ids + first[0].tolist() + bridge[0].tolist()
         assert any(list(row[:n]) == ctx for row, n in zip(calls[1][0], calls[1][1]))
-    batch, m = batching.assemble(samples, group_size=2, pad_id=TOK.pad_id)
+    batch, m = batching.assemble(samples, advantage_fn("grpo"), group_size=2, pad_id=TOK.pad_id)
     n1, nb, n2 = (len(seg[0]) for seg in samples[0].segments)
     mask = batch.loss_mask_NxC[0]
     assert mask[:n1].all() and not mask[n1:n1 + nb].any() and mask[n1 + nb:n1 + nb + n2].all()

@@ -3,6 +3,7 @@ task sources (the end-to-end rollouts are exercised by test_loop.py and test_dis
 import functools
 
 from posttrain.rollout import rollouter
+from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.recipes.run_plan import make_run_plan
 from helpers import tiny_config
 
@@ -28,9 +29,9 @@ def test_dynamic_sampling_reports_the_fraction_of_groups_filtered(monkeypatch):
     monkeypatch.setattr(rollouter.rollout, "run_episodes", fake_run_episodes)
     cfg = tiny_config("/tmp/x", **{"rl.dynamic_sampling": True, "rl.group_size": 2, "rl.prompts_per_step": 4})
     r = rollouter.Rollouter(
-        plan=make_run_plan(cfg), mesh=None, graphdef=None, tokenizer=types.SimpleNamespace(pad_id=0), runner=None,
-        scheduler=types.SimpleNamespace(next_tasks=lambda seed, n: [("arith", {"id": i}) for i in range(n)]),
-        train_specs=dict(cfg.env.train), eval_episodes={})
+        settings=make_run_plan(cfg).rollout, mesh=None, graphdef=None, tokenizer=types.SimpleNamespace(pad_id=0),
+        runner=None, scheduler=types.SimpleNamespace(next_tasks=lambda seed, n: [("arith", {"id": i}) for i in range(n)]),
+        train_specs=dict(cfg.env.train), advantage_fn=advantage_fn("grpo"))
     samples, perf = r.draw(0, None, jax.random.key(0))
     assert calls == [4, 2] and len(samples) == 8
     assert perf["rollout/frac_groups_filtered"] == 2 / 6 and perf["rollout/groups_drawn"] == 6

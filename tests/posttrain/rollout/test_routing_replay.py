@@ -9,6 +9,9 @@ import pytest
 from flax import nnx
 
 from helpers import random_model
+from posttrain.algos.grpo.advantages import advantage_fn
+from posttrain.learn.state import create_train_state
+from posttrain.learn.logprobs import score_logprobs
 from posttrain.rollout import batching
 from posttrain.algos.grpo import losses
 from posttrain.learn import optim
@@ -65,7 +68,7 @@ def test_recorded_routing_is_the_teacher_forced_selection(sampled):
 def test_packed_batch_places_routing_with_its_tokens(sampled):
     _, _, _, out = sampled
     samples = _samples(out)
-    batch, _ = batching.assemble(samples, group_size=G, row_multiple=4)
+    batch, _ = batching.assemble(samples, advantage_fn("grpo"), group_size=G, row_multiple=4)
     r = batch.routed_experts_RxLxLmxk
     assert r.shape[:2] == batch.tokens_RxL.shape and r.dtype == np.int32
     assert (r[P:] == -1).all() and (r[batch.segment_ids_RxL == 0] == -1).all()  # padding rows and slots
@@ -76,7 +79,7 @@ def test_packed_batch_places_routing_with_its_tokens(sampled):
         k = s.completion_len
         pos = batch.score_pos_NxC[n, 1:k]
         np.testing.assert_array_equal(r[p, pos], s.routing[LENGTHS[p]:LENGTHS[p] + k - 1])
-    assert batching.assemble(_samples(out, False), group_size=G)[0].routed_experts_RxLxLmxk is None
+    assert batching.assemble(_samples(out, False), advantage_fn("grpo"), group_size=G)[0].routed_experts_RxLxLmxk is None
 
 
 def _perturbed_bias(state, seed=7):
@@ -93,16 +96,16 @@ def _perturbed_bias(state, seed=7):
 
 def test_replay_keeps_the_step0_ratio_at_one_when_the_selection_bias_moves(sampled):
     _, graphdef, state, out = sampled
-    batch, _ = batching.assemble(_samples(out), group_size=G)
+    batch, _ = batching.assemble(_samples(out), advantage_fn("grpo"), group_size=G)
     replay = jax.tree.map(jnp.asarray, batch)
     off = replay.replace(routed_experts_RxLxLmxk=jnp.full_like(replay.routed_experts_RxLxLmxk, -1))  # route anew
     state = _perturbed_bias(state)
     mask = np.asarray(batch.loss_mask_NxC)
-    score = jax.jit(lambda st, b: ts.score_logprobs(nnx.merge(graphdef, st), b, 1.0, chunk=16)[0].logp_BxT)
+    score = jax.jit(lambda st, b: score_logprobs(nnx.merge(graphdef, st), b, 1.0, chunk=16)[0].logp_BxT)
     # one GRPO step: its truncated-importance weight exp(logp_old - logp_sample) is the sampler/trainer ratio
     opts = ts.StepOptions(loss=losses.LossConfig(tis_cap=1e6), temperature=1.0)
     opt = optim.make_optimizer("adamw", lr=1e-3, schedule="constant")
-    gd, train_state = ts.create_train_state(graphdef, state, opt.tx, jax.random.key(0), opts)
+    gd, train_state = create_train_state(graphdef, state, opt.tx, jax.random.key(0), lora_rank=opts.lora_rank)
     step = jax.jit(ts.make_train_step(gd, opt.tx, opt.lr_schedule, opts))
     for b, is_replay in ((replay, True), (off, False)):
         # the trainer's logprobs against the sampler's on every policy token

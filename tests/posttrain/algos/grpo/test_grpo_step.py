@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from posttrain.learn.state import create_train_state
+from posttrain.learn.state import merge_model
+from posttrain.learn.logprobs import score_logprobs
 from posttrain.algos.grpo import losses
 
 from posttrain.learn import optim
@@ -46,7 +49,7 @@ def make_state(preset="tiny-dense", *, beta=0.0, lora=0, M=1, lr=1e-3, **loss_kw
     opts = ts.StepOptions(loss=losses.LossConfig(beta=beta, **loss_kw), temperature=1.0, num_microbatches=M,
                           lora_rank=lora, bias_update_rate=0.05 if cfg.moe and cfg.moe.score_bias else 0.0)
     opt = optim.make_optimizer("adamw", lr=lr, schedule="constant")
-    graphdef, state = ts.create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), opts,
+    graphdef, state = create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), lora_rank=opts.lora_rank,
                                             need_reference=beta > 0)
     return graphdef, state, opts, opt
 
@@ -75,8 +78,8 @@ def test_microbatches_do_not_change_loss_or_gradients(preset):
 def test_ratio_is_one_and_kl_zero_at_first_step_then_kl_gradient_appears():
     graphdef, state, opts, opt = make_state(beta=0.1, kl_estimator="k3")
     batch = random_batch()
-    model = ts.merge_model(graphdef, state.params, state.frozen)
-    logp = jax.jit(lambda b: ts.score_logprobs(model, b, 1.0, 64)[0].logp_BxT)(batch)
+    model = merge_model(graphdef, state.params, state.frozen)
+    logp = jax.jit(lambda b: score_logprobs(model, b, 1.0, 64)[0].logp_BxT)(batch)
     batch = batch.replace(logp_sample_NxC=logp)  # what the sampler would have recorded at these weights
     _, m = grads_and_metrics(graphdef, state, batch, opts)
     assert abs(float(m["policy/kl_ref"])) < 1e-7
@@ -100,7 +103,7 @@ def test_lora_keeps_base_frozen_and_starts_at_the_base_model():
     graphdef, state, opts, opt = make_state(lora=4, beta=0.1, lr=1e-2)
     batch = random_batch()
     base_before = jax.tree.map(np.asarray, state.frozen["base"])
-    model = ts.merge_model(graphdef, state.params, state.frozen)
+    model = merge_model(graphdef, state.params, state.frozen)
     plain = Transformer(get_preset("tiny-dense"), rngs=nnx.Rngs(1))  # no adapters, other init...
     nnx.update(plain, state.frozen["base"], state.frozen["other"])  # ...then the LoRA model's base weights
     np.testing.assert_allclose(model(batch.tokens_RxL)[0], plain(batch.tokens_RxL)[0], atol=1e-6)
@@ -132,14 +135,14 @@ def test_lora_reference_is_the_initial_adapter_not_the_base(preset, targets):
     graphdef, model_state = nnx.split(model)
     opts = ts.StepOptions(loss=losses.LossConfig(beta=0.1), temperature=1.0, lora_rank=4)
     opt = optim.make_optimizer("adamw", lr=1e-3, schedule="constant")
-    graphdef, state = ts.create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), opts,
+    graphdef, state = create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), lora_rank=opts.lora_rank,
                                             need_reference=True)
     batch = random_batch()
     _, m = grads_and_metrics(graphdef, state, batch, opts)
     assert abs(float(m["policy/kl_ref"])) < 1e-7
     zeroed = jax.tree.map(jnp.zeros_like, state.params)  # what the reference was before: the bare base model
-    policy = ts.score_logprobs(ts.merge_model(graphdef, state.params, state.frozen), batch, 1.0, 64)[0].logp_BxT
-    base = ts.score_logprobs(ts.merge_model(graphdef, zeroed, state.frozen), batch, 1.0, 64)[0].logp_BxT
+    policy = score_logprobs(merge_model(graphdef, state.params, state.frozen), batch, 1.0, 64)[0].logp_BxT
+    base = score_logprobs(merge_model(graphdef, zeroed, state.frozen), batch, 1.0, 64)[0].logp_BxT
     assert float(jnp.abs(policy - base).max()) > 1e-2  # so a base-model reference would have shown KL > 0
 
 
@@ -251,7 +254,7 @@ def _bf16_state(loss_name, preset="tiny-dense", param_dtype="float32", **opts_kw
                                                  aggregation="seq_mean_token_mean"),
                           temperature=1.0, **opts_kw)
     opt = optim.make_optimizer("adamw", lr=1e-3, schedule="constant")
-    graphdef, state = ts.create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), opts)
+    graphdef, state = create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), lora_rank=opts.lora_rank)
     return graphdef, state, opts, opt
 
 

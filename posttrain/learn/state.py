@@ -1,0 +1,67 @@
+"""The train state of any algorithm: trainable params vs frozen state (LoRA or full), the reference copy, merging.
+
+Dimension legend: none (pytrees of nnx States; see `posttrain.types.TrainState`).
+
+`create_train_state` splits a model's nnx state into what the optimizer updates and what it never touches, and
+keeps the initial trainable params when a KL term needs the reference model (DESIGN invariant 8: the reference is
+the initial policy, adapters included, frozen). `model_states` / `merge_model` rebuild the policy module from a
+state's pieces in the split order the graphdef expects.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from posttrain.model.layers import LoRAParam
+from posttrain.types import TrainState
+
+
+def model_states(params, frozen) -> tuple:
+    """The nnx states that `graphdef` merges, in split order: (adapters, base, rest) under LoRA, else (params, rest)."""
+    return (params, frozen["base"], frozen["other"]) if frozen["base"] is not None else (params, frozen["other"])
+
+
+def merge_model(graphdef, params, frozen):
+    """The policy module from trainable params + frozen state."""
+    return nnx.merge(graphdef, *model_states(params, frozen))
+
+
+def reference_states(state: TrainState, need_reference: bool):
+    """The nnx states of the frozen reference model (the initial policy, exactly) when `need_reference`, else None.
+
+    Under LoRA the reference is the frozen base plus the INITIAL adapters (non-zero when training starts from an SFT
+    adapter), kept in `ref_params`; without LoRA, a copy of the initial Params. Raises ValueError when a reference
+    is needed but the state was created without one."""
+    if not need_reference:
+        return None
+    if state.ref_params is None:
+        raise ValueError("a KL term needs a reference model: create the state with need_reference=True")
+    return model_states(state.ref_params, state.frozen)
+
+
+def create_train_state(graphdef, model_state, tx: optax.GradientTransformation, rng, *, lora_rank: int = 0,
+                       need_reference: bool = False):
+    """Splits a model state into trainable params / frozen state and initialises the optimizer.
+
+    With `lora_rank` > 0, the trainable params are the model's `LoRAParam` adapters and every base `nnx.Param` is
+    frozen; otherwise all Params train. When `need_reference`, a copy of the initial trainable params (the
+    adapters under LoRA: small) is kept as `ref_params`, so the reference is the initial policy exactly.
+    Returns (graphdef for `merge_model`, TrainState). Raises ValueError for LoRA on a model without adapters.
+    """
+    model = nnx.merge(graphdef, *(model_state if isinstance(model_state, tuple) else (model_state,)))
+    ref = None
+    if lora_rank:
+        graphdef, trainable, base, other = nnx.split(model, LoRAParam, nnx.Param, ...)
+        if not jax.tree.leaves(trainable):
+            raise ValueError("lora.rank > 0 but the model has no adapters: build it with ModelConfig.lora")
+        frozen = {"base": base, "other": other}
+    else:
+        graphdef, trainable, other = nnx.split(model, nnx.Param, ...)
+        frozen = {"base": None, "other": other}
+    if need_reference:
+        ref = jax.tree.map(jnp.copy, trainable)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=trainable, opt_state=tx.init(trainable),
+                       frozen=frozen, ref_params=ref, rng=rng)
+    return graphdef, state

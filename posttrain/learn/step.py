@@ -1,0 +1,160 @@
+"""The generic train step: `make_step(loss_fn, tx, lr_schedule, settings) -> step(state, batch) -> (state, metrics)`.
+
+Dimension legend: M microbatches; a batch is any pytree whose leaves share a leading row dimension (R rows) that
+splits into M equal microbatches (e.g. `posttrain.types.RolloutBatch`: [R, L] and [N, C] arrays with N = R * S).
+
+Every algorithm (GRPO, SFT, DPO, reward models) supplies
+
+    loss_fn(params, frozen, microbatch, context) -> (loss, metrics)
+
+where `context = context_fn(state, batch)` is computed once per step on the FULL batch (its loss denominators, the
+reference model's states, ...), so a microbatch's loss and metrics are its share of the batch value and summing
+them over microbatches gives exactly the full-batch value (DESIGN invariant 3). The step then
+
+  1. accumulates gradients and metrics over the M microbatches with `lax.scan` (a metric ending in `_min` / `_max`
+     combines by min / max, every other one by sum);
+  2. applies one optax update unless the loss or the gradient's global norm is non-finite: then parameters,
+     optimizer state and frozen state stay as they were, the step counter still advances and
+     `policy/skipped_nonfinite` is 1;
+  3. updates MoE routing biases from `moe/expert_load` when `settings.bias_update_rate` > 0 (aux-loss-free
+     balancing, DeepSeek-V3 §2.1.2: bias += rate * sign(mean load - load)).
+
+`jit_step` jits a step with explicit in/out shardings and the state donated; the learner and `posttrain plan`
+(`recipes/dryrun.py`) both call it on the same step function.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from posttrain.infra.partitioning import with_logical_constraint
+from posttrain.types import TrainState
+
+LossFn = Callable[[Any, Any, Any, Any], tuple[jax.Array, dict]]
+
+
+class StepSettings(NamedTuple):
+    """Static settings of the generic step (hashable). num_microbatches: M >= 1 accumulation microbatches;
+    bias_update_rate: the routing-bias rate of an aux-loss-free MoE (0: none)."""
+
+    num_microbatches: int = 1
+    bias_update_rate: float = 0.0
+
+
+def combine(key: str):
+    """How metric `key` combines across microbatches: min for `*_min`, max for `*_max`, else a sum of shares."""
+    return jnp.minimum if key.endswith("_min") else jnp.maximum if key.endswith("_max") else jnp.add
+
+
+def split_microbatches(x, m: int):
+    """[R, ...] -> [m, R / m, ...], the microbatch dimension unsharded and rows kept on the batch axes."""
+    y = x.reshape((m, x.shape[0] // m) + x.shape[1:])
+    return with_logical_constraint(y, (None, "batch") + (None,) * (x.ndim - 1))
+
+
+def accumulate_gradients(loss_fn: LossFn, params, frozen, batch, context, num_microbatches: int):
+    """(loss, grads like params, metrics): the sums over microbatches (lax.scan) of `loss_fn`'s value, gradient
+    and metric shares. Raises ValueError when a leaf's leading dimension does not divide into the microbatches."""
+    M = num_microbatches
+    bad = {x.shape[0] for x in jax.tree.leaves(batch) if x.shape[0] % M}
+    if bad:
+        raise ValueError(f"leading dimensions {sorted(bad)} of the batch must be divisible by num_microbatches={M}")
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def one(mb):
+        (loss, m), g = grad_fn(params, frozen, mb, context)
+        return loss, g, m
+
+    if M == 1:
+        return one(batch)
+
+    def body(carry, mb):
+        loss, g, m = one(mb)
+        total, grads, metrics = carry
+        return (total + loss, jax.tree.map(jnp.add, grads, g),
+                {k: combine(k)(metrics[k], m[k]) for k in metrics}), None
+
+    mbs = jax.tree.map(lambda x: split_microbatches(x, M), batch)
+    loss_sd, _, m_sd = jax.eval_shape(lambda: one(jax.tree.map(lambda x: x[0], mbs)))
+    fill = lambda k: jnp.inf if k.endswith("_min") else -jnp.inf if k.endswith("_max") else 0.0
+    zeros_m = {k: jnp.full(sd.shape, fill(k), sd.dtype) for k, sd in m_sd.items()}
+    init = (jnp.zeros(loss_sd.shape, loss_sd.dtype), jax.tree.map(jnp.zeros_like, params), zeros_m)
+    (loss, grads, metrics), _ = jax.lax.scan(body, init, mbs)
+    return loss, grads, metrics
+
+
+def update_routing_bias(frozen, load_LxE, rate: float):
+    """Aux-loss-free balancing (DeepSeek-V3 §2.1.2): bias += rate * sign(mean load - load), per layer."""
+    leaves = []
+    for path, v in nnx.to_flat_state(frozen["other"]):
+        if path[-1] == "score_bias":
+            load = load_LxE[-v.shape[0]:]
+            v = v.replace(v.get_value() + rate * jnp.sign(load.mean(-1, keepdims=True) - load))
+        leaves.append((path, v))
+    return {**frozen, "other": nnx.from_flat_state(leaves)}
+
+
+def apply_update(state: TrainState, loss, grads, metrics: dict, tx: optax.GradientTransformation, lr_schedule,
+                 settings: StepSettings):
+    """One optimizer update (+ the routing-bias update); returns (state, metrics with optim/*, moe/* and
+    policy/skipped_nonfinite). A non-finite loss or gradient norm is never applied (see the module doc)."""
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    frozen = state.frozen
+    metrics = dict(metrics)
+    if "moe/expert_load" in metrics:
+        load = metrics.pop("moe/expert_load")
+        metrics["moe/expert_load_max"] = load.max()
+        metrics["moe/expert_load_min"] = load.min()
+        if settings.bias_update_rate:
+            frozen = update_routing_bias(frozen, load, settings.bias_update_rate)
+    metrics["optim/grad_norm"] = grad_norm
+    metrics["optim/lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
+    metrics["policy/skipped_nonfinite"] = (~finite).astype(jnp.float32)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    return state.replace(step=state.step + 1, params=keep(params, state.params),
+                         opt_state=keep(opt_state, state.opt_state), frozen=keep(frozen, state.frozen)), metrics
+
+
+def update(loss_fn: LossFn, state: TrainState, batch, context, tx, lr_schedule, settings: StepSettings):
+    """Accumulate over `settings.num_microbatches`, then `apply_update`: one optimizer update on `batch`."""
+    loss, grads, metrics = accumulate_gradients(loss_fn, state.params, state.frozen, batch, context,
+                                                settings.num_microbatches)
+    return apply_update(state, loss, grads, metrics, tx, lr_schedule, settings)
+
+
+def make_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedule, settings: StepSettings, *,
+              context_fn: Callable[[TrainState, Any], Any] | None = None):
+    """The pure step `(state, batch) -> (state, metrics)`: one update of `loss_fn` on the batch (jit it with
+    `jit_step`). `context_fn(state, batch)` (default: None) is passed to every microbatch's loss."""
+
+    def step(state: TrainState, batch):
+        context = None if context_fn is None else context_fn(state, batch)
+        return update(loss_fn, state, batch, context, tx, lr_schedule, settings)
+
+    return step
+
+
+def reduce_updates(key: str, values_U):
+    """One step metric from its values over U updates on one batch: min / max for `*_min` / `*_max`, the last
+    update's learning rate, else the mean."""
+    if key.endswith("_min"):
+        return values_U.min()
+    if key.endswith("_max"):
+        return values_U.max()
+    return values_U[-1] if key == "optim/lr" else values_U.mean()
+
+
+def jit_step(step_fn, state_shardings=None, batch_shardings=None):
+    """jit with explicit in/out shardings (when given: the state's for state in and out, the batch's for the
+    batch, metrics unconstrained) and the state donated."""
+    if state_shardings is None:
+        return jax.jit(step_fn, donate_argnums=(0,))
+    return jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings),
+                   out_shardings=(state_shardings, None), donate_argnums=(0,))
