@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 
-from posttrain.learn.state import create_train_state
 from posttrain.recipes import dryrun as plan
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -116,6 +115,7 @@ def test_planned_bytes_match_a_real_sharded_init():
         from posttrain.learn import optim
         from posttrain.recipes import dryrun as plan
         from posttrain.algos.grpo import step as ts, losses
+        from posttrain.learn.state import create_train_state
         from posttrain.infra import mesh as mesh_lib
         from posttrain.model.presets import get_preset
         from posttrain.model.transformer import Transformer
@@ -124,7 +124,7 @@ def test_planned_bytes_match_a_real_sharded_init():
         mesh = mesh_lib.make_mesh({"fsdp": -1, "expert": 2})
         opts = ts.StepOptions(loss=losses.LossConfig(beta=0.1), temperature=1.0)
         opt = optim.make_optimizer("adamw", lr=1e-3, schedule="constant")
-        _, abstract, _ = plan.abstract_train_state(cfg, opt.tx, opts, mesh)
+        _, abstract, _ = plan.abstract_train_state(cfg, opt.tx, mesh, need_reference=True)
         planned = plan.per_device_bytes((abstract.params, abstract.opt_state, abstract.frozen, abstract.ref_params))
         graphdef, model_state = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
         with jax.set_mesh(mesh):
