@@ -1,0 +1,103 @@
+"""Output of a `posttrain.eval.compare.Comparison`: a Markdown table, a JSON-able dict, a PNG forest plot.
+
+Dimension legend: M domains (rows of the table, lines of the plot). Differences are candidate - baseline, in the
+metric's units (pass@1: a share of tasks in [0, 1]; mean reward: the scorer's units).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from posttrain.eval.compare import Comparison, VERDICTS
+
+VERDICT_COLORS = {"improved": "tab:green", "no change": "tab:gray", "regressed": "tab:red"}
+
+
+def comparison_dict(cmp: Comparison) -> dict:
+    """The comparison as a JSON-able dict (`json.dumps` works on it): the settings, and "domains": a list of
+    {domain, tasks, wins, losses, partial_credit, verdict, pass@1: {...}, mean_reward: {...}} with each metric's
+    baseline, candidate, diff, ci [lo, hi], mde, test, p, p_holm, verdict; and "counts": {verdict: domains}."""
+    domains = []
+    for d in cmp.domains:
+        row = {"domain": d.domain, "tasks": d.tasks, "wins": d.wins, "losses": d.losses,
+               "partial_credit": d.partial_credit, "verdict": d.verdict}
+        for m in (d.pass_at_1, d.mean_reward):
+            entry = dataclasses.asdict(m)
+            entry["ci"] = list(entry["ci"])
+            row[entry.pop("metric")] = entry
+        domains.append(row)
+    counts = {v: sum(d.verdict == v for d in cmp.domains) for v in VERDICTS}
+    return {"task_set_hash": cmp.task_set_hash, "alpha": cmp.alpha, "confidence": cmp.confidence,
+            "power": cmp.power, "n_resamples": cmp.n_resamples, "seed": cmp.seed, "tasks": sum(d.tasks for d in cmp.domains),
+            "domains": domains, "counts": counts}
+
+
+def comparison_markdown(cmp: Comparison) -> str:
+    """A Markdown table, one row per domain: tasks, pass@1 baseline -> candidate, its difference with the paired
+    bootstrap interval, wins / losses, the test's raw and Holm-adjusted p, the MDE, the verdict; then mean reward
+    (difference and interval, and its verdict on partial-credit domains). A header line gives the suite size,
+    alpha, the interval's confidence and the task-set hash."""
+    pct = f"{100 * cmp.confidence:g}%"
+    lines = [
+        f"Paired comparison (candidate - baseline) over {sum(d.tasks for d in cmp.domains)} tasks in "
+        f"{len(cmp.domains)} domains; alpha = {cmp.alpha:g} (Holm across domains), {pct} paired bootstrap "
+        f"intervals, MDE at power {cmp.power:g}; task set {cmp.task_set_hash[:12]}",
+        "",
+        f"| domain | tasks | pass@1 base | pass@1 cand | diff [{pct} CI] | wins/losses | test | p | p (Holm) | MDE "
+        "| verdict | reward diff [CI] | reward verdict |",
+        "|---|---:|---:|---:|---|---:|---|---:|---:|---:|---|---|---|",
+    ]
+    for d in cmp.domains:
+        p1, rw = d.pass_at_1, d.mean_reward
+        lines.append(
+            f"| {d.domain} | {d.tasks} | {p1.baseline:.3f} | {p1.candidate:.3f} | {_diff_ci(p1)} | {d.wins}/{d.losses} "
+            f"| {p1.test} | {_p(p1.p)} | {_p(p1.p_holm)} | {p1.mde:.3f} | **{p1.verdict}** | {_diff_ci(rw)} "
+            f"| {rw.verdict or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def forest_plot(cmp: Comparison, path: str | Path, *, metric: str = "pass@1") -> Path:
+    """Writes a PNG forest plot to `path`: one line per domain, the difference (candidate - baseline) of `metric`
+    ("pass@1" or "mean_reward") as a point with its paired bootstrap interval, coloured by verdict, a dashed line
+    at 0. Uses matplotlib's Agg canvas directly (no global backend switch, no display). Returns the path.
+    Raises ValueError for an unknown metric or a comparison with no domains."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if metric not in ("pass@1", "mean_reward"):
+        raise ValueError(f"forest_plot metric must be 'pass@1' or 'mean_reward', got {metric!r}")
+    if not cmp.domains:
+        raise ValueError("forest_plot of a comparison with no domains")
+    rows = [(d.domain, d.tasks, d.pass_at_1 if metric == "pass@1" else d.mean_reward) for d in cmp.domains]
+    fig = Figure(figsize=(7.0, 1.0 + 0.4 * len(rows)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for i, (_, _, m) in enumerate(reversed(rows)):
+        color = VERDICT_COLORS.get(m.verdict or "no change")
+        ax.plot([m.ci[0], m.ci[1]], [i, i], color=color, linewidth=2)
+        ax.plot([m.diff], [i], "o", color=color)
+    ax.axvline(0.0, color="black", linestyle="--", linewidth=1)
+    ax.set_ylim(-0.7, len(rows) - 0.3)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"{name} (T={t})" for name, t, _ in reversed(rows)])
+    ax.set_xlabel(f"{metric} difference, candidate - baseline ({100 * cmp.confidence:g}% paired bootstrap CI)")
+    ax.set_title(f"alpha = {cmp.alpha:g}, Holm across {len(rows)} domains")
+    for verdict_name, color in VERDICT_COLORS.items():
+        ax.plot([], [], "o", color=color, label=verdict_name)
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+    return path
+
+
+def _diff_ci(m) -> str:
+    return f"{m.diff:+.3f} [{m.ci[0]:+.3f}, {m.ci[1]:+.3f}]"
+
+
+def _p(p: float | None) -> str:
+    if p is None or (isinstance(p, float) and math.isnan(p)):
+        return "-"
+    return f"{p:.3g}"
