@@ -6,8 +6,8 @@
 Isolation ("strict", the default; see `envs.sandbox.launch` for the mechanism): new user, pid,
 network, ipc, uts (and cgroup) namespaces; the sandbox sees only what it needs, read-only: the system
 folders (/usr, /etc, the /bin and /lib links), the interpreter's prefix and, of its site-packages, only
-`_sandbox_launch.SANDBOX_PACKAGES` (numpy); nothing else of the host (no /home, /root, /run, /opt, /srv,
-/var, /sys, no project checkout, no host UNIX socket). A private writable directory is the cwd
+`mounts.SANDBOX_PACKAGES` (numpy), at their host paths wherever they are (`envs.sandbox.mounts`); nothing
+else of the host (no /home, /root, /run, /opt, /srv, /var, /sys, no project checkout, no host UNIX socket). A private writable directory is the cwd
 (``/tmp/work`` inside); a scrubbed environment; an unprivileged uid per sandbox, so RLIMIT_NPROC bounds
 the process count even when the caller is root; ``--die-with-parent`` and ``--new-session``. When the
 sandbox's main process exits, its pid namespace and every process in it (daemons, ``setsid``
@@ -54,7 +54,6 @@ PYTHON: str = launch.sandbox_python()  # interpreter for Python programs inside 
 _LAUNCHER_ENV = {"PATH": "/usr/bin:/bin"}  # bwrap itself gets no parent variables either (its /proc/pid/environ)
 _MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory")
 _DISK_MARKERS = ("No space left on device", "File too large")
-_FULL_SLACK_BYTES = 64 << 10  # a sandbox fs with less free space than this counts as full
 MEMORY_POLL_S = 0.05  # how often the memory of a running sandbox's processes is summed (seconds)
 
 
@@ -190,7 +189,8 @@ def run(files_or_code: str | Mapping[str, str | bytes], argv: Sequence[str] | No
         unshare + rlimits when bwrap is missing).
     Raises:
       TypeError/ValueError on bad arguments; RuntimeError when bubblewrap is missing and
-      isolation="strict" (the message says what to install), or user namespaces are unavailable.
+      isolation="strict" (the message says what to install), user namespaces are unavailable, or the
+      interpreter cannot be shown inside (one line naming the path, `mounts.check_visible`).
     Infra failures (sandbox could not start, dir could not be created) return status "infra_error".
     """
     if isolation not in ("strict", "weak"):
@@ -291,22 +291,7 @@ def _run_in(host_dir, storage, uid, files, argv, limits, stdin, isolation, t0) -
     rc = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
     return _classify(limits, started=status_bytes.startswith(b"x"), why=why, killed=killed, rc=rc, stdout=out,
                      stderr=err, wall=time.monotonic() - t0, cpu=_program_cpu_s(status_bytes, usage),
-                     disk_full=_disk_full(fs_root) or (fs_root is not None and rc == 128 + signal.SIGBUS))
-
-
-def _disk_full(fs_root: str | None) -> bool:
-    """Whether the sandbox's capped fs (cwd + /tmp + /dev/shm) has (almost) no space or inodes left.
-
-    Read after the run, so a program that filled the fs and freed it on the way out (Python's
-    resource_tracker unlinks leaked /dev/shm segments) is not seen here; touching a tmpfs-backed mapping
-    past the cap raises SIGBUS, which `run` therefore also counts as a disk limit when the fs is capped."""
-    if fs_root is None:
-        return False
-    try:
-        st = os.statvfs(fs_root)
-    except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < _FULL_SLACK_BYTES or st.f_favail < 16  # bytes or inodes used up
+                     disk_full=launch.disk_full(fs_root) or (fs_root is not None and rc == 128 + signal.SIGBUS))
 
 
 def _program_cpu_s(status: bytes, usage) -> float:

@@ -7,8 +7,9 @@ Strict isolation (bubblewrap), as root:
     directories of it). The program inherits the userns fd, which grants nothing (setns into it fails).
   * The sandbox sees only what it needs, read-only: the system folders `SYSTEM_DIRS` (/usr, /etc and
     the /bin, /lib links), the interpreter's prefix (its stdlib) and, of its site-packages, only
-    `SANDBOX_PACKAGES`; no /home, /root, /run, /srv, /opt, /var, /sys, no project checkout, no host
-    UNIX socket (abstract sockets live in the network namespace, which is new).
+    `SANDBOX_PACKAGES`, each at its own host path, even under /tmp or /dev/shm (`envs.sandbox.mounts`);
+    no /home, /root, /run, /srv, /opt, /var, /sys, no project checkout, no host UNIX socket (abstract
+    sockets live in the network namespace, which is new).
   * Each running sandbox gets its own inner uid (a *slot*): RLIMIT_NPROC is counted per (namespace,
     uid), so `max_procs` bounds each sandbox separately, and the host uid is unprivileged, so the limit
     applies at all (root ignores RLIMIT_NPROC). Sandbox processes are recognisable on the host by
@@ -34,13 +35,13 @@ import shutil
 import sys
 import threading
 
+from envs.sandbox import mounts
 from envs.sandbox.holder import FIRST_SLOT_UID, MAX_SLOTS, UID_BASE, holder  # noqa: F401
+from envs.sandbox.mounts import SANDBOX_CWD, SANDBOX_PACKAGES, SYSTEM_DIRS  # noqa: F401  (re-exported)
 
-SANDBOX_CWD = "/tmp/work"  # the working directory as the sandboxed program sees it
 FILE_SIZE_LIMIT_BYTES = 128 << 20  # RLIMIT_FSIZE: largest file the program may write (also <= disk_mb)
 NOFILE_LIMIT = 1024
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")  # bound read-only
-SANDBOX_PACKAGES = ("numpy",)  # site-packages entries (distributions) a sandboxed Python program can import
+FULL_SLACK_BYTES = 64 << 10  # a sandbox fs with less free space than this counts as full
 INSTALL_HINT = "apt-get install -y bubblewrap"
 
 
@@ -90,78 +91,17 @@ def host_uid(inner_uid: int) -> int:
 
 
 # ----------------------------------------------------------------------------- mounts
-def _ro(path: str) -> list[str]:
-    """bwrap args that show `path` read-only as on the host (a symlink stays a symlink)."""
-    if os.path.islink(path):
-        return ["--symlink", os.readlink(path), path]
-    return ["--ro-bind", path, path] if os.path.exists(path) else []
-
-
-def _package_entries(site: str) -> list[str]:
-    """Entries of site-packages dir `site` that belong to SANDBOX_PACKAGES (module, dist-info, .libs)."""
-    wanted = {p.lower().replace("-", "_") for p in SANDBOX_PACKAGES}
-    out = []
-    for name in sorted(os.listdir(site)):
-        stem = name.lower().split("-")[0].removesuffix(".libs").removesuffix(".py")
-        if stem in wanted and (name.endswith((".dist-info", ".libs", ".py")) or "-" not in name):
-            out.append(os.path.join(site, name))
-    return out
-
-
-def _python_args(python: str) -> list[str]:
-    """bwrap args showing interpreter `python`: its prefix read-only, of site-packages only SANDBOX_PACKAGES."""
-    system = tuple(d + "/" for d in SYSTEM_DIRS)
-    if python != sys.executable:  # another interpreter: its installation dir as a whole
-        tops = {os.path.dirname(os.path.dirname(p)) for p in (python, os.path.realpath(python))}
-        return [a for t in sorted(tops) if not t.startswith(system) for a in _ro(t)]
-    args: list[str] = []
-    base = os.path.realpath(sys.base_prefix)
-    if not (base + "/").startswith(system):
-        args += _ro(base)
-    sites = {os.path.realpath(p) for p in __import__("site").getsitepackages() if os.path.isdir(p)}
-    for site in sorted(sites):
-        if (site + "/").startswith((base + "/", *system)):
-            args += ["--tmpfs", site]  # hide the base install's own packages
-        for entry in _package_entries(site):
-            args += ["--ro-bind", entry, entry]
-    if sys.prefix != sys.base_prefix:  # a venv: its config and interpreter links, nothing else
-        args += _ro(os.path.join(sys.prefix, "pyvenv.cfg"))
-        bindir = os.path.join(sys.prefix, "bin")
-        args += [a for n in sorted(os.listdir(bindir)) if n.startswith("python") for a in _ro(os.path.join(bindir, n))]
-    return args
-
-
-def _mount_args(python: str, network: bool, root: bool, disk_bytes: int) -> list[str]:
-    """bwrap mount options that do not depend on the sandbox: system folders, /dev, /proc, the
-    interpreter; /tmp and /dev/shm as sized tmpfs when not root (as root they come from the holder)."""
-    args = [a for d in SYSTEM_DIRS for a in _ro(d)] + ["--dev", "/dev", "--proc", "/proc"]
+def _mount_args(network: bool, root: bool, disk_bytes: int) -> list[str]:
+    """bwrap mount options that do not depend on the sandbox: system folders, /dev, /proc; /tmp and
+    /dev/shm as sized tmpfs when not root (as root they come from the holder). The interpreter's
+    mounts (`mounts.interpreter_args`) come after the sandbox's own storage, in `build_argv`."""
+    args = [a for d in SYSTEM_DIRS for a in mounts.ro(d)] + ["--dev", "/dev", "--proc", "/proc"]
     if network:  # /etc/resolv.conf often points into /run
-        args += _ro("/run")
+        args += mounts.ro("/run")
     if not root:
         for d in ("/tmp", "/dev/shm"):
             args += ["--perms", "1777", "--size", str(disk_bytes), "--tmpfs", d]
-    return args + _with_parents(_python_args(python))
-
-
-_ARITY = {"--ro-bind": 3, "--bind": 3, "--symlink": 3, "--tmpfs": 2, "--dir": 2, "--perms": 2}
-
-
-def _with_parents(args: list[str]) -> list[str]:
-    """`args` with ``--perms 0755 --dir`` for every missing ancestor of a mount or symlink target, so
-    the sandbox can traverse them (bwrap would create them mode 0700). No ``--perms`` in `args`."""
-    out, made, i = [], {"/", *SYSTEM_DIRS}, 0
-    while i < len(args):
-        n = _ARITY.get(args[i], 1)
-        if n > 1:
-            parts = args[i + n - 1].split("/")[1:-1]
-            for k in range(1, len(parts) + 1):
-                parent = "/" + "/".join(parts[:k])
-                if parent not in made:
-                    made.add(parent)
-                    out += ["--perms", "0755", "--dir", parent]
-        out += args[i:i + n]
-        i += n
-    return out
+    return args
 
 
 def environment(python: str) -> dict[str, str]:
@@ -184,7 +124,7 @@ def _static_bwrap_args(bwrap: str, python: str, network: bool, root: bool, disk_
         args += [] if network else ["--unshare-net"]
         args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"] if root \
             else ["--unshare-user", "--disable-userns"]
-        args += _mount_args(python, network, root, disk_bytes) + ["--clearenv"]
+        args += _mount_args(network, root, disk_bytes) + ["--clearenv"]
         for k, v in environment(python).items():
             args += ["--setenv", k, v]
         _static_cache[key] = args
@@ -272,6 +212,22 @@ def prepare_storage(host_dir: str, inner_uid: int, disk_bytes: int) -> tuple[str
     return h.view(host_dir) + "/work", h.view(host_dir)
 
 
+def disk_full(fs_root: str | None) -> bool:
+    """Whether the sandbox's capped fs (cwd + /tmp + /dev/shm) has (almost) no space or inodes left.
+
+    Read after the run, so a program that filled the fs and freed it on the way out (Python's
+    resource_tracker unlinks leaked /dev/shm segments) is not seen here; touching a tmpfs-backed mapping
+    past the cap raises SIGBUS, which `envs.sandbox.run` therefore also counts as a disk limit when the fs
+    is capped."""
+    if fs_root is None:
+        return False
+    try:
+        st = os.statvfs(fs_root)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < FULL_SLACK_BYTES or st.f_favail < 16  # bytes or inodes used up
+
+
 def build_argv(program: list[str], limits, *, host_dir: str, work_dir: str, inner_uid: int, stdin_fd: int | None,
                isolation: str, holder_fs: bool, seccomp: int | None = None) -> tuple[list[str], list[int]]:
     """(argv, fds to pass) running `program` in sandbox dir `host_dir` with `prepare_storage`'s working
@@ -294,7 +250,8 @@ def build_argv(program: list[str], limits, *, host_dir: str, work_dir: str, inne
     root = os.geteuid() == 0
     if root and not holder_fs:
         raise RuntimeError(f"sandbox: {host_dir} has no storage from prepare_storage (bwrap appeared after it?)")
-    args = list(_static_bwrap_args(bwrap, sandbox_python(), limits.network, root, limits.disk_mb << 20))
+    python = sandbox_python()
+    args = list(_static_bwrap_args(bwrap, python, limits.network, root, limits.disk_mb << 20))
     tail = ["--"]
     if root:  # the program inherits the userns fd; it grants nothing (setns into its own namespace fails)
         h = holder()
@@ -307,7 +264,7 @@ def build_argv(program: list[str], limits, *, host_dir: str, work_dir: str, inne
                  "--bind", f"{host_dir}/work", SANDBOX_CWD]
     else:
         args += ["--bind", host_dir, SANDBOX_CWD]
-    args += ["--remount-ro", "/", "--chdir", SANDBOX_CWD]
+    args += [*mounts.interpreter_args(python), "--remount-ro", "/", "--chdir", SANDBOX_CWD]
     if seccomp is not None:
         pass_fds.append(seccomp)
         args += ["--seccomp", str(seccomp)]
