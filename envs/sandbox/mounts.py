@@ -33,6 +33,7 @@ SANDBOX_CWD = "/tmp/work"  # the working directory as the sandboxed program sees
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")  # bound read-only
 SANDBOX_PACKAGES = ("numpy",)  # site-packages entries (distributions) a sandboxed Python program can import
 _SYSTEM = tuple(d + "/" for d in SYSTEM_DIRS)
+_TOP_BYTES = 1 << 20  # size of the read-only tmpfs under a storage mount that holds mount points
 _ARITY = {"--ro-bind": 3, "--bind": 3, "--symlink": 3, "--tmpfs": 2, "--dir": 2, "--perms": 2}
 
 
@@ -82,31 +83,41 @@ def _python_mounts(python: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=8)
-def interpreter_args(python: str) -> tuple[str, ...]:
-    """bwrap args (with their parents, `with_parents`) showing interpreter `python` at its host paths;
-    place them after every mount they may land in (/tmp, /dev/shm). Raises RuntimeError (one line
-    naming the path, `check_visible`) when a part of it cannot be shown to the sandbox user."""
+def interpreter_args(python: str, storage: tuple[str, ...] = ("/tmp", "/dev/shm")) -> tuple[str, ...]:
+    """bwrap args showing interpreter `python` at its host paths, to come after the sandbox's `storage`
+    mounts. Each top folder the mounts land in under a storage mount (/tmp/<x>, /dev/shm/<x>) first gets
+    a fresh read-only tmpfs of its own, so nothing is made in the sandbox's storage (which a `Workspace`
+    keeps across runs) and the program cannot write there. Raises RuntimeError (one line naming the
+    path, `check_visible`) when a part of it cannot be shown to the sandbox user."""
     args = _python_mounts(python)
     check_visible([args[i + 1] for i, a in enumerate(args) if a == "--ro-bind"])
-    return tuple(with_parents(args))
+    dests = [args[i + _ARITY[a] - 1] for i, a in enumerate(args) if a in ("--ro-bind", "--symlink", "--tmpfs")]
+    tops = sorted({d + "/" + p[len(d) + 1:].split("/")[0] for p in dests for d in storage if p.startswith(d + "/")})
+    fresh = [a for top in tops for a in ("--perms", "0755", "--size", str(_TOP_BYTES), "--tmpfs", top)]
+    return (*fresh, *with_parents(args, made=tops), *(a for top in tops for a in ("--remount-ro", top)))
 
 
-def with_parents(args: list[str]) -> list[str]:
+def with_parents(args: list[str], made: list[str] = ()) -> list[str]:
     """`args` with ``--perms 0755 --dir`` for every missing ancestor of a mount or symlink target, so
-    the sandbox can traverse them (bwrap would create them mode 0700). No ``--perms`` in `args`."""
-    out, made, i = [], {"/", *SYSTEM_DIRS}, 0
+    the sandbox can traverse them (bwrap would create them mode 0700), except those in `made` (and
+    their ancestors). No ``--perms`` in `args`."""
+    out, i = [], 0
+    made = {"/", *SYSTEM_DIRS, *(p for m in made for p in _ancestors_and_self(m))}
     while i < len(args):
         n = _ARITY.get(args[i], 1)
-        if n > 1:
-            parts = args[i + n - 1].split("/")[1:-1]
-            for k in range(1, len(parts) + 1):
-                parent = "/" + "/".join(parts[:k])
-                if parent not in made:
-                    made.add(parent)
-                    out += ["--perms", "0755", "--dir", parent]
+        for parent in _ancestors_and_self(os.path.dirname(args[i + n - 1])) if n > 1 else ():
+            if parent not in made:
+                made.add(parent)
+                out += ["--perms", "0755", "--dir", parent]
         out += args[i:i + n]
         i += n
     return out
+
+
+def _ancestors_and_self(path: str) -> list[str]:
+    """"/a/b/c" -> ["/a", "/a/b", "/a/b/c"] ("/" -> [])."""
+    parts = [p for p in path.split("/") if p]
+    return ["/" + "/".join(parts[:k]) for k in range(1, len(parts) + 1)]
 
 
 def _mapped(host_id: int) -> bool:

@@ -2,10 +2,11 @@
 
 Each case makes a virtual environment (``python -m venv --without-pip``, a few ms) at one host location,
 puts a stand-in ``numpy`` package (an allowed package, `mounts.SANDBOX_PACKAGES`) in its site-packages,
-and runs a sandboxed program from a process started with that venv's python, so sys.executable,
-sys.prefix and the site-packages are the venv's: /tmp and /dev/shm are shadowed inside the sandbox (its
-own storage), a 0700 parent is one the sandbox user cannot enter; where the files themselves are
-unreadable to the sandbox user, `run` raises one line naming the path.
+and runs a sandboxed program twice in one `Workspace` (its /tmp and /dev/shm persist) from a process
+started with that venv's python (so sys.executable, sys.prefix and the site-packages are the venv's):
+/tmp and /dev/shm are shadowed inside the sandbox (its own storage), a 0700 parent is one the sandbox
+user cannot enter; where the files themselves are unreadable to the sandbox user, `run` raises one line
+naming the path.
 """
 import json
 import os
@@ -25,13 +26,15 @@ ROOT_MODE = os.geteuid() == 0  # as root the sandbox user is an unprivileged uid
 PROBE = """
 import json, sys
 from envs import sandbox
+code = "import os, sys, numpy; print(sys.prefix, numpy.WHERE, os.access(os.path.dirname(sys.prefix), os.W_OK))"
 try:
-    r = sandbox.run("import sys, numpy; print(sys.prefix, numpy.WHERE)", limits=sandbox.Limits(cpu_s=5, wall_s=15))
-    print(json.dumps({"status": r.status, "stdout": r.stdout, "reason": r.reason, "stderr": r.stderr[-200:]}))
+    with sandbox.Workspace() as ws:  # twice in one workspace: its /tmp and /dev/shm persist between runs
+        rs = [sandbox.run(code, limits=sandbox.Limits(cpu_s=5, wall_s=15), workspace=ws) for _ in range(2)]
+    print(json.dumps([{"status": r.status, "stdout": r.stdout, "reason": r.reason, "stderr": r.stderr[-200:]}
+                      for r in rs]))
 except RuntimeError as e:
     print(json.dumps({"error": str(e)}))
 """
-
 
 def _make_venv(parent: Path) -> Path:
     venv = parent / "venv"
@@ -85,7 +88,7 @@ def test_interpreter_is_visible_wherever_it_lives(case):
         parent.chmod(0o755)
         shutil.rmtree(parent)
     if expected == "ok":
-        assert (got["status"], got["stdout"]) == ("ok", f"{venv} {parent}\n"), got
+        assert [(r["status"], r["stdout"]) for r in got] == [("ok", f"{venv} {parent} False\n")] * 2, got
     else:
         message = got.get("error", "")
         assert "\n" not in message and message.startswith("sandbox: ") and str(parent) in message, got
