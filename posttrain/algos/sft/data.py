@@ -1,0 +1,209 @@
+"""SFT data: TRL's record formats -> chat messages -> token ids with an assistant mask built by position.
+
+Dimension legend:
+  n  tokens of one rendered conversation
+
+Record formats (one JSON object per line of a JSONL file, or the same dicts inline; as TRL's SFTTrainer reads them,
+https://huggingface.co/docs/trl/dataset_formats):
+  {"messages": [{"role": "system" | "user" | "assistant" | ..., "content": str}, ...]}   (conversational)
+      every assistant turn is trained;
+  {"prompt": str | [messages], "completion": str | [messages]}   (prompt-completion)
+      only the completion's assistant turns are trained. A string prompt is one user turn and a string completion
+      one assistant turn: both go through the chat template (TRL would concatenate plain strings untemplated; this
+      library trains chat models, so a plain pair is a one-turn chat).
+
+The mask is built by POSITION (DESIGN invariant 2), never by token value: for the assistant turn i the chat template
+renders the conversation up to it with the generation prompt (`prefix`) and up to and including it (`upto`); the
+characters [len(prefix), len(upto.rstrip())) of the full rendering are the turn (its content and the template's
+end-of-turn token, not the whitespace the template writes after it), and a token is an assistant token iff its
+first character lies in such a span (the tokenizer's character offsets). A template that does not render a
+conversation's prefixes as prefixes of its full rendering (e.g. one that drops earlier reasoning) is refused with a
+ValueError rather than masked wrongly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+
+class Example(NamedTuple):
+    """One tokenized conversation. tokens_n: int32 ids of the full chat-template rendering; assistant_n: bool,
+    True on the tokens the loss trains (assistant turns, their end-of-turn token included); truncated: the
+    rendering was longer than the row width and its tail was cut."""
+
+    tokens_n: np.ndarray
+    assistant_n: np.ndarray
+    truncated: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataSettings:
+    """What SFT reads (built by `posttrain.recipes.sft.make_sft_plan`). train_path / eval_path: JSONL files ("" for
+    none); train_records / eval_records: the same records inline (used when the path is ""); eval_fraction: share of
+    the training records held out when no eval data is given (the last ones after a seeded shuffle); seq_len: L, the
+    row width in tokens; rows_per_step: R, rows in one step's batch; packing: several conversations per row (best-fit
+    decreasing) or one per row; seed: of the shuffles."""
+
+    train_path: str = ""
+    eval_path: str = ""
+    train_records: tuple[Mapping[str, Any], ...] = ()
+    eval_records: tuple[Mapping[str, Any], ...] = ()
+    eval_fraction: float = 0.0
+    seq_len: int = 512
+    rows_per_step: int = 8
+    packing: bool = True
+    seed: int = 0
+
+
+def read_jsonl(path: str | pathlib.Path) -> list[tuple[str, dict]]:
+    """[(where, record)] of a JSONL file, `where` = "path:line" (1-based; blank lines skipped).
+
+    Raises FileNotFoundError for a missing file; ValueError naming path:line for a line that is not JSON or not an
+    object."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"SFT data file {str(path)!r} does not exist")
+    out = []
+    with path.open(encoding="utf-8") as fh:
+        for i, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{i}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): {line.strip()[:80]!r}") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            out.append((where, record))
+    return out
+
+
+def _check_messages(messages: Any, where: str, key: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: {key!r} must be a non-empty list of {{'role', 'content'}} objects, got "
+                         f"{type(messages).__name__}")
+    for j, m in enumerate(messages):
+        if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"{where}: {key}[{j}] must be an object with string 'role' and 'content', got {m!r:.80}")
+    return [dict(m) for m in messages]
+
+
+def _turns(value: Any, where: str, key: str, role: str) -> list[dict]:
+    return [{"role": role, "content": value}] if isinstance(value, str) else _check_messages(value, where, key)
+
+
+def to_messages(record: Mapping[str, Any], where: str) -> tuple[list[dict], tuple[int, ...]]:
+    """(messages, indices of the trained assistant turns) of one record in a TRL format (see the module doc).
+
+    Raises ValueError naming `where` for a record with neither `messages` nor `prompt` + `completion`, malformed
+    messages, or no assistant turn to train."""
+    if "messages" in record:
+        messages = _check_messages(record["messages"], where, "messages")
+        trained = tuple(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    elif "prompt" in record and "completion" in record:
+        prompt = _turns(record["prompt"], where, "prompt", "user")
+        completion = _turns(record["completion"], where, "completion", "assistant")
+        messages = prompt + completion
+        trained = tuple(len(prompt) + i for i, m in enumerate(completion) if m["role"] == "assistant")
+    else:
+        missing = [k for k in ("prompt", "completion") if k not in record]
+        raise ValueError(f"{where}: missing key {' and '.join(map(repr, missing))}: a record needs 'messages', or "
+                         f"'prompt' and 'completion'; it has {sorted(record)}")
+    if not trained:
+        raise ValueError(f"{where}: no assistant turn to train on (roles {[m['role'] for m in messages]})")
+    if trained[0] == 0:
+        raise ValueError(f"{where}: the first message is an assistant turn: nothing precedes it to condition on")
+    return messages, trained
+
+
+def assistant_spans(tokenizer, messages: Sequence[Mapping], trained: Iterable[int], where: str):
+    """(full rendering, [(start, end)] character spans of the trained turns) under the tokenizer's chat template.
+
+    Raises ValueError naming `where` when the template is not prefix-stable on this conversation."""
+    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, add_generation_prompt=gen)
+    full = render(messages, False)
+    spans = []
+    for i in trained:
+        prefix, upto = render(messages[:i], True), render(messages[:i + 1], False)
+        if not (upto.startswith(prefix) and full.startswith(upto)):
+            raise ValueError(f"{where}: the chat template does not render turn {i} after the conversation before "
+                             "it (its prefixes are not prefixes of the full rendering), so the assistant tokens "
+                             "cannot be located by position")
+        spans.append((len(prefix), len(upto.rstrip())))
+    return full, spans
+
+
+def encode(tokenizer, messages: Sequence[Mapping], trained: Iterable[int], where: str,
+           max_len: int | None = None) -> Example:
+    """The `Example` of one conversation: its chat-template tokens (no special tokens added beyond the
+    template's) and the assistant mask by position (module doc), cut to `max_len` tokens when given.
+
+    Raises ValueError naming `where` (see `assistant_spans`)."""
+    full, spans = assistant_spans(tokenizer, messages, trained, where)
+    enc = tokenizer.backend.encode(full, add_special_tokens=False)
+    starts = np.asarray([s for s, _ in enc.offsets], np.int64)
+    mask = np.zeros(len(enc.ids), bool)
+    for lo, hi in spans:
+        mask |= (starts >= lo) & (starts < hi)
+    tokens = np.asarray(enc.ids, np.int32)
+    cut = max_len is not None and len(tokens) > max_len
+    if cut:
+        tokens, mask = tokens[:max_len], mask[:max_len]
+    return Example(tokens, mask, bool(cut))
+
+
+def load_records(path: str, records: Sequence[Mapping[str, Any]], name: str) -> list[tuple[str, Mapping]]:
+    """[(where, record)] from a JSONL `path`, else from inline `records` (where = "<name>[i]")."""
+    if path:
+        return read_jsonl(path)
+    return [(f"{name}[{i}]", r) for i, r in enumerate(records)]
+
+
+def tokenize(tokenizer, records: Sequence[tuple[str, Mapping]], max_len: int) -> tuple[list[Example], dict]:
+    """Examples of (where, record) pairs cut to `max_len` tokens, and counts {"sft/examples", "sft/truncated",
+    "sft/dropped"}: a conversation left with no trained token after the cut is dropped (its assistant turn starts
+    past max_len). Raises ValueError naming the record for a malformed one (`to_messages`, `encode`); TypeError
+    for a record that is not a mapping."""
+    examples, truncated, dropped = [], 0, 0
+    for where, record in records:
+        if not isinstance(record, Mapping):
+            raise TypeError(f"{where}: an SFT record must be a mapping, got {type(record).__name__}")
+        ex = encode(tokenizer, *to_messages(record, where), where, max_len)
+        if not ex.assistant_n[1:].any():  # token 0 has no position before it to predict it from
+            dropped += 1
+            continue
+        truncated += ex.truncated
+        examples.append(ex)
+    return examples, {"sft/examples": len(examples), "sft/truncated": truncated, "sft/dropped": dropped}
+
+
+def split_records(records: list, fraction: float, seed: int) -> tuple[list, list]:
+    """(train, held-out): a seeded shuffle's last ceil(fraction * n) records held out (none for fraction 0)."""
+    if not fraction:
+        return list(records), []
+    order = np.random.default_rng(seed).permutation(len(records))
+    k = int(np.ceil(fraction * len(records)))
+    keep = sorted(order[:len(records) - k])
+    held = sorted(order[len(records) - k:])
+    return [records[i] for i in keep], [records[i] for i in held]
+
+
+def load_datasets(settings: DataSettings, tokenizer) -> tuple[list[Example], list[Example], dict]:
+    """(train examples, held-out examples, counts) of the settings' data. Raises ValueError when no training
+    record is left, and as `tokenize` / `read_jsonl` do."""
+    train = load_records(settings.train_path, settings.train_records, "train_examples")
+    held = load_records(settings.eval_path, settings.eval_records, "eval_examples")
+    if not held and settings.eval_fraction:
+        train, held = split_records(train, settings.eval_fraction, settings.seed)
+    train_ex, counts = tokenize(tokenizer, train, settings.seq_len)
+    eval_ex, eval_counts = tokenize(tokenizer, held, settings.seq_len)
+    if not train_ex:
+        raise ValueError(f"no SFT training example with an assistant token within seq_len={settings.seq_len} "
+                         f"(records: {len(train)}, from {settings.train_path or 'train_examples'})")
+    counts.update({f"{k}_eval": v for k, v in eval_counts.items()})
+    return train_ex, eval_ex, counts

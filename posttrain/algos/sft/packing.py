@@ -1,0 +1,129 @@
+"""SFT batches: conversations packed into rows (best-fit decreasing) and laid out as a `posttrain.types.RolloutBatch`.
+
+Dimension legend: see `posttrain.types` (R rows, L row width, N = R samples (one per row, S = 1), C = L scored
+slots per row); n tokens of one conversation; E examples.
+
+Layout. Row r holds the conversations `rows[r]` back to back: segment ids 1, 2, ... (0 = padding after them),
+positions restarting at 0 in each, branch ids 0, pad tokens after the last. The model attends only within a segment,
+so a packed conversation has exactly the hidden states it has alone. Slot c of row r scores one assistant token:
+`targets_NxC[r, c]` is that token and `score_pos_NxC[r, c]` the row position just before it (in the same segment);
+the row's assistant tokens fill its first slots in order and `loss_mask_NxC` is True on exactly those (by position,
+DESIGN invariant 2: padding may use the EOS id). The RL fields hold neutral values (advantages, rewards and sampler
+logprobs 0, `valid_N` True on non-empty rows, `group_id_N` the row index), so the generic learner, its shardings
+and `learn.logprobs.score_logprobs` serve SFT unchanged.
+
+Packing is best-fit decreasing (Johnson 1973): conversations by decreasing length, each into the open row with the
+least room that still fits it, else a new row (at most 11/9 OPT + 6/9 rows, Dósa 2007).
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+import numpy as np
+
+from posttrain.algos.sft.data import Example
+from posttrain.types import RolloutBatch
+
+
+def best_fit_decreasing(lengths_E: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of item indices (each bin's lengths sum to <= capacity), by best-fit decreasing; items of equal
+    length in index order, bins in order of opening, items of a bin in order of placement.
+
+    Raises ValueError for an item longer than `capacity` or shorter than 1, or capacity < 1."""
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    bad = [(i, n) for i, n in enumerate(lengths_E) if not 1 <= n <= capacity]
+    if bad:
+        raise ValueError(f"item lengths must be in [1, {capacity}]; (index, length) {bad[:5]}")
+    order = sorted(range(len(lengths_E)), key=lambda i: (-lengths_E[i], i))
+    bins: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (remaining capacity, bin index), sorted
+    for i in order:
+        n = lengths_E[i]
+        k = bisect.bisect_left(room, (n, -1))
+        if k == len(room):
+            bins.append([i])
+            bisect.insort(room, (capacity - n, len(bins) - 1))
+        else:
+            left, b = room.pop(k)
+            bins[b].append(i)
+            bisect.insort(room, (left - n, b))
+    return bins
+
+
+def pack(examples: Sequence[Example], width: int, packing: bool = True) -> list[list[int]]:
+    """Rows of example indices: best-fit decreasing into rows of `width` tokens, or one example per row.
+
+    Raises ValueError for an example longer than `width` (tokenize with max_len=width) or an empty one."""
+    lengths = [len(e.tokens_n) for e in examples]
+    if not packing:
+        best_fit_decreasing(lengths, width)  # the same checks
+        return [[i] for i in range(len(examples))]
+    return best_fit_decreasing(lengths, width)
+
+
+def step_rows(num_rows: int, rows_per_step: int, step: int, seed: int) -> np.ndarray:
+    """int [R]: the packed-row indices of `step`'s batch. The rows are visited epoch by epoch, each epoch in its
+    own seeded order (`default_rng((seed, epoch))`); a step that crosses an epoch takes the next epoch's first rows.
+    A function of (step, seed) only, so a resumed run sees the same batches. Raises ValueError for no rows."""
+    if num_rows < 1:
+        raise ValueError("no packed rows to draw batches from")
+    g = np.arange(step * rows_per_step, (step + 1) * rows_per_step)
+    epochs = g // num_rows
+    perms = {int(e): np.random.default_rng((seed, int(e))).permutation(num_rows) for e in np.unique(epochs)}
+    return np.asarray([perms[int(e)][i] for e, i in zip(epochs, g % num_rows)], np.int64)
+
+
+def make_batch(examples: Sequence[Example], rows: Sequence[Sequence[int]], width: int, pad_id: int,
+               num_rows: int | None = None) -> RolloutBatch:
+    """The host `RolloutBatch` (NumPy arrays) of `rows` (lists of example indices) at width L = `width`, with
+    `num_rows` rows (default len(rows); extra rows are empty: segment 0, no loss mask, invalid).
+
+    Shapes and dtypes: tokens / positions / segment_ids / branch_ids [R, L] int32; targets / score_pos [N, C]
+    int32 and loss_mask [N, C] bool with N = R, C = L; the RL fields as in the module doc.
+    Raises ValueError when a row's examples are longer than `width` together or there are more rows than
+    `num_rows`."""
+    R = len(rows) if num_rows is None else num_rows
+    if len(rows) > R:
+        raise ValueError(f"{len(rows)} rows do not fit a batch of num_rows={R}")
+    L = width
+    tokens = np.full((R, L), pad_id, np.int32)
+    positions, segments = np.zeros((R, L), np.int32), np.zeros((R, L), np.int32)
+    targets, score_pos = np.zeros((R, L), np.int32), np.zeros((R, L), np.int32)
+    mask = np.zeros((R, L), bool)
+    truncated = np.zeros(R, bool)
+    for r, row in enumerate(rows):
+        at, slot = 0, 0
+        for k, idx in enumerate(row):
+            ex = examples[idx]
+            n = len(ex.tokens_n)
+            if at + n > L:
+                raise ValueError(f"row {r}: examples {list(row)} hold {sum(len(examples[i].tokens_n) for i in row)} "
+                                 f"tokens > width {L}")
+            tokens[r, at:at + n] = ex.tokens_n
+            positions[r, at:at + n] = np.arange(n)
+            segments[r, at:at + n] = k + 1
+            j = np.flatnonzero(ex.assistant_n[1:]) + 1  # assistant tokens with a position before them
+            targets[r, slot:slot + len(j)] = ex.tokens_n[j]
+            score_pos[r, slot:slot + len(j)] = at + j - 1
+            mask[r, slot:slot + len(j)] = True
+            truncated[r] |= ex.truncated
+            at, slot = at + n, slot + len(j)
+    valid = np.zeros(R, bool)
+    valid[:len(rows)] = [len(row) > 0 for row in rows]
+    return RolloutBatch(
+        tokens_RxL=tokens, positions_RxL=positions, segment_ids_RxL=segments, branch_ids_RxL=np.zeros((R, L), np.int32),
+        targets_NxC=targets, score_pos_NxC=score_pos, loss_mask_NxC=mask,
+        logp_sample_NxC=np.zeros((R, L), np.float32), advantages_N=np.zeros(R, np.float32),
+        rewards_N=np.zeros(R, np.float32), valid_N=valid, truncated_N=truncated,
+        group_id_N=np.arange(R, dtype=np.int32))
+
+
+def eval_batches(examples: Sequence[Example], width: int, rows_per_batch: int, pad_id: int,
+                 packing: bool = True) -> list[RolloutBatch]:
+    """The held-out examples packed (as in training) into batches of `rows_per_batch` rows, the last one padded
+    with empty rows (so every batch has one shape)."""
+    rows = pack(examples, width, packing)
+    return [make_batch(examples, rows[i:i + rows_per_batch], width, pad_id, rows_per_batch)
+            for i in range(0, len(rows), rows_per_batch)]

@@ -1,0 +1,124 @@
+"""SFT data: TRL record formats, the assistant mask by position (pad id == EOS id), one clear error per bad record,
+best-fit-decreasing packing and the batch layout."""
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from posttrain.algos.sft import data, packing
+from posttrain.model.tokenizer import Tokenizer
+
+
+def pad_is_eos_tokenizer() -> Tokenizer:
+    """The byte tokenizer without a pad token: pad id = EOS id = <|im_end|>, the end-of-turn token."""
+    base = Tokenizer.byte_level()
+    tok = Tokenizer(base.backend, eos_token="<|im_end|>", chat_template=base.chat_template)
+    assert tok.pad_id == tok.eos_id
+    return tok
+
+
+def test_assistant_mask_is_by_position_when_pad_is_eos():
+    tok = pad_is_eos_tokenizer()
+    # the user says exactly what the assistant says: a mask by token value could not tell the two apart
+    record = {"messages": [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "ok"},
+                           {"role": "user", "content": "ok"}, {"role": "assistant", "content": "ok"}]}
+    ex = data.encode(tok, *data.to_messages(record, "r"), "r")
+    assert tok.decode(ex.tokens_n[ex.assistant_n], skip_special_tokens=False) == "ok<|im_end|>ok<|im_end|>"
+    o = tok.encode("o")[0]
+    assert (ex.tokens_n == o).sum() == 4 and (ex.tokens_n[ex.assistant_n] == o).sum() == 2  # the users' are not
+    first = np.flatnonzero(ex.assistant_n)[0]
+    assert tok.decode(ex.tokens_n[:first], skip_special_tokens=False).endswith("user\nok<|im_end|>\n"
+                                                                             "<|im_start|>assistant\n")
+    # packed with a short one and padded with EOS-valued pad tokens: only the two turns' end tokens are targets
+    short = data.encode(tok, *data.to_messages({"prompt": "x", "completion": "y"}, "s"), "s")
+    batch = packing.make_batch([ex, short], [[0, 1]], 96, tok.pad_id, num_rows=2)
+    n = len(ex.tokens_n) + len(short.tokens_n)
+    assert (batch.tokens_RxL[0, n:] == tok.eos_id).all() and n < 96  # padding really is EOS-valued
+    mask = batch.loss_mask_NxC[0]
+    assert mask.sum() == ex.assistant_n[1:].sum() + short.assistant_n[1:].sum() == 3 * 2 + 2
+    assert (batch.targets_NxC[0][mask] == tok.eos_id).sum() == 3  # three assistant turns end, padding never
+    assert (batch.score_pos_NxC[0][mask] < n - 1).all()
+    assert batch.segment_ids_RxL[0, n - 1] == 2 and batch.segment_ids_RxL[0, n] == 0
+    assert not batch.loss_mask_NxC[1].any() and not batch.valid_N[1]
+
+
+def test_prompt_completion_trains_only_the_completion():
+    tok = Tokenizer.byte_level()
+    few_shot = {"prompt": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"},
+                           {"role": "user", "content": "2+2"}],
+                "completion": [{"role": "assistant", "content": "4"}]}
+    ex = data.encode(tok, *data.to_messages(few_shot, "r"), "r")
+    assert tok.decode(ex.tokens_n[ex.assistant_n], skip_special_tokens=False) == "4<|im_end|>"
+    plain = data.encode(tok, *data.to_messages({"prompt": "Hi", "completion": "Yo"}, "r"), "r")
+    assert tok.decode(plain.tokens_n, skip_special_tokens=False).startswith("<|im_start|>user\nHi")
+    assert tok.decode(plain.tokens_n[plain.assistant_n], skip_special_tokens=False) == "Yo<|im_end|>"
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"messages": [{"role": "user", "content": "a"}, ', "not valid JSON"),
+    ('{"prompt": "a"}', "missing key 'completion'"),
+    ('{"text": "a"}', "needs 'messages'"),
+    ('[1, 2]', "expected a JSON object"),
+    ('{"messages": [{"role": "user"}]}', r"messages\[0\] must be an object with string 'role' and 'content'"),
+    ('{"messages": [{"role": "user", "content": "a"}]}', "no assistant turn"),
+])
+def test_a_bad_line_gives_one_error_naming_it(tmp_path, line, message):
+    good = json.dumps({"prompt": "q", "completion": "a"})
+    path = tmp_path / "train.jsonl"
+    path.write_text(f"{good}\n\n{line}\n{good}\n")
+    settings = data.DataSettings(train_path=str(path), seq_len=64)
+    with pytest.raises(ValueError, match=f"train.jsonl:3: .*{message}"):
+        data.load_datasets(settings, Tokenizer.byte_level())
+
+
+def test_missing_file_and_non_prefix_template_fail_clearly(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        data.read_jsonl(tmp_path / "nope.jsonl")
+    base = Tokenizer.byte_level()  # a template that renders only the last message: prefixes are not prefixes
+    tok = Tokenizer(base.backend, eos_token="<|im_end|>",
+                    chat_template="{{ messages[-1]['content'] }}{% if add_generation_prompt %}>{% endif %}")
+    with pytest.raises(ValueError, match=r"rec\[0\]: the chat template does not render turn 1"):
+        data.tokenize(tok, [("rec[0]", {"prompt": "a", "completion": "b"})], 64)
+
+
+def test_truncation_and_dropping_count():
+    tok = Tokenizer.byte_level()
+    long_prompt = {"prompt": "x" * 100, "completion": "y"}  # its answer starts past 64 tokens: dropped
+    long_answer = {"prompt": "q", "completion": "z" * 100}  # cut inside the answer: kept, truncated
+    ex, counts = data.tokenize(tok, [("a", long_prompt), ("b", long_answer)], 64)
+    assert counts == {"sft/examples": 1, "sft/truncated": 1, "sft/dropped": 1}
+    assert len(ex[0].tokens_n) == 64 and ex[0].truncated
+
+
+def test_best_fit_decreasing_is_valid_and_near_optimal():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        lengths = list(rng.integers(1, 11, size=9))
+        bins = packing.best_fit_decreasing(lengths, 10)
+        assert sorted(itertools.chain(*bins)) == list(range(9))
+        assert all(sum(lengths[i] for i in b) <= 10 for b in bins)
+        assert len(bins) <= 11 / 9 * -(-sum(lengths) // 10) + 6 / 9 + 1e-9
+    # best fit (not first fit): 4 goes to the bin with 4 left, not the first with room (5 left)
+    assert packing.best_fit_decreasing([5, 3, 7, 2, 4, 6], 10) == [[2, 1], [5, 4], [0, 3]]
+    with pytest.raises(ValueError, match=r"\(index, length\) \[\(1, 11\)\]"):
+        packing.best_fit_decreasing([3, 11], 10)
+
+
+def test_step_rows_visit_every_row_once_per_epoch_and_repeat_by_step():
+    seen = np.concatenate([packing.step_rows(10, 4, s, seed=3) for s in range(5)])  # 2 epochs
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
+    np.testing.assert_array_equal(packing.step_rows(10, 4, 3, seed=3), seen[12:16])
+    assert not np.array_equal(packing.step_rows(10, 4, 0, seed=3), packing.step_rows(10, 4, 0, seed=4))
+
+
+def test_held_out_fraction_and_inline_records():
+    records = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(10)]
+    settings = data.DataSettings(train_records=tuple(records), eval_fraction=0.2, seq_len=64, seed=1)
+    train, held, counts = data.load_datasets(settings, Tokenizer.byte_level())
+    assert (len(train), len(held)) == (8, 2) and counts["sft/examples_eval"] == 2
+    tok = Tokenizer.byte_level()
+    texts = {tok.decode(e.tokens_n) for e in train} | {tok.decode(e.tokens_n) for e in held}
+    assert len(texts) == 10  # a split, not a copy
+    again = data.load_datasets(settings, tok)[1]
+    assert [tok.decode(e.tokens_n) for e in again] == [tok.decode(e.tokens_n) for e in held]  # seeded
