@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-COMMANDS = ("train", "eval", "sample", "convert", "domains", "plan")
+COMMANDS = ("train", "eval", "sample", "convert", "domains", "plan", "sft")
 
 
 def _flags():
@@ -110,6 +110,21 @@ def _run_plan(f):
     if not f.checkpoint:
         raise SystemExit("error: --checkpoint=<run workdir> is required")
     return make_run_plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint)))
+
+
+def cmd_sft(f) -> int:
+    """`posttrain sft --config=configs/sft_*.py [--workdir=DIR]`: supervised fine-tuning (`recipes.sft`); prints
+    the summary's steps and held-out perplexities as one JSON line."""
+    from posttrain.config.sft import sft_config_from_dict
+    from posttrain.recipes import sft
+
+    if f.config is None:
+        raise SystemExit("error: --config=configs/<name>.py is required")
+    summary = sft.train(sft.make_sft_plan(sft_config_from_dict(f.config), workdir=f.workdir), progress=f.progress)
+    out = {k: summary.get(k) for k in ("start_step", "end_step", "train_wall_s", "peak_rss_gb")}
+    out.update({k: summary[k].get("sft/ppl") for k in ("eval_start", "eval_end") if k in summary})
+    print(json.dumps(out))
+    return 0
 
 
 def cmd_eval(f) -> int:
@@ -215,7 +230,7 @@ def main(argv=None) -> int:
         _enable_compilation_cache()
     try:
         return {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "convert": cmd_convert,
-                "domains": cmd_domains, "plan": cmd_plan}[command](f)
+                "domains": cmd_domains, "plan": cmd_plan, "sft": cmd_sft}[command](f)
     except ConfigError as e:  # raised before any model load or worker start: one line, no traceback
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

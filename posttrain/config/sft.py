@@ -1,0 +1,110 @@
+"""The configuration of an SFT run (`posttrain sft --config=configs/sft_*.py`): the `sft` section and its loader.
+
+An SFT config file defines `get_config()` returning `default_sft_config()` edited: the sections it shares with a
+GRPO run (`model`, `mesh`, `optim`, `lora`, `checkpoint`, `train`: the same dataclasses of `schema.py`, validated by
+the same loader, `load.from_config_dict`, so every rule about them lives in one place) plus `sft`, an `SFTConfig`.
+`posttrain.recipes.sft.make_sft_plan` is the only reader of the result.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+from posttrain.config.load import ConfigError, _convert, from_config_dict
+from posttrain.config.schema import CheckpointConfig, LoRAConfig, MeshConfig, ModelRunConfig, OptimConfig, TrainConfig
+
+SHARED_SECTIONS = ("model", "mesh", "optim", "lora", "checkpoint", "train")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    """The `sft` section. Data in TRL's formats (`posttrain.algos.sft.data`): `train_path` (a JSONL file) or
+    `train_examples` (the same records inline, for tiny runs and tests), exactly one of them; held-out data
+    likewise from `eval_path` / `eval_examples`, or else the `eval_fraction` (in [0, 1)) of the training records.
+    seq_len: row width in tokens (conversations longer than it are cut); rows_per_step: rows in a step's batch (a
+    multiple of num_microbatches x the mesh's batch shards); packing: several conversations per row (best-fit
+    decreasing, segment ids) or one per row; num_microbatches: gradient-accumulation microbatches; logprob_chunk:
+    slots per unembedding chunk; moe_aux_coef: MoE load-balance coefficient (< 0: the model's own);
+    eval_at_start / eval_at_end: held-out NLL and perplexity before the first and after the last step."""
+
+    train_path: str = ""
+    train_examples: tuple[Mapping[str, Any], ...] = ()
+    eval_path: str = ""
+    eval_examples: tuple[Mapping[str, Any], ...] = ()
+    eval_fraction: float = 0.0
+    seq_len: int = 512
+    rows_per_step: int = 8
+    packing: bool = True
+    num_microbatches: int = 1
+    logprob_chunk: int = 256
+    moe_aux_coef: float = -1.0
+    eval_at_start: bool = True
+    eval_at_end: bool = True
+
+    def __post_init__(self):
+        checks = {"seq_len (>= 2)": self.seq_len >= 2, "rows_per_step (>= 1)": self.rows_per_step >= 1,
+                  "num_microbatches (>= 1)": self.num_microbatches >= 1,
+                  "logprob_chunk (>= 1)": self.logprob_chunk >= 1,
+                  "eval_fraction (in [0, 1))": 0.0 <= self.eval_fraction < 1.0,
+                  "train_path / train_examples (at most one)": not (self.train_path and self.train_examples),
+                  "eval_path / eval_examples (at most one)": not (self.eval_path and self.eval_examples)}
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"invalid {', '.join(bad)} in sft: seq_len={self.seq_len}, rows_per_step="
+                             f"{self.rows_per_step}, num_microbatches={self.num_microbatches}, logprob_chunk="
+                             f"{self.logprob_chunk}, eval_fraction={self.eval_fraction}, train_path="
+                             f"{self.train_path!r}, train_examples: {len(self.train_examples)}, eval_path="
+                             f"{self.eval_path!r}, eval_examples: {len(self.eval_examples)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTRunConfig:
+    """A validated SFT run configuration (frozen): the shared sections of `schema.Config` and `sft`."""
+
+    model: ModelRunConfig = ModelRunConfig()
+    mesh: MeshConfig = MeshConfig()
+    optim: OptimConfig = OptimConfig()
+    lora: LoRAConfig = LoRAConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    train: TrainConfig = TrainConfig()
+    sft: SFTConfig = SFTConfig()
+
+
+def default_sft_config():
+    """An `ml_collections.ConfigDict` of every default of an SFT run (no training data: the config sets
+    `sft.train_path` or `sft.train_examples`)."""
+    import ml_collections
+
+    raw = dataclasses.asdict(SFTRunConfig())
+    raw["train"]["workdir"] = "runs/sft"
+    return ml_collections.ConfigDict(raw)
+
+
+def sft_config_from_dict(cd) -> SFTRunConfig:
+    """A ConfigDict (or nested dict) -> a validated `SFTRunConfig`.
+
+    Raises ConfigError naming the key path for an unknown section or key, a wrong type, an out-of-range or
+    invalid value (the shared sections by `load.from_config_dict`'s rules), no training data or a missing data
+    file."""
+    raw = cd.to_dict() if hasattr(cd, "to_dict") else dict(cd)
+    unknown = sorted(set(raw) - set(SHARED_SECTIONS) - {"sft"})
+    if unknown:
+        raise ConfigError(f"unknown SFT config section(s) {unknown}; valid: {sorted(SHARED_SECTIONS + ('sft',))}")
+    # the shared sections go through the run config's own loader (a placeholder env section satisfies its
+    # env.train check, which SFT has no use for); the sft section through the same conversion
+    shared = from_config_dict({**{k: raw[k] for k in SHARED_SECTIONS if k in raw},
+                               "env": {"train": {"sft": {"id": "sft"}}}})
+    sft = _convert(SFTConfig, raw.get("sft", {}), "sft")
+    if not (sft.train_path or sft.train_examples):
+        raise ConfigError("sft: no training data: set sft.train_path (a JSONL file) or sft.train_examples")
+    for key in ("train_path", "eval_path"):
+        path = getattr(sft, key)
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"sft.{key}={path!r}: no such file (a JSONL file of TRL-format records)")
+    return SFTRunConfig(**{k: getattr(shared, k) for k in SHARED_SECTIONS}, sft=sft)
+
+
+def to_dict(cfg: SFTRunConfig) -> dict:
+    """Plain nested dict of an SFTRunConfig (JSON-serialisable; config.json and checkpoint metadata)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,216 @@
+"""The SFT recipe: `posttrain sft --config=configs/sft_*.py`. Plan -> policy, data, learner -> for each step: batch,
+update, log, save; held-out NLL and perplexity before and after.
+
+`make_sft_plan(cfg)` is the only reader of an `SFTRunConfig` (`posttrain.config.sft`): it derives every setting
+once, before any I/O, reusing the GRPO run plan's mappings of the shared sections (`run_plan.policy_source`,
+`run_plan.optimizer_settings`), so a model, optimizer or checkpoint setting means the same in both. The math is
+`posttrain.algos.sft`'s; the update phase is the same `learn.learner.Learner` as GRPO's with the SFT step.
+
+Outputs in the workdir: `config.json`, `metrics.jsonl` and TensorBoard events (per step `sft/loss`, `sft/tokens`,
+`optim/*`, `perf/*`; at the start and the end the held-out `sft/eval_loss`, `sft/ppl`, `sft/eval_tokens`),
+`checkpoints/` (Orbax), `summary.json`. Re-running the same command resumes from the last complete checkpoint:
+the batches are a function of the step, so a resumed run trains on the same rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+from typing import Mapping
+
+import jax
+import numpy as np
+
+from posttrain.algos.sft import data as data_lib
+from posttrain.algos.sft import packing
+from posttrain.algos.sft import step as sft_step
+from posttrain.checkpoints.policy import PolicySource, load_policy
+from posttrain.config import ConfigError
+from posttrain.config.sft import SFTRunConfig, to_dict
+from posttrain.infra import distributed, metrics as metrics_lib
+from posttrain.infra import mesh as mesh_lib
+from posttrain.infra.partitioning import use_rules
+from posttrain.infra.precision import PrecisionPolicy, resolve_policy
+from posttrain.learn.learner import Learner, LearnerSettings, batch_shardings
+from posttrain.recipes.grpo import NonFiniteError
+from posttrain.recipes.run_plan import TrainSettings, optimizer_settings, policy_source
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTPlan:
+    """Every derived setting of one SFT run (`config_dict`: the config as a plain dict; code reads the rest)."""
+
+    workdir: pathlib.Path
+    config_dict: dict
+    precision: PrecisionPolicy
+    mesh_shape: Mapping[str, int]  # resolved axis sizes (no -1)
+    rules: tuple  # logical-axis rules with the config's overlays
+    batch_shards: int  # devices the batch is split over
+    policy: PolicySource
+    data: data_lib.DataSettings
+    step: sft_step.StepOptions  # before the loaded model's MoE coefficients (`model_step`)
+    moe_aux_coef: float  # sft.moe_aux_coef (< 0: the model's own)
+    learner: LearnerSettings
+    train: TrainSettings
+    eval_at_start: bool = True
+    eval_at_end: bool = True
+
+    def model_step(self, moe) -> sft_step.StepOptions:
+        """The step options for the loaded model (its MoEConfig or None)."""
+        return sft_step.with_moe(self.step, moe, self.moe_aux_coef)
+
+
+def make_sft_plan(cfg: SFTRunConfig, *, num_devices: int | None = None, workdir: str | None = None,
+                  backend: str | None = None) -> SFTPlan:
+    """Derives and validates every setting of an SFT run (no I/O). num_devices / backend default to the JAX
+    runtime's. Raises ConfigError when the mesh does not fit the devices or `sft.rows_per_step` does not divide
+    into `sft.num_microbatches` x the mesh's batch shards."""
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    sizes = {axis: getattr(cfg.mesh, axis) for axis in mesh_lib.MESH_AXES}
+    try:
+        shape = mesh_lib.mesh_shape(sizes, num_devices)
+    except ValueError as e:
+        raise ConfigError(f"mesh {sizes} does not fit {num_devices} device(s): {e}") from e
+    rules = mesh_lib.rules_with_overrides(cfg.mesh.rules)
+    shards = mesh_lib.batch_shards(shape, rules)
+    s = cfg.sft
+    if s.rows_per_step % (s.num_microbatches * shards):
+        raise ConfigError(f"sft.rows_per_step={s.rows_per_step} does not divide into sft.num_microbatches="
+                          f"{s.num_microbatches} x {shards} batch shards of the mesh {shape}")
+    try:
+        precision = resolve_policy(cfg.model.dtype, cfg.model.param_dtype, cfg.model.matmul_precision, backend)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    wd = pathlib.Path(workdir or cfg.train.workdir)
+    config_dict = to_dict(cfg)
+    t = cfg.train
+    data = data_lib.DataSettings(train_path=s.train_path, eval_path=s.eval_path, train_records=s.train_examples,
+                                 eval_records=s.eval_examples, eval_fraction=s.eval_fraction, seq_len=s.seq_len,
+                                 rows_per_step=s.rows_per_step, packing=s.packing, seed=t.seed)
+    step = sft_step.StepOptions(num_microbatches=s.num_microbatches, logprob_chunk=s.logprob_chunk,
+                                matmul_precision=cfg.model.matmul_precision, lora_rank=cfg.lora.rank)
+    learner = LearnerSettings(workdir=wd, optimizer=optimizer_settings(cfg), lora_rank=cfg.lora.rank,
+                              need_reference=False, seed=t.seed, checkpoint=cfg.checkpoint, rules=rules,
+                              config_dict=config_dict)
+    return SFTPlan(workdir=wd, config_dict=config_dict, precision=precision, mesh_shape=shape, rules=rules,
+                   batch_shards=shards, policy=policy_source(cfg, precision), data=data, step=step,
+                   moe_aux_coef=s.moe_aux_coef, learner=learner,
+                   train=TrainSettings(steps=t.steps, max_train_seconds=t.max_train_seconds,
+                                       max_nonfinite_skips=t.max_nonfinite_skips),
+                   eval_at_start=s.eval_at_start, eval_at_end=s.eval_at_end)
+
+
+def step_builder(plan: SFTPlan):
+    """The learner's `build_step`: the SFT step of `plan` for the loaded model (its MoE coefficients)."""
+    return lambda graphdef, tx, lr_schedule, model_config: sft_step.make_train_step(
+        graphdef, tx, lr_schedule, plan.model_step(model_config.moe))
+
+
+class Run:
+    """The pieces of a run: the policy loaded on the plan's mesh, its tokenizer, the packed training rows, the held-out
+    batches and the learner (restored from the newest checkpoint in the workdir, if any); writes config.json."""
+
+    def __init__(self, plan: SFTPlan):
+        plan.workdir.mkdir(parents=True, exist_ok=True)
+        (plan.workdir / "config.json").write_text(json.dumps(plan.config_dict, indent=2, default=str))
+        self.plan = plan
+        self.mesh = mesh_lib.make_mesh(plan.mesh_shape)
+        model_config, graphdef, weights, self.tokenizer = load_policy(plan.policy, self.mesh, plan.rules)
+        d = plan.data
+        self.train_examples, eval_examples, self.counts = data_lib.load_datasets(d, self.tokenizer)
+        self.rows = packing.pack(self.train_examples, d.seq_len, d.packing)
+        self.counts["sft/train_rows"] = len(self.rows)
+        self.eval_batches = packing.eval_batches(eval_examples, d.seq_len, d.rows_per_step, self.tokenizer.pad_id,
+                                                 d.packing)
+        self.learner = Learner.create(plan.learner, self.mesh, model_config, graphdef, weights, step_builder(plan))
+        self.learner.restore()
+        self._eval_fn = sft_step.make_eval_fn(self.learner.graphdef, plan.model_step(model_config.moe))
+
+    def batch(self, step: int):
+        """The host batch of `step` (rows drawn by `packing.step_rows`)."""
+        d = self.plan.data
+        idx = packing.step_rows(len(self.rows), d.rows_per_step, step, d.seed)
+        return packing.make_batch(self.train_examples, [self.rows[i] for i in idx], d.seq_len, self.tokenizer.pad_id)
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out `sft/eval_loss`, `sft/ppl`, `sft/eval_tokens` of the current weights ({} without held-out data)."""
+        if not self.eval_batches:
+            return {}
+        nll, tokens = 0.0, 0.0
+        state = self.learner.state
+        for b in self.eval_batches:
+            placed = distributed_batch(b, self.mesh, self.plan.rules)
+            with jax.set_mesh(self.mesh):
+                s, n = self._eval_fn(state.params, state.frozen, placed)
+            nll, tokens = nll + float(s), tokens + float(n)
+        return sft_step.perplexity(nll, tokens)
+
+
+def distributed_batch(batch, mesh, rules):
+    """A host batch placed on the mesh (rows split over its batch shards), as the learner places its own."""
+    return jax.tree.map(distributed.global_array, batch, batch_shardings(mesh, batch, rules))
+
+
+def train(plan: SFTPlan, *, progress: bool = True) -> dict:
+    """Runs (or resumes) SFT as planned; returns the summary (also in summary.json).
+
+    Raises ValueError / FileNotFoundError for unusable data (naming the record), NonFiniteError (after saving a
+    checkpoint) when `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
+    with use_rules(plan.rules):
+        return _train(plan, progress)
+
+
+def _train(plan: SFTPlan, progress: bool) -> dict:
+    run = Run(plan)
+    learner = run.learner
+    start, steps = learner.step, plan.train.steps
+    main = distributed.is_main_process()
+    writer = metrics_lib.MetricsWriter(plan.workdir, resume_step=start if start else None, plot=False) if main else None
+    bar = metrics_lib.ProgressBar(steps, initial_step=start, desc="sft", disable=not (progress and main),
+                                  fields=(("loss", "sft/loss"), ("step_s", "perf/step_s")))
+    summary = {"start_step": start, "data": dict(run.counts), "config": plan.config_dict}
+    if start == 0 and plan.eval_at_start and run.eval_batches:
+        summary["eval_start"] = m = run.evaluate()
+        if writer:
+            writer.write(0, m)
+    clock = metrics_lib.TrainClock()
+    meta = {"sft": dict(run.counts)}
+    for step in range(start, steps):
+        t0 = time.perf_counter()
+        batch = run.batch(step)
+        t1 = time.perf_counter()
+        m = learner.update(batch)
+        m.update(metrics_lib.step_perf(int(np.count_nonzero(batch.segment_ids_RxL)), t0, t1, time.perf_counter()))
+        if writer:
+            writer.write(learner.step, m)
+        bar.update(m)
+        if learner.nonfinite_run >= plan.train.max_nonfinite_skips:
+            learner.save(meta, force=True)
+            learner.close()
+            if writer:
+                writer.close()
+            raise NonFiniteError(f"stopped at step {learner.step}: {learner.nonfinite_run} consecutive SFT steps had "
+                                 f"a non-finite loss or gradient (nothing applied; checkpoint saved in "
+                                 f"{plan.workdir / 'checkpoints'}); lower optim.lr or check the data")
+        learner.save(meta)
+        limit = plan.train.max_train_seconds
+        if limit and distributed.agree(clock.seconds >= limit):
+            summary["stopped_early"] = f"max_train_seconds={limit} reached"
+            break
+    end = learner.step
+    learner.save(meta, force=True)
+    learner.wait()
+    summary["train_wall_s"] = clock.seconds
+    if plan.eval_at_end and run.eval_batches and end > start:
+        summary["eval_end"] = m = run.evaluate()
+        if writer:
+            writer.write(end, m)
+    learner.close()
+    if writer:
+        writer.close()
+    bar.close()
+    summary.update({"end_step": end, "peak_rss_gb": metrics_lib.peak_rss_gb()})
+    if main:
+        (plan.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
