@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -48,7 +47,7 @@ def _make_venv(parent: Path) -> Path:
 
 def _probe(venv: Path) -> dict:
     """What `sandbox.run` gives in a process whose interpreter is `venv`'s python (imports from the checkout)."""
-    path = os.pathsep.join([str(ROOT), sysconfig.get_paths()["purelib"]])  # envs + gymnasium, not on the venv
+    path = os.pathsep.join([str(ROOT), *(p for p in sys.path if p and os.path.isdir(p))])  # envs, gymnasium
     env = {k: v for k, v in os.environ.items() if k != "POSTTRAIN_SANDBOX_PYTHON"}
     out = subprocess.run([str(venv / "bin" / "python"), "-c", PROBE], capture_output=True, text=True, timeout=60,
                          env={**env, "PYTHONPATH": path}, cwd="/")
