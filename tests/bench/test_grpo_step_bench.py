@@ -1,5 +1,5 @@
-"""bench/grpo_step.py end to end on a tiny preset (run mode), its argument checks, the AOT error without the
-compiler plugin, the analytic FLOP count against a hand count, and the XLA buffer report."""
+"""bench/grpo_step.py: its argument checks (--quick), the AOT error without the compiler plugin, the analytic FLOP
+count against a hand count, and the XLA buffer report (its run mode end to end: tests/bench/test_quick_modes.py)."""
 import importlib.util
 import json
 import pathlib
@@ -26,20 +26,13 @@ def bench():
     return mod
 
 
-def test_runs_a_preset_and_reports_step_mfu_and_memory(bench, capsys):
-    bench.main(["--model", "tiny-dense", "--rows", "2", "--row-len", "48", "--group-size", "1", "--prompt-len", "16",
-                "--remat", "dots", "--steps", "1", "--json"])
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert (out["rows"], out["row_len"], out["tokens_per_step"]) == (2, 48, 96)
-    assert out["finite"] and out["step_s"] > 0 and 0 < out["mfu"] < 1 and out["peak_gib"] > 0
-    assert out["model_flops_per_step"] > 6 * out["active_params"] * out["tokens_per_step"]  # + head + attention
-
-
 def test_bad_arguments_stop_with_one_line(bench):
     with pytest.raises(SystemExit):
         bench.parse_args(["--rows", "4"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--rows", "4", "--row-len", "100", "--prompt-len", "16", "--group-size", "8"])
+    quick = bench.parse_args(["--quick", "--steps", "3"])
+    assert (quick.model, quick.rows, quick.row_len, quick.steps) == ("tiny-dense", 2, 48, 3)  # given values win
 
 
 def test_aot_without_the_compiler_plugin_names_the_install_command(bench):

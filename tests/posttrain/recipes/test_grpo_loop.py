@@ -101,7 +101,7 @@ def test_memory_is_flat_across_steps(tmp_path):
     # perf/peak_rss_gb is the process's high-water mark: run in a fresh process, or an earlier test's peak hides
     # any growth (rss[20] == rss[5] == that peak).
     code = (f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parents[2])!r})\n"
-            "from helpers import tiny_config\nfrom posttrain import loop\n"
+            "from helpers import tiny_config\nfrom posttrain.recipes import grpo as loop\n"
             f"loop.train(tiny_config({str(tmp_path)!r}, **{{'train.steps': 20, 'checkpoint.every_steps': 5}}), "
             "progress=False)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)

@@ -1,5 +1,5 @@
 """The rollouter: dynamic sampling redraws zero-variance groups and reports them; the curriculum moves env specs and
-task sources (the end-to-end rollouts are exercised by test_loop.py and test_distributed.py)."""
+task sources (the end-to-end rollouts are exercised by test_grpo_loop.py and test_distributed.py)."""
 import functools
 
 from posttrain.rollout import rollouter

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.learn.state import create_train_state
 from posttrain.learn.state import merge_model
 from posttrain.learn.logprobs import score_logprobs
@@ -211,7 +212,7 @@ SHARDED = textwrap.dedent("""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
     import jax, jax.numpy as jnp, numpy as np
-    from test_train_step import make_state, random_batch
+    from test_grpo_step import make_state, random_batch
     from posttrain.infra import mesh as mesh_lib
     from posttrain.algos.grpo import step as ts
     from posttrain.learn.learner import batch_shardings
@@ -268,7 +269,7 @@ def test_bf16_step_zero_ratio_is_exactly_one_and_nothing_is_clipped(loss_name, p
     from posttrain.rollout.batching import random_batch as layout_batch
 
     graphdef, state, opts, opt = _bf16_state(loss_name, **variant)
-    batch = jax.tree.map(jnp.asarray, layout_batch(0, prompts=2, group_size=4, prompt_len=16, completion_len=8,
+    batch = jax.tree.map(jnp.asarray, layout_batch(0, advantage_fn("grpo"), prompts=2, group_size=4, prompt_len=16, completion_len=8,
                                                    vocab_size=128, packed=packed))
     assert batch.samples_per_row == (4 if packed else 1)
     _, m = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))(state, batch)
@@ -283,7 +284,7 @@ def test_ppo_epochs_first_update_ratio_is_one_later_updates_differ():
 
     graphdef, state, opts, opt = _bf16_state("ppo", ppo_epochs=2, minibatches=2)
     opts = opts._replace(loss=losses.LossConfig(eps_low=0.2, eps_high=0.2))
-    batch = jax.tree.map(jnp.asarray, layout_batch(1, prompts=4, group_size=2, prompt_len=16, completion_len=8,
+    batch = jax.tree.map(jnp.asarray, layout_batch(1, advantage_fn("grpo"), prompts=4, group_size=2, prompt_len=16, completion_len=8,
                                                    vocab_size=128))
     new_state, per_update = jax.jit(lambda s, b: ts.ppo_updates(graphdef, s, b, opt.tx, opt.lr_schedule, opts))(
         state, batch)

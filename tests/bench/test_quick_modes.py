@@ -1,0 +1,123 @@
+"""Every benchmark's --quick mode (seconds, tiny shapes, the same code path) runs once, and its JSON has the figure,
+the peer it is compared with, and their ratio.
+
+Benches that start their own processes (the two trainers of grpo_vs_trl) or need fake CPU devices set before JAX
+starts (moe_ep_memory) run as a subprocess; the others run in this process (JAX, torch already imported).
+"""
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+
+
+def _get(obj: dict, path: str):
+    for key in path.split("."):
+        assert isinstance(obj, dict) and key in obj, f"no {path!r} in the JSON ({key!r} missing)"
+        obj = obj[key]
+    return obj
+
+
+def _grpo_step(out):
+    assert (out["rows"], out["row_len"], out["tokens_per_step"]) == (2, 48, 96) and out["finite"]
+    assert out["model_flops_per_step"] > 6 * out["active_params"] * out["tokens_per_step"]  # + head + attention
+
+
+def _grpo_vs_trl(out):
+    assert out["settings"]["quick"] and out["settings"]["same_prompts_checked"] is True
+    assert len(out["posttrain_steps_s"]) == len(out["trl_steps_s"]) == 1 and out["trl_version"]
+
+
+def _moe(out):
+    assert set(out["results"]) == {"dense", "ragged", "padded", "capacity"}  # megablox only on a TPU
+    assert all(r["ratio_to_dense"] > 0 and r["peak_gib"] >= 0 for r in out["results"].values())
+
+
+def _moe_ep_memory(out):
+    assert out["devices"] == "fake cpu" and set(out["temp_bytes"]) == {"all_to_all", "all_gather"}
+    assert set(out["temp_bytes"]["all_to_all"]) == {"2", "4"}
+
+
+def _rollout(out):
+    assert out["outputs_agreeing"] == out["prompts"] == 4  # the same weights, greedy: the same tokens
+    assert out["tokens_counted"]["posttrain"] == out["tokens_counted"]["transformers"]
+
+
+def _sandbox(out):
+    assert out["posttrain_passed"] == out["harness_passed"] == out["problems"] == 4
+
+
+def _verifiers(out):
+    assert out["quick"] and out["timeout_call_status"] == "timeout" and set(out["shapes"]) >= {"spaces", "braces"}
+
+
+# bench: (arguments, in this process?, figure, peer, ratio (keys, dotted), more checks)
+TABLE = {
+    "grpo_step": (["--remat", "dots"], True, "model_flops_per_s", "peak_flops_per_s", "mfu", _grpo_step),
+    "grpo_vs_trl": (["--steps", "2"], False, "posttrain_step_s", "trl_step_s", "ratio", _grpo_vs_trl),
+    "moe": ([], True, "results.padded.tokens_per_s", "results.dense.tokens_per_s", "results.padded.ratio_to_dense",
+            _moe),
+    "moe_ep_memory": ([], False, "temp_bytes.all_to_all.4", "temp_bytes.all_gather.4", "ratio_to_all_gather.all_to_all.4",
+                      _moe_ep_memory),
+    "rollout": ([], True, "posttrain_tokens_per_s", "transformers_tokens_per_s", "ratio", _rollout),
+    "sandbox": ([], True, "posttrain_problems_per_s", "harness_problems_per_s", "ratio", _sandbox),
+    "verifiers": ([], True, "max_ms_1m", "goal_ms_1m", "ratio_to_goal", _verifiers),
+}
+
+
+def test_every_benchmark_has_a_quick_mode_here():
+    assert {p.stem for p in BENCH.glob("*.py") if not p.stem.startswith("_")} == set(TABLE)  # _*: helpers
+
+
+_OUTPUTS: dict = {}  # bench -> its quick JSON (each quick mode runs once per session)
+
+
+def _run(name: str, capsys) -> dict:
+    if name in _OUTPUTS:
+        return _OUTPUTS[name]
+    argv, in_process = ["--quick", "--json", *TABLE[name][0]], TABLE[name][1]
+    if in_process:
+        _load(name).main(argv)
+        stdout = capsys.readouterr().out
+    else:
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        r = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *argv], capture_output=True, text=True,
+                           timeout=600, cwd=ROOT, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        stdout = r.stdout
+    _OUTPUTS[name] = json.loads(stdout.strip().splitlines()[-1])
+    return _OUTPUTS[name]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_quick_mode_reports_the_figure_its_peer_and_their_ratio(name, capsys):
+    _, _, figure, peer, ratio, check = TABLE[name]
+    out = _run(name, capsys)
+    values = [_get(out, k) for k in (figure, peer, ratio)]
+    assert all(isinstance(v, (int, float)) and v > 0 for v in values), dict(zip((figure, peer, ratio), values))
+    check(out)
+
+
+def test_moe_runs_only_the_variants_that_fit(capsys):
+    peaks = {k: r["peak_gib"] for k, r in _run("moe", capsys)["results"].items()}
+    assert peaks["ragged"] > 2 * peaks["dense"] > 0  # XLA:CPU's ragged_dot expands across the groups
+    budget = 2 * peaks["dense"] / 0.9  # `aot.fits` takes 90% of it: dense fits, ragged does not
+    out = _load("moe").main(["--quick", "--json", "--impls", "ragged", "--max-gib", str(budget)])
+    capsys.readouterr()
+    assert "step_s" in out["results"]["dense"] and "step_s" not in out["results"]["ragged"]
+    assert out["memory_budget_gib"] == pytest.approx(budget, rel=1e-3)
+    assert out["results"]["ragged"]["skipped"] == (f"needs {peaks['ragged']} GiB, more than fits in "
+                                                   f"{out['memory_budget_gib']} GiB")
