@@ -37,7 +37,7 @@ def test_a_runaway_comparison_times_out_kills_its_worker_and_the_pool_recovers(w
 
 
 def test_answers_equivalent_is_bounded_from_another_process():
-    code = (f"import time\nfrom envs import verifiers as v\nv.answers_equivalent('1', '1+0')\nt0 = time.monotonic()\n"
+    code = (f"import time\nfrom envs.verify import answers as v\nv.answers_equivalent('1', '1+0')\nt0 = time.monotonic()\n"
             f"print(v.answers_equivalent({HUGE!r}, '1', timeout_s=1.0), round(time.monotonic() - t0))")
     child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert child.stdout.split() == ["False", "1"], child.stderr[-2000:]
