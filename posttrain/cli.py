@@ -1,6 +1,8 @@
-"""`posttrain train|eval|sample|convert`: a thin command line over the library (absl flags + ml-collections).
+"""`posttrain train|sft|eval|sample|convert|domains|plan`: a thin command line over the recipes (absl flags +
+ml-collections).
 
-  posttrain train  --config=configs/quickstart.py [--config.rl.group_size=8 ...] [--workdir=DIR]
+  posttrain train  --config=configs/quickstart.py [--config.rl.group_size=8 ...] [--workdir=DIR]   (GRPO)
+  posttrain sft    --config=configs/sft_tiny.py [--workdir=DIR]   (supervised fine-tuning on chat data)
   posttrain eval   --config=configs/quickstart.py --checkpoint=DIR   (DIR: a run's workdir)
   posttrain sample --prompt="What is 12 + 30?" [--model=PATH.gguf|HF_DIR] [--max_new_tokens=64]
   posttrain convert --model=PATH.gguf|HF_DIR --out=HF_DIR [--dtype=bfloat16] [--max_shard_mb=4096]

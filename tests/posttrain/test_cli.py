@@ -41,7 +41,7 @@ def test_sample_default_model():
 @pytest.mark.parametrize("args,message", [
     (("train",), "--config=configs/<name>.py is required"),
     (("train", "--config=configs/tiny.py", "--config.rl.nonsense=1"), "nonsense"),
-    (("bogus",), "posttrain train|eval|sample|convert"),
+    (("bogus",), "posttrain train|sft|eval|sample|convert"),
 ])
 def test_bad_invocations_fail_clearly(args, message):
     res = cli(*args, timeout=120)
