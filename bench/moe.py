@@ -6,12 +6,17 @@ three grouped matmuls (gate, up, down), weighted combine; gradients w.r.t. the t
 expert weights. The peer, measured in the same process, is the same MLP as plain dense matmuls over the
 tokens x k rows (one expert, no routing): identical matmul FLOPs, the speed a grouped matmul should approach.
 
-  python bench/moe.py --json                                  # every implementation that runs on this backend
+  python bench/moe.py --json                                  # every implementation that fits this backend
   python bench/moe.py --tokens 2048 --impls ragged,padded     # quicker on a CPU
+  python bench/moe.py --quick --json                          # seconds: `QUICK` shapes, one timed step
   python bench/moe.py --aot h200 --json                       # compile for an H200 here: temp memory per impl
 
-Prints one JSON line with --json: per implementation, seconds per step, tokens/s, TFLOP/s and the ratio to the
-dense peer's throughput (or, with --aot, compile seconds and per-device temp GiB from `memory_analysis()`).
+Every variant is compiled first; one whose peak memory (`memory_analysis()`: arguments + outputs + temporaries)
+does not fit the backend (`posttrain.infra.aot.fits` of the free memory: the device's limit, on a CPU the
+host's MemAvailable; --max-gib overrides) is not run but reported as skipped with what it needs ("ragged" at the
+default shape needs ~550 GiB on a CPU: XLA's CPU ragged_dot expands across all 128 groups).
+Prints one JSON line with --json: per implementation, seconds per step, tokens/s, TFLOP/s, peak GiB and the ratio
+to the dense peer's throughput (or, with --aot, compile seconds and per-device temp GiB from `memory_analysis()`).
 "megablox" runs only on a TPU (off TPU it is the Pallas interpreter: a correctness tool, not a speed path).
 """
 from __future__ import annotations
@@ -24,6 +29,9 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(1, str(pathlib.Path(__file__).resolve().parents[1]))
+
+QUICK = {"tokens": 256, "d_model": 64, "experts": 8, "top_k": 2, "expert_mlp": 32, "steps": 1}  # --quick shapes
 
 
 def parse_args(argv=None):
@@ -38,7 +46,13 @@ def parse_args(argv=None):
     ap.add_argument("--capacity-factor", type=float, default=1.25, help="for the 'capacity' implementation")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--aot", default="", choices=("", "h200", "v5p"), help="compile for this chip; do not run")
+    ap.add_argument("--max-gib", type=float, default=0.0,
+                    help="memory a variant may use (0: the backend's free memory); larger ones are skipped")
+    ap.add_argument("--quick", action="store_true", help=f"tiny shapes {QUICK} unless given")
     ap.add_argument("--json", action="store_true")
+    argv = sys.argv[1:] if argv is None else argv
+    if "--quick" in argv:
+        ap.set_defaults(**QUICK)
     return ap.parse_args(argv)
 
 
@@ -86,6 +100,21 @@ def flops(args) -> float:
     return 3 * 3 * 2 * args.tokens * args.top_k * args.d_model * args.expert_mlp
 
 
+def gib(num_bytes: int) -> float:
+    """`num_bytes` in GiB, 4 significant digits."""
+    return float(f"{num_bytes / 2 ** 30:.4g}")
+
+
+def free_bytes(device) -> int:
+    """Memory a variant may use on `device`: its allocator's limit minus what is in use, on a CPU the host's
+    MemAvailable (/proc/meminfo)."""
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+
+
 def measure(fn, xs, steps: int) -> float:
     import jax
 
@@ -109,6 +138,7 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
 
+    from posttrain.infra import aot
     from posttrain.model import gmm
 
     platform = {"h200": "gpu", "v5p": "tpu"}.get(args.aot, jax.default_backend())
@@ -116,31 +146,39 @@ def main(argv=None):
              "bfloat16": jnp.bfloat16}[args.dtype]
     impls = args.impls.split(",") if args.impls else [
         i for i in gmm.IMPLS if i != "auto" and (i != "megablox" or platform == "tpu")]
+    device = aot.target_devices(args.aot)[0] if args.aot else jax.devices()[0]
+    budget = int(args.max_gib * aot.GIB) if args.max_gib else (aot.TARGETS[args.aot].hbm_bytes if args.aot
+                                                                else free_bytes(device))
     out = {"shape": {"tokens": args.tokens, "d_model": args.d_model, "experts": args.experts, "top_k": args.top_k,
                      "expert_mlp": args.expert_mlp}, "dtype": jnp.dtype(dtype).name, "platform": platform,
-           "auto": gmm.auto_impl(platform), "flops_per_step": flops(args), "results": {}}
-    if args.aot:
-        from posttrain.infra import aot
-        device = aot.target_devices(args.aot)[0]
-        specs = inputs(args, dtype, jax.sharding.SingleDeviceSharding(device))
-        for impl in ["dense"] + impls:
-            lowered = layer_loss(impl, dtype, args.capacity_factor, args.top_k).lower(*specs)
-            _, report, seconds = aot.compile_with_report(lowered, top=3)
-            out["results"][impl] = {"compile_s": round(seconds, 1), "temp_gib": round(report.temp / aot.GIB, 3),
-                                    "largest_buffers": report.as_dict()["largest_buffers"]}
-    else:
-        xs = inputs(args, dtype)
-        dense_s = measure(layer_loss("dense", dtype, None, args.top_k), xs, args.steps)
-        for impl in ["dense"] + impls:
-            s = dense_s if impl == "dense" else measure(layer_loss(impl, dtype, args.capacity_factor, args.top_k),
-                                                        xs, args.steps)
-            out["results"][impl] = {"step_s": round(s, 4), "tokens_per_s": round(args.tokens / s, 1),
-                                    "tflops": round(flops(args) / s / 1e12, 3), "ratio_to_dense": round(dense_s / s, 3)}
+           "auto": gmm.auto_impl(platform), "flops_per_step": flops(args), "memory_budget_gib": gib(budget),
+           "quick": args.quick, "results": {}}
+    specs = inputs(args, dtype, jax.sharding.SingleDeviceSharding(device))
+    compiled = {}
+    for impl in ["dense"] + impls:
+        lowered = layer_loss(impl, dtype, args.capacity_factor, args.top_k).lower(*specs)
+        fn, report, seconds = aot.compile_with_report(lowered, top=3)
+        r = out["results"][impl] = {"compile_s": round(seconds, 1), "peak_gib": gib(report.peak)}
+        if args.aot:
+            r.update(temp_gib=round(report.temp / aot.GIB, 3), largest_buffers=report.as_dict()["largest_buffers"])
+        elif impl != "dense" and "dense" not in compiled:
+            r["skipped"] = "the dense peer does not fit"
+        elif aot.fits(report.peak, budget):
+            compiled[impl] = fn
+        else:
+            r["skipped"] = f"needs {r['peak_gib']} GiB, more than fits in {out['memory_budget_gib']} GiB"
+    xs = inputs(args, dtype) if compiled else []
+    dense_s = measure(compiled["dense"], xs, args.steps) if compiled else None
+    for impl, fn in compiled.items():
+        s = dense_s if impl == "dense" else measure(fn, xs, args.steps)
+        out["results"][impl].update(step_s=round(s, 4), tokens_per_s=round(args.tokens / s, 1),
+                                    tflops=round(flops(args) / s / 1e12, 3), ratio_to_dense=round(dense_s / s, 3))
     if args.json:
         print(json.dumps(out))
     else:
         for impl, r in out["results"].items():
             print(impl, r)
+    return out
 
 
 if __name__ == "__main__":

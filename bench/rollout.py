@@ -1,6 +1,12 @@
 """Rollout (generation) benchmark: posttrain's jitted KV-cache sampler vs transformers `generate` on SmolLM2.
 
-    python bench/rollout.py --json [--prompts 64] [--new-tokens 24] [--runs 3]
+    python bench/rollout.py --json [--prompts 64] [--new-tokens 24] [--runs 3] [--model PRESET|PATH]
+    python bench/rollout.py --quick        # seconds: `QUICK` (a tiny random model, 4 prompts x 4 tokens, no floor)
+
+--model PRESET (a `posttrain.model.presets` name): that preset's random weights (seed 0, float32) and the byte
+tokenizer, written once as an HF directory (bench/_preset_model.py) from which both sides load, so they run the
+same weights; a preset whose vocabulary is smaller than the byte tokenizer's gets 320 ids.
+--model PATH: a .gguf file or HF directory for both sides.
 
 Workload: the default model (SmolLM2-135M-Instruct, the default GGUF dequantized to float32) answers 64 chat
 prompts of the project's default task ("What is a + b? Answer with just the number.", a, b in [10, 99], seed 0,
@@ -34,9 +40,10 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -45,6 +52,23 @@ import numpy as np  # noqa: E402
 from posttrain.checkpoints import load_pretrained  # noqa: E402
 from posttrain.checkpoints.gguf import default_model_path  # noqa: E402
 from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample, shared_prefix_len, shrink_schedule  # noqa: E402
+
+QUICK = {"model": "tiny-dense", "prompts": 4, "new_tokens": 4, "runs": 1, "no_floor": True}  # --quick, unless given
+
+
+def model_source(name: str, out_dir: str) -> str:
+    """The checkpoint both sides load for --model `name`: a preset's random weights written to `out_dir` as an HF
+    directory (see the module doc), a given path, or (empty name) the default GGUF."""
+    if not name:
+        return str(default_model_path())
+    from posttrain.model.presets import PRESETS
+
+    if name not in PRESETS:
+        return name
+    from _preset_model import write_preset_model
+
+    write_preset_model(name, out_dir)
+    return out_dir
 
 
 def make_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
@@ -89,14 +113,17 @@ class PosttrainSide:
 
 
 class TransformersSide:
-    def __init__(self, prompts, new_tokens, stop_ids, pad_id):
+    def __init__(self, prompts, new_tokens, stop_ids, pad_id, source: str):
+        import pathlib
+
         import torch
         import transformers
 
         self.torch = torch
-        path = default_model_path()
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        path = pathlib.Path(source)
+        where = {"pretrained_model_name_or_path": str(path)} if path.is_dir() else {
+            "pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
         width = max(map(len, prompts))
         self.ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
         self.mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -163,6 +190,12 @@ def timed(fn):
 
 
 def main(argv=None) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench_rollout_") as tmp:
+        return compare(argv, tmp)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command line (`QUICK` fills what --quick leaves unset). Raises SystemExit on bad values."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
     ap.add_argument("--prompts", type=int, default=64)
@@ -172,12 +205,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-shrink", action="store_true", help="decode all rows until the last one stops")
     ap.add_argument("--no-floor", action="store_true", help="skip timing the matmul floor (see matmul_floor_s)")
     ap.add_argument("--skip-transformers", action="store_true", help="posttrain side only (profiling)")
+    ap.add_argument("--model", default="", help="a preset (random weights), a .gguf / HF dir, or empty: the default")
+    ap.add_argument("--quick", action="store_true", help=f"seconds: {QUICK} unless given")
+    argv = sys.argv[1:] if argv is None else argv
+    if "--quick" in argv:
+        ap.set_defaults(**QUICK)
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.new_tokens < 1 or args.runs < 1:
         raise SystemExit("--prompts, --new-tokens and --runs must be >= 1")
+    return args
 
+
+def compare(argv, tmp: str) -> dict:
+    """Runs the benchmark of command line `argv` (a preset's weights go to `tmp`); prints and returns its JSON."""
+    args = parse_args(argv)
+    source = model_source(args.model, tmp)
     t = time.perf_counter()
-    pre = load_pretrained()
+    pre = load_pretrained(source)
     load_s = time.perf_counter() - t
     tok = pre.tokenizer
     prompts = make_prompts(tok, args.prompts)
@@ -186,7 +230,7 @@ def main(argv=None) -> dict:
     ours_warm, ours_out = timed(ours)
     theirs = theirs_warm = theirs_out = None
     if not args.skip_transformers:
-        theirs = TransformersSide(prompts, args.new_tokens, tok.stop_ids, tok.pad_id)
+        theirs = TransformersSide(prompts, args.new_tokens, tok.stop_ids, tok.pad_id, source)
         theirs_warm, theirs_out = timed(theirs)
     rounds = {"posttrain": [], "transformers": []}
     for _ in range(args.runs):
@@ -217,6 +261,7 @@ def main(argv=None) -> dict:
         prompts=args.prompts, new_tokens=args.new_tokens,
         prompt_tokens_mean=round(float(np.mean(list(map(len, prompts)))), 1), posttrain_prompt_width=ours.width, posttrain_shared_prefix_len=ours.shared,
         posttrain_load_s=round(load_s, 2), posttrain_shrink=list(ours.shrink), dtype="float32",
+        model=args.model or "SmolLM2-135M-Instruct", quick=args.quick,
         torch_threads=__import__("torch").get_num_threads() if theirs is not None else None,
         cpu_count=os.cpu_count(), load_avg_1m=round(os.getloadavg()[0], 2))
     if not args.no_floor:  # how fast the posttrain side could be if only its weight matmuls cost time

