@@ -6,7 +6,10 @@
 --model PRESET (a `posttrain.model.presets` name): that preset's random weights (seed 0, float32) and the byte
 tokenizer, written once as an HF directory (bench/_preset_model.py) from which both sides load, so they run the
 same weights; a preset whose vocabulary is smaller than the byte tokenizer's gets 320 ids.
---model PATH: a .gguf file or HF directory for both sides.
+--model PATH: a .gguf file or HF directory for both sides. --group G samples each prompt G times (rows p*G + g,
+as in training; greedy, so the copies agree); --prompt-len L replaces the chat prompts by L random token ids
+each (seed 0, no stop token among them); --ignore-stop generates exactly --new-tokens per row on both sides
+(posttrain without stop ids, transformers with min_new_tokens) and counts them all.
 
 Workload: the default model (SmolLM2-135M-Instruct, the default GGUF dequantized to float32) answers 64 chat
 prompts of the project's default task ("What is a + b? Answer with just the number.", a, b in [10, 99], seed 0,
@@ -71,9 +74,13 @@ def model_source(name: str, out_dir: str) -> str:
     return out_dir
 
 
-def make_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
-    """Token ids of n chat prompts of the default arithmetic task."""
+def make_prompts(tokenizer, n: int, seed: int = 0, length: int = 0, vocab_size: int = 0) -> list[list[int]]:
+    """Token ids of n chat prompts of the default arithmetic task, or (`length` > 0) of n prompts of `length`
+    random ids in [0, vocab_size) other than the tokenizer's stop and pad ids."""
     rng = np.random.default_rng(seed)
+    if length:
+        allowed = np.setdiff1d(np.arange(vocab_size), [*tokenizer.stop_ids, tokenizer.pad_id])
+        return rng.choice(allowed, (n, length)).tolist()
     pairs = rng.integers(10, 100, (n, 2))
     return [tokenizer.apply_chat_template(
         [{"role": "user", "content": f"What is {a} + {b}? Answer with just the number."}], tokenize=True)
@@ -91,7 +98,7 @@ def until_stop(row, stops) -> list[int]:
 
 
 class PosttrainSide:
-    def __init__(self, prompts, new_tokens, tokenizer_stop_ids, pad_id, pre, shared_prefix=True, shrink=True):
+    def __init__(self, prompts, new_tokens, tokenizer_stop_ids, pad_id, pre, shared_prefix=True, shrink=True, group=1):
         self.pre = pre
         tokens, lengths = pad_prompts(prompts, pad_id)
         self.tokens, self.lengths = jnp.asarray(tokens), jnp.asarray(lengths)
@@ -102,10 +109,11 @@ class PosttrainSide:
         self.shared = shared_prefix_len(tokens, lengths) if shared_prefix else 0
         # once enough rows have stopped, decode continues on fewer rows (the training loop's
         # --config.sampling.decode_shrink_steps=2; off by default there)
-        self.shrink = shrink_schedule(tokens.shape[0]) if shrink else ()
+        self.shrink = shrink_schedule(tokens.shape[0] * group) if shrink else ()
+        self.group = group
 
     def __call__(self) -> list[list[int]]:
-        out = sample(self.pre.graphdef, self.pre.state, self.tokens, self.lengths, jax.random.key(0), group_size=1,
+        out = sample(self.pre.graphdef, self.pre.state, self.tokens, self.lengths, jax.random.key(0), group_size=self.group,
                      params=self.params, stop_ids=self.stops, pad_id=self.pad, shared_prefix_len=self.shared,
                      shrink=self.shrink)
         tokens, lengths = jax.device_get((out.tokens_NxLg, out.lengths_N))
@@ -113,7 +121,7 @@ class PosttrainSide:
 
 
 class TransformersSide:
-    def __init__(self, prompts, new_tokens, stop_ids, pad_id, source: str):
+    def __init__(self, prompts, new_tokens, stop_ids, pad_id, source: str, group: int = 1, ignore_stop: bool = False):
         import pathlib
 
         import torch
@@ -125,16 +133,19 @@ class TransformersSide:
             "pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
         self.model = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
         width = max(map(len, prompts))
-        self.ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
-        self.mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        rows = [p for p in prompts for _ in range(group)]  # row p*G + g, as posttrain's sampler
+        self.ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in rows])
+        self.mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
         self.width, self.new_tokens, self.stops, self.pad = width, new_tokens, tuple(stop_ids), pad_id
+        self.ignore_stop = ignore_stop
 
     def __call__(self) -> list[list[int]]:
         with self.torch.inference_mode():
             out = self.model.generate(self.ids, attention_mask=self.mask, do_sample=False,
                                       max_new_tokens=self.new_tokens, eos_token_id=list(self.stops),
+                                      min_new_tokens=self.new_tokens if self.ignore_stop else 0,
                                       pad_token_id=self.pad)
-        return [until_stop(row, self.stops) for row in out[:, self.width:].tolist()]
+        return [until_stop(row, () if self.ignore_stop else self.stops) for row in out[:, self.width:].tolist()]
 
 
 def decode_widths(lengths, num_rows: int, new_tokens: int, shrink) -> dict[int, int]:
@@ -201,6 +212,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--runs", type=int, default=3, help="timed rounds per side after the warm-up")
+    ap.add_argument("--group", type=int, default=1, help="samples per prompt (rows p*G + g)")
+    ap.add_argument("--prompt-len", type=int, default=0, help="random prompts of this many tokens (0: chat prompts)")
+    ap.add_argument("--ignore-stop", action="store_true", help="exactly --new-tokens per row on both sides")
     ap.add_argument("--no-shared-prefix", action="store_true", help="prefill every prompt in full")
     ap.add_argument("--no-shrink", action="store_true", help="decode all rows until the last one stops")
     ap.add_argument("--no-floor", action="store_true", help="skip timing the matmul floor (see matmul_floor_s)")
@@ -211,8 +225,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if "--quick" in argv:
         ap.set_defaults(**QUICK)
     args = ap.parse_args(argv)
-    if args.prompts < 1 or args.new_tokens < 1 or args.runs < 1:
-        raise SystemExit("--prompts, --new-tokens and --runs must be >= 1")
+    if min(args.prompts, args.new_tokens, args.runs, args.group) < 1 or args.prompt_len < 0:
+        raise SystemExit("--prompts, --new-tokens, --runs and --group must be >= 1, --prompt-len >= 0")
     return args
 
 
@@ -224,53 +238,57 @@ def compare(argv, tmp: str) -> dict:
     pre = load_pretrained(source)
     load_s = time.perf_counter() - t
     tok = pre.tokenizer
-    prompts = make_prompts(tok, args.prompts)
-    ours = PosttrainSide(prompts, args.new_tokens, tok.stop_ids, tok.pad_id, pre, not args.no_shared_prefix,
-                         not args.no_shrink)
-    ours_warm, ours_out = timed(ours)
-    theirs = theirs_warm = theirs_out = None
+    prompts = make_prompts(tok, args.prompts, length=args.prompt_len, vocab_size=pre.config.vocab_size)
+    ours = PosttrainSide(prompts, args.new_tokens, () if args.ignore_stop else tok.stop_ids, tok.pad_id, pre,
+                         not args.no_shared_prefix, not args.no_shrink, args.group)
+    sides = {"posttrain": ours}
     if not args.skip_transformers:
-        theirs = TransformersSide(prompts, args.new_tokens, tok.stop_ids, tok.pad_id, source)
-        theirs_warm, theirs_out = timed(theirs)
-    rounds = {"posttrain": [], "transformers": []}
-    for _ in range(args.runs):
-        s, out = timed(ours)
-        assert out == ours_out, "posttrain greedy output changed between runs"
-        rounds["posttrain"].append(s)
-        if theirs is not None:
-            s, out = timed(theirs)
-            assert out == theirs_out, "transformers greedy output changed between runs"
-            rounds["transformers"].append(s)
-    n_ours = sum(map(len, ours_out))
-    med = {k: statistics.median(v) for k, v in rounds.items() if v}
-    result = {"posttrain_tokens_per_s": round(n_ours / med["posttrain"], 1)}
-    counted = {"posttrain": n_ours}
-    warm = {"posttrain": round(ours_warm, 2),
-            "posttrain_compile_estimate": round(ours_warm - med["posttrain"], 2)}  # first call minus a steady one
-    if theirs is not None:
-        n_theirs = sum(map(len, theirs_out))
-        result["transformers_tokens_per_s"] = round(n_theirs / med["transformers"], 1)
-        result["ratio"] = round(result["posttrain_tokens_per_s"] / result["transformers_tokens_per_s"], 2)
-        counted["transformers"] = n_theirs
-        warm["transformers"] = round(theirs_warm, 2)
-        result["best_round_tokens_per_s"] = {"posttrain": round(n_ours / min(rounds["posttrain"]), 1),
-                                             "transformers": round(n_theirs / min(rounds["transformers"]), 1)}
-        result["outputs_agreeing"] = sum(a == b for a, b in zip(ours_out, theirs_out))
-    result.update(
-        tokens_counted=counted, warmup_s=warm, round_s={k: [round(x, 3) for x in v] for k, v in rounds.items() if v},
-        prompts=args.prompts, new_tokens=args.new_tokens,
-        prompt_tokens_mean=round(float(np.mean(list(map(len, prompts)))), 1), posttrain_prompt_width=ours.width, posttrain_shared_prefix_len=ours.shared,
-        posttrain_load_s=round(load_s, 2), posttrain_shrink=list(ours.shrink), dtype="float32",
-        model=args.model or "SmolLM2-135M-Instruct", quick=args.quick,
-        torch_threads=__import__("torch").get_num_threads() if theirs is not None else None,
-        cpu_count=os.cpu_count(), load_avg_1m=round(os.getloadavg()[0], 2))
+        sides["transformers"] = TransformersSide(prompts, args.new_tokens, tok.stop_ids, tok.pad_id, source,
+                                                 args.group, args.ignore_stop)
+    warm, outs = {}, {}
+    for name, side in sides.items():  # warm-up (posttrain: the jit compile)
+        warm[name], outs[name] = timed(side)
+    rounds = {name: [] for name in sides}
+    for _ in range(args.runs):  # the sides alternate, so background load hits both alike
+        for name, side in sides.items():
+            s, out = timed(side)
+            assert out == outs[name], f"{name} greedy output changed between runs"
+            rounds[name].append(s)
+    result = summary(args, prompts, ours, outs, warm, rounds, load_s)
     if not args.no_floor:  # how fast the posttrain side could be if only its weight matmuls cost time
-        steps = decode_widths(list(map(len, ours_out)), len(prompts), args.new_tokens, ours.shrink)
+        steps = decode_widths(list(map(len, outs["posttrain"])), len(outs["posttrain"]), args.new_tokens, ours.shrink)
         floor = matmul_floor_s(pre, len(prompts) * (ours.width - ours.shared), len(prompts), steps)
         result.update(posttrain_matmul_floor_s=round(floor, 3), posttrain_decode_steps_by_width=steps)
-        if theirs is not None:  # the ratio this run would show if posttrain spent nothing beyond those matmuls
-            result["ratio_ceiling"] = round(med["transformers"] * n_ours / n_theirs / floor, 2)
+        if "transformers" in sides:  # the ratio this run would show if posttrain spent nothing beyond those matmuls
+            n = {k: sum(map(len, v)) for k, v in outs.items()}
+            result["ratio_ceiling"] = round(statistics.median(rounds["transformers"]) * n["posttrain"]
+                                            / n["transformers"] / floor, 2)
     print(json.dumps(result))
+    return result
+
+
+def summary(args, prompts, ours, outs: dict, warm: dict, rounds: dict, load_s: float) -> dict:
+    """The printed JSON object (see the module doc) from each side's outputs, warm-up and round seconds."""
+    n = {k: sum(map(len, v)) for k, v in outs.items()}
+    med = {k: statistics.median(v) for k, v in rounds.items()}
+    result = {"posttrain_tokens_per_s": round(n["posttrain"] / med["posttrain"], 1)}
+    warm_s = {"posttrain": round(warm["posttrain"], 2),
+              "posttrain_compile_estimate": round(warm["posttrain"] - med["posttrain"], 2)}  # first minus steady
+    if "transformers" in outs:
+        result["transformers_tokens_per_s"] = round(n["transformers"] / med["transformers"], 1)
+        result["ratio"] = round(result["posttrain_tokens_per_s"] / result["transformers_tokens_per_s"], 2)
+        warm_s["transformers"] = round(warm["transformers"], 2)
+        result["best_round_tokens_per_s"] = {k: round(n[k] / min(v), 1) for k, v in rounds.items()}
+        result["outputs_agreeing"] = sum(a == b for a, b in zip(outs["posttrain"], outs["transformers"]))
+    result.update(
+        tokens_counted=n, warmup_s=warm_s, round_s={k: [round(x, 3) for x in v] for k, v in rounds.items()},
+        prompts=args.prompts, group=args.group, rows=args.prompts * args.group, new_tokens=args.new_tokens,
+        ignore_stop=args.ignore_stop, prompt_tokens_mean=round(float(np.mean(list(map(len, prompts)))), 1),
+        posttrain_prompt_width=ours.width, posttrain_shared_prefix_len=ours.shared,
+        posttrain_load_s=round(load_s, 2), posttrain_shrink=list(ours.shrink), dtype="float32",
+        model=args.model or "SmolLM2-135M-Instruct", quick=args.quick,
+        torch_threads=__import__("torch").get_num_threads() if "transformers" in outs else None,
+        cpu_count=os.cpu_count(), load_avg_1m=round(os.getloadavg()[0], 2))
     return result
 
 

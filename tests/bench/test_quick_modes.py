@@ -45,7 +45,7 @@ def _moe_ep_memory(out):
 
 
 def _rollout(out):
-    assert out["outputs_agreeing"] == out["prompts"] == 4  # the same weights, greedy: the same tokens
+    assert out["outputs_agreeing"] == out["rows"] == 2 * out["prompts"] == 8  # same weights, greedy: same tokens
     assert out["tokens_counted"]["posttrain"] == out["tokens_counted"]["transformers"]
 
 
@@ -65,7 +65,7 @@ TABLE = {
             _moe),
     "moe_ep_memory": ([], False, "temp_bytes.all_to_all.4", "temp_bytes.all_gather.4", "ratio_to_all_gather.all_to_all.4",
                       _moe_ep_memory),
-    "rollout": ([], True, "posttrain_tokens_per_s", "transformers_tokens_per_s", "ratio", _rollout),
+    "rollout": (["--group", "2"], True, "posttrain_tokens_per_s", "transformers_tokens_per_s", "ratio", _rollout),
     "sandbox": ([], True, "posttrain_problems_per_s", "harness_problems_per_s", "ratio", _sandbox),
     "verifiers": ([], True, "max_ms_1m", "goal_ms_1m", "ratio_to_goal", _verifiers),
 }

@@ -1,10 +1,11 @@
-"""bench/rollout.py helpers that need no model: the decode-width bookkeeping behind its matmul floor."""
+"""bench/rollout.py helpers that need no model: the decode-width bookkeeping behind its matmul floor, the random
+prompts of --prompt-len (its --quick run: tests/bench/test_quick_modes.py)."""
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
-from rollout import decode_widths, until_stop  # noqa: E402
+from rollout import decode_widths, make_prompts, until_stop  # noqa: E402
 
 
 def test_decode_widths_follow_the_samplers_shrink_rule():
@@ -19,3 +20,14 @@ def test_decode_widths_follow_the_samplers_shrink_rule():
 def test_until_stop_keeps_the_stop_token():
     assert until_stop([5, 9, 2, 2, 7], {2}) == [5, 9, 2]
     assert until_stop([5, 9], {2}) == [5, 9]
+
+
+def test_random_prompts_have_the_length_and_no_stop_or_pad_token():
+    from posttrain.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.byte_level()
+    prompts = make_prompts(tok, 6, length=40, vocab_size=tok.vocab_size)
+    assert len(prompts) == 6 and {len(p) for p in prompts} == {40}
+    ids = {i for p in prompts for i in p}
+    assert not ids & {*tok.stop_ids, tok.pad_id} and max(ids) < tok.vocab_size and len(ids) > 40
+    assert prompts == make_prompts(tok, 6, length=40, vocab_size=tok.vocab_size)  # seeded
