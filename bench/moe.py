@@ -26,10 +26,11 @@ import json
 import os
 import pathlib
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(1, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from _helpers import compile_variants, free_bytes, gib, time_variants  # noqa: E402
 
 QUICK = {"tokens": 256, "d_model": 64, "experts": 8, "top_k": 2, "expert_mlp": 32, "steps": 1}  # --quick shapes
 
@@ -100,33 +101,6 @@ def flops(args) -> float:
     return 3 * 3 * 2 * args.tokens * args.top_k * args.d_model * args.expert_mlp
 
 
-def gib(num_bytes: int) -> float:
-    """`num_bytes` in GiB, 4 significant digits."""
-    return float(f"{num_bytes / 2 ** 30:.4g}")
-
-
-def free_bytes(device) -> int:
-    """Memory a variant may use on `device`: its allocator's limit minus what is in use, on a CPU the host's
-    MemAvailable (/proc/meminfo)."""
-    stats = device.memory_stats() or {}
-    if "bytes_limit" in stats:
-        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
-
-
-def measure(fn, xs, steps: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*xs))  # compile + warm up
-    best = float("inf")
-    for _ in range(steps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*xs))
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def main(argv=None):
     args = parse_args(argv)
     if args.aot:
@@ -154,25 +128,10 @@ def main(argv=None):
            "auto": gmm.auto_impl(platform), "flops_per_step": flops(args), "memory_budget_gib": gib(budget),
            "quick": args.quick, "results": {}}
     specs = inputs(args, dtype, jax.sharding.SingleDeviceSharding(device))
-    compiled = {}
-    for impl in ["dense"] + impls:
-        lowered = layer_loss(impl, dtype, args.capacity_factor, args.top_k).lower(*specs)
-        fn, report, seconds = aot.compile_with_report(lowered, top=3)
-        r = out["results"][impl] = {"compile_s": round(seconds, 1), "peak_gib": gib(report.peak)}
-        if args.aot:
-            r.update(temp_gib=round(report.temp / aot.GIB, 3), largest_buffers=report.as_dict()["largest_buffers"])
-        elif impl != "dense" and "dense" not in compiled:
-            r["skipped"] = "the dense peer does not fit"
-        elif aot.fits(report.peak, budget):
-            compiled[impl] = fn
-        else:
-            r["skipped"] = f"needs {r['peak_gib']} GiB, more than fits in {out['memory_budget_gib']} GiB"
+    make = lambda impl: layer_loss(impl, dtype, args.capacity_factor, args.top_k)  # noqa: E731
+    out["results"], compiled = compile_variants(make, impls, specs, budget, "dense", aot=bool(args.aot))
     xs = inputs(args, dtype) if compiled else []
-    dense_s = measure(compiled["dense"], xs, args.steps) if compiled else None
-    for impl, fn in compiled.items():
-        s = dense_s if impl == "dense" else measure(fn, xs, args.steps)
-        out["results"][impl].update(step_s=round(s, 4), tokens_per_s=round(args.tokens / s, 1),
-                                    tflops=round(flops(args) / s / 1e12, 3), ratio_to_dense=round(dense_s / s, 3))
+    time_variants(out["results"], compiled, xs, args.steps, "dense", args.tokens, flops(args))
     if args.json:
         print(json.dumps(out))
     else:

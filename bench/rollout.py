@@ -4,7 +4,7 @@
     python bench/rollout.py --quick        # seconds: `QUICK` (a tiny random model, 4 prompts x 4 tokens, no floor)
 
 --model PRESET (a `posttrain.model.presets` name): that preset's random weights (seed 0, float32) and the byte
-tokenizer, written once as an HF directory (bench/_preset_model.py) from which both sides load, so they run the
+tokenizer, written once as an HF directory (bench/_helpers.py) from which both sides load, so they run the
 same weights; a preset whose vocabulary is smaller than the byte tokenizer's gets 320 ids.
 --model PATH: a .gguf file or HF directory for both sides. --group G samples each prompt G times (rows p*G + g,
 as in training; greedy, so the copies agree); --prompt-len L replaces the chat prompts by L random token ids
@@ -68,7 +68,7 @@ def model_source(name: str, out_dir: str) -> str:
 
     if name not in PRESETS:
         return name
-    from _preset_model import write_preset_model
+    from _helpers import write_preset_model
 
     write_preset_model(name, out_dir)
     return out_dir

@@ -24,6 +24,17 @@ def _get(obj: dict, path: str):
     return obj
 
 
+def _attention(out):
+    assert set(out["results"]) == {"blockwise", "dense"}  # the fused kernels only on their own platform
+    import numpy as np
+
+    args = _load("attention").parse_args(["--quick"])  # the quick row: its allowed pairs, counted by brute force
+    seg, br = _load("attention").row_ids(args)
+    i, j = np.arange(args.row_len)[:, None], np.arange(args.row_len)[None, :]
+    mask = (j <= i) & (seg[:, None] == seg[None, :]) & ((br[None, :] == 0) | (br[:, None] == br[None, :]))
+    assert out["flops_per_step"] == 3 * 4 * args.head_dim * args.heads * int(mask.sum()) * args.rows
+
+
 def _grpo_step(out):
     assert (out["rows"], out["row_len"], out["tokens_per_step"]) == (2, 48, 96) and out["finite"]
     assert out["model_flops_per_step"] > 6 * out["active_params"] * out["tokens_per_step"]  # + head + attention
@@ -59,6 +70,8 @@ def _verifiers(out):
 
 # bench: (arguments, in this process?, figure, peer, ratio (keys, dotted), more checks)
 TABLE = {
+    "attention": ([], True, "results.dense.tokens_per_s", "results.blockwise.tokens_per_s",
+                  "results.dense.ratio_to_blockwise", _attention),
     "grpo_step": (["--remat", "dots"], True, "model_flops_per_s", "peak_flops_per_s", "mfu", _grpo_step),
     "grpo_vs_trl": (["--steps", "2"], False, "posttrain_step_s", "trl_step_s", "ratio", _grpo_vs_trl),
     "moe": ([], True, "results.padded.tokens_per_s", "results.dense.tokens_per_s", "results.padded.ratio_to_dense",
