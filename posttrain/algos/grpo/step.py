@@ -54,7 +54,8 @@ class StepOptions(NamedTuple):
 
     @property
     def step_settings(self) -> step_lib.StepSettings:
-        return step_lib.StepSettings(num_microbatches=self.num_microbatches, bias_update_rate=self.bias_update_rate)
+        return step_lib.StepSettings(num_microbatches=self.num_microbatches, bias_update_rate=self.bias_update_rate,
+                                     loss_metric="policy/loss")
 
 
 def with_moe(opts: StepOptions, moe, aux_coef: float = -1.0) -> StepOptions:
