@@ -224,8 +224,9 @@ def main(argv=None) -> int:
     except Exception as e:  # absl raises its own error types for unknown/invalid flags
         print(f"error: {flag_error_line(e, argv)}", file=sys.stderr)
         return 2
-    from posttrain.infra import distributed
     from posttrain.config import ConfigError
+    from posttrain.infra import distributed
+    from posttrain.recipes.grpo import RunNotFoundError
 
     distributed.initialize(True if f.distributed else None)
     if command != "plan":  # a plan measures a real compile (time, buffer report): no persistent cache
@@ -235,6 +236,9 @@ def main(argv=None) -> int:
                 "domains": cmd_domains, "plan": cmd_plan, "sft": cmd_sft}[command](f)
     except ConfigError as e:  # raised before any model load or worker start: one line, no traceback
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except RunNotFoundError as e:  # a command that reads a run found none: nothing created, no base model
+        print(f"error: {e}", file=sys.stderr)
         return 2
 
 

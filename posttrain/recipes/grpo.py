@@ -24,6 +24,34 @@ from posttrain.recipes.run_plan import RunPlan, make_run_plan
 from posttrain.rollout.rollouter import Rollouter, write_jsonl
 
 
+class RunNotFoundError(FileNotFoundError):
+    """A command that reads a run (eval, convert) was pointed at a directory with no complete checkpoint; it creates
+    nothing and never substitutes the base model."""
+
+
+def require_checkpoint(workdir) -> int:
+    """The newest complete checkpoint step of the run in `workdir` (read only: nothing is created or moved).
+    Raises RunNotFoundError naming the directory when there is no run or no complete checkpoint in it."""
+    import pathlib
+
+    from posttrain.checkpoints.orbax import Checkpointer
+
+    workdir = pathlib.Path(workdir)
+    ckpts = workdir / "checkpoints"
+    if not ckpts.is_dir():
+        what = "no such directory" if not workdir.exists() else "no checkpoints/ folder in it"
+        raise RunNotFoundError(f"--checkpoint={workdir}: {what}; --checkpoint names the workdir of a run "
+                               "(e.g. runs/quickstart)")
+    reader = Checkpointer(ckpts, every_steps=1, keep=1, async_save=False, read_only=True)
+    try:
+        step = reader.latest_step()
+    finally:
+        reader.close()
+    if step is None:
+        raise RunNotFoundError(f"--checkpoint={workdir}: {ckpts} holds no complete checkpoint")
+    return step
+
+
 class NonFiniteError(RuntimeError):
     """Training stopped after `train.max_nonfinite_skips` consecutive steps with a non-finite loss or gradient."""
 
@@ -34,12 +62,16 @@ def step_builder(plan: RunPlan):
         graphdef, tx, lr_schedule, plan.model_step(model_config.moe))
 
 
-def build(plan: RunPlan) -> tuple[Rollouter, Learner, dict]:
+def build(plan: RunPlan, *, reading: bool = False) -> tuple[Rollouter, Learner, dict]:
     """The phases of a run: the policy loaded on the plan's mesh, the learner's train state (restored from the
     newest checkpoint in the workdir, if any), the rollouter (its scheduler and curriculum restored with it) and
-    the held-out episodes. Writes the workdir's config.json."""
-    plan.workdir.mkdir(parents=True, exist_ok=True)
-    (plan.workdir / "config.json").write_text(json.dumps(plan.config_dict, indent=2, default=str))
+    the held-out episodes. Writes the workdir's config.json, unless `reading` (a command that only reads a run:
+    then the run must hold a complete checkpoint, `require_checkpoint`)."""
+    if reading:
+        require_checkpoint(plan.workdir)
+    else:
+        plan.workdir.mkdir(parents=True, exist_ok=True)
+        (plan.workdir / "config.json").write_text(json.dumps(plan.config_dict, indent=2, default=str))
     mesh = mesh_lib.make_mesh(plan.mesh_shape)
     model_config, graphdef, weights, tokenizer = load_policy(plan.policy, mesh, plan.rules)
     learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, step_builder(plan))
@@ -135,9 +167,10 @@ def _train(plan: RunPlan, progress: bool) -> dict:
 
 
 def evaluate_run(plan: RunPlan) -> tuple[int, dict]:
-    """(step, eval/* metrics) of the newest checkpoint of the run in `plan.workdir` on the plan's eval suite."""
+    """(step, eval/* metrics) of the newest checkpoint of the run in `plan.workdir` on the plan's eval suite.
+    Raises RunNotFoundError (before loading anything) when the workdir holds no complete checkpoint."""
     with use_rules(plan.rules):
-        rollouter, learner, episodes = build(plan)
+        rollouter, learner, episodes = build(plan, reading=True)
         try:
             return learner.step, evaluate(plan, rollouter, learner, episodes)
         finally:
@@ -146,10 +179,11 @@ def evaluate_run(plan: RunPlan) -> tuple[int, dict]:
 
 
 def run_policy(plan: RunPlan):
-    """(ModelConfig, nnx state, tokenizer) of the newest checkpoint of the run in `plan.workdir` (LoRA unmerged)."""
+    """(ModelConfig, nnx state, tokenizer) of the newest checkpoint of the run in `plan.workdir` (LoRA unmerged).
+    Raises RunNotFoundError (before loading anything) when the workdir holds no complete checkpoint."""
     from flax import nnx
 
-    rollouter, learner, _ = build(plan)
+    rollouter, learner, _ = build(plan, reading=True)
     try:
         state = nnx.state(nnx.merge(learner.graphdef, *learner.policy()))
     finally:

@@ -47,3 +47,33 @@ def test_bad_invocations_fail_clearly(args, message):
     res = cli(*args, timeout=120)
     assert res.returncode != 0
     assert message in res.stderr + res.stdout
+
+
+@pytest.mark.parametrize("layout", ["missing", "empty_dir", "empty_checkpoints", "only_an_incomplete_step"])
+@pytest.mark.parametrize("reader", ["evaluate_run", "run_policy"])
+def test_commands_that_read_a_run_never_create_it_or_use_the_base_model(tmp_path, layout, reader):
+    """eval and convert on a directory with no complete checkpoint: one RunNotFoundError naming it, raised before
+    any model load, and the directory is left as it was (a mistyped --checkpoint used to evaluate or export the
+    untrained base model with exit code 0 and create the directory)."""
+    from posttrain.recipes import grpo
+    from posttrain.recipes.run_plan import make_run_plan
+    from helpers import tiny_config
+
+    run = tmp_path / "run"
+    if layout != "missing":
+        run.mkdir()
+    if layout in ("empty_checkpoints", "only_an_incomplete_step"):
+        (run / "checkpoints").mkdir()
+    if layout == "only_an_incomplete_step":
+        (run / "checkpoints" / "4" / "state").mkdir(parents=True)  # an interrupted save: no commit files
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    plan = make_run_plan(tiny_config(str(run)))
+    with pytest.raises(grpo.RunNotFoundError, match=f"--checkpoint={run}"):
+        getattr(grpo, reader)(plan)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_eval_of_a_mistyped_run_is_one_line_with_exit_code_2(tmp_path):
+    res = cli("eval", "--config=configs/tiny.py", f"--checkpoint={tmp_path / 'does_not_exist'}", timeout=300)
+    assert res.returncode == 2 and not (tmp_path / "does_not_exist").exists()
+    assert res.stderr.strip().splitlines()[-1].startswith("error: --checkpoint=") and "Traceback" not in res.stderr
