@@ -73,7 +73,9 @@ class ConfigError(ValueError):
     """A config key or value is invalid; the message names the dotted key path."""
 
 
-def _convert(cls, value, path: str):
+def convert_section(cls, value, path: str):
+    """`value` (a plain mapping / sequence / scalar) converted to `cls` (a schema dataclass or a field type),
+    rejecting unknown keys and wrong types. Raises ConfigError naming the dotted key path (`path` prefixes it)."""
     origin = typing.get_origin(cls)
     if dataclasses.is_dataclass(cls):
         if not isinstance(value, Mapping):
@@ -84,7 +86,7 @@ def _convert(cls, value, path: str):
         if unknown:
             raise ConfigError(f"unknown config key(s) {[f'{path}.{k}'.lstrip('.') for k in unknown]}; "
                               f"valid keys under {path or 'config'}: {sorted(names)}")
-        kwargs = {k: _convert(hints[k], v, f"{path}.{k}".lstrip(".")) for k, v in value.items()}
+        kwargs = {k: convert_section(hints[k], v, f"{path}.{k}".lstrip(".")) for k, v in value.items()}
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as e:  # the dataclass's own validation
@@ -93,7 +95,7 @@ def _convert(cls, value, path: str):
         args = typing.get_args(cls)
         if value is None and type(None) in args:
             return None
-        return _convert(next(a for a in args if a is not type(None)), value, path)
+        return convert_section(next(a for a in args if a is not type(None)), value, path)
     if origin is tuple:
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path}: expected a list/tuple, got {value!r}")
@@ -102,7 +104,8 @@ def _convert(cls, value, path: str):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
         item = typing.get_args(cls)[1] if typing.get_args(cls) else Any
-        return {k: (_convert(item, v, f"{path}.{k}") if item is not Any else _plain(v)) for k, v in value.items()}
+        return {k: (convert_section(item, v, f"{path}.{k}") if item is not Any else _plain(v))
+                for k, v in value.items()}
     if cls is Any:
         return _plain(value)
     if cls is float and isinstance(value, int) and not isinstance(value, bool):
@@ -129,7 +132,7 @@ def from_config_dict(cd) -> Config:
       ConfigError: unknown keys, wrong types, out-of-range or unknown choice values (names the key path).
     """
     raw = cd.to_dict() if hasattr(cd, "to_dict") else dict(cd)
-    cfg = _convert(Config, raw, "")
+    cfg = convert_section(Config, raw, "")
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
@@ -224,7 +227,8 @@ def dryrun_config(preset: str, variant: str = "full", *, mesh: Mapping[str, int]
     variant.
     """
     if variant not in ("full", "lora"):
-        raise ConfigError(f"plan variant {variant!r}: expected 'full' or 'lora' (--config=configs/plan/<model>.py:lora)")
+        raise ConfigError(f"plan variant {variant!r}: expected 'full' or 'lora' "
+                          "(--config=configs/plan/<model>.py:lora)")
     c = default_config()
     c.model.preset = preset
     c.model.dtype = "bfloat16"

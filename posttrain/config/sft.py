@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from posttrain.config.load import ConfigError, _convert, from_config_dict
+from posttrain.config.load import ConfigError, convert_section, from_config_dict
 from posttrain.config.schema import CheckpointConfig, LoRAConfig, MeshConfig, ModelRunConfig, OptimConfig, TrainConfig
 
 SHARED_SECTIONS = ("model", "mesh", "optim", "lora", "checkpoint", "train")
@@ -95,7 +95,7 @@ def sft_config_from_dict(cd) -> SFTRunConfig:
     # env.train check, which SFT has no use for); the sft section through the same conversion
     shared = from_config_dict({**{k: raw[k] for k in SHARED_SECTIONS if k in raw},
                                "env": {"train": {"sft": {"id": "sft"}}}})
-    sft = _convert(SFTConfig, raw.get("sft", {}), "sft")
+    sft = convert_section(SFTConfig, raw.get("sft", {}), "sft")
     if not (sft.train_path or sft.train_examples):
         raise ConfigError("sft: no training data: set sft.train_path (a JSONL file) or sft.train_examples")
     for key in ("train_path", "eval_path"):

@@ -178,12 +178,12 @@ def plan_report(plan, devices, hbm: int, peak, *, target: str, prompt_len: int =
     max_new_tokens, packed per the plan; with `sampler`, also the rollout sampler's compile for the same prompts
     (`sample_*` keys; `fits` then needs both). The step compiled is the learner's: the GRPO recipe's step builder
     jitted by `learn.step.jit_step`. Raises ValueError without a model preset (shapes only, no weights)."""
+    from posttrain.algos.grpo.advantages import advantage_fn
     from posttrain.infra.partitioning import assert_sufficiently_sharded
     from posttrain.learn.state import model_states
     from posttrain.model import flops as flops_lib
     from posttrain.recipes.grpo import step_builder
     from posttrain.rollout.batching import random_batch
-    from posttrain.algos.grpo.advantages import advantage_fn
 
     mesh = mesh_lib.make_mesh(plan.mesh_shape, devices=devices)
     if not plan.policy.preset:

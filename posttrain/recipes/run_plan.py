@@ -20,7 +20,7 @@ from typing import Mapping
 
 from posttrain.algos.grpo import losses as losses_lib
 from posttrain.algos.grpo.advantages import ADVANTAGES
-from posttrain.algos.grpo.step import StepOptions
+from posttrain.algos.grpo.step import StepOptions, with_moe
 from posttrain.checkpoints.policy import PolicySource
 from posttrain.config import Config, ConfigError, to_dict
 from posttrain.eval.runner import SCORERS, EvalSettings
@@ -71,8 +71,6 @@ class RunPlan:
 
     def model_step(self, moe) -> StepOptions:
         """The step options for the loaded model (its MoEConfig or None): MoE coefficients and bias rate."""
-        from posttrain.algos.grpo.step import with_moe
-
         return with_moe(self.step, moe, self.moe_aux_coef)
 
 
@@ -134,7 +132,8 @@ def _rows_and_split(cfg: Config, shape, shards: int) -> int:
     split = rl.minibatches * rl.num_microbatches * shards
     if rows % split:  # padding would add whole fake rows to every microbatch on every device
         raise ConfigError(f"the {rows} rows of a step (rl.prompts_per_step={rl.prompts_per_step}"
-                          f"{'' if rows == rl.prompts_per_step else f' x rl.group_size={rl.group_size}'}) do not divide "
+                          f"{'' if rows == rl.prompts_per_step else f' x rl.group_size={rl.group_size}'}) "
+                          "do not divide "
                           f"into rl.minibatches={rl.minibatches} x rl.num_microbatches={rl.num_microbatches} x "
                           f"{shards} batch shards of the mesh {shape}: change one of them")
     return split

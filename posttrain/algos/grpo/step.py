@@ -21,6 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from posttrain.algos.grpo import losses as losses_lib
 from posttrain.learn import step as step_lib
@@ -83,7 +84,6 @@ def _scores(model, mb: RolloutBatch, opts: StepOptions, with_entropy: bool = Fal
 
 def make_loss_fn(graphdef, opts: StepOptions):
     """The GRPO `loss_fn(params, frozen, microbatch, context) -> (loss, metrics)` of `learn.step`."""
-    from flax import nnx
 
     def loss_fn(params, frozen, mb: RolloutBatch, ctx: Context):
         model = merge_model(graphdef, params, frozen)
@@ -103,7 +103,8 @@ def make_loss_fn(graphdef, opts: StepOptions):
         metrics["rollout/logp_diff_max"] = diff.max()
         if "load_balance_loss" in aux:
             share = 1.0 / opts.num_microbatches
-            loss = loss + share * (opts.moe_aux_coef * aux["load_balance_loss"] + opts.moe_z_coef * aux["router_z_loss"])
+            aux_loss = opts.moe_aux_coef * aux["load_balance_loss"] + opts.moe_z_coef * aux["router_z_loss"]
+            loss = loss + share * aux_loss
             metrics["moe/load_balance_loss"] = share * aux["load_balance_loss"]
             metrics["moe/router_z_loss"] = share * aux["router_z_loss"]
             metrics["moe/expert_load"] = share * aux["expert_load"]
