@@ -1,6 +1,8 @@
-"""Tests for envs/math.py (GSM8K-v0) on local JSONL files."""
+"""Tests for envs/tasks/gsm8k.py (GSM8K-v0) on local JSONL files."""
 import json
 import os
+import re
+import sys
 
 import pytest
 
@@ -42,14 +44,17 @@ def test_clear_errors(tmp_path):
         load_gsm8k("test", str(bad))
 
 
-def test_without_path_and_without_loaders_the_error_says_what_was_tried():
-    try:
-        import tensorflow  # noqa: F401
-        pytest.skip("TensorFlow installed: TFDS may find prepared data")
-    except ImportError:
-        pass
-    with pytest.raises(FileNotFoundError, match="tfds.*path="):
+def test_without_path_and_without_loaders_the_error_says_what_was_tried(monkeypatch):
+    """No path and neither optional loader importable: one FileNotFoundError naming each loader tried and why it
+    failed, and how to pass a path. (The loaders' imports are made to fail; importing TFDS alone takes ~20 s.)"""
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(FileNotFoundError) as err:
         load_gsm8k("test")
+    msg = str(err.value)
+    assert re.search(r"tfds: ModuleNotFoundError: .*tensorflow_datasets", msg), msg
+    assert re.search(r"hf datasets: ModuleNotFoundError: .*datasets", msg), msg
+    assert "path=" in msg and "split 'test'" in msg
 
 
 @pytest.mark.parametrize("reply,reward", [
