@@ -99,8 +99,3 @@ def assert_sufficiently_sharded(state, mesh, min_fraction: float = 0.5, min_size
     if total and sharded / total < min_fraction:
         raise AssertionError(f"only {sharded / total:.0%} of large parameter elements are sharded on mesh "
                              f"{dict(mesh.shape)} (wanted >= {min_fraction:.0%}); check the sharding rules")
-
-
-def reshard(tree, shardings):
-    """Moves a pytree of arrays onto new shardings (e.g. trainer layout -> sampler layout)."""
-    return jax.device_put(tree, shardings)
