@@ -31,7 +31,8 @@ from typing import Any, Callable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["REDUCTIONS", "MetricsWriter", "ProgressBar", "masked_max", "masked_mean", "masked_min", "read_metrics"]
+__all__ = ["REDUCTIONS", "MetricsWriter", "ProgressBar", "cut_step_files", "masked_max", "masked_mean", "masked_min",
+           "read_metrics", "read_tensorboard_scalars"]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,41 @@ def read_metrics(path: str | os.PathLike, max_step: int | None = None) -> list[d
     return records
 
 
+def read_tensorboard_scalars(logdir: str | os.PathLike) -> list[tuple[str, int, float]]:
+    """(tag, step, value) of every scalar in the TensorBoard event files under `logdir`, file by file in name order
+    (TFRecord framing: u64 length, u32 CRC, the Event proto, u32 CRC; CRCs not checked). Raises FileNotFoundError
+    when there is no event file."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    files = sorted(Path(logdir).rglob("events.out.tfevents.*"))
+    if not files:
+        raise FileNotFoundError(f"no TensorBoard event file under {logdir}")
+    out = []
+    for path in files:
+        data, pos = path.read_bytes(), 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            out += [(v.tag, int(event.step), float(v.simple_value)) for v in event.summary.value]
+    return out
+
+
+def cut_step_files(folder: str | os.PathLike, first_dropped: int) -> list[Path]:
+    """Removes the per-step records `folder/step_NNNNNN.jsonl` of steps >= first_dropped (a resumed run writes
+    them again; a stale one from a longer earlier attempt would otherwise stay); returns the removed paths,
+    ascending. A missing folder is nothing to cut."""
+    removed = []
+    for path in sorted(Path(folder).glob("step_*.jsonl")):
+        digits = path.stem.removeprefix("step_")
+        if digits.isdigit() and int(digits) >= first_dropped:
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
 def _to_float(name: str, value: Any) -> float | None:
     """A scalar (Python, NumPy or JAX) as a float; non-finite -> None (JSON null)."""
     try:
@@ -142,9 +178,11 @@ class MetricsWriter:
 
     Args:
       workdir: run directory (created if missing).
-      resume_step: the step of the checkpoint a resumed run restarts from; lines of metrics.jsonl with
-        step > resume_step are dropped (file rewritten atomically) and TensorBoard events after it are
-        purged, so the resumed run does not duplicate steps. None: append to whatever is there.
+      resume_step: the step a run (re)starts from: the restored checkpoint's, or 0 when it starts over (no
+        checkpoint: every earlier record is dropped, the start-of-run evaluation runs again). Lines of
+        metrics.jsonl with a later step (all lines for 0) are dropped (file rewritten atomically), the
+        TensorBoard event files are rewritten from the lines kept and the PNG is redrawn, so no output holds a
+        step twice (`cut_step_files` does the same for per-step files). None: append to whatever is there.
       plot_every_s: minimum seconds between PNG rewrites (the PNG is always rewritten at close).
       tensorboard, plot: turn those outputs off.
     Several writes may share a step (e.g. train and eval metrics of the same step).
@@ -159,7 +197,8 @@ class MetricsWriter:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path, self.png_path = self.workdir / self.JSONL, self.workdir / self.PNG
-        history = read_metrics(self.jsonl_path, resume_step) if self.jsonl_path.exists() else []
+        keep = None if resume_step is None else (resume_step if resume_step > 0 else -1)
+        history = read_metrics(self.jsonl_path, keep) if self.jsonl_path.exists() else []
         if resume_step is not None and self.jsonl_path.exists():
             tmp = self.jsonl_path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in history), encoding="utf-8")
@@ -172,9 +211,22 @@ class MetricsWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            purge = None if resume_step is None else resume_step + 1
-            self._tb = SummaryWriter(logdir=str(self.workdir / self.TB_DIR), purge_step=purge)
+            tb_dir = self.workdir / self.TB_DIR
+            if resume_step is not None:  # events of dropped steps go: rewrite them from the lines kept
+                for old in tb_dir.glob("events.out.tfevents.*"):
+                    old.unlink()
+            # a unique suffix: tensorboardX names files by the second, and a second writer within it overwrote the first
+            self._tb = SummaryWriter(logdir=str(tb_dir), filename_suffix=f".{os.getpid()}.{time.time_ns()}")
+            for rec in history if resume_step is not None else ():
+                self._tb_write(rec)
         self._plot, self._plot_every_s, self._last_plot = plot, plot_every_s, -math.inf
+        if plot and resume_step is not None and self.png_path.exists():
+            self.plot()
+
+    def _tb_write(self, record: Mapping[str, Any]) -> None:
+        for name, value in record.items():
+            if name != "step":
+                self._tb.add_scalar(name, math.nan if value is None else value, int(record["step"]))
 
     def _remember(self, rec: Mapping[str, Any]) -> None:
         for key in self.PLOTTED:
@@ -201,9 +253,7 @@ class MetricsWriter:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for name, value in record.items():
-                if name != "step":
-                    self._tb.add_scalar(name, math.nan if value is None else value, int(step))
+            self._tb_write(record)
         self._remember(record)
         if self._plot and time.monotonic() - self._last_plot >= self._plot_every_s:
             self.plot()

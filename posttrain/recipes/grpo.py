@@ -80,6 +80,16 @@ def build(plan: RunPlan, *, reading: bool = False) -> tuple[Rollouter, Learner, 
     return rollouter, learner, eval_runner.settings_episodes(plan.eval)
 
 
+def open_outputs(workdir, start: int) -> metrics_lib.MetricsWriter:
+    """The run's metrics writer, with every output a run appends to cut back to `start` (the restored checkpoint's
+    step; 0: a run starting over keeps nothing, its start-of-run evaluation runs again): metrics.jsonl, TensorBoard
+    and the plot (`MetricsWriter(resume_step=start)`), the trajectory archive (trajectories/step_s holds the
+    rollouts of update s + 1: s >= start go) and the eval records (eval/step_s: s > start go; all of them at 0)."""
+    metrics_lib.cut_step_files(workdir / "trajectories", start)
+    metrics_lib.cut_step_files(workdir / "eval", start + 1 if start else 0)
+    return metrics_lib.MetricsWriter(workdir, resume_step=start)
+
+
 def evaluate(plan: RunPlan, rollouter: Rollouter, learner: Learner, episodes: dict) -> dict:
     """eval/* metrics of the learner's current policy on `episodes`; process 0 writes the records to
     eval/step_*.jsonl."""
@@ -106,7 +116,7 @@ def _train(plan: RunPlan, progress: bool) -> dict:
     rollouter, learner, episodes = build(plan)
     start, steps = learner.step, plan.train.steps
     main = distributed.is_main_process()  # process 0 writes metrics, plots, trajectories and the summary
-    writer = metrics_lib.MetricsWriter(plan.workdir, resume_step=start if start else None) if main else None
+    writer = open_outputs(plan.workdir, start) if main else None
     bar = metrics_lib.ProgressBar(steps, initial_step=start, disable=not (progress and main))
     summary = {"start_step": start, "config": plan.config_dict}
     if start == 0 and plan.eval.at_start and episodes:

@@ -166,7 +166,7 @@ def _train(plan: SFTPlan, progress: bool) -> dict:
     learner = run.learner
     start, steps = learner.step, plan.train.steps
     main = distributed.is_main_process()
-    writer = metrics_lib.MetricsWriter(plan.workdir, resume_step=start if start else None, plot=False) if main else None
+    writer = metrics_lib.MetricsWriter(plan.workdir, resume_step=start, plot=False) if main else None
     bar = metrics_lib.ProgressBar(steps, initial_step=start, desc="sft", disable=not (progress and main),
                                   fields=(("loss", "sft/loss"), ("step_s", "perf/step_s")))
     summary = {"start_step": start, "data": dict(run.counts), "config": plan.config_dict}

@@ -2,7 +2,6 @@
 
 import io
 import json
-import struct
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 
 from posttrain.infra import metrics as M
+from posttrain.infra.metrics import read_tensorboard_scalars as read_tb_scalars
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -72,6 +72,27 @@ def test_resume_drops_later_steps_and_keeps_whole_history(tmp_path):
     assert M.read_metrics(tmp_path / "metrics.jsonl", max_step=2)[-1]["step"] == 2
 
 
+# kind: every output a run appends to is cut back to the step it (re)starts from; 0 (no checkpoint) keeps nothing
+@pytest.mark.parametrize("earlier,resume_step,rerun,kept", [
+    ([0, 1], 0, [0, 1], [0, 1]),  # issue 29: killed after step 1, before the first checkpoint; same command again
+    ([0, 1, 2, 3], 0, [0], [0]),  # a run with no usable checkpoint starts over and keeps nothing of the last one
+    ([0, 1, 2, 3], 2, [3, 4], [0, 1, 2, 3, 4]),  # killed after step 3's write, before its checkpoint
+    (list(range(10)), 5, [6, 7, 8], list(range(9))),  # a longer earlier attempt: 9 goes although not rewritten
+    ([0, 1, 2], 4, [5], [0, 1, 2, 5]),  # nothing to cut (the lines ended before the checkpoint)
+    ([0, 1], None, [1], [0, 1, 1]),  # None appends (for callers that are not runs)
+])
+def test_resume_cuts_jsonl_tensorboard_and_plot_back_to_the_resume_step(tmp_path, earlier, resume_step, rerun, kept):
+    write_steps(tmp_path, earlier)
+    if resume_step is not None:
+        with open(tmp_path / "metrics.jsonl", "a") as f:
+            f.write('{"step": 99, "reward/me')  # a line cut short by a kill
+    w = write_steps(tmp_path, rerun, resume_step=resume_step, plot_every_s=3600)
+    assert [r["step"] for r in M.read_metrics(tmp_path / "metrics.jsonl")] == kept
+    tb = sorted(s for t, s, _ in read_tb_scalars(tmp_path / "tensorboard") if t == "policy/loss")
+    assert tb == (sorted(kept) if resume_step is not None else sorted(earlier + rerun))
+    assert [s for s, _ in w.history["reward/mean"]] == kept  # what the PNG draws
+
+
 def test_png_is_valid_and_throttled(tmp_path):
     png = tmp_path / "reward_curve.png"
     w = M.MetricsWriter(tmp_path, plot_every_s=3600, tensorboard=False)
@@ -91,29 +112,23 @@ def test_png_is_valid_and_throttled(tmp_path):
     w.close()  # idempotent
 
 
-def read_tb_scalars(logdir):
-    """(tag, step, value) triples of every scalar in the TFRecord event files under logdir."""
-    from tensorboardX.proto import event_pb2
-
-    out = []
-    files = sorted(logdir.rglob("events.out.tfevents.*"))
-    assert files, f"no event file under {logdir}"
-    for path in files:
-        data = path.read_bytes()
-        pos = 0
-        while pos < len(data):
-            (length,) = struct.unpack("<Q", data[pos:pos + 8])
-            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
-            pos += 12 + length + 4
-            out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
-    return out
-
-
 def test_tensorboard_events_written(tmp_path):
     write_steps(tmp_path, range(3))
     scalars = read_tb_scalars(tmp_path / "tensorboard")
     assert ("reward/mean", 2, pytest.approx(0.2)) in scalars
     assert sorted(s for t, s, _ in scalars if t == "policy/loss") == [0, 1, 2]
+
+
+@pytest.mark.parametrize("names,first_dropped,left", [
+    ([0, 1, 2, 7], 2, [0, 1]), ([0, 1, 2, 7], 0, []), ([3], 4, [3]), ([], 0, [])])
+def test_cut_step_files_removes_steps_from_the_first_dropped_on(tmp_path, names, first_dropped, left):
+    for n in names:
+        (tmp_path / f"step_{n:06d}.jsonl").write_text("{}\n")
+    (tmp_path / "step_notes.jsonl").write_text("")  # not a step record: untouched
+    removed = M.cut_step_files(tmp_path, first_dropped)
+    assert sorted(int(p.stem[5:]) for p in tmp_path.glob("step_0*.jsonl")) == left
+    assert len(removed) == len(names) - len(left) and (tmp_path / "step_notes.jsonl").exists()
+    assert M.cut_step_files(tmp_path / "missing", 0) == []
 
 
 def test_bad_metrics_raise_clear_errors(tmp_path):

@@ -15,6 +15,7 @@ from posttrain.checkpoints.orbax import Checkpointer
 from posttrain.config import from_config_dict
 from posttrain.rollout.rollouter import Rollouter
 from helpers import tiny_config
+from posttrain.infra.metrics import read_tensorboard_scalars as read_tb_scalars
 
 
 class DigitEnv(base.TextEnv):
@@ -55,13 +56,37 @@ def read(workdir):
 KEYS = ("reward/mean", "policy/loss", "response_length/mean", "optim/grad_norm", "rollout/logp_diff_mean")
 
 
+def plant(workdir, metrics_steps, trajectories=(), evals=()):
+    """Outputs of an earlier attempt killed before its checkpoint: metrics lines (and their TensorBoard events),
+    trajectory and eval records of those steps."""
+    from posttrain.infra.metrics import MetricsWriter
+
+    with MetricsWriter(workdir, plot=False) as w:
+        for s in metrics_steps:
+            w.write(s, {"policy/loss": 123.0})
+    for folder, steps in (("trajectories", trajectories), ("eval", evals)):
+        (workdir / folder).mkdir(exist_ok=True)
+        for s in steps:
+            (workdir / folder / f"step_{s:06d}.jsonl").write_text('{"stale": true}\n')
+
+
 def test_resumed_run_matches_uninterrupted_run_and_writes_outputs(tmp_path):
+    """Also issue 29 item 3: a run killed after step 1 before its first checkpoint, then the same command, holds
+    each step once in every output; so does a resume from step 2 after a kill past it."""
     loop.train(tiny_config(tmp_path / "a", **{"train.steps": 4}), progress=False)
+    plant(tmp_path / "b", [0, 1], trajectories=[0, 1, 7], evals=[0, 1])  # no checkpoint: starts over
     loop.train(tiny_config(tmp_path / "b", **{"train.steps": 2}), progress=False)
+    plant(tmp_path / "b", [3], trajectories=[2, 5], evals=[2, 3])  # checkpoint 2: step 2's records stay
     summary = loop.train(tiny_config(tmp_path / "b", **{"train.steps": 4}), progress=False)
     assert summary["start_step"] == 2 and summary["end_step"] == 4
     a, b = read(tmp_path / "a"), read(tmp_path / "b")
     assert [m["step"] for m in b] == [1, 2, 3, 4]
+    tb = sorted(s for t, s, _ in read_tb_scalars(tmp_path / "b" / "tensorboard") if t == "policy/loss")
+    assert tb == [1, 2, 3, 4] and all(v != 123.0 for t, _, v in read_tb_scalars(tmp_path / "b") if t == "policy/loss")
+    assert sorted(p.name for p in (tmp_path / "b" / "trajectories").iterdir()) == [
+        f"step_{s:06d}.jsonl" for s in range(4)]
+    assert "stale" not in (tmp_path / "b" / "trajectories" / "step_000002.jsonl").read_text()
+    assert sorted(p.name for p in (tmp_path / "b" / "eval").iterdir()) == ["step_000002.jsonl"]
     for ma, mb in zip(a, b):
         for k in KEYS:
             assert ma[k] == pytest.approx(mb[k], rel=1e-5, abs=1e-6), (ma["step"], k)
