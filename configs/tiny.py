@@ -1,20 +1,6 @@
 """A tiny random-init model on Arithmetic-v0 (single-digit addition): exercises the whole loop in seconds."""
-from posttrain.config import default_config, env_spec
+from posttrain.config.tiny import tiny_base
 
 
 def get_config():
-    c = default_config()
-    c.model.preset = "tiny-dense"
-    c.model.overrides = {"vocab_size": 320}
-    c.env.train = {"arithmetic": env_spec("posttrain/Arithmetic-v0", split="train", digits=1, num_test=20)}
-    c.env.eval = {"arithmetic": env_spec("posttrain/Arithmetic-v0", split="test", digits=1, num_test=20)}
-    c.rl.group_size = 4
-    c.rl.prompts_per_step = 4
-    c.sampling.max_new_tokens = 8
-    c.optim.lr = 1e-3
-    c.eval.num_tasks = 20
-    c.eval.max_new_tokens = 8
-    c.train.steps = 3
-    c.train.workdir = "runs/tiny"
-    c.checkpoint.every_steps = 2
-    return c
+    return tiny_base("tiny-dense", workdir="runs/tiny")

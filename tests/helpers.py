@@ -40,20 +40,14 @@ def smollm2_path():
 
 
 def tiny_config(workdir, **over):
-    """The tiny-dense model on one-digit Arithmetic-v0 (4 prompts x 4 samples, 6 new tokens, no evaluation,
-    synchronous checkpoints every 2 steps) as a validated Config; `over` maps "section.key" to a value."""
-    from posttrain.config import default_config, env_spec, from_config_dict
+    """`posttrain.config.tiny.tiny_base` (the base of configs/tiny.py) without evaluation, with synchronous
+    checkpoints and 6 new tokens, as a validated Config; `over` maps "section.key" to a value."""
+    from posttrain.config import from_config_dict
+    from posttrain.config.tiny import tiny_base
 
-    c = default_config()
-    c.model.preset = "tiny-dense"
-    c.model.overrides = {"vocab_size": 320}
-    c.env.train = {"arith": env_spec("posttrain/Arithmetic-v0", split="train", digits=1, num_test=20)}
-    c.rl.group_size, c.rl.prompts_per_step = 4, 4
+    c = tiny_base("tiny-dense", workdir=str(workdir))
     c.sampling.max_new_tokens = 6
-    c.optim.lr = 1e-3
     c.eval.at_start = c.eval.at_end = False
-    c.train.workdir = str(workdir)
-    c.checkpoint.every_steps = 2
     c.checkpoint.async_save = False
     for k, v in over.items():
         section, key = k.split(".")

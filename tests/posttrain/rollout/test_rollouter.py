@@ -30,7 +30,7 @@ def test_dynamic_sampling_reports_the_fraction_of_groups_filtered(monkeypatch):
     cfg = tiny_config("/tmp/x", **{"rl.dynamic_sampling": True, "rl.group_size": 2, "rl.prompts_per_step": 4})
     r = rollouter.Rollouter(
         settings=make_run_plan(cfg).rollout, mesh=None, graphdef=None, tokenizer=types.SimpleNamespace(pad_id=0),
-        runner=None, scheduler=types.SimpleNamespace(next_tasks=lambda seed, n: [("arith", {"id": i}) for i in range(n)]),
+        runner=None, scheduler=types.SimpleNamespace(next_tasks=lambda seed, n: [("arithmetic", {"id": i}) for i in range(n)]),
         train_specs=dict(cfg.env.train), advantage_fn=advantage_fn("grpo"))
     samples, perf = r.draw(0, None, jax.random.key(0))
     assert calls == [4, 2] and len(samples) == 8
