@@ -3,15 +3,15 @@
 Source: reasoning-gym (Stojanovski et al. 2025, "REASONING GYM: Reasoning Environments for Reinforcement
 Learning with Verifiable Rewards", arXiv:2505.24760; PyPI ``reasoning-gym``, pure Python, offline). Its API is
 used as is: ``reasoning_gym.create_dataset``-style construction from the registered (dataset, config) classes,
-each dataset's own ``score_answer(answer, entry) -> float in [0, 1]``, ``reasoning_gym.utils.extract_answer``
-(the last ``<answer>...</answer>``, the library's convention) and its curricula for difficulty levels.
+each dataset's own ``score_answer(answer, entry) -> float in [0, 1]`` and its curricula for difficulty levels;
+answers are read by the library's convention, the last ``<answer>...</answer>`` (`envs.verify.tagged`).
 
 An episode: the question plus `INSTRUCTION` (or the env's ``instruction``; answer inside ``<answer>`` tags); the
-reply after the last ``</think>`` (`verifiers.strip_reasoning`) is searched for the last ``<answer>...</answer>``
-(multi-line answers kept); the reward is the dataset's score of that answer, partial credit included (``info["score"]``);
+reply after the last ``</think>`` is searched for the last ``<answer>...</answer>`` (`envs.verify.tagged.read_answer`;
+multi-line answers kept); the reward is the dataset's score of that answer, partial credit included (``info["score"]``);
 ``info["status"]`` is "ok" only at score 1. A reply with no answer tag at all (small instruct models such as
 SmolLM2-135M ignore the instruction and write "The answer is 12.") is read by a conservative fallback on its
-last non-empty line only (`fallback_answer`: ``\\boxed{}``, "answer is/: X", "... = X", "... is X", a lone
+last non-empty line only (`tagged.fallback_answer`: ``\\boxed{}``, "answer is/: X", "... = X", "... is X", a lone
 token), so a revised or buried number never scores; ``fallback=False`` keeps tags only.
 
 Splits: "train" is the dataset built with ``seed`` and ``size``; "test" the same config with seed
@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import re
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 from envs import base
 
 from envs.verify import answers as verifiers
+from envs.verify import tagged
 ENV_ID = "posttrain/ReasoningGym-v0"
 INSTRUCTION = ("\n\nThink it through, then give only the final answer inside <answer></answer> tags, "
                "in the format the question asks for (it may span several lines).")
@@ -146,94 +146,6 @@ def build_dataset(dataset: str, config: Mapping[str, Any] | str | None = None, *
         raise ValueError(f"reasoning_gym/{dataset}: invalid config {cfg}: {type(exc).__name__}: {exc}") from None
 
 
-def extract_reply_answer(text: str, think_tags: tuple[str, str] | None = verifiers.THINK_TAGS) -> str | None:
-    """The content of the last ``<answer>...</answer>`` in the reply after its reasoning block, stripped.
-
-    The reasoning block is cut by `verifiers.strip_reasoning` (the reply after the last ``</think>``); the text
-    after the last ``</answer>`` is dropped first, so the library's regex (``reasoning_gym.utils.extract_answer``)
-    runs in linear time. Returns None when there is no closed answer tag. Never raises on odd text.
-    """
-    if not isinstance(text, str):
-        return None
-    reply = verifiers.strip_reasoning(text, think_tags)
-    end = reply.rfind("</answer>")
-    if end < 0:
-        return None
-    return library().utils.extract_answer(reply[:end + len("</answer>")], tag_name="answer")
-
-
-_ANSWER_PHRASE_RE = re.compile(r"\banswer\b.*?(?:\bis\b\s*:?|:|=)\s*(.*)$", re.I)  # "the (final) answer ... is/:/= X"
-_IS_LAST_RE = re.compile(r"\bis\s+(\S+)$")  # "... is X" (X one token)
-_WRAPPERS = " \t*_`\"'$"
-FALLBACK_MAX_LINE = 1000  # a longer last line is not read by the fallback (bounded regex work)
-
-
-def _clean(candidate: str) -> str | None:
-    """`candidate` without markdown/quote wrappers and one trailing sentence period; None when empty or longer
-    than `verifiers.MAX_ANSWER_CHARS`."""
-    text = candidate.strip().strip(_WRAPPERS)
-    if text[-1:] in (".", "!") :
-        text = text[:-1].rstrip().strip(_WRAPPERS)
-    return text if text and len(text) <= verifiers.MAX_ANSWER_CHARS else None
-
-
-def fallback_answer(reply: str) -> tuple[str | None, str]:
-    """(answer, form) read from the LAST non-empty line of a reply that has no answer tag, or (None, "none").
-
-    For small instruct models that ignore the tag instruction (SmolLM2-135M-Instruct writes "The answer is 12.",
-    "3 * 4 = 12" or "The LCM of 4 and 6 is 12."). Only the last line is read, so an answer that a later line
-    revises never scores; nothing is searched for the gold answer. Forms, in order:
-      "boxed":    the last ``\\boxed{X}`` on that line -> X
-      "phrase":   "... answer ... is X" / "Answer: X" / "answer = X" -> X (the rest of the line after the first
-                  is/:/= that follows the word "answer"; after its last "=" when it holds one, e.g. "is 3+4 = 7")
-      "equation": "... = X" with X one token (no space) -> X (after the last "=")
-      "is":       "... is X." with X one token -> X
-      "bare":     the line is one token -> that token
-    The result drops markdown/quote wrappers (``**``, backticks, quotes, ``$``) and one trailing "." or "!".
-    Multi-line answers need the tags.
-    """
-    lines = [line for line in reply.splitlines() if line.strip()]
-    if not lines or len(lines[-1]) > FALLBACK_MAX_LINE:
-        return None, "none"
-    line = lines[-1].strip()
-    if "\\boxed" in line or "\\fbox" in line:
-        boxed = verifiers.extract_boxed(line)
-        return (None, "none") if boxed is None else (_clean(boxed), "boxed")
-    m = _ANSWER_PHRASE_RE.search(line)
-    if m:
-        phrase = m.group(1)
-        if "=" in phrase:  # "The answer is 3 + 4 = 7." -> 7
-            rhs = _clean(phrase.rsplit("=", 1)[1])
-            return (rhs, "phrase") if rhs is not None and not any(c.isspace() for c in rhs) else (None, "none")
-        return _clean(phrase), "phrase"
-    if "=" in line:
-        rhs = _clean(line.rsplit("=", 1)[1])
-        return (rhs, "equation") if rhs is not None and not any(c.isspace() for c in rhs) else (None, "none")
-    m = _IS_LAST_RE.search(line)
-    if m:
-        return _clean(m.group(1)), "is"
-    bare = _clean(line)
-    return (bare, "bare") if bare is not None and not any(c.isspace() for c in bare) else (None, "none")
-
-
-def read_answer(text: str, think_tags: tuple[str, str] | None = verifiers.THINK_TAGS, *,
-                fallback: bool = True) -> tuple[str | None, str]:
-    """(answer, method) of a reply: the last ``<answer>...</answer>`` after the reasoning block (method
-    "answer_tag"); when the reply (after its reasoning block) has no ``<answer>`` tag at all and `fallback`,
-    `fallback_answer` on it (method "fallback_<form>"); else (None, "none"). A reply with an opened but
-    unclosed or empty tag is not read by the fallback. Never raises on odd text."""
-    if not isinstance(text, str):
-        return None, "none"
-    reply = verifiers.strip_reasoning(text, think_tags)
-    if "<answer>" in reply or "</answer>" in reply:
-        answer = extract_reply_answer(text, think_tags)
-        return (answer, "answer_tag") if answer is not None else (None, "none")
-    if not fallback:
-        return None, "none"
-    answer, form = fallback_answer(reply)
-    return (answer, f"fallback_{form}") if answer is not None else (None, "none")
-
-
 def held_out(question: str) -> bool:
     """Whether `question` belongs to the held-out (test) side of the split: ``crc32(question) % HELD_OUT_BUCKETS
     == 0`` (stable across processes and versions, unlike ``hash``). Train tasks never have it, test tasks always,
@@ -333,9 +245,10 @@ class ReasoningGymEnv(base.TextEnv):
     Kwargs: those of `ReasoningGymTasks` (``dataset`` required), ``self_check`` (run `golden_check` at
     construction: RuntimeError when it fails), ``allow_unverified`` (accept a dataset with no reference reply,
     "unverified", instead of raising), ``fallback`` (default True: a reply without any answer tag is read by
-    `fallback_answer`, its last line; False: tags only) and ``instruction`` (the text after the question; None:
-    `INSTRUCTION`; `SHORT_INSTRUCTION` suits models too small to follow the tag format). Scorer exceptions on odd
-    replies score 0 with the reason in info; ``info["method"]`` says how the answer was read (`read_answer`).
+    `envs.verify.tagged.fallback_answer`, its last line; False: tags only) and ``instruction`` (the text after the
+    question; None: `INSTRUCTION`; `SHORT_INSTRUCTION` suits models too small to follow the tag format). Scorer
+    exceptions on odd replies score 0 with the reason in info; ``info["method"]`` says how the answer was read
+    (`envs.verify.tagged.read_answer`).
     """
 
     think_tags = verifiers.THINK_TAGS
@@ -365,7 +278,7 @@ class ReasoningGymEnv(base.TextEnv):
 
     def score(self, task: Mapping[str, Any], reply: str) -> tuple[float, dict]:
         """(reward in [0, 1], info) of `reply` on `task` through the dataset's own scorer."""
-        answer, method = read_answer(reply, self.think_tags, fallback=self.fallback)
+        answer, method = tagged.read_answer(reply, self.think_tags, fallback=self.fallback)
         entry = {"question": task["question"], "answer": task["answer"], "metadata": task["metadata"]}
         try:
             value = float(self.task_source.dataset.score_answer(answer, entry))

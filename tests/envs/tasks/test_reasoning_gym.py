@@ -28,7 +28,7 @@ def test_answer_inside_think_block_is_not_read():
     assert reward < 1.0 and info["extracted"] is None and "no <answer>" in info["reason"]
 
 
-# Reply forms -> extracted answer (`read_answer`): {g} is the task's gold answer, {w} a wrong one. The forms are
+# Reply forms -> extracted answer (`envs.verify.tagged.read_answer`): {g} is the task's gold answer, {w} a wrong one. The forms are
 # what SmolLM2-135M-Instruct writes for these prompts (it never writes the tags); the second half must not score.
 REPLY_FORMS = [
     ("<answer>{g}</answer>", "{g}", "answer_tag", 1.0),
@@ -86,12 +86,6 @@ def test_fallback_off_reads_tags_only():
     task = env.task_source.get_task(0)
     assert env.score(task, f"The answer is {task['answer']}.")[0] == 0.0
     assert env.score(task, f"<answer>{task['answer']}</answer>")[0] == 1.0
-
-
-def test_fallback_reads_only_the_last_line_and_never_a_long_one():
-    assert rgenv.fallback_answer("The answer is 3.\nThen I doubled it.") == (None, "none")
-    assert rgenv.fallback_answer("x " * rgenv.FALLBACK_MAX_LINE + "= 4") == (None, "none")
-    assert rgenv.read_answer(None) == (None, "none")
 
 
 def test_multiline_answer_survives_extraction():
