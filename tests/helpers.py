@@ -53,3 +53,20 @@ def tiny_config(workdir, **over):
         section, key = k.split(".")
         setattr(getattr(c, section), key, v)
     return from_config_dict(c)
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+    """`jax.lax.ragged_all_to_all` semantics (one chunk per peer) from `all_to_all` of padded [S, rows, ...]
+    buffers, for testing the ragged bookkeeping of `posttrain.model.expert_parallel.exchange_ragged` where XLA has
+    no ragged all-to-all (CPU; passed as its `impl`). Memory S x operand."""
+    S = input_offsets.shape[0]
+    rows = operand.shape[0]
+    r = jnp.arange(rows)
+    idx = input_offsets[:, None] + r[None, :]  # [S, rows]
+    chunks = jnp.where((r[None, :] < send_sizes[:, None]).reshape((S, rows) + (1,) * (operand.ndim - 1)),
+                       operand[jnp.minimum(idx, rows - 1)], 0)
+    got = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)  # [S, rows, ...]: row block i from source i
+    where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # my offsets in each source's plan
+    dst = jnp.where(r[None, :] < recv_sizes[:, None], where[:, None] + r[None, :], output.shape[0])
+    return output.at[dst.reshape(-1)].set(got.reshape((S * rows,) + operand.shape[1:]), mode="drop")

@@ -215,19 +215,3 @@ def exchange_ragged(ffn, x_mxD, e_mxk, w_mxk, wg, wu, wd, dtype, capacity_factor
     kept_n = (rank < kept[me][dest_sorted])[position]
     out = combine(back[position], w_mxk, kept_n)
     return out, (n - kept[me].sum()).astype(jnp.float32)
-
-
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                               axis_name):
-    """`jax.lax.ragged_all_to_all` semantics (one chunk per peer) from `all_to_all` of padded [S, rows, ...]
-    buffers, for testing the ragged bookkeeping where XLA has no ragged all-to-all (CPU). Memory S x operand."""
-    S = input_offsets.shape[0]
-    rows = operand.shape[0]
-    r = jnp.arange(rows)
-    idx = input_offsets[:, None] + r[None, :]  # [S, rows]
-    chunks = jnp.where((r[None, :] < send_sizes[:, None]).reshape((S, rows) + (1,) * (operand.ndim - 1)),
-                       operand[jnp.minimum(idx, rows - 1)], 0)
-    got = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)  # [S, rows, ...]: row block i from source i
-    where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # my offsets in each source's plan
-    dst = jnp.where(r[None, :] < recv_sizes[:, None], where[:, None] + r[None, :], output.shape[0])
-    return output.at[dst.reshape(-1)].set(got.reshape((S * rows,) + operand.shape[1:]), mode="drop")

@@ -5,7 +5,7 @@ Compares the expert-parallel all-to-all dispatch of `posttrain.model.moe` with t
 values and gradients (x, router, the three expert weights) of a MoE layer for softmax top-k, sigmoid group-limited
 routing with a shared expert, and hand-made assignments (skewed loads, idle experts, an overflowing shard under a
 small ep_capacity_factor, checked against a NumPy count of the rows over capacity), for the fixed-capacity
-all-to-all and the ragged one (`jax.lax.ragged_all_to_all` replaced by `expert_parallel.emulated_ragged_all_to_all`:
+all-to-all and the ragged one (`jax.lax.ragged_all_to_all` replaced by `helpers.emulated_ragged_all_to_all`:
 XLA:CPU has no ragged all-to-all). Writes one JSON object of
 max-abs differences and counts per case. Dimension legend as in moe.py (M tokens, k experts per token, E experts).
 """
@@ -23,10 +23,12 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from posttrain.infra import mesh as mesh_lib  # noqa: E402
-from posttrain.model import expert_parallel as ep_lib  # noqa: E402
 from posttrain.model import moe as moe_lib  # noqa: E402
 from posttrain.model.config import MoEConfig  # noqa: E402
 from posttrain.infra.partitioning import use_rules  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/
+from helpers import emulated_ragged_all_to_all  # noqa: E402
 
 MESHES = {"ep8": {"expert": 8}, "dp2-ep4": {"data": 2, "expert": 4},
           "fsdp2-ep2-tp2": {"fsdp": 2, "expert": 2, "tensor": 2}}
@@ -126,7 +128,7 @@ def dispatch_case(mesh, blocks, S, cf, skew, ragged=False):
     wd = jax.random.normal(ks[3], (E, F, D)) / 3
     g = jax.random.normal(ks[4], (M, D))
     keep = (expected_keep_ragged if ragged else expected_keep)(experts, blocks, S, cf)
-    kw = dict(ep_impl="ragged", _ragged_impl=ep_lib.emulated_ragged_all_to_all) if ragged else {}
+    kw = dict(ep_impl="ragged", _ragged_impl=emulated_ragged_all_to_all) if ragged else {}
 
     def ref(x, w, wg, wu, wd):
         y = moe_lib.expert_ffn(x, jnp.asarray(experts), w * keep, wg, wu, wd, jnp.float32)
