@@ -226,6 +226,7 @@ def main(argv=None) -> int:
         return 2
     from posttrain.config import ConfigError
     from posttrain.infra import distributed
+    from posttrain.checkpoints.orbax import CheckpointCorruptError
     from posttrain.recipes.grpo import RunNotFoundError
 
     distributed.initialize(True if f.distributed else None)
@@ -239,6 +240,9 @@ def main(argv=None) -> int:
         return 2
     except RunNotFoundError as e:  # a command that reads a run found none: nothing created, no base model
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointCorruptError as e:  # every checkpoint of the run unreadable: never the base model instead
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 

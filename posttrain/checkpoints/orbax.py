@@ -29,9 +29,10 @@ after `save` returns cannot change what is written (tested). At most one save is
 Completeness: a step counts (`all_steps`, `latest_step`) only once its directory is final (not a tmp name) and
 contains orbax's `commit_success.txt`, `_CHECKPOINT_METADATA` and all three item directories. Partial tmp
 directories (a `kill -9` mid-save) are ignored and removed when the next `Checkpointer` opens the directory.
-`restore(None)` tries complete steps newest first; a step that fails to read (e.g. a truncated file) is logged,
-renamed to `<step>.corrupt-<unix time>` (never deleted) so the resumed run can write that step again, and the
-next older step is tried (a `read_only` Checkpointer renames nothing). Data that still decodes after bit rot is
+`restore(None)` tries complete steps newest first; a step that fails to read (e.g. a truncated file) is logged as
+an error, renamed to `<step>.corrupt-<unix time>` (never deleted) so the resumed run can write that step again, and
+the next older step is tried; `unreadable` lists what was passed over (a `read_only` Checkpointer renames
+nothing: readers of a run never change it). Data that still decodes after bit rot is
 not detected (no checksums). keep-last-K: orbax deletes older steps only after the newer one is committed.
 Multi-host: every process must call save/restore (orbax synchronises); the fallback
 decision is taken per process from a shared filesystem, which assumes all processes see the same corruption.
@@ -190,6 +191,8 @@ class Checkpointer:
         self.every_steps, self.keep, self.async_save = int(every_steps), int(keep), bool(async_save)
         self.read_only = bool(read_only)
         self.restored_step: int | None = None  # the step the last `restore` actually read
+        # steps the last `restore(None)` passed over: {"step", "error", "moved_to" (None: left in place)}
+        self.unreadable: list[dict] = []
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(n=self.keep),
             enable_async_checkpointing=self.async_save, cleanup_tmp_directories=not self.read_only,
@@ -266,7 +269,8 @@ class Checkpointer:
         result has the target's treedef (so nnx Variable types and metadata are the target's). `meta` is the
         saved dict after a JSON round trip (tuples become lists). `self.restored_step` is set to the step read.
         With step=None (and not read_only), unreadable or incomplete step dirs newer than the one restored are
-        renamed `<step>.corrupt-<time>`, so the resumed run can save those steps again.
+        renamed `<step>.corrupt-<time>`, so the resumed run can save those steps again; `self.unreadable` lists
+        them (read_only: left in place, moved_to None).
         Raises:
           FileNotFoundError: no complete checkpoint (or not `step`) in the directory (lists the steps found).
           CheckpointStructureError: target paths/shapes/dtypes/Variable types differ from the checkpoint.
@@ -288,18 +292,21 @@ class Checkpointer:
                                              f"{type(e).__name__}: {str(e)[:500]}") from e
         if not steps:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
-        failures = []
+        failures, self.unreadable = [], []
         for s in reversed(steps):
             try:
                 out = self._restore_step(s, target_state)
             except CheckpointStructureError:
                 raise
             except Exception as e:  # corrupt / truncated files: fall back to the previous step
-                log.warning("checkpoint %s is unreadable (%s: %s); trying an older one",
-                            self._step_dir(s), type(e).__name__, e)
+                log.error("checkpoint %s is unreadable (%s: %s); trying an older one",
+                          self._step_dir(s), type(e).__name__, " ".join(str(e).split())[:300])
                 failures.append(f"step {s}: {type(e).__name__}: {str(e)[:300]}")
                 continue
-            self._quarantine([t for t in self._mngr.all_steps() if t > s])
+            errors = dict(f.split(": ", 1) for f in failures)
+            self.unreadable = [{"step": t, "error": errors.get(f"step {t}", "incomplete (no commit marker)"),
+                                "moved_to": None} for t in sorted(self._mngr.all_steps()) if t > s]
+            self._quarantine(self.unreadable)
             return out
         raise CheckpointCorruptError(f"no usable checkpoint in {self.directory}:\n  " + "\n  ".join(failures))
 
@@ -342,17 +349,18 @@ class Checkpointer:
         self.restored_step = step
         return jax.tree_util.tree_unflatten(treedef, restored), dict(out["meta"] or {})
 
-    def _quarantine(self, bad_steps: list[int]):
-        """Renames unreadable step dirs (newer than the restored one) out of orbax's view; never deletes."""
-        if not bad_steps or self.read_only:
+    def _quarantine(self, bad: list[dict]):
+        """Renames unreadable step dirs (newer than the restored one) out of orbax's view, setting each record's
+        "moved_to"; never deletes."""
+        if not bad or self.read_only:
             return
+        stamp = int(time.time())
+        for rec in bad:
+            rec["moved_to"] = f"{self._step_dir(rec['step'])}.corrupt-{stamp}"
         if jax.process_index() == 0:
-            stamp = int(time.time())
-            for s in bad_steps:
-                src = epath.Path(self._step_dir(s))
-                dst = epath.Path(f"{self._step_dir(s)}.corrupt-{stamp}")
-                log.warning("moving unreadable checkpoint %s to %s", src, dst)
-                src.rename(dst)
+            for rec in bad:
+                log.error("moving unreadable checkpoint %s to %s", self._step_dir(rec["step"]), rec["moved_to"])
+                epath.Path(self._step_dir(rec["step"])).rename(epath.Path(rec["moved_to"]))
         ocp.multihost.sync_global_processes("posttrain_checkpointer_quarantine")
         self._mngr.reload()
 

@@ -93,10 +93,12 @@ class Learner:
 
     @classmethod
     def create(cls, settings: LearnerSettings, mesh, model_config, graphdef, weights,
-               build_step: StepBuilder) -> "Learner":
+               build_step: StepBuilder, *, read_only: bool = False) -> "Learner":
         """A fresh train state from the loaded model (`graphdef`, `weights`: its nnx state), the settings'
         optimizer and checkpoints, and the algorithm's step: `build_step(graphdef, tx, lr_schedule, model_config)`
-        returns the pure step, jitted here by `learn.step.jit_step` with the state's and batch's shardings."""
+        returns the pure step, jitted here by `learn.step.jit_step` with the state's and batch's shardings.
+        `read_only`: for commands that only read a run (eval, convert): its checkpointer never writes, renames or
+        deletes anything (an unreadable checkpoint is passed over and left in place)."""
         opt = settings.optimizer.build()
         with jax.set_mesh(mesh):
             graphdef, state = create_train_state(graphdef, weights, opt.tx, jax.random.key(settings.seed),
@@ -107,7 +109,7 @@ class Learner:
         step_fn = step_lib.jit_step(build_step(graphdef, opt.tx, opt.lr_schedule, model_config), state_sh, batch_sh)
         c = settings.checkpoint
         ckpt = Checkpointer(settings.workdir / "checkpoints", every_steps=c.every_steps, keep=c.keep,
-                            async_save=c.async_save)
+                            async_save=c.async_save, read_only=read_only)
         return cls(settings=settings, mesh=mesh, model_config=model_config, graphdef=graphdef, state=state,
                    state_shardings=state_sh, batch_shardings=batch_sh, step_fn=step_fn, checkpointer=ckpt)
 
@@ -140,8 +142,9 @@ class Learner:
         return m
 
     def restore(self) -> dict | None:
-        """Restores the newest usable checkpoint (falling back past a corrupt one) into `state`; returns its
-        metadata (the rollouter's state, the config), or None when there is none."""
+        """Restores the newest usable checkpoint (falling back past a corrupt one, which `checkpointer.unreadable`
+        lists: moved aside unless read-only) into `state`; returns its metadata (the rollouter's state, the config),
+        or None when there is none. Raises CheckpointCorruptError when no complete checkpoint is readable."""
         if self.checkpointer.latest_step() is None:
             return None
         self.state, meta = self.checkpointer.restore(None, self.state)

@@ -74,10 +74,30 @@ def build(plan: RunPlan, *, reading: bool = False) -> tuple[Rollouter, Learner, 
         (plan.workdir / "config.json").write_text(json.dumps(plan.config_dict, indent=2, default=str))
     mesh = mesh_lib.make_mesh(plan.mesh_shape)
     model_config, graphdef, weights, tokenizer = load_policy(plan.policy, mesh, plan.rules)
-    learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, step_builder(plan))
+    learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, step_builder(plan),
+                             read_only=reading)
     rollouter = Rollouter.create(plan.rollout, mesh, learner.graphdef, tokenizer, advantage_fn(plan.advantage),
                                  meta=learner.restore())
+    note = unreadable_note(learner.checkpointer)
+    if note:
+        metrics_lib.log.error(note)
     return rollouter, learner, eval_runner.settings_episodes(plan.eval)
+
+
+def unreadable_note(checkpointer) -> str | None:
+    """The loud line about checkpoints the last restore passed over (None when there were none): training moved
+    them aside and trains their steps again; a reader (eval, convert) left them in place and used an older step."""
+    bad, step = checkpointer.unreadable, checkpointer.restored_step
+    if not bad:
+        return None
+    steps = [r["step"] for r in bad]
+    why = f"{len(bad)} unreadable checkpoint(s) {steps} in {checkpointer.directory} (step {steps[-1]}: " \
+          f"{' '.join(bad[-1]['error'].split())[:200]})"
+    if bad[0]["moved_to"] is None:
+        return f"USING STEP {step}, NOT {steps[-1]}: {why}; left in place (only training moves one aside)"
+    return (f"RESUMING FROM STEP {step}, NOT {steps[-1]}: {why} moved aside to "
+            f"{', '.join(r['moved_to'] for r in bad)} (kept, never deleted); steps {step + 1}..{steps[-1]} are "
+            "trained again")
 
 
 def open_outputs(workdir, start: int) -> metrics_lib.MetricsWriter:
@@ -90,12 +110,12 @@ def open_outputs(workdir, start: int) -> metrics_lib.MetricsWriter:
     return metrics_lib.MetricsWriter(workdir, resume_step=start)
 
 
-def evaluate(plan: RunPlan, rollouter: Rollouter, learner: Learner, episodes: dict) -> dict:
+def evaluate(plan: RunPlan, rollouter: Rollouter, learner: Learner, episodes: dict, *, write: bool = True) -> dict:
     """eval/* metrics of the learner's current policy on `episodes`; process 0 writes the records to
-    eval/step_*.jsonl."""
+    eval/step_*.jsonl of the run, if `write` (training; a command that only reads a run writes nothing there)."""
     sample_fn = rollouter.sample_fn(learner.policy(), plan.eval.sampling)
     m, records = eval_runner.run(plan.eval, episodes, sample_fn, rollouter.tokenizer, rollouter.runner)
-    if distributed.is_main_process():
+    if write and distributed.is_main_process():
         write_jsonl(plan.workdir / "eval" / f"step_{learner.step:06d}.jsonl", records)
     return m
 
@@ -119,6 +139,8 @@ def _train(plan: RunPlan, progress: bool) -> dict:
     writer = open_outputs(plan.workdir, start) if main else None
     bar = metrics_lib.ProgressBar(steps, initial_step=start, disable=not (progress and main))
     summary = {"start_step": start, "config": plan.config_dict}
+    if learner.checkpointer.unreadable:
+        summary["unreadable_checkpoints"] = learner.checkpointer.unreadable
     if start == 0 and plan.eval.at_start and episodes:
         summary["eval_start"] = m = evaluate(plan, rollouter, learner, episodes)
         if writer:
@@ -177,12 +199,13 @@ def _train(plan: RunPlan, progress: bool) -> dict:
 
 
 def evaluate_run(plan: RunPlan) -> tuple[int, dict]:
-    """(step, eval/* metrics) of the newest checkpoint of the run in `plan.workdir` on the plan's eval suite.
-    Raises RunNotFoundError (before loading anything) when the workdir holds no complete checkpoint."""
+    """(step, eval/* metrics) of the newest readable checkpoint of the run in `plan.workdir` on the plan's eval
+    suite; the run is only read (no records written, an unreadable checkpoint left in place and named in an ERROR
+    line). Raises RunNotFoundError (before loading anything) when the workdir holds no complete checkpoint."""
     with use_rules(plan.rules):
         rollouter, learner, episodes = build(plan, reading=True)
         try:
-            return learner.step, evaluate(plan, rollouter, learner, episodes)
+            return learner.step, evaluate(plan, rollouter, learner, episodes, write=False)
         finally:
             learner.close()
             rollouter.close()

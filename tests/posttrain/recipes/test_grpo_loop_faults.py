@@ -116,3 +116,97 @@ def test_open_outputs_cuts_every_appended_output_back_to_the_start(tmp_path, sta
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == metrics
     for folder, want in (("trajectories", trajectories), ("eval", evals)):
         assert sorted(int(p.stem[5:]) for p in (tmp_path / folder).glob("step_*.jsonl")) == want, folder
+
+
+@pytest.fixture
+def fast_policy(monkeypatch):
+    """load_policy without its init compile: the preset's weights drawn with numpy (helpers.random_model)."""
+    from helpers import random_model
+    from posttrain.model.tokenizer import Tokenizer
+
+    def load(source, mesh, rules):
+        return (*random_model(source.preset, **dict(source.fields), **dict(source.overrides)),
+                Tokenizer.byte_level())
+
+    monkeypatch.setattr(loop, "load_policy", load)
+
+
+def two_checkpoint_run(workdir, damage):
+    """A run with checkpoints 1 and 2 (states of steps 1 and 2), then step 2 damaged as `damage` says."""
+    import glob
+    import os
+
+    import jax.numpy as jnp
+
+    plan = make_run_plan(tiny_config(workdir))
+    rollouter, learner, _ = loop.build(plan)
+    meta = {**rollouter.state_dict(), "config": plan.config_dict}
+    for s in (1, 2):
+        learner.checkpointer.save(s, learner.state.replace(step=jnp.asarray(s, learner.state.step.dtype)), meta,
+                                  force=True)
+    learner.close()
+    rollouter.close()
+    step2 = workdir / "checkpoints" / "2"
+    if damage == "truncated_arrays":
+        for f in glob.glob(str(step2 / "state" / "**" / "d" / "*"), recursive=True):
+            os.truncate(f, os.path.getsize(f) // 2)
+    elif damage == "truncated_manifest":
+        os.truncate(step2 / "manifest" / "metadata", 3)
+    elif damage == "bad_meta_json":
+        (step2 / "meta" / "metadata").write_text('{"scheduler": ')
+    return plan
+
+
+def tree(root):
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+# issue 29 item 2, kind: commands that read a run (eval, convert) never change it; training moves an unreadable
+# checkpoint aside and says so loudly (one ERROR line naming the steps, where they went and what is trained again)
+@pytest.mark.parametrize("damage", ["truncated_arrays", "truncated_manifest", "bad_meta_json"])
+def test_readers_leave_an_unreadable_checkpoint_in_place_and_training_moves_it_loudly(tmp_path, fast_policy,
+                                                                                      monkeypatch, caplog, damage):
+    plan = two_checkpoint_run(tmp_path, damage)
+    before = tree(tmp_path)
+    monkeypatch.setattr(loop.eval_runner, "run", lambda *a: ({"eval/accuracy": 0.5}, [{"reward": 1.0}]))  # no sampler
+    step, _ = loop.evaluate_run(plan)
+    _, state, _ = loop.run_policy(plan)
+    assert step == 1 and tree(tmp_path) == before  # nothing renamed, written or created
+    using = [r.getMessage() for r in caplog.records if r.getMessage().startswith("USING STEP 1, NOT 2")]
+    assert len(using) == 2 and all("left in place" in m for m in using), using
+    caplog.clear()
+    rollouter, learner, _ = loop.build(plan)  # what training does at its start
+    learner.close()
+    rollouter.close()
+    assert learner.step == 1 and [r["step"] for r in learner.checkpointer.unreadable] == [2]
+    moved = learner.checkpointer.unreadable[0]["moved_to"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", pathlib.Path(moved).name]
+    loud = [r for r in caplog.records if r.getMessage().startswith("RESUMING FROM STEP 1, NOT 2")]
+    assert len(loud) == 1 and loud[0].levelname == "ERROR" and moved in loud[0].getMessage()
+    assert "steps 2..2 are trained again" in loud[0].getMessage()
+
+
+def test_a_run_with_no_readable_checkpoint_is_one_error_for_readers_and_the_cli(tmp_path, fast_policy, monkeypatch,
+                                                                                  capsys):
+    """Every checkpoint unreadable: eval and convert raise CheckpointCorruptError naming each step (never the base
+    model as step 0) and change nothing; the CLI prints it as one line with exit code 2."""
+    from posttrain import cli
+    from posttrain.checkpoints.orbax import CheckpointCorruptError
+
+    plan = two_checkpoint_run(tmp_path, "truncated_manifest")
+    (tmp_path / "checkpoints" / "1" / "manifest" / "metadata").write_text('{"format": 1, "lea')
+    before = tree(tmp_path)
+    for reader in (loop.evaluate_run, loop.run_policy):
+        with pytest.raises(CheckpointCorruptError, match=r"no usable checkpoint in .*\n  step 2: .*\n  step 1: "):
+            reader(plan)
+    assert tree(tmp_path) == before
+
+    def eval_cmd(f):
+        return loop.evaluate_run(plan)
+
+    monkeypatch.setattr(cli, "cmd_eval", eval_cmd)
+    monkeypatch.setenv("POSTTRAIN_XLA_CACHE", "0")  # main() would turn the persistent compilation cache on
+    config = pathlib.Path(__file__).resolve().parents[3] / "configs" / "tiny.py"
+    assert cli.main(["posttrain", "eval", f"--config={config}", f"--checkpoint={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: no usable checkpoint in ") and "step 1:" in err[-1]
