@@ -39,6 +39,29 @@ def smollm2_path():
         pytest.skip(str(e))
 
 
+def completion_lengths(tokens_BxL, stop_ids):
+    """The sampler's length rule, as an oracle: int32 [B], each completion's length up to AND including its first
+    stop token (only the first counts: pad == EOS after it is outside), L when it has none."""
+    tokens_BxL = np.asarray(tokens_BxL)
+    is_stop_BxL = np.isin(tokens_BxL, np.asarray(list(stop_ids), tokens_BxL.dtype))
+    return np.where(is_stop_BxL.any(1), is_stop_BxL.argmax(1) + 1, tokens_BxL.shape[1]).astype(np.int32)
+
+
+def mask_from_lengths(lengths_B, width):
+    """bool [B, width]: position t of row b is True iff t < lengths_B[b] (by position only)."""
+    return np.arange(width)[None, :] < np.asarray(lengths_B)[:, None]
+
+
+def pad_is_eos_tokenizer():
+    """The byte tokenizer without a pad token: pad id = EOS id = <|im_end|>, the end-of-turn token (as SmolLM2)."""
+    from posttrain.model.tokenizer import Tokenizer
+
+    base = Tokenizer.byte_level()
+    tok = Tokenizer(base.backend, eos_token="<|im_end|>", chat_template=base.chat_template)
+    assert tok.pad_id == tok.eos_id
+    return tok
+
+
 def tiny_config(workdir, **over):
     """`posttrain.config.tiny.tiny_base` (the base of configs/tiny.py) without evaluation, with synchronous
     checkpoints and 6 new tokens, as a validated Config; `over` maps "section.key" to a value."""

@@ -97,12 +97,6 @@ def stack_layers(make_block, num: int, rngs: nnx.Rngs) -> nnx.Module:
     return nnx.merge(graphdef, state)
 
 
-def attention_mask(segment_ids_BxT: jax.Array, branch_ids_BxT: jax.Array) -> jax.Array:
-    """bool [B, T, T]: causal, same non-zero segment, and key in the shared prefix (branch 0) or own branch
-    (`flash.block_mask` over the whole row; the blockwise path evaluates the same rule per block)."""
-    return self_mask(segment_ids_BxT, branch_ids_BxT, blockwise=False)
-
-
 class DecodeCache(NamedTuple):
     """KV cache of a group-sampling run (a pytree).
 

@@ -1,6 +1,6 @@
 """Packed shared-prefix rows: a prompt followed by its G completions in one row (branch ids 1..G, positions
 restarting after the prompt), possibly several such groups per row (segment ids), give the same logits as each
-prompt + completion run on its own; loss masks come from positions (pad == EOS), also from the sampler's lengths.
+prompt + completion run on its own; the sampler's lengths follow positions (pad == EOS).
 """
 import jax
 import jax.numpy as jnp
@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.model.transformer import attention_mask
+from posttrain.model.blockwise_attention import self_mask
 from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
-from posttrain.model.tokenizer import completion_lengths, mask_from_lengths
-from helpers import random_model
+from helpers import completion_lengths, random_model
 
 EOS = PAD = 2
 
@@ -70,7 +69,7 @@ def test_packed_shared_prefix_rows_match_unpacked(preset):
 def test_attention_mask_rules():
     seg = jnp.asarray([[1, 1, 1, 1, 2, 2, 0]])
     br = jnp.asarray([[0, 1, 2, 2, 0, 1, 0]])
-    m = np.asarray(attention_mask(seg, br))[0].astype(int)
+    m = np.asarray(self_mask(seg, br, blockwise=False))[0].astype(int)
     expected = np.array([[1, 0, 0, 0, 0, 0, 0],   # prompt token: itself
                          [1, 1, 0, 0, 0, 0, 0],   # branch 1: prompt + itself
                          [1, 0, 1, 0, 0, 0, 0],   # branch 2 does not see branch 1
@@ -79,17 +78,6 @@ def test_attention_mask_rules():
                          [0, 0, 0, 0, 1, 1, 0],
                          [0, 0, 0, 0, 0, 0, 0]])  # padding attends to nothing
     np.testing.assert_array_equal(m, expected)
-
-
-def test_loss_mask_is_built_by_position_when_pad_is_eos():
-    completions = np.array([[5, 9, EOS, PAD, PAD],      # stops at 3
-                            [EOS, PAD, PAD, PAD, PAD],  # stops immediately
-                            [7, 8, 9, 10, 11],          # truncated
-                            [4, EOS, 6, EOS, PAD]])     # only the first stop counts
-    lengths = np.asarray(completion_lengths(completions, (EOS,)))
-    np.testing.assert_array_equal(lengths, [3, 1, 5, 2])
-    np.testing.assert_array_equal(np.asarray(mask_from_lengths(lengths, 5)).astype(int),
-                                  [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
 
 
 def test_sampled_group_packed_in_one_row_reproduces_sampler_logprobs():

@@ -1,14 +1,16 @@
-"""Tokenizer parity with transformers (GGUF and HF-directory paths), chat templates, position-based masks."""
+"""Tokenizer parity with transformers (GGUF and HF-directory paths), chat templates, and masks by position when
+pad == EOS through the rollout pipeline (the tokenizer's pad and stop ids -> episodes -> batching)."""
 
 import json
 
+import jax
 import jinja2
 import numpy as np
 import pytest
-from helpers import smollm2_path
+from helpers import pad_is_eos_tokenizer, smollm2_path
 
 from posttrain.checkpoints.gguf import read_gguf_metadata
-from posttrain.model.tokenizer import Tokenizer, completion_lengths, mask_from_lengths
+from posttrain.model.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 regex = pytest.importorskip("regex")  # a transformers dependency; used for the llama.cpp reference split
@@ -157,36 +159,74 @@ def test_gguf_metadata_errors():
     assert with_bos.encode("Hi", add_special_tokens=True) == [1, *with_bos.encode("Hi")]
 
 
-# ----- position-based masks --------------------------------------------------------------------------------------
+# ----- position-based masks (DESIGN invariant 2) through what the RL pipeline calls --------------------------------
 
-def _reference_lengths(tokens_BxL, stop_ids):
-    out = []
-    for row in tokens_BxL:
-        hits = [t for t, tok in enumerate(row) if tok in stop_ids]
-        out.append(hits[0] + 1 if hits else len(row))
-    return np.array(out)
+def _rollout(tok, turns, packed):
+    """`episodes.run_episodes` over one prompt and len(turns[0]) samples, with a stand-in sampler that returns
+    `turns[t]` ((tokens, length, truncated) per active row, padded with `tok.pad_id` after the length, as the sampler
+    writes them) and an env that ends the episode after len(turns) turns, then `batching.assemble`."""
+    from posttrain.algos.grpo.advantages import advantage_fn
+    from posttrain.rollout import batching, episodes
+    from posttrain.rollout.sampler import SampleOutput
+
+    G, width, calls = len(turns[0]), 6, []
+
+    def sample_fn(prompts, lengths, key, group):
+        rows = turns[len(calls)]
+        calls.append(group)
+        tokens = np.full((len(rows), width), tok.pad_id, np.int32)
+        for r, (ids, n, _) in enumerate(rows):
+            tokens[r, :len(ids)] = ids
+        lengths_N = np.asarray([n for _, n, _ in rows], np.int32)
+        logp = np.where(np.arange(width) < lengths_N[:, None], -0.5, 0.0).astype(np.float32)
+        return SampleOutput(tokens, logp, lengths_N, np.asarray([t for _, _, t in rows]))
+
+    class Envs:
+        def reset(self, eps):
+            return [("What is 1 + 1?", {})] * len(eps)
+
+        def step(self, actions, indices=None):
+            last = len(calls) == len(turns)
+            return [("Try again.", float(i % 2), last, False, {"status": "ok" if last else "wrong"})
+                    for i, _ in enumerate(actions)]
+
+    samples, _ = episodes.run_episodes(sample_fn, tok, Envs(), [episodes.Episode("stub", {}, {}, 0)],
+                                       group_size=G, max_turns=len(turns), key=jax.random.key(0), pad_id=tok.pad_id)
+    batch, _ = batching.assemble(samples, advantage_fn("grpo"), group_size=G, pad_id=tok.pad_id, packed=packed)
+    return samples, batch
 
 
-def test_pad_equal_to_eos_is_masked_by_position():
-    EOS = PAD = 2
-    tokens_BxL = np.array([[5, 9, EOS, PAD, PAD], [5, EOS, 7, EOS, PAD], [4, 4, 4, 4, 4], [EOS, PAD, PAD, PAD, PAD]])
-    lengths_B = completion_lengths(tokens_BxL, stop_ids=[EOS])
-    np.testing.assert_array_equal(lengths_B, [3, 2, 5, 1])
-    np.testing.assert_array_equal(mask_from_lengths(lengths_B, 5), [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0],
-                                                                    [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+def _expect(batch, n, segments):
+    """Row n's targets and loss mask are the concatenated (tokens, is_policy) segments, then padding."""
+    want_t = np.concatenate([t for t, _ in segments])
+    want_m = np.concatenate([np.full(len(t), pol) for t, pol in segments])
+    k, C = len(want_t), batch.loss_mask_NxC.shape[1]
+    np.testing.assert_array_equal(batch.targets_NxC[n, :k], want_t)
+    np.testing.assert_array_equal(batch.loss_mask_NxC[n], np.concatenate([want_m, np.zeros(C - k, bool)]))
 
 
-def test_masks_match_numpy_reference():
-    rng = np.random.default_rng(0)
-    tokens_BxL = rng.integers(0, 12, size=(64, 17))
-    for stop_ids in ([2], [2, 7], []):
-        lengths_B = completion_lengths(tokens_BxL, stop_ids)
-        np.testing.assert_array_equal(lengths_B, _reference_lengths(tokens_BxL, stop_ids))
-        mask_BxL = np.asarray(mask_from_lengths(lengths_B, 17))
-        assert mask_BxL.dtype == bool and mask_BxL.shape == (64, 17)
-        np.testing.assert_array_equal(mask_BxL.sum(1), lengths_B)
-        np.testing.assert_array_equal(mask_BxL, np.arange(17)[None] < _reference_lengths(tokens_BxL, stop_ids)[:, None])
-    with pytest.raises(ValueError, match="2-D"):
-        completion_lengths(np.array([1, 2, 3]), [2])
-    with pytest.raises(ValueError, match="1-D"):
-        mask_from_lengths(np.array([[1]]), 3)
+@pytest.mark.parametrize("packed", [True, False])
+def test_single_turn_loss_mask_is_the_sampled_positions_when_pad_is_eos(packed):
+    """pad == EOS: the sampled stop token is trained, the EOS-valued padding after it is not, a truncated row is
+    trained whole; only the sampler's lengths (positions) separate them."""
+    tok = pad_is_eos_tokenizer()
+    E, x, y = tok.eos_id, *tok.encode("ab")
+    assert tok.pad_id == E and E in tok.stop_ids
+    samples, batch = _rollout(tok, [[([x, E], 2, False), ([E], 1, False), ([x, y, x, y, x, y], 6, True)]], packed)
+    assert [s.segments[0][0].tolist() for s in samples] == [[x, E], [E], [x, y, x, y, x, y]]
+    for n, ids in enumerate(([x, E], [E], [x, y, x, y, x, y])):
+        _expect(batch, n, [(np.asarray(ids), True)])
+    assert batch.loss_mask_NxC.sum() == 9 and (batch.targets_NxC[batch.loss_mask_NxC] == E).sum() == 2
+
+
+def test_multi_turn_template_tokens_equal_to_eos_are_masked_out():
+    """Between turns the chat template writes its end-of-turn token (== EOS == pad) around the env's reply: those
+    tokens are in the row but out of the loss; the model's own stop tokens are in it."""
+    tok = pad_is_eos_tokenizer()
+    E, x = tok.eos_id, tok.encode("a")[0]
+    samples, batch = _rollout(tok, [[([x, E], 2, False), ([x, x, x, x, x, x], 6, True)],
+                                    [([E], 1, False), ([x, E], 2, False)]], packed=False)
+    for n, (first, second) in enumerate((([x, E], [E]), ([x] * 6, [x, E]))):
+        bridge = samples[n].segments[1][0]
+        assert E in bridge.tolist()  # an EOS-valued token the loss must skip
+        _expect(batch, n, [(np.asarray(first), True), (bridge, False), (np.asarray(second), True)])

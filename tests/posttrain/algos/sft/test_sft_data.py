@@ -5,17 +5,10 @@ import json
 
 import numpy as np
 import pytest
+from helpers import pad_is_eos_tokenizer
 
 from posttrain.algos.sft import data, packing
 from posttrain.model.tokenizer import Tokenizer
-
-
-def pad_is_eos_tokenizer() -> Tokenizer:
-    """The byte tokenizer without a pad token: pad id = EOS id = <|im_end|>, the end-of-turn token."""
-    base = Tokenizer.byte_level()
-    tok = Tokenizer(base.backend, eos_token="<|im_end|>", chat_template=base.chat_template)
-    assert tok.pad_id == tok.eos_id
-    return tok
 
 
 def test_assistant_mask_is_by_position_when_pad_is_eos():
