@@ -1,14 +1,58 @@
 """The README's library API resolves from the top-level package, lazily (importing posttrain imports no JAX)."""
+import inspect
+import pathlib
+import re
 import subprocess
 import sys
 
+import pytest
+
 import posttrain
 
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
-def test_every_public_name_resolves():
-    for name in posttrain.__all__:
-        assert getattr(posttrain, name) is not None, name
-    assert callable(posttrain.load_pretrained) and "grpo" in posttrain.ADVANTAGES and "k3" in posttrain.KL_ESTIMATORS
+
+def _documented_names() -> set[str]:
+    """The names in the left column of the package docstring's API table."""
+    table = posttrain.__doc__.split("re-exported lazily", 1)[1].splitlines()[2:]
+    left = [re.split(r"\s{2,}", line.strip())[0] for line in table if line.strip()]
+    return {n.strip() for col in left for n in col.split(",") if n.strip()}
+
+
+def test_the_docstring_table_lists_exactly_the_exports():
+    assert _documented_names() == set(posttrain.__all__)
+    assert set(dir(posttrain)) >= set(posttrain.__all__)
+
+
+def test_the_readme_imports_only_exported_names():
+    imported = {n.strip() for line in re.findall(r"^from posttrain import (.+)$", README.read_text(), re.M)
+                for n in line.split(",")}
+    assert imported and imported <= set(posttrain.__all__), imported - set(posttrain.__all__)
+
+
+@pytest.mark.parametrize("name", posttrain.__all__)
+def test_every_public_name_is_a_documented_posttrain_object(name):
+    value = getattr(posttrain, name)
+    if isinstance(value, dict):  # a registry selected by name: non-empty, name -> function
+        assert value and all(isinstance(k, str) and callable(v) for k, v in value.items()), name
+        return
+    assert callable(value), name
+    assert value.__module__.startswith("posttrain."), (name, value.__module__)
+    assert inspect.getdoc(value), f"posttrain.{name} has no docstring"
+
+
+def test_the_registries_hold_the_names_the_readme_lists():
+    text = README.read_text()
+    for name in ("ADVANTAGES", "POLICY_LOSSES", "KL_ESTIMATORS", "AGGREGATIONS"):
+        listed = re.search(rf"`(?:[\w.]+\.)?{name}` \(([^)]*)\)", text)
+        assert listed, f"README lists no names for {name}"
+        want = {part.split()[0] for part in listed.group(1).split(",")}
+        assert set(getattr(posttrain, name)) == want, name
+
+
+def test_an_unknown_name_raises_attribute_error_naming_it():
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        posttrain.nonexistent  # noqa: B018
 
 
 def test_importing_the_package_is_light():
