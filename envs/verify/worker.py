@@ -9,7 +9,7 @@ the background, so the next call finds a warm worker. Starting a process per cal
 
 `symbolic_equal` (what a worker computes) is a pure function and runs in-process in tests.
 
-Equality rule (issue 13 item 3): exact answers (integers, rationals, radicals, symbolic constants)
+Equality rule: exact answers (integers, rationals, radicals, symbolic constants)
 compare exactly; a relative tolerance `REL_TOL` applies only when one side is a decimal approximation
 (a sympy Float) of a value no decimal can write exactly (1/3, sqrt 2, pi). math-verify's numeric
 path rounds to 6 places or chops below 1e-15 (``1/2^98 == 1/2^99``); it is used here only for what is

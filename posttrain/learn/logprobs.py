@@ -14,7 +14,7 @@ A token's logprob is `log_softmax(logits / temperature)[target]` over the full v
 hidden states and the unembedding matrix C tokens at a time, never materialising [B, T, V] logits, with a
 hand-written backward pass (flash-attention style: logits are recomputed chunk by chunk) that accumulates the
 unembedding's gradient in ONE [D, V] float32 buffer. Autodiff of a chunk loop that skips empty chunks with
-`lax.cond` would instead stack one [D, V] weight cotangent per chunk (37 GiB for Qwen3-0.6B at 16 x 2176 tokens).
+`lax.cond` would instead stack one [D, V] weight cotangent per chunk (float32 [chunks, D, V]).
 """
 from __future__ import annotations
 
@@ -196,8 +196,8 @@ def score_logprobs(model, batch, temperature: float, chunk: int, with_entropy: b
     Only slots with a policy token are pushed through the unembedding: slots are reordered valid-first and
     chunks holding none are skipped, so the vocabulary-wide matmuls scale with real tokens, not with N * C.
     The reordering stays within each batch shard of the active mesh (rows and their samples are split over the
-    same devices), so no device gathers another's hidden states: a global order made XLA all-reduce the whole
-    [N * C, D] selection on every device (12 GiB per device in a DeepSeek-V3 plan on 256 H200s).
+    same devices), so no device gathers another's hidden states: a global order makes XLA all-reduce the whole
+    [N * C, D] selection on every device.
     """
     replay = batch.routed_experts_RxLxLmxk  # routing replay: the sampler's expert selections, or None
     h, aux = model.hidden_states(batch.tokens_RxL, batch.positions_RxL, batch.segment_ids_RxL,

@@ -40,9 +40,8 @@ LossFn = Callable[[Any, Any, Any, Any], tuple[jax.Array, dict]]
 class StepSettings(NamedTuple):
     """Static settings of the generic step (hashable). num_microbatches: M >= 1 accumulation microbatches;
     bias_update_rate: the routing-bias rate of an aux-loss-free MoE (0: none); loss_metric: the metric whose
-    finiteness gates an update with the gradient norm's ("" : the loss value itself). GRPO names its policy loss:
-    gating on the total loss (with the MoE auxiliary terms) instead gave Kimi K2's v5p-512 plan a 1.5 GiB higher
-    peak, the same program otherwise."""
+    finiteness gates an update with the gradient norm's ("" : the loss value itself). GRPO names its policy loss
+    (gating on the total loss, MoE auxiliary terms included, raises the peak memory of large MoE plans)."""
 
     num_microbatches: int = 1
     bias_update_rate: float = 0.0

@@ -61,8 +61,8 @@ def multi_source_attention(q, sources: Sequence[Source], scale: float, logits_fn
 
 # KV-cache layout of GQA entries: keys as [B, K, H, S] and values as [B, K, S, H], the operand layouts of the two
 # attention dots (batch dims leading, then contracting, then free), so that decoding reads the cache without
-# transposing it: in [B, S, K, H], XLA:CPU copied every layer's cached K and V into these layouts at every decode
-# step (SmolLM2, 64 rows: decode 1-9% faster, measured A/B). Other entries (MLA's "kv") keep [B, S, ...].
+# transposing it (in [B, S, K, H], XLA:CPU copies every layer's cached K and V into these layouts at every decode
+# step). Other entries (MLA's "kv") keep [B, S, ...].
 CACHE_SEQ_AXIS = {"k_bkhs": -1, "v_bksh": -2}
 
 

@@ -24,10 +24,8 @@ is `q_id == kv_id` + causal. Two exact reformulations, both checked against `fla
     GQA by repeating kv heads (autodiff sums their gradients); MLA (E != H) by zero-padding q, k, v to D.
 
 Rows are padded to the kernel block with segment 0 (padding); padding queries get output 0 like the reference.
-Splash runs its separate dq backward kernel: the fused one (use_fused_bwd_kernel) keeps dq per kv block.
-Measured AOT (`bench/grpo_step.py --model qwen3-0.6b --dtype bfloat16 --param-dtype float32 --rows 4
---row-len 16384 --remat full`, one device): v5p splash peak 23.40 GiB (fused splash backward 29.50 GiB: two
-bf16 [4, 32, 16, 16384, 128] dq-partial buffers), blockwise 23.44; H200 Pallas GPU 16.59 GiB, blockwise 16.46.
+Splash runs its separate dq backward kernel: the fused one (use_fused_bwd_kernel) keeps dq per kv block (two
+[B, N, kv blocks, T, H] dq-partial buffers). `bench/attention.py` compares the implementations with blockwise.
 Ids must satisfy 0 <= branch < 2**BRANCH_BITS and 0 <= segment < 2**(31 - BRANCH_BITS) (unchecked: traced).
 """
 from __future__ import annotations
@@ -181,9 +179,9 @@ def _tree_mha_module():
 
 def gpu_block_sizes(module, head_dim: int):
     """The Pallas GPU kernel's block sizes: its defaults (forward 128 x 128, backward 32) up to head dim 128; above
-    (the kernel pads to 256), forward key blocks of 64. Measured for an H200 (AOT): head dim 192 with 128-key
-    blocks asks 328,192 bytes of shared memory per block, over the 232,448 available (DeepSeek-V3's MLA,
-    qk head dim 192, did not compile); 64-key blocks compile for head dims 192 and 256."""
+    (the kernel pads to 256), forward key blocks of 64: with 128-key blocks, head dim 192 (DeepSeek-V3's MLA)
+    needs 328,192 bytes of shared memory per block, over an H200's 232,448; 64-key blocks fit head dims 192
+    and 256."""
     sizes = module.BlockSizes.get_default()
     return dataclasses.replace(sizes, block_k=64) if head_dim > 128 else sizes
 

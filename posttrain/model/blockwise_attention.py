@@ -22,16 +22,13 @@ import jax.numpy as jnp
 from posttrain.model import attention_kernels as fused_attention
 from posttrain.model.attention import NEG_INF, Source, gqa_combine, gqa_logits, multi_source_attention
 
-# Default block lengths (queries and keys) by backend. CPU, measured on the 2-core machine (tiny-qwen3, 2 rows,
-# fwd+bwd, min of 3): T=1024 block 128/256/512 = 248/362/486 ms, T=2048 850/1532/1644 ms. Elsewhere 512
-# (unmeasured: a plain-JAX loop pays per-iteration overhead on accelerators, so fewer, larger blocks).
+# Default block lengths (queries and keys) by backend: 128 on the CPU (the fastest of 128 / 256 / 512 there, fwd+bwd);
+# elsewhere 512 (a plain-JAX loop pays per-iteration overhead on accelerators, so fewer, larger blocks).
 BLOCK = {"cpu": 128}
 DEFAULT_BLOCK = 512
 # Rows of at least this many tokens take the blockwise path; shorter ones the dense softmax over one [T, T] score
-# tensor. Measured on the 2-core CPU, tiny-qwen3 (2 layers, 4 heads x 16), 2 rows, fwd+bwd, min of 3 runs,
-# dense vs blockwise (block 128), one causal segment / prompt + 8 completions:
-#   T=128  6.8 vs 5.5 ms / 7.3 vs 8.8 ms;   T=256  20.4 vs 36.6 ms / 24.9 vs 29.4 ms;
-#   T=512  178 vs 83 ms / 139 vs 78 ms;     T=1024 528 vs 248 ms / 477 vs 200 ms;   T=2048 1360 vs 850 / 2640 vs 642 ms.
+# tensor (on the CPU, fwd+bwd, blockwise is clearly faster from 512 tokens on, for one causal segment and for a
+# prompt + 8 completions alike, and not below).
 BLOCKWISE_MIN_LEN = 512
 _BIG = jnp.iinfo(jnp.int32).max
 
@@ -105,7 +102,7 @@ def _opaque(fn, *static):
     """fn(*arrays, *static) as one unit to JAX's partial evaluation. Inside an outer scan (the layer scan), that
     evaluation hoists every value computable from loop-invariant inputs (the ids: block masks, constant fills) out
     of the loop and stacks it over all [I, J] block pairs: [I, J, B, K, G, Q, C] buffers, the very score-sized
-    memory this module avoids (measured: 4 x 64 GiB at 4 x 16,384 tokens). A checkpoint that saves nothing keeps
+    memory this module avoids. A checkpoint that saves nothing keeps
     the loops whole."""
     return jax.checkpoint(lambda *arrays: fn(*arrays, *static), policy=jax.checkpoint_policies.nothing_saveable,
                           prevent_cse=False)

@@ -45,8 +45,7 @@ def gather_weights(wg, wu, wd, dtype, embed_axes):
     and are cast to the compute dtype before the all-gather, so each layer gathers [El, D, F] in bf16 (not
     float32), and the gradient leaves through the all-gather's transpose, a reduce-scatter in the compute dtype.
     Entering shard_map with D whole would make XLA gather float32 weights outside it and sum each device's full
-    float32 [El, D, F] weight gradient with a psum inside (measured for Kimi K2 on v5p-512: three 2.6 GiB
-    float32 buffers per layer)."""
+    float32 [El, D, F] weight gradient with a psum inside (three float32 [El, D, F] buffers per layer)."""
     cast = [w.astype(dtype) for w in (wg, wu, wd)]
     if not embed_axes:
         return cast

@@ -9,9 +9,9 @@ rows, C expert capacity (rows per expert in the capacity layout).
 One function, `grouped_matmul(x_MxD, w_ExDxF, sizes_E, impl=...)`, with interchangeable implementations
 (`IMPLS`), equal in values and gradients (tests/posttrain/model/test_gmm.py: against NumPy):
 
-- "ragged": `jax.lax.ragged_dot` (XLA). Fine for a few experts; XLA expands it across all groups: on an H200 it
-  measured 177x slower than a dense dot of the same FLOPs, and one 16k-token, 128-expert layer compiled for an
-  H200 needs 256 GiB of temp (`bench/moe.py --aot h200`).
+- "ragged": `jax.lax.ragged_dot` (XLA). Fine for a few experts; XLA expands it across all groups, so with many
+  experts it is far slower than a dense dot of the same FLOPs and its temporaries grow with the expert count
+  (`bench/moe.py` compares the implementations).
 - "padded": dropless padded dense. Each group is padded to a multiple of `block` rows (at most M + E * block
   rows in all, so the bound is M / block + E blocks), every block gathers its expert's weight, and one batched
   matmul [Nb, block, D] x [Nb, D, F] runs over the blocks; the weight gradient is the per-block gradient summed
@@ -21,8 +21,8 @@ One function, `grouped_matmul(x_MxD, w_ExDxF, sizes_E, impl=...)`, with intercha
 - "capacity": the fixed-capacity layout [E, C, D] x [E, D, F] (Switch Transformer, Fedus et al. 2021). Needs
   every group to fit in `capacity` rows: the caller drops the rows over capacity first (`posttrain.model.moe`
   counts them). Not dropless; opt in with `MoEConfig.capacity_factor`.
-- "auto": `auto_impl(platform)`: megablox on TPU, padded elsewhere (ragged_dot measured 177x slower than dense
-  on an H200, and XLA:CPU expands it across all groups: 39 GB for 1,024 tokens of a 128-expert layer).
+- "auto": `auto_impl(platform)`: megablox on TPU, padded elsewhere (ragged_dot expands across all groups, on
+  GPUs and on XLA:CPU alike).
 
 Not here yet: the Hopper Pallas kernels (`pallas.ops.gpu.ragged_dot_mgpu` forward, `transposed_ragged_dot_mgpu`
 weight gradient) need a GPU to test, so GPUs use "padded".

@@ -1,5 +1,5 @@
 """What a sandbox can write (one capped tmpfs: cwd + /tmp + /dev/shm) and see (system folders, the
-interpreter, allowed packages): issue 13 items 6, 7 and 8."""
+interpreter, allowed packages)."""
 import os
 import shutil
 import socket

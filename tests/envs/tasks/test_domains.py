@@ -4,9 +4,11 @@ import pytest
 
 import envs  # noqa: F401
 from envs.tasks import domains
-from envs.tasks import reasoning_gym as rgenv  # Checked on reasoning-gym 0.1.25 (see the closing note of issue 16): no reference answer and no library reply;
-# scorers that accept another task's answer (puzzle24 does not check the numbers used; game_of_life_halting
-# compares bool(str), so "False" == "True").
+from envs.tasks import reasoning_gym as rgenv
+
+# The golden-check outcome of the datasets that are not "verified", on reasoning-gym 0.1.25. Unverified: no reference
+# answer and no library reply. Failed: scorers that accept another task's answer (puzzle24 does not check the numbers
+# used; game_of_life_halting compares bool(str), so "False" == "True").
 UNVERIFIED = {"reasoning_gym/boxnet", "reasoning_gym/rush_hour"}
 FAILED = {"reasoning_gym/puzzle24", "reasoning_gym/game_of_life_halting"}
 REFERENCE_FREE = {"reasoning_gym/graph_color", "reasoning_gym/propositional_logic", "reasoning_gym/rubiks_cube"}

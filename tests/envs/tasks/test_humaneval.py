@@ -85,7 +85,7 @@ def _fence(body):
     return f"```python\n{PROBLEMS[2]['prompt']}{body}```"
 
 
-# reply -> reward: only the reply after the last </think> is read (issue 13 item 9 for code)
+# reply -> reward: only the reply after the last </think> is read
 @pytest.mark.parametrize("reply,think_tags,reward", [
     (f"<think>draft:\n{_fence(BAD)}</think>\n{_fence(GOOD)}", code.HumanEvalEnv.think_tags, 1.0),
     (f"<think>draft:\n{_fence(GOOD)}</think>\n{_fence(BAD)}", code.HumanEvalEnv.think_tags, 0.0),

@@ -176,7 +176,7 @@ def test_separate_powers_are_compared(pred, gold, same):
     assert v.answers_equivalent(pred, gold) is same
 
 
-# --- issue 13 item 1: numerals written with Unicode signs, digits or spaces --------------------------
+# --- numerals written with Unicode signs, digits or spaces ---------------------------------------
 @pytest.mark.parametrize("response,gold,reward", [
     ("The answer is \u22127", "7", 0.0), ("The answer is \u22127", "-7", 1.0),  # U+2212 MINUS SIGN
     ("#### \u201212", "-12", 1.0), ("#### \u27963", "-3", 1.0), ("#### \uff0d5", "-5", 1.0),  # figure dash, heavy, full-width

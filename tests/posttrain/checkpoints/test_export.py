@@ -210,8 +210,8 @@ def test_cli_convert_of_a_lora_run_checkpoint(tmp_path):
 
 
 def test_convert_of_a_lora_run_checkpoint_in_process(tmp_path):
-    """`posttrain convert --checkpoint=RUN --peft_out=...` (issue 14 item 4's command) on a LoRA run's checkpoint after
-    one update: a directory transformers loads (tokenizer, model) with the run's policy logits, and the adapter."""
+    """`posttrain convert --checkpoint=RUN --peft_out=...` on a LoRA run's checkpoint after one update: a directory
+    transformers loads (tokenizer, model) with the run's policy logits, and the adapter."""
     import types
 
     from posttrain.rollout import batching

@@ -102,7 +102,7 @@ def test_highest_and_default_agree_on_cpu():
     ("bfloat16", "float32", ("bfloat16", "float32")),
 ])
 def test_training_takes_its_dtypes_from_the_policy_not_the_checkpoint(tmp_path, dtype, param_dtype, want):
-    """Issue 14 item 3: loaders default to the file's dtype (tests/posttrain/checkpoints), a training run to its
+    """Loaders default to the file's dtype (tests/posttrain/checkpoints), a training run to its
     precision policy, whatever the checkpoint was saved in."""
     from posttrain.checkpoints import policy as setup
     from posttrain.infra import mesh as mesh_lib

@@ -71,8 +71,8 @@ def plant(workdir, metrics_steps, trajectories=(), evals=()):
 
 
 def test_resumed_run_matches_uninterrupted_run_and_writes_outputs(tmp_path):
-    """Also issue 29 item 3: a run killed after step 1 before its first checkpoint, then the same command, holds
-    each step once in every output; so does a resume from step 2 after a kill past it."""
+    """A resumed run logs what an uninterrupted one does; a run killed after step 1 before its first checkpoint,
+    then the same command, holds each step once in every output; so does a resume from step 2 after a kill past it."""
     loop.train(tiny_config(tmp_path / "a", **{"train.steps": 4}), progress=False)
     plant(tmp_path / "b", [0, 1], trajectories=[0, 1, 7], evals=[0, 1])  # no checkpoint: starts over
     loop.train(tiny_config(tmp_path / "b", **{"train.steps": 2}), progress=False)

@@ -95,7 +95,7 @@ def test_skips_are_counted_in_a_row_reset_by_a_finite_update_and_logged_with_the
     assert lines[-1].endswith("(2 in a row)")
 
 
-# issue 29 item 3, kind: every output a run appends to is cut back to the step it (re)starts from (0: nothing kept)
+# every output a run appends to is cut back to the step it (re)starts from (0: nothing kept)
 @pytest.mark.parametrize("start,trajectories,evals,metrics", [
     (0, [], [], []),  # killed after step 1 before the first checkpoint: the rerun starts over
     (1, [0], [0], [0, 1]),  # trajectories/step_0 are the rollouts of update 1; eval/step_2 is past checkpoint 1
@@ -161,7 +161,7 @@ def tree(root):
     return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
 
 
-# issue 29 item 2, kind: commands that read a run (eval, convert) never change it; training moves an unreadable
+# commands that read a run (eval, convert) never change it; training moves an unreadable
 # checkpoint aside and says so loudly (one ERROR line naming the steps, where they went and what is trained again)
 @pytest.mark.parametrize("damage", ["truncated_arrays", "truncated_manifest", "bad_meta_json"])
 def test_readers_leave_an_unreadable_checkpoint_in_place_and_training_moves_it_loudly(tmp_path, fast_policy,
