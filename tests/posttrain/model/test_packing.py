@@ -51,9 +51,9 @@ def test_packed_shared_prefix_rows_match_unpacked(preset):
     assert np.isfinite(packed).all() and packed.std() > 0.5
     pairs = [(p, c) for p, cs in groups for c in cs]
     # The two runs sum the same float32 terms in a different order (the packed row interleaves other groups'
-    # masked keys; a narrower row changes XLA's reduction blocks too). Measured over 12 seeds x 3 presets on the CPU:
-    # at the packed width <= 5.9e-6 (<= 1e-6 x max|logit|); at width 32 up to 1.5e-5 (the once-failed 1.23e-5 vs
-    # 1e-5). So compare at the packed width, with a tolerance of 3e-6 x the logit scale (~3x the worst seen). A
+    # masked keys; a narrower row changes XLA's reduction blocks too). Over 12 seeds x 3 presets on the CPU:
+    # at the packed width <= 5.9e-6 (<= 1e-6 x max|logit|); at width 32 up to 1.5e-5. So compare at the packed
+    # width, with a tolerance of 3e-6 x the logit scale (~3x the worst seen). A
     # masking, position or branch bug moves logits by O(1), five orders above it.
     for (prompt, completion), (pcols, ccols) in zip(pairs, cols):
         seq = prompt + completion  # right-padded to the packed width (one compile), padding in segment 0
