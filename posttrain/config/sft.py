@@ -87,22 +87,30 @@ def sft_config_from_dict(cd) -> SFTRunConfig:
     Raises ConfigError naming the key path for an unknown section or key, a wrong type, an out-of-range or
     invalid value (the shared sections by `load.from_config_dict`'s rules), no training data or a missing data
     file."""
+    return offline_config_from_dict(cd, "sft", SFTConfig, SFTRunConfig, "a JSONL file of TRL-format records")
+
+
+def offline_config_from_dict(cd, name: str, section_cls, run_cls, data_kind: str):
+    """A ConfigDict (or nested dict) -> `run_cls(<SHARED_SECTIONS>, <name>=section_cls)`: the loader of every
+    config whose own section `name` reads data from `train_path` / `train_examples` and `eval_path` (SFT, DPO).
+    Raises ConfigError as `sft_config_from_dict` documents; `data_kind` describes a data file in its messages."""
     raw = cd.to_dict() if hasattr(cd, "to_dict") else dict(cd)
-    unknown = sorted(set(raw) - set(SHARED_SECTIONS) - {"sft"})
+    unknown = sorted(set(raw) - set(SHARED_SECTIONS) - {name})
     if unknown:
-        raise ConfigError(f"unknown SFT config section(s) {unknown}; valid: {sorted(SHARED_SECTIONS + ('sft',))}")
+        raise ConfigError(f"unknown {name.upper()} config section(s) {unknown}; valid: "
+                          f"{sorted(SHARED_SECTIONS + (name,))}")
     # the shared sections go through the run config's own loader (a placeholder env section satisfies its
-    # env.train check, which SFT has no use for); the sft section through the same conversion
+    # env.train check, which an offline run has no use for); the own section through the same conversion
     shared = from_config_dict({**{k: raw[k] for k in SHARED_SECTIONS if k in raw},
-                               "env": {"train": {"sft": {"id": "sft"}}}})
-    sft = convert_section(SFTConfig, raw.get("sft", {}), "sft")
-    if not (sft.train_path or sft.train_examples):
-        raise ConfigError("sft: no training data: set sft.train_path (a JSONL file) or sft.train_examples")
+                               "env": {"train": {name: {"id": name}}}})
+    own = convert_section(section_cls, raw.get(name, {}), name)
+    if not (own.train_path or own.train_examples):
+        raise ConfigError(f"{name}: no training data: set {name}.train_path ({data_kind}) or {name}.train_examples")
     for key in ("train_path", "eval_path"):
-        path = getattr(sft, key)
+        path = getattr(own, key)
         if path and not os.path.isfile(path):
-            raise ConfigError(f"sft.{key}={path!r}: no such file (a JSONL file of TRL-format records)")
-    return SFTRunConfig(**{k: getattr(shared, k) for k in SHARED_SECTIONS}, sft=sft)
+            raise ConfigError(f"{name}.{key}={path!r}: no such file ({data_kind})")
+    return run_cls(**{k: getattr(shared, k) for k in SHARED_SECTIONS}, **{name: own})
 
 
 def to_dict(cfg: SFTRunConfig) -> dict:

@@ -14,9 +14,7 @@ the batches are a function of the step, so a resumed run trains on the same rows
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
-import time
 from typing import Mapping
 
 import jax
@@ -28,12 +26,11 @@ from posttrain.algos.sft import step as sft_step
 from posttrain.checkpoints.policy import PolicySource, load_policy
 from posttrain.config import ConfigError
 from posttrain.config.sft import SFTRunConfig, to_dict
-from posttrain.infra import distributed, metrics as metrics_lib
 from posttrain.infra import mesh as mesh_lib
 from posttrain.infra.partitioning import use_rules
 from posttrain.infra.precision import PrecisionPolicy, resolve_policy
-from posttrain.learn.learner import Learner, LearnerSettings, batch_shardings
-from posttrain.recipes.grpo import NonFiniteError
+from posttrain.learn.learner import Learner, LearnerSettings
+from posttrain.recipes import offline
 from posttrain.recipes.run_plan import TrainSettings, optimizer_settings, policy_source
 
 
@@ -112,8 +109,7 @@ class Run:
     batches and the learner (restored from the newest checkpoint in the workdir, if any); writes config.json."""
 
     def __init__(self, plan: SFTPlan):
-        plan.workdir.mkdir(parents=True, exist_ok=True)
-        (plan.workdir / "config.json").write_text(json.dumps(plan.config_dict, indent=2, default=str))
+        offline.write_config(plan.workdir, plan.config_dict)
         self.plan = plan
         self.mesh = mesh_lib.make_mesh(plan.mesh_shape)
         model_config, graphdef, weights, self.tokenizer = load_policy(plan.policy, self.mesh, plan.rules)
@@ -140,16 +136,15 @@ class Run:
         nll, tokens = 0.0, 0.0
         state = self.learner.state
         for b in self.eval_batches:
-            placed = distributed_batch(b, self.mesh, self.plan.rules)
+            placed = offline.place(b, self.mesh, self.plan.rules)
             with jax.set_mesh(self.mesh):
                 s, n = self._eval_fn(state.params, state.frozen, placed)
             nll, tokens = nll + float(s), tokens + float(n)
         return sft_step.perplexity(nll, tokens)
 
-
-def distributed_batch(batch, mesh, rules):
-    """A host batch placed on the mesh (rows split over its batch shards), as the learner places its own."""
-    return jax.tree.map(distributed.global_array, batch, batch_shardings(mesh, batch, rules))
+    def tokens(self, batch) -> int:
+        """Non-padding tokens of a host batch."""
+        return int(np.count_nonzero(batch.segment_ids_RxL))
 
 
 def train(plan: SFTPlan, *, progress: bool = True) -> dict:
@@ -158,59 +153,8 @@ def train(plan: SFTPlan, *, progress: bool = True) -> dict:
     Raises ValueError / FileNotFoundError for unusable data (naming the record), NonFiniteError (after saving a
     checkpoint) when `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
     with use_rules(plan.rules):
-        return _train(plan, progress)
-
-
-def _train(plan: SFTPlan, progress: bool) -> dict:
-    run = Run(plan)
-    learner = run.learner
-    start, steps = learner.step, plan.train.steps
-    main = distributed.is_main_process()
-    writer = metrics_lib.MetricsWriter(plan.workdir, resume_step=start, plot=False) if main else None
-    bar = metrics_lib.ProgressBar(steps, initial_step=start, desc="sft", disable=not (progress and main),
-                                  fields=(("loss", "sft/loss"), ("step_s", "perf/step_s")))
-    summary = {"start_step": start, "data": dict(run.counts), "config": plan.config_dict}
-    if start == 0 and plan.eval_at_start and run.eval_batches:
-        summary["eval_start"] = m = run.evaluate()
-        if writer:
-            writer.write(0, m)
-    clock = metrics_lib.TrainClock()
-    meta = {"sft": dict(run.counts)}
-    for step in range(start, steps):
-        t0 = time.perf_counter()
-        batch = run.batch(step)
-        t1 = time.perf_counter()
-        m = learner.update(batch)
-        m.update(metrics_lib.step_perf(int(np.count_nonzero(batch.segment_ids_RxL)), t0, t1, time.perf_counter()))
-        if writer:
-            writer.write(learner.step, m)
-        bar.update(m)
-        if learner.nonfinite_run >= plan.train.max_nonfinite_skips:
-            learner.save(meta, force=True)
-            learner.close()
-            if writer:
-                writer.close()
-            raise NonFiniteError(f"stopped at step {learner.step}: {learner.nonfinite_run} consecutive SFT steps had "
-                                 f"a non-finite loss or gradient (nothing applied; checkpoint saved in "
-                                 f"{plan.workdir / 'checkpoints'}); lower optim.lr or check the data")
-        learner.save(meta)
-        limit = plan.train.max_train_seconds
-        if limit and distributed.agree(clock.seconds >= limit):
-            summary["stopped_early"] = f"max_train_seconds={limit} reached"
-            break
-    end = learner.step
-    learner.save(meta, force=True)
-    learner.wait()
-    summary["train_wall_s"] = clock.seconds
-    if plan.eval_at_end and run.eval_batches and end > start:
-        summary["eval_end"] = m = run.evaluate()
-        if writer:
-            writer.write(end, m)
-    learner.close()
-    if writer:
-        writer.close()
-    bar.close()
-    summary.update({"end_step": end, "peak_rss_gb": metrics_lib.peak_rss_gb()})
-    if main:
-        (plan.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    return summary
+        return offline.train_loop(Run(plan), name="sft", workdir=plan.workdir, train=plan.train,
+                                  config_dict=plan.config_dict, eval_at_start=plan.eval_at_start,
+                                  eval_at_end=plan.eval_at_end, progress=progress,
+                                  bar_fields=(("loss", "sft/loss"),),
+                                  on_nonfinite=lambda: "; lower optim.lr or check the data")

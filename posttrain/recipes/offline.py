@@ -1,0 +1,111 @@
+"""The loop of offline recipes (SFT, DPO): batches that are a function of the step, one update each, held-out
+evaluation before and after, checkpoints, metrics, resume.
+
+A recipe hands `train_loop` an `OfflineRun`: its learner (restored from the workdir's newest checkpoint, if any),
+`batch(step)` (the host batch of a step: a resumed run trains on the same batches), `evaluate()` (held-out metrics
+of the current weights, {} without held-out data), `counts` (data statistics for the summary and checkpoint
+metadata) and `tokens(batch)` (the non-padding tokens a step processes, for `perf/*`).
+
+Outputs in the workdir: `metrics.jsonl` and TensorBoard events (per step the recipe's metrics, `optim/*`, `perf/*`;
+held-out metrics at the start and the end), `checkpoints/`, `summary.json`.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from typing import Any, Callable, Mapping, Protocol
+
+import jax
+
+from posttrain.infra import distributed, metrics as metrics_lib
+from posttrain.learn.learner import Learner, batch_shardings
+from posttrain.recipes.grpo import NonFiniteError
+from posttrain.recipes.run_plan import TrainSettings
+
+
+class OfflineRun(Protocol):
+    learner: Learner
+    counts: Mapping[str, Any]
+
+    def batch(self, step: int) -> Any: ...
+
+    def evaluate(self) -> dict[str, float]: ...
+
+    def tokens(self, batch) -> int: ...
+
+
+def place(batch, mesh, rules):
+    """A host batch placed on the mesh (rows split over its batch shards), as the learner places its own."""
+    return jax.tree.map(distributed.global_array, batch, batch_shardings(mesh, batch, rules))
+
+
+def write_config(workdir: pathlib.Path, config_dict: Mapping) -> None:
+    """Creates the workdir and writes `config.json`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(config_dict, indent=2, default=str))
+
+
+def train_loop(run: OfflineRun, *, name: str, workdir: pathlib.Path, train: TrainSettings, config_dict: Mapping,
+               eval_at_start: bool, eval_at_end: bool, progress: bool,
+               bar_fields: tuple = (), on_nonfinite: Callable[[], str] = lambda: "") -> dict:
+    """Runs (or resumes) the steps `learner.step .. train.steps - 1` of `run`; returns the summary (also written
+    to summary.json). `name`: the recipe (progress bar, checkpoint metadata key).
+
+    Raises NonFiniteError (after saving a checkpoint) when `train.max_nonfinite_skips` consecutive steps had a
+    non-finite loss or gradient; `on_nonfinite()` adds advice to its message."""
+    learner = run.learner
+    start, steps = learner.step, train.steps
+    main = distributed.is_main_process()
+    writer = metrics_lib.MetricsWriter(workdir, resume_step=start, plot=False) if main else None
+    bar = metrics_lib.ProgressBar(steps, initial_step=start, desc=name, disable=not (progress and main),
+                                  fields=bar_fields + (("step_s", "perf/step_s"),))
+    summary = {"start_step": start, "data": dict(run.counts), "config": dict(config_dict)}
+    if start == 0 and eval_at_start:
+        _evaluate(run, summary, "eval_start", 0, writer)
+    clock = metrics_lib.TrainClock()
+    meta = {name: dict(run.counts)}
+    try:
+        for step in range(start, steps):
+            t0 = time.perf_counter()
+            batch = run.batch(step)
+            t1 = time.perf_counter()
+            m = learner.update(batch)
+            m.update(metrics_lib.step_perf(run.tokens(batch), t0, t1, time.perf_counter()))
+            if writer:
+                writer.write(learner.step, m)
+            bar.update(m)
+            if learner.nonfinite_run >= train.max_nonfinite_skips:
+                learner.save(meta, force=True)
+                raise NonFiniteError(f"stopped at step {learner.step}: {learner.nonfinite_run} consecutive "
+                                     f"{name.upper()} steps had a non-finite loss or gradient (nothing applied; "
+                                     f"checkpoint saved in {workdir / 'checkpoints'}){on_nonfinite()}")
+            learner.save(meta)
+            limit = train.max_train_seconds
+            if limit and distributed.agree(clock.seconds >= limit):
+                summary["stopped_early"] = f"max_train_seconds={limit} reached"
+                break
+        end = learner.step
+        learner.save(meta, force=True)
+        learner.wait()
+        summary["train_wall_s"] = clock.seconds
+        if eval_at_end and end > start:
+            _evaluate(run, summary, "eval_end", end, writer)
+    finally:
+        learner.close()
+        if writer:
+            writer.close()
+        bar.close()
+    summary.update({"end_step": end, "peak_rss_gb": metrics_lib.peak_rss_gb()})
+    if main:
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def _evaluate(run: OfflineRun, summary: dict, key: str, step: int, writer) -> None:
+    """Held-out metrics into summary[key] and the metrics files at `step` (nothing without held-out data)."""
+    m = run.evaluate()
+    if m:
+        summary[key] = m
+        if writer:
+            writer.write(step, m)
