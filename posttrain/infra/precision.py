@@ -28,7 +28,14 @@ _LAX = {"high": jax.lax.Precision.HIGH, "highest": jax.lax.Precision.HIGHEST}
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrecisionPolicy:
-    """A resolved policy (names, not dtype objects, so it is hashable and JSON-friendly)."""
+    """A resolved precision policy (names, not dtype objects, so it is hashable and JSON-friendly). Raises
+    ValueError on an unknown name.
+
+    Attributes:
+        param_dtype: dtype of the master weights (and of Adam's moments): one of DTYPES.
+        compute_dtype: dtype of activations and matmul operands: one of DTYPES.
+        matmul_precision: precision of every dot: one of PRECISIONS.
+    """
 
     param_dtype: str = "float32"
     compute_dtype: str = "float32"

@@ -32,10 +32,18 @@ StepBuilder = Callable[[Any, Any, Any, Any], Callable]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LearnerSettings:
-    """What the update phase needs of a run. workdir: the run's directory (checkpoints/ under it); optimizer: its
-    settings; lora_rank: adapters only when > 0; need_reference: keep the initial policy for a KL term; seed: of
-    the run's PRNG key; checkpoint: the config's checkpoint section; rules: logical-axis rules (batch sharding);
-    config_dict: the run's config as a plain dict, stored with every checkpoint."""
+    """What the update phase needs of a run.
+
+    Attributes:
+        workdir: the run's directory (checkpoints/ under it).
+        optimizer: the optimizer's settings (`posttrain.learn.optim.OptimizerSettings`).
+        lora_rank: train adapters only when > 0.
+        need_reference: keep the initial policy for a KL term.
+        seed: seeds the run's PRNG key.
+        checkpoint: the config's checkpoint section (interval, kept count, async writes).
+        rules: logical-axis rules (`posttrain.infra.mesh.RULES` with the run's overlays; batch sharding).
+        config_dict: the run's config as a plain dict, stored with every checkpoint.
+    """
 
     workdir: pathlib.Path
     optimizer: OptimizerSettings
@@ -47,22 +55,24 @@ class LearnerSettings:
     config_dict: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def batch_shardings(mesh, batch: RolloutBatch | None = None, rules=mesh_lib.RULES) -> RolloutBatch:
-    """A RolloutBatch of NamedShardings: rows / samples split over the mesh's batch shards. Of `batch`'s arrays
-    when given; else of every field by its dimension suffix (`_RxL`: 2 dims, `_N`: 1), with None (the argument's
-    own placement) for the optional fields (default None), so a new field needs no change here."""
+def batch_shardings(mesh, batch: RolloutBatch | None = None, rules=mesh_lib.RULES,
+                    batch_type: type = RolloutBatch) -> RolloutBatch:
+    """A batch of NamedShardings: rows / samples split over the mesh's batch shards. Of `batch`'s arrays when
+    given; else of every field of `batch_type` (a RolloutBatch or a subclass, e.g. DPO's PairBatch) by its
+    dimension suffix (`_RxL`: 2 dims, `_N`: 1), with None (the argument's own placement) for the optional fields
+    (default None), so a new field needs no change here."""
     if batch is not None:
         return jax.tree.map(lambda x: mesh_lib.batch_sharding(mesh, x.ndim, rules), batch)
     fields = {}
-    for f in dataclasses.fields(RolloutBatch):
+    for f in dataclasses.fields(batch_type):
         dims = re.fullmatch(r".+_([A-Za-z][a-z]?(?:x[A-Za-z][a-z]?)*)", f.name)
         if f.default is None:
             fields[f.name] = None
         elif dims is None:
-            raise ValueError(f"RolloutBatch field {f.name!r} needs a dimension suffix (e.g. _NxC) or a None default")
+            raise ValueError(f"{batch_type.__name__} field {f.name!r} needs a dimension suffix (e.g. _NxC) or a None default")
         else:
             fields[f.name] = mesh_lib.batch_sharding(mesh, len(dims.group(1).split("x")), rules)
-    return RolloutBatch(**fields)
+    return batch_type(**fields)
 
 
 def trim_host_heap() -> None:
@@ -93,19 +103,20 @@ class Learner:
 
     @classmethod
     def create(cls, settings: LearnerSettings, mesh, model_config, graphdef, weights,
-               build_step: StepBuilder, *, read_only: bool = False) -> "Learner":
+               build_step: StepBuilder, *, read_only: bool = False, batch_type: type = RolloutBatch) -> "Learner":
         """A fresh train state from the loaded model (`graphdef`, `weights`: its nnx state), the settings'
         optimizer and checkpoints, and the algorithm's step: `build_step(graphdef, tx, lr_schedule, model_config)`
         returns the pure step, jitted here by `learn.step.jit_step` with the state's and batch's shardings.
         `read_only`: for commands that only read a run (eval, convert): its checkpointer never writes, renames or
-        deletes anything (an unreadable checkpoint is passed over and left in place)."""
+        deletes anything (an unreadable checkpoint is passed over and left in place). `batch_type`: the step's
+        batch (RolloutBatch or a subclass with more fields), for the jitted step's input shardings."""
         opt = settings.optimizer.build()
         with jax.set_mesh(mesh):
             graphdef, state = create_train_state(graphdef, weights, opt.tx, jax.random.key(settings.seed),
                                                  lora_rank=settings.lora_rank,
                                                  need_reference=settings.need_reference)
         state_sh = jax.tree.map(lambda x: x.sharding, state)
-        batch_sh = batch_shardings(mesh, rules=settings.rules)
+        batch_sh = batch_shardings(mesh, rules=settings.rules, batch_type=batch_type)
         step_fn = step_lib.jit_step(build_step(graphdef, opt.tx, opt.lr_schedule, model_config), state_sh, batch_sh)
         c = settings.checkpoint
         ckpt = Checkpointer(settings.workdir / "checkpoints", every_steps=c.every_steps, keep=c.keep,

@@ -25,7 +25,15 @@ from flax import nnx
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1.0 disable those filters."""
+    """The sampling distribution and length of one `sample` call (hashable: a static argument). Raises ValueError on
+    values outside the ranges below.
+
+    Attributes:
+        max_new_tokens: Lg, generated tokens per sequence (>= 1).
+        temperature: logits are divided by it (>= 0; 0: greedy).
+        top_p: nucleus mass kept (in (0, 1]; 1.0: off).
+        top_k: keep the k most likely tokens (>= 0; 0: off).
+    """
 
     max_new_tokens: int
     temperature: float = 1.0

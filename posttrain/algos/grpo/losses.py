@@ -202,15 +202,20 @@ AGGREGATIONS: dict[str, Callable] = {"token_mean": token_mean, "seq_mean_token_m
 # ----------------------------------------------------------------------------- composed loss
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    """Hyperparameters of `policy_loss` (hashable: usable as a static argument).
+    """Hyperparameters of `policy_loss` (hashable: usable as a static argument). Raises ValueError (naming the
+    field and the valid values) on bad settings.
 
-    policy_loss: a POLICY_LOSSES name. eps_low / eps_high: clip range below / above 1 (DAPO: 0.2 / 0.28).
-    dual_clip_c: None or > 1 (Ye et al. 2020; 3.0 is usual). kl_estimator: a KL_ESTIMATORS name.
-    beta: KL coefficient (>= 0; 0 disables the KL term). aggregation: an AGGREGATIONS name.
-    norm_constant: divisor for seq_mean_token_sum_norm (tokens). tis_cap: None, or the cap C > 0 of the
-    truncated importance weight min(exp(logp_old - logp_sample), C) (Yao et al. 2025, "Your Efficient RL
-    Framework Secretly Brings You Off-Policy RL Training").
-    Raises ValueError (naming the field and the valid values) on bad settings.
+    Attributes:
+        policy_loss: a POLICY_LOSSES name.
+        eps_low: clip range below 1 of the ratio (in [0, 1)).
+        eps_high: clip range above 1 (>= 0; DAPO's clip-higher: 0.28 against eps_low 0.2).
+        dual_clip_c: None, or the dual-clip bound > 1 on negative-advantage terms (Ye et al. 2020; 3.0 is usual).
+        kl_estimator: a KL_ESTIMATORS name.
+        beta: KL coefficient (>= 0; 0 disables the KL term).
+        aggregation: an AGGREGATIONS name.
+        norm_constant: divisor for seq_mean_token_sum_norm, in tokens (> 0; required by it), or None.
+        tis_cap: None, or the cap C > 0 of the truncated importance weight min(exp(logp_old - logp_sample), C)
+            (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training").
     """
 
     policy_loss: str = "ppo"

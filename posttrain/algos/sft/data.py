@@ -42,11 +42,20 @@ class Example(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataSettings:
-    """What SFT reads (built by `posttrain.recipes.sft.make_sft_plan`). train_path / eval_path: JSONL files ("" for
-    none); train_records / eval_records: the same records inline (used when the path is ""); eval_fraction: share of
-    the training records held out when no eval data is given (the last ones after a seeded shuffle); seq_len: L, the
-    row width in tokens; rows_per_step: R, rows in one step's batch; packing: several conversations per row (best-fit
-    decreasing) or one per row; seed: of the shuffles."""
+    """What SFT reads (built by `posttrain.recipes.sft.make_sft_plan`).
+
+    Attributes:
+        train_path: a JSONL file of training records ("": none).
+        eval_path: a JSONL file of held-out records ("": none).
+        train_records: the training records inline (used when train_path is "").
+        eval_records: the held-out records inline (used when eval_path is "").
+        eval_fraction: share of the training records held out when no eval data is given (the last ones after a
+            seeded shuffle).
+        seq_len: L, the row width in tokens.
+        rows_per_step: R, rows in one step's batch.
+        packing: several conversations per row (best-fit decreasing) or one per row.
+        seed: seeds the shuffles.
+    """
 
     train_path: str = ""
     eval_path: str = ""
