@@ -19,10 +19,13 @@ from posttrain.model.config import ModelConfig
 class PolicySource:
     """Where the policy comes from and how it is built.
 
-    path: a .gguf file or HF model directory ("" with no preset: the default SmolLM2-135M-Instruct GGUF);
-    preset: a `posttrain.model.presets` name (random init, byte tokenizer); overrides: preset fields replaced;
-    seed: the preset's init seed; fields: `ModelConfig` fields set by the run (dtypes and matmul precision from
-    the precision policy, remat, LoRA, MoE and attention kernels), applied to a preset and to a checkpoint's config.
+    Attributes:
+        path: a .gguf file or HF model directory ("" with no preset: the default SmolLM2-135M-Instruct GGUF).
+        preset: a `posttrain.model.presets` name (random init, byte tokenizer).
+        overrides: preset fields replaced.
+        seed: the preset's init seed.
+        fields: `ModelConfig` fields set by the run (dtypes and matmul precision from the precision policy, remat,
+            LoRA, MoE and attention kernels), applied to a preset and to a checkpoint's config.
     """
 
     path: str = ""

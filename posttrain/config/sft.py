@@ -19,14 +19,25 @@ SHARED_SECTIONS = ("model", "mesh", "optim", "lora", "checkpoint", "train")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SFTConfig:
-    """The `sft` section. Data in TRL's formats (`posttrain.algos.sft.data`): `train_path` (a JSONL file) or
-    `train_examples` (the same records inline, for tiny runs and tests), exactly one of them; held-out data
-    likewise from `eval_path` / `eval_examples`, or else the `eval_fraction` (in [0, 1)) of the training records.
-    seq_len: row width in tokens (conversations longer than it are cut); rows_per_step: rows in a step's batch (a
-    multiple of num_microbatches x the mesh's batch shards); packing: several conversations per row (best-fit
-    decreasing, segment ids) or one per row; num_microbatches: gradient-accumulation microbatches; logprob_chunk:
-    slots per unembedding chunk; moe_aux_coef: MoE load-balance coefficient (< 0: the model's own);
-    eval_at_start / eval_at_end: held-out NLL and perplexity before the first and after the last step."""
+    """The `sft` section. Data in TRL's formats (`posttrain.algos.sft.data`): `train_path` or `train_examples`,
+    exactly one of them; held-out data likewise from `eval_path` / `eval_examples`, or else the `eval_fraction` of
+    the training records.
+
+    Attributes:
+        train_path: a JSONL file of training records ("": none).
+        train_examples: the training records inline (for tiny runs and tests).
+        eval_path: a JSONL file of held-out records ("": none).
+        eval_examples: the held-out records inline.
+        eval_fraction: share of the training records held out when no eval data is given (in [0, 1)).
+        seq_len: row width in tokens (conversations longer than it are cut; >= 2).
+        rows_per_step: rows in a step's batch (a multiple of num_microbatches x the mesh's batch shards).
+        packing: several conversations per row (best-fit decreasing, segment ids) or one per row.
+        num_microbatches: gradient-accumulation microbatches.
+        logprob_chunk: slots per unembedding chunk.
+        moe_aux_coef: MoE load-balance coefficient (< 0: the model's own).
+        eval_at_start: held-out NLL and perplexity before the first step.
+        eval_at_end: held-out NLL and perplexity after the last step.
+    """
 
     train_path: str = ""
     train_examples: tuple[Mapping[str, Any], ...] = ()
@@ -60,7 +71,17 @@ class SFTConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SFTRunConfig:
-    """A validated SFT run configuration (frozen): the shared sections of `schema.Config` and `sft`."""
+    """A validated SFT run configuration (frozen): the shared sections of `schema.Config` and `sft`.
+
+    Attributes:
+        model: the policy's source and run settings (`schema.ModelRunConfig`).
+        mesh: the device mesh (`schema.MeshConfig`).
+        optim: the optimizer and learning-rate schedule (`schema.OptimConfig`).
+        lora: low-rank adapters (`LoRAConfig`; rank 0: none).
+        checkpoint: checkpoint saving (`schema.CheckpointConfig`).
+        train: steps, seed, workdir and stopping rules (`schema.TrainConfig`).
+        sft: the SFT data and step (SFTConfig).
+    """
 
     model: ModelRunConfig = ModelRunConfig()
     mesh: MeshConfig = MeshConfig()
