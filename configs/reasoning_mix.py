@@ -7,7 +7,7 @@ curriculum level 0 is still 0% on most of them); only golden-verified domains ar
 printed by `posttrain domains`). The prompt ends with `SHORT_INSTRUCTION` (the long one makes SmolLM2 echo its
 words); replies without tags are read by the env's last-line fallback ("The answer is 12.", "3 * 4 = 12").
 Train tasks: 10000 per domain (seed 0); eval: the held-out test split (seed 0 + `TEST_SEED_OFFSET`; its questions
-never occur in training), greedy, scored by the env (each dataset's own scorer): `eval/<domain>/accuracy`.
+never occur in training), greedy, scored by the env (each dataset's own scorer): `eval/<domain>/pass@1`.
 A step (4 prompts x 8 samples x <= 64 tokens) takes ~20-40 s on 2 CPU cores; training stops after 20 minutes.
 Run: posttrain train --config=configs/reasoning_mix.py [--config.env.domains='reasoning_gym/gcd,reasoning_gym/l*']
 """

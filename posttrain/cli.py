@@ -97,7 +97,7 @@ def cmd_train(f) -> int:
     out = {k: summary.get(k) for k in keys}
     for which in ("eval_start", "eval_end"):
         if which in summary:
-            out[which] = summary[which].get("eval/accuracy")
+            out[which] = summary[which].get("eval/pass@1")
     print(json.dumps(out))
     return 0
 

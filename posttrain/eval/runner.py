@@ -1,19 +1,34 @@
-"""Held-out evaluation: per-domain accuracy (greedy) or pass@k (k samples), and a regression table.
+"""Held-out evaluation: sampling the episodes of each domain into per-task records, and their metrics.
 
-Metrics: `eval/<domain>/accuracy` (fraction of tasks solved; with k > 1 samples, pass@k: at least one of the k
-samples solved it), `eval/accuracy` (over all evaluated tasks), `eval/<domain>/mean_reward`.
+Dimension legend (shape suffixes): N samples of one task, P tasks (prompts) of one sampler call.
+
+A per-task record (the fields `posttrain.eval.metrics` reads) is
+  domain, area, task_id, index   the task (index: its position in the domain's task source)
+  prompt                         the prompt the model saw (chat template applied), for `metrics.task_set_hash`
+  replies, statuses              N final replies and the env's statuses (`envs.verify.answers.STATUSES`)
+  rewards, correct               N env rewards and the scorer's verdicts (SCORERS)
+  formatted, lengths, truncated  N answer-format checks (FORMATS), response lengths (policy tokens, all turns),
+                                 token-budget hits
+  greedy                         sampled at temperature 0 (one sample per task)
+  gold                           the task's reference answer when the env reports one
+  turns                          (multi-turn domains only) N lists of the model's turns, for rescoring
+Metrics of the training loop (`loop_metrics`): `eval/<domain>/pass@1`, `eval/<domain>/mean_reward` and
+`eval/pass@1` (over all tasks); a suite reports every metric of `metrics.summarize_domain` per domain and area.
 Scorers: "env" takes the environment's verified reward (reward >= 1 counts as solved); "last_integer" compares
-the last integer of the final reply with the task's `answer` (the quickstart's format-agnostic rule).
+the last integer of the final reply with the task's gold answer (the quickstart's format-agnostic rule).
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
+import zlib
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from posttrain.config import EnvSpec
+from posttrain.eval import metrics as metrics_lib
 from posttrain.rollout.episodes import Episode, run_episodes
 from posttrain.rollout.rollouter import task_sources
 from posttrain.rollout.sampler import SamplingParams
@@ -24,8 +39,9 @@ class EvalSettings:
     """What held-out evaluation needs of a run (built by `posttrain.recipes.run_plan`). specs: the eval env mix;
     num_tasks: the first this many tasks of each domain; batch_size: episodes per sampler call; scorer: a SCORERS
     name; sampling: the eval rollouts' SamplingParams (greedy by default); max_turns, system_prompt,
-    prompt_bucket: as in training rollouts; seed: of the sampling key; every_steps (0: never) / at_start /
-    at_end: when the loop evaluates."""
+    prompt_bucket: as in training rollouts; seed: of the sampling stream (`eval.seed`; two evaluations with
+    different seeds draw independent samples); every_steps (0: never) / at_start / at_end: when the loop
+    evaluates."""
 
     specs: Mapping[str, EnvSpec]
     sampling: SamplingParams
@@ -55,73 +71,140 @@ def eval_episodes(sources: Mapping[str, tuple], num_tasks: int) -> dict[str, lis
     return out
 
 
-def solved_by_env(sample) -> bool:
+def solved_by_env(reply: str, reward: float, info: Mapping) -> bool:
     """The environment's verified reward: >= 1 counts as solved."""
-    return sample.reward >= 1.0
+    return reward >= 1.0
 
 
-def solved_by_last_integer(sample) -> bool:
+def solved_by_last_integer(reply: str, reward: float, info: Mapping) -> bool:
     """The last integer of the final reply equals the task's answer (`info["gold"]` or `info["answer"]`)."""
     from envs.verify.answers import last_integer
 
-    task_answer = sample.info.get("gold", sample.info.get("answer"))
-    got = last_integer(sample.texts[-1] if sample.texts else "")
+    task_answer = info.get("gold", info.get("answer"))
+    got = last_integer(reply)
     try:
         return got is not None and int(str(task_answer).replace(",", "")) == got
     except (TypeError, ValueError):
         return False
 
 
-SCORERS: dict[str, Callable] = {"env": solved_by_env, "last_integer": solved_by_last_integer}
+SCORERS: dict[str, Callable[[str, float, Mapping], bool]] = {"env": solved_by_env,
+                                                             "last_integer": solved_by_last_integer}
+
+_FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n.*?```", re.S)
+_HASH_LINE = re.compile(r"^[ \t]*####[ \t]*\S", re.M)
+_ANSWER_TAG = re.compile(r"<answer>.*?</answer>", re.S)
+_INTEGER = re.compile(r"-?\d")
+
+# answer-format compliance of a final reply (str -> bool): whether it has the form the domain asks for
+FORMATS: dict[str, Callable[[str], bool]] = {
+    "nonempty": lambda reply: bool(reply.strip()),
+    "number": lambda reply: _INTEGER.search(reply) is not None,
+    "hash": lambda reply: _HASH_LINE.search(reply) is not None,  # GSM8K's "#### N" line
+    "boxed": lambda reply: "\\boxed{" in reply,
+    "answer_tag": lambda reply: _ANSWER_TAG.search(reply) is not None,  # reasoning-gym's <answer>...</answer>
+    "code_block": lambda reply: _FENCE.search(reply) is not None,  # a fenced ```python block
+}
 
 
 def solved(sample, scorer: str) -> bool:
     """Whether `sample` solved its task by SCORERS[scorer]. Raises KeyError for an unknown scorer."""
-    return SCORERS[scorer](sample)
+    return SCORERS[scorer](sample.texts[-1] if sample.texts else "", sample.reward, sample.info)
 
 
-def evaluate(sample_fn, tokenizer, runner, episodes: Mapping[str, Sequence[Episode]], *, batch_size: int,
-             num_samples: int = 1, scorer: str = "env", max_turns: int = 1, pad_id: int = 0, key=None,
-             system_prompt: str = "", bucket: int = 16) -> tuple[dict, list]:
-    """Runs every episode `num_samples` times; returns (metrics, per-task records)."""
+def task_record(ep: Episode, index: int, group: Sequence, prompt: str, *, scorer: str, fmt: str, greedy: bool,
+                area: str = "") -> dict:
+    """The record of one task (see the module docstring) from its N samples (`rollout.episodes.Sample`)."""
+    replies = [s.texts[-1] if s.texts else "" for s in group]
+    record = {"domain": ep.domain, "area": area, "task_id": ep.task.get("id", index), "index": index,
+              "prompt": prompt, "replies": replies, "statuses": [s.status for s in group],
+              "rewards": [float(s.reward) for s in group], "correct": [solved(s, scorer) for s in group],
+              "formatted": [FORMATS[fmt](r) for r in replies],
+              "lengths": [int(sum(len(t) for t, _, policy in s.segments if policy)) for s in group],
+              "truncated": [bool(s.truncated) for s in group], "greedy": greedy}
+    gold = group[0].info.get("gold", group[0].info.get("answer")) if group else None
+    if gold is not None:
+        record["gold"] = str(gold)
+    if any(len(s.texts) > 1 for s in group):
+        record["turns"] = [list(s.texts) for s in group]
+    return record
+
+
+def sample_domain(sample_fn, tokenizer, runner, episodes: Sequence[Episode], *, batch_size: int, num_samples: int = 1,
+                  scorer: str = "env", fmt: str = "nonempty", greedy: bool = True, max_turns: int = 1, key=None,
+                  system_prompt: str = "", bucket: int = 16, area: str = "") -> list[dict]:
+    """Runs each of one domain's episodes `num_samples` times, `batch_size` samples a sampler call; returns one
+    record per episode, in order. The key of a call is `key` folded with the index of its first episode."""
     import jax
 
     key = jax.random.key(0) if key is None else key
-    metrics, records = {}, []
-    all_solved = []
+    records = []
+    per_batch = max(1, batch_size // num_samples)
+    for start in range(0, len(episodes), per_batch):
+        chunk = episodes[start:start + per_batch]
+        samples, _ = run_episodes(sample_fn, tokenizer, runner, chunk, group_size=num_samples, max_turns=max_turns,
+                                  key=jax.random.fold_in(key, start), pad_id=tokenizer.pad_id, bucket=bucket,
+                                  system_prompt=system_prompt)
+        for i, ep in enumerate(chunk):
+            group = samples[i * num_samples:(i + 1) * num_samples]
+            prompt = tokenizer.decode(group[0].prompt_ids, skip_special_tokens=False)
+            records.append(task_record(ep, start + i, group, prompt, scorer=scorer, fmt=fmt, greedy=greedy,
+                                       area=area))
+    return records
+
+
+def domain_key(key, domain: str):
+    """The sampling key of `domain`: `key` folded with crc32 of its name (adding a domain changes no other's)."""
+    import jax
+
+    return jax.random.fold_in(key, zlib.crc32(domain.encode("utf-8")) & 0x7FFFFFFF)
+
+
+def evaluate(sample_fn, tokenizer, runner, episodes: Mapping[str, Sequence[Episode]], *, batch_size: int,
+             num_samples: int = 1, scorer: str = "env", max_turns: int = 1, key=None, greedy: bool = True,
+             system_prompt: str = "", bucket: int = 16) -> tuple[dict, list]:
+    """Runs every episode `num_samples` times with one sampler; returns (`loop_metrics` + perf/eval_s, records)."""
+    import jax
+
+    key = jax.random.key(0) if key is None else key
     t0 = time.perf_counter()
+    records = []
     for domain, eps in episodes.items():
-        solved_d, rewards_d = [], []
-        per_batch = max(1, batch_size // num_samples)
-        for start in range(0, len(eps), per_batch):
-            chunk = eps[start:start + per_batch]
-            samples, _ = run_episodes(sample_fn, tokenizer, runner, chunk, group_size=num_samples,
-                                      max_turns=max_turns, key=jax.random.fold_in(key, start), pad_id=pad_id,
-                                      bucket=bucket, system_prompt=system_prompt)
-            for i, ep in enumerate(chunk):
-                group = samples[i * num_samples:(i + 1) * num_samples]
-                ok = [solved(s, scorer) for s in group]
-                solved_d.append(any(ok))
-                rewards_d.extend(s.reward for s in group)
-                records.append({"domain": domain, "task_id": ep.task.get("id"), "solved": any(ok),
-                                "replies": [s.texts[-1] if s.texts else "" for s in group],
-                                "rewards": [s.reward for s in group]})
-        metrics[f"eval/{domain}/accuracy"] = float(np.mean(solved_d))
-        metrics[f"eval/{domain}/mean_reward"] = float(np.mean(rewards_d))
-        all_solved.extend(solved_d)
-    metrics["eval/accuracy"] = float(np.mean(all_solved)) if all_solved else 0.0
-    metrics["perf/eval_s"] = time.perf_counter() - t0
-    return metrics, records
+        records += sample_domain(sample_fn, tokenizer, runner, eps, batch_size=batch_size, num_samples=num_samples,
+                                 scorer=scorer, greedy=greedy, max_turns=max_turns, key=domain_key(key, domain),
+                                 system_prompt=system_prompt, bucket=bucket)
+    return {**loop_metrics(records), "perf/eval_s": time.perf_counter() - t0}, records
 
 
-def regression_table(before: Mapping[str, float], after: Mapping[str, float]) -> str:
-    """A text table of eval/* metrics between two evaluations (e.g. two checkpoints), with deltas."""
-    keys = sorted(k for k in set(before) | set(after) if k.startswith("eval/") and k.endswith("accuracy"))
-    lines = [f"{'metric':40s} {'before':>8s} {'after':>8s} {'delta':>8s}"]
-    for k in keys:
-        b, a = before.get(k, float("nan")), after.get(k, float("nan"))
-        lines.append(f"{k:40s} {b:8.3f} {a:8.3f} {a - b:+8.3f}")
-    return "\n".join(lines)
+def loop_metrics(records: Sequence[Mapping]) -> dict[str, float]:
+    """The training loop's eval/* metrics: per domain pass@1 and mean reward, and eval/pass@1 over all tasks."""
+    out, all_pass = {}, []
+    for domain, rs in metrics_lib.by_domain(records).items():
+        p = metrics_lib.per_task(rs, "pass@1")
+        out[f"eval/{domain}/pass@1"] = float(p.mean())
+        out[f"eval/{domain}/mean_reward"] = float(metrics_lib.per_task(rs, "mean_reward").mean())
+        all_pass.extend(p)
+    out["eval/pass@1"] = float(np.mean(all_pass)) if all_pass else 0.0
+    return out
+
+
+def suite_summary(records: Sequence[Mapping], ks: Mapping[str, Sequence[int]] | None = None) -> dict:
+    """{"area_of": {domain: area}, "domains": {domain: summary}, "areas": {area: summary}, "all": summary}
+    (`metrics.summarize_domain`, task weighted: an area's value is the mean over all its tasks); ks: the pass@k
+    values of each domain (an area gets a pass@k that every task of it has samples for). Raises ValueError for
+    no records."""
+    ks = ks or {}
+    if not records:
+        raise ValueError("suite_summary of no records")
+    by_area: dict[str, list] = {}
+    for r in records:
+        by_area.setdefault(r.get("area") or "-", []).append(r)
+    all_ks = sorted({k for v in ks.values() for k in v})
+    return {"area_of": {r["domain"]: r.get("area") or "-" for r in records},
+            "domains": {d: metrics_lib.summarize_domain(rs, ks.get(d, ()))
+                        for d, rs in metrics_lib.by_domain(records).items()},
+            "areas": {a: metrics_lib.summarize_domain(rs, all_ks) for a, rs in by_area.items()},
+            "all": metrics_lib.summarize_domain(list(records), all_ks)}
 
 
 def settings_episodes(settings: EvalSettings) -> dict[str, list[Episode]]:
@@ -134,5 +217,6 @@ def run(settings: EvalSettings, episodes: Mapping[str, Sequence[Episode]], sampl
     import jax
 
     return evaluate(sample_fn, tokenizer, runner, episodes, batch_size=settings.batch_size, scorer=settings.scorer,
-                    max_turns=settings.max_turns, pad_id=tokenizer.pad_id, key=jax.random.key(settings.seed),
-                    system_prompt=settings.system_prompt, bucket=settings.prompt_bucket)
+                    max_turns=settings.max_turns, key=jax.random.key(settings.seed),
+                    greedy=settings.sampling.temperature == 0.0, system_prompt=settings.system_prompt,
+                    bucket=settings.prompt_bucket)

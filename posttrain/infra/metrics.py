@@ -11,7 +11,7 @@ Host side (the only imperative part): `MetricsWriter` writes each step's flat di
 the standard names of DESIGN.md (`reward/mean`, `policy/loss`, ...), to
   <workdir>/metrics.jsonl      one JSON object per line, {"step": int, name: float | null, ...}
   <workdir>/tensorboard/       TensorBoard event files (tensorboardX)
-  <workdir>/reward_curve.png   train `reward/mean` and `eval/accuracy` against step (matplotlib Agg)
+  <workdir>/reward_curve.png   train `reward/mean` and `eval/pass@1` against step (matplotlib Agg)
 and `ProgressBar` shows reward and step time on a tqdm bar.
 """
 
@@ -190,7 +190,7 @@ class MetricsWriter:
     """
 
     JSONL, PNG, TB_DIR = "metrics.jsonl", "reward_curve.png", "tensorboard"
-    PLOTTED = ("reward/mean", "eval/accuracy")
+    PLOTTED = ("reward/mean", "eval/pass@1")
 
     def __init__(self, workdir: str | os.PathLike, *, resume_step: int | None = None,
                  plot_every_s: float = 60.0, tensorboard: bool = True, plot: bool = True):
@@ -266,7 +266,7 @@ class MetricsWriter:
         fig = Figure(figsize=(7, 4), dpi=100)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
-        for key, label, style in (("reward/mean", "train reward/mean", "-"), ("eval/accuracy", "eval/accuracy", "o-")):
+        for key, label, style in (("reward/mean", "train reward/mean", "-"), ("eval/pass@1", "eval/pass@1", "o-")):
             if self.history[key]:
                 steps, values = zip(*self.history[key])
                 ax.plot(steps, values, style, label=label, markersize=3)

@@ -27,8 +27,8 @@ def test_train_then_eval_tiny(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     # the eval command on the saved step-2 checkpoint scores the same policy on the same held-out tasks as the
-    # run's own final evaluation (greedy): the same accuracy
-    assert out["step"] == 2 and out["eval/accuracy"] == pytest.approx(summary["eval_end"], abs=1e-9)
+    # run's own final evaluation (greedy): the same pass@1
+    assert out["step"] == 2 and out["eval/pass@1"] == pytest.approx(summary["eval_end"], abs=1e-9)
 
 
 def test_sample_default_model():

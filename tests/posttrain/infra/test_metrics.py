@@ -52,13 +52,13 @@ def write_steps(workdir, steps, **kw):
 def test_jsonl_round_trip(tmp_path):
     write_steps(tmp_path, range(3))
     with M.MetricsWriter(tmp_path, plot=False, tensorboard=False) as w:
-        w.write(3, {"eval/accuracy": 0.5, "policy/loss": float("nan"), "x": np.array([[7]])})
+        w.write(3, {"eval/pass@1": 0.5, "policy/loss": float("nan"), "x": np.array([[7]])})
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == M.read_metrics(tmp_path / "metrics.jsonl")
     recs = M.read_metrics(tmp_path / "metrics.jsonl")
     assert recs[1] == {"step": 1, "reward/mean": 0.1, "policy/loss": -1.0,
                        "optim/lr": pytest.approx(1e-3), "perf/step_s": 2.0}
-    assert recs[3] == {"step": 3, "eval/accuracy": 0.5, "policy/loss": None, "x": 7.0}  # NaN -> null
+    assert recs[3] == {"step": 3, "eval/pass@1": 0.5, "policy/loss": None, "x": 7.0}  # NaN -> null
 
 
 def test_resume_drops_later_steps_and_keeps_whole_history(tmp_path):
@@ -99,7 +99,7 @@ def test_png_is_valid_and_throttled(tmp_path):
     w.write(0, {"reward/mean": 0.1})
     assert png.read_bytes()[:8] == PNG_MAGIC  # first write plots
     png.unlink()
-    w.write(1, {"reward/mean": 0.2, "eval/accuracy": 0.3})
+    w.write(1, {"reward/mean": 0.2, "eval/pass@1": 0.3})
     assert not png.exists()  # throttled
     w.close()
     data = png.read_bytes()
