@@ -17,10 +17,23 @@ REMAT_NAMES = ("dot", "qkv", "attn_out", "mlp_in")  # `posttrain.model.layers.CH
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeConfig:
-    """Rotary position embedding (Su et al. 2021, "RoFormer") and its context-extension variants.
+    """Rotary position embedding (Su et al. 2021, "RoFormer") and its context-extension variants
+    (`posttrain.model.layers.rope_frequencies`). Raises ValueError on an unknown type or a missing factor.
 
-    type: "default" | "linear" (position interpolation) | "llama3" (Llama 3.1 frequency-band scaling) |
-      "yarn" (Peng et al. 2023, as used by DeepSeek-V3 / Kimi K2).
+    Attributes:
+        theta: the base of the inverse frequencies theta^(-2i/d).
+        type: "default" | "linear" (position interpolation) | "llama3" (Llama 3.1 frequency-band scaling) |
+            "yarn" (Peng et al. 2023, arXiv:2309.00071, as used by DeepSeek-V3 / Kimi K2).
+        factor: the context-extension factor (> 0 unless type is "default").
+        original_max_position: the pre-extension context length (> 0 for llama3 and yarn).
+        low_freq_factor: llama3: wavelengths above original_max_position / this are scaled by 1 / factor.
+        high_freq_factor: llama3: wavelengths below original_max_position / this are kept.
+        beta_fast: yarn: the rotation count where the ramp to interpolation starts.
+        beta_slow: yarn: the rotation count where it ends.
+        mscale: yarn: the attention-scale coefficient (0.1 * mscale * ln(factor) + 1), with mscale_all_dim.
+        mscale_all_dim: yarn: the coefficient it is divided by (DeepSeek-V3; MLA also scales its softmax by it).
+        attention_factor: yarn: the cos/sin scale itself, overriding mscale (None: from mscale).
+        truncate: yarn: round the ramp's ends to whole dimensions (floor / ceil).
     """
 
     theta: float = 10000.0
@@ -48,7 +61,15 @@ class RopeConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MLAConfig:
     """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434). The KV cache holds only the
-    compressed latent (kv_lora_rank) plus the shared rotary key (qk_rope_head_dim) per token."""
+    compressed latent (kv_lora_rank) plus the shared rotary key (qk_rope_head_dim) per token.
+
+    Attributes:
+        q_lora_rank: rank of the query's low-rank projection (None: a full-rank query projection).
+        kv_lora_rank: R, width of the compressed key/value latent.
+        qk_nope_head_dim: per-head query/key dims without rotary embedding.
+        qk_rope_head_dim: P, per-head query/key dims with rotary embedding (the key's shared across heads).
+        v_head_dim: per-head value dims.
+    """
 
     q_lora_rank: int | None
     kv_lora_rank: int
@@ -59,15 +80,27 @@ class MLAConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEConfig:
-    """Mixture-of-Experts feed-forward (dropless, top-k routing).
+    """Mixture-of-Experts feed-forward (dropless, top-k routing). How the experts run is a setting of the run,
+    not of the checkpoint: `ModelConfig.moe_gmm_impl`, `moe_capacity_factor`, `moe_ep_capacity_factor`. Raises
+    ValueError on inconsistent counts.
 
-    scoring: "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3, Kimi K2).
-    num_groups/topk_groups: DeepSeek group-limited routing (1/1 disables it).
-    score_bias: aux-loss-free load balancing (DeepSeek-V3 §2.1.2): a per-expert bias added to the scores for
-      expert *selection* only, nudged by `bias_update_rate * sign(mean_load - load)` after each step.
-    first_k_dense: the first k layers use a dense MLP of `dense_mlp_dim` (DeepSeek's first_k_dense_replace).
-    How the experts run is a setting of the run, not of the checkpoint: `ModelConfig.moe_gmm_impl`,
-    `moe_capacity_factor`, `moe_ep_capacity_factor`.
+    Attributes:
+        num_experts: E, routed experts per layer.
+        num_experts_per_tok: k, experts each token is routed to (1 <= k <= E).
+        expert_mlp_dim: F of each expert's gated MLP.
+        num_shared_experts: experts every token also goes through (DeepSeek; 0: none).
+        scoring: "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3, Kimi K2).
+        norm_topk_prob: renormalize the k selected weights to sum to 1.
+        routed_scaling_factor: the routed experts' output is multiplied by it (DeepSeek-V3: 2.5).
+        num_groups: DeepSeek group-limited routing: experts in this many groups (1 disables it; divides E).
+        topk_groups: tokens choose experts only within this many best groups.
+        first_k_dense: the first k layers use a dense MLP of `dense_mlp_dim` (DeepSeek's first_k_dense_replace).
+        dense_mlp_dim: F of those dense layers (> 0 when first_k_dense > 0).
+        score_bias: aux-loss-free load balancing (DeepSeek-V3 §2.1.2): a per-expert bias added to the scores for
+            expert *selection* only, nudged by `bias_update_rate * sign(mean_load - load)` after each step.
+        bias_update_rate: that nudge's step size (0: frozen).
+        aux_loss_coef: coefficient of the load-balancing auxiliary loss (Switch Transformer; 0: off).
+        z_loss_coef: coefficient of the router z-loss (ST-MoE, Zoph et al. 2022; 0: off).
     """
 
     num_experts: int
@@ -102,7 +135,13 @@ class MoEConfig:
 class LoRAConfig:
     """Low-rank adapters (Hu et al. 2021, arXiv:2106.09685): y = x W + (alpha / rank) (x A) B on the named
     projections (attention q/k/v/o, MLA q_a/q_b/kv_a, dense and shared-expert MLPs; routed experts excluded).
-    A is Gaussian, B is zero, so a fresh adapter leaves the model unchanged. rank 0 = no adapters."""
+    A is Gaussian, B is zero, so a fresh adapter leaves the model unchanged.
+
+    Attributes:
+        rank: the adapters' rank r (0: no adapters).
+        alpha: the scale numerator (> 0): updates are scaled by alpha / rank.
+        targets: the projection names adapted.
+    """
 
     rank: int = 0
     alpha: float = 16.0
@@ -115,36 +154,58 @@ class LoRAConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A decoder-only transformer: embed -> scan(blocks) -> RMSNorm -> unembed.
+    """A decoder-only transformer: embed -> scan(blocks) -> RMSNorm -> unembed. Raises ValueError on a
+    non-positive dimension, heads not a multiple of kv heads, or an unknown name.
 
-    Dims: vocab_size V, d_model D, num_heads N, num_kv_heads K (GQA groups N // K), head_dim H, mlp_dim F.
-    param_dtype: storage dtype of parameters; dtype: compute dtype of matmuls (softmax, norms and logits are f32).
-    matmul_precision: "default" | "high" | "highest", applied to every dot (see `posttrain.infra.precision`).
-    remat: per scanned block, what the backward pass keeps from the forward (`posttrain.model.transformer.REMAT`):
-      "none" everything autodiff saves (most memory, no recompute); "dots" every weight-matmul output, in the
-      compute dtype (recomputes norms, RoPE, softmax, elementwise ops: ~no extra FLOPs); "names" only the
-      activations named in `remat_names` (`layers.CHECKPOINT_NAMES`; e.g. ("attn_out", "mlp_in") recomputes
-      the projections: ~+1/3 of the layer FLOPs, less memory than "dots"); "full" only the block input (recompute
-      the whole forward: +1/3 FLOPs of a train step, least memory).
-    lora: adapters added to the projections (None or rank 0: none).
-    grad_dtype: "param" (default) or "compute": with "compute" the scanned layers' matrix weights (everything of
-      >= 2 dims per layer but the MoE router, which scores in float32) enter the layer scan already cast to the
-      compute dtype, so their gradients are stacked in it (bfloat16: half the gradient memory of float32 master
-      weights; the optimizer upcasts them). The forward is unchanged (those weights are cast before every use
-      anyway); the gradients are rounded to the compute dtype before the update and summed across devices in it
-      (instead of float32 accumulation). XLA:TPU already holds such a copy of the weights (it hoists each layer's
-      cast out of the scan), so there it only halves the gradients. Training and prefill only; decode is unchanged.
-    attention_impl: self-attention of packed rows given as ids (rows of >= `flash.BLOCKWISE_MIN_LEN` tokens;
-      `posttrain.model.attention_kernels.IMPLS`): "auto" (splash on a TPU mesh, the Pallas GPU kernel on a GPU
-      mesh, else blockwise), "blockwise", "splash", "pallas_gpu" (the Pallas interpreter off their platform) or
-      "dense".
-    How MoE experts run (settings of the run; `model.moe_*` in the run config):
-    moe_gmm_impl: the grouped matmul of the expert MLPs (`posttrain.model.gmm.IMPLS`; "auto" per backend).
-    moe_capacity_factor: 0 dropless (every routed token is computed); c > 0 gives every expert
-      ceil(c * tokens * k / E) slots per call and drops the rest (`moe.expert_keys` counts them).
-    moe_ep_capacity_factor: expert parallelism's all-to-all capacity: each expert shard receives at most
-      ceil(cf * m * k / S) rows from each of the S source shards of m tokens; rows over it are dropped and
-      counted (metric `moe/ep_dropped_frac`).
+    Attributes:
+        vocab_size: V, token ids.
+        d_model: D, the residual width.
+        num_layers: L, decoder blocks (scanned).
+        num_heads: N, query heads.
+        num_kv_heads: K, key/value heads (GQA groups N // K; N must be a multiple of K).
+        head_dim: H, dims per head.
+        mlp_dim: F of the dense gated MLP.
+        norm_eps: RMSNorm epsilon.
+        rope: rotary embedding (RopeConfig).
+        max_position: the context length the checkpoint declares (HF max_position_embeddings; the exported
+            tokenizer's model_max_length).
+        tie_embeddings: the unembedding is the embedding's transpose (no lm_head).
+        qk_norm: RMSNorm on each head's queries and keys (Qwen3).
+        attention_bias: biases on the q/k/v projections (Qwen2).
+        mla: multi-head latent attention (MLAConfig) instead of GQA, or None.
+        moe: Mixture-of-Experts feed-forward (MoEConfig), or None for dense.
+        param_dtype: storage dtype of parameters.
+        dtype: compute dtype of matmuls (softmax, norms and logits are float32).
+        matmul_precision: "default" | "high" | "highest", applied to every dot (see `posttrain.infra.precision`).
+        remat: per scanned block, what the backward pass keeps from the forward (`posttrain.model.transformer.REMAT`):
+            "none" everything autodiff saves (most memory, no recompute); "dots" every weight-matmul output, in the
+            compute dtype (recomputes norms, RoPE, softmax, elementwise ops: ~no extra FLOPs); "names" only the
+            activations named in `remat_names` (e.g. ("attn_out", "mlp_in") recomputes the projections: ~+1/3 of
+            the layer FLOPs, less memory than "dots"); "full" only the block input (recompute the whole forward:
+            +1/3 FLOPs of a train step, least memory).
+        remat_names: the activations kept under remat "names" (`layers.CHECKPOINT_NAMES`).
+        lora: adapters added to the projections (LoRAConfig; None or rank 0: none).
+        attention_impl: self-attention of packed rows given as ids (rows of >=
+            `blockwise_attention.BLOCKWISE_MIN_LEN` tokens; `posttrain.model.attention_kernels.IMPLS`): "auto"
+            (splash on a TPU mesh, the Pallas GPU kernel on a GPU mesh, else blockwise), "blockwise", "splash",
+            "pallas_gpu" (the Pallas interpreter off their platform) or "dense".
+        grad_dtype: "param" (default) or "compute": with "compute" the scanned layers' matrix weights (everything
+            of >= 2 dims per layer but the MoE router, which scores in float32) enter the layer scan already cast to
+            the compute dtype, so their gradients are stacked in it (bfloat16: half the gradient memory of float32
+            master weights; the optimizer upcasts them). The forward is unchanged (those weights are cast before
+            every use anyway); the gradients are rounded to the compute dtype before the update and summed across
+            devices in it (instead of float32 accumulation). XLA:TPU already holds such a copy of the weights (it
+            hoists each layer's cast out of the scan), so there it only halves the gradients. Training and prefill
+            only; decode is unchanged.
+        moe_gmm_impl: how MoE experts run (a setting of the run, `model.moe_*` in the run config): the grouped
+            matmul of the expert MLPs (`posttrain.model.gmm.IMPLS`; "auto" per backend).
+        moe_capacity_factor: 0 dropless (every routed token is computed); c > 0 gives every expert
+            ceil(c * tokens * k / E) slots per call and drops the rest (`moe.expert_keys` counts them).
+        moe_ep_capacity_factor: expert parallelism's all-to-all capacity: each expert shard receives at most
+            ceil(cf * m * k / S) rows from each of the S source shards of m tokens; rows over it are dropped and
+            counted (metric `moe/ep_dropped_frac`).
+        name: the architecture family ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2"; "" unknown), the
+            HF model_type it exports to.
     """
 
     vocab_size: int
