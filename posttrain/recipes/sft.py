@@ -36,18 +36,35 @@ from posttrain.recipes.run_plan import TrainSettings, optimizer_settings, policy
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SFTPlan:
-    """Every derived setting of one SFT run (`config_dict`: the config as a plain dict; code reads the rest)."""
+    """Every derived setting of one SFT run; code reads these, never the config.
+
+    Attributes:
+        workdir: the run's directory.
+        config_dict: the config as a plain dict (config.json, checkpoint metadata).
+        precision: the resolved precision policy.
+        mesh_shape: resolved axis sizes (no -1).
+        rules: logical-axis rules with the config's overlays.
+        batch_shards: devices the batch is split over.
+        policy: where the policy comes from and how it is built (PolicySource).
+        data: what SFT reads (`posttrain.algos.sft.data.DataSettings`).
+        step: the SFT step's options before the loaded model's MoE coefficients (`model_step`).
+        moe_aux_coef: sft.moe_aux_coef (< 0: the model's own).
+        learner: the update phase's settings (LearnerSettings).
+        train: the loop's own settings (TrainSettings).
+        eval_at_start: held-out NLL and perplexity before the first step.
+        eval_at_end: held-out NLL and perplexity after the last step.
+    """
 
     workdir: pathlib.Path
     config_dict: dict
     precision: PrecisionPolicy
-    mesh_shape: Mapping[str, int]  # resolved axis sizes (no -1)
-    rules: tuple  # logical-axis rules with the config's overlays
-    batch_shards: int  # devices the batch is split over
+    mesh_shape: Mapping[str, int]
+    rules: tuple
+    batch_shards: int
     policy: PolicySource
     data: data_lib.DataSettings
-    step: sft_step.StepOptions  # before the loaded model's MoE coefficients (`model_step`)
-    moe_aux_coef: float  # sft.moe_aux_coef (< 0: the model's own)
+    step: sft_step.StepOptions
+    moe_aux_coef: float
     learner: LearnerSettings
     train: TrainSettings
     eval_at_start: bool = True

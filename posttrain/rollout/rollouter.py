@@ -32,14 +32,27 @@ from posttrain.types import RolloutBatch
 class RolloutSettings:
     """What the rollout phase needs of a run (built by `posttrain.recipes.run_plan`).
 
-    train_specs: the training env mix {domain: EnvSpec}; group_size (G) samples per prompt, prompts_per_step (P);
-    sampling: the training rollouts' SamplingParams; max_turns: env turns per episode; prompt_bucket: prompt
-    widths round up to it; system_prompt: "" for none; decode_shrink_steps / decode_multiple: the sampler's
-    decode-width schedule (`sampler.shrink_schedule`); row_multiple: rows pad to a multiple of it (minibatches x
-    microbatches x batch shards); packed: a prompt and its G completions in one row; overlong_filter: truncated
-    samples leave the loss; dynamic_sampling / max_resample_rounds: redraw zero-variance groups (DAPO), bounded;
-    record_routing: routing replay; num_workers / step_timeout_s: env worker processes (0: in-process) and their
-    per-step timeout in seconds; seed: the task order's; curriculum: the config's curriculum section."""
+    Attributes:
+        train_specs: the training env mix {domain: EnvSpec}.
+        group_size: G, samples per prompt.
+        prompts_per_step: P, prompts per step.
+        sampling: the training rollouts' SamplingParams.
+        max_turns: env turns per episode.
+        prompt_bucket: prompt widths round up to a multiple of it.
+        system_prompt: a system turn before every prompt ("": none).
+        decode_shrink_steps: the most times the decode batch drops its finished rows (`sampler.shrink_schedule`).
+        decode_multiple: decode widths are multiples of it.
+        row_multiple: rows pad to a multiple of it (minibatches x microbatches x batch shards).
+        packed: a prompt and its G completions in one row.
+        overlong_filter: truncated samples leave the loss.
+        dynamic_sampling: redraw zero-variance groups (DAPO).
+        max_resample_rounds: the most redraw rounds per step.
+        record_routing: record the sampler's expert selections (routing replay).
+        num_workers: env worker processes (0: in-process).
+        step_timeout_s: a worker's limit on one env step, in seconds.
+        seed: seeds the task order.
+        curriculum: the config's curriculum section.
+    """
 
     train_specs: Mapping[str, EnvSpec]
     group_size: int
