@@ -4,6 +4,9 @@ ml-collections).
   posttrain train  --config=configs/quickstart.py [--config.rl.group_size=8 ...] [--workdir=DIR]   (GRPO)
   posttrain sft    --config=configs/sft_tiny.py [--workdir=DIR]   (supervised fine-tuning on chat data)
   posttrain eval   --config=configs/quickstart.py --checkpoint=DIR   (DIR: a run's workdir)
+  posttrain eval   --suite=configs/eval/default.py --checkpoint=DIR [--baseline=base|RUN2] [--limit=N]
+                   [--domains=PATTERNS] [--out=DIR]   (a suite, paired verdicts vs the baseline; recipes/evaluate.py)
+  posttrain eval   --from_records=DIR [--suite=...]   (rescore a suite report's recorded replies, no sampling)
   posttrain sample --prompt="What is 12 + 30?" [--model=PATH.gguf|HF_DIR] [--max_new_tokens=64]
   posttrain convert --model=PATH.gguf|HF_DIR --out=HF_DIR [--dtype=bfloat16] [--max_shard_mb=4096]
   posttrain convert --config=configs/X.py --checkpoint=DIR --out=HF_DIR  (a run's latest policy, LoRA merged)
@@ -33,7 +36,13 @@ def _flags():
         flags.DEFINE_string("checkpoint", None, "eval/convert: the workdir of a run whose latest checkpoint to use")
         flags.DEFINE_string("prompt", "What is 12 + 30?", "sample: the user message")
         flags.DEFINE_string("model", None, "sample/convert: a .gguf file or HF directory (default: SmolLM2 GGUF)")
-        flags.DEFINE_string("out", None, "convert: output directory (a complete HF model directory)")
+        flags.DEFINE_string("out", None, "convert: output directory (a complete HF model directory); eval --suite: "
+                            "the report folder (default <checkpoint>/eval/<suite name>)")
+        flags.DEFINE_string("suite", None, "eval: a configs/eval/*.py suite (domains by capability area)")
+        flags.DEFINE_string("baseline", None, "eval --suite: 'base' (the run's initial policy) or a run's workdir")
+        flags.DEFINE_integer("limit", None, "eval --suite: at most this many tasks per domain")
+        flags.DEFINE_string("domains", None, "eval --suite: only these domains (names or patterns, comma-separated)")
+        flags.DEFINE_string("from_records", None, "eval: rescore the records of a suite report folder (no sampling)")
         flags.DEFINE_string("dtype", None, "convert: float32|bfloat16|float16 of the written weights "
                             "(default: the model's parameter dtype)")
         flags.DEFINE_integer("max_shard_mb", 4096, "convert: safetensors shard size limit in MiB")
@@ -130,7 +139,26 @@ def cmd_sft(f) -> int:
 
 
 def cmd_eval(f) -> int:
+    if f.suite or f.from_records:
+        from posttrain.config import ConfigError
+        from posttrain.recipes import evaluate
+
+        if not (f.from_records or f.checkpoint):
+            raise SystemExit("error: --checkpoint=<run workdir> is required")
+        try:
+            result = (evaluate.rescore_folder(f.from_records, suite_path=f.suite, out=f.out) if f.from_records else
+                      evaluate.evaluate_suite(f.suite, f.checkpoint, baseline=f.baseline, limit=f.limit,
+                                              domains=f.domains, out=f.out,
+                                              cfg=_load_config(f) if f.config is not None else None))
+        except (ConfigError, evaluate.grpo.RunNotFoundError):
+            raise  # main() prints them in one line with exit code 2
+        except (ValueError, FileNotFoundError) as e:  # a bad suite, selection or records folder
+            raise SystemExit(f"error: {' '.join(str(e).split())}") from None
+        print(result.pop("text"))
+        print(json.dumps(result))
+        return 0
     from posttrain.recipes import grpo
+
 
     step, m = grpo.evaluate_run(_run_plan(f))
     print(json.dumps({"step": step, **m}))

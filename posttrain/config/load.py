@@ -64,6 +64,7 @@ _RANGES = {
     ("env", "num_workers"): _NONNEGATIVE, ("env", "step_timeout_s"): ("> 0", lambda v: v > 0),
     ("train", "max_train_seconds"): _NONNEGATIVE,
     ("eval", "num_tasks"): _POSITIVE, ("eval", "every_steps"): _NONNEGATIVE,
+    ("eval", "seed"): (">= 0, or -1 (train.seed + 1)", lambda v: v >= -1),
     **{("mesh", k): ("-1 (the remaining devices) or >= 1", lambda v: v == -1 or v >= 1)
        for k in ("data", "fsdp", "tensor", "expert")},
 }

@@ -57,6 +57,29 @@ def comparison_markdown(cmp: Comparison) -> str:
     return "\n".join(lines) + "\n"
 
 
+SUMMARY_COLUMNS = ("pass@1", "mean_reward", "format_rate", "mean_length", "truncation_rate")
+
+
+def summary_markdown(summary: dict, label: str = "") -> str:
+    """A Markdown table of one evaluation (`posttrain.eval.runner.suite_summary`): a row per area followed by its
+    domains, then all tasks; columns tasks, samples per task (the fewest), pass@1, every pass@k a row has, mean
+    reward, format-compliance rate, mean response length (tokens), truncation rate ("-" where absent). `label`
+    heads the table when given."""
+    order = []
+    for area, s in summary["areas"].items():
+        order.append((f"**{area}**", s))
+        order += [(f"- {d}", ds) for d, ds in summary["domains"].items() if summary["area_of"].get(d) == area]
+    order.append(("**all**", summary["all"]))
+    ks = sorted({k for _, s in order for k in s if k.startswith("pass@") and k != "pass@1"}, key=lambda k: int(k[5:]))
+    cols = ["pass@1", *ks, *SUMMARY_COLUMNS[1:]]
+    lines = ([label, ""] if label else []) + ["| area / domain | tasks | n | " + " | ".join(cols) + " |",
+                                              "|---|---:|---:|" + "---:|" * len(cols)]
+    for name, s in order:
+        cells = ["-" if c not in s else f"{s[c]:.1f}" if c == "mean_length" else f"{s[c]:.3f}" for c in cols]
+        lines.append(f"| {name} | {int(s['tasks'])} | {int(s['n_min'])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def forest_plot(cmp: Comparison, path: str | Path, *, metric: str = "pass@1") -> Path:
     """Writes a PNG forest plot to `path`: one line per domain, the difference (candidate - baseline) of `metric`
     ("pass@1" or "mean_reward") as a point with its paired bootstrap interval, coloured by verdict, a dashed line

@@ -62,11 +62,12 @@ def step_builder(plan: RunPlan):
         graphdef, tx, lr_schedule, plan.model_step(model_config.moe))
 
 
-def build(plan: RunPlan, *, reading: bool = False) -> tuple[Rollouter, Learner, dict]:
+def build(plan: RunPlan, *, reading: bool = False, restore: bool = True) -> tuple[Rollouter, Learner, dict]:
     """The phases of a run: the policy loaded on the plan's mesh, the learner's train state (restored from the
-    newest checkpoint in the workdir, if any), the rollouter (its scheduler and curriculum restored with it) and
-    the held-out episodes. Writes the workdir's config.json, unless `reading` (a command that only reads a run:
-    then the run must hold a complete checkpoint, `require_checkpoint`)."""
+    newest checkpoint in the workdir, if any, unless not `restore`: then the initial policy until
+    `learner.restore()`), the rollouter (its scheduler and curriculum restored with it) and the held-out episodes.
+    Writes the workdir's config.json, unless `reading` (a command that only reads a run: then the run must hold a
+    complete checkpoint, `require_checkpoint`)."""
     if reading:
         require_checkpoint(plan.workdir)
     else:
@@ -77,7 +78,7 @@ def build(plan: RunPlan, *, reading: bool = False) -> tuple[Rollouter, Learner, 
     learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, step_builder(plan),
                              read_only=reading)
     rollouter = Rollouter.create(plan.rollout, mesh, learner.graphdef, tokenizer, advantage_fn(plan.advantage),
-                                 meta=learner.restore())
+                                 meta=learner.restore() if restore else None)
     note = unreadable_note(learner.checkpointer)
     if note:
         metrics_lib.log.error(note)

@@ -207,7 +207,8 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
     e = cfg.eval
     evaluation = EvalSettings(specs=dict(env.eval), sampling=eval_sampling, num_tasks=e.num_tasks,
                               batch_size=e.batch_size, scorer=e.scorer, max_turns=env.max_turns,
-                              system_prompt=s.system_prompt, prompt_bucket=s.prompt_bucket, seed=cfg.train.seed + 1,
+                              system_prompt=s.system_prompt, prompt_bucket=s.prompt_bucket,
+                              seed=e.seed if e.seed >= 0 else cfg.train.seed + 1,
                               every_steps=e.every_steps, at_start=e.at_start, at_end=e.at_end)
     t = cfg.train
     return RunPlan(workdir=wd, config_dict=config_dict, precision=precision, mesh_shape=shape, rules=rules,

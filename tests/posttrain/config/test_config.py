@@ -7,7 +7,8 @@ import pytest
 
 from posttrain.config import Config, ConfigError, from_config_dict
 
-CONFIGS = sorted(pathlib.Path(__file__).resolve().parents[3].joinpath("configs").glob("**/*.py"))
+CONFIGS = sorted(p for p in pathlib.Path(__file__).resolve().parents[3].joinpath("configs").glob("**/*.py")
+                 if p.parent.name != "eval")  # configs/eval/*.py are evaluation suites (test_eval_suite)
 
 
 def load(path):

@@ -1,0 +1,70 @@
+"""`posttrain eval --suite` on the tiny model: a run's checkpoint against its base policy, paired by task, the report
+files, the skipped domain, rescoring the written records (--from_records) and eval.seed in the run plan."""
+import json
+
+import pytest
+from absl.testing import flagsaver
+
+from helpers import tiny_config
+from posttrain import cli
+from posttrain.eval import records as records_lib
+from posttrain.recipes import evaluate, grpo
+from posttrain.recipes.run_plan import make_run_plan
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run whose only checkpoint is its initial policy (step 0): no train step is compiled."""
+    workdir = tmp_path_factory.mktemp("run")
+    rollouter, learner, _ = grpo.build(make_run_plan(tiny_config(workdir)))
+    learner.save(rollouter.state_dict(), force=True)
+    learner.wait()
+    learner.close()
+    rollouter.close()
+    return workdir
+
+
+def test_suite_against_base_writes_the_report_and_rescoring_reproduces_it(run_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("POSTTRAIN_XLA_CACHE", "0")
+    out = tmp_path / "report"
+    assert main("--suite=configs/eval/tiny.py", f"--checkpoint={run_dir}", "--baseline=base",
+                "--domains=arithmetic,gsm8k", "--limit=4", f"--out={out}") == 0
+    printed = capsys.readouterr().out
+    result = json.loads(printed.strip().splitlines()[-1])
+    assert result["counts"] == {"improved": 0, "no change": 1, "regressed": 0}  # the same policy: no change
+    assert result["skipped"]["gsm8k"].startswith("data absent") and "skipped: gsm8k (data absent" in printed
+    assert "4 tasks in 1 domains" in printed and "minimum detectable effect on pass@1" in printed
+    assert {p.name for p in out.iterdir()} == {"suite.json", "baseline", "candidate", "comparison.md",
+                                               "comparison.json", "forest.png"}
+    base, base_results = records_lib.read_evaluation(out / "baseline")
+    cand, cand_results = records_lib.read_evaluation(out / "candidate")
+    assert len(cand) == 4 and [r["replies"] for r in base] == [r["replies"] for r in cand]  # one sampling stream
+    assert base_results["task_set_hash"] == cand_results["task_set_hash"] == result["task_set_hash"]
+    assert base_results["step"] == 0 == cand_results["step"] and base_results["label"] == "base"
+    assert set(cand_results["summary"]["domains"]["arithmetic"]) >= {"pass@1", "mean_reward", "format_rate",
+                                                                     "mean_length", "truncation_rate"}
+    rescored = evaluate.rescore_folder(str(out))
+    assert rescored["task_set_hash"] == result["task_set_hash"] and rescored["counts"] == result["counts"]
+    again, _ = records_lib.read_evaluation(out / "rescored" / "candidate")
+    assert [r["rewards"] for r in again] == [r["rewards"] for r in cand]
+
+
+def main(*args):
+    with flagsaver.flagsaver():  # absl flags keep their values between in-process calls
+        return cli.main(["posttrain", "eval", *args])
+
+
+def test_bad_suite_invocations_fail_clearly(run_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit, match="no such file"):
+        main("--suite=configs/eval/none.py", f"--checkpoint={run_dir}")
+    with pytest.raises(SystemExit, match="'zzz' matches no domain"):
+        main("--suite=configs/eval/tiny.py", f"--checkpoint={run_dir}", "--domains=zzz")
+    with pytest.raises(SystemExit, match="--checkpoint=<run workdir> is required"):
+        main("--suite=configs/eval/tiny.py")
+    assert main("--suite=configs/eval/tiny.py", f"--checkpoint={tmp_path}") == 2
+    assert "no checkpoints/ folder" in capsys.readouterr().err and not (tmp_path / "eval").exists()
+
+
+def test_eval_seed_sets_the_sampling_stream(tmp_path):
+    assert make_run_plan(tiny_config(tmp_path, **{"eval.seed": 7})).eval.seed == 7
+    assert make_run_plan(tiny_config(tmp_path, **{"train.seed": 3})).eval.seed == 4  # -1: train.seed + 1
