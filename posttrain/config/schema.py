@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from posttrain.config.tasks import TasksConfig
 from posttrain.model.config import LoRAConfig, MLAConfig, ModelConfig, MoEConfig, RopeConfig  # noqa: F401
 
 
@@ -240,9 +241,6 @@ class EvalConfig:
         batch_size: episodes per sampler call.
         scorer: "env" uses the env's reward (>= 1 solves); "last_integer" compares the last integer of the reply
             with the task's answer.
-        seed: the evaluation sampling stream (`jax.random.key(seed)`, folded per domain and batch), for the
-            loop's evaluations and `posttrain eval --suite`; two evaluations with different seeds draw independent
-            samples (-1: train.seed + 1).
     """
 
     every_steps: int = 0
@@ -253,7 +251,6 @@ class EvalConfig:
     temperature: float = 0.0
     batch_size: int = 64
     scorer: str = "env"
-    seed: int = -1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -358,6 +355,8 @@ class Config:
         checkpoint: checkpoint saving (CheckpointConfig).
         train: steps, seed, workdir and stopping rules (TrainConfig).
         curriculum: the per-domain difficulty curriculum, off unless enabled (CurriculumConfig).
+        tasks: task scheduling over many domains: policies, retries, quarantine, breaker, pass-rate band
+            (`posttrain.config.tasks.TasksConfig`).
     """
 
     model: ModelRunConfig = ModelRunConfig()
@@ -371,3 +370,4 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     train: TrainConfig = TrainConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
+    tasks: TasksConfig = TasksConfig()

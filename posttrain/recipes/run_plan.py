@@ -30,6 +30,7 @@ from posttrain.learn.learner import LearnerSettings
 from posttrain.learn.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
 from posttrain.rollout.rollouter import RolloutSettings
 from posttrain.rollout.sampler import SamplingParams, logprob_temperature
+from posttrain.tasks.policy import SchedulerSettings, policies_from_mapping, resolve_policies
 
 # (section, key) -> the registry whose keys are its allowed values
 REGISTRY_NAMES = {("rl", "advantage"): ADVANTAGES, ("rl", "loss"): losses_lib.POLICY_LOSSES,
@@ -39,14 +40,9 @@ REGISTRY_NAMES = {("rl", "advantage"): ADVANTAGES, ("rl", "loss"): losses_lib.PO
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainSettings:
-    """The loop's own settings.
-
-    Attributes:
-        steps: updates in the run.
-        max_train_seconds: stop after this much time (0: no limit; rollouts, updates and checkpoints count,
-            in-loop evaluation does not).
-        max_nonfinite_skips: consecutive skipped (non-finite) updates that stop the run.
-    """
+    """The loop's own settings: steps (updates in the run), max_train_seconds (0: no limit; rollouts, updates and
+    checkpoints count, in-loop evaluation does not), max_nonfinite_skips (consecutive skipped updates that stop
+    the run)."""
 
     steps: int
     max_train_seconds: float = 0.0
@@ -55,41 +51,25 @@ class TrainSettings:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunPlan:
-    """Every derived setting of one run; the components' settings are all that code reads.
-
-    Attributes:
-        workdir: the run's directory.
-        config_dict: the config as a plain dict (config.json, checkpoint metadata, the summary).
-        precision: the resolved precision policy.
-        mesh_shape: resolved axis sizes (no -1).
-        rules: logical-axis rules: mesh.RULES with the config's `mesh.rules` overlays.
-        batch_shards: devices the batch is split over (mesh axes of the "batch" rule).
-        policy: where the policy comes from and how it is built (PolicySource).
-        rollout: the rollout phase's settings (RolloutSettings).
-        advantage: an ADVANTAGES name (the rollout phase is handed its function).
-        step: the GRPO step's options before the loaded model's MoE coefficients (`model_step`).
-        moe_aux_coef: rl.moe_aux_coef (< 0: the model's own).
-        learner: the update phase's settings (LearnerSettings).
-        eval: held-out evaluation's settings (EvalSettings).
-        train: the loop's own settings (TrainSettings).
-        warnings: legal but suspect settings, logged when a run starts.
-    """
+    """Every derived setting of one run. `config_dict`: the config as a plain dict (config.json, checkpoint
+    metadata, the summary); the components' settings below are all that code reads."""
 
     workdir: pathlib.Path
     config_dict: dict
     precision: PrecisionPolicy
-    mesh_shape: Mapping[str, int]
-    rules: tuple
-    batch_shards: int
+    mesh_shape: Mapping[str, int]  # resolved axis sizes (no -1)
+    rules: tuple  # logical-axis rules: mesh.RULES with the config's `mesh.rules` overlays
+    batch_shards: int  # devices the batch is split over (mesh axes of the "batch" rule)
     policy: PolicySource
     rollout: RolloutSettings
-    advantage: str
-    step: StepOptions
-    moe_aux_coef: float
+    advantage: str  # an ADVANTAGES name (the rollout phase is handed its function)
+    step: StepOptions  # the GRPO step's options before the loaded model's MoE coefficients (`model_step`)
+    moe_aux_coef: float  # rl.moe_aux_coef (< 0: the model's own)
     learner: LearnerSettings
     eval: EvalSettings
     train: TrainSettings
-    warnings: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()  # legal but suspect settings, logged when a run starts
+    tasks: SchedulerSettings | None = None  # the job scheduler's settings (None: tasks.enabled is off)
 
     def model_step(self, moe) -> StepOptions:
         """The step options for the loaded model (its MoEConfig or None): MoE coefficients and bias rate."""
@@ -102,6 +82,23 @@ def check_names(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), key)
         if value not in registry:
             raise ConfigError(f"{section}.{key}={value!r}; expected one of {tuple(registry)}")
+
+
+def scheduler_settings(cfg: Config, run: str) -> SchedulerSettings:
+    """The job scheduler's settings of the config's `tasks` section (policies resolved against env.train, so a bad
+    pattern or min_shares over 1 fail here). Raises ConfigError naming `tasks` and the scheduler's message."""
+    t = cfg.tasks
+    try:
+        policies = policies_from_mapping(t.policies)
+        resolve_policies(sorted(cfg.env.train), policies)
+        return SchedulerSettings(
+            policies=policies, group_size=cfg.rl.group_size, seed=cfg.train.seed, run=run.replace(":", "_") or "run",
+            max_attempts=t.max_attempts, retries_per_step=t.retries_per_step, backoff_s=t.backoff_s,
+            backoff_max_s=t.backoff_max_s, breaker_rate=t.breaker_rate, breaker_window=t.breaker_window,
+            breaker_cooldown_steps=t.breaker_cooldown_steps, band_visits=t.band_visits, band_recheck=t.band_recheck,
+            pass_threshold=t.pass_threshold, cost_ema=t.cost_ema, max_credit=t.max_credit)
+    except ValueError as e:
+        raise ConfigError(f"tasks: {e}") from None
 
 
 def truncation_warning(cfg: Config) -> str | None:
@@ -207,13 +204,14 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
     e = cfg.eval
     evaluation = EvalSettings(specs=dict(env.eval), sampling=eval_sampling, num_tasks=e.num_tasks,
                               batch_size=e.batch_size, scorer=e.scorer, max_turns=env.max_turns,
-                              system_prompt=s.system_prompt, prompt_bucket=s.prompt_bucket,
-                              seed=e.seed if e.seed >= 0 else cfg.train.seed + 1,
+                              system_prompt=s.system_prompt, prompt_bucket=s.prompt_bucket, seed=cfg.train.seed + 1,
                               every_steps=e.every_steps, at_start=e.at_start, at_end=e.at_end)
     t = cfg.train
+    tasks = scheduler_settings(cfg, wd.name)  # validated whether or not it is enabled
     return RunPlan(workdir=wd, config_dict=config_dict, precision=precision, mesh_shape=shape, rules=rules,
                    batch_shards=shards, policy=policy_source(cfg, precision), rollout=rollout, advantage=rl.advantage,
                    step=opts, moe_aux_coef=rl.moe_aux_coef, learner=learner, eval=evaluation,
                    train=TrainSettings(steps=t.steps, max_train_seconds=t.max_train_seconds,
                                        max_nonfinite_skips=t.max_nonfinite_skips),
-                   warnings=tuple(w for w in (truncation_warning(cfg),) if w))
+                   warnings=tuple(w for w in (truncation_warning(cfg),) if w),
+                   tasks=tasks if cfg.tasks.enabled else None)

@@ -64,12 +64,17 @@ def _sandbox(out):
     assert out["posttrain_passed"] == out["harness_passed"] == out["problems"] == 4
 
 
+def _archive(out):
+    assert out["quick"] and out["rows"] == 10_000 and out["domains_answered"] == 300 and out["step_rows"] == 64
+
+
 def _verifiers(out):
     assert out["quick"] and out["timeout_call_status"] == "timeout" and set(out["shapes"]) >= {"spaces", "braces"}
 
 
 # bench: (arguments, in this process?, figure, peer, ratio (keys, dotted), more checks)
 TABLE = {
+    "archive": ([], True, "write_s_per_step", "quickstart_step_s", "write_ratio", _archive),
     "attention": ([], True, "results.dense.tokens_per_s", "results.blockwise.tokens_per_s",
                   "results.dense.ratio_to_blockwise", _attention),
     "grpo_step": (["--remat", "dots"], True, "model_flops_per_s", "peak_flops_per_s", "mfu", _grpo_step),
