@@ -191,6 +191,17 @@ class TextEnv(gymnasium.Env):
         info = {**info, "turn": self.turn, "task_id": self.task.get("id")}
         return observation, float(reward), bool(terminated), truncated, info
 
+    def play(self, task: Mapping, actions: Sequence[str]) -> tuple[float, dict]:
+        """(reward, info) of the episode on `task` that takes `actions` in turn until it ends (the last step's
+        reward and info; (0.0, {}) for no actions). Raises as `reset` / `step`."""
+        self.reset(options={"task": task})
+        reward, info = 0.0, {}
+        for action in actions:
+            _, reward, terminated, truncated, info = self.step(action)
+            if terminated or truncated:
+                break
+        return reward, info
+
     # -- invariant 7 --------------------------------------------------------------------------------
 
     def self_check(self) -> None:
@@ -200,12 +211,7 @@ class TextEnv(gymnasium.Env):
         if not {0.0, 1.0} <= expected:
             raise RuntimeError(f"{type(self).__name__}: golden episodes must include rewards 0 and 1")
         for task, actions, want in episodes:
-            self.reset(options={"task": task})
-            reward, info = 0.0, {}
-            for action in actions:
-                _, reward, terminated, truncated, info = self.step(action)
-                if terminated or truncated:
-                    break
+            reward, info = self.play(task, actions)
             if reward != want:
                 raise RuntimeError(
                     f"{type(self).__name__} self-check failed on task {task.get('id')!r}: expected reward "

@@ -83,12 +83,7 @@ def _rescore_one(env, record: Mapping, scorer: str, fmt: str) -> dict:
     turns = record.get("turns") or [[reply] for reply in record["replies"]]
     rewards, statuses, correct = [], [], []
     for texts in turns:
-        env.reset(options={"task": task})
-        reward, info = 0.0, {}
-        for text in texts:
-            _, reward, terminated, truncated, info = env.step(text)
-            if terminated or truncated:
-                break
+        reward, info = env.play(task, texts)
         rewards.append(float(reward))
         statuses.append(str(info.get("status", "")))
         correct.append(bool(SCORERS[scorer](texts[-1] if texts else "", reward, info)))
