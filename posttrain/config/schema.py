@@ -241,6 +241,9 @@ class EvalConfig:
         batch_size: episodes per sampler call.
         scorer: "env" uses the env's reward (>= 1 solves); "last_integer" compares the last integer of the reply
             with the task's answer.
+        seed: the evaluation sampling stream (`jax.random.key(seed)`, folded per domain and batch), for the
+            loop's evaluations and `posttrain eval --suite`; two evaluations with different seeds draw independent
+            samples (-1: train.seed + 1).
     """
 
     every_steps: int = 0
@@ -251,6 +254,7 @@ class EvalConfig:
     temperature: float = 0.0
     batch_size: int = 64
     scorer: str = "env"
+    seed: int = -1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -40,9 +40,14 @@ REGISTRY_NAMES = {("rl", "advantage"): ADVANTAGES, ("rl", "loss"): losses_lib.PO
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainSettings:
-    """The loop's own settings: steps (updates in the run), max_train_seconds (0: no limit; rollouts, updates and
-    checkpoints count, in-loop evaluation does not), max_nonfinite_skips (consecutive skipped updates that stop
-    the run)."""
+    """The loop's own settings.
+
+    Attributes:
+        steps: updates in the run.
+        max_train_seconds: stop after this much time (0: no limit; rollouts, updates and checkpoints count,
+            in-loop evaluation does not).
+        max_nonfinite_skips: consecutive skipped (non-finite) updates that stop the run.
+    """
 
     steps: int
     max_train_seconds: float = 0.0
@@ -51,25 +56,43 @@ class TrainSettings:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunPlan:
-    """Every derived setting of one run. `config_dict`: the config as a plain dict (config.json, checkpoint
-    metadata, the summary); the components' settings below are all that code reads."""
+    """Every derived setting of one run; the components' settings are all that code reads.
+
+    Attributes:
+        workdir: the run's directory.
+        config_dict: the config as a plain dict (config.json, checkpoint metadata, the summary).
+        precision: the resolved precision policy.
+        mesh_shape: resolved axis sizes (no -1).
+        rules: logical-axis rules: mesh.RULES with the config's `mesh.rules` overlays.
+        batch_shards: devices the batch is split over (mesh axes of the "batch" rule).
+        policy: where the policy comes from and how it is built (PolicySource).
+        rollout: the rollout phase's settings (RolloutSettings).
+        advantage: an ADVANTAGES name (the rollout phase is handed its function).
+        step: the GRPO step's options before the loaded model's MoE coefficients (`model_step`).
+        moe_aux_coef: rl.moe_aux_coef (< 0: the model's own).
+        learner: the update phase's settings (LearnerSettings).
+        eval: held-out evaluation's settings (EvalSettings).
+        train: the loop's own settings (TrainSettings).
+        warnings: legal but suspect settings, logged when a run starts.
+        tasks: the job scheduler's settings (SchedulerSettings; None: tasks.enabled is off).
+    """
 
     workdir: pathlib.Path
     config_dict: dict
     precision: PrecisionPolicy
-    mesh_shape: Mapping[str, int]  # resolved axis sizes (no -1)
-    rules: tuple  # logical-axis rules: mesh.RULES with the config's `mesh.rules` overlays
-    batch_shards: int  # devices the batch is split over (mesh axes of the "batch" rule)
+    mesh_shape: Mapping[str, int]
+    rules: tuple
+    batch_shards: int
     policy: PolicySource
     rollout: RolloutSettings
-    advantage: str  # an ADVANTAGES name (the rollout phase is handed its function)
-    step: StepOptions  # the GRPO step's options before the loaded model's MoE coefficients (`model_step`)
-    moe_aux_coef: float  # rl.moe_aux_coef (< 0: the model's own)
+    advantage: str
+    step: StepOptions
+    moe_aux_coef: float
     learner: LearnerSettings
     eval: EvalSettings
     train: TrainSettings
-    warnings: tuple[str, ...] = ()  # legal but suspect settings, logged when a run starts
-    tasks: SchedulerSettings | None = None  # the job scheduler's settings (None: tasks.enabled is off)
+    warnings: tuple[str, ...] = ()
+    tasks: SchedulerSettings | None = None
 
     def model_step(self, moe) -> StepOptions:
         """The step options for the loaded model (its MoEConfig or None): MoE coefficients and bias rate."""
@@ -204,7 +227,8 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
     e = cfg.eval
     evaluation = EvalSettings(specs=dict(env.eval), sampling=eval_sampling, num_tasks=e.num_tasks,
                               batch_size=e.batch_size, scorer=e.scorer, max_turns=env.max_turns,
-                              system_prompt=s.system_prompt, prompt_bucket=s.prompt_bucket, seed=cfg.train.seed + 1,
+                              system_prompt=s.system_prompt, prompt_bucket=s.prompt_bucket,
+                              seed=e.seed if e.seed >= 0 else cfg.train.seed + 1,
                               every_steps=e.every_steps, at_start=e.at_start, at_end=e.at_end)
     t = cfg.train
     tasks = scheduler_settings(cfg, wd.name)  # validated whether or not it is enabled
