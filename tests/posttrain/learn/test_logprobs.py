@@ -1,5 +1,7 @@
-"""Chunked logprobs with the hand-written backward: equal to autodiff of the plain chunk loop, one weight-gradient
-buffer instead of one per chunk, and the requested matmul precision on every dot."""
+"""Token logprobs (log_softmax(logits / T) in float32, against NumPy) and the chunked ones with the hand-written
+backward: equal to the naive full-logits path and to autodiff of the plain chunk loop, one weight-gradient buffer
+instead of one per chunk, no full [B, T, V] logits, chunks without valid tokens skipped, and the requested matmul
+precision on every dot."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,3 +106,92 @@ def test_precision_reaches_every_dot_of_forward_and_backward():
     assert n_dots >= 3 and hlo.count("HIGHEST") >= n_dots  # forward, d/dh and d/dw
     with pytest.raises(ValueError, match="precision"):
         LP.chunked_token_logprobs(h, w, tg, precision="tf32")
+
+def np_log_softmax(z):
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+# ----- the one definition of a token's logprob, chunked or not -----
+def test_token_logprobs_matches_log_softmax_reference():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, (2, 5, 11)).astype(np.float32)
+    targets = rng.integers(0, 11, (2, 5))
+    got = LP.token_logprobs(jnp.asarray(logits, jnp.bfloat16).astype(np.float32), targets, 0.7)
+    want = np.take_along_axis(np_log_softmax(logits.astype(np.float64) / 0.7), targets[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(got), want, atol=0.05)  # bf16 round trip of the logits
+    got = LP.token_logprobs(logits, targets, 0.7)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    lsm = np_log_softmax(logits.astype(np.float64) / 0.7)
+    want_ent = -(np.exp(lsm) * lsm).sum(-1)
+    np.testing.assert_allclose(np.asarray(LP.token_entropy(logits, 0.7)), want_ent, rtol=1e-5, atol=1e-6)
+
+
+def _chunk_vs_naive_inputs(b=2, t=7, d=16, v=300):
+    k = jax.random.split(jax.random.key(1), 3)
+    return (jax.random.normal(k[0], (b, t, d)), jax.random.normal(k[1], (d, v)) * 0.5,
+            jax.random.randint(k[2], (b, t), 0, v))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 100])
+def test_chunked_matches_naive_values_and_gradients(chunk_size):
+    h, w, tg = _chunk_vs_naive_inputs()
+    wt = jax.random.normal(jax.random.key(2), tg.shape)  # weights so each token's gradient differs
+
+    def naive(h, w):
+        z = jnp.einsum("btd,dv->btv", h, w)
+        return (LP.token_logprobs(z, tg, 0.8) * wt).sum() + (LP.token_entropy(z, 0.8) * wt**2).sum()
+
+    def chunked(h, w):
+        out = LP.chunked_token_logprobs(h, w, tg, 0.8, chunk_size=chunk_size, with_entropy=True)
+        return (out.logp_BxT * wt).sum() + (out.entropy_BxT * wt**2).sum()
+
+    (v_n, g_n), (v_c, g_c) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(h, w) for f in (naive, chunked))
+    np.testing.assert_allclose(float(v_c), float(v_n), rtol=1e-5)
+    for a, b in zip(g_c, g_n):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    out = LP.chunked_token_logprobs(h, w, tg, 0.8, chunk_size=chunk_size)
+    z = jnp.einsum("btd,dv->btv", h, w)
+    want = np.asarray(LP.token_logprobs(z, tg, 0.8))
+    np.testing.assert_allclose(np.asarray(out.logp_BxT), want, rtol=1e-5, atol=1e-6)
+    assert out.entropy_BxT is None and out.logp_BxT.dtype == jnp.float32
+
+
+def test_chunked_never_materialises_full_logits():
+    b, t, d, v = 2, 512, 32, 8192
+    h, w, tg = (jnp.zeros((b, t, d)), jnp.zeros((d, v)), jnp.zeros((b, t), jnp.int32))
+    full_bytes = b * t * v * 4
+
+    def temp_bytes(f):
+        compiled = jax.jit(jax.grad(f, argnums=(0, 1))).lower(h, w).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    naive = lambda h, w: LP.token_logprobs(jnp.einsum("btd,dv->btv", h, w), tg).sum()
+    chunked = lambda h, w: LP.chunked_token_logprobs(h, w, tg, chunk_size=64, with_entropy=True).logp_BxT.sum()
+    assert temp_bytes(naive) >= full_bytes  # the measurement can see a full [B, T, V] buffer
+    assert temp_bytes(chunked) < full_bytes / 2
+
+
+def test_chunked_logprobs_skip_chunks_without_valid_tokens():
+    """Chunks holding no valid token are skipped; valid positions and gradients are unchanged."""
+    rng = np.random.default_rng(3)
+    h = jnp.asarray(rng.normal(size=(1, 40, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(8, 50)), jnp.float32)
+    tgt = jnp.asarray(rng.integers(0, 50, (1, 40)), jnp.int32)
+    valid = np.zeros((1, 40), bool)
+    valid[0, [1, 5, 6, 17]] = True
+    order, inverse = LP.valid_first_order(valid.reshape(-1))
+    ordered = valid.reshape(-1)[np.asarray(order)]
+    assert ordered[:4].all() and not ordered[4:].any()
+
+    def f(w, skip):
+        out = LP.chunked_token_logprobs(h[:, order], w, tgt[:, order], 0.7, chunk_size=4,
+                                        valid_BxT=jnp.asarray(valid[:, order]) if skip else None)
+        return out.logp_BxT[0][inverse]
+
+    full, skipped = f(w, False), f(w, True)
+    np.testing.assert_allclose(skipped[valid[0]], full[valid[0]], rtol=1e-6)
+    assert np.all(np.asarray(skipped)[~valid[0]] == 0.0)
+    g_full = jax.grad(lambda w: jnp.where(valid[0], f(w, False), 0.0).sum())(w)
+    g_skip = jax.grad(lambda w: jnp.where(valid[0], f(w, True), 0.0).sum())(w)
+    np.testing.assert_allclose(g_skip, g_full, rtol=1e-5, atol=1e-6)
