@@ -30,6 +30,8 @@ def _flags():
     from ml_collections import config_flags
 
     f = flags.FLAGS
+    for name in [n for n in f if n.startswith("config.")]:  # an earlier main() in this process defined them
+        delattr(f, name)
     if "workdir" not in f:
         config_flags.DEFINE_config_file("config", None, "a configs/*.py file defining get_config()")
         flags.DEFINE_string("workdir", None, "output directory (default: config.train.workdir)")
@@ -247,6 +249,9 @@ def main(argv=None) -> int:
     if command == "plan":
         _fake_cpu_devices_for_plan(argv)
     f = _flags()
+    if any(a in ("--help", "-h", "--helpshort", "--helpfull", "-help") for a in argv[1:]):
+        print(command_help(command, f))
+        return 0
     try:
         f(argv)
     except Exception as e:  # absl raises its own error types for unknown/invalid flags
@@ -274,18 +279,86 @@ def main(argv=None) -> int:
         return 2
 
 
+# flags every command that takes them reads (the others are named by their help's "command:" prefixes)
+_SHARED_FLAGS = {"config": ("train", "sft", "eval", "convert", "plan"), "workdir": ("train", "sft"),
+                 "distributed": COMMANDS}
+
+
+def command_help(command: str, f) -> str:
+    """`posttrain <command> --help`: the command's usage lines (from this module's docstring) and its flags with
+    their defaults and help; a flag belongs to a command its help names before a colon ("eval/convert: ...")."""
+    import re
+
+    lines = __doc__.splitlines()
+    usage, inside = [], False
+    for line in lines:
+        if line.startswith(f"  posttrain {command} ") or line == f"  posttrain {command}":
+            inside = True
+        elif not line.startswith("    ") or line.startswith("  posttrain "):
+            inside = False
+        if inside:
+            usage.append(line)
+    out = [f"usage: posttrain {command} [flags]", *usage, "", "flags:"]
+    for name, flag in sorted(f._flags().items()):
+        if name != flag.name or name.startswith("config."):
+            continue
+        owners = re.findall(r"(?:^|[;,] *)([a-z/]+)(?: --\w+)?:", flag.help or "")
+        commands = {c for owner in owners for c in owner.split("/")}
+        if command in _SHARED_FLAGS.get(name, ()) or command in commands:
+            out.append(f"  --{name}={flag.default!r}: {' '.join((flag.help or '').split())}")
+    if command in _SHARED_FLAGS["config"]:
+        import dataclasses
+
+        from posttrain.config import Config
+
+        sections = [field.name for field in dataclasses.fields(Config)]
+        out.append(f"  --config.<section>.<key>=VALUE: override any key of the --config file; sections: {sections} "
+                   "(keys: the config file, posttrain/config/schema.py)")
+    return "\n".join(out)
+
+
+def _unknown_key_line(path: str, key: str, argv) -> str:
+    """One line for a --config.<path> override whose `key` the config lacks: the schema's keys at that level, or,
+    under a dict field (model.overrides, env.train, an env's kwargs), how to add the key (in the config file)."""
+    import dataclasses
+    import typing
+
+    from posttrain.config import Config
+
+    parts = path.split(".")[1:]
+    if key not in parts:
+        return f"unknown config key {path}"
+    parent = parts[:parts.index(key)]
+    node = Config
+    for part in parent:
+        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        node = hints.get(part)
+        if node is None or not dataclasses.is_dataclass(node):
+            break
+    where = ".".join(parent) or "config"
+    if node is not None and dataclasses.is_dataclass(node):
+        return (f"unknown config key {path}: {where} has no key {key!r}; its keys: "
+                f"{sorted(fl.name for fl in dataclasses.fields(node))}")
+    value = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{path}=")), "...")
+    return (f"unknown config key {path}: {where} is a dict without the key {key!r}, and the command line only "
+            f"changes keys that exist; add it in the config file (e.g. c.{where}[{key!r}] = {value})")
+
+
 def flag_error_line(e: BaseException, argv) -> str:
     """One line for a command-line error; an unknown --config.* key names the key and ml_collections' suggestion
-    (which arrives as the repr of a KeyError inside absl's error)."""
+    (which arrives as the repr of a KeyError inside absl's error), or without one the keys that exist there."""
     chain, c = [], e
     while c is not None and all(c is not x for x in chain):
         chain.append(c)
         c = c.__cause__ or c.__context__
     for c in chain:
-        if isinstance(c, KeyError) and c.args and isinstance(c.args[0], str) and "\n" in c.args[0]:
+        if isinstance(c, KeyError) and c.args and isinstance(c.args[0], str):
             key, _, hint = c.args[0].partition("\n")
             key = key.strip("'\"")
-            flag = next((a.split("=")[0] for a in argv if a.startswith("--config.") and key in a), key)
+            flag = next((a.split("=")[0] for a in argv if a.startswith("--config.")
+                         and key in a.split("=")[0].split(".")), key)
+            if not hint.strip():  # no close match: name the keys that exist there
+                return _unknown_key_line(flag.removeprefix("--"), key, argv)
             return f"unknown config key {flag.removeprefix('--')}: {hint.strip()}"
     return " ".join(str(e).split())
 

@@ -202,6 +202,36 @@ def load_gguf_file(path, *, mesh=None, rules=mesh_lib.RULES, dtype: str | None =
     return Pretrained(cfg, graphdef, state, ckpt.tokenizer)
 
 
+RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json")  # what marks a posttrain run directory
+
+
+def check_model_path(path) -> None:
+    """Checks, without reading weights, that `path` is a model a run can load: a GGUF file (its magic bytes) or an
+    HF directory whose config.json names a supported model_type. Raises FileNotFoundError when it does not exist,
+    ValueError naming the path and what is allowed otherwise (a posttrain run directory is named as one, with the
+    command that exports its policy as a model)."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory (a .gguf file or an HF model directory)")
+    if path.is_file():
+        with path.open("rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError(f"{path} is not a GGUF file (no GGUF magic bytes) nor an HF model directory")
+        return
+    if any((path / name).exists() for name in RUN_FILES):
+        raise ValueError(f"{path} is a posttrain run directory, not a model: resume it with --workdir={path}, or "
+                         f"export its policy with `posttrain convert --checkpoint={path} --out=DIR` and load DIR")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: no config.json (expected an HF model directory or a .gguf file)")
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}/config.json is not a JSON object: {e}") from None
+    if model_type not in hf_config_lib.SUPPORTED:
+        raise ValueError(f"{path}/config.json: model_type={model_type!r} is not supported; supported: "
+                         f"{hf_config_lib.SUPPORTED}")
+
+
 def load_pretrained(path=None, **kwargs) -> Pretrained:
     """A `.gguf` file or an HF directory; None means the default model (SmolLM2-135M-Instruct GGUF).
 

@@ -34,6 +34,41 @@ class PolicySource:
     seed: int = 0
     fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
+    def check(self) -> None:
+        """Checks the source without loading weights (run plans call it before any model load). Raises ValueError
+        naming the model.* key, its value and what is allowed: an unknown preset, overrides that are no ModelConfig
+        field or come without a preset, a preset vocabulary smaller than the byte tokenizer's, a path that is no
+        GGUF file or supported HF directory (`load.check_model_path`), no default model installed."""
+        from posttrain.checkpoints import load as load_lib
+
+        if self.preset:
+            from posttrain.model.presets import PRESETS
+            from posttrain.model.tokenizer import Tokenizer
+
+            if self.preset not in PRESETS:
+                raise ValueError(f"model.preset={self.preset!r} is unknown; presets: {sorted(PRESETS)}")
+            fields = {f.name for f in dataclasses.fields(ModelConfig)}
+            unknown = sorted(set(self.overrides) - fields)
+            if unknown:
+                raise ValueError(f"model.overrides: {unknown} are not ModelConfig fields; fields: {sorted(fields)}")
+            try:
+                cfg = self.preset_config()
+            except ValueError as e:  # a value ModelConfig refuses
+                raise ValueError(f"model.overrides={dict(self.overrides)}: {e}") from None
+            vocab = Tokenizer.byte_level().vocab_size
+            if cfg.vocab_size < vocab:
+                raise ValueError(f"model.preset={self.preset!r} has vocab_size {cfg.vocab_size} < the {vocab} ids of "
+                                 f"the byte tokenizer it uses; set model.overrides = {{'vocab_size': {vocab}}} (or "
+                                 "more) in the config file")
+            return
+        try:
+            load_lib.check_model_path(self.path or _default_model_path())
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"model.path={self.path!r}: {e}") from None
+        if self.overrides:
+            raise ValueError(f"model.overrides={dict(self.overrides)} apply to a model.preset only (a checkpoint's "
+                             "shapes come from its file)")
+
     def preset_config(self) -> ModelConfig:
         """The preset's ModelConfig with the run's fields and the overrides. Raises ValueError without a preset."""
         from posttrain.model.presets import get_preset
@@ -43,23 +78,27 @@ class PolicySource:
         return get_preset(self.preset, **dict(self.fields), **dict(self.overrides))
 
 
+def _default_model_path():
+    from posttrain.checkpoints.gguf import default_model_path
+
+    return default_model_path()
+
+
 def load_policy(source: PolicySource, mesh, rules):
     """(ModelConfig, graphdef, state, tokenizer) of `source`, its parameters sharded on `mesh` by `rules`.
 
-    Raises ValueError for a preset whose vocabulary is smaller than the byte tokenizer's or a checkpoint without
-    a tokenizer, AssertionError (`partitioning.assert_sufficiently_sharded`) when the rules leave most of a large
-    model's parameter elements replicated on a multi-device mesh."""
+    Raises ValueError for a source that fails `PolicySource.check` or a checkpoint without a tokenizer,
+    AssertionError (`partitioning.assert_sufficiently_sharded`) when the rules leave most of a large model's
+    parameter elements replicated on a multi-device mesh."""
     from posttrain.checkpoints import load_pretrained
     from posttrain.infra.partitioning import assert_sufficiently_sharded, create_sharded
     from posttrain.model.tokenizer import Tokenizer
     from posttrain.model.transformer import Transformer
 
+    source.check()
     if source.preset:
         mcfg = source.preset_config()
         tokenizer = Tokenizer.byte_level()
-        if mcfg.vocab_size < tokenizer.vocab_size:
-            raise ValueError(f"preset {source.preset!r} has vocab_size {mcfg.vocab_size} < {tokenizer.vocab_size} "
-                             "ids of the byte tokenizer; set model.overrides.vocab_size")
         graphdef, state = create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(source.seed)), mesh, rules)
         assert_sufficiently_sharded(state, mesh)
         return mcfg, graphdef, state, tokenizer

@@ -62,7 +62,7 @@ _RANGES = {
     ("optim", "b1"): ("in [0, 1)", lambda v: 0 <= v < 1), ("optim", "b2"): ("in [0, 1)", lambda v: 0 <= v < 1),
     ("optim", "eps"): ("> 0", lambda v: v > 0), ("optim", "min_lr_ratio"): ("in [0, 1]", lambda v: 0 <= v <= 1),
     ("env", "num_workers"): _NONNEGATIVE, ("env", "step_timeout_s"): ("> 0", lambda v: v > 0),
-    ("train", "max_train_seconds"): _NONNEGATIVE,
+    ("train", "max_train_seconds"): _NONNEGATIVE, ("train", "seed"): _NONNEGATIVE,
     ("eval", "num_tasks"): _POSITIVE, ("eval", "every_steps"): _NONNEGATIVE,
     ("eval", "seed"): (">= 0, or -1 (train.seed + 1)", lambda v: v >= -1),
     **{("mesh", k): ("-1 (the remaining devices) or >= 1", lambda v: v == -1 or v >= 1)
@@ -154,6 +154,10 @@ def from_config_dict(cd) -> Config:
         cfg = _keep_domains(cfg)
     if not cfg.env.train:
         raise ConfigError("env.train is empty: name at least one environment, e.g. posttrain/Arithmetic-v0")
+    for section in ("train", "eval"):  # ids and kwargs: `run_plan.check_envs` builds each env before any load
+        for name, spec in getattr(cfg.env, section).items():
+            if not (isinstance(spec.weight, (int, float)) and spec.weight > 0):
+                raise ConfigError(f"env.{section}.{name}.weight={spec.weight!r} is out of range: must be > 0")
     if set(cfg.model.remat_names) - set(REMAT_NAMES):
         raise ConfigError(f"model.remat_names={list(cfg.model.remat_names)}; each must be one of {REMAT_NAMES}")
     if cfg.model.path and cfg.model.preset:

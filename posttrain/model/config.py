@@ -150,6 +150,15 @@ class LoRAConfig:
     def __post_init__(self):
         if self.rank < 0 or self.alpha <= 0:
             raise ValueError(f"LoRAConfig: rank must be >= 0 and alpha > 0, got rank={self.rank}, alpha={self.alpha}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets:
+            raise ValueError(f"LoRAConfig: targets {list(self.targets)}: {unknown or 'none'} are not projection "
+                             f"names; each must be one of {LORA_TARGETS}")
+
+
+# every projection `posttrain.model.layers.add_adapters` can adapt (GQA attention, MLA attention, MLPs)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "gate_proj", "up_proj",
+                "down_proj")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -20,6 +20,7 @@ from posttrain.infra import distributed, metrics as metrics_lib
 from posttrain.infra import mesh as mesh_lib
 from posttrain.infra.partitioning import use_rules
 from posttrain.learn.learner import Learner
+from posttrain.recipes import run_plan as run_plan_lib
 from posttrain.recipes.run_plan import RunPlan, make_run_plan
 from posttrain.rollout.rollouter import Rollouter, write_jsonl
 
@@ -70,7 +71,8 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True) -> tupl
     complete checkpoint, `require_checkpoint`)."""
     if reading:
         require_checkpoint(plan.workdir)
-    else:
+    sources, episodes = run_plan_lib.check_envs(plan)  # every env built once: a bad one stops before any load
+    if not reading:
         plan.workdir.mkdir(parents=True, exist_ok=True)
         (plan.workdir / "config.json").write_text(json.dumps(plan.config_dict, indent=2, default=str))
     mesh = mesh_lib.make_mesh(plan.mesh_shape)
@@ -78,11 +80,11 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True) -> tupl
     learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, step_builder(plan),
                              read_only=reading)
     rollouter = Rollouter.create(plan.rollout, mesh, learner.graphdef, tokenizer, advantage_fn(plan.advantage),
-                                 meta=learner.restore() if restore else None)
+                                 meta=learner.restore() if restore else None, sources=sources)
     note = unreadable_note(learner.checkpointer)
     if note:
         metrics_lib.log.error(note)
-    return rollouter, learner, eval_runner.settings_episodes(plan.eval)
+    return rollouter, learner, episodes
 
 
 def unreadable_note(checkpointer) -> str | None:

@@ -101,15 +101,34 @@ def make_runner(num_workers: int, step_timeout_s: float) -> rollout.EnvRunner:
     return EnvPool(num_workers=num_workers, step_timeout_s=step_timeout_s)
 
 
+class EnvSpecError(ValueError):
+    """An env spec that cannot be built: `name` is its key in the env mix; the message names its id, its kwargs,
+    the env's own error and, for an id that is not registered, the registered ids and the `module:Env-v0` form."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
+
+
 def task_sources(specs: Mapping[str, EnvSpec]) -> dict:
-    """{name: (env_id, kwargs, task_source)}; constructing each env runs its golden self-check (invariant 7)."""
+    """{name: (env_id, kwargs, task_source)}; constructing each env runs its golden self-check (invariant 7).
+    Raises EnvSpecError (one line) for an env that cannot be built: unknown id, bad kwargs, failed self-check."""
     import gymnasium
 
     import envs  # noqa: F401
 
     out = {}
     for name, spec in specs.items():
-        env = gymnasium.make(spec.id, **dict(spec.kwargs)).unwrapped
+        try:
+            env = gymnasium.make(spec.id, **dict(spec.kwargs)).unwrapped
+        except Exception as e:  # noqa: BLE001 - any failure to build is this spec's error, named
+            hint = ""
+            if isinstance(e, (gymnasium.error.UnregisteredEnv, ImportError)):
+                ids = sorted(i for i in gymnasium.registry if i.startswith("posttrain/"))
+                hint = (f"; registered posttrain ids: {ids}; an env of your own: 'my.module:MyEnv-v0' (gymnasium "
+                        "imports my.module, which registers MyEnv-v0, in every process, env workers included)")
+            message = " ".join(f"{type(e).__name__}: {e}".split())
+            raise EnvSpecError(name, f"{name}: id={spec.id!r} kwargs={dict(spec.kwargs)}: {message}{hint}") from e
         out[name] = (spec.id, dict(spec.kwargs), env.task_source)
     return out
 
@@ -151,10 +170,11 @@ class Rollouter:
 
     @classmethod
     def create(cls, settings: RolloutSettings, mesh, graphdef, tokenizer, advantage_fn: batching.AdvantageFn,
-               meta: Mapping | None = None) -> "Rollouter":
+               meta: Mapping | None = None, sources: Mapping | None = None) -> "Rollouter":
         """Tasks, environments and scheduler of `settings`; `meta` (a checkpoint's) restores the scheduler's
-        cursors and the curriculum's levels."""
-        train = task_sources(settings.train_specs)
+        cursors and the curriculum's levels; `sources`: `task_sources(settings.train_specs)` when already built
+        (a run plan's dry check), else built here."""
+        train = dict(sources) if sources is not None else task_sources(settings.train_specs)
         scheduler = TaskScheduler({n: s for n, (_, _, s) in train.items()},
                                   {n: settings.train_specs[n].weight for n in train}, seed=settings.seed)
         train_specs, cur = dict(settings.train_specs), None

@@ -32,3 +32,31 @@ def test_export_merges_trained_adapters_into_base_weights(tmp_path):
         plain = Transformer(get_preset(preset), rngs=nnx.Rngs(0))
         nnx.update(plain, nnx.state(model, nnx.Not(LoRAParam)))
         assert float(jnp.abs(plain(tokens)[0] - ours).max()) > 1e-3  # the adapters did change the function
+
+
+def test_lora_targets_name_exactly_the_projections_that_take_adapters():
+    """config.LORA_TARGETS (what the config check accepts) is the set of projections add_adapters adapts across
+    the architectures; a misspelled target is one error naming the allowed ones."""
+    import dataclasses as dc
+
+    import pytest
+    from flax import nnx
+
+    from posttrain.model.config import LORA_TARGETS, LoRAConfig
+    from posttrain.model.presets import get_preset
+    from posttrain.model.transformer import Transformer
+
+    seen = set()
+    for preset in ("tiny-dense", "tiny-deepseek"):
+        cfg = get_preset(preset, lora=LoRAConfig(rank=2, targets=LORA_TARGETS))
+        if cfg.mla is not None and not cfg.mla.q_lora_rank:
+            cfg = dc.replace(cfg, mla=dc.replace(cfg.mla, q_lora_rank=16))  # the q_a / q_b projections too
+        state = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+        for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+            for part in path:
+                name = str(getattr(part, "key", getattr(part, "name", "")))
+                if name.endswith("_lora_a"):
+                    seen.add(name.removesuffix("_lora_a"))
+    assert seen == set(LORA_TARGETS)
+    with pytest.raises(ValueError, match=r"\['q_prj'\] are not projection names; each must be one of"):
+        LoRAConfig(rank=4, targets=("q_proj", "q_prj"))

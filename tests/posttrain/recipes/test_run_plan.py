@@ -36,18 +36,54 @@ BAD = [  # (override, what the one line must name)
     ("--config.rl.minibatches=3", "rl.minibatches=3"),
     ("--config.rl.routing_replay=on", "rl.routing_replay='on'"),
     ("--config.model.preset=", "model.path"),  # with the next override: a missing model file
+    # issue 29 item 6, kind: every config value, env id, env kwarg, model path and preset is checked before any
+    # model load or worker start (each env built once, in the plan's dry check), in one line naming key and value
+    ("--config.model.preset=nope", "model.preset='nope' is unknown; presets: ["),
+    ("--config.model.overrides.vocab_size=100", "vocab_size 100 < the 259 ids of the byte tokenizer"),
+    ("--config.model.overrides.vocab_siz=320", 'Did you mean "vocab_size"'),
+    ("--config.model.overrides.d_model=32", "model.overrides is a dict without the key 'd_model'"),
+    ("--config.model.preset= --config.model.path=README.md", "README.md is not a GGUF file"),
+    ("--config.model.preset= --config.model.path={run}", "is a posttrain run directory, not a model"),
+    ("--config.model.preset= --config.model.path={hf_gpt2}", "model_type='gpt2' is not supported; supported: ("),
+    ("--config.model.preset= --config.model.path={hf_llama}", "apply to a model.preset only"),
+    ("--config.env.train.arithmetic.id=posttrain/Nope-v0", "env.train.arithmetic: id='posttrain/Nope-v0'"),
+    ("--config.env.train.arithmetic.id=Nope-v0", "an env of your own: 'my.module:MyEnv-v0'"),
+    ("--config.env.train.arithmetic.id=nomod:Nope-v0", "No module named 'nomod'"),
+    ("--config.env.train.arithmetic.kwargs.digits=0", "digits must be an int >= 1, got 0"),
+    ("--config.env.train.arithmetic.kwargs.digts=1", 'Did you mean "digits"'),
+    ("--config.env.eval.arithmetic.kwargs.split=nope", "env.eval.arithmetic: id='posttrain/Arithmetic-v0'"),
+    ("--config.env.train.arithmetic.weight=0", "env.train.arithmetic.weight=0.0 is out of range: must be > 0"),
+    ("--config.env.train.arith.id=x", "env.train is a dict without the key 'arith'"),
+    ("--config.lora.rank=4 --config.lora.targets=('q_prj',)", "['q_prj'] are not projection names"),
+    ("--config.train.seed=-1", "train.seed=-1 is out of range"),
+    ("--config.rl.nope=1", "rl has no key 'nope'; its keys: ["),
 ]
 
 
+def _fake_model_dirs(root):
+    """{run}: a posttrain run directory; {hf_gpt2}: an HF directory of an unsupported architecture; {hf_llama}: a
+    supported one (its weights are never read)."""
+    import json
+
+    dirs = {"run": root / "run", "hf_gpt2": root / "gpt2", "hf_llama": root / "llama"}
+    (dirs["run"] / "checkpoints").mkdir(parents=True)
+    for name, model_type in (("hf_gpt2", "gpt2"), ("hf_llama", "llama")):
+        dirs[name].mkdir()
+        (dirs[name] / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return dirs
+
+
 @pytest.mark.parametrize("override,named", BAD, ids=[b[0].split("=")[0].removeprefix("--config.") for b in BAD])
-def test_bad_config_exits_2_with_one_line_before_any_work(override, named, monkeypatch, capsys, tmp_path):
+def test_bad_config_exits_2_with_one_line_before_any_work(override, named, monkeypatch, capsys, tmp_path,
+                                                          tmp_path_factory):
     def forbidden(*a, **k):
         raise AssertionError("a bad config reached model loading / worker start")
 
     monkeypatch.setattr(setup, "load_policy", forbidden)
+    monkeypatch.setattr(loop, "load_policy", forbidden)
     monkeypatch.setattr(rollouter, "make_runner", forbidden)
-    monkeypatch.setattr(loop, "build", forbidden)
-    argv = ["posttrain", "train", f"--config={TINY}", override, f"--workdir={tmp_path}"]
+    dirs = _fake_model_dirs(tmp_path_factory.mktemp("models"))
+    argv = ["posttrain", "train", f"--config={TINY}", *override.format(**dirs).split(" "), f"--workdir={tmp_path}"]
     if override == "--config.model.preset=":
         argv.append("--config.model.path=/nonexistent/model.gguf")
     monkeypatch.setattr(sys, "argv", list(argv))  # ml_collections reads --config.* overrides from sys.argv
@@ -57,6 +93,41 @@ def test_bad_config_exits_2_with_one_line_before_any_work(override, named, monke
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
     assert named in err, err
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("command,listed,absent", [
+    ("train", ["--config=", "--workdir=", "--progress=", "--config.<section>.<key>"], ["--checkpoint=", "--prompt="]),
+    ("eval", ["--config=", "--checkpoint="], ["--progress=", "--prompt="]),
+    ("sample", ["--prompt=", "--model=", "--temperature="], ["--checkpoint=", "--config.<section>"]),
+    ("convert", ["--out=", "--dtype=", "--peft_out=", "--checkpoint="], ["--progress="]),
+    ("plan", ["--target=", "--json="], ["--checkpoint="]),
+])
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_the_flags_of_each_command(command, listed, absent, flag, capsys):
+    """`posttrain train --help` used to say "Unknown command line flag 'help'"."""
+    assert cli.main(["posttrain", command, flag]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: posttrain {command}") and f"posttrain {command} " in out.splitlines()[1]
+    assert all(x in out for x in listed) and not any(x in out for x in absent), out
+
+
+def test_every_env_is_built_once_before_the_model_loads(tmp_path, monkeypatch):
+    """The plan's dry check builds each env of env.train and env.eval once; the rollouter reuses what it built."""
+    import gymnasium
+
+    from helpers import tiny_config
+
+    events, make = [], gymnasium.make
+    monkeypatch.setattr(gymnasium, "make", lambda env_id, **kw: events.append(("make", env_id)) or make(env_id, **kw))
+
+    def load(*a, **k):
+        events.append(("load_policy",))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(loop, "load_policy", load)
+    with pytest.raises(RuntimeError, match="stop here"):
+        loop.build(run_plan.make_run_plan(tiny_config(tmp_path / "run")))
+    assert events == [("make", "posttrain/Arithmetic-v0")] * 2 + [("load_policy",)]
 
 
 def test_library_api_raises_value_error():
@@ -72,7 +143,7 @@ def test_library_api_raises_value_error():
 
 def _tiny_cfg(**over):
     c = default_config()
-    c.model.preset = "tiny-dense"
+    c.model.preset, c.model.overrides = "tiny-dense", {"vocab_size": 320}  # the byte tokenizer's ids fit
     c.env.train = {"a": env_spec("posttrain/Arithmetic-v0", digits=1)}
     for k, v in over.items():
         section, key = k.split(".")
