@@ -28,7 +28,7 @@ from posttrain.infra import mesh as mesh_lib
 from posttrain.infra.precision import PrecisionPolicy, resolve_policy
 from posttrain.learn.learner import LearnerSettings
 from posttrain.learn.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
-from posttrain.rollout.rollouter import RolloutSettings
+from posttrain.rollout.rollouter import EnvSpecError, RolloutSettings, task_sources
 from posttrain.rollout.sampler import SamplingParams, logprob_temperature
 from posttrain.tasks.policy import SchedulerSettings, policies_from_mapping, resolve_policies
 
@@ -124,6 +124,24 @@ def scheduler_settings(cfg: Config, run: str) -> SchedulerSettings:
         raise ConfigError(f"tasks: {e}") from None
 
 
+def check_envs(plan: RunPlan) -> tuple[dict, dict]:
+    """Builds every env of the plan once, before any model load or worker start (each construction runs the env's
+    golden self-check): (`task_sources` of env.train, the held-out episodes of env.eval), for the rollouter and the
+    evaluation to use. Raises ConfigError naming env.train.<name> / env.eval.<name>, its id, its kwargs and the
+    env's error (an unregistered id: the registered ids and the `module:Env-v0` form)."""
+    from posttrain.eval import runner as eval_runner
+
+    try:
+        train = task_sources(plan.rollout.train_specs)
+    except EnvSpecError as e:
+        raise ConfigError(f"env.train.{e}") from e
+    try:
+        episodes = eval_runner.settings_episodes(plan.eval)
+    except EnvSpecError as e:
+        raise ConfigError(f"env.eval.{e}") from e
+    return train, episodes
+
+
 def truncation_warning(cfg: Config) -> str | None:
     """A warning when training rollouts sample from a truncated distribution (top-p < 1 or top-k > 0): the sampler's
     logprobs then belong to the truncated distribution and the trainer's to the full softmax, so the behaviour
@@ -210,6 +228,13 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
         opts = step_options(cfg)
     except ValueError as e:  # the config's own checks make these unreachable; keep the contract if they drift
         raise ConfigError(str(e)) from e
+    source = policy_source(cfg, precision)
+    try:
+        source.check()  # preset, overrides, vocabulary, model path: before any model load
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not (workdir or cfg.train.workdir).strip():
+        raise ConfigError("train.workdir='': name the run's directory (or pass --workdir)")
     wd = pathlib.Path(workdir or cfg.train.workdir)
     config_dict = to_dict(cfg)
     rl, env = cfg.rl, cfg.env
@@ -233,7 +258,7 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
     t = cfg.train
     tasks = scheduler_settings(cfg, wd.name)  # validated whether or not it is enabled
     return RunPlan(workdir=wd, config_dict=config_dict, precision=precision, mesh_shape=shape, rules=rules,
-                   batch_shards=shards, policy=policy_source(cfg, precision), rollout=rollout, advantage=rl.advantage,
+                   batch_shards=shards, policy=source, rollout=rollout, advantage=rl.advantage,
                    step=opts, moe_aux_coef=rl.moe_aux_coef, learner=learner, eval=evaluation,
                    train=TrainSettings(steps=t.steps, max_train_seconds=t.max_train_seconds,
                                        max_nonfinite_skips=t.max_nonfinite_skips),
