@@ -1,10 +1,14 @@
 """Ahead-of-time compilation for accelerators we do not have: devices of a target topology, per-device memory
 read off the compiled program, and the largest buffers of XLA's buffer assignment.
 
-Targets (published figures: NVIDIA H200 SXM datasheet; Google Cloud TPU v5p system architecture page):
+Targets (published figures: NVIDIA H200 SXM datasheet; the Google Cloud TPU v5p, v5e and v6e system architecture
+pages), per device:
   h200  GPU, 141 GB HBM3e (about 139 GiB usable), 989 TFLOP/s dense bf16, 4.8 TB/s. Needs the `aot` extra
         (jax-cuda12-plugin + pjrt of the installed jaxlib's version; no CUDA libraries) and runs on a CPU machine.
-  v5p   TPU, 95 GiB HBM2e, 459 TFLOP/s bf16, 2.765 TB/s. Needs the `tpu` extra (libtpu).
+  v5p   TPU (one TensorCore of a 2-core chip), 95 GiB HBM2e, 459 TFLOP/s bf16, 2.765 TB/s.
+  v5e   TPU (one chip, one TensorCore; Colab's "v5e-1" runtime), 16 GiB HBM2, 197 TFLOP/s bf16, 819 GB/s.
+  v6e   TPU Trillium (one chip, one TensorCore; Colab's "v6e-1" runtime), 32 GiB HBM, 918 TFLOP/s bf16, 1.638 TB/s.
+  The TPU targets need the `tpu` extra (libtpu).
 
 Memory per device = argument + output - alias bytes of `compiled.memory_analysis()` (donated inputs alias outputs)
 + the temp allocation of XLA's buffer assignment; see `MemoryReport`. Facts: `../shared/PLATFORM-NOTES.md`; the
@@ -42,6 +46,8 @@ class Target:
 TARGETS = {
     "h200": Target("h200", "gpu", int(139 * GIB), 989e12, 4.8e12, "1x1x1"),
     "v5p": Target("v5p", "tpu", int(95 * GIB), 459e12, 2.765e12, "v5p:2x2x1"),
+    "v5e": Target("v5e", "tpu", int(16 * GIB), 197e12, 0.819e12, "v5e:1x1"),
+    "v6e": Target("v6e", "tpu", int(32 * GIB), 918e12, 1.638e12, "v6e:1x1"),
 }
 _INSTALL = {"gpu": "pip install -e '.[aot]' (jax-cuda12-plugin/pjrt matching jaxlib) and run with JAX_PLATFORMS=cpu",
             "tpu": "pip install -e '.[tpu]' (libtpu)"}
@@ -64,7 +70,10 @@ def target_devices(name: str, topology: str | None = None) -> list:
             desc = topologies.get_topology_desc("gpu", "cuda", target_config=config,
                                                 topology=topology or t.default_topology)
         else:
-            desc = topologies.get_topology_desc(platform="tpu", topology_name=topology or t.default_topology)
+            topology = topology or t.default_topology
+            # a slice smaller than libtpu's default host (2x2x1 chips) must say that its one host holds all of it
+            single = {"chips_per_host_bounds": [1, 1, 1]} if topology.endswith(":1x1") else {}
+            desc = topologies.get_topology_desc(platform="tpu", topology_name=topology, **single)
     except Exception as e:  # noqa: BLE001 - the plugins raise assorted errors when absent
         raise RuntimeError(f"cannot compile for {name} on this machine ({type(e).__name__}: {str(e)[:200]}); "
                            f"install the compiler with: {_INSTALL[t.platform]}") from e

@@ -2,8 +2,9 @@
 topology on this machine (no weights allocated, no accelerator needed) and reading the compiled program.
 
 Targets: `cpu-N` (N local CPU devices; fake them with XLA_FLAGS=--xla_force_host_platform_device_count=N),
-`v5p-N` (Cloud TPU naming: N TensorCores = N/2 chips; needs the `tpu` extra), `h200xN` (N GPUs, 8 per host; needs
-the `aot` extra). The mesh is the config's `mesh` resolved for the target's device count, parameters are sharded by
+`v5p-N` (Cloud TPU naming: N TensorCores = N/2 chips), `v5e-N` and `v6e-N` (N chips of one TensorCore each; Colab's
+TPU runtimes are v5e-1 and v6e-1), all three needing the `tpu` extra, and `h200xN` (N GPUs, 8 per host; needs the
+`aot` extra). The mesh is the config's `mesh` resolved for the target's device count, parameters are sharded by
 the same rules as training, and the step is the training step (policy loss, reference KL when configured,
 optimizer update), jitted with the same shardings and donation.
 
@@ -30,6 +31,10 @@ from posttrain.infra import aot
 from posttrain.infra import mesh as mesh_lib
 _V5P_TOPOLOGIES = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
                    512: "8x8x8", 1024: "8x8x16"}
+_2D_TOPOLOGIES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+# Cloud TPU slice name -> (TensorCores per chip: the N of <name>-N counts them, chips -> topology)
+TPU_SLICES = {"v5p": (2, _V5P_TOPOLOGIES), "v5e": (1, _2D_TOPOLOGIES), "v6e": (1, _2D_TOPOLOGIES)}
+_KNOWN = "cpu-N, " + ", ".join(f"{k}-N" for k in TPU_SLICES) + " or h200xN"
 
 
 def target_devices(target: str):
@@ -41,7 +46,7 @@ def target_devices(target: str):
     kind, _, count = target.replace("x", "-", 1).partition("-") if target.startswith("h200x") else \
         target.partition("-")
     if not count.isdigit() or int(count) < 1:
-        raise ValueError(f"target {target!r}: expected cpu-N, v5p-N or h200xN")
+        raise ValueError(f"target {target!r}: expected {_KNOWN}")
     n = int(count)
     if kind == "cpu":
         devices = jax.devices("cpu")
@@ -51,20 +56,22 @@ def target_devices(target: str):
         import psutil
 
         return devices[:n], "cpu", psutil.virtual_memory().total // n, None
-    if kind == "v5p":
-        chips = n // 2
-        if n % 2 or chips not in _V5P_TOPOLOGIES:
-            raise ValueError(f"target v5p-{n}: v5p-N counts TensorCores (2 per chip); supported N: "
-                             f"{sorted(2 * c for c in _V5P_TOPOLOGIES)}")
-        t = aot.TARGETS["v5p"]
-        return aot.target_devices("v5p", "v5p:" + _V5P_TOPOLOGIES[chips]), "tpu", t.hbm_bytes, t.peak_bf16_flops
+    if kind in TPU_SLICES:
+        cores, topologies = TPU_SLICES[kind]
+        if n % cores or n // cores not in topologies:
+            unit = "TensorCores (2 per chip)" if cores == 2 else "chips"
+            raise ValueError(f"target {target}: {kind}-N counts {unit}; supported N: "
+                             f"{sorted(cores * c for c in topologies)}")
+        t = aot.TARGETS[kind]
+        return (aot.target_devices(kind, f"{kind}:{topologies[n // cores]}"), "tpu", t.hbm_bytes,
+                t.peak_bf16_flops)
     if kind == "h200":
         hosts, per_host = (1, n) if n <= 8 else (n // 8, 8)
         if hosts * per_host != n:
             raise ValueError(f"target h200x{n}: more than 8 GPUs must be a multiple of 8 (8 per host)")
         t = aot.TARGETS["h200"]
         return aot.target_devices("h200", f"1x{hosts}x{per_host}"), "gpu", t.hbm_bytes, t.peak_bf16_flops
-    raise ValueError(f"unknown target {target!r}: expected cpu-N, v5p-N or h200xN")
+    raise ValueError(f"unknown target {target!r}: expected {_KNOWN}")
 
 
 def abstract_train_state(model_cfg, tx, mesh, rules=mesh_lib.RULES, *, lora_rank: int = 0,

@@ -144,10 +144,40 @@ def test_planned_bytes_match_a_real_sharded_init():
 
 @pytest.mark.parametrize("target,match", [("v5p-3", "TensorCores"), ("tpu-8", "unknown target"),
                                           ("cpu-64", "xla_force_host_platform_device_count=64"),
-                                          ("h200x12", "multiple of 8"), ("cpu-x", "expected cpu-N")])
+                                          ("h200x12", "multiple of 8"), ("cpu-x", "expected cpu-N"),
+                                          ("v5e-2", r"v5e-N counts chips; supported N: \[1, 4, 8,"),
+                                          ("v6e-512", r"v6e-N counts chips; supported N: .*, 256\]"),
+                                          ("v6e-0", "v5e-N, v6e-N or h200xN")])
 def test_bad_targets_raise_clear_errors(target, match):
     with pytest.raises(ValueError, match=match):
         plan.target_devices(target)
+
+
+def _libtpu_python():
+    """An interpreter with libtpu (the `tpu` extra): this one, else the checkout's .venv-tpu (git-ignored; made by
+    `VENV=.venv-tpu scripts/setup_env.sh tpu`), else None."""
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is not None:
+        return sys.executable
+    venv = ROOT / ".venv-tpu" / "bin" / "python"
+    return str(venv) if venv.exists() else None
+
+
+@pytest.mark.skipif(_libtpu_python() is None, reason="needs libtpu: VENV=.venv-tpu scripts/setup_env.sh tpu")
+def test_plan_for_a_colab_tpu_compiles_on_the_cpu():
+    """v5e-1, Colab's TPU runtime: libtpu compiles the tiny config's train step for one 16 GiB chip on this CPU,
+    under the TPU precision policy (bf16 compute, float32 master weights), the step time at 197 TFLOP/s."""
+    cmd = [_libtpu_python(), "-m", "posttrain.cli", "plan", "--config=configs/tiny.py", "--target=v5e-1", "--json",
+           "--prompt_len=16", "--nosampler"]
+    r = _run(cmd, {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})  # libtpu's lockfile would refuse a second process
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (out["target"], out["devices"], out["hbm_gib"]) == ("v5e-1", 1, 16.0)
+    assert (out["compute_dtype"], out["param_dtype"]) == ("bfloat16", "float32")
+    assert out["fits"] is True and 0 < out["peak_gib"] < 0.1 and out["compile_s"] > 0
+    assert out["step_s_estimate"] == pytest.approx(out["flops_per_step"] / 197e12)
+    assert out["collective_gib"] == {}  # one chip: nothing to exchange
 
 
 def test_plan_configs_have_full_and_lora_variants():
