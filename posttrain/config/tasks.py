@@ -1,9 +1,9 @@
 """The `tasks` section of a run config: task scheduling over many domains (`posttrain.tasks.jobs.JobScheduler`).
 
-Kept beside `schema.py` (which imports it into `Config`) so that the schema stays one file per screenful of
-sections. The values are validated where they become the scheduler's own settings
-(`posttrain.recipes.run_plan.scheduler_settings` -> `posttrain.tasks.policy.SchedulerSettings`), with one
-ConfigError naming `tasks.<key>`, before any I/O.
+Kept beside `schema.py` (which imports it into `Config`). The options are validated here (one ConfigError naming
+`tasks` at load); the policies where they become the scheduler's own settings
+(`posttrain.recipes.run_plan.scheduler_settings` -> `posttrain.tasks.policy.SchedulerSettings`), resolved against
+env.train, before any I/O.
 
 Example (a config file)::
 
@@ -18,33 +18,32 @@ import dataclasses
 from typing import Any, Mapping
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TasksConfig:
-    """The `tasks` section.
+class SchedulingOptions:
+    """The retry, breaker, band and credit options of task scheduling, shared by the config's `tasks` section
+    (TasksConfig) and the scheduler's own settings (`posttrain.tasks.policy.SchedulerSettings`), which extend it.
 
     Attributes:
-        enabled: draw training tasks with the job scheduler (policies, retries, quarantine, breaker, band)
-            instead of the weighted draw of `posttrain.tasks.scheduler.TaskScheduler`.
-        policies: fnmatch pattern of env.train names -> {weight, priority, min_share, max_share, max_env_cpu_s,
-            max_concurrency} (`posttrain.tasks.policy.DomainPolicy`; the most specific pattern wins; min_shares
-            may sum to at most 1).
-        max_attempts: group tries of a task visit before its task is quarantined.
+        max_attempts: group tries of a task visit (its first try and its re-queues) before its task is quarantined.
         retries_per_step: in-step retry rounds of an infra-error sample before its group leaves the batch.
         backoff_s: the first in-step retry's wait (seconds); each further round doubles it.
         backoff_max_s: the longest in-step wait (seconds).
         breaker_rate: a domain whose infra-error rate over its last breaker_window sample attempts exceeds this
             is paused (1: never).
-        breaker_window: sample attempts in the breaker's window.
+        breaker_window: sample attempts in the breaker's window (the window must be full to trip).
         breaker_cooldown_steps: steps a paused domain waits before one probe group.
         band_visits: skip a task whose last this many visits were all correct or all wrong (0: no band).
-        band_recheck: the probability that such a task is drawn anyway.
+        band_recheck: the probability that such a task is drawn anyway (a re-check).
         pass_threshold: reward that counts as correct (band, pass rate).
-        cost_ema: weight of a new env cost report in a domain's cost estimate.
-        max_credit: the most credit (groups) a domain carries between steps.
+        cost_ema: weight of a new env cost report in a domain's cost estimate (exponential moving average).
+        max_credit: the most credit (groups owed or over-served) a domain carries between steps.
+    Raises ValueError naming the options out of range.
     """
 
-    enabled: bool = False
-    policies: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     max_attempts: int = 3
     retries_per_step: int = 2
     backoff_s: float = 0.5
@@ -57,3 +56,33 @@ class TasksConfig:
     pass_threshold: float = 1.0
     cost_ema: float = 0.2
     max_credit: float = 4.0
+
+    def __post_init__(self):
+        ints = {k: 1 for k in ("max_attempts", "breaker_window", "breaker_cooldown_steps")}
+        ints.update(retries_per_step=0, band_visits=0)
+        checks = {**{f"{k} an integer >= {lo}": _is_int(getattr(self, k)) and getattr(self, k) >= lo
+                     for k, lo in ints.items()},
+                  "0 <= backoff_s <= backoff_max_s": 0.0 <= self.backoff_s <= self.backoff_max_s,
+                  "0 < breaker_rate <= 1": 0.0 < self.breaker_rate <= 1.0,
+                  "0 <= band_recheck <= 1": 0.0 <= self.band_recheck <= 1.0,
+                  "0 < pass_threshold <= 1": 0.0 < self.pass_threshold <= 1.0,
+                  "0 < cost_ema <= 1": 0.0 < self.cost_ema <= 1.0, "max_credit >= 1": self.max_credit >= 1.0}
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"scheduling options: needs {', '.join(bad)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TasksConfig(SchedulingOptions):
+    """The `tasks` section: SchedulingOptions (retries, breaker, band, credit) and
+
+    Attributes:
+        enabled: draw training tasks with the job scheduler (policies, retries, quarantine, breaker, band)
+            instead of the weighted draw of `posttrain.tasks.scheduler.TaskScheduler`.
+        policies: fnmatch pattern of env.train names -> {weight, priority, min_share, max_share, max_env_cpu_s,
+            max_concurrency} (`posttrain.tasks.policy.DomainPolicy`; the most specific pattern wins; min_shares
+            may sum to at most 1).
+    """
+
+    enabled: bool = False
+    policies: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)

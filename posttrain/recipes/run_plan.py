@@ -23,6 +23,7 @@ from posttrain.algos.grpo.advantages import ADVANTAGES
 from posttrain.algos.grpo.step import StepOptions, with_moe
 from posttrain.checkpoints.policy import PolicySource
 from posttrain.config import Config, ConfigError, to_dict
+from posttrain.config.tasks import SchedulingOptions
 from posttrain.eval.runner import SCORERS, EvalSettings
 from posttrain.infra import mesh as mesh_lib
 from posttrain.infra.precision import PrecisionPolicy, resolve_policy
@@ -114,12 +115,9 @@ def scheduler_settings(cfg: Config, run: str) -> SchedulerSettings:
     try:
         policies = policies_from_mapping(t.policies)
         resolve_policies(sorted(cfg.env.train), policies)
-        return SchedulerSettings(
-            policies=policies, group_size=cfg.rl.group_size, seed=cfg.train.seed, run=run.replace(":", "_") or "run",
-            max_attempts=t.max_attempts, retries_per_step=t.retries_per_step, backoff_s=t.backoff_s,
-            backoff_max_s=t.backoff_max_s, breaker_rate=t.breaker_rate, breaker_window=t.breaker_window,
-            breaker_cooldown_steps=t.breaker_cooldown_steps, band_visits=t.band_visits, band_recheck=t.band_recheck,
-            pass_threshold=t.pass_threshold, cost_ema=t.cost_ema, max_credit=t.max_credit)
+        options = {f.name: getattr(t, f.name) for f in dataclasses.fields(SchedulingOptions)}
+        return SchedulerSettings(policies=policies, group_size=cfg.rl.group_size, seed=cfg.train.seed,
+                                 run=run.replace(":", "_") or "run", **options)
     except ValueError as e:
         raise ConfigError(f"tasks: {e}") from None
 

@@ -17,6 +17,8 @@ import fnmatch
 import re
 from collections.abc import Mapping, Sequence
 
+from posttrain.config.tasks import SchedulingOptions
+
 _WILDCARDS = re.compile(r"\[[^\]]*\]|\*|\?")
 
 
@@ -56,57 +58,29 @@ class DomainPolicy:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SchedulerSettings:
+class SchedulerSettings(SchedulingOptions):
     """The job scheduler's settings (`posttrain.tasks.jobs.JobScheduler`), built by `recipes/run_plan.py` from the
-    config's `tasks` section.
+    config's `tasks` section: its SchedulingOptions (max_attempts, retries_per_step, backoff_s, backoff_max_s,
+    breaker_rate, breaker_window, breaker_cooldown_steps, band_visits, band_recheck, pass_threshold, cost_ema,
+    max_credit; see there) and
 
     Attributes:
         policies: (fnmatch pattern, DomainPolicy) pairs; the most specific match wins (module docstring).
         group_size: samples per task visit (G).
         seed: the run seed (task order, band re-checks).
         run: the run's name, the first field of every episode id.
-        max_attempts: group tries of a visit (its first try and its re-queues) before the task is quarantined.
-        retries_per_step: in-step retry rounds of an infra-error sample before its group leaves the batch.
-        backoff_s: the first in-step retry waits this long (seconds); each further round doubles it.
-        backoff_max_s: the longest in-step back-off (seconds).
-        breaker_rate: a domain whose infra-error rate over the last `breaker_window` sample attempts exceeds it
-            is paused (1: never).
-        breaker_window: sample attempts in the breaker's window (the window must be full to trip).
-        breaker_cooldown_steps: steps a paused domain waits before one probe group is drawn.
-        band_visits: skip a task whose last this many visits were all correct or all wrong (0: no band).
-        band_recheck: probability that such a task is drawn anyway (a re-check).
-        pass_threshold: reward that counts as correct for the band and the pass rate.
-        cost_ema: weight of a new cost report in a domain's cost estimate (exponential moving average).
-        max_credit: the most credit (groups owed or over-served) a domain carries between steps.
+    Raises ValueError naming what is out of range.
     """
 
     policies: tuple[tuple[str, DomainPolicy], ...] = ()
     group_size: int = 8
     seed: int = 0
     run: str = "run"
-    max_attempts: int = 3
-    retries_per_step: int = 2
-    backoff_s: float = 0.5
-    backoff_max_s: float = 8.0
-    breaker_rate: float = 0.5
-    breaker_window: int = 32
-    breaker_cooldown_steps: int = 5
-    band_visits: int = 0
-    band_recheck: float = 0.1
-    pass_threshold: float = 1.0
-    cost_ema: float = 0.2
-    max_credit: float = 4.0
 
     def __post_init__(self):
-        ints = ("group_size", "max_attempts", "breaker_window", "breaker_cooldown_steps")
-        checks = {**{f"{k} an integer >= 1": _is_int(getattr(self, k)) and getattr(self, k) >= 1 for k in ints},
-                  "retries_per_step an integer >= 0": _is_int(self.retries_per_step) and self.retries_per_step >= 0,
-                  "band_visits an integer >= 0": _is_int(self.band_visits) and self.band_visits >= 0,
-                  "0 <= backoff_s <= backoff_max_s": 0.0 <= self.backoff_s <= self.backoff_max_s,
-                  "0 < breaker_rate <= 1": 0.0 < self.breaker_rate <= 1.0,
-                  "0 <= band_recheck <= 1": 0.0 <= self.band_recheck <= 1.0,
-                  "0 < pass_threshold <= 1": 0.0 < self.pass_threshold <= 1.0,
-                  "0 < cost_ema <= 1": 0.0 < self.cost_ema <= 1.0, "max_credit >= 1": self.max_credit >= 1.0,
+        super().__post_init__()
+        checks = {"group_size an integer >= 1": _is_int(self.group_size) and self.group_size >= 1,
+                  "seed an integer >= 0": _is_int(self.seed) and self.seed >= 0,
                   "run a non-empty string without ':'": isinstance(self.run, str) and bool(self.run)
                   and ":" not in self.run}
         bad = [k for k, ok in checks.items() if not ok]

@@ -31,7 +31,7 @@ def test_the_tasks_section_becomes_scheduler_settings():
     ({"policies": {"code": {"min_share": 0.5, "max_share": 0.25}}}, r"tasks: tasks.policies\['code'\].*min_share"),
     ({"policies": {"code": {"prio": 1}}}, "unknown field"),
     ({"policies": {"web/*": {}}}, "matches no domain"),
-    ({"breaker_rate": 0.0}, "tasks: scheduler settings: needs 0 < breaker_rate"),
+    ({"breaker_rate": 0.0}, "tasks: scheduling options: needs 0 < breaker_rate"),
 ])
 def test_bad_tasks_settings_raise_one_config_error(tasks, match):
     with pytest.raises(ConfigError, match=match):
