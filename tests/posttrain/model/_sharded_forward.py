@@ -37,6 +37,50 @@ MESHES = {"dp2-fsdp2-ep2": {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1},
 
 
 
+def _placed(cfg, host_state, mesh_name, mesh):
+    """The host state on `mesh`: through the checkpoint loader (dp2-fsdp2-ep2) or device_put to the rules'
+    shardings (the other meshes)."""
+    if mesh_name == "dp2-fsdp2-ep2":
+        with tempfile.TemporaryDirectory() as d:
+            export_hf(cfg, host_state, d)
+            return load_hf_dir(d, mesh=mesh).state
+    return jax.device_put(host_state, mesh_lib.state_shardings(host_state, mesh))
+
+
+def _mesh_case(graphdef, state, mesh, x, fwd, gen, ref, ref_gen, calls):
+    """One preset x mesh: where the gate weights live, the sharded forward (and with `gen`, greedy sampling)
+    against the single-device reference, and the expert computations traced."""
+    gate = state["moe_layers"]["ffn"]["gate_proj"].get_value()
+    case = {"gate_spec": [None if a is None else a if isinstance(a, str) else list(a) for a in gate.sharding.spec],
+            "gate_shape": list(gate.shape), "gate_shard_shape": list(gate.addressable_shards[0].data.shape)}
+    calls.clear()
+    with jax.set_mesh(mesh):
+        jaxpr = str(jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t)[0])(state, x))
+        out = np.asarray(fwd(state, x))
+        out_gen = gen(state) if ref_gen is not None else None
+    case.update(fwd_max_diff=float(np.abs(out - ref).max()), ref_std=float(ref.std()),
+                ref_max_abs=float(np.abs(ref).max()), shard_map_in_jaxpr="shard_map" in jaxpr,
+                expert_calls=list(calls))
+    if out_gen is not None:
+        case.update(gen_tokens_equal=bool((np.asarray(out_gen.tokens_NxLg) == np.asarray(ref_gen.tokens_NxLg)).all()),
+                    gen_logp_max_diff=float(np.abs(np.asarray(out_gen.logp_NxLg) -
+                                                   np.asarray(ref_gen.logp_NxLg)).max()))
+    return case
+
+
+def _born_sharded_case(x):
+    """Parameters born sharded (jitted init with out_shardings) run the same as their host copy."""
+    cfg = get_preset("tiny-moe")
+    mesh = mesh_lib.make_mesh(MESHES["dp2-fsdp2-ep2"])
+    graphdef, born = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+    fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0])
+    born_ref = np.asarray(fwd(jax.device_get(born), x))
+    with jax.set_mesh(mesh):
+        born_out = np.asarray(fwd(born, x))
+    return {"max_diff": float(np.abs(born_out - born_ref).max()),
+            "gate_spec": str(born["moe_layers"]["ffn"]["gate_proj"].get_value().sharding.spec)}
+
+
 def main(out_path, full):
     calls = []
     plain_ffn = moe_lib.expert_ffn
@@ -67,42 +111,12 @@ def main(out_path, full):
         unsharded_calls = list(calls)
         for mesh_name, sizes in meshes.items():
             mesh = mesh_lib.make_mesh(sizes)
-            if mesh_name == "dp2-fsdp2-ep2":  # placed by the checkpoint loader
-                with tempfile.TemporaryDirectory() as d:
-                    export_hf(cfg, host_state, d)
-                    state = load_hf_dir(d, mesh=mesh).state
-            else:  # placed with device_put to the rules' shardings
-                state = jax.device_put(host_state, mesh_lib.state_shardings(host_state, mesh))
-            gate = state["moe_layers"]["ffn"]["gate_proj"].get_value()
-            case = {"gate_spec": [None if a is None else a if isinstance(a, str) else list(a) for a in gate.sharding.spec],
-                    "gate_shape": list(gate.shape),
-                    "gate_shard_shape": list(gate.addressable_shards[0].data.shape)}
-            calls.clear()
-            with jax.set_mesh(mesh):
-                jaxpr = str(jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t)[0])(state, x))
-                out = np.asarray(fwd(state, x))
-                out_gen = gen(state) if full else None
-            case.update(fwd_max_diff=float(np.abs(out - ref).max()), ref_std=float(ref.std()),
-                        ref_max_abs=float(np.abs(ref).max()), single_device_batch1_vs_batch8=noise_floor,
-                        shard_map_in_jaxpr="shard_map" in jaxpr, expert_calls=list(calls),
-                        unsharded_calls=unsharded_calls)
-            if full:
-                case.update(gen_tokens_equal=bool((np.asarray(out_gen.tokens_NxLg) ==
-                                                   np.asarray(ref_gen.tokens_NxLg)).all()),
-                            gen_logp_max_diff=float(np.abs(np.asarray(out_gen.logp_NxLg) -
-                                                           np.asarray(ref_gen.logp_NxLg)).max()))
+            state = _placed(cfg, host_state, mesh_name, mesh)
+            case = _mesh_case(graphdef, state, mesh, x, fwd, gen, ref, ref_gen, calls)
+            case.update(single_device_batch1_vs_batch8=noise_floor, unsharded_calls=unsharded_calls)
             results["cases"][f"{preset}/{mesh_name}"] = case
-    if full:  # parameters born sharded (jitted init with out_shardings) run the same as their host copy
-        cfg = get_preset("tiny-moe")
-        mesh = mesh_lib.make_mesh(MESHES["dp2-fsdp2-ep2"])
-        graphdef, born = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-        fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0])
-        born_ref = np.asarray(fwd(jax.device_get(born), x))
-        with jax.set_mesh(mesh):
-            born_out = np.asarray(fwd(born, x))
-        results["cases"]["tiny-moe/create_sharded"] = {
-            "max_diff": float(np.abs(born_out - born_ref).max()),
-            "gate_spec": str(born["moe_layers"]["ffn"]["gate_proj"].get_value().sharding.spec)}
+    if full:
+        results["cases"]["tiny-moe/create_sharded"] = _born_sharded_case(x)
     with open(out_path, "w") as f:
         json.dump(results, f, indent=1)
 
