@@ -1,12 +1,26 @@
-"""Helpers of the benchmarks in bench/ (not a benchmark): a preset's random weights written as an HF directory (for
-comparisons with transformers / TRL on the same weights), and the compile-first timing of variants that runs only
-those whose compiled peak memory fits the backend (bench/moe.py, bench/attention.py).
+"""Helpers of the benchmarks in bench/ (not a benchmark): the --quick command-line preamble every bench shares, a
+preset's random weights written as an HF directory (for comparisons with transformers / TRL on the same weights),
+and the compile-first timing of variants that runs only those whose compiled peak memory fits the backend
+(bench/moe.py, bench/attention.py).
 """
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 
 INIT_STD = 0.02  # standard deviation of every weight matrix and the embedding (norm scales are ones)
+
+
+def parse_quick(ap: argparse.ArgumentParser, argv, quick: dict, help: str = "") -> argparse.Namespace:
+    """Adds --quick to `ap` and parses `argv` (None: sys.argv[1:]); when --quick is among them, the entries of
+    `quick` are the defaults, so values given on the command line still win. `help` defaults to
+    "seconds: <quick> unless given". Raises SystemExit (argparse's status 2) on bad arguments."""
+    ap.add_argument("--quick", action="store_true", help=help or f"seconds: {quick} unless given")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--quick" in argv:
+        ap.set_defaults(**quick)
+    return ap.parse_args(argv)
 
 
 def write_preset_model(name: str, out_dir: str, overrides: dict | None = None, seed: int = 0):

@@ -31,8 +31,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
+from _helpers import parse_quick  # noqa: E402
 from posttrain.tasks import archive  # noqa: E402  (after the path tweak, so the bench runs from a checkout)
 from posttrain.tasks.retry import TaskTicket  # noqa: E402
 
@@ -131,17 +132,13 @@ def time_query(workdir) -> tuple[float, float, str, list]:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object (the only output format)")
-    ap.add_argument("--quick", action="store_true", help=f"seconds: {QUICK} unless given")
     ap.add_argument("--rows", type=int, default=1_000_000, help="rows of the query's archive")
     ap.add_argument("--completion-tokens", type=int, default=300, help="completion ids (and ~4 chars each) per row")
     ap.add_argument("--repeats", type=int, default=20, help="quickstart-step writes timed (the median counts)")
     ap.add_argument("--step-s", type=float, default=QUICKSTART_STEP_S, help="the quickstart's step seconds")
     ap.add_argument("--metrics", default="", help="a quickstart run's metrics.jsonl: its median perf/step_s")
     ap.add_argument("--keep", default="", help="write the archives under this directory and keep them")
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--quick" in argv:
-        ap.set_defaults(**QUICK)
-    args = ap.parse_args(argv)
+    args = parse_quick(ap, argv, QUICK)
     if args.rows < 1 or args.repeats < 1 or args.completion_tokens < 1:
         ap.error("--rows, --repeats and --completion-tokens must be >= 1")
     step_s, source = step_seconds(args)

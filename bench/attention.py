@@ -28,7 +28,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(1, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from _helpers import compile_variants, free_bytes, gib, time_variants  # noqa: E402
+from _helpers import compile_variants, free_bytes, gib, parse_quick, time_variants  # noqa: E402
 
 QUICK = {"rows": 1, "row_len": 256, "prompt_len": 64, "group": 4, "heads": 4, "kv_heads": 2, "head_dim": 32,
          "steps": 1}  # --quick, unless given
@@ -49,12 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--impls", default="", help="comma list of attention_kernels.IMPLS (default: see the doc)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--max-gib", type=float, default=0.0, help="memory a variant may use (0: the backend's free)")
-    ap.add_argument("--quick", action="store_true", help=f"seconds: {QUICK} unless given")
     ap.add_argument("--json", action="store_true")
-    argv = sys.argv[1:] if argv is None else argv
-    if "--quick" in argv:
-        ap.set_defaults(**QUICK)
-    args = ap.parse_args(argv)
+    args = parse_quick(ap, argv, QUICK)
     if (args.row_len - args.prompt_len) % args.group or args.row_len <= args.prompt_len:
         ap.error(f"--row-len {args.row_len} - --prompt-len {args.prompt_len} must be a positive multiple of "
                  f"--group {args.group}")

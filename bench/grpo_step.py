@@ -19,10 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import resource
 import statistics
 import sys
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from _helpers import parse_quick  # noqa: E402
 
 PUBLISHED_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12}
 # --quick, unless given: a tiny preset on 2 packed rows, one timed step, the matmul peak at 256^3
@@ -48,12 +53,8 @@ def parse_args(argv=None):
     ap.add_argument("--microbatches", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--aot", default="", choices=("", "h200", "v5p"), help="compile for this chip; do not run")
-    ap.add_argument("--quick", action="store_true", help=f"seconds: {QUICK} unless given")
     ap.add_argument("--json", action="store_true")
-    argv = sys.argv[1:] if argv is None else argv
-    if "--quick" in argv:
-        ap.set_defaults(**QUICK)
-    args = ap.parse_args(argv)
+    args = parse_quick(ap, argv, QUICK)
     if bool(args.rows) != bool(args.row_len):
         ap.error("--rows and --row-len go together")
     if args.rows and (args.row_len - args.prompt_len) % args.group_size:
@@ -153,7 +154,6 @@ def _reexec_in_aot_venv(target: str, script: str = __file__) -> None:
     `VENV=.venv-aot scripts/setup_env.sh aot`) when the current interpreter lacks the CUDA compiler plugin that
     --aot h200 needs and that venv has it."""
     import os
-    import pathlib
 
     if target != "h200" or has_cuda_compiler_plugin():
         return

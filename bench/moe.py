@@ -30,7 +30,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(1, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from _helpers import compile_variants, free_bytes, gib, time_variants  # noqa: E402
+from _helpers import compile_variants, free_bytes, gib, parse_quick, time_variants  # noqa: E402
 
 QUICK = {"tokens": 256, "d_model": 64, "experts": 8, "top_k": 2, "expert_mlp": 32, "steps": 1}  # --quick shapes
 
@@ -49,12 +49,8 @@ def parse_args(argv=None):
     ap.add_argument("--aot", default="", choices=("", "h200", "v5p"), help="compile for this chip; do not run")
     ap.add_argument("--max-gib", type=float, default=0.0,
                     help="memory a variant may use (0: the backend's free memory); larger ones are skipped")
-    ap.add_argument("--quick", action="store_true", help=f"tiny shapes {QUICK} unless given")
     ap.add_argument("--json", action="store_true")
-    argv = sys.argv[1:] if argv is None else argv
-    if "--quick" in argv:
-        ap.set_defaults(**QUICK)
-    return ap.parse_args(argv)
+    return parse_quick(ap, argv, QUICK)
 
 
 def layer_loss(impl, dtype, capacity_factor, k):

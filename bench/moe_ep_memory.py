@@ -43,7 +43,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
+
+from _helpers import parse_quick  # noqa: E402
 
 LAYER = {"D": 2048, "E": 128, "K": 8, "F": 768}  # qwen3-30b-a3b: d_model, experts, top-k, expert MLP
 # --quick on fake CPU devices ("ragged": XLA:CPU has no ragged-all-to-all)
@@ -110,11 +112,8 @@ def main(argv=None):
     ap.add_argument("--impls", default="all_to_all,ragged,all_gather")
     ap.add_argument("--gmm-impl", default="ragged", help="grouped matmul of expert_ffn (posttrain.model.gmm.IMPLS)")
     ap.add_argument("--capacity-factor", type=float, default=2.0)
-    ap.add_argument("--quick", action="store_true", help=f"{QUICK} on fake CPU devices unless given")
-    argv = sys.argv[1:] if argv is None else argv
-    if "--quick" in argv:
-        ap.set_defaults(**{k: v for k, v in QUICK.items() if k != "layer"})
-    a = ap.parse_args(argv)
+    a = parse_quick(ap, argv, {k: v for k, v in QUICK.items() if k != "layer"},
+                    help=f"{QUICK} on fake CPU devices unless given")
     eps = [int(v) for v in a.eps.split(",")]
     if a.quick and "jax" not in sys.modules:  # fake CPU devices, before JAX starts
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={max(eps)}"

@@ -9,7 +9,9 @@ same weights; a preset whose vocabulary is smaller than the byte tokenizer's get
 --model PATH: a .gguf file or HF directory for both sides. --group G samples each prompt G times (rows p*G + g,
 as in training; greedy, so the copies agree); --prompt-len L replaces the chat prompts by L random token ids
 each (seed 0, no stop token among them); --ignore-stop generates exactly --new-tokens per row on both sides
-(posttrain without stop ids, transformers with min_new_tokens) and counts them all.
+(posttrain without stop ids, transformers with min_new_tokens) and counts them all. --dtype bfloat16 loads
+the weights and computes in bfloat16 on both sides (default float32); --torch-device puts transformers on a GPU
+("auto": cuda when torch sees one), as `scripts/accelerator_check.py` does on an H200.
 
 Workload: the default model (SmolLM2-135M-Instruct, the default GGUF dequantized to float32) answers 64 chat
 prompts of the project's default task ("What is a + b? Answer with just the number.", a, b in [10, 99], seed 0,
@@ -21,7 +23,7 @@ prompt token ids (posttrain's tokenizer).
     --no-shared-prefix prefills every prompt in full. Once no more than 48, then 32 rows are unfinished, decoding
     continues on that many rows (`sample(shrink=(48, 32))`); --no-shrink keeps all 64 to the end.
   * transformers: `model.generate(do_sample=False, max_new_tokens=24)` with its KV cache, float32, all 64 prompts
-    in one left-padded batch with an attention mask, torch's default thread count.
+    in one left-padded batch with an attention mask, torch's default thread count (on the CPU).
 Each side counts only generated tokens up to and including the first stop token (EOS / end of turn). One warm-up
 call per side (compile for posttrain) is timed separately; then the sides alternate for --runs rounds, so
 background load on a shared machine hits both alike, and each side's median round is reported.
@@ -55,6 +57,8 @@ import numpy as np  # noqa: E402
 from posttrain.checkpoints import load_pretrained  # noqa: E402
 from posttrain.checkpoints.gguf import default_model_path  # noqa: E402
 from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample, shared_prefix_len, shrink_schedule  # noqa: E402
+
+from _helpers import parse_quick  # noqa: E402
 
 QUICK = {"model": "tiny-dense", "prompts": 4, "new_tokens": 4, "runs": 1, "no_floor": True}  # --quick, unless given
 
@@ -121,7 +125,8 @@ class PosttrainSide:
 
 
 class TransformersSide:
-    def __init__(self, prompts, new_tokens, stop_ids, pad_id, source: str, group: int = 1, ignore_stop: bool = False):
+    def __init__(self, prompts, new_tokens, stop_ids, pad_id, source: str, group: int = 1, ignore_stop: bool = False,
+                 dtype: str = "float32", device: str = "cpu"):
         import pathlib
 
         import torch
@@ -131,11 +136,12 @@ class TransformersSide:
         path = pathlib.Path(source)
         where = {"pretrained_model_name_or_path": str(path)} if path.is_dir() else {
             "pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=getattr(torch, dtype)).eval()
+        self.model.to(device)
         width = max(map(len, prompts))
         rows = [p for p in prompts for _ in range(group)]  # row p*G + g, as posttrain's sampler
-        self.ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in rows])
-        self.mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+        self.ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in rows], device=device)
+        self.mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=device)
         self.width, self.new_tokens, self.stops, self.pad = width, new_tokens, tuple(stop_ids), pad_id
         self.ignore_stop = ignore_stop
 
@@ -220,14 +226,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-floor", action="store_true", help="skip timing the matmul floor (see matmul_floor_s)")
     ap.add_argument("--skip-transformers", action="store_true", help="posttrain side only (profiling)")
     ap.add_argument("--model", default="", help="a preset (random weights), a .gguf / HF dir, or empty: the default")
-    ap.add_argument("--quick", action="store_true", help=f"seconds: {QUICK} unless given")
-    argv = sys.argv[1:] if argv is None else argv
-    if "--quick" in argv:
-        ap.set_defaults(**QUICK)
-    args = ap.parse_args(argv)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights, compute: both sides")
+    ap.add_argument("--torch-device", default="auto", help="transformers' device: auto (cuda when torch has one)|cpu|cuda")
+    args = parse_quick(ap, argv, QUICK)
     if min(args.prompts, args.new_tokens, args.runs, args.group) < 1 or args.prompt_len < 0:
         raise SystemExit("--prompts, --new-tokens, --runs and --group must be >= 1, --prompt-len >= 0")
     return args
+
+
+def torch_device(args) -> str:
+    """--torch-device, "auto" resolved: "cuda" when torch sees a GPU, else "cpu"."""
+    if args.torch_device != "auto":
+        return args.torch_device
+    return "cuda" if __import__("torch").cuda.is_available() else "cpu"
 
 
 def compare(argv, tmp: str) -> dict:
@@ -235,7 +246,7 @@ def compare(argv, tmp: str) -> dict:
     args = parse_args(argv)
     source = model_source(args.model, tmp)
     t = time.perf_counter()
-    pre = load_pretrained(source)
+    pre = load_pretrained(source, dtype=args.dtype, param_dtype=args.dtype)
     load_s = time.perf_counter() - t
     tok = pre.tokenizer
     prompts = make_prompts(tok, args.prompts, length=args.prompt_len, vocab_size=pre.config.vocab_size)
@@ -244,7 +255,7 @@ def compare(argv, tmp: str) -> dict:
     sides = {"posttrain": ours}
     if not args.skip_transformers:
         sides["transformers"] = TransformersSide(prompts, args.new_tokens, tok.stop_ids, tok.pad_id, source,
-                                                 args.group, args.ignore_stop)
+                                                 args.group, args.ignore_stop, args.dtype, torch_device(args))
     warm, outs = {}, {}
     for name, side in sides.items():  # warm-up (posttrain: the jit compile)
         warm[name], outs[name] = timed(side)
@@ -285,9 +296,10 @@ def summary(args, prompts, ours, outs: dict, warm: dict, rounds: dict, load_s: f
         prompts=args.prompts, group=args.group, rows=args.prompts * args.group, new_tokens=args.new_tokens,
         ignore_stop=args.ignore_stop, prompt_tokens_mean=round(float(np.mean(list(map(len, prompts)))), 1),
         posttrain_prompt_width=ours.width, posttrain_shared_prefix_len=ours.shared,
-        posttrain_load_s=round(load_s, 2), posttrain_shrink=list(ours.shrink), dtype="float32",
+        posttrain_load_s=round(load_s, 2), posttrain_shrink=list(ours.shrink), dtype=args.dtype,
         model=args.model or "SmolLM2-135M-Instruct", quick=args.quick,
         torch_threads=__import__("torch").get_num_threads() if "transformers" in outs else None,
+        torch_device=torch_device(args) if "transformers" in outs else None,
         cpu_count=os.cpu_count(), load_avg_1m=round(os.getloadavg()[0], 2))
     return result
 

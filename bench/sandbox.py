@@ -32,8 +32,9 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
+from _helpers import parse_quick  # noqa: E402
 from envs.tasks import humaneval as code  # noqa: E402  (after the path tweak, so the bench runs from a checkout)
 
 QUICK = {"limit": 4, "workers": 2, "repeats": 1}  # --quick, unless given
@@ -124,11 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--limit", type=int, default=None, help="first K problems only (default all 164)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; best round per side")
     parser.add_argument("--timeout", type=float, default=3.0, help="harness per-problem timeout, s")
-    parser.add_argument("--quick", action="store_true", help=f"seconds: {QUICK} unless given")
-    argv = sys.argv[1:] if argv is None else argv
-    if "--quick" in argv:
-        parser.set_defaults(**QUICK)
-    args = parser.parse_args(argv)
+    args = parse_quick(parser, argv, QUICK)
     if args.workers < 1 or args.repeats < 1:
         parser.error(f"--workers and --repeats must be >= 1, got {args.workers}, {args.repeats}")
     problems = code.load_problems()[: args.limit]

@@ -20,8 +20,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
+from _helpers import parse_quick  # noqa: E402
 from envs.verify import answers as verifiers  # noqa: E402
 
 SIZES = (100_000, 1_000_000)  # characters of the "100k" and "1m" responses
@@ -49,11 +50,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object (the only output format)")
     ap.add_argument("--repeats", type=int, default=5, help="timing repeats per input (best is reported)")
-    ap.add_argument("--quick", action="store_true", help=f"seconds: sizes {QUICK_SIZES}, one repeat unless given")
-    argv = sys.argv[1:] if argv is None else argv
-    if "--quick" in argv:
-        ap.set_defaults(repeats=1)
-    args = ap.parse_args(argv)
+    args = parse_quick(ap, argv, {"repeats": 1}, help=f"seconds: sizes {QUICK_SIZES}, one repeat unless given")
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     sizes = QUICK_SIZES if args.quick else SIZES

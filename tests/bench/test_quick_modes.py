@@ -1,8 +1,11 @@
 """Every benchmark's --quick mode (seconds, tiny shapes, the same code path) runs once, and its JSON has the figure,
 the peer it is compared with, and their ratio.
 
-Benches that start their own processes (the two trainers of grpo_vs_trl) or need fake CPU devices set before JAX
-starts (moe_ep_memory) run as a subprocess; the others run in this process (JAX, torch already imported).
+The four benches of scripts/accelerator_check.py (attention, grpo_step, moe, rollout) are checked on the JSON its
+--dry-run wrote (their --quick shapes plus the check's own flags; the `accelerator_dry_run` fixture of
+tests/bench/conftest.py, run once per session), so the suite runs each quick mode once. Benches that start their own
+processes (the two trainers of grpo_vs_trl) or need fake CPU devices set before JAX starts (moe_ep_memory) run as a
+subprocess; the others run in this process (JAX, torch already imported).
 """
 import importlib.util
 import json
@@ -72,20 +75,21 @@ def _verifiers(out):
     assert out["quick"] and out["timeout_call_status"] == "timeout" and set(out["shapes"]) >= {"spaces", "braces"}
 
 
-# bench: (arguments, in this process?, figure, peer, ratio (keys, dotted), more checks)
+# bench: (arguments, where it runs: "process" | "subprocess" | the accelerator check's step, figure, peer, ratio
+# (keys, dotted), more checks)
 TABLE = {
-    "archive": ([], True, "write_s_per_step", "quickstart_step_s", "write_ratio", _archive),
-    "attention": ([], True, "results.dense.tokens_per_s", "results.blockwise.tokens_per_s",
+    "archive": ([], "process", "write_s_per_step", "quickstart_step_s", "write_ratio", _archive),
+    "attention": ([], "attention", "results.dense.tokens_per_s", "results.blockwise.tokens_per_s",
                   "results.dense.ratio_to_blockwise", _attention),
-    "grpo_step": (["--remat", "dots"], True, "model_flops_per_s", "peak_flops_per_s", "mfu", _grpo_step),
-    "grpo_vs_trl": (["--steps", "2"], False, "posttrain_step_s", "trl_step_s", "ratio", _grpo_vs_trl),
-    "moe": ([], True, "results.padded.tokens_per_s", "results.dense.tokens_per_s", "results.padded.ratio_to_dense",
+    "grpo_step": ([], "grpo_step_dots", "model_flops_per_s", "peak_flops_per_s", "mfu", _grpo_step),
+    "grpo_vs_trl": (["--steps", "2"], "subprocess", "posttrain_step_s", "trl_step_s", "ratio", _grpo_vs_trl),
+    "moe": ([], "moe", "results.padded.tokens_per_s", "results.dense.tokens_per_s", "results.padded.ratio_to_dense",
             _moe),
-    "moe_ep_memory": ([], False, "temp_bytes.all_to_all.4", "temp_bytes.all_gather.4", "ratio_to_all_gather.all_to_all.4",
-                      _moe_ep_memory),
-    "rollout": (["--group", "2"], True, "posttrain_tokens_per_s", "transformers_tokens_per_s", "ratio", _rollout),
-    "sandbox": ([], True, "posttrain_problems_per_s", "harness_problems_per_s", "ratio", _sandbox),
-    "verifiers": ([], True, "max_ms_1m", "goal_ms_1m", "ratio_to_goal", _verifiers),
+    "moe_ep_memory": ([], "subprocess", "temp_bytes.all_to_all.4", "temp_bytes.all_gather.4",
+                      "ratio_to_all_gather.all_to_all.4", _moe_ep_memory),
+    "rollout": ([], "rollout", "posttrain_tokens_per_s", "transformers_tokens_per_s", "ratio", _rollout),
+    "sandbox": ([], "process", "posttrain_problems_per_s", "harness_problems_per_s", "ratio", _sandbox),
+    "verifiers": ([], "process", "max_ms_1m", "goal_ms_1m", "ratio_to_goal", _verifiers),
 }
 
 
@@ -96,11 +100,16 @@ def test_every_benchmark_has_a_quick_mode_here():
 _OUTPUTS: dict = {}  # bench -> its quick JSON (each quick mode runs once per session)
 
 
-def _run(name: str, capsys) -> dict:
+def _run(name: str, capsys, request) -> dict:
     if name in _OUTPUTS:
         return _OUTPUTS[name]
-    argv, in_process = ["--quick", "--json", *TABLE[name][0]], TABLE[name][1]
-    if in_process:
+    argv, where = ["--quick", "--json", *TABLE[name][0]], TABLE[name][1]
+    if where not in ("process", "subprocess"):
+        record = json.loads((request.getfixturevalue("accelerator_dry_run").out / f"{where}.json").read_text())
+        assert record["status"] == "ok" and "--quick" in record["command"], record
+        _OUTPUTS[name] = record["result"]
+        return _OUTPUTS[name]
+    if where == "process":
         _load(name).main(argv)
         stdout = capsys.readouterr().out
     else:
@@ -121,16 +130,16 @@ def _load(name: str):
 
 
 @pytest.mark.parametrize("name", sorted(TABLE))
-def test_quick_mode_reports_the_figure_its_peer_and_their_ratio(name, capsys):
+def test_quick_mode_reports_the_figure_its_peer_and_their_ratio(name, capsys, request):
     _, _, figure, peer, ratio, check = TABLE[name]
-    out = _run(name, capsys)
+    out = _run(name, capsys, request)
     values = [_get(out, k) for k in (figure, peer, ratio)]
     assert all(isinstance(v, (int, float)) and v > 0 for v in values), dict(zip((figure, peer, ratio), values))
     check(out)
 
 
-def test_moe_runs_only_the_variants_that_fit(capsys):
-    peaks = {k: r["peak_gib"] for k, r in _run("moe", capsys)["results"].items()}
+def test_moe_runs_only_the_variants_that_fit(capsys, request):
+    peaks = {k: r["peak_gib"] for k, r in _run("moe", capsys, request)["results"].items()}
     assert peaks["ragged"] > 2 * peaks["dense"] > 0  # XLA:CPU's ragged_dot expands across the groups
     budget = 2 * peaks["dense"] / 0.9  # `aot.fits` takes 90% of it: dense fits, ragged does not
     out = _load("moe").main(["--quick", "--json", "--impls", "ragged", "--max-gib", str(budget)])

@@ -1,0 +1,166 @@
+"""scripts/accelerator_check.py: its --dry-run (every step at tiny shapes on the CPU, the `accelerator_dry_run`
+fixture) writes the same files with the same keys as a real run; the real-mode arguments parse in each bench;
+--only keeps the other steps' files; the budget, a step's timeout, the wheel install and the JUnit reading."""
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import sys
+import time
+import tomllib
+import zipfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _load(path: pathlib.Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+check = _load(ROOT / "scripts" / "accelerator_check.py", "accelerator_check")
+
+
+def _has(obj, path: str) -> bool:
+    for key in path.split("."):
+        if not isinstance(obj, dict) or key not in obj:
+            return False
+        obj = obj[key]
+    return True
+
+
+def test_dry_run_writes_every_step_file_with_its_keys(accelerator_dry_run):
+    run = accelerator_dry_run
+    assert run.returncode == 0, run.stderr[-4000:]
+    files = sorted(p.name for p in run.out.iterdir())
+    assert files == sorted([f"{s}.json" for s in check.STEPS] + ["summary.json"]) and len(files) <= 8
+    summary = json.loads((run.out / "summary.json").read_text())
+    assert summary["dry_run"] and list(summary["steps"]) == list(check.STEPS) and summary["setup"]["missing"] == []
+    for name, step in check.STEPS.items():
+        record = json.loads((run.out / f"{name}.json").read_text())
+        assert record["status"] == "ok" and record["dry_run"] and record["seconds"] <= record["timeout_s"], record
+        assert record["env"]["JAX_DEFAULT_MATMUL_PRECISION"] == "default" and record["env"]["JAX_PLATFORMS"] == "cpu"
+        assert [k for k in step.keys if not _has(record["result"], k)] == [], name
+        assert summary["steps"][name]["status"] == "ok" and set(step.keys) <= set(summary["steps"][name])
+    tests = json.loads((run.out / "tests.json").read_text())["result"]
+    assert tests["collected"] == tests["passed"] == len(check.DRY_TESTS) and tests["failures"] == []
+    for remat in ("dots", "full"):
+        grpo = json.loads((run.out / f"grpo_step_{remat}.json").read_text())["result"]
+        assert grpo["remat"] == remat and grpo["dtype"] == "bfloat16" and grpo["finite"] and grpo["peak_gib"] > 0
+        assert grpo["device"] == "cpu" and grpo["mfu_published_peak"] is None  # no published peak for a CPU
+    rollout = json.loads((run.out / "rollout.json").read_text())["result"]
+    assert rollout["ignore_stop"] and rollout["dtype"] == "float32" and rollout["torch_device"] == "cpu"
+
+
+def test_real_mode_arguments_parse_in_each_bench():
+    def real(name):
+        return check.step_command(name, dry_run=False, work="W")[2:]  # after the interpreter and the script
+
+    grpo = _load(ROOT / "bench" / "grpo_step.py", "check_grpo_step")
+    for remat in ("dots", "full"):
+        a = grpo.parse_args(real(f"grpo_step_{remat}"))
+        cfg, _ = grpo.model_config(a, "gpu")
+        assert (a.model, a.remat, cfg.dtype, cfg.param_dtype) == ("qwen3-0.6b", remat, "bfloat16", "float32")
+        assert grpo.make_batch(a, cfg, None).tokens_RxL.shape == (16, 2176)
+    a = _load(ROOT / "bench" / "moe.py", "check_moe").parse_args(real("moe"))
+    assert (a.tokens, a.d_model, a.experts, a.top_k, a.expert_mlp, a.quick) == (16384, 2048, 128, 8, 768, False)
+    a = _load(ROOT / "bench" / "rollout.py", "check_rollout").parse_args(real("rollout"))
+    assert (a.model, a.prompts, a.group, a.prompt_len, a.new_tokens) == ("qwen3-0.6b", 512, 1, 128, 256)
+    assert a.ignore_stop and a.dtype == "bfloat16" and a.no_floor and not a.quick
+    a = _load(ROOT / "bench" / "attention.py", "check_attention").parse_args(real("attention"))
+    assert (a.rows, a.row_len, a.prompt_len, a.group, a.quick) == (4, 16384, 2048, 8, False)
+    tests = check.step_command("tests", dry_run=False, work="W")
+    assert tests[tests.index("-m", 3) + 1] == "parity or kernel" and tests[-1] == "tests"
+    markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
+    assert {m.split(":")[0] for m in markers} >= {"parity", "kernel"}  # registered for `pytest -m`
+
+
+def test_only_reruns_the_chosen_steps_and_keeps_the_others(accelerator_dry_run, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(accelerator_dry_run.out, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    fake = {"step": "moe", "status": "ok", "seconds": 1.0, "dry_run": True, "result": {"platform": "fake"}}
+    monkeypatch.setattr(check, "run_step", lambda name, *a: dict(fake, step=name))
+    assert check.main(["--dry-run", "--only", "moe", "--out", str(out), "--cache-dir", str(tmp_path / "c")]) == 0
+    after = {p.name: p.read_bytes() for p in out.iterdir()}
+    changed = sorted(n for n in after if after[n] != before[n])
+    assert set(after) == set(before) and changed == ["moe.json", "summary.json"]
+    summary = json.loads(after["summary.json"])
+    assert list(summary["steps"]) == list(check.STEPS) and summary["steps"]["moe"]["platform"] == "fake"
+    assert summary["steps"]["tests"] == json.loads(before["summary.json"])["steps"]["tests"]
+
+
+def test_a_budget_too_small_skips_the_steps(tmp_path, monkeypatch):
+    monkeypatch.setattr(check, "run_step", lambda *a: pytest.fail("no step fits in the budget"))
+    argv = ["--only", "tests,moe", "--budget-s", "12", "--out", str(tmp_path / "o"), "--cache-dir", str(tmp_path)]
+    assert check.main(argv) == 1
+    for name in ("tests", "moe"):
+        record = json.loads((tmp_path / "o" / f"{name}.json").read_text())
+        assert record["status"] == "skipped" and "left in the budget" in record["reason"]
+
+
+def test_a_step_past_its_timeout_is_interrupted_and_keeps_its_output(tmp_path, monkeypatch):
+    monkeypatch.setattr(check, "GRACE_S", 0.5)
+    t = time.perf_counter()
+    rc, out, err, _ = check.run_process([sys.executable, "-c", "import time; print('started', flush=True); "
+                                         "time.sleep(60)"], dict(os.environ), 1.0, str(tmp_path))
+    assert rc is None and out == "started\n" and "KeyboardInterrupt" in err  # SIGINT first
+    stubborn = ("import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('x', flush=True); "
+                "time.sleep(60)")
+    rc, out, _, seconds = check.run_process([sys.executable, "-c", stubborn], dict(os.environ), 1.0, str(tmp_path))
+    assert rc is None and out == "x\n" and seconds < 5 and time.perf_counter() - t < 10  # then SIGKILL
+
+
+def test_junit_counts_and_failures(tmp_path):
+    (tmp_path / "j.xml").write_text(
+        '<testsuites><testsuite tests="4" failures="1" errors="1" skipped="1" time="2.5">'
+        '<testcase classname="tests.a" name="test_ok"/>'
+        '<testcase classname="tests.a" name="test_bad">'
+        '<failure message="assert 1 == 2&#10;more">tb</failure></testcase>'
+        '<testcase classname="tests.b" name="test_err"><error message="boom">tb</error></testcase>'
+        '<testcase classname="tests.b" name="test_skip"><skipped message="no gpu"/></testcase>'
+        '</testsuite></testsuites>')
+    r = check.junit_result(str(tmp_path / "j.xml"))
+    assert (r["collected"], r["passed"], r["failed"], r["errors"], r["skipped"], r["seconds"]) == (4, 1, 1, 1, 1, 2.5)
+    assert r["failures"] == [{"test": "tests.a::test_bad", "message": "assert 1 == 2"},
+                             {"test": "tests.b::test_err", "message": "boom"}]
+    assert check.junit_result(str(tmp_path / "absent.xml")) is None
+
+
+def _probe_wheel(folder: pathlib.Path) -> None:
+    """A minimal pure-Python wheel of `posttrain-check-probe` 0.1 (module posttrain_check_probe)."""
+    info = "posttrain_check_probe-0.1.dist-info"
+    files = {"posttrain_check_probe/__init__.py": "VALUE = 1\n",
+             f"{info}/METADATA": "Metadata-Version: 2.1\nName: posttrain-check-probe\nVersion: 0.1\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(folder / "posttrain_check_probe-0.1-py3-none-any.whl", "w") as whl:
+        for name, text in files.items():
+            whl.writestr(name, text)
+
+
+def test_missing_wheels_install_from_the_folder_once(tmp_path, monkeypatch):
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    wheels.mkdir()
+    _probe_wheel(wheels)
+    monkeypatch.setattr(check, "WHEELS", ("posttrain-check-probe", "pytest"))  # pytest: present, not installed
+    record = check.install_wheels(str(wheels), str(site), 120)
+    assert record["missing"] == record["installed"] == ["posttrain-check-probe"], record
+    assert record["pip_returncode"] == 0 and (site / "posttrain_check_probe" / "__init__.py").exists()
+    again = check.install_wheels(str(wheels), str(site), 120)
+    assert again["missing"] == [] and again["pip_returncode"] is None
+    nowhere = check.install_wheels("", str(tmp_path / "empty"), 120)
+    assert nowhere["missing"] == ["posttrain-check-probe"] and "no --wheels" in nowhere["warning"]
+
+
+@pytest.mark.parametrize("argv, message", [(["--only", "tests,nope"], "unknown step"),
+                                           (["--wheels", "/no/such/folder"], "is not a folder")])
+def test_bad_arguments_stop_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        check.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
