@@ -207,16 +207,8 @@ def plan_report(plan, devices, hbm: int, peak, *, target: str, prompt_len: int =
                          vocab_size=model_cfg.vocab_size, packed=ro.packed, row_multiple=ro.row_multiple)
     batch_abs, batch_sh = abstract_batch(batch, mesh, plan.rules)
     step_fn = step_builder(plan)(graphdef, opt.tx, opt.lr_schedule, model_cfg)
-    try:
-        report, seconds, log, collectives = compile_train_step(step_fn, state, state_sh, batch_abs, batch_sh, mesh,
-                                                               plan.rules)
-    except Exception as e:  # noqa: BLE001 - XLA:TPU refuses to compile a program that cannot fit in HBM
-        needed = re.search(r"required for HLO temporaries \(([\d.]+)G\)", str(e))
-        if not needed:
-            raise
-        report = aot.MemoryReport(per_device_bytes(state), per_device_bytes(state), int(float(needed.group(1)) * 1e9),
-                                  per_device_bytes(state), [])
-        seconds, log, collectives = None, str(e), {}
+    report, seconds, log, collectives = _compile_or_refusal(step_fn, state, state_sh, batch_abs, batch_sh, mesh,
+                                                            plan.rules)
     fl = flops_lib.train_step_flops(model_cfg, state.params if not lora_rank else
                                     flops_lib.abstract_model_state(model_cfg), batch, lora=bool(lora_rank))
     n = len(devices)
@@ -238,17 +230,35 @@ def plan_report(plan, devices, hbm: int, peak, *, target: str, prompt_len: int =
            "involuntary_remat": "Involuntary full rematerialization" in log,
            "compiler_refused": "RESOURCE_EXHAUSTED" in log}
     if sampler:
-        from posttrain.rollout.sampler import shrink_schedule
-
-        samples = ro.prompts_per_step * ro.group_size
-        srep, sseconds = compile_sampler(graphdef, model_states(state.params, state.frozen), mesh, plan.rules,
-                                         prompts=ro.prompts_per_step, prompt_len=prompt_len,
-                                         group_size=ro.group_size, params=ro.sampling,
-                                         shrink=shrink_schedule(samples, ro.decode_multiple,
-                                                                steps=ro.decode_shrink_steps),
-                                         record_routing=ro.record_routing)
-        sd = srep.as_dict()
-        out.update({"sample_peak_gib": sd["peak_gib"], "sample_temp_gib": sd["temp_gib"],
-                    "sample_compile_s": round(sseconds, 1), "sample_fits": aot.fits(srep.peak, hbm)})
+        out.update(_sampler_report(graphdef, model_states(state.params, state.frozen), mesh, plan, prompt_len, hbm))
         out["fits"] = out["fits"] and out["sample_fits"]
     return out
+
+
+def _compile_or_refusal(step_fn, state, state_sh, batch_abs, batch_sh, mesh, rules):
+    """`compile_train_step`'s (report, seconds, log, collectives); when XLA:TPU refuses to compile a program that
+    cannot fit in HBM, a report whose temp is the size it asked for (seconds None, the error as the log)."""
+    try:
+        return compile_train_step(step_fn, state, state_sh, batch_abs, batch_sh, mesh, rules)
+    except Exception as e:  # noqa: BLE001 - the refusal's message carries the size; anything else is re-raised
+        needed = re.search(r"required for HLO temporaries \(([\d.]+)G\)", str(e))
+        if not needed:
+            raise
+        report = aot.MemoryReport(per_device_bytes(state), per_device_bytes(state), int(float(needed.group(1)) * 1e9),
+                                  per_device_bytes(state), [])
+        return report, None, str(e), {}
+
+
+def _sampler_report(graphdef, model_state, mesh, plan, prompt_len: int, hbm: int) -> dict:
+    """The `sample_*` keys of `plan_report`: the rollout sampler compiled for one step's prompts."""
+    from posttrain.rollout.sampler import shrink_schedule
+
+    ro = plan.rollout
+    samples = ro.prompts_per_step * ro.group_size
+    srep, sseconds = compile_sampler(graphdef, model_state, mesh, plan.rules, prompts=ro.prompts_per_step,
+                                     prompt_len=prompt_len, group_size=ro.group_size, params=ro.sampling,
+                                     shrink=shrink_schedule(samples, ro.decode_multiple, steps=ro.decode_shrink_steps),
+                                     record_routing=ro.record_routing)
+    sd = srep.as_dict()
+    return {"sample_peak_gib": sd["peak_gib"], "sample_temp_gib": sd["temp_gib"],
+            "sample_compile_s": round(sseconds, 1), "sample_fits": aot.fits(srep.peak, hbm)}
