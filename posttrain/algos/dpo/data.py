@@ -1,0 +1,178 @@
+"""DPO data: TRL's preference records -> token ids -> `PairBatch`es in the packed group layout.
+
+Dimension legend: see `posttrain.types` (R rows, L width, N = 2R samples, C scored slots); P pairs (P = R).
+
+Record format (a JSONL line or the same dict inline; TRL's preference format,
+https://huggingface.co/docs/trl/dataset_formats#preference):
+  {"prompt": str | [messages], "chosen": str | [messages], "rejected": str | [messages], "id"?: str}
+A string prompt is one user turn; a string reply one assistant turn; a message-list reply must be exactly one
+assistant turn. The prompt is rendered by the tokenizer's chat template with the generation prompt (as the RL
+sampler sees it) and each reply is the template's rendering of that assistant turn after it (its content and
+end-of-turn token, not the whitespace after), tokenized on its own: the tokens a policy would generate.
+
+Layout: one pair per row, the GRPO packed layout with a group of two (`rollout.batching.assemble`): the prompt
+once, then the chosen reply (branch 1, sample 2p) and the rejected one (branch 2, sample 2p + 1), each attending to
+the prompt and itself only, so the prompt's forward and backward pass is shared by both replies. Every batch of a
+run has one shape (prompt and reply regions sized by the longest in the data set), so one compilation serves all.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import numpy as np
+from flax import struct
+
+from posttrain.algos.sft.data import _turns, load_records
+from posttrain.rollout import batching
+from posttrain.rollout.episodes import Sample
+from posttrain.types import RolloutBatch
+
+ALIGN = 8  # prompt and reply regions are rounded up to a multiple of this many tokens
+
+
+@struct.dataclass
+class PairBatch(RolloutBatch):
+    """A `RolloutBatch` of preference pairs (samples 2p: chosen, 2p + 1: rejected) with the reference policy's
+    sequence logprobs `ref_logp_N` (float32 [N], the sum over each reply's tokens, nats; None until computed)."""
+
+    ref_logp_N: Any = None
+
+
+class Pair(NamedTuple):
+    """One tokenized preference pair. pair_id: the record's "id" or its location; prompt / chosen / rejected:
+    int32 token ids; truncated: a reply or the prompt was cut to the configured maximum."""
+
+    pair_id: str
+    prompt: np.ndarray
+    chosen: np.ndarray
+    rejected: np.ndarray
+    truncated: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PairSettings:
+    """What DPO reads (built by `recipes.dpo.make_dpo_plan`). train_path / eval_path: JSONL files ("" for none);
+    train_records / eval_records: inline records (used when the path is ""); eval_fraction: share of the training
+    records held out when no eval data is given; max_prompt_len: a longer prompt keeps its LAST tokens (TRL's
+    keep_end); max_completion_len: a longer reply keeps its first tokens; pairs_per_step: P, pairs in one step's
+    batch; seed: of the shuffles."""
+
+    train_path: str = ""
+    eval_path: str = ""
+    train_records: tuple[Mapping[str, Any], ...] = ()
+    eval_records: tuple[Mapping[str, Any], ...] = ()
+    eval_fraction: float = 0.0
+    max_prompt_len: int = 256
+    max_completion_len: int = 256
+    pairs_per_step: int = 8
+    seed: int = 0
+
+
+def _reply(value: Any, where: str, key: str) -> dict:
+    turns = _turns(value, where, key, "assistant")
+    if len(turns) != 1 or turns[0]["role"] != "assistant":
+        raise ValueError(f"{where}: {key!r} must be one assistant turn (a string or a one-message list), got roles "
+                         f"{[t['role'] for t in turns]}")
+    return turns[0]
+
+
+def encode_pair(tokenizer, record: Mapping[str, Any], where: str, max_prompt_len: int,
+                max_completion_len: int) -> Pair:
+    """The `Pair` of one record (module doc). Raises ValueError naming `where` for a missing key, malformed
+    messages, a prompt ending in an assistant turn, or a chat template that does not render the reply after the
+    prompt; TypeError for a record that is not a mapping."""
+    if not isinstance(record, Mapping):
+        raise TypeError(f"{where}: a DPO record must be a mapping, got {type(record).__name__}")
+    missing = [k for k in ("prompt", "chosen", "rejected") if k not in record]
+    if missing:
+        raise ValueError(f"{where}: missing key(s) {missing}: a preference record needs 'prompt', 'chosen' and "
+                         f"'rejected'; it has {sorted(record)}")
+    prompt = _turns(record["prompt"], where, "prompt", "user")
+    if prompt[-1]["role"] == "assistant":
+        raise ValueError(f"{where}: the prompt ends with an assistant turn; the replies are the assistant's turn")
+    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, add_generation_prompt=gen)
+    head = render(prompt, True)
+    replies, cut = [], False
+    for key in ("chosen", "rejected"):
+        full = render(prompt + [_reply(record[key], where, key)], False)
+        if not full.startswith(head):
+            raise ValueError(f"{where}: the chat template does not render the {key} reply after the prompt")
+        ids = np.asarray(tokenizer.encode(full[len(head):].rstrip()), np.int32)
+        if not len(ids):
+            raise ValueError(f"{where}: the {key} reply renders to no tokens")
+        cut |= len(ids) > max_completion_len
+        replies.append(ids[:max_completion_len])
+    prompt_ids = np.asarray(tokenizer.encode(head), np.int32)
+    cut |= len(prompt_ids) > max_prompt_len
+    return Pair(str(record.get("id", where)), prompt_ids[-max_prompt_len:], replies[0], replies[1], bool(cut))
+
+
+def encode_pairs(tokenizer, records: Sequence[tuple[str, Mapping]], settings: PairSettings) -> list[Pair]:
+    """The pairs of (where, record) items. Raises ValueError for duplicate pair ids and as `encode_pair` does."""
+    pairs = [encode_pair(tokenizer, r, where, settings.max_prompt_len, settings.max_completion_len)
+             for where, r in records]
+    ids = [p.pair_id for p in pairs]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise ValueError(f"duplicate preference pair ids {dup[:5]}: every record's 'id' must be unique")
+    return pairs
+
+
+def load_pairs(settings: PairSettings, tokenizer) -> tuple[list[Pair], list[Pair]]:
+    """(train pairs, held-out pairs) of the settings' data. Raises ValueError when there is no training pair."""
+    from posttrain.algos.sft.data import split_records
+
+    train = load_records(settings.train_path, settings.train_records, "train_examples")
+    held = load_records(settings.eval_path, settings.eval_records, "eval_examples")
+    if not held and settings.eval_fraction:
+        train, held = split_records(train, settings.eval_fraction, settings.seed)
+    if not train:
+        raise ValueError(f"no DPO training pair (from {settings.train_path or 'train_examples'})")
+    return encode_pairs(tokenizer, train, settings), encode_pairs(tokenizer, held, settings)
+
+
+def data_hash(pairs: Sequence[Pair]) -> str:
+    """sha256 hex of the pairs' ids and tokens (what the cached reference logprobs were computed on)."""
+    h = hashlib.sha256()
+    for p in pairs:
+        h.update(json.dumps([p.pair_id, p.prompt.tolist(), p.chosen.tolist(), p.rejected.tolist()]).encode())
+    return h.hexdigest()
+
+
+def regions(pairs: Sequence[Pair]) -> tuple[int, int]:
+    """(prompt region, reply region) in tokens: the longest prompt and reply of `pairs`, rounded up to ALIGN."""
+    up = lambda n: -(-max(n, 1) // ALIGN) * ALIGN
+    return up(max(len(p.prompt) for p in pairs)), up(max(max(len(p.chosen), len(p.rejected)) for p in pairs))
+
+
+def make_batch(pairs: Sequence[Pair], prompt_region: int, reply_region: int, pad_id: int, num_pairs: int,
+               ref_logp_N: np.ndarray | None = None) -> PairBatch:
+    """The host `PairBatch` of `pairs` padded with empty rows (invalid, no loss) to `num_pairs` rows: width L =
+    prompt_region + 2 * reply_region, C = reply_region scored slots. Raises ValueError for more pairs than
+    `num_pairs` or a pair longer than the regions."""
+    if len(pairs) > num_pairs:
+        raise ValueError(f"{len(pairs)} pairs do not fit a batch of {num_pairs}")
+    samples = []
+    for i, p in enumerate(pairs):
+        if len(p.prompt) > prompt_region or max(len(p.chosen), len(p.rejected)) > reply_region:
+            raise ValueError(f"pair {p.pair_id!r} is longer than the batch regions ({prompt_region}, {reply_region})")
+        for reply, reward in ((p.chosen, 1.0), (p.rejected, 0.0)):
+            samples.append(Sample(domain="dpo", group=i, prompt_ids=p.prompt.tolist(), reward=reward, status="ok",
+                                  done=True, truncated=p.truncated,
+                                  segments=[(reply, np.zeros(len(reply), np.float32), True)]))
+    no_advantage = lambda rewards, valid, G: _NoAdvantage(np.zeros_like(rewards), np.zeros(len(rewards) // G, bool))
+    rows, _ = batching.assemble(samples, no_advantage, group_size=2, pad_id=pad_id, prompt_bucket=prompt_region,
+                                completion_bucket=reply_region, row_bucket=2 * reply_region, row_multiple=num_pairs)
+    fields = {f.name: getattr(rows, f.name) for f in dataclasses.fields(RolloutBatch)}
+    if ref_logp_N is not None:
+        ref_logp_N = np.concatenate([np.asarray(ref_logp_N, np.float32),
+                                     np.zeros(2 * num_pairs - len(ref_logp_N), np.float32)])
+    return PairBatch(**fields, ref_logp_N=ref_logp_N)
+
+
+class _NoAdvantage(NamedTuple):
+    advantages: np.ndarray
+    zero_std_P: np.ndarray

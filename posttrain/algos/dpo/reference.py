@@ -1,0 +1,56 @@
+"""Cached reference logprobs of DPO: one Parquet file of per-pair sequence logprobs, reused while it matches.
+
+File layout (pyarrow; `SCHEMA_VERSION` and both hashes in the schema's metadata): one row per pair with
+`pair_id` (string), `ref_chosen`, `ref_rejected` (float32, nats: the sum of the reference policy's token logprobs
+over each reply). `reference_hash` names the reference (the policy source and its weights' files) and `data_hash`
+the tokenized pairs (`data.data_hash`): `read` returns the table only when both match, so a changed model or data
+set recomputes it. Written atomically (a temporary file in the same directory, then a rename).
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Mapping
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SCHEMA_VERSION = "1"
+
+
+def write(path: pathlib.Path, ref_logps: Mapping[str, tuple[float, float]], reference_hash: str,
+          data_hash: str) -> None:
+    """Writes {pair_id: (ref_chosen, ref_rejected)} to `path` with the hashes (atomically)."""
+    ids = list(ref_logps)
+    table = pa.table({"pair_id": pa.array(ids, pa.string()),
+                      "ref_chosen": pa.array([ref_logps[i][0] for i in ids], pa.float32()),
+                      "ref_rejected": pa.array([ref_logps[i][1] for i in ids], pa.float32())})
+    table = table.replace_schema_metadata({"schema_version": SCHEMA_VERSION, "reference_hash": reference_hash,
+                                           "data_hash": data_hash})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def read(path: pathlib.Path, reference_hash: str, data_hash: str) -> dict[str, tuple[float, float]] | None:
+    """{pair_id: (ref_chosen, ref_rejected)} from `path` when it exists and its schema version and both hashes
+    match; None otherwise (also for an unreadable file, which is then recomputed and replaced)."""
+    if not path.is_file():
+        return None
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowInvalid):
+        return None
+    meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+    if (meta.get("schema_version"), meta.get("reference_hash"), meta.get("data_hash")) != (
+            SCHEMA_VERSION, reference_hash, data_hash):
+        return None
+    cols = table.to_pydict()
+    return {i: (float(c), float(r)) for i, c, r in zip(cols["pair_id"], cols["ref_chosen"], cols["ref_rejected"])}
+
+
+def as_samples(pair_ids, ref_logps: Mapping[str, tuple[float, float]]) -> np.ndarray:
+    """float32 [2 * len(pair_ids)]: the pairs' (chosen, rejected) reference logprobs in batch sample order."""
+    return np.asarray([v for i in pair_ids for v in ref_logps[i]], np.float32)

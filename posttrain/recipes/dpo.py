@@ -1,0 +1,213 @@
+"""The DPO recipe: `posttrain dpo --config=configs/dpo_*.py`. Plan -> policy, pairs, reference logprobs (computed
+once on the initial policy, cached in Parquet) -> for each step: batch, update, log, save; held-out pair accuracy
+and margins before and after.
+
+`make_dpo_plan(cfg)` is the only reader of a `DPORunConfig` (`posttrain.config.dpo`); the shared sections map to
+settings as in GRPO and SFT (`run_plan.policy_source`, `run_plan.optimizer_settings`). The math is
+`posttrain.algos.dpo`'s, the loop `recipes.offline.train_loop`. The reference is the initial policy: its sequence
+logprobs are computed before the first step into `<workdir>/reference_logps.parquet` (reused on resume and by a
+new run in the same workdir while the model and data hashes match), so training keeps no second model.
+
+Outputs besides the offline loop's: per step `dpo/loss`, `rewards/{chosen,rejected,margins,accuracies}`,
+`logps/{chosen,rejected}`, `dpo/pairs`; held-out `dpo/eval_accuracy` (ties 1/2) with its 95% bootstrap interval
+`dpo/eval_accuracy_{lo,hi}`, `dpo/eval_margin`, `dpo/eval_pairs`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+from typing import Mapping
+
+import jax
+import numpy as np
+from scipy import stats
+
+from posttrain.algos.dpo import data as data_lib
+from posttrain.algos.dpo import reference
+from posttrain.algos.dpo import step as dpo_step
+from posttrain.checkpoints.policy import PolicySource, load_policy
+from posttrain.config import ConfigError
+from posttrain.config.dpo import DPORunConfig, to_dict
+from posttrain.infra import mesh as mesh_lib
+from posttrain.infra.partitioning import use_rules
+from posttrain.infra.precision import PrecisionPolicy, resolve_policy
+from posttrain.learn.learner import Learner, LearnerSettings
+from posttrain.recipes import offline
+from posttrain.recipes.run_plan import TrainSettings, optimizer_settings, policy_source
+
+CACHE_FILE = "reference_logps.parquet"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPOPlan:
+    """Every derived setting of one DPO run (`config_dict`: the config as a plain dict; code reads the rest)."""
+
+    workdir: pathlib.Path
+    config_dict: dict
+    precision: PrecisionPolicy
+    mesh_shape: Mapping[str, int]
+    rules: tuple
+    policy: PolicySource
+    data: data_lib.PairSettings
+    step: dpo_step.StepOptions
+    learner: LearnerSettings
+    train: TrainSettings
+    reference_cache: bool = True
+    eval_at_start: bool = True
+    eval_at_end: bool = True
+
+
+def make_dpo_plan(cfg: DPORunConfig, *, num_devices: int | None = None, workdir: str | None = None,
+                  backend: str | None = None) -> DPOPlan:
+    """Derives and validates every setting of a DPO run (no I/O). Raises ConfigError when the mesh does not fit
+    the devices or `dpo.pairs_per_step` does not divide into `dpo.num_microbatches` x the mesh's batch shards."""
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    sizes = {axis: getattr(cfg.mesh, axis) for axis in mesh_lib.MESH_AXES}
+    try:
+        shape = mesh_lib.mesh_shape(sizes, num_devices)
+    except ValueError as e:
+        raise ConfigError(f"mesh {sizes} does not fit {num_devices} device(s): {e}") from e
+    rules = mesh_lib.rules_with_overrides(cfg.mesh.rules)
+    shards = mesh_lib.batch_shards(shape, rules)
+    d = cfg.dpo
+    if d.pairs_per_step % (d.num_microbatches * shards):
+        raise ConfigError(f"dpo.pairs_per_step={d.pairs_per_step} does not divide into dpo.num_microbatches="
+                          f"{d.num_microbatches} x {shards} batch shards of the mesh {shape}")
+    try:
+        precision = resolve_policy(cfg.model.dtype, cfg.model.param_dtype, cfg.model.matmul_precision, backend)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    wd = pathlib.Path(workdir or cfg.train.workdir)
+    config_dict, t = to_dict(cfg), cfg.train
+    pairs = data_lib.PairSettings(train_path=d.train_path, eval_path=d.eval_path, train_records=d.train_examples,
+                                  eval_records=d.eval_examples, eval_fraction=d.eval_fraction,
+                                  max_prompt_len=d.max_prompt_len, max_completion_len=d.max_completion_len,
+                                  pairs_per_step=d.pairs_per_step, seed=t.seed)
+    step = dpo_step.StepOptions(loss=d.loss, beta=d.beta, label_smoothing=d.label_smoothing,
+                                num_microbatches=d.num_microbatches, logprob_chunk=d.logprob_chunk,
+                                matmul_precision=cfg.model.matmul_precision, lora_rank=cfg.lora.rank)
+    learner = LearnerSettings(workdir=wd, optimizer=optimizer_settings(cfg), lora_rank=cfg.lora.rank,
+                              need_reference=False, seed=t.seed, checkpoint=cfg.checkpoint, rules=rules,
+                              config_dict=config_dict)
+    return DPOPlan(workdir=wd, config_dict=config_dict, precision=precision, mesh_shape=shape, rules=rules,
+                   policy=policy_source(cfg, precision), data=pairs, step=step, learner=learner,
+                   train=TrainSettings(steps=t.steps, max_train_seconds=t.max_train_seconds,
+                                       max_nonfinite_skips=t.max_nonfinite_skips),
+                   reference_cache=d.reference_cache, eval_at_start=d.eval_at_start, eval_at_end=d.eval_at_end)
+
+
+def reference_hash(source: PolicySource) -> str:
+    """sha256 hex naming the reference: the policy source's settings and, for weights read from files, each
+    file's path, size and modification time."""
+    files = []
+    path = pathlib.Path(source.path) if getattr(source, "path", "") else None
+    if path is not None and path.exists():
+        for f in sorted([path] if path.is_file() else path.rglob("*")):
+            if f.is_file():
+                st = f.stat()
+                files.append([str(f), st.st_size, st.st_mtime_ns])
+    blob = json.dumps([repr(source), files], default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class Run:
+    """The pieces of a DPO run: policy, tokenizer, pairs with their reference logprobs, fixed batch regions and the
+    learner (restored from the workdir's newest checkpoint, if any); writes config.json."""
+
+    def __init__(self, plan: DPOPlan):
+        offline.write_config(plan.workdir, plan.config_dict)
+        self.plan = plan
+        self.mesh = mesh_lib.make_mesh(plan.mesh_shape)
+        model_config, graphdef, weights, self.tokenizer = load_policy(plan.policy, self.mesh, plan.rules)
+        self.train_pairs, self.eval_pairs = data_lib.load_pairs(plan.data, self.tokenizer)
+        self.regions = data_lib.regions(self.train_pairs + self.eval_pairs)
+        build = lambda g, tx, lr, mc: dpo_step.make_train_step(g, tx, lr, plan.step)
+        self.learner = Learner.create(plan.learner, self.mesh, model_config, graphdef, weights, build,
+                                      batch_type=data_lib.PairBatch)
+        self.ref = self._reference_logps()  # of the initial weights: before any restore
+        self.learner.restore()
+        self._eval_fn = dpo_step.make_eval_fn(self.learner.graphdef, plan.step)
+        self.counts = {"dpo/train_pairs": len(self.train_pairs), "dpo/eval_pairs": len(self.eval_pairs),
+                       "dpo/truncated": sum(p.truncated for p in self.train_pairs + self.eval_pairs),
+                       "dpo/reference_cached": self.reference_from_cache}
+
+    def _batches(self, pairs, ref_logps=None):
+        P = self.plan.data.pairs_per_step
+        for i in range(0, len(pairs), P):
+            chunk = pairs[i:i + P]
+            ref = None if ref_logps is None else reference.as_samples([p.pair_id for p in chunk], ref_logps)
+            yield chunk, data_lib.make_batch(chunk, *self.regions, self.tokenizer.pad_id, P, ref)
+
+    def _reference_logps(self) -> dict[str, tuple[float, float]]:
+        pairs = self.train_pairs + self.eval_pairs
+        path = self.plan.workdir / CACHE_FILE
+        hashes = (reference_hash(self.plan.policy), data_lib.data_hash(pairs))
+        cached = reference.read(path, *hashes) if self.plan.reference_cache else None
+        self.reference_from_cache = cached is not None
+        if cached is not None:
+            return cached
+        fn = dpo_step.make_reference_fn(self.learner.graphdef, self.plan.step)
+        state, out = self.learner.state, {}
+        for chunk, batch in self._batches(pairs):
+            with jax.set_mesh(self.mesh):
+                s_N = np.asarray(jax.device_get(fn(state.params, state.frozen,
+                                                   offline.place(batch, self.mesh, self.plan.rules))))
+            out.update({p.pair_id: (float(s_N[2 * k]), float(s_N[2 * k + 1])) for k, p in enumerate(chunk)})
+        if self.plan.reference_cache:
+            reference.write(path, out, *hashes)
+        return out
+
+    def batch(self, step: int) -> data_lib.PairBatch:
+        """The host batch of `step`: pairs drawn epoch by epoch in a seeded order (a function of the step)."""
+        from posttrain.algos.sft.packing import step_rows
+
+        d = self.plan.data
+        chunk = [self.train_pairs[i] for i in step_rows(len(self.train_pairs), d.pairs_per_step, step, d.seed)]
+        ref = reference.as_samples([p.pair_id for p in chunk], self.ref)
+        return data_lib.make_batch(chunk, *self.regions, self.tokenizer.pad_id, d.pairs_per_step, ref)
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out pair accuracy (ties 1/2) with its 95% bootstrap interval and the mean reward margin of the
+        current weights ({} without held-out pairs)."""
+        if not self.eval_pairs:
+            return {}
+        acc, margin = [], []
+        state = self.learner.state
+        for _, batch in self._batches(self.eval_pairs, self.ref):
+            with jax.set_mesh(self.mesh):
+                terms, valid = self._eval_fn(state.params, state.frozen,
+                                             offline.place(batch, self.mesh, self.plan.rules))
+            terms, valid = jax.device_get((terms, valid))
+            acc.extend(np.asarray(terms["rewards/accuracies"])[valid])
+            margin.extend(np.asarray(terms["rewards/margins"])[valid])
+        return {"dpo/eval_accuracy": float(np.mean(acc)), **accuracy_interval(np.asarray(acc)),
+                "dpo/eval_margin": float(np.mean(margin)), "dpo/eval_pairs": float(len(acc))}
+
+    def tokens(self, batch) -> int:
+        return int(np.count_nonzero(batch.segment_ids_RxL))
+
+
+def accuracy_interval(acc_P: np.ndarray, confidence: float = 0.95, seed: int = 0) -> dict[str, float]:
+    """{"dpo/eval_accuracy_lo", "dpo/eval_accuracy_hi"}: a percentile bootstrap interval (scipy.stats.bootstrap,
+    9999 resamples, fixed seed) of the mean per-pair accuracy; a single pair or identical values give the value
+    itself at both ends."""
+    if len(acc_P) < 2 or np.all(acc_P == acc_P[0]):
+        v = float(acc_P.mean()) if len(acc_P) else float("nan")
+        return {"dpo/eval_accuracy_lo": v, "dpo/eval_accuracy_hi": v}
+    ci = stats.bootstrap((acc_P,), np.mean, confidence_level=confidence, method="percentile",
+                         random_state=np.random.default_rng(seed)).confidence_interval
+    return {"dpo/eval_accuracy_lo": float(ci.low), "dpo/eval_accuracy_hi": float(ci.high)}
+
+
+def train(plan: DPOPlan, *, progress: bool = True) -> dict:
+    """Runs (or resumes) DPO as planned; returns the summary (also in summary.json). Raises ValueError /
+    TypeError for unusable pairs (naming the record), NonFiniteError (after saving a checkpoint) when
+    `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
+    with use_rules(plan.rules):
+        return offline.train_loop(Run(plan), name="dpo", workdir=plan.workdir, train=plan.train,
+                                  config_dict=plan.config_dict, eval_at_start=plan.eval_at_start,
+                                  eval_at_end=plan.eval_at_end, progress=progress,
+                                  bar_fields=(("loss", "dpo/loss"), ("acc", "rewards/accuracies")),
+                                  on_nonfinite=lambda: "; lower optim.lr or beta")
