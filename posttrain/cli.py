@@ -1,8 +1,9 @@
-"""`posttrain train|sft|eval|sample|convert|domains|plan`: a thin command line over the recipes (absl flags +
+"""`posttrain train|sft|dpo|eval|sample|convert|domains|plan`: a thin command line over the recipes (absl flags +
 ml-collections).
 
   posttrain train  --config=configs/quickstart.py [--config.rl.group_size=8 ...] [--workdir=DIR]   (GRPO)
   posttrain sft    --config=configs/sft_tiny.py [--workdir=DIR]   (supervised fine-tuning on chat data)
+  posttrain dpo    --config=configs/dpo_tiny.py [--workdir=DIR]   (direct preference optimisation on pairs)
   posttrain eval   --config=configs/quickstart.py --checkpoint=DIR   (DIR: a run's workdir)
   posttrain eval   --suite=configs/eval/default.py --checkpoint=DIR [--baseline=base|RUN2] [--limit=N]
                    [--domains=PATTERNS] [--out=DIR]   (a suite, paired verdicts vs the baseline; recipes/evaluate.py)
@@ -22,7 +23,7 @@ import json
 import os
 import sys
 
-COMMANDS = ("train", "eval", "sample", "convert", "domains", "plan", "sft")
+COMMANDS = ("train", "eval", "sample", "convert", "domains", "plan", "sft", "dpo")
 
 
 def _flags():
@@ -140,6 +141,21 @@ def cmd_sft(f) -> int:
     return 0
 
 
+def cmd_dpo(f) -> int:
+    """`posttrain dpo --config=configs/dpo_*.py [--workdir=DIR]`: direct preference optimisation (`recipes.dpo`);
+    prints the summary's steps and held-out pair accuracies as one JSON line."""
+    from posttrain.config.dpo import dpo_config_from_dict
+    from posttrain.recipes import dpo
+
+    if f.config is None:
+        raise SystemExit("error: --config=configs/<name>.py is required")
+    summary = dpo.train(dpo.make_dpo_plan(dpo_config_from_dict(f.config), workdir=f.workdir), progress=f.progress)
+    out = {k: summary.get(k) for k in ("start_step", "end_step", "train_wall_s", "peak_rss_gb")}
+    out.update({k: summary[k].get("dpo/eval_accuracy") for k in ("eval_start", "eval_end") if k in summary})
+    print(json.dumps(out))
+    return 0
+
+
 def cmd_eval(f) -> int:
     if f.suite or f.from_records:
         from posttrain.config import ConfigError
@@ -160,7 +176,6 @@ def cmd_eval(f) -> int:
         print(json.dumps(result))
         return 0
     from posttrain.recipes import grpo
-
 
     step, m = grpo.evaluate_run(_run_plan(f))
     print(json.dumps({"step": step, **m}))
@@ -267,7 +282,8 @@ def main(argv=None) -> int:
         _enable_compilation_cache()
     try:
         return {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "convert": cmd_convert,
-                "domains": cmd_domains, "plan": cmd_plan, "sft": cmd_sft}[command](f)
+                "domains": cmd_domains, "plan": cmd_plan, "sft": cmd_sft,
+                "dpo": cmd_dpo}[command](f)
     except ConfigError as e:  # raised before any model load or worker start: one line, no traceback
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
@@ -277,10 +293,15 @@ def main(argv=None) -> int:
     except CheckpointCorruptError as e:  # every checkpoint of the run unreadable: never the base model instead
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except distributed.RunInterrupted as e:  # SIGINT / SIGTERM: the state was saved; 128 + the signal's number
+        import signal
+
+        print(f"interrupted: {e}", file=sys.stderr)
+        return 128 + int(getattr(signal, e.signal_name, signal.SIGINT))
 
 
 # flags every command that takes them reads (the others are named by their help's "command:" prefixes)
-_SHARED_FLAGS = {"config": ("train", "sft", "eval", "convert", "plan"), "workdir": ("train", "sft"),
+_SHARED_FLAGS = {"config": ("train", "sft", "dpo", "eval", "convert", "plan"), "workdir": ("train", "sft", "dpo"),
                  "distributed": COMMANDS}
 
 
