@@ -1,14 +1,14 @@
-"""GRPO on a mix of ten easy reasoning-gym domains (issue 16) with the default SmolLM2-135M-Instruct policy on a CPU.
+"""GRPO on a mix of ten easy reasoning-gym domains with the default SmolLM2-135M-Instruct policy on a CPU.
 
 Domains are selected through the registry (`envs.tasks.domains.select`): each entry is a pattern with a weight and
 dataset-config overrides that make the tasks easy enough for a 135M model (one-digit sums and products, small
-GCD/LCM/bit counts, short words and texts: measured at T=0.7 it solves 0-35% of each, never all; the library's
-curriculum level 0 is still 0% on most of them); only golden-verified domains are kept (the left-out ones are
+GCD/LCM/bit counts, short words and texts, so that it solves some but not all of each at T=0.7; the library's
+curriculum level 0 is harder than that); only golden-verified domains are kept (the left-out ones are
 printed by `posttrain domains`). The prompt ends with `SHORT_INSTRUCTION` (the long one makes SmolLM2 echo its
 words); replies without tags are read by the env's last-line fallback ("The answer is 12.", "3 * 4 = 12").
 Train tasks: 10000 per domain (seed 0); eval: the held-out test split (seed 0 + `TEST_SEED_OFFSET`; its questions
 never occur in training), greedy, scored by the env (each dataset's own scorer): `eval/<domain>/pass@1`.
-A step (4 prompts x 8 samples x <= 64 tokens) takes ~20-40 s on 2 CPU cores; training stops after 20 minutes.
+A step is 4 prompts x 8 samples x <= 64 tokens; training stops after 20 minutes.
 Run: posttrain train --config=configs/reasoning_mix.py [--config.env.domains='reasoning_gym/gcd,reasoning_gym/l*']
 """
 from envs.tasks import domains

@@ -86,9 +86,8 @@ class MemoryReport:
 
     peak = argument + output - alias + the temp allocation XLA's buffer assignment made (`assigned_temp`: its
     preallocated-temp allocation in device memory), falling back to memory_analysis()'s temp_size when no buffer
-    assignment was dumped. On TPU temp_size overstates what the buffer assignment allocates: Kimi K2 on v5p-512
-    reported temp_size 53.0 GiB against a 39.4 GiB temp allocation, whose sum with the arguments (87.9 GiB) agrees
-    with XLA's own peak_memory_in_bytes (87.7 GiB). (XLA:CPU's peak_memory_in_bytes leaves temporaries out, so
+    assignment was dumped. On TPU temp_size can overstate what the buffer assignment allocates, while the temp
+    allocation plus the arguments agrees with XLA's own peak_memory_in_bytes. (XLA:CPU's peak_memory_in_bytes leaves temporaries out, so
     that field is not used.)
     """
 
