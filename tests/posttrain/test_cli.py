@@ -53,8 +53,8 @@ def test_bad_invocations_fail_clearly(args, message):
 @pytest.mark.parametrize("reader", ["evaluate_run", "run_policy"])
 def test_commands_that_read_a_run_never_create_it_or_use_the_base_model(tmp_path, layout, reader):
     """eval and convert on a directory with no complete checkpoint: one RunNotFoundError naming it, raised before
-    any model load, and the directory is left as it was (a mistyped --checkpoint used to evaluate or export the
-    untrained base model with exit code 0 and create the directory)."""
+    any model load, and the directory is left as it was (a mistyped --checkpoint never evaluates or exports the
+    untrained base model, and never creates the directory)."""
     from posttrain.recipes import grpo
     from posttrain.recipes.run_plan import make_run_plan
     from helpers import tiny_config

@@ -104,7 +104,7 @@ def test_bad_config_exits_2_with_one_line_before_any_work(override, named, monke
 ])
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_lists_the_flags_of_each_command(command, listed, absent, flag, capsys):
-    """`posttrain train --help` used to say "Unknown command line flag 'help'"."""
+    """`posttrain <command> --help` (or -h) prints the command's usage and its flags, exit code 0."""
     assert cli.main(["posttrain", command, flag]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: posttrain {command}") and f"posttrain {command} " in out.splitlines()[1]
