@@ -1,6 +1,6 @@
-"""The one base of the tiny smoke configs (`configs/tiny.py`, `configs/moe_tiny.py`; the tests' `tiny_config`
-derives from it too): a small random-init preset on one-digit Arithmetic-v0 that runs the whole loop in seconds on
-a CPU (it learns nothing useful at 3 steps)."""
+"""The one base of the tiny smoke configs (`configs/tiny.py`, `configs/moe_tiny.py`, `configs/reasoning_tiny.py`;
+the tests' `tiny_config` derives from it too): a small random-init preset on one-digit Arithmetic-v0 that runs the
+whole loop in seconds on a CPU (it learns nothing useful at 3 steps)."""
 from posttrain.config.load import default_config, env_spec
 
 
