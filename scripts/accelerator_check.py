@@ -34,6 +34,8 @@ rollout, the least certain, runs last on what the others leave); a step with und
 Setup (before the steps, inside the budget): the pure-Python wheels the device image lacks (`WHEELS`, listed in
 ../shared/PLATFORM-NOTES.md) are installed from --wheels DIR (`pip --no-index --no-deps --target`) into
 <cache-dir>/site, which goes first on the steps' PYTHONPATH; a wheel already importable is not installed again.
+Fill the folder on a machine with network, e.g. `pip download --no-deps -d .wheels <WHEELS at the versions in
+.venv>` (`.wheels/` is git-ignored; the device tool carries it with `carry=[".wheels"]`).
 XLA's persistent compilation cache lives in <cache-dir>/jax_cache, so a rerun with --only compiles less.
 Exit status: 0 when every step run is "ok", 1 otherwise, 2 for bad arguments.
 """

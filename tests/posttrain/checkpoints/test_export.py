@@ -49,6 +49,7 @@ def _logits(model, tokens):
         return model(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
+@pytest.mark.parity
 def test_export_loads_in_transformers_and_gives_the_same_greedy_reply(tmp_path):
     pre = load_hf_dir(_hf_dir(tmp_path / "src"))
     tok = Tokenizer.byte_level()

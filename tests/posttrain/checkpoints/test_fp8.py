@@ -128,6 +128,7 @@ def test_weights_match_the_numpy_dequantisation_exactly(fp8_model, loaded):
             np.testing.assert_array_equal(a, ref[name].astype(a.dtype), err_msg=name)
 
 
+@pytest.mark.parity
 def test_logits_match_transformers_on_the_dequantised_weights(fp8_model, loaded):
     _, model, _, _ = fp8_model
     tokens = np.random.default_rng(1).integers(0, V, (2, 24))

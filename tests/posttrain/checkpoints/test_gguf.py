@@ -69,6 +69,7 @@ def smollm():
     return load_gguf(_smollm_path())
 
 
+@pytest.mark.parity
 def test_default_gguf_matches_transformers(smollm):
     _assert_matches_transformers(smollm, _transformers_model(_smollm_path()))
 
@@ -187,6 +188,7 @@ def _tiny(arch, tmp_path, tied=False, drop=(), extra=None):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe"])
+@pytest.mark.parity
 def test_tiny_architectures_match_transformers(arch, tmp_path):
     path, expected = _tiny(arch, tmp_path)
     ours = load_gguf(path)

@@ -81,6 +81,7 @@ def _tokens(seed, shape=(3, 40)):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parity
 def test_tiny_hf_logits_match_transformers(tmp_path, family):
     model_type, kwargs = FAMILIES[family]
     path, model = _tiny_hf(tmp_path, model_type, kwargs)
@@ -121,6 +122,7 @@ def _architecture(cfg):
 
 
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-qwen3", "tiny-moe", "tiny-deepseek"])
+@pytest.mark.parity
 def test_export_loads_in_transformers_with_same_logits(tmp_path, preset):
     cfg, graphdef, state = random_model(preset)
     export_hf(cfg, state, tmp_path)
@@ -227,6 +229,7 @@ ABSENT = {
 
 
 @pytest.mark.parametrize("case", list(ABSENT))
+@pytest.mark.parity
 def test_absent_or_explicit_keys_match_transformers_logits(tmp_path, case):
     model_type, kwargs, edit = ABSENT[case]
     path, _ = _tiny_hf(tmp_path, model_type, kwargs)
@@ -307,6 +310,7 @@ TIED = {
 
 
 @pytest.mark.parametrize("case", list(TIED))
+@pytest.mark.parity
 def test_lm_head_is_the_files_like_transformers_or_refused(tmp_path, case):
     family, edit, tied = TIED[case]
     path, _ = _tiny_hf(tmp_path, *FAMILIES[family])

@@ -135,6 +135,8 @@ SHARDED = """
 import jax, jax.numpy as jnp, numpy as np
 from test_fused_attention import packed_ids, inputs, value_and_grads
 from posttrain.infra import mesh as mesh_lib
+
+pytestmark = pytest.mark.kernel  # scripts/accelerator_check.sh runs these on the accelerator
 ids = packed_ids()
 q, k, v, w = inputs(4, 2, 16, 16, jnp.float32)
 o_ref, g_ref = value_and_grads("blockwise", q, k, v, w, ids)

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 
 from posttrain.model import gmm, moe
 
+pytestmark = pytest.mark.kernel  # scripts/accelerator_check.sh runs these on the accelerator
+
 M, D, F = 40, 12, 20
 LAYOUTS = {  # group sizes (E = len); sum <= M, rows past the sum give 0 and get no gradient
     "uneven": [7, 0, 20, 3, 6],

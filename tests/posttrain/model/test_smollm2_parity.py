@@ -15,6 +15,8 @@ from posttrain.checkpoints import load_pretrained
 
 from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
 
+pytestmark = pytest.mark.parity  # scripts/accelerator_check.sh runs these on the accelerator
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
