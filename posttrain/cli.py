@@ -298,6 +298,11 @@ def main(argv=None) -> int:
 
         print(f"interrupted: {e}", file=sys.stderr)
         return 128 + int(getattr(signal, e.signal_name, signal.SIGINT))
+    except distributed.RunInterrupted as e:  # SIGINT / SIGTERM: the state was saved; 128 + the signal's number
+        import signal
+
+        print(f"interrupted: {e}", file=sys.stderr)
+        return 128 + int(getattr(signal, e.signal_name, signal.SIGINT))
 
 
 # flags every command that takes them reads (the others are named by their help's "command:" prefixes)

@@ -39,7 +39,9 @@ _POSITIVE = (">= 1", lambda v: v >= 1)
 _NONNEGATIVE = (">= 0", lambda v: v >= 0)
 # (section, key) -> (what is allowed, check): every numeric setting with a bounded range, checked before any work
 _RANGES = {
-    **{("rl", k): _POSITIVE for k in ("group_size", "prompts_per_step", "num_microbatches", "ppo_epochs",
+    ("rl", "group_size"): (">= 2 (a group of 1 is its own baseline: every advantage, and so every policy gradient, "
+                           "is zero)", lambda v: v >= 2),
+    **{("rl", k): _POSITIVE for k in ("prompts_per_step", "num_microbatches", "ppo_epochs",
                                       "minibatches")},
     ("sampling", "max_new_tokens"): _POSITIVE, ("train", "steps"): _POSITIVE, ("eval", "batch_size"): _POSITIVE,
     ("train", "max_nonfinite_skips"): _POSITIVE, ("env", "max_turns"): _POSITIVE, ("checkpoint", "keep"): _POSITIVE,
@@ -52,8 +54,9 @@ _RANGES = {
     ("model", "moe_capacity_factor"): (">= 0 (0: dropless)", lambda v: v >= 0),
     ("model", "moe_ep_capacity_factor"): ("> 0", lambda v: v > 0),
     ("eval", "temperature"): (">= 0 (0: greedy)", lambda v: v >= 0),
-    ("rl", "eps_low"): ("in [0, 1)", lambda v: 0 <= v < 1),
-    ("rl", "eps_high"): _NONNEGATIVE, ("rl", "beta"): _NONNEGATIVE, ("rl", "norm_constant"): _NONNEGATIVE,
+    ("rl", "eps_low"): ("in [0, 1) (or -1: the loss's default)", lambda v: v == -1 or 0 <= v < 1),
+    ("rl", "eps_high"): (">= 0 (or -1: the loss's default)", lambda v: v == -1 or v >= 0),
+    ("rl", "beta"): _NONNEGATIVE, ("rl", "norm_constant"): _NONNEGATIVE,
     ("rl", "tis_cap"): (">= 0 (0: off)", lambda v: v >= 0),
     ("rl", "dual_clip_c"): ("0 (off) or > 1", lambda v: v == 0 or v > 1),
     ("rl", "max_resample_rounds"): _NONNEGATIVE,

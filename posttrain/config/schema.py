@@ -114,12 +114,15 @@ class RLConfig:
         prompts_per_step: prompts per step (P).
         advantage: grpo | dr_grpo | rloo.
         loss: ppo (clipped token ratio) | gspo (sequence ratio).
-        eps_low: lower clip range of the ratio (1 - eps_low).
-        eps_high: upper clip range of the ratio (1 + eps_high; > eps_low is DAPO's clip-higher).
+        eps_low: lower clip range of the ratio (1 - eps_low; -1: the loss's paper default, ppo 0.2, gspo 3e-4:
+            `posttrain.algos.grpo.losses.LOSS_DEFAULTS`).
+        eps_high: upper clip range of the ratio (1 + eps_high; > eps_low is DAPO's clip-higher; -1: the loss's
+            default, ppo 0.2, gspo 4e-4).
         dual_clip_c: dual-clip bound on negative-advantage terms (Ye et al. 2020; 0: off, else > 1).
         beta: KL-to-reference coefficient (0 disables the reference model).
         kl_estimator: k1 | k2 | k3 (Schulman's KL approximations).
-        aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (divides by `norm_constant`).
+        aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (divides by `norm_constant`);
+            "": the loss's default (ppo token_mean, gspo seq_mean_token_mean).
         norm_constant: the divisor of seq_mean_token_sum_norm (0: max_new_tokens).
         tis_cap: truncated importance sampling cap on exp(logp_trainer_old - logp_sampler) (0: off).
         num_microbatches: gradient-accumulation microbatches.
@@ -140,12 +143,12 @@ class RLConfig:
     prompts_per_step: int = 8
     advantage: str = "grpo"
     loss: str = "ppo"
-    eps_low: float = 0.2
-    eps_high: float = 0.2
+    eps_low: float = -1.0
+    eps_high: float = -1.0
     dual_clip_c: float = 0.0
     beta: float = 0.0
     kl_estimator: str = "k3"
-    aggregation: str = "token_mean"
+    aggregation: str = ""
     norm_constant: float = 0.0
     tis_cap: float = 0.0
     num_microbatches: int = 1

@@ -101,3 +101,127 @@ def allgather_objects(obj) -> list:
     buf[:data.size] = data
     rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(sizes), -1)
     return [pickle.loads(rows[p, :int(sizes[p])].tobytes()) for p in range(len(sizes))]
+
+
+# ----------------------------------------------------------------------------- stop signals
+class RunInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped a training run (after its state was saved, when the loop could); `signal_name`
+    is the signal's name. A KeyboardInterrupt, so code that handles Ctrl-C handles it."""
+
+    def __init__(self, signal_name: str, message: str = ""):
+        super().__init__(message or f"{signal_name} received")
+        self.signal_name = signal_name
+
+
+class StopRequest:
+    """SIGINT / SIGTERM as a request to stop a training loop soon, with its state saved (a context manager; it
+    installs its handlers only in the main thread, and restores the previous ones on exit).
+
+    The first signal is recorded (`signal_name`). With one process, outside a `deferred()` block the handler raises
+    RunInterrupted at once (the work in progress, e.g. a rollout, is abandoned; the loop saves the state it had
+    before it); inside one it is raised when the block ends (an update and its checkpoint are never cut in half).
+    With several processes the handler only records it and `check()` (a collective at a step boundary) raises it on
+    every process. A second signal raises KeyboardInterrupt at once (nothing saved). Python runs handlers only
+    between bytecodes, so a signal that arrives during a long device computation waits for it: a watchdog thread,
+    woken by the signal itself (`signal.set_wakeup_fd`), ends the process with exit code 128 + signum when the loop
+    has not finished within `grace_s` seconds (the run then resumes from its last checkpoint, as after kill -9).
+    """
+
+    SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self, grace_s: float = 25.0):
+        import threading
+
+        self.grace_s, self.signal_name = float(grace_s), None
+        self._defer, self._old, self._wakeup = 0, {}, None
+        self._done, self._main = threading.Event(), threading.current_thread() is threading.main_thread()
+
+    def __enter__(self) -> "StopRequest":
+        import signal
+        import socket
+        import threading
+
+        if not self._main:
+            return self
+        for name in self.SIGNALS:
+            self._old[name] = signal.signal(getattr(signal, name), self._handle)
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        self._wakeup = (reader, writer, signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False))
+        threading.Thread(target=self._watchdog, args=(reader,), name="posttrain-stop-watchdog", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        self._done.set()
+        if not self._main:
+            return
+        for name, old in self._old.items():
+            signal.signal(getattr(signal, name), old)
+        reader, writer, old_fd = self._wakeup
+        signal.set_wakeup_fd(old_fd)
+        writer.close()  # the watchdog's read returns
+        self._old = {}
+
+    def _handle(self, signum, frame) -> None:
+        import signal
+
+        name = signal.Signals(signum).name
+        if self.signal_name is not None:
+            raise KeyboardInterrupt(f"second {name}: stopping without saving")
+        self.signal_name = name
+        from posttrain.infra.metrics import log
+
+        log.warning("%s: saving a checkpoint and stopping (send it again to stop at once, without saving)", name)
+        if self._defer == 0 and jax.process_count() == 1:
+            raise RunInterrupted(name)
+
+    def _watchdog(self, reader) -> None:
+        import signal
+        import sys
+
+        wanted = {int(getattr(signal, name)) for name in self.SIGNALS}
+        with reader:
+            while True:
+                try:
+                    data = reader.recv(64)
+                except OSError:
+                    return
+                if not data or self._done.is_set():
+                    return
+                got = [b for b in data if b in wanted]
+                if got:
+                    break
+        if not self._done.wait(self.grace_s):
+            print(f"error: {signal.Signals(got[0]).name}: the run did not stop within {self.grace_s:g} s (a device "
+                  "computation still running); exiting without a new checkpoint: the same command resumes from "
+                  "the last one", file=sys.stderr, flush=True)
+            os._exit(128 + got[0])
+
+    def deferred(self):
+        """A block a signal does not interrupt (with one process): RunInterrupted is raised when it ends."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def block():
+            self._defer += 1
+            try:
+                yield
+            finally:
+                self._defer -= 1
+            if self.signal_name is not None and self._defer == 0 and jax.process_count() == 1:
+                raise RunInterrupted(self.signal_name)
+
+        return block()
+
+    def check(self) -> None:
+        """At a step boundary: raises RunInterrupted when any process received a stop signal (a collective under
+        several processes; every process must call it)."""
+        if jax.process_count() == 1:
+            flags = [self.signal_name]
+        else:
+            flags = allgather_objects(self.signal_name)
+        name = next((f for f in flags if f is not None), None)
+        if name is not None:
+            raise RunInterrupted(name)

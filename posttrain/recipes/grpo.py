@@ -63,6 +63,53 @@ def step_builder(plan: RunPlan):
         graphdef, tx, lr_schedule, plan.model_step(model_config.moe))
 
 
+class Resources:
+    """What a run opened, as (name, close) pairs, closed in reverse order (`close`, or leaving the `with` block). A
+    close that fails while an error propagates is logged as a warning and the next one still runs, so the first
+    error is the last thing printed; without an error in flight the first failing close is raised."""
+
+    def __init__(self, *closers):
+        self._closers = list(closers)
+
+    def push(self, name: str, close) -> None:
+        self._closers.append((name, close))
+
+    def close(self, error: BaseException | None = None) -> None:
+        first = None
+        while self._closers:
+            name, fn = self._closers.pop()
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - every resource is closed; only the first error counts
+                if error is None and first is None:
+                    first = e
+                else:
+                    metrics_lib.log.warning("closing %s after %s failed too: %s: %s", name,
+                                            type(error or first).__name__, type(e).__name__, e)
+        if first is not None:
+            raise first
+
+    def __enter__(self) -> "Resources":
+        return self
+
+    def __exit__(self, typ, error, tb) -> None:
+        self.close(error)
+
+    def on_error(self):
+        """A block that closes these resources only when it raises."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def block():
+            try:
+                yield self
+            except BaseException as e:
+                self.close(e)
+                raise
+
+        return block()
+
+
 def build(plan: RunPlan, *, reading: bool = False, restore: bool = True) -> tuple[Rollouter, Learner, dict]:
     """The phases of a run: the policy loaded on the plan's mesh, the learner's train state (restored from the
     newest checkpoint in the workdir, if any, unless not `restore`: then the initial policy until
@@ -79,8 +126,9 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True) -> tupl
     model_config, graphdef, weights, tokenizer = load_policy(plan.policy, mesh, plan.rules)
     learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, step_builder(plan),
                              read_only=reading)
-    rollouter = Rollouter.create(plan.rollout, mesh, learner.graphdef, tokenizer, advantage_fn(plan.advantage),
-                                 meta=learner.restore() if restore else None, sources=sources)
+    with Resources(("the checkpointer", learner.close)).on_error():  # a failed restore or env start closes it
+        rollouter = Rollouter.create(plan.rollout, mesh, learner.graphdef, tokenizer, advantage_fn(plan.advantage),
+                                     meta=learner.restore() if restore else None, sources=sources)
     note = unreadable_note(learner.checkpointer)
     if note:
         metrics_lib.log.error(note)
@@ -133,67 +181,103 @@ def train(cfg: Config | RunPlan, *, workdir: str | None = None, progress: bool =
         return _train(plan, progress)
 
 
+ZERO_VARIANCE_WARN_STEPS = 3  # consecutive steps whose every group had equal rewards before the run warns
+
+
+def zero_variance_warning(run: int, metrics: dict) -> str | None:
+    """The warning for `run` consecutive steps in which every group's rewards were equal (zero advantages: nothing
+    to learn from), at ZERO_VARIANCE_WARN_STEPS and each multiple of it; None otherwise."""
+    if not run or run % ZERO_VARIANCE_WARN_STEPS:
+        return None
+    mean = metrics.get("reward/mean", float("nan"))
+    why = ("every reply fails: the task is too hard for the policy, or the reward never fires (check the env's "
+           "verifier, sampling.max_new_tokens and the prompt format)" if mean == 0 else
+           "every reply succeeds: the task is too easy" if mean >= 1 else
+           "the rewards do not vary within a group (greedy or near-greedy sampling?)")
+    return (f"{run} steps in a row where every group's rewards were equal (reward/mean {mean:.3g}): zero advantages, "
+            f"zero policy gradient; {why}")
+
+
 def _train(plan: RunPlan, progress: bool) -> dict:
     for warning in plan.warnings:
         metrics_lib.log.warning(warning)
-    rollouter, learner, episodes = build(plan)
-    start, steps = learner.step, plan.train.steps
-    main = distributed.is_main_process()  # process 0 writes metrics, plots, trajectories and the summary
-    writer = open_outputs(plan.workdir, start) if main else None
-    bar = metrics_lib.ProgressBar(steps, initial_step=start, disable=not (progress and main))
-    summary = {"start_step": start, "config": plan.config_dict}
-    if learner.checkpointer.unreadable:
-        summary["unreadable_checkpoints"] = learner.checkpointer.unreadable
-    if start == 0 and plan.eval.at_start and episodes:
-        summary["eval_start"] = m = evaluate(plan, rollouter, learner, episodes)
+    with distributed.StopRequest() as stop, Resources() as res:
+        rollouter, learner, episodes = build(plan)
+        res.push("the checkpointer", learner.close)
+        res.push("the env workers", rollouter.close)
+        start, steps = learner.step, plan.train.steps
+        main = distributed.is_main_process()  # process 0 writes metrics, plots, trajectories and the summary
+        writer = open_outputs(plan.workdir, start) if main else None
         if writer:
-            writer.write(0, m)
-    clock = metrics_lib.TrainClock()  # training wall time: rollouts, updates, checkpoints; not in-loop evaluation
-    for step in range(start, steps):
-        t0 = time.perf_counter()
-        traj = rollouter.collect(step, learner.policy(), learner.rng)
-        t1 = time.perf_counter()
-        m = learner.update(traj.batch)
-        t2 = time.perf_counter()
-        m.update(traj.metrics)
-        m.update(metrics_lib.step_perf(traj.num_tokens, t0, t1, t2))
-        if main:
-            write_jsonl(plan.workdir / "trajectories" / f"step_{step:06d}.jsonl", traj.records)
-        if learner.nonfinite_run >= plan.train.max_nonfinite_skips:
+            res.push("the metrics writer", writer.close)
+        bar = metrics_lib.ProgressBar(steps, initial_step=start, disable=not (progress and main))
+        res.push("the progress bar", bar.close)
+        summary = {"start_step": start, "config": plan.config_dict}
+        if learner.checkpointer.unreadable:
+            summary["unreadable_checkpoints"] = learner.checkpointer.unreadable
+        if start == 0 and plan.eval.at_start and episodes:
+            summary["eval_start"] = m = evaluate(plan, rollouter, learner, episodes)
             if writer:
-                writer.write(learner.step, m)
-                writer.close()
-            learner.save(rollouter.state_dict(), force=True)
-            learner.close()
-            rollouter.close()
-            raise NonFiniteError(f"stopped at step {learner.step}: {learner.nonfinite_run} consecutive steps had a "
-                                 f"non-finite loss or gradient (nothing was applied; checkpoint saved at step "
-                                 f"{learner.step} in {plan.workdir / 'checkpoints'}); lower optim.lr or check the "
-                                 "rewards/advantages")
-        if plan.eval.due(learner.step, steps):
-            with clock.paused():
-                m.update(evaluate(plan, rollouter, learner, episodes))
-        if writer:
-            writer.write(learner.step, m)
-        bar.update(m)
-        learner.save(rollouter.state_dict())
-        limit = plan.train.max_train_seconds
-        if limit and distributed.agree(clock.seconds >= limit):
-            summary["stopped_early"] = f"max_train_seconds={limit} reached"
-            break
-    end = learner.step
-    learner.save(rollouter.state_dict(), force=True)
-    learner.wait()
-    train_s = clock.seconds
-    if plan.eval.at_end and episodes and end > start:
-        summary["eval_end"] = m = evaluate(plan, rollouter, learner, episodes)
-        if writer:
-            writer.write(end, m)
-    learner.close()
-    if writer:
-        writer.close()
-    bar.close()
-    rollouter.close()
+                writer.write(0, m)
+        clock = metrics_lib.TrainClock()  # training wall time: rollouts, updates, checkpoints; not in-loop eval
+        resume, pending, flat = None, None, 0  # the rollout state matching the learner's; unwritten metrics
+        try:
+            for step in range(start, steps):
+                resume = json.loads(json.dumps(rollouter.state_dict()))  # a signal in the rollout: saved with it
+                t0 = time.perf_counter()
+                traj = rollouter.collect(step, learner.policy(), learner.rng)
+                t1 = time.perf_counter()
+                with stop.deferred():  # the update, its archive and the stop check on non-finite steps
+                    m = learner.update(traj.batch)
+                    resume, pending = rollouter.state_dict(), m
+                    m.update(traj.metrics)
+                    m.update(metrics_lib.step_perf(traj.num_tokens, t0, t1, time.perf_counter()))
+                    if main:
+                        write_jsonl(plan.workdir / "trajectories" / f"step_{step:06d}.jsonl", traj.records)
+                    if learner.nonfinite_run >= plan.train.max_nonfinite_skips:
+                        raise NonFiniteError(
+                            f"stopped at step {learner.step}: {learner.nonfinite_run} consecutive steps had a "
+                            f"non-finite loss or gradient (nothing was applied; checkpoint saved at step "
+                            f"{learner.step} in {plan.workdir / 'checkpoints'}); lower optim.lr or check the "
+                            "rewards/advantages")
+                if plan.eval.due(learner.step, steps):
+                    with clock.paused():
+                        m.update(evaluate(plan, rollouter, learner, episodes))
+                with stop.deferred():
+                    if writer:
+                        writer.write(learner.step, m)
+                    pending = None
+                    bar.update(m)
+                    flat = flat + 1 if m.get("frac_zero_std_groups") == 1.0 else 0
+                    warning = zero_variance_warning(flat, m)
+                    if warning:
+                        metrics_lib.log.warning(warning)
+                    learner.save(rollouter.state_dict())
+                stop.check()
+                limit = plan.train.max_train_seconds
+                if limit and distributed.agree(clock.seconds >= limit):
+                    summary["stopped_early"] = f"max_train_seconds={limit} reached"
+                    break
+        except (NonFiniteError, distributed.RunInterrupted) as e:
+            if writer and pending is not None:
+                writer.write(learner.step, pending)
+            if resume is not None and learner.step > start or isinstance(e, NonFiniteError):
+                learner.save(resume, force=True)
+                learner.wait()
+            if isinstance(e, distributed.RunInterrupted):
+                raise distributed.RunInterrupted(e.signal_name, f"{e.signal_name}: stopped at step {learner.step} "
+                                                 f"(checkpoint {learner.checkpointer.latest_step()} in "
+                                                 f"{plan.workdir / 'checkpoints'}); the same command resumes "
+                                                 "from it") from None
+            raise
+        end = learner.step
+        learner.save(rollouter.state_dict(), force=True)
+        learner.wait()
+        train_s = clock.seconds
+        if plan.eval.at_end and episodes and end > start:
+            summary["eval_end"] = m = evaluate(plan, rollouter, learner, episodes)
+            if writer:
+                writer.write(end, m)
     summary.update({"end_step": end, "train_wall_s": train_s, "peak_rss_gb": metrics_lib.peak_rss_gb(),
                     "env_episodes": rollouter.runner.episodes})  # this process's share of the episodes
     if main:
@@ -207,11 +291,8 @@ def evaluate_run(plan: RunPlan) -> tuple[int, dict]:
     line). Raises RunNotFoundError (before loading anything) when the workdir holds no complete checkpoint."""
     with use_rules(plan.rules):
         rollouter, learner, episodes = build(plan, reading=True)
-        try:
+        with Resources(("the checkpointer", learner.close), ("the env workers", rollouter.close)):
             return learner.step, evaluate(plan, rollouter, learner, episodes, write=False)
-        finally:
-            learner.close()
-            rollouter.close()
 
 
 def run_policy(plan: RunPlan):
@@ -220,9 +301,6 @@ def run_policy(plan: RunPlan):
     from flax import nnx
 
     rollouter, learner, _ = build(plan, reading=True)
-    try:
+    with Resources(("the checkpointer", learner.close), ("the env workers", rollouter.close)):
         state = nnx.state(nnx.merge(learner.graphdef, *learner.policy()))
-    finally:
-        learner.close()
-        rollouter.close()
     return learner.model_config, state, rollouter.tokenizer

@@ -140,6 +140,31 @@ def check_envs(plan: RunPlan) -> tuple[dict, dict]:
     return train, episodes
 
 
+def with_loss_defaults(cfg: Config) -> Config:
+    """`cfg` with rl.eps_low / rl.eps_high (-1) and rl.aggregation ("") set to its policy loss's own values
+    (`losses.LOSS_DEFAULTS`: GSPO's sequence-ratio clip range and sequence mean, PPO's 0.2 and token mean); values
+    the config sets are kept. The config a run records (config.json, checkpoints) holds the values used."""
+    rl = cfg.rl
+    defaults = losses_lib.LOSS_DEFAULTS.get(rl.loss)
+    if defaults is None:  # check_names names it
+        return cfg
+    rl = dataclasses.replace(rl, eps_low=defaults["eps_low"] if rl.eps_low == -1 else rl.eps_low,
+                             eps_high=defaults["eps_high"] if rl.eps_high == -1 else rl.eps_high,
+                             aggregation=rl.aggregation or defaults["aggregation"])
+    return dataclasses.replace(cfg, rl=rl)
+
+
+def greedy_warning(cfg: Config) -> str | None:
+    """A warning when training rollouts are greedy (temperature 0 or top-k 1): the G samples of a group are then
+    the same reply, every group's rewards are equal and every advantage is zero."""
+    s = cfg.sampling
+    if s.temperature == 0 or s.top_k == 1:
+        return (f"sampling.temperature={s.temperature} / top_k={s.top_k} make the training rollouts greedy: the "
+                f"{cfg.rl.group_size} samples of a group are one reply, so every advantage (and the policy gradient) "
+                "is zero; sample with temperature > 0")
+    return None
+
+
 def truncation_warning(cfg: Config) -> str | None:
     """A warning when training rollouts sample from a truncated distribution (top-p < 1 or top-k > 0): the sampler's
     logprobs then belong to the truncated distribution and the trainer's to the full softmax, so the behaviour
@@ -207,6 +232,7 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
     """
     import jax
 
+    cfg = with_loss_defaults(cfg)
     check_names(cfg)
     num_devices = jax.device_count() if num_devices is None else num_devices
     sizes = {axis: getattr(cfg.mesh, axis) for axis in mesh_lib.MESH_AXES}
@@ -260,5 +286,5 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
                    step=opts, moe_aux_coef=rl.moe_aux_coef, learner=learner, eval=evaluation,
                    train=TrainSettings(steps=t.steps, max_train_seconds=t.max_train_seconds,
                                        max_nonfinite_skips=t.max_nonfinite_skips),
-                   warnings=tuple(w for w in (truncation_warning(cfg),) if w),
+                   warnings=tuple(w for w in (truncation_warning(cfg), greedy_warning(cfg)) if w),
                    tasks=tasks if cfg.tasks.enabled else None)

@@ -120,6 +120,12 @@ def gspo(logp_BxT, logp_old_BxT, advantages, mask_BxT, *, eps_low: float, eps_hi
 
 
 POLICY_LOSSES: dict[str, Callable[..., Surrogate]] = {"ppo": ppo, "gspo": gspo}
+# each policy loss's own settings, used unless a run sets them: ppo: clip 0.2 (Schulman et al. 2017) over every
+# token (DAPO's token_mean); gspo: the clip ranges 3e-4 / 4e-4 of its sequence ratio and its objective's mean over
+# the group's sequences, each weighing the same (Zheng et al. 2025, "Group Sequence Policy Optimization",
+# arXiv:2507.18071)
+LOSS_DEFAULTS: dict[str, dict] = {"ppo": {"eps_low": 0.2, "eps_high": 0.2, "aggregation": "token_mean"},
+                                  "gspo": {"eps_low": 3e-4, "eps_high": 4e-4, "aggregation": "seq_mean_token_mean"}}
 
 
 # ----------------------------------------------------------------------------- KL to the reference

@@ -74,7 +74,7 @@ def test_resume_drops_later_steps_and_keeps_whole_history(tmp_path):
 
 # kind: every output a run appends to is cut back to the step it (re)starts from; 0 (no checkpoint) keeps nothing
 @pytest.mark.parametrize("earlier,resume_step,rerun,kept", [
-    ([0, 1], 0, [0, 1], [0, 1]),  # issue 29: killed after step 1, before the first checkpoint; same command again
+    ([0, 1], 0, [0, 1], [0, 1]),  # killed after step 1, before the first checkpoint; the same command again
     ([0, 1, 2, 3], 0, [0], [0]),  # a run with no usable checkpoint starts over and keeps nothing of the last one
     ([0, 1, 2, 3], 2, [3, 4], [0, 1, 2, 3, 4]),  # killed after step 3's write, before its checkpoint
     (list(range(10)), 5, [6, 7, 8], list(range(9))),  # a longer earlier attempt: 9 goes although not rewritten

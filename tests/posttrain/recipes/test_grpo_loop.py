@@ -70,23 +70,47 @@ def plant(workdir, metrics_steps, trajectories=(), evals=()):
             (workdir / folder / f"step_{s:06d}.jsonl").write_text('{"stale": true}\n')
 
 
-def test_resumed_run_matches_uninterrupted_run_and_writes_outputs(tmp_path):
+def test_resumed_run_matches_uninterrupted_run_and_writes_outputs(tmp_path, monkeypatch):
     """A resumed run logs what an uninterrupted one does; a run killed after step 1 before its first checkpoint,
-    then the same command, holds each step once in every output; so does a resume from step 2 after a kill past it."""
+    then the same command, holds each step once in every output; so does a resume after a kill past its checkpoint.
+    SIGINT in the middle of step 4's rollout (no checkpoint due there: every 2 steps) saves step 3 with the task
+    cursor from before that rollout and stops within seconds; the resumed run matches the uninterrupted one."""
+    import os
+    import signal
+    import time
+
+    from posttrain.infra.distributed import RunInterrupted
+
     loop.train(tiny_config(tmp_path / "a", **{"train.steps": 4}), progress=False)
     plant(tmp_path / "b", [0, 1], trajectories=[0, 1, 7], evals=[0, 1])  # no checkpoint: starts over
-    loop.train(tiny_config(tmp_path / "b", **{"train.steps": 2}), progress=False)
-    plant(tmp_path / "b", [3], trajectories=[2, 5], evals=[2, 3])  # checkpoint 2: step 2's records stay
+    collect, sent = Rollouter.collect, []
+
+    def interrupted(self, step, policy, rng):
+        if step == 3 and not sent:
+            sent.append(time.perf_counter())
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the handler raises inside this rollout
+            time.sleep(1.0)
+        return collect(self, step, policy, rng)
+
+    monkeypatch.setattr(Rollouter, "collect", interrupted)
+    with pytest.raises(RunInterrupted, match=r"SIGINT: stopped at step 3 \(checkpoint 3 in"):
+        loop.train(tiny_config(tmp_path / "b", **{"train.steps": 4}), progress=False)
+    assert time.perf_counter() - sent[0] < 30
+    with Checkpointer(tmp_path / "b" / "checkpoints", every_steps=2, keep=2, read_only=True) as ck:
+        assert ck.all_steps() == [2, 3]
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the loop's handlers are gone
+    plant(tmp_path / "b", [4], trajectories=[3, 5], evals=[4])  # stale records past checkpoint 3
     summary = loop.train(tiny_config(tmp_path / "b", **{"train.steps": 4}), progress=False)
-    assert summary["start_step"] == 2 and summary["end_step"] == 4
+    assert summary["start_step"] == 3 and summary["end_step"] == 4
     a, b = read(tmp_path / "a"), read(tmp_path / "b")
     assert [m["step"] for m in b] == [1, 2, 3, 4]
     tb = sorted(s for t, s, _ in read_tb_scalars(tmp_path / "b" / "tensorboard") if t == "policy/loss")
     assert tb == [1, 2, 3, 4] and all(v != 123.0 for t, _, v in read_tb_scalars(tmp_path / "b") if t == "policy/loss")
     assert sorted(p.name for p in (tmp_path / "b" / "trajectories").iterdir()) == [
         f"step_{s:06d}.jsonl" for s in range(4)]
-    assert "stale" not in (tmp_path / "b" / "trajectories" / "step_000002.jsonl").read_text()
-    assert sorted(p.name for p in (tmp_path / "b" / "eval").iterdir()) == ["step_000002.jsonl"]
+    assert "stale" not in (tmp_path / "b" / "trajectories" / "step_000003.jsonl").read_text()
+    assert not list((tmp_path / "b" / "eval").iterdir())
     for ma, mb in zip(a, b):
         for k in KEYS:
             assert ma[k] == pytest.approx(mb[k], rel=1e-5, abs=1e-6), (ma["step"], k)

@@ -36,7 +36,7 @@ BAD = [  # (override, what the one line must name)
     ("--config.rl.minibatches=3", "rl.minibatches=3"),
     ("--config.rl.routing_replay=on", "rl.routing_replay='on'"),
     ("--config.model.preset=", "model.path"),  # with the next override: a missing model file
-    # issue 29 item 6, kind: every config value, env id, env kwarg, model path and preset is checked before any
+    # kind: every config value, env id, env kwarg, model path and preset is checked before any
     # model load or worker start (each env built once, in the plan's dry check), in one line naming key and value
     ("--config.model.preset=nope", "model.preset='nope' is unknown; presets: ["),
     ("--config.model.overrides.vocab_size=100", "vocab_size 100 < the 259 ids of the byte tokenizer"),
@@ -57,6 +57,9 @@ BAD = [  # (override, what the one line must name)
     ("--config.lora.rank=4 --config.lora.targets=('q_prj',)", "['q_prj'] are not projection names"),
     ("--config.train.seed=-1", "train.seed=-1 is out of range"),
     ("--config.rl.nope=1", "rl has no key 'nope'; its keys: ["),
+    # kind: a setting that cannot learn is refused with the reason
+    ("--config.rl.group_size=1", "rl.group_size=1 is out of range: must be >= 2 (a group of 1 is its own baseline"),
+    ("--config.rl.group_size=0", "rl.group_size=0 is out of range: must be >= 2"),
 ]
 
 
@@ -256,3 +259,48 @@ def test_registry_names_are_checked_against_the_registries(section, key):
         run_plan.make_run_plan(_tiny_cfg(**{f"{section}.{key}": name}))
     with pytest.raises(ConfigError, match=rf"{section}.{key}='nope'; expected one of"):
         run_plan.make_run_plan(_tiny_cfg(**{f"{section}.{key}": "nope"}))
+
+
+# kind: each policy loss brings its paper's settings unless the config sets them
+@pytest.mark.parametrize("loss,over,want", [
+    ("ppo", {}, (0.2, 0.2, "token_mean")),
+    ("gspo", {}, (3e-4, 4e-4, "seq_mean_token_mean")),  # GSPO's sequence-ratio clip range and sequence mean
+    ("gspo", {"rl.eps_high": 1e-3}, (3e-4, 1e-3, "seq_mean_token_mean")),
+    ("gspo", {"rl.aggregation": "token_mean"}, (3e-4, 4e-4, "token_mean")),
+    ("ppo", {"rl.eps_low": 0.1, "rl.eps_high": 0.28}, (0.1, 0.28, "token_mean")),  # DAPO's clip-higher
+    ("ppo", {"rl.eps_low": 0.2, "rl.aggregation": "seq_mean_token_mean"}, (0.2, 0.2, "seq_mean_token_mean")),
+])
+def test_each_loss_brings_its_own_defaults_unless_overridden(loss, over, want):
+    plan = run_plan.make_run_plan(_tiny_cfg(**{"rl.loss": loss, **over}))
+    got = plan.step.loss
+    assert (got.eps_low, got.eps_high, got.aggregation) == want
+    rl = plan.config_dict["rl"]  # what config.json and the checkpoints record: the values used
+    assert (rl["eps_low"], rl["eps_high"], rl["aggregation"]) == want
+
+
+def test_every_policy_loss_has_defaults_and_gspo_no_longer_trains_like_ppo():
+    """With their defaults the GSPO and PPO gradients differ (they were equal: GSPO ran with PPO's settings)."""
+    from posttrain.algos.grpo import losses
+
+    assert set(losses.LOSS_DEFAULTS) == set(losses.POLICY_LOSSES)
+    rng = np.random.default_rng(0)
+    logp = jnp.asarray(-rng.random((4, 6)), jnp.float32)
+    old = logp + jnp.asarray(0.05 * rng.standard_normal((4, 6)), jnp.float32)  # ratios off 1 (a later epoch)
+    mask, adv = jnp.asarray(rng.random((4, 6)) > 0.2), jnp.asarray([1.0, -1.0, 0.5, -0.5])
+    grads = {}
+    for name in ("ppo", "gspo"):
+        cfg = run_plan.make_run_plan(_tiny_cfg(**{"rl.loss": name})).step.loss
+        fn = lambda lp: losses.policy_loss(lp, old, adv, mask, losses.loss_denominators(mask), cfg,  # noqa: E731
+                                           logp_old_BxT=old)[0]
+        grads[name] = np.asarray(jax.grad(fn)(logp))
+    assert not np.allclose(grads["ppo"], grads["gspo"], atol=1e-4)
+
+
+@pytest.mark.parametrize("temperature,top_k,warned", [(1.0, 0, False), (0.7, 50, False), (0.0, 0, True),
+                                                      (1.0, 1, True), (0.0, 1, True)])
+def test_greedy_training_rollouts_are_warned_about(temperature, top_k, warned):
+    plan = run_plan.make_run_plan(_tiny_cfg(**{"sampling.temperature": temperature, "sampling.top_k": top_k}))
+    greedy = [w for w in plan.warnings if "greedy" in w]
+    assert len(greedy) == int(warned)
+    if warned:
+        assert "every advantage (and the policy gradient) is zero" in greedy[0]
