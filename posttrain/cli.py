@@ -276,6 +276,7 @@ def main(argv=None) -> int:
     from posttrain.infra import distributed
     from posttrain.checkpoints.orbax import CheckpointCorruptError
     from posttrain.recipes.grpo import RunNotFoundError
+    from posttrain.rollout.rollouter import EnvInfraError
 
     distributed.initialize(True if f.distributed else None)
     if command != "plan":  # a plan measures a real compile (time, buffer report): no persistent cache
@@ -293,11 +294,9 @@ def main(argv=None) -> int:
     except CheckpointCorruptError as e:  # every checkpoint of the run unreadable: never the base model instead
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    except distributed.RunInterrupted as e:  # SIGINT / SIGTERM: the state was saved; 128 + the signal's number
-        import signal
-
-        print(f"interrupted: {e}", file=sys.stderr)
-        return 128 + int(getattr(signal, e.signal_name, signal.SIGINT))
+    except EnvInfraError as e:  # the envs, not the policy, failed a step: the first worker error, one line
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
     except distributed.RunInterrupted as e:  # SIGINT / SIGTERM: the state was saved; 128 + the signal's number
         import signal
 

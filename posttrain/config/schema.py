@@ -220,6 +220,8 @@ class EnvConfig:
             processes (crash/hang isolation with per-step timeouts).
         step_timeout_s: a worker's limit on one env step (seconds); past it the episode is an infra error.
         max_turns: model turns per episode (multi-turn tool / terminal envs).
+        max_infra_error_rate: a step whose share of infra-error episodes (worker crash, timeout, env exception)
+            exceeds it stops the run with the first error (1: never).
     """
 
     train: Mapping[str, EnvSpec] = dataclasses.field(default_factory=dict)
@@ -228,6 +230,7 @@ class EnvConfig:
     num_workers: int = 0
     step_timeout_s: float = 60.0
     max_turns: int = 1
+    max_infra_error_rate: float = 0.5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

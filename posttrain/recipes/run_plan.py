@@ -29,7 +29,7 @@ from posttrain.infra import mesh as mesh_lib
 from posttrain.infra.precision import PrecisionPolicy, resolve_policy
 from posttrain.learn.learner import LearnerSettings
 from posttrain.learn.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
-from posttrain.rollout.rollouter import EnvSpecError, RolloutSettings, task_sources
+from posttrain.rollout.rollouter import EnvSpecError, RolloutSettings, probe_workers, task_sources
 from posttrain.rollout.sampler import SamplingParams, logprob_temperature
 from posttrain.tasks.policy import SchedulerSettings, policies_from_mapping, resolve_policies
 
@@ -125,8 +125,9 @@ def scheduler_settings(cfg: Config, run: str) -> SchedulerSettings:
 def check_envs(plan: RunPlan) -> tuple[dict, dict]:
     """Builds every env of the plan once, before any model load or worker start (each construction runs the env's
     golden self-check): (`task_sources` of env.train, the held-out episodes of env.eval), for the rollouter and the
-    evaluation to use. Raises ConfigError naming env.train.<name> / env.eval.<name>, its id, its kwargs and the
-    env's error (an unregistered id: the registered ids and the `module:Env-v0` form)."""
+    evaluation to use. With env workers, one worker process starts each env once too. Raises ConfigError naming
+    env.train.<name> / env.eval.<name>, its id, its kwargs and the env's error (an unregistered id: the registered
+    ids and the `module:Env-v0` form; an env a worker cannot build: that form)."""
     from posttrain.eval import runner as eval_runner
 
     try:
@@ -137,6 +138,21 @@ def check_envs(plan: RunPlan) -> tuple[dict, dict]:
         episodes = eval_runner.settings_episodes(plan.eval)
     except EnvSpecError as e:
         raise ConfigError(f"env.eval.{e}") from e
+    if plan.rollout.num_workers > 0:  # what the workers cannot build fails here too, not as infra errors later
+        from posttrain.rollout.episodes import Episode
+
+        probes = {f"env.train.{n}": Episode(env_id, kwargs, source.get_task(0), seed=0)
+                  for n, (env_id, kwargs, source) in train.items()}
+        probes.update({f"env.eval.{n}": eps[0] for n, eps in episodes.items() if eps})
+        failed = probe_workers(probes, plan.rollout.step_timeout_s)
+        if failed:
+            key = sorted(failed)[0]
+            env_id, lines = probes[key].env_id, failed[key].strip().splitlines()
+            raise ConfigError(f"{key}: id={env_id!r} cannot be built in an env worker (env.num_workers="
+                              f"{plan.rollout.num_workers}): {lines[0] if lines else 'no reason given'}; a worker "
+                              "imports `envs` and the module named in a 'my.module:MyEnv-v0' id, nothing of this "
+                              f"process: register the env in an importable module and name it "
+                              f"'<module>:{env_id.split(':')[-1]}' (or set env.num_workers=0)")
     return train, episodes
 
 
@@ -268,7 +284,8 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
         decode_shrink_steps=s.decode_shrink_steps, decode_multiple=math.lcm(8, shards), row_multiple=split,
         packed=rl.packed, overlong_filter=rl.overlong_filter, dynamic_sampling=rl.dynamic_sampling,
         max_resample_rounds=rl.max_resample_rounds, record_routing=rl.routing_replay == "replay",
-        num_workers=env.num_workers, step_timeout_s=env.step_timeout_s, seed=cfg.train.seed,
+        num_workers=env.num_workers, step_timeout_s=env.step_timeout_s,
+        max_infra_error_rate=env.max_infra_error_rate, seed=cfg.train.seed,
         curriculum=cfg.curriculum)
     learner = LearnerSettings(workdir=wd, optimizer=optimizer_settings(cfg), lora_rank=cfg.lora.rank,
                               need_reference=rl.beta > 0, seed=cfg.train.seed, checkpoint=cfg.checkpoint,

@@ -50,6 +50,7 @@ class RolloutSettings:
         record_routing: record the sampler's expert selections (routing replay).
         num_workers: env worker processes (0: in-process).
         step_timeout_s: a worker's limit on one env step, in seconds.
+        max_infra_error_rate: a step with a larger share of infra-error episodes raises EnvInfraError.
         seed: seeds the task order.
         curriculum: the config's curriculum section.
     """
@@ -71,6 +72,7 @@ class RolloutSettings:
     record_routing: bool = False
     num_workers: int = 0
     step_timeout_s: float = 60.0
+    max_infra_error_rate: float = 0.5
     seed: int = 0
     curriculum: CurriculumConfig = CurriculumConfig()
 
@@ -99,6 +101,34 @@ def make_runner(num_workers: int, step_timeout_s: float) -> rollout.EnvRunner:
     from envs.pool.processes import EnvPool
 
     return EnvPool(num_workers=num_workers, step_timeout_s=step_timeout_s)
+
+
+class EnvInfraError(RuntimeError):
+    """Too many episodes of a step ended in infra errors (the envs, not the policy, failed); names the share, the
+    limit and the first error."""
+
+
+def check_infra_errors(step: int, samples, limit: float) -> None:
+    """Raises EnvInfraError when the share of `samples` that are infra errors (`Sample.counts` False) exceeds
+    `limit`, with the first one's reason (a worker's traceback summary, first line)."""
+    bad = [s for s in samples if not s.counts]
+    if samples and len(bad) / len(samples) > limit:
+        reason = str(bad[0].info.get("reason", "no reason given")).strip().splitlines()
+        raise EnvInfraError(f"step {step}: {len(bad)} of {len(samples)} episodes ended in infra errors (more than "
+                            f"env.max_infra_error_rate={limit:g}); the first ({bad[0].domain}): "
+                            f"{reason[0] if reason else 'no reason given'}")
+
+
+def probe_workers(episodes: Mapping[str, Any], step_timeout_s: float) -> dict[str, str]:
+    """{name: reason} of the episodes ({name: Episode or EpisodeSpec}) an env worker process cannot start: one
+    worker resets each once and reports the infra errors. A worker imports `envs` and the module of a
+    `module:Env-v0` id, nothing of this process: an env registered only here (e.g. in a config file) fails."""
+    from envs.pool.processes import EnvPool
+
+    names = sorted(episodes)
+    with EnvPool(num_workers=1, step_timeout_s=step_timeout_s) as pool:
+        out = pool.reset([episodes[n] for n in names])
+    return {n: str(info.get("reason", "")) for n, (_, info) in zip(names, out) if info.get("status") == "infra_error"}
 
 
 class EnvSpecError(ValueError):
@@ -231,6 +261,7 @@ class Rollouter:
             if not st.dynamic_sampling or rounds > st.max_resample_rounds:
                 break
         kept = (kept + spare)[:P]
+        check_infra_errors(step, [s for g in kept for s in g], st.max_infra_error_rate)
         perf["rollout/resample_rounds"] = rounds - 1
         perf["rollout/groups_drawn"] = drawn
         perf["rollout/frac_groups_filtered"] = filtered / max(drawn, 1)  # zero-variance groups set aside (DAPO)

@@ -2,6 +2,8 @@
 task sources (the end-to-end rollouts are exercised by test_grpo_loop.py and test_distributed.py)."""
 import functools
 
+import pytest
+
 from posttrain.rollout import rollouter
 from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.recipes.run_plan import make_run_plan
@@ -30,10 +32,12 @@ def test_dynamic_sampling_reports_the_fraction_of_groups_filtered(monkeypatch):
     cfg = tiny_config("/tmp/x", **{"rl.dynamic_sampling": True, "rl.group_size": 2, "rl.prompts_per_step": 4})
     r = rollouter.Rollouter(
         settings=make_run_plan(cfg).rollout, mesh=None, graphdef=None, tokenizer=types.SimpleNamespace(pad_id=0),
-        runner=None, scheduler=types.SimpleNamespace(next_tasks=lambda seed, n: [("arithmetic", {"id": i}) for i in range(n)]),
+        runner=None, scheduler=types.SimpleNamespace(
+            next_draws=lambda seed, n: [("arithmetic", i, 0, {"id": i}) for i in range(n)]),
         train_specs=dict(cfg.env.train), advantage_fn=advantage_fn("grpo"))
-    samples, perf = r.draw(0, None, jax.random.key(0))
+    samples, perf, attempts = r.draw(0, None, jax.random.key(0))
     assert calls == [4, 2] and len(samples) == 8
+    assert len(attempts) == 12 and sum(a.in_batch for a in attempts) == 8  # the 2 set-aside groups: archived only
     assert perf["rollout/frac_groups_filtered"] == 2 / 6 and perf["rollout/groups_drawn"] == 6
 
 
@@ -60,3 +64,89 @@ def test_advance_curriculum_moves_specs_and_task_sources():
     assert scheduler.sources["chain"].get_task(0) != source.get_task(0)  # the level-1 task differs
     m = advance([Sample(domain="chain", group=0, prompt_ids=[], reward=0.0, status="infra_error")] * 8)
     assert m["curriculum/chain/level"] == 1.0  # infra errors are not failures
+
+
+# kind: a rollout whose envs fail stops the run with the first worker error, never trains on empty prompts
+@pytest.mark.parametrize("statuses,limit,raised", [
+    (["ok"] * 8, 0.5, False),
+    (["infra_error"] * 8, 0.5, True),  # every episode failed (an env the workers could not build)
+    (["infra_error"] * 4 + ["ok"] * 4, 0.5, False),  # half: at the limit, not over it
+    (["infra_error"] * 5 + ["wrong"] * 3, 0.5, True),
+    (["infra_error"] * 1 + ["ok"] * 7, 0.0, True),  # a zero limit stops at the first one
+    (["infra_error"] * 8, 1.0, False),  # 1: never stop
+])
+def test_a_step_over_the_infra_error_limit_stops_with_the_first_worker_error(monkeypatch, statuses, limit, raised):
+    import types
+
+    import jax
+
+    from posttrain.rollout.episodes import Sample
+
+    def fake_run_episodes(sample_fn, tok, runner, episodes, group_size, **kw):
+        return [Sample(domain="arithmetic", group=i // 2, prompt_ids=[1], reward=0.0, status=st,
+                       info={"reason": f"reset raised NameNotFound: Environment `Mine` doesn't exist ({i})\ntrace"}
+                       if st == "infra_error" else {}) for i, st in enumerate(statuses)], {}
+
+    monkeypatch.setattr(rollouter.rollout, "run_episodes", fake_run_episodes)
+    cfg = tiny_config("/tmp/x", **{"rl.group_size": 2, "rl.prompts_per_step": 4, "env.max_infra_error_rate": limit})
+    r = rollouter.Rollouter(
+        settings=make_run_plan(cfg).rollout, mesh=None, graphdef=None, tokenizer=types.SimpleNamespace(pad_id=0),
+        runner=None, scheduler=types.SimpleNamespace(next_tasks=lambda seed, n: [("arithmetic", {"id": i}) for i in range(n)]),
+        train_specs=dict(cfg.env.train), advantage_fn=advantage_fn("grpo"))
+    if not raised:
+        assert len(r.draw(7, None, jax.random.key(0))[0]) == 8
+        return
+    with pytest.raises(rollouter.EnvInfraError) as info:
+        r.draw(7, None, jax.random.key(0))
+    bad = statuses.count("infra_error")
+    assert str(info.value) == (f"step 7: {bad} of 8 episodes ended in infra errors (more than "
+                               f"env.max_infra_error_rate={limit:g}); the first (arithmetic): reset raised "
+                               "NameNotFound: Environment `Mine` doesn't exist (0)")
+
+
+def test_an_env_registered_only_in_this_process_fails_at_start_with_workers(tmp_path):
+    """A custom env registered with gymnasium.register in the config file (this process only) and env.num_workers=2:
+    the plan's dry check starts a worker, which cannot build it: one ConfigError naming the id and the
+    `module:Env-v0` form, before any model load (it used to run with every episode an infra error)."""
+    import gymnasium
+
+    from envs import base
+    from posttrain.config import ConfigError, to_dict, from_config_dict
+    from posttrain.recipes import run_plan
+
+    class Mine(base.TextEnv):
+        def __init__(self):
+            super().__init__(base.ListTaskSource([{"id": "0", "q": "say 1"}], split="train"), self_check=False)
+
+        def first_observation(self, task):
+            return task["q"]
+
+        def turn_step(self, action):
+            return "", float(action.strip() == "1"), True, {"status": "ok"}
+
+    if "test/MainOnly-v0" not in gymnasium.registry:
+        gymnasium.register("test/MainOnly-v0", entry_point=Mine)
+    raw = to_dict(tiny_config(tmp_path))
+    raw["env"].update(train={"mine": {"id": "test/MainOnly-v0", "weight": 1.0, "kwargs": {}}}, eval={},
+                      num_workers=2)
+    plan = make_run_plan(from_config_dict(raw))
+    with pytest.raises(ConfigError) as info:
+        run_plan.check_envs(plan)
+    msg = str(info.value)
+    assert msg.startswith("env.train.mine: id='test/MainOnly-v0' cannot be built in an env worker "
+                          "(env.num_workers=2): reset raised NamespaceNotFound: Namespace test not found"), msg
+    assert "'my.module:MyEnv-v0'" in msg and "'<module>:test/MainOnly-v0'" in msg and "\n" not in msg
+
+
+def test_the_cli_prints_an_infra_error_stop_in_one_line_with_exit_code_1(monkeypatch, capsys):
+    from posttrain import cli
+
+    def failing(f):
+        raise rollouter.EnvInfraError("step 0: 16 of 16 episodes ended in infra errors (more than "
+                                      "env.max_infra_error_rate=0.5); the first (mine): reset raised NameNotFound")
+
+    monkeypatch.setattr(cli, "cmd_train", failing)
+    monkeypatch.setenv("POSTTRAIN_XLA_CACHE", "0")
+    assert cli.main(["posttrain", "train"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: step 0: 16 of 16 episodes ended in infra errors")
