@@ -4,9 +4,9 @@ from posttrain.config import default_config, env_spec
 
 def get_config():
     c = default_config()
-    c.env.train = {"tool": env_spec("posttrain/PythonTool-v0")}
-    c.env.eval = {}
     c.env.max_turns = 3
+    c.env.train = {"tool": env_spec("posttrain/PythonTool-v0", max_turns=c.env.max_turns)}  # the env's limit too
+    c.env.eval = {}
     c.env.num_workers = 2
     c.rl.packed = False
     c.sampling.max_new_tokens = 256

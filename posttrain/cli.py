@@ -235,15 +235,23 @@ def cmd_plan(f) -> int:
         for k, v in report.items():
             print(f"{k:>20}: {round(v, 3) if isinstance(v, float) else v}")
     if not report["fits"]:
-        what, peak = (("sampler", report["sample_peak_gib"]) if report.get("sample_fits") is False
-                      else ("train step", report["peak_gib"]))
-        from posttrain.infra.aot import HBM_FIT_FRACTION
-
-        print(f"error: does not fit: {what} peak {peak:.1f} GiB per device > {HBM_FIT_FRACTION:.0%} of "
-              f"{report['hbm_gib']:.1f} GiB "
-              f"HBM on {f.target}", file=sys.stderr)
+        print(f"error: {fit_verdict(report, f.target)}", file=sys.stderr)
         return 1
     return 0
+
+
+def fit_verdict(report: dict, target: str) -> str:
+    """The line for a plan that does not fit: every program over the limit (the train step `peak_gib`, the sampler
+    `sample_peak_gib` when `sample_fits` is False), the largest (the decisive one) first."""
+    from posttrain.infra.aot import HBM_FIT_FRACTION
+
+    limit = HBM_FIT_FRACTION * report["hbm_gib"]
+    over = [(p, name) for name, p, ok in (("train step", report["peak_gib"], report["peak_gib"] <= limit),
+                                          ("sampler", report.get("sample_peak_gib"), report.get("sample_fits")))
+            if ok is False]
+    parts = [f"{name} peak {peak:.1f} GiB" for peak, name in sorted(over, reverse=True)]
+    return (f"does not fit: {' and '.join(parts) or 'the plan'} per device > {HBM_FIT_FRACTION:.0%} of "
+            f"{report['hbm_gib']:.1f} GiB HBM on {target}")
 
 
 def _fake_cpu_devices_for_plan(argv) -> None:

@@ -219,7 +219,9 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
                 s.segments.append((np.asarray(bridge, np.int32), np.zeros(len(bridge), np.float32), False))
         contexts = [s.prompt_ids + [int(x) for t, _, _ in s.segments for x in t] for s in samples]
     for s in samples:
-        if not s.done:  # hit max_turns inside the rollout without the env ending the episode
-            s.done, s.status = True, s.status or "wrong"
+        if not s.done:  # cut by env.max_turns before the env ended the episode: its last status (e.g. the tool
+            # run's "ok") says nothing of the episode; the reward is the env's last one
+            s.done, s.status = True, "truncated"
+            s.info = {**s.info, "reason": f"env.max_turns={max_turns} reached before the env ended the episode"}
     return samples, {"perf/gen_s": gen_s, "perf/reward_s": env_s, "perf/rollout_s": time.perf_counter() - t0}
 

@@ -77,3 +77,20 @@ def test_eval_of_a_mistyped_run_is_one_line_with_exit_code_2(tmp_path):
     res = cli("eval", "--config=configs/tiny.py", f"--checkpoint={tmp_path / 'does_not_exist'}", timeout=300)
     assert res.returncode == 2 and not (tmp_path / "does_not_exist").exists()
     assert res.stderr.strip().splitlines()[-1].startswith("error: --checkpoint=") and "Traceback" not in res.stderr
+
+
+# kind: a verdict names the decisive cause: every program over the HBM limit, the largest first
+@pytest.mark.parametrize("report,line", [
+    ({"peak_gib": 380.9, "sample_peak_gib": 52.1, "sample_fits": False, "hbm_gib": 139.0},
+     "does not fit: train step peak 380.9 GiB and sampler peak 52.1 GiB per device > 90% of 139.0 GiB HBM on h200x8"),
+    ({"peak_gib": 380.9, "sample_peak_gib": 20.0, "sample_fits": True, "hbm_gib": 139.0},
+     "does not fit: train step peak 380.9 GiB per device > 90% of 139.0 GiB HBM on h200x8"),
+    ({"peak_gib": 60.0, "sample_peak_gib": 200.0, "sample_fits": False, "hbm_gib": 139.0},
+     "does not fit: sampler peak 200.0 GiB per device > 90% of 139.0 GiB HBM on h200x8"),
+    ({"peak_gib": 130.0, "hbm_gib": 139.0},  # --nosampler
+     "does not fit: train step peak 130.0 GiB per device > 90% of 139.0 GiB HBM on h200x8"),
+])
+def test_a_plan_that_does_not_fit_names_every_program_over_the_limit_largest_first(report, line):
+    from posttrain import cli as cli_lib
+
+    assert cli_lib.fit_verdict(report, "h200x8") == line

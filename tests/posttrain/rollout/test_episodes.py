@@ -1,6 +1,7 @@
 """Rollouts: exact token bookkeeping across turns (what the trainer scores is what the sampler produced; env and
 template tokens in between are masked), group layout, and the in-process env runner."""
 import numpy as np
+import pytest
 
 from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.rollout import batching
@@ -131,3 +132,43 @@ def test_host_sharded_envs_step_only_their_share_and_return_every_result(monkeyp
     assert runners[0].episodes == [0, 1] and runners[1].episodes == [2, 3, 4]
     assert runners[0].calls == [[0, 1], [1]] and runners[1].calls == [[0, 1, 2], [2]]  # local indices
     assert results[0][3:] == (2, 3) and results[1][3:] == (3, 4)  # (episodes, env steps) each process ran
+
+
+class _Turns:
+    """An EnvRunner whose episodes end as `plan` says: {turn: (terminated, truncated, status)}; other turns go on
+    with the status a tool run reports ("ok")."""
+
+    def __init__(self, plan):
+        self.plan, self.turns = plan, {}
+
+    def reset(self, episodes):
+        self.turns = {i: 0 for i in range(len(episodes))}
+        return [("question", {}) for _ in episodes]
+
+    def step(self, actions, indices=None):
+        out = []
+        for i in (range(len(actions)) if indices is None else indices):
+            self.turns[i] += 1
+            term, trunc, status = self.plan.get(self.turns[i], (False, False, "ok"))
+            out.append(("tool output", float(status == "correct"), term, trunc, {"status": status}))
+        return out
+
+
+# kind: a status reports the decisive cause: an episode cut by env.max_turns is "truncated", not the last tool
+# run's "ok"; an episode the env ended keeps the env's own verdict
+@pytest.mark.parametrize("max_turns,plan,status,reward", [
+    (1, {}, "truncated", 0.0),
+    (3, {}, "truncated", 0.0),  # configs/tool.py's 3 turns with the env's own limit later (its default 4)
+    (3, {2: (True, False, "correct")}, "correct", 1.0),
+    (3, {3: (True, False, "wrong")}, "wrong", 0.0),
+    (3, {2: (False, True, "wrong")}, "wrong", 0.0),  # the env truncated it itself (its on_truncate verdict)
+])
+def test_an_episode_cut_by_max_turns_is_truncated_not_ok(max_turns, plan, status, reward):
+    fn, _ = scripted([["```python\nprint(1)\n```"]] * 3)
+    eps = [Episode("any", {}, {"id": "t"}, seed=0, domain="tool")]
+    samples, _ = run_episodes(fn, TOK, _Turns(plan), eps, group_size=2, max_turns=max_turns, key=_key(),
+                              pad_id=TOK.pad_id)
+    assert [(s.status, s.reward, s.done) for s in samples] == [(status, reward, True)] * 2
+    if status == "truncated":
+        assert all(s.info["reason"] == f"env.max_turns={max_turns} reached before the env ended the episode"
+                   for s in samples)
