@@ -226,3 +226,82 @@ def test_zero_variance_steps_are_warned_about_with_the_reason(run, mean, expect)
         assert warning is None
     else:
         assert expect in warning and f"{run} steps in a row" in warning and "zero policy gradient" in warning
+
+
+# kind: every resource a run opens is closed in reverse order on any failure, and the first error is the last word
+@pytest.mark.parametrize("error,failing,raised,warned", [
+    (None, [], None, []),
+    (None, ["b"], "b failed", []),  # no error in flight: the close error is raised, after every close ran
+    (None, ["b", "a"], "b failed", ["closing a after OSError failed too: OSError: a failed"]),
+    (RuntimeError("first"), [], "first", []),
+    (RuntimeError("first"), ["c", "a"], "first", ["closing c after RuntimeError failed too: OSError: c failed",
+                                                  "closing a after RuntimeError failed too: OSError: a failed"]),
+])
+def test_resources_close_in_reverse_order_and_keep_the_first_error(error, failing, raised, warned, caplog):
+    calls = []
+
+    def closer(name):
+        def close():
+            calls.append(name)
+            if name in failing:
+                raise OSError(f"{name} failed")
+        return close
+
+    def run():
+        with loop.Resources(("a", closer("a"))) as res:
+            res.push("b", closer("b"))
+            res.push("c", closer("c"))
+            if error is not None:
+                raise error
+
+    if raised is None:
+        run()
+    else:
+        with pytest.raises(Exception, match=raised):
+            run()
+    assert calls == ["c", "b", "a"]
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("closing")] == warned
+
+
+def test_a_failed_start_after_the_learner_closes_the_checkpointer(tmp_path, fast_policy, monkeypatch):
+    """Rollouter.create fails (the env workers cannot start) after the learner (and its orbax manager) exists: the
+    checkpointer is closed before the error propagates (left open, orbax's threads printed "cannot schedule new
+    futures after shutdown" after the real traceback)."""
+    from posttrain.learn.learner import Learner
+
+    made, create = [], Learner.create
+    monkeypatch.setattr(Learner, "create", classmethod(lambda cls, *a, **k: made.append(create(*a, **k)) or made[-1]))
+
+    def no_workers(*a, **k):
+        raise RuntimeError("env workers could not start")
+
+    monkeypatch.setattr(loop.Rollouter, "create", no_workers)
+    with pytest.raises(RuntimeError, match="env workers could not start"):
+        loop.build(make_run_plan(tiny_config(tmp_path)))
+    assert made and made[0].checkpointer._manager is None  # closed
+
+
+def test_a_failing_step_closes_everything_in_reverse_order_and_raises_its_own_error(tmp_path, fast_policy,
+                                                                                     monkeypatch, caplog):
+    from posttrain.infra import metrics as metrics_lib
+    from posttrain.learn.learner import Learner
+
+    order = []
+    for cls, name in ((metrics_lib.ProgressBar, "bar"), (metrics_lib.MetricsWriter, "writer"),
+                      (loop.Rollouter, "env workers"), (Learner, "checkpointer")):
+        def close(self, _real=cls.close, _name=name):
+            order.append(_name)
+            _real(self)
+            if _name == "writer":
+                raise OSError("disk full")  # a teardown error while the step's error propagates
+        monkeypatch.setattr(cls, "close", close)
+
+    def boom(self, step, policy, rng):
+        raise RuntimeError("the sampler failed")
+
+    monkeypatch.setattr(loop.Rollouter, "collect", boom)
+    with pytest.raises(RuntimeError, match="the sampler failed"):
+        loop.train(tiny_config(tmp_path), progress=False)
+    assert order == ["bar", "writer", "env workers", "checkpointer"]
+    assert any("closing the metrics writer after RuntimeError failed too: OSError: disk full" in r.getMessage()
+               for r in caplog.records)
