@@ -172,15 +172,12 @@ def main(argv=None):
             _reexec_in_aot_venv(args.aot)
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
 
-    from posttrain.model import flops as flops_lib
     from posttrain.algos.grpo import losses
-    from posttrain.learn import optim
     from posttrain.algos.grpo import step as ts
-    from posttrain.learn.state import create_train_state
+    from posttrain.learn import optim
+    from posttrain.model import flops as flops_lib
+
     backend = {"h200": "gpu", "v5p": "tpu"}.get(args.aot, jax.default_backend())
     cfg, pre = model_config(args, backend)
     batch = make_batch(args, cfg, pre)
@@ -200,40 +197,54 @@ def main(argv=None):
         except RuntimeError as e:
             sys.exit(f"error: {e}")
     else:
-        if pre is not None:
-            graphdef, model_state = pre.graphdef, pre.state
-        else:
-            from posttrain.model.transformer import Transformer
+        out.update(run_steps(args, cfg, pre, opts, opt, batch, fl))
+    print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
-            graphdef, model_state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-        graphdef, state = create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), lora_rank=opts.lora_rank)
-        step = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts), donate_argnums=(0,))
-        jbatch = jax.tree.map(jnp.asarray, batch)
+
+def run_steps(args, cfg, pre, opts, opt, batch, fl) -> dict:
+    """Runs the jitted, donated train step once (compile) and `args.steps` timed times on this machine's first
+    device; returns the timing, MFU and memory figures (median step seconds over the timed steps)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from posttrain.algos.grpo import step as ts
+    from posttrain.learn.state import create_train_state
+
+    if pre is not None:
+        graphdef, model_state = pre.graphdef, pre.state
+    else:
+        from posttrain.model.transformer import Transformer
+
+        graphdef, model_state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), lora_rank=opts.lora_rank)
+    step = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts), donate_argnums=(0,))
+    jbatch = jax.tree.map(jnp.asarray, batch)
+    t = time.perf_counter()
+    state, m = step(state, jbatch)
+    jax.block_until_ready(m)
+    first = time.perf_counter() - t
+    times = []
+    for _ in range(args.steps):
         t = time.perf_counter()
         state, m = step(state, jbatch)
         jax.block_until_ready(m)
-        first = time.perf_counter() - t
-        times = []
-        for _ in range(args.steps):
-            t = time.perf_counter()
-            state, m = step(state, jbatch)
-            jax.block_until_ready(m)
-            times.append(time.perf_counter() - t)
-        step_s = statistics.median(times)
-        device = jax.devices()[0]
-        peak = matmul_peak(jnp.dtype(cfg.dtype), 256 if args.quick else 2048 if device.platform == "cpu" else 8192)
-        published = next((v for k, v in PUBLISHED_PEAK_BF16.items() if k in device.device_kind), None)
-        stats = device.memory_stats() or {}
-        rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
-        out.update({"device": device.device_kind, "step_s": step_s, "steps_s": times, "first_call_s": first,
-                    "tokens_per_s": fl.tokens / step_s, "model_flops_per_s": fl.total / step_s,
-                    "peak_flops_per_s": peak, "mfu": fl.total / step_s / peak,
-                    "mfu_published_peak": fl.total / step_s / published if published else None,
-                    "mfu_6nd": 6 * fl.total_params * fl.tokens / step_s / peak,
-                    "peak_gib": stats["peak_bytes_in_use"] / 2 ** 30 if "peak_bytes_in_use" in stats else rss_gib,
-                    "peak_rss_gib": rss_gib, "loss": float(m["policy/loss"]),
-                    "finite": bool(np.isfinite(float(m["optim/grad_norm"])))})
-    print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+        times.append(time.perf_counter() - t)
+    step_s = statistics.median(times)
+    device = jax.devices()[0]
+    peak = matmul_peak(jnp.dtype(cfg.dtype), 256 if args.quick else 2048 if device.platform == "cpu" else 8192)
+    published = next((v for k, v in PUBLISHED_PEAK_BF16.items() if k in device.device_kind), None)
+    stats = device.memory_stats() or {}
+    rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    return {"device": device.device_kind, "step_s": step_s, "steps_s": times, "first_call_s": first,
+            "tokens_per_s": fl.tokens / step_s, "model_flops_per_s": fl.total / step_s,
+            "peak_flops_per_s": peak, "mfu": fl.total / step_s / peak,
+            "mfu_published_peak": fl.total / step_s / published if published else None,
+            "mfu_6nd": 6 * fl.total_params * fl.tokens / step_s / peak,
+            "peak_gib": stats["peak_bytes_in_use"] / 2 ** 30 if "peak_bytes_in_use" in stats else rss_gib,
+            "peak_rss_gib": rss_gib, "loss": float(m["policy/loss"]),
+            "finite": bool(np.isfinite(float(m["optim/grad_norm"])))}
 
 
 def aot_compile(args, cfg, opts, opt, batch, fl) -> dict:

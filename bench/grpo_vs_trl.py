@@ -153,18 +153,14 @@ def run_posttrain(s: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------- TRL side
-def run_trl(s: dict) -> dict:
-    """Trains s["steps"] steps with TRL's GRPOTrainer on s["questions"]; step times from a callback."""
+def load_hf_model(model_path: str):
+    """(float32 transformers model, tokenizer) of an HF directory or a GGUF file, ready for TRL to train."""
     import pathlib
 
     import torch
-    import trl
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from envs.verify.answers import last_integer
-
-    path = pathlib.Path(s["model_path"])
+    path = pathlib.Path(model_path)
     where = {"pretrained_model_name_or_path": path} if path.is_dir() else {
         "pretrained_model_name_or_path": path.parent, "gguf_file": path.name}
     model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
@@ -177,6 +173,34 @@ def run_trl(s: dict) -> dict:
         del model.config.quantization_config
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def grpo_config(trl, s: dict, out: str):
+    """TRL's GRPOConfig with the same settings as ours (`s`), CPU-valid: float32, no checkpointing, no vLLM."""
+    return trl.GRPOConfig(
+        output_dir=out, use_cpu=True, bf16=False, fp16=False,
+        activation_checkpointing=False, gradient_checkpointing=False,  # TRL defaults it to True
+        per_device_train_batch_size=s["completions_per_step"], num_generations=s["samples_per_prompt"],
+        gradient_accumulation_steps=1, num_iterations=1, max_completion_length=s["max_new_tokens"],
+        temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"], learning_rate=s["lr"],
+        lr_scheduler_type=s["lr_schedule"], warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
+        adam_epsilon=1e-8, max_grad_norm=s["grad_clip_norm"], optim="adamw_torch", beta=s["beta"],
+        epsilon=s["clip_eps"], loss_type=s["aggregation"]["trl"], scale_rewards="group", shuffle_dataset=False,
+        disable_dropout=True, use_vllm=False, max_steps=s["steps"], logging_steps=1, report_to="none",
+        save_strategy="no", eval_strategy="no", seed=s["seed"], dataloader_num_workers=0, log_completions=False)
+
+
+def run_trl(s: dict) -> dict:
+    """Trains s["steps"] steps with TRL's GRPOTrainer on s["questions"]; step times from a callback."""
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from envs.verify.answers import last_integer
+
+    model, tok = load_hf_model(s["model_path"])
     qs = s["questions"]
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": q["question"]}] for q in qs],
                               "answer": [q["answer"] for q in qs]})
@@ -205,17 +229,7 @@ def run_trl(s: dict) -> dict:
                 self.logged_step_time.append(float(logs["step_time"]))
 
     with tempfile.TemporaryDirectory(prefix="grpo_vs_trl_trl_") as out:
-        args = trl.GRPOConfig(
-            output_dir=out, use_cpu=True, bf16=False, fp16=False,
-            activation_checkpointing=False, gradient_checkpointing=False,  # TRL defaults it to True
-            per_device_train_batch_size=s["completions_per_step"], num_generations=s["samples_per_prompt"],
-            gradient_accumulation_steps=1, num_iterations=1, max_completion_length=s["max_new_tokens"],
-            temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"], learning_rate=s["lr"],
-            lr_scheduler_type=s["lr_schedule"], warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
-            adam_epsilon=1e-8, max_grad_norm=s["grad_clip_norm"], optim="adamw_torch", beta=s["beta"],
-            epsilon=s["clip_eps"], loss_type=s["aggregation"]["trl"], scale_rewards="group", shuffle_dataset=False,
-            disable_dropout=True, use_vllm=False, max_steps=s["steps"], logging_steps=1, report_to="none",
-            save_strategy="no", eval_strategy="no", seed=s["seed"], dataloader_num_workers=0, log_completions=False)
+        args = grpo_config(trl, s, out)
         assert args.generation_batch_size == s["completions_per_step"] and args.steps_per_generation == 1, args
         timer = StepTimer()
         trainer = trl.GRPOTrainer(model=model, reward_funcs=reward_last_integer, args=args, train_dataset=data,
