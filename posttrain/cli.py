@@ -55,6 +55,8 @@ def _flags():
         flags.DEFINE_string("pattern", "reasoning_gym/*", "domains: domain names or patterns, comma-separated")
         flags.DEFINE_float("temperature", 0.0, "sample: 0 = greedy")
         flags.DEFINE_bool("progress", True, "train: show a progress bar")
+        flags.DEFINE_bool("allow_config_change", False, "train: resume a run with settings other than its saved "
+                          "config.json (each change recorded with its step in config_changes.jsonl)")
         flags.DEFINE_string("target", "cpu-8", "plan: cpu-N | v5p-N (TensorCores) | h200xN")
         flags.DEFINE_bool("json", False, "plan: print one JSON line")
         flags.DEFINE_integer("prompt_len", 512, "plan: prompt tokens per sequence (completions: sampling.max_new_tokens)")
@@ -68,7 +70,8 @@ def _load_config(f):
     from posttrain.config import from_config_dict
 
     if f.config is None:
-        raise SystemExit("error: --config=configs/<name>.py is required")
+        raise SystemExit("error: --config=configs/<name>.py is required (train: or --workdir=DIR of a run, to "
+                         "resume it with its saved settings)")
     return from_config_dict(f.config)
 
 
@@ -103,8 +106,14 @@ def cmd_train(f) -> int:
     from posttrain.recipes import grpo as loop
     from posttrain.recipes.run_plan import make_run_plan
 
-    plan = make_run_plan(_load_config(f), workdir=f.workdir)  # every setting validated before any work
-    summary = loop.train(plan, progress=f.progress)
+    if f.config is None and f.workdir:  # resuming a run by its directory: the settings it saved
+        from posttrain.recipes.run_plan import config_for_run
+
+        cfg = config_for_run(f.workdir)
+    else:
+        cfg = _load_config(f)
+    plan = make_run_plan(cfg, workdir=f.workdir)  # every setting validated before any work
+    summary = loop.train(plan, progress=f.progress, allow_config_change=f.allow_config_change)
     keys = ("start_step", "end_step", "train_wall_s", "peak_rss_gb", "env_episodes")
     out = {k: summary.get(k) for k in keys}
     for which in ("eval_start", "eval_end"):
@@ -115,14 +124,17 @@ def cmd_train(f) -> int:
 
 
 def _run_plan(f):
-    """The run plan of --config for the run in --checkpoint (its workdir)."""
+    """The run plan for the run in --checkpoint (its workdir): its saved config.json, or --config with the run's
+    own model and lora sections (`run_plan.config_for_run`)."""
     import dataclasses
 
-    from posttrain.recipes.run_plan import make_run_plan
+    from posttrain.recipes.grpo import require_checkpoint
+    from posttrain.recipes.run_plan import config_for_run, make_run_plan
 
-    cfg = _load_config(f)
     if not f.checkpoint:
         raise SystemExit("error: --checkpoint=<run workdir> is required")
+    require_checkpoint(f.checkpoint)  # a mistyped directory: one line, nothing created
+    cfg = config_for_run(f.checkpoint, _load_config(f) if f.config is not None else None)
     return make_run_plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint)))
 
 

@@ -14,7 +14,7 @@ import time
 from posttrain.algos.grpo import step as grpo_step
 from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.checkpoints.policy import load_policy
-from posttrain.config import Config
+from posttrain.config import Config, ConfigError
 from posttrain.eval import runner as eval_runner
 from posttrain.infra import distributed, metrics as metrics_lib
 from posttrain.infra import mesh as mesh_lib
@@ -110,7 +110,38 @@ class Resources:
         return block()
 
 
-def build(plan: RunPlan, *, reading: bool = False, restore: bool = True) -> tuple[Rollouter, Learner, dict]:
+def latest_checkpoint(workdir) -> int | None:
+    """The newest complete checkpoint step in `workdir` (read only), or None."""
+    import pathlib
+
+    from posttrain.checkpoints.orbax import Checkpointer
+
+    if not (pathlib.Path(workdir) / "checkpoints").is_dir():
+        return None
+    with Checkpointer(pathlib.Path(workdir) / "checkpoints", every_steps=1, keep=1, read_only=True) as reader:
+        return reader.latest_step()
+
+
+def resume_changes(plan: RunPlan, allow: bool = False) -> dict[str, tuple]:
+    """{key: [saved, new, checkpoint step]} of the settings a resumed run changes against its saved config.json
+    (none when nothing will be restored: no complete checkpoint); `run_plan.RESUME_FREE_KEYS` may change freely.
+    Raises ConfigError listing them unless `allow` (--allow_config_change)."""
+    import json
+
+    step, path = latest_checkpoint(plan.workdir), plan.workdir / "config.json"
+    if step is None or not path.is_file():
+        return {}
+    changes = run_plan_lib.config_changes(json.loads(path.read_text()), plan.config_dict, run_plan_lib.RESUME_FREE_KEYS)
+    if changes and not allow:
+        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items())
+        raise ConfigError(f"resuming {plan.workdir} (checkpoint {step}) with changed settings: {listed}; resume with "
+                          f"the saved ones (`posttrain train --workdir={plan.workdir}` alone uses them) or pass "
+                          "--allow_config_change to resume with these (recorded in config_changes.jsonl)")
+    return {k: [old, new, step] for k, (old, new) in changes.items()}
+
+
+def build(plan: RunPlan, *, reading: bool = False, restore: bool = True,
+          allow_config_change: bool = False) -> tuple[Rollouter, Learner, dict]:
     """The phases of a run: the policy loaded on the plan's mesh, the learner's train state (restored from the
     newest checkpoint in the workdir, if any, unless not `restore`: then the initial policy until
     `learner.restore()`), the rollouter (its scheduler and curriculum restored with it) and the held-out episodes.
@@ -120,8 +151,17 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True) -> tupl
         require_checkpoint(plan.workdir)
     sources, episodes = run_plan_lib.check_envs(plan)  # every env built once: a bad one stops before any load
     if not reading:
+        changes = resume_changes(plan, allow_config_change)  # before any load: a changed resume is refused
         plan.workdir.mkdir(parents=True, exist_ok=True)
         (plan.workdir / "config.json").write_text(json.dumps(plan.config_dict, indent=2, default=str))
+        if changes and distributed.is_main_process():  # the record of what each stretch of steps ran with
+            step = next(iter(changes.values()))[2]
+            with (plan.workdir / "config_changes.jsonl").open("a") as f:
+                f.write(json.dumps({"step": step, "changes": {k: v[:2] for k, v in changes.items()}},
+                                   default=str) + "\n")
+            metrics_lib.log.warning("resuming from step %d with changed settings (recorded in %s): %s", step,
+                                    plan.workdir / "config_changes.jsonl",
+                                    "; ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in changes.items()))
     mesh = mesh_lib.make_mesh(plan.mesh_shape)
     model_config, graphdef, weights, tokenizer = load_policy(plan.policy, mesh, plan.rules)
     learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, step_builder(plan),
@@ -171,14 +211,17 @@ def evaluate(plan: RunPlan, rollouter: Rollouter, learner: Learner, episodes: di
     return m
 
 
-def train(cfg: Config | RunPlan, *, workdir: str | None = None, progress: bool = True) -> dict:
+def train(cfg: Config | RunPlan, *, workdir: str | None = None, progress: bool = True,
+          allow_config_change: bool = False) -> dict:
     """Runs (or resumes) GRPO training as configured; returns the summary dict (also in summary.json).
 
-    Raises ConfigError (before any work) for a config that makes no valid run plan, and NonFiniteError (after
-    saving a checkpoint) when `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
+    Raises ConfigError (before any work) for a config that makes no valid run plan, or that resumes a run with
+    settings other than those its config.json saved (unless `allow_config_change`: then each change is recorded
+    with its step in config_changes.jsonl), and NonFiniteError (after saving a checkpoint) when
+    `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
     plan = cfg if isinstance(cfg, RunPlan) else make_run_plan(cfg, workdir=workdir)
     with use_rules(plan.rules):  # the activation sharding constraints traced by the sampler and the train step
-        return _train(plan, progress)
+        return _train(plan, progress, allow_config_change)
 
 
 ZERO_VARIANCE_WARN_STEPS = 3  # consecutive steps whose every group had equal rewards before the run warns
@@ -198,11 +241,11 @@ def zero_variance_warning(run: int, metrics: dict) -> str | None:
             f"zero policy gradient; {why}")
 
 
-def _train(plan: RunPlan, progress: bool) -> dict:
+def _train(plan: RunPlan, progress: bool, allow_config_change: bool = False) -> dict:
     for warning in plan.warnings:
         metrics_lib.log.warning(warning)
     with distributed.StopRequest() as stop, Resources() as res:
-        rollouter, learner, episodes = build(plan)
+        rollouter, learner, episodes = build(plan, allow_config_change=allow_config_change)
         res.push("the checkpointer", learner.close)
         res.push("the env workers", rollouter.close)
         start, steps = learner.step, plan.train.steps

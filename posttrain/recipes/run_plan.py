@@ -156,6 +156,68 @@ def check_envs(plan: RunPlan) -> tuple[dict, dict]:
     return train, episodes
 
 
+# settings a resumed run may change without --allow_config_change (extending a run, another directory name)
+RESUME_FREE_KEYS = ("train.steps", "train.workdir", "train.max_train_seconds")
+RUN_SHAPE_SECTIONS = ("model", "lora")  # what a run's checkpoints are shaped by: always the run's own
+
+
+def saved_config(workdir) -> Config | None:
+    """The Config a run saved in `workdir`/config.json (what its steps ran with), or None when there is none.
+    Raises ConfigError naming the file when it does not load."""
+    import json
+
+    from posttrain.config import from_config_dict
+
+    path = pathlib.Path(workdir) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return from_config_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:  # ConfigError is a ValueError; a truncated file is a JSONDecodeError
+        raise ConfigError(f"{path}: {' '.join(str(e).split())}") from None
+
+
+def config_for_run(workdir, cfg: Config | None = None) -> Config:
+    """The config of a command that reads the run in `workdir` (eval, convert): its saved config.json alone; with
+    `cfg` (a --config), cfg with the run's own `model` and `lora` sections (RUN_SHAPE_SECTIONS: what its
+    checkpoints were trained as, so a forgotten --config.lora.rank cannot mismatch them; a difference is logged).
+    Raises ConfigError when the run saved no config and no `cfg` is given."""
+    saved = saved_config(workdir)
+    if saved is None:
+        if cfg is None:
+            raise ConfigError(f"{workdir}: no config.json in it (not a run's directory?); pass the run's "
+                              "--config=configs/X.py")
+        return cfg
+    if cfg is None:
+        return saved
+    from posttrain.infra.metrics import log
+
+    theirs = {s: getattr(saved, s) for s in RUN_SHAPE_SECTIONS}
+    differ = config_changes({s: to_dict(cfg)[s] for s in RUN_SHAPE_SECTIONS}, {s: to_dict(saved)[s] for s in theirs})
+    if differ:
+        log.warning("--checkpoint=%s: using the run's own %s", workdir,
+                    ", ".join(f"{k}={new!r} (not {old!r})" for k, (old, new) in differ.items()))
+    return dataclasses.replace(cfg, **theirs)
+
+
+def config_changes(saved: Mapping, new: Mapping, free: tuple = ()) -> dict[str, tuple]:
+    """{dotted key: (saved value, new value)} of the settings that differ between two config dicts (JSON-normal
+    values: tuples as lists), the dotted keys in `free` left out."""
+    import json
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, Mapping) and v:
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    a, b = (flat(json.loads(json.dumps(d, default=str))) for d in (saved, new))
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and k not in free}
+
+
 def with_loss_defaults(cfg: Config) -> Config:
     """`cfg` with rl.eps_low / rl.eps_high (-1) and rl.aggregation ("") set to its policy loss's own values
     (`losses.LOSS_DEFAULTS`: GSPO's sequence-ratio clip range and sequence mean, PPO's 0.2 and token mean); values

@@ -304,3 +304,86 @@ def test_greedy_training_rollouts_are_warned_about(temperature, top_k, warned):
     assert len(greedy) == int(warned)
     if warned:
         assert "every advantage (and the policy gradient) is zero" in greedy[0]
+
+
+def _saved_run(workdir, **over):
+    """A run directory as training leaves it: config.json of tiny_config(**over) and a complete checkpoint 2."""
+    import json
+
+    import jax.numpy as jnp
+
+    from helpers import tiny_config
+    from posttrain.checkpoints.orbax import Checkpointer
+
+    plan = run_plan.make_run_plan(tiny_config(workdir, **over))
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(plan.config_dict, default=str))
+    with Checkpointer(workdir / "checkpoints", every_steps=1, keep=1, async_save=False) as ck:
+        ck.save(2, {"w": jnp.zeros(2)}, {})
+    return plan
+
+
+# kind: a run's saved config is the source of truth: resuming with other settings refuses (or, allowed, is recorded)
+@pytest.mark.parametrize("over,changed", [
+    ({}, {}),
+    ({"train.steps": 9}, {}),  # extending a run
+    ({"optim.lr": 2e-5, "rl.group_size": 2, "checkpoint.every_steps": 5},
+     {"checkpoint.every_steps": [2, 5], "optim.lr": [1e-3, 2e-5], "rl.group_size": [4, 2]}),
+    ({"lora.rank": 8}, {"lora.rank": [0, 8]}),
+])
+@pytest.mark.parametrize("allow", [False, True])
+def test_resuming_with_changed_settings_refuses_unless_allowed(tmp_path, over, changed, allow):
+    from helpers import tiny_config
+
+    _saved_run(tmp_path)
+    plan = run_plan.make_run_plan(tiny_config(tmp_path, **over))
+    if changed and not allow:
+        with pytest.raises(ConfigError) as info:
+            loop.resume_changes(plan)
+        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        assert str(info.value).startswith(f"resuming {tmp_path} (checkpoint 2) with changed settings: {listed}; ")
+        assert "--allow_config_change" in str(info.value)
+    else:
+        assert loop.resume_changes(plan, allow) == {k: [*v, 2] for k, v in changed.items()}
+
+
+def test_changes_count_only_when_a_checkpoint_will_be_restored(tmp_path):
+    from helpers import tiny_config
+
+    _saved_run(tmp_path)
+    import shutil
+
+    shutil.rmtree(tmp_path / "checkpoints")  # killed before its first checkpoint: the rerun starts over
+    assert loop.resume_changes(run_plan.make_run_plan(tiny_config(tmp_path, **{"optim.lr": 0.5}))) == {}
+
+
+@pytest.mark.parametrize("given,lora_rank,warned", [(None, 8, False), ({}, 8, True), ({"lora.rank": 8}, 8, False)])
+def test_commands_reading_a_run_use_its_saved_model_and_lora(tmp_path, given, lora_rank, warned, caplog):
+    """eval / convert: --checkpoint alone is the run's own config; a --config keeps its other sections but takes the
+    run's model and lora (a forgotten --config.lora.rank=8 used to end in a 30-line CheckpointStructureError)."""
+    from helpers import tiny_config
+
+    _saved_run(tmp_path, **{"lora.rank": 8, "optim.lr": 0.5})
+    cfg = None if given is None else tiny_config(tmp_path / "other", **{"eval.num_tasks": 7, **given})
+    got = run_plan.config_for_run(tmp_path, cfg)
+    assert got.lora.rank == lora_rank and got.model.overrides == {"vocab_size": 320}
+    assert (got.optim.lr, got.eval.num_tasks) == ((0.5, 20) if given is None else (1e-3, 7))
+    assert any("using the run's own lora.rank=8 (not 0)" in r.getMessage() for r in caplog.records) == warned
+    with pytest.raises(ConfigError, match=r"no config.json in it \(not a run's directory\?\); pass the run's --config"):
+        run_plan.config_for_run(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_the_cli_reads_a_run_by_its_directory_alone(tmp_path, monkeypatch, command):
+    """`posttrain train --workdir=DIR` resumes with the saved settings; `posttrain eval --checkpoint=DIR` evaluates
+    with them (both needed --config, and config.json could not be passed back)."""
+    saved = _saved_run(tmp_path / "run", **{"optim.lr": 0.5, "lora.rank": 4})
+    seen = []
+    monkeypatch.setattr(loop, "train", lambda plan, **k: seen.append(plan) or {})
+    monkeypatch.setattr(loop, "evaluate_run", lambda plan: seen.append(plan) or (2, {}))
+    monkeypatch.setenv("POSTTRAIN_XLA_CACHE", "0")
+    flag = "--workdir" if command == "train" else "--checkpoint"
+    argv = ["posttrain", command, f"{flag}={tmp_path / 'run'}"]
+    monkeypatch.setattr(sys, "argv", list(argv))
+    assert cli.main(argv) == 0
+    assert seen[0].config_dict == saved.config_dict
