@@ -31,7 +31,9 @@ def _flags():
     from ml_collections import config_flags
 
     f = flags.FLAGS
-    for name in [n for n in f if n.startswith("config.")]:  # an earlier main() in this process defined them
+    if f.is_parsed():  # an earlier main() in this process: its values and --config.* override flags go
+        f.unparse_flags()
+    for name in [n for n in f if n.startswith("config.")]:
         delattr(f, name)
     if "workdir" not in f:
         config_flags.DEFINE_config_file("config", None, "a configs/*.py file defining get_config()")
@@ -247,23 +249,11 @@ def cmd_plan(f) -> int:
         for k, v in report.items():
             print(f"{k:>20}: {round(v, 3) if isinstance(v, float) else v}")
     if not report["fits"]:
+        from posttrain.recipes.dryrun import fit_verdict
+
         print(f"error: {fit_verdict(report, f.target)}", file=sys.stderr)
         return 1
     return 0
-
-
-def fit_verdict(report: dict, target: str) -> str:
-    """The line for a plan that does not fit: every program over the limit (the train step `peak_gib`, the sampler
-    `sample_peak_gib` when `sample_fits` is False), the largest (the decisive one) first."""
-    from posttrain.infra.aot import HBM_FIT_FRACTION
-
-    limit = HBM_FIT_FRACTION * report["hbm_gib"]
-    over = [(p, name) for name, p, ok in (("train step", report["peak_gib"], report["peak_gib"] <= limit),
-                                          ("sampler", report.get("sample_peak_gib"), report.get("sample_fits")))
-            if ok is False]
-    parts = [f"{name} peak {peak:.1f} GiB" for peak, name in sorted(over, reverse=True)]
-    return (f"does not fit: {' and '.join(parts) or 'the plan'} per device > {HBM_FIT_FRACTION:.0%} of "
-            f"{report['hbm_gib']:.1f} GiB HBM on {target}")
 
 
 def _fake_cpu_devices_for_plan(argv) -> None:
@@ -362,33 +352,6 @@ def command_help(command: str, f) -> str:
     return "\n".join(out)
 
 
-def _unknown_key_line(path: str, key: str, argv) -> str:
-    """One line for a --config.<path> override whose `key` the config lacks: the schema's keys at that level, or,
-    under a dict field (model.overrides, env.train, an env's kwargs), how to add the key (in the config file)."""
-    import dataclasses
-    import typing
-
-    from posttrain.config import Config
-
-    parts = path.split(".")[1:]
-    if key not in parts:
-        return f"unknown config key {path}"
-    parent = parts[:parts.index(key)]
-    node = Config
-    for part in parent:
-        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
-        node = hints.get(part)
-        if node is None or not dataclasses.is_dataclass(node):
-            break
-    where = ".".join(parent) or "config"
-    if node is not None and dataclasses.is_dataclass(node):
-        return (f"unknown config key {path}: {where} has no key {key!r}; its keys: "
-                f"{sorted(fl.name for fl in dataclasses.fields(node))}")
-    value = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{path}=")), "...")
-    return (f"unknown config key {path}: {where} is a dict without the key {key!r}, and the command line only "
-            f"changes keys that exist; add it in the config file (e.g. c.{where}[{key!r}] = {value})")
-
-
 def flag_error_line(e: BaseException, argv) -> str:
     """One line for a command-line error; an unknown --config.* key names the key and ml_collections' suggestion
     (which arrives as the repr of a KeyError inside absl's error), or without one the keys that exist there."""
@@ -403,7 +366,10 @@ def flag_error_line(e: BaseException, argv) -> str:
             flag = next((a.split("=")[0] for a in argv if a.startswith("--config.")
                          and key in a.split("=")[0].split(".")), key)
             if not hint.strip():  # no close match: name the keys that exist there
-                return _unknown_key_line(flag.removeprefix("--"), key, argv)
+                from posttrain.config.load import unknown_key_message
+
+                value = next((a.split("=", 1)[1] for a in argv if a.startswith(f"{flag}=")), "...")
+                return unknown_key_message(flag.removeprefix("--"), key, value)
             return f"unknown config key {flag.removeprefix('--')}: {hint.strip()}"
     return " ".join(str(e).split())
 

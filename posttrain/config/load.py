@@ -120,6 +120,28 @@ def convert_section(cls, value, path: str):
     return value
 
 
+def unknown_key_message(path: str, key: str, value: str = "...") -> str:
+    """One line for a --config.<path>=<value> override whose `key` the config lacks: the schema's keys at that
+    level, or, under a dict field (model.overrides, env.train, an env's kwargs), how to add the key (in the config
+    file)."""
+    parts = path.split(".")[1:]
+    if key not in parts:
+        return f"unknown config key {path}"
+    parent = parts[:parts.index(key)]
+    node = Config
+    for part in parent:
+        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        node = hints.get(part)
+        if node is None or not dataclasses.is_dataclass(node):
+            break
+    where = ".".join(parent) or "config"
+    if node is not None and dataclasses.is_dataclass(node):
+        return (f"unknown config key {path}: {where} has no key {key!r}; its keys: "
+                f"{sorted(fl.name for fl in dataclasses.fields(node))}")
+    return (f"unknown config key {path}: {where} is a dict without the key {key!r}, and the command line only "
+            f"changes keys that exist; add it in the config file (e.g. c.{where}[{key!r}] = {value})")
+
+
 def _plain(v):
     """ConfigDict/FrozenConfigDict -> nested dict (for free-form kwargs)."""
     if isinstance(v, Mapping) or hasattr(v, "to_dict"):

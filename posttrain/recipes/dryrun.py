@@ -262,3 +262,15 @@ def _sampler_report(graphdef, model_state, mesh, plan, prompt_len: int, hbm: int
     sd = srep.as_dict()
     return {"sample_peak_gib": sd["peak_gib"], "sample_temp_gib": sd["temp_gib"],
             "sample_compile_s": round(sseconds, 1), "sample_fits": aot.fits(srep.peak, hbm)}
+
+
+def fit_verdict(report: dict, target: str) -> str:
+    """The line for a plan that does not fit: every program over the limit (the train step `peak_gib`, the sampler
+    `sample_peak_gib` when `sample_fits` is False), the largest (the decisive one) first."""
+    limit = aot.HBM_FIT_FRACTION * report["hbm_gib"]
+    over = [(p, name) for name, p, ok in (("train step", report["peak_gib"], report["peak_gib"] <= limit),
+                                          ("sampler", report.get("sample_peak_gib"), report.get("sample_fits")))
+            if ok is False]
+    parts = [f"{name} peak {peak:.1f} GiB" for peak, name in sorted(over, reverse=True)]
+    return (f"does not fit: {' and '.join(parts) or 'the plan'} per device > {aot.HBM_FIT_FRACTION:.0%} of "
+            f"{report['hbm_gib']:.1f} GiB HBM on {target}")

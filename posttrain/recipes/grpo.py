@@ -8,8 +8,10 @@ command resumes from the last complete checkpoint with the same task order and R
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+from typing import Any
 
 from posttrain.algos.grpo import step as grpo_step
 from posttrain.algos.grpo.advantages import advantage_fn
@@ -249,7 +251,7 @@ def _train(plan: RunPlan, progress: bool, allow_config_change: bool = False) -> 
         res.push("the checkpointer", learner.close)
         res.push("the env workers", rollouter.close)
         start, steps = learner.step, plan.train.steps
-        main = distributed.is_main_process()  # process 0 writes metrics, plots, trajectories and the summary
+        main = distributed.is_main_process()  # process 0 writes metrics, plots, the archive and the summary
         writer = open_outputs(plan.workdir, start) if main else None
         if writer:
             res.push("the metrics writer", writer.close)
@@ -263,56 +265,7 @@ def _train(plan: RunPlan, progress: bool, allow_config_change: bool = False) -> 
             if writer:
                 writer.write(0, m)
         clock = metrics_lib.TrainClock()  # training wall time: rollouts, updates, checkpoints; not in-loop eval
-        resume, pending, flat = None, None, 0  # the rollout state matching the learner's; unwritten metrics
-        try:
-            for step in range(start, steps):
-                resume = json.loads(json.dumps(rollouter.state_dict()))  # a signal in the rollout: saved with it
-                t0 = time.perf_counter()
-                traj = rollouter.collect(step, learner.policy(), learner.rng)
-                t1 = time.perf_counter()
-                with stop.deferred():  # the update, its archive and the stop check on non-finite steps
-                    m = learner.update(traj.batch)
-                    resume, pending = rollouter.state_dict(), m
-                    m.update(traj.metrics)
-                    m.update(metrics_lib.step_perf(traj.num_tokens, t0, t1, time.perf_counter()))
-                    if main:
-                        write_jsonl(plan.workdir / "trajectories" / f"step_{step:06d}.jsonl", traj.records)
-                    if learner.nonfinite_run >= plan.train.max_nonfinite_skips:
-                        raise NonFiniteError(
-                            f"stopped at step {learner.step}: {learner.nonfinite_run} consecutive steps had a "
-                            f"non-finite loss or gradient (nothing was applied; checkpoint saved at step "
-                            f"{learner.step} in {plan.workdir / 'checkpoints'}); lower optim.lr or check the "
-                            "rewards/advantages")
-                if plan.eval.due(learner.step, steps):
-                    with clock.paused():
-                        m.update(evaluate(plan, rollouter, learner, episodes))
-                with stop.deferred():
-                    if writer:
-                        writer.write(learner.step, m)
-                    pending = None
-                    bar.update(m)
-                    flat = flat + 1 if m.get("frac_zero_std_groups") == 1.0 else 0
-                    warning = zero_variance_warning(flat, m)
-                    if warning:
-                        metrics_lib.log.warning(warning)
-                    learner.save(rollouter.state_dict())
-                stop.check()
-                limit = plan.train.max_train_seconds
-                if limit and distributed.agree(clock.seconds >= limit):
-                    summary["stopped_early"] = f"max_train_seconds={limit} reached"
-                    break
-        except (NonFiniteError, distributed.RunInterrupted) as e:
-            if writer and pending is not None:
-                writer.write(learner.step, pending)
-            if resume is not None and learner.step > start or isinstance(e, NonFiniteError):
-                learner.save(resume, force=True)
-                learner.wait()
-            if isinstance(e, distributed.RunInterrupted):
-                raise distributed.RunInterrupted(e.signal_name, f"{e.signal_name}: stopped at step {learner.step} "
-                                                 f"(checkpoint {learner.checkpointer.latest_step()} in "
-                                                 f"{plan.workdir / 'checkpoints'}); the same command resumes "
-                                                 "from it") from None
-            raise
+        _Loop(plan, rollouter, learner, episodes, writer, bar, clock, stop).run(start, steps, summary)
         end = learner.step
         learner.save(rollouter.state_dict(), force=True)
         learner.wait()
@@ -326,6 +279,88 @@ def _train(plan: RunPlan, progress: bool, allow_config_change: bool = False) -> 
     if main:
         (plan.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+@dataclasses.dataclass
+class _Loop:
+    """The steps of `_train` over the run's open parts. `resume`: the rollout state that matches the learner's
+    (a stop saves it with the learner's state); `pending`: an update's metrics not written yet; `flat`: steps in a
+    row whose every group had equal rewards."""
+
+    plan: RunPlan
+    rollouter: Rollouter
+    learner: Learner
+    episodes: dict
+    writer: Any  # metrics_lib.MetricsWriter on process 0, else None
+    bar: Any  # metrics_lib.ProgressBar
+    clock: Any  # metrics_lib.TrainClock
+    stop: distributed.StopRequest
+    resume: dict | None = None
+    pending: dict | None = None
+    flat: int = 0
+
+    def run(self, start: int, steps: int, summary: dict) -> None:
+        """Steps start..steps-1; a stop signal or a run of non-finite steps saves the state first (`stopped`)."""
+        try:
+            for step in range(start, steps):
+                self.step(step, steps)
+                self.stop.check()
+                limit = self.plan.train.max_train_seconds
+                if limit and distributed.agree(self.clock.seconds >= limit):
+                    summary["stopped_early"] = f"max_train_seconds={limit} reached"
+                    break
+        except (NonFiniteError, distributed.RunInterrupted) as e:
+            self.stopped(e, start)
+
+    def step(self, step: int, steps: int) -> None:
+        """Rollouts (a signal abandons them), the update and its record (not cut by a signal), evaluation when
+        due (abandoned by a signal), metrics and the checkpoint (not cut)."""
+        plan, rollouter, learner = self.plan, self.rollouter, self.learner
+        self.resume = json.loads(json.dumps(rollouter.state_dict()))  # a signal in the rollout: saved with it
+        t0 = time.perf_counter()
+        traj = rollouter.collect(step, learner.policy(), learner.rng)
+        t1 = time.perf_counter()
+        with self.stop.deferred():
+            m = learner.update(traj.batch)
+            self.resume, self.pending = rollouter.state_dict(), m
+            m.update(traj.metrics)
+            m.update(metrics_lib.step_perf(traj.num_tokens, t0, t1, time.perf_counter()))
+            if self.writer:
+                write_jsonl(plan.workdir / "trajectories" / f"step_{step:06d}.jsonl", traj.records)
+            if learner.nonfinite_run >= plan.train.max_nonfinite_skips:
+                raise NonFiniteError(f"stopped at step {learner.step}: {learner.nonfinite_run} consecutive steps had "
+                                     "a non-finite loss or gradient (nothing was applied; checkpoint saved at step "
+                                     f"{learner.step} in {plan.workdir / 'checkpoints'}); lower optim.lr or check "
+                                     "the rewards/advantages")
+        if plan.eval.due(learner.step, steps):
+            with self.clock.paused():
+                m.update(evaluate(plan, rollouter, learner, self.episodes))
+        with self.stop.deferred():
+            if self.writer:
+                self.writer.write(learner.step, m)
+            self.pending = None
+            self.bar.update(m)
+            self.flat = self.flat + 1 if m.get("frac_zero_std_groups") == 1.0 else 0
+            warning = zero_variance_warning(self.flat, m)
+            if warning:
+                metrics_lib.log.warning(warning)
+            learner.save(rollouter.state_dict())
+
+    def stopped(self, e: BaseException, start: int) -> None:
+        """Writes the pending metrics and saves the learner with the matching rollout state (for a signal: when the
+        run moved past `start`), then raises `e` (a signal: as RunInterrupted naming the step and checkpoint)."""
+        learner = self.learner
+        if self.writer and self.pending is not None:
+            self.writer.write(learner.step, self.pending)
+        if self.resume is not None and learner.step > start or isinstance(e, NonFiniteError):
+            learner.save(self.resume, force=True)
+            learner.wait()
+        if isinstance(e, distributed.RunInterrupted):
+            raise distributed.RunInterrupted(e.signal_name, f"{e.signal_name}: stopped at step {learner.step} "
+                                             f"(checkpoint {learner.checkpointer.latest_step()} in "
+                                             f"{self.plan.workdir / 'checkpoints'}); the same command resumes from "
+                                             "it") from None
+        raise e
 
 
 def evaluate_run(plan: RunPlan) -> tuple[int, dict]:

@@ -91,6 +91,6 @@ def test_eval_of_a_mistyped_run_is_one_line_with_exit_code_2(tmp_path):
      "does not fit: train step peak 130.0 GiB per device > 90% of 139.0 GiB HBM on h200x8"),
 ])
 def test_a_plan_that_does_not_fit_names_every_program_over_the_limit_largest_first(report, line):
-    from posttrain import cli as cli_lib
+    from posttrain.recipes.dryrun import fit_verdict
 
-    assert cli_lib.fit_verdict(report, "h200x8") == line
+    assert fit_verdict(report, "h200x8") == line
