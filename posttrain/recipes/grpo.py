@@ -2,9 +2,10 @@
 train, log, save, evaluate. No math and no derived settings live here (those are `posttrain.recipes.run_plan`'s);
 the GRPO math is `posttrain.algos.grpo`'s (advantages handed to the rollouter, the step built on `learn.step`).
 
-Outputs in the workdir: `metrics.jsonl`, TensorBoard events, `reward_curve.png`, `trajectories/step_*.jsonl`
-(prompts, replies, rewards), `eval/step_*.jsonl`, `checkpoints/` (Orbax), `summary.json`. Re-running the same
-command resumes from the last complete checkpoint with the same task order and RNG stream.
+Outputs in the workdir: `metrics.jsonl`, TensorBoard events, `reward_curve.png`, `archive/step_*.parquet` (the
+episode archive: one row per sample attempt, `posttrain.tasks.archive`), `eval/step_*.jsonl`, `checkpoints/`
+(Orbax), `summary.json`. Re-running the same command resumes from the last complete checkpoint with the same task
+order and RNG stream.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from posttrain.learn.learner import Learner
 from posttrain.recipes import run_plan as run_plan_lib
 from posttrain.recipes.run_plan import RunPlan, make_run_plan
 from posttrain.rollout.rollouter import Rollouter, write_jsonl
+from posttrain.tasks import archive
 
 
 class RunNotFoundError(FileNotFoundError):
@@ -196,9 +198,9 @@ def unreadable_note(checkpointer) -> str | None:
 def open_outputs(workdir, start: int) -> metrics_lib.MetricsWriter:
     """The run's metrics writer, with every output a run appends to cut back to `start` (the restored checkpoint's
     step; 0: a run starting over keeps nothing, its start-of-run evaluation runs again): metrics.jsonl, TensorBoard
-    and the plot (`MetricsWriter(resume_step=start)`), the trajectory archive (trajectories/step_s holds the
-    rollouts of update s + 1: s >= start go) and the eval records (eval/step_s: s > start go; all of them at 0)."""
-    metrics_lib.cut_step_files(workdir / "trajectories", start)
+    and the plot (`MetricsWriter(resume_step=start)`), the episode archive (archive/step_s holds the rollouts of
+    update s + 1: s >= start go, `archive.cut`) and the eval records (eval/step_s: s > start go; all at 0)."""
+    archive.cut(workdir, start)
     metrics_lib.cut_step_files(workdir / "eval", start + 1 if start else 0)
     return metrics_lib.MetricsWriter(workdir, resume_step=start)
 
@@ -326,7 +328,7 @@ class _Loop:
             m.update(traj.metrics)
             m.update(metrics_lib.step_perf(traj.num_tokens, t0, t1, time.perf_counter()))
             if self.writer:
-                write_jsonl(plan.workdir / "trajectories" / f"step_{step:06d}.jsonl", traj.records)
+                archive.write_step(plan.workdir, step, traj.records)
             if learner.nonfinite_run >= plan.train.max_nonfinite_skips:
                 raise NonFiniteError(f"stopped at step {learner.step}: {learner.nonfinite_run} consecutive steps had "
                                      "a non-finite loss or gradient (nothing was applied; checkpoint saved at step "

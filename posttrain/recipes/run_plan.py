@@ -340,6 +340,7 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
     wd = pathlib.Path(workdir or cfg.train.workdir)
     config_dict = to_dict(cfg)
     rl, env = cfg.rl, cfg.env
+    tasks = scheduler_settings(cfg, wd.name)  # validated whether or not it is enabled
     rollout = RolloutSettings(
         train_specs=dict(env.train), group_size=rl.group_size, prompts_per_step=rl.prompts_per_step,
         sampling=sampling, max_turns=env.max_turns, prompt_bucket=s.prompt_bucket, system_prompt=s.system_prompt,
@@ -348,7 +349,7 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
         max_resample_rounds=rl.max_resample_rounds, record_routing=rl.routing_replay == "replay",
         num_workers=env.num_workers, step_timeout_s=env.step_timeout_s,
         max_infra_error_rate=env.max_infra_error_rate, seed=cfg.train.seed,
-        curriculum=cfg.curriculum)
+        curriculum=cfg.curriculum, run=tasks.run, tasks=tasks if cfg.tasks.enabled else None)
     learner = LearnerSettings(workdir=wd, optimizer=optimizer_settings(cfg), lora_rank=cfg.lora.rank,
                               need_reference=rl.beta > 0, seed=cfg.train.seed, checkpoint=cfg.checkpoint,
                               rules=rules, config_dict=config_dict)
@@ -359,11 +360,10 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
                               seed=e.seed if e.seed >= 0 else cfg.train.seed + 1,
                               every_steps=e.every_steps, at_start=e.at_start, at_end=e.at_end)
     t = cfg.train
-    tasks = scheduler_settings(cfg, wd.name)  # validated whether or not it is enabled
     return RunPlan(workdir=wd, config_dict=config_dict, precision=precision, mesh_shape=shape, rules=rules,
                    batch_shards=shards, policy=source, rollout=rollout, advantage=rl.advantage,
                    step=opts, moe_aux_coef=rl.moe_aux_coef, learner=learner, eval=evaluation,
                    train=TrainSettings(steps=t.steps, max_train_seconds=t.max_train_seconds,
                                        max_nonfinite_skips=t.max_nonfinite_skips),
                    warnings=tuple(w for w in (truncation_warning(cfg), greedy_warning(cfg)) if w),
-                   tasks=tasks if cfg.tasks.enabled else None)
+                   tasks=rollout.tasks)

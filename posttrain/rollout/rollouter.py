@@ -9,7 +9,8 @@ metrics and the archive records. Held-out evaluation is `posttrain.eval`'s; it s
 Under several processes the sampler runs on the global mesh (every process passes the same prompts), and the
 runner is a `rollout.HostShardedEnvs`: each process resets and steps only its share of the episodes, and the
 results of all shares are exchanged, so every process assembles the same batch (`learner.Learner.update` places
-its shards). Nothing here does gradient math; dimension legend: see `posttrain.types`.
+its shards) and reports the same outcomes to its replica of the job scheduler. Nothing here does gradient math;
+dimension legend: see `posttrain.types`.
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ import jax
 import numpy as np
 
 from posttrain.config import CurriculumConfig, EnvSpec
-from posttrain.rollout import batching, episodes as rollout
+from posttrain.rollout import batching, episodes as rollout, tickets
 from posttrain.rollout.sampler import SamplingParams, sample, shared_prefix_len, shrink_schedule
+from posttrain.tasks.policy import SchedulerSettings
 from posttrain.tasks.scheduler import TaskScheduler
 from posttrain.types import RolloutBatch
 
@@ -53,6 +55,8 @@ class RolloutSettings:
         max_infra_error_rate: a step with a larger share of infra-error episodes raises EnvInfraError.
         seed: seeds the task order.
         curriculum: the config's curriculum section.
+        run: the run's name (the first field of every episode id in the archive).
+        tasks: the job scheduler's settings (None: the weighted draw of `TaskScheduler`; `rollout.tickets`).
     """
 
     train_specs: Mapping[str, EnvSpec]
@@ -75,14 +79,17 @@ class RolloutSettings:
     max_infra_error_rate: float = 0.5
     seed: int = 0
     curriculum: CurriculumConfig = CurriculumConfig()
+    run: str = "run"
+    tasks: SchedulerSettings | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Trajectories:
     """One step's rollouts. batch: the training batch (host numpy arrays; a new per-token or per-sample array is
     a new `RolloutBatch` field, filled in `batching.assemble`). metrics: reward/*, response_length/*, env/*,
-    rollout/*, perf/{gen,reward,rollout}_s and curriculum/*. records: one JSON-able dict per sample, in batch
-    order (group, domain, reward, status, truncated, prompt, replies), for the trajectory archive."""
+    rollout/*, perf/{gen,reward,rollout}_s, curriculum/* and, with the job scheduler, tasks/*. records: the
+    episode archive's rows (`tasks.archive.ARCHIVE_SCHEMA`), one per sample attempt of the step, in run order
+    (`in_batch`: trained on; `rollout.tickets.archive_rows`)."""
 
     batch: RolloutBatch
     metrics: dict[str, float]
@@ -172,10 +179,15 @@ def apply_levels(curriculum, train_specs: dict, scheduler: TaskScheduler, domain
         scheduler.set_source(d, task_sources({d: train_specs[d]})[d][2])
 
 
-def archive_records(samples, tokenizer) -> tuple[dict, ...]:
-    return tuple({"group": s.group, "domain": s.domain, "reward": s.reward, "status": s.status,
-                  "truncated": s.truncated, "prompt": tokenizer.decode(s.prompt_ids), "replies": s.texts}
-                 for s in samples)
+def make_scheduler(settings: RolloutSettings, sources: Mapping[str, Any]):
+    """The run's task scheduler over `sources` ({domain: TaskSource}) at the env specs' weights: the job scheduler
+    (`tasks.jobs.JobScheduler`) when `settings.tasks` is set, else the weighted draw (`TaskScheduler`)."""
+    weights = {n: settings.train_specs[n].weight for n in sources}
+    if settings.tasks is None:
+        return TaskScheduler(sources, weights, seed=settings.seed)
+    from posttrain.tasks.jobs import JobScheduler
+
+    return JobScheduler(sources, settings.tasks, weights=weights)
 
 
 def write_jsonl(path: pathlib.Path, records) -> None:
@@ -193,7 +205,7 @@ class Rollouter:
     graphdef: Any  # nnx.GraphDef of the policy, merged with the learner's policy states
     tokenizer: Any  # posttrain.model.tokenizer.Tokenizer
     runner: rollout.HostShardedEnvs
-    scheduler: TaskScheduler
+    scheduler: Any  # TaskScheduler, or tasks.jobs.JobScheduler when settings.tasks is set
     train_specs: dict[str, EnvSpec]
     advantage_fn: batching.AdvantageFn  # the algorithm's advantages of a step's rewards
     curriculum: Any = None  # posttrain.tasks.curriculum.DifficultyCurriculum when curriculum.enabled
@@ -205,8 +217,7 @@ class Rollouter:
         cursors and the curriculum's levels; `sources`: `task_sources(settings.train_specs)` when already built
         (a run plan's dry check), else built here."""
         train = dict(sources) if sources is not None else task_sources(settings.train_specs)
-        scheduler = TaskScheduler({n: s for n, (_, _, s) in train.items()},
-                                  {n: settings.train_specs[n].weight for n in train}, seed=settings.seed)
+        scheduler = make_scheduler(settings, {n: s for n, (_, _, s) in train.items()})
         train_specs, cur = dict(settings.train_specs), None
         if settings.curriculum.enabled:
             from posttrain.tasks.curriculum import from_env_specs
@@ -238,37 +249,49 @@ class Rollouter:
 
         return fn
 
-    def draw(self, step: int, sample_fn, key) -> tuple[list[rollout.Sample], dict]:
-        """Samples this step's groups; with dynamic sampling, redraws zero-variance groups (bounded rounds)."""
-        st = self.settings
+    def draw(self, step: int, sample_fn, key) -> tuple[list[rollout.Sample], dict, list[tickets.Attempt]]:
+        """Samples this step's groups from the scheduler's tickets (`rollout.tickets`; the job scheduler's with
+        their in-step retries); draws again, bounded by max_resample_rounds, while fewer than P groups are kept
+        (dynamic sampling sets zero-variance groups aside; the job scheduler drops groups it could not complete).
+        Returns (the batch's samples, perf/* and rollout/* metrics, every sample attempt of the step)."""
+        st, jobs = self.settings, self.settings.tasks is not None
         G, P = st.group_size, st.prompts_per_step
-        kept, spare, perf, rounds, drawn, filtered = [], [], {}, 0, 0, 0
-        while len(kept) < P:
-            tasks = self.scheduler.next_tasks(step * 1000 + rounds, P - len(kept))
-            episodes = [rollout.Episode(self.train_specs[d].id, dict(self.train_specs[d].kwargs), t,
-                                        seed=step * 100003 + drawn + i, domain=d) for i, (d, t) in enumerate(tasks)]
-            drawn += len(episodes)
-            samples, p = rollout.run_episodes(sample_fn, self.tokenizer, self.runner, episodes, group_size=G,
-                                              max_turns=st.max_turns, key=jax.random.fold_in(key, rounds),
-                                              pad_id=self.tokenizer.pad_id, bucket=st.prompt_bucket,
-                                              system_prompt=st.system_prompt)
-            perf = {k: perf.get(k, 0.0) + v for k, v in p.items()}
-            for g in (samples[i * G:(i + 1) * G] for i in range(len(episodes))):
-                informative = len({s.reward for s in g if s.counts}) > 1
-                (kept if informative or not st.dynamic_sampling else spare).append(g)
-                filtered += int(st.dynamic_sampling and not informative)
+        d, rounds = tickets.StepDraw(G, st.dynamic_sampling), 0
+        while len(d.kept) < P:
+            if jobs:
+                batch = self.scheduler.next_tasks(step, P - len(d.kept))
+                if not batch:  # every domain paused, capped or quarantined
+                    break
+                d.job_round(self._run_fn(step, sample_fn, key), batch, self.scheduler)
+            else:
+                draws = self.scheduler.next_draws(step * 1000 + rounds, P - len(d.kept))
+                d.weighted_round(self._run_fn(step, sample_fn, key),
+                                 tickets.weighted_tickets(draws, step, st.run, G, d.drawn))
             rounds += 1
-            if not st.dynamic_sampling or rounds > st.max_resample_rounds:
+            if rounds > st.max_resample_rounds:
                 break
-        kept = (kept + spare)[:P]
-        check_infra_errors(step, [s for g in kept for s in g], st.max_infra_error_rate)
-        perf["rollout/resample_rounds"] = rounds - 1
-        perf["rollout/groups_drawn"] = drawn
-        perf["rollout/frac_groups_filtered"] = filtered / max(drawn, 1)  # zero-variance groups set aside (DAPO)
-        for gi, g in enumerate(kept):
-            for s in g:
-                s.group = gi
-        return [s for g in kept for s in g], perf
+        samples, perf, attempts = d.finish(P, rounds)
+        if jobs and not samples:
+            raise RuntimeError(f"step {step}: no group could be completed in {rounds} draw rounds (paused domains: "
+                               f"{self.scheduler.paused()}, quarantined: {self.scheduler.quarantined()})")
+        check_infra_errors(step, samples, st.max_infra_error_rate)
+        return samples, perf, attempts
+
+    def _run_fn(self, step: int, sample_fn, key) -> tickets.RunFn:
+        """Runs tickets of one size as episodes: env reset seed step * 100003 + ticket id (the weighted draw numbers
+        its tickets over the step), the sampling key folded with the call number."""
+        st = self.settings
+
+        def run(batch, size, call):
+            specs = [self.train_specs[t.domain] for t in batch]
+            episodes = [rollout.Episode(spec.id, dict(spec.kwargs), t.task, seed=step * 100003 + t.ticket_id,
+                                        domain=t.domain) for spec, t in zip(specs, batch)]
+            return rollout.run_episodes(sample_fn, self.tokenizer, self.runner, episodes, group_size=size,
+                                        max_turns=st.max_turns, key=jax.random.fold_in(key, call),
+                                        pad_id=self.tokenizer.pad_id, bucket=st.prompt_bucket,
+                                        system_prompt=st.system_prompt)
+
+        return run
 
     def advance_curriculum(self, samples) -> dict:
         """Feeds this step's rewards (infra errors excluded) to the curriculum; domains whose level moved get their
@@ -284,15 +307,17 @@ class Rollouter:
         """Step `step`'s trajectories from the policy states `policy`, sampled with keys from the run's `rng`
         folded with the step (invariant 10: a fresh key per step)."""
         st = self.settings
-        samples, perf = self.draw(step, self.sample_fn(policy, st.sampling), jax.random.fold_in(rng, step))
+        samples, perf, attempts = self.draw(step, self.sample_fn(policy, st.sampling), jax.random.fold_in(rng, step))
         if self.curriculum is not None:
             perf.update(self.advance_curriculum(samples))
+        if st.tasks is not None:
+            perf.update(self.scheduler.metrics())
         batch, metrics = batching.assemble(samples, self.advantage_fn, group_size=st.group_size,
                                            pad_id=self.tokenizer.pad_id, packed=st.packed,
                                            overlong_filter=st.overlong_filter, prompt_bucket=st.prompt_bucket,
                                            row_multiple=st.row_multiple)
         return Trajectories(batch=batch, metrics={**metrics, **perf},
-                            records=archive_records(samples, self.tokenizer))
+                            records=tickets.archive_rows(attempts, self.tokenizer, policy_version=step))
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the rollouts: the scheduler's cursors (and the curriculum's state)."""

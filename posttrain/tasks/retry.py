@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 INFRA_ERROR = "infra_error"
-STATUSES = ("ok", "wrong", "timeout", "memory_limit", "output_limit", "runtime_error", INFRA_ERROR)
+STATUSES = ("ok", "wrong", "timeout", "memory_limit", "disk_limit", "output_limit", "runtime_error", INFRA_ERROR)
 
 
 def episode_id(run: str, domain: str, task_index: int, visit: int, sample: int) -> str:
@@ -66,8 +66,8 @@ class TaskTicket:
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     """What one sample run of a ticket ended with: status (`envs` statuses: ok | wrong | timeout | memory_limit |
-    output_limit | runtime_error | infra_error), reward (ignored for infra_error), cost_s (env-reported sandbox CPU
-    seconds, `info["cost"]`)."""
+    disk_limit | output_limit | runtime_error | infra_error), reward (ignored for infra_error), cost_s
+    (env-reported sandbox CPU seconds, `info["cost"]`)."""
 
     ticket_id: int
     sample: int

@@ -59,6 +59,11 @@ class TaskScheduler:
 
     def next_tasks(self, step: int, count: int) -> list[tuple[str, dict]]:
         """`count` (domain, task dict) pairs for `step`, advancing the cursors."""
+        return [(name, task) for name, _, _, task in self.next_draws(step, count)]
+
+    def next_draws(self, step: int, count: int) -> list[tuple[str, int, int, dict]]:
+        """`count` (domain, task index, pass, task dict) draws for `step`, advancing the cursors (as `next_tasks`).
+        A task is drawn once per pass of its domain, so (domain, task index, pass) names one visit of it."""
         rng = np.random.default_rng([self.seed, 7919, step])
         picks = rng.choice(len(self.names), size=count, p=self.probs)
         out = []
@@ -67,7 +72,7 @@ class TaskScheduler:
             cur = self.cursors[name]
             index = int(self._order(name, cur.epoch)[cur.index])
             task = self.sources[name].get_task(index)
-            out.append((name, task))
+            out.append((name, index, cur.epoch, task))
             cur.index += 1
             if cur.index >= self.sources[name].num_tasks:
                 cur.epoch, cur.index = cur.epoch + 1, 0

@@ -14,6 +14,7 @@ from posttrain.recipes import grpo as loop
 from posttrain.checkpoints.orbax import Checkpointer
 from posttrain.config import from_config_dict
 from posttrain.rollout.rollouter import Rollouter
+from posttrain.tasks import archive
 from helpers import tiny_config
 from posttrain.infra.metrics import read_tensorboard_scalars as read_tb_scalars
 
@@ -58,16 +59,24 @@ KEYS = ("reward/mean", "policy/loss", "response_length/mean", "optim/grad_norm",
 
 def plant(workdir, metrics_steps, trajectories=(), evals=()):
     """Outputs of an earlier attempt killed before its checkpoint: metrics lines (and their TensorBoard events),
-    trajectory and eval records of those steps."""
+    archive steps (one "stale" row each, and the temp file of a write killed midway) and eval records."""
     from posttrain.infra.metrics import MetricsWriter
 
     with MetricsWriter(workdir, plot=False) as w:
         for s in metrics_steps:
             w.write(s, {"policy/loss": 123.0})
-    for folder, steps in (("trajectories", trajectories), ("eval", evals)):
-        (workdir / folder).mkdir(exist_ok=True)
-        for s in steps:
-            (workdir / folder / f"step_{s:06d}.jsonl").write_text('{"stale": true}\n')
+    for s in trajectories:
+        archive.write_step(workdir, s, [{**dict.fromkeys(archive.ARCHIVE_SCHEMA.names), "episode_id": "stale"}])
+        archive.step_path(workdir, s + 1).with_name(f".step_{s + 1:08d}.1.tmp").write_bytes(b"PAR1")
+    (workdir / "eval").mkdir(exist_ok=True)
+    for s in evals:
+        (workdir / "eval" / f"step_{s:06d}.jsonl").write_text('{"stale": true}\n')
+
+
+def archived(workdir) -> list[dict]:
+    """The archive's rows, timings and the run's name (the workdir's) aside."""
+    rows = archive.read(workdir).drop_columns(["sampler_s", "env_s", "run"]).to_pylist()
+    return [{**r, "episode_id": r["episode_id"].split(":", 1)[1]} for r in rows]
 
 
 def test_resumed_run_matches_uninterrupted_run_and_writes_outputs(tmp_path, monkeypatch):
@@ -107,14 +116,15 @@ def test_resumed_run_matches_uninterrupted_run_and_writes_outputs(tmp_path, monk
     assert [m["step"] for m in b] == [1, 2, 3, 4]
     tb = sorted(s for t, s, _ in read_tb_scalars(tmp_path / "b" / "tensorboard") if t == "policy/loss")
     assert tb == [1, 2, 3, 4] and all(v != 123.0 for t, _, v in read_tb_scalars(tmp_path / "b") if t == "policy/loss")
-    assert sorted(p.name for p in (tmp_path / "b" / "trajectories").iterdir()) == [
-        f"step_{s:06d}.jsonl" for s in range(4)]
-    assert "stale" not in (tmp_path / "b" / "trajectories" / "step_000003.jsonl").read_text()
+    assert sorted(p.name for p in archive.archive_dir(tmp_path / "b").iterdir()) == [
+        f"step_{s:08d}.parquet" for s in range(4)]
+    assert "stale" not in archive.read(tmp_path / "b")["episode_id"].to_pylist()
+    assert archived(tmp_path / "b") == archived(tmp_path / "a")  # row for row, no key twice, none missing
     assert not list((tmp_path / "b" / "eval").iterdir())
     for ma, mb in zip(a, b):
         for k in KEYS:
             assert ma[k] == pytest.approx(mb[k], rel=1e-5, abs=1e-6), (ma["step"], k)
-    for name in ("reward_curve.png", "summary.json", "config.json", "trajectories/step_000003.jsonl"):
+    for name in ("reward_curve.png", "summary.json", "config.json", "archive/step_00000003.parquet"):
         assert (tmp_path / "b" / name).exists(), name
     assert list((tmp_path / "b" / "tensorboard").iterdir())
 
@@ -126,8 +136,7 @@ def test_checkpoint_at_end_of_pass_resumes_into_next_pass(tmp_path):
         assert ck.latest_step() == 4
     summary = loop.train(digit_config(tmp_path, **{"train.steps": 6}), progress=False)
     assert summary["end_step"] == 6
-    tasks = [json.loads(l)["prompt"] for s in (4, 5) for l in
-             (tmp_path / "trajectories" / f"step_{s:06d}.jsonl").read_text().splitlines()]
+    tasks = archive.read(tmp_path, steps=(4, 5))["prompt"].to_pylist()
     assert len(set(tasks)) == 8  # 8 distinct prompts of the second pass were drawn
 
 
@@ -136,14 +145,13 @@ def test_each_step_samples_with_a_fresh_key(tmp_path, monkeypatch):
 
     def same_tasks(self, step, count):  # same prompts every step and lr ~0: only the key can change replies
         name = self.names[0]
-        return [(name, self.sources[name].get_task(i)) for i in range(count)]
+        return [(name, i, 0, self.sources[name].get_task(i)) for i in range(count)]
 
-    monkeypatch.setattr(TaskScheduler, "next_tasks", same_tasks)
+    monkeypatch.setattr(TaskScheduler, "next_draws", same_tasks)
     loop.train(tiny_config(tmp_path, **{"train.steps": 2, "optim.lr": 1e-12}), progress=False)
-    steps = [[json.loads(l) for l in (tmp_path / "trajectories" / f"step_{s:06d}.jsonl").read_text().splitlines()]
-             for s in (0, 1)]
+    steps = [archive.read(tmp_path, steps=[s]).to_pylist() for s in (0, 1)]
     assert [r["prompt"] for r in steps[0]] == [r["prompt"] for r in steps[1]]
-    assert [r["replies"] for r in steps[0]] != [r["replies"] for r in steps[1]]
+    assert [r["completion"] for r in steps[0]] != [r["completion"] for r in steps[1]]
 
 
 def test_memory_is_flat_across_steps(tmp_path):
@@ -214,9 +222,9 @@ def _first_tasks_with_answers(monkeypatch, env_id, count=4):
 
     def first_tasks(self, step, n):
         name = self.names[0]
-        return [(name, self.sources[name].get_task(i)) for i in range(n)]
+        return [(name, i, 0, self.sources[name].get_task(i)) for i in range(n)]
 
-    monkeypatch.setattr(TaskScheduler, "next_tasks", first_tasks)
+    monkeypatch.setattr(TaskScheduler, "next_draws", first_tasks)
     env = gymnasium.make(env_id).unwrapped
     tasks = [env.task_source.get_task(i) for i in range(count)]
     if env_id == "posttrain/HumanEval-v0":
@@ -253,8 +261,8 @@ def test_sandboxed_envs_through_the_worker_pool(tmp_path, monkeypatch, env_id, m
     assert summary["end_step"] == 1
     (m,) = read(tmp_path)
     assert m["env/infra_error_rate"] == 0.0 and m["reward/mean"] == 0.5
-    rows = [json.loads(l) for l in (tmp_path / "trajectories" / "step_000000.jsonl").read_text().splitlines()]
+    rows = archive.read(tmp_path, steps=[0]).to_pylist()
     assert len(rows) == 16 and [r["reward"] for r in rows] == [1.0, 0.0] * 8
     if max_turns > 1:  # every episode had a second turn, after the sandbox printed 42
-        assert all(len(r["replies"]) == 2 and r["replies"][0] == CODE for r in rows)
+        assert all(json.loads(r["details"])["turns"] == 2 and r["completion"].startswith(CODE + "\n") for r in rows)
         assert sum("```output\n42\n" in t for t in seen) == 16

@@ -96,26 +96,31 @@ def test_skips_are_counted_in_a_row_reset_by_a_finite_update_and_logged_with_the
 
 
 # every output a run appends to is cut back to the step it (re)starts from (0: nothing kept)
-@pytest.mark.parametrize("start,trajectories,evals,metrics", [
+@pytest.mark.parametrize("start,archived,evals,metrics", [
     (0, [], [], []),  # killed after step 1 before the first checkpoint: the rerun starts over
-    (1, [0], [0], [0, 1]),  # trajectories/step_0 are the rollouts of update 1; eval/step_2 is past checkpoint 1
+    (1, [0], [0], [0, 1]),  # archive/step_0 holds the rollouts of update 1; eval/step_2 is past checkpoint 1
     (2, [0, 1], [0, 2], [0, 1, 2]),  # eval/step_2 ran before checkpoint 2 was written: kept
     (9, [0, 1, 2, 3], [0, 2, 4], [0, 1, 2, 3, 4]),  # nothing recorded past the checkpoint: nothing cut
 ])
-def test_open_outputs_cuts_every_appended_output_back_to_the_start(tmp_path, start, trajectories, evals, metrics):
+def test_open_outputs_cuts_every_appended_output_back_to_the_start(tmp_path, start, archived, evals, metrics):
     from posttrain.infra.metrics import MetricsWriter, read_metrics
 
     with MetricsWriter(tmp_path, plot=False, tensorboard=False) as w:
         for s in range(5):
             w.write(s, {"reward/mean": 0.5})
-    for folder, steps in (("trajectories", range(4)), ("eval", (0, 2, 4))):
-        (tmp_path / folder).mkdir()
-        for s in steps:
-            (tmp_path / folder / f"step_{s:06d}.jsonl").write_text("{}\n")
+    from posttrain.tasks import archive
+
+    for s in range(4):
+        archive.write_step(tmp_path, s, [])
+    (archive.archive_dir(tmp_path) / ".step_00000004.7.tmp").write_bytes(b"PAR1")  # a write killed midway
+    (tmp_path / "eval").mkdir()
+    for s in (0, 2, 4):
+        (tmp_path / "eval" / f"step_{s:06d}.jsonl").write_text("{}\n")
     loop.open_outputs(tmp_path, start).close()
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == metrics
-    for folder, want in (("trajectories", trajectories), ("eval", evals)):
-        assert sorted(int(p.stem[5:]) for p in (tmp_path / folder).glob("step_*.jsonl")) == want, folder
+    assert sorted(p.name for p in archive.archive_dir(tmp_path).iterdir()) == [
+        f"step_{s:08d}.parquet" for s in archived]
+    assert sorted(int(p.stem[5:]) for p in (tmp_path / "eval").glob("step_*.jsonl")) == evals
 
 
 @pytest.fixture

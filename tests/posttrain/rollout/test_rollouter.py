@@ -32,10 +32,12 @@ def test_dynamic_sampling_reports_the_fraction_of_groups_filtered(monkeypatch):
     cfg = tiny_config("/tmp/x", **{"rl.dynamic_sampling": True, "rl.group_size": 2, "rl.prompts_per_step": 4})
     r = rollouter.Rollouter(
         settings=make_run_plan(cfg).rollout, mesh=None, graphdef=None, tokenizer=types.SimpleNamespace(pad_id=0),
-        runner=None, scheduler=types.SimpleNamespace(next_tasks=lambda seed, n: [("arithmetic", {"id": i}) for i in range(n)]),
+        runner=None, scheduler=types.SimpleNamespace(
+            next_draws=lambda seed, n: [("arithmetic", i, 0, {"id": i}) for i in range(n)]),
         train_specs=dict(cfg.env.train), advantage_fn=advantage_fn("grpo"))
-    samples, perf = r.draw(0, None, jax.random.key(0))
+    samples, perf, attempts = r.draw(0, None, jax.random.key(0))
     assert calls == [4, 2] and len(samples) == 8
+    assert len(attempts) == 12 and sum(a.in_batch for a in attempts) == 8  # the 2 set-aside groups: archived only
     assert perf["rollout/frac_groups_filtered"] == 2 / 6 and perf["rollout/groups_drawn"] == 6
 
 
@@ -89,7 +91,8 @@ def test_a_step_over_the_infra_error_limit_stops_with_the_first_worker_error(mon
     cfg = tiny_config("/tmp/x", **{"rl.group_size": 2, "rl.prompts_per_step": 4, "env.max_infra_error_rate": limit})
     r = rollouter.Rollouter(
         settings=make_run_plan(cfg).rollout, mesh=None, graphdef=None, tokenizer=types.SimpleNamespace(pad_id=0),
-        runner=None, scheduler=types.SimpleNamespace(next_tasks=lambda seed, n: [("arithmetic", {"id": i}) for i in range(n)]),
+        runner=None, scheduler=types.SimpleNamespace(
+            next_draws=lambda seed, n: [("arithmetic", i, 0, {"id": i}) for i in range(n)]),
         train_specs=dict(cfg.env.train), advantage_fn=advantage_fn("grpo"))
     if not raised:
         assert len(r.draw(7, None, jax.random.key(0))[0]) == 8
