@@ -93,7 +93,7 @@ def forest_plot(cmp: Comparison, path: str | Path, *, metric: str = "pass@1") ->
     if not cmp.domains:
         raise ValueError("forest_plot of a comparison with no domains")
     rows = [(d.domain, d.tasks, d.pass_at_1 if metric == "pass@1" else d.mean_reward) for d in cmp.domains]
-    fig = Figure(figsize=(7.0, 1.0 + 0.4 * len(rows)))
+    fig = Figure(figsize=(8.5, 1.4 + 0.4 * len(rows)))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     for i, (_, _, m) in enumerate(reversed(rows)):
@@ -104,11 +104,11 @@ def forest_plot(cmp: Comparison, path: str | Path, *, metric: str = "pass@1") ->
     ax.set_ylim(-0.7, len(rows) - 0.3)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"{name} (T={t})" for name, t, _ in reversed(rows)])
-    ax.set_xlabel(f"{metric} difference, candidate - baseline ({100 * cmp.confidence:g}% paired bootstrap CI)")
+    ax.set_xlabel(f"{metric} difference, candidate - baseline\n({100 * cmp.confidence:g}% paired bootstrap CI)")
     ax.set_title(f"alpha = {cmp.alpha:g}, Holm across {len(rows)} domains")
     for verdict_name, color in VERDICT_COLORS.items():
         ax.plot([], [], "o", color=color, label=verdict_name)
-    ax.legend(loc="best", fontsize="small")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # outside: never over a row
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ run's initial policy (before its first update). The comparison (`posttrain.eval.
 written as Markdown, JSON and a PNG forest plot (`posttrain.eval.report`).
 
 Output folder (--out, default <checkpoint>/eval/<suite name>): suite.json; candidate/ and baseline/ (records.jsonl,
-results.json: task_set_hash, summary, step, seconds); comparison.md, comparison.json, forest.png.
+results.json: task_set_hash, summary, step, seconds by domain); comparison.md, comparison.json, forest.png.
 """
 from __future__ import annotations
 
@@ -46,14 +46,15 @@ def run_plan_of(checkpoint: str | pathlib.Path, cfg: Config | None = None) -> Ru
     return make_run_plan(cfg, workdir=str(checkpoint))
 
 
-def sample_suite(plan: RunPlan, built: Sequence[suite_lib.ResolvedDomain], rollouter, policy) -> tuple[list, float]:
-    """(records of every task of every built domain, seconds) for the policy states `policy`."""
+def sample_suite(plan: RunPlan, built: Sequence[suite_lib.ResolvedDomain], rollouter, policy) -> tuple[list, dict]:
+    """(records of every task of every built domain, {domain: seconds, "total": seconds}) for the policy states
+    `policy`."""
     import jax
 
-    t0, records, e = time.perf_counter(), [], plan.eval
+    t0, records, e, seconds = time.perf_counter(), [], plan.eval, {}
     key = jax.random.key(e.seed)
     for r in built:
-        d = r.domain
+        d, t_d = r.domain, time.perf_counter()
         sample_fn = rollouter.sample_fn(policy, SamplingParams(max_new_tokens=d.max_new_tokens,
                                                                temperature=d.temperature))
         episodes = [Episode(r.spec.id, dict(r.spec.kwargs), r.source.get_task(i), seed=i, domain=d.name)
@@ -62,7 +63,8 @@ def sample_suite(plan: RunPlan, built: Sequence[suite_lib.ResolvedDomain], rollo
                                  batch_size=e.batch_size, num_samples=d.n, scorer=d.scorer, fmt=d.format,
                                  greedy=d.greedy, max_turns=d.max_turns, key=domain_key(key, d.name),
                                  system_prompt=e.system_prompt, bucket=e.prompt_bucket, area=d.area)
-    return records, time.perf_counter() - t0
+        seconds[d.name] = time.perf_counter() - t_d
+    return records, {**seconds, "total": time.perf_counter() - t0}
 
 
 def evaluate_policies(plan: RunPlan, built, *, with_base: bool, sampling_plan: RunPlan | None = None) -> dict:
@@ -82,9 +84,10 @@ def evaluate_policies(plan: RunPlan, built, *, with_base: bool, sampling_plan: R
     return out
 
 
-def _evaluation(label: str, records: list, seconds: float, step: int | None, ks: Mapping, described: dict) -> dict:
+def _evaluation(label: str, records: list, seconds: dict, step: int | None, ks: Mapping, described: dict) -> dict:
     return {"label": label, "step": step, "records": records, "task_set_hash": task_set_hash(records),
-            "summary": suite_summary(records, ks), "perf/eval_s": seconds, "suite": described}
+            "summary": suite_summary(records, ks), "perf/eval_s": seconds["total"], "seconds": seconds,
+            "suite": described}
 
 
 def write_report(out: pathlib.Path, evaluations: Mapping[str, dict], alpha: float, skipped: Mapping[str, str]) -> str:
@@ -92,8 +95,9 @@ def write_report(out: pathlib.Path, evaluations: Mapping[str, dict], alpha: floa
     texts = []
     for role, ev in evaluations.items():
         records_lib.write_evaluation(out / role, ev["records"], {k: v for k, v in ev.items() if k != "records"})
+        by_domain = ", ".join(f"{d} {s:.0f}" for d, s in ev["seconds"].items() if d != "total")
         texts.append(report.summary_markdown(ev["summary"], f"{role}: {ev['label']} (step {ev['step']}), "
-                                             f"{ev['perf/eval_s']:.0f} s"))
+                                             f"{ev['perf/eval_s']:.0f} s" + (f" ({by_domain})" if by_domain else "")))
     if skipped:
         texts.append("skipped: " + "; ".join(f"{d} ({why})" for d, why in skipped.items()) + "\n")
     if "baseline" in evaluations:
@@ -162,8 +166,9 @@ def rescore_folder(folder: str, *, suite_path: str | None = None, out: str | Non
         t0 = time.perf_counter()
         rescored = records_lib.rescore(records, specs)
         ks = {name: tuple(row.get("ks", ())) for name, row in specs.items()}
-        evaluations[role or "candidate"] = _evaluation(results["label"], rescored, time.perf_counter() - t0,
-                                                       results.get("step"), ks, described)
+        evaluations[role or "candidate"] = _evaluation(results["label"], rescored,
+                                                       {"total": time.perf_counter() - t0}, results.get("step"), ks,
+                                                       described)
     target = pathlib.Path(out) if out else folder / "rescored"
     target.mkdir(parents=True, exist_ok=True)
     text = write_report(target, evaluations, alpha, described.get("skipped", {}))

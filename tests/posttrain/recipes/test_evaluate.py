@@ -41,6 +41,7 @@ def test_suite_against_base_writes_the_report_and_rescoring_reproduces_it(run_di
     assert len(cand) == 4 and [r["replies"] for r in base] == [r["replies"] for r in cand]  # one sampling stream
     assert base_results["task_set_hash"] == cand_results["task_set_hash"] == result["task_set_hash"]
     assert base_results["step"] == 0 == cand_results["step"] and base_results["label"] == "base"
+    assert set(cand_results["seconds"]) == {"arithmetic", "total"} and cand_results["perf/eval_s"] > 0
     assert set(cand_results["summary"]["domains"]["arithmetic"]) >= {"pass@1", "mean_reward", "format_rate",
                                                                      "mean_length", "truncation_rate"}
     rescored = evaluate.rescore_folder(str(out))
