@@ -142,11 +142,12 @@ def run_posttrain(s: dict) -> dict:
         loop.train(cfg, progress=False)
         rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
         rows = [r for r in rows if "perf/step_s" in r]
+        from posttrain.tasks import archive
+
         prompts = []
-        for step in range(s["steps"]):
-            with open(os.path.join(workdir, "trajectories", f"step_{step:06d}.jsonl")) as f:
-                by_group = {r["group"]: r["prompt"] for r in map(json.loads, f)}
-            prompts += [by_group[g] for g in sorted(by_group)]
+        for step in range(s["steps"]):  # the batch's groups as drawn (no dynamic sampling: run order)
+            rows_s = archive.read(workdir, steps=[step], columns=["episode_id", "prompt", "in_batch"]).to_pylist()
+            prompts += list({r["episode_id"].rsplit(":", 1)[0]: r["prompt"] for r in rows_s if r["in_batch"]}.values())
     return {"steps_s": [r["perf/step_s"] for r in rows], "gen_s": [r.get("perf/gen_s") for r in rows],
             "train_s": [r.get("perf/train_s") for r in rows], "rewards": [r.get("reward/mean") for r in rows],
             "prompts": prompts, "peak_rss_gb": peak_rss_gb()}
