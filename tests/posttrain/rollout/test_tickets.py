@@ -1,13 +1,17 @@
 """The job scheduler wired into the rollout phase (issue 23 acceptance 2), on a tiny-model run of a seeded flaky env:
 30% of the sample attempts of two domains end in infra_error, 100% of a third. Every group of every batch has
 all G samples scored, no infra error is scored, the archive has exactly one row per attempt, the quarantine lists
-exactly the tasks that failed every try, the broken domain is paused and the run goes on with the others. Plus
-`StepDraw` alone: retry tickets of fewer samples run as their own batch after their back-off."""
+exactly the tasks that failed every try, the broken domain is paused and the run goes on with the others. The
+replies are scripted from the sampling key (the tiny model trains on them; its sampler would compile once per
+batch shape, and retries make many). Plus `StepDraw` alone: retry tickets of fewer samples run as their own
+batch after their back-off."""
 import collections
 import json
 import random
 
 import gymnasium
+import jax
+import numpy as np
 import pytest
 
 from envs import base
@@ -15,12 +19,14 @@ from helpers import tiny_config
 from posttrain.config import from_config_dict, to_dict
 from posttrain.recipes import grpo as loop
 from posttrain.rollout.episodes import Sample
+from posttrain.rollout.rollouter import Rollouter
+from posttrain.rollout.sampler import SampleOutput
 from posttrain.rollout.tickets import StepDraw, archive_rows
 from posttrain.tasks import archive
 from posttrain.tasks.jobs import JobScheduler
 from posttrain.tasks.policy import SchedulerSettings
 
-G, P, STEPS, MAX_ATTEMPTS = 4, 4, 6, 2
+G, P, STEPS, MAX_ATTEMPTS = 4, 4, 8, 2
 INFRA = {"flaky_a": 0.3, "flaky_b": 0.3, "broken": 1.0}
 
 
@@ -71,10 +77,30 @@ def flaky_config(workdir, **over):
     return from_config_dict(raw)
 
 
+def scripted_sample_fn(rollouter, policy, params):
+    """The rollouter's sampler replaced by 1-5 random printable bytes per row (then EOS), drawn from the
+    sampling key and the row: deterministic, different across samples, calls and steps; logprob -1 per token."""
+    tok, Lg = rollouter.tokenizer, params.max_new_tokens
+
+    def fn(prompts, lengths, key, group_size):
+        rng = random.Random(str(np.asarray(jax.random.key_data(key)).tolist()))
+        rows = [tok.encode("".join(rng.choice("0123456789abcdefxyz ") for _ in range(rng.randint(1, 5))))
+                + [tok.eos_id] for _ in range(len(prompts) * group_size)]
+        toks = np.full((len(rows), Lg), tok.pad_id, np.int32)
+        logp = np.zeros((len(rows), Lg), np.float32)
+        for i, r in enumerate(rows):
+            toks[i, :len(r)], logp[i, :len(r)] = r, -1.0
+        return SampleOutput(toks, logp, np.array([len(r) for r in rows], np.int32), np.zeros(len(rows), bool))
+
+    return fn
+
+
 @pytest.fixture(scope="module")
 def flaky_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("flaky")
-    summary = loop.train(flaky_config(workdir), progress=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Rollouter, "sample_fn", scripted_sample_fn)
+        summary = loop.train(flaky_config(workdir), progress=False)
     metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     meta = json.loads((workdir / "checkpoints" / str(STEPS) / "meta" / "metadata").read_text())
     return summary, metrics, archive.read(workdir).to_pylist(), meta["scheduler"]
