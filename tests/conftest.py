@@ -1,6 +1,9 @@
 """Suite-wide fixtures. Keep this small; helpers shared by several test modules live in tests/helpers.py."""
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -12,6 +15,18 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", os.environ["JAX_DEFAULT_MATMUL_PRECISION"])
+
+# One persistent XLA compilation cache for the whole session and the CLI subprocesses it starts (`posttrain.cli`
+# reads POSTTRAIN_XLA_CACHE): many tests compile the same tiny-model programs (sampler, train step, init), and a
+# cache hit loads the executable instead of compiling it again. Fresh per session (removed at exit), so no test
+# depends on an earlier run. A compile with a buffer dump (`infra.aot.compile_with_report`) never hits it: its
+# options name a new dump folder each time. POSTTRAIN_TEST_XLA_CACHE=0 turns it off.
+if os.environ.get("POSTTRAIN_TEST_XLA_CACHE", "1") != "0":
+    _XLA_CACHE = tempfile.mkdtemp(prefix="posttrain-test-xla-")
+    atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+    os.environ["POSTTRAIN_XLA_CACHE"] = _XLA_CACHE
+    jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `from helpers import ...` in any test module
 

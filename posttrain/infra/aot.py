@@ -16,6 +16,7 @@ H200 target description ships as `targets/h200.txtpb`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 import re
@@ -111,14 +112,32 @@ class MemoryReport:
                 "largest_buffers": [{"gib": g(b), "shape": s, "op": op} for b, s, op in self.largest]}
 
 
+@contextlib.contextmanager
+def no_persistent_cache():
+    """JAX's persistent compilation cache off for the compiles inside, then as before. JAX decides once per process
+    whether the cache is used, so the switch is followed by `reset_cache` (which makes it decide again)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+        compilation_cache.reset_cache()
+
+
 def compile_with_report(lowered, top: int = 5):
     """Compiles a `jax.stages.Lowered` with XLA's buffer-assignment dump; returns (compiled, MemoryReport, seconds).
 
     The largest buffers are the `top` largest distinct values in the buffer assignment (shapes as XLA prints them).
-    Run it without JAX's persistent compilation cache: a cached executable is loaded, not compiled, and leaves no
-    buffer report (and a meaningless compile time).
+    The compile bypasses JAX's persistent compilation cache (`no_persistent_cache`): a cached executable would be
+    loaded, not compiled, leaving no buffer report and a meaningless compile time (the cache key ignores dump
+    options).
     """
-    with tempfile.TemporaryDirectory() as dump:
+    with tempfile.TemporaryDirectory() as dump, no_persistent_cache():
         t = time.perf_counter()
         compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_pass_re": "NOTHING"})
         seconds = time.perf_counter() - t
