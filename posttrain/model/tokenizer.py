@@ -1,4 +1,4 @@
-"""Tokenizer and chat template, plus position-based completion masks.
+"""Tokenizer and chat template.
 
 `Tokenizer` wraps a fast `tokenizers.Tokenizer` (Rust). It is built either from a GGUF file's metadata
 (`tokenizer.ggml.*` keys, see https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) or from a Hugging Face
@@ -18,7 +18,6 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-import jax.numpy as jnp
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
@@ -351,26 +350,3 @@ class Tokenizer:
         context = {"tools": None, "documents": None, **self.special_tokens, **kwargs}
         text = self._template.render(messages=chat, add_generation_prompt=add_generation_prompt, **context)
         return self.encode(text) if tokenize else text
-
-
-def completion_lengths(tokens_BxL, stop_ids: Sequence[int]) -> jnp.ndarray:
-    """Length of each completion up to AND including its first stop token; L when it has none.
-
-    Args: tokens_BxL int array of completion tokens (padding after the end); stop_ids the ids that end a turn.
-    Returns lengths_B int32. Only the first stop counts: what follows it (pad == EOS included) is outside.
-    """
-    tokens_BxL = jnp.asarray(tokens_BxL)
-    if tokens_BxL.ndim != 2:
-        raise ValueError(f"tokens_BxL must be 2-D, got shape {tokens_BxL.shape}")
-    width = tokens_BxL.shape[1]
-    is_stop_BxL = jnp.isin(tokens_BxL, jnp.asarray(list(stop_ids), dtype=tokens_BxL.dtype))
-    first_B = jnp.argmax(is_stop_BxL, axis=1)
-    return jnp.where(is_stop_BxL.any(axis=1), first_B + 1, width).astype(jnp.int32)
-
-
-def mask_from_lengths(lengths_B, width: int) -> jnp.ndarray:
-    """mask_BxL (bool): position t of row b is True iff t < lengths_B[b]. Built from positions only."""
-    lengths_B = jnp.asarray(lengths_B)
-    if lengths_B.ndim != 1:
-        raise ValueError(f"lengths_B must be 1-D, got shape {lengths_B.shape}")
-    return jnp.arange(width)[None, :] < lengths_B[:, None]

@@ -11,8 +11,7 @@ import pytest
 from flax import nnx
 
 from posttrain.rollout.sampler import SamplingParams, filter_logits, pad_prompts, sample
-from posttrain.model.tokenizer import completion_lengths, mask_from_lengths
-from helpers import random_model
+from helpers import completion_lengths, mask_from_lengths, random_model
 
 STOPS = (1, 2, 3)  # tiny models: several stop ids so that some samples stop early
 PAD = 2            # pad == a stop id (EOS): masks must come from positions, not values
