@@ -36,12 +36,22 @@ from posttrain.rollout.sampler import SamplingParams
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalSettings:
-    """What held-out evaluation needs of a run (built by `posttrain.recipes.run_plan`). specs: the eval env mix;
-    num_tasks: the first this many tasks of each domain; batch_size: episodes per sampler call; scorer: a SCORERS
-    name; sampling: the eval rollouts' SamplingParams (greedy by default); max_turns, system_prompt,
-    prompt_bucket: as in training rollouts; seed: of the sampling stream (`eval.seed`; two evaluations with
-    different seeds draw independent samples); every_steps (0: never) / at_start / at_end: when the loop
-    evaluates."""
+    """What held-out evaluation needs of a run (built by `posttrain.recipes.run_plan`).
+
+    Attributes:
+      specs: the eval env mix (domain name -> EnvSpec).
+      sampling: the eval rollouts' SamplingParams (greedy by default).
+      num_tasks: the first this many tasks of each domain.
+      batch_size: episodes per sampler call.
+      scorer: a SCORERS name.
+      max_turns: turns per episode, as in training rollouts.
+      system_prompt: as in training rollouts.
+      prompt_bucket: prompt padding multiple, as in training rollouts.
+      seed: of the sampling stream (`eval.seed`; two evaluations with different seeds draw independent samples).
+      every_steps: evaluate after every this many steps (0: never).
+      at_start: evaluate before the first step.
+      at_end: evaluate after the last step.
+    """
 
     specs: Mapping[str, EnvSpec]
     sampling: SamplingParams

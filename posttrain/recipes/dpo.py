@@ -42,7 +42,23 @@ CACHE_FILE = "reference_logps.parquet"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DPOPlan:
-    """Every derived setting of one DPO run (`config_dict`: the config as a plain dict; code reads the rest)."""
+    """Every derived setting of one DPO run.
+
+    Attributes:
+      workdir: the run's directory.
+      config_dict: the config as a plain dict (config.json, checkpoint metadata); code reads the other fields.
+      precision: the resolved precision policy.
+      mesh_shape: resolved mesh axis sizes (no -1).
+      rules: logical-axis rules with the config's overlays.
+      policy: where the policy (and so the reference) comes from.
+      data: the pair data settings.
+      step: the DPO step's static options.
+      learner: the update phase's settings (no reference model: its logprobs are cached).
+      train: steps and limits.
+      reference_cache: reuse `reference_logps.parquet` while the hashes match.
+      eval_at_start: held-out pair metrics before the first step.
+      eval_at_end: held-out pair metrics after the last step.
+    """
 
     workdir: pathlib.Path
     config_dict: dict

@@ -54,11 +54,19 @@ class Pair(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PairSettings:
-    """What DPO reads (built by `recipes.dpo.make_dpo_plan`). train_path / eval_path: JSONL files ("" for none);
-    train_records / eval_records: inline records (used when the path is ""); eval_fraction: share of the training
-    records held out when no eval data is given; max_prompt_len: a longer prompt keeps its LAST tokens (TRL's
-    keep_end); max_completion_len: a longer reply keeps its first tokens; pairs_per_step: P, pairs in one step's
-    batch; seed: of the shuffles."""
+    """What DPO reads (built by `recipes.dpo.make_dpo_plan`).
+
+    Attributes:
+      train_path: a JSONL file of preference records ("" : `train_records`).
+      eval_path: held-out records as JSONL ("" : `eval_records`, else `eval_fraction`).
+      train_records: inline records, used when `train_path` is "".
+      eval_records: inline held-out records.
+      eval_fraction: share of the training records held out when no eval data is given.
+      max_prompt_len: tokens; a longer prompt keeps its LAST tokens (TRL's keep_end).
+      max_completion_len: tokens; a longer reply keeps its first tokens.
+      pairs_per_step: P, pairs in one step's batch.
+      seed: of the shuffles (held-out split, step order).
+    """
 
     train_path: str = ""
     eval_path: str = ""
