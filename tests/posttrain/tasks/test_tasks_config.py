@@ -26,6 +26,14 @@ def test_the_tasks_section_becomes_scheduler_settings():
     assert config().tasks.enabled is False and scheduler_settings(config(), "r").policies == ()
 
 
+def test_the_run_plan_hands_the_settings_to_the_rollout_phase_only_when_enabled():
+    from posttrain.recipes.run_plan import make_run_plan
+
+    on, off = (make_run_plan(config(enabled=e), num_devices=1, workdir="runs/x:y") for e in (True, False))
+    assert on.rollout.tasks is on.tasks and on.tasks.run == on.rollout.run == "x_y"  # the episode ids' run name
+    assert off.rollout.tasks is off.tasks is None and off.rollout.run == "x_y"
+
+
 @pytest.mark.parametrize("tasks, match", [
     ({"policies": {"rg/*": {"min_share": 0.6}}}, "tasks: min_share sums to 1.2"),
     ({"policies": {"code": {"min_share": 0.5, "max_share": 0.25}}}, r"tasks: tasks.policies\['code'\].*min_share"),
