@@ -53,7 +53,8 @@ def train_loop(run: OfflineRun, *, name: str, workdir: pathlib.Path, train: Trai
     to summary.json). `name`: the recipe (progress bar, checkpoint metadata key).
 
     Raises NonFiniteError (after saving a checkpoint) when `train.max_nonfinite_skips` consecutive steps had a
-    non-finite loss or gradient; `on_nonfinite()` adds advice to its message."""
+    non-finite loss or gradient (`on_nonfinite()` adds advice to its message); RunInterrupted after SIGINT /
+    SIGTERM, once the state is saved (the same call resumes from it)."""
     learner = run.learner
     start, steps = learner.step, train.steps
     main = distributed.is_main_process()
@@ -61,30 +62,14 @@ def train_loop(run: OfflineRun, *, name: str, workdir: pathlib.Path, train: Trai
     bar = metrics_lib.ProgressBar(steps, initial_step=start, desc=name, disable=not (progress and main),
                                   fields=bar_fields + (("step_s", "perf/step_s"),))
     summary = {"start_step": start, "data": dict(run.counts), "config": dict(config_dict)}
-    if start == 0 and eval_at_start:
-        _evaluate(run, summary, "eval_start", 0, writer)
     clock = metrics_lib.TrainClock()
     meta = {name: dict(run.counts)}
     try:
-        for step in range(start, steps):
-            t0 = time.perf_counter()
-            batch = run.batch(step)
-            t1 = time.perf_counter()
-            m = learner.update(batch)
-            m.update(metrics_lib.step_perf(run.tokens(batch), t0, t1, time.perf_counter()))
-            if writer:
-                writer.write(learner.step, m)
-            bar.update(m)
-            if learner.nonfinite_run >= train.max_nonfinite_skips:
-                learner.save(meta, force=True)
-                raise NonFiniteError(f"stopped at step {learner.step}: {learner.nonfinite_run} consecutive "
-                                     f"{name.upper()} steps had a non-finite loss or gradient (nothing applied; "
-                                     f"checkpoint saved in {workdir / 'checkpoints'}){on_nonfinite()}")
-            learner.save(meta)
-            limit = train.max_train_seconds
-            if limit and distributed.agree(clock.seconds >= limit):
-                summary["stopped_early"] = f"max_train_seconds={limit} reached"
-                break
+        if start == 0 and eval_at_start:
+            _evaluate(run, summary, "eval_start", 0, writer)
+        with distributed.StopRequest() as stop:
+            _steps(run, stop, name=name, workdir=workdir, train=train, meta=meta, writer=writer, bar=bar,
+                   clock=clock, summary=summary, on_nonfinite=on_nonfinite)
         end = learner.step
         learner.save(meta, force=True)
         learner.wait()
@@ -100,6 +85,43 @@ def train_loop(run: OfflineRun, *, name: str, workdir: pathlib.Path, train: Trai
     if main:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def _steps(run: OfflineRun, stop: distributed.StopRequest, *, name, workdir, train, meta, writer, bar, clock,
+           summary, on_nonfinite) -> None:
+    """The steps from `learner.step` to `train.steps`. An update, its metrics and its checkpoint are never cut by
+    SIGINT / SIGTERM (`stop.deferred`); a signal saves a checkpoint and raises RunInterrupted naming it."""
+    learner = run.learner
+    start = learner.step
+    try:
+        for step in range(start, train.steps):
+            t0 = time.perf_counter()
+            batch = run.batch(step)
+            t1 = time.perf_counter()
+            with stop.deferred():
+                m = learner.update(batch)
+                m.update(metrics_lib.step_perf(run.tokens(batch), t0, t1, time.perf_counter()))
+                if writer:
+                    writer.write(learner.step, m)
+                bar.update(m)
+                if learner.nonfinite_run >= train.max_nonfinite_skips:
+                    learner.save(meta, force=True)
+                    raise NonFiniteError(f"stopped at step {learner.step}: {learner.nonfinite_run} consecutive "
+                                         f"{name.upper()} steps had a non-finite loss or gradient (nothing applied; "
+                                         f"checkpoint saved in {workdir / 'checkpoints'}){on_nonfinite()}")
+                learner.save(meta)
+            stop.check()
+            limit = train.max_train_seconds
+            if limit and distributed.agree(clock.seconds >= limit):
+                summary["stopped_early"] = f"max_train_seconds={limit} reached"
+                break
+    except distributed.RunInterrupted as e:
+        if learner.step > start:  # nothing to save before the first completed update
+            learner.save(meta, force=True)
+            learner.wait()
+        raise distributed.RunInterrupted(e.signal_name, f"{e.signal_name}: stopped at step {learner.step} "
+                                         f"(checkpoint {learner.checkpointer.latest_step()} in "
+                                         f"{workdir / 'checkpoints'}); the same command resumes from it") from None
 
 
 def _evaluate(run: OfflineRun, summary: dict, key: str, step: int, writer) -> None:

@@ -1,0 +1,104 @@
+"""The offline loop (SFT, DPO) with a fake learner: steps, metrics and checkpoints in order; SIGINT during a batch
+or an update saves a checkpoint at the last completed step and raises RunInterrupted naming it (an update is never
+cut in half); a non-finite run stops with a checkpoint; every resource is closed whatever happens."""
+import json
+import os
+import signal
+
+import pytest
+
+from posttrain.infra import distributed
+from posttrain.recipes import offline
+from posttrain.recipes.grpo import NonFiniteError
+from posttrain.recipes.run_plan import TrainSettings
+
+
+class FakeCheckpointer:
+    def __init__(self):
+        self.saved = []
+
+    def latest_step(self):
+        return self.saved[-1] if self.saved else None
+
+
+class FakeLearner:
+    def __init__(self, every=2, nonfinite_from=None, signal_in_update=None):
+        self.step, self.nonfinite_run, self.every = 0, 0, every
+        self.nonfinite_from, self.signal_in_update = nonfinite_from, signal_in_update
+        self.checkpointer, self.closed = FakeCheckpointer(), False
+
+    def update(self, batch):
+        if self.signal_in_update == self.step:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered now, raised when the update's block ends
+        self.step += 1
+        bad = self.nonfinite_from is not None and self.step >= self.nonfinite_from
+        self.nonfinite_run = self.nonfinite_run + 1 if bad else 0
+        return {"sft/loss": float(batch), "policy/skipped_nonfinite": float(bad)}
+
+    def save(self, meta, force=False):
+        if force or self.step % self.every == 0:
+            if self.checkpointer.latest_step() != self.step:
+                self.checkpointer.saved.append(self.step)
+
+    def wait(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+class FakeRun:
+    counts = {"examples": 3}
+
+    def __init__(self, learner, signal_in_batch=None):
+        self.learner, self.signal_in_batch = learner, signal_in_batch
+
+    def batch(self, step):
+        if step == self.signal_in_batch:
+            os.kill(os.getpid(), signal.SIGINT)  # raises here: the batch is abandoned
+        return step
+
+    def evaluate(self):
+        return {"sft/eval_loss": 1.0}
+
+    def tokens(self, batch):
+        return 10
+
+
+def loop(run, tmp_path, steps=6, max_nonfinite=3):
+    return offline.train_loop(run, name="sft", workdir=tmp_path, train=TrainSettings(
+        steps=steps, max_train_seconds=0, max_nonfinite_skips=max_nonfinite), config_dict={}, eval_at_start=True,
+        eval_at_end=True, progress=False)
+
+
+def logged_steps(tmp_path):
+    return [r["step"] for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "sft/loss" in r]
+
+
+def test_steps_metrics_and_checkpoints(tmp_path):
+    learner = FakeLearner()
+    summary = loop(FakeRun(learner), tmp_path)
+    assert summary["end_step"] == 6 and learner.checkpointer.saved == [2, 4, 6] and learner.closed
+    assert logged_steps(tmp_path) == [1, 2, 3, 4, 5, 6] and "eval_end" in summary
+
+
+@pytest.mark.parametrize("where,at,saved_at", [("batch", 3, 3), ("update", 3, 4), ("batch", 0, None)])
+def test_sigint_saves_the_last_completed_step_and_names_it(tmp_path, where, at, saved_at):
+    learner = FakeLearner(every=100, signal_in_update=at if where == "update" else None)
+    run = FakeRun(learner, signal_in_batch=at if where == "batch" else None)
+    with pytest.raises(distributed.RunInterrupted) as e:
+        loop(run, tmp_path)
+    assert learner.step == (saved_at or 0) and learner.closed
+    if saved_at:
+        assert learner.checkpointer.saved == [saved_at]
+        assert f"stopped at step {saved_at} (checkpoint {saved_at}" in str(e.value)
+        assert logged_steps(tmp_path) == list(range(1, saved_at + 1))  # the update's metrics were written
+    else:
+        assert learner.checkpointer.saved == []  # no update completed: nothing to save
+
+
+def test_a_run_of_nonfinite_steps_stops_with_a_checkpoint(tmp_path):
+    learner = FakeLearner(every=100, nonfinite_from=2)
+    with pytest.raises(NonFiniteError, match="stopped at step 4: 3 consecutive SFT steps"):
+        loop(FakeRun(learner), tmp_path)
+    assert learner.checkpointer.saved == [4] and learner.closed
