@@ -20,14 +20,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(workdir, nproc: int, devices_per_proc: int, timeout=600):
+def _train(workdir, nproc: int, devices_per_proc: int, timeout=600, extra=()):
     port = _free_port()
     procs = []
     for i in range(nproc):
         env = dict(os.environ, JAX_PLATFORMS="cpu", POSTTRAIN_XLA_CACHE="0",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_proc}")
         args = [sys.executable, "-m", "posttrain.cli", "train", "--config=configs/tiny.py", f"--workdir={workdir}",
-                "--noprogress", "--config.train.steps=2", "--config.eval.at_start=False", "--config.eval.at_end=False"]
+                "--noprogress", "--config.train.steps=2", "--config.eval.at_start=False", "--config.eval.at_end=False",
+                *extra]
         if nproc > 1:
             env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(nproc),
                        JAX_PROCESS_ID=str(i))
@@ -73,3 +74,23 @@ def test_each_process_steps_half_of_the_episodes(runs):
     multi = [json.loads(o.strip().splitlines()[-1])["env_episodes"] for o in multi_outs]
     assert single == [32]
     assert multi == [16, 16] and sum(multi) == single[0]
+
+
+@pytest.mark.slow
+def test_two_processes_keep_one_job_scheduler_replica_each(tmp_path):
+    """With tasks.enabled every process holds a replica of the job scheduler and is reported the gathered
+    outcomes of all shares: two processes draw the same tickets and log the same tasks/* metrics as one, and
+    process 0 writes the same episode archive (timings and the run's name aside)."""
+    from posttrain.tasks import archive
+
+    jobs = ["--config.tasks.enabled=True"]
+    (single, _), (multi, _) = _train(tmp_path / "one", 1, 4, extra=jobs), _train(tmp_path / "two", 2, 2, extra=jobs)
+    for a, b in zip(single, multi):
+        assert {k: v for k, v in a.items() if k.startswith("tasks/")} == {
+            k: v for k, v in b.items() if k.startswith("tasks/")}
+        for k in KEYS:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (k, a[k], b[k])
+    rows = [[{**r, "episode_id": r["episode_id"].split(":", 1)[1]} for r in archive.read(
+        tmp_path / w, columns=["episode_id", "attempt", "prompt", "in_batch", "status"]).to_pylist()]
+        for w in ("one", "two")]
+    assert rows[0] == rows[1] and len(rows[0]) == 2 * 16
