@@ -15,6 +15,7 @@ ENTRY_POINTS = {
     "posttrain/HumanEval-v0": "envs.tasks.humaneval:HumanEvalEnv",
     "posttrain/PythonTool-v0": "envs.tasks.python_tool:PythonToolEnv",
     "posttrain/ReasoningGym-v0": "envs.tasks.reasoning_gym:ReasoningGymEnv",
+    "posttrain/RepoFix-v0": "envs.tasks.repo_fix.env:RepoFixEnv",
     "posttrain/Terminal-v0": "envs.tasks.terminal:TerminalEnv",
 }
 

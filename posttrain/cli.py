@@ -12,7 +12,7 @@ ml-collections).
   posttrain convert --model=PATH.gguf|HF_DIR --out=HF_DIR [--dtype=bfloat16] [--max_shard_mb=4096]
   posttrain convert --config=configs/X.py --checkpoint=DIR --out=HF_DIR  (a run's latest policy, LoRA merged)
                     [--peft_out=DIR]  (LoRA runs: also the unmerged adapter in PEFT format)
-  posttrain domains [--pattern='reasoning_gym/*']  (registered domains: golden-check status + a sample task)
+  posttrain domains [--pattern='*']  (registered domains: golden-check status + a sample task)
   posttrain plan --config=configs/plan/kimi_k2.py --target=v5p-512|h200x256|cpu-8 [--json] [--prompt_len=512] [--nosampler]
                  (compile the train step for that machine without it: fits? per-device memory, FLOPs)
 Multi-host: start one process per host with --distributed (launch/ has TPU-pod and SLURM scripts).
@@ -54,7 +54,7 @@ def _flags():
         flags.DEFINE_string("peft_out", None, "convert --checkpoint of a LoRA run: also write the adapter "
                             "(adapter_config.json + adapter_model.safetensors) here")
         flags.DEFINE_integer("max_new_tokens", 64, "sample: tokens to generate")
-        flags.DEFINE_string("pattern", "reasoning_gym/*", "domains: domain names or patterns, comma-separated")
+        flags.DEFINE_string("pattern", "*", "domains: domain names or patterns, comma-separated")
         flags.DEFINE_float("temperature", 0.0, "sample: 0 = greedy")
         flags.DEFINE_bool("progress", True, "train: show a progress bar")
         flags.DEFINE_bool("allow_config_change", False, "train: resume a run with settings other than its saved "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import importlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -148,9 +149,25 @@ def _describe(left_out: Mapping[str, DomainCheck]) -> str:
     return "; ".join(f"{d} ({c.status}: {c.reason})" for d, c in sorted(left_out.items())) or "none"
 
 
+# Domains besides reasoning-gym's, listed by `summary` (`posttrain domains`): name -> "module:function" that returns
+# (status, source, reason, sample) of its golden check.
+EXTRA_DOMAINS = {"agentic/repo_fix": "envs.tasks.repo_fix.env:golden_status"}
+
+
+def _extra_check(domain: str) -> DomainCheck:
+    module, function = EXTRA_DOMAINS[domain].split(":")
+    return DomainCheck(domain, *getattr(importlib.import_module(module), function)())
+
+
 def summary(patterns: str | Iterable[str] = PREFIX + "*") -> list[DomainCheck]:
-    """Golden checks of every domain matching `patterns` (default configs), sorted by domain."""
-    return [check_domain(d, config=default_config(d)) for d in match_domains(patterns)]
+    """Golden checks of every domain matching `patterns` (default configs; `EXTRA_DOMAINS` too), sorted by domain."""
+    if isinstance(patterns, str):
+        patterns = [p.strip() for p in patterns.split(",") if p.strip()]
+    extra = [d for d in EXTRA_DOMAINS if any(fnmatch.fnmatchcase(d, p) for p in patterns)]
+    rest = [p for p in patterns if any(fnmatch.fnmatchcase(d, p) for d in all_domains())
+            or not any(fnmatch.fnmatchcase(d, p) for d in EXTRA_DOMAINS)]
+    checks = [check_domain(d, config=default_config(d)) for d in match_domains(rest)] if rest or not extra else []
+    return sorted(checks + [_extra_check(d) for d in extra], key=lambda c: c.domain)
 
 
 def format_listing(checks: Sequence[DomainCheck], sample_chars: int = 100) -> str:
