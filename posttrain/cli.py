@@ -146,13 +146,7 @@ def cmd_sft(f) -> int:
     from posttrain.config.sft import sft_config_from_dict
     from posttrain.recipes import sft
 
-    if f.config is None:
-        raise SystemExit("error: --config=configs/<name>.py is required")
-    summary = sft.train(sft.make_sft_plan(sft_config_from_dict(f.config), workdir=f.workdir), progress=f.progress)
-    out = {k: summary.get(k) for k in ("start_step", "end_step", "train_wall_s", "peak_rss_gb")}
-    out.update({k: summary[k].get("sft/ppl") for k in ("eval_start", "eval_end") if k in summary})
-    print(json.dumps(out))
-    return 0
+    return _offline(f, sft_config_from_dict, sft.make_sft_plan, sft.train, "sft/ppl")
 
 
 def cmd_dpo(f) -> int:
@@ -161,11 +155,17 @@ def cmd_dpo(f) -> int:
     from posttrain.config.dpo import dpo_config_from_dict
     from posttrain.recipes import dpo
 
+    return _offline(f, dpo_config_from_dict, dpo.make_dpo_plan, dpo.train, "dpo/eval_accuracy")
+
+
+def _offline(f, load, make_plan, train, eval_key: str) -> int:
+    """An offline recipe's command: config -> plan -> train; prints steps, wall time, peak RSS and the held-out
+    `eval_key` at the start and the end as one JSON line."""
     if f.config is None:
         raise SystemExit("error: --config=configs/<name>.py is required")
-    summary = dpo.train(dpo.make_dpo_plan(dpo_config_from_dict(f.config), workdir=f.workdir), progress=f.progress)
+    summary = train(make_plan(load(f.config), workdir=f.workdir), progress=f.progress)
     out = {k: summary.get(k) for k in ("start_step", "end_step", "train_wall_s", "peak_rss_gb")}
-    out.update({k: summary[k].get("dpo/eval_accuracy") for k in ("eval_start", "eval_end") if k in summary})
+    out.update({k: summary[k].get(eval_key) for k in ("eval_start", "eval_end") if k in summary})
     print(json.dumps(out))
     return 0
 

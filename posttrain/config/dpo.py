@@ -9,8 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from posttrain.config.schema import CheckpointConfig, LoRAConfig, MeshConfig, ModelRunConfig, OptimConfig, TrainConfig
-from posttrain.config.sft import offline_config_from_dict
+from posttrain.config.sft import OfflineRunConfig, offline_config_from_dict
 
 LOSS_NAMES = ("sigmoid", "ipo", "hinge")  # posttrain.algos.dpo.losses.LOSSES (a test keeps them equal)
 
@@ -75,25 +74,14 @@ class DPOConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DPORunConfig:
-    """A validated DPO run configuration (frozen): the shared sections of `schema.Config` and `dpo`.
+class DPORunConfig(OfflineRunConfig):
+    """A validated DPO run configuration (frozen): the shared sections (the policy's, which is also the reference:
+    the same weights, frozen at the start) and `dpo`.
 
     Attributes:
-      model: the policy (and the reference: the same weights, frozen at the start).
-      mesh: the device mesh.
-      optim: the optimizer.
-      lora: adapters (rank 0: full fine-tuning).
-      checkpoint: checkpoint interval and retention.
-      train: steps, workdir, seed, limits.
       dpo: the `DPOConfig`.
     """
 
-    model: ModelRunConfig = ModelRunConfig()
-    mesh: MeshConfig = MeshConfig()
-    optim: OptimConfig = OptimConfig()
-    lora: LoRAConfig = LoRAConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    train: TrainConfig = TrainConfig()
     dpo: DPOConfig = DPOConfig()
 
 

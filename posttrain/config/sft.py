@@ -70,8 +70,8 @@ class SFTConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SFTRunConfig:
-    """A validated SFT run configuration (frozen): the shared sections of `schema.Config` and `sft`.
+class OfflineRunConfig:
+    """The sections an offline run (SFT, DPO) shares with a GRPO run's `schema.Config` (`SHARED_SECTIONS`).
 
     Attributes:
         model: the policy's source and run settings (`schema.ModelRunConfig`).
@@ -80,7 +80,6 @@ class SFTRunConfig:
         lora: low-rank adapters (`LoRAConfig`; rank 0: none).
         checkpoint: checkpoint saving (`schema.CheckpointConfig`).
         train: steps, seed, workdir and stopping rules (`schema.TrainConfig`).
-        sft: the SFT data and step (SFTConfig).
     """
 
     model: ModelRunConfig = ModelRunConfig()
@@ -89,6 +88,16 @@ class SFTRunConfig:
     lora: LoRAConfig = LoRAConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     train: TrainConfig = TrainConfig()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTRunConfig(OfflineRunConfig):
+    """A validated SFT run configuration (frozen): the shared sections and `sft`.
+
+    Attributes:
+        sft: the SFT data and step (SFTConfig).
+    """
+
     sft: SFTConfig = SFTConfig()
 
 

@@ -28,11 +28,10 @@ from posttrain.algos.dpo import data as data_lib
 from posttrain.algos.dpo import reference
 from posttrain.algos.dpo import step as dpo_step
 from posttrain.checkpoints.policy import PolicySource, load_policy
-from posttrain.config import ConfigError
 from posttrain.config.dpo import DPORunConfig, to_dict
 from posttrain.infra import mesh as mesh_lib
 from posttrain.infra.partitioning import use_rules
-from posttrain.infra.precision import PrecisionPolicy, resolve_policy
+from posttrain.infra.precision import PrecisionPolicy
 from posttrain.learn.learner import Learner, LearnerSettings
 from posttrain.recipes import offline
 from posttrain.recipes.run_plan import TrainSettings, optimizer_settings, policy_source
@@ -79,22 +78,9 @@ def make_dpo_plan(cfg: DPORunConfig, *, num_devices: int | None = None, workdir:
                   backend: str | None = None) -> DPOPlan:
     """Derives and validates every setting of a DPO run (no I/O). Raises ConfigError when the mesh does not fit
     the devices or `dpo.pairs_per_step` does not divide into `dpo.num_microbatches` x the mesh's batch shards."""
-    num_devices = jax.device_count() if num_devices is None else num_devices
-    sizes = {axis: getattr(cfg.mesh, axis) for axis in mesh_lib.MESH_AXES}
-    try:
-        shape = mesh_lib.mesh_shape(sizes, num_devices)
-    except ValueError as e:
-        raise ConfigError(f"mesh {sizes} does not fit {num_devices} device(s): {e}") from e
-    rules = mesh_lib.rules_with_overrides(cfg.mesh.rules)
-    shards = mesh_lib.batch_shards(shape, rules)
     d = cfg.dpo
-    if d.pairs_per_step % (d.num_microbatches * shards):
-        raise ConfigError(f"dpo.pairs_per_step={d.pairs_per_step} does not divide into dpo.num_microbatches="
-                          f"{d.num_microbatches} x {shards} batch shards of the mesh {shape}")
-    try:
-        precision = resolve_policy(cfg.model.dtype, cfg.model.param_dtype, cfg.model.matmul_precision, backend)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
+    shape, rules, _, precision = offline.layout(cfg, "dpo.pairs_per_step", d.pairs_per_step, d.num_microbatches,
+                                                num_devices, backend)
     wd = pathlib.Path(workdir or cfg.train.workdir)
     config_dict, t = to_dict(cfg), cfg.train
     pairs = data_lib.PairSettings(train_path=d.train_path, eval_path=d.eval_path, train_records=d.train_examples,

@@ -24,11 +24,10 @@ from posttrain.algos.sft import data as data_lib
 from posttrain.algos.sft import packing
 from posttrain.algos.sft import step as sft_step
 from posttrain.checkpoints.policy import PolicySource, load_policy
-from posttrain.config import ConfigError
 from posttrain.config.sft import SFTRunConfig, to_dict
 from posttrain.infra import mesh as mesh_lib
 from posttrain.infra.partitioning import use_rules
-from posttrain.infra.precision import PrecisionPolicy, resolve_policy
+from posttrain.infra.precision import PrecisionPolicy
 from posttrain.learn.learner import Learner, LearnerSettings
 from posttrain.recipes import offline
 from posttrain.recipes.run_plan import TrainSettings, optimizer_settings, policy_source
@@ -80,22 +79,9 @@ def make_sft_plan(cfg: SFTRunConfig, *, num_devices: int | None = None, workdir:
     """Derives and validates every setting of an SFT run (no I/O). num_devices / backend default to the JAX
     runtime's. Raises ConfigError when the mesh does not fit the devices or `sft.rows_per_step` does not divide
     into `sft.num_microbatches` x the mesh's batch shards."""
-    num_devices = jax.device_count() if num_devices is None else num_devices
-    sizes = {axis: getattr(cfg.mesh, axis) for axis in mesh_lib.MESH_AXES}
-    try:
-        shape = mesh_lib.mesh_shape(sizes, num_devices)
-    except ValueError as e:
-        raise ConfigError(f"mesh {sizes} does not fit {num_devices} device(s): {e}") from e
-    rules = mesh_lib.rules_with_overrides(cfg.mesh.rules)
-    shards = mesh_lib.batch_shards(shape, rules)
     s = cfg.sft
-    if s.rows_per_step % (s.num_microbatches * shards):
-        raise ConfigError(f"sft.rows_per_step={s.rows_per_step} does not divide into sft.num_microbatches="
-                          f"{s.num_microbatches} x {shards} batch shards of the mesh {shape}")
-    try:
-        precision = resolve_policy(cfg.model.dtype, cfg.model.param_dtype, cfg.model.matmul_precision, backend)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
+    shape, rules, shards, precision = offline.layout(cfg, "sft.rows_per_step", s.rows_per_step, s.num_microbatches,
+                                                     num_devices, backend)
     wd = pathlib.Path(workdir or cfg.train.workdir)
     config_dict = to_dict(cfg)
     t = cfg.train
