@@ -1,5 +1,9 @@
 """posttrain: JAX-native post-training (GRPO with verifiable rewards) for language models.
 
+Importing `posttrain` also registers the built-in gymnasium environment ids (`posttrain/Arithmetic-v0`, ...: `import
+envs`, which loads gymnasium and no JAX), so `gymnasium.make("posttrain/Arithmetic-v0")` works after it. gymnasium
+>= 1.0 has no plugin entry points that could register them at `import gymnasium`.
+
 The public API, re-exported lazily (importing `posttrain` loads nothing heavy until a name is used):
 
   load_pretrained, export_hf                       models from GGUF / HF directories, and back to HF
@@ -10,6 +14,7 @@ The public API, re-exported lazily (importing `posttrain` loads nothing heavy un
   Config, from_config_dict, default_config,        run configuration and the validated run plan
   make_run_plan, RunPlan, PrecisionPolicy
   train                                            the training loop (`posttrain train` on the command line)
+  GRPOTrainer                                      the same run step by step: from_config, step, evaluate, save, close
 """
 from __future__ import annotations
 
@@ -24,9 +29,11 @@ _EXPORTS = {
     "AGGREGATIONS": "posttrain.algos.grpo.losses", "policy_loss": "posttrain.algos.grpo.losses", "token_logprobs": "posttrain.learn.logprobs",
     "Config": "posttrain.config", "from_config_dict": "posttrain.config", "default_config": "posttrain.config",
     "make_run_plan": "posttrain.recipes.run_plan", "RunPlan": "posttrain.recipes.run_plan", "PrecisionPolicy": "posttrain.infra.precision",
-    "train": "posttrain.recipes.grpo",
+    "train": "posttrain.recipes.grpo", "GRPOTrainer": "posttrain.recipes.trainer",
 }
 __all__ = sorted(_EXPORTS)
+
+importlib.import_module("envs")  # registers the posttrain/*-v0 ids with gymnasium (idempotent)
 
 
 def __getattr__(name: str):

@@ -15,9 +15,7 @@ FOLDERS = ("posttrain", "envs", "tests", "bench", "scripts", "configs", "launch"
 MAX_FILE_LINES = 400
 MAX_FUNCTION_CODE_LINES = 60
 # Over the limit in modules another change is rewriting: an entry is removed once its module is split.
-KNOWN = {
-    "posttrain/recipes/grpo.py::_train",
-}
+KNOWN: set[str] = set()
 
 
 def python_files() -> list[pathlib.Path]:

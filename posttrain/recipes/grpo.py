@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 import time
 from typing import Any
 
@@ -37,23 +38,14 @@ class RunNotFoundError(FileNotFoundError):
 def require_checkpoint(workdir) -> int:
     """The newest complete checkpoint step of the run in `workdir` (read only: nothing is created or moved).
     Raises RunNotFoundError naming the directory when there is no run or no complete checkpoint in it."""
-    import pathlib
-
-    from posttrain.checkpoints.orbax import Checkpointer
-
     workdir = pathlib.Path(workdir)
-    ckpts = workdir / "checkpoints"
-    if not ckpts.is_dir():
+    if not (workdir / "checkpoints").is_dir():
         what = "no such directory" if not workdir.exists() else "no checkpoints/ folder in it"
         raise RunNotFoundError(f"--checkpoint={workdir}: {what}; --checkpoint names the workdir of a run "
                                "(e.g. runs/quickstart)")
-    reader = Checkpointer(ckpts, every_steps=1, keep=1, async_save=False, read_only=True)
-    try:
-        step = reader.latest_step()
-    finally:
-        reader.close()
+    step = latest_checkpoint(workdir)
     if step is None:
-        raise RunNotFoundError(f"--checkpoint={workdir}: {ckpts} holds no complete checkpoint")
+        raise RunNotFoundError(f"--checkpoint={workdir}: {workdir / 'checkpoints'} holds no complete checkpoint")
     return step
 
 
@@ -116,8 +108,6 @@ class Resources:
 
 def latest_checkpoint(workdir) -> int | None:
     """The newest complete checkpoint step in `workdir` (read only), or None."""
-    import pathlib
-
     from posttrain.checkpoints.orbax import Checkpointer
 
     if not (pathlib.Path(workdir) / "checkpoints").is_dir():
@@ -130,8 +120,6 @@ def resume_changes(plan: RunPlan, allow: bool = False) -> dict[str, tuple]:
     """{key: [saved, new, checkpoint step]} of the settings a resumed run changes against its saved config.json
     (none when nothing will be restored: no complete checkpoint); `run_plan.RESUME_FREE_KEYS` may change freely.
     Raises ConfigError listing them unless `allow` (--allow_config_change)."""
-    import json
-
     step, path = latest_checkpoint(plan.workdir), plan.workdir / "config.json"
     if step is None or not path.is_file():
         return {}
@@ -246,48 +234,49 @@ def zero_variance_warning(run: int, metrics: dict) -> str | None:
 
 
 def _train(plan: RunPlan, progress: bool, allow_config_change: bool = False) -> dict:
+    with distributed.StopRequest() as stop, Resources() as res:
+        loop = open_run(plan, res, stop, progress=progress, allow_config_change=allow_config_change)
+        for step in range(loop.start, plan.train.steps):
+            if loop.advance(step, plan.train.steps):
+                break
+        return loop.finish()
+
+
+def open_run(plan: RunPlan, res: Resources, stop: distributed.StopRequest, *, progress: bool = True,
+             allow_config_change: bool = False) -> "_Loop":
+    """A run opened as `train` opens it, each part pushed on `res` (which closes them in reverse order): the
+    plan's warnings logged, the phases built (`build`, restored from the newest checkpoint), every output cut back
+    to the restored step (`open_outputs`), the progress bar, and a fresh run's start-of-run evaluation
+    (`eval.at_start`). Raises what `build` raises (ConfigError for a refused resume)."""
     for warning in plan.warnings:
         metrics_lib.log.warning(warning)
-    with distributed.StopRequest() as stop, Resources() as res:
-        rollouter, learner, episodes = build(plan, allow_config_change=allow_config_change)
-        res.push("the checkpointer", learner.close)
-        res.push("the env workers", rollouter.close)
-        start, steps = learner.step, plan.train.steps
-        main = distributed.is_main_process()  # process 0 writes metrics, plots, the archive and the summary
-        writer = open_outputs(plan.workdir, start) if main else None
+    rollouter, learner, episodes = build(plan, allow_config_change=allow_config_change)
+    res.push("the checkpointer", learner.close)
+    res.push("the env workers", rollouter.close)
+    start = learner.step
+    main = distributed.is_main_process()  # process 0 writes metrics, plots, the archive and the summary
+    writer = open_outputs(plan.workdir, start) if main else None
+    if writer:
+        res.push("the metrics writer", writer.close)
+    bar = metrics_lib.ProgressBar(plan.train.steps, initial_step=start, disable=not (progress and main))
+    res.push("the progress bar", bar.close)
+    summary = {"start_step": start, "config": plan.config_dict}
+    if learner.checkpointer.unreadable:
+        summary["unreadable_checkpoints"] = learner.checkpointer.unreadable
+    if start == 0 and plan.eval.at_start and episodes:
+        summary["eval_start"] = m = evaluate(plan, rollouter, learner, episodes)
         if writer:
-            res.push("the metrics writer", writer.close)
-        bar = metrics_lib.ProgressBar(steps, initial_step=start, disable=not (progress and main))
-        res.push("the progress bar", bar.close)
-        summary = {"start_step": start, "config": plan.config_dict}
-        if learner.checkpointer.unreadable:
-            summary["unreadable_checkpoints"] = learner.checkpointer.unreadable
-        if start == 0 and plan.eval.at_start and episodes:
-            summary["eval_start"] = m = evaluate(plan, rollouter, learner, episodes)
-            if writer:
-                writer.write(0, m)
-        clock = metrics_lib.TrainClock()  # training wall time: rollouts, updates, checkpoints; not in-loop eval
-        _Loop(plan, rollouter, learner, episodes, writer, bar, clock, stop).run(start, steps, summary)
-        end = learner.step
-        learner.save(rollouter.state_dict(), force=True)
-        learner.wait()
-        train_s = clock.seconds
-        if plan.eval.at_end and episodes and end > start:
-            summary["eval_end"] = m = evaluate(plan, rollouter, learner, episodes)
-            if writer:
-                writer.write(end, m)
-    summary.update({"end_step": end, "train_wall_s": train_s, "peak_rss_gb": metrics_lib.peak_rss_gb(),
-                    "env_episodes": rollouter.runner.episodes})  # this process's share of the episodes
-    if main:
-        (plan.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    return summary
+            writer.write(0, m)
+    clock = metrics_lib.TrainClock()  # training wall time: rollouts, updates, checkpoints; not in-loop eval
+    return _Loop(plan, rollouter, learner, episodes, writer, bar, clock, stop, summary=summary, start=start)
 
 
 @dataclasses.dataclass
 class _Loop:
-    """The steps of `_train` over the run's open parts. `resume`: the rollout state that matches the learner's
-    (a stop saves it with the learner's state); `pending`: an update's metrics not written yet; `flat`: steps in a
-    row whose every group had equal rewards."""
+    """The steps of a run over its open parts (`open_run`; `train` and `GRPOTrainer` drive it). `resume`: the
+    rollout state that matches the learner's (a stop saves it with the learner's state); `pending`: an update's
+    metrics not written yet; `flat`: steps in a row whose every group had equal rewards; `summary`: the run's
+    summary so far; `start`: the restored step; `metrics`: the last step's metrics row."""
 
     plan: RunPlan
     rollouter: Rollouter
@@ -300,19 +289,42 @@ class _Loop:
     resume: dict | None = None
     pending: dict | None = None
     flat: int = 0
+    summary: dict = dataclasses.field(default_factory=dict)
+    start: int = 0
+    metrics: dict | None = None
 
-    def run(self, start: int, steps: int, summary: dict) -> None:
-        """Steps start..steps-1; a stop signal or a run of non-finite steps saves the state first (`stopped`)."""
+    def advance(self, step: int, steps: int) -> bool:
+        """Step `step` of `steps` and the stop check; True when train.max_train_seconds is reached (noted in the
+        summary). A stop signal or a run of non-finite steps saves the state first and raises (`stopped`)."""
         try:
-            for step in range(start, steps):
-                self.step(step, steps)
-                self.stop.check()
-                limit = self.plan.train.max_train_seconds
-                if limit and distributed.agree(self.clock.seconds >= limit):
-                    summary["stopped_early"] = f"max_train_seconds={limit} reached"
-                    break
+            self.step(step, steps)
+            self.stop.check()
         except (NonFiniteError, distributed.RunInterrupted) as e:
-            self.stopped(e, start)
+            self.stopped(e, self.start)
+        limit = self.plan.train.max_train_seconds
+        if limit and distributed.agree(self.clock.seconds >= limit):
+            self.summary["stopped_early"] = f"max_train_seconds={limit} reached"
+            return True
+        return False
+
+    def finish(self) -> dict:
+        """The end of a run: the final checkpoint (forced, waited for), the end-of-run evaluation (`eval.at_end`,
+        when the run moved past its start; not in the training seconds) and the summary with the end step,
+        training seconds, peak memory and this process's share of the env episodes (process 0: summary.json)."""
+        plan, learner = self.plan, self.learner
+        end = learner.step
+        learner.save(self.rollouter.state_dict(), force=True)
+        learner.wait()
+        train_s = self.clock.seconds
+        if plan.eval.at_end and self.episodes and end > self.start:
+            self.summary["eval_end"] = m = evaluate(plan, self.rollouter, learner, self.episodes)
+            if self.writer:
+                self.writer.write(end, m)
+        self.summary.update({"end_step": end, "train_wall_s": train_s, "peak_rss_gb": metrics_lib.peak_rss_gb(),
+                             "env_episodes": self.rollouter.runner.episodes})
+        if distributed.is_main_process():
+            (self.plan.workdir / "summary.json").write_text(json.dumps(self.summary, indent=2, default=str))
+        return self.summary
 
     def step(self, step: int, steps: int) -> None:
         """Rollouts (a signal abandons them), the update and its record (not cut by a signal), evaluation when
@@ -340,7 +352,7 @@ class _Loop:
         with self.stop.deferred():
             if self.writer:
                 self.writer.write(learner.step, m)
-            self.pending = None
+            self.pending, self.metrics = None, m
             self.bar.update(m)
             self.flat = self.flat + 1 if m.get("frac_zero_std_groups") == 1.0 else 0
             warning = zero_variance_warning(self.flat, m)
