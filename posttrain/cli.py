@@ -8,7 +8,8 @@ ml-collections).
   posttrain eval   --suite=configs/eval/default.py --checkpoint=DIR [--baseline=base|RUN2] [--limit=N]
                    [--domains=PATTERNS] [--out=DIR]   (a suite, paired verdicts vs the baseline; recipes/evaluate.py)
   posttrain eval   --from_records=DIR [--suite=...]   (rescore a suite report's recorded replies, no sampling)
-  posttrain sample --prompt="What is 12 + 30?" [--model=PATH.gguf|HF_DIR] [--max_new_tokens=64]
+  posttrain sample --prompt="What is 12 + 30?" [--model=PATH.gguf|HF_DIR | --checkpoint=DIR] [--max_new_tokens=64]
+                   [--temperature=0.7] [--seed=0]   (--checkpoint: a run's latest policy, its saved config.json)
   posttrain convert --model=PATH.gguf|HF_DIR --out=HF_DIR [--dtype=bfloat16] [--max_shard_mb=4096]
   posttrain convert --config=configs/X.py --checkpoint=DIR --out=HF_DIR  (a run's latest policy, LoRA merged)
                     [--peft_out=DIR]  (LoRA runs: also the unmerged adapter in PEFT format)
@@ -38,7 +39,8 @@ def _flags():
     if "workdir" not in f:
         config_flags.DEFINE_config_file("config", None, "a configs/*.py file defining get_config()")
         flags.DEFINE_string("workdir", None, "output directory (default: config.train.workdir)")
-        flags.DEFINE_string("checkpoint", None, "eval/convert: the workdir of a run whose latest checkpoint to use")
+        flags.DEFINE_string("checkpoint", None, "eval/convert/sample: the workdir of a run whose latest checkpoint "
+                            "to use (read only)")
         flags.DEFINE_string("prompt", "What is 12 + 30?", "sample: the user message")
         flags.DEFINE_string("model", None, "sample/convert: a .gguf file or HF directory (default: SmolLM2 GGUF)")
         flags.DEFINE_string("out", None, "convert: output directory (a complete HF model directory); eval --suite: "
@@ -56,6 +58,7 @@ def _flags():
         flags.DEFINE_integer("max_new_tokens", 64, "sample: tokens to generate")
         flags.DEFINE_string("pattern", "*", "domains: domain names or patterns, comma-separated")
         flags.DEFINE_float("temperature", 0.0, "sample: 0 = greedy")
+        flags.DEFINE_integer("seed", 0, "sample: the sampling stream (temperature > 0: another seed, another reply)")
         flags.DEFINE_bool("progress", True, "train: show a progress bar")
         flags.DEFINE_bool("allow_config_change", False, "train: resume a run with settings other than its saved "
                           "config.json (each change recorded with its step in config_changes.jsonl)")
@@ -86,17 +89,34 @@ def _enable_compilation_cache():
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
 
 
+def _sample_policy(f):
+    """(graphdef, state, tokenizer) for `sample`: the newest readable checkpoint of the run in --checkpoint (read
+    only, its saved config.json; `grpo.run_policy`), else --model (default: the SmolLM2 GGUF)."""
+    if f.checkpoint:
+        from flax import nnx
+
+        from posttrain.model.transformer import Transformer
+        from posttrain.recipes import grpo
+
+        if f.model:
+            raise SystemExit("error: sample takes one of --model=PATH and --checkpoint=RUN, not both")
+        cfg, state, tok = grpo.run_policy(_run_plan(f))
+        return nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))), state, tok
+    from posttrain.checkpoints import load_pretrained
+
+    pre = load_pretrained(f.model)
+    return pre.graphdef, pre.state, pre.tokenizer
+
+
 def cmd_sample(f) -> int:
     import jax
 
-    from posttrain.checkpoints import load_pretrained
     from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
 
-    pre = load_pretrained(f.model)
-    tok = pre.tokenizer
+    graphdef, state, tok = _sample_policy(f)
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": f.prompt}], add_generation_prompt=True))
     prompts, lengths = pad_prompts([ids], tok.pad_id)
-    out = sample(pre.graphdef, pre.state, prompts, lengths, jax.random.key(0), group_size=1,
+    out = sample(graphdef, state, prompts, lengths, jax.random.key(f.seed), group_size=1,
                  params=SamplingParams(max_new_tokens=f.max_new_tokens, temperature=f.temperature),
                  stop_ids=tuple(tok.stop_ids), pad_id=tok.pad_id)
     n = int(out.lengths_N[0])

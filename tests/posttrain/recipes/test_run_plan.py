@@ -101,7 +101,8 @@ def test_bad_config_exits_2_with_one_line_before_any_work(override, named, monke
 @pytest.mark.parametrize("command,listed,absent", [
     ("train", ["--config=", "--workdir=", "--progress=", "--config.<section>.<key>"], ["--checkpoint=", "--prompt="]),
     ("eval", ["--config=", "--checkpoint="], ["--progress=", "--prompt="]),
-    ("sample", ["--prompt=", "--model=", "--temperature="], ["--checkpoint=", "--config.<section>"]),
+    ("sample", ["--prompt=", "--model=", "--temperature=", "--checkpoint=", "--seed="],
+     ["--progress=", "--config.<section>"]),
     ("convert", ["--out=", "--dtype=", "--peft_out=", "--checkpoint="], ["--progress="]),
     ("plan", ["--target=", "--json="], ["--checkpoint="]),
 ])
