@@ -1,4 +1,5 @@
-"""Verifier benchmark: time to score long responses of adversarial shapes (issue 13 item 5, DESIGN.md invariant 14).
+"""Verifier benchmark: time to score long responses of adversarial shapes (issue 13 item 5; docs/design.md
+invariant 14).
 
     python bench/verifiers.py --json [--repeats N]
     python bench/verifiers.py --json --quick     # seconds: responses of `QUICK_SIZES` characters, one repeat

@@ -1,4 +1,4 @@
-"""Text environments: the gymnasium interface every posttrain environment implements (DESIGN.md).
+"""Text environments: the gymnasium interface every posttrain environment implements (docs/design.md).
 
 An episode: ``obs, info = env.reset(seed=s, options={"task": task_dict})`` (the observation is the user
 message text; without a task the env draws one from its own task source with the seed), then
@@ -9,7 +9,7 @@ Dataset-like task sources (`TaskSource`) expose ``split``, ``num_tasks`` and a d
 ``get_task(index) -> dict``, so a training loop can keep an integer cursor that survives a resume.
 
 Every environment checks at construction that known-correct completions score 1 and known-wrong ones
-score 0 (DESIGN.md invariant 7), through `TextEnv.golden_episodes`.
+score 0 (docs/design.md invariant 7), through `TextEnv.golden_episodes`.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The package import order (DESIGN.md "Layout") is a checked contract.
+"""The package import order (docs/design.md "Layout") is a checked contract.
 
 The contracts live in pyproject.toml `[tool.importlinter]` and are checked with import-linter's `lint-imports`
 (the dev extra), run here as a subprocess from the venv's bin directory: the `posttrain` phase packages as layers, the
@@ -126,5 +126,5 @@ def test_config_read_only_by_recipes():
         head = annotation.value if isinstance(annotation, ast.Subscript) else annotation
         if ast.unparse(head) != "dict":
             problems.append(f"RunPlan.config_dict must be a dict, is {ast.unparse(annotation)}")
-    assert not problems, ("Config read outside config/, recipes/ and cli.py, or carried by RunPlan (DESIGN.md: "
+    assert not problems, ("Config read outside config/, recipes/ and cli.py, or carried by RunPlan (docs/design.md: "
                           "RunPlan is the only reader of Config and holds only derived settings):\n" + "\n".join(problems))

@@ -1,6 +1,6 @@
 """Answer extraction and scoring: the one place where a model's answer is read out of its text.
 
-Pure functions, no JAX. Every environment scores through this module (DESIGN.md invariant 7), and
+Pure functions, no JAX. Every environment scores through this module (docs/design.md invariant 7), and
 every scoring call is bounded (invariant 14): linear in the response, and the symbolic comparison
 runs in a worker process killed after `timeout_s` (`envs.verify.worker`), from any thread.
 

@@ -8,7 +8,7 @@ REDUCTIONS by name. Masked positions are replaced with `jnp.where` before any ar
 there cannot leak; a reduction over no counted element returns 0.0 (never NaN or +-inf).
 
 Host side (the only imperative part): `MetricsWriter` writes each step's flat dict of scalars, with
-the standard names of DESIGN.md (`reward/mean`, `policy/loss`, ...), to
+the standard names of docs/design.md (`reward/mean`, `policy/loss`, ...), to
   <workdir>/metrics.jsonl      one JSON object per line, {"step": int, name: float | null, ...}
   <workdir>/tensorboard/       TensorBoard event files (tensorboardX)
   <workdir>/reward_curve.png   train `reward/mean` and `eval/pass@1` against step (matplotlib Agg)

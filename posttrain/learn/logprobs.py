@@ -1,4 +1,4 @@
-"""Token logprobs and entropies: the one definition of a token's logprob (DESIGN invariant 1).
+"""Token logprobs and entropies: the one definition of a token's logprob (docs/design.md invariant 1).
 
 Dimension legend:
   B  sequences in the (micro)batch

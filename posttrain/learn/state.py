@@ -2,8 +2,8 @@
 
 Dimension legend: none (pytrees of nnx States; see `posttrain.types.TrainState`).
 
-`create_train_state` splits a model's nnx state into what the optimizer updates and what it never touches, and
-keeps the initial trainable params when a KL term needs the reference model (DESIGN invariant 8: the reference is
+`create_train_state` splits a model's nnx state into what the optimizer updates and what it never touches, and keeps
+the initial trainable params when a KL term needs the reference model (docs/design.md invariant 8: the reference is
 the initial policy, adapters included, frozen). `model_states` / `merge_model` rebuild the policy module from a
 state's pieces in the split order the graphdef expects.
 """

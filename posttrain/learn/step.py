@@ -9,7 +9,7 @@ Every algorithm (GRPO, SFT, DPO, reward models) supplies
 
 where `context = context_fn(state, batch)` is computed once per step on the FULL batch (its loss denominators, the
 reference model's states, ...), so a microbatch's loss and metrics are its share of the batch value and summing
-them over microbatches gives exactly the full-batch value (DESIGN invariant 3). The step then
+them over microbatches gives exactly the full-batch value (docs/design.md invariant 3). The step then
 
   1. accumulates gradients and metrics over the M microbatches with `lax.scan` (a metric ending in `_min` / `_max`
      combines by min / max, every other one by sum);

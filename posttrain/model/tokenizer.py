@@ -5,7 +5,7 @@
 tokenizer directory (`tokenizer.json` + `tokenizer_config.json` / `chat_template.jinja`). Chat templates are rendered
 with jinja2's sandboxed environment configured exactly as transformers' `apply_chat_template` does.
 
-Masks are built from positions, never from token values (DESIGN invariant 2): the pad id may equal the EOS id.
+Masks are built from positions, never from token values (docs/design.md invariant 2): the pad id may equal the EOS id.
 
 Dimension legend: B = batch rows (completions), L = sequence positions (the padded width).
 """

@@ -157,7 +157,7 @@ def _empty(R, L, N, C, pad_id):
 
 
 def rollout_metrics(samples: Sequence[Sample], rewards, zero_std, group_size: int) -> dict:
-    """reward/*, frac_zero_std_groups, response_length/*, env/*_rate (DESIGN.md standard names)."""
+    """reward/*, frac_zero_std_groups, response_length/*, env/*_rate (docs/design.md standard names)."""
     lengths = np.asarray([sum(len(t) for t, _, pol in s.segments if pol) for s in samples], np.float32)
     m = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
          "frac_zero_std_groups": float(np.mean(zero_std)),

@@ -136,7 +136,7 @@ class Sample:
     @property
     def counts(self) -> bool:
         """Whether the sample's reward says anything about the policy: False for an infrastructure failure (worker
-        crash, sandbox failure, harness timeout), never scored as a wrong answer (DESIGN invariant 6). The one
+        crash, sandbox failure, harness timeout), never scored as a wrong answer (docs/design.md invariant 6). The one
         definition read by batching, dynamic sampling and the curriculum."""
         return self.status != "infra_error"
 

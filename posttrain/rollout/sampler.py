@@ -4,7 +4,7 @@ Dimension legend: P prompts, G samples per prompt (group size), N = P*G sequence
 (N, or fewer once finished rows are dropped: `sample(shrink=...)`), Lp padded prompt width, Lg max new tokens,
 V vocab.
 
-Logprob definition (the project's single one, DESIGN.md invariant 1): for every generated token,
+Logprob definition (the project's single one, docs/design.md invariant 1): for every generated token,
 `logp = log_softmax(logits / T)[token]` over the full vocabulary, with T the sampling temperature (T := 1 for
 greedy decoding). Top-k / top-p only restrict which token is *drawn*; the recorded logprob is always over the
 full vocabulary, so a teacher-forced pass at the same T reproduces it and the GRPO ratio starts at exactly 1.

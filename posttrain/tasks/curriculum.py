@@ -1,6 +1,6 @@
 """Difficulty curriculum per domain: a level that follows the recent pass rate, and mix weights that can follow
 learning progress. Host-side, pure Python + NumPy (no JAX); the whole state is a small JSON dict saved with
-every checkpoint, so a resumed run continues with the same levels, windows and weights (DESIGN.md invariant 9).
+every checkpoint, so a resumed run continues with the same levels, windows and weights (docs/design.md invariant 9).
 
 Levels are reasoning-gym curriculum levels (``reasoning_gym.factory.create_curriculum(name).set_global_level``,
 applied by `envs.tasks.reasoning_gym.build_dataset(level=...)`), 0 = easiest, up to each dataset's top level

@@ -14,7 +14,7 @@ credit and share carry (`tasks.quota`), a cost estimate (EMA of the reported `in
 the samples in flight, a breaker (`tasks.retry.Breaker`), re-queued visits, the quarantine and per-task statistics
 (`tasks.stats`). Re-queued visits ready at a step are drawn before fresh tasks. Everything is a JSON-able dict
 (`state_dict`), so the draw is a function of (seed, step, the reported outcomes) and a resume continues exactly
-(DESIGN invariant 9). Pure Python + NumPy.
+(docs/design.md invariant 9). Pure Python + NumPy.
 """
 from __future__ import annotations
 

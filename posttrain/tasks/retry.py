@@ -8,7 +8,7 @@ share its attempt number), so (episode_id, attempt) keys exactly one archive row
   the batch and the visit is re-queued for the next step as try 1 (all G samples again, next attempt number);
   a visit whose `max_attempts` tries all failed quarantines its task (listed, never drawn again). A breaker's probe
   group tests its domain, not its task: its failure costs the visit no try.
-Infra errors are never scored: a group enters the batch only with all G samples scored (DESIGN invariant 6).
+Infra errors are never scored: a group enters the batch only with all G samples scored (docs/design.md invariant 6).
 
 Why not `tenacity`: its `Retrying` calls the function and sleeps itself, while this scheduler is passive (it never
 calls a runner; the rollout phase runs tickets, possibly on other hosts or Ray actors), the retry state must be

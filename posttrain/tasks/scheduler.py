@@ -5,7 +5,7 @@ in an order given by a seeded permutation of (seed, domain, e). When a pass ends
 checkpoint saved exactly at the end of a pass resumes into the next pass instead of stopping. Which domain each
 prompt slot draws from is a deterministic function of (seed, step, slot) and the mix weights. The whole state
 is a small JSON dict (`state_dict` / `load_state_dict`), saved with every checkpoint: same task order after
-a resume (DESIGN.md invariant 9).
+a resume (docs/design.md invariant 9).
 """
 from __future__ import annotations
 

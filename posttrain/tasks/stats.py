@@ -2,7 +2,7 @@
 
 The pass-rate band: per-task statistics let the scheduler skip tasks nothing can be learned from.
 
-A GRPO group whose G rewards are all equal gets advantage 0 (DESIGN invariant 5): the compute is spent for
+A GRPO group whose G rewards are all equal gets advantage 0 (docs/design.md invariant 5): the compute is spent for
 nothing. Each task keeps, in its domain's state, one small list [draws, visits, mean reward, last visit step,
 streak]: draws counts the visits handed out (the next visit number), visits the completed ones; the streak is +k
 after k consecutive visits whose samples all passed (reward >= pass_threshold), -k after k all failed, 0

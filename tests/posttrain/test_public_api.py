@@ -55,8 +55,10 @@ def test_an_unknown_name_raises_attribute_error_naming_it():
         posttrain.nonexistent  # noqa: B018
 
 
-def test_importing_the_package_is_light():
-    code = "import sys, posttrain; assert 'jax' not in sys.modules, 'jax imported'; print(len(posttrain.__all__))"
+def test_importing_the_package_is_light_and_registers_the_envs():
+    code = ("import sys, posttrain, gymnasium; assert 'jax' not in sys.modules, 'jax imported'; "
+            "assert {'posttrain/Arithmetic-v0', 'posttrain/GSM8K-v0'} <= set(gymnasium.registry); "
+            "gymnasium.make('posttrain/Arithmetic-v0').reset(seed=0); print(len(posttrain.__all__))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout) == len(posttrain.__all__)

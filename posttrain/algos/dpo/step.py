@@ -8,7 +8,7 @@ length-normalized loss (IPO). Pair p's log-ratio difference is h_p = (s_2p - s_2
 reference's sequence logprobs `ref_logp_N` carried by the `PairBatch` (computed once, before training, by
 `make_reference_fn` on the initial policy), so no reference model is held during training. The loss is the mean
 of the named preference loss (`algos.dpo.losses`) over the valid pairs of the FULL batch: its denominator comes
-from `context` once per step, so microbatches sum to the full-batch value (DESIGN invariant 3).
+from `context` once per step, so microbatches sum to the full-batch value (docs/design.md invariant 3).
 
 Metrics (TRL's names, means over pairs): `dpo/loss`, `rewards/chosen`, `rewards/rejected` (beta (s - ref) of each
 reply), `rewards/margins` (their difference), `rewards/accuracies` (chosen > rejected, a tie counts 1/2),

@@ -6,7 +6,7 @@ Dimension legend:
 
 Conventions:
   * A token's logprob is `log_softmax(logits / temperature)[target]` over the full vocabulary, in
-    float32 (DESIGN invariant 1), defined in `posttrain.learn.logprobs` (re-exported here).
+    float32 (docs/design.md invariant 1), defined in `posttrain.learn.logprobs` (re-exported here).
   * Masked positions are sanitised with `jnp.where` before any arithmetic (invariant 4), so NaN/inf
     there (e.g. in the sampler's logprobs of padding) reach neither the loss nor its gradient.
   * Rows may be packed (one prompt followed by its G completions): `seq_ids_BxT` (int in [0, T), any id
@@ -271,7 +271,7 @@ def policy_loss(
       logp_old_BxT: optional trainer logprobs under the behaviour policy (constant), computed by the trainer
         before the first of several updates on one batch. The ratio's denominator is logp_old_BxT if given, else
         stop_gradient(logp_BxT): with one update per batch the behaviour policy IS the current policy, so the
-        ratio is exactly 1 in any dtype (DESIGN invariant 1). The sampler's logprobs never enter the ratio
+        ratio is exactly 1 in any dtype (docs/design.md invariant 1). The sampler's logprobs never enter the ratio
         (a different computation: bf16 kernels differ by ~1e-2 in logprob); they are the behaviour policy of
         truncated importance sampling only: with cfg.tis_cap every token's loss is weighted by the constant
         min(exp(logp_old - logp_sample), tis_cap).

@@ -12,11 +12,11 @@ https://huggingface.co/docs/trl/dataset_formats):
       one assistant turn: both go through the chat template (TRL would concatenate plain strings untemplated; this
       library trains chat models, so a plain pair is a one-turn chat).
 
-The mask is built by POSITION (DESIGN invariant 2), never by token value: for the assistant turn i the chat template
-renders the conversation up to it with the generation prompt (`prefix`) and up to and including it (`upto`); the
-characters [len(prefix), len(upto.rstrip())) of the full rendering are the turn (its content and the template's
-end-of-turn token, not the whitespace the template writes after it), and a token is an assistant token iff its
-first character lies in such a span (the tokenizer's character offsets). A template that does not render a
+The mask is built by POSITION (docs/design.md invariant 2), never by token value: for the assistant turn i the chat
+template renders the conversation up to it with the generation prompt (`prefix`) and up to and including it
+(`upto`); the characters [len(prefix), len(upto.rstrip())) of the full rendering are the turn (its content and the
+template's end-of-turn token, not the whitespace the template writes after it), and a token is an assistant token
+iff its first character lies in such a span (the tokenizer's character offsets). A template that does not render a
 conversation's prefixes as prefixes of its full rendering (e.g. one that drops earlier reasoning) is refused with a
 ValueError rather than masked wrongly.
 """

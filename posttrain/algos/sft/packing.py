@@ -8,9 +8,9 @@ positions restarting at 0 in each, branch ids 0, pad tokens after the last. The 
 so a packed conversation has exactly the hidden states it has alone. Slot c of row r scores one assistant token:
 `targets_NxC[r, c]` is that token and `score_pos_NxC[r, c]` the row position just before it (in the same segment);
 the row's assistant tokens fill its first slots in order and `loss_mask_NxC` is True on exactly those (by position,
-DESIGN invariant 2: padding may use the EOS id). The RL fields hold neutral values (advantages, rewards and sampler
-logprobs 0, `valid_N` True on non-empty rows, `group_id_N` the row index), so the generic learner, its shardings
-and `learn.logprobs.score_logprobs` serve SFT unchanged.
+docs/design.md invariant 2: padding may use the EOS id). The RL fields hold neutral values (advantages, rewards and
+sampler logprobs 0, `valid_N` True on non-empty rows, `group_id_N` the row index), so the generic learner, its
+shardings and `learn.logprobs.score_logprobs` serve SFT unchanged.
 
 Packing is best-fit decreasing (Johnson 1973): conversations by decreasing length, each into the open row with the
 least room that still fits it, else a new row (at most 11/9 OPT + 6/9 rows, Dósa 2007).

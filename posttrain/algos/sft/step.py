@@ -10,7 +10,7 @@ Loss (maximum likelihood on the assistant tokens, TRL's SFTTrainer with `assista
 in nats per token, float32, with logprobs from `learn.logprobs.score_logprobs` (temperature 1; chunked through
 the unembedding, never [N, C, V] logits). The denominator is computed once per step on the full batch (`context`),
 so each microbatch contributes its share and the sum over microbatches, packed rows or unpacked rows is the same
-number with the same gradient (DESIGN invariant 3). Metrics: `sft/loss` (that mean), `sft/tokens` (assistant
+number with the same gradient (docs/design.md invariant 3). Metrics: `sft/loss` (that mean), `sft/tokens` (assistant
 tokens in the batch), plus the MoE auxiliary losses as GRPO reports them. Held-out: `make_eval_fn` gives the NLL
 sum and the token count of a batch, and `perplexity` exp(sum / count).
 """

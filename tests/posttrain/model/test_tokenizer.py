@@ -159,7 +159,7 @@ def test_gguf_metadata_errors():
     assert with_bos.encode("Hi", add_special_tokens=True) == [1, *with_bos.encode("Hi")]
 
 
-# ----- position-based masks (DESIGN invariant 2) through what the RL pipeline calls --------------------------------
+# ----- position-based masks (docs/design.md invariant 2) through what the RL pipeline calls ------------------------
 
 def _rollout(tok, turns, packed):
     """`episodes.run_episodes` over one prompt and len(turns[0]) samples, with a stand-in sampler that returns

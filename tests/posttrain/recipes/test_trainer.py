@@ -34,9 +34,10 @@ def checkpoints(workdir) -> list[int]:
 
 
 def config(workdir):
-    """The tiny run of 2 steps with its start- and end-of-run evaluation on 4 tasks, a checkpoint every step."""
-    return tiny_config(workdir, **{"train.steps": 2, "eval.at_start": True, "eval.at_end": True,
-                                   "eval.num_tasks": 4, "checkpoint.every_steps": 1})
+    """configs/tiny.py for 2 steps (its start- and end-of-run evaluation; the README's GRPOTrainer block runs the
+    same programs), a synchronous checkpoint every step."""
+    return trainer_lib.make_plan(ROOT / "configs" / "tiny.py", workdir=str(workdir), overrides={
+        "train.steps": 2, "checkpoint.every_steps": 1, "checkpoint.async_save": False})
 
 
 def test_two_api_steps_write_what_two_train_steps_write(tmp_path):

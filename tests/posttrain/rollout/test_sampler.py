@@ -1,4 +1,4 @@
-"""Sampler: recorded logprobs equal teacher-forced `log_softmax(logits / T)` (DESIGN invariant 1), top-k/top-p
+"""Sampler: recorded logprobs equal teacher-forced `log_softmax(logits / T)` (docs/design.md invariant 1), top-k/top-p
 restrict the drawn tokens only, G samples share one prefill, and lengths/masks are built by position.
 
 Tiny presets (dense GQA, Qwen3 q/k-norm, MoE, MLA + MoE) get random weights with a large std so their

@@ -1,5 +1,6 @@
-"""The job scheduler's whole state round-trips through JSON and a resumed scheduler continues exactly (DESIGN
-invariant 9); the pass-rate band skips all-correct / all-wrong tasks, with re-checks, and reports the fraction."""
+"""The job scheduler's whole state round-trips through JSON and a resumed scheduler continues exactly
+(docs/design.md invariant 9); the pass-rate band skips all-correct / all-wrong tasks, with re-checks, and reports
+the fraction."""
 import json
 
 import pytest
