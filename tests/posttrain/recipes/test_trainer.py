@@ -1,6 +1,7 @@
 """GRPOTrainer, the step-by-step API: N `step()` calls write what `train` with train.steps=N writes (metrics rows,
 archive rows, checkpoints; timings aside), its life cycle (done, close, errors), and the plan it builds from a
-config file, a run directory, a Config or a dict with overrides."""
+config file, a run directory, a Config or a dict with overrides. N = 3: configs/tiny.py as test_golden_run trains it
+(the same compiled programs, loaded from the suite's cache; the README's GRPOTrainer block runs them too)."""
 import json
 import pathlib
 
@@ -34,29 +35,30 @@ def checkpoints(workdir) -> list[int]:
 
 
 def config(workdir):
-    """configs/tiny.py for 2 steps (its start- and end-of-run evaluation; the README's GRPOTrainer block runs the
-    same programs), a synchronous checkpoint every step."""
+    """configs/tiny.py (3 steps, its start- and end-of-run evaluation) with a synchronous checkpoint every step."""
     return trainer_lib.make_plan(ROOT / "configs" / "tiny.py", workdir=str(workdir), overrides={
-        "train.steps": 2, "checkpoint.every_steps": 1, "checkpoint.async_save": False})
+        "checkpoint.every_steps": 1, "checkpoint.async_save": False})
 
 
-def test_two_api_steps_write_what_two_train_steps_write(tmp_path):
+def test_three_api_steps_write_what_three_train_steps_write(tmp_path):
     summary = train(config(tmp_path / "loop"), progress=False)
     with GRPOTrainer.from_config(config(tmp_path / "api")) as t:
         assert (t.global_step, t.done) == (0, False)
         assert "eval_start" in t.summary  # the start-of-run evaluation ran when the run opened
         got = [t.step(), t.step()]
-        assert (t.global_step, t.done) == (2, True)
-        with pytest.raises(ValueError, match=r"train.steps=2 reached at step 2"):
+        assert (t.global_step, t.done) == (2, False)
+        got.append(t.step())
+        assert (t.global_step, t.done) == (3, True)
+        with pytest.raises(ValueError, match=r"train.steps=3 reached at step 3"):
             t.step()
         assert set(t.evaluate()) >= {"eval/pass@1"}
-        assert t.save() == 2
+        assert t.save() == 3
     assert rows(tmp_path / "api") == rows(tmp_path / "loop")
-    assert [r["step"] for r in rows(tmp_path / "api")] == [0, 1, 2, 2]  # start eval, 2 updates, end eval
+    assert [r["step"] for r in rows(tmp_path / "api")] == [0, 1, 2, 3, 3]  # start eval, 3 updates, end eval
     assert [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in got] == \
-        [{k: v for k, v in r.items() if k != "step"} for r in rows(tmp_path / "api")[1:3]]
+        [{k: v for k, v in r.items() if k != "step"} for r in rows(tmp_path / "api")[1:4]]
     assert archived(tmp_path / "api") == archived(tmp_path / "loop")
-    assert checkpoints(tmp_path / "api") == checkpoints(tmp_path / "loop") == [1, 2]
+    assert checkpoints(tmp_path / "api") == checkpoints(tmp_path / "loop") == [2, 3]  # checkpoint.keep=2
     saved = json.loads((tmp_path / "api" / "summary.json").read_text())
     assert (saved["start_step"], saved["end_step"], saved["eval_end"].keys()) == \
         (summary["start_step"], summary["end_step"], summary["eval_end"].keys())
