@@ -1,10 +1,10 @@
 """The run plan: every setting a run derives from its config, computed once and validated before any I/O.
 
-`make_run_plan(cfg)` is the only reader of a `Config` (DESIGN "Configuration flows one way"): from the validated
-config and the device count it builds a frozen `RunPlan` of each component's own typed settings (`PolicySource`,
-`RolloutSettings`, `grpo.StepOptions`, `OptimizerSettings`, `LearnerSettings`, `EvalSettings`, `TrainSettings`),
-the precision policy, the resolved mesh shape and its batch shards. The components read only their settings and
-derive nothing again. It loads no model, starts no worker and writes nothing; bad combinations raise
+`make_run_plan(cfg)` is the only reader of a `Config` (docs/design.md, "Configuration flows one way"): from the
+validated config and the device count it builds a frozen `RunPlan` of each component's own typed settings
+(`PolicySource`, `RolloutSettings`, `grpo.StepOptions`, `OptimizerSettings`, `LearnerSettings`, `EvalSettings`,
+`TrainSettings`), the precision policy, the resolved mesh shape and its batch shards. The components read only their
+settings and derive nothing again. It loads no model, starts no worker and writes nothing; bad combinations raise
 `ConfigError` (a ValueError) naming the keys.
 
 It lives in `recipes/` (above every component) rather than in `config/`, so that each settings type stays next to
@@ -75,7 +75,7 @@ class RunPlan:
         eval: held-out evaluation's settings (EvalSettings).
         train: the loop's own settings (TrainSettings).
         warnings: legal but suspect settings, logged when a run starts.
-        tasks: the job scheduler's settings (SchedulerSettings; None: tasks.enabled is off).
+        tasks: the job scheduler's settings (None: tasks.enabled is off).
     """
 
     workdir: pathlib.Path
@@ -106,20 +106,6 @@ def check_names(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), key)
         if value not in registry:
             raise ConfigError(f"{section}.{key}={value!r}; expected one of {tuple(registry)}")
-
-
-def scheduler_settings(cfg: Config, run: str) -> SchedulerSettings:
-    """The job scheduler's settings of the config's `tasks` section (policies resolved against env.train, so a bad
-    pattern or min_shares over 1 fail here). Raises ConfigError naming `tasks` and the scheduler's message."""
-    t = cfg.tasks
-    try:
-        policies = policies_from_mapping(t.policies)
-        resolve_policies(sorted(cfg.env.train), policies)
-        options = {f.name: getattr(t, f.name) for f in dataclasses.fields(SchedulingOptions)}
-        return SchedulerSettings(policies=policies, group_size=cfg.rl.group_size, seed=cfg.train.seed,
-                                 run=run.replace(":", "_") or "run", **options)
-    except ValueError as e:
-        raise ConfigError(f"tasks: {e}") from None
 
 
 def check_envs(plan: RunPlan) -> tuple[dict, dict]:
@@ -154,6 +140,20 @@ def check_envs(plan: RunPlan) -> tuple[dict, dict]:
                               f"process: register the env in an importable module and name it "
                               f"'<module>:{env_id.split(':')[-1]}' (or set env.num_workers=0)")
     return train, episodes
+
+
+def scheduler_settings(cfg: Config, run: str) -> SchedulerSettings:
+    """The job scheduler's settings of the config's `tasks` section (policies resolved against env.train, so a bad
+    pattern or min_shares over 1 fail here). Raises ConfigError naming `tasks` and the scheduler's message."""
+    t = cfg.tasks
+    try:
+        policies = policies_from_mapping(t.policies)
+        resolve_policies(sorted(cfg.env.train), policies)
+        options = {f.name: getattr(t, f.name) for f in dataclasses.fields(SchedulingOptions)}
+        return SchedulerSettings(policies=policies, group_size=cfg.rl.group_size, seed=cfg.train.seed,
+                                 run=run.replace(":", "_") or "run", **options)
+    except ValueError as e:
+        raise ConfigError(f"tasks: {e}") from None
 
 
 # settings a resumed run may change without --allow_config_change (extending a run, another directory name)
