@@ -277,7 +277,11 @@ def cmd_plan(f) -> int:
 
 
 def _fake_cpu_devices_for_plan(argv) -> None:
-    """`plan --target=cpu-N` needs N CPU devices: ask XLA for them before JAX starts (unless XLA_FLAGS has it)."""
+    """`plan --target=cpu-N` needs N CPU devices: ask XLA for them before JAX starts (unless XLA_FLAGS has it).
+    Nothing is changed once JAX is imported (`main` called in a running program: the flag could only reach the
+    program's later subprocesses)."""
+    if "jax" in sys.modules:
+        return
     target = next((a.split("=", 1)[1] for a in argv if a.startswith("--target=")), "cpu-8")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # TPU/GPU targets compile through their plugins' topologies
     if target.startswith("cpu-") and "device_count" not in os.environ.get("XLA_FLAGS", ""):

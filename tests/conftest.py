@@ -31,6 +31,17 @@ if os.environ.get("POSTTRAIN_TEST_XLA_CACHE", "1") != "0":
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `from helpers import ...` in any test module
 
 
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """Every test leaves os.environ as it found it: a variable set in this process (e.g. XLA_FLAGS asking for 8
+    fake devices) would otherwise reach every subprocess a later test starts."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_sandbox_leaks():
     """After the whole session: no sandbox process (bwrap or sandbox uid) and no sandbox temp dir remain."""

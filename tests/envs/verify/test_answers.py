@@ -276,7 +276,7 @@ def test_scoring_time_is_linear_in_the_response(shape):
     small, big = SHAPES[shape](100_000), SHAPES[shape](1_000_000)
     t_small = _best_time(lambda: v.score_math(small, "42"))
     t_big = _best_time(lambda: v.score_math(big, "42"))
-    assert t_big < 1.0 and t_big / max(t_small, 1e-3) < 20, (shape, t_small, t_big)  # below 1 ms is noise
+    assert t_big < 1.0 and t_big / max(t_small, 5e-3) < 20, (shape, t_small, t_big)  # below 5 ms is noise
 
 
 def test_answers_longer_than_the_cap_are_refused_before_comparison():
@@ -302,7 +302,8 @@ def test_tag_fence_and_format_readers_are_linear(reader, shape):
     fn = (lambda t: v.extract_tag(t, "answer")) if reader == "extract_tag" else getattr(v, reader)
     small, big = TEXT_SHAPES[shape](100_000), TEXT_SHAPES[shape](1_000_000)
     t_small, t_big = _best_time(lambda: fn(small)), _best_time(lambda: fn(big))
-    assert t_big < 1.0 and t_big / max(t_small, 1e-3) < 20, (reader, shape, t_small, t_big)
+    assert t_big < 1.0 and t_big / max(t_small, 5e-3) < 20, (reader, shape, t_small, t_big)  # below 5 ms is noise
+    # (a quadratic reader takes 100x for 10x the text: over 20x even from the 5 ms floor)
 
 
 @pytest.mark.parametrize("text,expected", [  # same answer as the last match of <tag>(.*?)</tag> over the text

@@ -20,10 +20,11 @@ def load(path):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_every_config_file_loads(path):
-    if path.stem.startswith("sft_"):  # `posttrain sft` configs: their own schema (posttrain.config.sft)
+    if path.stem.startswith(("sft_", "dpo_")):  # `posttrain sft` / `dpo` configs: their own schemas
+        from posttrain.config.dpo import dpo_config_from_dict
         from posttrain.config.sft import sft_config_from_dict
 
-        cfg = sft_config_from_dict(load(path))
+        cfg = (sft_config_from_dict if path.stem.startswith("sft_") else dpo_config_from_dict)(load(path))
         with pytest.raises(dataclasses.FrozenInstanceError):
             cfg.train = None
         return

@@ -90,6 +90,7 @@ def test_resumed_run_matches_uninterrupted_run_and_writes_outputs(tmp_path, monk
 
     from posttrain.infra.distributed import RunInterrupted
 
+    handler_before = signal.getsignal(signal.SIGINT)  # the sandbox may have installed its own in this process
     loop.train(tiny_config(tmp_path / "a", **{"train.steps": 4}), progress=False)
     plant(tmp_path / "b", [0, 1], trajectories=[0, 1, 7], evals=[0, 1])  # no checkpoint: starts over
     collect, sent = Rollouter.collect, []
@@ -108,7 +109,7 @@ def test_resumed_run_matches_uninterrupted_run_and_writes_outputs(tmp_path, monk
     with Checkpointer(tmp_path / "b" / "checkpoints", every_steps=2, keep=2, read_only=True) as ck:
         assert ck.all_steps() == [2, 3]
     monkeypatch.undo()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the loop's handlers are gone
+    assert signal.getsignal(signal.SIGINT) is handler_before  # the loop's handlers are gone
     plant(tmp_path / "b", [4], trajectories=[3, 5], evals=[4])  # stale records past checkpoint 3
     summary = loop.train(tiny_config(tmp_path / "b", **{"train.steps": 4}), progress=False)
     assert summary["start_step"] == 3 and summary["end_step"] == 4
