@@ -1,5 +1,4 @@
-"""`posttrain train|sft|dpo|eval|sample|convert|domains|plan`: a thin command line over the recipes (absl flags +
-ml-collections).
+"""`posttrain train|sft|dpo|eval|sample|convert|domains|plan`: the recipes' command line (absl flags, ml-collections).
 
   posttrain train  --config=configs/quickstart.py [--config.rl.group_size=8 ...] [--workdir=DIR]   (GRPO)
   posttrain sft    --config=configs/sft_tiny.py [--workdir=DIR]   (supervised fine-tuning on chat data)
@@ -277,9 +276,8 @@ def cmd_plan(f) -> int:
 
 
 def _fake_cpu_devices_for_plan(argv) -> None:
-    """`plan --target=cpu-N` needs N CPU devices: ask XLA for them before JAX starts (unless XLA_FLAGS has it).
-    Nothing is changed once JAX is imported (`main` called in a running program: the flag could only reach the
-    program's later subprocesses)."""
+    """`plan --target=cpu-N` needs N CPU devices: ask XLA before JAX starts (unless XLA_FLAGS has it); nothing is
+    set once JAX is imported (`main` called in a running program: the flag could only reach its subprocesses)."""
     if "jax" in sys.modules:
         return
     target = next((a.split("=", 1)[1] for a in argv if a.startswith("--target=")), "cpu-8")
