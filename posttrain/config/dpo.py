@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from posttrain.config.sft import OfflineRunConfig, offline_config_from_dict
+from posttrain.config.sft import OfflineRunConfig, offline_checks, offline_config_from_dict
 
 LOSS_NAMES = ("sigmoid", "ipo", "hinge")  # posttrain.algos.dpo.losses.LOSSES (a test keeps them equal)
 
@@ -62,11 +62,7 @@ class DPOConfig:
                   "max_prompt_len (>= 1)": self.max_prompt_len >= 1,
                   "max_completion_len (>= 1)": self.max_completion_len >= 1,
                   "pairs_per_step (>= 1)": self.pairs_per_step >= 1,
-                  "num_microbatches (>= 1)": self.num_microbatches >= 1,
-                  "logprob_chunk (>= 1)": self.logprob_chunk >= 1,
-                  "eval_fraction (in [0, 1))": 0.0 <= self.eval_fraction < 1.0,
-                  "train_path / train_examples (at most one)": not (self.train_path and self.train_examples),
-                  "eval_path / eval_examples (at most one)": not (self.eval_path and self.eval_examples)}
+                  **offline_checks(self)}
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             shown = {k: v for k, v in dataclasses.asdict(self).items() if not k.endswith("_examples")}

@@ -17,6 +17,15 @@ from posttrain.config.schema import CheckpointConfig, LoRAConfig, MeshConfig, Mo
 SHARED_SECTIONS = ("model", "mesh", "optim", "lora", "checkpoint", "train")
 
 
+def offline_checks(section) -> dict[str, bool]:
+    """{what must hold: whether it does} for the fields every offline section has (SFTConfig, DPOConfig)."""
+    s = section
+    return {"num_microbatches (>= 1)": s.num_microbatches >= 1, "logprob_chunk (>= 1)": s.logprob_chunk >= 1,
+            "eval_fraction (in [0, 1))": 0.0 <= s.eval_fraction < 1.0,
+            "train_path / train_examples (at most one)": not (s.train_path and s.train_examples),
+            "eval_path / eval_examples (at most one)": not (s.eval_path and s.eval_examples)}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SFTConfig:
     """The `sft` section. Data in TRL's formats (`posttrain.algos.sft.data`): `train_path` or `train_examples`,
@@ -55,11 +64,7 @@ class SFTConfig:
 
     def __post_init__(self):
         checks = {"seq_len (>= 2)": self.seq_len >= 2, "rows_per_step (>= 1)": self.rows_per_step >= 1,
-                  "num_microbatches (>= 1)": self.num_microbatches >= 1,
-                  "logprob_chunk (>= 1)": self.logprob_chunk >= 1,
-                  "eval_fraction (in [0, 1))": 0.0 <= self.eval_fraction < 1.0,
-                  "train_path / train_examples (at most one)": not (self.train_path and self.train_examples),
-                  "eval_path / eval_examples (at most one)": not (self.eval_path and self.eval_examples)}
+                  **offline_checks(self)}
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid {', '.join(bad)} in sft: seq_len={self.seq_len}, rows_per_step="
