@@ -27,6 +27,7 @@ from scipy import stats
 from posttrain.algos.dpo import data as data_lib
 from posttrain.algos.dpo import reference
 from posttrain.algos.dpo import step as dpo_step
+from posttrain.algos.sft.packing import step_rows
 from posttrain.checkpoints.policy import PolicySource, load_policy
 from posttrain.config.dpo import DPORunConfig, to_dict
 from posttrain.infra import mesh as mesh_lib
@@ -163,8 +164,6 @@ class Run:
 
     def batch(self, step: int) -> data_lib.PairBatch:
         """The host batch of `step`: pairs drawn epoch by epoch in a seeded order (a function of the step)."""
-        from posttrain.algos.sft.packing import step_rows
-
         d = self.plan.data
         chunk = [self.train_pairs[i] for i in step_rows(len(self.train_pairs), d.pairs_per_step, step, d.seed)]
         ref = reference.as_samples([p.pair_id for p in chunk], self.ref)

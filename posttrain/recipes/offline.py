@@ -20,11 +20,10 @@ import jax
 
 from posttrain.config import ConfigError
 from posttrain.infra import distributed, metrics as metrics_lib
-from posttrain.infra import mesh as mesh_lib
 from posttrain.infra.precision import resolve_policy
 from posttrain.learn.learner import Learner, batch_shardings
 from posttrain.recipes.grpo import NonFiniteError
-from posttrain.recipes.run_plan import TrainSettings
+from posttrain.recipes.run_plan import TrainSettings, resolve_mesh
 
 
 class OfflineRun(Protocol):
@@ -42,14 +41,7 @@ def layout(cfg, rows_key: str, rows: int, num_microbatches: int, num_devices: in
     """(mesh shape, rules, batch shards, precision policy) of an offline run config's `mesh` and `model` sections.
     Raises ConfigError when the mesh does not fit the devices, `rows` (named `rows_key`, e.g. "sft.rows_per_step")
     does not divide into `num_microbatches` x the mesh's batch shards, or the precision settings are invalid."""
-    num_devices = jax.device_count() if num_devices is None else num_devices
-    sizes = {axis: getattr(cfg.mesh, axis) for axis in mesh_lib.MESH_AXES}
-    try:
-        shape = mesh_lib.mesh_shape(sizes, num_devices)
-    except ValueError as e:
-        raise ConfigError(f"mesh {sizes} does not fit {num_devices} device(s): {e}") from e
-    rules = mesh_lib.rules_with_overrides(cfg.mesh.rules)
-    shards = mesh_lib.batch_shards(shape, rules)
+    shape, rules, shards = resolve_mesh(cfg.mesh, jax.device_count() if num_devices is None else num_devices)
     if rows % (num_microbatches * shards):
         section = rows_key.split(".")[0]
         raise ConfigError(f"{rows_key}={rows} does not divide into {section}.num_microbatches={num_microbatches} x "

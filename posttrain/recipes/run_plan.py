@@ -300,6 +300,18 @@ def _rows_and_split(cfg: Config, shape, shards: int) -> int:
     return split
 
 
+def resolve_mesh(mesh_cfg, num_devices: int) -> tuple[dict, tuple, int]:
+    """(axis sizes with no -1, logical-axis rules with the config's overlays, batch shards) of a `mesh` section on
+    `num_devices` devices (GRPO, SFT and DPO runs). Raises ConfigError when the mesh does not fit the devices."""
+    sizes = {axis: getattr(mesh_cfg, axis) for axis in mesh_lib.MESH_AXES}
+    try:
+        shape = mesh_lib.mesh_shape(sizes, num_devices)
+    except ValueError as e:
+        raise ConfigError(f"mesh {sizes} does not fit {num_devices} device(s): {e}") from e
+    rules = mesh_lib.rules_with_overrides(mesh_cfg.rules)  # validated with the config
+    return shape, rules, mesh_lib.batch_shards(shape, rules)
+
+
 def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str | None = None,
                   backend: str | None = None) -> RunPlan:
     """Derives and validates every run setting (no I/O).
@@ -312,14 +324,7 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
 
     cfg = with_loss_defaults(cfg)
     check_names(cfg)
-    num_devices = jax.device_count() if num_devices is None else num_devices
-    sizes = {axis: getattr(cfg.mesh, axis) for axis in mesh_lib.MESH_AXES}
-    try:
-        shape = mesh_lib.mesh_shape(sizes, num_devices)
-    except ValueError as e:
-        raise ConfigError(f"mesh {sizes} does not fit {num_devices} device(s): {e}") from e
-    rules = mesh_lib.rules_with_overrides(cfg.mesh.rules)  # validated with the config
-    shards = mesh_lib.batch_shards(shape, rules)
+    shape, rules, shards = resolve_mesh(cfg.mesh, jax.device_count() if num_devices is None else num_devices)
     split = _rows_and_split(cfg, shape, shards)
     try:
         s = cfg.sampling

@@ -25,7 +25,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 from flax import struct
 
-from posttrain.algos.sft.data import _turns, load_records
+from posttrain.algos.sft.data import _turns, load_records, split_records
 from posttrain.rollout import batching
 from posttrain.rollout.episodes import Sample
 from posttrain.types import RolloutBatch
@@ -131,8 +131,6 @@ def encode_pairs(tokenizer, records: Sequence[tuple[str, Mapping]], settings: Pa
 
 def load_pairs(settings: PairSettings, tokenizer) -> tuple[list[Pair], list[Pair]]:
     """(train pairs, held-out pairs) of the settings' data. Raises ValueError when there is no training pair."""
-    from posttrain.algos.sft.data import split_records
-
     train = load_records(settings.train_path, settings.train_records, "train_examples")
     held = load_records(settings.eval_path, settings.eval_records, "eval_examples")
     if not held and settings.eval_fraction:

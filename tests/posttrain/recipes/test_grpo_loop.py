@@ -42,14 +42,6 @@ if "test/Digit-v0" not in gymnasium.registry:
     gymnasium.register("test/Digit-v0", entry_point=DigitEnv)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla")))
-    yield
-
-
 def read(workdir):
     return [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
 
