@@ -4,7 +4,7 @@ The contracts live in pyproject.toml `[tool.importlinter]` and are checked with 
 (the dev extra), run here as a subprocess from the venv's bin directory: the `posttrain` phase packages as layers, the
 `envs` packages as layers, and `envs` importing neither `posttrain` nor JAX. A second test plants an upward import in
 a copy of the packages to show the linter catches it. An AST test enforces "RunPlan is the only reader of Config":
-outside posttrain/config/, posttrain/recipes/ and posttrain/cli.py no module imports `Config` or takes a parameter
+outside posttrain/config/, posttrain/recipes/ and posttrain/cli/ no module imports `Config` or takes a parameter
 annotated `Config`, and RunPlan carries no `Config` field.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ LINT_IMPORTS = pathlib.Path(sys.executable).parent / "lint-imports"
 CONTRACT_IDS = [c["id"] for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]]
 
 # Config may be read only here (paths relative to the checkout root).
-CONFIG_READERS = ("posttrain/config/", "posttrain/recipes/", "posttrain/cli.py")
+CONFIG_READERS = ("posttrain/config/", "posttrain/recipes/", "posttrain/cli/")
 CONFIG_MODULES = {"posttrain", "posttrain.config", "posttrain.config.schema"}  # modules that export `Config`
 CONFIG_NAME = re.compile(r"\bConfig\b")  # the identifier Config, not ModelConfig / RLConfig
 
@@ -126,5 +126,5 @@ def test_config_read_only_by_recipes():
         head = annotation.value if isinstance(annotation, ast.Subscript) else annotation
         if ast.unparse(head) != "dict":
             problems.append(f"RunPlan.config_dict must be a dict, is {ast.unparse(annotation)}")
-    assert not problems, ("Config read outside config/, recipes/ and cli.py, or carried by RunPlan (docs/design.md: "
+    assert not problems, ("Config read outside config/, recipes/ and cli/, or carried by RunPlan (docs/design.md: "
                           "RunPlan is the only reader of Config and holds only derived settings):\n" + "\n".join(problems))

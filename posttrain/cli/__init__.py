@@ -1,0 +1,81 @@
+"""`posttrain train|sft|dpo|eval|sample|convert|domains|plan`: the recipes' command line (absl flags, ml-collections).
+
+  posttrain train  --config=configs/quickstart.py [--config.rl.group_size=8 ...] [--workdir=DIR]   (GRPO)
+  posttrain sft    --config=configs/sft_tiny.py [--workdir=DIR]   (supervised fine-tuning on chat data)
+  posttrain dpo    --config=configs/dpo_tiny.py [--workdir=DIR]   (direct preference optimisation on pairs)
+  posttrain eval   --config=configs/quickstart.py --checkpoint=DIR   (DIR: a run's workdir)
+  posttrain eval   --suite=configs/eval/default.py --checkpoint=DIR [--baseline=base|RUN2] [--limit=N]
+                   [--domains=PATTERNS] [--out=DIR]   (a suite, paired verdicts vs the baseline; recipes/evaluate.py)
+  posttrain eval   --from_records=DIR [--suite=...]   (rescore a suite report's recorded replies, no sampling)
+  posttrain sample --prompt="What is 12 + 30?" [--model=PATH.gguf|HF_DIR | --checkpoint=DIR] [--max_new_tokens=64]
+                   [--temperature=0.7] [--seed=0]   (--checkpoint: a run's latest policy, its saved config.json)
+  posttrain convert --model=PATH.gguf|HF_DIR --out=HF_DIR [--dtype=bfloat16] [--max_shard_mb=4096]
+  posttrain convert --config=configs/X.py --checkpoint=DIR --out=HF_DIR  (a run's latest policy, LoRA merged)
+                    [--peft_out=DIR]  (LoRA runs: also the unmerged adapter in PEFT format)
+  posttrain domains [--pattern='*']  (registered domains: golden-check status + a sample task)
+  posttrain plan --config=configs/plan/kimi_k2.py --target=v5p-512|h200x256|cpu-8 [--json] [--prompt_len=512] [--nosampler]
+                 (compile the train step for that machine without it: fits? per-device memory, FLOPs)
+Multi-host: start one process per host with --distributed (launch/ has TPU-pod and SLURM scripts).
+"""
+from __future__ import annotations
+
+import sys
+
+from posttrain.cli.commands import (_enable_compilation_cache, _fake_cpu_devices_for_plan, cmd_convert,
+                                    cmd_domains, cmd_dpo, cmd_eval, cmd_plan, cmd_sample, cmd_sft, cmd_train)
+from posttrain.cli.flags import command_help, define_flags as _flags, flag_error_line
+
+# command name -> its function (a new command: a module of its own in this package, a line here, its usage lines
+# in the docstring above and its flags in flags.py)
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "convert": cmd_convert,
+            "domains": cmd_domains, "plan": cmd_plan, "sft": cmd_sft, "dpo": cmd_dpo}
+
+__all__ = ["COMMANDS", "command_help", "flag_error_line", "main"]
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv if argv is None else argv)
+    if len(argv) < 2 or argv[1] not in COMMANDS:
+        print(__doc__, file=sys.stderr)
+        return 2
+    command = argv.pop(1)
+    if command == "plan":
+        _fake_cpu_devices_for_plan(argv)
+    f = _flags()
+    if any(a in ("--help", "-h", "--helpshort", "--helpfull", "-help") for a in argv[1:]):
+        print(command_help(command, f))
+        return 0
+    try:
+        f(argv)
+    except Exception as e:  # absl raises its own error types for unknown/invalid flags
+        print(f"error: {flag_error_line(e, argv)}", file=sys.stderr)
+        return 2
+    from posttrain.config import ConfigError
+    from posttrain.infra import distributed
+    from posttrain.checkpoints.orbax import CheckpointCorruptError
+    from posttrain.recipes.grpo import RunNotFoundError
+    from posttrain.rollout.rollouter import EnvInfraError
+
+    distributed.initialize(True if f.distributed else None)
+    if command != "plan":  # a plan measures a real compile (time, buffer report): no persistent cache
+        _enable_compilation_cache()
+    try:
+        return COMMANDS[command](f)
+    except ConfigError as e:  # raised before any model load or worker start: one line, no traceback
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except RunNotFoundError as e:  # a command that reads a run found none: nothing created, no base model
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointCorruptError as e:  # every checkpoint of the run unreadable: never the base model instead
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except EnvInfraError as e:  # the envs, not the policy, failed a step: the first worker error, one line
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    except distributed.RunInterrupted as e:  # SIGINT / SIGTERM: the state was saved; 128 + the signal's number
+        import signal
+
+        print(f"interrupted: {e}", file=sys.stderr)
+        return 128 + int(getattr(signal, e.signal_name, signal.SIGINT))
+

@@ -1,0 +1,223 @@
+"""The commands of `posttrain` (each `cmd_<name>(flags) -> exit code`): thin, flags -> a recipe; errors a user
+can cause become one line on stderr in `posttrain.cli.main`."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+def _load_config(f):
+    from posttrain.config import from_config_dict
+
+    if f.config is None:
+        raise SystemExit("error: --config=configs/<name>.py is required (train: or --workdir=DIR of a run, to "
+                         "resume it with its saved settings)")
+    return from_config_dict(f.config)
+
+
+def _enable_compilation_cache():
+    import jax
+
+    path = os.environ.get("POSTTRAIN_XLA_CACHE", os.path.expanduser("~/.cache/posttrain/xla"))
+    if path and path != "0":
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
+
+
+def _sample_policy(f):
+    """(graphdef, state, tokenizer) for `sample`: the newest readable checkpoint of the run in --checkpoint (read
+    only, its saved config.json; `grpo.run_policy`), else --model (default: the SmolLM2 GGUF)."""
+    if f.checkpoint:
+        from flax import nnx
+
+        from posttrain.model.transformer import Transformer
+        from posttrain.recipes import grpo
+
+        if f.model:
+            raise SystemExit("error: sample takes one of --model=PATH and --checkpoint=RUN, not both")
+        cfg, state, tok = grpo.run_policy(_run_plan(f))
+        return nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))), state, tok
+    from posttrain.checkpoints import load_pretrained
+
+    pre = load_pretrained(f.model)
+    return pre.graphdef, pre.state, pre.tokenizer
+
+
+def cmd_sample(f) -> int:
+    import jax
+
+    from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
+
+    graphdef, state, tok = _sample_policy(f)
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": f.prompt}], add_generation_prompt=True))
+    prompts, lengths = pad_prompts([ids], tok.pad_id)
+    out = sample(graphdef, state, prompts, lengths, jax.random.key(f.seed), group_size=1,
+                 params=SamplingParams(max_new_tokens=f.max_new_tokens, temperature=f.temperature),
+                 stop_ids=tuple(tok.stop_ids), pad_id=tok.pad_id)
+    n = int(out.lengths_N[0])
+    print(tok.decode(list(map(int, out.tokens_NxLg[0, :n]))))
+    return 0
+
+
+def cmd_train(f) -> int:
+    from posttrain.recipes import grpo as loop
+    from posttrain.recipes.run_plan import make_run_plan
+
+    if f.config is None and f.workdir:  # resuming a run by its directory: the settings it saved
+        from posttrain.recipes.run_plan import config_for_run
+
+        cfg = config_for_run(f.workdir)
+    else:
+        cfg = _load_config(f)
+    plan = make_run_plan(cfg, workdir=f.workdir)  # every setting validated before any work
+    summary = loop.train(plan, progress=f.progress, allow_config_change=f.allow_config_change)
+    keys = ("start_step", "end_step", "train_wall_s", "peak_rss_gb", "env_episodes")
+    out = {k: summary.get(k) for k in keys}
+    for which in ("eval_start", "eval_end"):
+        if which in summary:
+            out[which] = summary[which].get("eval/pass@1")
+    print(json.dumps(out))
+    return 0
+
+
+def _run_plan(f):
+    """The run plan for the run in --checkpoint (its workdir): its saved config.json, or --config with the run's
+    own model and lora sections (`run_plan.config_for_run`)."""
+    import dataclasses
+
+    from posttrain.recipes.grpo import require_checkpoint
+    from posttrain.recipes.run_plan import config_for_run, make_run_plan
+
+    if not f.checkpoint:
+        raise SystemExit("error: --checkpoint=<run workdir> is required")
+    require_checkpoint(f.checkpoint)  # a mistyped directory: one line, nothing created
+    cfg = config_for_run(f.checkpoint, _load_config(f) if f.config is not None else None)
+    return make_run_plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint)))
+
+
+def cmd_sft(f) -> int:
+    """`posttrain sft --config=configs/sft_*.py [--workdir=DIR]`: supervised fine-tuning (`recipes.sft`); prints
+    the summary's steps and held-out perplexities as one JSON line."""
+    from posttrain.config.sft import sft_config_from_dict
+    from posttrain.recipes import sft
+
+    return _offline(f, sft_config_from_dict, sft.make_sft_plan, sft.train, "sft/ppl")
+
+
+def cmd_dpo(f) -> int:
+    """`posttrain dpo --config=configs/dpo_*.py [--workdir=DIR]`: direct preference optimisation (`recipes.dpo`);
+    prints the summary's steps and held-out pair accuracies as one JSON line."""
+    from posttrain.config.dpo import dpo_config_from_dict
+    from posttrain.recipes import dpo
+
+    return _offline(f, dpo_config_from_dict, dpo.make_dpo_plan, dpo.train, "dpo/eval_accuracy")
+
+
+def _offline(f, load, make_plan, train, eval_key: str) -> int:
+    """An offline recipe's command: config -> plan -> train; prints steps, wall time, peak RSS and the held-out
+    `eval_key` at the start and the end as one JSON line."""
+    if f.config is None:
+        raise SystemExit("error: --config=configs/<name>.py is required")
+    summary = train(make_plan(load(f.config), workdir=f.workdir), progress=f.progress)
+    out = {k: summary.get(k) for k in ("start_step", "end_step", "train_wall_s", "peak_rss_gb")}
+    out.update({k: summary[k].get(eval_key) for k in ("eval_start", "eval_end") if k in summary})
+    print(json.dumps(out))
+    return 0
+
+
+def cmd_eval(f) -> int:
+    if f.suite or f.from_records:
+        from posttrain.config import ConfigError
+        from posttrain.recipes import evaluate
+
+        if not (f.from_records or f.checkpoint):
+            raise SystemExit("error: --checkpoint=<run workdir> is required")
+        try:
+            result = (evaluate.rescore_folder(f.from_records, suite_path=f.suite, out=f.out) if f.from_records else
+                      evaluate.evaluate_suite(f.suite, f.checkpoint, baseline=f.baseline, limit=f.limit,
+                                              domains=f.domains, out=f.out,
+                                              cfg=_load_config(f) if f.config is not None else None))
+        except (ConfigError, evaluate.grpo.RunNotFoundError):
+            raise  # main() prints them in one line with exit code 2
+        except (ValueError, FileNotFoundError) as e:  # a bad suite, selection or records folder
+            raise SystemExit(f"error: {' '.join(str(e).split())}") from None
+        print(result.pop("text"))
+        print(json.dumps(result))
+        return 0
+    from posttrain.recipes import grpo
+
+    step, m = grpo.evaluate_run(_run_plan(f))
+    print(json.dumps({"step": step, **m}))
+    return 0
+
+
+def cmd_convert(f) -> int:
+    from posttrain.checkpoints import load_pretrained
+    from posttrain.checkpoints.export import export_hf
+
+    if not f.out:
+        raise SystemExit("error: --out=<directory> is required")
+    if f.checkpoint:
+        from posttrain.recipes import grpo
+
+        cfg, state, tokenizer = grpo.run_policy(_run_plan(f))
+    else:
+        pre = load_pretrained(f.model)
+        cfg, state, tokenizer = pre.config, pre.state, pre.tokenizer
+    if f.peft_out:
+        from posttrain.checkpoints.peft import export_peft
+
+        if not (cfg.lora and cfg.lora.rank):
+            raise SystemExit("error: --peft_out needs a LoRA run (--checkpoint of a run with lora.rank > 0)")
+        print(export_peft(cfg, state, f.peft_out, dtype=f.dtype))
+    print(export_hf(cfg, state, f.out, tokenizer=tokenizer, dtype=f.dtype, max_shard_bytes=f.max_shard_mb << 20))
+    return 0
+
+
+def cmd_domains(f) -> int:
+    """Prints every registered domain matching --pattern with its golden-check status (`envs.tasks.domains`)."""
+    from envs.tasks import domains
+    try:
+        checks = domains.summary(f.pattern)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(domains.format_listing(checks))
+    return 0
+
+
+def cmd_plan(f) -> int:
+    """Compiles the config's train step for --target and prints the per-device report; exit 1 when it does not fit."""
+    from posttrain.recipes.dryrun import plan_train_step
+
+    cfg = _load_config(f)
+    from posttrain.config import ConfigError
+
+    try:
+        report = plan_train_step(cfg, f.target, prompt_len=f.prompt_len, sampler=f.sampler)
+    except ConfigError:
+        raise  # main() prints it in one line with exit code 2
+    except (ValueError, RuntimeError, AssertionError) as e:  # AssertionError: assert_sufficiently_sharded
+        raise SystemExit(f"error: {' '.join(str(e).split())}") from None
+    if f.json:
+        print(json.dumps(report))
+    else:
+        for k, v in report.items():
+            print(f"{k:>20}: {round(v, 3) if isinstance(v, float) else v}")
+    if not report["fits"]:
+        from posttrain.recipes.dryrun import fit_verdict
+
+        print(f"error: {fit_verdict(report, f.target)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _fake_cpu_devices_for_plan(argv) -> None:
+    """`plan --target=cpu-N` needs N CPU devices: ask XLA before JAX starts (unless XLA_FLAGS has it); nothing is
+    set once JAX is imported (`main` called in a running program: the flag could only reach its subprocesses)."""
+    if "jax" in sys.modules:
+        return
+    target = next((a.split("=", 1)[1] for a in argv if a.startswith("--target=")), "cpu-8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # TPU/GPU targets compile through their plugins' topologies
+    if target.startswith("cpu-") and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={target[4:]}").strip()

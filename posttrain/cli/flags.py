@@ -1,0 +1,109 @@
+"""The command line's flags (absl) and their help: every flag of every command is defined here, once; a flag
+belongs to the commands its help names before a colon ("eval/convert: ..."), or to those in `_SHARED_FLAGS`."""
+from __future__ import annotations
+
+def define_flags():
+    from absl import flags
+    from ml_collections import config_flags
+
+    f = flags.FLAGS
+    if f.is_parsed():  # an earlier main() in this process: its values and --config.* override flags go
+        f.unparse_flags()
+    for name in [n for n in f if n.startswith("config.")]:
+        delattr(f, name)
+    if "workdir" not in f:
+        config_flags.DEFINE_config_file("config", None, "a configs/*.py file defining get_config()")
+        flags.DEFINE_string("workdir", None, "output directory (default: config.train.workdir)")
+        flags.DEFINE_string("checkpoint", None, "eval/convert/sample: the workdir of a run whose latest checkpoint "
+                            "to use (read only)")
+        flags.DEFINE_string("prompt", "What is 12 + 30?", "sample: the user message")
+        flags.DEFINE_string("model", None, "sample/convert: a .gguf file or HF directory (default: SmolLM2 GGUF)")
+        flags.DEFINE_string("out", None, "convert: output directory (a complete HF model directory); eval --suite: "
+                            "the report folder (default <checkpoint>/eval/<suite name>)")
+        flags.DEFINE_string("suite", None, "eval: a configs/eval/*.py suite (domains by capability area)")
+        flags.DEFINE_string("baseline", None, "eval --suite: 'base' (the run's initial policy) or a run's workdir")
+        flags.DEFINE_integer("limit", None, "eval --suite: at most this many tasks per domain")
+        flags.DEFINE_string("domains", None, "eval --suite: only these domains (names or patterns, comma-separated)")
+        flags.DEFINE_string("from_records", None, "eval: rescore the records of a suite report folder (no sampling)")
+        flags.DEFINE_string("dtype", None, "convert: float32|bfloat16|float16 of the written weights "
+                            "(default: the model's parameter dtype)")
+        flags.DEFINE_integer("max_shard_mb", 4096, "convert: safetensors shard size limit in MiB")
+        flags.DEFINE_string("peft_out", None, "convert --checkpoint of a LoRA run: also write the adapter "
+                            "(adapter_config.json + adapter_model.safetensors) here")
+        flags.DEFINE_integer("max_new_tokens", 64, "sample: tokens to generate")
+        flags.DEFINE_string("pattern", "*", "domains: domain names or patterns, comma-separated")
+        flags.DEFINE_float("temperature", 0.0, "sample: 0 = greedy")
+        flags.DEFINE_integer("seed", 0, "sample: the sampling stream (temperature > 0: another seed, another reply)")
+        flags.DEFINE_bool("progress", True, "train: show a progress bar")
+        flags.DEFINE_bool("allow_config_change", False, "train: resume a run with settings other than its saved "
+                          "config.json (each change recorded with its step in config_changes.jsonl)")
+        flags.DEFINE_string("target", "cpu-8", "plan: cpu-N | v5p-N (TensorCores) | h200xN")
+        flags.DEFINE_bool("json", False, "plan: print one JSON line")
+        flags.DEFINE_integer("prompt_len", 512, "plan: prompt tokens per sequence (completions: sampling.max_new_tokens)")
+        flags.DEFINE_bool("sampler", True, "plan: also compile the rollout sampler (prefill + decode loop)")
+        flags.DEFINE_bool("distributed", False, "multi-host: call jax.distributed.initialize() first "
+                          "(also on with POSTTRAIN_DISTRIBUTED=1; see launch/)")
+    return f
+
+
+# flags every command that takes them reads (the others are named by their help's "command:" prefixes)
+_SHARED_FLAGS = {"config": ("train", "sft", "dpo", "eval", "convert", "plan"), "workdir": ("train", "sft", "dpo"),
+                 "distributed": "every command"}
+
+
+def command_help(command: str, f) -> str:
+    """`posttrain <command> --help`: the command's usage lines (from this module's docstring) and its flags with
+    their defaults and help; a flag belongs to a command its help names before a colon ("eval/convert: ...")."""
+    import re
+
+    import posttrain.cli
+
+    lines = posttrain.cli.__doc__.splitlines()
+    usage, inside = [], False
+    for line in lines:
+        if line.startswith(f"  posttrain {command} ") or line == f"  posttrain {command}":
+            inside = True
+        elif not line.startswith("    ") or line.startswith("  posttrain "):
+            inside = False
+        if inside:
+            usage.append(line)
+    out = [f"usage: posttrain {command} [flags]", *usage, "", "flags:"]
+    for name, flag in sorted(f._flags().items()):
+        if name != flag.name or name.startswith("config."):
+            continue
+        owners = re.findall(r"(?:^|[;,] *)([a-z/]+)(?: --\w+)?:", flag.help or "")
+        commands = {c for owner in owners for c in owner.split("/")}
+        shared = _SHARED_FLAGS.get(name, ())
+        if shared == "every command" or command in shared or command in commands:
+            out.append(f"  --{name}={flag.default!r}: {' '.join((flag.help or '').split())}")
+    if command in _SHARED_FLAGS["config"]:
+        import dataclasses
+
+        from posttrain.config import Config
+
+        sections = [field.name for field in dataclasses.fields(Config)]
+        out.append(f"  --config.<section>.<key>=VALUE: override any key of the --config file; sections: {sections} "
+                   "(keys: the config file, posttrain/config/schema.py)")
+    return "\n".join(out)
+
+
+def flag_error_line(e: BaseException, argv) -> str:
+    """One line for a command-line error; an unknown --config.* key names the key and ml_collections' suggestion
+    (which arrives as the repr of a KeyError inside absl's error), or without one the keys that exist there."""
+    chain, c = [], e
+    while c is not None and all(c is not x for x in chain):
+        chain.append(c)
+        c = c.__cause__ or c.__context__
+    for c in chain:
+        if isinstance(c, KeyError) and c.args and isinstance(c.args[0], str):
+            key, _, hint = c.args[0].partition("\n")
+            key = key.strip("'\"")
+            flag = next((a.split("=")[0] for a in argv if a.startswith("--config.")
+                         and key in a.split("=")[0].split(".")), key)
+            if not hint.strip():  # no close match: name the keys that exist there
+                from posttrain.config.load import unknown_key_message
+
+                value = next((a.split("=", 1)[1] for a in argv if a.startswith(f"{flag}=")), "...")
+                return unknown_key_message(flag.removeprefix("--"), key, value)
+            return f"unknown config key {flag.removeprefix('--')}: {hint.strip()}"
+    return " ".join(str(e).split())
