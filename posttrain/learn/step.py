@@ -104,26 +104,35 @@ def update_routing_bias(frozen, load_LxE, rate: float):
 def apply_update(state: TrainState, loss, grads, metrics: dict, tx: optax.GradientTransformation, lr_schedule,
                  settings: StepSettings):
     """One optimizer update (+ the routing-bias update); returns (state, metrics with optim/*, moe/* and
-    policy/skipped_nonfinite). A non-finite loss or gradient norm is never applied (see the module doc)."""
+    policy/skipped_nonfinite). A non-finite loss or gradient norm is never applied (see the module doc).
+
+    The skip is a `lax.cond` between the update and the unchanged state, not an element-wise select of new and
+    old values: a select reads every old parameter and moment after the new ones exist, so XLA copies the donated
+    optimizer state each step (on the CPU two full copies of the Adam moments, and their page faults)."""
     grad_norm = optax.global_norm(grads)
     gate = metrics[settings.loss_metric] if settings.loss_metric else loss
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(gate)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    frozen = state.frozen
     metrics = dict(metrics)
-    if "moe/expert_load" in metrics:
-        load = metrics.pop("moe/expert_load")
+    load = metrics.pop("moe/expert_load", None)
+    if load is not None:
         metrics["moe/expert_load_max"] = load.max()
         metrics["moe/expert_load_min"] = load.min()
-        if settings.bias_update_rate:
+
+    def applied(params, opt_state, frozen, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        if load is not None and settings.bias_update_rate:
             frozen = update_routing_bias(frozen, load, settings.bias_update_rate)
+        return optax.apply_updates(params, updates), opt_state, frozen
+
+    def skipped(params, opt_state, frozen, grads):
+        return params, opt_state, frozen
+
+    params, opt_state, frozen = jax.lax.cond(finite, applied, skipped, state.params, state.opt_state, state.frozen,
+                                             grads)
     metrics["optim/grad_norm"] = grad_norm
     metrics["optim/lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
     metrics["policy/skipped_nonfinite"] = (~finite).astype(jnp.float32)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-    return state.replace(step=state.step + 1, params=keep(params, state.params),
-                         opt_state=keep(opt_state, state.opt_state), frozen=keep(frozen, state.frozen)), metrics
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, frozen=frozen), metrics
 
 
 def update(loss_fn: LossFn, state: TrainState, batch, context, tx, lr_schedule, settings: StepSettings):
