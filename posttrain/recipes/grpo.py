@@ -27,7 +27,7 @@ from posttrain.learn.learner import Learner
 from posttrain.recipes import run_plan as run_plan_lib
 from posttrain.recipes.run_plan import RunPlan, make_run_plan
 from posttrain.rollout.rollouter import Rollouter, write_jsonl
-from posttrain.tasks import archive
+from posttrain.tasks import archive, view
 
 
 class RunNotFoundError(FileNotFoundError):
@@ -341,6 +341,7 @@ class _Loop:
             m.update(metrics_lib.step_perf(traj.num_tokens, t0, t1, time.perf_counter()))
             if self.writer:
                 archive.write_step(plan.workdir, step, traj.records)
+                view.write_status(plan.workdir, rollouter.status(step))  # `posttrain status` reads it
             if learner.nonfinite_run >= plan.train.max_nonfinite_skips:
                 raise NonFiniteError(f"stopped at step {learner.step}: {learner.nonfinite_run} consecutive steps had "
                                      "a non-finite loss or gradient (nothing was applied; checkpoint saved at step "
