@@ -1,0 +1,140 @@
+"""The evaluation gate of the training loop: from a paired comparison of the current policy against the run's
+initial policy (`posttrain.eval.compare`), which domains regressed beyond the allowed drop, what the run does
+(pass / warn / stop), and which checkpoint is the best so far. Pure functions of plain values; no JAX, no I/O.
+
+Dimension legend: M domains of the suite.
+
+A domain regresses when its pass@1 verdict is "regressed" (exact McNemar, Holm-adjusted across the M domains at
+`alpha`) and its pass@1 fell by more than `max_drop` (baseline - candidate, a share of tasks). The best checkpoint
+is the one with the highest task-weighted mean pass@1 over the suite's trained domains (`trained_score`; ties: the
+later step).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+ACTIONS = ("warn", "stop")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GateSettings:
+    """The in-loop suite and its gate (built by `posttrain.recipes.run_plan` from `eval.suite`, `eval.every_steps`
+    and `eval.gate`).
+
+    Attributes:
+        suite: the parsed suite (`posttrain.eval.suite.Suite`).
+        every_steps: run the suite after every this many completed steps (>= 1).
+        action: "warn" or "stop" (ACTIONS) on a regression beyond max_drop.
+        max_drop: the pass@1 drop (share of tasks, in [0, 1)) a significant regression must exceed.
+        alpha: family-wise level of the verdicts (Holm across the suite's domains), in (0, 1).
+    """
+
+    suite: Any
+    every_steps: int
+    action: str = "warn"
+    max_drop: float = 0.0
+    alpha: float = 0.05
+
+    def due(self, step: int) -> bool:
+        """Whether the suite runs after `step` completed steps (step 0, the baseline, is sampled at the start)."""
+        return step > 0 and step % self.every_steps == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DomainRow:
+    """One domain of a comparison: its pass@1 verdict ("improved" | "no change" | "regressed"), the baseline's and
+    the candidate's pass@1 (shares of tasks) and its task count."""
+
+    domain: str
+    verdict: str
+    baseline: float
+    candidate: float
+    tasks: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class GateDecision:
+    """The gate's decision at one step. regressed: domains regressed beyond max_drop, with their drops
+    (baseline - candidate pass@1); improved: domains with an "improved" verdict; action: "pass", "warn" or "stop";
+    score: this step's `trained_score`; best_step / best_score: the best checkpoint so far (this one when
+    new_best)."""
+
+    step: int
+    regressed: Mapping[str, float]
+    improved: tuple[str, ...]
+    action: str
+    score: float
+    best_step: int
+    best_score: float
+    new_best: bool
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "regressed": dict(self.regressed), "improved": list(self.improved)}
+
+
+def regressions(rows: Sequence[DomainRow], max_drop: float) -> dict[str, float]:
+    """{domain: drop} of the rows whose verdict is "regressed" and whose pass@1 drop exceeds `max_drop`. Raises
+    ValueError for a verdict outside improved / no change / regressed or max_drop outside [0, 1)."""
+    if not 0.0 <= max_drop < 1.0:
+        raise ValueError(f"max_drop must be in [0, 1), got {max_drop}")
+    out = {}
+    for r in rows:
+        if r.verdict not in ("improved", "no change", "regressed"):
+            raise ValueError(f"domain {r.domain!r}: unknown verdict {r.verdict!r}")
+        drop = r.baseline - r.candidate
+        if r.verdict == "regressed" and drop > max_drop:
+            out[r.domain] = drop
+    return out
+
+
+def trained_score(rows: Sequence[DomainRow], trained: Sequence[str]) -> float:
+    """The task-weighted mean candidate pass@1 over the rows of the `trained` domains (sum of pass@1 x tasks over
+    their tasks); over every row when no row is a trained domain. Raises ValueError for no rows."""
+    if not rows:
+        raise ValueError("trained_score of no domains")
+    picked = [r for r in rows if r.domain in set(trained)] or list(rows)
+    tasks = sum(r.tasks for r in picked)
+    return sum(r.candidate * r.tasks for r in picked) / tasks
+
+
+def decide(rows: Sequence[DomainRow], *, step: int, action: str, max_drop: float, trained: Sequence[str],
+           best: tuple[int, float] | None = None) -> GateDecision:
+    """The decision at `step` (see the module docstring) given the previous best (step, score) or None. Raises
+    ValueError for an action outside ACTIONS (and as `regressions`)."""
+    if action not in ACTIONS:
+        raise ValueError(f"gate action must be one of {ACTIONS}, got {action!r}")
+    regressed = regressions(rows, max_drop)
+    score = trained_score(rows, trained)
+    new_best = best is None or score >= best[1]
+    best_step, best_score = (step, score) if new_best else best
+    return GateDecision(step, regressed, tuple(r.domain for r in rows if r.verdict == "improved"),
+                        action if regressed else "pass", score, best_step, best_score, new_best)
+
+
+def gate_metrics(decision: GateDecision, rows: Sequence[DomainRow]) -> dict[str, float]:
+    """The eval/gate/* metrics of a decision: regressed / improved (domain counts), warn / stop (0 or 1), score,
+    best_score, best_step, and per domain eval/gate/<domain>/pass@1 (candidate) and .../diff (candidate -
+    baseline)."""
+    out = {"eval/gate/regressed": float(len(decision.regressed)), "eval/gate/improved": float(len(decision.improved)),
+           "eval/gate/warn": float(decision.action == "warn"), "eval/gate/stop": float(decision.action == "stop"),
+           "eval/gate/score": decision.score, "eval/gate/best_score": decision.best_score,
+           "eval/gate/best_step": float(decision.best_step)}
+    for r in rows:
+        out[f"eval/gate/{r.domain}/pass@1"] = r.candidate
+        out[f"eval/gate/{r.domain}/diff"] = r.candidate - r.baseline
+    return out
+
+
+def rows_of(comparison) -> list[DomainRow]:
+    """The DomainRows of a `posttrain.eval.compare.Comparison` (pass@1 verdicts and means)."""
+    return [DomainRow(d.domain, d.verdict, d.pass_at_1.baseline, d.pass_at_1.candidate, d.tasks)
+            for d in comparison.domains]
+
+
+def message(decision: GateDecision, table: str) -> str:
+    """The warning / stop line of a decision with regressions: the step, each regressed domain and its drop, and
+    where the table is."""
+    listed = ", ".join(f"{d} (pass@1 -{drop:.3f})" for d, drop in decision.regressed.items())
+    verb = "stopping the run" if decision.action == "stop" else "training on (eval.gate.action=warn)"
+    return f"eval gate at step {decision.step}: regressed against the initial policy: {listed}; {verb}; table: {table}"
