@@ -128,13 +128,13 @@ class DomainState:
         self.last = dict.fromkeys(COUNTERS, 0)
 
     def metrics(self, prefix: str) -> dict[str, float]:
-        """`<prefix>/{share,quota_used,cpu_s,retries,infra_error_rate,pass_rate,skipped_frac,quarantined,breaker,
-        credit,cost_s,episodes}`: last step (share of its slots, env CPU s and its fraction of max_env_cpu_s, ...)
-        and run totals (quarantined, episodes); rates -1 where nothing was measured."""
+        """`<prefix>/{share,quota_used,cpu_s,retries,infra_errors,infra_error_rate,pass_rate,skipped_frac,quarantined,
+        breaker,credit,cost_s,episodes}`: last step (share of its slots, env CPU s and its fraction of max_env_cpu_s,
+        infra-error sample runs, ...) and run totals (quarantined, episodes); rates -1 where nothing was measured."""
         last, cap = self.last, self.policy.max_env_cpu_s
         return {f"{prefix}/share": _ratio(last["groups"], last["slots"], 0.0),
                 f"{prefix}/quota_used": last["cpu_s"] / cap if cap else 0.0, f"{prefix}/cpu_s": float(last["cpu_s"]),
-                f"{prefix}/retries": float(last["retries"]),
+                f"{prefix}/retries": float(last["retries"]), f"{prefix}/infra_errors": float(last["infra_errors"]),
                 f"{prefix}/infra_error_rate": _ratio(last["infra_errors"], last["episodes"]),
                 f"{prefix}/pass_rate": _ratio(last["passes"], last["scored"]),
                 f"{prefix}/skipped_frac": _ratio(last["skipped"], last["skipped"] + last["fresh"], 0.0),
