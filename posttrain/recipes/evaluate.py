@@ -11,8 +11,10 @@ so the same policy twice gives the same samples and a new seed gives an independ
 run's initial policy (before its first update). The comparison (`posttrain.eval.compare`, at the suite's alpha) is
 written as Markdown, JSON and a PNG forest plot (`posttrain.eval.report`).
 
-Output folder (--out, default <checkpoint>/eval/<suite name>): suite.json; candidate/ and baseline/ (records.jsonl,
-results.json: task_set_hash, summary, step, seconds by domain); comparison.md, comparison.json, forest.png.
+Output folder (--out, default `eval_reports/<run name>/<suite name>-step<N>` under the current directory, N the
+evaluated checkpoint's step; the run's folder is only read, as `lm_eval --output_path` writes beside, never into,
+the model it reads): suite.json; candidate/ and baseline/ (records.jsonl, results.json: task_set_hash, summary,
+step, seconds by domain); comparison.md, comparison.json, forest.png.
 """
 from __future__ import annotations
 
@@ -134,11 +136,17 @@ def evaluate_suite(suite_path: str, checkpoint: str, *, baseline: str | None = N
         other = evaluate_policies(base_plan, built, with_base=False, sampling_plan=plan)["run"]
         evaluations["baseline"] = _evaluation(str(baseline), *other, ks, described)
     evaluations = dict(sorted(evaluations.items()))  # baseline first
-    folder = pathlib.Path(out) if out else pathlib.Path(checkpoint) / "eval" / suite.name
+    folder = pathlib.Path(out) if out else default_out(checkpoint, suite.name, evaluations["candidate"]["step"])
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "suite.json").write_text(json.dumps(described, indent=2))
     text = write_report(folder, evaluations, suite.alpha, skipped)
     return _result(folder, text, evaluations, skipped)
+
+
+def default_out(checkpoint, suite_name: str, step: int) -> pathlib.Path:
+    """The default report folder: eval_reports/<run name>/<suite name>-step<step> under the current directory
+    (outside the run: a command that reads a run never writes into it)."""
+    return pathlib.Path("eval_reports") / pathlib.Path(checkpoint).resolve().name / f"{suite_name}-step{step}"
 
 
 def _result(folder, text, evaluations, skipped) -> dict:

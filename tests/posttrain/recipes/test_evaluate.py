@@ -1,6 +1,7 @@
 """`posttrain eval --suite` on the tiny model: a run's checkpoint against its base policy, paired by task, the report
 files, the skipped domain, rescoring the written records (--from_records) and eval.seed in the run plan."""
 import json
+import pathlib
 
 import pytest
 from absl.testing import flagsaver
@@ -10,6 +11,8 @@ from posttrain import cli
 from posttrain.eval import records as records_lib
 from posttrain.recipes import evaluate, grpo
 from posttrain.recipes.run_plan import make_run_plan
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +72,22 @@ def test_bad_suite_invocations_fail_clearly(run_dir, tmp_path, capsys):
 def test_eval_seed_sets_the_sampling_stream(tmp_path):
     assert make_run_plan(tiny_config(tmp_path, **{"eval.seed": 7})).eval.seed == 7
     assert make_run_plan(tiny_config(tmp_path, **{"train.seed": 3})).eval.seed == 4  # -1: train.seed + 1
+
+
+def _tree(folder):
+    """{relative path: (size, mtime_ns)} of every file and folder under `folder`."""
+    return {str(p.relative_to(folder)): (p.stat().st_size if p.is_file() else -1, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*"))}
+
+
+def test_suite_report_goes_outside_the_run_which_stays_byte_identical(run_dir, tmp_path, monkeypatch, capsys):
+    """eval only reads a run (issue 29 item 2): the default report folder is eval_reports/<run>/<suite>-step<N>
+    under the current directory, and the run's files, sizes and mtimes are unchanged."""
+    before = _tree(run_dir)
+    monkeypatch.chdir(tmp_path)
+    assert main(f"--suite={ROOT / 'configs/eval/tiny.py'}", f"--checkpoint={run_dir}",
+                "--domains=arithmetic", "--limit=4") == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["out"]
+    assert out == f"eval_reports/{run_dir.name}/tiny-step0"
+    assert (tmp_path / out / "candidate" / "records.jsonl").is_file()
+    assert _tree(run_dir) == before
