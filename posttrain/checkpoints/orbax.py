@@ -175,13 +175,15 @@ class Checkpointer:
       async_save: write files in a background thread (`save` returns after the device-to-host copy).
       read_only: for readers next to a running trainer (evaluation): never writes, renames or deletes
         anything (no tmp cleanup, no quarantine); `save` raises ValueError.
+      best_metric: a key of the `metrics` some saves carry: the checkpoint with its highest value is kept in
+        addition to the `keep` newest (orbax's BestN beside LatestN; ties: the later step). None: only the newest.
     Raises:
       ValueError: every_steps < 1 or keep < 1.
     Use as a context manager, or call `close()`, so the last async save is committed before exit.
     """
 
     def __init__(self, directory, *, every_steps: int, keep: int, async_save: bool = True,
-                 read_only: bool = False):
+                 read_only: bool = False, best_metric: str | None = None):
         if int(every_steps) < 1:
             raise ValueError(f"every_steps must be >= 1, got {every_steps}")
         if int(keep) < 1:
@@ -193,8 +195,12 @@ class Checkpointer:
         self.restored_step: int | None = None  # the step the last `restore` actually read
         # steps the last `restore(None)` passed over: {"step", "error", "moved_to" (None: left in place)}
         self.unreadable: list[dict] = []
+        policy = ocp.checkpoint_managers.LatestN(n=self.keep)
+        if best_metric:
+            policy = ocp.checkpoint_managers.AnyPreservationPolicy([policy, ocp.checkpoint_managers.BestN(
+                get_metric_fn=lambda m: m[best_metric], n=1, keep_checkpoints_without_metrics=False)])
         options = ocp.CheckpointManagerOptions(
-            preservation_policy=ocp.checkpoint_managers.LatestN(n=self.keep),
+            preservation_policy=policy, best_fn=(lambda m: m[best_metric]) if best_metric else None,
             enable_async_checkpointing=self.async_save, cleanup_tmp_directories=not self.read_only,
             create=not self.read_only, read_only=self.read_only)
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
@@ -227,12 +233,13 @@ class Checkpointer:
         return int(step) % self.every_steps == 0 and int(step) not in self._mngr.all_steps()
 
     # -------------------------------------------------------------------------------------------- save
-    def save(self, step: int, state, meta: dict, *, force: bool = False) -> bool:
+    def save(self, step: int, state, meta: dict, *, force: bool = False, metrics: dict | None = None) -> bool:
         """Starts saving `state` (any pytree of arrays / typed keys) and `meta` (JSON dict) as `step`.
 
         Saves when `should_save(step)` or `force` (e.g. the final step); a step that already exists is never
         overwritten (returns False). With async_save, returns once the arrays are on the host; the state may then
-        be donated or modified. Returns True when a save was started.
+        be donated or modified. `metrics` ({name: float}) rank it for `best_metric`. Returns True when a save was
+        started.
         Raises:
           TypeError: meta is not a JSON-serialisable dict, or a state leaf is not an array.
           ValueError: step < 0, or the Checkpointer is read-only.
@@ -254,7 +261,7 @@ class Checkpointer:
         records = [_record(c, leaf, v) for c, leaf, v in leaves]
         stored = _nest([(c, jax.random.key_data(x) if _is_key(x) else x) for c, x, _ in leaves])
         manifest = {"format": FORMAT_VERSION, "step": step, "leaves": records}
-        self._mngr.save(step, force=True, args=ocp.args.Composite(
+        self._mngr.save(step, force=True, metrics=metrics, args=ocp.args.Composite(
             state=ocp.args.StandardSave(stored), meta=ocp.args.JsonSave(meta),
             manifest=ocp.args.JsonSave(manifest)))
         return True

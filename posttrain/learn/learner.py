@@ -43,6 +43,8 @@ class LearnerSettings:
         checkpoint: the config's checkpoint section (interval, kept count, async writes).
         rules: logical-axis rules (`posttrain.infra.mesh.RULES` with the run's overlays; batch sharding).
         config_dict: the run's config as a plain dict, stored with every checkpoint.
+        best_metric: keep the checkpoint with the highest value of this metric (given to `save`) beside the
+            `checkpoint.keep` newest (the evaluation gate's "eval/gate/score"); None: only the newest.
     """
 
     workdir: pathlib.Path
@@ -53,6 +55,7 @@ class LearnerSettings:
     checkpoint: CheckpointConfig = CheckpointConfig()
     rules: tuple = mesh_lib.RULES
     config_dict: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    best_metric: str | None = None
 
 
 def batch_shardings(mesh, batch: RolloutBatch | None = None, rules=mesh_lib.RULES,
@@ -120,7 +123,8 @@ class Learner:
         step_fn = step_lib.jit_step(build_step(graphdef, opt.tx, opt.lr_schedule, model_config), state_sh, batch_sh)
         c = settings.checkpoint
         ckpt = Checkpointer(settings.workdir / "checkpoints", every_steps=c.every_steps, keep=c.keep,
-                            async_save=c.async_save, read_only=read_only)
+                            async_save=c.async_save, read_only=read_only,
+                            best_metric=None if read_only else settings.best_metric)
         return cls(settings=settings, mesh=mesh, model_config=model_config, graphdef=graphdef, state=state,
                    state_shardings=state_sh, batch_shardings=batch_sh, step_fn=step_fn, checkpointer=ckpt)
 
@@ -161,13 +165,13 @@ class Learner:
         self.state, meta = self.checkpointer.restore(None, self.state)
         return meta
 
-    def save(self, rollout_state: Mapping, *, force: bool = False) -> None:
+    def save(self, rollout_state: Mapping, *, force: bool = False, metrics: Mapping | None = None) -> None:
         """Saves the state at its step when the checkpoint interval says so (or `force`), with the rollouter's
-        state and the config as metadata."""
+        state and the config as metadata, and `metrics` (ranked by `settings.best_metric`)."""
         if force or self.checkpointer.should_save(self.step):
             trim_host_heap()
             self.checkpointer.save(self.step, self.state, {**rollout_state, "config": dict(self.settings.config_dict)},
-                                   force=force)
+                                   force=force, metrics=dict(metrics) if metrics else None)
 
     def wait(self) -> None:
         """Blocks until pending (async) saves are on disk."""

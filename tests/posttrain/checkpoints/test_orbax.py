@@ -99,6 +99,23 @@ def test_should_save_every_n_force_at_end_and_keep_k(tmp_path):
     assert meta == {"step": 9} and float(restored["w"][0]) == 9.0 and int(restored["step"]) == 9
 
 
+def test_best_metric_keeps_the_best_checkpoint_beside_the_newest(tmp_path):
+    """best_metric: the save with the highest metric stays beside the `keep` newest, also after a reopen (the
+    evaluation gate's best checkpoint); saves without metrics are kept by recency only."""
+    state = {"w": jnp.zeros((2,))}
+    scores = {2: 0.5, 4: 0.9, 6: 0.2, 8: 0.9}  # ties: the later step
+    with Checkpointer(tmp_path, every_steps=1, keep=1, best_metric="score") as ck:
+        for step in range(1, 8):
+            ck.save(step, state, {}, metrics={"score": scores[step]} if step in scores else None)
+        ck.wait()
+        assert ck.all_steps() == [4, 7]
+    with Checkpointer(tmp_path, every_steps=1, keep=1, best_metric="score") as ck:
+        ck.save(8, state, {}, metrics={"score": scores[8]})
+        ck.save(9, state, {})
+        ck.wait()
+        assert ck.all_steps() == [8, 9]
+
+
 def test_async_save_then_donation_keeps_saved_values(tmp_path):
     """The train step donates its state: buffers reused right after `save` returns must not reach the files."""
     state = {"w": jnp.arange(4_000_000, dtype=jnp.float32), "rng": jax.random.key(3)}
