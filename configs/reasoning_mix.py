@@ -28,6 +28,7 @@ EASY_CONFIGS = {
     "spell_backward": {"max_word_len": 4},
     "simple_equations": {"min_terms": 2, "max_terms": 2, "max_value": 10},
 }
+ARITHMETIC = ("chain_sum", "basic_arithmetic", "products", "simple_equations")  # tasks.policies: filled first
 EASY = [{"pattern": "reasoning_gym/" + name, "weight": 1.0, "config": config} for name, config in EASY_CONFIGS.items()]
 
 
@@ -40,6 +41,7 @@ def mix(entries, split, **kwargs):
 
 def get_config():
     c = default_config()
+    c.train.machine = "cpu-1:24GB"      # the 2-core, 24 GB CPU machine
     c.env.train = mix(EASY, "train", size=10_000, num_test=30)
     c.env.eval = mix(EASY, "test", size=10_000, num_test=30)
     c.rl.group_size = 8
@@ -60,4 +62,13 @@ def get_config():
     c.train.workdir = "runs/reasoning_mix"
     c.checkpoint.every_steps = 30
     c.checkpoint.async_save = False     # on a CPU host an async save's host copy would overlap the next step's memory
+    # Task scheduling (posttrain.tasks.jobs): the priorities and caps are a choice for this mix, each for a reason.
+    c.tasks.enabled = True
+    floor = {"min_share": 0.05}  # 0.2 of the 4 prompts a step (one group every 5 steps, by credit) for every domain,
+    # whatever the priorities take: each keeps a training signal and a moving eval/<domain>/pass@1
+    arithmetic = {**floor, "priority": 1, "max_share": 0.15}  # filled first: one answer format (a single integer)
+    # that SmolLM2 learns within tens of steps (the quickstart), shared by these domains; the cap (0.6 of the 4 prompts
+    # a step each) leaves the other domains the rest of every step
+    c.tasks.policies = {"reasoning_gym/*": floor, **{f"reasoning_gym/{name}": arithmetic for name in ARITHMETIC
+                                                     if f"reasoning_gym/{name}" in c.env.train}}  # those selected
     return c

@@ -195,8 +195,9 @@ def from_config_dict(cd) -> Config:
 
 
 def _keep_domains(cfg: Config) -> Config:
-    """`cfg` with env.train and env.eval cut to the names matching a pattern of `env.domains`. Raises ConfigError
-    on an empty pattern list or a pattern that matches no env.train name."""
+    """`cfg` with env.train and env.eval cut to the names matching a pattern of `env.domains`, and tasks.policies
+    to the patterns that still match a kept name (a config's policy for a domain the selection left out is not an
+    error). Raises ConfigError on an empty pattern list or a pattern that matches no env.train name."""
     patterns = [p.strip() for p in cfg.env.domains.split(",") if p.strip()]
     if not patterns:
         raise ConfigError(f"env.domains={cfg.env.domains!r}: no pattern (comma-separated names or fnmatch patterns)")
@@ -208,8 +209,10 @@ def _keep_domains(cfg: Config) -> Config:
     def keep(specs):
         return {n: s for n, s in specs.items() if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
 
-    return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, train=keep(cfg.env.train),
-                                                            eval=keep(cfg.env.eval)))
+    train = keep(cfg.env.train)
+    policies = {p: v for p, v in cfg.tasks.policies.items() if any(fnmatch.fnmatchcase(n, p) for n in train)}
+    return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, train=train, eval=keep(cfg.env.eval)),
+                               tasks=dataclasses.replace(cfg.tasks, policies=policies))
 
 
 def to_dict(cfg: Config) -> dict:

@@ -1,0 +1,62 @@
+"""configs/reasoning_mix.py's task scheduling (issue 23 acceptance 6): the config loads into a run plan with the job
+scheduler on, the arithmetic domains first up to their cap, a floor for every domain, exact counts over 200 steps
+of a fake runner; an env.domains selection drops the policies of the domains it leaves out."""
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+from posttrain.config import from_config_dict, to_dict
+from posttrain.recipes.run_plan import make_run_plan
+from posttrain.tasks.jobs import JobScheduler
+from posttrain.tasks.policy import resolve_policies
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tasks"))
+from jobs_fakes import FakeRunner, Source  # noqa: E402
+
+CONFIG = pathlib.Path(__file__).resolve().parents[3] / "configs" / "reasoning_mix.py"
+STEPS = 200
+
+
+@pytest.fixture(scope="module")
+def mix():
+    spec = importlib.util.spec_from_file_location("reasoning_mix", CONFIG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, from_config_dict(module.get_config())
+
+
+def test_the_plan_has_priorities_caps_and_floors(mix, tmp_path):
+    module, cfg = mix
+    plan = make_run_plan(cfg, workdir=str(tmp_path / "run"))
+    names = sorted(cfg.env.train)
+    policies = resolve_policies(names, plan.rollout.tasks.policies)
+    arithmetic = {n for n in names if n.split("/")[1] in module.ARITHMETIC}
+    assert arithmetic and arithmetic != set(names) and cfg.tasks.enabled
+    for n in names:
+        p = policies[n]
+        assert (p.priority, p.max_share, p.min_share) == ((1, 0.15, 0.05) if n in arithmetic else (0, 1.0, 0.05))
+    assert not (tmp_path / "run").exists()  # a plan writes nothing
+
+    sched = JobScheduler({n: Source(50, n) for n in names}, plan.rollout.tasks)
+    P = cfg.rl.prompts_per_step
+    groups = {n: 0 for n in names}
+    for log in FakeRunner(sched, seed=0).run(STEPS, P):
+        for t in log.tickets:
+            groups[t.domain] += 1
+    assert sum(groups.values()) == STEPS * P
+    for n in arithmetic:  # filled first: the cap binds, exactly floor(steps x P x max_share)
+        assert groups[n] == int(STEPS * P * 0.15)
+    rest = (STEPS * P - sum(groups[n] for n in arithmetic)) / (len(names) - len(arithmetic))
+    for n in set(names) - arithmetic:  # the others share the rest by weight (1 each), above the floor
+        assert abs(groups[n] - rest) < 1 and groups[n] >= int(STEPS * P * 0.05)
+
+
+def test_a_domain_selection_drops_the_policies_of_left_out_domains(mix):
+    module, cfg = mix
+    others = sorted(n for n in cfg.env.train if n.split("/")[1] not in module.ARITHMETIC)
+    raw = to_dict(cfg)
+    raw["env"]["domains"] = others[0]
+    cut = from_config_dict(raw)
+    assert sorted(cut.env.train) == [others[0]] and dict(cut.tasks.policies) == {"reasoning_gym/*": {"min_share": 0.05}}
