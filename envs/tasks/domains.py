@@ -9,6 +9,11 @@ Each domain's golden check (`check_domain`, `ReasoningGymEnv.golden_check` on a 
 can train: "verified" and "verified_reference_free" domains are selected; "unverified" (no reply known to be
 correct) and "failed" (the reference does not score 1 through the env, or a wrong answer scores 1) are left out
 unless ``include_unverified=True`` (which admits "unverified" only; "failed" is never selected).
+Then the gaming-floor table (`envs.tasks.floors`): a domain whose floor is >= `floors.FLOOR_THRESHOLD` (a reply with
+no solution earns that much) or whose golden sample (reference replies of 20 tasks of both splits) fails is
+"flagged" and left out unless the config opts in (``allow_flagged=True``, or ``"allow_flagged": True`` in an entry).
+Besides reasoning-gym, the env domains of `envs.tasks.probes.ENV_DOMAINS` (arithmetic, gsm8k, humaneval,
+python_tool, terminal, agentic/repo_fix) are registered for listings and floors (`registered_domains`).
 No JAX; the env specs are plain dicts ``{"id", "weight", "kwargs"}`` (`posttrain.config.env_spec` fields).
 """
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from envs.tasks import floors, probes
 from envs.tasks import reasoning_gym as rg_env
 PREFIX = "reasoning_gym/"
 CHECK_SIZE = 8  # items built per domain for the golden check (the check reads task 0 and up to 7 more answers)
@@ -41,6 +47,12 @@ class DomainCheck:
 def all_domains() -> list[str]:
     """Every registered domain name, ``reasoning_gym/<dataset>``, sorted."""
     return [PREFIX + name for name in rg_env.dataset_names()]
+
+
+def registered_domains() -> list[str]:
+    """Every domain of the registry: the reasoning-gym ones (`all_domains`) and the env domains
+    (`probes.ENV_DOMAINS`), sorted."""
+    return sorted(all_domains() + list(probes.ENV_DOMAINS))
 
 
 def dataset_of(domain: str) -> str:
@@ -94,13 +106,17 @@ def check_domain(domain: str, *, config: Mapping[str, Any] | str | None = None, 
 
 
 def select(entries: Sequence[Mapping[str, Any]] | str, *, split: str = "train", seed: int = 0, size: int = 10_000,
-           num_test: int = 100, include_unverified: bool = False) -> tuple[dict[str, dict], dict[str, DomainCheck]]:
+           num_test: int = 100, include_unverified: bool = False,
+           allow_flagged: bool = False) -> tuple[dict[str, dict], dict[str, DomainCheck]]:
     """Env specs for the domains `entries` select, and the matched domains left out (with their checks).
 
     entries: a pattern string, or a sequence of mappings ``{"pattern": str, "weight"?: float > 0 (default 1.0),
       "level"?: int >= 0 curriculum level (capped at each domain's top level; ignored for a domain without a
       curriculum), "config"?: dict of dataset config overrides}``; every matched domain gets
-      the entry's weight; a later entry overrides an earlier one for the domains both match.
+      the entry's weight; a later entry overrides an earlier one for the domains both match; "allow_flagged"?: bool,
+      keep the entry's domains even when the floor table flags them.
+    allow_flagged: keep every flagged domain (floor >= `floors.FLOOR_THRESHOLD` or a failing golden sample; the
+      floors and golden samples of `floors.assessment`); by default they are left out with status "flagged".
     Returns ({domain: {"id": ENV_ID, "weight": w, "kwargs": {"dataset", "config" (JSON str), "split", "seed",
       "size", "num_test", "level"?}}}, {domain: DomainCheck of a left-out domain}).
     Raises ValueError on an entry without a pattern, an unknown entry key, a non-positive weight, a pattern that
@@ -112,9 +128,10 @@ def select(entries: Sequence[Mapping[str, Any]] | str, *, split: str = "train", 
     for i, entry in enumerate(entries):
         if not isinstance(entry, Mapping):
             raise TypeError(f"domain entry {i} must be a mapping with a 'pattern', got {type(entry).__name__}")
-        unknown = sorted(set(entry) - {"pattern", "weight", "level", "config"})
+        unknown = sorted(set(entry) - {"pattern", "weight", "level", "config", "allow_flagged"})
         if unknown or "pattern" not in entry:
-            raise ValueError(f"domain entry {i}: keys must be pattern (required), weight, level, config; "
+            raise ValueError(f"domain entry {i}: keys must be pattern (required), weight, level, config, "
+                             f"allow_flagged; "
                              f"got {sorted(entry)}")
         weight = entry.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
@@ -125,6 +142,7 @@ def select(entries: Sequence[Mapping[str, Any]] | str, *, split: str = "train", 
         for domain in match_domains(entry["pattern"]):
             top = None if level is None else rg_env.max_level(dataset_of(domain))
             chosen[domain] = {"weight": float(weight), "level": None if top is None else min(level, top),
+                              "allow_flagged": bool(entry.get("allow_flagged", allow_flagged)),
                               "config": {**default_config(domain),
                                          **rg_env.parse_config(entry.get("config"), dataset_of(domain))}}
     specs, left_out = {}, {}
@@ -132,6 +150,11 @@ def select(entries: Sequence[Mapping[str, Any]] | str, *, split: str = "train", 
         check = check_domain(domain, config=c["config"], level=c["level"], seed=seed)
         if check.status not in TRAINABLE and not (include_unverified and check.status == "unverified"):
             left_out[domain] = check
+            continue
+        flag = "" if c["allow_flagged"] else floors.flag_reason(
+            floors.assessment(domain, c["config"], level=c["level"]), unverified=check.status != "unverified")
+        if flag:
+            left_out[domain] = DomainCheck(domain, "flagged", check.source, flag, check.sample)
             continue
         kwargs = {"dataset": dataset_of(domain), "config": json.dumps(c["config"], sort_keys=True), "split": split,
                   "seed": seed, "size": size, "num_test": num_test}
@@ -149,37 +172,60 @@ def _describe(left_out: Mapping[str, DomainCheck]) -> str:
     return "; ".join(f"{d} ({c.status}: {c.reason})" for d, c in sorted(left_out.items())) or "none"
 
 
-# Domains besides reasoning-gym's, listed by `summary` (`posttrain domains`): name -> "module:function" that returns
-# (status, source, reason, sample) of its golden check.
-EXTRA_DOMAINS = {"agentic/repo_fix": "envs.tasks.repo_fix.env:golden_status"}
-
-
 def _extra_check(domain: str) -> DomainCheck:
-    module, function = EXTRA_DOMAINS[domain].split(":")
-    return DomainCheck(domain, *getattr(importlib.import_module(module), function)())
+    """The construction-time golden check of an env domain (`probes.ENV_DOMAINS`): its reference function, or
+    building the env (its self-check): "verified", "failed" (RuntimeError) or "skipped" (data/package absent)."""
+    d = probes.ENV_DOMAINS[domain]
+    if ":" in d.reference:
+        module, function = d.reference.split(":")
+        return DomainCheck(domain, *getattr(importlib.import_module(module), function)())
+    import gymnasium
+
+    import envs  # noqa: F401  (registers the ids)
+
+    try:
+        env = gymnasium.make(d.env_id, **d.kwargs).unwrapped
+    except (OSError, ImportError) as exc:
+        return DomainCheck(domain, "skipped", d.reference, f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:200],
+                           d.env_id)
+    except RuntimeError as exc:
+        return DomainCheck(domain, "failed", d.reference, " ".join(str(exc).split())[:200], d.env_id)
+    sample = f"{d.env_id}: {env.task_source.num_tasks} {env.task_source.split} tasks"
+    env.close()
+    return DomainCheck(domain, "verified", d.reference, "", sample)
 
 
 def summary(patterns: str | Iterable[str] = PREFIX + "*") -> list[DomainCheck]:
-    """Golden checks of every domain matching `patterns` (default configs; `EXTRA_DOMAINS` too), sorted by domain."""
+    """Golden checks of every domain matching `patterns` (default configs; `probes.ENV_DOMAINS` too), sorted by
+    domain."""
     if isinstance(patterns, str):
         patterns = [p.strip() for p in patterns.split(",") if p.strip()]
-    extra = [d for d in EXTRA_DOMAINS if any(fnmatch.fnmatchcase(d, p) for p in patterns)]
+    extra = [d for d in probes.ENV_DOMAINS if any(fnmatch.fnmatchcase(d, p) for p in patterns)]
     rest = [p for p in patterns if any(fnmatch.fnmatchcase(d, p) for d in all_domains())
-            or not any(fnmatch.fnmatchcase(d, p) for d in EXTRA_DOMAINS)]
+            or not any(fnmatch.fnmatchcase(d, p) for d in probes.ENV_DOMAINS)]
     checks = [check_domain(d, config=default_config(d)) for d in match_domains(rest)] if rest or not extra else []
     return sorted(checks + [_extra_check(d) for d in extra], key=lambda c: c.domain)
 
 
 def format_listing(checks: Sequence[DomainCheck], sample_chars: int = 100) -> str:
     """A text table for `posttrain domains`: one line per domain (status, reply source, sample question cut to
-    `sample_chars`), the reason under a domain that is not verified, and the count per status at the end."""
-    lines = []
+    `sample_chars`), the reason under a domain that is not verified, under it the stored floor and golden sample
+    (`floors.lookup`) of a flagged domain, and the count per status at the end."""
+    lines, table, flagged = [], floors.load_table(), 0
     for c in checks:
         sample = " ".join(c.sample.split())
         sample = sample if len(sample) <= sample_chars else sample[:sample_chars - 3] + "..."
         lines.append(f"{c.domain:<40} {c.status:<24} {c.source:<32} {sample}")
         if c.reason:
             lines.append(f"{'':<40} ^ {c.reason[:200]}")
-    counts = {s: sum(c.status == s for c in checks) for s in rg_env.GOLDEN_STATUSES}
+        stored = (table.get("domains") or {}).get(c.domain)
+        flag = floors.flag_reason(floors.row_assessment(c.domain, stored)) if stored else ""
+        if flag:
+            flagged += 1
+            lines.append(f"{'':<40} ^ flagged (floor table): {flag[:200]}")
+    statuses = list(dict.fromkeys([*rg_env.GOLDEN_STATUSES, *(c.status for c in checks)]))
+    counts = {s: sum(c.status == s for c in checks) for s in statuses}
+    if flagged:
+        lines.append(f"{flagged} flagged by the floor table (posttrain domains --floors; left out of mixes)")
     lines.append(f"{len(checks)} domains: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
     return "\n".join(lines)

@@ -57,18 +57,21 @@ def comparison_markdown(cmp: Comparison) -> str:
     return "\n".join(lines) + "\n"
 
 
-SUMMARY_COLUMNS = ("pass@1", "mean_reward", "format_rate", "mean_length", "truncation_rate")
+SUMMARY_COLUMNS = ("pass@1", "mean_reward", "above_floor", "format_rate", "mean_length", "truncation_rate",
+                   "modal_share", "gold_modal_share")
 
 
 def summary_markdown(summary: dict, label: str = "") -> str:
     """A Markdown table of one evaluation (`posttrain.eval.runner.suite_summary`): a row per area followed by its
     domains, then all tasks; columns tasks, samples per task (the fewest), pass@1, every pass@k a row has, mean
-    reward, format-compliance rate, mean response length (tokens), truncation rate ("-" where absent). `label`
-    heads the table when given."""
+    reward, mean reward above the domain's gaming floor, format-compliance rate, mean response length (tokens),
+    truncation rate, the modal reply share and the gold answers' modal share ("-" where absent); a collapsed
+    domain (`posttrain.eval.collapse`) is marked "COLLAPSED" after its name. `label` heads the table when given."""
     order = []
     for area, s in summary["areas"].items():
         order.append((f"**{area}**", s))
-        order += [(f"- {d}", ds) for d, ds in summary["domains"].items() if summary["area_of"].get(d) == area]
+        order += [(f"- {d}" + (" COLLAPSED" if ds.get("collapsed") else ""), ds)
+                  for d, ds in summary["domains"].items() if summary["area_of"].get(d) == area]
     order.append(("**all**", summary["all"]))
     ks = sorted({k for _, s in order for k in s if k.startswith("pass@") and k != "pass@1"}, key=lambda k: int(k[5:]))
     cols = ["pass@1", *ks, *SUMMARY_COLUMNS[1:]]

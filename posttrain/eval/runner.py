@@ -11,15 +11,19 @@ A per-task record (the fields `posttrain.eval.metrics` reads) is
                                  token-budget hits
   greedy                         sampled at temperature 0 (one sample per task)
   gold                           the task's reference answer when the env reports one
+  floor                          the domain's gaming floor when the registry knows it (`episode_floor`)
   turns                          (multi-turn domains only) N lists of the model's turns, for rescoring
-Metrics of the training loop (`loop_metrics`): `eval/<domain>/pass@1`, `eval/<domain>/mean_reward` and
-`eval/pass@1` (over all tasks); a suite reports every metric of `metrics.summarize_domain` per domain and area.
+Metrics of the training loop (`loop_metrics`): `eval/<domain>/pass@1`, `eval/<domain>/mean_reward`,
+`eval/<domain>/above_floor` (mean reward minus the domain's gaming floor, `envs.tasks.floors`: what the policy earns
+beyond a reply without a solution) and `eval/pass@1` (over all tasks); a suite reports every metric of
+`metrics.summarize_domain` per domain and area, with above_floor and the collapse check (`posttrain.eval.collapse`).
 Scorers: "env" takes the environment's verified reward (reward >= 1 counts as solved); "last_integer" compares
 the last integer of the final reply with the task's gold answer (the quickstart's format-agnostic rule).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import time
 import zlib
@@ -28,6 +32,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from posttrain.config import EnvSpec
+from posttrain.eval import collapse as collapse_lib
 from posttrain.eval import metrics as metrics_lib
 from posttrain.rollout.episodes import Episode, run_episodes
 from posttrain.rollout.rollouter import task_sources
@@ -132,6 +137,9 @@ def task_record(ep: Episode, index: int, group: Sequence, prompt: str, *, scorer
               "formatted": [FORMATS[fmt](r) for r in replies],
               "lengths": [int(sum(len(t) for t, _, policy in s.segments if policy)) for s in group],
               "truncated": [bool(s.truncated) for s in group], "greedy": greedy}
+    floor = episode_floor(ep)
+    if floor is not None:
+        record["floor"] = floor
     gold = group[0].info.get("gold", group[0].info.get("answer")) if group else None
     if gold is not None:
         record["gold"] = str(gold)
@@ -186,33 +194,82 @@ def evaluate(sample_fn, tokenizer, runner, episodes: Mapping[str, Sequence[Episo
     return {**loop_metrics(records), "perf/eval_s": time.perf_counter() - t0}, records
 
 
-def loop_metrics(records: Sequence[Mapping]) -> dict[str, float]:
-    """The training loop's eval/* metrics: per domain pass@1 and mean reward, and eval/pass@1 over all tasks."""
-    out, all_pass = {}, []
+def loop_metrics(records: Sequence[Mapping], floors: Mapping[str, float | None] | None = None) -> dict[str, float]:
+    """The training loop's eval/* metrics: per domain pass@1, mean reward and (for a domain with a floor in
+    `floors`, default: the records' own "floor") above_floor = mean reward - floor, and eval/pass@1 over all
+    tasks."""
+    out, all_pass, floors = {}, [], _domain_floors(records, floors)
     for domain, rs in metrics_lib.by_domain(records).items():
         p = metrics_lib.per_task(rs, "pass@1")
         out[f"eval/{domain}/pass@1"] = float(p.mean())
         out[f"eval/{domain}/mean_reward"] = float(metrics_lib.per_task(rs, "mean_reward").mean())
+        if floors.get(domain) is not None:
+            out[f"eval/{domain}/above_floor"] = out[f"eval/{domain}/mean_reward"] - float(floors[domain])
         all_pass.extend(p)
     out["eval/pass@1"] = float(np.mean(all_pass)) if all_pass else 0.0
     return out
 
 
-def suite_summary(records: Sequence[Mapping], ks: Mapping[str, Sequence[int]] | None = None) -> dict:
+_FLOORS: dict[tuple[str, str], float | None] = {}
+
+
+def env_floor(env_id: str, env_kwargs: Mapping) -> float | None:
+    """The gaming floor of the domain an env builds (`envs.tasks.floors.floor_by_env`: the stored table, else
+    computed once per process); None outside the registry or for kwargs it cannot assess."""
+    from envs.tasks import floors
+
+    key = (env_id, json.dumps(dict(env_kwargs), sort_keys=True, default=str))
+    if key not in _FLOORS:
+        try:
+            _FLOORS[key] = floors.floor_by_env(env_id, dict(env_kwargs))
+        except (KeyError, ValueError):  # no dataset kwarg, a config the library rejects: no floor
+            _FLOORS[key] = None
+    return _FLOORS[key]
+
+
+def episode_floor(ep: Episode) -> float | None:
+    """`env_floor` of an episode's env."""
+    return env_floor(ep.env_id, ep.env_kwargs)
+
+
+def spec_floors(specs: Mapping[str, EnvSpec]) -> dict[str, float | None]:
+    """{domain: gaming floor} of an env mix (`env_floor` of each spec)."""
+    return {name: env_floor(spec.id, spec.kwargs) for name, spec in specs.items()}
+
+
+def _domain_floors(records: Sequence[Mapping], floors: Mapping[str, float | None] | None) -> dict:
+    """`floors`, else {domain: the "floor" its records carry}."""
+    if floors is not None:
+        return dict(floors)
+    return {r["domain"]: r["floor"] for r in records if r.get("floor") is not None}
+
+
+def suite_summary(records: Sequence[Mapping], ks: Mapping[str, Sequence[int]] | None = None,
+                  floors: Mapping[str, float | None] | None = None) -> dict:
     """{"area_of": {domain: area}, "domains": {domain: summary}, "areas": {area: summary}, "all": summary}
     (`metrics.summarize_domain`, task weighted: an area's value is the mean over all its tasks); ks: the pass@k
-    values of each domain (an area gets a pass@k that every task of it has samples for). Raises ValueError for
-    no records."""
-    ks = ks or {}
+    values of each domain (an area gets a pass@k that every task of it has samples for). A domain's summary also
+    has modal_share, gold_modal_share (when its records have gold answers) and collapsed (1.0 / 0.0) of
+    `collapse.domain_collapse`, and above_floor (mean_reward - floor) for a domain with a floor in `floors`
+    (default: the records' own "floor"). Raises ValueError for no records."""
+    ks, floors = ks or {}, _domain_floors(records, floors)
     if not records:
         raise ValueError("suite_summary of no records")
     by_area: dict[str, list] = {}
     for r in records:
         by_area.setdefault(r.get("area") or "-", []).append(r)
     all_ks = sorted({k for v in ks.values() for k in v})
-    return {"area_of": {r["domain"]: r.get("area") or "-" for r in records},
-            "domains": {d: metrics_lib.summarize_domain(rs, ks.get(d, ()))
-                        for d, rs in metrics_lib.by_domain(records).items()},
+    domains = {}
+    for d, rs in metrics_lib.by_domain(records).items():
+        s = metrics_lib.summarize_domain(rs, ks.get(d, ()))
+        c = collapse_lib.domain_collapse(rs)
+        s.update(modal_share=c.modal_share, collapsed=float(c.collapsed))
+        if c.gold_modal_share is not None:
+            s["gold_modal_share"] = c.gold_modal_share
+        if floors.get(d) is not None:
+            s["above_floor"] = s["mean_reward"] - float(floors[d])
+        domains[d] = s
+    return {"area_of": {r["domain"]: r.get("area") or "-" for r in records}, "domains": domains,
             "areas": {a: metrics_lib.summarize_domain(rs, all_ks) for a, rs in by_area.items()},
             "all": metrics_lib.summarize_domain(list(records), all_ks)}
 

@@ -29,7 +29,7 @@ import pathlib
 from typing import Any, Mapping, Sequence
 
 from posttrain.config import EnvSpec
-from posttrain.eval.runner import FORMATS, SCORERS
+from posttrain.eval.runner import FORMATS, SCORERS, spec_floors
 
 DOMAIN_KEYS = ("env", "kwargs", "config", "split", "tasks", "n", "k", "temperature", "max_new_tokens", "max_turns",
                "scorer", "format", "trained")
@@ -192,16 +192,24 @@ def select(suite: Suite, *, limit: int | None = None, domains: str | Sequence[st
 def env_spec_of(d: SuiteDomain) -> EnvSpec:
     """The EnvSpec of a domain: its env and kwargs (+ split), or for a registry domain the spec
     `envs.tasks.domains.select` builds (split, num_test = tasks, the dataset config) with the domain's kwargs.
-    Raises DomainUnavailable for a registry domain whose golden check fails, ValueError for an unknown one."""
+    Raises DomainUnavailable for a registry domain whose golden check or golden sample (`envs.tasks.floors`)
+    fails, ValueError for an unknown one. A domain flagged by its gaming floor is evaluated (its summary reports
+    mean reward above the floor)."""
     if d.env:
         kwargs = dict(d.kwargs) if d.split is None else {**dict(d.kwargs), "split": d.split}
         return EnvSpec(id=d.env, kwargs=kwargs)
     from envs.tasks import domains as registry
 
-    check = registry.check_domain(d.name, config={**registry.default_config(d.name), **dict(d.config)})
+    from envs.tasks import floors
+
+    config = {**registry.default_config(d.name), **dict(d.config)}
+    check = registry.check_domain(d.name, config=config)
     if check.status not in registry.TRAINABLE:
         raise DomainUnavailable(f"golden check {check.status}: {check.reason}")
-    entry = {"pattern": d.name, **({"config": dict(d.config)} if d.config else {})}
+    sampled = floors.assessment(d.name, config)
+    if sampled.golden == "failed":
+        raise DomainUnavailable(f"golden sample failed: {sampled.reason}")
+    entry = {"pattern": d.name, "allow_flagged": True, **({"config": dict(d.config)} if d.config else {})}
     specs, _ = registry.select([entry], split=d.split or "test", num_test=d.tasks, size=max(d.tasks, 1000))
     spec = specs[d.name]
     return EnvSpec(id=spec["id"], kwargs={**spec["kwargs"], **dict(d.kwargs)})
@@ -233,13 +241,15 @@ def resolve(suite: Suite) -> tuple[list[ResolvedDomain], dict[str, str]]:
 
 def suite_dict(suite: Suite, built: Sequence[ResolvedDomain], skipped: Mapping[str, str]) -> dict:
     """A JSON-able description of a resolved suite (written with every result as suite.json): name, path, alpha,
-    each built domain's settings, env id, kwargs and task count, and the skipped domains with their reasons."""
+    each built domain's settings, env id, kwargs and task count, the skipped domains with their reasons, and
+    "floors": {domain: gaming floor or None} (`runner.spec_floors`)."""
     rows = []
     for r in built:
         row = dataclasses.asdict(r.domain)
         row.update(env_id=r.spec.id, env_kwargs=dict(r.spec.kwargs), num_tasks=r.num_tasks)
         rows.append(json.loads(json.dumps(row, default=str)))
-    return {"name": suite.name, "path": suite.path, "alpha": suite.alpha, "domains": rows, "skipped": dict(skipped)}
+    return {"name": suite.name, "path": suite.path, "alpha": suite.alpha, "domains": rows, "skipped": dict(skipped),
+            "floors": spec_floors({r.domain.name: r.spec for r in built})}
 
 
 def _one_line(e: BaseException) -> str:

@@ -62,8 +62,9 @@ def test_records_hold_prompt_replies_rewards_statuses_formats_lengths():
         assert r["lengths"] == [len(TOK.encode(r["replies"][0])) + 1] and r["truncated"] == [False]
     m = runner.loop_metrics(recs)
     share = np.mean([answer(r["prompt"]) % 2 for r in recs])
+    floor = recs[0]["floor"]  # the arithmetic domain's gaming floor (envs/tasks/domain_floors.json)
     assert m == {"eval/arith/pass@1": pytest.approx(share), "eval/arith/mean_reward": pytest.approx(share),
-                 "eval/pass@1": pytest.approx(share)}
+                 "eval/arith/above_floor": pytest.approx(share - floor), "eval/pass@1": pytest.approx(share)}
 
 
 def test_scorers_formats_and_truncation():

@@ -1,0 +1,195 @@
+"""The table of gaming floors and golden samples (`envs/tasks/domain_floors.json`), its lookup and the flag rule.
+
+`posttrain domains --floors --write` computes every registered domain's `probes.Assessment` (default configs) and
+stores it here; selection (`envs.tasks.domains.select`) reads it. The table is versioned: it records its
+``schema_version``, the reasoning-gym version it was computed with, the probe sizes and the threshold, and each
+row the dataset config (sorted JSON) it holds. A row answers a lookup only when the installed reasoning-gym version
+and the config agree; otherwise (another config, another library version) `assessment` computes the row in-process
+(cached per key) from the same probes, so a stale table never decides.
+
+A domain is **flagged** (`flag_reason`) when its floor is >= `FLOOR_THRESHOLD` (a reply without a solution earns
+that much: a policy can learn it) or its golden sample did not pass ("failed": a reference reply scored below 1;
+"unverified": no reference reply). No JAX.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from envs.tasks import probes
+from envs.tasks import reasoning_gym as rg_env
+TABLE_PATH = pathlib.Path(__file__).with_name("domain_floors.json")
+SCHEMA_VERSION = 1
+FLOOR_THRESHOLD = 0.2  # the floor from which a domain is flagged (mean reward in [0, 1] of the best probe)
+PROBE_TASKS = 20  # tasks per split probed and golden-checked
+_COMPUTED: dict[tuple, probes.Assessment] = {}
+
+
+def library_version() -> str:
+    """The installed reasoning-gym version (the table's key)."""
+    from importlib.metadata import version
+
+    return version("reasoning-gym")
+
+
+def config_key(config: Mapping[str, Any] | str | None, dataset: str = "?") -> str:
+    """A dataset config as the table's key: sorted JSON of `rg_env.parse_config(config)`."""
+    return json.dumps(rg_env.parse_config(config, dataset), sort_keys=True, default=str)
+
+
+def load_table(path: str | pathlib.Path = TABLE_PATH) -> dict:
+    """The table at `path` ({} when there is none; read again only when the file changes). Raises ValueError on
+    another schema version or a malformed file (naming the path)."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        return {}
+    return _read_table(str(path), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_table(path_str: str, mtime_ns: int) -> dict:
+    path = pathlib.Path(path_str)
+    try:
+        table = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(table, dict) or table.get("schema_version") != SCHEMA_VERSION or "domains" not in table:
+        raise ValueError(f"{path}: expected schema_version {SCHEMA_VERSION} with 'domains', got "
+                         f"{table.get('schema_version') if isinstance(table, dict) else type(table).__name__}")
+    return table
+
+
+def table_dict(assessments: Iterable[probes.Assessment]) -> dict:
+    """The JSON-able table of `assessments` (sorted by domain; probe means rounded to 4 places)."""
+    rows = {}
+    for a in sorted(assessments, key=lambda a: a.domain):
+        row = dataclasses.asdict(a)
+        row.pop("domain")
+        row["probes"] = {k: round(v, 4) for k, v in sorted(a.probes.items(), key=lambda kv: -kv[1])[:5]}
+        row["floor"] = None if a.floor is None else round(a.floor, 4)
+        rows[a.domain] = row
+    return {"schema_version": SCHEMA_VERSION, "reasoning_gym": library_version(), "probe_tasks": PROBE_TASKS,
+            "floor_threshold": FLOOR_THRESHOLD, "domains": rows}
+
+
+def write_table(assessments: Iterable[probes.Assessment], path: str | pathlib.Path = TABLE_PATH) -> pathlib.Path:
+    """Writes `table_dict(assessments)` to `path` (one row per line of JSON, so a diff shows the rows that
+    changed); returns the path."""
+    table = table_dict(assessments)
+    rows = table.pop("domains")
+    head = json.dumps(table)[:-1]
+    body = ",\n".join(f"  {json.dumps(d)}: {json.dumps(r, sort_keys=True)}" for d, r in rows.items())
+    path = pathlib.Path(path)
+    path.write_text(f"{head}, \"domains\": {{\n{body}\n}}}}\n")
+    return path
+
+
+def row_assessment(domain: str, row: Mapping[str, Any]) -> probes.Assessment:
+    """The `probes.Assessment` a table row stores."""
+    fields = {f.name for f in dataclasses.fields(probes.Assessment)} - {"domain"}
+    return probes.Assessment(domain=domain, **{k: row[k] for k in fields})
+
+
+def lookup(domain: str, config: str, table: Mapping | None = None) -> probes.Assessment | None:
+    """The stored assessment of `domain` with `config` (a `config_key`), or None when the table has no row for it,
+    holds another config, or was computed with another reasoning-gym version (reasoning-gym domains)."""
+    table = load_table() if table is None else table
+    row = (table.get("domains") or {}).get(domain)
+    if row is None or row.get("config") != config:
+        return None
+    if domain.startswith(probes.RG_PREFIX) and table.get("reasoning_gym") != library_version():
+        return None
+    return row_assessment(domain, row)
+
+
+def assess(domain: str, config: Mapping[str, Any] | str | None = None, *, level: int | None = None,
+           tasks: int = PROBE_TASKS) -> probes.Assessment:
+    """A fresh assessment of `domain` (a reasoning-gym domain with `config`/`level`, or an `ENV_DOMAINS` name with
+    its default kwargs). Raises ValueError for an unknown domain or a bad config."""
+    if domain.startswith(probes.RG_PREFIX):
+        return probes.assess_reasoning_gym(domain, rg_env.parse_config(config, domain), tasks=tasks, level=level)
+    if domain in probes.ENV_DOMAINS:
+        return probes.assess_env_domain(domain, tasks=tasks)
+    raise ValueError(f"unknown domain {domain!r}: reasoning_gym/<dataset> or one of {sorted(probes.ENV_DOMAINS)}")
+
+
+def assessment(domain: str, config: Mapping[str, Any] | str | None = None, *,
+               level: int | None = None) -> probes.Assessment:
+    """The table's row for (`domain`, `config`) at level None, else a computed one (cached in this process)."""
+    key_config = (config_key(config, domain) if domain.startswith(probes.RG_PREFIX)
+                  else json.dumps(dict(probes.ENV_DOMAINS[domain].kwargs), sort_keys=True)
+                  if domain in probes.ENV_DOMAINS else "")
+    if level is None:
+        stored = lookup(domain, key_config)
+        if stored is not None:
+            return stored
+    key = (domain, key_config, level)
+    if key not in _COMPUTED:
+        _COMPUTED[key] = assess(domain, config, level=level)
+    return _COMPUTED[key]
+
+
+def flag_reason(a: probes.Assessment, threshold: float = FLOOR_THRESHOLD, *, unverified: bool = True) -> str:
+    """Why `a`'s domain is flagged ("" when it is not): a floor >= `threshold`, or a golden sample that "failed"
+    or (with `unverified`) is "unverified" ("skipped" domains, whose data is absent, are not flagged: they cannot
+    be built anyway)."""
+    reasons = []
+    if a.floor is not None and a.floor >= threshold:
+        reasons.append(f"floor {a.floor:.2f} >= {threshold:g} ({a.probe})")
+    if a.golden == "failed" or (unverified and a.golden == "unverified"):
+        reasons.append(f"golden sample {a.golden}" + (f": {a.reason}" if a.reason else ""))
+    return "; ".join(reasons)
+
+
+def floor_by_env(env_id: str, kwargs: Mapping[str, Any]) -> float | None:
+    """The floor of the domain an env spec builds: a ReasoningGym-v0 spec's (dataset, config, level) assessment,
+    or the `ENV_DOMAINS` row with that env id (its default kwargs: the floor of a configuration like it); None for
+    an env outside the registry or a skipped domain."""
+    if env_id == rg_env.ENV_ID:
+        return assessment(probes.RG_PREFIX + kwargs["dataset"], kwargs.get("config"), level=kwargs.get("level")).floor
+    names = [name for name, d in probes.ENV_DOMAINS.items() if d.env_id == env_id]
+    return assessment(names[0]).floor if names else None
+
+
+def assess_all(domains: Iterable[str], *, tasks: int = PROBE_TASKS, progress=None) -> list[probes.Assessment]:
+    """Fresh assessments of `domains` (reasoning-gym ones with their registry default config,
+    `envs.tasks.domains.default_config`), in order; `progress(assessment)` is called after each. A reasoning-gym
+    dataset whose default config cannot be built gives a "skipped" row with the reason."""
+    out = []
+    for domain in domains:
+        config = rg_env.DEFAULT_CONFIGS.get(domain.removeprefix(probes.RG_PREFIX), {})
+        try:
+            a = assess(domain, config, tasks=tasks)
+        except ValueError as exc:
+            a = probes.Assessment(domain, config_key(config), None, "", {}, "skipped", 0, 0,
+                                  " ".join(str(exc).split())[:200], {})
+        out.append(a)
+        if progress is not None:
+            progress(a)
+    return out
+
+
+def format_floors(assessments: Iterable[probes.Assessment], threshold: float = FLOOR_THRESHOLD) -> str:
+    """The `posttrain domains --floors` table: per domain its floor and best probe, the golden sample (status,
+    reference replies checked / failed, tasks per split where known) and FLAGGED with the reason; then the counts
+    (domains, flagged by floor, failing golden sample, unverified, skipped)."""
+    rows = list(assessments)
+    lines = [f"{'domain':<40} {'floor':>6} {'best probe':<24} {'golden':<10} {'ok/checked':>10}  tasks / flag"]
+    for a in rows:
+        floor = "-" if a.floor is None else f"{a.floor:.3f}"
+        counts = ", ".join(f"{s} {'procedural' if n is None else n}" for s, n in a.num_tasks.items())
+        flag = flag_reason(a, threshold)
+        lines.append(f"{a.domain:<40} {floor:>6} {a.probe[:24]:<24} {a.golden:<10} "
+                     f"{a.golden_checked - a.golden_failures:>4}/{a.golden_checked:<5}  {counts}")
+        if flag or a.golden == "skipped":
+            lines.append(f"{'':<40} ^ {'FLAGGED: ' + flag if flag else 'skipped: ' + a.reason}"[:240])
+    by_floor = sum(a.floor is not None and a.floor >= threshold for a in rows)
+    status = {s: sum(a.golden == s for a in rows) for s in probes.GOLDEN_SAMPLE_STATUSES}
+    flagged = sum(bool(flag_reason(a, threshold)) for a in rows)
+    lines.append(f"{len(rows)} domains: {flagged} flagged ({by_floor} by floor >= {threshold:g}, {status['failed']} "
+                 f"failing golden sample, {status['unverified']} unverified); {status['skipped']} skipped")
+    return "\n".join(lines)

@@ -1,0 +1,254 @@
+"""Gaming floors and sampled golden checks of a domain, through the domain's own environment and scorer.
+
+A **floor** is the best mean reward that a reply without a solution earns: each probe (`probe_replies`: the empty
+reply, the answer format with nothing in it, the most frequent gold answers of the train split as constants,
+the question copied back, a list of candidate answers, yes/no/True/False and small numbers, and what the kind of
+domain suggests: stub bodies for code, idle commands for a terminal) is scored on a sample of held-out tasks and
+the floor is the largest of the probes' mean rewards (rewards in [0, 1], so the floor is in [0, 1]). A policy
+trained where the floor is high can learn the probe instead of the task, and its reward curve calls it progress.
+
+A **golden sample** checks that the reference reply of each of `tasks` tasks of every split scores 1 (not only task
+0 of one split, as the construction-time self-check does): "passed", "failed" (with the first failures), "unverified"
+(no reference reply) or "skipped" (the domain's data or package is absent, with the reason).
+
+Domains: ``reasoning_gym/<dataset>`` (`envs.tasks.reasoning_gym`) and the env domains of `ENV_DOMAINS`. No JAX.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib
+import json
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from envs.tasks import reasoning_gym as rg_env
+from envs.verify import answers as verifiers
+RG_PREFIX = "reasoning_gym/"
+GOLDEN_SAMPLE_STATUSES = ("passed", "failed", "unverified", "skipped")
+CONSTANTS = ("yes", "no", "Yes", "No", "True", "False", "0", "1", "2", "-1", "None", "[]")
+TOP_GOLD = 3  # the most frequent gold answers of the train sample tried as constants
+MAX_CANDIDATES = 20  # distinct gold answers in the candidate-list probe
+MIN_TASKS = 5  # tasks per split sampled however slow the dataset's generation
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvDomain:
+    """A registry domain over a posttrain env other than ReasoningGym-v0.
+
+    Attributes:
+      env_id: the gymnasium id (`envs.ENTRY_POINTS`).
+      kwargs: constructor kwargs besides split (the domain's default configuration).
+      splits: the env's splits ("train", "test"); a domain with one split has a single task set.
+      wrap: a format string that puts an answer where the scorer reads it ("#### {}"), "" when answers are not
+        constants (code, commands).
+      probes: replies tried as they are, besides the empty reply.
+      reference: how a task's reference reply is made: "golden_answer" (the env's method), "canonical_solution"
+        (the task's field), "golden_episodes" (the env's known-correct episodes) or "module:function" returning
+        (status, source, reason, sample) (`repo_fix.env.golden_status`).
+      tasks: at most this many tasks per split probed (sandboxed envs fewer).
+    """
+
+    env_id: str
+    kwargs: Mapping[str, Any]
+    splits: tuple[str, ...]
+    wrap: str
+    probes: tuple[str, ...]
+    reference: str
+    tasks: int = 20
+
+
+CODE_STUBS = ("    pass\n", "    return None\n", "    return 0\n", "    return []\n", "    return ''\n",
+              "    return True\n", "    return False\n")
+ENV_DOMAINS: dict[str, EnvDomain] = {
+    "arithmetic": EnvDomain("posttrain/Arithmetic-v0", {"digits": 2}, ("train", "test"), "#### {}",
+                            ("The answer is 0.",), "golden_answer"),
+    "gsm8k": EnvDomain("posttrain/GSM8K-v0", {"path": "../shared/data/gsm8k"}, ("train", "test"), "#### {}",
+                       (), "golden_answer"),
+    "humaneval": EnvDomain("posttrain/HumanEval-v0", {}, ("test",), "", CODE_STUBS, "canonical_solution", 10),
+    "python_tool": EnvDomain("posttrain/PythonTool-v0", {}, ("train", "test"), "\\boxed{{{}}}", ("\\boxed{}",),
+                             "golden_answer", 10),
+    "terminal": EnvDomain("posttrain/Terminal-v0", {}, ("test",), "", ("DONE", "```bash\nls\n```\nDONE"),
+                          "golden_episodes", 10),
+    "agentic/repo_fix": EnvDomain("posttrain/RepoFix-v0", {}, ("train", "test"), "",
+                                  ("<tool_call>{\"name\": \"submit\", \"arguments\": {}}</tool_call>",),
+                                  "envs.tasks.repo_fix.env:golden_status", 2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Assessment:
+    """One domain's floor and golden sample (the row `posttrain domains --floors` prints and the table stores).
+
+    Attributes:
+      domain: the registry name.
+      config: the dataset config / env kwargs assessed, as sorted JSON.
+      floor: the best probe's mean reward in [0, 1] (None when skipped).
+      probe: the best probe's name ("" when skipped).
+      probes: {probe name: mean reward} of every probe.
+      golden: a GOLDEN_SAMPLE_STATUSES value.
+      golden_checked: reference replies scored (over all splits).
+      golden_failures: those that did not score 1.
+      reason: why golden is not "passed" (the first failures, or why skipped).
+      num_tasks: {split: tasks in the split} (None for a procedural reasoning-gym split).
+    """
+
+    domain: str
+    config: str
+    floor: float | None
+    probe: str
+    probes: Mapping[str, float]
+    golden: str
+    golden_checked: int
+    golden_failures: int
+    reason: str
+    num_tasks: Mapping[str, int | None]
+
+
+def probe_replies(tasks_train: list[dict], wrap: str, extra: tuple[str, ...] = (),
+                  gold: Callable[[dict], str | None] = lambda t: t.get("answer")) -> dict[str, Callable[[dict], str]]:
+    """{probe name: task -> reply} of replies without a solution. Constants and the candidate list come from the
+    gold answers of `tasks_train` (`gold(task)`), so they are what a policy could learn on the train split; `wrap`
+    formats an answer ("" skips the answer probes: code, commands); `extra` replies are tried as they are."""
+    probes: dict[str, Callable[[dict], str]] = {"empty": lambda t: ""}
+    for reply in extra:
+        probes[f"reply:{reply.strip()[:40]}"] = lambda t, r=reply: r
+    if not wrap:
+        return probes
+    golds = [str(g).strip() for g in map(gold, tasks_train) if g is not None and str(g).strip()]
+    constants = [g for g, _ in collections.Counter(golds).most_common(TOP_GOLD)] + list(CONSTANTS)
+    probes["format_only"] = lambda t: wrap.format("")
+    for value in dict.fromkeys(constants):
+        probes[f"constant:{value[:40]}"] = lambda t, v=value: wrap.format(v)
+    candidates = list(dict.fromkeys(golds))[:MAX_CANDIDATES]
+    if len(candidates) > 1:
+        probes["candidates"] = lambda t: wrap.format(", ".join(candidates))
+    probes["question"] = lambda t: wrap.format(t["question"])
+    probes["question_raw"] = lambda t: t["question"]
+    return probes
+
+
+def floor_of(score: Callable[[dict, str], float], tasks: list[dict],
+             probes: Mapping[str, Callable[[dict], str]]) -> tuple[float, str, dict[str, float]]:
+    """(floor, best probe, {probe: mean reward}) of `probes` on `tasks` scored by `score(task, reply)`. Ties go to
+    the first probe. Raises ValueError for no tasks or no probes."""
+    if not tasks or not probes:
+        raise ValueError(f"floor_of needs tasks and probes, got {len(tasks)} tasks and {len(probes)} probes")
+    means = {name: sum(float(score(t, make(t))) for t in tasks) / len(tasks) for name, make in probes.items()}
+    best = max(means, key=lambda name: means[name])
+    return means[best], best, means
+
+
+def golden_sample(score: Callable[[dict, str], float], tasks: list[dict],
+                  reference: Callable[[dict], str | None]) -> tuple[str, int, int, str]:
+    """(status, checked, failures, reason) of the reference replies of `tasks`: "passed" when every one scores 1,
+    "failed" when any does not (the reason names the first three), "unverified" when no task has one."""
+    checked, failed = 0, []
+    for task in tasks:
+        reply = reference(task)
+        if reply is None:
+            continue
+        checked += 1
+        got = float(score(task, reply))
+        if got != 1.0:
+            failed.append(f"{task.get('id', '?')} scored {got:g}")
+    if not checked:
+        return "unverified", 0, 0, "no reference reply"
+    reason = f"{len(failed)}/{checked} reference replies below 1: " + "; ".join(failed[:3]) if failed else ""
+    return ("failed" if failed else "passed"), checked, len(failed), reason
+
+
+def _rg_score(env: rg_env.ReasoningGymEnv) -> Callable[[dict, str], float]:
+    return lambda task, reply: env.score(task, reply)[0]
+
+
+def _rg_reference(task: dict) -> str | None:
+    good, _ = rg_env.reference_reply(task)
+    return None if good is None else f"<answer>\n{good}\n</answer>"
+
+
+def _sample_tasks(source, tasks: int, budget_s: float) -> list[dict]:
+    """The first `tasks` tasks of `source`, or as many as its generation allows within `budget_s` seconds (at least
+    `MIN_TASKS`: a few datasets take seconds per item)."""
+    start, out = time.perf_counter(), []
+    for i in range(min(tasks, source.num_tasks)):
+        if len(out) >= MIN_TASKS and time.perf_counter() - start > budget_s:
+            break
+        out.append(source.get_task(i))
+    return out
+
+
+def assess_reasoning_gym(domain: str, config: Mapping[str, Any] | None = None, *, tasks: int = 20,
+                         seed: int = 0, level: int | None = None, budget_s: float = 30.0) -> Assessment:
+    """The floor (on `tasks` test tasks, constants from `tasks` train tasks) and golden sample (both splits) of a
+    reasoning-gym domain with `config` (None: the library defaults); a split whose generation takes longer than
+    `budget_s` seconds is sampled on fewer tasks (`_sample_tasks`). Raises ValueError on a bad dataset/config."""
+    dataset = domain.removeprefix(RG_PREFIX)
+    cfg = rg_env.parse_config(config, dataset)
+    envs_by_split = {split: rg_env.ReasoningGymEnv(dataset=dataset, config=cfg, split=split, seed=seed,
+                                                   size=max(tasks, 1), num_test=tasks, level=level,
+                                                   self_check=False) for split in ("train", "test")}
+    sampled = {s: _sample_tasks(e.task_source, tasks, budget_s) for s, e in envs_by_split.items()}
+    score = _rg_score(envs_by_split["test"])
+    floor, probe, means = floor_of(score, sampled["test"], probe_replies(sampled["train"], "<answer>{}</answer>"))
+    results = {split: golden_sample(_rg_score(env), sampled[split], _rg_reference)
+               for split, env in envs_by_split.items()}
+    checked, failures = sum(r[1] for r in results.values()), sum(r[2] for r in results.values())
+    failed = [f"{split}: {r[3]}" for split, r in results.items() if r[0] == "failed"]
+    status = "failed" if failed else "passed" if checked else "unverified"
+    reason = "; ".join(failed) if failed else "" if checked else "no reference answer and no library-provided reply"
+    return Assessment(domain, json.dumps(cfg, sort_keys=True, default=str), floor, probe, means, status, checked,
+                      failures, reason, {"train": None, "test": None})
+
+
+def assess_env_domain(domain: str, *, tasks: int | None = None) -> Assessment:
+    """The floor and golden sample of an `ENV_DOMAINS` domain (its default kwargs). Absent data (OSError) or a
+    missing package (ImportError) give a "skipped" assessment with the reason; other errors propagate."""
+    import gymnasium
+
+    import envs  # noqa: F401  (registers the ids)
+
+    d = ENV_DOMAINS[domain]
+    n = d.tasks if tasks is None else min(tasks, d.tasks)
+    config = json.dumps(dict(d.kwargs), sort_keys=True)
+    try:
+        built = {s: gymnasium.make(d.env_id, **d.kwargs, **({"split": s} if len(d.splits) > 1 else {})).unwrapped
+                 for s in d.splits}
+    except (OSError, ImportError, RuntimeError) as exc:
+        return Assessment(domain, config, None, "", {}, "skipped", 0, 0, f"{type(exc).__name__}: "
+                          + " ".join(str(exc).split())[:200], {})
+    try:
+        counts = {s: e.task_source.num_tasks for s, e in built.items()}
+        sampled = {s: [e.task_source.get_task(i) for i in range(min(n, counts[s]))] for s, e in built.items()}
+        test = built[d.splits[-1]]
+        gold = (lambda t: verifiers.gold_answer(t["answer"])) if d.wrap else (lambda t: None)
+        probes = probe_replies(sampled[d.splits[0]], d.wrap, d.probes, gold=gold)
+        floor, probe, means = floor_of(lambda t, r: test.play(t, [r])[0], sampled[d.splits[-1]], probes)
+        golden = _env_golden(d, built, sampled)
+    finally:
+        for env in built.values():
+            env.close()
+    return Assessment(domain, config, floor, probe, means, *golden, counts)
+
+
+def _env_golden(d: EnvDomain, built: Mapping[str, Any], sampled: Mapping[str, list]) -> tuple[str, int, int, str]:
+    if ":" in d.reference:
+        module, function = d.reference.split(":")
+        status, _, reason, _ = getattr(importlib.import_module(module), function)()
+        return ("passed" if status == "verified" else "failed"), 1, int(status != "verified"), reason
+    status, checked, failures, reasons = "unverified", 0, 0, []
+    for split, env in built.items():
+        if d.reference == "golden_episodes":
+            episodes = [(t, actions) for t, actions, want in env.golden_episodes() if want == 1.0]
+            results = [(t, env.play(t, actions)[0]) for t, actions in episodes]
+        else:
+            make = env.golden_answer if d.reference == "golden_answer" else (lambda t: t["canonical_solution"])
+            results = [(t, env.play(t, [make(t)])[0]) for t in sampled[split]]
+        checked += len(results)
+        bad = [f"{split} {t.get('id', t.get('task_id', '?'))} scored {r:g}" for t, r in results if r != 1.0]
+        failures, reasons = failures + len(bad), reasons + bad
+    if checked:
+        status = "failed" if failures else "passed"
+    reason = f"{failures}/{checked} reference replies below 1: " + "; ".join(reasons[:3]) if failures else ""
+    return status, checked, failures, reason

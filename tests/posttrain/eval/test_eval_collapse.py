@@ -1,0 +1,87 @@
+"""The collapse check (posttrain/eval/collapse.py) against a NumPy reference over a table of cases, and its place in
+the suite summary (runner.suite_summary, report.summary_markdown) beside above_floor (runner.loop_metrics)."""
+import math
+
+import numpy as np
+import pytest
+
+from posttrain.eval import collapse, report, runner
+
+
+def reference(answers, gold, alpha=collapse.ALPHA, margin=collapse.MARGIN):
+    """NumPy reference: modal shares by np.unique, the exact one-sided binomial tail sum_{i >= k} C(n,i) p^i q^(n-i)."""
+    norm = lambda xs: [" ".join(str(x).split()).lower() for x in xs if x is not None and str(x).strip()]  # noqa: E731
+    a, g = norm(answers), norm(gold)
+    k = int(np.unique(a, return_counts=True)[1].max()) if a else 0
+    n = len(answers)
+    share = k / n
+    if not g:
+        return share, None, None, False
+    p0 = np.unique(g, return_counts=True)[1].max() / len(g)
+    tail = float(np.sum([math.comb(n, i) * p0 ** i * (1 - p0) ** (n - i) for i in range(k, n + 1)])) if k else 1.0
+    return share, p0, tail, bool(share >= p0 + margin and tail < alpha)
+
+
+GOLD30 = [str(1 + i % 3) if i % 10 else "4" for i in range(30)]  # modal gold share 9/30
+CASES = [
+    ("letter_counting: 29/30 replies '1'", ["1"] * 29 + ["2"], GOLD30, True),
+    ("the gold answers themselves", GOLD30[::-1], GOLD30, False),
+    ("all 'yes' where the gold is all 'yes'", ["yes"] * 20, ["Yes"] * 20, False),
+    ("no gold answers: nothing flagged", ["1"] * 10, [None] * 10, False),
+    ("mostly no answer: no answer is not a mode", [None] * 20 + ["1"] * 10, GOLD30, False),
+    ("4 of 5 the same against a 0.2 gold share", ["7", "7", "7", " 7 ", "3"], ["1", "2", "3", "4", "5"], True),
+    ("3 of 5: not significant at 0.01", ["7", "7", "7", "2", "3"], ["1", "2", "3", "4", "5"], False),
+]
+
+
+@pytest.mark.parametrize("name,answers,gold,flagged", CASES, ids=[c[0] for c in CASES])
+def test_collapse_check_matches_the_reference(name, answers, gold, flagged):
+    got = collapse.collapse_check(answers, gold)
+    share, gold_share, p, want = reference(answers, gold)
+    assert got.collapsed == want == flagged
+    assert got.modal_share == pytest.approx(share) and got.replies == len(answers)
+    assert (got.gold_modal_share is None) == (gold_share is None)
+    if gold_share is not None:
+        assert got.gold_modal_share == pytest.approx(gold_share) and got.p == pytest.approx(p, rel=1e-9)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="no replies"):
+        collapse.collapse_check([], ["1"])
+    with pytest.raises(ValueError, match="alpha=1.5"):
+        collapse.collapse_check(["1"], ["1"], alpha=1.5)
+
+
+def _records(domain, replies, golds, reward):
+    return [{"domain": domain, "area": "counting", "task_id": i, "prompt": f"q{i}", "replies": [r],
+             "rewards": [reward(r, g)], "gold": g, "greedy": True} for i, (r, g) in enumerate(zip(replies, golds))]
+
+
+def test_suite_summary_flags_a_collapsed_domain_and_reports_above_floor():
+    paid = lambda r, g: float(f"<answer>{g}</answer>" == r)  # noqa: E731
+    lc = _records("reasoning_gym/letter_counting", ["<answer>1</answer>"] * 29 + ["The answer is 2."], GOLD30, paid)
+    honest = _records("reasoning_gym/gcd", [f"<answer>{g}</answer>" for g in GOLD30], GOLD30, paid)
+    s = runner.suite_summary(lc + honest, floors={"reasoning_gym/letter_counting": 0.3})
+    d = s["domains"]["reasoning_gym/letter_counting"]
+    assert (d["collapsed"], d["modal_share"], d["gold_modal_share"]) == (1.0, pytest.approx(29 / 30), 0.3)
+    assert d["above_floor"] == pytest.approx(d["mean_reward"] - 0.3) and d["mean_reward"] == pytest.approx(9 / 30)
+    gcd = s["domains"]["reasoning_gym/gcd"]
+    assert gcd["collapsed"] == 0.0 and "above_floor" not in gcd
+    table = report.summary_markdown(s)
+    assert "| - reasoning_gym/letter_counting COLLAPSED |" in table and "above_floor" in table
+    assert "reasoning_gym/gcd COLLAPSED" not in table
+    m = runner.loop_metrics(lc, {"reasoning_gym/letter_counting": 0.3})
+    assert m["eval/reasoning_gym/letter_counting/above_floor"] == pytest.approx(0.0)
+    assert "eval/reasoning_gym/letter_counting/above_floor" not in runner.loop_metrics(lc)
+    carried = [{**r, "floor": 0.3} for r in lc]  # runner.task_record stores the domain's floor in each record
+    assert runner.loop_metrics(carried)["eval/reasoning_gym/letter_counting/above_floor"] == pytest.approx(0.0)
+    assert runner.suite_summary(carried)["domains"]["reasoning_gym/letter_counting"]["above_floor"] == pytest.approx(0)
+
+
+def test_episode_floor_reads_the_registry():
+    from posttrain.rollout.episodes import Episode
+
+    coin = Episode("posttrain/ReasoningGym-v0", {"dataset": "coin_flip", "config": "{}"}, {}, seed=0)
+    assert runner.episode_floor(coin) == pytest.approx(0.95)
+    assert runner.episode_floor(Episode("user:Fake-v0", {}, {}, seed=0)) is None
+    assert runner.env_floor("posttrain/ReasoningGym-v0", {"config": "{}"}) is None  # no dataset: no floor
