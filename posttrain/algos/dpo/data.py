@@ -25,7 +25,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 from flax import struct
 
-from posttrain.algos.sft.data import _turns, load_records, split_records
+from posttrain.algos.sft.data import as_turns, load_records, split_records
 from posttrain.rollout import batching
 from posttrain.rollout.episodes import Sample
 from posttrain.types import RolloutBatch
@@ -80,7 +80,7 @@ class PairSettings:
 
 
 def _reply(value: Any, where: str, key: str) -> dict:
-    turns = _turns(value, where, key, "assistant")
+    turns = as_turns(value, where, key, "assistant")
     if len(turns) != 1 or turns[0]["role"] != "assistant":
         raise ValueError(f"{where}: {key!r} must be one assistant turn (a string or a one-message list), got roles "
                          f"{[t['role'] for t in turns]}")
@@ -98,7 +98,7 @@ def encode_pair(tokenizer, record: Mapping[str, Any], where: str, max_prompt_len
     if missing:
         raise ValueError(f"{where}: missing key(s) {missing}: a preference record needs 'prompt', 'chosen' and "
                          f"'rejected'; it has {sorted(record)}")
-    prompt = _turns(record["prompt"], where, "prompt", "user")
+    prompt = as_turns(record["prompt"], where, "prompt", "user")
     if prompt[-1]["role"] == "assistant":
         raise ValueError(f"{where}: the prompt ends with an assistant turn; the replies are the assistant's turn")
     render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, add_generation_prompt=gen)

@@ -102,7 +102,10 @@ def _check_messages(messages: Any, where: str, key: str) -> list[dict]:
     return [dict(m) for m in messages]
 
 
-def _turns(value: Any, where: str, key: str, role: str) -> list[dict]:
+def as_turns(value: Any, where: str, key: str, role: str) -> list[dict]:
+    """The chat messages of one record field: a string is one message of `role`, a list is checked as messages
+    (each a mapping with string 'role' and 'content'; copied). Raises ValueError naming `where` and `key` for an
+    empty list, a non-list, or a malformed message."""
     return [{"role": role, "content": value}] if isinstance(value, str) else _check_messages(value, where, key)
 
 
@@ -115,8 +118,8 @@ def to_messages(record: Mapping[str, Any], where: str) -> tuple[list[dict], tupl
         messages = _check_messages(record["messages"], where, "messages")
         trained = tuple(i for i, m in enumerate(messages) if m["role"] == "assistant")
     elif "prompt" in record and "completion" in record:
-        prompt = _turns(record["prompt"], where, "prompt", "user")
-        completion = _turns(record["completion"], where, "completion", "assistant")
+        prompt = as_turns(record["prompt"], where, "prompt", "user")
+        completion = as_turns(record["completion"], where, "completion", "assistant")
         messages = prompt + completion
         trained = tuple(len(prompt) + i for i, m in enumerate(completion) if m["role"] == "assistant")
     else:
