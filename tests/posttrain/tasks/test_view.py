@@ -67,6 +67,10 @@ def test_the_archive_gives_the_schedulers_counts(flaky):
         assert (got["scored"], got["passes"]) == (len(scored), sum(a.reward >= 1 for a in scored))
     last = [a for a in runner.logs[-1].attempts if a.ticket.domain == "code"]
     assert stats["domains"]["code"]["last"]["episodes"] == len(last)
+    m = sched.metrics()  # the step's scalars (metrics.jsonl, TensorBoard): tasks/<domain>/infra_errors among them
+    assert m["tasks/code/infra_errors"] == stats["domains"]["code"]["last"]["infra_errors"] == \
+        sum(a.status == "infra_error" for a in last)
+    assert m["tasks/broken/quarantined"] == len(sched.domains["broken"].quarantine)
     from_status, from_archive = view.rows(view.read_status(workdir)), view.rows(None, stats)
     for a, b in zip(from_status, from_archive):
         assert (a["domain"], a["episodes"], a["infra_errors"], a["retries"]) == \
