@@ -73,8 +73,11 @@ def tiny_config(workdir, **over):
     c.eval.at_start = c.eval.at_end = False
     c.checkpoint.async_save = False
     for k, v in over.items():
-        section, key = k.split(".")
-        setattr(getattr(c, section), key, v)
+        *path, key = k.split(".")  # "section.key" or deeper ("eval.gate.action")
+        node = c
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, key, v)
     return from_config_dict(c)
 
 
@@ -93,3 +96,64 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # my offsets in each source's plan
     dst = jnp.where(r[None, :] < recv_sizes[:, None], where[:, None] + r[None, :], output.shape[0])
     return output.at[dst.reshape(-1)].set(got.reshape((S * rows,) + operand.shape[1:]), mode="drop")
+
+
+TIMING_KEYS = ("perf/", "train_wall_s", "peak_rss")  # what a golden comparison leaves out of metrics.jsonl
+
+
+def checkpoint_hashes(workdir) -> tuple[int, dict]:
+    """(step, {leaf path: sha256 of its bytes}) of the newest checkpoint under `workdir`/checkpoints, read by orbax
+    alone (no posttrain code)."""
+    import hashlib
+    import pathlib
+
+    import orbax.checkpoint as ocp
+
+    ckpts = pathlib.Path(workdir) / "checkpoints"
+    step = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+    tree = ocp.PyTreeCheckpointer().restore((ckpts / str(step) / "state").resolve())
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return step, {jax.tree_util.keystr(p): hashlib.sha256(np.ascontiguousarray(np.asarray(x)).tobytes()).hexdigest()
+                  for p, x in leaves}
+
+
+def golden_view(workdir) -> dict:
+    """What a golden recording keeps of a GRPO run in `workdir`: every metrics.jsonl row without its timings
+    (TIMING_KEYS), the sha256 and count of the archive's rows (timings, the run's name and the episode ids' run
+    prefix aside; canonical JSON) and the newest checkpoint's step and array hashes (`checkpoint_hashes`)."""
+    import hashlib
+    import json
+    import pathlib
+
+    from posttrain.tasks import archive
+
+    workdir = pathlib.Path(workdir)
+    metrics = [{k: v for k, v in json.loads(line).items() if not any(k.startswith(t) or t in k for t in TIMING_KEYS)}
+               for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    rows = archive.read(workdir).drop_columns(["sampler_s", "env_s", "run"]).to_pylist()
+    rows = [{**r, "episode_id": r["episode_id"].split(":", 1)[1]} for r in rows]
+    step, hashes = checkpoint_hashes(workdir)
+    return {"metrics": metrics, "archive_rows": len(rows),
+            "archive_sha256": hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest(),
+            "final_step": step, "checkpoint_sha256": hashes}
+
+
+QUEUE_KEYS = ("rollout/staleness_mean", "rollout/staleness_max")  # the rollout queue's metrics, new since the goldens
+
+
+def assert_equals_golden(view: dict, golden: dict) -> None:
+    """`golden_view` of a run equals a recording of the synchronous loop: every metrics row (the rollout queue's
+    QUEUE_KEYS aside, which must all be 0: no batch was stale), the archive and every checkpoint array."""
+    stale = [(m.get("step"), k, m[k]) for m in view["metrics"] for k in QUEUE_KEYS if k in m and m[k] != 0]
+    assert not stale, f"stale batches in a max_staleness=0 run: {stale}"
+    rows = [{k: v for k, v in m.items() if k not in QUEUE_KEYS} for m in view["metrics"]]
+    assert rows == golden["metrics"]
+    trained = [m for m in view["metrics"] if "policy/loss" in m]
+    assert all(set(QUEUE_KEYS) <= set(m) for m in trained)  # the queue's machinery ran for every update
+    for key in ("archive_rows", "archive_sha256", "final_step"):
+        if key in golden:
+            assert view[key] == golden[key], key
+    hashes, want = view["checkpoint_sha256"], golden["checkpoint_sha256"]
+    assert sorted(hashes) == sorted(want)
+    changed = [k for k in hashes if hashes[k] != want[k]]
+    assert not changed, f"{len(changed)} of {len(hashes)} checkpoint arrays differ from the recording: {changed[:5]}"

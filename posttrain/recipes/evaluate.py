@@ -21,19 +21,16 @@ from __future__ import annotations
 import json
 import pathlib
 import time
-from typing import Mapping, Sequence
+from typing import Mapping
 
 from posttrain.config import Config, from_config_dict
 from posttrain.eval import compare as compare_lib
 from posttrain.eval import records as records_lib
 from posttrain.eval import report, suite as suite_lib
-from posttrain.eval.metrics import task_set_hash
-from posttrain.eval.runner import domain_key, sample_domain, suite_summary
 from posttrain.infra.partitioning import use_rules
 from posttrain.recipes import grpo
+from posttrain.recipes.eval_gate import evaluation as _evaluation, sample_suite
 from posttrain.recipes.run_plan import RunPlan, make_run_plan
-from posttrain.rollout.episodes import Episode
-from posttrain.rollout.sampler import SamplingParams
 
 
 def run_plan_of(checkpoint: str | pathlib.Path, cfg: Config | None = None) -> RunPlan:
@@ -46,27 +43,6 @@ def run_plan_of(checkpoint: str | pathlib.Path, cfg: Config | None = None) -> Ru
             raise grpo.RunNotFoundError(f"--checkpoint={checkpoint}: no config.json; pass --config=configs/X.py")
         cfg = from_config_dict(json.loads(path.read_text()))
     return make_run_plan(cfg, workdir=str(checkpoint))
-
-
-def sample_suite(plan: RunPlan, built: Sequence[suite_lib.ResolvedDomain], rollouter, policy) -> tuple[list, dict]:
-    """(records of every task of every built domain, {domain: seconds, "total": seconds}) for the policy states
-    `policy`."""
-    import jax
-
-    t0, records, e, seconds = time.perf_counter(), [], plan.eval, {}
-    key = jax.random.key(e.seed)
-    for r in built:
-        d, t_d = r.domain, time.perf_counter()
-        sample_fn = rollouter.sample_fn(policy, SamplingParams(max_new_tokens=d.max_new_tokens,
-                                                               temperature=d.temperature))
-        episodes = [Episode(r.spec.id, dict(r.spec.kwargs), r.source.get_task(i), seed=i, domain=d.name)
-                    for i in range(r.num_tasks)]
-        records += sample_domain(sample_fn, rollouter.tokenizer, rollouter.runner, episodes,
-                                 batch_size=e.batch_size, num_samples=d.n, scorer=d.scorer, fmt=d.format,
-                                 greedy=d.greedy, max_turns=d.max_turns, key=domain_key(key, d.name),
-                                 system_prompt=e.system_prompt, bucket=e.prompt_bucket, area=d.area)
-        seconds[d.name] = time.perf_counter() - t_d
-    return records, {**seconds, "total": time.perf_counter() - t0}
 
 
 def evaluate_policies(plan: RunPlan, built, *, with_base: bool, sampling_plan: RunPlan | None = None) -> dict:
@@ -84,12 +60,6 @@ def evaluate_policies(plan: RunPlan, built, *, with_base: bool, sampling_plan: R
             learner.close()
             rollouter.close()
     return out
-
-
-def _evaluation(label: str, records: list, seconds: dict, step: int | None, ks: Mapping, described: dict) -> dict:
-    return {"label": label, "step": step, "records": records, "task_set_hash": task_set_hash(records),
-            "summary": suite_summary(records, ks), "perf/eval_s": seconds["total"], "seconds": seconds,
-            "suite": described}
 
 
 def write_report(out: pathlib.Path, evaluations: Mapping[str, dict], alpha: float, skipped: Mapping[str, str]) -> str:
