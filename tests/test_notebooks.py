@@ -11,9 +11,9 @@ from nbclient import NotebookClient
 COLAB = pathlib.Path(__file__).resolve().parents[1] / "colab"
 # notebook -> (its run's workdir, the last training step its parameter cell asks for)
 NOTEBOOKS = {"quickstart": ("runs/colab_quickstart", 8), "custom_env": ("runs/colab_custom_env", 3),
-             "tpu": ("runs/colab_tpu", 2)}
+             "tpu": ("runs/colab_tpu", 2), "evaluate": ("runs/colab_evaluate", 3)}
 # the tiny-model notebooks spend their time compiling, not computing: compile them without LLVM optimisation
-FAST_COMPILE = {"custom_env", "tpu"}
+FAST_COMPILE = {"custom_env", "tpu", "evaluate"}
 
 
 def test_every_notebook_is_listed():
