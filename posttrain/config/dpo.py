@@ -36,6 +36,9 @@ class DPOConfig:
         the model and data hashes match (False: recompute at every start).
       eval_at_start: held-out pair accuracy and margins before the first step.
       eval_at_end: the same after the last step.
+      from_archive: a GRPO run's workdir: pairs from its archived groups instead of train_path / train_examples
+        (same prompt and policy version, a reply scored 1 chosen over one scored 0;
+        `posttrain.algos.from_archive.dpo_pairs`; held out: eval_fraction of its prompts). "": not used.
     """
 
     train_path: str = ""
@@ -54,6 +57,7 @@ class DPOConfig:
     reference_cache: bool = True
     eval_at_start: bool = True
     eval_at_end: bool = True
+    from_archive: str = ""
 
     def __post_init__(self):
         checks = {f"loss (one of {LOSS_NAMES})": self.loss in LOSS_NAMES, "beta (> 0)": self.beta > 0,

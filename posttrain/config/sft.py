@@ -22,7 +22,8 @@ def offline_checks(section) -> dict[str, bool]:
     s = section
     return {"num_microbatches (>= 1)": s.num_microbatches >= 1, "logprob_chunk (>= 1)": s.logprob_chunk >= 1,
             "eval_fraction (in [0, 1))": 0.0 <= s.eval_fraction < 1.0,
-            "train_path / train_examples (at most one)": not (s.train_path and s.train_examples),
+            "train_path / train_examples / from_archive (at most one)":
+                sum(map(bool, (s.train_path, s.train_examples, s.from_archive))) <= 1,
             "eval_path / eval_examples (at most one)": not (s.eval_path and s.eval_examples)}
 
 
@@ -46,6 +47,11 @@ class SFTConfig:
         moe_aux_coef: MoE load-balance coefficient (< 0: the model's own).
         eval_at_start: held-out NLL and perplexity before the first step.
         eval_at_end: held-out NLL and perplexity after the last step.
+        from_archive: a GRPO run's workdir: train on its archived successful episodes instead of train_path /
+            train_examples (rejection-sampling fine-tuning, `posttrain.algos.from_archive.sft_examples`; held out:
+            eval_fraction of its prompts). "": not used.
+        min_reward: with from_archive, an episode is successful when its reward is >= this (and its status ok).
+        max_per_prompt: with from_archive, at most this many distinct successful replies per prompt (>= 1).
     """
 
     train_path: str = ""
@@ -61,9 +67,13 @@ class SFTConfig:
     moe_aux_coef: float = -1.0
     eval_at_start: bool = True
     eval_at_end: bool = True
+    from_archive: str = ""
+    min_reward: float = 1.0
+    max_per_prompt: int = 1
 
     def __post_init__(self):
         checks = {"seq_len (>= 2)": self.seq_len >= 2, "rows_per_step (>= 1)": self.rows_per_step >= 1,
+                  "max_per_prompt (>= 1)": self.max_per_prompt >= 1,
                   **offline_checks(self)}
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
@@ -139,13 +149,28 @@ def offline_config_from_dict(cd, name: str, section_cls, run_cls, data_kind: str
     shared = from_config_dict({**{k: raw[k] for k in SHARED_SECTIONS if k in raw},
                                "env": {"train": {name: {"id": name}}}})
     own = convert_section(section_cls, raw.get(name, {}), name)
-    if not (own.train_path or own.train_examples):
-        raise ConfigError(f"{name}: no training data: set {name}.train_path ({data_kind}) or {name}.train_examples")
+    if own.from_archive:
+        check_archive(own.from_archive, f"{name}.from_archive")
+    elif not (own.train_path or own.train_examples):
+        raise ConfigError(f"{name}: no training data: set {name}.train_path ({data_kind}), {name}.train_examples "
+                          f"or {name}.from_archive (a GRPO run's workdir)")
     for key in ("train_path", "eval_path"):
         path = getattr(own, key)
         if path and not os.path.isfile(path):
             raise ConfigError(f"{name}.{key}={path!r}: no such file ({data_kind})")
     return run_cls(**{k: getattr(shared, k) for k in SHARED_SECTIONS}, **{name: own})
+
+
+def check_archive(run: str, key: str) -> None:
+    """Raises ConfigError naming `key` and `run` when `run` is not a directory holding an episode archive
+    (`<run>/archive/step_*.parquet`, `posttrain.tasks.archive`)."""
+    import glob
+
+    if not os.path.isdir(run):
+        raise ConfigError(f"{key}={run!r}: no such run directory")
+    if not glob.glob(os.path.join(run, "archive", "step_*.parquet")):
+        raise ConfigError(f"{key}={run!r}: the run has no episode archive ({os.path.join(run, 'archive')} holds no "
+                          "step_*.parquet file; GRPO runs write one per step)")
 
 
 def to_dict(cfg: SFTRunConfig) -> dict:

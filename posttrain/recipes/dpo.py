@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from scipy import stats
 
+from posttrain.algos import from_archive
 from posttrain.algos.dpo import data as data_lib
 from posttrain.algos.dpo import reference
 from posttrain.algos.dpo import step as dpo_step
@@ -87,7 +88,8 @@ def make_dpo_plan(cfg: DPORunConfig, *, num_devices: int | None = None, workdir:
     pairs = data_lib.PairSettings(train_path=d.train_path, eval_path=d.eval_path, train_records=d.train_examples,
                                   eval_records=d.eval_examples, eval_fraction=d.eval_fraction,
                                   max_prompt_len=d.max_prompt_len, max_completion_len=d.max_completion_len,
-                                  pairs_per_step=d.pairs_per_step, seed=t.seed)
+                                  pairs_per_step=d.pairs_per_step, seed=t.seed,
+                                  from_archive=d.from_archive)
     step = dpo_step.StepOptions(loss=d.loss, beta=d.beta, label_smoothing=d.label_smoothing,
                                 num_microbatches=d.num_microbatches, logprob_chunk=d.logprob_chunk,
                                 matmul_precision=cfg.model.matmul_precision, lora_rank=cfg.lora.rank)
@@ -115,6 +117,22 @@ def reference_hash(source: PolicySource) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def load_pairs(d: data_lib.PairSettings, tokenizer):
+    """(train pairs, held-out pairs): from the archive of the run `d.from_archive` (`algos.from_archive.dpo_pairs`;
+    held out: `d.eval_fraction` of its prompts), else from the records (`data.load_pairs`). Raises
+    FileNotFoundError for a run without an archive, ValueError when no training pair is left."""
+    if not d.from_archive:
+        return data_lib.load_pairs(d, tokenizer)
+    train, held, counts = from_archive.dpo_pairs(offline.archive_table(d.from_archive),
+                                                 max_prompt_len=d.max_prompt_len,
+                                                 max_completion_len=d.max_completion_len,
+                                                 eval_fraction=d.eval_fraction, seed=d.seed)
+    if not train:
+        raise ValueError(f"no DPO training pair in the archive of {d.from_archive!r} (a pair needs a group with a "
+                         f"reply scored 1 and one scored 0): {counts}")
+    return train, held
+
+
 class Run:
     """The pieces of a DPO run: policy, tokenizer, pairs with their reference logprobs, fixed batch regions and the
     learner (restored from the workdir's newest checkpoint, if any); writes config.json."""
@@ -124,7 +142,7 @@ class Run:
         self.plan = plan
         self.mesh = mesh_lib.make_mesh(plan.mesh_shape)
         model_config, graphdef, weights, self.tokenizer = load_policy(plan.policy, self.mesh, plan.rules)
-        self.train_pairs, self.eval_pairs = data_lib.load_pairs(plan.data, self.tokenizer)
+        self.train_pairs, self.eval_pairs = load_pairs(plan.data, self.tokenizer)
         self.regions = data_lib.regions(self.train_pairs + self.eval_pairs)
         build = lambda g, tx, lr, mc: dpo_step.make_train_step(g, tx, lr, plan.step)
         self.learner = Learner.create(plan.learner, self.mesh, model_config, graphdef, weights, build,

@@ -24,6 +24,7 @@ from posttrain.infra.precision import resolve_policy
 from posttrain.learn.learner import Learner, batch_shardings
 from posttrain.recipes.grpo import NonFiniteError
 from posttrain.recipes.run_plan import TrainSettings, resolve_mesh
+from posttrain.tasks import archive
 
 
 class OfflineRun(Protocol):
@@ -56,6 +57,15 @@ def layout(cfg, rows_key: str, rows: int, num_microbatches: int, num_devices: in
 def place(batch, mesh, rules):
     """A host batch placed on the mesh (rows split over its batch shards), as the learner places its own."""
     return jax.tree.map(distributed.global_array, batch, batch_shardings(mesh, batch, rules))
+
+
+def archive_table(run) -> "pyarrow.Table":
+    """The episode archive of the run in directory `run` (`tasks.archive.read`: every step, every row). Raises
+    FileNotFoundError naming the run when it has no archive (no `archive/step_*.parquet` file)."""
+    if not archive.step_files(run):
+        raise FileNotFoundError(f"{str(run)!r} has no episode archive ({archive.archive_dir(run)} holds no "
+                                "step_*.parquet file): from_archive takes the workdir of a GRPO run")
+    return archive.read(run)
 
 
 def write_config(workdir: pathlib.Path, config_dict: Mapping) -> None:

@@ -20,6 +20,7 @@ from typing import Mapping
 import jax
 import numpy as np
 
+from posttrain.algos import from_archive
 from posttrain.algos.sft import data as data_lib
 from posttrain.algos.sft import packing
 from posttrain.algos.sft import step as sft_step
@@ -87,7 +88,9 @@ def make_sft_plan(cfg: SFTRunConfig, *, num_devices: int | None = None, workdir:
     t = cfg.train
     data = data_lib.DataSettings(train_path=s.train_path, eval_path=s.eval_path, train_records=s.train_examples,
                                  eval_records=s.eval_examples, eval_fraction=s.eval_fraction, seq_len=s.seq_len,
-                                 rows_per_step=s.rows_per_step, packing=s.packing, seed=t.seed)
+                                 rows_per_step=s.rows_per_step, packing=s.packing, seed=t.seed,
+                                 from_archive=s.from_archive, min_reward=s.min_reward,
+                                 max_per_prompt=s.max_per_prompt)
     step = sft_step.StepOptions(num_microbatches=s.num_microbatches, logprob_chunk=s.logprob_chunk,
                                 matmul_precision=cfg.model.matmul_precision, lora_rank=cfg.lora.rank)
     learner = LearnerSettings(workdir=wd, optimizer=optimizer_settings(cfg), lora_rank=cfg.lora.rank,
@@ -107,6 +110,21 @@ def step_builder(plan: SFTPlan):
         graphdef, tx, lr_schedule, plan.model_step(model_config.moe))
 
 
+def load_examples(d: data_lib.DataSettings, tokenizer):
+    """(train examples, held-out examples, counts): from the archive of the run `d.from_archive`
+    (`algos.from_archive.sft_examples`; held out: `d.eval_fraction` of its prompts), else from the records
+    (`data.load_datasets`). Raises FileNotFoundError for a run without an archive, ValueError when no training
+    example is left."""
+    if not d.from_archive:
+        return data_lib.load_datasets(d, tokenizer)
+    train, held, counts = from_archive.sft_examples(offline.archive_table(d.from_archive), min_reward=d.min_reward,
+                                                    max_per_prompt=d.max_per_prompt, max_len=d.seq_len,
+                                                    eval_fraction=d.eval_fraction, seed=d.seed)
+    if not train:
+        raise ValueError(f"no SFT training example in the archive of {d.from_archive!r}: {counts}")
+    return train, held, counts
+
+
 class Run:
     """The pieces of a run: the policy loaded on the plan's mesh, its tokenizer, the packed training rows, the held-out
     batches and the learner (restored from the newest checkpoint in the workdir, if any); writes config.json."""
@@ -117,7 +135,7 @@ class Run:
         self.mesh = mesh_lib.make_mesh(plan.mesh_shape)
         model_config, graphdef, weights, self.tokenizer = load_policy(plan.policy, self.mesh, plan.rules)
         d = plan.data
-        self.train_examples, eval_examples, self.counts = data_lib.load_datasets(d, self.tokenizer)
+        self.train_examples, eval_examples, self.counts = load_examples(d, self.tokenizer)
         self.rows = packing.pack(self.train_examples, d.seq_len, d.packing)
         self.counts["sft/train_rows"] = len(self.rows)
         self.eval_batches = packing.eval_batches(eval_examples, d.seq_len, d.rows_per_step, self.tokenizer.pad_id,

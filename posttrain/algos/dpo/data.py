@@ -66,6 +66,8 @@ class PairSettings:
       max_completion_len: tokens; a longer reply keeps its first tokens.
       pairs_per_step: P, pairs in one step's batch.
       seed: of the shuffles (held-out split, step order).
+      from_archive: a GRPO run's workdir whose archived groups give the pairs instead ("": none;
+        `posttrain.algos.from_archive.dpo_pairs`, read by `recipes.dpo`).
     """
 
     train_path: str = ""
@@ -77,6 +79,7 @@ class PairSettings:
     max_completion_len: int = 256
     pairs_per_step: int = 8
     seed: int = 0
+    from_archive: str = ""
 
 
 def _reply(value: Any, where: str, key: str) -> dict:

@@ -55,6 +55,10 @@ class DataSettings:
         rows_per_step: R, rows in one step's batch.
         packing: several conversations per row (best-fit decreasing) or one per row.
         seed: seeds the shuffles.
+        from_archive: a GRPO run's workdir whose archived successful episodes are the data instead ("": none;
+            `posttrain.algos.from_archive.sft_examples`, read by `recipes.sft`).
+        min_reward: with from_archive, the reward an episode needs to be trained on.
+        max_per_prompt: with from_archive, distinct successful replies kept per prompt.
     """
 
     train_path: str = ""
@@ -66,6 +70,9 @@ class DataSettings:
     rows_per_step: int = 8
     packing: bool = True
     seed: int = 0
+    from_archive: str = ""
+    min_reward: float = 1.0
+    max_per_prompt: int = 1
 
 
 def read_jsonl(path: str | pathlib.Path) -> list[tuple[str, dict]]:
