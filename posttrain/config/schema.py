@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from posttrain.config.evaluation import EvalConfig, GateConfig  # noqa: F401  (the eval section)
 from posttrain.config.tasks import TasksConfig
 from posttrain.model.config import LoRAConfig, MLAConfig, ModelConfig, MoEConfig, RopeConfig  # noqa: F401
 
@@ -231,36 +232,6 @@ class EnvConfig:
     step_timeout_s: float = 60.0
     max_turns: int = 1
     max_infra_error_rate: float = 0.5
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EvalConfig:
-    """The `eval` section: held-out evaluation on `env.eval`.
-
-    Attributes:
-        every_steps: evaluate every this many steps during training (0: never).
-        at_start: evaluate before the first step.
-        at_end: evaluate after the last step.
-        num_tasks: the first this many tasks of each domain.
-        max_new_tokens: completion tokens per eval turn.
-        temperature: eval sampling temperature (0: greedy).
-        batch_size: episodes per sampler call.
-        scorer: "env" uses the env's reward (>= 1 solves); "last_integer" compares the last integer of the reply
-            with the task's answer.
-        seed: the evaluation sampling stream (`jax.random.key(seed)`, folded per domain and batch), for the
-            loop's evaluations and `posttrain eval --suite`; two evaluations with different seeds draw independent
-            samples (-1: train.seed + 1).
-    """
-
-    every_steps: int = 0
-    at_start: bool = True
-    at_end: bool = True
-    num_tasks: int = 200
-    max_new_tokens: int = 24
-    temperature: float = 0.0
-    batch_size: int = 64
-    scorer: str = "env"
-    seed: int = -1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

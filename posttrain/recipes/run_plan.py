@@ -24,6 +24,7 @@ from posttrain.algos.grpo.step import StepOptions, with_moe
 from posttrain.checkpoints.policy import PolicySource
 from posttrain.config import Config, ConfigError, to_dict
 from posttrain.config.tasks import SchedulingOptions
+from posttrain.eval import suite as suite_lib, gate as gate_lib
 from posttrain.eval.runner import SCORERS, EvalSettings
 from posttrain.infra import mesh as mesh_lib
 from posttrain.infra.precision import PrecisionPolicy, resolve_policy
@@ -76,6 +77,7 @@ class RunPlan:
         train: the loop's own settings (TrainSettings).
         warnings: legal but suspect settings, logged when a run starts.
         tasks: the job scheduler's settings (None: tasks.enabled is off).
+        gate: the in-loop evaluation suite and its gate (GateSettings; None: eval.suite is "").
     """
 
     workdir: pathlib.Path
@@ -94,6 +96,7 @@ class RunPlan:
     train: TrainSettings
     warnings: tuple[str, ...] = ()
     tasks: SchedulerSettings | None = None
+    gate: gate_lib.GateSettings | None = None
 
     def model_step(self, moe) -> StepOptions:
         """The step options for the loaded model (its MoEConfig or None): MoE coefficients and bias rate."""
@@ -300,6 +303,22 @@ def _rows_and_split(cfg: Config, shape, shards: int) -> int:
     return split
 
 
+def gate_settings(cfg: Config) -> gate_lib.GateSettings | None:
+    """The evaluation gate's settings (None without eval.suite), its suite file read and parsed. Raises
+    ConfigError for a missing or malformed suite file, or eval.every_steps = 0 with a suite."""
+    if not (e := cfg.eval).suite:
+        return None
+    if e.every_steps < 1:
+        raise ConfigError(f"eval.suite={e.suite!r} runs every eval.every_steps steps: set eval.every_steps >= 1 "
+                          f"(got {e.every_steps})")
+    try:
+        suite = suite_lib.load_suite(e.suite)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"eval.suite={e.suite!r}: {err}") from None
+    return gate_lib.GateSettings(suite=suite, every_steps=e.every_steps, action=e.gate.action,
+                                 max_drop=e.gate.max_drop, alpha=e.gate.alpha)
+
+
 def resolve_mesh(mesh_cfg, num_devices: int) -> tuple[dict, tuple, int]:
     """(axis sizes with no -1, logical-axis rules with the config's overlays, batch shards) of a `mesh` section on
     `num_devices` devices (GRPO, SFT and DPO runs). Raises ConfigError when the mesh does not fit the devices."""
@@ -346,6 +365,7 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
     config_dict = to_dict(cfg)
     rl, env = cfg.rl, cfg.env
     tasks = scheduler_settings(cfg, wd.name)  # validated whether or not it is enabled
+    gate = gate_settings(cfg)
     rollout = RolloutSettings(
         train_specs=dict(env.train), group_size=rl.group_size, prompts_per_step=rl.prompts_per_step,
         sampling=sampling, max_turns=env.max_turns, prompt_bucket=s.prompt_bucket, system_prompt=s.system_prompt,
@@ -357,7 +377,8 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
         curriculum=cfg.curriculum, run=tasks.run, tasks=tasks if cfg.tasks.enabled else None)
     learner = LearnerSettings(workdir=wd, optimizer=optimizer_settings(cfg), lora_rank=cfg.lora.rank,
                               need_reference=rl.beta > 0, seed=cfg.train.seed, checkpoint=cfg.checkpoint,
-                              rules=rules, config_dict=config_dict)
+                              rules=rules, config_dict=config_dict,
+                              best_metric="eval/gate/score" if gate else None)
     e = cfg.eval
     evaluation = EvalSettings(specs=dict(env.eval), sampling=eval_sampling, num_tasks=e.num_tasks,
                               batch_size=e.batch_size, scorer=e.scorer, max_turns=env.max_turns,
@@ -371,4 +392,4 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
                    train=TrainSettings(steps=t.steps, max_train_seconds=t.max_train_seconds,
                                        max_nonfinite_skips=t.max_nonfinite_skips),
                    warnings=tuple(w for w in (truncation_warning(cfg), greedy_warning(cfg)) if w),
-                   tasks=rollout.tasks)
+                   tasks=rollout.tasks, gate=gate)
