@@ -5,8 +5,8 @@ dataset-config overrides that make the tasks easy enough for a 135M model (one-d
 GCD/LCM/bit counts, short words and texts, so that it solves some but not all of each at T=0.7; the library's
 curriculum level 0 is harder than that); only golden-verified domains that the gaming-floor table does not flag
 are kept (`envs.tasks.floors`: a floor >= 0.2, the best mean reward of a reply without a solution, or a failing
-golden sample; with these configs chain_sum, gcd, count_bits, letter_counting and simple_equations pay >= 0.2 for a
-constant answer and are left out; an entry's ``"allow_flagged": True`` would keep one). `posttrain domains
+golden sample; with these configs gcd, count_bits, letter_counting and simple_equations pay >= 0.2 for a constant
+answer and are left out; an entry's ``"allow_flagged": True`` would keep one). `posttrain domains
 --floors` prints floors and golden samples. The prompt ends with `SHORT_INSTRUCTION` (the long one makes SmolLM2
 echo its words); replies without tags are read by the env's last-line fallback ("The answer is 12.", "3 * 4 = 12").
 Train tasks: 10000 per domain (seed 0); eval: the held-out test split (seed 0 + `TEST_SEED_OFFSET`; its questions

@@ -4,7 +4,9 @@ A **floor** is the best mean reward that a reply without a solution earns: each 
 reply, the answer format with nothing in it, the most frequent gold answers of the train split as constants,
 the question copied back, a list of candidate answers, yes/no/True/False and small numbers, and what the kind of
 domain suggests: stub bodies for code, idle commands for a terminal) is scored on a sample of held-out tasks and
-the floor is the largest of the probes' mean rewards (rewards in [0, 1], so the floor is in [0, 1]). A policy
+the floor is the held-out mean reward of the probe that scores best on the train sample (rewards in [0, 1], so
+the floor is in [0, 1]; choosing on one sample and measuring on another keeps the maximum over many probes from
+inflating it). A policy
 trained where the floor is high can learn the probe instead of the task, and its reward curve calls it progress.
 
 A **golden sample** checks that the reference reply of each of `tasks` tasks of every split scores 1 (not only task
@@ -30,7 +32,7 @@ GOLDEN_SAMPLE_STATUSES = ("passed", "failed", "unverified", "skipped")
 CONSTANTS = ("yes", "no", "Yes", "No", "True", "False", "0", "1", "2", "-1", "None", "[]")
 TOP_GOLD = 3  # the most frequent gold answers of the train sample tried as constants
 MAX_CANDIDATES = 20  # distinct gold answers in the candidate-list probe
-MIN_TASKS = 5  # tasks per split sampled however slow the dataset's generation
+MIN_TASKS = 3  # tasks per split sampled however slow the dataset's generation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +94,7 @@ class Assessment:
       golden_failures: those that did not score 1.
       reason: why golden is not "passed" (the first failures, or why skipped).
       num_tasks: {split: tasks in the split} (None for a procedural reasoning-gym split).
+      sampled: the tasks the probes were scored on (fewer than asked for a dataset slow to generate).
     """
 
     domain: str
@@ -104,6 +107,7 @@ class Assessment:
     golden_failures: int
     reason: str
     num_tasks: Mapping[str, int | None]
+    sampled: int = 0
 
 
 def probe_replies(tasks_train: list[dict], wrap: str, extra: tuple[str, ...] = (),
@@ -129,14 +133,22 @@ def probe_replies(tasks_train: list[dict], wrap: str, extra: tuple[str, ...] = (
     return probes
 
 
-def floor_of(score: Callable[[dict, str], float], tasks: list[dict],
-             probes: Mapping[str, Callable[[dict], str]]) -> tuple[float, str, dict[str, float]]:
-    """(floor, best probe, {probe: mean reward}) of `probes` on `tasks` scored by `score(task, reply)`. Ties go to
-    the first probe. Raises ValueError for no tasks or no probes."""
+def floor_of(score: Callable[[dict, str], float], tasks: list[dict], probes: Mapping[str, Callable[[dict], str]],
+             select_on: list[dict] | None = None,
+             select_score: Callable[[dict, str], float] | None = None) -> tuple[float, str, dict[str, float]]:
+    """(floor, best probe, {probe: mean reward on `tasks`}) of `probes` scored by `score(task, reply)`. The best
+    probe is the one with the largest mean on `select_on` (scored by `select_score`, default `score`) when given,
+    so the floor is its mean on the held-out `tasks`, free of the upward bias of a maximum over many noisy means;
+    else the largest mean on `tasks`. Ties go to the first probe. Raises ValueError for no tasks or no probes."""
     if not tasks or not probes:
         raise ValueError(f"floor_of needs tasks and probes, got {len(tasks)} tasks and {len(probes)} probes")
-    means = {name: sum(float(score(t, make(t))) for t in tasks) / len(tasks) for name, make in probes.items()}
-    best = max(means, key=lambda name: means[name])
+
+    def means_on(sample, fn):
+        return {name: sum(float(fn(t, make(t))) for t in sample) / len(sample) for name, make in probes.items()}
+
+    means = means_on(tasks, score)
+    chosen = means_on(select_on, select_score or score) if select_on else means
+    best = max(chosen, key=lambda name: chosen[name])
     return means[best], best, means
 
 
@@ -180,7 +192,7 @@ def _sample_tasks(source, tasks: int, budget_s: float) -> list[dict]:
 
 
 def assess_reasoning_gym(domain: str, config: Mapping[str, Any] | None = None, *, tasks: int = 20,
-                         seed: int = 0, level: int | None = None, budget_s: float = 30.0) -> Assessment:
+                         seed: int = 0, level: int | None = None, budget_s: float = 20.0) -> Assessment:
     """The floor (on `tasks` test tasks, constants from `tasks` train tasks) and golden sample (both splits) of a
     reasoning-gym domain with `config` (None: the library defaults); a split whose generation takes longer than
     `budget_s` seconds is sampled on fewer tasks (`_sample_tasks`). Raises ValueError on a bad dataset/config."""
@@ -190,8 +202,9 @@ def assess_reasoning_gym(domain: str, config: Mapping[str, Any] | None = None, *
                                                    size=max(tasks, 1), num_test=tasks, level=level,
                                                    self_check=False) for split in ("train", "test")}
     sampled = {s: _sample_tasks(e.task_source, tasks, budget_s) for s, e in envs_by_split.items()}
-    score = _rg_score(envs_by_split["test"])
-    floor, probe, means = floor_of(score, sampled["test"], probe_replies(sampled["train"], "<answer>{}</answer>"))
+    floor, probe, means = floor_of(_rg_score(envs_by_split["test"]), sampled["test"],
+                                   probe_replies(sampled["train"], "<answer>{}</answer>"), select_on=sampled["train"],
+                                   select_score=_rg_score(envs_by_split["train"]))
     results = {split: golden_sample(_rg_score(env), sampled[split], _rg_reference)
                for split, env in envs_by_split.items()}
     checked, failures = sum(r[1] for r in results.values()), sum(r[2] for r in results.values())
@@ -199,7 +212,7 @@ def assess_reasoning_gym(domain: str, config: Mapping[str, Any] | None = None, *
     status = "failed" if failed else "passed" if checked else "unverified"
     reason = "; ".join(failed) if failed else "" if checked else "no reference answer and no library-provided reply"
     return Assessment(domain, json.dumps(cfg, sort_keys=True, default=str), floor, probe, means, status, checked,
-                      failures, reason, {"train": None, "test": None})
+                      failures, reason, {"train": None, "test": None}, len(sampled["test"]))
 
 
 def assess_env_domain(domain: str, *, tasks: int | None = None) -> Assessment:
@@ -224,12 +237,15 @@ def assess_env_domain(domain: str, *, tasks: int | None = None) -> Assessment:
         test = built[d.splits[-1]]
         gold = (lambda t: verifiers.gold_answer(t["answer"])) if d.wrap else (lambda t: None)
         probes = probe_replies(sampled[d.splits[0]], d.wrap, d.probes, gold=gold)
-        floor, probe, means = floor_of(lambda t, r: test.play(t, [r])[0], sampled[d.splits[-1]], probes)
+        first = built[d.splits[0]]
+        floor, probe, means = floor_of(lambda t, r: test.play(t, [r])[0], sampled[d.splits[-1]], probes,
+                                       select_on=sampled[d.splits[0]] if len(d.splits) > 1 else None,
+                                       select_score=lambda t, r: first.play(t, [r])[0])
         golden = _env_golden(d, built, sampled)
     finally:
         for env in built.values():
             env.close()
-    return Assessment(domain, config, floor, probe, means, *golden, counts)
+    return Assessment(domain, config, floor, probe, means, *golden, counts, len(sampled[d.splits[-1]]))
 
 
 def _env_golden(d: EnvDomain, built: Mapping[str, Any], sampled: Mapping[str, list]) -> tuple[str, int, int, str]:

@@ -21,9 +21,9 @@ def load(stem):
     return from_config_dict(module.get_config())
 
 
-def test_reasoning_mix_has_at_least_eight_easy_verified_domains():
-    cfg = load("reasoning_mix")
-    assert len(cfg.env.train) >= 8 and set(cfg.env.train) == set(cfg.env.eval)
+def test_reasoning_mix_has_at_least_five_easy_verified_unflagged_domains():
+    cfg = load("reasoning_mix")  # of its ten candidates, four pay >= 0.2 for a constant answer (the floor table)
+    assert len(cfg.env.train) >= 5 and set(cfg.env.train) == set(cfg.env.eval)
     assert all(name.startswith("reasoning_gym/") for name in cfg.env.train)
     assert all(s.kwargs.get("level") is None and s.kwargs["config"] != "{}" for s in cfg.env.train.values())
     assert {s.kwargs["split"] for s in cfg.env.eval.values()} == {"test"}
