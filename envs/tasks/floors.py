@@ -91,7 +91,7 @@ def write_table(assessments: Iterable[probes.Assessment], path: str | pathlib.Pa
 def row_assessment(domain: str, row: Mapping[str, Any]) -> probes.Assessment:
     """The `probes.Assessment` a table row stores."""
     fields = {f.name for f in dataclasses.fields(probes.Assessment)} - {"domain"}
-    return probes.Assessment(domain=domain, **{k: row[k] for k in fields})
+    return probes.Assessment(domain=domain, **{k: row[k] for k in fields if k in row})
 
 
 def lookup(domain: str, config: str, table: Mapping | None = None) -> probes.Assessment | None:
@@ -184,7 +184,7 @@ def format_floors(assessments: Iterable[probes.Assessment], threshold: float = F
         counts = ", ".join(f"{s} {'procedural' if n is None else n}" for s, n in a.num_tasks.items())
         flag = flag_reason(a, threshold)
         lines.append(f"{a.domain:<40} {floor:>6} {a.probe[:24]:<24} {a.golden:<10} "
-                     f"{a.golden_checked - a.golden_failures:>4}/{a.golden_checked:<5}  {counts}")
+                     f"{a.golden_checked - a.golden_failures:>4}/{a.golden_checked:<5}  {counts}; floor on {a.sampled}")
         if flag or a.golden == "skipped":
             lines.append(f"{'':<40} ^ {'FLAGGED: ' + flag if flag else 'skipped: ' + a.reason}"[:240])
     by_floor = sum(a.floor is not None and a.floor >= threshold for a in rows)
