@@ -140,3 +140,18 @@ def test_status_file_is_replaced_atomically_and_newer_versions_are_refused(tmp_p
     assert view.read_status(tmp_path / "none") is None
     with pytest.raises(ValueError, match=r"lacks column\(s\) \['env_cost_s'"):
         view.archive_stats(archive.read(tmp_path, columns=["domain", "step"]))
+
+
+def test_the_rollouters_status_is_the_snapshot_with_the_curriculums_levels(flaky):
+    from posttrain.rollout.rollouter import Rollouter
+
+    sched = flaky[0]
+
+    class Levels:
+        levels = {"code": 1, "math": 0, "broken": 2}
+
+    fields = dict.fromkeys(("settings", "mesh", "graphdef", "tokenizer", "runner", "advantage_fn"))
+    rollouter = Rollouter(**fields, scheduler=sched, train_specs={}, curriculum=Levels())
+    assert rollouter.status(7) == view.snapshot(7, sched, Levels.levels)
+    assert {n: d["level"] for n, d in rollouter.status(7)["domains"].items()} == Levels.levels
+    assert Rollouter(**fields, scheduler=sched, train_specs={}).status(7) == view.snapshot(7, sched)
