@@ -19,7 +19,7 @@ def define_flags():
         flags.DEFINE_string("prompt", "What is 12 + 30?", "sample: the user message")
         flags.DEFINE_string("model", None, "sample/convert: a .gguf file or HF directory (default: SmolLM2 GGUF)")
         flags.DEFINE_string("out", None, "convert: output directory (a complete HF model directory); eval --suite: "
-                            "the report folder (default <checkpoint>/eval/<suite name>)")
+                            "the report folder (default eval_reports/<run name>/<suite name>-step<N>)")
         flags.DEFINE_string("suite", None, "eval: a configs/eval/*.py suite (domains by capability area)")
         flags.DEFINE_string("baseline", None, "eval --suite: 'base' (the run's initial policy) or a run's workdir")
         flags.DEFINE_integer("limit", None, "eval --suite: at most this many tasks per domain")
