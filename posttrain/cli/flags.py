@@ -38,7 +38,7 @@ def define_flags():
         flags.DEFINE_bool("allow_config_change", False, "train: resume a run with settings other than its saved "
                           "config.json (each change recorded with its step in config_changes.jsonl)")
         flags.DEFINE_string("target", "cpu-8", "plan: cpu-N | v5p-N (TensorCores) | h200xN")
-        flags.DEFINE_bool("json", False, "plan: print one JSON line")
+        flags.DEFINE_bool("json", False, "plan/status: print one JSON line")
         flags.DEFINE_integer("prompt_len", 512, "plan: prompt tokens per sequence (completions: sampling.max_new_tokens)")
         flags.DEFINE_bool("sampler", True, "plan: also compile the rollout sampler (prefill + decode loop)")
         flags.DEFINE_bool("distributed", False, "multi-host: call jax.distributed.initialize() first "
@@ -47,18 +47,20 @@ def define_flags():
 
 
 # flags every command that takes them reads (the others are named by their help's "command:" prefixes)
-_SHARED_FLAGS = {"config": ("train", "sft", "dpo", "eval", "convert", "plan"), "workdir": ("train", "sft", "dpo"),
-                 "distributed": "every command"}
+_SHARED_FLAGS = {"config": ("train", "sft", "dpo", "eval", "convert", "plan"),
+                 "workdir": ("train", "sft", "dpo", "status"), "distributed": "every command"}
 
 
 def command_help(command: str, f) -> str:
     """`posttrain <command> --help`: the command's usage lines (from this module's docstring) and its flags with
     their defaults and help; a flag belongs to a command its help names before a colon ("eval/convert: ...")."""
     import re
+    import sys
 
     import posttrain.cli
 
-    lines = posttrain.cli.__doc__.splitlines()
+    module = sys.modules[posttrain.cli.COMMANDS[command].__module__]  # a command's own module: its usage there
+    lines = posttrain.cli.__doc__.splitlines() + (module.__doc__ or "").splitlines()
     usage, inside = [], False
     for line in lines:
         if line.startswith(f"  posttrain {command} ") or line == f"  posttrain {command}":
