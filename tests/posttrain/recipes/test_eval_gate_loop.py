@@ -86,7 +86,8 @@ def test_planted_regression_stops_the_run(tmp_path, suite, monkeypatch):
 
 
 def test_warn_trains_on_and_the_best_checkpoint_is_kept(tmp_path, suite, monkeypatch):
-    plant(monkeypatch, ["gold", "gold", "wrong"])
+    """...also across a resume, which reads the baseline back instead of sampling it again."""
+    calls = plant(monkeypatch, ["gold", "gold", "wrong"])
     summary = grpo.train(gate_config(tmp_path / "run", suite, **{"train.steps": 2}), progress=False)
     assert summary["end_step"] == 2 and "stopped_early" not in summary
     assert [d["action"] for d in summary["eval_gate"]["decisions"]] == ["pass", "warn"]
@@ -95,6 +96,12 @@ def test_warn_trains_on_and_the_best_checkpoint_is_kept(tmp_path, suite, monkeyp
     assert (m[1]["eval/gate/warn"], m[2]["eval/gate/warn"]) == (0.0, 1.0) and m[2]["eval/gate/best_step"] == 1.0
     with Checkpointer(tmp_path / "run" / "checkpoints", every_steps=1, keep=1, read_only=True) as ck:
         assert ck.all_steps() == [1, 2]  # keep=1: the newest, and the best (step 1) beside it
+    resumed = grpo.train(gate_config(tmp_path / "run", suite, **{"train.steps": 3}), progress=False)
+    assert len(calls) == 4 and resumed["start_step"] == 2  # baseline, steps 1, 2 and 3: no second baseline
+    assert [d["step"] for d in resumed["eval_gate"]["decisions"]] == [1, 2, 3]
+    assert resumed["eval_gate"]["best_step"] == 1
+    with Checkpointer(tmp_path / "run" / "checkpoints", every_steps=1, keep=1, read_only=True) as ck:
+        assert ck.all_steps() == [1, 3]
 
 
 def test_the_same_policy_against_itself_is_no_change(tmp_path, suite):
