@@ -9,9 +9,10 @@ the final name, so a reader never sees a partial file). Its form (STATUS_VERSION
                         "last": COUNTERS, "run": COUNTERS}}}
 
 where COUNTERS = {groups, slots, cpu_s, episodes, scored, passes, infra_errors, retries} over the last step and over
-the run (the job scheduler's `stats.DomainState` counters; the weighted draw has none: `weight` is its draw
-probability and the counters come from the archive). `archive_stats` computes the same counters from archive rows
-(slots = every domain's groups of that scope, so a share is the domain's fraction of the groups drawn). `rows`
+the run (the job scheduler's `stats.DomainState` counters: slots while the domain was drawn from, passes of the
+complete groups; the weighted draw has none: `weight` is its draw probability and the counters come from the
+archive). `archive_stats` computes the same counters from archive rows, where slots are every domain's groups of
+that scope (a share is the domain's fraction of the groups drawn) and passes count every scored attempt. `rows`
 merges both (the snapshot wins) into one row per domain with ROW_COLUMNS:
 
     share_last / share_run   groups / slots (last step / run)
