@@ -13,8 +13,10 @@ that much: a policy can learn it) or its golden sample did not pass ("failed": a
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import io
 import json
 import pathlib
 from collections.abc import Iterable, Mapping
@@ -163,7 +165,8 @@ def assess_all(domains: Iterable[str], *, tasks: int = PROBE_TASKS, progress=Non
     for domain in domains:
         config = rg_env.DEFAULT_CONFIGS.get(domain.removeprefix(probes.RG_PREFIX), {})
         try:
-            a = assess(domain, config, tasks=tasks)
+            with contextlib.redirect_stdout(io.StringIO()):  # some scorers print their parse errors
+                a = assess(domain, config, tasks=tasks)
         except ValueError as exc:
             a = probes.Assessment(domain, config_key(config), None, "", {}, "skipped", 0, 0,
                                   " ".join(str(exc).split())[:200], {})
