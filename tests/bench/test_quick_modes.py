@@ -4,8 +4,8 @@ the peer it is compared with, and their ratio.
 The four benches of scripts/accelerator_check.py (attention, grpo_step, moe, rollout) are checked on the JSON its
 --dry-run wrote (their --quick shapes plus the check's own flags; the `accelerator_dry_run` fixture of
 tests/bench/conftest.py, run once per session), so the suite runs each quick mode once. Benches that start their own
-processes (the two trainers of grpo_vs_trl) or need fake CPU devices set before JAX starts (moe_ep_memory) run as a
-subprocess; the others run in this process (JAX, torch already imported).
+processes (the two trainers of grpo_vs_trl, sft_vs_trl and dpo_vs_trl) or need fake CPU devices set before JAX
+starts (moe_ep_memory) run as a subprocess; the others run in this process (JAX, torch already imported).
 """
 import importlib.util
 import json
@@ -48,6 +48,17 @@ def _grpo_vs_trl(out):
     assert len(out["posttrain_steps_s"]) == len(out["trl_steps_s"]) == 1 and out["trl_version"]
 
 
+def _offline_vs_trl(out):
+    s = out["settings"]
+    assert s["quick"] and len(out["posttrain_steps_s"]) == len(out["trl_steps_s"]) == s["steps"] == 2
+    assert out["trl_version"] and out["peak_memory_ratio"] > 0 and all(out["tokens_per_step"].values())
+    assert s["trl"]["bf16"] is False and s["trl"]["precompute_ref_log_probs"] == (s["kind"] == "dpo")
+    if s["kind"] == "sft":  # the same completion tokens trained on both sides (TRL counts one more: its EOS)
+        assert abs(out["tokens_per_step"]["posttrain"][0] - out["tokens_per_step"]["trl"][0]) <= 2
+    else:
+        assert out["dpo_over_sft_step"] > 0 and out["sft_step_s_same_pairs"] > 0
+
+
 def _moe(out):
     assert set(out["results"]) == {"dense", "ragged", "padded", "capacity"}  # megablox only on a TPU
     assert all(r["ratio_to_dense"] > 0 and r["peak_gib"] >= 0 for r in out["results"].values())
@@ -83,6 +94,8 @@ TABLE = {
                   "results.dense.ratio_to_blockwise", _attention),
     "grpo_step": ([], "grpo_step_dots", "model_flops_per_s", "peak_flops_per_s", "mfu", _grpo_step),
     "grpo_vs_trl": (["--steps", "2"], "subprocess", "posttrain_step_s", "trl_step_s", "ratio", _grpo_vs_trl),
+    "dpo_vs_trl": ([], "subprocess", "posttrain_step_s", "trl_step_s", "ratio", _offline_vs_trl),
+    "sft_vs_trl": ([], "subprocess", "posttrain_step_s", "trl_step_s", "ratio", _offline_vs_trl),
     "moe": ([], "moe", "results.padded.tokens_per_s", "results.dense.tokens_per_s", "results.padded.ratio_to_dense",
             _moe),
     "moe_ep_memory": ([], "subprocess", "temp_bytes.all_to_all.4", "temp_bytes.all_gather.4",
