@@ -57,6 +57,8 @@ class RolloutSettings:
         curriculum: the config's curriculum section.
         run: the run's name (the first field of every episode id in the archive).
         tasks: the job scheduler's settings (None: the weighted draw of `TaskScheduler`; `rollout.tickets`).
+        max_staleness: the most policy versions a batch's samples may lag the learner that trains them
+            (`rollout.queue`; 0: synchronous).
     """
 
     train_specs: Mapping[str, EnvSpec]
@@ -81,6 +83,7 @@ class RolloutSettings:
     curriculum: CurriculumConfig = CurriculumConfig()
     run: str = "run"
     tasks: SchedulerSettings | None = None
+    max_staleness: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

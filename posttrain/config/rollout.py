@@ -1,0 +1,33 @@
+"""The `rollout` section of a run config: how far the rollout phase may run ahead of the learner
+(`posttrain.rollout.queue`).
+
+Kept beside `schema.py` (which imports it into `Config`); validated here (one ValueError naming the key, turned
+into a ConfigError at load). The off-policy rule that goes with it (the default loss at `max_staleness > 0`:
+PPO-clip on the decoupled ratio with `rl.tis_cap` on) is the run plan's (`posttrain.recipes.run_plan`).
+
+Example (a config file)::
+
+    c.rollout.max_staleness = 1   # batch s may be sampled with policy version s - 1 (one-step off-policy)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """The `rollout` section.
+
+    Attributes:
+        max_staleness: the most policy versions a trained sample may lag the learner: the rollouts of step s
+            (trained by update s + 1, the learner at version s) are sampled with a version v >= s - max_staleness,
+            so the producer runs at most max_staleness + 1 batches ahead (0: every batch is sampled with the
+            policy it trains, the synchronous loop exactly; AReaL's bound, arXiv 2505.24298). An int >= 0.
+    """
+
+    max_staleness: int = 0
+
+    def __post_init__(self):
+        v = self.max_staleness
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"rollout.max_staleness={v!r}: an int >= 0 (0: synchronous)")

@@ -1,0 +1,199 @@
+"""The rollout queue: a producer thread runs the rollout phase (scheduler -> sampler -> environments -> scored
+groups, `Rollouter.collect`) ahead of the learner by at most `max_staleness` policy versions.
+
+Terms. Policy version v: the policy after v updates (`Learner.step`). Batch s: the rollouts of step s, trained by
+update s + 1 while the learner is at version s. A batch is sampled under one version (the version of its oldest
+token: every token of it), so its staleness is s - v. Admission control, as AReaL's (arXiv 2505.24298; its
+capacity (max_staleness + version + 1) x batch size, here at batch granularity): the producer starts batch s only
+once a version >= s - max_staleness is published, and samples it with the newest published one. Staleness is so
+in [0, max_staleness] by construction (checked again when the learner takes a batch), and at most
+max_staleness + 1 batches are ever ahead of the learner. At max_staleness = 0 the producer waits for version s
+before batch s: the synchronous loop, through this same machinery.
+
+Weights: the learner publishes each new version after its step (`publish`; `snapshot` times the copy,
+perf/weight_sync_s). With max_staleness > 0 the published policy is a device copy: the next update donates the
+learner's state, while the producer may still sample with the older version. At 0 no copy is needed (the producer
+is done with version s before update s + 1 starts) and none is made.
+
+Thread, not process: the sampler is jitted JAX on the learner's own devices (a process could not share them, and
+would need the weights serialised per version); XLA releases the GIL while it runs, and env work runs in worker
+processes (`envs.pool`) or in short Python verifiers. One process only when max_staleness > 0 (the run plan
+refuses more): the producer's collectives (`HostShardedEnvs`) must not interleave with the learner's.
+
+Resume: a checkpoint keeps the rollout state (scheduler cursors, retry queue, curriculum) as it was right after
+the producer made the last batch the learner trained (`ReadyBatch.rollout_state`), so batches still queued at a
+stop or kill -9 are dropped and their tasks re-sampled, in the same order, with the restored policy: a resumed
+run never trains a sample older than the bound (the archive's `policy_version` column shows it).
+
+Dimension legend: see `posttrain.types`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+import time
+from typing import Any
+
+import jax
+
+from posttrain.rollout.rollouter import Rollouter, Trajectories
+
+JOIN_TIMEOUT_S = 60.0  # how long `close` waits for a rollout in progress before it leaves the thread behind
+
+
+class StalenessError(RuntimeError):
+    """A batch would be trained further behind the policy than `max_staleness` allows (a bug: the producer's
+    admission control makes it impossible); names the step, its version and the bound."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadyBatch:
+    """One produced batch. step: its step s; version: the policy version it was sampled with (every sample's,
+    also in its archive rows' `policy_version`); trajectories: `Rollouter.collect`'s; rollout_state: the
+    rollouter's state right after it (what a checkpoint after training it keeps); status: the run view then
+    (`Rollouter.status`); wait_s / collect_s: the producer's seconds waiting for an admissible version before
+    it, and collecting it."""
+
+    step: int
+    version: int
+    trajectories: Trajectories
+    rollout_state: dict
+    status: dict
+    wait_s: float
+    collect_s: float
+
+    def staleness(self) -> int:
+        """Versions between the policy that sampled it and the one that trains it (step - version)."""
+        return self.step - self.version
+
+
+class RolloutQueue:
+    """The producer thread and its queue of ready batches (see the module docstring). Built at the learner's
+    version `start` with its policy states and PRNG key; produces batches start..steps-1. A context manager."""
+
+    def __init__(self, rollouter: Rollouter, *, start: int, steps: int, policy: tuple, rng):
+        self.rollouter, self.max_staleness = rollouter, int(rollouter.settings.max_staleness)
+        self._cond = threading.Condition()
+        self._busy = threading.Lock()  # held by the producer while it collects; `exclusive` takes it
+        self._published = (start, self._copy((policy, rng)))
+        self._ready: dict[int, ReadyBatch] = {}
+        self._error: BaseException | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._produce, args=(start, steps), name="posttrain-rollouts",
+                                        daemon=True)
+        self._thread.start()
+
+    def _copy(self, tree):
+        """A device copy of every array of `tree` when max_staleness > 0 (else `tree` itself)."""
+        if self.max_staleness == 0:
+            return tree
+        return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
+
+    @property
+    def version(self) -> int:
+        """The newest published policy version."""
+        return self._published[0]
+
+    def _admissible(self, step: int) -> tuple[int, Any] | None:
+        """Waits until a version >= step - max_staleness is published; None when stopping."""
+        with self._cond:
+            while not self._stop and self._published[0] < step - self.max_staleness:
+                self._cond.wait()
+            return None if self._stop else self._published
+
+    def _produce(self, start: int, steps: int) -> None:
+        r = self.rollouter
+        try:
+            for step in range(start, steps):
+                t0 = time.perf_counter()
+                got = self._admissible(step)
+                if got is None:
+                    return
+                version, (policy, rng) = got
+                t1 = time.perf_counter()
+                with self._busy:
+                    if self._stop:
+                        return
+                    traj = r.collect(step, policy, rng)
+                    state, status = json.loads(json.dumps(r.state_dict())), r.status(step)
+                records = tuple({**row, "policy_version": version} for row in traj.records)
+                batch = ReadyBatch(step, version, dataclasses.replace(traj, records=records), state, status,
+                                   wait_s=t1 - t0, collect_s=time.perf_counter() - t1)
+                with self._cond:
+                    self._ready[step] = batch
+                    self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the learner, which raises it
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+    def get(self, step: int) -> tuple[ReadyBatch, float]:
+        """(batch `step`, seconds the caller waited for it): blocks only while it is not ready. Raises what the
+        producer raised (e.g. `EnvInfraError`), or StalenessError if the batch is beyond the bound."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while step not in self._ready and self._error is None:
+                if not self._thread.is_alive():
+                    raise RuntimeError(f"the rollout producer stopped before batch {step}")
+                self._cond.wait(timeout=1.0)
+            if step not in self._ready:
+                raise self._error
+            batch = self._ready.pop(step)
+        if not 0 <= batch.staleness() <= self.max_staleness:
+            raise StalenessError(f"batch {step} was sampled with policy version {batch.version}: staleness "
+                                 f"{batch.staleness()} outside [0, rollout.max_staleness={self.max_staleness}]")
+        return batch, time.perf_counter() - t0
+
+    def snapshot(self, policy: tuple, rng) -> tuple[Any, float]:
+        """((policy, rng) as the producer will use them, seconds it took): a device copy when max_staleness > 0
+        (blocked until it is done), else the arrays themselves."""
+        t0 = time.perf_counter()
+        tree = self._copy((policy, rng))
+        if self.max_staleness > 0:
+            jax.block_until_ready(tree)
+        return tree, time.perf_counter() - t0
+
+    def publish(self, version: int, tree) -> None:
+        """Makes `tree` (a `snapshot`) the newest policy, of version `version`; wakes a waiting producer."""
+        with self._cond:
+            self._published = (int(version), tree)
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """A block in which the producer does not run (it finishes the batch in progress first): the rollouter's
+        env runner and scheduler are the caller's (held-out evaluation)."""
+        with self._busy:
+            yield
+
+    def close(self) -> None:
+        """Stops the producer: it starts no new batch; a batch in progress is waited for up to JOIN_TIMEOUT_S
+        (then left behind with a warning); queued batches are dropped."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(JOIN_TIMEOUT_S)
+        if self._thread.is_alive():
+            from posttrain.infra.metrics import log
+
+            log.warning("the rollout producer is still in a rollout after %.0f s; its batch is dropped",
+                        JOIN_TIMEOUT_S)
+        self._ready.clear()
+
+    def __enter__(self) -> "RolloutQueue":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def batch_metrics(batch: ReadyBatch, learner_wait_s: float, step_s: float) -> dict[str, float]:
+    """rollout/staleness_{mean,max} (over the batch's samples: one version per batch, so equal) and
+    perf/idle_ratio_{train,rollout}: the learner's share of the step spent waiting for this batch, and the
+    producer's share of its time on this batch spent waiting for an admissible version (seconds / seconds)."""
+    s = float(batch.staleness())
+    return {"rollout/staleness_mean": s, "rollout/staleness_max": s,
+            "perf/idle_ratio_train": learner_wait_s / step_s if step_s > 0 else 0.0,
+            "perf/idle_ratio_rollout": batch.wait_s / max(batch.wait_s + batch.collect_s, 1e-9)}
