@@ -11,6 +11,7 @@ def addition_pair(a: int, b: int) -> dict:
 
 def get_config():
     c = default_dpo_config()
+    c.train.machine = "cpu-1:24GB"
     c.model.preset = "tiny-dense"
     c.model.overrides = {"vocab_size": 320}
     c.dpo.train_examples = tuple(addition_pair(a, b) for a in range(1, 9) for b in (2, 5))  # 16 pairs

@@ -9,6 +9,7 @@ from posttrain.config import default_config, env_spec
 
 def get_config():
     c = default_config()
+    c.train.machine = "cpu-1:24GB"      # the 2-core, 24 GB CPU machine
     c.env.train = {"arithmetic": env_spec("posttrain/Arithmetic-v0", split="train", digits=2)}
     c.env.eval = {"arithmetic": env_spec("posttrain/Arithmetic-v0", split="test", digits=2)}
     c.rl.group_size = 8

@@ -11,6 +11,7 @@ def addition(a: int, b: int) -> dict:
 
 def get_config():
     c = default_sft_config()
+    c.train.machine = "cpu-1:24GB"
     c.model.preset = "tiny-dense"
     c.model.overrides = {"vocab_size": 320}
     pairs = [(a, b) for a in range(1, 9) for b in (2, 5)]  # 16 training conversations

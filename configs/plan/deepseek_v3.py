@@ -5,5 +5,7 @@ from posttrain.config import MLA_LATENTS_OVER_FSDP, dryrun_config
 
 
 def get_config(variant: str = "full"):
-    return dryrun_config("deepseek-v3-671b", variant or "full", mesh={"fsdp": -1, "expert": 8},
-                       rules=MLA_LATENTS_OVER_FSDP)
+    c = dryrun_config("deepseek-v3-671b", variant or "full", mesh={"fsdp": -1, "expert": 8},
+                      rules=MLA_LATENTS_OVER_FSDP)
+    c.train.machine = "h200x256"  # README's plan table
+    return c

@@ -9,4 +9,5 @@ def get_config(variant: str = "full"):
     c = dryrun_config("kimi-k2-1t", variant or "full", mesh={"fsdp": -1, "expert": 8}, rules=MLA_LATENTS_OVER_FSDP)
     if (variant or "full") == "full":
         c.model.grad_dtype = "compute"  # bf16 layer gradients: float32 ones (16 GiB per chip) do not fit v5p-512
+    c.train.machine = "v5p-512" if (variant or "full") == "full" else "v5p-128"  # README's plan table
     return c

@@ -4,4 +4,6 @@ from posttrain.config import dryrun_config
 
 
 def get_config(variant: str = "full"):
-    return dryrun_config("qwen3-30b-a3b", variant or "full", mesh={"fsdp": -1, "expert": 8})
+    c = dryrun_config("qwen3-30b-a3b", variant or "full", mesh={"fsdp": -1, "expert": 8})
+    c.train.machine = "v5p-64"  # README's plan table
+    return c

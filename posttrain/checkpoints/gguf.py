@@ -135,6 +135,22 @@ def read_gguf_metadata(path: str | pathlib.Path) -> dict[str, Any]:
     return _fields(_open(path))
 
 
+def read_hf_config(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """(the HF config dict `load_gguf` would return, {tensor type name: count}) of a GGUF file, read from its
+    header without dequantizing any tensor (memory plans before a load). Raises as `load_gguf` does for a missing,
+    non-GGUF or corrupt file or an unsupported architecture."""
+    reader = _open(path)
+    md = _fields(reader)
+    arch_name = md.get("general.architecture")
+    if arch_name not in ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch_name!r} in {path}; supported: {sorted(ARCHITECTURES)}")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"GGUF file {path} is missing tensor 'token_embd.weight' (model.embed_tokens.weight)")
+    cfg = _hf_config(md, arch_name, set(tensors), int(tensors["token_embd.weight"].shape[-1]))
+    return cfg, dict(collections.Counter(t.tensor_type.name for t in reader.tensors))
+
+
 def _hf_config(md: dict[str, Any], arch_name: str, names: set[str], vocab_rows: int) -> dict[str, Any]:
     arch = ARCHITECTURES[arch_name]
 

@@ -260,6 +260,13 @@ class TrainConfig:
         max_train_seconds: stop after this much training time, in-loop evaluation not counted (0: no limit).
         max_nonfinite_skips: a step whose loss or gradient is NaN/inf is skipped (nothing applied); this many in a
             row stop the run (after saving a checkpoint) with an error.
+        machine: the machine the config is written for ("" : not stated), a `posttrain plan` target name:
+            "cpu-N:<G>GB" (N CPU devices on a host of G GB; the shipped CPU configs say "cpu-1:24GB", the 2-core
+            24 GB machine), "v5p-N", "v5e-N", "v6e-N" or "h200xN" (`recipes.preflight.parse_machine` checks it;
+            every file in configs/ states one). Informative: the pre-flight check measures the machine running.
+        preflight_prompt_len: prompt tokens the pre-flight memory check compiles the train step for (with
+            sampling.max_new_tokens per completion) before any model load or write (`recipes.preflight`); a run
+            whose step's compiled peak exceeds 90% of the memory it has stops there. 0 skips the check.
     """
 
     steps: int = 20
@@ -267,6 +274,8 @@ class TrainConfig:
     workdir: str = "runs/default"
     max_train_seconds: float = 0.0
     max_nonfinite_skips: int = 3
+    machine: str = ""
+    preflight_prompt_len: int = 128
 
 
 WEIGHTINGS = ("fixed", "learning_progress")

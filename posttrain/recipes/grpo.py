@@ -24,7 +24,7 @@ from posttrain.infra import distributed, metrics as metrics_lib
 from posttrain.infra import mesh as mesh_lib
 from posttrain.infra.partitioning import use_rules
 from posttrain.learn.learner import Learner
-from posttrain.recipes import run_plan as run_plan_lib
+from posttrain.recipes import preflight, run_plan as run_plan_lib
 from posttrain.recipes.run_plan import RunPlan, make_run_plan
 from posttrain.rollout.rollouter import Rollouter, write_jsonl
 from posttrain.tasks import archive, view
@@ -141,6 +141,8 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True,
     complete checkpoint, `require_checkpoint`)."""
     if reading:
         require_checkpoint(plan.workdir)
+    else:  # the step's compiled peak against this machine's memory: before any worker start, load or write
+        preflight.check(plan)
     sources, episodes = run_plan_lib.check_envs(plan)  # every env built once: a bad one stops before any load
     if not reading:
         changes = resume_changes(plan, allow_config_change)  # before any load: a changed resume is refused

@@ -49,11 +49,14 @@ class TrainSettings:
         max_train_seconds: stop after this much time (0: no limit; rollouts, updates and checkpoints count,
             in-loop evaluation does not).
         max_nonfinite_skips: consecutive skipped (non-finite) updates that stop the run.
+        preflight_prompt_len: prompt tokens of the pre-flight memory check's batch (0: no check;
+            `recipes.preflight`).
     """
 
     steps: int
     max_train_seconds: float = 0.0
     max_nonfinite_skips: int = 3
+    preflight_prompt_len: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -390,6 +393,7 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
                    batch_shards=shards, policy=source, rollout=rollout, advantage=rl.advantage,
                    step=opts, moe_aux_coef=rl.moe_aux_coef, learner=learner, eval=evaluation,
                    train=TrainSettings(steps=t.steps, max_train_seconds=t.max_train_seconds,
-                                       max_nonfinite_skips=t.max_nonfinite_skips),
+                                       max_nonfinite_skips=t.max_nonfinite_skips,
+                                       preflight_prompt_len=t.preflight_prompt_len),
                    warnings=tuple(w for w in (truncation_warning(cfg), greedy_warning(cfg)) if w),
                    tasks=rollout.tasks, gate=gate)
