@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from posttrain.config.evaluation import EvalConfig, GateConfig  # noqa: F401  (the eval section)
+from posttrain.config.rollout import RolloutConfig
 from posttrain.config.tasks import TasksConfig
 from posttrain.model.config import LoRAConfig, MLAConfig, ModelConfig, MoEConfig, RopeConfig  # noqa: F401
 
@@ -125,7 +126,8 @@ class RLConfig:
         aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (divides by `norm_constant`);
             "": the loss's default (ppo token_mean, gspo seq_mean_token_mean).
         norm_constant: the divisor of seq_mean_token_sum_norm (0: max_new_tokens).
-        tis_cap: truncated importance sampling cap on exp(logp_trainer_old - logp_sampler) (0: off).
+        tis_cap: truncated importance sampling cap on exp(logp_trainer_old - logp_sampler) (0: off; -1: the run
+            plan's rule, `run_plan.OFF_POLICY_TIS_CAP` when rollout.max_staleness > 0, else off).
         num_microbatches: gradient-accumulation microbatches.
         ppo_epochs: passes over the batch's `minibatches` row blocks, one update each (1 x 1: one update, policy
             ratio exactly 1); the trainer computes the old logprobs once before the first
@@ -151,7 +153,7 @@ class RLConfig:
     kl_estimator: str = "k3"
     aggregation: str = ""
     norm_constant: float = 0.0
-    tis_cap: float = 0.0
+    tis_cap: float = -1.0
     num_microbatches: int = 1
     ppo_epochs: int = 1
     minibatches: int = 1
@@ -347,6 +349,8 @@ class Config:
         curriculum: the per-domain difficulty curriculum, off unless enabled (CurriculumConfig).
         tasks: task scheduling over many domains: policies, retries, quarantine, breaker, pass-rate band
             (`posttrain.config.tasks.TasksConfig`).
+        rollout: how far the rollout phase runs ahead of the learner: the staleness bound
+            (`posttrain.config.rollout.RolloutConfig`).
     """
 
     model: ModelRunConfig = ModelRunConfig()
@@ -361,3 +365,4 @@ class Config:
     train: TrainConfig = TrainConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
     tasks: TasksConfig = TasksConfig()
+    rollout: RolloutConfig = RolloutConfig()

@@ -30,6 +30,7 @@ from posttrain.infra import mesh as mesh_lib
 from posttrain.infra.precision import PrecisionPolicy, resolve_policy
 from posttrain.learn.learner import LearnerSettings
 from posttrain.learn.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
+from posttrain.recipes.off_policy import off_policy_defaults
 from posttrain.rollout.rollouter import EnvSpecError, RolloutSettings, probe_workers, task_sources
 from posttrain.rollout.sampler import SamplingParams, logprob_temperature
 from posttrain.tasks.policy import SchedulerSettings, policies_from_mapping, resolve_policies
@@ -344,7 +345,7 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
     """
     import jax
 
-    cfg = with_loss_defaults(cfg)
+    cfg, off_policy_warning = off_policy_defaults(with_loss_defaults(cfg))
     check_names(cfg)
     shape, rules, shards = resolve_mesh(cfg.mesh, jax.device_count() if num_devices is None else num_devices)
     split = _rows_and_split(cfg, shape, shards)
@@ -376,7 +377,7 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
         packed=rl.packed, overlong_filter=rl.overlong_filter, dynamic_sampling=rl.dynamic_sampling,
         max_resample_rounds=rl.max_resample_rounds, record_routing=rl.routing_replay == "replay",
         num_workers=env.num_workers, step_timeout_s=env.step_timeout_s,
-        max_infra_error_rate=env.max_infra_error_rate, seed=cfg.train.seed,
+        max_infra_error_rate=env.max_infra_error_rate, seed=cfg.train.seed, max_staleness=cfg.rollout.max_staleness,
         curriculum=cfg.curriculum, run=tasks.run, tasks=tasks if cfg.tasks.enabled else None)
     learner = LearnerSettings(workdir=wd, optimizer=optimizer_settings(cfg), lora_rank=cfg.lora.rank,
                               need_reference=rl.beta > 0, seed=cfg.train.seed, checkpoint=cfg.checkpoint,
@@ -395,5 +396,5 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
                    train=TrainSettings(steps=t.steps, max_train_seconds=t.max_train_seconds,
                                        max_nonfinite_skips=t.max_nonfinite_skips,
                                        preflight_prompt_len=t.preflight_prompt_len),
-                   warnings=tuple(w for w in (truncation_warning(cfg), greedy_warning(cfg)) if w),
+                   warnings=tuple(w for w in (truncation_warning(cfg), greedy_warning(cfg), off_policy_warning) if w),
                    tasks=rollout.tasks, gate=gate)

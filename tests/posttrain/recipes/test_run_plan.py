@@ -28,7 +28,7 @@ BAD = [  # (override, what the one line must name)
     ("--config.rl.eps_low=1.5", "rl.eps_low=1.5"),
     ("--config.sampling.temperature=-1", "sampling.temperature=-1"),
     ("--config.sampling.top_p=0", "sampling.top_p=0"),
-    ("--config.rl.tis_cap=-1", "rl.tis_cap=-1"),
+    ("--config.rl.tis_cap=-2", "rl.tis_cap=-2"),
     ("--config.rl.group_sizee=3", "group_sizee"),
     ("--config.optim.lrr=0.1", "lrr"),
     ("--config.rl.group_size=two", "group_size"),
