@@ -24,7 +24,7 @@ from posttrain.infra import distributed, metrics as metrics_lib
 from posttrain.infra import mesh as mesh_lib
 from posttrain.infra.partitioning import use_rules
 from posttrain.learn.learner import Learner
-from posttrain.recipes import preflight, run_plan as run_plan_lib
+from posttrain.recipes import eval_gate, preflight, run_plan as run_plan_lib
 from posttrain.recipes.run_plan import RunPlan, make_run_plan
 from posttrain.rollout.rollouter import Rollouter, write_jsonl
 from posttrain.tasks import archive, view
@@ -269,8 +269,9 @@ def open_run(plan: RunPlan, res: Resources, stop: distributed.StopRequest, *, pr
         summary["eval_start"] = m = evaluate(plan, rollouter, learner, episodes)
         if writer:
             writer.write(0, m)
+    gate = eval_gate.LoopGate.open(plan, rollouter, learner, start, summary)  # eval.suite: its baseline now
     clock = metrics_lib.TrainClock()  # training wall time: rollouts, updates, checkpoints; not in-loop eval
-    return _Loop(plan, rollouter, learner, episodes, writer, bar, clock, stop, summary=summary, start=start)
+    return _Loop(plan, rollouter, learner, episodes, writer, bar, clock, stop, summary=summary, start=start, gate=gate)
 
 
 @dataclasses.dataclass
@@ -294,15 +295,19 @@ class _Loop:
     summary: dict = dataclasses.field(default_factory=dict)
     start: int = 0
     metrics: dict | None = None
+    gate: Any = None  # recipes.eval_gate.LoopGate with eval.suite, else None
 
     def advance(self, step: int, steps: int) -> bool:
-        """Step `step` of `steps` and the stop check; True when train.max_train_seconds is reached (noted in the
-        summary). A stop signal or a run of non-finite steps saves the state first and raises (`stopped`)."""
+        """Step `step` of `steps` and the stop check; True when train.max_train_seconds is reached or the eval gate
+        stopped the run (noted in the summary). A stop signal or a run of non-finite steps saves the state first
+        and raises (`stopped`)."""
         try:
             self.step(step, steps)
             self.stop.check()
         except (NonFiniteError, distributed.RunInterrupted) as e:
             self.stopped(e, self.start)
+        if self.gate is not None and self.gate.stopped:  # eval.gate.action=stop on a regression
+            return True
         limit = self.plan.train.max_train_seconds
         if limit and distributed.agree(self.clock.seconds >= limit):
             self.summary["stopped_early"] = f"max_train_seconds={limit} reached"
@@ -352,6 +357,7 @@ class _Loop:
         if plan.eval.due(learner.step, steps):
             with self.clock.paused():
                 m.update(evaluate(plan, rollouter, learner, self.episodes))
+        eval_gate.after_step(self, m)  # eval.suite's gate when due: eval/gate/* metrics, a checkpoint, a stop
         with self.stop.deferred():
             if self.writer:
                 self.writer.write(learner.step, m)
