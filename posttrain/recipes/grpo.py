@@ -25,7 +25,9 @@ from posttrain.infra import mesh as mesh_lib
 from posttrain.infra.partitioning import use_rules
 from posttrain.learn.learner import Learner
 from posttrain.recipes import eval_gate, preflight, run_plan as run_plan_lib
+from posttrain.recipes.resources import Resources
 from posttrain.recipes.run_plan import RunPlan, make_run_plan
+from posttrain.rollout.queue import RolloutQueue, batch_metrics
 from posttrain.rollout.rollouter import Rollouter, write_jsonl
 from posttrain.tasks import archive, view
 
@@ -57,53 +59,6 @@ def step_builder(plan: RunPlan):
     """The learner's `build_step`: the GRPO step of `plan` for the loaded model (its MoE coefficients)."""
     return lambda graphdef, tx, lr_schedule, model_config: grpo_step.make_train_step(
         graphdef, tx, lr_schedule, plan.model_step(model_config.moe))
-
-
-class Resources:
-    """What a run opened, as (name, close) pairs, closed in reverse order (`close`, or leaving the `with` block). A
-    close that fails while an error propagates is logged as a warning and the next one still runs, so the first
-    error is the last thing printed; without an error in flight the first failing close is raised."""
-
-    def __init__(self, *closers):
-        self._closers = list(closers)
-
-    def push(self, name: str, close) -> None:
-        self._closers.append((name, close))
-
-    def close(self, error: BaseException | None = None) -> None:
-        first = None
-        while self._closers:
-            name, fn = self._closers.pop()
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - every resource is closed; only the first error counts
-                if error is None and first is None:
-                    first = e
-                else:
-                    metrics_lib.log.warning("closing %s after %s failed too: %s: %s", name,
-                                            type(error or first).__name__, type(e).__name__, e)
-        if first is not None:
-            raise first
-
-    def __enter__(self) -> "Resources":
-        return self
-
-    def __exit__(self, typ, error, tb) -> None:
-        self.close(error)
-
-    def on_error(self):
-        """A block that closes these resources only when it raises."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def block():
-            try:
-                yield self
-            except BaseException as e:
-                self.close(e)
-                raise
-
-        return block()
 
 
 def latest_checkpoint(workdir) -> int | None:
@@ -271,7 +226,11 @@ def open_run(plan: RunPlan, res: Resources, stop: distributed.StopRequest, *, pr
             writer.write(0, m)
     gate = eval_gate.LoopGate.open(plan, rollouter, learner, start, summary)  # eval.suite: its baseline now
     clock = metrics_lib.TrainClock()  # training wall time: rollouts, updates, checkpoints; not in-loop eval
-    return _Loop(plan, rollouter, learner, episodes, writer, bar, clock, stop, summary=summary, start=start, gate=gate)
+    loop = _Loop(plan, rollouter, learner, episodes, writer, bar, clock, stop, summary=summary, start=start,
+                 resume=json.loads(json.dumps(rollouter.state_dict())), gate=gate)
+    loop.queue = RolloutQueue(rollouter, start=start, steps=plan.train.steps, policy=learner.policy(), rng=learner.rng)
+    res.push("the rollout producer", loop.queue.close)  # stopped before the env workers close
+    return loop
 
 
 @dataclasses.dataclass
@@ -295,6 +254,8 @@ class _Loop:
     summary: dict = dataclasses.field(default_factory=dict)
     start: int = 0
     metrics: dict | None = None
+    queue: Any = None  # rollout.queue.RolloutQueue: the producer of the batches (started by `open_run`)
+    synced: Any = None  # the (policy, rng) snapshot of the last update, published to the producer by `advance`
     gate: Any = None  # recipes.eval_gate.LoopGate with eval.suite, else None
 
     def advance(self, step: int, steps: int) -> bool:
@@ -312,6 +273,7 @@ class _Loop:
         if limit and distributed.agree(self.clock.seconds >= limit):
             self.summary["stopped_early"] = f"max_train_seconds={limit} reached"
             return True
+        self.queue.publish(self.learner.step, self.synced)  # after every collective of the step (stop, agree)
         return False
 
     def finish(self) -> dict:
@@ -320,7 +282,8 @@ class _Loop:
         training seconds, peak memory and this process's share of the env episodes (process 0: summary.json)."""
         plan, learner = self.plan, self.learner
         end = learner.step
-        learner.save(self.rollouter.state_dict(), force=True)
+        self.queue.close()  # no batch is left to make; one still queued (a time stop) is dropped
+        learner.save(self.resume, force=True)
         learner.wait()
         train_s = self.clock.seconds
         if plan.eval.at_end and self.episodes and end > self.start:
@@ -334,28 +297,30 @@ class _Loop:
         return self.summary
 
     def step(self, step: int, steps: int) -> None:
-        """Rollouts (a signal abandons them), the update and its record (not cut by a signal), evaluation when
-        due (abandoned by a signal), metrics and the checkpoint (not cut)."""
-        plan, rollouter, learner = self.plan, self.rollouter, self.learner
-        self.resume = json.loads(json.dumps(rollouter.state_dict()))  # a signal in the rollout: saved with it
+        """The step's batch from the queue (waited for only while it is not ready; a signal abandons the wait),
+        the update and its record (not cut by a signal), evaluation when due (abandoned by a signal), metrics and
+        the checkpoint (not cut). `resume`: the rollout state right after the producer made the trained batch."""
+        plan, rollouter, learner, queue = self.plan, self.rollouter, self.learner, self.queue
         t0 = time.perf_counter()
-        traj = rollouter.collect(step, learner.policy(), learner.rng)
-        t1 = time.perf_counter()
+        ready, waited = queue.get(step)
+        traj, t1 = ready.trajectories, time.perf_counter()
         with self.stop.deferred():
             m = learner.update(traj.batch)
-            self.resume, self.pending = rollouter.state_dict(), m
+            self.resume, self.pending = ready.rollout_state, m
+            self.synced, sync_s = queue.snapshot(learner.policy(), learner.rng)  # the next version's weights
             m.update(traj.metrics)
             m.update(metrics_lib.step_perf(traj.num_tokens, t0, t1, time.perf_counter()))
+            m.update(batch_metrics(ready, waited, time.perf_counter() - t0), **{"perf/weight_sync_s": sync_s})
             if self.writer:
                 archive.write_step(plan.workdir, step, traj.records)
-                view.write_status(plan.workdir, rollouter.status(step))  # `posttrain status` reads it
+                view.write_status(plan.workdir, ready.status)  # `posttrain status` reads it
             if learner.nonfinite_run >= plan.train.max_nonfinite_skips:
                 raise NonFiniteError(f"stopped at step {learner.step}: {learner.nonfinite_run} consecutive steps had "
                                      "a non-finite loss or gradient (nothing was applied; checkpoint saved at step "
                                      f"{learner.step} in {plan.workdir / 'checkpoints'}); lower optim.lr or check "
                                      "the rewards/advantages")
         if plan.eval.due(learner.step, steps):
-            with self.clock.paused():
+            with self.clock.paused(), queue.exclusive():  # the env runner is the evaluation's meanwhile
                 m.update(evaluate(plan, rollouter, learner, self.episodes))
         eval_gate.after_step(self, m)  # eval.suite's gate when due: eval/gate/* metrics, a checkpoint, a stop
         with self.stop.deferred():
@@ -367,7 +332,7 @@ class _Loop:
             warning = zero_variance_warning(self.flat, m)
             if warning:
                 metrics_lib.log.warning(warning)
-            learner.save(rollouter.state_dict())
+            learner.save(self.resume)
 
     def stopped(self, e: BaseException, start: int) -> None:
         """Writes the pending metrics and saves the learner with the matching rollout state (for a signal: when the

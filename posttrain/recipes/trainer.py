@@ -145,14 +145,14 @@ class GRPOTrainer:
         loop = self._loop
         if not loop.episodes:
             return {}
-        with use_rules(self.plan.rules), loop.clock.paused():
+        with use_rules(self.plan.rules), loop.clock.paused(), loop.queue.exclusive():
             return grpo.evaluate(self.plan, loop.rollouter, loop.learner, loop.episodes)
 
     def save(self) -> int:
         """Saves a checkpoint of the current step now (with the rollout state that matches it, waited for);
         returns the step."""
         self._check_open()
-        self._loop.learner.save(self._loop.rollouter.state_dict(), force=True)
+        self._loop.learner.save(self._loop.resume, force=True)  # the rollout state of the last trained batch
         self._loop.learner.wait()
         return self.global_step
 

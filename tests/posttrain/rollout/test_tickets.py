@@ -7,6 +7,7 @@ batch shape, and retries make many). Plus `StepDraw` alone: retry tickets of few
 batch after their back-off."""
 import collections
 import json
+import pathlib
 import random
 
 import gymnasium
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from envs import base
-from helpers import tiny_config
+from helpers import assert_equals_golden, golden_view, tiny_config
 from posttrain.config import from_config_dict, to_dict
 from posttrain.recipes import grpo as loop
 from posttrain.rollout.episodes import Sample
@@ -103,11 +104,11 @@ def flaky_run(tmp_path_factory):
         summary = loop.train(flaky_config(workdir), progress=False)
     metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     meta = json.loads((workdir / "checkpoints" / str(STEPS) / "meta" / "metadata").read_text())
-    return summary, metrics, archive.read(workdir).to_pylist(), meta["scheduler"]
+    return summary, metrics, archive.read(workdir).to_pylist(), meta["scheduler"], golden_view(workdir)
 
 
 def test_the_run_continues_and_every_batch_group_is_fully_scored(flaky_run):
-    summary, metrics, rows, _ = flaky_run
+    summary, metrics, rows, _, _ = flaky_run
     assert summary["end_step"] == STEPS and [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert all(m["env/infra_error_rate"] == 0.0 for m in metrics)  # no infra error in any batch
     for step in range(STEPS):
@@ -126,8 +127,19 @@ def test_the_run_continues_and_every_batch_group_is_fully_scored(flaky_run):
     assert max(r["retry_round"] for r in rows) == 1 and any(m["tasks/retries"] > 0 for m in metrics)
 
 
+def test_the_job_scheduler_run_reproduces_the_synchronous_loop(flaky_run):
+    """Issue 24 acceptance 1: at rollout.max_staleness=0 the rollout queue (a producer thread) reproduces the
+    synchronous loop exactly: metrics.jsonl (timings aside), the archive row for row and the final checkpoint
+    equal tests/golden/flaky_8_steps.json, recorded from the loop before the queue (retries, re-queues, quarantine
+    and a paused domain all happen in it)."""
+    golden = json.loads((pathlib.Path(__file__).resolve().parents[2] / "golden" / "flaky_8_steps.json").read_text())
+    view = flaky_run[4]
+    assert view["final_step"] == STEPS and view["archive_rows"] == golden["archive_rows"] > STEPS * P * G
+    assert_equals_golden(view, golden)
+
+
 def test_the_archive_has_one_row_per_attempt(flaky_run):
-    _, metrics, rows, state = flaky_run
+    _, metrics, rows, state, _ = flaky_run
     keys = [(r["episode_id"], r["attempt"]) for r in rows]
     assert len(set(keys)) == len(keys)
     assert len(rows) == sum(d["totals"]["episodes"] for d in state["domains"].values())  # every reported run
@@ -141,7 +153,7 @@ def test_the_archive_has_one_row_per_attempt(flaky_run):
 
 
 def test_quarantine_is_exactly_the_tasks_that_failed_every_try(flaky_run):
-    _, _, rows, state = flaky_run
+    _, _, rows, state, _ = flaky_run
     failed = collections.defaultdict(set)  # (domain, task, visit) -> its tries that left the batch (no probe)
     trained = {(r["domain"], r["task_index"], r["visit"], r["try_index"]) for r in rows if r["in_batch"]}
     for r in rows:
@@ -157,7 +169,7 @@ def test_quarantine_is_exactly_the_tasks_that_failed_every_try(flaky_run):
 
 
 def test_the_broken_domain_is_paused_and_the_others_fill_the_batches(flaky_run):
-    _, metrics, rows, state = flaky_run
+    _, metrics, rows, state, _ = flaky_run
     assert state["domains"]["broken"]["breaker"]["trips"] >= 1
     assert all(d["breaker"]["state"] == "closed" for n, d in state["domains"].items() if n != "broken")
     paused = [m["step"] - 1 for m in metrics if m["tasks/broken/breaker"] > 0]
