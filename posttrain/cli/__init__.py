@@ -13,6 +13,7 @@
   posttrain convert --config=configs/X.py --checkpoint=DIR --out=HF_DIR  (a run's latest policy, LoRA merged)
                     [--peft_out=DIR]  (LoRA runs: also the unmerged adapter in PEFT format)
   posttrain domains [--pattern='*']  (registered domains: golden-check status + a sample task)
+                    [--floors [--write]]  (gaming floors and golden samples; --write: envs/tasks/domain_floors.json)
   posttrain plan --config=configs/plan/kimi_k2.py --target=v5p-512|h200x256|cpu-8 [--json] [--prompt_len=512] [--nosampler]
                  (compile the train step for that machine without it: fits? per-device memory, FLOPs)
 Multi-host: start one process per host with --distributed (launch/ has TPU-pod and SLURM scripts).

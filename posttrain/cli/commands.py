@@ -2,6 +2,7 @@
 can cause become one line on stderr in `posttrain.cli.main`."""
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import sys
@@ -175,9 +176,21 @@ def cmd_convert(f) -> int:
 
 
 def cmd_domains(f) -> int:
-    """Prints every registered domain matching --pattern with its golden-check status (`envs.tasks.domains`)."""
-    from envs.tasks import domains
+    """Prints every registered domain matching --pattern with its golden-check status (`envs.tasks.domains`);
+    --floors: their gaming floors and golden samples (`envs.tasks.floors`), --write: stored in the floor table."""
+    from envs.tasks import domains, floors
     try:
+        if f.floors:
+            names = [d for d in domains.registered_domains()
+                     if any(fnmatch.fnmatchcase(d, p.strip()) for p in f.pattern.split(",") if p.strip())]
+            if not names:
+                raise ValueError(f"--pattern={f.pattern!r} matches no domain")
+            rows = floors.assess_all(names, progress=lambda a: print(f"{a.domain}: floor {a.floor} ({a.probe}), "
+                                                                     f"golden {a.golden}", file=sys.stderr))
+            print(floors.format_floors(rows))
+            if f.write:
+                print(f"wrote {floors.write_table(rows)}")
+            return 0
         checks = domains.summary(f.pattern)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None

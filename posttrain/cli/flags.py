@@ -32,6 +32,10 @@ def define_flags():
                             "(adapter_config.json + adapter_model.safetensors) here")
         flags.DEFINE_integer("max_new_tokens", 64, "sample: tokens to generate")
         flags.DEFINE_string("pattern", "*", "domains: domain names or patterns, comma-separated")
+        flags.DEFINE_bool("floors", False, "domains: compute each domain's gaming floor (best mean reward of replies "
+                          "without a solution) and golden sample (reference replies of 20 tasks per split)")
+        flags.DEFINE_bool("write", False, "domains --floors: store them in envs/tasks/domain_floors.json (the table "
+                          "selection reads)")
         flags.DEFINE_float("temperature", 0.0, "sample: 0 = greedy")
         flags.DEFINE_integer("seed", 0, "sample: the sampling stream (temperature > 0: another seed, another reply)")
         flags.DEFINE_bool("progress", True, "train: show a progress bar")
