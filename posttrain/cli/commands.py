@@ -97,29 +97,49 @@ def _run_plan(f):
 
 
 def cmd_sft(f) -> int:
-    """`posttrain sft --config=configs/sft_*.py [--workdir=DIR]`: supervised fine-tuning (`recipes.sft`); prints
-    the summary's steps and held-out perplexities as one JSON line."""
-    from posttrain.config.sft import sft_config_from_dict
+    """`posttrain sft --config=configs/sft_*.py | --from_archive=RUN [--workdir=DIR]`: supervised fine-tuning
+    (`recipes.sft`); prints the summary's steps and held-out perplexities as one JSON line."""
+    from posttrain.config.sft import default_sft_config, sft_config_from_dict
     from posttrain.recipes import sft
 
-    return _offline(f, sft_config_from_dict, sft.make_sft_plan, sft.train, "sft/ppl")
+    return _offline(f, "sft", default_sft_config, sft_config_from_dict, sft.make_sft_plan, sft.train, "sft/ppl")
 
 
 def cmd_dpo(f) -> int:
-    """`posttrain dpo --config=configs/dpo_*.py [--workdir=DIR]`: direct preference optimisation (`recipes.dpo`);
-    prints the summary's steps and held-out pair accuracies as one JSON line."""
-    from posttrain.config.dpo import dpo_config_from_dict
+    """`posttrain dpo --config=configs/dpo_*.py | --from_archive=RUN [--workdir=DIR]`: direct preference
+    optimisation (`recipes.dpo`); prints the summary's steps and held-out pair accuracies as one JSON line."""
+    from posttrain.config.dpo import default_dpo_config, dpo_config_from_dict
     from posttrain.recipes import dpo
 
-    return _offline(f, dpo_config_from_dict, dpo.make_dpo_plan, dpo.train, "dpo/eval_accuracy")
+    return _offline(f, "dpo", default_dpo_config, dpo_config_from_dict, dpo.make_dpo_plan, dpo.train,
+                    "dpo/eval_accuracy")
 
 
-def _offline(f, load, make_plan, train, eval_key: str) -> int:
-    """An offline recipe's command: config -> plan -> train; prints steps, wall time, peak RSS and the held-out
-    `eval_key` at the start and the end as one JSON line."""
-    if f.config is None:
-        raise SystemExit("error: --config=configs/<name>.py is required")
-    summary = train(make_plan(load(f.config), workdir=f.workdir), progress=f.progress)
+def _offline_config(f, name: str, default) -> dict:
+    """The offline config as a dict: --config's, or with only --from_archive the defaults with the run's own
+    `model` section (its saved config.json: the token ids in its archive are that model's); --from_archive,
+    --min_reward and --max_per_prompt set the `name` section's fields."""
+    if f.config is None and not f.from_archive:
+        raise SystemExit("error: --config=configs/<name>.py or --from_archive=<GRPO run workdir> is required")
+    raw = (f.config if f.config is not None else default()).to_dict()
+    if f.from_archive:
+        saved = os.path.join(f.from_archive, "config.json")
+        if f.config is None and os.path.isfile(saved):
+            with open(saved, encoding="utf-8") as fh:
+                raw["model"] = json.load(fh).get("model", raw["model"])
+        raw[name]["from_archive"] = f.from_archive
+    for key in ("min_reward", "max_per_prompt"):
+        if getattr(f, key) is not None:
+            if name != "sft" or not f.from_archive:
+                raise SystemExit(f"error: --{key} applies to sft --from_archive only")
+            raw[name][key] = getattr(f, key)
+    return raw
+
+
+def _offline(f, name: str, default, load, make_plan, train, eval_key: str) -> int:
+    """An offline recipe's command: config (`_offline_config`) -> plan -> train; prints steps, wall time, peak
+    RSS and the held-out `eval_key` at the start and the end as one JSON line."""
+    summary = train(make_plan(load(_offline_config(f, name, default)), workdir=f.workdir), progress=f.progress)
     out = {k: summary.get(k) for k in ("start_step", "end_step", "train_wall_s", "peak_rss_gb")}
     out.update({k: summary[k].get(eval_key) for k in ("eval_start", "eval_end") if k in summary})
     print(json.dumps(out))

@@ -39,6 +39,13 @@ def define_flags():
         flags.DEFINE_float("temperature", 0.0, "sample: 0 = greedy")
         flags.DEFINE_integer("seed", 0, "sample: the sampling stream (temperature > 0: another seed, another reply)")
         flags.DEFINE_bool("progress", True, "train: show a progress bar")
+        flags.DEFINE_string("from_archive", None, "sft/dpo: a GRPO run's workdir: train on its episode archive (sft: "
+                            "its successful replies; dpo: pairs from its groups) instead of the config's data; "
+                            "without --config, the run's own model section")
+        flags.DEFINE_float("min_reward", None, "sft --from_archive: the reward a successful episode reaches "
+                           "(default: sft.min_reward, 1)")
+        flags.DEFINE_integer("max_per_prompt", None, "sft --from_archive: distinct successful replies kept per prompt "
+                             "(default: sft.max_per_prompt, 1)")
         flags.DEFINE_bool("allow_config_change", False, "train: resume a run with settings other than its saved "
                           "config.json (each change recorded with its step in config_changes.jsonl)")
         flags.DEFINE_string("target", "cpu-8", "plan: cpu-N | v5p-N (TensorCores) | h200xN")

@@ -160,3 +160,45 @@ def test_sft_and_dpo_recipes_train_on_a_runs_archive(table, tmp_path):
         assert summary["end_step"] == 2, summary
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert any(np.isfinite(r.get(f"{name.split('_')[0]}/loss", np.nan)) for r in rows)
+
+
+@pytest.mark.parametrize("command,extra,msg", [
+    ("sft", (), r"sft.from_archive=.*no episode archive"),
+    ("dpo", (), r"dpo.from_archive=.*no episode archive"),
+    ("dpo", ("--min_reward=1",), r"--min_reward applies to sft --from_archive only"),
+])
+def test_cli_from_archive_errors_are_one_line(tmp_path, capsys, command, extra, msg):
+    from absl import flags
+
+    from posttrain import cli
+
+    (tmp_path / "run").mkdir()
+    argv = ["posttrain", command, f"--from_archive={tmp_path / 'run'}", "--noprogress", *extra]
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:  # a usage error: one line
+        rc, err = 2, str(e.code)
+    else:
+        err = capsys.readouterr().err
+    finally:
+        flags.FLAGS.unparse_flags()
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert __import__("re").search(msg, err), err
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_cli_help_lists_the_archive_flags(capsys):
+    from absl import flags
+
+    from posttrain import cli
+
+    for command, names in (("sft", ("from_archive", "min_reward", "max_per_prompt")), ("dpo", ("from_archive",))):
+        try:
+            cli.main(["posttrain", command, "--help"])
+        except SystemExit:
+            pass
+        finally:
+            flags.FLAGS.unparse_flags()
+        out = capsys.readouterr().out
+        assert all(f"--{n}=" in out for n in names) and f"posttrain {command}    --from_archive=RUN" in out, out
+    assert "--max_per_prompt" not in out  # dpo's help: the sft-only flag is not listed
