@@ -16,6 +16,7 @@ Step 1 is the warm-up (XLA compile; torch's first call) and is left out of the m
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -227,3 +228,30 @@ def compare(script: str, kind: str, quick: bool, steps: int, timeout: float) -> 
         out.update({"sft_step_s_same_pairs": c, "dpo_over_sft_step": a / c,
                     "sft_same_pairs_tokens_per_step": sft_pairs["tokens_per_step"][1:]})
     return out
+
+
+def parse_args(description: str, argv=None) -> argparse.Namespace:
+    """The command line both benchmarks share. Raises SystemExit (argparse) on bad values, e.g. --steps < 2."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--json", action="store_true", help="one line of JSON (else indented)")
+    ap.add_argument("--quick", action="store_true", help="seconds: a tiny random preset, 2 rows x 2 steps")
+    ap.add_argument("--steps", type=int, default=None, help="steps per side, the first one a warm-up (default 4; "
+                    "--quick 2)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per side")
+    ap.add_argument("--side", choices=("posttrain", "trl"), help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.steps = a.steps if a.steps is not None else (2 if a.quick else 4)
+    if a.steps < 2:
+        ap.error(f"--steps must be >= 2 (one warm-up, one timed), got {a.steps}")
+    return a
+
+
+def main(script: str, kind: str, description: str, argv=None) -> None:
+    """A benchmark script's entry point: the parent compares both sides (each in a child process of `script`),
+    a child (--side) runs one; prints one JSON object."""
+    a = parse_args(description, argv)
+    if a.side:
+        return child(a.side, a.spec)
+    out = compare(os.path.abspath(script), kind, a.quick, a.steps, a.timeout)
+    print(json.dumps(out) if a.json else json.dumps(out, indent=2))

@@ -24,7 +24,6 @@ s, `info["cost"]`), details (a JSON object string: env-, judge- and tool-specifi
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -32,6 +31,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from posttrain.infra.files import atomic_write
 
 from posttrain.tasks.retry import INFRA_ERROR, TaskTicket
 
@@ -105,30 +106,8 @@ def write_step(workdir, step: int, rows: Sequence[Mapping] | pa.Table) -> pathli
     """Writes step `step`'s rows atomically (module docstring), replacing an earlier file of that step; returns
     its path. Raises ValueError for bad rows (`to_table`) before anything is written."""
     table = to_table(rows)
-    final = step_path(workdir, step)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.stem}.{os.getpid()}.tmp")
-    for stale in final.parent.glob(f".{final.stem}.*.tmp"):
-        stale.unlink(missing_ok=True)
-    try:
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f, compression="zstd")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(final.parent)
-    return final
-
-
-def _fsync_dir(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return atomic_write(step_path(workdir, step), lambda f: pq.write_table(table, f, compression="zstd"),
+                        binary=True, clear_stale=True)
 
 
 def step_files(workdir, steps: Iterable[int] | None = None) -> dict[int, pathlib.Path]:

@@ -25,12 +25,13 @@ Pure Python + pyarrow; nothing here writes except `write_status`.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 from collections.abc import Mapping
 
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from posttrain.infra.files import atomic_write
 
 STATUS_VERSION = 1
 STATUS_FILE = "status.json"
@@ -64,19 +65,7 @@ def snapshot(step: int, scheduler, levels: Mapping[str, int] | None = None) -> d
 
 def write_status(workdir, status: Mapping) -> pathlib.Path:
     """Writes `status` to workdir/status.json atomically (temp file in the same folder, fsync, os.replace)."""
-    final = pathlib.Path(workdir) / STATUS_FILE
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(status, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return final
+    return atomic_write(pathlib.Path(workdir) / STATUS_FILE, lambda f: json.dump(status, f, sort_keys=True))
 
 
 def read_status(workdir) -> dict | None:

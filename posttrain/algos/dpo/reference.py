@@ -8,13 +8,14 @@ set recomputes it. Written atomically (a temporary file in the same directory, t
 """
 from __future__ import annotations
 
-import os
 import pathlib
 from typing import Mapping
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from posttrain.infra.files import atomic_write
 
 SCHEMA_VERSION = "1"
 
@@ -28,10 +29,7 @@ def write(path: pathlib.Path, ref_logps: Mapping[str, tuple[float, float]], refe
                       "ref_rejected": pa.array([ref_logps[i][1] for i in ids], pa.float32())})
     table = table.replace_schema_metadata({"schema_version": SCHEMA_VERSION, "reference_hash": reference_hash,
                                            "data_hash": data_hash})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: pq.write_table(table, f), binary=True)
 
 
 def read(path: pathlib.Path, reference_hash: str, data_hash: str) -> dict[str, tuple[float, float]] | None:
