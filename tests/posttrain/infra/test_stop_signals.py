@@ -86,7 +86,7 @@ def test_the_cli_reports_an_interrupted_run_in_one_line_with_128_plus_signum(nam
         raise RunInterrupted(name, f"{name}: stopped at step 3 (checkpoint 3 in runs/x/checkpoints); the same "
                                    "command resumes from it")
 
-    monkeypatch.setattr(cli, "cmd_train", interrupted)
+    monkeypatch.setitem(cli.COMMANDS, "train", interrupted)
     monkeypatch.setenv("POSTTRAIN_XLA_CACHE", "0")
     assert cli.main(["posttrain", "train"]) == code
     err = capsys.readouterr().err.strip().splitlines()

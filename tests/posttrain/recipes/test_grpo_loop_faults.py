@@ -209,7 +209,7 @@ def test_a_run_with_no_readable_checkpoint_is_one_error_for_readers_and_the_cli(
     def eval_cmd(f):
         return loop.evaluate_run(plan)
 
-    monkeypatch.setattr(cli, "cmd_eval", eval_cmd)
+    monkeypatch.setitem(cli.COMMANDS, "eval", eval_cmd)
     monkeypatch.setenv("POSTTRAIN_XLA_CACHE", "0")  # main() would turn the persistent compilation cache on
     config = pathlib.Path(__file__).resolve().parents[3] / "configs" / "tiny.py"
     assert cli.main(["posttrain", "eval", f"--config={config}", f"--checkpoint={tmp_path}"]) == 2

@@ -146,7 +146,7 @@ def test_the_cli_prints_an_infra_error_stop_in_one_line_with_exit_code_1(monkeyp
         raise rollouter.EnvInfraError("step 0: 16 of 16 episodes ended in infra errors (more than "
                                       "env.max_infra_error_rate=0.5); the first (mine): reset raised NameNotFound")
 
-    monkeypatch.setattr(cli, "cmd_train", failing)
+    monkeypatch.setitem(cli.COMMANDS, "train", failing)
     monkeypatch.setenv("POSTTRAIN_XLA_CACHE", "0")
     assert cli.main(["posttrain", "train"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
