@@ -19,11 +19,12 @@ from typing import Any
 from envs.pool.worker import EnvHost, worker_info
 
 
-def _import_ray():
+def import_ray(user: str = "EnvPool(backend='ray')"):
+    """The `ray` module; ImportError naming `user` and the install command when it is missing."""
     try:
         import ray
     except ImportError as e:
-        raise ImportError("EnvPool(backend='ray') needs ray: pip install 'posttrain[ray]' (or `pip install ray`)") from e
+        raise ImportError(f"{user} needs ray: pip install 'posttrain[ray]' (or `pip install ray`)") from e
     return ray
 
 
@@ -50,7 +51,7 @@ class RayWorkers:
     """Same interface as `envs.pool.processes.ProcessWorkers`: start/send/poll/kill/pids/close."""
 
     def __init__(self, num_workers: int, imports: Sequence[str], actor_options: Mapping[str, Any] | None) -> None:
-        self._ray = _import_ray()
+        self._ray = import_ray()
         options = dict(actor_options) if actor_options is not None else {"num_cpus": 0}
         self._cls = self._ray.remote(**options)(EnvActor)
         self._imports = list(imports)

@@ -132,7 +132,8 @@ def compile_step(plan, devices, prompt_len: int) -> dict:
     t = time.perf_counter()
     with jax.set_mesh(mesh), use_rules(plan.rules):  # compiled as the learner jits it; JAX's compilation cache
         m = jit_step(step_fn, state_sh, batch_sh).lower(state, batch_abs).compile().memory_analysis()
-    peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    peak = aot.MemoryReport(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
+                            m.alias_size_in_bytes, []).peak
     return {"peak": peak, "rows": int(batch.tokens_RxL.shape[0]), "row_len": int(batch.tokens_RxL.shape[1]),
             "compile_s": time.perf_counter() - t, "remat": cfg.remat}
 

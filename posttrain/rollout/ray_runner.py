@@ -29,17 +29,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from envs.pool.ray_pool import import_ray
+
 
 def _infra(reason: str) -> dict:
     return {"status": "infra_error", "reason": reason}
-
-
-def _import_ray():
-    try:
-        import ray
-    except ImportError as e:
-        raise ImportError("RayEnvRunner needs ray: pip install 'posttrain[ray]' (or `pip install ray`)") from e
-    return ray
 
 
 class EnvHostActor:
@@ -104,7 +98,7 @@ class RayEnvRunner:
         bad = {k: v for k, v, ok in checks if not ok}
         if bad:
             raise ValueError(f"RayEnvRunner: needs num_actors >= 1, max_restarts >= 0, step_timeout_s > 0; got {bad}")
-        self._ray = ray = _import_ray()
+        self._ray = ray = import_ray("RayEnvRunner")
         options = {"num_cpus": 0, **dict(actor_options or {}), "max_restarts": max_restarts, "max_task_retries": 0}
         self._cls = ray.remote(**options)(EnvHostActor)
         self._imports, self.max_restarts, self.step_timeout_s = list(imports), max_restarts, float(step_timeout_s)
