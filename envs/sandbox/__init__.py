@@ -22,7 +22,8 @@ storage: as root, everything the program can write (cwd, /tmp, /dev/shm) is one 
 with disk_mb/4 KiB inodes, in the holder's mount namespace (`envs.sandbox.holder`), so nothing reaches
 the host disk and it is freed with the sandbox; filling it ends the run as "disk_limit" (so does a file
 over RLIMIT_FSIZE = min(128 MiB, disk_mb)). System V shared memory and message queues (RAM no limit
-counts) are denied by a seccomp filter. Requests above the caller's hard limits are clamped, not errors.
+counts), System V semaphores, POSIX message queues and keyrings (state that outlives the program) are
+denied by a seccomp filter. Requests above the caller's hard limits are clamped, not errors.
 
 Every sandbox (process tree and temp dir) is tracked; all are killed and removed on normal exit
 (atexit), on SIGINT/SIGTERM (handlers chain to the previous ones) and when `run` raises. Temp dirs
@@ -197,22 +198,7 @@ def run(files_or_code: str | Mapping[str, str | bytes], argv: Sequence[str] | No
         raise ValueError(f"isolation must be 'strict' or 'weak', got {isolation!r}")
     if not isinstance(limits, Limits):
         raise TypeError(f"limits must be a sandbox.Limits, got {type(limits).__name__}")
-    if isinstance(files_or_code, str):
-        files, argv = {"main.py": files_or_code}, list(argv) if argv is not None else [PYTHON, "main.py"]
-    elif isinstance(files_or_code, Mapping):
-        if argv is None:
-            raise ValueError("run(files, argv): argv is required when files_or_code is a mapping")
-        files, argv = files_or_code, list(argv)
-    else:
-        raise TypeError(f"files_or_code must be str or a mapping, got {type(files_or_code).__name__}")
-    if not argv or not all(isinstance(a, str) for a in argv):
-        raise ValueError(f"argv must be a non-empty list of str, got {argv!r}")
-    for relpath, content in files.items():
-        sbx_files.split_relpath(relpath)
-        if not isinstance(content, (str, bytes)):
-            raise TypeError(f"sandbox file {relpath!r}: content must be str or bytes, got {type(content).__name__}")
-    if stdin is not None and not isinstance(stdin, str):
-        raise TypeError(f"stdin must be str or None, got {type(stdin).__name__}")
+    files, argv = check_program(files_or_code, argv, stdin)
     procs.install_signal_handlers()
     t0 = time.monotonic()
     if workspace is not None:
@@ -239,6 +225,28 @@ def run(files_or_code: str | Mapping[str, str | bytes], argv: Sequence[str] | No
             procs.remove_dir(host_dir)
     finally:
         launch.SLOTS.release(uid)
+
+
+def check_program(files_or_code, argv, stdin) -> tuple[Mapping[str, str | bytes], list[str]]:
+    """`run`'s program arguments checked: (files to write, argv). Raises TypeError/ValueError naming the
+    offending value (shared with `envs.sandbox.workers.SandboxPool.run`)."""
+    if isinstance(files_or_code, str):
+        files, argv = {"main.py": files_or_code}, list(argv) if argv is not None else [PYTHON, "main.py"]
+    elif isinstance(files_or_code, Mapping):
+        if argv is None:
+            raise ValueError("run(files, argv): argv is required when files_or_code is a mapping")
+        files, argv = files_or_code, list(argv)
+    else:
+        raise TypeError(f"files_or_code must be str or a mapping, got {type(files_or_code).__name__}")
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise ValueError(f"argv must be a non-empty list of str, got {argv!r}")
+    for relpath, content in files.items():
+        sbx_files.split_relpath(relpath)
+        if not isinstance(content, (str, bytes)):
+            raise TypeError(f"sandbox file {relpath!r}: content must be str or bytes, got {type(content).__name__}")
+    if stdin is not None and not isinstance(stdin, str):
+        raise TypeError(f"stdin must be str or None, got {type(stdin).__name__}")
+    return files, argv
 
 
 def _infra(reason: str, t0: float, stdout: str = "", stderr: str = "") -> SandboxResult:

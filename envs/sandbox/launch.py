@@ -134,9 +134,15 @@ def _static_bwrap_args(bwrap: str, python: str, network: bool, root: bool, disk_
 # ----------------------------------------------------------------------------- seccomp
 # System V shared memory and message queues hold RAM that no rlimit counts and that outlives the
 # process that made it (until the sandbox's IPC namespace dies), so the sandbox may not create them
-# (shmget, msgget fail with EPERM). Syscalls of any other ABI (x32, 32-bit compat) fail the same way.
-_SECCOMP_ARCH = {"x86_64": (0xC000003E, {"shmget": 29, "msgget": 68}, 0x40000000),  # AUDIT_ARCH_X86_64, x32 bit
-                 "aarch64": (0xC00000B7, {"shmget": 194, "msgget": 186}, None)}
+# (shmget, msgget fail with EPERM). System V semaphores and POSIX message queues outlive it the same way
+# and keyrings (add_key, request_key, keyctl) outlive even the sandbox (a slot uid's user keyring in the
+# holder's namespace): state one program could leave for the next (a persistent worker's next task, the
+# next sandbox on the same uid), so they are denied too. Syscalls of any other ABI (x32, 32-bit compat)
+# fail the same way.
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, {"shmget": 29, "msgget": 68, "semget": 64, "mq_open": 240, "add_key": 248,
+                                         "request_key": 249, "keyctl": 250}, 0x40000000),  # AUDIT_ARCH_X86_64, x32
+                 "aarch64": (0xC00000B7, {"shmget": 194, "msgget": 186, "semget": 190, "mq_open": 180, "add_key": 217,
+                                          "request_key": 218, "keyctl": 219}, None)}
 _BPF_LD_ABS, _BPF_JEQ, _BPF_JGE, _BPF_RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGE|K, RET|K
 _RET_ALLOW, _RET_EPERM = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
 
@@ -225,7 +231,12 @@ def disk_full(fs_root: str | None) -> bool:
         st = os.statvfs(fs_root)
     except OSError:
         return False
-    return st.f_bavail * st.f_frsize < FULL_SLACK_BYTES or st.f_favail < 16  # bytes or inodes used up
+    return fs_is_full(st.f_bavail * st.f_frsize, st.f_favail)
+
+
+def fs_is_full(free_bytes: int, free_inodes: int) -> bool:
+    """Whether a sandbox fs with `free_bytes` bytes and `free_inodes` inodes left counts as full."""
+    return free_bytes < FULL_SLACK_BYTES or free_inodes < 16  # bytes or inodes used up
 
 
 def build_argv(program: list[str], limits, *, host_dir: str, work_dir: str, inner_uid: int, stdin_fd: int | None,
@@ -240,18 +251,31 @@ def build_argv(program: list[str], limits, *, host_dir: str, work_dir: str, inne
     """
     pass_fds = [] if stdin_fd is None else [stdin_fd]
     script = _ulimit_script(limits, stdin_fd)
-    bwrap = find_bwrap()
-    if bwrap is None:
+    if find_bwrap() is None:
         if isolation != "weak":
             raise RuntimeError(
                 f"sandbox: bubblewrap (bwrap) is not installed, so untrusted code cannot be isolated; install it "
                 f"with `{INSTALL_HINT}`, or pass isolation='weak' to accept unshare + rlimits only")
         return _weak_argv(program, limits, work_dir, script), pass_fds
+    args, more_fds = bwrap_prefix(limits.network, limits.disk_mb, host_dir=host_dir, inner_uid=inner_uid,
+                                  holder_fs=holder_fs, seccomp=seccomp)
+    return args + ["/bin/sh", "-c", script, "sh", *program], pass_fds + more_fds
+
+
+def bwrap_prefix(network: bool, disk_mb: int, *, host_dir: str, inner_uid: int, holder_fs: bool,
+                 seccomp: int | None = None) -> tuple[list[str], list[int]]:
+    """(argv up to the sandboxed command, fds to pass) of a strict sandbox in `host_dir` (see `build_argv`):
+    bwrap with its namespaces, mounts and environment and, as root, setpriv to inner uid `inner_uid`.
+    Shared by one-shot runs and persistent workers (`envs.sandbox.workers`). Raises RuntimeError when
+    bubblewrap is missing or, as root, `host_dir` has no storage from `prepare_storage`."""
+    bwrap = find_bwrap()
+    if bwrap is None:
+        raise RuntimeError(f"sandbox: bubblewrap (bwrap) is not installed; install it with `{INSTALL_HINT}`")
     root = os.geteuid() == 0
     if root and not holder_fs:
         raise RuntimeError(f"sandbox: {host_dir} has no storage from prepare_storage (bwrap appeared after it?)")
     python = sandbox_python()
-    args = list(_static_bwrap_args(bwrap, python, limits.network, root, limits.disk_mb << 20))
+    args, pass_fds = list(_static_bwrap_args(bwrap, python, network, root, disk_mb << 20)), []
     tail = ["--"]
     if root:  # the program inherits the userns fd; it grants nothing (setns into its own namespace fails)
         h = holder()
@@ -268,7 +292,7 @@ def build_argv(program: list[str], limits, *, host_dir: str, work_dir: str, inne
     if seccomp is not None:
         pass_fds.append(seccomp)
         args += ["--seccomp", str(seccomp)]
-    return args + tail + ["/bin/sh", "-c", script, "sh", *program], pass_fds
+    return args + tail, pass_fds
 
 
 def _weak_argv(program: list[str], limits, host_dir: str, script: str) -> list[str]:

@@ -52,6 +52,8 @@ class Tree:
 
     def __init__(self, pid: int) -> None:
         self.pid, self.pidfd, self.init_fd, self.init_pid = pid, os.pidfd_open(pid), None, None
+        self.expected: tuple[int, ...] = ()  # host pids of a persistent worker's own processes (its server)
+        self.dirs: tuple[str, ...] = ()  # a persistent worker's sandbox dir
 
     def find_init(self) -> None:
         """Remember bwrap's child (call while bwrap is alive, e.g. once the program has started)."""
@@ -63,16 +65,19 @@ class Tree:
                 except OSError:
                     pass
 
-    def memory_bytes(self) -> int:
+    def memory_bytes(self, skip: frozenset[int] = frozenset()) -> int:
         """Memory of every process in the sandbox: the sum of their proportional set sizes (PSS, from
         /proc/<pid>/smaps_rollup; shared pages split between their users, so forks are not counted
-        twice). 0 before the init is known."""
+        twice), without the processes in `skip` (their children count). 0 before the init is known."""
         total, todo, seen = 0, [self.init_pid] if self.init_pid else [], set()
         while todo:
             pid = todo.pop()
             if pid in seen:
                 continue
             seen.add(pid)
+            if pid in skip:
+                todo += _children(pid)
+                continue
             try:
                 with open(f"/proc/{pid}/smaps_rollup") as f:
                     total += next((int(line.split()[1]) << 10 for line in f if line.startswith("Pss:")), 0)
@@ -214,20 +219,26 @@ def find_leaks() -> list[str]:
 
     Processes: bwrap descendants of this process, and any process running as a sandbox uid
     (>= UID_BASE) that descends from us or has no bwrap ancestor (orphaned). Dirs:
-    TMP_BASE/posttrain-sbx-<our pid>-*. Empty when everything was cleaned up.
+    TMP_BASE/posttrain-sbx-<our pid>-*. Empty when everything was cleaned up. A live persistent worker
+    (`envs.sandbox.workers`; a registered tree with `expected` pids) is not a leak: its bwrap, init,
+    server and dir are expected; what its tasks leave behind is a leak.
     """
     import psutil
 
     me, leaks = os.getpid(), []
+    with LOCK:
+        allow = [t for t in LIVE.values() if t.expected]
+    allowed = {pid for t in allow for pid in (t.pid, t.init_pid, *t.expected) if pid}
+    allowed_dirs = {os.path.basename(d) for t in allow for d in t.dirs}
     for child in psutil.Process(me).children(recursive=True):
         try:
-            if child.name() == "bwrap":
+            if child.name() == "bwrap" and child.pid not in allowed:
                 leaks.append(f"process {child.pid} (bwrap) still running")
         except psutil.NoSuchProcess:
             pass
     for proc in psutil.process_iter(["uids", "name"]):
         try:
-            if proc.info["uids"] is None or proc.info["uids"].real < UID_BASE:
+            if proc.info["uids"] is None or proc.info["uids"].real < UID_BASE or proc.pid in allowed:
                 continue
             chain = proc.parents()
             if any(p.pid == me for p in chain) or not any(p.name() == "bwrap" for p in chain):
@@ -235,5 +246,5 @@ def find_leaks() -> list[str]:
         except psutil.Error:
             pass
     leaks += [f"dir {os.path.join(TMP_BASE, n)} still exists" for n in os.listdir(TMP_BASE)
-              if n.startswith(f"{DIR_PREFIX}{me}-")]
+              if n.startswith(f"{DIR_PREFIX}{me}-") and n not in allowed_dirs]
     return leaks

@@ -154,17 +154,22 @@ def test_bad_disk_limit_is_one_clear_error():
 
 
 SYSV = """
-import ctypes, os
+import ctypes, os, platform
 libc = ctypes.CDLL(None, use_errno=True)
-for name, args in (("shmget", (0, 64 << 20, 0o1600)), ("msgget", (0, 0o1600))):
+for name, args in (("shmget", (0, 64 << 20, 0o1600)), ("msgget", (0, 0o1600)), ("semget", (0, 1, 0o1600)),
+                   ("mq_open", (b"/q", os.O_CREAT | os.O_RDWR, 0o600, None))):
     print(name, getattr(libc, name)(*args), ctypes.get_errno())
+add_key = {"x86_64": 248, "aarch64": 217}[platform.machine()]
+print("add_key", libc.syscall(add_key, b"user", b"k", b"v", 1, -4), ctypes.get_errno())  # the user keyring
 """
 
 
 def test_ram_no_limit_counts_is_out_of_reach():
-    # System V shared memory and message queues: RAM outside every rlimit, so the calls are denied.
+    # System V shared memory and message queues: RAM outside every rlimit, so the calls are denied; so are
+    # semaphores, POSIX message queues and keyrings (state the next program on the slot could read).
     r = run(SYSV, limits=DISK)
-    assert (r.status, r.stdout) == ("ok", "shmget -1 1\nmsgget -1 1\n")  # EPERM
+    assert (r.status, r.stdout) == ("ok", "".join(f"{n} -1 1\n" for n in ("shmget", "msgget", "semget", "mq_open",
+                                                                         "add_key")))  # EPERM
     # POSIX shared memory lives in /dev/shm, on the sandbox's capped tmpfs: the second 10 MiB segment
     # does not fit in 16 MiB (touching its pages raises SIGBUS), and the run is a disk limit.
     code = ("from multiprocessing import shared_memory as sm\nfor i in range(2):\n"
@@ -174,7 +179,7 @@ def test_ram_no_limit_counts_is_out_of_reach():
     assert (r.status, r.stdout) == ("disk_limit", "filled\n"), r
 
 
-@pytest.mark.parametrize("machine,length", [("x86_64", 8), ("aarch64", 7), ("riscv64", None)])
+@pytest.mark.parametrize("machine,length", [("x86_64", 13), ("aarch64", 12), ("riscv64", None)])
 def test_seccomp_program_shape(machine, length):
     from envs.sandbox import launch as _sandbox_launch
     program = _sandbox_launch.seccomp_program(machine)
