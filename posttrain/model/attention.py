@@ -28,6 +28,16 @@ class Source(NamedTuple):
     group: int = 1
 
 
+class CacheHook(NamedTuple):
+    """A cache the caller attends to itself (e.g. a paged KV cache, `posttrain.rollout.paged_attention`): passed
+    as a layer's only extra source, the layer calls `fn(q, own_entries, scale)` instead of its softmax and uses
+    the result as the attention output. q: [B, T, N, H] (MLA: the absorbed queries [B, T, N, R + rope dims]);
+    own_entries: the layer's entries of its T new tokens ({"k", "v": [B, T, K, H]} or MLA's {"kv": [B, T, C]});
+    returns [B, T, N, Hv] (MLA: [B, T, N, >= R], the layer keeps the first R dims)."""
+
+    fn: Any
+
+
 def multi_source_attention(q, sources: Sequence[Source], scale: float, logits_fn, combine_fn):
     """Softmax attention over the concatenation of several sources.
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from posttrain.model import attention_kernels as fused_attention
-from posttrain.model.attention import NEG_INF, Source, gqa_combine, gqa_logits, multi_source_attention
+from posttrain.model.attention import NEG_INF, CacheHook, Source, gqa_combine, gqa_logits, multi_source_attention
 
 # Default block lengths (queries and keys) by backend: 128 on the CPU (the fastest of 128 / 256 / 512 there, fwd+bwd);
 # elsewhere 512 (a plain-JAX loop pays per-iteration overhead on accelerators, so fewer, larger blocks).
@@ -228,8 +228,11 @@ def attend(q_BxTxNxH, kv: dict, mask, scale: float, precision=None, extra_source
     platform: splash / Pallas GPU kernels (interpreted off their platform), else `blockwise_attention`; "dense"
     the one-softmax reference; the kernels ignore `precision`); one source only: raises ValueError with
     extra_sources. A bool [B, T, S] array (short rows, `self_mask`; `impl` unused) ->
-    the dense multi-source softmax (`attention.multi_source_attention`). Returns [B, T, N, E].
+    the dense multi-source softmax (`attention.multi_source_attention`). A single `attention.CacheHook` source:
+    its function computes the attention (the mask unused). Returns [B, T, N, E].
     """
+    if len(extra_sources) == 1 and isinstance(extra_sources[0], CacheHook):
+        return extra_sources[0].fn(q_BxTxNxH, kv, scale)
     if isinstance(mask, RowIds):
         if extra_sources:
             raise ValueError(f"blockwise attention takes one source; got {len(extra_sources)} extra sources "

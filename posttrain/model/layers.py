@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from posttrain.model.attention import Source, multi_source_attention
+from posttrain.model.attention import CacheHook, Source, multi_source_attention
 from posttrain.model.blockwise_attention import attend
 from posttrain.model.config import LoRAConfig, MLAConfig, RopeConfig
 from posttrain.infra.partitioning import with_logical_constraint
@@ -291,8 +291,11 @@ class MLAttention(nnx.Module):
             def combine(p, kv):
                 return jnp.einsum("btns,bsr->btnr", p, kv["kv"][..., :R], preferred_element_type=jnp.float32)
 
-            sources = [*extra_sources, Source(entries, mask)]
-            o_lat = multi_source_attention(qc, sources, self.scale, _latent_logits, combine)
+            if len(extra_sources) == 1 and isinstance(extra_sources[0], CacheHook):  # the caller's cache
+                o_lat = extra_sources[0].fn(qc, entries, self.scale)[..., :R]
+            else:
+                sources = [*extra_sources, Source(entries, mask)]
+                o_lat = multi_source_attention(qc, sources, self.scale, _latent_logits, combine)
             o = dot("btnr,rnh->btnh", o_lat, self.v_b_proj[...], dt)
         o = checkpoint_name(o, "attn_out")
         return project(self, "o_proj", "btnh,nhd->btd", o, dt), entries

@@ -324,6 +324,24 @@ class Transformer(nnx.Module):
         cache = cache._replace(suffix=new_suffix, step=t + 1)
         return (logits, cache, routing) if return_routing else (logits, cache)
 
+    @_in_precision_scope
+    def decode_with_hook(self, tokens_B, positions_B, cache_xs: dict, make_hook):
+        """One new token per row whose attention over earlier tokens the caller computes (a paged KV cache,
+        `posttrain.rollout.engine`). cache_xs: {stack: pytree with a leading [L] layer axis}, scanned with the
+        layers; make_hook(xs of one layer) -> `attention.CacheHook`. Returns (float32 logits [B, V], {stack:
+        the fed tokens' entries [L, B, 1, ...] in the attention layout ("k", "v" / "kv")})."""
+        B = tokens_B.shape[0]
+        x, positions = self.embed(tokens_B[:, None]), positions_B[:, None]
+        self_mask, valid = jnp.ones((B, 1, 1), bool), jnp.ones((B, 1), bool)
+        entries = {}
+        for name, stack in self.stacks():
+            def body(block, h, xs_l):
+                h, ent, _ = block(h, positions, self_mask, (make_hook(xs_l),), valid)
+                return h, ent
+
+            x, entries[name] = self._scan(stack, x, cache_xs[name], body)
+        return self.logits(self.final_norm(x))[:, 0], entries
+
 
 _FLOAT32_USES = ("router",)  # per-layer matrices used in float32 (MoE scores), never cast by `matrices_in_dtype`
 

@@ -1,0 +1,198 @@
+"""The rollout engine's settings, requests and device programs (`posttrain.rollout.engine` runs the host loop).
+
+Dimension legend: S slots (sequences decoded together), R requests, M pages per sequence, P pages in the pool,
+Z tokens per page, W prefill width, V vocab.
+
+`engine.Engine.generate(requests, key)` keeps S slots decoding: each step feeds every live slot's last token
+(`Transformer.decode_with_hook`, attention over pages: `paged_attention.attend_pages`), and a finished slot is
+refilled from the queue of pending requests right away (its prompt prefilled into fresh pages), so the batch stays
+full while long replies finish. One compile of the decode step per engine size (S, M, P); prefill compiles once
+per width bucket. When the pool has no page for a live sequence's next token, the newest sequence is preempted:
+its pages are freed and it is queued first for recompute (prompt + its tokens so far prefilled again, its tokens
+and logprobs kept), counted in `rollout/preemptions`; a request that could never fit is a ValueError up front.
+
+Per request: token budget, temperature (0: greedy), top-k, top-p and stop ids. Logprobs are the project's one
+definition (docs/design.md invariant 1): `log_softmax(logits / T)` over the full vocabulary with
+T = `sampler.logprob_temperature(temperature)`; top-k/top-p only restrict the drawn token. Request r's t-th
+token uses the uniform of `fold_in(fold_in(key, r), t)` (`sampler.categorical`), whichever slot it runs in.
+Not yet here (issue 25 items 3-5): prefix sharing across a group, weight swaps, multi-turn, MoE routing records.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posttrain.model.attention import CacheHook
+from posttrain.rollout import kv_pages
+from posttrain.rollout.paged_attention import IMPLS, attend_pages, write_tokens
+from posttrain.rollout.sampler import categorical, logprob_temperature
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineSettings:
+    """The engine's size (static shapes: one decode compile per value). Raises ValueError on values outside the
+    ranges below.
+
+    Attributes:
+        num_slots: S, sequences decoded together (>= 1).
+        num_pages: P, pages in the pool including the scratch page 0 (>= 2); KV memory = P * Z tokens per layer.
+        page_size: Z, tokens per page (>= 1; the TPU kernel wants a multiple of 8 in bf16).
+        max_seq_len: longest prompt + reply in tokens (>= 2); the page-table width is ceil(max_seq_len / Z).
+        prefill_bucket: prefill widths are this times a power of two (>= 1; fewer compiles).
+        attention_impl: `paged_attention.IMPLS` ("auto": the Pallas kernel on TPU / GPU, the reference elsewhere).
+    """
+
+    num_slots: int
+    num_pages: int
+    page_size: int = 16
+    max_seq_len: int = 512
+    prefill_bucket: int = 16
+    attention_impl: str = "auto"
+
+    def __post_init__(self):
+        if (self.num_slots < 1 or self.num_pages < 2 or self.page_size < 1 or self.max_seq_len < 2
+                or self.prefill_bucket < 1 or self.attention_impl not in IMPLS):
+            raise ValueError(f"invalid engine settings: num_slots={self.num_slots} (>= 1), num_pages="
+                             f"{self.num_pages} (>= 2), page_size={self.page_size} (>= 1), max_seq_len="
+                             f"{self.max_seq_len} (>= 2), prefill_bucket={self.prefill_bucket} (>= 1), "
+                             f"attention_impl={self.attention_impl!r} (one of {IMPLS})")
+
+    @property
+    def pages_per_seq(self) -> int:
+        """M, the page-table width."""
+        return -(-self.max_seq_len // self.page_size)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Request:
+    """One generation request. Raises ValueError on an empty prompt or values outside the ranges below.
+
+    Attributes:
+        prompt: token ids (>= 1 of them).
+        max_new_tokens: token budget of the reply (>= 1).
+        temperature: logits are divided by it (>= 0; 0: greedy).
+        top_k: keep the k most likely tokens when drawing (>= 0; 0: off).
+        top_p: nucleus mass kept when drawing (in (0, 1]; 1: off).
+        stop_ids: tokens that end the reply (kept as its last token).
+    """
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.prompt or self.max_new_tokens < 1 or self.temperature < 0 or self.top_k < 0 \
+                or not 0 < self.top_p <= 1:
+            raise ValueError(f"invalid request: prompt of {len(self.prompt)} tokens (>= 1), max_new_tokens="
+                             f"{self.max_new_tokens} (>= 1), temperature={self.temperature} (>= 0), top_k="
+                             f"{self.top_k} (>= 0), top_p={self.top_p} (in (0, 1])")
+
+
+class Completion(NamedTuple):
+    """A request's reply: tokens int32 [n] (the stop token last when one came), logprobs float32 [n]
+    (`log_softmax(logits / T)` of each token), truncated (budget reached without a stop token), preemptions
+    (times it was preempted and recomputed)."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    truncated: bool
+    preemptions: int
+
+
+def filter_logits_rows(scaled_SxV, top_k_S, top_p_S):
+    """`sampler.filter_logits` with each row's own top-k (0: off) and top-p (1: off): tokens outside them -> -inf.
+    Row s equals `filter_logits(scaled_SxV[s:s+1], top_k_S[s], top_p_S[s])` (tests check it)."""
+    V = scaled_SxV.shape[-1]
+    desc = -jnp.sort(-scaled_SxV, axis=-1)
+    k = jnp.where(top_k_S > 0, jnp.minimum(top_k_S, V), V)
+    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+    x = jnp.where(scaled_SxV < kth, -jnp.inf, scaled_SxV)
+    desc = -jnp.sort(-x, axis=-1)
+    probs = jax.nn.softmax(desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
+    keep = jnp.maximum((before < top_p_S[:, None]).sum(-1, keepdims=True), 1)
+    threshold = jnp.take_along_axis(desc, keep - 1, axis=-1)
+    return jnp.where((top_p_S[:, None] < 1.0) & (x < threshold), -jnp.inf, x)
+
+
+def pick_tokens(logits_SxV, rows: dict, key, request_S, t_S):
+    """(token int32 [S], logprob float32 [S]) per row: argmax where rows["greedy"], else a draw from the filtered
+    `softmax(logits / T)` with the uniform of (key, request, t); logprob over the full vocabulary at T."""
+    scaled = logits_SxV.astype(jnp.float32) / rows["T"][:, None]
+    logp_all = jax.nn.log_softmax(scaled, axis=-1)
+    u = jax.vmap(lambda r, t: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, r), t)))(request_S, t_S)
+    drawn = categorical(u, filter_logits_rows(scaled, rows["top_k"], rows["top_p"]))
+    tok = jnp.where(rows["greedy"], jnp.argmax(logits_SxV, axis=-1), drawn).astype(jnp.int32)
+    return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
+
+
+def _merge(graphdef, state):
+    return nnx.merge(graphdef, *(state if isinstance(state, tuple) else (state,)))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl"), donate_argnames=("pool",))
+def decode_step(graphdef, state, pool, table_SxM, lengths_S, prev_S, rows, key, request_S, t_S, *, impl: str):
+    """Feeds prev_S at positions lengths_S (each slot's cached tokens), writes their entries into the pages and
+    picks the next tokens. Returns (token [S], logprob [S], pool). Inactive slots: length 0 on the scratch page."""
+    model = _merge(graphdef, state)
+    Z = jax.tree.leaves(pool)[0].shape[3]
+    S = prev_S.shape[0]
+    page_S = table_SxM[jnp.arange(S), lengths_S // Z]
+    offset_S = lengths_S % Z
+
+    def make_hook(pages_l):
+        def fn(q_Sx1xNxH, own, scale):
+            own = {name: e[:, 0] for name, e in own.items()}
+            pages_w = write_tokens(pages_l, own, page_S, offset_S)  # the new token attends to itself
+            return attend_pages(pages_w, q_Sx1xNxH[:, 0], table_SxM, lengths_S + 1, scale, impl)[:, None]
+        return CacheHook(fn)
+
+    logits, entries = model.decode_with_hook(prev_S, lengths_S, pool, make_hook)
+    pool = {stack: write_tokens(pool[stack], {n: e[:, :, 0] for n, e in entries[stack].items()}, page_S, offset_S)
+            for stack in pool}
+    tok, logp = pick_tokens(logits, rows, key, request_S, t_S)
+    return tok, logp, pool
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pool",))
+def prefill(graphdef, state, pool, tokens_1xW, length, page_row_M):
+    """Runs one right-padded sequence (`length` valid tokens), writes its entries into its pages (padding into the
+    scratch page) and returns (float32 logits [V] after its last token, pool)."""
+    model = _merge(graphdef, state)
+    W = tokens_1xW.shape[1]
+    Z = jax.tree.leaves(pool)[0].shape[3]
+    pos = jnp.arange(W)
+    segment = (pos < length)[None].astype(jnp.int32)
+    h, _, entries = model.hidden_states(tokens_1xW, None, segment, None, return_entries=True)
+    page_W = jnp.where(pos < length, jnp.take(page_row_M, pos // Z, mode="clip"), kv_pages.SCRATCH_PAGE)
+    pool = {stack: write_tokens(pool[stack], {n: e[:, 0] for n, e in entries[stack].items()}, page_W, pos % Z)
+            for stack in pool}
+    return model.logits(h[0, length - 1]), pool
+
+
+class _Seq:
+    """A request in flight: its index, settings, tokens and logprobs so far, preemptions, admission order."""
+
+    def __init__(self, index: int, request: Request):
+        self.index, self.request = index, request
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.preemptions, self.order = 0, -1
+
+    def cached(self) -> list[int]:
+        """The tokens its pages hold once prefilled: the prompt and every generated token but the last."""
+        return list(self.request.prompt) + self.tokens[:-1]
+
+    def finished(self) -> bool:
+        r = self.request
+        return bool(self.tokens) and (self.tokens[-1] in r.stop_ids or len(self.tokens) >= r.max_new_tokens)

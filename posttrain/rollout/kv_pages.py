@@ -1,0 +1,139 @@
+"""The paged KV cache's bookkeeping: a fixed pool of pages, a page table per engine slot, the allocator and its
+counters (host-side NumPy; the page contents live on the device, `posttrain.rollout.engine`).
+
+Dimension legend: S slots, M pages per sequence (page-table width), P pages in the pool, Z tokens per page,
+L layers of one stack, K kv heads, H head dim, C MLA's compressed entry dims.
+
+Page 0 is the scratch page: never allocated, it backs every page-table entry that holds no page, so inactive
+slots and a prefill's padding write there and nothing a live sequence reads is touched. Pages 1..P-1 are
+allocated one at a time as a sequence grows (a sequence of n cached tokens holds ceil(n / Z) pages, plus the page
+its next token is written to) and all freed when it ends or is preempted. Source: vLLM's PagedAttention (Kwon
+et al. 2023, arXiv:2309.06180): blocks allocated on demand, so waste stays under one page per sequence.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SCRATCH_PAGE = 0
+
+
+class PagePool:
+    """Allocator of pages 1..num_pages-1 and the [S, M] page tables of the slots.
+
+    Raises ValueError when num_pages < 2, num_slots < 1 or pages_per_seq < 1.
+    """
+
+    def __init__(self, num_pages: int, num_slots: int, pages_per_seq: int, page_size: int):
+        if num_pages < 2 or num_slots < 1 or pages_per_seq < 1 or page_size < 1:
+            raise ValueError(f"page pool: num_pages={num_pages} (>= 2: page 0 is scratch), num_slots={num_slots}, "
+                             f"pages_per_seq={pages_per_seq}, page_size={page_size} (each >= 1)")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.free_pages = list(range(num_pages - 1, 0, -1))  # pop() hands out the lowest id first
+        self.table_SxM = np.full((num_slots, pages_per_seq), SCRATCH_PAGE, np.int32)
+        self.held_S = np.zeros((num_slots,), np.int32)  # pages held by each slot (its table's first entries)
+
+    @property
+    def allocatable(self) -> int:
+        """Pages a sequence can ever hold (the pool less the scratch page)."""
+        return self.num_pages - 1
+
+    @property
+    def allocated(self) -> int:
+        """Pages held by slots now."""
+        return int(self.held_S.sum())
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages that hold `num_tokens` tokens."""
+        return -(-num_tokens // self.page_size)
+
+    def grow(self, slot: int, num_tokens: int) -> bool:
+        """Allocates pages until `slot` holds `num_tokens` tokens; False (nothing allocated) when the pool has
+        too few free pages. Raises ValueError past the page-table width."""
+        need = self.pages_for(num_tokens) - int(self.held_S[slot])
+        if need <= 0:
+            return True
+        if self.held_S[slot] + need > self.table_SxM.shape[1]:
+            raise ValueError(f"slot {slot}: {num_tokens} tokens need {self.pages_for(num_tokens)} pages, the page "
+                             f"table holds {self.table_SxM.shape[1]} (max_seq_len too small)")
+        if need > len(self.free_pages):
+            return False
+        start = int(self.held_S[slot])
+        for i in range(need):
+            self.table_SxM[slot, start + i] = self.free_pages.pop()
+        self.held_S[slot] += need
+        return True
+
+    def release(self, slot: int) -> None:
+        """Frees every page of `slot` (its table entries point at the scratch page again)."""
+        held = int(self.held_S[slot])
+        self.free_pages.extend(int(p) for p in self.table_SxM[slot, :held][::-1])
+        self.table_SxM[slot] = SCRATCH_PAGE
+        self.held_S[slot] = 0
+
+
+def pool_shapes(graphdef, state, num_pages: int, page_size: int) -> dict:
+    """{stack: {name: jax.ShapeDtypeStruct}} of the page pool of a model: GQA "k", "v" [L, K, P, Z, H], MLA "kv"
+    [L, 1, P, Z, C], in the dtype of the model's cache entries (the compute dtype). Read off an abstract
+    one-token forward (`jax.eval_shape`: nothing runs)."""
+    from flax import nnx
+
+    def entries(state):
+        model = nnx.merge(graphdef, *(state if isinstance(state, tuple) else (state,)))
+        return model.hidden_states(jnp.zeros((1, 1), jnp.int32), return_entries=True)[2]
+
+    shapes = jax.eval_shape(entries, state)
+    out = {}
+    for stack, ent in shapes.items():
+        out[stack] = {}
+        for name, e in ent.items():  # [L, 1, 1, K, H] or [L, 1, 1, C]
+            L, tail = e.shape[0], e.shape[3:]
+            K, width = (tail[0], tail[1]) if len(tail) == 2 else (1, tail[0])
+            out[stack][name] = jax.ShapeDtypeStruct((L, K, num_pages, page_size, width), e.dtype)
+    return out
+
+
+def pool_bytes(shapes: dict) -> int:
+    """Bytes of a page pool (`pool_shapes`)."""
+    return sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for ent in shapes.values() for s in ent.values())
+
+
+def empty_pool(shapes: dict) -> dict:
+    """A zero-filled page pool of `pool_shapes` on the default device."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+class PageCounters:
+    """The engine's counters (`metrics()` gives the `rollout/...` names). Peak = the step at which most pages
+    were allocated; `max_waste_per_seq` the largest (allocated - used) / live sequences seen at any step."""
+
+    def __init__(self, num_slots: int, page_size: int):
+        self.num_slots, self.page_size = num_slots, page_size
+        self.peak_allocated, self.used_at_peak = 0, 0.0
+        self.max_waste_per_seq = 0.0
+        self.occupancy_sum, self.steps = 0.0, 0
+        self.prefill_tokens = self.decode_tokens = self.preemptions = 0
+
+    def observe(self, allocated: int, cached_tokens: int, live: int) -> None:
+        """Records one decode step: pages allocated, tokens held in them (the fed tokens included), live slots."""
+        used = cached_tokens / self.page_size
+        if allocated >= self.peak_allocated:
+            self.peak_allocated, self.used_at_peak = allocated, used
+        if live:
+            self.max_waste_per_seq = max(self.max_waste_per_seq, (allocated - used) / live)
+        self.occupancy_sum += live / self.num_slots
+        self.steps += 1
+        self.decode_tokens += live
+
+    def metrics(self) -> dict[str, float]:
+        """rollout/{kv_pages_allocated (peak), kv_pages_used (tokens held / page size, at that peak),
+        slot_occupancy (mean live slots / S over decode steps), prefill_tokens, decode_tokens, preemptions}."""
+        return {"rollout/kv_pages_allocated": float(self.peak_allocated),
+                "rollout/kv_pages_used": float(self.used_at_peak),
+                "rollout/slot_occupancy": self.occupancy_sum / max(self.steps, 1),
+                "rollout/prefill_tokens": float(self.prefill_tokens),
+                "rollout/decode_tokens": float(self.decode_tokens),
+                "rollout/preemptions": float(self.preemptions)}

@@ -1,0 +1,132 @@
+"""Attention of one new token per sequence over a paged KV cache: one function, a gather-based reference and the
+Pallas paged-attention kernels as fast paths (docs/design.md invariant 13).
+
+Dimension legend: S sequences (engine slots), N query heads, K kv heads, H head dim, P pages in the pool,
+Z tokens per page (page size), M pages per sequence (page-table width), L layers of one stack.
+
+Pages hold each layer's cached keys and values in the layout the kernels take: `k_pages_KxPxZxH`,
+`v_pages_KxPxZxH` (GQA). MLA's compressed entry ("kv", [R + rope dims]) is one kv head (K = 1) whose values are
+the same pages: the caller keeps the first R output dims (`kv[..., :R]` are the latent values).
+Sequence s's token i lives at page `page_table_SxM[s, i // Z]`, offset `i % Z`; the first `lengths_S[s]` tokens
+are attended (>= 1; the engine writes the new token before attending, so its own entry is included).
+
+Implementations (`IMPLS`; "auto" picks by platform):
+  * "reference": gathers the sequence's pages into a dense [K, S, M*Z, H] and runs a float32 softmax masked by
+    length (any platform; the CPU path).
+  * "pallas_tpu": `jax.experimental.pallas.ops.tpu.paged_attention` (Mosaic; scale folded into q).
+  * "pallas_gpu": `jax.experimental.pallas.ops.gpu.paged_attention` (Triton; scale folded into q).
+  `interpret=True` runs a kernel in the Pallas interpreter on any platform (tests on the CPU): the GPU kernel's
+  own `interpret` flag; the TPU kernel under `pltpu.force_tpu_interpret_mode()`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+MASK_VALUE = -1e9  # finite, as in posttrain.model.attention.NEG_INF
+
+
+def resolve_impl(impl: str, platform: str | None = None) -> str:
+    """The implementation `impl` runs as: "auto" -> "pallas_tpu" on TPU, "pallas_gpu" on GPU, else "reference".
+    Raises ValueError for a name not in IMPLS."""
+    if impl not in IMPLS:
+        raise ValueError(f"paged attention impl={impl!r}; expected one of {IMPLS}")
+    if impl != "auto":
+        return impl
+    platform = platform or jax.default_backend()
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "reference")
+
+
+def reference_paged_attention(q_SxNxH, k_pages_KxPxZxH, v_pages_KxPxZxH, page_table_SxM, lengths_S, scale):
+    """The gather-based reference: [S, N, H] in q's dtype (softmax in float32, masked keys at MASK_VALUE)."""
+    S, N, H = q_SxNxH.shape
+    K, _, Z, _ = k_pages_KxPxZxH.shape
+    M = page_table_SxM.shape[1]
+    k = k_pages_KxPxZxH[:, page_table_SxM].reshape(K, S, M * Z, H)  # [K, S, M*Z, H]
+    v = v_pages_KxPxZxH[:, page_table_SxM].reshape(K, S, M * Z, v_pages_KxPxZxH.shape[-1])
+    q = q_SxNxH.reshape(S, K, N // K, H)
+    logits = jnp.einsum("skgh,ksth->skgt", q, k.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+    keep = jnp.arange(M * Z)[None, :] < lengths_S[:, None]  # [S, M*Z]
+    logits = logits + jnp.where(keep, 0.0, MASK_VALUE)[:, None, None, :]
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("skgt,ksth->skgh", probs.astype(q.dtype), v.astype(q.dtype), preferred_element_type=jnp.float32)
+    return out.reshape(S, N, v.shape[-1]).astype(q_SxNxH.dtype)
+
+
+def _pallas_tpu(q, k_pages, v_pages, page_table, lengths, interpret: bool):
+    from jax.experimental import pallas as pl  # noqa: F401  (imported for its registration side effects)
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    M = page_table.shape[1]
+    block = math.gcd(M, 8)  # pages per compute block: must divide the pages per sequence
+    scope = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
+    with scope:
+        return paged_attention(q, k_pages, v_pages, lengths, page_table, mask_value=MASK_VALUE,
+                               pages_per_compute_block=block)
+
+
+def _pallas_gpu(q, k_pages, v_pages, page_table, lengths, interpret: bool):
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    M = page_table.shape[1]
+    return paged_attention(q, k_pages, v_pages, page_table, lengths, mask_value=MASK_VALUE,
+                           pages_per_compute_block=math.gcd(M, 8), k_splits=1, interpret=interpret)
+
+
+def paged_attention(q_SxNxH, k_pages_KxPxZxH, v_pages_KxPxZxH, page_table_SxM, lengths_S, *, scale: float,
+                    impl: str = "auto", interpret: bool = False):
+    """softmax(scale * q k^T) v of each sequence's one query token over its first `lengths_S` cached tokens.
+
+    Args:
+      q_SxNxH: queries (float dtype); query head n reads kv head n // (N / K).
+      k_pages_KxPxZxH, v_pages_KxPxZxH: the page pool of one layer (same shape; the compute dtype).
+      page_table_SxM: int32 page ids (entries past a sequence's length are never read, but must be in [0, P)).
+      lengths_S: int32 tokens attended per sequence, in [1, M * Z].
+      scale: logit multiplier (1/sqrt(H), or MLA's scale).
+      impl: one of IMPLS ("auto": by `jax.default_backend()`); interpret: run a Pallas kernel interpreted.
+    Returns:
+      [S, N, H] in q's dtype.
+    Raises:
+      ValueError: unknown impl, N not a multiple of K, or k/v pages of different shapes.
+    """
+    N, K = q_SxNxH.shape[1], k_pages_KxPxZxH.shape[0]
+    if N % K or k_pages_KxPxZxH.shape != v_pages_KxPxZxH.shape:
+        raise ValueError(f"paged attention: {N} query heads over {K} kv heads, k pages {k_pages_KxPxZxH.shape}, "
+                         f"v pages {v_pages_KxPxZxH.shape} (need N % K == 0 and equal page shapes)")
+    impl = resolve_impl(impl)
+    lengths_S = lengths_S.astype(jnp.int32)
+    page_table_SxM = page_table_SxM.astype(jnp.int32)
+    if impl == "reference":
+        return reference_paged_attention(q_SxNxH, k_pages_KxPxZxH, v_pages_KxPxZxH, page_table_SxM, lengths_S,
+                                         scale)
+    kernel = _pallas_tpu if impl == "pallas_tpu" else _pallas_gpu
+    q = (q_SxNxH.astype(jnp.float32) * scale).astype(k_pages_KxPxZxH.dtype)
+    out = kernel(q, k_pages_KxPxZxH, v_pages_KxPxZxH, page_table_SxM, lengths_S, interpret)
+    return out.astype(q_SxNxH.dtype)
+
+
+def write_tokens(pages: dict, entries: dict, page_S: jax.Array, offset_S: jax.Array) -> dict:
+    """pages with S token entries written at (page_S, offset_S).
+
+    pages: {"k", "v": [..., K, P, Z, H]} or {"kv": [..., 1, P, Z, C]} (leading axes, e.g. L, allowed);
+    entries: one entry per token, {"k", "v": [..., S, K, H]} or {"kv": [..., S, C]}, same leading axes.
+    Tokens sharing a target (inactive slots on the scratch page) are written in an unspecified order.
+    """
+    out = {}
+    for name, pool in pages.items():
+        e = entries[name] if name != "kv" else entries[name][..., None, :]  # [..., S, K, H]
+        out[name] = pool.at[..., page_S, offset_S, :].set(jnp.moveaxis(e, -3, -2).astype(pool.dtype))
+    return out
+
+
+def attend_pages(pages: dict, q_SxNxH, page_table_SxM, lengths_S, scale: float, impl: str = "auto"):
+    """`paged_attention` over one layer's pages in the engine's layout: GQA {"k", "v"}, or MLA {"kv"} (one kv
+    head serving as keys and values). Returns [S, N, H or C]."""
+    if "kv" in pages:
+        return paged_attention(q_SxNxH, pages["kv"], pages["kv"], page_table_SxM, lengths_S, scale=scale, impl=impl)
+    return paged_attention(q_SxNxH, pages["k"], pages["v"], page_table_SxM, lengths_S, scale=scale, impl=impl)

@@ -1,0 +1,102 @@
+"""Paged attention (docs/design.md invariant 13): the gather reference equals a NumPy dense attention on ragged page
+tables, page boundaries and one-token sequences (f32 <= 1e-5); the Pallas kernels, interpreted on the CPU, equal
+the reference (GPU kernel <= 1e-5; the TPU kernel's dots take the TPU default precision, bf16 passes, which its
+interpreter emulates: equal within bf16 rounding); page writes land where the page table says and nowhere else.
+"""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posttrain.rollout import paged_attention as pa
+
+Z, M, P = 4, 4, 20  # tokens per page, pages per sequence, pages in the pool
+LENGTHS = [1, Z, Z + 1, M * Z, 3, 2 * Z - 1]  # one token, exactly one page, a page boundary, full table, ragged
+
+
+def _case(K, N, H, seed=0):
+    rng = np.random.default_rng(seed)
+    S = len(LENGTHS)
+    q = rng.normal(size=(S, N, H)).astype(np.float32)
+    k = rng.normal(size=(K, P, Z, H)).astype(np.float32)
+    v = rng.normal(size=(K, P, Z, H)).astype(np.float32)
+    table = np.zeros((S, M), np.int32)  # ragged: each sequence holds only the pages it needs, in shuffled order
+    free = list(rng.permutation(np.arange(1, P)))
+    for s, n in enumerate(LENGTHS):
+        for j in range(-(-n // Z)):
+            table[s, j] = free.pop()
+    return q, k, v, table, np.asarray(LENGTHS, np.int32)
+
+
+def _numpy_attention(q, k, v, table, lengths, scale):
+    """Dense attention of each sequence over its first `length` tokens, read page by page (float64)."""
+    S, N, H = q.shape
+    K = k.shape[0]
+    out = np.zeros((S, N, v.shape[-1]))
+    for s in range(S):
+        n = lengths[s]
+        ks = np.stack([k[:, table[s, i // Z], i % Z] for i in range(n)], 1)  # [K, n, H]
+        vs = np.stack([v[:, table[s, i // Z], i % Z] for i in range(n)], 1)
+        for h in range(N):
+            kv = h // (N // K)
+            lg = ks[kv].astype(np.float64) @ q[s, h] * scale
+            p = np.exp(lg - lg.max())
+            out[s, h] = (p / p.sum()) @ vs[kv]
+    return out
+
+
+@pytest.mark.parametrize("K,N,H", [(2, 4, 16), (1, 4, 24)], ids=["gqa", "one-kv-head-mla"])
+def test_reference_equals_dense_attention(K, N, H):
+    q, k, v, table, lengths = _case(K, N, H)
+    if K == 1:  # MLA: the values are the same pages as the keys
+        v = k
+    got = pa.paged_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(table),
+                             jnp.asarray(lengths), scale=H ** -0.5, impl="reference")
+    np.testing.assert_allclose(np.asarray(got), _numpy_attention(q, k, v, table, lengths, H ** -0.5), atol=1e-5)
+    assert got.dtype == jnp.float32 and got.shape == (len(LENGTHS), N, H)
+
+
+@pytest.mark.parametrize("impl,atol", [("pallas_gpu", 1e-5), ("pallas_tpu", 3e-2)])
+def test_kernels_interpreted_equal_reference(impl, atol):
+    """The kernels in the Pallas interpreter on the CPU. TPU: its einsums run at the TPU default precision (bf16
+    operand passes: a length-1 row returns v rounded to bf16), so the bound is bf16 rounding, not 1e-5."""
+    q, k, v, table, lengths = (jnp.asarray(a) for a in _case(2, 4, 16, seed=1))
+    ref = pa.paged_attention(q, k, v, table, lengths, scale=0.25, impl="reference")
+    got = pa.paged_attention(q, k, v, table, lengths, scale=0.25, impl=impl, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=atol)
+
+
+def test_write_tokens_and_attend_pages_layouts():
+    """write_tokens puts token s's entry at (page_S[s], offset_S[s]) of every leading axis and leaves the rest of
+    the pool as it was; attend_pages reads MLA's single "kv" entry as keys and values."""
+    rng = np.random.default_rng(2)
+    L, K, H, C, S = 2, 2, 8, 6, 3
+    pool = {"k": jnp.asarray(rng.normal(size=(L, K, P, Z, H)), jnp.float32),
+            "v": jnp.asarray(rng.normal(size=(L, K, P, Z, H)), jnp.float32)}
+    new = {n: jnp.asarray(rng.normal(size=(L, S, K, H)), jnp.float32) for n in ("k", "v")}
+    page, off = np.asarray([5, 9, 5]), np.asarray([0, 3, 2])
+    out = pa.write_tokens(pool, new, jnp.asarray(page), jnp.asarray(off))
+    for n in ("k", "v"):
+        want = np.asarray(pool[n]).copy()
+        for s in range(S):
+            want[:, :, page[s], off[s]] = np.asarray(new[n])[:, s]
+        np.testing.assert_array_equal(np.asarray(out[n]), want)
+    mla = {"kv": jnp.asarray(rng.normal(size=(1, P, Z, C)), jnp.float32)}
+    mla = pa.write_tokens(mla, {"kv": jnp.ones((S, C))}, jnp.asarray(page), jnp.asarray(off))
+    np.testing.assert_array_equal(np.asarray(mla["kv"])[0, 9, 3], np.ones(C))
+    q = jnp.asarray(rng.normal(size=(S, 4, C)), jnp.float32)
+    table = jnp.asarray([[5, 1], [2, 9], [5, 3]], jnp.int32)
+    got = pa.attend_pages(mla, q, table, jnp.asarray([1, 8, 3], jnp.int32), 0.5, impl="reference")
+    kv = np.asarray(mla["kv"])
+    want = _numpy_attention(np.asarray(q), kv, kv, np.asarray(table), [1, 8, 3], 0.5)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+
+
+def test_resolve_impl_and_bad_input():
+    assert [pa.resolve_impl("auto", p) for p in ("cpu", "tpu", "gpu")] == ["reference", "pallas_tpu", "pallas_gpu"]
+    assert pa.resolve_impl("reference", "tpu") == "reference"
+    with pytest.raises(ValueError, match="impl='splash'"):
+        pa.resolve_impl("splash")
+    q = jnp.zeros((2, 3, 8))
+    pages = jnp.zeros((2, P, Z, 8))
+    with pytest.raises(ValueError, match="3 query heads over 2 kv heads"):
+        pa.paged_attention(q, pages, pages, jnp.zeros((2, M), jnp.int32), jnp.ones((2,), jnp.int32), scale=1.0)
