@@ -1,4 +1,4 @@
-"""`posttrain train|sft|dpo|eval|sample|convert|domains|plan|status`: the recipes' command line (absl flags).
+"""`posttrain train|sft|dpo|rm|eval|sample|convert|domains|plan|status`: the recipes' command line (absl flags).
 
   posttrain train  --config=configs/quickstart.py [--config.rl.group_size=8 ...] [--workdir=DIR]   (GRPO)
   posttrain sft    --config=configs/sft_tiny.py [--workdir=DIR]   (supervised fine-tuning on chat data)
@@ -27,7 +27,7 @@ import sys
 
 from posttrain.cli.commands import (_enable_compilation_cache, _fake_cpu_devices_for_plan, cmd_convert,
                                     cmd_domains, cmd_dpo, cmd_eval, cmd_plan, cmd_sample, cmd_sft, cmd_train)
-from posttrain.cli import status
+from posttrain.cli import rm, status
 from posttrain.cli.flags import command_help, define_flags as _flags, flag_error_line
 
 # command name -> its function (a new command: a module of its own in this package, a line here, its usage lines
@@ -35,6 +35,7 @@ from posttrain.cli.flags import command_help, define_flags as _flags, flag_error
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "convert": cmd_convert,
             "domains": cmd_domains, "plan": cmd_plan, "sft": cmd_sft, "dpo": cmd_dpo}
 COMMANDS["status"] = status.cmd_status
+COMMANDS["rm"] = rm.cmd_rm
 
 __all__ = ["COMMANDS", "command_help", "flag_error_line", "main"]
 

@@ -39,8 +39,8 @@ def define_flags():
         flags.DEFINE_float("temperature", 0.0, "sample: 0 = greedy")
         flags.DEFINE_integer("seed", 0, "sample: the sampling stream (temperature > 0: another seed, another reply)")
         flags.DEFINE_bool("progress", True, "train: show a progress bar")
-        flags.DEFINE_string("from_archive", None, "sft/dpo: a GRPO run's workdir: train on its episode archive (sft: "
-                            "its successful replies; dpo: pairs from its groups) instead of the config's data; "
+        flags.DEFINE_string("from_archive", None, "sft/dpo/rm: a GRPO run's workdir: train on its episode archive "
+                            "(sft: its successful replies; dpo, rm: pairs from its groups) instead of the config's data; "
                             "without --config, the run's own model section")
         flags.DEFINE_float("min_reward", None, "sft --from_archive: the reward a successful episode reaches "
                            "(default: sft.min_reward, 1)")
@@ -58,8 +58,8 @@ def define_flags():
 
 
 # flags every command that takes them reads (the others are named by their help's "command:" prefixes)
-_SHARED_FLAGS = {"config": ("train", "sft", "dpo", "eval", "convert", "plan"),
-                 "workdir": ("train", "sft", "dpo", "status"), "distributed": "every command"}
+_SHARED_FLAGS = {"config": ("train", "sft", "dpo", "rm", "eval", "convert", "plan"),
+                 "workdir": ("train", "sft", "dpo", "rm", "status"), "distributed": "every command"}
 
 
 def command_help(command: str, f) -> str:

@@ -1,0 +1,200 @@
+"""The reward-model recipe: `posttrain rm --config=configs/rm_*.py` (or `--from_archive=RUN`). Plan -> backbone with
+a new scalar head (`model.reward_head`), preference pairs (DPO's data and batching) -> for each step: batch, update,
+log, save; held-out accuracy and margin before and after; at the end the model exported as a transformers
+sequence-classification directory in `<workdir>/reward_model` (`checkpoints.reward_model`).
+
+`make_rm_plan(cfg)` is the only reader of an `RMRunConfig` (`posttrain.config.rm`); the shared sections map to
+settings as in SFT and DPO (`run_plan.policy_source`, `run_plan.optimizer_settings`). The math is
+`posttrain.algos.rm`'s, the loop `recipes.offline.train_loop`.
+
+Outputs besides the offline loop's: per step `rm/{loss,train_accuracy,train_margin,chosen,rejected,pairs}`;
+held-out `rm/accuracy` (ties 1/2) with its 95% bootstrap interval `rm/accuracy_{lo,hi}`, `rm/margin`, `rm/pairs`,
+and the length-only baseline on the same pairs (the longer reply preferred, a tie 1/2): `rm/length_accuracy` and
+the paired difference `rm/vs_length` (mean over pairs of the RM's minus the baseline's per-pair accuracy) with its
+95% bootstrap interval `rm/vs_length_{lo,hi}`; the summary's `export` (the directory written).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+from scipy import stats
+
+from posttrain.algos.dpo import data as data_lib
+from posttrain.algos.rm import step as rm_step
+from posttrain.algos.sft.packing import step_rows
+from posttrain.checkpoints.policy import PolicySource, load_policy
+from posttrain.checkpoints.reward_model import RUN_SUBDIR, export_reward_model
+from posttrain.config.rm import RMRunConfig, to_dict
+from posttrain.infra import mesh as mesh_lib
+from posttrain.infra.partitioning import use_rules
+from posttrain.infra.precision import PrecisionPolicy
+from posttrain.learn.learner import Learner, LearnerSettings
+from posttrain.learn.state import merge_model
+from posttrain.model.reward_head import with_head
+from posttrain.recipes import dpo as dpo_recipe
+from posttrain.recipes import offline
+from posttrain.recipes.run_plan import TrainSettings, optimizer_settings, policy_source
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RMPlan:
+    """Every derived setting of one reward-model run.
+
+    Attributes:
+      workdir: the run's directory.
+      config_dict: the config as a plain dict (config.json, checkpoint metadata); code reads the other fields.
+      precision: the resolved precision policy.
+      mesh_shape: resolved mesh axis sizes (no -1).
+      rules: logical-axis rules with the config's overlays.
+      policy: where the backbone comes from.
+      data: the pair data settings (DPO's).
+      step: the reward-model step's static options.
+      learner: the update phase's settings.
+      train: steps and limits.
+      eval_at_start: held-out metrics before the first step.
+      eval_at_end: held-out metrics after the last step.
+      export: write `<workdir>/reward_model` at the end.
+    """
+
+    workdir: pathlib.Path
+    config_dict: dict
+    precision: PrecisionPolicy
+    mesh_shape: Mapping[str, int]
+    rules: tuple
+    policy: PolicySource
+    data: data_lib.PairSettings
+    step: rm_step.StepOptions
+    learner: LearnerSettings
+    train: TrainSettings
+    eval_at_start: bool = True
+    eval_at_end: bool = True
+    export: bool = True
+
+
+def make_rm_plan(cfg: RMRunConfig, *, num_devices: int | None = None, workdir: str | None = None,
+                 backend: str | None = None) -> RMPlan:
+    """Derives and validates every setting of a reward-model run (no I/O). Raises ConfigError when the mesh does
+    not fit the devices or `rm.pairs_per_step` does not divide into `rm.num_microbatches` x the batch shards."""
+    r, t = cfg.rm, cfg.train
+    shape, rules, _, precision = offline.layout(cfg, "rm.pairs_per_step", r.pairs_per_step, r.num_microbatches,
+                                                num_devices, backend)
+    wd = pathlib.Path(workdir or t.workdir)
+    config_dict = to_dict(cfg)
+    pairs = data_lib.PairSettings(train_path=r.train_path, eval_path=r.eval_path, train_records=r.train_examples,
+                                  eval_records=r.eval_examples, eval_fraction=r.eval_fraction,
+                                  max_prompt_len=r.max_prompt_len, max_completion_len=r.max_completion_len,
+                                  pairs_per_step=r.pairs_per_step, seed=t.seed, from_archive=r.from_archive)
+    step = rm_step.StepOptions(loss=r.loss, center_coef=float(r.center_coef), num_microbatches=r.num_microbatches,
+                               matmul_precision=cfg.model.matmul_precision)
+    learner = LearnerSettings(workdir=wd, optimizer=optimizer_settings(cfg), seed=t.seed, checkpoint=cfg.checkpoint,
+                              rules=rules, config_dict=config_dict)
+    return RMPlan(workdir=wd, config_dict=config_dict, precision=precision, mesh_shape=shape, rules=rules,
+                  policy=policy_source(cfg, precision), data=pairs, step=step, learner=learner,
+                  train=TrainSettings(steps=t.steps, max_train_seconds=t.max_train_seconds,
+                                      max_nonfinite_skips=t.max_nonfinite_skips),
+                  eval_at_start=r.eval_at_start, eval_at_end=r.eval_at_end, export=r.export)
+
+
+def bootstrap_interval(x: np.ndarray, confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """A percentile bootstrap interval (scipy.stats.bootstrap, 9999 resamples, fixed seed) of mean(x); a single
+    value or identical values give the value itself at both ends (nan for no value)."""
+    if len(x) < 2 or np.all(x == x[0]):
+        v = float(x.mean()) if len(x) else float("nan")
+        return v, v
+    ci = stats.bootstrap((x,), np.mean, confidence_level=confidence, method="percentile",
+                         random_state=np.random.default_rng(seed)).confidence_interval
+    return float(ci.low), float(ci.high)
+
+
+def length_accuracy(pairs) -> np.ndarray:
+    """float [P]: the length-only baseline's per-pair accuracy: 1 when the chosen reply has more tokens than the
+    rejected one, 1/2 for equal lengths, 0 otherwise."""
+    d = np.asarray([len(p.chosen) - len(p.rejected) for p in pairs])
+    return np.where(d > 0, 1.0, np.where(d == 0, 0.5, 0.0))
+
+
+def held_out_metrics(acc_P: np.ndarray, margin_P: np.ndarray, length_P: np.ndarray) -> dict[str, float]:
+    """The held-out metrics of the module docstring from per-pair accuracies, margins and baseline accuracies."""
+    lo, hi = bootstrap_interval(acc_P)
+    diff = acc_P - length_P
+    dlo, dhi = bootstrap_interval(diff)
+    return {"rm/accuracy": float(acc_P.mean()), "rm/accuracy_lo": lo, "rm/accuracy_hi": hi,
+            "rm/margin": float(margin_P.mean()), "rm/pairs": float(len(acc_P)),
+            "rm/length_accuracy": float(length_P.mean()), "rm/vs_length": float(diff.mean()),
+            "rm/vs_length_lo": dlo, "rm/vs_length_hi": dhi}
+
+
+class Run:
+    """The pieces of a reward-model run: the backbone with its head, tokenizer, pairs, fixed batch regions and the
+    learner (restored from the workdir's newest checkpoint, if any); writes config.json."""
+
+    def __init__(self, plan: RMPlan):
+        offline.write_config(plan.workdir, plan.config_dict)
+        self.plan = plan
+        self.mesh = mesh_lib.make_mesh(plan.mesh_shape)
+        self.model_config, graphdef, weights, self.tokenizer = load_policy(plan.policy, self.mesh, plan.rules)
+        graphdef, weights = with_head(self.model_config, graphdef, weights, self.mesh, plan.rules,
+                                      seed=plan.learner.seed)
+        self.train_pairs, self.eval_pairs = dpo_recipe.load_pairs(plan.data, self.tokenizer)
+        self.regions = data_lib.regions(self.train_pairs + self.eval_pairs)
+        build = lambda g, tx, lr, mc: rm_step.make_train_step(g, tx, lr, plan.step)
+        self.learner = Learner.create(plan.learner, self.mesh, self.model_config, graphdef, weights, build,
+                                      batch_type=rm_step.RewardBatch)
+        self.learner.restore()
+        self._eval_fn = rm_step.make_eval_fn(self.learner.graphdef, plan.step)
+        self.counts = {"rm/train_pairs": len(self.train_pairs), "rm/eval_pairs": len(self.eval_pairs),
+                       "rm/truncated": sum(p.truncated for p in self.train_pairs + self.eval_pairs)}
+
+    def batch(self, step: int) -> rm_step.RewardBatch:
+        """The host batch of `step`: pairs drawn epoch by epoch in a seeded order (a function of the step)."""
+        d = self.plan.data
+        chunk = [self.train_pairs[i] for i in step_rows(len(self.train_pairs), d.pairs_per_step, step, d.seed)]
+        return data_lib.make_batch(chunk, *self.regions, self.tokenizer.pad_id, d.pairs_per_step)
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out metrics of the current weights ({} without held-out pairs)."""
+        if not self.eval_pairs:
+            return {}
+        acc, margin, P, state = [], [], self.plan.data.pairs_per_step, self.learner.state
+        for i in range(0, len(self.eval_pairs), P):
+            batch = data_lib.make_batch(self.eval_pairs[i:i + P], *self.regions, self.tokenizer.pad_id, P)
+            with jax.set_mesh(self.mesh):
+                terms, valid = self._eval_fn(state.params, state.frozen,
+                                             offline.place(batch, self.mesh, self.plan.rules))
+            terms, valid = jax.device_get((terms, valid))
+            acc.extend(np.asarray(terms["rm/train_accuracy"])[valid])
+            margin.extend(np.asarray(terms["rm/train_margin"])[valid])
+        return held_out_metrics(np.asarray(acc), np.asarray(margin), length_accuracy(self.eval_pairs))
+
+    def tokens(self, batch) -> int:
+        return int(np.count_nonzero(batch.segment_ids_RxL))
+
+    def export(self) -> pathlib.Path:
+        """Writes the current weights to `<workdir>/reward_model` (`checkpoints.reward_model`)."""
+        s = self.learner.state
+        model = merge_model(self.learner.graphdef, s.params, s.frozen)
+        return export_reward_model(self.model_config, nnx.state(model), self.plan.workdir / RUN_SUBDIR,
+                                   tokenizer=self.tokenizer)
+
+
+def train(plan: RMPlan, *, progress: bool = True) -> dict:
+    """Runs (or resumes) reward-model training as planned, then exports it (`plan.export`); returns the summary
+    (also in summary.json). Raises ValueError / TypeError for unusable pairs (naming the record), NonFiniteError
+    (after saving a checkpoint) when `train.max_nonfinite_skips` consecutive steps were non-finite."""
+    with use_rules(plan.rules):
+        run = Run(plan)
+        summary = offline.train_loop(run, name="rm", workdir=plan.workdir, train=plan.train,
+                                     config_dict=plan.config_dict, eval_at_start=plan.eval_at_start,
+                                     eval_at_end=plan.eval_at_end, progress=progress,
+                                     bar_fields=(("loss", "rm/loss"), ("acc", "rm/train_accuracy")),
+                                     on_nonfinite=lambda: "; lower optim.lr")
+        if plan.export:
+            summary["export"] = str(run.export())
+            (plan.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
