@@ -16,6 +16,7 @@ ENTRY_POINTS = {
     "posttrain/PythonTool-v0": "envs.tasks.python_tool:PythonToolEnv",
     "posttrain/ReasoningGym-v0": "envs.tasks.reasoning_gym:ReasoningGymEnv",
     "posttrain/RepoFix-v0": "envs.tasks.repo_fix.env:RepoFixEnv",
+    "posttrain/RepoFixImpossible-v0": "envs.tasks.repo_fix.impossible:RepoFixImpossibleEnv",
     "posttrain/Terminal-v0": "envs.tasks.terminal:TerminalEnv",
 }
 
