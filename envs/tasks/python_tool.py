@@ -6,7 +6,8 @@ Protocol, one model turn per step():
     is verified (`verifiers.score_math` restricted to the "boxed" rule; ``####`` and bare numbers are
     not answers here). Code in that same turn is not run.
   * Otherwise, a turn with a fenced ```python block runs the FIRST such block in `envs.sandbox` (a fresh
-    interpreter each turn: no state carries over); the next observation is its stdout + stderr,
+    interpreter each turn: no state carries over; by default forked in a persistent sandbox worker,
+    `envs.sandbox.workers.shared_pool`); the next observation is its stdout + stderr,
     capped at `max_output_chars`, in a ```output block, with a line naming a non-ok sandbox status.
   * A turn with neither terminates with reward 0 (reason "no code and no \\boxed{} answer").
   * After `max_turns` turns without a final answer the episode is truncated with reward 0.
@@ -21,6 +22,7 @@ from __future__ import annotations
 from envs.tasks import arithmetic
 
 from envs import base, sandbox
+from envs.sandbox import workers as sandbox_workers
 
 from envs.verify import answers as verifiers
 from envs.tasks import gsm8k
@@ -38,15 +40,19 @@ class PythonToolEnv(base.QuestionAnswerEnv):
       max_turns: turns (step() calls) before truncation, >= 2.
       limits: `sandbox.Limits` per code run (default: 5 s CPU, 10 s wall, 512 MB, 64 KiB output).
       max_output_chars: cap on the tool output shown to the model (characters).
-      isolation: passed to `sandbox.run`.
-    Raises ValueError on bad arguments.
+      isolation: passed to `sandbox.run` ("weak" never uses workers).
+      workers: run code in persistent sandbox workers (default); False: a fresh sandbox per run.
+    Raises ValueError on bad arguments, TypeError when workers is not a bool.
     """
 
     instruction = INSTRUCTION
 
     def __init__(self, *, split: str = "train", task_source: base.TaskSource | None = None,
                  gsm8k_path: str | None = None, max_turns: int = 4, limits: sandbox.Limits | None = None,
-                 max_output_chars: int = 2000, isolation: str = "strict", self_check: bool = True) -> None:
+                 max_output_chars: int = 2000, isolation: str = "strict", workers: bool = True,
+                 self_check: bool = True) -> None:
+        if not isinstance(workers, bool):
+            raise TypeError(f"PythonToolEnv: workers must be a bool, got {workers!r}")
         if not isinstance(max_turns, int) or max_turns < 2:
             raise ValueError(f"PythonToolEnv: max_turns must be an int >= 2, got {max_turns!r}")
         if not isinstance(max_output_chars, int) or max_output_chars < 1:
@@ -59,6 +65,7 @@ class PythonToolEnv(base.QuestionAnswerEnv):
             cpu_s=5.0, wall_s=10.0, memory_mb=512, max_output_bytes=1 << 16)
         self.max_output_chars = max_output_chars
         self.isolation = isolation
+        self.workers = workers and isolation == "strict"
         super().__init__(task_source, max_turns=max_turns, self_check=self_check)
 
     def turn_step(self, action: str) -> tuple[str, float, bool, dict]:
@@ -71,7 +78,10 @@ class PythonToolEnv(base.QuestionAnswerEnv):
         if not blocks:
             verdict = verifiers.Verdict(0.0, "wrong", gold=gold, reason="no code and no \\boxed{} answer")
             return "", 0.0, True, verdict.info()
-        result = sandbox.run(blocks[0], limits=self.limits, isolation=self.isolation)
+        if self.workers:
+            result = sandbox_workers.shared_pool(self.limits).run(blocks[0], limits=self.limits)
+        else:
+            result = sandbox.run(blocks[0], limits=self.limits, isolation=self.isolation)
         info = {"status": "ok", "gold": gold, "tool_status": result.status, "reason": result.reason}
         if result.status == "infra_error":
             return "", 0.0, True, {**info, "status": "infra_error"}

@@ -99,3 +99,19 @@ def test_code_is_read_after_the_reasoning_trace(reply, think_tags, reward):
     env = code.HumanEvalEnv(self_check=False)
     env.think_tags = think_tags
     assert _score(env, PROBLEMS[2], reply)[0] == reward
+
+
+def test_runs_in_persistent_workers_by_default_or_fresh_on_request(env):
+    from envs.sandbox import workers
+
+    pool = workers.shared_pool(env.limits)
+    assert env.workers and pool.workers  # the self-check already ran in a worker
+    servers = {w.server_pid for w in pool.workers}
+    assert _score(env, PROBLEMS[2], PROBLEMS[2]["canonical_solution"])[0] == 1.0
+    assert {w.server_pid for w in pool.workers} == servers  # the same worker ran it
+    fresh = code.HumanEvalEnv(workers=False)  # a fresh sandbox and interpreter per run (its self-check too)
+    assert not fresh.workers and _score(fresh, PROBLEMS[2], PROBLEMS[2]["canonical_solution"])[0] == 1.0
+    assert _score(fresh, PROBLEMS[2], "    return 0.5\n")[1]["status"] == "wrong"
+    assert not code.HumanEvalEnv(isolation="weak", self_check=False).workers
+    with pytest.raises(TypeError, match="workers"):
+        code.HumanEvalEnv(workers="yes")
