@@ -28,7 +28,8 @@ denied by a seccomp filter. Requests above the caller's hard limits are clamped,
 Every sandbox (process tree and temp dir) is tracked; all are killed and removed on normal exit
 (atexit), on SIGINT/SIGTERM (handlers chain to the previous ones) and when `run` raises. Temp dirs
 are named ``{TMP_BASE}/posttrain-sbx-<pid>-*`` and sandbox processes run as host uids
->= `UID_BASE`; `find_leaks` lists whatever is left.
+>= `UID_BASE`; `find_leaks` lists whatever is left. Many short programs: `envs.sandbox.workers`
+(persistent sandboxes with a fork server, the same isolation, nothing carried over between programs).
 """
 from __future__ import annotations
 

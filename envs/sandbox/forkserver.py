@@ -24,7 +24,7 @@ copy-on-write copies: a monkeypatch stays in the child.
 After the child exits (or at its wall time, or on ``K``) every process of the sandbox uid except the
 server is SIGKILLed (``kill(-1)``: atomic against fork) until none is left in the pid namespace; the
 free space of the writable fs is measured; everything written in `WIPE` (cwd, /tmp, /dev/shm) is deleted
-and their modes restored. ``dirty`` in the result (a process that would not die, a tree that could not be
+and their modes, extended attributes and times reset. ``dirty`` in the result (a process that would not die, a tree that could not be
 deleted) tells the host to replace the worker. The server is not dumpable (no ptrace, no /proc/<pid>/mem
 or fd access by the same uid) and ignores every catchable signal; a task can still SIGKILL or SIGSTOP
 it, which the host sees (end of stream, or no reply by its backstop) and answers by restarting the worker.
@@ -193,6 +193,9 @@ def _wipe(top: str, mode: int, skip: tuple[str, ...]) -> bool:
             os.rmdir(d)
         if os.lstat(top).st_mode & 0o7777 != mode:
             os.chmod(top, mode)
+        for name in os.listxattr(top, follow_symlinks=False):  # user.* xattrs: a note for the next task
+            os.removexattr(top, name, follow_symlinks=False)
+        os.utime(top, follow_symlinks=False)  # times set by the task say nothing to the next one
         return True
     except OSError:
         return False

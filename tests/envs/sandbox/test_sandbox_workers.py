@@ -136,14 +136,16 @@ def _tree_pids(pool: SandboxPool) -> set[int]:
     return {p.pid for p in psutil.Process(w.tree.pid).children(recursive=True)} | {w.tree.pid}
 
 
-WALK = ("import os\nfor top in ('.', '/tmp', '/dev/shm'):\n    for d, dirs, files in os.walk(top):\n"
-        "        print(d, oct(os.stat(d).st_mode & 0o7777), sorted(dirs), sorted(files))\nprint(os.getcwd())")
+WALK = ("import os, time\nfor top in ('.', '/tmp', '/dev/shm'):\n    for d, dirs, files in os.walk(top):\n"
+        "        print(d, oct(os.stat(d).st_mode & 0o7777), sorted(dirs), sorted(files))\n"
+        "    print(os.listxattr(top), time.time() - os.stat(top).st_mtime < 60)\nprint(os.getcwd())")
 PROCS = "import os\nprint(sorted(p for p in os.listdir('/proc') if p.isdigit() and int(p) not in (os.getpid(), os.getppid())))"
 # (case, the task, what it prints when it did its thing, a probe of what it changed)
 CARRY = [
     ("writes files", "import os\nopen('a.txt', 'w').write('x')\nopen('/tmp/t', 'w').write('x')\nopen('/dev/shm/s', 'w')"
      "\nos.makedirs('locked/in')\nos.chmod('locked', 0)\nfor _ in range(300):\n    os.mkdir('d')\n    os.chdir('d')\n"
-     "os.symlink('/etc/passwd', '/tmp/link')\nos.chmod('/tmp/work', 0)\nprint('wrote')", "wrote", WALK),
+     "os.symlink('/etc/passwd', '/tmp/link')\nos.setxattr('.', 'user.note', b'hi')\nos.utime('/tmp', (1, 1))\n"
+     "os.chmod('/tmp/work', 0)\nprint('wrote')", "wrote", WALK),
     ("sets environment variables", "import os\nos.environ['PT_X'] = '1'\nos.putenv('PT_Y', '2')\nos.environ['PATH'] = '/x'"
      "\nprint(os.environ['PT_X'])", "1", "import os, subprocess\nprint(sorted(os.environ.items()))\n"
      "print(subprocess.run(['env'], capture_output=True, text=True).stdout)"),
