@@ -24,6 +24,7 @@ concurrent tasks; they are registered like every sandbox (`procs.kill_all` at ex
 """
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -206,3 +207,4 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(close_shared)  # before procs.kill_all (registered earlier, so run later) kills what is left
