@@ -56,9 +56,20 @@ def test_tool_errors_are_shown_not_fatal():
 
 def test_state_does_not_persist_between_runs(env):
     env.reset(options={"task": TASK})
-    env.step("```python\nx = 5\n```")
-    obs, *_ = env.step("```python\nprint(x)\n```")
-    assert "NameError" in obs
+    env.step("```python\nx = 5\nimport math\nmath.pi = 3\nopen('f.txt', 'w').write('kept?')\n```")
+    obs, *_ = env.step("```python\nimport math, os\nprint(math.pi, os.listdir('.'))\nprint(x)\n```")
+    assert "NameError" in obs and "3.14159" in obs and "f.txt" not in obs, obs
+
+
+@pytest.mark.parametrize("workers", [True, False])
+def test_code_runs_in_persistent_workers_or_a_fresh_sandbox(env, workers):
+    tool = env if workers else PythonToolEnv(max_turns=3, workers=False)  # its self-check runs fresh sandboxes
+    assert tool.workers is workers
+    tool.reset(options={"task": TASK})
+    obs, *_ = tool.step(CODE)
+    assert "56088" in obs
+    with pytest.raises(TypeError, match="workers"):
+        PythonToolEnv(workers=1)
 
 
 def test_default_and_gsm8k_task_sources(tmp_path):
