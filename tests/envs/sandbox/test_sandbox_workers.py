@@ -121,8 +121,12 @@ def test_isolation_holds_inside_a_worker(pool, monkeypatch):
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        r = pool.run(f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')")
+        code = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')"
+        r = pool.run(code)
         assert r.status == "runtime_error" and "connected" not in r.stdout
+        with SandboxPool(size=1, limits=Limits(network=True)) as online:  # control: the same code can connect
+            assert online.run(code).stdout == "connected\n"
+        listener.accept()[0].close()
     project = ROOT / "pyproject.toml"
     before = project.read_bytes()
     for path in (project, "/etc/hostname", "/etc/posttrain-escape", "/usr/posttrain-escape"):
