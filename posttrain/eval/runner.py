@@ -23,7 +23,6 @@ the last integer of the final reply with the task's gold answer (the quickstart'
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import time
 import zlib
@@ -35,6 +34,7 @@ from posttrain.config import EnvSpec
 from posttrain.eval import collapse as collapse_lib
 from posttrain.eval import metrics as metrics_lib
 from posttrain.rollout.episodes import Episode, run_episodes
+from posttrain.rollout.floors import env_floor, spec_floors  # noqa: F401  (re-exported: suite.py, tests)
 from posttrain.rollout.rollouter import task_sources
 from posttrain.rollout.sampler import SamplingParams
 
@@ -210,31 +210,9 @@ def loop_metrics(records: Sequence[Mapping], floors: Mapping[str, float | None] 
     return out
 
 
-_FLOORS: dict[tuple[str, str], float | None] = {}
-
-
-def env_floor(env_id: str, env_kwargs: Mapping) -> float | None:
-    """The gaming floor of the domain an env builds (`envs.tasks.floors.floor_by_env`: the stored table, else
-    computed once per process); None outside the registry or for kwargs it cannot assess."""
-    from envs.tasks import floors
-
-    key = (env_id, json.dumps(dict(env_kwargs), sort_keys=True, default=str))
-    if key not in _FLOORS:
-        try:
-            _FLOORS[key] = floors.floor_by_env(env_id, dict(env_kwargs))
-        except (KeyError, ValueError):  # no dataset kwarg, a config the library rejects: no floor
-            _FLOORS[key] = None
-    return _FLOORS[key]
-
-
 def episode_floor(ep: Episode) -> float | None:
     """`env_floor` of an episode's env."""
     return env_floor(ep.env_id, ep.env_kwargs)
-
-
-def spec_floors(specs: Mapping[str, EnvSpec]) -> dict[str, float | None]:
-    """{domain: gaming floor} of an env mix (`env_floor` of each spec)."""
-    return {name: env_floor(spec.id, spec.kwargs) for name, spec in specs.items()}
 
 
 def _domain_floors(records: Sequence[Mapping], floors: Mapping[str, float | None] | None) -> dict:

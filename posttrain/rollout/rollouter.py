@@ -4,7 +4,8 @@ A `Rollouter` holds what rollouts need and nothing the update needs: its setting
 and graphdef the sampler runs on, the tokenizer, the environment runner, the task scheduler (and the curriculum
 that moves its levels) and the algorithm's advantage function. `collect(step, policy, rng)` returns
 `Trajectories`: the array-native `RolloutBatch` (numpy, the full global batch on every process), the rollout
-metrics and the archive records. Held-out evaluation is `posttrain.eval`'s; it samples through `sample_fn`.
+metrics (with `reward/<domain>/above_floor` for a domain whose gaming floor the registry knows, `rollout.floors`)
+and the archive records. Held-out evaluation is `posttrain.eval`'s; it samples through `sample_fn`.
 
 Under several processes the sampler runs on the global mesh (every process passes the same prompts), and the
 runner is a `rollout.HostShardedEnvs`: each process resets and steps only its share of the episodes, and the
@@ -24,6 +25,7 @@ import numpy as np
 
 from posttrain.config import CurriculumConfig, EnvSpec
 from posttrain.rollout import batching, episodes as rollout, tickets
+from posttrain.rollout.floors import above_floor_metrics, spec_floors
 from posttrain.rollout.sampler import SamplingParams, sample, shared_prefix_len, shrink_schedule
 from posttrain.tasks.policy import SchedulerSettings
 from posttrain.tasks.scheduler import TaskScheduler
@@ -319,6 +321,7 @@ class Rollouter:
                                            pad_id=self.tokenizer.pad_id, packed=st.packed,
                                            overlong_filter=st.overlong_filter, prompt_bucket=st.prompt_bucket,
                                            row_multiple=st.row_multiple)
+        metrics.update(above_floor_metrics(metrics, spec_floors(self.train_specs)))
         return Trajectories(batch=batch, metrics={**metrics, **perf},
                             records=tickets.archive_rows(attempts, self.tokenizer, policy_version=step))
 
