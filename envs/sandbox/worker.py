@@ -23,6 +23,7 @@ import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 from envs import sandbox
 from envs.sandbox import files as sbx_files
@@ -30,7 +31,7 @@ from envs.sandbox import forkserver, launch, procs
 
 BACKSTOP_S = 3.0  # seconds past a task's wall time after which the host kills its worker
 START_TIMEOUT_S = 30.0  # bound on a worker's start (bwrap + interpreter + preload), seconds
-_SERVER_SOURCE = open(forkserver.__file__, encoding="utf-8").read()  # noqa: SIM115 - read once
+_SERVER_SOURCE = Path(forkserver.__file__).read_text(encoding="utf-8")  # run inside as python -c
 
 
 class _Gone(Exception):
