@@ -59,7 +59,7 @@ _RANGES = {
     ("rl", "beta"): _NONNEGATIVE, ("rl", "norm_constant"): _NONNEGATIVE,
     ("rl", "tis_cap"): (">= 0 (0: off), or -1 (the run plan's rule: on when rollout.max_staleness > 0)",
                         lambda v: v == -1 or v >= 0),
-    ("rollout", "max_staleness"): _NONNEGATIVE,
+    ("rollout", "max_staleness"): _NONNEGATIVE, ("rollout", "stream_chunk"): _NONNEGATIVE,
     ("rl", "dual_clip_c"): ("0 (off) or > 1", lambda v: v == 0 or v > 1),
     ("rl", "max_resample_rounds"): _NONNEGATIVE,
     ("optim", "lr"): ("> 0", lambda v: v > 0), ("optim", "weight_decay"): _NONNEGATIVE,

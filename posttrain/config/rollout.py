@@ -8,6 +8,9 @@ PPO-clip on the decoupled ratio with `rl.tis_cap` on) is the run plan's (`posttr
 Example (a config file)::
 
     c.rollout.max_staleness = 1   # batch s may be sampled with policy version s - 1 (one-step off-policy)
+    c.rollout.stream_chunk = 8    # every 8 decode steps the finished samples go to the env runner
+
+Every field is a `posttrain.rollout.rollouter.RolloutSettings` field of the same name (the run plan copies them).
 """
 from __future__ import annotations
 
@@ -23,11 +26,19 @@ class RolloutConfig:
             (trained by update s + 1, the learner at version s) are sampled with a version v >= s - max_staleness,
             so the producer runs at most max_staleness + 1 batches ahead (0: every batch is sampled with the
             policy it trains, the synchronous loop exactly; AReaL's bound, arXiv 2505.24298). An int >= 0.
+        stream_chunk: streaming scoring (`posttrain.rollout.streaming`): every stream_chunk decode steps the samples
+            that have finished decoding go to the env runner while the others still decode, so env time overlaps
+            decoding; the samples, rewards and batches are the same as without it (0: off, the envs get a turn's
+            samples once all have decoded). An int >= 0; one process only.
     """
 
     max_staleness: int = 0
+    stream_chunk: int = 0
 
     def __post_init__(self):
         v = self.max_staleness
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"rollout.max_staleness={v!r}: an int >= 0 (0: synchronous)")
+        v = self.stream_chunk
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"rollout.stream_chunk={v!r}: an int >= 0 (decode steps between deliveries; 0: off)")

@@ -17,8 +17,8 @@ def off_policy_defaults(cfg: Config) -> tuple[Config, str | None]:
     decoupled PPO, arXiv 2505.24298) weighted by the truncated importance weight min(pi_old / pi_sampler, C)
     (`rl.tis_cap`, C = OFF_POLICY_TIS_CAP); at 0, tis_cap = -1 is off. A value the config sets wins; an
     explicit tis_cap = 0 at max_staleness > 0 (no correction of the lag) is warned about. Raises ConfigError for
-    max_staleness > 0 under several processes (the producer thread's env exchanges would interleave with the
-    learner's collectives)."""
+    max_staleness > 0 or rollout.stream_chunk > 0 under several processes (the producer thread's env exchanges
+    would interleave with the learner's collectives)."""
     import jax
 
     k, rl = cfg.rollout.max_staleness, cfg.rl
@@ -26,6 +26,10 @@ def off_policy_defaults(cfg: Config) -> tuple[Config, str | None]:
         raise ConfigError(f"rollout.max_staleness={k} needs one process (this run has {jax.process_count()}): the "
                           "rollout producer's env exchanges would interleave with the learner's collectives; set "
                           "rollout.max_staleness=0")
+    if cfg.rollout.stream_chunk > 0 and jax.process_count() > 1:
+        raise ConfigError(f"rollout.stream_chunk={cfg.rollout.stream_chunk} needs one process (this run has "
+                          f"{jax.process_count()}): streamed env steps would run the env runner's exchanges from a "
+                          "second thread; set rollout.stream_chunk=0")
     warning = None
     if k > 0 and rl.tis_cap == 0:
         warning = (f"rollout.max_staleness={k} with rl.tis_cap=0: samples up to {k} policy versions old are trained "

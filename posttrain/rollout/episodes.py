@@ -166,8 +166,14 @@ def turn_bridge(tokenizer, reply: str, observation: str, ended_with_stop: bool) 
 
 def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Sequence[Episode], *,
                  group_size: int, max_turns: int, key, pad_id: int, bucket: int = 16,
-                 system_prompt: str = "") -> tuple[list[Sample], dict]:
-    """Runs P episodes x G samples to completion; returns the samples (group-major) and timing stats."""
+                 system_prompt: str = "", stream: bool = False) -> tuple[list[Sample], dict]:
+    """Runs P episodes x G samples to completion; returns the samples (group-major) and timing stats: perf/gen_s
+    (sampling), perf/reward_s (env steps after sampling returned) and perf/rollout_s (all, resets included).
+
+    `stream` (streaming scoring, `rollout.streaming`): `sample_fn` also takes `on_rows=` (a sink of the rows
+    finished while it decodes, e.g. `Rollouter.sample_fn`'s) and each finished row's episode is stepped at once,
+    while the rest decodes; the samples equal the non-streaming path's, and perf/reward_s is then only the env
+    time left after sampling (the overlapped part is hidden in perf/gen_s)."""
     import jax
 
     from posttrain.infra import distributed
@@ -188,35 +194,23 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
         t = time.perf_counter()
         if turn == 0:
             toks, lens = pad_prompts(prompts, pad_id, bucket)
-            out = sample_fn(toks, lens, jax.random.fold_in(key, turn), G)
         else:
             toks, lens = pad_prompts([contexts[i] for i in active], pad_id, bucket)
-            out = sample_fn(toks, lens, jax.random.fold_in(key, turn), 1)
+        scorer = _scorer(runner, active, tokenizer) if stream else None
+        extra = {"on_rows": scorer.rows_finished} if scorer else {}
+        out = sample_fn(toks, lens, jax.random.fold_in(key, turn), G if turn == 0 else 1, **extra)
         out = distributed.to_host(out)  # every process gets the full batch (one process: np.asarray)
         gen_s += time.perf_counter() - t
-        replies = []
-        for row, i in enumerate(active):
-            n = int(out.lengths_N[row])
-            seg = out.tokens_NxLg[row, :n].astype(np.int32)
-            samples[i].segments.append((seg, out.logp_NxLg[row, :n].astype(np.float32), True))
-            samples[i].truncated = bool(out.truncated_N[row])
-            if getattr(out, "experts_NxLgxLxk", None) is not None:  # the prefill covered the whole context
-                context = len(prompts[i // G]) if turn == 0 else len(contexts[i])
-                samples[i].routing = np.concatenate([out.prompt_experts_PxLpxLxk[i // G if turn == 0 else row, :context],
-                                                     out.experts_NxLgxLxk[row, :n]]).astype(np.int32)
-            replies.append(tokenizer.decode(seg.tolist(), skip_special_tokens=True))
-            samples[i].texts.append(replies[-1])
+        replies = [_take_row(samples[i], out, row, tokenizer, prompts[i // G] if turn == 0 else contexts[i],
+                             i // G if turn == 0 else row) for row, i in enumerate(active)]
         t = time.perf_counter()
-        results = runner.step(replies, None if turn == 0 else active)
+        if scorer is None:
+            results = runner.step(replies, None if turn == 0 else active)
+        else:
+            _, results = scorer.finish(out.tokens_NxLg, out.lengths_N)  # checks each streamed reply
         env_s += time.perf_counter() - t
         for row, i in enumerate(active):
-            obs, reward, terminated, truncated, info = results[row]
-            s = samples[i]
-            s.reward, s.status, s.info = float(reward), str(info.get("status", "")), info
-            s.done = bool(terminated or truncated)
-            if not s.done:
-                bridge = turn_bridge(tokenizer, replies[row], obs, not s.truncated)
-                s.segments.append((np.asarray(bridge, np.int32), np.zeros(len(bridge), np.float32), False))
+            _apply_result(samples[i], results[row], replies[row], tokenizer)
         contexts = [s.prompt_ids + [int(x) for t, _, _ in s.segments for x in t] for s in samples]
     for s in samples:
         if not s.done:  # cut by env.max_turns before the env ended the episode: its last status (e.g. the tool
@@ -225,3 +219,34 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
             s.info = {**s.info, "reason": f"env.max_turns={max_turns} reached before the env ended the episode"}
     return samples, {"perf/gen_s": gen_s, "perf/reward_s": env_s, "perf/rollout_s": time.perf_counter() - t0}
 
+
+def _scorer(runner, active: list[int], tokenizer):
+    """The streaming scorer of one turn: sampler row r is episode active[r]."""
+    from posttrain.rollout.streaming import TurnScorer
+
+    return TurnScorer(runner, active, lambda ids: tokenizer.decode(ids.tolist(), skip_special_tokens=True))
+
+
+def _take_row(s: Sample, out, row: int, tokenizer, context: list[int], prompt_row: int) -> str:
+    """Appends sampler row `row` of `out` to sample `s` (segment, truncation, routing, text); returns its reply.
+    `context`: the tokens the row continued; `prompt_row`: its row of the prompt routing (the prefill's)."""
+    n = int(out.lengths_N[row])
+    seg = out.tokens_NxLg[row, :n].astype(np.int32)
+    s.segments.append((seg, out.logp_NxLg[row, :n].astype(np.float32), True))
+    s.truncated = bool(out.truncated_N[row])
+    if getattr(out, "experts_NxLgxLxk", None) is not None:  # the prefill covered the whole context
+        s.routing = np.concatenate([out.prompt_experts_PxLpxLxk[prompt_row, :len(context)],
+                                    out.experts_NxLgxLxk[row, :n]]).astype(np.int32)
+    s.texts.append(tokenizer.decode(seg.tolist(), skip_special_tokens=True))
+    return s.texts[-1]
+
+
+def _apply_result(s: Sample, result, reply: str, tokenizer) -> None:
+    """An env step's (obs, reward, terminated, truncated, info) into sample `s`; a continuing episode gets the
+    bridge tokens to its next turn (masked out of the loss)."""
+    obs, reward, terminated, truncated, info = result
+    s.reward, s.status, s.info = float(reward), str(info.get("status", "")), info
+    s.done = bool(terminated or truncated)
+    if not s.done:
+        bridge = turn_bridge(tokenizer, reply, obs, not s.truncated)
+        s.segments.append((np.asarray(bridge, np.int32), np.zeros(len(bridge), np.float32), False))

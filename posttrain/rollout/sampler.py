@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from posttrain.rollout import streaming
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
@@ -127,10 +129,11 @@ def _pick(logits_MxV, key, t, params: SamplingParams, rows_M, num_rows: int):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "group_size", "params", "stop_ids", "pad_id",
-                                             "shared_prefix_len", "shrink", "record_routing"))
+                                             "shared_prefix_len", "shrink", "record_routing", "stream_every"))
 def sample(graphdef, state, prompts_PxLp, lengths_P, key, *, group_size: int, params: SamplingParams,
            stop_ids: tuple[int, ...], pad_id: int, shared_prefix_len: int = 0,
-           shrink: tuple[int, ...] = (), record_routing: bool = False) -> SampleOutput:
+           shrink: tuple[int, ...] = (), record_routing: bool = False, stream_every: int = 0,
+           stream_id=None) -> SampleOutput:
     """Samples `group_size` continuations of each right-padded prompt.
 
     Args:
@@ -148,6 +151,9 @@ def sample(graphdef, state, prompts_PxLp, lengths_P, key, *, group_size: int, pa
         narrower batch can round the logits differently); each width compiles its own decode loop. On a sharded
         batch, use widths divisible by the batch shards.
       record_routing: also return the MoE layers' expert selections (routing replay; see `SampleOutput`).
+      stream_every, stream_id: with stream_every = K > 0, every K decode steps the rows finished so far are handed
+        to the host (`rollout.streaming.deliver`, by a host callback, to the sink registered under the int32
+        scalar stream_id): streaming scoring. Outputs are unchanged (a finished row's tokens never change again).
     Returns:
       SampleOutput with N = P * group_size rows; row p*G + g is sample g of prompt p.
     Raises:
@@ -176,6 +182,9 @@ def sample(graphdef, state, prompts_PxLp, lengths_P, key, *, group_size: int, pa
 
     def body(carry):
         t, tokens, logp, lengths, rows, done, cache, prev, experts = carry
+        if stream_every:  # the rows finished so far: dropped by a shrink (all done) or done in their slot
+            jax.lax.cond(t % stream_every == 0, lambda: streaming.emit(
+                stream_id, jnp.ones((N,), bool).at[rows].set(done), tokens, lengths), lambda: None)
         if record_routing:
             logits, cache, routed_LxMxk = model.decode_step(prev, cache, return_routing=True)
             experts = experts.at[rows, t - 1].set(jnp.where(done[:, None, None], -1, routed_LxMxk.transpose(1, 0, 2)))

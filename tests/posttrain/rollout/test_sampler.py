@@ -4,6 +4,8 @@ restrict the drawn tokens only, G samples share one prefill, and lengths/masks a
 Tiny presets (dense GQA, Qwen3 q/k-norm, MoE, MLA + MoE) get random weights with a large std so their
 distributions are far from uniform; one case runs SmolLM2 (the default GGUF).
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,6 +199,53 @@ def test_shared_prefix_prefill_matches_per_prompt_prefill(preset):
         np.testing.assert_array_equal(np.asarray(full.lengths_N), np.asarray(shared.lengths_N))
 
 
+SHRINK_STOPS = tuple(range(1, 128 // 5))  # ~1/5 of the tiny vocabulary: rows stop at different steps
+
+
+@functools.lru_cache(maxsize=None)
+def _shrink_case(preset):
+    """(graphdef, state, tokens, lengths, G, Lg): 4 prompts with a shared 8-token head, G = 4, Lg = 12."""
+    cfg, graphdef, state = random_model(preset)
+    rng = np.random.default_rng(7)
+    head = rng.integers(4, cfg.vocab_size, 8).tolist()
+    prompts = [head + rng.integers(4, cfg.vocab_size, n).tolist() for n in (3, 6, 2, 5)]
+    tokens, lengths = pad_prompts(prompts, PAD, bucket=8)
+    return graphdef, state, tokens, lengths, 4, 12
+
+
+def _shrink_run(preset, shrink, T, **stream):
+    graphdef, state, tokens, lengths, G, Lg = _shrink_case(preset)
+    return sample(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(3), group_size=G,
+                  params=SamplingParams(max_new_tokens=Lg, temperature=T), stop_ids=SHRINK_STOPS, pad_id=PAD,
+                  shared_prefix_len=8, shrink=shrink, **stream)
+
+
+def test_streaming_hands_over_finished_rows_without_changing_outputs():
+    """`sample(stream_every=2)` (streaming scoring): every 2 decode steps the rows finished so far, those a
+    shrink dropped included, reach the sink of its stream id with their final tokens and lengths; the outputs are
+    bit-equal to the same call without it (its program is the shrink test's: one compile more)."""
+    from posttrain.rollout import streaming
+
+    got = []
+    sid = streaming.register(lambda *a: got.append(a))
+    try:
+        out = jax.block_until_ready(_shrink_run("tiny-dense", (99, 12, 8), 1.0, stream_every=2,
+                                                stream_id=np.int32(sid)))
+    finally:
+        streaming.unregister(sid)
+    ref = _shrink_run("tiny-dense", (99, 12, 8), 1.0)
+    for a, b in zip(ref[:4], out[:4]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tokens, lens = np.asarray(out.tokens_NxLg), np.asarray(out.lengths_N)
+    assert [len(g) for g in got] == [3] * 5  # t = 2, 4, 6, 8, 10 (Lg = 12)
+    counts = [int(f.sum()) for f, _, _ in got]
+    assert counts == sorted(counts) and 0 < counts[0] and counts[-1] < 16  # rows finish along the way
+    for finished, toks, ls in got:  # a finished row is final: its tokens and length never change again
+        assert (ls[finished] < 11).all() and (ls[finished] == lens[finished]).all()
+        np.testing.assert_array_equal(toks[finished], tokens[finished])
+        assert (ls[finished] == [np.isin(r, SHRINK_STOPS).argmax() + 1 for r in toks[finished]]).all()
+
+
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-deepseek"])
 def test_shrink_drops_finished_rows_without_changing_outputs(preset):
     """`sample(shrink=...)` continues on fewer rows once enough have stopped: tokens, lengths and truncation flags
@@ -204,21 +253,12 @@ def test_shrink_drops_finished_rows_without_changing_outputs(preset):
     random draws), with group sampling (the per-prompt cache is gathered per row) and a shared prefix."""
     from posttrain.rollout.sampler import shrink_schedule
 
-    cfg, graphdef, state = random_model(preset)
-    rng = np.random.default_rng(7)
-    head = rng.integers(4, cfg.vocab_size, 8).tolist()
-    prompts = [head + rng.integers(4, cfg.vocab_size, n).tolist() for n in (3, 6, 2, 5)]
-    tokens, lengths = pad_prompts(prompts, PAD, bucket=8)
-    G, Lg = 4, 12
-    stops = tuple(range(1, cfg.vocab_size // 5))  # ~1/5 of the vocabulary: rows stop at different steps
     assert shrink_schedule(16, multiple=4, steps=3) == (12, 8, 4)
     assert shrink_schedule(64) == (48, 32) and shrink_schedule(8) == ()
+    graphdef, state, tokens, lengths, G, Lg = _shrink_case(preset)
     for T in (0.0, 1.0):
         params = SamplingParams(max_new_tokens=Lg, temperature=T)
-        run = lambda shrink: sample(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(3),
-                                    group_size=G, params=params, stop_ids=stops, pad_id=PAD, shared_prefix_len=8,
-                                    shrink=shrink)
-        full, small = run(()), run((99, 12, 8))  # 99 >= N = 16: ignored
+        full, small = _shrink_run(preset, (), T), _shrink_run(preset, (99, 12, 8), T)  # 99 >= N = 16: ignored
         lens = np.asarray(full.lengths_N)
         active = (lens[None, :] > np.arange(Lg)[:, None]).sum(1)
         assert (active[:Lg - 1] <= 8).any(), active  # the test reaches the second width
