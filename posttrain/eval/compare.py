@@ -19,7 +19,9 @@ Per domain and metric (pass@1; mean reward):
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import warnings
 from typing import Mapping, Sequence
@@ -120,8 +122,22 @@ def holm(pvalues_M: Sequence[float], alpha: float) -> tuple[np.ndarray, np.ndarr
         return np.zeros(0, dtype=bool), np.zeros(0)
     if np.any(~np.isfinite(p_M)) or np.any((p_M < 0) | (p_M > 1)):
         raise ValueError(f"p-values must be in [0, 1], got {p_M.tolist()}")
-    reject_M, p_adj_M, _, _ = multipletests(p_M, alpha=alpha, method="holm")
+    with _without_gc_collect():
+        reject_M, p_adj_M, _, _ = multipletests(p_M, alpha=alpha, method="holm")
     return reject_M.astype(bool), p_adj_M.astype(np.float64)
+
+
+@contextlib.contextmanager
+def _without_gc_collect():
+    """statsmodels' Holm branch ends with a full `gc.collect()` (statsmodels 0.15, multitest.py: `import gc` in
+    `multipletests`), measured 0.42 s a call in a test process and more in one holding a model, most of a power
+    run's comparison time. `gc.collect` is a no-op while `multipletests` runs (automatic collection is untouched)."""
+    saved = gc.collect
+    gc.collect = lambda *args, **kwargs: 0
+    try:
+        yield
+    finally:
+        gc.collect = saved
 
 
 def paired_bootstrap_ci(base_T: np.ndarray, cand_T: np.ndarray, *, confidence: float = 0.95,
