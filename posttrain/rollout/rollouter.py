@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from posttrain.config import CurriculumConfig, EnvSpec
-from posttrain.rollout import batching, episodes as rollout, tickets
+from posttrain.rollout import batching, episodes as rollout, streaming, tickets
 from posttrain.rollout.floors import above_floor_metrics, spec_floors
 from posttrain.rollout.sampler import SamplingParams, sample, shared_prefix_len, shrink_schedule
 from posttrain.tasks.policy import SchedulerSettings
@@ -61,6 +61,9 @@ class RolloutSettings:
         tasks: the job scheduler's settings (None: the weighted draw of `TaskScheduler`; `rollout.tickets`).
         max_staleness: the most policy versions a batch's samples may lag the learner that trains them
             (`rollout.queue`; 0: synchronous).
+        stream_chunk: streaming scoring (`rollout.streaming`): every stream_chunk decode steps the finished
+            samples go to the env runner while the rest decode (0: off, the envs get a turn's batch once it has
+            all decoded). The samples are the same either way.
     """
 
     train_specs: Mapping[str, EnvSpec]
@@ -86,6 +89,7 @@ class RolloutSettings:
     run: str = "run"
     tasks: SchedulerSettings | None = None
     max_staleness: int = 0
+    stream_chunk: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,17 +244,27 @@ class Rollouter:
                    scheduler=scheduler, train_specs=train_specs, advantage_fn=advantage_fn, curriculum=cur)
 
     def sample_fn(self, policy: tuple, params: SamplingParams) -> rollout.SampleFn:
-        """(prompts, lengths, key, G) -> SampleOutput with the policy states `policy` (LoRA adapters merged)."""
+        """(prompts, lengths, key, G, on_rows=None) -> SampleOutput with the policy states `policy` (LoRA adapters
+        merged); with settings.stream_chunk > 0 an `on_rows` sink gets the rows finished every stream_chunk decode
+        steps (`rollout.streaming`)."""
         tok, st = self.tokenizer, self.settings
 
-        def fn(prompts, lengths, key, group_size):
+        def fn(prompts, lengths, key, group_size, on_rows=None):
             shared = shared_prefix_len(prompts, lengths)  # e.g. the chat template's system turn: prefilled once
             shrink = shrink_schedule(len(prompts) * group_size, st.decode_multiple, steps=st.decode_shrink_steps)
-            with jax.set_mesh(self.mesh):
-                return sample(self.graphdef, policy, np.asarray(prompts), np.asarray(lengths), key,
-                              group_size=group_size, params=params, stop_ids=tuple(tok.stop_ids), pad_id=tok.pad_id,
-                              shared_prefix_len=shared, shrink=shrink,
-                              record_routing=st.record_routing)
+            every = st.stream_chunk if on_rows is not None else 0  # streaming scoring: finished rows to on_rows
+            stream_id = streaming.register(on_rows) if every else 0
+            try:
+                with jax.set_mesh(self.mesh):
+                    out = sample(self.graphdef, policy, np.asarray(prompts), np.asarray(lengths), key,
+                                 group_size=group_size, params=params, stop_ids=tuple(tok.stop_ids),
+                                 pad_id=tok.pad_id, shared_prefix_len=shared, shrink=shrink,
+                                 record_routing=st.record_routing,
+                                 **(dict(stream_every=every, stream_id=np.int32(stream_id)) if every else {}))
+                    return jax.block_until_ready(out) if every else out
+            finally:
+                if every:
+                    streaming.unregister(stream_id)
 
         return fn
 
@@ -294,7 +308,7 @@ class Rollouter:
             return rollout.run_episodes(sample_fn, self.tokenizer, self.runner, episodes, group_size=size,
                                         max_turns=st.max_turns, key=jax.random.fold_in(key, call),
                                         pad_id=self.tokenizer.pad_id, bucket=st.prompt_bucket,
-                                        system_prompt=st.system_prompt)
+                                        system_prompt=st.system_prompt, stream=st.stream_chunk > 0)
 
         return run
 
