@@ -24,8 +24,10 @@ copy-on-write copies: a monkeypatch stays in the child.
 After the child exits (or at its wall time, or on ``K``) every process of the sandbox uid except the
 server is SIGKILLed (``kill(-1)``: atomic against fork) until none is left in the pid namespace; the
 free space of the writable fs is measured; everything written in `WIPE` (cwd, /tmp, /dev/shm) is deleted
-and their modes, extended attributes and times reset. ``dirty`` in the result (a process that would not die, a tree that could not be
-deleted) tells the host to replace the worker. The server is not dumpable (no ptrace, no /proc/<pid>/mem
+and their modes, extended attributes and times reset. ``dirty`` in the result (a process that would not die, a
+tree that could not be deleted, the server's own rlimits, nice value, scheduling policy or CPU affinity changed
+by a task: same-uid processes may lower those, and the next children would inherit them) tells the host to
+replace the worker. The server is not dumpable (no ptrace, no /proc/<pid>/mem
 or fd access by the same uid) and ignores every catchable signal; a task can still SIGKILL or SIGSTOP
 it, which the host sees (end of stream, or no reply by its backstop) and answers by restarting the worker.
 """
@@ -147,6 +149,13 @@ def _child(req: dict, fds: list[int], env: dict, handlers: dict) -> None:
         os._exit(code)
 
 
+def _own_state() -> tuple:
+    """What another process of this uid could change in the server and its next children would inherit:
+    rlimits (prlimit), nice value, scheduling policy, CPU affinity."""
+    limits = tuple(resource.getrlimit(getattr(resource, n)) for n in sorted(dir(resource)) if n.startswith("RLIMIT_"))
+    return limits, os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0), frozenset(os.sched_getaffinity(0))
+
+
 def _sweep(me: int) -> bool:
     """SIGKILL every other process of this uid in the namespace until none is left; False if one stays."""
     deadline = time.monotonic() + SETTLE_S
@@ -235,7 +244,7 @@ def _serve_one(sock: socket.socket, req: dict, fds: list[int], env: dict, handle
     _, status, usage = os.wait4(pid, 0)
     clean = _sweep(os.getpid())
     st = os.statvfs(CWD)
-    clean = all([_wipe(d, modes[d], (CWD,)) for d in WIPE]) and clean
+    clean = all([_wipe(d, modes[d], (CWD,)) for d in WIPE]) and clean and _own_state() == modes["state"]
     if why == "host gone":
         os._exit(0)
     sock.send(json.dumps({"rc": os.waitstatus_to_exitcode(status), "cpu_s": usage.ru_utime + usage.ru_stime,
@@ -253,6 +262,7 @@ def serve(sock_fd: int, config: dict) -> None:
         signal.signal(sig, signal.SIG_IGN)
     _prctl_dumpable(0)
     modes = {d: os.stat(d).st_mode & 0o7777 for d in WIPE}
+    modes["state"] = _own_state()
     for name in config.get("preload", ()):
         try:
             __import__(name)

@@ -212,6 +212,12 @@ def test_a_task_that_kills_or_stops_its_server_gets_a_fresh_worker(pool, monkeyp
     old = _server(pool).pid
     r = pool.run("import os, signal, time; os.kill(os.getppid(), signal.SIGSTOP); time.sleep(30)", limits=Limits(wall_s=0.5))
     assert (r.status, r.reason) == ("timeout", "wall: exceeded wall_s=0.5") and r.wall_s < 3
+    probe = "import os, resource\nprint(resource.getrlimit(resource.RLIMIT_STACK), os.getpriority(os.PRIO_PROCESS, 0))"
+    before = pool.run(probe).stdout
+    lower = ("import os, resource\npp = os.getppid()\nresource.prlimit(pp, resource.RLIMIT_STACK, (1 << 20, 1 << 20))\n"
+             "os.setpriority(os.PRIO_PROCESS, pp, 15)\nprint(resource.prlimit(pp, resource.RLIMIT_STACK))")
+    assert pool.run(lower).stdout == "(1048576, 1048576)\n" and pool.workers == []  # the server was changed: replaced
+    assert pool.run(probe).stdout == before
     deep = "import os\nfor _ in range(2100):\n    os.mkdir('dd')\n    os.chdir('dd')\nprint('deep')"  # > PATH_MAX
     assert pool.run(deep).stdout == "deep\n" and pool.workers == []  # could not be wiped: replaced
     assert pool.run("import os; print(os.listdir('.'))").stdout == "['main.py']\n" and _server(pool).pid != old
