@@ -290,7 +290,7 @@ def test_kill_all_ends_running_sandboxes_as_infra_error():
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("r", run("import time; time.sleep(30)", limits=Limits(wall_s=30))))
     t.start()
-    while not procs.LIVE:
+    while not any(not tree.expected for tree in procs.LIVE.values()):  # a one-shot sandbox (not a persistent worker)
         time.sleep(0.01)
     time.sleep(0.2)
     sandbox.kill_all()

@@ -239,8 +239,10 @@ def test_concurrent_tasks_from_threads_and_the_shared_pool():
 def test_kill_all_ends_a_running_task_as_infra_error(pool):
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("r", pool.run("import time; time.sleep(30)", limits=Limits(wall_s=30))))
+    server = _server(pool)
     t.start()
-    time.sleep(0.5)
+    while not server.children():  # the task runs
+        time.sleep(0.01)
     sandbox.kill_all()
     t.join(5)
     assert (box["r"].status, box["r"].reason) == ("infra_error", "sandbox killed because the parent is shutting down")
