@@ -23,15 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain.rollout import kv_pages
-from posttrain.rollout.engine_ops import (Completion, EngineSettings, Request, _Seq, decode_step, pick_tokens,
-                                          prefill)
+from posttrain.rollout.engine_ops import Completion, EngineSettings, Request, _Seq, decode_step, prefill
 from posttrain.rollout.paged_attention import resolve_impl
 from posttrain.rollout.sampler import logprob_temperature
 
 __all__ = ["Completion", "Engine", "EngineSettings", "Request"]
-
-_pick = jax.jit(pick_tokens)
-
 
 def _rows(requests: Sequence[Request | None]) -> dict:
     """The per-row sampling arrays of `engine_ops.pick_tokens` (an empty slot: greedy at T = 1)."""
@@ -130,14 +126,13 @@ class Engine:
             width *= 2
         tokens = np.zeros((1, width), np.int32)
         tokens[0, :n] = cached
-        logits, self._pool = prefill(self.graphdef, self.state, self._pool, jnp.asarray(tokens), jnp.int32(n),
-                                     jnp.asarray(self._pages.table_SxM[slot]))
+        tok, lp, self._pool = prefill(self.graphdef, self.state, self._pool, jnp.asarray(tokens), jnp.int32(n),
+                                      jnp.asarray(self._pages.table_SxM[slot]), _rows([seq.request]), self._key,
+                                      jnp.asarray([seq.index], jnp.int32))
         self._counters.prefill_tokens += n
         seq.order = next(self._order)
         self._slots[slot] = seq
         if not seq.tokens:  # a fresh request: its first token comes from the prefill
-            tok, lp = _pick(logits[None], _rows([seq.request]), self._key, jnp.asarray([seq.index], jnp.int32),
-                            jnp.zeros((1,), jnp.int32))
             seq.tokens.append(int(tok[0]))
             seq.logprobs.append(float(lp[0]))
             if seq.finished():

@@ -165,9 +165,10 @@ def decode_step(graphdef, state, pool, table_SxM, lengths_S, prev_S, rows, key, 
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pool",))
-def prefill(graphdef, state, pool, tokens_1xW, length, page_row_M):
+def prefill(graphdef, state, pool, tokens_1xW, length, page_row_M, rows, key, request_1):
     """Runs one right-padded sequence (`length` valid tokens), writes its entries into its pages (padding into the
-    scratch page) and returns (float32 logits [V] after its last token, pool)."""
+    scratch page) and picks the token after it (`pick_tokens`, t = 0: a fresh request's first token; a recompute
+    ignores it). Returns (token [1], logprob [1], pool)."""
     model = _merge(graphdef, state)
     W = tokens_1xW.shape[1]
     Z = jax.tree.leaves(pool)[0].shape[3]
@@ -177,7 +178,9 @@ def prefill(graphdef, state, pool, tokens_1xW, length, page_row_M):
     page_W = jnp.where(pos < length, jnp.take(page_row_M, pos // Z, mode="clip"), kv_pages.SCRATCH_PAGE)
     pool = {stack: write_tokens(pool[stack], {n: e[:, 0] for n, e in entries[stack].items()}, page_W, pos % Z)
             for stack in pool}
-    return model.logits(h[0, length - 1]), pool
+    logits = model.logits(h[:, length - 1])
+    tok, logp = pick_tokens(logits, rows, key, request_1, jnp.zeros((1,), jnp.int32))
+    return tok, logp, pool
 
 
 class _Seq:

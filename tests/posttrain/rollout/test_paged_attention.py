@@ -3,6 +3,7 @@ tables, page boundaries and one-token sequences (f32 <= 1e-5); the Pallas kernel
 the reference (GPU kernel <= 1e-5; the TPU kernel's dots take the TPU default precision, bf16 passes, which its
 interpreter emulates: equal within bf16 rounding); page writes land where the page table says and nowhere else.
 """
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -74,7 +75,7 @@ def test_write_tokens_and_attend_pages_layouts():
             "v": jnp.asarray(rng.normal(size=(L, K, P, Z, H)), jnp.float32)}
     new = {n: jnp.asarray(rng.normal(size=(L, S, K, H)), jnp.float32) for n in ("k", "v")}
     page, off = np.asarray([5, 9, 5]), np.asarray([0, 3, 2])
-    out = pa.write_tokens(pool, new, jnp.asarray(page), jnp.asarray(off))
+    out = jax.jit(pa.write_tokens)(pool, new, jnp.asarray(page), jnp.asarray(off))
     for n in ("k", "v"):
         want = np.asarray(pool[n]).copy()
         for s in range(S):

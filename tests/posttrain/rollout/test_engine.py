@@ -1,0 +1,158 @@
+"""The paged continuous-batching engine: greedy tokens and logprobs equal today's sampler with more requests than
+slots (tiny-dense GQA and tiny-deepseek MLA), teacher-forced logprobs equal the engine's under per-request settings
+(<= 1e-5, f32 at precision highest), a pool too small for all sequences preempts and still completes every request
+with the same tokens, and pages allocated minus used stay under one page per live sequence.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain.rollout.engine import Engine, EngineSettings, Request
+from posttrain.rollout.engine_ops import filter_logits_rows
+from posttrain.rollout.kv_pages import PagePool
+from posttrain.rollout.sampler import SamplingParams, filter_logits, pad_prompts, sample
+from helpers import random_model
+
+STOPS = (1, 2, 3)
+LG = 16  # reply budget
+LENGTHS = (5, 11, 8, 3, 17, 9)  # 6 requests over 4 slots
+
+
+def _prompts(vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, vocab, n).tolist() for n in LENGTHS]
+
+
+@functools.lru_cache(maxsize=None)
+def _greedy_sampler(preset, **overrides):
+    """(cfg, graphdef, state, prompts, tokens [N, LG], logp [N, LG], lengths [N]) of today's sampler, greedy."""
+    cfg, graphdef, state = random_model(preset, **overrides)
+    prompts = _prompts(cfg.vocab_size)
+    tokens, lengths = pad_prompts(prompts, 2, bucket=32)
+    out = sample(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0), group_size=1,
+                 params=SamplingParams(max_new_tokens=LG, temperature=0.0), stop_ids=STOPS, pad_id=2)
+    return (cfg, graphdef, state, prompts, np.asarray(out.tokens_NxLg), np.asarray(out.logp_NxLg),
+            np.asarray(out.lengths_N))
+
+
+def _check_equal_to_sampler(completions, tokens, logp, lengths):
+    for i, c in enumerate(completions):
+        n = lengths[i]
+        np.testing.assert_array_equal(c.tokens, tokens[i, :n], err_msg=f"request {i}")
+        np.testing.assert_allclose(c.logprobs, logp[i, :n], atol=1e-5, err_msg=f"request {i}")
+        assert c.truncated == (n == LG and tokens[i, n - 1] not in STOPS)
+
+
+def _engine(graphdef, state, num_pages):
+    return Engine(graphdef, state, EngineSettings(num_slots=4, num_pages=num_pages, page_size=4, max_seq_len=40,
+                                                  prefill_bucket=32))
+
+
+def test_greedy_equals_sampler_through_pool_exhaustion():
+    """6 requests over 4 slots with 11 allocatable pages of 4 tokens (4 slots of up to 33 tokens would need 36):
+    the newest sequences are preempted (pages freed, recomputed later) and every request still ends with the
+    sampler's greedy tokens and logprobs (<= 1e-5); pages allocated - used <= 1 per live sequence at every step."""
+    cfg, graphdef, state, prompts, tokens, logp, lengths = _greedy_sampler("tiny-dense")
+    assert lengths.min() < LG and lengths.max() == LG  # stopped and truncated requests both covered
+    engine = _engine(graphdef, state, num_pages=12)
+    requests = [Request(prompt=tuple(p), max_new_tokens=LG, temperature=0.0, stop_ids=STOPS) for p in prompts]
+    completions = engine.generate(requests, jax.random.key(0))
+    _check_equal_to_sampler(completions, tokens, logp, lengths)
+    m = engine.metrics
+    assert m["rollout/preemptions"] >= 2 and m["rollout/preemptions"] == sum(c.preemptions for c in completions)
+    assert m["rollout/prefill_tokens"] > sum(LENGTHS)  # recompute prefills prompt + tokens so far
+    assert m["rollout/decode_tokens"] == lengths.sum() - len(LENGTHS)  # fresh first tokens come from the prefill
+    assert m["rollout/kv_pages_used"] <= m["rollout/kv_pages_allocated"] <= 11
+    assert 0.5 < m["rollout/slot_occupancy"] <= 1.0
+    assert engine.max_waste_per_seq <= 1.0
+
+
+@pytest.mark.parametrize("moe", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["mla", "mla-moe"])
+def test_greedy_equals_sampler_mla(moe):
+    """tiny-deepseek: MLA's compressed entry paged as one kv head of keys and values, a pool with room for every
+    sequence: no preemption, prefill tokens = prompt tokens. Default: its MLP layers dense (moe=None; the MoE
+    compile doubles the cost and its layers do not touch the cache); slow: with its MoE stack (~70 s)."""
+    cfg, graphdef, state, prompts, tokens, logp, lengths = _greedy_sampler("tiny-deepseek",
+                                                                           **({} if moe else {"moe": None}))
+    engine = _engine(graphdef, state, num_pages=40)
+    requests = [Request(prompt=tuple(p), max_new_tokens=LG, temperature=0.0, stop_ids=STOPS) for p in prompts]
+    completions = engine.generate(requests, jax.random.key(0))
+    _check_equal_to_sampler(completions, tokens, logp, lengths)
+    m = engine.metrics
+    assert m["rollout/preemptions"] == 0 and m["rollout/prefill_tokens"] == sum(LENGTHS)
+    assert engine.max_waste_per_seq <= 1.0
+
+
+def test_teacher_forced_logprobs_equal_engine_per_request_settings():
+    """Requests with their own temperature, top-k, top-p, stop ids and budget: each reply respects its own
+    settings, and one teacher-forced forward at each request's T reproduces every logprob (<= 1e-5)."""
+    cfg, graphdef, state = random_model("tiny-dense")
+    prompts = _prompts(cfg.vocab_size, seed=1)
+    settings = [(1.0, 0, 1.0, (1, 2), 16), (0.7, 10, 1.0, (3,), 12), (0.0, 0, 1.0, (5, 6), 16),
+                (1.3, 0, 0.8, (7,), 9), (0.9, 20, 0.9, (), 16), (1.0, 0, 1.0, tuple(range(1, 40)), 16)]
+    requests = [Request(prompt=tuple(p), temperature=T, top_k=k, top_p=tp, stop_ids=st, max_new_tokens=b)
+                for p, (T, k, tp, st, b) in zip(prompts, settings)]
+    engine = _engine(graphdef, state, num_pages=12)  # the engine size of the first test: no second compile
+    completions = engine.generate(requests, jax.random.key(3))
+    rows = [list(r.prompt) + c.tokens.tolist() for r, c in zip(requests, completions)]
+    seq = np.zeros((len(rows), 40), np.int32)
+    seg = np.zeros_like(seq)
+    for i, r in enumerate(rows):
+        seq[i, :len(r)], seg[i, :len(r)] = r, 1
+    logits = np.asarray(jax.jit(lambda s, x, g: nnx.merge(graphdef, s)(x, None, g)[0])(state, seq, seg))
+    for r, c, i in zip(requests, completions, range(len(rows))):
+        n, lp = len(c.tokens), len(r.prompt)
+        assert 1 <= n <= r.max_new_tokens
+        assert not np.isin(c.tokens[:-1], r.stop_ids).any()  # only its own stop ids end it, kept last
+        assert c.truncated == (c.tokens[-1] not in r.stop_ids) and (c.truncated <= (n == r.max_new_tokens))
+        scaled = logits[i, lp - 1: lp - 1 + n] / (r.temperature or 1.0)
+        want = np.asarray(jax.nn.log_softmax(jnp.asarray(scaled), -1))[np.arange(n), c.tokens]
+        np.testing.assert_allclose(c.logprobs, want, atol=1e-5, err_msg=f"request {i}")
+        if r.temperature == 0:
+            np.testing.assert_array_equal(c.tokens, scaled.argmax(-1))
+        if r.top_k or r.top_p < 1:  # drawn tokens lie inside the filtered set
+            kept = np.isfinite(np.asarray(filter_logits(jnp.asarray(scaled), r.top_k, r.top_p)))
+            assert kept[np.arange(n), c.tokens].all()
+    assert completions[5].tokens.size < 16  # ~30% of the vocabulary stops request 5
+
+
+def test_filter_logits_rows_equals_filter_logits_per_row():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(6, 50)) * 2, jnp.float32)
+    cases = [(0, 1.0), (5, 1.0), (0, 0.7), (10, 0.5), (50, 0.99), (1, 0.3)]
+    both = jax.jit(lambda x: (filter_logits_rows(x, jnp.asarray([k for k, _ in cases]),
+                                                 jnp.asarray([p for _, p in cases])),
+                              [filter_logits(x[i:i + 1], k, p)[0] for i, (k, p) in enumerate(cases)]))
+    got, want = both(x)  # one compile for all cases
+    for i, case in enumerate(cases):
+        np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(want[i]), err_msg=str(case))
+    assert np.isinf(np.asarray(got)).sum(1)[[1, 5]].tolist() == [45, 49]  # top-k 5 and 1 mask the rest
+
+
+def test_page_pool_and_bad_input():
+    pool = PagePool(num_pages=6, num_slots=2, pages_per_seq=3, page_size=4)
+    assert pool.grow(0, 5) and pool.table_SxM[0, :2].tolist() == [1, 2] and pool.allocated == 2
+    assert pool.grow(1, 12) and not pool.grow(0, 9)  # 5 allocatable pages, 5 held: nothing allocated
+    assert pool.held_S.tolist() == [2, 3]
+    pool.release(1)
+    assert pool.table_SxM[1].tolist() == [0, 0, 0] and pool.grow(0, 12) and pool.allocated == 3
+    with pytest.raises(ValueError, match="13 tokens need 4 pages, the page table holds 3"):
+        pool.grow(0, 13)
+    with pytest.raises(ValueError, match="num_pages=1"):
+        PagePool(num_pages=1, num_slots=1, pages_per_seq=1, page_size=1)
+    with pytest.raises(ValueError, match="top_p=0"):
+        Request(prompt=(4, 5), max_new_tokens=3, top_p=0)
+    with pytest.raises(ValueError, match="prompt of 0 tokens"):
+        Request(prompt=(), max_new_tokens=3)
+    with pytest.raises(ValueError, match="attention_impl='flash'"):
+        EngineSettings(num_slots=2, num_pages=4, attention_impl="flash")
+    cfg, graphdef, state = random_model("tiny-dense")
+    engine = Engine(graphdef, state, EngineSettings(num_slots=2, num_pages=5, page_size=4, max_seq_len=40))
+    with pytest.raises(ValueError, match=r"request 1: prompt 10 \+ max_new_tokens 8 = 18 tokens \(5 pages"):
+        engine.check([Request(prompt=(4,), max_new_tokens=2), Request(prompt=(4,) * 10, max_new_tokens=8)])
+    with pytest.raises(TypeError, match="request 0: expected engine.Request, got tuple"):
+        engine.check([(4, 5)])
