@@ -239,6 +239,7 @@ def test_concurrent_tasks_from_threads_and_the_shared_pool():
 def test_kill_all_ends_a_running_task_as_infra_error(pool):
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("r", pool.run("import time; time.sleep(30)", limits=Limits(wall_s=30))))
+    pool.start(1)
     server = _server(pool)
     t.start()
     while not server.children():  # the task runs
