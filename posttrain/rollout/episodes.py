@@ -144,24 +144,23 @@ class Sample:
 SampleFn = Callable[[np.ndarray, np.ndarray, Any, int], Any]  # (prompts_PxLp, lengths_P, key, G) -> SampleOutput
 
 
-def chat_prompt(tokenizer, observation: str, system_prompt: str = "") -> list[int]:
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
-    messages.append({"role": "user", "content": observation})
-    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+def chat_prompt(tokenizer, observation: str, system_prompt: str = "", info: dict | None = None) -> list[int]:
+    """Token ids of the first prompt (`rollout.chat.prompt_text`: with ``tools=`` when the template renders the
+    tools the env's reset `info` reports)."""
+    from posttrain.rollout import chat
+
+    return tokenizer.encode(chat.prompt_text(tokenizer, observation, system_prompt, info))
 
 
-def turn_bridge(tokenizer, reply: str, observation: str, ended_with_stop: bool) -> list[int]:
+def turn_bridge(tokenizer, reply: str, observation: str, ended_with_stop: bool, info: dict | None = None) -> list[int]:
     """Tokens between a sampled assistant turn and the next one: the rest of the template after the
-    assistant's end-of-turn token, the observation as a user message, and the next generation prompt."""
-    base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": reply}]
-    before = tokenizer.apply_chat_template(base, add_generation_prompt=False)
-    after = tokenizer.apply_chat_template(base + [{"role": "user", "content": observation}],
-                                          add_generation_prompt=True)
-    end_text = tokenizer.decode([tokenizer.stop_ids[0]], skip_special_tokens=False)
-    cut = before.rfind(end_text)
-    tail = before[cut + len(end_text):] if cut >= 0 else ""
-    text = ("" if ended_with_stop else end_text) + tail + after[len(before):]
-    return tokenizer.encode(text)
+    assistant's end-of-turn token, the observation (a user message; the step `info`'s "messages", tool results
+    included, when the template renders tools) and the next generation prompt (`rollout.chat.bridge_text`, with
+    its extension check; `reply` is never re-rendered)."""
+    from posttrain.rollout import chat
+
+    return tokenizer.encode(chat.bridge_text(tokenizer, chat.observation_messages(tokenizer, observation, info),
+                                             ended_with_stop))
 
 
 def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Sequence[Episode], *,
@@ -183,7 +182,7 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
     t0 = time.perf_counter()
     expanded = [ep for ep in episodes for _ in range(G)]
     first = runner.reset(expanded)
-    prompts = [chat_prompt(tokenizer, first[p * G][0], system_prompt) for p in range(len(episodes))]
+    prompts = [chat_prompt(tokenizer, first[p * G][0], system_prompt, first[p * G][1]) for p in range(len(episodes))]
     samples = [Sample(domain=ep.domain, group=i // G, prompt_ids=prompts[i // G]) for i, ep in enumerate(expanded)]
     gen_s = env_s = 0.0
     contexts = None  # per-sample full token context for turns >= 2
@@ -248,5 +247,5 @@ def _apply_result(s: Sample, result, reply: str, tokenizer) -> None:
     s.reward, s.status, s.info = float(reward), str(info.get("status", "")), info
     s.done = bool(terminated or truncated)
     if not s.done:
-        bridge = turn_bridge(tokenizer, reply, obs, not s.truncated)
+        bridge = turn_bridge(tokenizer, reply, obs, not s.truncated, info)
         s.segments.append((np.asarray(bridge, np.int32), np.zeros(len(bridge), np.float32), False))

@@ -3,7 +3,9 @@
 Episode: the first observation is the task (a package whose tests fail), the file list and the tool schema
 (`tools.tools_prompt`). Each model turn may call tools (`envs.tasks.repo_fix.tools`: ``<tool_call>{json}
 </tool_call>``, or fenced JSON when no tag is used); the next observation holds their results, one
-``<tool_response name=...>`` block each. A reasoning trace (up to the last ``</think>``) is cut off first, so calls
+``<tool_response name=...>`` block each (and, for templates that render tool results themselves, the same results as
+chat messages in ``info["messages"]``: ``{"role": "tool", "name", "content"}`` each, or one user message when the
+turn had no call; `posttrain.rollout.chat`). A reasoning trace (up to the last ``</think>``) is cut off first, so calls
 inside it are not run. The episode ends:
   * on ``submit``: the workspace is scored (`envs.tasks.repo_fix.scoring`, tamper-proof, in a fresh sandbox);
   * after `max_turns` turns, or once `wall_budget_s` seconds have passed since reset: scored the same way;
@@ -94,7 +96,7 @@ class RepoFixEnv(base.TextEnv):
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
         observation, info = super().reset(seed=seed, options=options)
-        return observation, {**info, "tools": self.tool_schemas}
+        return observation, {**info, "tools": self.tool_schemas, "tools_prompt": tools.tools_prompt()}
 
     def first_observation(self, task: dict) -> str:
         self._close_session()
@@ -114,29 +116,33 @@ class RepoFixEnv(base.TextEnv):
             if self._streak >= self.max_malformed:
                 return "", 0.0, True, self._unscored(f"{self._streak} turns in a row without a well-formed tool call")
             problems = "\n".join(f"error: {e}" for e in errors) or "error: no tool call found in the reply"
-            return response("error", f"{problems}\n{REMINDER}"), 0.0, False, self._step_info(errors)
+            text = f"{problems}\n{REMINDER}"
+            return response("error", text), 0.0, False, self._step_info(errors, [("user", "error", text)])
         self._streak = 0
-        outputs = [response("error", f"error: {e}") for e in errors]
+        results = [("tool", "error", f"error: {e}") for e in errors]
         for call in calls[:tools.MAX_CALLS_PER_TURN]:
             self._calls += 1
             if call.name == "submit":
                 return ("", *self.score("submit"))
             try:
-                outputs.append(response(call.name, self._session.execute(call)))
+                results.append(("tool", call.name, self._session.execute(call)))
             except InfraError as exc:
                 return "", 0.0, True, {"status": "infra_error", "reason": str(exc), **self._counts()}
             if time.monotonic() - self._started > self.wall_budget_s:
                 return ("", *self.score("wall_budget"))
         if len(calls) > tools.MAX_CALLS_PER_TURN:
-            outputs.append(response("error", f"only the first {tools.MAX_CALLS_PER_TURN} calls of a turn run"))
-        return "\n".join(outputs), 0.0, False, self._step_info(errors)
+            results.append(("tool", "error", f"only the first {tools.MAX_CALLS_PER_TURN} calls of a turn run"))
+        observation = "\n".join(response(name, text) for _, name, text in results)
+        return observation, 0.0, False, self._step_info(errors, results)
 
     def _counts(self) -> dict:
         return {"tool_calls": self._calls, "malformed_calls": self._malformed,
                 "elapsed_s": time.monotonic() - self._started}
 
-    def _step_info(self, errors: list[str]) -> dict:
-        return {"status": "ok", "reason": "; ".join(errors), **self._counts()}
+    def _step_info(self, errors: list[str], results: list[tuple[str, str, str]]) -> dict:
+        messages = [{"role": role, "content": text, **({"name": name} if role == "tool" else {})}
+                    for role, name, text in results]
+        return {"status": "ok", "reason": "; ".join(errors), "messages": messages, **self._counts()}
 
     def _task_info(self) -> dict:
         return {"defects": self.task.get("defects"), "difficulty": self.task.get("difficulty")}

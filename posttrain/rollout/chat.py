@@ -1,0 +1,100 @@
+"""Chat rendering of (multi-turn) episodes with the tokenizer's own template: the first prompt and the text between
+two sampled turns (the bridge), tool definitions and tool results included.
+
+What an env may report (all optional; `envs.tasks.repo_fix` reports every one):
+  reset info "tools"          OpenAI-style function schemas ({"type": "function", "function": {...}})
+  reset info "tools_prompt"   the text form of the same schemas inside the first observation (for templates
+                              without tool syntax)
+  step info "messages"        the observation as chat messages: {"role": "tool", "name", "content"} per tool
+                              result, {"role": "user", "content"} for anything else
+
+A template *renders tools* (`renders_tools`: Qwen2.5, Qwen3, Hermes ...) when a chat rendered with ``tools=`` differs
+from the same chat without. Then the first prompt is rendered with ``tools=`` (the template writes the schemas
+and its tool-call instructions; the observation drops its "tools_prompt" text) and each bridge renders the step's
+"messages" (Qwen: ``<tool_response>`` blocks in one user turn). Otherwise (SmolLM2's ChatML: no tool syntax) the
+observation is a user message, the schemas stay in its text, and tool results come back as a user turn.
+
+The bridge never re-renders a sampled turn: the conversation [user "q", assistant PLACEHOLDER, *new messages] is
+rendered with the generation prompt, and the bridge is what follows the placeholder's end-of-turn token. The
+extension check: that rendering must start with the rendering of [user "q"] plus its generation prompt, then the
+placeholder and the end-of-turn token (the reply the model wrote sits exactly where it was sampled), and end with
+the same generation prompt; a template that breaks it raises ValueError. Templates that re-render past assistant
+turns differently (Qwen3 drops their reasoning; TRL ships "prefix-preserving" training copies for that) pass,
+since only the new tail is taken from the rendering.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+PLACEHOLDER = "posttrainPlaceholderReply"
+_PROBE_TOOL = {"type": "function", "function": {"name": "posttrain_probe_tool", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+def renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders a ``tools=`` argument (cached on the tokenizer)."""
+    cached = getattr(tokenizer, "_posttrain_renders_tools", None)
+    if cached is None:
+        chat = [{"role": "user", "content": "q"}]
+        try:
+            with_tools = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tools=[_PROBE_TOOL])
+        except Exception:  # a template that cannot render tools (jinja errors of any kind): it does not
+            with_tools = ""
+        cached = "posttrain_probe_tool" in with_tools
+        try:
+            tokenizer._posttrain_renders_tools = cached
+        except AttributeError:
+            pass
+    return cached
+
+
+def native_tools(tokenizer, info: Mapping | None) -> list | None:
+    """The env's tool schemas when the template renders them (else None: tools stay in the observation text)."""
+    tools = (info or {}).get("tools")
+    return list(tools) if tools and renders_tools(tokenizer) else None
+
+
+def prompt_text(tokenizer, observation: str, system_prompt: str = "", info: Mapping | None = None) -> str:
+    """The first prompt: [system?, user: observation] with the generation prompt; with a template that renders
+    tools and an env reporting "tools", rendered with ``tools=`` and the observation without its "tools_prompt"."""
+    tools = native_tools(tokenizer, info)
+    if tools is not None and (info or {}).get("tools_prompt"):
+        observation = observation.replace(info["tools_prompt"], "").strip()
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+    messages.append({"role": "user", "content": observation})
+    extra = {"tools": tools} if tools is not None else {}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+
+
+def observation_messages(tokenizer, observation: str, info: Mapping | None) -> list[dict]:
+    """The chat messages standing for a step's observation: the step info's "messages" when the template
+    renders tools, else one user message holding the observation. Raises ValueError for a malformed entry."""
+    messages = (info or {}).get("messages")
+    if not messages or not renders_tools(tokenizer):
+        return [{"role": "user", "content": observation}]
+    for m in messages:
+        if not isinstance(m, Mapping) or m.get("role") not in ("tool", "user") or not isinstance(m.get("content"), str):
+            raise ValueError(f"an env's step info 'messages' holds {{'role': 'tool' | 'user', 'content': str}} "
+                             f"entries, got {m!r:.200}")
+    return [dict(m) for m in messages]
+
+
+def bridge_text(tokenizer, messages: Sequence[Mapping[str, Any]], ended_with_stop: bool) -> str:
+    """The text between a sampled assistant turn and the next one: the rest of the template after the turn's
+    end-of-turn token (the token itself first when the turn was cut before it), `messages` as the template
+    renders them, and the next generation prompt. Raises ValueError when the template fails the extension check
+    (module docstring)."""
+    query = [{"role": "user", "content": "q"}]
+    start = tokenizer.apply_chat_template(query, add_generation_prompt=True)
+    plain = tokenizer.apply_chat_template(query, add_generation_prompt=False)
+    end_text = tokenizer.decode([tokenizer.stop_ids[0]], skip_special_tokens=False)
+    full = tokenizer.apply_chat_template(query + [{"role": "assistant", "content": PLACEHOLDER}, *messages],
+                                         add_generation_prompt=True)
+    head = start + PLACEHOLDER + end_text
+    generation_prompt = start[len(plain):] if start.startswith(plain) else ""
+    if not full.startswith(head) or not generation_prompt or not full.endswith(generation_prompt):
+        raise ValueError(
+            "the chat template does not extend a conversation turn by turn: rendered after a user turn it should "
+            f"read <generation prompt {generation_prompt!r}> + reply + {end_text!r} + the next messages + the "
+            f"generation prompt again; got {full[len(plain):][:300]!r}")
+    return ("" if ended_with_stop else end_text) + full[len(head):]

@@ -1,0 +1,140 @@
+"""posttrain.rollout.chat with a template that defines tool calls, used as it is: Qwen3's chat template
+(tests/golden/qwen3_chat_template.jinja, Qwen3's tokenizer_config.json template as TRL 1.16 stores it in
+trl/chat_templates/qwen3.jinja) on the byte tokenizer, so no download. The first prompt renders the env's tools
+through ``tools=``, tool results come back as the template's ``<tool_response>`` turns, a tool call the template
+renders parses back to the same call, a template that re-renders the reply is refused, and a 6-turn episode's
+trainer logprobs equal the sampler's (the tolerance of test_sampler.py) on a tiny Qwen3-shaped model."""
+import pathlib
+
+import gymnasium
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from envs import base
+from envs.tasks.repo_fix import tools as repo_tools
+from helpers import random_model
+from posttrain.algos.grpo.advantages import advantage_fn
+from posttrain.learn.logprobs import score_logprobs
+from posttrain.model.tokenizer import Tokenizer
+from posttrain.rollout import batching, chat
+from posttrain.rollout.episodes import Episode, InlineEnvs, run_episodes, turn_bridge
+from posttrain.rollout.sampler import SamplingParams, sample
+
+BYTES = Tokenizer.byte_level()
+TEMPLATE = (pathlib.Path(__file__).resolve().parents[2] / "golden" / "qwen3_chat_template.jinja").read_text()
+QWEN3 = Tokenizer(BYTES.backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=TEMPLATE)
+ECHO = {"type": "function", "function": {"name": "echo", "description": "Echo the text.", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+TURNS = 6
+
+
+class ToolChatEnv(base.TextEnv):
+    """Scripted multi-turn tool env: every turn's reply gets a tool result (as text and as a tool message); the
+    episode ends with reward 1 at turn TURNS."""
+
+    def __init__(self, self_check: bool = False):
+        tasks = base.ListTaskSource([{"id": f"t{i}", "q": f"Call echo {TURNS} times ({i})."} for i in range(2)],
+                                    split="train")
+        super().__init__(tasks, max_turns=TURNS, self_check=self_check)
+
+    def reset(self, *, seed=None, options=None):
+        obs, info = super().reset(seed=seed, options=options)
+        return obs + "\n\nTOOLS: echo", {**info, "tools": [ECHO], "tools_prompt": "TOOLS: echo"}
+
+    def first_observation(self, task):
+        return task["q"]
+
+    def turn_step(self, action):
+        if self.turn >= TURNS:
+            return "", 1.0, True, {"status": "ok"}
+        text = f"echo {self.turn}: {len(action)} chars"
+        return f"<tool_response>{text}</tool_response>", 0.0, False, {
+            "status": "ok", "messages": [{"role": "tool", "name": "echo", "content": text}]}
+
+    def golden_episodes(self):
+        return []
+
+
+if "test/ToolChat-v0" not in gymnasium.registry:
+    gymnasium.register("test/ToolChat-v0", entry_point=ToolChatEnv)
+
+
+def test_renders_tools_tells_qwen3_from_chatml():
+    assert chat.renders_tools(QWEN3) and not chat.renders_tools(BYTES)
+
+
+def test_first_prompt_renders_the_tools_through_the_template_and_drops_their_text():
+    info = {"tools": [ECHO], "tools_prompt": "TOOLS: echo"}
+    native = chat.prompt_text(QWEN3, "Fix it.\n\nTOOLS: echo", "Be brief.", info)
+    assert native.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n") and '"name": "echo"' in native
+    assert native.endswith("<|im_start|>user\nFix it.<|im_end|>\n<|im_start|>assistant\n")
+    assert "TOOLS: echo" not in native
+    plain = chat.prompt_text(BYTES, "Fix it.\n\nTOOLS: echo", "", info)  # ChatML: the schema stays in the text
+    assert plain == "<|im_start|>user\nFix it.\n\nTOOLS: echo<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("stop", [True, False])
+def test_tool_results_come_back_as_the_templates_tool_response_turn(stop):
+    info = {"messages": [{"role": "tool", "name": "a", "content": "one"}, {"role": "tool", "content": "two"}]}
+    text = QWEN3.decode(turn_bridge(QWEN3, "<think>\nhm\n</think>\n\nx", "ignored", stop, info),
+                        skip_special_tokens=False)
+    assert text == (("" if stop else "<|im_end|>") + "\n<|im_start|>user\n<tool_response>\none\n</tool_response>\n"
+                    "<tool_response>\ntwo\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    chatml = BYTES.decode(turn_bridge(BYTES, "x", "obs", stop, info), skip_special_tokens=False)
+    assert chatml == ("" if stop else "<|im_end|>") + "\n<|im_start|>user\nobs<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match="'role': 'tool' | 'user'"):
+        turn_bridge(QWEN3, "x", "obs", stop, {"messages": [{"role": "assistant", "content": "x"}]})
+
+
+def test_a_template_that_rewrites_the_reply_fails_the_extension_check():
+    shouting = Tokenizer(BYTES.backend, eos_token="<|im_end|>", chat_template=(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | upper }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"))
+    with pytest.raises(ValueError, match="does not extend a conversation turn by turn"):
+        turn_bridge(shouting, "x", "obs", True)
+
+
+def test_a_tool_call_the_template_renders_parses_back_to_the_same_call():
+    arguments = {"path": "toolbox/core.py", "content": 'd = {"a": [1, {"b": 2}]}\n'}  # nested JSON in a string
+    text = QWEN3.apply_chat_template([
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "Writing it.", "tool_calls": [
+            {"type": "function", "function": {"name": "write_file", "arguments": arguments}},
+            {"type": "function", "function": {"name": "submit", "arguments": {}}}]}], add_generation_prompt=False)
+    reply = text.split("<|im_start|>assistant\n", 1)[1].removesuffix("<|im_end|>\n")
+    calls, errors = repo_tools.parse_tool_calls(reply)
+    assert calls == [repo_tools.ToolCall("write_file", arguments), repo_tools.ToolCall("submit", {})] and not errors
+
+
+def test_six_turn_episode_trainer_logprobs_equal_the_samplers():
+    cfg, graphdef, state = random_model("tiny-qwen3", vocab_size=320)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    calls = []
+
+    def sample_fn(prompts, lengths, key, group_size):
+        calls.append(np.asarray(prompts).shape)
+        return sample(graphdef, state, jnp.asarray(prompts), jnp.asarray(lengths), key, group_size=group_size,
+                      params=params, stop_ids=QWEN3.stop_ids, pad_id=QWEN3.pad_id)
+
+    episodes = [Episode("test/ToolChat-v0", {}, {"id": f"t{i}", "q": f"Call echo {TURNS} times ({i})."}, seed=i)
+                for i in range(2)]
+    samples, _ = run_episodes(sample_fn, QWEN3, InlineEnvs(), episodes, group_size=1, max_turns=TURNS,
+                              key=jax.random.key(0), pad_id=QWEN3.pad_id, bucket=512)
+    assert len(calls) == TURNS and len(set(calls)) == 1  # one program shape for all six turns
+    for s in samples:
+        assert (s.reward, s.status, len(s.texts)) == (1.0, "ok", TURNS)
+        assert [policy for _, _, policy in s.segments] == [True, False] * (TURNS - 1) + [True]
+        prompt = QWEN3.decode(s.prompt_ids, skip_special_tokens=False)
+        assert '"name": "echo"' in prompt and "TOOLS: echo" not in prompt
+        bridges = [QWEN3.decode(t.tolist(), skip_special_tokens=False) for t, _, policy in s.segments if not policy]
+        assert all(f"<tool_response>\necho {k + 1}: " in b for k, b in enumerate(bridges))
+    batch, _ = batching.assemble(samples, advantage_fn("grpo"), group_size=1, pad_id=QWEN3.pad_id, packed=False)
+    logp = jax.jit(lambda b: score_logprobs(nnx.merge(graphdef, state), b, 1.0, chunk=64)[0].logp_BxT)(
+        jax.tree.map(jnp.asarray, batch))
+    mask = np.asarray(batch.loss_mask_NxC)
+    assert mask.sum() == sum(len(t) for s in samples for t, _, policy in s.segments if policy)
+    diff = np.abs(np.asarray(logp) - batch.logp_sample_NxC)[mask]
+    assert diff.mean() <= 1e-4 and diff.max() <= 1e-3, (diff.mean(), diff.max())
