@@ -35,6 +35,7 @@ def no_leaks_after_each_test():
 
 
 def _server(pool: SandboxPool) -> psutil.Process:
+    pool.start(1)
     (w,) = pool.workers
     return psutil.Process(w.server_pid)
 
@@ -151,6 +152,7 @@ IPC = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
 
 
 def _tree_pids(pool: SandboxPool) -> set[int]:
+    pool.start(1)
     (w,) = pool.workers
     return {p.pid for p in psutil.Process(w.tree.pid).children(recursive=True)} | {w.tree.pid}
 
@@ -239,7 +241,6 @@ def test_concurrent_tasks_from_threads_and_the_shared_pool():
 def test_kill_all_ends_a_running_task_as_infra_error(pool):
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("r", pool.run("import time; time.sleep(30)", limits=Limits(wall_s=30))))
-    pool.start(1)
     server = _server(pool)
     t.start()
     while not server.children():  # the task runs
