@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from posttrain.config.evaluation import EvalConfig, GateConfig  # noqa: F401  (the eval section)
+from posttrain.config.rewards import RewardsConfig
 from posttrain.config.rollout import RolloutConfig
 from posttrain.config.tasks import TasksConfig
 from posttrain.model.config import LoRAConfig, MLAConfig, ModelConfig, MoEConfig, RopeConfig  # noqa: F401
@@ -351,6 +352,8 @@ class Config:
             (`posttrain.config.tasks.TasksConfig`).
         rollout: how far the rollout phase runs ahead of the learner: the staleness bound
             (`posttrain.config.rollout.RolloutConfig`).
+        rewards: a reward model and an LLM judge scoring replies after the environment, and the weights combining
+            them (`posttrain.config.rewards.RewardsConfig`; off by default).
     """
 
     model: ModelRunConfig = ModelRunConfig()
@@ -366,3 +369,4 @@ class Config:
     curriculum: CurriculumConfig = CurriculumConfig()
     tasks: TasksConfig = TasksConfig()
     rollout: RolloutConfig = RolloutConfig()
+    rewards: RewardsConfig = RewardsConfig()

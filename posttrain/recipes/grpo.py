@@ -27,6 +27,7 @@ from posttrain.learn.learner import Learner
 from posttrain.recipes import eval_gate, preflight, run_plan as run_plan_lib
 from posttrain.recipes.resources import Resources
 from posttrain.recipes.run_plan import RunPlan, make_run_plan
+from posttrain.rollout import rewards as rewards_lib
 from posttrain.rollout.queue import RolloutQueue, batch_metrics
 from posttrain.rollout.rollouter import Rollouter, write_jsonl
 from posttrain.tasks import archive, view
@@ -91,8 +92,9 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True,
           allow_config_change: bool = False) -> tuple[Rollouter, Learner, dict]:
     """The phases of a run: the policy loaded on the plan's mesh, the learner's train state (restored from the
     newest checkpoint in the workdir, if any, unless not `restore`: then the initial policy until
-    `learner.restore()`), the rollouter (its scheduler and curriculum restored with it) and the held-out episodes.
-    Writes the workdir's config.json, unless `reading` (a command that only reads a run: then the run must hold a
+    `learner.restore()`), the rollouter (its scheduler and curriculum restored with it; with `plan.rewards`, a
+    `rollout.rewards.RewardedRollouter` with the reward model and judge loaded) and the held-out episodes. Writes
+    the workdir's config.json, unless `reading` (a command that only reads a run: then the run must hold a
     complete checkpoint, `require_checkpoint`)."""
     if reading:
         require_checkpoint(plan.workdir)
@@ -116,8 +118,13 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True,
     learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, step_builder(plan),
                              read_only=reading)
     with Resources(("the checkpointer", learner.close)).on_error():  # a failed restore or env start closes it
-        rollouter = Rollouter.create(plan.rollout, mesh, learner.graphdef, tokenizer, advantage_fn(plan.advantage),
-                                     meta=learner.restore() if restore else None, sources=sources)
+        scored = plan.rewards is not None and not reading  # rewards.model / rewards.judge: loaded for training
+        rollouter = (rewards_lib.RewardedRollouter if scored else Rollouter).create(
+            plan.rollout, mesh, learner.graphdef, tokenizer, advantage_fn(plan.advantage),
+            meta=learner.restore() if restore else None, sources=sources)
+        if scored:
+            rewarder = rewards_lib.Rewarder.create(plan.rewards, tokenizer, mesh, plan.rules)
+            rollouter = dataclasses.replace(rollouter, rewarder=rewarder)
     note = unreadable_note(learner.checkpointer)
     if note:
         metrics_lib.log.error(note)

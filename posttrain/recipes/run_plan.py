@@ -31,6 +31,7 @@ from posttrain.infra.precision import PrecisionPolicy, resolve_policy
 from posttrain.learn.learner import LearnerSettings
 from posttrain.learn.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
 from posttrain.recipes.off_policy import off_policy_defaults
+from posttrain.recipes.reward_plan import RewardSettings, reward_settings
 from posttrain.rollout.rollouter import EnvSpecError, RolloutSettings, probe_workers, task_sources
 from posttrain.rollout.sampler import SamplingParams, logprob_temperature
 from posttrain.tasks.policy import SchedulerSettings, policies_from_mapping, resolve_policies
@@ -82,6 +83,7 @@ class RunPlan:
         warnings: legal but suspect settings, logged when a run starts.
         tasks: the job scheduler's settings (None: tasks.enabled is off).
         gate: the in-loop evaluation suite and its gate (GateSettings; None: eval.suite is "").
+        rewards: model and judge rewards after the env's (`rollout.rewards.RewardSettings`; None: neither).
     """
 
     workdir: pathlib.Path
@@ -101,6 +103,7 @@ class RunPlan:
     warnings: tuple[str, ...] = ()
     tasks: SchedulerSettings | None = None
     gate: gate_lib.GateSettings | None = None
+    rewards: RewardSettings | None = None
 
     def model_step(self, moe) -> StepOptions:
         """The step options for the loaded model (its MoEConfig or None): MoE coefficients and bias rate."""
@@ -230,8 +233,7 @@ def with_loss_defaults(cfg: Config) -> Config:
     (`losses.LOSS_DEFAULTS`: GSPO's sequence-ratio clip range and sequence mean, PPO's 0.2 and token mean); values
     the config sets are kept. The config a run records (config.json, checkpoints) holds the values used."""
     rl = cfg.rl
-    defaults = losses_lib.LOSS_DEFAULTS.get(rl.loss)
-    if defaults is None:  # check_names names it
+    if (defaults := losses_lib.LOSS_DEFAULTS.get(rl.loss)) is None:  # check_names names it
         return cfg
     rl = dataclasses.replace(rl, eps_low=defaults["eps_low"] if rl.eps_low == -1 else rl.eps_low,
                              eps_high=defaults["eps_high"] if rl.eps_high == -1 else rl.eps_high,
@@ -242,8 +244,7 @@ def with_loss_defaults(cfg: Config) -> Config:
 def greedy_warning(cfg: Config) -> str | None:
     """A warning when training rollouts are greedy (temperature 0 or top-k 1): the G samples of a group are then
     the same reply, every group's rewards are equal and every advantage is zero."""
-    s = cfg.sampling
-    if s.temperature == 0 or s.top_k == 1:
+    if (s := cfg.sampling).temperature == 0 or s.top_k == 1:
         return (f"sampling.temperature={s.temperature} / top_k={s.top_k} make the training rollouts greedy: the "
                 f"{cfg.rl.group_size} samples of a group are one reply, so every advantage (and the policy gradient) "
                 "is zero; sample with temperature > 0")
@@ -254,8 +255,7 @@ def truncation_warning(cfg: Config) -> str | None:
     """A warning when training rollouts sample from a truncated distribution (top-p < 1 or top-k > 0): the sampler's
     logprobs then belong to the truncated distribution and the trainer's to the full softmax, so the behaviour
     policy is not the one the loss assumes; TIS (`rl.tis_cap`) and the rollout/logp_diff metrics see the gap."""
-    s = cfg.sampling
-    if s.top_p < 1.0 or s.top_k > 0:
+    if (s := cfg.sampling).top_p < 1.0 or s.top_k > 0:
         return (f"sampling.top_p={s.top_p} / top_k={s.top_k} truncate the training rollouts' distribution: the "
                 "trainer's logprobs are of the full softmax, so off-policy drift is built in (consider rl.tis_cap)")
     return None
@@ -397,4 +397,4 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
                                        max_nonfinite_skips=t.max_nonfinite_skips,
                                        preflight_prompt_len=t.preflight_prompt_len),
                    warnings=tuple(w for w in (truncation_warning(cfg), greedy_warning(cfg), off_policy_warning) if w),
-                   tasks=rollout.tasks, gate=gate)
+                   tasks=rollout.tasks, gate=gate, rewards=reward_settings(cfg, precision))

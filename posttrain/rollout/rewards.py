@@ -1,0 +1,327 @@
+"""Model and judge rewards in RL: a reward model and an LLM judge score each reply after the environment, and a
+sample's reward becomes the weighted sum of the sources in use.
+
+Dimension legend: B sequences (or judgements) in one call, T their width.
+
+`Rewarder.score(samples)` runs after the environment's reward, on every sample of a draw round at once
+(`RewardedRollouter._run_fn`: before groups are formed, so dynamic sampling, the job scheduler's reports,
+advantages and the archive all see the combined reward):
+
+  reward = w_env * env_reward + w_model * model_score + w_judge * judge_score      (`RewardSettings.weights`)
+
+* the reward model (`RewardSettings.model_path`: a `posttrain rm` run or an exported sequence-classification
+  directory, `checkpoints.reward_model`) reads the policy's prompt and reply decoded to text (special tokens kept)
+  and re-encoded by its own tokenizer, and scores the last token (`model.reward_head`), `batch_size` sequences per
+  jitted call;
+* the judge (`JudgeSettings`; its model a `PolicySource`, loaded like the reference model) gets the rubric
+  prompt (`judge_prompt`), decodes greedily within `max_new_tokens`, `batch_size` judgements per sampler call, and
+  its output is read by the strict parser (`parse_judgement`): one line `<name>: <number in [0, max_score]>` per
+  criterion, in the rubric's order, nothing else; an unparsable judgement scores `unparsable_score`, never an
+  error. The judgement's score is sum(weight * score) / (sum(weight) * max_score), in [0, 1].
+
+Scores are cached by the sha256 of (prompt text, reply text), per source (`SCORE_CACHE` entries at most, oldest
+dropped first). Each scored sample's `info` (the archive's `details`) gets `env_reward`, `model_reward` and
+`judge` ({"output", "scores", "score", "parsed", "reason"}); infra-error samples keep their env reward and are
+not scored. Metrics: `reward/{env,model,judge}_mean`, `reward/judge_unparsable_rate`, `perf/{model,judge}_reward_s`.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import math
+import re
+import time
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from posttrain.checkpoints.policy import PolicySource
+from posttrain.rollout.rollouter import Rollouter
+
+SCORE_CACHE = 1 << 16  # cached scores per source
+_LINE = re.compile(r"([A-Za-z][A-Za-z0-9_-]*)[ \t]*:[ \t]*([+-]?(?:\d+(?:\.\d*)?|\.\d+))")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JudgeSettings:
+    """The LLM judge (built by `recipes.reward_plan`).
+
+    Attributes:
+        source: the judge model (a policy source: preset or path, the run's precision).
+        template: the judge's user message (`str.format` fields prompt, reply, rubric, max_score).
+        criteria: ((name, weight, description), ...): the rubric, in the order the judge must answer.
+        max_score: the top of each criterion's scale (> 0).
+        max_new_tokens: the judge's token budget per judgement.
+        batch_size: judgements per sampler call (the last padded to it).
+        unparsable_score: the score of a judgement `parse_judgement` rejects.
+        prompt_bucket: judge prompt widths round up to a multiple of it (fewer compiled shapes).
+    """
+
+    source: PolicySource
+    template: str
+    criteria: tuple[tuple[str, float, str], ...]
+    max_score: float = 10.0
+    max_new_tokens: int = 64
+    batch_size: int = 8
+    unparsable_score: float = 0.0
+    prompt_bucket: int = 64
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardSettings:
+    """Model and judge rewards of a run (built by `recipes.reward_plan`; None in the plan when neither is used).
+
+    Attributes:
+        model_path: a reward model (a `posttrain rm` run or an exported directory; "": none).
+        model_fields: ModelConfig fields of the reward model set by the run (dtype, param_dtype, matmul_precision).
+        judge: the judge's settings (None: no judge).
+        weights: {"env" | "model" | "judge": weight} of the combination (a missing source weighs 1).
+        batch_size: sequences per reward-model call.
+        max_len: tokens of prompt + reply the reward model reads (the last ones).
+    """
+
+    model_path: str = ""
+    model_fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    judge: JudgeSettings | None = None
+    weights: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    batch_size: int = 16
+    max_len: int = 512
+
+
+def rubric_text(criteria) -> str:
+    """One line per criterion: "- <name> (weight <w>): <description>"."""
+    return "\n".join(f"- {name} (weight {weight:g}): {description}" for name, weight, description in criteria)
+
+
+def judge_prompt(settings: JudgeSettings, prompt: str, reply: str) -> str:
+    """The judge's user message for one (prompt, reply): the template filled in (the texts are not re-formatted,
+    so braces in them are kept as they are)."""
+    return settings.template.format(prompt=prompt, reply=reply, rubric=rubric_text(settings.criteria),
+                                    max_score=f"{settings.max_score:g}")
+
+
+def parse_judgement(text: str, criteria, max_score: float) -> tuple[dict[str, float] | None, str]:
+    """(scores {name: value}, "") of a judgement that is exactly one line `<name>: <number>` per criterion in the
+    rubric's order (blank lines and surrounding whitespace allowed) with every number in [0, max_score]; else
+    (None, the reason): missing or repeated criterion, a line that is not `<name>: <number>` (extra text), a
+    number out of range, another order."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    names = [c[0] for c in criteria]
+    scores = {}
+    for ln in lines:
+        m = _LINE.fullmatch(ln)
+        if m is None:
+            return None, f"not a '<name>: <score>' line: {ln[:80]!r}"
+        name, value = m.group(1), float(m.group(2))
+        if name not in names:
+            return None, f"unknown criterion {name!r} (rubric: {names})"
+        if name in scores:
+            return None, f"criterion {name!r} scored twice"
+        if not 0.0 <= value <= max_score:
+            return None, f"{name}: {m.group(2)} is outside [0, {max_score:g}]"
+        scores[name] = value
+    if list(scores) != names:
+        missing = [n for n in names if n not in scores]
+        return None, f"missing criteria {missing}" if missing else f"criteria out of order: {list(scores)}"
+    return scores, ""
+
+
+def judgement_score(scores: Mapping[str, float], criteria, max_score: float) -> float:
+    """sum(weight * score) / (sum(weight) * max_score): the judgement's score in [0, 1]."""
+    total = sum(w for _, w, _ in criteria)
+    return float(sum(w * scores[n] for n, w, _ in criteria) / (total * max_score))
+
+
+def cache_key(prompt: str, reply: str) -> str:
+    """sha256 hex of the (prompt, reply) texts."""
+    return hashlib.sha256(json.dumps([prompt, reply]).encode()).hexdigest()
+
+
+class _Cache(collections.OrderedDict):
+    def put(self, key, value):
+        self[key] = value
+        if len(self) > SCORE_CACHE:
+            self.popitem(last=False)
+
+
+def _chunks(items: Sequence, size: int):
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+class ModelScorer:
+    """The reward model of `RewardSettings.model_path` on the mesh: `__call__([(prompt, reply), ...])` -> float32 [B]
+    scores. Raises FileNotFoundError / ValueError (`checkpoints.reward_model`) for a path without a reward model,
+    ValueError for one without a tokenizer."""
+
+    def __init__(self, settings: RewardSettings, mesh, rules):
+        from flax import nnx
+
+        from posttrain.checkpoints.reward_model import load_reward_model
+
+        _, graphdef, self.state, self.tokenizer = load_reward_model(settings.model_path, mesh=mesh, rules=rules,
+                                                                    **dict(settings.model_fields))
+        if self.tokenizer is None:
+            raise ValueError(f"rewards.model={settings.model_path!r}: the reward model has no tokenizer.json")
+        self.mesh, self.settings = mesh, settings
+        self._fn = jax.jit(lambda state, tokens_BxT, lengths_B: nnx.merge(graphdef, state).score_sequences(
+            tokens_BxT, lengths_B))
+
+    def __call__(self, items: Sequence[tuple[str, str]]) -> np.ndarray:
+        tok, st = self.tokenizer, self.settings
+        seqs = [(tok.encode(p) + tok.encode(r))[-st.max_len:] or [tok.pad_id] for p, r in items]
+        out = []
+        for chunk in _chunks(seqs, st.batch_size):
+            width = min(-(-max(map(len, chunk)) // 64) * 64, -(-st.max_len // 64) * 64)
+            tokens = np.full((st.batch_size, width), tok.pad_id, np.int32)
+            lengths = np.ones(st.batch_size, np.int32)
+            for i, s in enumerate(chunk):
+                tokens[i, :len(s)], lengths[i] = s, len(s)
+            with jax.set_mesh(self.mesh):
+                out.append(np.asarray(jax.device_get(self._fn(self.state, tokens, lengths)))[:len(chunk)])
+        return np.concatenate(out).astype(np.float32) if out else np.zeros(0, np.float32)
+
+
+class Judge:
+    """The LLM judge of `JudgeSettings` on the mesh: `generate(messages)` -> its outputs (greedy, at most
+    max_new_tokens each, batch_size per call), `__call__([(prompt, reply), ...])` -> one judgement dict each."""
+
+    def __init__(self, settings: JudgeSettings, mesh, graphdef, state, tokenizer):
+        self.settings, self.mesh, self.graphdef, self.state, self.tokenizer = settings, mesh, graphdef, state, tokenizer
+
+    @classmethod
+    def load(cls, settings: JudgeSettings, mesh, rules) -> "Judge":
+        """The judge model of `settings.source` loaded on `mesh` (`checkpoints.policy.load_policy`)."""
+        from posttrain.checkpoints.policy import load_policy
+
+        _, graphdef, state, tokenizer = load_policy(settings.source, mesh, rules)
+        return cls(settings, mesh, graphdef, state, tokenizer)
+
+    def generate(self, messages: Sequence[str]) -> list[str]:
+        from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
+
+        tok, st = self.tokenizer, self.settings
+        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True))
+                   for m in messages]
+        params, texts = SamplingParams(max_new_tokens=st.max_new_tokens, temperature=0.0), []
+        for chunk in _chunks(prompts, st.batch_size):
+            toks, lens = pad_prompts(list(chunk) + [chunk[0]] * (st.batch_size - len(chunk)), tok.pad_id,
+                                     st.prompt_bucket)
+            with jax.set_mesh(self.mesh):
+                out = jax.device_get(sample(self.graphdef, self.state, toks, lens, jax.random.key(0), group_size=1,
+                                            params=params, stop_ids=tuple(tok.stop_ids), pad_id=tok.pad_id))
+            texts += [tok.decode(np.asarray(out.tokens_NxLg[i, :int(out.lengths_N[i])]).tolist(),
+                                 skip_special_tokens=True) for i in range(len(chunk))]
+        return texts
+
+    def __call__(self, items: Sequence[tuple[str, str]]) -> list[dict]:
+        st = self.settings
+        out = []
+        for text in self.generate([judge_prompt(st, p, r) for p, r in items]):
+            scores, reason = parse_judgement(text, st.criteria, st.max_score)
+            score = st.unparsable_score if scores is None else judgement_score(scores, st.criteria, st.max_score)
+            out.append({"output": text, "scores": scores, "score": float(score), "parsed": scores is not None,
+                        "reason": reason})
+        return out
+
+
+class Rewarder:
+    """Scores samples with the reward model and / or the judge and combines them with the env reward (module doc).
+    `model` / `judge`: a `ModelScorer` / `Judge` or anything with their `__call__` (a fake in tests)."""
+
+    def __init__(self, settings: RewardSettings, tokenizer, *, model=None, judge=None):
+        self.settings, self.tokenizer, self.model, self.judge = settings, tokenizer, model, judge
+        self.model_cache, self.judge_cache = _Cache(), _Cache()
+
+    @classmethod
+    def create(cls, settings: RewardSettings, tokenizer, mesh, rules) -> "Rewarder":
+        """The reward model and judge of `settings` loaded on `mesh`; `tokenizer`: the policy's."""
+        model = ModelScorer(settings, mesh, rules) if settings.model_path else None
+        judge = Judge.load(settings.judge, mesh, rules) if settings.judge is not None else None
+        return cls(settings, tokenizer, model=model, judge=judge)
+
+    def _texts(self, s) -> tuple[tuple[str, str], tuple[str, str]]:
+        """((prompt, reply) with special tokens for the reward model, (prompt, reply) plain for the judge)."""
+        dec = self.tokenizer.decode
+        ids = [int(x) for seg, _, _ in s.segments for x in seg]
+        return ((dec(list(s.prompt_ids), skip_special_tokens=False), dec(ids, skip_special_tokens=False)),
+                (dec(list(s.prompt_ids), skip_special_tokens=True), "\n".join(s.texts)))
+
+    @staticmethod
+    def _cached(fn, cache: _Cache, items: list[tuple[str, str]]) -> list:
+        """fn's values of `items`, each distinct (prompt, reply) not in `cache` scored once (in one call)."""
+        keys = [cache_key(*it) for it in items]
+        todo = list(dict.fromkeys(k for k in keys if k not in cache))
+        first = {k: it for k, it in zip(keys, items)}
+        new = dict(zip(todo, fn([first[k] for k in todo]))) if todo else {}
+        for k, v in new.items():
+            cache.put(k, v)
+        return [new[k] if k in new else cache[k] for k in keys]
+
+    def score(self, samples) -> dict[str, float]:
+        """Sets each counted sample's reward to the weighted sum (module doc) and its info's env_reward,
+        model_reward and judge; returns the perf/{model,judge}_reward_s seconds of the call."""
+        w = {src: float(self.settings.weights.get(src, 1.0)) for src in ("env", "model", "judge")}
+        live = [s for s in samples if s.counts]
+        texts, perf = [self._texts(s) for s in live], {}
+        total = [w["env"] * s.reward for s in live]
+        for s in live:
+            s.info = {**s.info, "env_reward": float(s.reward)}
+        if self.model is not None and live:
+            t = time.perf_counter()
+            scores = [float(x) for x in self._cached(self.model, self.model_cache, [m for m, _ in texts])]
+            for i, (s, x) in enumerate(zip(live, scores)):
+                s.info["model_reward"], total[i] = x, total[i] + w["model"] * x
+            perf["perf/model_reward_s"] = time.perf_counter() - t
+        if self.judge is not None and live:
+            t = time.perf_counter()
+            for i, (s, j) in enumerate(zip(live, self._cached(self.judge, self.judge_cache, [j for _, j in texts]))):
+                s.info["judge"], total[i] = dict(j), total[i] + w["judge"] * j["score"]
+            perf["perf/judge_reward_s"] = time.perf_counter() - t
+        for s, r in zip(live, total):
+            s.reward = float(r) if math.isfinite(r) else s.reward
+        return perf
+
+
+def reward_metrics(records: Sequence[Mapping]) -> dict[str, float]:
+    """reward/{env,model,judge}_mean and reward/judge_unparsable_rate over the archive rows trained on
+    (`in_batch`) whose details carry them."""
+    details = [json.loads(r["details"]) if isinstance(r["details"], str) else r["details"]
+               for r in records if r.get("in_batch")]
+    out = {}
+    for key, name in (("env_reward", "env"), ("model_reward", "model")):
+        vals = [d[key] for d in details if key in d]
+        if vals:
+            out[f"reward/{name}_mean"] = float(np.mean(vals))
+    judged = [d["judge"] for d in details if "judge" in d]
+    if judged:
+        out["reward/judge_mean"] = float(np.mean([j["score"] for j in judged]))
+        out["reward/judge_unparsable_rate"] = float(np.mean([not j["parsed"] for j in judged]))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardedRollouter(Rollouter):
+    """A `Rollouter` whose every draw round's samples are scored by `rewarder` (a `Rewarder`) right after their
+    episodes end, before groups are formed (module doc)."""
+
+    rewarder: Any = None
+
+    def _run_fn(self, step: int, sample_fn, key):
+        run = super()._run_fn(step, sample_fn, key)
+
+        def scored(batch, size, call):
+            samples, perf = run(batch, size, call)
+            if self.rewarder is not None:
+                perf = {**perf, **self.rewarder.score(samples)}
+            return samples, perf
+
+        return scored
+
+    def collect(self, step: int, policy: tuple, rng):
+        """`Rollouter.collect` with the trained samples' `reward_metrics` added."""
+        t = super().collect(step, policy, rng)
+        return dataclasses.replace(t, metrics={**t.metrics, **reward_metrics(t.records)})
