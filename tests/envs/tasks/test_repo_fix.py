@@ -77,9 +77,15 @@ def test_id_is_registered_and_the_first_observation_shows_files_and_tools(env):
     made.close()
     obs, info = env.reset(options={"task": env.task_source.get_task(0)})
     assert "toolbox/core.py" in obs and "python tests/run_tests.py" in obs and '"name": "apply_patch"' in obs
-    assert [t["function"]["name"] for t in info["tools"]][-1] == "submit"
-    obs, *_ = env.step(call("read_file", path="README.md") + call("read_file", path="../etc/passwd"))
+    assert [t["function"]["name"] for t in info["tools"]][-1] == "submit" and info["tools_prompt"] in obs
+    obs, _, _, _, info = env.step(call("read_file", path="README.md") + call("read_file", path="../etc/passwd"))
     assert "has_close_elements" in obs and "outside the repository" in obs
+    # the same results as chat messages, for templates that render tool turns (posttrain.rollout.chat)
+    assert [(m["role"], m["name"]) for m in info["messages"]] == [("tool", "read_file")] * 2
+    assert obs == "\n".join(f'<tool_response name="read_file">\n{m["content"]}\n</tool_response>'
+                             for m in info["messages"])
+    _, _, _, _, info = env.step("no call")
+    assert [m["role"] for m in info["messages"]] == ["user"] and "no tool call" in info["messages"][0]["content"]
 
 
 def test_posttrain_domains_lists_it_with_task_counts_and_golden_status():

@@ -26,7 +26,16 @@ PARSE_TABLE = [
     (tools.format_call("write_file", path="a.py", content=TRICKY),
      [ToolCall("write_file", {"path": "a.py", "content": TRICKY})], 0),
     ('<tool_call>{"name": "list_files", "arguments": {}}', [ToolCall("list_files", {})], 0),
+    # Qwen2.5 / Qwen3 output as their templates write it (newlines inside the tags), nested JSON objects
+    ('<tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call>', [ToolCall("submit", {})], 0),
+    ('<tool_call>{"name": "run", "arguments": {"command": "ls", "env": {"A": {"B": [1, {"C": 2}]}}}}</tool_call>',
+     [ToolCall("run", {"command": "ls"})], 0),
+    ('<tool_call>{"name": "write_file", "arguments": {"path": "a.py", "content": "d = {1: {2: [3]}}"}}</tool_call>',
+     [ToolCall("write_file", {"path": "a.py", "content": "d = {1: {2: [3]}}"})], 0),
     # --- <tool_call> tags, malformed
+    ('<tool_call>\n{"name": "submit"', [], 1),  # truncated after the name
+    ('<tool_call>{"name": "write_file", "arguments": {"path": "a.py", "content": "abc', [], 1),  # inside a string
+    ('<tool_call>{"name": "run", "arguments": {"command": "ls", "env": {"A": {"B": 1}}</tool_call>', [], 1),
     ("<tool_call><tool_call>{\"name\": \"submit\"}</tool_call></tool_call>", [], 1),  # nested tags
     ('<tool_call>{"name": "read_file", "argu', [], 1),  # truncated JSON
     ("<tool_call>{'name': 'submit'}</tool_call>", [], 1),  # not JSON
@@ -48,6 +57,12 @@ PARSE_TABLE = [
      [ToolCall("write_file", {"path": "a.py", "content": "```inner```"})], 0),
     ('```json\n{"name": "read_file", "arguments": {"path": "toolbox/core.py"}', [], 1),  # truncated
     ('```json\n{"name": "submit",}\n```', [], 1),
+    ('```json\n{"name": "write_file", "arguments": {"path": "a.py", "content": "d = {1: {2: [3]}}"}}\n```',
+     [ToolCall("write_file", {"path": "a.py", "content": "d = {1: {2: [3]}}"})], 0),  # nested braces in a string
+    ('```json\n{"name": "run", "arguments": {"command": "ls", "env": {"A": {"B": 1}}}}\n```',
+     [ToolCall("run", {"command": "ls"})], 0),  # nested objects
+    ('```json\n{"name": "write_file", "arguments": {"path": "a.py", "content": "abc', [], 1),  # truncated in a string
+    ('```json\n{"name": "run", "arguments": {"command": "ls", "env": {"A": 1}}\n```', [], 1),  # unbalanced
     ('```json\n{"name": "nope"}\n```', [], 1),
     ('```python\n{"name": "submit"}\n```', [], 0),  # a python block is code, not a call
     ('```json\n{"answer": 3}\n```', [], 0),
