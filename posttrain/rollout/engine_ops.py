@@ -31,7 +31,7 @@ from flax import nnx
 
 from posttrain.model.attention import CacheHook
 from posttrain.rollout import kv_pages
-from posttrain.rollout.paged_attention import IMPLS, attend_pages, write_tokens
+from posttrain.rollout.paged_attention import IMPLS, attend_with_new_token, write_tokens
 from posttrain.rollout.sampler import categorical, logprob_temperature
 
 
@@ -153,8 +153,8 @@ def decode_step(graphdef, state, pool, table_SxM, lengths_S, prev_S, rows, key, 
     def make_hook(pages_l):
         def fn(q_Sx1xNxH, own, scale):
             own = {name: e[:, 0] for name, e in own.items()}
-            pages_w = write_tokens(pages_l, own, page_S, offset_S)  # the new token attends to itself
-            return attend_pages(pages_w, q_Sx1xNxH[:, 0], table_SxM, lengths_S + 1, scale, impl)[:, None]
+            return attend_with_new_token(pages_l, own, q_Sx1xNxH[:, 0], table_SxM, lengths_S, page_S, offset_S,
+                                         scale, impl)[:, None]
         return CacheHook(fn)
 
     logits, entries = model.decode_with_hook(prev_S, lengths_S, pool, make_hook)

@@ -41,20 +41,31 @@ def resolve_impl(impl: str, platform: str | None = None) -> str:
     return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "reference")
 
 
+def _dense_attention(q_SxNxH, k_KxSxTxH, v_KxSxTxH, keep_SxT, scale):
+    """Masked softmax attention of one query token per sequence over T gathered keys: [S, N, H] in q's dtype."""
+    S, N, H = q_SxNxH.shape
+    K = k_KxSxTxH.shape[0]
+    q = q_SxNxH.reshape(S, K, N // K, H)
+    logits = jnp.einsum("skgh,ksth->skgt", q, k_KxSxTxH.astype(q.dtype), preferred_element_type=jnp.float32)
+    logits = logits * scale + jnp.where(keep_SxT, 0.0, MASK_VALUE)[:, None, None, :]
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("skgt,ksth->skgh", probs.astype(q.dtype), v_KxSxTxH.astype(q.dtype),
+                     preferred_element_type=jnp.float32)
+    return out.reshape(S, N, v_KxSxTxH.shape[-1]).astype(q_SxNxH.dtype)
+
+
+def _gather(pages_KxPxZxH, page_table_SxM):
+    """Each sequence's pages in order: [K, S, M * Z, H]."""
+    K, _, Z, H = pages_KxPxZxH.shape
+    S, M = page_table_SxM.shape
+    return pages_KxPxZxH[:, page_table_SxM].reshape(K, S, M * Z, H)
+
+
 def reference_paged_attention(q_SxNxH, k_pages_KxPxZxH, v_pages_KxPxZxH, page_table_SxM, lengths_S, scale):
     """The gather-based reference: [S, N, H] in q's dtype (softmax in float32, masked keys at MASK_VALUE)."""
-    S, N, H = q_SxNxH.shape
-    K, _, Z, _ = k_pages_KxPxZxH.shape
-    M = page_table_SxM.shape[1]
-    k = k_pages_KxPxZxH[:, page_table_SxM].reshape(K, S, M * Z, H)  # [K, S, M*Z, H]
-    v = v_pages_KxPxZxH[:, page_table_SxM].reshape(K, S, M * Z, v_pages_KxPxZxH.shape[-1])
-    q = q_SxNxH.reshape(S, K, N // K, H)
-    logits = jnp.einsum("skgh,ksth->skgt", q, k.astype(q.dtype), preferred_element_type=jnp.float32) * scale
-    keep = jnp.arange(M * Z)[None, :] < lengths_S[:, None]  # [S, M*Z]
-    logits = logits + jnp.where(keep, 0.0, MASK_VALUE)[:, None, None, :]
-    probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("skgt,ksth->skgh", probs.astype(q.dtype), v.astype(q.dtype), preferred_element_type=jnp.float32)
-    return out.reshape(S, N, v.shape[-1]).astype(q_SxNxH.dtype)
+    k, v = _gather(k_pages_KxPxZxH, page_table_SxM), _gather(v_pages_KxPxZxH, page_table_SxM)
+    keep = jnp.arange(k.shape[2])[None, :] < lengths_S[:, None]
+    return _dense_attention(q_SxNxH, k, v, keep, scale)
 
 
 def _pallas_tpu(q, k_pages, v_pages, page_table, lengths, interpret: bool):
@@ -124,9 +135,31 @@ def write_tokens(pages: dict, entries: dict, page_S: jax.Array, offset_S: jax.Ar
     return out
 
 
+def _kv(pages: dict):
+    """(keys, values) of one layer's pages: GQA "k", "v", or MLA's "kv" serving as both."""
+    return (pages["kv"], pages["kv"]) if "kv" in pages else (pages["k"], pages["v"])
+
+
 def attend_pages(pages: dict, q_SxNxH, page_table_SxM, lengths_S, scale: float, impl: str = "auto"):
     """`paged_attention` over one layer's pages in the engine's layout: GQA {"k", "v"}, or MLA {"kv"} (one kv
     head serving as keys and values). Returns [S, N, H or C]."""
-    if "kv" in pages:
-        return paged_attention(q_SxNxH, pages["kv"], pages["kv"], page_table_SxM, lengths_S, scale=scale, impl=impl)
-    return paged_attention(q_SxNxH, pages["k"], pages["v"], page_table_SxM, lengths_S, scale=scale, impl=impl)
+    k, v = _kv(pages)
+    return paged_attention(q_SxNxH, k, v, page_table_SxM, lengths_S, scale=scale, impl=impl)
+
+
+def attend_with_new_token(pages: dict, own: dict, q_SxNxH, page_table_SxM, lengths_S, page_S, offset_S,
+                          scale: float, impl: str = "auto"):
+    """Attention of each sequence's new token over its `lengths_S` cached tokens and itself (its own entry
+    `own`, {"k", "v": [S, K, H]} or {"kv": [S, C]}, goes to (page_S, offset_S)): the decode step's attention.
+    The kernels attend after writing it into (a copy of) the layer's pages; the reference appends it to the
+    gathered keys instead (no copy of the pages). Same result up to float rounding. Returns [S, N, H or C]."""
+    if resolve_impl(impl) != "reference":
+        pages_w = write_tokens(pages, own, page_S, offset_S)
+        return attend_pages(pages_w, q_SxNxH, page_table_SxM, lengths_S + 1, scale, impl)
+    k, v = (_gather(x, page_table_SxM.astype(jnp.int32)) for x in _kv(pages))
+    own_k, own_v = (own["kv"][:, None], own["kv"][:, None]) if "kv" in own else (own["k"], own["v"])
+    k = jnp.concatenate([k, jnp.swapaxes(own_k, 0, 1)[:, :, None].astype(k.dtype)], axis=2)
+    v = jnp.concatenate([v, jnp.swapaxes(own_v, 0, 1)[:, :, None].astype(v.dtype)], axis=2)
+    T = k.shape[2]
+    keep = (jnp.arange(T)[None, :] < lengths_S[:, None]) | (jnp.arange(T)[None, :] == T - 1)
+    return _dense_attention(q_SxNxH, k, v, keep, scale)

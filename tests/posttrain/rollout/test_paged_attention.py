@@ -92,6 +92,26 @@ def test_write_tokens_and_attend_pages_layouts():
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 
 
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+def test_new_token_appended_equals_written_into_pages(mla):
+    """The decode step's attention: the reference appends the new token's entry to the gathered keys; the kernels'
+    order writes it into the pages first and attends over length + 1. Both equal (<= 1e-5), lengths 0 included."""
+    rng = np.random.default_rng(3)
+    S, N, H = 3, 4, 8
+    names, K = (("kv",), 1) if mla else (("k", "v"), 2)
+    pages = {n: jnp.asarray(rng.normal(size=(K, P, Z, H)), jnp.float32) for n in names}
+    own = {n: jnp.asarray(rng.normal(size=(S, H) if mla else (S, K, H)), jnp.float32) for n in names}
+    table = jnp.asarray([[3, 4, 0, 0], [5, 6, 7, 8], [9, 0, 0, 0]], jnp.int32)
+    lengths = jnp.asarray([5, 15, 0], jnp.int32)
+    page, off = table[jnp.arange(S), lengths // Z], lengths % Z
+    q = jnp.asarray(rng.normal(size=(S, N, H)), jnp.float32)
+    got, want = jax.jit(lambda pages, own, q: (  # one compile
+        pa.attend_with_new_token(pages, own, q, table, lengths, page, off, 0.3, impl="reference"),
+        pa.attend_pages(pa.write_tokens(pages, own, page, off), q, table, lengths + 1, 0.3, impl="reference")))(
+        pages, own, q)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
 def test_resolve_impl_and_bad_input():
     assert [pa.resolve_impl("auto", p) for p in ("cpu", "tpu", "gpu")] == ["reference", "pallas_tpu", "pallas_gpu"]
     assert pa.resolve_impl("reference", "tpu") == "reference"
