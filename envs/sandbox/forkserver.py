@@ -273,6 +273,8 @@ def serve(sock_fd: int, config: dict) -> None:
         msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
         if not msg:
             return
+        if msg == b"K":  # a kill the host sent as the last task ended by itself: stale
+            continue
         _serve_one(sock, json.loads(msg), list(fds), env, handlers, modes)
 
 

@@ -105,6 +105,14 @@ def test_limits_are_the_tasks_own(pool):
     assert (r.status, len(r.stdout)) == ("output_limit", 1 << 20) and r.wall_s < 5
 
 
+def test_a_kill_request_that_arrives_after_its_task_ended_spares_the_next(pool):
+    _server(pool)
+    (w,) = pool.workers
+    w._kill_task("output")  # as when a cap is hit just as the task exits: the server already answered
+    r = pool.run("import time; time.sleep(0.2); print('survived')")
+    assert (r.status, r.stdout, pool.workers) == ("ok", "survived\n", [w])
+
+
 def test_fork_bombs_are_bounded_and_leave_nothing(pool):
     r = pool.run("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n"
                  "            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print(n, e.errno)",
