@@ -2,6 +2,7 @@
 
     python bench/rollout.py --json [--prompts 64] [--new-tokens 24] [--runs 3] [--model PRESET|PATH]
     python bench/rollout.py --quick        # seconds: `QUICK` (a tiny random model, 4 prompts x 4 tokens, no floor)
+    python bench/rollout.py --lengths long_tail [--quick]  # the paged engine vs the sampler (_rollout_long_tail.py)
 
 --model PRESET (a `posttrain.model.presets` name): that preset's random weights (seed 0, float32) and the byte
 tokenizer, written once as an HF directory (bench/_helpers.py) from which both sides load, so they run the
@@ -207,6 +208,11 @@ def timed(fn):
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a.startswith("--lengths") for a in argv):  # the engine vs the sampler (bench/_rollout_long_tail.py)
+        from _rollout_long_tail import main as long_tail
+
+        return long_tail(argv)
     with tempfile.TemporaryDirectory(prefix="bench_rollout_") as tmp:
         return compare(argv, tmp)
 

@@ -1,0 +1,26 @@
+"""`bench/rollout.py --lengths long_tail --quick` (docs/design.md invariant 16): the paged engine and today's sampler
+run the same long-tail requests at equal KV memory, agree on every greedy reply, and report both speeds."""
+import importlib.util
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_long_tail_quick_mode():
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_rollout", ROOT / "bench" / "rollout.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.main(["--lengths", "long_tail", "--quick"])
+    s = out["settings"]
+    assert out["agree"] == s["requests"] == 12  # greedy: the same tokens on both sides
+    assert out["generated_tokens"] == 11 * 4 + 1 * 32  # 10% of 12 rounds to one long reply of 8 x 4 tokens
+    assert out["engine_tokens_per_s"] > 0 and out["sampler_tokens_per_s"] > 0
+    assert abs(out["ratio"] - out["engine_tokens_per_s"] / out["sampler_tokens_per_s"]) < 1e-9
+    # equal KV memory: the pool holds one sampler call's cache (4 rows x (16 + 32) tokens) plus the scratch page
+    page_bytes = out["engine_kv_bytes"] / s["num_pages"]
+    assert out["engine_kv_bytes"] - page_bytes == out["sampler_kv_bytes"]
+    m = out["engine_metrics"]
+    assert m["rollout/preemptions"] == 0 and m["rollout/decode_tokens"] == out["generated_tokens"] - 12
+    assert m["rollout/prefill_tokens"] == 12 * 8
