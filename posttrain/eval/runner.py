@@ -148,27 +148,39 @@ def task_record(ep: Episode, index: int, group: Sequence, prompt: str, *, scorer
     return record
 
 
-def sample_domain(sample_fn, tokenizer, runner, episodes: Sequence[Episode], *, batch_size: int, num_samples: int = 1,
-                  scorer: str = "env", fmt: str = "nonempty", greedy: bool = True, max_turns: int = 1, key=None,
-                  system_prompt: str = "", bucket: int = 16, area: str = "") -> list[dict]:
-    """Runs each of one domain's episodes `num_samples` times, `batch_size` samples a sampler call; returns one
-    record per episode, in order. The key of a call is `key` folded with the index of its first episode."""
+def sample_groups(sample_fn, tokenizer, runner, episodes: Sequence[Episode], *, batch_size: int,
+                  num_samples: int = 1, max_turns: int = 1, key=None, system_prompt: str = "", bucket: int = 16,
+                  on_batch: Callable[[Sequence[Episode], float], None] | None = None) -> list[tuple]:
+    """Runs each episode `num_samples` times, `batch_size` samples a sampler call (episodes of several domains
+    share a call); returns (episode, its N samples, its prompt text) per episode, in order. The key of a call is
+    `key` folded with the index of its first episode; `on_batch(chunk, seconds)` gets each call's wall time
+    (sampling and env steps)."""
     import jax
 
     key = jax.random.key(0) if key is None else key
-    records = []
+    out = []
     per_batch = max(1, batch_size // num_samples)
     for start in range(0, len(episodes), per_batch):
-        chunk = episodes[start:start + per_batch]
+        chunk, t0 = episodes[start:start + per_batch], time.perf_counter()
         samples, _ = run_episodes(sample_fn, tokenizer, runner, chunk, group_size=num_samples, max_turns=max_turns,
                                   key=jax.random.fold_in(key, start), pad_id=tokenizer.pad_id, bucket=bucket,
                                   system_prompt=system_prompt)
         for i, ep in enumerate(chunk):
             group = samples[i * num_samples:(i + 1) * num_samples]
-            prompt = tokenizer.decode(group[0].prompt_ids, skip_special_tokens=False)
-            records.append(task_record(ep, start + i, group, prompt, scorer=scorer, fmt=fmt, greedy=greedy,
-                                       area=area))
-    return records
+            out.append((ep, group, tokenizer.decode(group[0].prompt_ids, skip_special_tokens=False)))
+        if on_batch is not None:
+            on_batch(chunk, time.perf_counter() - t0)
+    return out
+
+
+def sample_domain(sample_fn, tokenizer, runner, episodes: Sequence[Episode], *, batch_size: int, num_samples: int = 1,
+                  scorer: str = "env", fmt: str = "nonempty", greedy: bool = True, max_turns: int = 1, key=None,
+                  system_prompt: str = "", bucket: int = 16, area: str = "") -> list[dict]:
+    """`sample_groups` of one domain's episodes as one record per episode (`task_record`), in order."""
+    groups = sample_groups(sample_fn, tokenizer, runner, episodes, batch_size=batch_size, num_samples=num_samples,
+                           max_turns=max_turns, key=key, system_prompt=system_prompt, bucket=bucket)
+    return [task_record(ep, i, group, prompt, scorer=scorer, fmt=fmt, greedy=greedy, area=area)
+            for i, (ep, group, prompt) in enumerate(groups)]
 
 
 def domain_key(key, domain: str):

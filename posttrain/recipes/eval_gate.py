@@ -28,7 +28,7 @@ from posttrain.eval import gate as gate_lib
 from posttrain.eval import records as records_lib
 from posttrain.eval import report, suite as suite_lib
 from posttrain.eval.metrics import task_set_hash
-from posttrain.eval.runner import domain_key, sample_domain, suite_summary
+from posttrain.eval.runner import domain_key, sample_groups, suite_summary, task_record
 from posttrain.infra import distributed, metrics as metrics_lib
 from posttrain.rollout.episodes import Episode
 from posttrain.rollout.sampler import SamplingParams
@@ -37,25 +37,47 @@ GATE_DIR = "eval_gate"
 SCORE = "eval/gate/score"
 
 
+def budget_groups(built: Sequence[suite_lib.ResolvedDomain]) -> dict[tuple, list[suite_lib.ResolvedDomain]]:
+    """The suite's domains by sampling budget (max_new_tokens, temperature, n, max_turns), in suite order: the
+    domains of one group share sampler batches (one SamplingParams, one compiled program per batch shape)."""
+    groups: dict[tuple, list] = {}
+    for r in built:
+        d = r.domain
+        groups.setdefault((d.max_new_tokens, float(d.temperature), d.n, d.max_turns), []).append(r)
+    return groups
+
+
 def sample_suite(plan, built: Sequence[suite_lib.ResolvedDomain], rollouter, policy) -> tuple[list, dict]:
-    """(records of every task of every built domain, {domain: seconds, "total": seconds}) for the policy states
-    `policy`, sampled with `rollouter`'s sampler and env runner on the stream `plan.eval.seed`."""
+    """(records of every task of every built domain, in suite order; {domain: seconds, "total": seconds}) for the
+    policy states `policy`, sampled with `rollouter`'s sampler and env runner (the run's own: its env workers and
+    compiled programs serve every evaluation) on the stream `plan.eval.seed`. Domains with the same budget share
+    batches (`budget_groups`); the stream of a group is the key folded with its domains' names joined by "+"
+    (`domain_key`; a group of one domain: its name), and a domain's seconds are its share of the samples of each
+    batch it was in, times that batch's wall time."""
     import jax
 
-    t0, records, e, seconds = time.perf_counter(), [], plan.eval, {}
-    key = jax.random.key(e.seed)
-    for r in built:
-        d, t_d = r.domain, time.perf_counter()
-        sample_fn = rollouter.sample_fn(policy, SamplingParams(max_new_tokens=d.max_new_tokens,
-                                                               temperature=d.temperature))
-        episodes = [Episode(r.spec.id, dict(r.spec.kwargs), r.source.get_task(i), seed=i, domain=d.name)
-                    for i in range(r.num_tasks)]
-        records += sample_domain(sample_fn, rollouter.tokenizer, rollouter.runner, episodes,
-                                 batch_size=e.batch_size, num_samples=d.n, scorer=d.scorer, fmt=d.format,
-                                 greedy=d.greedy, max_turns=d.max_turns, key=domain_key(key, d.name),
-                                 system_prompt=e.system_prompt, bucket=e.prompt_bucket, area=d.area)
-        seconds[d.name] = time.perf_counter() - t_d
-    return records, {**seconds, "total": time.perf_counter() - t0}
+    t0, e = time.perf_counter(), plan.eval
+    key, by_name = jax.random.key(e.seed), {r.domain.name: r.domain for r in built}
+    seconds, records = dict.fromkeys(by_name, 0.0), {name: [] for name in by_name}
+
+    def timed(chunk, s):
+        for ep in chunk:
+            seconds[ep.domain] += s / len(chunk)
+
+    for (tokens, temperature, n, turns), group in budget_groups(built).items():
+        sample_fn = rollouter.sample_fn(policy, SamplingParams(max_new_tokens=tokens, temperature=temperature))
+        episodes = [Episode(r.spec.id, dict(r.spec.kwargs), r.source.get_task(i), seed=i, domain=r.domain.name)
+                    for r in group for i in range(r.num_tasks)]
+        local = [i for r in group for i in range(r.num_tasks)]
+        sampled = sample_groups(sample_fn, rollouter.tokenizer, rollouter.runner, episodes, batch_size=e.batch_size,
+                                num_samples=n, max_turns=turns, system_prompt=e.system_prompt,
+                                bucket=e.prompt_bucket, on_batch=timed,
+                                key=domain_key(key, "+".join(r.domain.name for r in group)))
+        for (ep, samples, prompt), i in zip(sampled, local):
+            d = by_name[ep.domain]
+            records[d.name].append(task_record(ep, i, samples, prompt, scorer=d.scorer, fmt=d.format,
+                                               greedy=d.greedy, area=d.area))
+    return [rec for name in by_name for rec in records[name]], {**seconds, "total": time.perf_counter() - t0}
 
 
 def evaluation(label: str, records: list, seconds: dict, step: int | None, ks: Mapping, described: dict) -> dict:
