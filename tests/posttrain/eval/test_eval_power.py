@@ -78,3 +78,44 @@ def test_a_pool_with_unequal_samples_is_refused():
     pool[1] = {**pool[1], "replies": pool[1]["replies"][:2]}
     with pytest.raises(ValueError, match=r"got \[2, 4\]"):
         power.pool_size(pool)
+
+
+def test_the_power_script_measures_a_written_pool(tmp_path, capsys):
+    """scripts/eval_power.py --pool (no model): a pool of 6 samples per task on 12 real arithmetic tasks from a
+    scripted sampler (sample g of task i right unless (i + g) % 3 == 0), written as the script writes it; A/A over
+    3 seed pairs, the planted constant rescored through the arithmetic env and detected in every seed."""
+    import importlib.util
+    import json
+    import pathlib
+
+    from posttrain.eval import records as records_lib, runner, suite as suite_lib
+    from posttrain.eval.metrics import task_set_hash
+    from posttrain.rollout.episodes import InlineEnvs
+    from test_eval_runner import TOK, answer, scripted
+
+    root = pathlib.Path(__file__).resolve().parents[3]
+    suite = suite_lib.parse_suite({"name": "p", "areas": {"arithmetic": {"trained": True, "domains": {"arithmetic": {
+        "env": "posttrain/Arithmetic-v0", "kwargs": {"digits": 1, "num_test": 20}, "scorer": "last_integer",
+        "format": "number", "tasks": 12, "temperature": 1.0, "n": 6}}}}})
+    built, skipped = suite_lib.resolve(suite)
+    r = built[0]
+    index = {}
+    episodes = [runner.Episode(r.spec.id, dict(r.spec.kwargs), r.source.get_task(i), seed=i, domain="arithmetic")
+                for i in range(r.num_tasks)]
+    fn = scripted(lambda p, g: f"{answer(p) + int((index.setdefault(p, len(index)) + g) % 3 == 0)}")
+    pool = runner.sample_domain(fn, TOK, InlineEnvs(), episodes, batch_size=72, num_samples=6, scorer="last_integer",
+                                fmt="number", greedy=False, area="arithmetic")
+    results = {"label": "scripted", "step": 0, "task_set_hash": task_set_hash(pool), "temperature": 1.0,
+               "suite": suite_lib.suite_dict(suite, built, skipped)}
+    records_lib.write_evaluation(tmp_path / "pool", pool, results)
+    spec = importlib.util.spec_from_file_location("eval_power", root / "scripts/eval_power.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = script.main([f"--pool={tmp_path / 'pool'}", "--seeds=3", "--json"])
+    printed = capsys.readouterr().out
+    assert json.loads(printed.strip().splitlines()[-1]) == out and "A/A false-alarm rate" in printed
+    assert out["tasks"] == {"arithmetic": 12} and out["samples_per_task"] == 6
+    assert out["pool_pass_at_1"]["arithmetic"] == pytest.approx(2 / 3)
+    assert out["planted_domain"] == "arithmetic" and out["detected"] == [0, 1, 2] and out["detection_rate"] == 1.0
+    assert out["planted_pass_at_1"] == [0.0] * 3
+    assert out["false_alarm_rate"] == pytest.approx(len(out["false_alarms"]["arithmetic"]) / 3)

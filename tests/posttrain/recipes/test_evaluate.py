@@ -91,3 +91,46 @@ def test_suite_report_goes_outside_the_run_which_stays_byte_identical(run_dir, t
     assert out == f"eval_reports/{run_dir.name}/tiny-step0"
     assert (tmp_path / out / "candidate" / "records.jsonl").is_file()
     assert _tree(run_dir) == before
+
+
+def _power_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_power", ROOT / "scripts/eval_power.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow  # ~25 s alone (100 s on a loaded machine); the default suite runs --pool on a scripted pool
+def test_power_script_quick_mode_measures_a_pool_and_the_pool_measures_again(run_dir, tmp_path, capsys):
+    """scripts/eval_power.py --quick (issue 22 acceptance 3) on this module's step-0 run: a pool of 2 x 3 samples
+    per task on 6 arithmetic tasks, A/A over 3 seed pairs, the planted constant rescored; the written pool
+    (--pool, no sampling) gives the same figures. The default suite covers the script's measurement by --pool on
+    a scripted pool (tests/posttrain/eval/test_eval_power.py) and its sampling path (`evaluate.evaluate_policies`)
+    by test_suite_against_base_writes_the_report_and_rescoring_reproduces_it."""
+    script = _power_script()
+    out = script.main(["--quick", "--json", f"--checkpoint={run_dir}", f"--out={tmp_path}"])
+    printed = capsys.readouterr().out
+    assert json.loads(printed.strip().splitlines()[-1]) == out
+    assert out["domains"] == ["arithmetic"] and out["tasks"] == {"arithmetic": 6} and out["samples_per_task"] == 6
+    assert out["seeds"] == 3 and len(out["aa_pass_at_1"]["arithmetic"]) == 3 and out["temperature"] == 1.0
+    assert 0.0 <= out["false_alarm_rate"] <= 1.0 and out["planted_domain"] == "arithmetic"
+    assert out["planted_pass_at_1"] == [0.0] * 3  # the constant -987654321 answers no addition
+    assert "A/A false-alarm rate" in printed and "planted regression on arithmetic" in printed
+    pool = tmp_path / "pool"
+    assert (pool / "records.jsonl").is_file() and (pool / "results.json").is_file()
+    again = script.main(["--quick", f"--pool={pool}"])
+    capsys.readouterr()
+    for key in ("false_alarms", "aa_pass_at_1", "detected", "planted_pass_at_1", "pool_pass_at_1"):
+        assert again[key] == out[key], key
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--checkpoint=x", "--temperature=0"], "--temperature > 0"),
+    (["--seeds=3"], "give --checkpoint=RUN"),
+])
+def test_power_script_bad_arguments_are_one_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        _power_script().parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
