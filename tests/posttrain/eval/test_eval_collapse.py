@@ -85,3 +85,33 @@ def test_episode_floor_reads_the_registry():
     assert runner.episode_floor(coin) == pytest.approx(0.95)
     assert runner.episode_floor(Episode("user:Fake-v0", {}, {}, seed=0)) is None
     assert runner.env_floor("posttrain/ReasoningGym-v0", {"config": "{}"}) is None  # no dataset: no floor
+
+
+def test_letter_counting_records_scored_by_the_real_env_collapse_at_29_of_30_ones():
+    """30 held-out letter_counting tasks of reasoning-gym (the registry's default config, the reasoning_mix run's),
+    replies rescored by the env (`records.rescore`, the --from_records path): "<answer>1</answer>" on 29 of them
+    is flagged as collapsed; the gold answers as replies are not."""
+    import gymnasium
+
+    from posttrain.eval import records as records_lib
+
+    kwargs = {"dataset": "letter_counting", "config": "{}", "split": "test", "num_test": 30}
+    source = gymnasium.make("posttrain/ReasoningGym-v0", **kwargs).unwrapped.task_source
+    tasks = [source.get_task(i) for i in range(30)]
+    spec = {"env_id": "posttrain/ReasoningGym-v0", "env_kwargs": kwargs, "scorer": "env", "format": "answer_tag"}
+
+    def records(replies):
+        return records_lib.rescore(
+            [{"domain": "lc", "area": "counting", "task_id": t["id"], "index": i, "prompt": t["question"],
+              "replies": [reply], "gold": str(t["answer"]), "greedy": True}
+             for i, (t, reply) in enumerate(zip(tasks, replies))], {"lc": spec})
+
+    gamed = records(["<answer>1</answer>"] * 29 + [f"<answer>{tasks[29]['answer']}</answer>"])
+    honest = records([f"<answer>{t['answer']}</answer>" for t in tasks])
+    assert all(r["correct"] == [True] for r in honest)  # the env pays the gold answer
+    paid = sum(r["correct"][0] for r in gamed)
+    assert paid == sum(str(t["answer"]) == "1" for t in tasks[:29]) + 1  # "1" earns exactly where the gold is 1
+    got = runner.suite_summary(gamed)["domains"]["lc"]
+    assert got["collapsed"] == 1.0 and got["modal_share"] == pytest.approx(29 / 30)
+    assert got["gold_modal_share"] < 29 / 30 - collapse.MARGIN
+    assert runner.suite_summary(honest)["domains"]["lc"]["collapsed"] == 0.0
