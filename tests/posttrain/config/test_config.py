@@ -20,11 +20,13 @@ def load(path):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_every_config_file_loads(path):
-    if path.stem.startswith(("sft_", "dpo_")):  # `posttrain sft` / `dpo` configs: their own schemas
+    if path.stem.startswith(("sft_", "dpo_", "rm_")):  # `posttrain sft` / `dpo` / `rm` configs: their own schemas
         from posttrain.config.dpo import dpo_config_from_dict
+        from posttrain.config.rm import rm_config_from_dict
         from posttrain.config.sft import sft_config_from_dict
 
-        cfg = (sft_config_from_dict if path.stem.startswith("sft_") else dpo_config_from_dict)(load(path))
+        loaders = {"sft": sft_config_from_dict, "dpo": dpo_config_from_dict, "rm": rm_config_from_dict}
+        cfg = loaders[path.stem.split("_")[0]](load(path))
         with pytest.raises(dataclasses.FrozenInstanceError):
             cfg.train = None
         return
