@@ -90,6 +90,8 @@ class Engine:
             self._make_room()
             if any(s is not None for s in self._slots):
                 self._step()
+            elif self._queue:  # `check` rules this out: every request fits an empty pool
+                raise RuntimeError(f"engine stalled: request {self._queue[0].index} not admitted to an empty pool")
         self.metrics = self._counters.metrics()
         self.max_waste_per_seq = self._counters.max_waste_per_seq
         self._pool = None  # the pages' memory goes with the call

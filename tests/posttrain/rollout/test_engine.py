@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from posttrain.learn.logprobs import token_logprobs
 from posttrain.rollout.engine import Engine, EngineSettings, Request
 from posttrain.rollout.engine_ops import filter_logits_rows
 from posttrain.rollout.kv_pages import PagePool
@@ -103,15 +104,20 @@ def test_teacher_forced_logprobs_equal_engine_per_request_settings():
     seg = np.zeros_like(seq)
     for i, r in enumerate(rows):
         seq[i, :len(r)], seg[i, :len(r)] = r, 1
-    logits = np.asarray(jax.jit(lambda s, x, g: nnx.merge(graphdef, s)(x, None, g)[0])(state, seq, seg))
+    T = jnp.asarray([r.temperature or 1.0 for r in requests])[:, None, None]  # the trainer's T per row
+
+    def trainer(state, seq, seg):  # the trainer's definition: learn.logprobs.token_logprobs at each row's T
+        logits = nnx.merge(graphdef, state)(seq, None, seg)[0]
+        return logits, token_logprobs(logits, jnp.roll(seq, -1, axis=1), T)
+
+    logits, logp_tf = (np.asarray(a) for a in jax.jit(trainer)(state, seq, seg))
     for r, c, i in zip(requests, completions, range(len(rows))):
         n, lp = len(c.tokens), len(r.prompt)
         assert 1 <= n <= r.max_new_tokens
         assert not np.isin(c.tokens[:-1], r.stop_ids).any()  # only its own stop ids end it, kept last
         assert c.truncated == (c.tokens[-1] not in r.stop_ids) and (c.truncated <= (n == r.max_new_tokens))
         scaled = logits[i, lp - 1: lp - 1 + n] / (r.temperature or 1.0)
-        want = np.asarray(jax.nn.log_softmax(jnp.asarray(scaled), -1))[np.arange(n), c.tokens]
-        np.testing.assert_allclose(c.logprobs, want, atol=1e-5, err_msg=f"request {i}")
+        np.testing.assert_allclose(c.logprobs, logp_tf[i, lp - 1: lp - 1 + n], atol=1e-5, err_msg=f"request {i}")
         if r.temperature == 0:
             np.testing.assert_array_equal(c.tokens, scaled.argmax(-1))
         if r.top_k or r.top_p < 1:  # drawn tokens lie inside the filtered set
