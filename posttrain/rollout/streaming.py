@@ -79,8 +79,7 @@ class TurnScorer:
         self.deliveries = self.streamed = 0
         self._error: BaseException | None = None
         self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._work, name="posttrain-stream-scoring", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # started by the first submission (none if sampling fails first)
 
     def rows_finished(self, finished_N, tokens_NxLg, lengths_N) -> None:
         """The sink: queues the rows newly finished (on the sampler's callback thread: no env work here)."""
@@ -93,6 +92,9 @@ class TurnScorer:
     def _submit(self, rows: list[int], tokens_NxLg, lengths_N) -> None:
         for r in rows:
             self.replies[r] = self.decode(np.asarray(tokens_NxLg[r, :int(lengths_N[r])], np.int32))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="posttrain-stream-scoring", daemon=True)
+            self._thread.start()
         self._jobs.put(rows)
 
     def _work(self) -> None:
@@ -113,8 +115,9 @@ class TurnScorer:
         rest = [r for r in range(len(self.indices)) if r not in self.replies]
         if rest:
             self._submit(rest, tokens_NxLg, lengths_N)
-        self._jobs.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
         if self._error is not None:
             raise self._error
         for r, reply in streamed.items():
