@@ -13,6 +13,8 @@ from helpers import random_model, tiny_config
 from posttrain.tasks import archive
 
 
+@pytest.mark.slow  # 55-75 s on 2 loaded cores (the judge's and the reward model's compiles on top of a tiny run);
+# the fast cases of tests/posttrain/rollout/test_rewards.py cover the Rewarder, the judge, the scorer and the hook
 def test_grpo_runs_with_a_reward_model_and_a_judge(tmp_path):
     from posttrain.checkpoints.reward_model import export_reward_model
     from posttrain.infra import mesh as mesh_lib
@@ -29,7 +31,8 @@ def test_grpo_runs_with_a_reward_model_and_a_judge(tmp_path):
     summary = grpo.train(tiny_config(run, **{
         "train.steps": 2, "rewards.model": str(tmp_path / "rm"), "rewards.weights": weights,
         "rewards.judge.enabled": True, "rewards.judge.preset": "tiny-dense",
-        "rewards.judge.overrides": {"vocab_size": 320}, "rewards.judge.max_new_tokens": 4,
+        "rewards.judge.overrides": {"vocab_size": 320}, "rewards.judge.max_new_tokens": 3,
+        "rewards.judge.template": "{rubric}\n{prompt}\n{reply}",
         "rewards.judge.batch_size": 16, "rewards.judge_unparsable_score": -0.25,
         "rewards.judge.criteria": ({"name": "correct", "weight": 1.0, "description": "the sum is right"},)}),
         progress=False)

@@ -158,3 +158,24 @@ def test_config_errors_name_the_key(tmp_path, key, value, msg):
 
     with pytest.raises(ConfigError, match=msg):
         make_run_plan(tiny_config(tmp_path, **{key: value}))
+
+
+def test_rewarded_rollouter_scores_every_round_before_groups_form(monkeypatch):
+    """The hook `grpo.build` uses with `rewards.*` (its end-to-end run: tests/posttrain/recipes/test_grpo_rewards.py,
+    slow): every draw round's samples are scored as the round returns, its perf seconds added."""
+    import json
+
+    from posttrain.rollout.rollouter import Rollouter
+
+    tok = Tokenizer.byte_level()
+    drawn = [sample(tok, "12", 1.0), sample(tok, "345", 0.0)]
+    monkeypatch.setattr(Rollouter, "_run_fn", lambda self, step, sample_fn, key: (
+        lambda batch, size, call: (drawn, {"perf/gen_s": 1.0})))
+    r = object.__new__(rewards.RewardedRollouter)
+    object.__setattr__(r, "rewarder", rewards.Rewarder(rewards.RewardSettings(model_path="x"), tok,
+                                                       model=FakeScorer()))
+    got, perf = r._run_fn(0, None, None)(None, 2, 0)
+    assert perf["perf/gen_s"] == 1.0 and perf["perf/model_reward_s"] >= 0.0
+    assert [s.reward for s in got] == pytest.approx([1.0 + 0.1 * len("12<|im_end|>"), 0.1 * len("345<|im_end|>")])
+    m = rewards.reward_metrics([{"in_batch": True, "details": json.dumps(s.info)} for s in got])
+    assert m == pytest.approx({"reward/env_mean": 0.5, "reward/model_mean": 0.1 * (12 + 13) / 2})

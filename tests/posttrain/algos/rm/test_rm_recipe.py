@@ -1,8 +1,8 @@
-"""`posttrain rm` end to end on configs/rm_tiny.py (4 steps): held-out accuracy from chance (zero head: ties) to
->= 7/8, and its export in `<workdir>/reward_model` read by transformers' `AutoModelForSequenceClassification`
-(LlamaForSequenceClassification, one label) giving our scores (<= 1e-4, float32) on the held-out sequences, whose
-margins are the recipe's own held-out margin (the packed pair layout and single sequences agree); config and CLI
-errors are one line."""
+"""`posttrain rm` end to end on configs/rm_tiny.py (3 steps): held-out accuracy from chance (zero head: ties) to
+>= 7/8, its export in `<workdir>/reward_model` holding the trained weights (the held-out sequences' margins are the
+recipe's own: the packed pair layout and single sequences agree); an export read by transformers'
+`AutoModelForSequenceClassification` (LlamaForSequenceClassification, one label) gives our scores (<= 1e-4, f32);
+config and CLI errors are one line."""
 import json
 import sys
 
@@ -27,16 +27,14 @@ def padded(seqs, pad_id):
     return tokens, np.asarray([len(s) for s in seqs], np.int32)
 
 
-def test_rm_tiny_trains_and_transformers_reads_its_export(tmp_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+def test_rm_tiny_trains_and_exports(tmp_path):
     from posttrain.algos.dpo import data
     from posttrain.checkpoints.reward_model import load_reward_model
     from posttrain.model.tokenizer import Tokenizer
     from posttrain.recipes import rm
 
     c = rm_tiny.get_config()
-    c.train.steps, c.checkpoint.every_steps = 4, 100
+    c.train.steps, c.checkpoint.every_steps = 3, 100
     summary = rm.train(rm.make_rm_plan(rm_config_from_dict(c), workdir=str(tmp_path)), progress=False)
     start, end = summary["eval_start"], summary["eval_end"]
     assert (start["rm/accuracy"], start["rm/margin"], start["rm/length_accuracy"]) == (0.5, 0.0, 0.5)
@@ -44,21 +42,45 @@ def test_rm_tiny_trains_and_transformers_reads_its_export(tmp_path):
     assert end["rm/vs_length"] == end["rm/accuracy"] - 0.5
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["rm/loss"] for r in rows if "rm/loss" in r]
-    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert len(losses) == 3 and losses[-1] < losses[0]
 
     tok = Tokenizer.byte_level()
     pairs = data.encode_pairs(tok, [(r["id"], r) for r in c.rm.eval_examples], data.PairSettings())
     seqs = [np.concatenate([p.prompt, reply]) for p in pairs for reply in (p.chosen, p.rejected)]
     cfg, graphdef, state, loaded_tok = load_reward_model(tmp_path)  # the run directory: its reward_model/
-    assert loaded_tok is not None and loaded_tok.stop_ids == tok.stop_ids
-    ours = np.asarray(nnx.merge(graphdef, state).score_sequences(*map(jnp.asarray, padded(seqs, tok.pad_id))))
+    assert summary["export"] == str(tmp_path / "reward_model") and loaded_tok.stop_ids == tok.stop_ids
+    score = jax.jit(lambda st, t, n: nnx.merge(graphdef, st).score_sequences(t, n))
+    ours = np.asarray(score(state, *map(jnp.asarray, padded(seqs, tok.pad_id))))
+    # single sequences give the packed pair layout's held-out margin: the export holds the trained weights
     np.testing.assert_allclose((ours[0::2] - ours[1::2]).mean(), end["rm/margin"], rtol=1e-4, atol=1e-4)
 
-    hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "reward_model",
-                                                                         torch_dtype=torch.float32)
+
+def test_transformers_reads_the_export_and_scores_the_same(tmp_path):
+    """A random tiny-dense reward model (head weights spread over [-1, 1]) exported and read back by transformers'
+    AutoModelForSequenceClassification: LlamaForSequenceClassification, one label, our scores (<= 1e-4, f32)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from helpers import random_model
+
+    from posttrain.checkpoints.reward_model import export_reward_model
+    from posttrain.infra import mesh as mesh_lib
+    from posttrain.model.reward_head import with_head
+    from posttrain.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.byte_level()
+    cfg, graphdef, state = random_model("tiny-dense", seed=2, std=0.05, vocab_size=320, dtype="float32",
+                                        param_dtype="float32")
+    mesh = mesh_lib.make_mesh({"fsdp": 1}, jax.devices()[:1])
+    rm_def, rm_state = with_head(cfg, graphdef, state, mesh, mesh_lib.RULES, score=np.linspace(-1, 1, cfg.d_model))
+    export_reward_model(cfg, rm_state, tmp_path, tokenizer=tok)
+    seqs = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}]))
+            for q, a in (("What is 2 + 3?", "5"), ("Hi", "Hello there!"), ("Name a colour.", "Blue, or red."))]
+    tokens, lengths = padded(seqs, tok.pad_id)
+    ours = np.asarray(jax.jit(lambda st, t, n: nnx.merge(rm_def, st).score_sequences(t, n))(
+        rm_state, jnp.asarray(tokens), jnp.asarray(lengths)))
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path, torch_dtype=torch.float32)
     assert type(hf).__name__ == "LlamaForSequenceClassification" and hf.config.num_labels == 1
     assert hf.config.pad_token_id == tok.pad_id and tok.pad_id not in tok.stop_ids
-    tokens, lengths = padded(seqs, hf.config.pad_token_id)
     mask = (np.arange(tokens.shape[1])[None] < lengths[:, None]).astype(np.int64)
     with torch.no_grad():
         theirs = hf(input_ids=torch.from_numpy(tokens.astype(np.int64)),
