@@ -131,8 +131,16 @@ def pick_tokens(logits_SxV, rows: dict, key, request_S, t_S):
     scaled = logits_SxV.astype(jnp.float32) / rows["T"][:, None]
     logp_all = jax.nn.log_softmax(scaled, axis=-1)
     u = jax.vmap(lambda r, t: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, r), t)))(request_S, t_S)
-    drawn = categorical(u, filter_logits_rows(scaled, rows["top_k"], rows["top_p"]))
-    tok = jnp.where(rows["greedy"], jnp.argmax(logits_SxV, axis=-1), drawn).astype(jnp.int32)
+    greedy = jnp.argmax(logits_SxV, axis=-1).astype(jnp.int32)
+    top_k, top_p = rows["top_k"], rows["top_p"]
+
+    def draw(x):  # the sorts of top-k / top-p (two [S, V] sorts) only when some row asks for them
+        x = jax.lax.cond(((top_k > 0) | (top_p < 1.0)).any(), lambda x: filter_logits_rows(x, top_k, top_p),
+                         lambda x: x, x)
+        return categorical(u, x).astype(jnp.int32)
+
+    drawn = jax.lax.cond(rows["greedy"].all(), lambda x: greedy, draw, scaled)  # all greedy: no draw at all
+    tok = jnp.where(rows["greedy"], greedy, drawn)
     return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
 
 
