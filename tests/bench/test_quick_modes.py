@@ -27,6 +27,15 @@ def _get(obj: dict, path: str):
     return obj
 
 
+def _async_rl(out):
+    lat, s = out["latency"], out["settings"]
+    assert s["quick"] and out["quickstart"] == {"skipped": "--quickstart-steps < 2"}
+    assert lat["sync"]["staleness_max"] == 0 and lat["async"]["staleness_max"] <= 1  # the bound held
+    assert len(lat["sync"]["steps_s"]) == len(lat["async"]["steps_s"]) == s["steps"]
+    assert lat["sync"]["terms_s"]["env"] >= s["latency"] and lat["sync"]["terms_s"]["gen"] > 0  # each step waits
+    assert out["bound"] >= 1 and out["gil_stall"]["ratio"] > 0 and out["gil_stall"]["producer_batches_last_round"]
+
+
 def _attention(out):
     assert set(out["results"]) == {"blockwise", "dense"}  # the fused kernels only on their own platform
     import numpy as np
@@ -90,6 +99,7 @@ def _verifiers(out):
 # (keys, dotted), more checks)
 TABLE = {
     "archive": ([], "process", "write_s_per_step", "quickstart_step_s", "write_ratio", _archive),
+    "async_rl": ([], "process", "async_steps_per_hour", "sync_steps_per_hour", "ratio", _async_rl),
     "attention": ([], "attention", "results.dense.tokens_per_s", "results.blockwise.tokens_per_s",
                   "results.dense.ratio_to_blockwise", _attention),
     "grpo_step": ([], "grpo_step_dots", "model_flops_per_s", "peak_flops_per_s", "mfu", _grpo_step),
