@@ -25,6 +25,7 @@ def get_config():
     c.rl.prompts_per_step = 4
     c.rl.group_size = 4
     c.sampling.max_new_tokens = 192
+    c.sampling.prompt_bucket = 1024  # contexts grow by ~1k tokens a turn: one sampler program per 1k, not per 16
     # 16 unpacked rows: the prompt (~800 tokens) and three tool results of up to 1500 characters come on top of
     # 4 x 192 sampled tokens, so the check compiles for 2048 prompt tokens; remat of matmul outputs only and one
     # row per accumulation microbatch (the same gradient) keep the step's compiled peak inside the 24 GB machine
