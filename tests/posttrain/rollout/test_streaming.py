@@ -143,3 +143,26 @@ def test_stream_ids_route_to_their_sink_and_unregistered_ones_are_skipped():
     streaming.unregister(i)
     streaming.deliver(np.int32(i), [True], [[1, 2]], [2])
     assert len(got) == 1 and got[0][0].dtype == bool and got[0][1].tolist() == [[1, 2]]
+
+
+@pytest.mark.slow  # a full tiny run (~3 min at load 14); the identity is covered fast above and in test_sampler.py
+def test_the_tiny_golden_reproduces_with_streaming_on(tmp_path):
+    """configs/tiny.py for 3 steps at max_staleness=0 with rollout.stream_chunk=2 equals the recording of the
+    synchronous loop (tests/golden/tiny_3_steps.json): metrics, archive rows and every checkpoint array."""
+    import dataclasses
+    import json
+    import pathlib
+
+    from helpers import assert_equals_golden, golden_view
+    from posttrain.config import from_config_dict
+    from posttrain.recipes import grpo
+    from posttrain.recipes.run_plan import make_run_plan
+    from posttrain.recipes.trainer import load_config_file
+
+    root = pathlib.Path(__file__).resolve().parents[3]
+    cfg = from_config_dict(load_config_file(root / "configs/tiny.py"))
+    plan = make_run_plan(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, stream_chunk=2)),
+                         workdir=str(tmp_path))
+    assert plan.rollout.stream_chunk == 2
+    grpo.train(plan, progress=False)
+    assert_equals_golden(golden_view(tmp_path), json.loads((root / "tests/golden/tiny_3_steps.json").read_text()))
