@@ -45,6 +45,9 @@ class LearnerSettings:
         config_dict: the run's config as a plain dict, stored with every checkpoint.
         best_metric: keep the checkpoint with the highest value of this metric (given to `save`) beside the
             `checkpoint.keep` newest (the evaluation gate's "eval/gate/score"); None: only the newest.
+        updates_per_step: optimizer updates one train step makes (GRPO: rl.ppo_epochs x rl.minibatches); `step`,
+            the policy version and the checkpoint numbers count train steps, the state's own counter (the
+            learning-rate schedule's clock) counts updates.
     """
 
     workdir: pathlib.Path
@@ -56,6 +59,7 @@ class LearnerSettings:
     rules: tuple = mesh_lib.RULES
     config_dict: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     best_metric: str | None = None
+    updates_per_step: int = 1
 
 
 def batch_shardings(mesh, batch: RolloutBatch | None = None, rules=mesh_lib.RULES,
@@ -130,8 +134,8 @@ class Learner:
 
     @property
     def step(self) -> int:
-        """Completed optimizer updates."""
-        return int(self.state.step)
+        """Completed train steps (the policy version): optimizer updates // `settings.updates_per_step`."""
+        return int(self.state.step) // self.settings.updates_per_step
 
     @property
     def rng(self) -> jax.Array:

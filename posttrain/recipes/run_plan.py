@@ -381,7 +381,7 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
         curriculum=cfg.curriculum, run=tasks.run, tasks=tasks if cfg.tasks.enabled else None)
     learner = LearnerSettings(workdir=wd, optimizer=optimizer_settings(cfg), lora_rank=cfg.lora.rank,
                               need_reference=rl.beta > 0, seed=cfg.train.seed, checkpoint=cfg.checkpoint,
-                              rules=rules, config_dict=config_dict,
+                              rules=rules, config_dict=config_dict, updates_per_step=rl.ppo_epochs * rl.minibatches,
                               best_metric="eval/gate/score" if gate else None)
     e = cfg.eval
     evaluation = EvalSettings(specs=dict(env.eval), sampling=eval_sampling, num_tasks=e.num_tasks,
