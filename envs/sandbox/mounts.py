@@ -69,12 +69,16 @@ def _python_mounts(python: str) -> list[str]:
     executable = os.path.realpath(python)
     if _outside_system(executable) and not executable.startswith(base + "/"):
         args += ro(executable)
-    sites = {os.path.realpath(p) for p in site.getsitepackages() if os.path.isdir(p)}
-    for site_dir in sorted(sites):
+    # each site dir at its real path and at the path Python computes from sys.prefix (a venv reached through a
+    # symlinked directory imports from the unresolved path)
+    sites = {(os.path.realpath(p), os.path.abspath(p)) for p in site.getsitepackages() if os.path.isdir(p)}
+    for site_dir, seen_as in sorted(sites):
         if not _outside_system(site_dir) or site_dir.startswith(base + "/"):
             args += ["--tmpfs", site_dir]  # hide the base install's own packages
         for entry in package_entries(site_dir):
             args += ["--ro-bind", entry, entry]
+            if seen_as != site_dir:
+                args += ["--ro-bind", entry, os.path.join(seen_as, os.path.relpath(entry, site_dir))]
     if sys.prefix != sys.base_prefix:  # a venv: its config and interpreter links, nothing else
         args += ro(os.path.join(sys.prefix, "pyvenv.cfg"))
         bindir = os.path.join(sys.prefix, "bin")

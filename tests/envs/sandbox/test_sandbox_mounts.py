@@ -96,3 +96,19 @@ def test_interpreter_is_visible_wherever_it_lives(case):
 def test_a_path_inside_the_sandbox_cwd_is_one_clear_error():
     with pytest.raises(RuntimeError, match=f"{mounts.SANDBOX_CWD}/venv.*working directory"):
         mounts.check_visible([f"{mounts.SANDBOX_CWD}/venv/pyvenv.cfg"])
+
+
+def test_a_venv_reached_through_a_symlink_imports_its_packages():
+    # a checkout whose .venv is a symlink to another checkout's: Python's sys.prefix is the link's path, so the
+    # site-packages must be shown there too, not only at their real path
+    parent = Path(tempfile.mkdtemp(prefix="sbx-interp-", dir="/tmp"))
+    parent.chmod(0o755)
+    try:
+        real = _make_venv(parent)
+        link = parent / "linked" / ".venv"
+        link.parent.mkdir()
+        link.symlink_to(real)
+        got = _probe(link)
+    finally:
+        shutil.rmtree(parent)
+    assert [(r["status"], r["stdout"]) for r in got] == [("ok", f"{link} {parent} False\n")] * 2, got
