@@ -22,7 +22,6 @@ from typing import Mapping
 
 import jax
 import numpy as np
-from scipy import stats
 
 from posttrain.algos import from_archive
 from posttrain.algos.dpo import data as data_lib
@@ -209,15 +208,10 @@ class Run:
 
 
 def accuracy_interval(acc_P: np.ndarray, confidence: float = 0.95, seed: int = 0) -> dict[str, float]:
-    """{"dpo/eval_accuracy_lo", "dpo/eval_accuracy_hi"}: a percentile bootstrap interval (scipy.stats.bootstrap,
-    9999 resamples, fixed seed) of the mean per-pair accuracy; a single pair or identical values give the value
-    itself at both ends."""
-    if len(acc_P) < 2 or np.all(acc_P == acc_P[0]):
-        v = float(acc_P.mean()) if len(acc_P) else float("nan")
-        return {"dpo/eval_accuracy_lo": v, "dpo/eval_accuracy_hi": v}
-    ci = stats.bootstrap((acc_P,), np.mean, confidence_level=confidence, method="percentile",
-                         random_state=np.random.default_rng(seed)).confidence_interval
-    return {"dpo/eval_accuracy_lo": float(ci.low), "dpo/eval_accuracy_hi": float(ci.high)}
+    """{"dpo/eval_accuracy_lo", "dpo/eval_accuracy_hi"}: `offline.bootstrap_interval` of the mean per-pair
+    accuracy (a percentile bootstrap, fixed seed; a single pair or identical values give the value itself)."""
+    lo, hi = offline.bootstrap_interval(np.asarray(acc_P, float), confidence, seed)
+    return {"dpo/eval_accuracy_lo": lo, "dpo/eval_accuracy_hi": hi}
 
 
 def train(plan: DPOPlan, *, progress: bool = True) -> dict:

@@ -17,6 +17,8 @@ import time
 from typing import Any, Callable, Mapping, Protocol
 
 import jax
+import numpy as np
+from scipy import stats
 
 from posttrain.config import ConfigError
 from posttrain.infra import distributed, metrics as metrics_lib
@@ -159,3 +161,14 @@ def _evaluate(run: OfflineRun, summary: dict, key: str, step: int, writer) -> No
         summary[key] = m
         if writer:
             writer.write(step, m)
+
+
+def bootstrap_interval(x: np.ndarray, confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """A percentile bootstrap interval (scipy.stats.bootstrap, 9999 resamples, fixed seed) of mean(x); a single
+    value or identical values give the value itself at both ends (nan for no value)."""
+    if len(x) < 2 or np.all(x == x[0]):
+        v = float(x.mean()) if len(x) else float("nan")
+        return v, v
+    ci = stats.bootstrap((x,), np.mean, confidence_level=confidence, method="percentile",
+                         random_state=np.random.default_rng(seed)).confidence_interval
+    return float(ci.low), float(ci.high)

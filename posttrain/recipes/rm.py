@@ -23,7 +23,6 @@ from typing import Mapping
 import jax
 import numpy as np
 from flax import nnx
-from scipy import stats
 
 from posttrain.algos.dpo import data as data_lib
 from posttrain.algos.rm import step as rm_step
@@ -101,17 +100,6 @@ def make_rm_plan(cfg: RMRunConfig, *, num_devices: int | None = None, workdir: s
                   eval_at_start=r.eval_at_start, eval_at_end=r.eval_at_end, export=r.export)
 
 
-def bootstrap_interval(x: np.ndarray, confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
-    """A percentile bootstrap interval (scipy.stats.bootstrap, 9999 resamples, fixed seed) of mean(x); a single
-    value or identical values give the value itself at both ends (nan for no value)."""
-    if len(x) < 2 or np.all(x == x[0]):
-        v = float(x.mean()) if len(x) else float("nan")
-        return v, v
-    ci = stats.bootstrap((x,), np.mean, confidence_level=confidence, method="percentile",
-                         random_state=np.random.default_rng(seed)).confidence_interval
-    return float(ci.low), float(ci.high)
-
-
 def length_accuracy(pairs) -> np.ndarray:
     """float [P]: the length-only baseline's per-pair accuracy: 1 when the chosen reply has more tokens than the
     rejected one, 1/2 for equal lengths, 0 otherwise."""
@@ -121,9 +109,9 @@ def length_accuracy(pairs) -> np.ndarray:
 
 def held_out_metrics(acc_P: np.ndarray, margin_P: np.ndarray, length_P: np.ndarray) -> dict[str, float]:
     """The held-out metrics of the module docstring from per-pair accuracies, margins and baseline accuracies."""
-    lo, hi = bootstrap_interval(acc_P)
+    lo, hi = offline.bootstrap_interval(acc_P)
     diff = acc_P - length_P
-    dlo, dhi = bootstrap_interval(diff)
+    dlo, dhi = offline.bootstrap_interval(diff)
     return {"rm/accuracy": float(acc_P.mean()), "rm/accuracy_lo": lo, "rm/accuracy_hi": hi,
             "rm/margin": float(margin_P.mean()), "rm/pairs": float(len(acc_P)),
             "rm/length_accuracy": float(length_P.mean()), "rm/vs_length": float(diff.mean()),
