@@ -84,11 +84,7 @@ def make_dpo_plan(cfg: DPORunConfig, *, num_devices: int | None = None, workdir:
                                                 num_devices, backend)
     wd = pathlib.Path(workdir or cfg.train.workdir)
     config_dict, t = to_dict(cfg), cfg.train
-    pairs = data_lib.PairSettings(train_path=d.train_path, eval_path=d.eval_path, train_records=d.train_examples,
-                                  eval_records=d.eval_examples, eval_fraction=d.eval_fraction,
-                                  max_prompt_len=d.max_prompt_len, max_completion_len=d.max_completion_len,
-                                  pairs_per_step=d.pairs_per_step, seed=t.seed,
-                                  from_archive=d.from_archive)
+    pairs = pair_settings(d, t.seed)
     step = dpo_step.StepOptions(loss=d.loss, beta=d.beta, label_smoothing=d.label_smoothing,
                                 num_microbatches=d.num_microbatches, logprob_chunk=d.logprob_chunk,
                                 matmul_precision=cfg.model.matmul_precision, lora_rank=cfg.lora.rank)
@@ -205,6 +201,15 @@ class Run:
 
     def tokens(self, batch) -> int:
         return int(np.count_nonzero(batch.segment_ids_RxL))
+
+
+def pair_settings(section, seed: int) -> data_lib.PairSettings:
+    """The pair data's settings from a preference-pair config section (`dpo` or `rm`: the same data fields)."""
+    return data_lib.PairSettings(train_path=section.train_path, eval_path=section.eval_path,
+                                 train_records=section.train_examples, eval_records=section.eval_examples,
+                                 eval_fraction=section.eval_fraction, max_prompt_len=section.max_prompt_len,
+                                 max_completion_len=section.max_completion_len,
+                                 pairs_per_step=section.pairs_per_step, seed=seed, from_archive=section.from_archive)
 
 
 def accuracy_interval(acc_P: np.ndarray, confidence: float = 0.95, seed: int = 0) -> dict[str, float]:

@@ -85,10 +85,7 @@ def make_rm_plan(cfg: RMRunConfig, *, num_devices: int | None = None, workdir: s
                                                 num_devices, backend)
     wd = pathlib.Path(workdir or t.workdir)
     config_dict = to_dict(cfg)
-    pairs = data_lib.PairSettings(train_path=r.train_path, eval_path=r.eval_path, train_records=r.train_examples,
-                                  eval_records=r.eval_examples, eval_fraction=r.eval_fraction,
-                                  max_prompt_len=r.max_prompt_len, max_completion_len=r.max_completion_len,
-                                  pairs_per_step=r.pairs_per_step, seed=t.seed, from_archive=r.from_archive)
+    pairs = dpo_recipe.pair_settings(r, t.seed)
     step = rm_step.StepOptions(loss=r.loss, center_coef=float(r.center_coef), num_microbatches=r.num_microbatches,
                                matmul_precision=cfg.model.matmul_precision)
     learner = LearnerSettings(workdir=wd, optimizer=optimizer_settings(cfg), seed=t.seed, checkpoint=cfg.checkpoint,
