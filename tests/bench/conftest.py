@@ -1,6 +1,6 @@
-"""Fixtures of the benchmark tests: one --dry-run of scripts/accelerator_check.sh per session, shared by
-test_accelerator_check.py (its files and keys) and test_quick_modes.py (the quick-mode JSON of the four benches it
-runs)."""
+"""Fixtures of the benchmark tests: one --dry-run of scripts/accelerator_check.sh per session, i.e. per xdist
+worker, used only by test_accelerator_check.py (its files and keys, and the quick-mode JSON of the four benches it
+runs), so that it runs once per suite under `--dist loadfile`."""
 import dataclasses
 import os
 import pathlib

@@ -1,6 +1,11 @@
 """scripts/accelerator_check.py: its --dry-run (every step at tiny shapes on the CPU, the `accelerator_dry_run`
 fixture) writes the same files with the same keys as a real run; the real-mode arguments parse in each bench;
---only keeps the other steps' files; the budget, a step's timeout, the wheel install and the JUnit reading."""
+--only keeps the other steps' files; the budget, a step's timeout, the wheel install and the JUnit reading.
+
+The --quick modes of the four benches the check runs (attention, grpo_step, moe, rollout) are checked here, on the
+dry run's JSON, like the other benches' in test_quick_modes.py: the figure, its peer and their ratio. They live in
+this file so that the dry run (~60 s) runs once per suite: a session fixture runs once per xdist worker, and
+`--dist loadfile` put the two files on different workers."""
 import importlib.util
 import json
 import os
@@ -11,6 +16,7 @@ import time
 import tomllib
 import zipfile
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -55,6 +61,80 @@ def test_dry_run_writes_every_step_file_with_its_keys(accelerator_dry_run):
         assert grpo["device"] == "cpu" and grpo["mfu_published_peak"] is None  # no published peak for a CPU
     rollout = json.loads((run.out / "rollout.json").read_text())["result"]
     assert rollout["ignore_stop"] and rollout["dtype"] == "float32" and rollout["torch_device"] == "cpu"
+
+
+def _value(obj: dict, path: str):
+    for key in path.split("."):
+        assert isinstance(obj, dict) and key in obj, f"no {path!r} in the JSON ({key!r} missing)"
+        obj = obj[key]
+    return obj
+
+
+def _attention(out):
+    assert set(out["results"]) == {"blockwise", "dense"}  # the fused kernels only on their own platform
+    bench = _load(ROOT / "bench" / "attention.py", "check_attention")
+    args = bench.parse_args(["--quick"])  # the quick row: its allowed pairs, counted by brute force
+    seg, br = bench.row_ids(args)
+    i, j = np.arange(args.row_len)[:, None], np.arange(args.row_len)[None, :]
+    mask = (j <= i) & (seg[:, None] == seg[None, :]) & ((br[None, :] == 0) | (br[:, None] == br[None, :]))
+    assert out["flops_per_step"] == 3 * 4 * args.head_dim * args.heads * int(mask.sum()) * args.rows
+
+
+def _grpo_step(out):
+    assert (out["rows"], out["row_len"], out["tokens_per_step"]) == (2, 48, 96) and out["finite"]
+    assert out["model_flops_per_step"] > 6 * out["active_params"] * out["tokens_per_step"]  # + head + attention
+
+
+def _moe(out):
+    assert set(out["results"]) == {"dense", "ragged", "padded", "capacity"}  # megablox only on a TPU
+    assert all(r["ratio_to_dense"] > 0 and r["peak_gib"] >= 0 for r in out["results"].values())
+
+
+def _rollout(out):
+    assert out["outputs_agreeing"] == out["rows"] == 2 * out["prompts"] == 8  # same weights, greedy: same tokens
+    assert out["tokens_counted"]["posttrain"] == out["tokens_counted"]["transformers"]
+
+
+# bench: (the check's step that ran its --quick mode, figure, peer, ratio (keys, dotted), more checks)
+QUICK = {
+    "attention": ("attention", "results.dense.tokens_per_s", "results.blockwise.tokens_per_s",
+                  "results.dense.ratio_to_blockwise", _attention),
+    "grpo_step": ("grpo_step_dots", "model_flops_per_s", "peak_flops_per_s", "mfu", _grpo_step),
+    "moe": ("moe", "results.padded.tokens_per_s", "results.dense.tokens_per_s", "results.padded.ratio_to_dense", _moe),
+    "rollout": ("rollout", "posttrain_tokens_per_s", "transformers_tokens_per_s", "ratio", _rollout),
+}
+
+
+def _quick_result(run, name: str) -> dict:
+    record = json.loads((run.out / f"{QUICK[name][0]}.json").read_text())
+    assert record["status"] == "ok" and "--quick" in record["command"], record
+    return record["result"]
+
+
+def test_the_benches_the_check_runs_are_the_quick_table():
+    assert {pathlib.Path(s.args[0]).stem for s in check.STEPS.values() if s.args[0].startswith("bench/")} == set(QUICK)
+
+
+@pytest.mark.parametrize("name", sorted(QUICK))
+def test_quick_mode_reports_the_figure_its_peer_and_their_ratio(name, accelerator_dry_run):
+    _, figure, peer, ratio, more = QUICK[name]
+    out = _quick_result(accelerator_dry_run, name)
+    values = [_value(out, k) for k in (figure, peer, ratio)]
+    assert all(isinstance(v, (int, float)) and v > 0 for v in values), dict(zip((figure, peer, ratio), values))
+    more(out)
+
+
+def test_moe_runs_only_the_variants_that_fit(accelerator_dry_run, capsys):
+    peaks = {k: r["peak_gib"] for k, r in _quick_result(accelerator_dry_run, "moe")["results"].items()}
+    assert peaks["ragged"] > 2 * peaks["dense"] > 0  # XLA:CPU's ragged_dot expands across the groups
+    budget = 2 * peaks["dense"] / 0.9  # `aot.fits` takes 90% of it: dense fits, ragged does not
+    out = _load(ROOT / "bench" / "moe.py", "check_moe").main(["--quick", "--json", "--impls", "ragged",
+                                                              "--max-gib", str(budget)])
+    capsys.readouterr()
+    assert "step_s" in out["results"]["dense"] and "step_s" not in out["results"]["ragged"]
+    assert out["memory_budget_gib"] == pytest.approx(budget, rel=1e-3)
+    assert out["results"]["ragged"]["skipped"] == (f"needs {peaks['ragged']} GiB, more than fits in "
+                                                   f"{out['memory_budget_gib']} GiB")
 
 
 def test_real_mode_arguments_parse_in_each_bench():
