@@ -41,6 +41,9 @@ from typing import Any, NamedTuple
 from envs.sandbox.procs import DIR_PREFIX, TMP_BASE, remove_tree
 
 
+BACKENDS = ("process", "ray")  # EnvPool's worker kinds (a run's env.backend)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EpisodeSpec:
     """One episode: ``gymnasium.make(env_id, **env_kwargs).reset(seed=seed, options={"task": task})``
@@ -180,8 +183,9 @@ class EnvPool:
       num_workers: worker processes (or Ray actors). step_timeout_s: seconds one env.step may take
         (counted from when the worker starts that item). reset_timeout_s: the same for make + reset
         (default: step_timeout_s). startup_timeout_s: seconds a (re)started worker may take to import.
-      backend: "process" or "ray". imports: modules each worker imports first (registrations).
-      ray_actor_options: options for the Ray actors (default {"num_cpus": 0}).
+      backend: one of BACKENDS, "process" or "ray". imports: modules each worker imports first (registrations).
+      ray_actor_options: `ray.remote` options of the actors over `ray_pool.DEFAULT_ACTOR_OPTIONS` ({"num_cpus": 0,
+        "max_restarts": 3}: Ray restarts a dead actor 3 times, then a new one replaces it); max_task_retries is 0.
     Not thread-safe: one caller drives a pool. Worker processes exit when the pool closes or its
     process dies (an orphaned worker checks every 0.5 s, even inside a hung env step).
     Raises ValueError/TypeError on bad arguments; ImportError for backend="ray" without ray.
@@ -203,7 +207,7 @@ class EnvPool:
 
             self._backend = RayWorkers(num_workers, imports, ray_actor_options)
         else:
-            raise ValueError(f"backend must be 'process' or 'ray', got {backend!r}")
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.num_workers, self.backend = num_workers, backend
         self.step_timeout_s, self.startup_timeout_s = float(step_timeout_s), float(startup_timeout_s)
         self.reset_timeout_s = float(step_timeout_s if reset_timeout_s is None else reset_timeout_s)

@@ -1,11 +1,20 @@
-"""Ray backend of `envs.pool.processes.EnvPool` (``EnvPool(..., backend="ray")``): one Ray actor per worker.
+"""Ray backend of `envs.pool.processes.EnvPool` (``EnvPool(..., backend="ray")``, or ``env.backend = "ray"`` in a
+run's config): one Ray actor per worker, so the same tickets and reports drive envs spread over a Ray cluster.
 
 Needs the optional extra (``pip install posttrain[ray]``); ray is imported only when this backend is
 used. Uses the current Ray cluster (``ray.init(...)`` first; otherwise Ray starts a local one on the
 first actor). Each actor holds an `envs.pool.worker.EnvHost`; items are submitted as one actor call
 each, so Ray runs them in order and the pool sees each result as it lands (per-item timeouts as with
-the process backend). A hung actor is killed with ``ray.kill``; a dead one (``RayActorError``, e.g.
-``ActorDiedError``) is replaced; the pool turns both into infra_error episodes.
+the process backend).
+
+Worker death is Ray's restart: actors are created with ``max_restarts`` (default 3; Ray restarts a dead actor
+process: crash, OOM kill, lost node) and ``max_task_retries=0`` (Ray never re-runs a call in flight when its actor
+died, so no env step runs twice). The pool turns every episode the dead actor held into an ``infra_error``
+(its reason names the Ray error), which the job scheduler retries as a new attempt (`posttrain.tasks.retry`): the
+sample is our retry. A hung actor (an item past its timeout) is killed with ``ray.kill(no_restart=False)``, so Ray
+restarts it the same way. A restarted actor is used again once it answers ``ready`` (calls made while Ray restarts
+it fail at once with ``ActorUnavailableError`` and are sent again); an actor whose restarts are spent, or that never
+became ready, is replaced by a new one (counted in `replaced`).
 """
 from __future__ import annotations
 
@@ -17,6 +26,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from envs.pool.worker import EnvHost, worker_info
+
+DEFAULT_ACTOR_OPTIONS = {"num_cpus": 0, "max_restarts": 3}
+READY_RETRY_S = 0.05  # seconds between `ready` calls to an actor Ray is restarting
 
 
 def import_ray(user: str = "EnvPool(backend='ray')"):
@@ -48,24 +60,40 @@ class EnvActor:
 
 
 class RayWorkers:
-    """Same interface as `envs.pool.processes.ProcessWorkers`: start/send/poll/kill/pids/close."""
+    """Same interface as `envs.pool.processes.ProcessWorkers`: start/send/poll/kill/pids/close.
+
+    actor_options: `ray.remote` options over DEFAULT_ACTOR_OPTIONS (``max_restarts`` included);
+    ``max_task_retries`` is always 0. Counter: `replaced` (actors created anew in a slot)."""
 
     def __init__(self, num_workers: int, imports: Sequence[str], actor_options: Mapping[str, Any] | None) -> None:
         self._ray = import_ray()
-        options = dict(actor_options) if actor_options is not None else {"num_cpus": 0}
+        options = {**DEFAULT_ACTOR_OPTIONS, **dict(actor_options or {}), "max_task_retries": 0}
         self._cls = self._ray.remote(**options)(EnvActor)
         self._imports = list(imports)
         self._actors: list[Any] = [None] * num_workers
         self._pids: list[int | None] = [None] * num_workers
+        self._ready = [False] * num_workers
+        self._restarting: set[int] = set()  # workers whose actor died: Ray is restarting it
+        self._ask_ready: dict[int, float] = {}  # worker -> when to call `ready` again (its actor was restarting)
         self._refs: dict[Any, tuple[int, Any]] = {}  # ObjectRef -> (worker, "ready" | episode), in order
+        self._queued: list[list[tuple[str, list]]] = [[] for _ in range(num_workers)]  # sent before `ready`
+        self.replaced = 0
         for w in range(num_workers):
             self.start(w)
 
     def start(self, w: int) -> None:
-        self._actors[w] = self._cls.remote(self._imports, [p or os.getcwd() for p in sys.path])
+        """Starts worker w: a new actor, or the same one when Ray restarts it (its `ready` call waits for it)."""
+        if self._actors[w] is None:
+            self._actors[w] = self._cls.remote(self._imports, [p or os.getcwd() for p in sys.path])
+        self._ready[w], self._pids[w] = False, None
         self._refs[self._actors[w].ready.remote()] = (w, "ready")
 
     def send(self, w: int, op: str, items: list) -> None:
+        """Submits `items` to worker w's actor; until it has answered `ready` (a call to an actor Ray is restarting
+        would fail at once) they wait here, in order."""
+        if not self._ready[w]:
+            self._queued[w].append((op, items))
+            return
         if op in ("reset", "release"):  # calls on one actor run in order: this one comes first
             self._actors[w].release_all.remote()
         for item in items:
@@ -74,11 +102,16 @@ class RayWorkers:
     def poll(self, timeout_s: float) -> list[tuple[int, tuple]]:
         """Events (worker, ("ready", info) | ("result", ep, kind, payload) | ("died", reason))."""
         ray = self._ray
+        now = time.monotonic()
+        for w in [w for w, at in self._ask_ready.items() if at <= now]:
+            del self._ask_ready[w]
+            self.start(w)
         if not self._refs:
-            time.sleep(max(0.0, min(timeout_s, 0.05)))
+            time.sleep(max(0.0, min(timeout_s, READY_RETRY_S)))
             return []
         refs = list(self._refs)
-        ready, _ = ray.wait(refs, num_returns=1, timeout=max(0.0, timeout_s))
+        wait_s = min(timeout_s, READY_RETRY_S) if self._ask_ready else timeout_s
+        ready, _ = ray.wait(refs, num_returns=1, timeout=max(0.0, wait_s))
         if ready:
             ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
         events = []
@@ -89,29 +122,65 @@ class RayWorkers:
             try:
                 value = ray.get(ref)
             except ray.exceptions.RayError as e:
-                events.append((w, ("died", f"ray actor died ({type(e).__name__}: {str(e)[:200]})")))
-                self._forget(w)
+                if tag == "ready":
+                    self._not_ready(w, e)
+                else:
+                    reason = f"ray actor died ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+                    events.append((w, ("died", reason)))
+                    self._restarting.add(w)
+                    self._forget(w)
                 continue
             if tag == "ready":
-                self._pids[w] = value["pid"]
+                self._ready[w], self._pids[w] = True, value["pid"]
+                self._restarting.discard(w)
                 events.append((w, ("ready", value)))
+                for op, items in self._queued[w]:
+                    self.send(w, op, items)
+                self._queued[w] = []
             else:
                 events.append((w, ("result", tag, *value)))
         return events
 
+    def _not_ready(self, w: int, error: Exception) -> None:
+        """A `ready` call failed: Ray is still restarting the actor (ask again soon), or it is gone for good
+        (restarts spent): a new actor in its slot."""
+        if isinstance(error, self._ray.exceptions.ActorUnavailableError):
+            self._ask_ready[w] = time.monotonic() + READY_RETRY_S
+            return
+        self._ray.kill(self._actors[w], no_restart=True)
+        self._actors[w] = None
+        self._restarting.discard(w)
+        self.replaced += 1
+        self.start(w)
+
     def _forget(self, w: int) -> None:
         for ref in [r for r, (worker, _) in self._refs.items() if worker == w]:
             del self._refs[ref]
+        self._ask_ready.pop(w, None)
+        self._queued[w] = []
 
     def kill(self, w: int) -> None:
-        if self._actors[w] is not None:
-            self._ray.kill(self._actors[w], no_restart=True)
+        """Ends worker w's calls: a hung ready actor is killed for Ray to restart (`start` then waits for it), one
+        that died is left to Ray's restart, one that never became ready is killed for good (`start` makes anew)."""
+        actor = self._actors[w]
         self._forget(w)
-        self._actors[w] = self._pids[w] = None
+        if actor is None or w in self._restarting:
+            return
+        if self._ready[w]:
+            self._ray.kill(actor, no_restart=False)
+            self._restarting.add(w)
+        else:
+            self._ray.kill(actor, no_restart=True)
+            self._actors[w] = None
+            self.replaced += 1
+        self._ready[w], self._pids[w] = False, None
 
     def pids(self) -> list[int | None]:
         return list(self._pids)
 
     def close(self) -> None:
-        for w in range(len(self._actors)):
-            self.kill(w)
+        for w, actor in enumerate(self._actors):
+            self._forget(w)
+            if actor is not None:
+                self._ray.kill(actor, no_restart=True)
+            self._actors[w] = self._pids[w] = None

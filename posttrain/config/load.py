@@ -17,6 +17,7 @@ import types
 import typing
 from typing import Any, Mapping
 
+from envs.pool.processes import BACKENDS as ENV_BACKENDS
 from posttrain.config.schema import Config
 from posttrain.infra.precision import DTYPES, PRECISIONS
 from posttrain.model.attention_kernels import IMPLS as ATTENTION_IMPLS
@@ -34,6 +35,7 @@ _CHOICES = {
     ("model", "moe_gmm_impl"): tuple(i for i in GMM_IMPLS if i != "capacity"),
     ("model", "attention_impl"): ATTENTION_IMPLS,
     ("model", "grad_dtype"): GRAD_DTYPES,
+    ("env", "backend"): ENV_BACKENDS,
 }
 _POSITIVE = (">= 1", lambda v: v >= 1)
 _NONNEGATIVE = (">= 0", lambda v: v >= 0)
@@ -178,6 +180,9 @@ def from_config_dict(cd) -> Config:
     free = [k for k in ("data", "fsdp", "tensor", "expert") if getattr(cfg.mesh, k) == -1]
     if len(free) > 1:
         raise ConfigError(f"mesh: at most one axis may be -1, got {['mesh.' + k for k in free]}")
+    if cfg.env.backend != "process" and cfg.env.num_workers < 1:
+        raise ConfigError(f"env.backend={cfg.env.backend!r} needs env.num_workers >= 1 (its actors), got "
+                          f"env.num_workers={cfg.env.num_workers}")
     if cfg.env.domains:
         cfg = _keep_domains(cfg)
     if not cfg.env.train:

@@ -220,8 +220,12 @@ class EnvConfig:
         domains: comma-separated name patterns (fnmatch; e.g. "reasoning_gym/gcd,reasoning_gym/l*"): only the train
             and eval envs whose mix name matches one are kept (`--config.env.train...` cannot name keys holding
             "/"); "" keeps all.
-        num_workers: 0 runs envs in-process (cheap verifiers); > 0 uses `envs.pool.processes.EnvPool` worker
-            processes (crash/hang isolation with per-step timeouts).
+        num_workers: 0 runs envs in-process (cheap verifiers); > 0 uses an `envs.pool.processes.EnvPool` of that
+            many workers (crash/hang isolation with per-step timeouts), of the kind `backend` names.
+        backend: the env workers' kind (with num_workers > 0): "process" (subprocesses of this host) or "ray" (Ray
+            actors, `envs.pool.ray_pool`: the current Ray cluster, or a local one Ray starts; a dead actor is Ray's
+            restart, its samples infra errors the job scheduler retries; needs the `ray` extra). "ray" with
+            num_workers = 0 is a ConfigError.
         step_timeout_s: a worker's limit on one env step (seconds); past it the episode is an infra error.
         max_turns: model turns per episode (multi-turn tool / terminal envs).
         max_infra_error_rate: a step whose share of infra-error episodes (worker crash, timeout, env exception)
@@ -232,6 +236,7 @@ class EnvConfig:
     eval: Mapping[str, EnvSpec] = dataclasses.field(default_factory=dict)
     domains: str = ""
     num_workers: int = 0
+    backend: str = "process"
     step_timeout_s: float = 60.0
     max_turns: int = 1
     max_infra_error_rate: float = 0.5

@@ -376,7 +376,7 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
         decode_shrink_steps=s.decode_shrink_steps, decode_multiple=math.lcm(8, shards), row_multiple=split,
         packed=rl.packed, overlong_filter=rl.overlong_filter, dynamic_sampling=rl.dynamic_sampling,
         max_resample_rounds=rl.max_resample_rounds, record_routing=rl.routing_replay == "replay",
-        num_workers=env.num_workers, step_timeout_s=env.step_timeout_s,
+        num_workers=env.num_workers, env_backend=env.backend, step_timeout_s=env.step_timeout_s,
         max_infra_error_rate=env.max_infra_error_rate, seed=cfg.train.seed, **dataclasses.asdict(cfg.rollout),
         curriculum=cfg.curriculum, run=tasks.run, tasks=tasks if cfg.tasks.enabled else None)
     learner = LearnerSettings(workdir=wd, optimizer=optimizer_settings(cfg), lora_rank=cfg.lora.rank,

@@ -52,7 +52,8 @@ class RolloutSettings:
         dynamic_sampling: redraw zero-variance groups (DAPO).
         max_resample_rounds: the most redraw rounds per step.
         record_routing: record the sampler's expert selections (routing replay).
-        num_workers: env worker processes (0: in-process).
+        num_workers: env workers (0: in-process).
+        env_backend: the env workers' kind, "process" or "ray" (`envs.pool.processes.BACKENDS`; `make_runner`).
         step_timeout_s: a worker's limit on one env step, in seconds.
         max_infra_error_rate: a step with a larger share of infra-error episodes raises EnvInfraError.
         seed: seeds the task order.
@@ -82,6 +83,7 @@ class RolloutSettings:
     max_resample_rounds: int = 2
     record_routing: bool = False
     num_workers: int = 0
+    env_backend: str = "process"
     step_timeout_s: float = 60.0
     max_infra_error_rate: float = 0.5
     seed: int = 0
@@ -110,13 +112,18 @@ class Trajectories:
         return int(np.asarray(self.batch.loss_mask_NxC).sum())
 
 
-def make_runner(num_workers: int, step_timeout_s: float) -> rollout.EnvRunner:
-    """This process's env runner: in-process (num_workers = 0) or a pool of worker processes."""
+def make_runner(num_workers: int, step_timeout_s: float, backend: str = "process") -> rollout.EnvRunner:
+    """This process's env runner: in-process (num_workers = 0) or an `EnvPool` of `num_workers` workers of kind
+    `backend` ("process": subprocesses; "ray": Ray actors, `envs.pool.ray_pool`, on the current Ray cluster or a
+    local one). Raises ValueError for another backend, or for "ray" with num_workers = 0; ImportError for "ray"
+    without ray."""
+    if backend != "process" and num_workers <= 0:
+        raise ValueError(f"env backend {backend!r} needs num_workers >= 1, got {num_workers}")
     if num_workers <= 0:
         return rollout.InlineEnvs()
     from envs.pool.processes import EnvPool
 
-    return EnvPool(num_workers=num_workers, step_timeout_s=step_timeout_s)
+    return EnvPool(num_workers=num_workers, step_timeout_s=step_timeout_s, backend=backend)
 
 
 class EnvInfraError(RuntimeError):
@@ -239,7 +246,8 @@ class Rollouter:
         if cur is not None:  # every curriculum domain's tasks at its (start or restored) level
             apply_levels(cur, train_specs, scheduler, [d for d in cur.names if cur.max_levels[d] > 0])
             scheduler.set_weights(cur.weights())
-        runner = rollout.HostShardedEnvs(make_runner(settings.num_workers, settings.step_timeout_s))
+        runner = rollout.HostShardedEnvs(make_runner(settings.num_workers, settings.step_timeout_s,
+                                                          settings.env_backend))
         return cls(settings=settings, mesh=mesh, graphdef=graphdef, tokenizer=tokenizer, runner=runner,
                    scheduler=scheduler, train_specs=train_specs, advantage_fn=advantage_fn, curriculum=cur)
 

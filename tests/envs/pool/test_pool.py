@@ -1,4 +1,5 @@
-"""Tests for envs/pool.py (process backend) and envs/ray_pool.py (ray backend, marked `ray`).
+"""Tests for envs/pool.py (process backend; the ray backend's: tests/posttrain/rollout/test_ray_runner.py, one Ray
+session for them and the config that selects it).
 
 Test envs live in pool_test_envs.py (this directory), imported by the workers through `imports`.
 """
@@ -166,23 +167,3 @@ def test_256_episodes_with_10_percent_of_workers_killed_mid_step():
         assert p.restarts == 2 and p.infra_errors == len(infra) == 26
         p.reset(echo(n))
         assert [r.reward for r in p.step(["a"] * n)] == [1.0] * n
-
-
-@pytest.mark.ray
-def test_ray_backend_same_api_with_dead_and_hung_actors():
-    ray = pytest.importorskip("ray", reason="the ray backend needs the optional `ray` extra")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        with EnvPool(3, step_timeout_s=3.0, backend="ray", imports=IMPORTS) as p:
-            first = p.reset(echo(9, seed0=100))
-            with EnvPool(2, imports=IMPORTS) as reference:  # same seeds, same draws as the process backend
-                assert first == reference.reset(echo(9, seed0=100))
-            out = p.step(["a", "sleep:30", "crash"] + ["a"] * 6)
-            assert out[1].info["reason"] == "worker timed out: step of episode 1 took longer than 3 s"
-            assert out[2].info["status"] == "infra_error" and "ActorDiedError" in out[2].info["reason"]
-            assert {ep for ep, r in enumerate(out) if r.info["status"] == "infra_error"} == {1, 2, 4, 5, 7, 8}
-            assert [out[ep].reward for ep in (0, 3, 6)] == [1.0] * 3 and p.restarts == 2
-            p.reset(echo(9))
-            assert [r.reward for r in p.step(["a"] * 9)] == [1.0] * 9
-    finally:
-        ray.shutdown()
