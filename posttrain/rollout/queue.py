@@ -117,7 +117,7 @@ class RolloutQueue:
                     if self._stop:
                         return
                     traj = r.collect(step, policy, rng)
-                    state, status = json.loads(json.dumps(r.state_dict())), r.status(step)
+                    state, status = json.loads(json.dumps(r.state_dict())), r.status(step, version)
                 records = tuple({**row, "policy_version": version} for row in traj.records)
                 batch = ReadyBatch(step, version, dataclasses.replace(traj, records=records), state, status,
                                    wait_s=t1 - t0, collect_s=time.perf_counter() - t1)

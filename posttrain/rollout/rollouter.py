@@ -347,12 +347,13 @@ class Rollouter:
         return Trajectories(batch=batch, metrics={**metrics, **perf},
                             records=tickets.archive_rows(attempts, self.tokenizer, policy_version=step))
 
-    def status(self, step: int) -> dict:
-        """The run view after step `step` (`tasks.view.snapshot`: the scheduler's counters and the curriculum's
-        levels), the content of the run's status.json."""
+    def status(self, step: int, policy_version: int | None = None) -> dict:
+        """The run view after step `step` (`tasks.view.snapshot`: the scheduler's counters, the curriculum's levels
+        and the policy version that sampled the batch), the content of the run's status.json."""
         from posttrain.tasks import view
 
-        return view.snapshot(step, self.scheduler, self.curriculum.levels if self.curriculum is not None else None)
+        levels = self.curriculum.levels if self.curriculum is not None else None
+        return view.snapshot(step, self.scheduler, levels, policy_version)
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the rollouts: the scheduler's cursors (and the curriculum's state)."""

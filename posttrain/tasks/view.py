@@ -4,11 +4,13 @@ episode archive when a run has none (older runs, the weighted draw's counters).
 A run writes `workdir/status.json` after every step (process 0; `write_status`: a temp file, fsynced, renamed over
 the final name, so a reader never sees a partial file). Its form (STATUS_VERSION 1):
 
-    {"version": 1, "step": 11, "scheduler": "jobs" | "weighted", "steps": 12,
+    {"version": 1, "step": 11, "scheduler": "jobs" | "weighted", "steps": 12, "policy_version": 11,
      "domains": {name: {"weight", "priority", "max_env_cpu_s", "quarantined", "breaker", "level",
                         "last": COUNTERS, "run": COUNTERS}}}
 
-where COUNTERS = {groups, slots, cpu_s, episodes, scored, passes, infra_errors, retries} over the last step and over
+where policy_version is the policy version that sampled the step's batch (the archive rows' `policy_version`; below
+`step` by the batch's staleness under rollout.max_staleness > 0; null when not known; absent in older files),
+COUNTERS = {groups, slots, cpu_s, episodes, scored, passes, infra_errors, retries} over the last step and over
 the run (the job scheduler's `stats.DomainState` counters: slots while the domain was drawn from, passes of the
 complete groups; the weighted draw has none: `weight` is its draw probability and the counters come from the
 archive). `archive_stats` computes the same counters from archive rows, where slots are every domain's groups of
@@ -42,10 +44,11 @@ ARCHIVE_COLUMNS = ["domain", "step", "task_index", "visit", "try_index", "retry_
                    "env_cost_s"]
 
 
-def snapshot(step: int, scheduler, levels: Mapping[str, int] | None = None) -> dict:
+def snapshot(step: int, scheduler, levels: Mapping[str, int] | None = None, policy_version: int | None = None
+             ) -> dict:
     """The status.json dict of `scheduler` after step `step` (0-based): a `tasks.jobs.JobScheduler` (policies,
     counters, quarantine, breaker) or a `tasks.scheduler.TaskScheduler` (draw probabilities only); `levels`:
-    the curriculum's {domain: level}."""
+    the curriculum's {domain: level}; `policy_version`: the version that sampled the step's batch."""
     levels = dict(levels or {})
     domains = {}
     if hasattr(scheduler, "domains"):  # the job scheduler
@@ -60,7 +63,7 @@ def snapshot(step: int, scheduler, levels: Mapping[str, int] | None = None) -> d
             domains[name] = {"weight": float(p), "priority": 0, "level": levels.get(name)}
         kind = "weighted"
     return {"version": STATUS_VERSION, "step": int(step), "steps": int(step) + 1, "scheduler": kind,
-            "domains": domains}
+            "policy_version": None if policy_version is None else int(policy_version), "domains": domains}
 
 
 def write_status(workdir, status: Mapping) -> pathlib.Path:

@@ -23,7 +23,7 @@ from posttrain.rollout.episodes import Sample
 from posttrain.rollout.rollouter import Rollouter
 from posttrain.rollout.sampler import SampleOutput
 from posttrain.rollout.tickets import StepDraw, archive_rows
-from posttrain.tasks import archive
+from posttrain.tasks import archive, view
 from posttrain.tasks.jobs import JobScheduler
 from posttrain.tasks.policy import SchedulerSettings
 
@@ -98,17 +98,28 @@ def scripted_sample_fn(rollouter, policy, params):
 
 @pytest.fixture(scope="module")
 def flaky_run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("flaky")
+    """The 8-step run: summary, metrics rows, archive rows, the last checkpoint's scheduler state, its golden view
+    and workdir/status.json as read back after each of the loop's writes (`view.write_status`)."""
+    workdir, statuses = tmp_path_factory.mktemp("flaky"), []
+
+    def write_status(wd, status, _write=view.write_status):
+        path = _write(wd, status)
+        statuses.append(view.read_status(wd))
+        return path
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Rollouter, "sample_fn", scripted_sample_fn)
+        mp.setattr(view, "write_status", write_status)
         summary = loop.train(flaky_config(workdir), progress=False)
     metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     meta = json.loads((workdir / "checkpoints" / str(STEPS) / "meta" / "metadata").read_text())
-    return summary, metrics, archive.read(workdir).to_pylist(), meta["scheduler"], golden_view(workdir)
+    assert view.read_status(workdir) == statuses[-1]
+    return (summary, metrics, archive.read(workdir).to_pylist(), meta["scheduler"], golden_view(workdir),
+            statuses)
 
 
 def test_the_run_continues_and_every_batch_group_is_fully_scored(flaky_run):
-    summary, metrics, rows, _, _ = flaky_run
+    summary, metrics, rows, _, _, _ = flaky_run
     assert summary["end_step"] == STEPS and [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert all(m["env/infra_error_rate"] == 0.0 for m in metrics)  # no infra error in any batch
     for step in range(STEPS):
@@ -139,7 +150,7 @@ def test_the_job_scheduler_run_reproduces_the_synchronous_loop(flaky_run):
 
 
 def test_the_archive_has_one_row_per_attempt(flaky_run):
-    _, metrics, rows, state, _ = flaky_run
+    _, metrics, rows, state, _, _ = flaky_run
     keys = [(r["episode_id"], r["attempt"]) for r in rows]
     assert len(set(keys)) == len(keys)
     assert len(rows) == sum(d["totals"]["episodes"] for d in state["domains"].values())  # every reported run
@@ -153,7 +164,7 @@ def test_the_archive_has_one_row_per_attempt(flaky_run):
 
 
 def test_quarantine_is_exactly_the_tasks_that_failed_every_try(flaky_run):
-    _, _, rows, state, _ = flaky_run
+    _, _, rows, state, _, _ = flaky_run
     failed = collections.defaultdict(set)  # (domain, task, visit) -> its tries that left the batch (no probe)
     trained = {(r["domain"], r["task_index"], r["visit"], r["try_index"]) for r in rows if r["in_batch"]}
     for r in rows:
@@ -169,7 +180,7 @@ def test_quarantine_is_exactly_the_tasks_that_failed_every_try(flaky_run):
 
 
 def test_the_broken_domain_is_paused_and_the_others_fill_the_batches(flaky_run):
-    _, metrics, rows, state, _ = flaky_run
+    _, metrics, rows, state, _, _ = flaky_run
     assert state["domains"]["broken"]["breaker"]["trips"] >= 1
     assert all(d["breaker"]["state"] == "closed" for n, d in state["domains"].items() if n != "broken")
     paused = [m["step"] - 1 for m in metrics if m["tasks/broken/breaker"] > 0]
@@ -177,6 +188,31 @@ def test_the_broken_domain_is_paused_and_the_others_fill_the_batches(flaky_run):
     broken = collections.Counter(r["step"] for r in rows if r["domain"] == "broken")
     assert broken[0] > G and {broken[s] for s in range(1, STEPS)} == {0, G}  # paused: now and then a probe group
     assert not any(r["in_batch"] for r in rows if r["domain"] == "broken")
+
+
+def test_status_json_is_rewritten_every_step_with_the_scheduler_state(flaky_run):
+    """Issue 23 item 7: after each step workdir/status.json holds that step, the policy version that sampled its
+    batch (here the step: synchronous), each domain's policy, its last-step and run counters (equal to the archive's
+    rows), its breaker (paused or not, as the step's tasks/<domain>/breaker metric) and quarantined tasks (as the
+    checkpoint's quarantine at the end)."""
+    _, metrics, rows, state, _, statuses = flaky_run
+    assert [(s["step"], s["steps"], s["policy_version"]) for s in statuses] == [(k, k + 1, k) for k in range(STEPS)]
+    codes = {"closed": 0.0, "open": 1.0, "probing": 2.0}
+    for k, (status, m) in enumerate(zip(statuses, metrics)):
+        assert status["scheduler"] == "jobs" and sorted(status["domains"]) == sorted(INFRA)
+        for d, s in status["domains"].items():
+            last = [r for r in rows if r["domain"] == d and r["step"] == k]
+            run = [r for r in rows if r["domain"] == d and r["step"] <= k]
+            assert (s["weight"], s["priority"], s["max_env_cpu_s"]) == (1.0, 0, 0.0)
+            assert (s["last"]["episodes"], s["run"]["episodes"]) == (len(last), len(run)), (k, d)
+            assert s["last"]["infra_errors"] == sum(r["status"] == "infra_error" for r in last)
+            assert s["run"]["cpu_s"] == pytest.approx(0.01 * len(run))  # every attempt reports cost 0.01 s
+            assert codes[s["breaker"]] == m[f"tasks/{d}/breaker"], (k, d)
+        assert sum(s["quarantined"] for s in status["domains"].values()) == m["tasks/quarantined"]
+    paused = [k for k, s in enumerate(statuses) if s["domains"]["broken"]["breaker"] != "closed"]
+    assert paused and all(s["domains"]["flaky_a"]["breaker"] == "closed" for s in statuses)
+    assert {d: s["quarantined"] for d, s in statuses[-1]["domains"].items()} == {
+        d: len(s["quarantine"]) for d, s in state["domains"].items()}
 
 
 def test_retry_tickets_run_as_their_own_batch_after_their_back_off():
