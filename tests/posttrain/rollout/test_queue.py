@@ -45,8 +45,8 @@ class FakeRollouter:
     def state_dict(self):
         return {"scheduler": {"cursor": len(self.calls)}}
 
-    def status(self, step):
-        return {"step": step}
+    def status(self, step, policy_version=None):
+        return {"step": step, "policy_version": policy_version}
 
 
 def drive(k: int, steps: int, update_s: float, start: int = 0):
@@ -70,6 +70,7 @@ def test_the_producer_stays_within_the_bound_and_reaches_it_when_the_learner_is_
         assert 0 <= b.step - b.version <= k
         assert b.trajectories.records[0]["policy_version"] == b.version  # every sample carries its version
         assert b.rollout_state == {"scheduler": {"cursor": b.step + 1}}  # the state right after this batch
+        assert b.status == {"step": b.step, "policy_version": b.version}  # status.json names the sampling version
     assert [v for _, v in r.calls] == [b.version for b in got]
     if k == 0:
         assert all(b.version == b.step for b in got)  # the synchronous loop: batch s from version s
