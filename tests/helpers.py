@@ -157,3 +157,44 @@ def assert_equals_golden(view: dict, golden: dict) -> None:
     assert sorted(hashes) == sorted(want)
     changed = [k for k in hashes if hashes[k] != want[k]]
     assert not changed, f"{len(changed)} of {len(hashes)} checkpoint arrays differ from the recording: {changed[:5]}"
+
+
+GGUF_CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                      "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def assert_gguf_matches_transformers(ours, model, atol=1e-6):
+    """Every tensor of transformers' state_dict equals ours (a `gguf.load_gguf` checkpoint: same names/shapes;
+    fused experts restacked), and so do the config fields of GGUF_CONFIG_FIELDS, rms_norm_eps and rope_theta."""
+    import pytest
+
+    theirs = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    for name, value in theirs.items():
+        prefix = name.rsplit(".", 1)[0] + "."
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers 5 fuses experts: [E, 2M, D]
+            n = value.shape[0]
+            mine = np.stack([np.concatenate([ours.state_dict[f"{prefix}{e}.gate_proj.weight"],
+                                             ours.state_dict[f"{prefix}{e}.up_proj.weight"]]) for e in range(n)])
+        elif name.endswith("mlp.experts.down_proj"):
+            mine = np.stack([ours.state_dict[f"{prefix}{e}.down_proj.weight"] for e in range(value.shape[0])])
+        elif name == "lm_head.weight" and ours.hf_config["tie_word_embeddings"]:
+            assert "lm_head.weight" not in ours.state_dict
+            mine = ours.state_dict["model.embed_tokens.weight"]
+        else:
+            assert name in ours.state_dict, f"missing {name}"
+            mine = ours.state_dict[name]
+        assert mine.shape == value.shape, name
+        np.testing.assert_allclose(mine, value, rtol=0, atol=atol, err_msg=name)
+    n_ours = sum(v.size for v in ours.state_dict.values())
+    tied = model.config.tie_word_embeddings
+    n_theirs = sum(v.size for k, v in theirs.items() if not (k == "lm_head.weight" and tied))
+    assert n_ours == n_theirs
+    cfg = model.config
+    for field in GGUF_CONFIG_FIELDS:
+        default = cfg.hidden_size // cfg.num_attention_heads if field == "head_dim" else None  # Qwen2: derived
+        assert ours.hf_config[field] == getattr(cfg, field, default), field
+    assert ours.hf_config["rms_norm_eps"] == pytest.approx(cfg.rms_norm_eps, rel=1e-6)
+    assert ours.hf_config["rope_theta"] == pytest.approx(cfg.rope_parameters["rope_theta"])
+    assert ours.hf_config["rope_scaling"] is None and cfg.rope_parameters["rope_type"] == "default"
+    assert ours.hf_config["architectures"] == [type(model).__name__]

@@ -1,4 +1,6 @@
-"""GGUF loader: parity with transformers' GGUF loading, layout fixes, and one clear error per bad input."""
+"""GGUF loader: parity with transformers' GGUF loading, layout fixes, and one clear error per bad input. The default
+GGUF (SmolLM2-135M-Instruct) against transformers' loading of it, and its config and metadata, are checked in
+tests/posttrain/model/test_smollm2_parity.py, which loads it in transformers once for all its tests."""
 
 import importlib.util
 import pathlib
@@ -6,7 +8,7 @@ import pathlib
 import gguf
 import numpy as np
 import pytest
-from helpers import smollm2_path
+from helpers import assert_gguf_matches_transformers, smollm2_path
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as T
 
@@ -18,73 +20,13 @@ from posttrain.checkpoints.gguf import default_model_path, load_gguf, read_gguf_
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-                 "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
-
 
 def _transformers_model(path: pathlib.Path, **overrides):
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32, **overrides)
 
 
-def _assert_matches_transformers(ours, model, atol=1e-6):
-    """Every tensor of transformers' state_dict equals ours (same names/shapes; fused experts restacked)."""
-    theirs = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    for name, value in theirs.items():
-        prefix = name.rsplit(".", 1)[0] + "."
-        if name.endswith("mlp.experts.gate_up_proj"):  # transformers 5 fuses experts: [E, 2M, D]
-            n = value.shape[0]
-            mine = np.stack([np.concatenate([ours.state_dict[f"{prefix}{e}.gate_proj.weight"],
-                                             ours.state_dict[f"{prefix}{e}.up_proj.weight"]]) for e in range(n)])
-        elif name.endswith("mlp.experts.down_proj"):
-            mine = np.stack([ours.state_dict[f"{prefix}{e}.down_proj.weight"] for e in range(value.shape[0])])
-        elif name == "lm_head.weight" and ours.hf_config["tie_word_embeddings"]:
-            assert "lm_head.weight" not in ours.state_dict
-            mine = ours.state_dict["model.embed_tokens.weight"]
-        else:
-            assert name in ours.state_dict, f"missing {name}"
-            mine = ours.state_dict[name]
-        assert mine.shape == value.shape, name
-        np.testing.assert_allclose(mine, value, rtol=0, atol=atol, err_msg=name)
-    n_ours = sum(v.size for v in ours.state_dict.values())
-    tied = model.config.tie_word_embeddings
-    n_theirs = sum(v.size for k, v in theirs.items() if not (k == "lm_head.weight" and tied))
-    assert n_ours == n_theirs
-    cfg = model.config
-    for field in CONFIG_FIELDS:
-        default = cfg.hidden_size // cfg.num_attention_heads if field == "head_dim" else None  # Qwen2: derived
-        assert ours.hf_config[field] == getattr(cfg, field, default), field
-    assert ours.hf_config["rms_norm_eps"] == pytest.approx(cfg.rms_norm_eps, rel=1e-6)
-    assert ours.hf_config["rope_theta"] == pytest.approx(cfg.rope_parameters["rope_theta"])
-    assert ours.hf_config["rope_scaling"] is None and cfg.rope_parameters["rope_type"] == "default"
-    assert ours.hf_config["architectures"] == [type(model).__name__]
-
-
 _smollm_path = smollm2_path
-
-
-@pytest.fixture(scope="module")
-def smollm():
-    return load_gguf(_smollm_path())
-
-
-@pytest.mark.parity
-def test_default_gguf_matches_transformers(smollm):
-    _assert_matches_transformers(smollm, _transformers_model(_smollm_path()))
-
-
-def test_smollm2_hf_config_and_metadata(smollm):
-    assert smollm.hf_config == {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
-        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-        "head_dim": 64, "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-05,
-        "rope_theta": 100000.0, "rope_scaling": None, "tie_word_embeddings": True, "attention_dropout": 0.0,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "attention_bias": False, "mlp_bias": False}
-    assert smollm.metadata["tensor_types"] == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
-    assert sum(v.size for v in smollm.state_dict.values()) == 134_515_008
-    assert all(v.dtype == np.float32 and v.flags.writeable for v in smollm.state_dict.values())
-    assert smollm.tokenizer.eos_id == 2 and smollm.tokenizer.vocab_size == 49152
 
 
 def test_default_model_path_missing_names_install_command(monkeypatch):
@@ -198,7 +140,7 @@ def test_tiny_architectures_match_transformers(arch, tmp_path):
     assert ours.tokenizer is None and ours.hf_config["tie_word_embeddings"] is False
     # transformers' GGUF config mapping reads neither expert_feed_forward_length nor (for qwen3) key_length
     overrides = {"qwen3": {"head_dim": 16}, "qwen3moe": {"moe_intermediate_size": 32}}.get(arch, {})
-    _assert_matches_transformers(ours, _transformers_model(path, **overrides), atol=0)
+    assert_gguf_matches_transformers(ours, _transformers_model(path, **overrides), atol=0)
 
 
 def test_tied_embeddings_and_dtype(tmp_path):

@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import smollm2_path
+from helpers import assert_gguf_matches_transformers, smollm2_path
 from flax import nnx
 
 from posttrain.checkpoints import load_pretrained
+from posttrain.checkpoints.gguf import load_gguf
 
 from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
 
@@ -36,6 +37,28 @@ def theirs():
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                               dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return load_gguf(smollm2_path())
+
+
+def test_default_gguf_matches_transformers(smollm, theirs):
+    assert_gguf_matches_transformers(smollm, theirs)
+
+
+def test_smollm2_hf_config_and_metadata(smollm):
+    assert smollm.hf_config == {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64, "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-05,
+        "rope_theta": 100000.0, "rope_scaling": None, "tie_word_embeddings": True, "attention_dropout": 0.0,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "attention_bias": False, "mlp_bias": False}
+    assert smollm.metadata["tensor_types"] == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+    assert sum(v.size for v in smollm.state_dict.values()) == 134_515_008
+    assert all(v.dtype == np.float32 and v.flags.writeable for v in smollm.state_dict.values())
+    assert smollm.tokenizer.eos_id == 2 and smollm.tokenizer.vocab_size == 49152
 
 
 @pytest.fixture(scope="module")
