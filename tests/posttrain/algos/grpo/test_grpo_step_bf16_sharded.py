@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from posttrain.algos.grpo import losses
 from posttrain.algos.grpo import step as ts
@@ -76,22 +77,34 @@ def _bf16_state(loss_name, preset="tiny-dense", param_dtype="float32", **opts_kw
 @pytest.mark.parametrize("loss_name,packed,variant", [
     ("ppo", True, {}), pytest.param("ppo", False, {}, marks=pytest.mark.slow),
     pytest.param("gspo", True, {}, marks=pytest.mark.slow), ("gspo", False, {}),
-    ("gspo", True, {"preset": "tiny-deepseek"}),  # MLA + routed experts in bf16
+    ("gspo", True, {"preset": "tiny-deepseek", "bias_update_rate": 0.05}),  # MLA + routed experts in bf16
     ("gspo", True, {"param_dtype": "bfloat16", "num_microbatches": 2}),  # bf16 master weights, accumulation
 ])
 def test_bf16_step_zero_ratio_is_exactly_one_and_nothing_is_clipped(loss_name, packed, variant):
-    """GSPO's clip range is 3e-4 / 4e-4: any trainer-vs-sampler rounding in the ratio would clip most tokens."""
+    """GSPO's clip range is 3e-4 / 4e-4: any trainer-vs-sampler rounding in the ratio would clip most tokens.
+    tiny-deepseek also checks DeepSeek's aux-loss-free balancing in the same step (one compile for both): every
+    expert's selection bias moves by +-bias_update_rate or not at all, and some move."""
     from posttrain.rollout.batching import random_batch as layout_batch
 
     graphdef, state, opts, opt = _bf16_state(loss_name, **variant)
     batch = jax.tree.map(jnp.asarray, layout_batch(0, advantage_fn("grpo"), prompts=2, group_size=4, prompt_len=16, completion_len=8,
                                                    vocab_size=128, packed=packed))
     assert batch.samples_per_row == (4 if packed else 1)
-    _, m = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))(state, batch)
+    new_state, m = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))(state, batch)
     assert float(m["policy/is_ratio_min"]) == 1.0 == float(m["policy/is_ratio_max"])
     assert float(m["policy/clipfrac_low"]) == 0.0 == float(m["policy/clipfrac_high"])
     assert float(m["policy/ppo_kl"]) == 0.0
     assert float(m["rollout/logp_diff_mean"]) > 0.1  # the random "sampler" logprobs are far from the trainer's
+    if opts.bias_update_rate:
+        before, after = (_score_bias(s) for s in (state, new_state))
+        assert float(m["moe/expert_load_max"]) >= float(m["moe/expert_load_min"])
+        steps = np.round((after - before) / opts.bias_update_rate, 5)
+        assert np.all(np.isin(steps, [-1.0, 0.0, 1.0])) and np.abs(steps).max() > 0, steps
+
+
+def _score_bias(state) -> np.ndarray:
+    """The first MoE layer's selection bias [E] (float32, a frozen variable the step updates by itself)."""
+    return [np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state.frozen["other"]) if p[-1] == "score_bias"][0]
 
 
 def test_ppo_epochs_first_update_ratio_is_one_later_updates_differ():
