@@ -1,37 +1,46 @@
 """LoRA adapters: applied on activations inside the projections; export folds them into the base weights."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from helpers import random_model
 
 from posttrain.checkpoints.export import export_hf
 from posttrain.checkpoints.load import load_hf_dir
 from posttrain.model.config import LoRAConfig
 from posttrain.model.layers import LoRAParam
-from posttrain.model.presets import get_preset
-from posttrain.model.transformer import Transformer
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graphdef, state, tokens):
+    return nnx.merge(graphdef, state)(tokens)[0]
 
 
 def test_export_merges_trained_adapters_into_base_weights(tmp_path):
+    """Random base weights (`helpers.random_model`: no eager init), adapters set to "trained" values; the forwards
+    jitted (the exported model and the base alone share one program)."""
     for preset in ("tiny-qwen3", "tiny-deepseek"):
-        cfg = get_preset(preset, lora=LoRAConfig(rank=4, alpha=8.0, targets=(
+        cfg, graphdef, state = random_model(preset, lora=LoRAConfig(rank=4, alpha=8.0, targets=(
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
             "kv_a_proj")))
-        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        model = nnx.merge(graphdef, state)
         adapters = nnx.state(model, LoRAParam)
         assert jax.tree.leaves(adapters)
         key = jax.random.key(1)
         nnx.update(model, jax.tree.map(lambda x: 0.05 * jax.random.normal(key, x.shape), adapters))  # "trained"
         tokens = jnp.asarray(np.random.RandomState(0).randint(0, 128, (2, 9)))
-        ours = model(tokens)[0]
+        ours = _logits(graphdef, nnx.state(model), tokens)
         out = export_hf(cfg, nnx.state(model), tmp_path / preset)
         reloaded = load_hf_dir(out)
         assert reloaded.config.lora is None
-        merged = nnx.merge(reloaded.graphdef, reloaded.state)(tokens)[0]
+        merged = _logits(reloaded.graphdef, reloaded.state, tokens)
         assert float(jnp.abs(ours - merged).max()) < 1e-4
-        plain = Transformer(get_preset(preset), rngs=nnx.Rngs(0))
+        plain = nnx.merge(reloaded.graphdef, reloaded.state)
         nnx.update(plain, nnx.state(model, nnx.Not(LoRAParam)))
-        assert float(jnp.abs(plain(tokens)[0] - ours).max()) > 1e-3  # the adapters did change the function
+        base = _logits(reloaded.graphdef, nnx.state(plain), tokens)
+        assert float(jnp.abs(base - ours).max()) > 1e-3  # the adapters did change the function
 
 
 def test_lora_targets_name_exactly_the_projections_that_take_adapters():
