@@ -108,6 +108,20 @@ def test_a_plan_that_does_not_fit_names_every_program_over_the_limit_largest_fir
     assert fit_verdict(report, "h200x8") == line
 
 
+def test_plan_cli_names_the_train_step_first_and_exits_1(monkeypatch, capsys):
+    """issue 29 item 8's report through `posttrain plan`: its last stderr line names the 380.9 GiB train step before
+    the 52.1 GiB sampler (the compile is faked: the figures are the issue's; test_dryrun compiles for real)."""
+    from posttrain.recipes import dryrun
+
+    report = {"fits": False, "peak_gib": 380.9, "sample_peak_gib": 52.1, "sample_fits": False, "hbm_gib": 139.0}
+    monkeypatch.setattr(dryrun, "plan_train_step", lambda cfg, target, **kw: dict(report, target=target))
+    code = cli_lib.main(["posttrain", "plan", f"--config={ROOT}/configs/tiny.py", "--target=h200x8", "--json"])
+    out = capsys.readouterr()
+    assert code == 1 and json.loads(out.out.strip().splitlines()[-1])["target"] == "h200x8"
+    assert out.err.strip().splitlines()[-1] == ("error: does not fit: train step peak 380.9 GiB and sampler peak "
+                                                "52.1 GiB per device > 90% of 139.0 GiB HBM on h200x8")
+
+
 # ----- posttrain sample --checkpoint=RUN --seed=N: the run's newest checkpoint under its saved config.json, read only
 @pytest.fixture(scope="module")
 def zeroed_run(tmp_path_factory):
