@@ -9,11 +9,13 @@ import pytest
 from nbclient import NotebookClient
 
 COLAB = pathlib.Path(__file__).resolve().parents[1] / "colab"
-# notebook -> (its run's workdir, the last training step its parameter cell asks for)
-NOTEBOOKS = {"quickstart": ("runs/colab_quickstart", 8), "custom_env": ("runs/colab_custom_env", 3),
-             "tpu": ("runs/colab_tpu", 2), "evaluate": ("runs/colab_evaluate", 3)}
+# notebook -> (its run's workdir, the last training step its parameter cell asks for, the per-step metric)
+NOTEBOOKS = {"quickstart": ("runs/colab_quickstart", 8, "reward/mean"),
+             "custom_env": ("runs/colab_custom_env", 3, "reward/mean"), "tpu": ("runs/colab_tpu", 2, "reward/mean"),
+             "evaluate": ("runs/colab_evaluate", 3, "reward/mean"),
+             "sft_dpo": ("runs/colab_sft_dpo/dpo", 2, "dpo/loss")}  # its tiny archive -> SFT -> DPO (2 steps each)
 # the tiny-model notebooks spend their time compiling, not computing: compile them without LLVM optimisation
-FAST_COMPILE = {"custom_env", "tpu", "evaluate"}
+FAST_COMPILE = {"custom_env", "tpu", "evaluate", "sft_dpo"}
 
 
 def test_every_notebook_is_listed():
@@ -31,6 +33,6 @@ def test_notebook_runs(name, tmp_path, monkeypatch):
     NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
-    workdir, steps = NOTEBOOKS[name]
+    workdir, steps, key = NOTEBOOKS[name]
     metrics = [json.loads(line) for line in (tmp_path / workdir / "metrics.jsonl").read_text().splitlines()]
-    assert max(r["step"] for r in metrics if "reward/mean" in r) == steps
+    assert max(r["step"] for r in metrics if key in r) == steps
