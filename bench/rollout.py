@@ -3,6 +3,8 @@
     python bench/rollout.py --json [--prompts 64] [--new-tokens 24] [--runs 3] [--model PRESET|PATH]
     python bench/rollout.py --quick        # seconds: `QUICK` (a tiny random model, 4 prompts x 4 tokens, no floor)
     python bench/rollout.py --lengths long_tail [--quick]  # the paged engine vs the sampler (_rollout_long_tail.py)
+    python bench/rollout.py --aot h200|v5p|cpu [--quick]  # the engine's decode step compiled ahead of time:
+                                                          # per-device memory (_rollout_aot.py)
 
 --model PRESET (a `posttrain.model.presets` name): that preset's random weights (seed 0, float32) and the byte
 tokenizer, written once as an HF directory (bench/_helpers.py) from which both sides load, so they run the
@@ -50,6 +52,9 @@ import tempfile
 import time
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
+
+if any(a.startswith("--aot") for a in sys.argv[1:]):  # compile for a target: no accelerator backend probed
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -209,6 +214,14 @@ def timed(fn):
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a.startswith("--aot") for a in argv):  # the engine's decode step compiled for a target (_rollout_aot.py)
+        from _rollout_aot import main as aot_main
+
+        if argv == sys.argv[1:] and "h200" in argv:  # the CUDA compiler plugin lives in .venv-aot when not here
+            from grpo_step import _reexec_in_aot_venv
+
+            _reexec_in_aot_venv("h200", __file__)
+        return aot_main(argv)
     if any(a.startswith("--lengths") for a in argv):  # the engine vs the sampler (bench/_rollout_long_tail.py)
         from _rollout_long_tail import main as long_tail
 

@@ -1,0 +1,173 @@
+"""`bench/rollout.py --aot TARGET`: the rollout engine's decode step compiled ahead of time; its per-device memory.
+
+    python bench/rollout.py --aot h200 --json     # needs jax-cuda12-plugin + pjrt of jaxlib's version (the aot extra)
+    python bench/rollout.py --aot v5p --json      # needs libtpu (the tpu extra)
+    python bench/rollout.py --aot cpu --quick     # this machine's CPU (the same path; tests/bench)
+The compilers need no accelerator: --aot h200 re-executes under .venv-aot (`VENV=.venv-aot scripts/setup_env.sh
+aot`) when this interpreter lacks the CUDA plugin; plugin wheels installed with `pip install --target DIR` and put
+on PYTHONPATH work too (how the figures below were made).
+
+Issue 25 item 7 / acceptance 4. Nothing runs and no weights are allocated: `engine_ops.decode_step` (one token for
+each of S slots: attention over the page pool, the pool written and donated, the next token picked) is lowered
+for one device of TARGET (`posttrain.infra.aot.target_devices`; one-device mesh, the training rules) with
+abstract model weights and an abstract page pool, compiled with XLA's buffer-assignment dump, and
+`compiled.memory_analysis()` read: argument, output, alias, temp and generated-code bytes, the buffer
+assignment's temp allocation and the peak (`aot.MemoryReport.peak`: arguments + outputs - aliases + temp; the
+pool is donated, so it counts once).
+
+Shapes, default: configs/quickstart.py's rollout: smollm2-135m, S = 64 slots (8 prompts x 8 samples), sequences
+of --max-seq-len 80 tokens (its ~46-token prompts padded to 64 + 24 new tokens, rounded to pages of 16), a pool
+holding every slot at full length (S * ceil(80 / 16) + 1 pages). The precision policy of the target's platform
+(`infra.precision.resolve_policy("auto", "auto")`: bfloat16 compute and page pool on GPU / TPU, float32
+weights as the training state holds them; float32 everywhere on the CPU). Attention over pages: the engine's
+kernel for that platform (`paged_attention.resolve_impl("auto", platform)`); when its lowering or compile fails
+(e.g. Triton without CUDA tools), the gather reference is compiled instead and the error is in the JSON.
+Prints ONE JSON object: the target, shapes, pool bytes (`kv_pages.pool_bytes`), weights bytes, the memory
+figures in GiB, the largest buffers, the compile seconds, the attention implementation compiled.
+
+Measured 2026-12-02 (jax 0.10.2, libtpu 0.0.42.1; peak / pool / weights / temp GiB per device, generated code):
+  quickstart shapes (smollm2-135m, 64 slots x 80 tokens, f32 weights):
+    h200  pallas_gpu  0.671 / 0.110 / 0.501 / 0.060, code 0 (XLA:GPU reports none)
+    v5p   reference   0.862 / 0.110 / 0.501 / 0.222, code 11.8 MiB (pallas_tpu refused head dim 64: its block
+                      shapes need multiples of (8, 128))
+  512 sequences x 1024 tokens:
+    qwen3-0.6b     h200  pallas_gpu  60.62 / 56.00 / 2.22 / 2.40; v5p pallas_tpu 62.11 / 56.00 / 2.22 / 3.94
+    qwen3-30b-a3b  h200  pallas_gpu 107.24 / 48.00 / 56.87 / 2.37 (bf16 weights: f32 ones alone are 114 GiB)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+from _helpers import parse_quick
+
+QUICK = {"model": "tiny-dense", "slots": 4, "max_seq_len": 32, "page_size": 8}
+TARGET_NAMES = ("cpu", "h200", "v5p", "v5e", "v6e")
+
+
+def parse_args(argv) -> argparse.Namespace:
+    """Command line (`QUICK` fills what --quick leaves unset). Raises SystemExit on bad values."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--aot", choices=TARGET_NAMES, required=True)
+    ap.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
+    ap.add_argument("--model", default="smollm2-135m", help="a posttrain.model.presets name (shapes only)")
+    ap.add_argument("--slots", type=int, default=64, help="S, sequences decoded together")
+    ap.add_argument("--max-seq-len", type=int, default=80, help="prompt + reply tokens per sequence")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--pages", type=int, default=0, help="pages in the pool (0: every slot at full length + 1)")
+    ap.add_argument("--param-dtype", default="auto", help="weights' dtype (auto: float32)")
+    args = parse_quick(ap, argv, QUICK)
+    if min(args.slots, args.max_seq_len, args.page_size) < 1 or args.pages < 0:
+        raise SystemExit(f"--slots {args.slots}, --max-seq-len {args.max_seq_len}, --page-size {args.page_size} "
+                         f"must be >= 1 and --pages {args.pages} >= 0")
+    return args
+
+
+def _devices(target: str):
+    import jax
+
+    from posttrain.infra import aot
+
+    if target == "cpu":
+        return jax.devices("cpu")[:1], "cpu"
+    return aot.target_devices(target)[:1], aot.TARGETS[target].platform
+
+
+def abstract_inputs(cfg, settings, mesh, rules):
+    """(graphdef, the decode step's abstract arguments after graphdef, in order) on `mesh` (replicated inputs,
+    weights sharded by `rules`; nothing allocated)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from posttrain.infra import mesh as mesh_lib
+    from posttrain.infra.partitioning import use_rules
+    from posttrain.model.transformer import Transformer
+    from posttrain.rollout import kv_pages
+
+    rep = NamedSharding(mesh, PartitionSpec())
+    sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+    with jax.set_mesh(mesh), use_rules(rules):
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+        shardings = mesh_lib.state_shardings(state, mesh, rules)
+        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+        pool = jax.tree.map(lambda s: sds(s.shape, s.dtype),
+                            kv_pages.pool_shapes(graphdef, state, settings.num_pages, settings.page_size))
+    S, M = settings.num_slots, settings.pages_per_seq
+    rows = {"T": sds((S,), jnp.float32), "greedy": sds((S,), jnp.bool_), "top_k": sds((S,), jnp.int32),
+            "top_p": sds((S,), jnp.float32)}
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    i32 = lambda: sds((S,), jnp.int32)
+    return graphdef, (state, pool, sds((S, M), jnp.int32), i32(), i32(), rows, sds(key.shape, key.dtype), i32(),
+                      i32())
+
+
+def compile_decode(cfg, settings, mesh, rules, impl: str):
+    """(MemoryReport, generated code bytes, compile seconds, pool bytes, weights bytes) of `decode_step`."""
+    import jax
+
+    from posttrain.infra import aot
+    from posttrain.infra.partitioning import use_rules
+    from posttrain.recipes.dryrun import per_device_bytes
+    from posttrain.rollout import kv_pages
+    from posttrain.rollout.engine_ops import decode_step
+
+    graphdef, args = abstract_inputs(cfg, settings, mesh, rules)
+    with jax.set_mesh(mesh), use_rules(rules):
+        lowered = decode_step.lower(graphdef, *args, impl=impl)
+        compiled, report, seconds = aot.compile_with_report(lowered)
+    code = compiled.memory_analysis().generated_code_size_in_bytes
+    pool_bytes = kv_pages.pool_bytes(args[1])
+    return report, code, seconds, pool_bytes, per_device_bytes(args[0])
+
+
+def main(argv=None) -> dict:
+    """Runs the compile (see the module doc); prints and returns its JSON. Raises SystemExit when the target's
+    compiler is missing (the message names the install command)."""
+    args = parse_args(argv)
+    if args.aot != "cpu":
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from posttrain.infra import aot
+    from posttrain.infra import mesh as mesh_lib
+    from posttrain.infra.precision import resolve_policy
+    from posttrain.model.presets import get_preset
+    from posttrain.rollout.engine_ops import EngineSettings
+    from posttrain.rollout.paged_attention import resolve_impl
+
+    try:
+        devices, platform = _devices(args.aot)
+    except RuntimeError as e:
+        raise SystemExit(f"error: {e}") from None
+    policy = resolve_policy("auto", args.param_dtype, backend=platform)
+    cfg = get_preset(args.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
+    pages_per_seq = math.ceil(args.max_seq_len / args.page_size)
+    settings = EngineSettings(num_slots=args.slots, num_pages=args.pages or args.slots * pages_per_seq + 1,
+                              page_size=args.page_size, max_seq_len=args.max_seq_len)
+    mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1, "expert": 1}, devices=devices)
+    impl, error = resolve_impl("auto", platform), None
+    try:
+        report, code, seconds, pool_bytes, weight_bytes = compile_decode(cfg, settings, mesh, mesh_lib.RULES, impl)
+    except Exception as e:  # noqa: BLE001 - a kernel the target's compiler cannot build here: the reference
+        if impl == "reference":
+            raise
+        error, impl = f"{impl}: {type(e).__name__}: {str(e)[:300]}", "reference"
+        report, code, seconds, pool_bytes, weight_bytes = compile_decode(cfg, settings, mesh, mesh_lib.RULES, impl)
+    g = lambda b: round(b / aot.GIB, 6)
+    out = {"aot": args.aot, "device": str(devices[0].device_kind), "model": args.model, "slots": args.slots,
+           "max_seq_len": args.max_seq_len, "page_size": args.page_size, "num_pages": settings.num_pages,
+           "compute_dtype": policy.compute_dtype, "param_dtype": policy.param_dtype, "attention_impl": impl,
+           "kernel_error": error, "pool_bytes": int(pool_bytes), "pool_gib": g(pool_bytes), "weights_gib": g(weight_bytes),
+           "generated_code_bytes": int(code), **report.as_dict(), "compile_s": round(seconds, 2)}
+    if args.aot != "cpu":
+        target = aot.TARGETS[args.aot]
+        out.update(hbm_gib=round(target.hbm_bytes / aot.GIB, 1), fits=aot.fits(report.peak, target.hbm_bytes))
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
