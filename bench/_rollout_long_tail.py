@@ -1,7 +1,7 @@
 """`bench/rollout.py --lengths long_tail`: the paged continuous-batching engine vs today's sampler at equal KV memory.
 
     python bench/rollout.py --lengths long_tail [--model smollm2-135m] [--requests 64] [--slots 16] [--short 16]
-                            [--long-factor 8] [--prompt-len 32] [--page-size 16] [--runs 3]
+                            [--long-factor 8] [--prompt-len 32] [--page-size 16] [--runs 3] [--skip-transformers]
     python bench/rollout.py --lengths long_tail --quick     # seconds: `QUICK` (tiny-dense, 12 requests, 4 slots)
 
 Workload (issue 25 item 7): R requests of --prompt-len random token ids (seed 0) whose replies are 90% short
@@ -11,13 +11,19 @@ preset's random weights (float32, NumPy normal(0, 0.02), norm scales ones; the S
     its own budget; a finished slot is refilled at once.
   * sampler: `posttrain.rollout.sampler.sample` on the same requests in calls of S rows (request order), each call
     with the largest budget among its rows (one token budget per call), every row decoded to it.
+  * transformers (the peer, unless --skip-transformers): the same weights written as an HF directory
+    (`checkpoints.export.export_hf`) and loaded by `transformers.AutoModelForCausalLM` (float32, the CPU,
+    --torch-threads threads, default torch's own; --quick: 1), `generate(do_sample=False)` on the same requests in calls of S rows like the sampler, each
+    call to its rows' largest budget (`min_new_tokens` = `max_new_tokens`: no early stop), its dense KV cache.
 Equal KV memory: a sampler call holds S rows of (padded prompt + longest budget) tokens per layer; the engine's
 pool holds the same number of tokens in pages (plus the scratch page); both byte counts are in the JSON.
 Only each request's own budget counts as generated tokens on both sides (what a caller asked for). One warm-up
 call per side (compiles) is timed apart; then the sides alternate for --runs rounds; medians are reported.
-transformers' `generate` is not run in this mode. Prints ONE JSON object: engine_tokens_per_s,
-sampler_tokens_per_s, ratio (engine / sampler), the engine's rollout/* metrics, the requests whose greedy tokens
-agree on both sides, KV bytes per side, per-round seconds and the 1-minute load average.
+Prints ONE JSON object: engine_tokens_per_s, sampler_tokens_per_s, ratio (engine / sampler), transformers_tokens_per_s
+and ratio_transformers (engine / transformers), the engine's rollout/* metrics, its pages at peak
+(peak_pages: allocated, used, allocated - used, live sequences then, and the largest (allocated - used) / live over
+all steps: at most 1 page per live sequence by construction), the requests whose greedy tokens agree with the
+engine's on each other side, KV bytes, per-round seconds and the 1-minute load average.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import json
 import math
 import os
 import statistics
+import tempfile
 import time
 
 import jax
@@ -41,7 +48,7 @@ from posttrain.rollout.engine import Engine, EngineSettings, Request
 from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
 
 QUICK = {"model": "tiny-dense", "requests": 12, "slots": 4, "short": 4, "prompt_len": 8, "page_size": 4,
-         "runs": 1}
+         "runs": 1, "torch_threads": 1}
 PROMPT_BUCKET = 16
 
 
@@ -59,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--skip-transformers", action="store_true", help="engine and sampler only")
+    ap.add_argument("--torch-threads", type=int, default=0, help="transformers' torch threads (0: torch's default)")
     args = parse_quick(ap, argv, QUICK)
     if min(args.requests, args.slots, args.short, args.long_factor, args.prompt_len, args.page_size, args.runs) < 1 \
             or not 0 <= args.long_frac <= 1:
@@ -104,9 +113,51 @@ def run_sampler(graphdef, state, prompts, budgets, slots: int) -> list[np.ndarra
     return out
 
 
+class TransformersSide:
+    """transformers' `generate` on the same weights and requests, in calls of `slots` rows (see the module doc)."""
+
+    def __init__(self, cfg, state, prompts, budgets, slots: int, out_dir: str, threads: int = 0):
+        import torch
+        import transformers
+
+        from posttrain.checkpoints.export import export_hf
+
+        if threads:
+            torch.set_num_threads(threads)
+        export_hf(cfg, state, out_dir)
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+        self.calls = [(torch.tensor(prompts[i:i + slots]), budgets[i:i + slots]) for i in range(0, len(prompts), slots)]
+
+    def __call__(self) -> list[np.ndarray]:
+        out = []
+        for ids, budgets in self.calls:  # equal prompt lengths: no padding, no mask
+            n = max(budgets)
+            with self.torch.inference_mode():
+                seq = self.model.generate(ids, attention_mask=self.torch.ones_like(ids), do_sample=False,
+                                          max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+            toks = seq[:, ids.shape[1]:].numpy().astype(np.int32)
+            out += [toks[j, :b] for j, b in enumerate(budgets)]
+        return out
+
+
+def peak_pages(engine) -> dict:
+    """The engine's pages at the step with the most allocated (see the module doc)."""
+    m = engine.metrics
+    allocated, used = m["rollout/kv_pages_allocated"], m["rollout/kv_pages_used"]
+    return {"allocated": allocated, "used": used, "allocated_minus_used": allocated - used,
+            "live_at_peak": engine.live_at_peak, "max_waste_per_live_seq": engine.max_waste_per_seq}
+
+
 def main(argv=None) -> dict:
     """Runs the benchmark (see the module doc); prints and returns its JSON."""
     args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench_long_tail_") as tmp:
+        return compare(args, tmp)
+
+
+def compare(args, tmp: str) -> dict:
+    """The benchmark of `args` (transformers' HF directory written under `tmp`)."""
     cfg, graphdef, state = random_weights(args.model)
     prompts, budgets = workload(args, cfg.vocab_size)
     longest = args.short * args.long_factor
@@ -119,6 +170,9 @@ def main(argv=None) -> dict:
     requests = [Request(prompt=tuple(p), max_new_tokens=b, temperature=0.0) for p, b in zip(prompts, budgets)]
     sides = {"engine": lambda: [c.tokens for c in engine.generate(requests, jax.random.key(0))],
              "sampler": lambda: run_sampler(graphdef, state, prompts, budgets, args.slots)}
+    if not args.skip_transformers:
+        sides["transformers"] = TransformersSide(cfg, state, prompts, budgets, args.slots, tmp,
+                                                 args.torch_threads)
     warm, rounds, outs = {}, {k: [] for k in sides}, {}
     for name, fn in sides.items():
         t = time.perf_counter()
@@ -132,10 +186,14 @@ def main(argv=None) -> dict:
     useful = int(sum(budgets))
     speed = {k: useful / statistics.median(v) for k, v in rounds.items()}
     per_token = kv_pages.pool_bytes(engine.shapes) / (settings.num_pages * settings.page_size)
+    agree = lambda side: sum(bool(np.array_equal(a, b)) for a, b in zip(outs["engine"], outs[side]))
     out = {"engine_tokens_per_s": speed["engine"], "sampler_tokens_per_s": speed["sampler"],
-           "ratio": speed["engine"] / speed["sampler"], "generated_tokens": useful,
-           "agree": sum(bool(np.array_equal(a, b)) for a, b in zip(outs["engine"], outs["sampler"])),
-           "engine_metrics": engine.metrics, "engine_kv_bytes": kv_pages.pool_bytes(engine.shapes),
+           "ratio": speed["engine"] / speed["sampler"], "generated_tokens": useful, "agree": agree("sampler"),
+           **({"transformers_tokens_per_s": speed["transformers"],
+               "ratio_transformers": speed["engine"] / speed["transformers"],
+               "agree_transformers": agree("transformers"), "torch_threads": __import__("torch").get_num_threads()}
+              if "transformers" in speed else {}),
+           "engine_metrics": engine.metrics, "peak_pages": peak_pages(engine), "engine_kv_bytes": kv_pages.pool_bytes(engine.shapes),
            "sampler_kv_bytes": int(kv_tokens * per_token), "warmup_s": warm, "round_s": rounds,
            "settings": {**vars(args), "num_pages": settings.num_pages, "attention_impl": engine.impl},
            "load_avg_1m": os.getloadavg()[0]}

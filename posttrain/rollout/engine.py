@@ -59,6 +59,7 @@ class Engine:
         self.impl = resolve_impl(settings.attention_impl)
         self.metrics: dict[str, float] = {}
         self.max_waste_per_seq = 0.0  # largest (pages allocated - used) / live sequences over the last call
+        self.live_at_peak = 0  # live sequences at the last call's step with the most pages allocated
 
     def check(self, requests: Sequence[Request]) -> None:
         """Raises TypeError for a non-Request, ValueError for a request longer than max_seq_len or needing more
@@ -94,6 +95,7 @@ class Engine:
                 raise RuntimeError(f"engine stalled: request {self._queue[0].index} not admitted to an empty pool")
         self.metrics = self._counters.metrics()
         self.max_waste_per_seq = self._counters.max_waste_per_seq
+        self.live_at_peak = self._counters.live_at_peak
         self._pool = None  # the pages' memory goes with the call
         out = []
         for i in range(len(requests)):

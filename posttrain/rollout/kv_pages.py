@@ -108,11 +108,12 @@ def empty_pool(shapes: dict) -> dict:
 
 class PageCounters:
     """The engine's counters (`metrics()` gives the `rollout/...` names). Peak = the step at which most pages
-    were allocated; `max_waste_per_seq` the largest (allocated - used) / live sequences seen at any step."""
+    were allocated (`live_at_peak` sequences then); `max_waste_per_seq` the largest (allocated - used) / live
+    sequences seen at any step."""
 
     def __init__(self, num_slots: int, page_size: int):
         self.num_slots, self.page_size = num_slots, page_size
-        self.peak_allocated, self.used_at_peak = 0, 0.0
+        self.peak_allocated, self.used_at_peak, self.live_at_peak = 0, 0.0, 0
         self.max_waste_per_seq = 0.0
         self.occupancy_sum, self.steps = 0.0, 0
         self.prefill_tokens = self.decode_tokens = self.preemptions = 0
@@ -121,7 +122,7 @@ class PageCounters:
         """Records one decode step: pages allocated, tokens held in them (the fed tokens included), live slots."""
         used = cached_tokens / self.page_size
         if allocated >= self.peak_allocated:
-            self.peak_allocated, self.used_at_peak = allocated, used
+            self.peak_allocated, self.used_at_peak, self.live_at_peak = allocated, used, live
         if live:
             self.max_waste_per_seq = max(self.max_waste_per_seq, (allocated - used) / live)
         self.occupancy_sum += live / self.num_slots

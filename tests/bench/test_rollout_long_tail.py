@@ -1,5 +1,6 @@
-"""`bench/rollout.py --lengths long_tail --quick` (docs/design.md invariant 16): the paged engine and today's sampler
-run the same long-tail requests at equal KV memory, agree on every greedy reply, and report both speeds."""
+"""`bench/rollout.py --lengths long_tail --quick` (docs/design.md invariant 16): the paged engine, today's sampler and
+transformers' `generate` run the same long-tail requests (the first two at equal KV memory), agree on every greedy
+reply, and report their speeds and the engine's pages at peak."""
 import importlib.util
 import pathlib
 import sys
@@ -24,3 +25,9 @@ def test_long_tail_quick_mode():
     m = out["engine_metrics"]
     assert m["rollout/preemptions"] == 0 and m["rollout/decode_tokens"] == out["generated_tokens"] - 12
     assert m["rollout/prefill_tokens"] == 12 * 8
+    assert out["agree_transformers"] == 12 and out["transformers_tokens_per_s"] > 0  # the peer: same weights
+    assert abs(out["ratio_transformers"] - out["engine_tokens_per_s"] / out["transformers_tokens_per_s"]) < 1e-9
+    peak = out["peak_pages"]
+    assert peak["allocated"] == m["rollout/kv_pages_allocated"] and 1 <= peak["live_at_peak"] <= s["slots"]
+    assert 0 <= peak["allocated_minus_used"] <= peak["live_at_peak"]  # <= one page per live sequence
+    assert peak["max_waste_per_live_seq"] <= 1.0
