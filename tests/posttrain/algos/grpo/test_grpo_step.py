@@ -38,10 +38,16 @@ def random_batch(seed=0, R=4, L=20, S=2, C=6, vocab=100):
         valid_N=jnp.ones(N, bool), truncated_N=jnp.zeros(N, bool), group_id_N=jnp.zeros(N, jnp.int32))
 
 
-def make_state(preset="tiny-dense", *, beta=0.0, lora=0, M=1, lr=1e-3, **loss_kw):
+def make_state(preset="tiny-dense", *, beta=0.0, lora=0, M=1, lr=1e-3, random_weights=False, **loss_kw):
+    """random_weights: `helpers.random_model`'s weights (drawn on the host: no eager init), else the model's init."""
     adapters = LoRAConfig(rank=lora, targets=("q_proj", "v_proj", "o_proj", "gate_proj")) if lora else None
-    cfg = get_preset(preset, lora=adapters)
-    graphdef, model_state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    if random_weights:
+        from helpers import random_model
+
+        cfg, graphdef, model_state = random_model(preset, lora=adapters)
+    else:
+        cfg = get_preset(preset, lora=adapters)
+        graphdef, model_state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
     opts = ts.StepOptions(loss=losses.LossConfig(beta=beta, **loss_kw), temperature=1.0, num_microbatches=M,
                           lora_rank=lora, bias_update_rate=0.05 if cfg.moe and cfg.moe.score_bias else 0.0)
     opt = optim.make_optimizer("adamw", lr=lr, schedule="constant")

@@ -33,7 +33,7 @@ SHARDED = textwrap.dedent("""
     out = {}
     for preset in ("tiny-dense", "tiny-moe"):
         batch = random_batch(R=8, S=2)
-        graphdef, state, opts, _ = make_state(preset, beta=0.05)
+        graphdef, state, opts, _ = make_state(preset, beta=0.05, random_weights=True)  # no eager init
         opts = opts._replace(moe_aux_coef=0.0, moe_z_coef=0.0)
         g1, m1 = jax.jit(lambda s, b: ts.accumulate_gradients(graphdef, s, b, opts))(state, batch)
         mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 2, "expert": 2} if "moe" in preset else {"data": 2, "fsdp": 4})
