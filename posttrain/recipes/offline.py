@@ -23,7 +23,7 @@ from scipy import stats
 from posttrain.config import ConfigError
 from posttrain.infra import distributed, metrics as metrics_lib
 from posttrain.infra.precision import resolve_policy
-from posttrain.learn.learner import Learner, batch_shardings
+from posttrain.learn.learner import Learner, batch_shardings, trim_host_heap
 from posttrain.recipes.grpo import NonFiniteError
 from posttrain.recipes.run_plan import TrainSettings, resolve_mesh
 from posttrain.tasks import archive
@@ -97,6 +97,9 @@ def train_loop(run: OfflineRun, *, name: str, workdir: pathlib.Path, train: Trai
     try:
         if start == 0 and eval_at_start:
             _evaluate(run, summary, "eval_start", 0, writer)
+        # the model load's and the evaluation's freed host heap goes back to the OS before the first update: the
+        # step's temporaries (one large block on the CPU) would otherwise peak on top of it (a lower peak RSS)
+        trim_host_heap()
         with distributed.StopRequest() as stop:
             _steps(run, stop, name=name, workdir=workdir, train=train, meta=meta, writer=writer, bar=bar,
                    clock=clock, summary=summary, on_nonfinite=on_nonfinite)

@@ -102,3 +102,11 @@ def test_a_run_of_nonfinite_steps_stops_with_a_checkpoint(tmp_path):
     with pytest.raises(NonFiniteError, match="stopped at step 4: 3 consecutive SFT steps"):
         loop(FakeRun(learner), tmp_path)
     assert learner.checkpointer.saved == [4] and learner.closed
+
+
+def test_the_host_heap_is_trimmed_once_before_the_first_update(tmp_path, monkeypatch):
+    learner = FakeLearner()
+    at = []
+    monkeypatch.setattr(offline, "trim_host_heap", lambda: at.append(learner.step))
+    loop(FakeRun(learner), tmp_path, steps=3)
+    assert at == [0] and learner.step == 3
