@@ -23,7 +23,8 @@ weights as the training state holds them; float32 everywhere on the CPU). Attent
 kernel for that platform (`paged_attention.resolve_impl("auto", platform)`); when its lowering or compile fails
 (e.g. Triton without CUDA tools), the gather reference is compiled instead and the error is in the JSON.
 Prints ONE JSON object: the target, shapes, pool bytes (`kv_pages.pool_bytes`), weights bytes, the memory
-figures in GiB, the largest buffers, the compile seconds, the attention implementation compiled.
+figures in GiB, the largest buffers, the compile seconds, the attention implementation compiled; a program XLA
+refuses as larger than the device (RESOURCE_EXHAUSTED) gives fits false and the compiler's message.
 
 Measured 2026-12-02 (jax 0.10.2, libtpu 0.0.42.1; peak / pool / weights / temp GiB per device, generated code):
   quickstart shapes (smollm2-135m, 64 slots x 80 tokens, f32 weights):
@@ -32,7 +33,9 @@ Measured 2026-12-02 (jax 0.10.2, libtpu 0.0.42.1; peak / pool / weights / temp G
                       shapes need multiples of (8, 128))
   512 sequences x 1024 tokens:
     qwen3-0.6b     h200  pallas_gpu  60.62 / 56.00 / 2.22 / 2.40; v5p pallas_tpu 62.11 / 56.00 / 2.22 / 3.94
-    qwen3-30b-a3b  h200  pallas_gpu 107.24 / 48.00 / 56.87 / 2.37 (bf16 weights: f32 ones alone are 114 GiB)
+    qwen3-30b-a3b  h200  pallas_gpu 107.24 / 48.00 / 56.87 / 2.37 (bf16 weights: f32 ones alone are 114 GiB);
+                   v5p   refused (RESOURCE_EXHAUSTED: 106.71 GiB of temporaries > 95.74); at 512 x 512 tokens
+                         pallas_tpu 83.16 / 24.00 / 56.87 / 2.78, code 19.0 MiB
 """
 from __future__ import annotations
 
@@ -125,6 +128,20 @@ def compile_decode(cfg, settings, mesh, rules, impl: str):
     return report, code, seconds, pool_bytes, per_device_bytes(args[0])
 
 
+def compile_or_reference(cfg, settings, mesh, impl: str):
+    """(impl compiled, the kernel's error or None, `compile_decode`'s results): `impl`, or the gather reference when
+    the kernel cannot be built here (a RESOURCE_EXHAUSTED refusal is raised: the reference would not fit either)."""
+    from posttrain.infra import mesh as mesh_lib
+
+    try:
+        return impl, None, compile_decode(cfg, settings, mesh, mesh_lib.RULES, impl)
+    except Exception as e:  # noqa: BLE001 - a kernel the target's compiler cannot build here: the reference
+        if impl == "reference" or "RESOURCE_EXHAUSTED" in str(e):
+            raise
+        error = f"{impl}: {type(e).__name__}: {str(e)[:300]}"
+    return "reference", error, compile_decode(cfg, settings, mesh, mesh_lib.RULES, "reference")
+
+
 def main(argv=None) -> dict:
     """Runs the compile (see the module doc); prints and returns its JSON. Raises SystemExit when the target's
     compiler is missing (the message names the install command)."""
@@ -148,23 +165,28 @@ def main(argv=None) -> dict:
     settings = EngineSettings(num_slots=args.slots, num_pages=args.pages or args.slots * pages_per_seq + 1,
                               page_size=args.page_size, max_seq_len=args.max_seq_len)
     mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1, "expert": 1}, devices=devices)
-    impl, error = resolve_impl("auto", platform), None
-    try:
-        report, code, seconds, pool_bytes, weight_bytes = compile_decode(cfg, settings, mesh, mesh_lib.RULES, impl)
-    except Exception as e:  # noqa: BLE001 - a kernel the target's compiler cannot build here: the reference
-        if impl == "reference":
-            raise
-        error, impl = f"{impl}: {type(e).__name__}: {str(e)[:300]}", "reference"
-        report, code, seconds, pool_bytes, weight_bytes = compile_decode(cfg, settings, mesh, mesh_lib.RULES, impl)
-    g = lambda b: round(b / aot.GIB, 6)
+    impl = resolve_impl("auto", platform)
     out = {"aot": args.aot, "device": str(devices[0].device_kind), "model": args.model, "slots": args.slots,
            "max_seq_len": args.max_seq_len, "page_size": args.page_size, "num_pages": settings.num_pages,
-           "compute_dtype": policy.compute_dtype, "param_dtype": policy.param_dtype, "attention_impl": impl,
-           "kernel_error": error, "pool_bytes": int(pool_bytes), "pool_gib": g(pool_bytes), "weights_gib": g(weight_bytes),
-           "generated_code_bytes": int(code), **report.as_dict(), "compile_s": round(seconds, 2)}
-    if args.aot != "cpu":
-        target = aot.TARGETS[args.aot]
-        out.update(hbm_gib=round(target.hbm_bytes / aot.GIB, 1), fits=aot.fits(report.peak, target.hbm_bytes))
+           "compute_dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
+    hbm = aot.TARGETS[args.aot].hbm_bytes if args.aot != "cpu" else None
+    if hbm:
+        out["hbm_gib"] = round(hbm / aot.GIB, 1)
+    try:
+        impl, error, (report, code, seconds, pool_bytes, weight_bytes) = compile_or_reference(cfg, settings, mesh,
+                                                                                              impl)
+    except Exception as e:  # noqa: BLE001 - XLA refuses a program larger than the device: the verdict
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        out.update(attention_impl=impl, fits=False, compiler_refused=str(e)[:300])
+        print(json.dumps(out))
+        return out
+    g = lambda b: round(b / aot.GIB, 6)
+    out.update({"attention_impl": impl, "kernel_error": error, "pool_bytes": int(pool_bytes),
+                "pool_gib": g(pool_bytes), "weights_gib": g(weight_bytes), "generated_code_bytes": int(code),
+                **report.as_dict(), "compile_s": round(seconds, 2)})
+    if hbm:
+        out["fits"] = aot.fits(report.peak, hbm)
     print(json.dumps(out))
     return out
 

@@ -13,8 +13,9 @@ preset's random weights (float32, NumPy normal(0, 0.02), norm scales ones; the S
     with the largest budget among its rows (one token budget per call), every row decoded to it.
   * transformers (the peer, unless --skip-transformers): the same weights written as an HF directory
     (`checkpoints.export.export_hf`) and loaded by `transformers.AutoModelForCausalLM` (float32, the CPU,
-    --torch-threads threads, default torch's own; --quick: 1), `generate(do_sample=False)` on the same requests in calls of S rows like the sampler, each
-    call to its rows' largest budget (`min_new_tokens` = `max_new_tokens`: no early stop), its dense KV cache.
+    --torch-threads threads, default torch's own; --quick: 1), `generate(do_sample=False)` on the same requests
+    in calls of S rows like the sampler, each call to its rows' largest budget (`min_new_tokens` =
+    `max_new_tokens`: no early stop), its dense KV cache.
 Equal KV memory: a sampler call holds S rows of (padded prompt + longest budget) tokens per layer; the engine's
 pool holds the same number of tokens in pages (plus the scratch page); both byte counts are in the JSON.
 Only each request's own budget counts as generated tokens on both sides (what a caller asked for). One warm-up
@@ -193,7 +194,8 @@ def compare(args, tmp: str) -> dict:
                "ratio_transformers": speed["engine"] / speed["transformers"],
                "agree_transformers": agree("transformers"), "torch_threads": __import__("torch").get_num_threads()}
               if "transformers" in speed else {}),
-           "engine_metrics": engine.metrics, "peak_pages": peak_pages(engine), "engine_kv_bytes": kv_pages.pool_bytes(engine.shapes),
+           "engine_metrics": engine.metrics, "peak_pages": peak_pages(engine),
+           "engine_kv_bytes": kv_pages.pool_bytes(engine.shapes),
            "sampler_kv_bytes": int(kv_tokens * per_token), "warmup_s": warm, "round_s": rounds,
            "settings": {**vars(args), "num_pages": settings.num_pages, "attention_impl": engine.impl},
            "load_avg_1m": os.getloadavg()[0]}
