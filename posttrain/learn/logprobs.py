@@ -117,9 +117,16 @@ def chunked_token_logprobs(
     return LogprobsOut(unchunk(logp_KxBxC), unchunk(ent_KxBxC) if with_entropy else None)
 
 
-def _chunk_logits(h_BxCxD, w_DxV, inv_t, prec):
-    """float32 [B, C, V] logits / T of one chunk (operands in h's dtype, float32 accumulation)."""
-    return jnp.dot(h_BxCxD, w_DxV.astype(h_BxCxD.dtype), precision=prec, preferred_element_type=jnp.float32) * inv_t
+def _chunk_logits(h_MxD, w_DxV, inv_t, prec):
+    """float32 [M, V] logits / T of one chunk's M = B * C positions (operands in h's dtype, float32 accumulation)."""
+    return jnp.dot(h_MxD, w_DxV.astype(h_MxD.dtype), precision=prec, preferred_element_type=jnp.float32) * inv_t
+
+
+def _flat(x_BxC, *tail):
+    """[B, C, ...] -> [B * C, ...]: a chunk's body works on rank-2 [M, V] arrays (XLA:CPU's dot and reduction
+    fusions take a slower, allocating path on [1, C, V] ones); B stays the major dimension, so a B-sharded chunk
+    stays sharded."""
+    return x_BxC.reshape((-1,) + x_BxC.shape[2:])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -129,9 +136,10 @@ def _chunked(h_KxBxCxD, w_DxV, tgt_KxBxC, any_K, inv_t, with_entropy, prec):
 
 def _chunked_fwd(h_KxBxCxD, w_DxV, tgt_KxBxC, any_K, inv_t, with_entropy, prec):
     def compute(h_BxCxD, tgt_BxC):
-        z_BxCxV = _chunk_logits(h_BxCxD, w_DxV, inv_t, prec)
-        logp_BxC, ent_BxC = logp_and_entropy(z_BxCxV, tgt_BxC, with_entropy)
-        return logp_BxC, ent_BxC if with_entropy else jnp.zeros_like(logp_BxC)
+        z_MxV = _chunk_logits(_flat(h_BxCxD), w_DxV, inv_t, prec)
+        logp_M, ent_M = logp_and_entropy(z_MxV, _flat(tgt_BxC), with_entropy)
+        return logp_M.reshape(tgt_BxC.shape), (ent_M if with_entropy else jnp.zeros_like(logp_M)).reshape(
+            tgt_BxC.shape)
 
     def skip(h_BxCxD, tgt_BxC):
         zeros = jnp.zeros(tgt_BxC.shape, jnp.float32)
@@ -152,19 +160,19 @@ def _chunked_bwd(with_entropy, prec, res, g):
     cdt = h_KxBxCxD.dtype
 
     def compute(dw_DxV, h_BxCxD, tgt_BxC, g_logp_BxC, g_ent_BxC):
-        z_BxCxV = _chunk_logits(h_BxCxD, w_DxV, inv_t, prec)
-        logp_BxCxV = jax.nn.log_softmax(z_BxCxV, axis=-1)
-        p_BxCxV = jnp.exp(logp_BxCxV)
-        onehot_BxCxV = jax.nn.one_hot(tgt_BxC, z_BxCxV.shape[-1], dtype=jnp.float32)
-        dz_BxCxV = g_logp_BxC[..., None] * (onehot_BxCxV - p_BxCxV)
+        h_MxD, g_logp_M, g_ent_M = _flat(h_BxCxD), _flat(g_logp_BxC), _flat(g_ent_BxC)
+        z_MxV = _chunk_logits(h_MxD, w_DxV, inv_t, prec)
+        logp_MxV = jax.nn.log_softmax(z_MxV, axis=-1)
+        p_MxV = jnp.exp(logp_MxV)
+        onehot_MxV = jax.nn.one_hot(_flat(tgt_BxC), z_MxV.shape[-1], dtype=jnp.float32)
+        dz_MxV = g_logp_M[:, None] * (onehot_MxV - p_MxV)
         if with_entropy:
-            ent_BxC = -jnp.sum(p_BxCxV * logp_BxCxV, axis=-1)
-            dz_BxCxV = dz_BxCxV - g_ent_BxC[..., None] * p_BxCxV * (logp_BxCxV + ent_BxC[..., None])
-        dz_BxCxV = (dz_BxCxV * inv_t).astype(cdt)
-        dh_BxCxD = jnp.dot(dz_BxCxV, w_DxV.astype(cdt).T, precision=prec, preferred_element_type=jnp.float32)
-        dw_DxV = dw_DxV + jnp.einsum("bcd,bcv->dv", h_BxCxD, dz_BxCxV, precision=prec,
-                                     preferred_element_type=jnp.float32)
-        return dw_DxV, dh_BxCxD.astype(cdt)
+            ent_M = -jnp.sum(p_MxV * logp_MxV, axis=-1)
+            dz_MxV = dz_MxV - g_ent_M[:, None] * p_MxV * (logp_MxV + ent_M[:, None])
+        dz_MxV = (dz_MxV * inv_t).astype(cdt)
+        dh_MxD = jnp.dot(dz_MxV, w_DxV.astype(cdt).T, precision=prec, preferred_element_type=jnp.float32)
+        dw_DxV = dw_DxV + jnp.dot(h_MxD.T, dz_MxV, precision=prec, preferred_element_type=jnp.float32)
+        return dw_DxV, dh_MxD.astype(cdt).reshape(h_BxCxD.shape)
 
     def skip(dw_DxV, h_BxCxD, tgt_BxC, g_logp_BxC, g_ent_BxC):
         return dw_DxV, jnp.zeros_like(h_BxCxD)
