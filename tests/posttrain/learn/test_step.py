@@ -1,5 +1,6 @@
 """The generic step on a toy least-squares loss (no model): microbatch accumulation equals the full batch, min / max
-metrics combine by min / max, a non-finite loss or gradient applies nothing, `loss_metric` gates on a metric."""
+metrics combine by min / max, a non-finite loss or gradient applies nothing, `loss_metric` gates on a metric, the
+CPU's cond skip and the GPU's select skip agree."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,3 +83,28 @@ def test_rows_that_do_not_divide_are_one_error():
     state, step = make(3)
     with pytest.raises(ValueError, match="divisible by num_microbatches=3"):
         step(state, batch())
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_the_cond_and_select_skips_agree(finite):
+    tx = optax.adam(0.1)
+    params = {"w": jnp.asarray([0.5, -0.25, 1.0])}
+    opt_state, frozen, grads = tx.init(params), {"other": {"b": jnp.ones(2)}}, {"w": jnp.asarray([1.0, 2.0, -3.0])}
+
+    def applied(p, o, f, g):
+        updates, o = tx.update(g, o, p)
+        return optax.apply_updates(p, updates), o, {"other": {"b": f["other"]["b"] + 1}}
+
+    args = (jnp.asarray(finite), applied, params, opt_state, frozen, grads)
+    by_cond, by_select = step_lib.skip_by_cond(*args), step_lib.skip_by_select(*args)
+    jax.tree.map(np.testing.assert_array_equal, by_cond, by_select)
+    unchanged = jax.tree.map(np.array_equal, by_cond, (params, opt_state, frozen))
+    assert all(jax.tree.leaves(unchanged)) != finite
+
+
+def test_the_step_skips_by_cond_on_the_cpu_and_by_select_on_gpu():
+    state, step = make(1)
+    lowered = {p: step.trace(state, batch()).lower(lowering_platforms=(p,)).as_text() for p in ("cpu", "cuda")}
+    # platform_dependent is itself a case on a constant index (XLA folds it); the CPU's skip is one case more.
+    assert lowered["cpu"].count("stablehlo.case") == lowered["cuda"].count("stablehlo.case") + 1
+    assert "stablehlo.select" not in lowered["cpu"] and "stablehlo.select" in lowered["cuda"]
