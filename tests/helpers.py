@@ -198,3 +198,20 @@ def assert_gguf_matches_transformers(ours, model, atol=1e-6):
     assert ours.hf_config["rope_theta"] == pytest.approx(cfg.rope_parameters["rope_theta"])
     assert ours.hf_config["rope_scaling"] is None and cfg.rope_parameters["rope_type"] == "default"
     assert ours.hf_config["architectures"] == [type(model).__name__]
+
+
+def saved_run(workdir, **over):
+    """A run directory as training leaves it: config.json of tiny_config(**over) and a complete checkpoint 2."""
+    import json
+
+    import jax.numpy as jnp
+
+    from posttrain.checkpoints.orbax import Checkpointer
+    from posttrain.recipes import run_plan
+
+    plan = run_plan.make_run_plan(tiny_config(workdir, **over))
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(plan.config_dict, default=str))
+    with Checkpointer(workdir / "checkpoints", every_steps=1, keep=1, async_save=False) as ck:
+        ck.save(2, {"w": jnp.zeros(2)}, {})
+    return plan

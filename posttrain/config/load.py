@@ -227,6 +227,29 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def config_changes(saved: Mapping, new: Mapping, free: tuple = (), defaults: Mapping | None = None,
+                   ) -> dict[str, tuple]:
+    """{dotted key: (saved value, new value)} of the settings that differ between two config dicts (JSON-normal
+    values: tuples as lists), the dotted keys in `free` left out. With `defaults` (the default Config's dict), a
+    key the saved dict lacks (a field added after that run was saved) whose new value is its default is no change:
+    the saved run ran with that default's behaviour."""
+    import json
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, Mapping) and v:
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    a, b, dflt = (flat(json.loads(json.dumps(d or {}, default=str))) for d in (saved, new, defaults))
+    added = {k for k in set(b) - set(a) if k in dflt and b[k] == dflt[k]}
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and k not in free and k not in added}
+
+
 def default_config():
     """An `ml_collections.ConfigDict` holding every default of `Config` (the base that configs/*.py edit).
 

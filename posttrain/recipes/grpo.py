@@ -18,7 +18,7 @@ from typing import Any
 from posttrain.algos.grpo import step as grpo_step
 from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.checkpoints.policy import load_policy
-from posttrain.config import Config, ConfigError, to_dict
+from posttrain.config import Config, ConfigError, config_changes, to_dict
 from posttrain.eval import runner as eval_runner
 from posttrain.infra import distributed, metrics as metrics_lib
 from posttrain.infra import mesh as mesh_lib
@@ -79,7 +79,7 @@ def resume_changes(plan: RunPlan, allow: bool = False) -> dict[str, tuple]:
     step, path = latest_checkpoint(plan.workdir), plan.workdir / "config.json"
     if step is None or not path.is_file():
         return {}
-    changes = run_plan_lib.config_changes(json.loads(path.read_text()), plan.config_dict, run_plan_lib.RESUME_FREE_KEYS,
+    changes = config_changes(json.loads(path.read_text()), plan.config_dict, run_plan_lib.RESUME_FREE_KEYS,
                                           defaults=to_dict(Config()))
     if changes and not allow:
         listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items())

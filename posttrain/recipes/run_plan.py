@@ -22,7 +22,7 @@ from posttrain.algos.grpo import losses as losses_lib
 from posttrain.algos.grpo.advantages import ADVANTAGES
 from posttrain.algos.grpo.step import StepOptions, with_moe
 from posttrain.checkpoints.policy import PolicySource
-from posttrain.config import Config, ConfigError, to_dict
+from posttrain.config import Config, ConfigError, config_changes, to_dict
 from posttrain.config.tasks import SchedulingOptions
 from posttrain.eval import suite as suite_lib, gate as gate_lib
 from posttrain.eval.runner import SCORERS, EvalSettings
@@ -208,29 +208,6 @@ def config_for_run(workdir, cfg: Config | None = None) -> Config:
         log.warning("--checkpoint=%s: using the run's own %s", workdir,
                     ", ".join(f"{k}={new!r} (not {old!r})" for k, (old, new) in differ.items()))
     return dataclasses.replace(cfg, **theirs)
-
-
-def config_changes(saved: Mapping, new: Mapping, free: tuple = (), defaults: Mapping | None = None,
-                   ) -> dict[str, tuple]:
-    """{dotted key: (saved value, new value)} of the settings that differ between two config dicts (JSON-normal
-    values: tuples as lists), the dotted keys in `free` left out. With `defaults` (the default Config's dict), a
-    key the saved dict lacks (a field added after that run was saved) whose new value is its default is no change:
-    the saved run ran with that default's behaviour."""
-    import json
-
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            if isinstance(v, Mapping) and v:
-                out.update(flat(v, f"{prefix}{k}."))
-            else:
-                out[f"{prefix}{k}"] = v
-        return out
-
-    a, b, dflt = (flat(json.loads(json.dumps(d or {}, default=str))) for d in (saved, new, defaults))
-    added = {k for k in set(b) - set(a) if k in dflt and b[k] == dflt[k]}
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and k not in free and k not in added}
 
 
 def with_loss_defaults(cfg: Config) -> Config:

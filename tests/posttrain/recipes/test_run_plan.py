@@ -21,6 +21,7 @@ from posttrain.checkpoints import policy as setup
 from posttrain.infra import mesh as mesh_lib
 from posttrain.algos.grpo import step as ts
 from posttrain.config import ConfigError, default_config, env_spec, from_config_dict
+from helpers import saved_run
 from posttrain.rollout.sampler import logprob_temperature, pad_prompts, sample
 
 TINY = "configs/tiny.py"
@@ -307,23 +308,6 @@ def test_greedy_training_rollouts_are_warned_about(temperature, top_k, warned):
         assert "every advantage (and the policy gradient) is zero" in greedy[0]
 
 
-def _saved_run(workdir, **over):
-    """A run directory as training leaves it: config.json of tiny_config(**over) and a complete checkpoint 2."""
-    import json
-
-    import jax.numpy as jnp
-
-    from helpers import tiny_config
-    from posttrain.checkpoints.orbax import Checkpointer
-
-    plan = run_plan.make_run_plan(tiny_config(workdir, **over))
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(json.dumps(plan.config_dict, default=str))
-    with Checkpointer(workdir / "checkpoints", every_steps=1, keep=1, async_save=False) as ck:
-        ck.save(2, {"w": jnp.zeros(2)}, {})
-    return plan
-
-
 # kind: a run's saved config is the source of truth: resuming with other settings refuses (or, allowed, is recorded)
 @pytest.mark.parametrize("over,changed", [
     ({}, {}),
@@ -336,7 +320,7 @@ def _saved_run(workdir, **over):
 def test_resuming_with_changed_settings_refuses_unless_allowed(tmp_path, over, changed, allow):
     from helpers import tiny_config
 
-    _saved_run(tmp_path)
+    saved_run(tmp_path)
     plan = run_plan.make_run_plan(tiny_config(tmp_path, **over))
     if changed and not allow:
         with pytest.raises(ConfigError) as info:
@@ -348,31 +332,10 @@ def test_resuming_with_changed_settings_refuses_unless_allowed(tmp_path, over, c
         assert loop.resume_changes(plan, allow) == {k: [*v, 2] for k, v in changed.items()}
 
 
-# kind: a field added after a run was saved is not a change when the resumed run keeps its default
-@pytest.mark.parametrize("dropped,over,changed", [
-    ("env.backend", {}, {}),  # saved by a version without env.backend: the default ("process") is what it ran
-    ("env.backend", {"env.backend": "ray", "env.num_workers": 2},
-     {"env.backend": [None, "ray"], "env.num_workers": [0, 2]}),  # a new non-default value is a change
-    ("rl.group_size", {}, {"rl.group_size": [None, 4]}),  # the tiny run's 4 is not the field's default (8)
-])
-def test_a_field_the_saved_config_lacks_is_a_change_only_off_its_default(tmp_path, dropped, over, changed):
-    from helpers import tiny_config
-
-    import json
-
-    _saved_run(tmp_path)
-    saved = json.loads((tmp_path / "config.json").read_text())
-    section, key = dropped.split(".")
-    del saved[section][key]
-    (tmp_path / "config.json").write_text(json.dumps(saved))
-    new = run_plan.make_run_plan(tiny_config(tmp_path, **over))
-    assert loop.resume_changes(new, allow=True) == {k: [*v, 2] for k, v in changed.items()}
-
-
 def test_changes_count_only_when_a_checkpoint_will_be_restored(tmp_path):
     from helpers import tiny_config
 
-    _saved_run(tmp_path)
+    saved_run(tmp_path)
     import shutil
 
     shutil.rmtree(tmp_path / "checkpoints")  # killed before its first checkpoint: the rerun starts over
@@ -385,7 +348,7 @@ def test_commands_reading_a_run_use_its_saved_model_and_lora(tmp_path, given, lo
     run's model and lora (a forgotten --config.lora.rank=8 used to end in a 30-line CheckpointStructureError)."""
     from helpers import tiny_config
 
-    _saved_run(tmp_path, **{"lora.rank": 8, "optim.lr": 0.5})
+    saved_run(tmp_path, **{"lora.rank": 8, "optim.lr": 0.5})
     cfg = None if given is None else tiny_config(tmp_path / "other", **{"eval.num_tasks": 7, **given})
     got = run_plan.config_for_run(tmp_path, cfg)
     assert got.lora.rank == lora_rank and got.model.overrides == {"vocab_size": 320}
@@ -399,7 +362,7 @@ def test_commands_reading_a_run_use_its_saved_model_and_lora(tmp_path, given, lo
 def test_the_cli_reads_a_run_by_its_directory_alone(tmp_path, monkeypatch, command):
     """`posttrain train --workdir=DIR` resumes with the saved settings; `posttrain eval --checkpoint=DIR` evaluates
     with them (both needed --config, and config.json could not be passed back)."""
-    saved = _saved_run(tmp_path / "run", **{"optim.lr": 0.5, "lora.rank": 4})
+    saved = saved_run(tmp_path / "run", **{"optim.lr": 0.5, "lora.rank": 4})
     seen = []
     monkeypatch.setattr(loop, "train", lambda plan, **k: seen.append(plan) or {})
     monkeypatch.setattr(loop, "evaluate_run", lambda plan: seen.append(plan) or (2, {}))
