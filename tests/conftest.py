@@ -12,6 +12,13 @@ import pytest
 # error ~3e-4), which fails those comparisons. The product takes its precision from the config's policy
 # (`posttrain.infra.precision`); tests/posttrain/test_precision.py checks both mechanisms in the lowered HLO.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# Tests compile far more than they compute: LLVM's optimisation of XLA:CPU's generated code is most of a tiny
+# program's compile time and buys the suite nothing (dots run in library kernels either way: SmolLM2's parity tests
+# take the same time). The suite and the processes it starts compile at -O0; the bit-exact recordings in
+# tests/golden/ are recorded at this setting. POSTTRAIN_TEST_FAST_COMPILE=0 compiles as the product does.
+if os.environ.get("POSTTRAIN_TEST_FAST_COMPILE", "1") != "0" and "optimization_level" not in os.environ.get(
+        "XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", os.environ["JAX_DEFAULT_MATMUL_PRECISION"])
