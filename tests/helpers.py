@@ -1,4 +1,6 @@
 """Helpers shared by several test modules (importable because tests/conftest.py puts tests/ on sys.path)."""
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -215,3 +217,26 @@ def saved_run(workdir, **over):
     with Checkpointer(workdir / "checkpoints", every_steps=1, keep=1, async_save=False) as ck:
         ck.save(2, {"w": jnp.zeros(2)}, {})
     return plan
+
+
+def load_script(path, name: str):
+    """The module of a script that is not a package member (bench/*.py, scripts/*.py), registered as `name` in
+    sys.modules (dataclasses look their module up); bench/ goes on sys.path for its `_helpers` imports."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(path)
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def json_value(obj: dict, path: str):
+    """obj's value at a dotted key path ("latency.async.p50"); an assertion naming the first missing key."""
+    for key in path.split("."):
+        assert isinstance(obj, dict) and key in obj, f"no {path!r} in the JSON ({key!r} missing)"
+        obj = obj[key]
+    return obj

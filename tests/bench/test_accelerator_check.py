@@ -6,7 +6,6 @@ The --quick modes of the four benches the check runs (attention, grpo_step, moe,
 dry run's JSON, like the other benches' in test_quick_modes.py: the figure, its peer and their ratio. They live in
 this file so that the dry run (~60 s) runs once per suite: a session fixture runs once per xdist worker, and
 `--dist loadfile` put the two files on different workers."""
-import importlib.util
 import json
 import os
 import pathlib
@@ -18,18 +17,12 @@ import zipfile
 
 import numpy as np
 import pytest
+from helpers import json_value, load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _load(path: pathlib.Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-check = _load(ROOT / "scripts" / "accelerator_check.py", "accelerator_check")
+check = load_script(ROOT / "scripts" / "accelerator_check.py", "accelerator_check")
 
 
 def _has(obj, path: str) -> bool:
@@ -63,16 +56,9 @@ def test_dry_run_writes_every_step_file_with_its_keys(accelerator_dry_run):
     assert rollout["ignore_stop"] and rollout["dtype"] == "float32" and rollout["torch_device"] == "cpu"
 
 
-def _value(obj: dict, path: str):
-    for key in path.split("."):
-        assert isinstance(obj, dict) and key in obj, f"no {path!r} in the JSON ({key!r} missing)"
-        obj = obj[key]
-    return obj
-
-
 def _attention(out):
     assert set(out["results"]) == {"blockwise", "dense"}  # the fused kernels only on their own platform
-    bench = _load(ROOT / "bench" / "attention.py", "check_attention")
+    bench = load_script(ROOT / "bench" / "attention.py", "check_attention")
     args = bench.parse_args(["--quick"])  # the quick row: its allowed pairs, counted by brute force
     seg, br = bench.row_ids(args)
     i, j = np.arange(args.row_len)[:, None], np.arange(args.row_len)[None, :]
@@ -119,7 +105,7 @@ def test_the_benches_the_check_runs_are_the_quick_table():
 def test_quick_mode_reports_the_figure_its_peer_and_their_ratio(name, accelerator_dry_run):
     _, figure, peer, ratio, more = QUICK[name]
     out = _quick_result(accelerator_dry_run, name)
-    values = [_value(out, k) for k in (figure, peer, ratio)]
+    values = [json_value(out, k) for k in (figure, peer, ratio)]
     assert all(isinstance(v, (int, float)) and v > 0 for v in values), dict(zip((figure, peer, ratio), values))
     more(out)
 
@@ -128,7 +114,7 @@ def test_moe_runs_only_the_variants_that_fit(accelerator_dry_run, capsys):
     peaks = {k: r["peak_gib"] for k, r in _quick_result(accelerator_dry_run, "moe")["results"].items()}
     assert peaks["ragged"] > 2 * peaks["dense"] > 0  # XLA:CPU's ragged_dot expands across the groups
     budget = 2 * peaks["dense"] / 0.9  # `aot.fits` takes 90% of it: dense fits, ragged does not
-    out = _load(ROOT / "bench" / "moe.py", "check_moe").main(["--quick", "--json", "--impls", "ragged",
+    out = load_script(ROOT / "bench" / "moe.py", "check_moe").main(["--quick", "--json", "--impls", "ragged",
                                                               "--max-gib", str(budget)])
     capsys.readouterr()
     assert "step_s" in out["results"]["dense"] and "step_s" not in out["results"]["ragged"]
@@ -141,18 +127,18 @@ def test_real_mode_arguments_parse_in_each_bench():
     def real(name):
         return check.step_command(name, dry_run=False, work="W")[2:]  # after the interpreter and the script
 
-    grpo = _load(ROOT / "bench" / "grpo_step.py", "check_grpo_step")
+    grpo = load_script(ROOT / "bench" / "grpo_step.py", "check_grpo_step")
     for remat in ("dots", "full"):
         a = grpo.parse_args(real(f"grpo_step_{remat}"))
         cfg, _ = grpo.model_config(a, "gpu")
         assert (a.model, a.remat, cfg.dtype, cfg.param_dtype) == ("qwen3-0.6b", remat, "bfloat16", "float32")
         assert grpo.make_batch(a, cfg, None).tokens_RxL.shape == (16, 2176)
-    a = _load(ROOT / "bench" / "moe.py", "check_moe").parse_args(real("moe"))
+    a = load_script(ROOT / "bench" / "moe.py", "check_moe").parse_args(real("moe"))
     assert (a.tokens, a.d_model, a.experts, a.top_k, a.expert_mlp, a.quick) == (16384, 2048, 128, 8, 768, False)
-    a = _load(ROOT / "bench" / "rollout.py", "check_rollout").parse_args(real("rollout"))
+    a = load_script(ROOT / "bench" / "rollout.py", "check_rollout").parse_args(real("rollout"))
     assert (a.model, a.prompts, a.group, a.prompt_len, a.new_tokens) == ("qwen3-0.6b", 512, 1, 128, 256)
     assert a.ignore_stop and a.dtype == "bfloat16" and a.no_floor and not a.quick
-    a = _load(ROOT / "bench" / "attention.py", "check_attention").parse_args(real("attention"))
+    a = load_script(ROOT / "bench" / "attention.py", "check_attention").parse_args(real("attention"))
     assert (a.rows, a.row_len, a.prompt_len, a.group, a.quick) == (4, 16384, 2048, 8, False)
     tests = check.step_command("tests", dry_run=False, work="W")
     assert tests[tests.index("-m", 3) + 1] == "parity or kernel" and tests[-1] == "tests"

@@ -8,7 +8,6 @@ run again on the other worker. Benches that start their own processes (the two t
 and dpo_vs_trl) or need fake CPU devices set before JAX starts (moe_ep_memory) run as a subprocess; the others run
 in this process (JAX, torch already imported).
 """
-import importlib.util
 import json
 import os
 import pathlib
@@ -16,16 +15,10 @@ import subprocess
 import sys
 
 import pytest
+from helpers import json_value, load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
-
-
-def _get(obj: dict, path: str):
-    for key in path.split("."):
-        assert isinstance(obj, dict) and key in obj, f"no {path!r} in the JSON ({key!r} missing)"
-        obj = obj[key]
-    return obj
 
 
 def _async_rl(out):
@@ -112,17 +105,14 @@ def _run(name: str, capsys) -> dict:
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH / f"{name}.py", f"bench_{name}")
 
 
 @pytest.mark.parametrize("name", sorted(TABLE))
 def test_quick_mode_reports_the_figure_its_peer_and_their_ratio(name, capsys):
     _, _, figure, peer, ratio, check = TABLE[name]
     out = _run(name, capsys)
-    values = [_get(out, k) for k in (figure, peer, ratio)]
+    values = [json_value(out, k) for k in (figure, peer, ratio)]
     assert all(isinstance(v, (int, float)) and v > 0 for v in values), dict(zip((figure, peer, ratio), values))
     check(out)
 

@@ -1,17 +1,13 @@
 """`bench/rollout.py --aot cpu --quick` (docs/design.md invariant 16): the engine's decode step compiled ahead of time
 through the same path as --aot h200 / v5p, on this machine's CPU; its memory figures are the compiled program's."""
-import importlib.util
 import pathlib
-import sys
+from helpers import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_aot_quick_mode_reports_the_decode_steps_memory():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_rollout", ROOT / "bench" / "rollout.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script(ROOT / "bench" / "rollout.py", "bench_rollout")
     out = bench.main(["--aot", "cpu", "--quick"])
     # tiny-dense: 2 layers x (k, v) x 2 kv heads x 17 pages (4 slots x 4 pages of 8 + scratch) x 8 x 16 dims, f32
     assert out["num_pages"] == 4 * 4 + 1 and out["attention_impl"] == "reference"

@@ -1,18 +1,14 @@
 """`bench/rollout.py --lengths long_tail --quick` (docs/design.md invariant 16): the paged engine, today's sampler and
 transformers' `generate` run the same long-tail requests (the first two at equal KV memory), agree on every greedy
 reply, and report their speeds and the engine's pages at peak."""
-import importlib.util
 import pathlib
-import sys
+from helpers import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_long_tail_quick_mode():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_rollout", ROOT / "bench" / "rollout.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script(ROOT / "bench" / "rollout.py", "bench_rollout")
     out = bench.main(["--lengths", "long_tail", "--quick"])
     s = out["settings"]
     assert out["agree"] == s["requests"] == 12  # greedy: the same tokens on both sides
