@@ -240,3 +240,10 @@ def json_value(obj: dict, path: str):
         assert isinstance(obj, dict) and key in obj, f"no {path!r} in the JSON ({key!r} missing)"
         obj = obj[key]
     return obj
+
+
+def fake_devices_flags(n: int) -> str:
+    """XLA_FLAGS for a subprocess with `n` fake CPU devices, keeping this process's flags (the suite's -O0)."""
+    import os
+
+    return (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()

@@ -19,6 +19,7 @@ from posttrain.model.moe import ExpertBias
 from posttrain.model.presets import get_preset
 from posttrain.model.transformer import Transformer
 from posttrain.types import TrainState
+from helpers import fake_devices_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 META = {"cursor": {"epoch": 1, "index": 37, "order_seed": 5}, "config": {"model": "tiny", "lr": 1e-5},
@@ -304,5 +305,5 @@ print("SHARDED_OK", len(sharded))
 
 def test_sharded_round_trip_restores_target_shardings(tmp_path):
     proc = _subprocess(SHARDED_CHILD.format(d=str(tmp_path)),
-                       env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"})
+                       env_extra={"XLA_FLAGS": fake_devices_flags(8), "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0 and "SHARDED_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import fake_devices_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 KEYS = ("policy/loss", "optim/grad_norm", "reward/mean", "rollout/logp_diff_mean", "policy/entropy")
@@ -25,7 +26,7 @@ def _train(workdir, nproc: int, devices_per_proc: int, timeout=600, extra=()):
     procs = []
     for i in range(nproc):
         env = dict(os.environ, JAX_PLATFORMS="cpu", POSTTRAIN_XLA_CACHE="0",
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_proc}")
+                   XLA_FLAGS=fake_devices_flags(devices_per_proc))
         args = [sys.executable, "-m", "posttrain.cli", "train", "--config=configs/tiny.py", f"--workdir={workdir}",
                 "--noprogress", "--config.train.steps=2", "--config.eval.at_start=False", "--config.eval.at_end=False",
                 *extra]

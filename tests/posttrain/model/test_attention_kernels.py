@@ -155,7 +155,9 @@ def test_fused_under_a_mesh_runs_per_shard():
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    from helpers import fake_devices_flags
+
+    env = dict(os.environ, XLA_FLAGS=fake_devices_flags(4), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(pathlib.Path(__file__).parent))
     out = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]

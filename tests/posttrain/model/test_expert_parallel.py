@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import fake_devices_flags
 
 SCRIPT = pathlib.Path(__file__).with_name("_expert_parallel.py")
 TOL = 1e-5
@@ -24,7 +25,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep") / "result.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=fake_devices_flags(8), JAX_PLATFORMS="cpu")
     repo = pathlib.Path(__file__).resolve().parents[3]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
     try:

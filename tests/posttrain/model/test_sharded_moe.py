@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import fake_devices_flags
 
 SCRIPT = pathlib.Path(__file__).with_name("_sharded_forward.py")
 MESHES = ("dp2-fsdp2-ep2", "fsdp2-ep2-tp2")
@@ -22,7 +23,7 @@ E = 8  # experts in both presets
 
 def _run(tmp_path_factory, full):
     out = tmp_path_factory.mktemp("sharded") / "result.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=fake_devices_flags(8), JAX_PLATFORMS="cpu")
     repo = pathlib.Path(__file__).resolve().parents[3]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
     try:

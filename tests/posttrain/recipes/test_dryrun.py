@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from posttrain.recipes import dryrun as plan
+from helpers import fake_devices_flags
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
@@ -54,7 +55,7 @@ def test_collective_bytes_count_each_scanned_layer():
         x = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", None)))
         print(json.dumps(aot.collective_bytes(jax.jit(jax.grad(loss)).lower(w, x).compile().as_text())))
     """)
-    r = _run([sys.executable, "-c", script], {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    r = _run([sys.executable, "-c", script], {"XLA_FLAGS": fake_devices_flags(8)})
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     layer = 64 * 64 * 4
@@ -135,7 +136,7 @@ def test_planned_bytes_match_a_real_sharded_init():
         total = sum(leaf.nbytes for leaf in jax.tree.leaves((state.params, state.opt_state, state.frozen, state.ref_params)))
         print(json.dumps({"planned": planned, "real": real, "total": total}))
     """)
-    r = _run([sys.executable, "-c", script], {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    r = _run([sys.executable, "-c", script], {"XLA_FLAGS": fake_devices_flags(8)})
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["real"] < got["total"] / 2  # really sharded

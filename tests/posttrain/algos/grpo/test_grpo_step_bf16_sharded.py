@@ -23,7 +23,7 @@ from posttrain.learn.state import create_train_state
 
 SHARDED = textwrap.dedent("""
     import os, sys, json
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
     import jax, jax.numpy as jnp, numpy as np
     from test_grpo_step import make_state, random_batch
