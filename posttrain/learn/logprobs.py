@@ -123,9 +123,9 @@ def _chunk_logits(h_MxD, w_DxV, inv_t, prec):
 
 
 def _flat(x_BxC, *tail):
-    """[B, C, ...] -> [B * C, ...]: a chunk's body works on rank-2 [M, V] arrays (XLA:CPU's dot and reduction
-    fusions take a slower, allocating path on [1, C, V] ones); B stays the major dimension, so a B-sharded chunk
-    stays sharded."""
+    """[B, C, ...] -> [B * C, ...]: a chunk's body works on rank-2 [M, V] arrays (XLA:CPU compiles a body on
+    [1, C, V] ones to a program that touches far more fresh memory per step); B stays the major dimension, so a
+    B-sharded chunk stays sharded."""
     return x_BxC.reshape((-1,) + x_BxC.shape[2:])
 
 
