@@ -1,7 +1,6 @@
 """The colab notebooks run top to bottom (headless, nbclient), in a temporary working directory, on the CPU path
 (tpu.ipynb's TPU cells need a Colab TPU runtime and cannot run here)."""
 import json
-import os
 import pathlib
 
 import nbformat
@@ -14,8 +13,6 @@ NOTEBOOKS = {"quickstart": ("runs/colab_quickstart", 8, "reward/mean"),
              "custom_env": ("runs/colab_custom_env", 3, "reward/mean"), "tpu": ("runs/colab_tpu", 2, "reward/mean"),
              "evaluate": ("runs/colab_evaluate", 3, "reward/mean"),
              "sft_dpo": ("runs/colab_sft_dpo/dpo", 2, "dpo/loss")}  # its tiny archive -> SFT -> DPO (2 steps each)
-# the tiny-model notebooks spend their time compiling, not computing: compile them without LLVM optimisation
-FAST_COMPILE = {"custom_env", "tpu", "evaluate", "sft_dpo"}
 
 
 def test_every_notebook_is_listed():
@@ -23,12 +20,10 @@ def test_every_notebook_is_listed():
 
 
 @pytest.mark.parametrize("name", sorted(NOTEBOOKS))
-def test_notebook_runs(name, tmp_path, monkeypatch):
+def test_notebook_runs(name, tmp_path):
     path = COLAB / f"{name}.ipynb"
     assert path.exists(), f"{path} is missing"
-    if name in FAST_COMPILE:  # the kernel inherits this process's environment
-        flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-        monkeypatch.setenv("XLA_FLAGS", flags.strip())
+    # the kernel inherits this process's environment: the suite's -O0 compiles (tests/conftest.py)
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]

@@ -122,7 +122,7 @@ def _chunk_logits(h_MxD, w_DxV, inv_t, prec):
     return jnp.dot(h_MxD, w_DxV.astype(h_MxD.dtype), precision=prec, preferred_element_type=jnp.float32) * inv_t
 
 
-def _flat(x_BxC, *tail):
+def _flat(x_BxC):
     """[B, C, ...] -> [B * C, ...]: a chunk's body works on rank-2 [M, V] arrays (XLA:CPU compiles a body on
     [1, C, V] ones to a program that touches far more fresh memory per step); B stays the major dimension, so a
     B-sharded chunk stays sharded."""
