@@ -28,7 +28,7 @@ import sys
 from posttrain.cli.commands import (_enable_compilation_cache, _fake_cpu_devices_for_plan, cmd_convert,
                                     cmd_domains, cmd_dpo, cmd_eval, cmd_plan, cmd_sample, cmd_sft, cmd_train)
 from posttrain.cli import rm, status
-from posttrain.cli.flags import command_help, define_flags as _flags, flag_error_line
+from posttrain.cli.flags import command_help, config_override_argv, define_flags as _flags, flag_error_line
 
 # command name -> its function (a new command: a module of its own in this package, a line here, its usage lines
 # in the docstring above and its flags in flags.py)
@@ -52,11 +52,15 @@ def main(argv=None) -> int:
     if any(a in ("--help", "-h", "--helpshort", "--helpfull", "-help") for a in argv[1:]):
         print(command_help(command, f))
         return 0
-    try:
-        f(argv)
+    parsed, saved = config_override_argv(argv), sys.argv
+    try:  # ml_collections reads the --config.* overrides from sys.argv: these, with domain keys subscripted
+        sys.argv = parsed
+        f(parsed)
     except Exception as e:  # absl raises its own error types for unknown/invalid flags
         print(f"error: {flag_error_line(e, argv)}", file=sys.stderr)
         return 2
+    finally:
+        sys.argv = saved
     from posttrain.config import ConfigError
     from posttrain.infra import distributed
     from posttrain.checkpoints.orbax import CheckpointCorruptError

@@ -120,3 +120,22 @@ def flag_error_line(e: BaseException, argv) -> str:
                 return unknown_key_message(flag.removeprefix("--"), key, value)
             return f"unknown config key {flag.removeprefix('--')}: {hint.strip()}"
     return " ".join(str(e).split())
+
+
+def config_override_argv(argv):
+    """`argv` with each ``--config.<path>=<value>`` override whose path has keys that are not Python identifiers
+    (env domain names like ``reasoning_gym/chain_sum``, task-policy patterns like ``reasoning_gym/*``) rewritten to
+    ml_collections' subscript form (it parses the path as a Python expression, where ``reasoning_gym/chain_sum``
+    is a division): ``--config.env.train.reasoning_gym/chain_sum.kwargs.size=16`` sets
+    ``c.env.train["reasoning_gym/chain_sum"]["kwargs"]["size"]``. A key containing "." needs the subscript form
+    written out (``--config.env.train['a.b'].weight=2``); paths already holding "[" and every other argument are
+    returned unchanged."""
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        prefix = next((p for p in ("--config.", "--noconfig.", "-config.", "-noconfig.") if name.startswith(p)), "")
+        parts = name[len(prefix):].split(".")
+        if prefix and "[" not in name and not all(p.isidentifier() for p in parts):
+            arg = prefix.rstrip(".") + "".join(f".{p}" if p.isidentifier() else f"[{p!r}]" for p in parts) + eq + value
+        out.append(arg)
+    return out
