@@ -44,3 +44,13 @@ def test_reasoning_tiny_envs_build_and_prompts_fit_the_tiny_model(split):
             obs, _ = env.reset(options={"task": env.task_source.get_task(i)})
             ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": obs}], add_generation_prompt=True))
             assert len(ids) + cfg.sampling.max_new_tokens <= max_position, (spec.kwargs["dataset"], len(ids))
+
+
+def test_the_mix_gate_suite_has_100_tasks_per_candidate_and_marks_the_trained_domains():
+    from posttrain.eval import suite as suite_lib
+    cfg = load("reasoning_mix")
+    suite = suite_lib.load_suite(CONFIGS / "eval" / "reasoning_mix.py")
+    by_name = {d.name: d for d in suite.domains}
+    assert len(by_name) == 10 and {d.tasks for d in suite.domains} == {100}  # issue 22: >= 100 held-out per domain
+    assert {n for n, d in by_name.items() if d.trained} == set(cfg.env.train)  # what the mix trains on, no more
+    assert {d.max_new_tokens for d in suite.domains} == {cfg.eval.max_new_tokens}
