@@ -60,3 +60,38 @@ def test_a_domain_selection_drops_the_policies_of_left_out_domains(mix):
     raw["env"]["domains"] = others[0]
     cut = from_config_dict(raw)
     assert sorted(cut.env.train) == [others[0]] and dict(cut.tasks.policies) == {"reasoning_gym/*": {"min_share": 0.05}}
+
+
+def test_the_band_variant_revisits_a_small_pool_and_its_band_skips(mix):
+    """configs/reasoning_mix_band.py (issue 23 acceptance 4): reasoning_mix with TRAIN_TASKS train tasks per domain
+    and the band on, nothing else changed; over 35 steps of a fake runner (tasks solved always, never, or half the
+    time) the band skips draws and lowers the zero-variance groups, and band_visits=0 skips none."""
+    _, base = mix
+    spec = importlib.util.spec_from_file_location("reasoning_mix_band", CONFIG.with_name("reasoning_mix_band.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = from_config_dict(module.get_config())
+    assert {n: s.kwargs["size"] for n, s in cfg.env.train.items()} == dict.fromkeys(base.env.train, module.TRAIN_TASKS)
+    assert cfg.tasks.band_visits == module.BAND_VISITS >= 1
+    raw, want = to_dict(cfg), to_dict(base)
+    for d in (raw, want):
+        d["tasks"].pop("band_visits"), d["train"].pop("workdir")
+        for s in d["env"]["train"].values():
+            s["kwargs"].pop("size")
+    assert raw == want
+    zero_std, skipped = {}, {}
+    for band in (module.BAND_VISITS, 0):
+        raw = to_dict(cfg)
+        raw["tasks"]["band_visits"] = band
+        plan = make_run_plan(from_config_dict(raw), workdir="/nonexistent")
+        sched = JobScheduler({n: Source(module.TRAIN_TASKS, n) for n in cfg.env.train}, plan.rollout.tasks)
+        runner = FakeRunner(sched, seed=0, pass_prob=lambda d, i, s: (0.0, 1.0, 0.5)[i % 3])
+        logs, fracs = [], []
+        for step in range(35):
+            logs.append(runner.step(step, cfg.rl.prompts_per_step))
+            fracs.append(sched.metrics()["tasks/skipped_frac"])
+        groups = [{a.reward for a in log.attempts if a.ticket.ticket_id == t.ticket_id} for log in logs
+                  for t in log.tickets]
+        zero_std[band], skipped[band] = sum(len(g) == 1 for g in groups) / len(groups), sum(fracs) / len(fracs)
+    assert skipped[0] == 0.0 and skipped[module.BAND_VISITS] > 0.1
+    assert zero_std[module.BAND_VISITS] < zero_std[0] - 0.1, zero_std
