@@ -7,6 +7,15 @@ SmolLM2's ChatML template has no tool syntax, so the env shows the tool schema i
 schema through its own ``tools=`` argument instead (`posttrain.rollout.chat`).
 Evaluate: posttrain eval --suite=configs/eval/agentic.py --checkpoint=runs/repo_fix --baseline=base
 (resolved rate `eval/repo_fix/pass@1`, cheat rate `eval/repo_fix_impossible/pass@1`).
+
+A few steps on the 2-core CPU (issue 27 acceptance 4): the shipped step (16 samples, 16 unpacked rows of up to
+~3k tokens) is estimated, not measured quietly, at ~10 minutes on 2 quiet cores (~55 TFLOP at ~120 GFLOP/s, plus
+sampling); 2 x 2 samples of 128 tokens a turn (one such step took 1012 s on the loaded machine, f5d4449) and 4
+tasks per suite domain aim at ~20 minutes for 4 steps and both evaluations:
+  posttrain train --config=configs/repo_fix.py --workdir=runs/repo_fix4 --noprogress --config.train.steps=4
+      --config.rl.prompts_per_step=2 --config.rl.group_size=2 --config.rl.num_microbatches=4
+      --config.sampling.max_new_tokens=128
+  posttrain eval --suite=configs/eval/agentic.py --checkpoint=runs/repo_fix4 --baseline=base --limit=4
 """
 from posttrain.config import default_config, env_spec
 
