@@ -10,17 +10,22 @@ the same pages: the caller keeps the first R output dims (`kv[..., :R]` are the 
 Sequence s's token i lives at page `page_table_SxM[s, i // Z]`, offset `i % Z`; the first `lengths_S[s]` tokens
 are attended (>= 1; the engine writes the new token before attending, so its own entry is included).
 
-Implementations (`IMPLS`; "auto" picks by platform):
+Implementations (`IMPLS`; "auto" picks the platform's kernel when `kernel_problems` finds none for the shapes,
+else the reference, logged once with the reason; a kernel asked for by name that cannot take the shapes is a
+ValueError naming the constraint):
   * "reference": gathers the sequence's pages into a dense [K, S, M*Z, H] and runs a float32 softmax masked by
     length (any platform; the CPU path).
   * "pallas_tpu": `jax.experimental.pallas.ops.tpu.paged_attention` (Mosaic; scale folded into q).
   * "pallas_gpu": `jax.experimental.pallas.ops.gpu.paged_attention` (Triton; scale folded into q).
   `interpret=True` runs a kernel in the Pallas interpreter on any platform (tests on the CPU): the GPU kernel's
   own `interpret` flag; the TPU kernel under `pltpu.force_tpu_interpret_mode()`.
+`attend_chunk` (T new tokens of one sequence over its cached pages and each other: the engine's prefill of a turn's
+new tokens) has the reference only.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 
 import jax
@@ -30,28 +35,94 @@ IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 MASK_VALUE = -1e9  # finite, as in posttrain.model.attention.NEG_INF
 
 
-def resolve_impl(impl: str, platform: str | None = None) -> str:
-    """The implementation `impl` runs as: "auto" -> "pallas_tpu" on TPU, "pallas_gpu" on GPU, else "reference".
-    Raises ValueError for a name not in IMPLS."""
+_KERNEL_OF = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
+_FLOATS = ("float32", "bfloat16", "float16")
+_logged: set = set()
+
+
+def kernel_problems(impl: str, *, head_dim: int, page_size: int, pages_per_seq: int, dtype,
+                    num_heads: int | None = None, num_kv_heads: int | None = None) -> list[str]:
+    """The documented constraints of kernel `impl` that these shapes break ([] when it can take them; always []
+    for "reference"). dtype: the pages' dtype; num_heads / num_kv_heads: checked when given.
+      pallas_tpu (Mosaic, `jax.experimental.pallas.ops.tpu.paged_attention`): head_dim a multiple of 128 (the
+        lane width; splash and vLLM's Pallas backend refuse the same, jax-ml/jax#30861, vllm#10343), page_size a
+        multiple of the sublane tile (8 rows of 32 bits: 16 in bf16), pages float32 or bfloat16;
+      pallas_gpu (Triton, `jax.experimental.pallas.ops.gpu.paged_attention`): head_dim a power of two >= 16 (Triton
+        block shapes are powers of two, its dots >= 16), page_size * gcd(pages_per_seq, 8) (the keys of one compute
+        block) a power of two >= 16, pages float32, bfloat16 or float16;
+      both: num_heads a multiple of num_kv_heads.
+    """
+    if impl not in ("pallas_tpu", "pallas_gpu"):
+        return []
+    dtype = jnp.dtype(dtype)
+    out = []
+    if num_heads is not None and num_kv_heads and num_heads % num_kv_heads:
+        out.append(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if impl == "pallas_tpu":
+        rows = 16 if dtype.name == "bfloat16" else 8
+        if head_dim % 128:
+            out.append(f"head_dim={head_dim} is not a multiple of 128 (TPU lanes)")
+        if page_size % rows:
+            out.append(f"page_size={page_size} is not a multiple of {rows} (TPU sublanes in {dtype.name})")
+        if dtype.name not in _FLOATS[:2]:
+            out.append(f"dtype={dtype.name} is not float32 or bfloat16")
+    elif impl == "pallas_gpu":
+        block = page_size * math.gcd(pages_per_seq, 8)
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            out.append(f"head_dim={head_dim} is not a power of two >= 16 (Triton)")
+        if block < 16 or block & (block - 1):
+            out.append(f"page_size={page_size} * gcd(pages_per_seq={pages_per_seq}, 8) = {block} keys per block "
+                       "is not a power of two >= 16 (Triton)")
+        if dtype.name not in _FLOATS:
+            out.append(f"dtype={dtype.name} is not one of {_FLOATS}")
+    return out
+
+
+def resolve_impl(impl: str, platform: str | None = None, **shapes) -> str:
+    """The implementation `impl` runs as. "auto" -> "pallas_tpu" on TPU, "pallas_gpu" on GPU, else "reference";
+    with `shapes` (`kernel_problems`' keywords) a kernel only where none of its constraints break, else
+    "reference" (logged once per reason). A kernel named explicitly is checked against `shapes` when given.
+    Raises ValueError for a name not in IMPLS, or a named kernel that cannot take the shapes (the constraint)."""
     if impl not in IMPLS:
         raise ValueError(f"paged attention impl={impl!r}; expected one of {IMPLS}")
-    if impl != "auto":
+    if impl == "reference":
         return impl
-    platform = platform or jax.default_backend()
-    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "reference")
+    kernel = impl if impl != "auto" else _KERNEL_OF.get(platform or jax.default_backend(), "reference")
+    problems = kernel_problems(kernel, **shapes) if shapes and kernel != "reference" else []
+    if problems and impl != "auto":
+        raise ValueError(f"paged attention impl={impl!r} cannot take these shapes: {'; '.join(problems)}")
+    if problems:
+        reason = f"paged attention: auto uses the reference, not {kernel}: {'; '.join(problems)}"
+        if reason not in _logged:
+            _logged.add(reason)
+            logging.getLogger(__name__).warning(reason)
+        return "reference"
+    return kernel
+
+
+def _shapes(q_SxNxH, pages_KxPxZxH, page_table_SxM) -> dict:
+    """`kernel_problems`' keywords for these arrays."""
+    K, _, Z, H = pages_KxPxZxH.shape
+    return {"head_dim": H, "page_size": Z, "pages_per_seq": page_table_SxM.shape[1], "dtype": pages_KxPxZxH.dtype,
+            "num_heads": q_SxNxH.shape[-2], "num_kv_heads": K}
+
+
+def _dense_chunk_attention(q_SxQxNxH, k_KxSxTxH, v_KxSxTxH, keep_SxQxT, scale):
+    """Masked softmax attention of Q query tokens per sequence over T gathered keys: [S, Q, N, H] in q's dtype."""
+    S, Q, N, H = q_SxQxNxH.shape
+    K = k_KxSxTxH.shape[0]
+    q = q_SxQxNxH.reshape(S, Q, K, N // K, H)
+    logits = jnp.einsum("sqkgh,ksth->sqkgt", q, k_KxSxTxH.astype(q.dtype), preferred_element_type=jnp.float32)
+    logits = logits * scale + jnp.where(keep_SxQxT, 0.0, MASK_VALUE)[:, :, None, None, :]
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("sqkgt,ksth->sqkgh", probs.astype(q.dtype), v_KxSxTxH.astype(q.dtype),
+                     preferred_element_type=jnp.float32)
+    return out.reshape(S, Q, N, v_KxSxTxH.shape[-1]).astype(q_SxQxNxH.dtype)
 
 
 def _dense_attention(q_SxNxH, k_KxSxTxH, v_KxSxTxH, keep_SxT, scale):
-    """Masked softmax attention of one query token per sequence over T gathered keys: [S, N, H] in q's dtype."""
-    S, N, H = q_SxNxH.shape
-    K = k_KxSxTxH.shape[0]
-    q = q_SxNxH.reshape(S, K, N // K, H)
-    logits = jnp.einsum("skgh,ksth->skgt", q, k_KxSxTxH.astype(q.dtype), preferred_element_type=jnp.float32)
-    logits = logits * scale + jnp.where(keep_SxT, 0.0, MASK_VALUE)[:, None, None, :]
-    probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("skgt,ksth->skgh", probs.astype(q.dtype), v_KxSxTxH.astype(q.dtype),
-                     preferred_element_type=jnp.float32)
-    return out.reshape(S, N, v_KxSxTxH.shape[-1]).astype(q_SxNxH.dtype)
+    """`_dense_chunk_attention` of one query token per sequence: [S, N, H] in q's dtype."""
+    return _dense_chunk_attention(q_SxNxH[:, None], k_KxSxTxH, v_KxSxTxH, keep_SxT[:, None], scale)[:, 0]
 
 
 def _gather(pages_KxPxZxH, page_table_SxM):
@@ -103,13 +174,14 @@ def paged_attention(q_SxNxH, k_pages_KxPxZxH, v_pages_KxPxZxH, page_table_SxM, l
     Returns:
       [S, N, H] in q's dtype.
     Raises:
-      ValueError: unknown impl, N not a multiple of K, or k/v pages of different shapes.
+      ValueError: unknown impl, a named kernel that cannot take the shapes (`kernel_problems`), N not a
+        multiple of K, or k/v pages of different shapes.
     """
     N, K = q_SxNxH.shape[1], k_pages_KxPxZxH.shape[0]
     if N % K or k_pages_KxPxZxH.shape != v_pages_KxPxZxH.shape:
         raise ValueError(f"paged attention: {N} query heads over {K} kv heads, k pages {k_pages_KxPxZxH.shape}, "
                          f"v pages {v_pages_KxPxZxH.shape} (need N % K == 0 and equal page shapes)")
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, **_shapes(q_SxNxH, k_pages_KxPxZxH, page_table_SxM))
     lengths_S = lengths_S.astype(jnp.int32)
     page_table_SxM = page_table_SxM.astype(jnp.int32)
     if impl == "reference":
@@ -153,7 +225,7 @@ def attend_with_new_token(pages: dict, own: dict, q_SxNxH, page_table_SxM, lengt
     `own`, {"k", "v": [S, K, H]} or {"kv": [S, C]}, goes to (page_S, offset_S)): the decode step's attention.
     The kernels attend after writing it into (a copy of) the layer's pages; the reference appends it to the
     gathered keys instead (no copy of the pages). Same result up to float rounding. Returns [S, N, H or C]."""
-    if resolve_impl(impl) != "reference":
+    if resolve_impl(impl, **_shapes(q_SxNxH, _kv(pages)[0], page_table_SxM)) != "reference":
         pages_w = write_tokens(pages, own, page_S, offset_S)
         return attend_pages(pages_w, q_SxNxH, page_table_SxM, lengths_S + 1, scale, impl)
     k, v = (_gather(x, page_table_SxM.astype(jnp.int32)) for x in _kv(pages))
@@ -163,3 +235,18 @@ def attend_with_new_token(pages: dict, own: dict, q_SxNxH, page_table_SxM, lengt
     T = k.shape[2]
     keep = (jnp.arange(T)[None, :] < lengths_S[:, None]) | (jnp.arange(T)[None, :] == T - 1)
     return _dense_attention(q_SxNxH, k, v, keep, scale)
+
+
+def attend_chunk(pages: dict, own: dict, q_BxQxNxH, page_table_BxM, start_B, scale: float):
+    """Attention of Q new tokens per sequence (at positions start_B .. start_B + Q - 1) over its first `start_B`
+    cached tokens in the pages and, causally, over each other (their own entries `own`, {"k", "v": [B, Q, K, H]}
+    or {"kv": [B, Q, C]}): the engine's prefill of a turn's new tokens. Reference only (gather + float32 softmax);
+    padding queries past a sequence's new tokens give unused rows. Returns [B, Q, N, H or C] in q's dtype."""
+    k, v = (_gather(x, page_table_BxM.astype(jnp.int32)) for x in _kv(pages))  # [K, B, M * Z, H]
+    own_k, own_v = (own["kv"][:, :, None], own["kv"][:, :, None]) if "kv" in own else (own["k"], own["v"])
+    k = jnp.concatenate([k, jnp.transpose(own_k, (2, 0, 1, 3)).astype(k.dtype)], axis=2)
+    v = jnp.concatenate([v, jnp.transpose(own_v, (2, 0, 1, 3)).astype(v.dtype)], axis=2)
+    B, Q, T = q_BxQxNxH.shape[0], q_BxQxNxH.shape[1], k.shape[2] - q_BxQxNxH.shape[1]
+    cached = jnp.broadcast_to(jnp.arange(T)[None, None, :] < start_B[:, None, None], (B, Q, T))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((Q, Q), bool))[None], (B, Q, Q))
+    return _dense_chunk_attention(q_BxQxNxH, k, v, jnp.concatenate([cached, causal], axis=-1), scale)

@@ -14,18 +14,19 @@ Z, M, P = 4, 4, 20  # tokens per page, pages per sequence, pages in the pool
 LENGTHS = [1, Z, Z + 1, M * Z, 3, 2 * Z - 1]  # one token, exactly one page, a page boundary, full table, ragged
 
 
-def _case(K, N, H, seed=0):
+def _case(K, N, H, seed=0, z=Z):
     rng = np.random.default_rng(seed)
-    S = len(LENGTHS)
+    lengths = [1, z, z + 1, M * z, 3, 2 * z - 1]  # LENGTHS at page size z
+    S = len(lengths)
     q = rng.normal(size=(S, N, H)).astype(np.float32)
-    k = rng.normal(size=(K, P, Z, H)).astype(np.float32)
-    v = rng.normal(size=(K, P, Z, H)).astype(np.float32)
+    k = rng.normal(size=(K, P, z, H)).astype(np.float32)
+    v = rng.normal(size=(K, P, z, H)).astype(np.float32)
     table = np.zeros((S, M), np.int32)  # ragged: each sequence holds only the pages it needs, in shuffled order
     free = list(rng.permutation(np.arange(1, P)))
-    for s, n in enumerate(LENGTHS):
-        for j in range(-(-n // Z)):
+    for s, n in enumerate(lengths):
+        for j in range(-(-n // z)):
             table[s, j] = free.pop()
-    return q, k, v, table, np.asarray(LENGTHS, np.int32)
+    return q, k, v, table, np.asarray(lengths, np.int32)
 
 
 def _numpy_attention(q, k, v, table, lengths, scale):
@@ -56,14 +57,50 @@ def test_reference_equals_dense_attention(K, N, H):
     assert got.dtype == jnp.float32 and got.shape == (len(LENGTHS), N, H)
 
 
-@pytest.mark.parametrize("impl,atol", [("pallas_gpu", 1e-5), ("pallas_tpu", 3e-2)])
-def test_kernels_interpreted_equal_reference(impl, atol):
-    """The kernels in the Pallas interpreter on the CPU. TPU: its einsums run at the TPU default precision (bf16
-    operand passes: a length-1 row returns v rounded to bf16), so the bound is bf16 rounding, not 1e-5."""
-    q, k, v, table, lengths = (jnp.asarray(a) for a in _case(2, 4, 16, seed=1))
+@pytest.mark.parametrize("impl,atol,H,z", [("pallas_gpu", 1e-5, 16, 4), ("pallas_tpu", 3e-2, 128, 8)])
+def test_kernels_interpreted_equal_reference(impl, atol, H, z):
+    """The kernels in the Pallas interpreter on the CPU, at shapes each takes on its hardware (`kernel_problems`).
+    TPU: its einsums run at the TPU default precision (bf16 operand passes: a length-1 row returns v rounded to
+    bf16), so the bound is bf16 rounding, not 1e-5."""
+    q, k, v, table, lengths = (jnp.asarray(a) for a in _case(2, 4, H, seed=1, z=z))
     ref = pa.paged_attention(q, k, v, table, lengths, scale=0.25, impl="reference")
     got = pa.paged_attention(q, k, v, table, lengths, scale=0.25, impl=impl, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=atol)
+
+
+# (head_dim, page_size, pages_per_seq, dtype, num_heads, num_kv_heads) -> the constraints each kernel finds broken
+KERNEL_TABLE = [
+    ((64, 16, 32, "bfloat16", 9, 3), ["head_dim=64"], []),  # SmolLM2-135M: the TPU kernel refuses head dim 64
+    ((128, 16, 32, "bfloat16", 16, 8), [], []),  # qwen3-0.6b
+    ((576, 16, 32, "bfloat16", 16, 1), ["head_dim=576"], ["head_dim=576"]),  # DeepSeek MLA's 512 + 64 entry
+    ((128, 8, 32, "bfloat16", 8, 8), ["page_size=8 is not a multiple of 16"], []),  # bf16 packs 16 rows
+    ((128, 8, 32, "float32", 8, 8), [], []),
+    ((16, 4, 10, "float32", 4, 2), ["head_dim=16", "page_size=4"], ["= 8 keys per block"]),  # tiny, gcd(10, 8) = 2
+    ((128, 16, 8, "int8", 8, 8), ["dtype=int8"], ["dtype=int8"]),
+    ((128, 16, 8, "float16", 6, 4), ["num_heads=6", "dtype=float16"], ["num_heads=6"]),
+    ((48, 16, 8, "float32", 4, 4), ["head_dim=48"], ["head_dim=48 is not a power of two"]),
+]
+
+
+@pytest.mark.parametrize("shape,tpu,gpu", KERNEL_TABLE)
+def test_auto_picks_a_kernel_only_where_its_constraints_hold(shape, tpu, gpu, caplog):
+    """Constraint check only (nothing runs): "auto" takes the platform's kernel iff `kernel_problems` is empty,
+    else the reference with one log line per reason; the kernel asked for by name raises naming the constraint."""
+    H, Zs, Ms, dtype, N, K = shape
+    kw = dict(head_dim=H, page_size=Zs, pages_per_seq=Ms, dtype=dtype, num_heads=N, num_kv_heads=K)
+    for impl, platform, want in (("pallas_tpu", "tpu", tpu), ("pallas_gpu", "gpu", gpu)):
+        problems = pa.kernel_problems(impl, **kw)
+        assert len(problems) == len(want) and all(w in p for w, p in zip(want, problems)), (impl, problems)
+        caplog.clear()
+        got = [pa.resolve_impl("auto", platform, **kw) for _ in range(2)]
+        assert got == [impl if not want else "reference"] * 2
+        assert len(caplog.records) <= 1 and (not want or pa._logged)  # logged once per reason at most
+        if want:
+            with pytest.raises(ValueError, match=f"impl='{impl}' cannot take these shapes: .*{want[0]}"):
+                pa.resolve_impl(impl, platform, **kw)
+        else:
+            assert pa.resolve_impl(impl, platform, **kw) == impl
+    assert pa.kernel_problems("reference", **kw) == [] and pa.resolve_impl("auto", "cpu", **kw) == "reference"
 
 
 def test_write_tokens_and_attend_pages_layouts():
