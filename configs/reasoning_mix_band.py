@@ -3,8 +3,8 @@ the pass-rate band (issue 23 item 4, `posttrain.tasks.stats`) has something to s
 
 reasoning_mix draws from 10,000 train tasks per domain: the ~240 groups of its 20 training minutes never visit a
 task twice, so the band (which skips a task whose last `tasks.band_visits` visits were all correct or all wrong)
-never skips. Here each domain has `TRAIN_TASKS` train tasks (the first of the same seed-0 stream); everything else
-is reasoning_mix's: the same six domains, priorities and caps, step shape, 20-minute training budget, and the same
+never skips. Here each domain has `TRAIN_TASKS` train tasks (seed 0); everything else but train.steps is
+reasoning_mix's: the same six domains, priorities and caps, step shape, 20-minute training budget, the same
 held-out eval (30 test-split tasks per domain, greedy, never in any train split: `eval/<domain>/pass@1` and their
 mean `eval/pass@1`, before and after training). The band is one flag, `tasks.band_visits` (`BAND_VISITS` here; 0
 turns it off): a run with it and one without, at equal training wall time, compare `frac_zero_std_groups`
@@ -40,5 +40,7 @@ def get_config():
     for spec in c.env.train.values():
         spec.kwargs.size = TRAIN_TASKS
     c.tasks.band_visits = BAND_VISITS
+    c.train.steps = 200  # more than 20 minutes hold (~30-60), so train.max_train_seconds (1150) ends both runs at
+    # equal training wall time; the cosine schedule spans these 200 steps (lr >= ~0.8 of its peak by step 60)
     c.train.workdir = "runs/reasoning_mix_band"
     return c
