@@ -169,7 +169,11 @@ def compare(args, tmp: str) -> dict:
                               prefill_bucket=PROMPT_BUCKET)
     engine = Engine(graphdef, state, settings)
     requests = [Request(prompt=tuple(p), max_new_tokens=b, temperature=0.0) for p, b in zip(prompts, budgets)]
-    sides = {"engine": lambda: [c.tokens for c in engine.generate(requests, jax.random.key(0))],
+    def run_engine():  # each round starts from an empty prefix cache: no round reuses an earlier one's pages
+        engine.clear_cache()
+        return [c.tokens for c in engine.generate(requests, jax.random.key(0))]
+
+    sides = {"engine": run_engine,
              "sampler": lambda: run_sampler(graphdef, state, prompts, budgets, args.slots)}
     if not args.skip_transformers:
         sides["transformers"] = TransformersSide(cfg, state, prompts, budgets, args.slots, tmp,

@@ -4,12 +4,20 @@ Dimension legend: S slots, R requests, M pages per sequence, P pages in the pool
 
 `Engine(graphdef, state, EngineSettings(...)).generate(requests, key)` -> one `Completion` per request, in
 request order; `engine.metrics` then holds `rollout/{kv_pages_allocated, kv_pages_used, slot_occupancy,
-prefill_tokens, decode_tokens, preemptions}` of that call (`kv_pages.PageCounters`). Each loop turn:
+prefill_tokens, decode_tokens, preemptions, prefix_cached_tokens, weight_swaps}` of that call
+(`kv_pages.PageCounters`). Each loop turn (a decode chunk: today one decode step):
+  0. swap: weights given to `update_weights(state, version)` since the last turn take effect; every live sequence
+     is requeued for recompute under them (its cached pages were computed by the old weights) and the prefix
+     cache is cleared, so every token from then on is exactly the new version's (`Completion.versions`);
   1. admit: every free slot takes the next pending request whose pages (its cached tokens + the next one) are
-     free, prefills it into them and, for a fresh request, draws its first token from the prefill's logits;
+     free; the first tokens that the prefix cache holds (`prefix_cache`) are shared, the rest prefilled into
+     fresh pages (`prefill`, or `extend` past cached ones) and, for a fresh request, its first token drawn from
+     the prefill's logits;
   2. make room: every live slot holds the page its next token goes to; when none is free, the newest sequence
      is preempted (pages freed, queued first for recompute, its tokens and logprobs kept);
-  3. decode: one step over all S slots (`engine_ops.decode_step`); finished slots free their pages at once.
+  3. decode: one step over all S slots (`engine_ops.decode_step`); finished slots release their pages at once
+     (kept by the prefix cache for a later turn); then `on_chunk(engine, chunk)` if given.
+With `EngineSettings.prefix_cache` the page pool and its cache live across `generate` calls (`clear_cache`).
 The programs and the sampling rule are in `posttrain.rollout.engine_ops` (its module doc).
 """
 from __future__ import annotations
@@ -23,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain.rollout import kv_pages
-from posttrain.rollout.engine_ops import Completion, EngineSettings, Request, _Seq, decode_step, prefill
+from posttrain.rollout.engine_ops import Completion, EngineSettings, Request, _Seq, decode_step, extend, prefill
 from posttrain.rollout.paged_attention import resolve_impl
+from posttrain.rollout.prefix_cache import PrefixCache
 from posttrain.rollout.sampler import logprob_temperature
 
 __all__ = ["Completion", "Engine", "EngineSettings", "Request"]
@@ -40,6 +49,12 @@ def _rows(requests: Sequence[Request | None]) -> dict:
             "top_p": col(lambda r: r.top_p if r else 1.0, np.float32)}
 
 
+def _kernel_shapes(shapes: dict) -> dict:
+    """`paged_attention.kernel_problems` keywords of a pool's first entry (every stack's layout is the same)."""
+    s = next(iter(next(iter(shapes.values())).values()))  # [L, K, P, Z, H]
+    return {"head_dim": s.shape[4], "page_size": s.shape[3], "num_kv_heads": s.shape[1], "dtype": s.dtype}
+
+
 def _cached_len(seq: _Seq) -> int:
     """Tokens its pages hold: the prompt and every generated token but the last (fed at the next step)."""
     return len(seq.request.prompt) + max(len(seq.tokens) - 1, 0)
@@ -53,13 +68,33 @@ class Engine:
       settings: `EngineSettings` (sizes: one decode compile per engine size).
     """
 
-    def __init__(self, graphdef, state, settings: EngineSettings):
-        self.graphdef, self.state, self.settings = graphdef, state, settings
+    def __init__(self, graphdef, state, settings: EngineSettings, version: int = 0):
+        self.graphdef, self.state, self.settings, self.version = graphdef, state, settings, int(version)
         self.shapes = kv_pages.pool_shapes(graphdef, state, settings.num_pages, settings.page_size)
-        self.impl = resolve_impl(settings.attention_impl)
+        self.impl = resolve_impl(settings.attention_impl, pages_per_seq=settings.pages_per_seq,
+                                 **_kernel_shapes(self.shapes))
         self.metrics: dict[str, float] = {}
         self.max_waste_per_seq = 0.0  # largest (pages allocated - used) / live sequences over the last call
         self.live_at_peak = 0  # live sequences at the last call's step with the most pages allocated
+        self._pending = None  # (state, version) from update_weights, applied at the next chunk
+        self._pool = self._pages = None
+
+    def update_weights(self, state, version: int) -> None:
+        """New weights (same structure, shapes and dtypes as the current state: no recompile) and their policy
+        version; they take effect at the next decode chunk (module doc, step 0), or at the next `generate`.
+        Safe to call from another thread or from `generate`'s `on_chunk`. Raises ValueError for a state of
+        another structure, shape or dtype."""
+        def sig(tree):
+            return jax.tree.structure(tree), [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
+
+        if sig(state) != sig(self.state):
+            raise ValueError(f"update_weights: version {version}'s state differs in structure, shapes or dtypes "
+                             "from the engine's (a model of another config?)")
+        self._pending = (state, int(version))
+
+    def clear_cache(self) -> None:
+        """Drops the page pool and its prefix cache (their memory); the next `generate` starts empty."""
+        self._pool = self._pages = None
 
     def check(self, requests: Sequence[Request]) -> None:
         """Raises TypeError for a non-Request, ValueError for a request longer than max_seq_len or needing more
@@ -75,70 +110,128 @@ class Engine:
                                  f"{total} tokens ({need} pages of {st.page_size}); the engine holds max_seq_len="
                                  f"{st.max_seq_len} tokens and {st.num_pages - 1} allocatable pages")
 
-    def generate(self, requests: Sequence[Request], key: jax.Array) -> list[Completion]:
-        """Completes every request (see the module doc); key: a PRNG key (fresh per call)."""
+    def generate(self, requests: Sequence[Request], key: jax.Array, on_chunk=None) -> list[Completion]:
+        """Completes every request (see the module doc); key: a PRNG key (fresh per call); on_chunk(engine,
+        chunk index): called after every decode chunk (e.g. to `update_weights`)."""
         self.check(requests)
         st = self.settings
-        self._pages = kv_pages.PagePool(st.num_pages, st.num_slots, st.pages_per_seq, st.page_size)
+        if self._pool is None or not st.prefix_cache or self._pages.allocated:  # (held pages: a call that raised)
+            self._pages = kv_pages.PagePool(st.num_pages, st.num_slots, st.pages_per_seq, st.page_size)
+            self._pages.cache = PrefixCache(st.page_size, self._pages.ref_P, self.version) if st.prefix_cache \
+                else None
+            self._pool = kv_pages.empty_pool(self.shapes)
         self._counters = kv_pages.PageCounters(st.num_slots, st.page_size)
-        self._pool = kv_pages.empty_pool(self.shapes)
         self._queue = collections.deque(_Seq(i, r) for i, r in enumerate(requests))
         self._slots: list[_Seq | None] = [None] * st.num_slots
         self._done: dict[int, _Seq] = {}
         self._order, self._key = itertools.count(), key
-        while self._queue or any(s is not None for s in self._slots):
+        for chunk in itertools.count():
+            if not (self._queue or any(s is not None for s in self._slots)):
+                break
+            self._swap()
             self._admit()
             self._make_room()
             if any(s is not None for s in self._slots):
                 self._step()
+                if on_chunk is not None:
+                    on_chunk(self, chunk)
             elif self._queue:  # `check` rules this out: every request fits an empty pool
                 raise RuntimeError(f"engine stalled: request {self._queue[0].index} not admitted to an empty pool")
+        self._swap()  # a swap asked for during the last chunk: in effect for the next call
         self.metrics = self._counters.metrics()
         self.max_waste_per_seq = self._counters.max_waste_per_seq
         self.live_at_peak = self._counters.live_at_peak
-        self._pool = None  # the pages' memory goes with the call
-        out = []
-        for i in range(len(requests)):
-            seq, r = self._done[i], requests[i]
-            truncated = len(seq.tokens) >= r.max_new_tokens and seq.tokens[-1] not in r.stop_ids
-            out.append(Completion(np.asarray(seq.tokens, np.int32), np.asarray(seq.logprobs, np.float32),
-                                  bool(truncated), seq.preemptions))
-        return out
+        if not st.prefix_cache:
+            self.clear_cache()  # the pages' memory goes with the call
+        return [self._completion(self._done[i], r) for i, r in enumerate(requests)]
+
+    @staticmethod
+    def _completion(seq: _Seq, r: Request) -> Completion:
+        truncated = len(seq.tokens) >= r.max_new_tokens and seq.tokens[-1] not in r.stop_ids
+        return Completion(np.asarray(seq.tokens, np.int32), np.asarray(seq.logprobs, np.float32), bool(truncated),
+                          seq.preemptions, np.asarray(seq.versions, np.int32))
 
     # ------------------------------------------------------------------ the loop's parts
-    def _finish(self, slot: int) -> None:
-        seq = self._slots[slot]
-        self._pages.release(slot)
+    def _release(self, slot: int, num_valid: int | None = None) -> None:
+        """Frees `slot`; its pages go to the prefix cache (full pages and its partial last page) with their first
+        `num_valid` tokens (default: all its cached tokens)."""
+        seq, pages = self._slots[slot], self._pages
+        if pages.cache is not None:
+            n = _cached_len(seq) if num_valid is None else num_valid
+            pages.cache.register(pages.table_SxM[slot], seq.cached(), n, tail=True)
+        pages.release(slot)
         self._slots[slot] = None
-        self._done[seq.index] = seq
+
+    def _finish(self, slot: int) -> None:
+        self._done[self._slots[slot].index] = self._slots[slot]
+        self._release(slot)
+
+    def _swap(self) -> None:
+        if self._pending is None:
+            return
+        (self.state, self.version), self._pending = self._pending, None
+        live = sorted((seq.order, s) for s, seq in enumerate(self._slots) if seq is not None)
+        for _, slot in reversed(live):  # requeued oldest first, ahead of the pending requests
+            self._queue.appendleft(self._slots[slot])
+            self._pages.release(slot)
+            self._slots[slot] = None
+        if self._pages.cache is not None:
+            self._pages.free_pages.extend(self._pages.cache.clear(self.version))
+        self._counters.weight_swaps += 1
 
     def _admit(self) -> None:
         for slot in range(len(self._slots)):
             while self._slots[slot] is None and self._queue:
                 seq = self._queue[0]
-                if not self._pages.grow(slot, _cached_len(seq) + 1):
+                if not self._claim(slot, seq):
                     return  # the pool is full: the queue waits for pages (no preemption to admit)
                 self._queue.popleft()
                 self._prefill(slot, seq)
 
+    def _claim(self, slot: int, seq: _Seq) -> bool:
+        """Holds the pages of `seq`'s cached tokens + the next one in `slot`: the prefix cache's first, fresh
+        ones for the rest; False (nothing held) when the pool has too few. Sets seq.reused (cached tokens)."""
+        pages, tokens = self._pages, seq.cached()
+        seq.reused = 0
+        if pages.cache is not None:  # a fresh request computes >= 1 token: its last prompt token's logits
+            full, tail, t = pages.cache.match(tokens, len(tokens) - (0 if seq.tokens else 1))
+            pages.share(slot, full)
+            if tail is not None:
+                pages.cache.take_tail(tail)
+                pages.share(slot, [tail])
+            seq.reused = len(full) * pages.page_size + t
+        if pages.grow(slot, _cached_len(seq) + 1):
+            return True
+        self._slots[slot] = seq
+        self._release(slot, seq.reused)  # what it matched goes back to the cache
+        return False
+
     def _prefill(self, slot: int, seq: _Seq) -> None:
         st = self.settings
-        cached = list(seq.request.prompt) + seq.tokens[:-1]
-        n = len(cached)
+        cached = seq.cached()
+        start, n = seq.reused, len(cached)
         width = st.prefill_bucket
-        while width < n:
+        while width < n - start:
             width *= 2
         tokens = np.zeros((1, width), np.int32)
-        tokens[0, :n] = cached
-        tok, lp, self._pool = prefill(self.graphdef, self.state, self._pool, jnp.asarray(tokens), jnp.int32(n),
-                                      jnp.asarray(self._pages.table_SxM[slot]), _rows([seq.request]), self._key,
-                                      jnp.asarray([seq.index], jnp.int32))
-        self._counters.prefill_tokens += n
+        tokens[0, :n - start] = cached[start:]
+        args = (jnp.asarray(self._pages.table_SxM[slot]), _rows([seq.request]), self._key,
+                jnp.asarray([seq.index], jnp.int32))
+        tok = lp = None
+        if start == 0:
+            tok, lp, self._pool = prefill(self.graphdef, self.state, self._pool, jnp.asarray(tokens), jnp.int32(n),
+                                          *args)
+        elif start < n:
+            tok, lp, self._pool = extend(self.graphdef, self.state, self._pool, jnp.asarray(tokens),
+                                         jnp.int32(start), jnp.int32(n - start), *args)
+        self._counters.prefill_tokens += n - start
+        self._counters.prefix_cached_tokens += start
+        if self._pages.cache is not None:
+            self._pages.cache.register(self._pages.table_SxM[slot], cached, n, tail=False)
         seq.order = next(self._order)
         self._slots[slot] = seq
         if not seq.tokens:  # a fresh request: its first token comes from the prefill
-            seq.tokens.append(int(tok[0]))
-            seq.logprobs.append(float(lp[0]))
+            seq.append(tok[0], lp[0], self.version)
             if seq.finished():
                 self._finish(slot)
 
@@ -149,8 +242,7 @@ class Engine:
             while seq is not None and not self._pages.grow(slot, _cached_len(seq) + 1):
                 victim = max((q.order, j) for j, q in enumerate(self._slots) if q is not None)[1]
                 preempted = self._slots[victim]
-                self._pages.release(victim)
-                self._slots[victim] = None
+                self._release(victim)
                 preempted.preemptions += 1
                 self._counters.preemptions += 1
                 self._queue.appendleft(preempted)
@@ -164,7 +256,8 @@ class Engine:
         request = np.asarray([q.index if q else 0 for q in slots], np.int32)
         t = np.asarray([len(q.tokens) if q else 0 for q in slots], np.int32)
         live = sum(q is not None for q in slots)
-        self._counters.observe(self._pages.allocated, int(lengths.sum()) + live, live)
+        used = int(lengths.sum()) + live - self._pages.shared_extra * self.settings.page_size  # shared pages once
+        self._counters.observe(self._pages.allocated, used, live)
         tok, lp, self._pool = decode_step(self.graphdef, self.state, self._pool, jnp.asarray(self._pages.table_SxM),
                                           jnp.asarray(lengths), jnp.asarray(prev),
                                           _rows([q.request if q else None for q in slots]), self._key,
@@ -172,7 +265,6 @@ class Engine:
         tok, lp = np.asarray(tok), np.asarray(lp)
         for s, seq in enumerate(slots):
             if seq is not None:
-                seq.tokens.append(int(tok[s]))
-                seq.logprobs.append(float(lp[s]))
+                seq.append(tok[s], lp[s], self.version)
                 if seq.finished():
                     self._finish(s)

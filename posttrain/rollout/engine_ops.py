@@ -15,7 +15,10 @@ Per request: token budget, temperature (0: greedy), top-k, top-p and stop ids. L
 definition (docs/design.md invariant 1): `log_softmax(logits / T)` over the full vocabulary with
 T = `sampler.logprob_temperature(temperature)`; top-k/top-p only restrict the drawn token. Request r's t-th
 token uses the uniform of `fold_in(fold_in(key, r), t)` (`sampler.categorical`), whichever slot it runs in.
-Not yet here (issue 25 items 3-5): prefix sharing across a group, weight swaps, multi-turn, MoE routing records.
+A prompt whose first tokens have cached pages (`prefix_cache`: a group's shared prompt, an episode's earlier
+turns) prefills only the rest (`extend`: those tokens over the cached pages, `paged_attention.attend_chunk`).
+Each token records the policy version whose weights produced it (`Engine.update_weights`).
+Not yet here: MoE routing records.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from flax import nnx
 
 from posttrain.model.attention import CacheHook
 from posttrain.rollout import kv_pages
-from posttrain.rollout.paged_attention import IMPLS, attend_with_new_token, write_tokens
+from posttrain.rollout.paged_attention import IMPLS, attend_chunk, attend_with_new_token, write_tokens
 from posttrain.rollout.sampler import categorical, logprob_temperature
 
 
@@ -46,7 +49,10 @@ class EngineSettings:
         page_size: Z, tokens per page (>= 1; the TPU kernel wants a multiple of 8 in bf16).
         max_seq_len: longest prompt + reply in tokens (>= 2); the page-table width is ceil(max_seq_len / Z).
         prefill_bucket: prefill widths are this times a power of two (>= 1; fewer compiles).
-        attention_impl: `paged_attention.IMPLS` ("auto": the Pallas kernel on TPU / GPU, the reference elsewhere).
+        attention_impl: `paged_attention.IMPLS` ("auto": the Pallas kernel on TPU / GPU where its constraints hold
+            for the model's shapes, `paged_attention.kernel_problems`; the reference elsewhere).
+        prefix_cache: keep ended sequences' pages for reuse by later requests with the same first tokens, across
+            `generate` calls, and share a group's prompt pages (`prefix_cache` module doc); False frees them.
     """
 
     num_slots: int
@@ -55,6 +61,7 @@ class EngineSettings:
     max_seq_len: int = 512
     prefill_bucket: int = 16
     attention_impl: str = "auto"
+    prefix_cache: bool = True
 
     def __post_init__(self):
         if (self.num_slots < 1 or self.num_pages < 2 or self.page_size < 1 or self.max_seq_len < 2
@@ -101,12 +108,13 @@ class Request:
 class Completion(NamedTuple):
     """A request's reply: tokens int32 [n] (the stop token last when one came), logprobs float32 [n]
     (`log_softmax(logits / T)` of each token), truncated (budget reached without a stop token), preemptions
-    (times it was preempted and recomputed)."""
+    (times it was preempted and recomputed), versions int32 [n] (the policy version that produced each token)."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
     truncated: bool
     preemptions: int
+    versions: np.ndarray
 
 
 def filter_logits_rows(scaled_SxV, top_k_S, top_p_S):
@@ -191,18 +199,50 @@ def prefill(graphdef, state, pool, tokens_1xW, length, page_row_M, rows, key, re
     return tok, logp, pool
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pool",))
+def extend(graphdef, state, pool, tokens_1xW, start, length, page_row_M, rows, key, request_1):
+    """`prefill` of a sequence whose first `start` tokens are in its pages already: runs its `length` next tokens
+    (right-padded to W) at positions start.., each attending to those cached tokens and causally to each other
+    (`paged_attention.attend_chunk`), writes their entries (padding into the scratch page) and picks the token
+    after them (t = 0). Returns (token [1], logprob [1], pool)."""
+    model = _merge(graphdef, state)
+    W = tokens_1xW.shape[1]
+    Z = jax.tree.leaves(pool)[0].shape[3]
+    pos = start + jnp.arange(W)
+    valid = jnp.arange(W) < length
+    table, start_1 = page_row_M[None], jnp.reshape(start, (1,))
+
+    def make_hook(pages_l):
+        return CacheHook(lambda q, own, scale: attend_chunk(pages_l, own, q, table, start_1, scale))
+
+    h, entries = model.extend_with_hook(tokens_1xW, pos[None].astype(jnp.int32), pool, make_hook, valid[None])
+    page_W = jnp.where(valid, jnp.take(page_row_M, pos // Z, mode="clip"), kv_pages.SCRATCH_PAGE)
+    pool = {stack: write_tokens(pool[stack], {n: e[:, 0] for n, e in entries[stack].items()}, page_W, pos % Z)
+            for stack in pool}
+    logits = model.logits(h[:, length - 1])
+    tok, logp = pick_tokens(logits, rows, key, request_1, jnp.zeros((1,), jnp.int32))
+    return tok, logp, pool
+
+
 class _Seq:
-    """A request in flight: its index, settings, tokens and logprobs so far, preemptions, admission order."""
+    """A request in flight: its index, settings, tokens, logprobs and versions so far, preemptions, admission
+    order."""
 
     def __init__(self, index: int, request: Request):
         self.index, self.request = index, request
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.versions: list[int] = []
         self.preemptions, self.order = 0, -1
 
     def cached(self) -> list[int]:
         """The tokens its pages hold once prefilled: the prompt and every generated token but the last."""
         return list(self.request.prompt) + self.tokens[:-1]
+
+    def append(self, token, logprob, version: int) -> None:
+        self.tokens.append(int(token))
+        self.logprobs.append(float(logprob))
+        self.versions.append(int(version))
 
     def finished(self) -> bool:
         r = self.request

@@ -7,7 +7,8 @@ L layers of one stack, K kv heads, H head dim, C MLA's compressed entry dims.
 Page 0 is the scratch page: never allocated, it backs every page-table entry that holds no page, so inactive
 slots and a prefill's padding write there and nothing a live sequence reads is touched. Pages 1..P-1 are
 allocated one at a time as a sequence grows (a sequence of n cached tokens holds ceil(n / Z) pages, plus the page
-its next token is written to) and all freed when it ends or is preempted. Source: vLLM's PagedAttention (Kwon
+its next token is written to) and released when it ends or is preempted: freed, or kept by the prefix cache
+(`posttrain.rollout.prefix_cache`), which also lets several slots hold one page. Source: vLLM's PagedAttention (Kwon
 et al. 2023, arXiv:2309.06180): blocks allocated on demand, so waste stays under one page per sequence.
 """
 from __future__ import annotations
@@ -22,9 +23,10 @@ SCRATCH_PAGE = 0
 
 
 class PagePool:
-    """Allocator of pages 1..num_pages-1 and the [S, M] page tables of the slots.
-
-    Raises ValueError when num_pages < 2, num_slots < 1 or pages_per_seq < 1.
+    """Allocator of pages 1..num_pages-1 and the [S, M] page tables of the slots. A page may be held by several
+    slots (`share`: a group's prompt pages) and kept after its last holder ends by a `prefix_cache.PrefixCache`
+    (`cache`; evicted from it when no page is free). Raises ValueError when num_pages < 2, num_slots < 1 or
+    pages_per_seq < 1.
     """
 
     def __init__(self, num_pages: int, num_slots: int, pages_per_seq: int, page_size: int):
@@ -35,6 +37,9 @@ class PagePool:
         self.free_pages = list(range(num_pages - 1, 0, -1))  # pop() hands out the lowest id first
         self.table_SxM = np.full((num_slots, pages_per_seq), SCRATCH_PAGE, np.int32)
         self.held_S = np.zeros((num_slots,), np.int32)  # pages held by each slot (its table's first entries)
+        self.ref_P = np.zeros((num_pages,), np.int32)  # slots holding each page
+        self.cache = None  # a prefix_cache.PrefixCache over ref_P, or None
+        self.allocations = 0  # pages handed out (free or evicted) since construction
 
     @property
     def allocatable(self) -> int:
@@ -43,34 +48,61 @@ class PagePool:
 
     @property
     def allocated(self) -> int:
-        """Pages held by slots now."""
-        return int(self.held_S.sum())
+        """Distinct pages held by slots now (a shared page once)."""
+        return int((self.ref_P > 0).sum())
+
+    @property
+    def shared_extra(self) -> int:
+        """Holdings beyond the first of every page (slot holdings - distinct pages held)."""
+        return int(np.maximum(self.ref_P - 1, 0).sum())
+
+    def available(self) -> int:
+        """Pages `grow` can hand out now: free ones and cached ones no slot holds."""
+        cached = 0 if self.cache is None else sum(1 for p in self.cache.key_of if self.ref_P[p] == 0)
+        return len(self.free_pages) + cached
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages that hold `num_tokens` tokens."""
         return -(-num_tokens // self.page_size)
 
+    def _take(self) -> int:
+        self.allocations += 1
+        return self.free_pages.pop() if self.free_pages else self.cache.evict()
+
     def grow(self, slot: int, num_tokens: int) -> bool:
-        """Allocates pages until `slot` holds `num_tokens` tokens; False (nothing allocated) when the pool has
-        too few free pages. Raises ValueError past the page-table width."""
+        """Allocates pages until `slot` holds `num_tokens` tokens (evicting unheld cached pages when none is free);
+        False (nothing allocated) when too few are available. Raises ValueError past the page-table width."""
         need = self.pages_for(num_tokens) - int(self.held_S[slot])
         if need <= 0:
             return True
         if self.held_S[slot] + need > self.table_SxM.shape[1]:
             raise ValueError(f"slot {slot}: {num_tokens} tokens need {self.pages_for(num_tokens)} pages, the page "
                              f"table holds {self.table_SxM.shape[1]} (max_seq_len too small)")
-        if need > len(self.free_pages):
+        if need > len(self.free_pages) and need > self.available():
             return False
-        start = int(self.held_S[slot])
-        for i in range(need):
-            self.table_SxM[slot, start + i] = self.free_pages.pop()
-        self.held_S[slot] += need
+        self._append(slot, [self._take() for _ in range(need)])
         return True
 
+    def share(self, slot: int, pages: list[int]) -> None:
+        """Appends held `pages` (cached or another slot's) to `slot`'s table."""
+        self._append(slot, pages)
+
+    def _append(self, slot: int, pages: list[int]) -> None:
+        start = int(self.held_S[slot])
+        for i, p in enumerate(pages):
+            self.table_SxM[slot, start + i] = p
+            self.ref_P[p] += 1
+        self.held_S[slot] += len(pages)
+
     def release(self, slot: int) -> None:
-        """Frees every page of `slot` (its table entries point at the scratch page again)."""
+        """Drops `slot`'s hold on its pages (its table entries point at the scratch page again); a page no slot
+        holds is freed unless the cache keeps it."""
         held = int(self.held_S[slot])
-        self.free_pages.extend(int(p) for p in self.table_SxM[slot, :held][::-1])
+        for p in self.table_SxM[slot, :held][::-1]:
+            p = int(p)
+            self.ref_P[p] -= 1
+            if self.ref_P[p] == 0 and not (self.cache is not None and self.cache.holds(p)):
+                self.free_pages.append(p)
         self.table_SxM[slot] = SCRATCH_PAGE
         self.held_S[slot] = 0
 
@@ -117,6 +149,7 @@ class PageCounters:
         self.max_waste_per_seq = 0.0
         self.occupancy_sum, self.steps = 0.0, 0
         self.prefill_tokens = self.decode_tokens = self.preemptions = 0
+        self.prefix_cached_tokens = self.weight_swaps = 0
 
     def observe(self, allocated: int, cached_tokens: int, live: int) -> None:
         """Records one decode step: pages allocated, tokens held in them (the fed tokens included), live slots."""
@@ -131,10 +164,13 @@ class PageCounters:
 
     def metrics(self) -> dict[str, float]:
         """rollout/{kv_pages_allocated (peak), kv_pages_used (tokens held / page size, at that peak),
-        slot_occupancy (mean live slots / S over decode steps), prefill_tokens, decode_tokens, preemptions}."""
+        slot_occupancy (mean live slots / S over decode steps), prefill_tokens, decode_tokens, preemptions,
+        prefix_cached_tokens (prompt tokens read from cached pages instead of prefilled), weight_swaps}."""
         return {"rollout/kv_pages_allocated": float(self.peak_allocated),
                 "rollout/kv_pages_used": float(self.used_at_peak),
                 "rollout/slot_occupancy": self.occupancy_sum / max(self.steps, 1),
                 "rollout/prefill_tokens": float(self.prefill_tokens),
                 "rollout/decode_tokens": float(self.decode_tokens),
-                "rollout/preemptions": float(self.preemptions)}
+                "rollout/preemptions": float(self.preemptions),
+                "rollout/prefix_cached_tokens": float(self.prefix_cached_tokens),
+                "rollout/weight_swaps": float(self.weight_swaps)}

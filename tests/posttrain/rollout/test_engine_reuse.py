@@ -1,0 +1,124 @@
+"""The engine's prefix reuse and weight swaps (issue 25 items 3 and 4, acceptance 3) on tiny-dense in float32: a
+4-turn episode prefills only each turn's new tokens (counted) with the logprobs of a full re-prefill (<= 1e-5);
+G = 4 samples of one prompt hold its full pages once; a weight swap between decode chunks records per-token
+versions, and the tokens after it equal a fresh engine's with the new weights from that state. The prefix cache's
+trie, tails, eviction and version clearing are checked on the host alone.
+"""
+import jax
+import numpy as np
+import pytest
+
+from posttrain.rollout.engine import Engine, EngineSettings, Request
+from posttrain.rollout.kv_pages import PagePool
+from posttrain.rollout.prefix_cache import PrefixCache
+from helpers import random_model
+
+Z = 4
+
+
+def _engine(state, graphdef, prefix_cache=True, version=0):
+    """The engine size of test_engine.py (one decode compile for both files)."""
+    return Engine(graphdef, state, EngineSettings(num_slots=4, num_pages=12, page_size=Z, max_seq_len=40,
+                                                  prefill_bucket=32, prefix_cache=prefix_cache), version=version)
+
+
+def test_four_turn_episode_prefills_only_new_tokens():
+    """Turn k + 1's prompt = turn k's prompt + its reply + 3 env/template tokens. With the cache a turn prefills
+    its prompt less the tokens the last turn left in pages (its prompt and reply but the reply's last token);
+    without, the whole prompt. Replies and logprobs equal (<= 1e-5), turn by turn."""
+    cfg, graphdef, state = random_model("tiny-dense")
+    rng = np.random.default_rng(5)
+    cached, fresh = _engine(state, graphdef), _engine(state, graphdef, prefix_cache=False)
+    prompt, left = rng.integers(4, cfg.vocab_size, 6).tolist(), 0
+    for turn in range(4):
+        req = Request(prompt=tuple(prompt), max_new_tokens=4, temperature=0.0, stop_ids=(1, 2))
+        got, want = cached.generate([req], jax.random.key(turn))[0], fresh.generate([req], jax.random.key(turn))[0]
+        np.testing.assert_array_equal(got.tokens, want.tokens, err_msg=f"turn {turn}")
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, err_msg=f"turn {turn}")
+        assert cached.metrics["rollout/prefill_tokens"] == len(prompt) - left, turn
+        assert cached.metrics["rollout/prefix_cached_tokens"] == left
+        assert fresh.metrics["rollout/prefill_tokens"] == len(prompt)
+        left = len(prompt) + len(got.tokens) - 1
+        prompt = prompt + got.tokens.tolist() + rng.integers(4, cfg.vocab_size, 3).tolist()
+    assert left > 6 + 3 * 3  # the episode grew past its first pages (tokens beyond the first turn reused)
+
+
+def test_group_shares_prompt_pages():
+    """4 samples of a 10-token prompt (2 full pages + 2 tokens): the first prefills it, the others share its 2
+    full pages and prefill the 2-token tail into a page of their own. Pages handed out: 2 + each sample's own;
+    tokens and logprobs equal the same requests without the cache (<= 1e-5)."""
+    cfg, graphdef, state = random_model("tiny-dense")
+    prompt = tuple(np.random.default_rng(6).integers(4, cfg.vocab_size, 10).tolist())
+    requests = [Request(prompt=prompt, max_new_tokens=6, temperature=1.0, stop_ids=(1,)) for _ in range(4)]
+    engine, plain = _engine(state, graphdef), _engine(state, graphdef, prefix_cache=False)
+    got = engine.generate(requests, jax.random.key(1))
+    want = plain.generate(requests, jax.random.key(1))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.tokens, w.tokens)
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+    assert len({tuple(g.tokens) for g in got}) > 1  # the samples differ
+    held = [engine._pages.pages_for(10 + max(len(g.tokens) - 1, 1)) for g in got]
+    assert engine._pages.allocations == 2 + sum(h - 2 for h in held)
+    assert engine.metrics["rollout/prefill_tokens"] == 10 + 3 * 2
+    assert engine.metrics["rollout/prefix_cached_tokens"] == 3 * 8
+    assert engine.metrics["rollout/kv_pages_used"] <= engine.metrics["rollout/kv_pages_allocated"]
+
+
+def test_weight_swap_mid_generation_records_versions():
+    """update_weights from on_chunk after chunk 3 (5 tokens each: the prefill's and 4 decode steps'): those carry
+    version 0, the rest version 7; the rest equal a fresh engine with the new weights continuing each request
+    from its first 5 tokens (greedy, <= 1e-5). A second swap between calls invalidates the cache."""
+    cfg, graphdef, state = random_model("tiny-dense")
+    _, _, new_state = random_model("tiny-dense", seed=1)
+    rng = np.random.default_rng(7)
+    requests = [Request(prompt=tuple(rng.integers(4, cfg.vocab_size, n).tolist()), max_new_tokens=10,
+                        temperature=0.0) for n in (5, 9)]
+    engine = _engine(state, graphdef)
+
+    def swap(eng, chunk):
+        if chunk == 3:
+            eng.update_weights(new_state, 7)
+
+    got = engine.generate(requests, jax.random.key(0), on_chunk=swap)
+    assert engine.version == 7 and engine.metrics["rollout/weight_swaps"] == 1
+    fresh = _engine(new_state, graphdef, version=7)
+    cont = fresh.generate([Request(prompt=r.prompt + tuple(g.tokens[:5].tolist()), max_new_tokens=5,
+                                   temperature=0.0) for r, g in zip(requests, got)], jax.random.key(0))
+    for g, c in zip(got, cont):
+        assert g.versions.tolist() == [0] * 5 + [7] * 5
+        np.testing.assert_array_equal(g.tokens[5:], c.tokens)
+        np.testing.assert_allclose(g.logprobs[5:], c.logprobs, atol=1e-5)
+        assert (c.versions == 7).all()
+    assert engine.metrics["rollout/prefill_tokens"] == 5 + 9 + (5 + 4) + (9 + 4)  # recomputed at the swap
+    engine.update_weights(state, 8)
+    again = engine.generate(requests[:1], jax.random.key(0))[0]
+    assert engine.metrics["rollout/prefix_cached_tokens"] == 0 and (again.versions == 8).all()
+    with pytest.raises(ValueError, match="differs in structure, shapes or dtypes"):
+        engine.update_weights(random_model("tiny-dense", d_model=32)[2], 9)
+
+
+def test_prefix_cache_trie_tails_eviction_and_versions():
+    pool = PagePool(num_pages=8, num_slots=2, pages_per_seq=4, page_size=Z)
+    cache = pool.cache = PrefixCache(Z, pool.ref_P)
+    toks = list(range(10, 24))  # 14 tokens: pages of [10..13], [14..17], [18..21], tail [22, 23]
+    assert pool.grow(0, 14)
+    cache.register(pool.table_SxM[0], toks, 14, tail=True)
+    pool.release(0)
+    assert len(cache) == 4 and pool.allocated == 0 and pool.available() == 7
+    full, tail, t = cache.match(toks[:13] + [99], limit=13)  # the third page's tokens need all 4 within limit
+    assert full == [1, 2, 3] and tail is None and t == 0
+    full, tail, t = cache.match(toks + [5], limit=14)
+    assert full == [1, 2, 3] and tail == 4 and t == 2
+    assert cache.match([10, 11, 12, 99, 1], limit=5)[0] == []  # a different first page: nothing
+    pool.share(1, full)
+    cache.take_tail(tail)  # the engine's admission: the tail becomes the slot's own page
+    pool.share(1, [tail])
+    assert pool.grow(1, 16) and pool.allocations == 4 and pool.allocated == 4 and not cache.holds(4)
+    assert cache.evict() is None  # every cached page is held
+    pool.release(1)
+    assert 4 in pool.free_pages and pool.available() == 7
+    assert cache.evict() == 3 and cache.evict() == 2  # leaves first: the chain from its end
+    assert cache.clear(version=1) == [1] and len(cache) == 0
+    assert cache.match(toks, limit=14) == ([], None, 0)
+    with pytest.raises(ValueError, match="page_size=0"):
+        PrefixCache(0, pool.ref_P)
