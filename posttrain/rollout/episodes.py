@@ -176,6 +176,7 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
     import jax
 
     from posttrain.infra import distributed
+    from posttrain.rollout import turns
     from posttrain.rollout.sampler import pad_prompts
 
     G = group_size
@@ -210,7 +211,10 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
         env_s += time.perf_counter() - t
         for row, i in enumerate(active):
             _apply_result(samples[i], results[row], replies[row], tokenizer)
+        before = [prompts[i // G] for i in range(len(samples))] if turn == 0 else contexts
         contexts = [s.prompt_ids + [int(x) for t, _, _ in s.segments for x in t] for s in samples]
+        for i in active:  # token append keeps the extension property (rollout.turns): a failure is a bug
+            turns.assert_extends(before[i], contexts[i], f"episode {i}'s turn {turn + 2} context")
     for s in samples:
         if not s.done:  # cut by env.max_turns before the env ended the episode: its last status (e.g. the tool
             # run's "ok") says nothing of the episode; the reward is the env's last one
