@@ -16,7 +16,8 @@ prefill_tokens, decode_tokens, preemptions, prefix_cached_tokens, weight_swaps}`
   2. make room: every live slot holds the page its next token goes to; when none is free, the newest sequence
      is preempted (pages freed, queued first for recompute, its tokens and logprobs kept);
   3. decode: one step over all S slots (`engine_ops.decode_step`); finished slots release their pages at once
-     (kept by the prefix cache for a later turn); then `on_chunk(engine, chunk)` if given.
+     (kept by the prefix cache for a later turn), `on_finish` may queue the episode's next turn at once;
+     then `on_chunk(engine, chunk)` if given.
 With `EngineSettings.prefix_cache` the page pool and its cache live across `generate` calls (`clear_cache`).
 The programs and the sampling rule are in `posttrain.rollout.engine_ops` (its module doc).
 """
@@ -110,9 +111,15 @@ class Engine:
                                  f"{total} tokens ({need} pages of {st.page_size}); the engine holds max_seq_len="
                                  f"{st.max_seq_len} tokens and {st.num_pages - 1} allocatable pages")
 
-    def generate(self, requests: Sequence[Request], key: jax.Array, on_chunk=None) -> list[Completion]:
+    def generate(self, requests: Sequence[Request], key: jax.Array, on_chunk=None,
+                 on_finish=None) -> list[Completion]:
         """Completes every request (see the module doc); key: a PRNG key (fresh per call); on_chunk(engine,
-        chunk index): called after every decode chunk (e.g. to `update_weights`)."""
+        chunk index): called after every decode chunk (e.g. to `update_weights`); on_finish(index, completion):
+        called as each request ends (per-episode multi-turn: step its env there), may return the episode's next
+        Request, queued first at once (index: the next one after all so far; it finds its earlier turns' pages
+        in the prefix cache) while the other requests keep decoding. Returns the completions of the requests
+        and then of the returned ones, by index."""
+        self._requests, self._on_finish = list(requests), on_finish
         self.check(requests)
         st = self.settings
         if self._pool is None or not st.prefix_cache or self._pages.allocated:  # (held pages: a call that raised)
@@ -143,7 +150,7 @@ class Engine:
         self.live_at_peak = self._counters.live_at_peak
         if not st.prefix_cache:
             self.clear_cache()  # the pages' memory goes with the call
-        return [self._completion(self._done[i], r) for i, r in enumerate(requests)]
+        return [self._completion(self._done[i], r) for i, r in enumerate(self._requests)]
 
     @staticmethod
     def _completion(seq: _Seq, r: Request) -> Completion:
@@ -163,8 +170,13 @@ class Engine:
         self._slots[slot] = None
 
     def _finish(self, slot: int) -> None:
-        self._done[self._slots[slot].index] = self._slots[slot]
+        seq = self._done[self._slots[slot].index] = self._slots[slot]
         self._release(slot)
+        follow = self._on_finish(seq.index, self._completion(seq, seq.request)) if self._on_finish else None
+        if follow is not None:
+            self.check([follow])
+            self._queue.appendleft(_Seq(len(self._requests), follow))
+            self._requests.append(follow)
 
     def _swap(self) -> None:
         if self._pending is None:

@@ -122,3 +122,45 @@ def test_prefix_cache_trie_tails_eviction_and_versions():
     assert cache.match(toks, limit=14) == ([], None, 0)
     with pytest.raises(ValueError, match="page_size=0"):
         PrefixCache(0, pool.ref_P)
+
+
+def test_per_episode_turns_queued_as_each_ends():
+    """Two 3-turn episodes in one generate call: on_finish returns each episode's next turn (its prompt + reply +
+    2 env tokens) as soon as its turn ends, so the short-reply episode A runs all 3 turns while B's first long
+    reply decodes; every turn past the first prefills only its new tokens, and the replies equal turn-by-turn
+    calls of an engine without the cache (greedy, <= 1e-5)."""
+    cfg, graphdef, state = random_model("tiny-dense")
+    rng = np.random.default_rng(8)
+    first = {0: (rng.integers(4, cfg.vocab_size, 3).tolist(), 2), 1: (rng.integers(4, cfg.vocab_size, 4).tolist(), 5)}
+    bridges = rng.integers(4, cfg.vocab_size, (2, 3, 2)).tolist()
+    episode, prompts, events, want_prefill = {0: 0, 1: 1}, {0: first[0][0], 1: first[1][0]}, [], 7
+
+    def req(ep):
+        return Request(prompt=tuple(prompts[ep]), max_new_tokens=first[ep][1], temperature=0.0)
+
+    def on_finish(index, completion):
+        nonlocal want_prefill
+        ep = episode[index]
+        turn = sum(e == ep for e, _ in events)
+        events.append((ep, completion))
+        if turn == 2:
+            return None
+        left = len(prompts[ep]) + len(completion.tokens) - 1
+        prompts[ep] = prompts[ep] + completion.tokens.tolist() + bridges[ep][turn]
+        want_prefill += len(prompts[ep]) - left
+        episode[len(episode)] = ep
+        return req(ep)
+
+    engine = _engine(state, graphdef)
+    out = engine.generate([req(0), req(1)], jax.random.key(0), on_finish=on_finish)
+    assert [ep for ep, _ in events] == [0, 0, 0, 1, 1, 1] and len(out) == 6
+    assert engine.metrics["rollout/prefill_tokens"] == want_prefill
+    plain = _engine(state, graphdef, prefix_cache=False)
+    for ep in (0, 1):
+        prompt = first[ep][0]
+        for turn, (_, got) in enumerate(e for e in events if e[0] == ep):
+            want = plain.generate([Request(prompt=tuple(prompt), max_new_tokens=first[ep][1], temperature=0.0)],
+                                  jax.random.key(0))[0]
+            np.testing.assert_array_equal(got.tokens, want.tokens)
+            np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+            prompt = prompt + got.tokens.tolist() + (bridges[ep][turn] if turn < 2 else [])
