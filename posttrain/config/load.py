@@ -74,7 +74,9 @@ _RANGES = {
     ("eval", "num_tasks"): _POSITIVE, ("eval", "every_steps"): _NONNEGATIVE,
     ("eval", "seed"): (">= 0, or -1 (train.seed + 1)", lambda v: v >= -1),
     **{("mesh", k): ("-1 (the remaining devices) or >= 1", lambda v: v == -1 or v >= 1)
-       for k in ("data", "fsdp", "tensor", "expert")},
+       for k in ("data", "fsdp", "tensor", "expert", "rollout_tensor")},
+    ("mesh", "rollout"): (">= 0 (0: the sampler shares the learner's mesh)", lambda v: v >= 0),
+    ("mesh", "rollout_expert"): _POSITIVE,
 }
 
 

@@ -72,6 +72,13 @@ class MeshConfig:
         expert: devices on the expert-parallel axis.
         rules: overlays of the logical-axis rules (`posttrain.infra.mesh.RULES`), logical axis -> mesh axis, list
             of mesh axes, or None (replicated); e.g. {"embed": None} turns FSDP of the weights off.
+        rollout: devices of the rollout sampler's own submesh (0: the sampler shares the learner's mesh). When set,
+            the sampler runs on the last `rollout` devices and the learner on the rest (data/fsdp/tensor/expert
+            above resolve over those); each policy version is resharded once from the train layout to the
+            sampler's (`posttrain.infra.reshard`, timed as perf/weight_sync_s). One process only.
+        rollout_tensor: tensor-parallel degree of the rollout submesh (-1: its devices / rollout_expert); the
+            devices left over split the decode batch (data axis). Its weights are not FSDP-sharded.
+        rollout_expert: expert-parallel degree of the rollout submesh.
     """
 
     data: int = 1
@@ -79,6 +86,9 @@ class MeshConfig:
     tensor: int = 1
     expert: int = 1
     rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    rollout: int = 0
+    rollout_tensor: int = -1
+    rollout_expert: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

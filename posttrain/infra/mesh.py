@@ -106,6 +106,43 @@ def make_mesh(axis_sizes: Mapping[str, int] | Any = None, devices: Sequence[jax.
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def rollout_shape(rollout: int, tensor: int, expert: int, num_devices: int) -> dict[str, int] | None:
+    """The rollout sampler's submesh of `mesh.rollout` devices (None for 0: no split): data x fsdp 1 x `tensor`
+    (-1: rollout / expert) x `expert`. Raises ValueError (naming the mesh.* keys) when it leaves no learner device
+    of `num_devices`, does not divide into tensor x expert, or tensor/expert are set without it."""
+    if not rollout:
+        if (tensor, expert) != (-1, 1):
+            raise ValueError(f"mesh.rollout_tensor={tensor} / mesh.rollout_expert={expert} shape the rollout "
+                             "submesh: set mesh.rollout (its devices) too")
+        return None
+    if rollout >= num_devices:
+        raise ValueError(f"mesh.rollout={rollout} leaves no learner devices of the {num_devices}")
+    tp = rollout // expert if tensor == -1 else tensor
+    if tp < 1 or rollout % (tp * expert):
+        raise ValueError(f"mesh.rollout={rollout} does not divide into mesh.rollout_tensor={tensor} x "
+                         f"mesh.rollout_expert={expert}")
+    return {"data": rollout // (tp * expert), "fsdp": 1, "tensor": tp, "expert": expert}
+
+
+def split_meshes(learner_shape: Mapping[str, int], rollout_shape: Mapping[str, int] | None,
+                 devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, Mesh]:
+    """(learner mesh, rollout sampler mesh) over `devices` (default `jax.devices()`): without `rollout_shape` one
+    mesh of all of them, returned twice; else the sampler gets the last prod(rollout_shape) devices and the learner
+    the first prod(learner_shape) (`mesh.rollout`). Raises ValueError when the two shapes need more devices than
+    there are, or for a split in a run of more than one process (not supported)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if rollout_shape is None:
+        mesh = make_mesh(learner_shape, devices)
+        return mesh, mesh
+    if jax.process_count() > 1:
+        raise ValueError(f"mesh.rollout: a rollout submesh runs in one process only ({jax.process_count()} here)")
+    n_learn, n_roll = math.prod(learner_shape.values()), math.prod(rollout_shape.values())
+    if n_learn + n_roll > len(devices):
+        raise ValueError(f"learner mesh {dict(learner_shape)} and rollout mesh {dict(rollout_shape)} need "
+                         f"{n_learn} + {n_roll} devices, there are {len(devices)}")
+    return make_mesh(learner_shape, devices[:n_learn]), make_mesh(rollout_shape, devices[len(devices) - n_roll:])
+
+
 def logical_to_spec(logical_axes: Sequence[str | None] | None, rules=RULES) -> PartitionSpec:
     """Maps logical axis names to a PartitionSpec; a mesh axis is used at most once (first come first served).
 

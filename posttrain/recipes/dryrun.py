@@ -15,6 +15,11 @@ a step-time estimate at the chip's published peak FLOP/s, the
 compile time, and whether XLA logged "Involuntary full rematerialization" (a sharding that forces whole arrays to
 be rematerialised), collective bytes by kind (`aot.collective_bytes`: scanned layers counted per trip), and the
 same for the rollout sampler (prefill + decode loop) unless `sampler=False`.
+
+Split meshes (`mesh.rollout`): the train step compiles on the learner's devices (the first ones), the sampler on
+the rollout submesh (the last `mesh.rollout`) with the policy in its inference layout, and the report adds the
+rollout mesh, the policy bytes per rollout device and the bytes each policy version moves from the learner's
+devices to the rollout's (`split_report`).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import math
 import os
 import re
 import tempfile
+from typing import Any
 
 import jax
 import numpy as np
@@ -192,7 +198,7 @@ def plan_report(plan, devices, hbm: int, peak, *, target: str, prompt_len: int =
     from posttrain.recipes.grpo import step_builder
     from posttrain.rollout.batching import random_batch
 
-    mesh = mesh_lib.make_mesh(plan.mesh_shape, devices=devices)
+    mesh, rollout_mesh = mesh_lib.split_meshes(plan.mesh_shape, plan.rollout_mesh_shape, devices)
     if not plan.policy.preset:
         raise ValueError("plan needs model.preset (shapes only; no weights are read)")
     model_cfg = plan.policy.preset_config()
@@ -229,10 +235,28 @@ def plan_report(plan, devices, hbm: int, peak, *, target: str, prompt_len: int =
            "step_s_estimate": fl.total / n / peak if peak else None,
            "involuntary_remat": "Involuntary full rematerialization" in log,
            "compiler_refused": "RESOURCE_EXHAUSTED" in log}
+    policy = model_states(state.params, state.frozen)
+    if plan.rollout_mesh_shape:  # split meshes: the sampler's submesh, the policy in its layout, bytes per version
+        policy, split = split_report(policy, mesh, rollout_mesh, plan.rules)
+        out.update(split)
     if sampler:
-        out.update(_sampler_report(graphdef, model_states(state.params, state.frozen), mesh, plan, prompt_len, hbm))
+        out.update(_sampler_report(graphdef, policy, rollout_mesh, plan, prompt_len, hbm))
         out["fits"] = out["fits"] and out["sample_fits"]
     return out
+
+
+def split_report(policy, learner_mesh, rollout_mesh, rules=mesh_lib.RULES) -> tuple[Any, dict]:
+    """(the abstract policy `policy` in the rollout submesh's inference layout, the report's split keys): the
+    rollout mesh and its device count, the policy bytes one rollout device holds, and the bytes each policy
+    version moves from the learner's devices to the rollout devices (`reshard.transfer_bytes`)."""
+    from posttrain.infra import reshard
+
+    shardings = mesh_lib.state_shardings(policy, rollout_mesh, rules)
+    moved = reshard.transfer_bytes(policy, shardings, learner_mesh.devices.flat)
+    placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), policy, shardings)
+    return placed, {"rollout_devices": rollout_mesh.size, "rollout_mesh": dict(rollout_mesh.shape),
+                    "sample_params_gib": per_device_bytes(placed) / aot.GIB,
+                    "transfer_bytes_per_version": moved, "transfer_gib_per_version": moved / aot.GIB}
 
 
 def _compile_or_refusal(step_fn, state, state_sh, batch_abs, batch_sh, mesh, rules):

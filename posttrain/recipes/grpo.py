@@ -10,6 +10,7 @@ order and RNG stream.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import time
@@ -21,7 +22,7 @@ from posttrain.checkpoints.policy import load_policy
 from posttrain.config import Config, ConfigError, config_changes, to_dict
 from posttrain.eval import runner as eval_runner
 from posttrain.infra import distributed, metrics as metrics_lib
-from posttrain.infra import mesh as mesh_lib
+from posttrain.infra import mesh as mesh_lib, reshard
 from posttrain.infra.partitioning import use_rules
 from posttrain.learn.learner import Learner
 from posttrain.recipes import eval_gate, preflight, run_plan as run_plan_lib
@@ -114,14 +115,14 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True,
             metrics_lib.log.warning("resuming from step %d with changed settings (recorded in %s): %s", step,
                                     plan.workdir / "config_changes.jsonl",
                                     "; ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in changes.items()))
-    mesh = mesh_lib.make_mesh(plan.mesh_shape)
+    mesh, rollout_mesh = mesh_lib.split_meshes(plan.mesh_shape, plan.rollout_mesh_shape)  # one mesh unless split
     model_config, graphdef, weights, tokenizer = load_policy(plan.policy, mesh, plan.rules)
     learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, step_builder(plan),
                              read_only=reading)
     with Resources(("the checkpointer", learner.close)).on_error():  # a failed restore or env start closes it
         scored = plan.rewards is not None and not reading  # rewards.model / rewards.judge: loaded for training
         rollouter = (rewards_lib.RewardedRollouter if scored else Rollouter).create(
-            plan.rollout, mesh, learner.graphdef, tokenizer, advantage_fn(plan.advantage),
+            plan.rollout, rollout_mesh, learner.graphdef, tokenizer, advantage_fn(plan.advantage),
             meta=learner.restore() if restore else None, sources=sources)
         if scored:
             rewarder = rewards_lib.Rewarder.create(plan.rewards, tokenizer, mesh, plan.rules)
@@ -236,7 +237,9 @@ def open_run(plan: RunPlan, res: Resources, stop: distributed.StopRequest, *, pr
     clock = metrics_lib.TrainClock()  # training wall time: rollouts, updates, checkpoints; not in-loop eval
     loop = _Loop(plan, rollouter, learner, episodes, writer, bar, clock, stop, summary=summary, start=start,
                  resume=json.loads(json.dumps(rollouter.state_dict())), gate=gate)
-    loop.queue = RolloutQueue(rollouter, start=start, steps=plan.train.steps, policy=learner.policy(), rng=learner.rng)
+    sync = functools.partial(reshard.onto, mesh=rollouter.mesh, rules=plan.rules) if plan.rollout_mesh_shape else None
+    loop.queue = RolloutQueue(rollouter, start=start, steps=plan.train.steps, policy=learner.policy(), rng=learner.rng,
+                              sync=sync)  # mesh.rollout: each version resharded onto the sampler's submesh
     res.push("the rollout producer", loop.queue.close)  # stopped before the env workers close
     return loop
 

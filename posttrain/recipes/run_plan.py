@@ -72,6 +72,8 @@ class RunPlan:
         mesh_shape: resolved axis sizes (no -1).
         rules: logical-axis rules: mesh.RULES with the config's `mesh.rules` overlays.
         batch_shards: devices the batch is split over (mesh axes of the "batch" rule).
+        rollout_mesh_shape: the rollout sampler's own submesh (`mesh.rollout`; fsdp 1), or None (it shares
+            `mesh_shape`, which is the learner's either way).
         policy: where the policy comes from and how it is built (PolicySource).
         rollout: the rollout phase's settings (RolloutSettings).
         advantage: an ADVANTAGES name (the rollout phase is handed its function).
@@ -104,6 +106,7 @@ class RunPlan:
     tasks: SchedulerSettings | None = None
     gate: gate_lib.GateSettings | None = None
     rewards: RewardSettings | None = None
+    rollout_mesh_shape: Mapping[str, int] | None = None
 
     def model_step(self, moe) -> StepOptions:
         """The step options for the loaded model (its MoEConfig or None): MoE coefficients and bias rate."""
@@ -305,16 +308,26 @@ def gate_settings(cfg: Config) -> gate_lib.GateSettings | None:
                                  max_drop=e.gate.max_drop, alpha=e.gate.alpha)
 
 
-def resolve_mesh(mesh_cfg, num_devices: int) -> tuple[dict, tuple, int]:
+def resolve_mesh(mesh_cfg, num_devices: int, whose: str = "") -> tuple[dict, tuple, int]:
     """(axis sizes with no -1, logical-axis rules with the config's overlays, batch shards) of a `mesh` section on
     `num_devices` devices (GRPO, SFT and DPO runs). Raises ConfigError when the mesh does not fit the devices."""
     sizes = {axis: getattr(mesh_cfg, axis) for axis in mesh_lib.MESH_AXES}
     try:
         shape = mesh_lib.mesh_shape(sizes, num_devices)
     except ValueError as e:
-        raise ConfigError(f"mesh {sizes} does not fit {num_devices} device(s): {e}") from e
+        raise ConfigError(f"mesh {sizes} does not fit {num_devices} device(s){whose}: {e}") from e
     rules = mesh_lib.rules_with_overrides(mesh_cfg.rules)  # validated with the config
     return shape, rules, mesh_lib.batch_shards(shape, rules)
+
+
+def resolve_rollout_mesh(m, num_devices: int) -> tuple[int, dict | None]:
+    """(learner devices, the rollout sampler's submesh shape or None: `mesh.rollout_shape`) of a `mesh` section
+    `m` on `num_devices` devices. Raises ConfigError for a rollout size or sub-shape that `rollout_shape` refuses."""
+    try:
+        return num_devices - m.rollout, mesh_lib.rollout_shape(m.rollout, m.rollout_tensor, m.rollout_expert,
+                                                               num_devices)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str | None = None,
@@ -329,8 +342,11 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
 
     cfg, off_policy_warning = off_policy_defaults(with_loss_defaults(cfg))
     check_names(cfg)
-    shape, rules, shards = resolve_mesh(cfg.mesh, jax.device_count() if num_devices is None else num_devices)
+    learn, rollout_shape = resolve_rollout_mesh(cfg.mesh, jax.device_count() if num_devices is None else num_devices)
+    shape, rules, shards = resolve_mesh(cfg.mesh, learn, f" (the learner's, besides mesh.rollout="
+                                        f"{cfg.mesh.rollout})" if rollout_shape else "")
     split = _rows_and_split(cfg, shape, shards)
+    decode_shards = mesh_lib.batch_shards(rollout_shape, rules) if rollout_shape else shards
     try:
         s = cfg.sampling
         sampling = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
@@ -355,7 +371,7 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
     rollout = RolloutSettings(
         train_specs=dict(env.train), group_size=rl.group_size, prompts_per_step=rl.prompts_per_step,
         sampling=sampling, max_turns=env.max_turns, prompt_bucket=s.prompt_bucket, system_prompt=s.system_prompt,
-        decode_shrink_steps=s.decode_shrink_steps, decode_multiple=math.lcm(8, shards), row_multiple=split,
+        decode_shrink_steps=s.decode_shrink_steps, decode_multiple=math.lcm(8, decode_shards), row_multiple=split,
         packed=rl.packed, overlong_filter=rl.overlong_filter, dynamic_sampling=rl.dynamic_sampling,
         max_resample_rounds=rl.max_resample_rounds, record_routing=rl.routing_replay == "replay",
         num_workers=env.num_workers, env_backend=env.backend, step_timeout_s=env.step_timeout_s,
@@ -373,7 +389,7 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
                               every_steps=e.every_steps, at_start=e.at_start, at_end=e.at_end)
     t = cfg.train
     return RunPlan(workdir=wd, config_dict=config_dict, precision=precision, mesh_shape=shape, rules=rules,
-                   batch_shards=shards, policy=source, rollout=rollout, advantage=rl.advantage,
+                   batch_shards=shards, rollout_mesh_shape=rollout_shape, policy=source, rollout=rollout, advantage=rl.advantage,
                    step=opts, moe_aux_coef=rl.moe_aux_coef, learner=learner, eval=evaluation,
                    train=TrainSettings(steps=t.steps, max_train_seconds=t.max_train_seconds,
                                        max_nonfinite_skips=t.max_nonfinite_skips,

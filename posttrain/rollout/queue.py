@@ -13,7 +13,9 @@ before batch s: the synchronous loop, through this same machinery.
 Weights: the learner publishes each new version after its step (`publish`; `snapshot` times the copy,
 perf/weight_sync_s). With max_staleness > 0 the published policy is a device copy: the next update donates the
 learner's state, while the producer may still sample with the older version. At 0 no copy is needed (the producer
-is done with version s before update s + 1 starts) and none is made.
+is done with version s before update s + 1 starts) and none is made. With split meshes (`mesh.rollout`) the
+snapshot is the `sync` transfer instead: the version resharded onto the sampler's own devices in its inference
+layout (`posttrain.infra.reshard.onto`), at any staleness (new arrays: the learner's donation cannot touch them).
 
 Thread, not process: the sampler is jitted JAX on the learner's own devices (a process could not share them, and
 would need the weights serialised per version); XLA releases the GIL while it runs, and env work runs in worker
@@ -34,7 +36,7 @@ import dataclasses
 import json
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -71,10 +73,14 @@ class ReadyBatch:
 
 class RolloutQueue:
     """The producer thread and its queue of ready batches (see the module docstring). Built at the learner's
-    version `start` with its policy states and PRNG key; produces batches start..steps-1. A context manager."""
+    version `start` with its policy states and PRNG key; produces batches start..steps-1. `sync`: the weight
+    transfer of each version, tree -> the tree the producer samples with (split meshes: `reshard.onto` the
+    sampler's submesh); None: a device copy when max_staleness > 0, else the tree itself. A context manager."""
 
-    def __init__(self, rollouter: Rollouter, *, start: int, steps: int, policy: tuple, rng):
+    def __init__(self, rollouter: Rollouter, *, start: int, steps: int, policy: tuple, rng,
+                 sync: Callable[[Any], Any] | None = None):
         self.rollouter, self.max_staleness = rollouter, int(rollouter.settings.max_staleness)
+        self._sync = sync
         self._cond = threading.Condition()
         self._busy = threading.Lock()  # held by the producer while it collects; `exclusive` takes it
         self._published = (start, self._copy((policy, rng)))
@@ -86,7 +92,10 @@ class RolloutQueue:
         self._thread.start()
 
     def _copy(self, tree):
-        """A device copy of every array of `tree` when max_staleness > 0 (else `tree` itself)."""
+        """`sync(tree)` when given; else a device copy of every array of `tree` when max_staleness > 0 (else `tree`
+        itself)."""
+        if self._sync is not None:
+            return self._sync(tree)
         if self.max_staleness == 0:
             return tree
         return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
@@ -147,11 +156,11 @@ class RolloutQueue:
         return batch, time.perf_counter() - t0
 
     def snapshot(self, policy: tuple, rng) -> tuple[Any, float]:
-        """((policy, rng) as the producer will use them, seconds it took): a device copy when max_staleness > 0
-        (blocked until it is done), else the arrays themselves."""
+        """((policy, rng) as the producer will use them, seconds it took): the `sync` transfer or a device copy
+        when max_staleness > 0 (blocked until it is done), else the arrays themselves."""
         t0 = time.perf_counter()
         tree = self._copy((policy, rng))
-        if self.max_staleness > 0:
+        if self.max_staleness > 0 or self._sync is not None:
             jax.block_until_ready(tree)
         return tree, time.perf_counter() - t0
 

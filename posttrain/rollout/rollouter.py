@@ -24,6 +24,8 @@ import jax
 import numpy as np
 
 from posttrain.config import CurriculumConfig, EnvSpec
+from posttrain.infra import reshard
+from posttrain.infra.partitioning import current_rules
 from posttrain.rollout import batching, episodes as rollout, streaming, tickets
 from posttrain.rollout.floors import above_floor_metrics, spec_floors
 from posttrain.rollout.sampler import SamplingParams, sample, shared_prefix_len, shrink_schedule
@@ -254,8 +256,10 @@ class Rollouter:
     def sample_fn(self, policy: tuple, params: SamplingParams) -> rollout.SampleFn:
         """(prompts, lengths, key, G, on_rows=None) -> SampleOutput with the policy states `policy` (LoRA adapters
         merged); with settings.stream_chunk > 0 an `on_rows` sink gets the rows finished every stream_chunk decode
-        steps (`rollout.streaming`)."""
+        steps (`rollout.streaming`). A policy or key on other devices than the rollouter's mesh (its own submesh:
+        `mesh.rollout`) is resharded onto it first (`reshard.onto`; the loop's queue has done it once per version)."""
         tok, st = self.tokenizer, self.settings
+        policy = reshard.onto(policy, self.mesh, current_rules())
 
         def fn(prompts, lengths, key, group_size, on_rows=None):
             shared = shared_prefix_len(prompts, lengths)  # e.g. the chat template's system turn: prefilled once
@@ -264,7 +268,8 @@ class Rollouter:
             stream_id = streaming.register(on_rows) if every else 0
             try:
                 with jax.set_mesh(self.mesh):
-                    out = sample(self.graphdef, policy, np.asarray(prompts), np.asarray(lengths), key,
+                    out = sample(self.graphdef, policy, np.asarray(prompts), np.asarray(lengths),
+                                 reshard.onto(key, self.mesh),
                                  group_size=group_size, params=params, stop_ids=tuple(tok.stop_ids),
                                  pad_id=tok.pad_id, shared_prefix_len=shared, shrink=shrink,
                                  record_routing=st.record_routing,
