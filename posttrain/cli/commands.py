@@ -27,16 +27,15 @@ def _enable_compilation_cache():
 
 def _sample_policy(f):
     """(graphdef, state, tokenizer) for `sample`: the newest readable checkpoint of the run in --checkpoint (read
-    only, its saved config.json; `grpo.run_policy`), else --model (default: the SmolLM2 GGUF)."""
+    only, its saved config.json; `_run_model`), else --model (default: the SmolLM2 GGUF)."""
     if f.checkpoint:
         from flax import nnx
 
         from posttrain.model.transformer import Transformer
-        from posttrain.recipes import grpo
 
         if f.model:
             raise SystemExit("error: sample takes one of --model=PATH and --checkpoint=RUN, not both")
-        cfg, state, tok = grpo.run_policy(_run_plan(f))
+        kind, cfg, state, tok = _run_model(f, "sample")
         return nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))), state, tok
     from posttrain.checkpoints import load_pretrained
 
@@ -82,18 +81,37 @@ def cmd_train(f) -> int:
 
 
 def _run_plan(f):
-    """The run plan for the run in --checkpoint (its workdir): its saved config.json, or --config with the run's
-    own model and lora sections (`run_plan.config_for_run`)."""
+    """The GRPO run plan that evaluates the policy of the run in --checkpoint (its workdir), whatever its kind
+    (`read_run.reading_config`: a GRPO run's saved config.json, or --config with the run's own model and lora
+    sections; an SFT / DPO run's policy; a reward-model run refused in one line, exit code 2)."""
     import dataclasses
 
+    from posttrain.recipes import read_run
     from posttrain.recipes.grpo import require_checkpoint
-    from posttrain.recipes.run_plan import config_for_run, make_run_plan
+    from posttrain.recipes.run_plan import make_run_plan
 
     if not f.checkpoint:
         raise SystemExit("error: --checkpoint=<run workdir> is required")
     require_checkpoint(f.checkpoint)  # a mistyped directory: one line, nothing created
-    cfg = config_for_run(f.checkpoint, _load_config(f) if f.config is not None else None)
+    cfg = read_run.reading_config(f.checkpoint, _load_config(f) if f.config is not None else None)
     return make_run_plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint)))
+
+
+def _run_model(f, command: str):
+    """(kind, ModelConfig, nnx state, tokenizer) of the newest checkpoint of the run in --checkpoint, read only: a
+    GRPO run's policy (`grpo.run_policy`), an SFT / DPO run's, a reward model with its head (`read_run`); a
+    reward-model run for `sample` is refused (one line, exit code 2)."""
+    from posttrain.recipes import grpo, read_run
+
+    if not f.checkpoint:
+        raise SystemExit("error: --checkpoint=<run workdir> is required")
+    grpo.require_checkpoint(f.checkpoint)
+    kind = read_run.run_kind(f.checkpoint)
+    if kind == "rm" and command == "sample":
+        raise read_run.refuse(f.checkpoint, kind, command, "generates replies; a reward model only scores them")
+    if kind in read_run.OFFLINE_KINDS:
+        return (kind, *read_run.offline_model(f.checkpoint, kind))
+    return ("grpo", *grpo.run_policy(_run_plan(f)))
 
 
 def cmd_sft(f) -> int:
@@ -178,13 +196,19 @@ def cmd_convert(f) -> int:
 
     if not f.out:
         raise SystemExit("error: --out=<directory> is required")
+    kind = "model"
     if f.checkpoint:
-        from posttrain.recipes import grpo
-
-        cfg, state, tokenizer = grpo.run_policy(_run_plan(f))
+        kind, cfg, state, tokenizer = _run_model(f, "convert")
     else:
         pre = load_pretrained(f.model)
         cfg, state, tokenizer = pre.config, pre.state, pre.tokenizer
+    if kind == "rm":  # a reward model: a transformers sequence-classification directory (what `posttrain rm` exports)
+        from posttrain.checkpoints.reward_model import export_reward_model
+
+        if f.peft_out:
+            raise SystemExit("error: --peft_out needs a LoRA policy run; a reward-model run exports its full model")
+        print(export_reward_model(cfg, state, f.out, tokenizer=tokenizer, dtype=f.dtype))
+        return 0
     if f.peft_out:
         from posttrain.checkpoints.peft import export_peft
 

@@ -43,6 +43,13 @@ def load_view(workdir) -> dict:
         table = archive.read(workdir, columns=view.ARCHIVE_COLUMNS)
         stats = view.archive_stats(table, _pass_threshold(workdir))
     if status is None and stats is None:
+        from posttrain.recipes import read_run
+
+        kind = read_run.run_kind(workdir) if workdir.is_dir() else None
+        if kind in read_run.OFFLINE_KINDS:
+            raise ValueError(f"--workdir={workdir} is {read_run.KIND_NAMES[kind]}: status shows a GRPO run's task "
+                             f"scheduling per domain (status.json, archive/); {kind} has none (its metrics: "
+                             f"{workdir / 'metrics.jsonl'}, {workdir / 'summary.json'})")
         what = "no such directory" if not workdir.is_dir() else "neither status.json nor archive/step_*.parquet in it"
         raise FileNotFoundError(f"--workdir={workdir}: {what}; --workdir names the folder of a run (e.g. "
                                 "runs/quickstart)")

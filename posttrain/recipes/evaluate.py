@@ -23,26 +23,22 @@ import pathlib
 import time
 from typing import Mapping
 
-from posttrain.config import Config, from_config_dict
+from posttrain.config import Config
 from posttrain.eval import compare as compare_lib
 from posttrain.eval import records as records_lib
 from posttrain.eval import report, suite as suite_lib
 from posttrain.infra.partitioning import use_rules
-from posttrain.recipes import grpo
+from posttrain.recipes import grpo, read_run
 from posttrain.recipes.eval_gate import evaluation as _evaluation, sample_suite
 from posttrain.recipes.run_plan import RunPlan, make_run_plan
 
 
 def run_plan_of(checkpoint: str | pathlib.Path, cfg: Config | None = None) -> RunPlan:
-    """The run plan for the run in `checkpoint`: `cfg` (a --config) with its workdir, else the run's own
-    config.json. Raises RunNotFoundError (nothing read or created) without a complete checkpoint there."""
+    """The run plan for the run in `checkpoint`, of any kind (`read_run.reading_config`: its saved config.json,
+    or `cfg` (a --config) with the run's own model sections), with its workdir. Raises RunNotFoundError (nothing
+    read or created) without a complete checkpoint there, ConfigError for a run it cannot evaluate."""
     grpo.require_checkpoint(checkpoint)
-    if cfg is None:
-        path = pathlib.Path(checkpoint) / "config.json"
-        if not path.is_file():
-            raise grpo.RunNotFoundError(f"--checkpoint={checkpoint}: no config.json; pass --config=configs/X.py")
-        cfg = from_config_dict(json.loads(path.read_text()))
-    return make_run_plan(cfg, workdir=str(checkpoint))
+    return make_run_plan(read_run.reading_config(checkpoint, cfg, "eval --suite"), workdir=str(checkpoint))
 
 
 def evaluate_policies(plan: RunPlan, built, *, with_base: bool, sampling_plan: RunPlan | None = None) -> dict:

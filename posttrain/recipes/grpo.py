@@ -123,7 +123,7 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True,
         scored = plan.rewards is not None and not reading  # rewards.model / rewards.judge: loaded for training
         rollouter = (rewards_lib.RewardedRollouter if scored else Rollouter).create(
             plan.rollout, rollout_mesh, learner.graphdef, tokenizer, advantage_fn(plan.advantage),
-            meta=learner.restore() if restore else None, sources=sources)
+            meta=rollout_meta(learner.restore() if restore else None, reading), sources=sources)
         if scored:
             rewarder = rewards_lib.Rewarder.create(plan.rewards, tokenizer, mesh, plan.rules)
             rollouter = dataclasses.replace(rollouter, rewarder=rewarder)
@@ -131,6 +131,12 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True,
     if note:
         metrics_lib.log.error(note)
     return rollouter, learner, episodes
+
+
+def rollout_meta(meta, reading: bool):
+    """A restored checkpoint's metadata for the rollouter; for a command that reads a run, None for an offline
+    run's (SFT / DPO: no scheduler state, so its policy is sampled with a fresh one)."""
+    return None if reading and meta is not None and "scheduler" not in meta else meta
 
 
 def unreadable_note(checkpointer) -> str | None:
