@@ -177,6 +177,17 @@ class Learner:
             self.checkpointer.save(self.step, self.state, {**rollout_state, "config": dict(self.settings.config_dict)},
                                    force=force, metrics=dict(metrics) if metrics else None)
 
+    def stop_checkpoint(self, meta: Mapping, signal_name: str, start: int) -> distributed.RunInterrupted:
+        """For a stop signal (SIGINT / SIGTERM) in any training loop: saves the state with `meta` (forced, waited
+        for) when the run moved past `start` (nothing to save before its first completed update); returns the
+        RunInterrupted to raise, naming the step and the checkpoint the same command resumes from."""
+        if self.step > start:
+            self.save(meta, force=True)
+            self.wait()
+        return distributed.RunInterrupted(signal_name, f"{signal_name}: stopped at step {self.step} (checkpoint "
+                                          f"{self.checkpointer.latest_step()} in {self.checkpointer.directory}); "
+                                          "the same command resumes from it")
+
     def wait(self) -> None:
         """Blocks until pending (async) saves are on disk."""
         self.checkpointer.wait()

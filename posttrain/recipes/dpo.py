@@ -30,7 +30,7 @@ from posttrain.algos.dpo import step as dpo_step
 from posttrain.algos.sft.packing import step_rows
 from posttrain.checkpoints.policy import PolicySource, load_policy
 from posttrain.config.dpo import DPORunConfig, to_dict
-from posttrain.infra import mesh as mesh_lib
+from posttrain.infra import distributed, mesh as mesh_lib
 from posttrain.infra.partitioning import use_rules
 from posttrain.infra.precision import PrecisionPolicy
 from posttrain.learn.learner import Learner, LearnerSettings
@@ -223,9 +223,9 @@ def train(plan: DPOPlan, *, progress: bool = True) -> dict:
     """Runs (or resumes) DPO as planned; returns the summary (also in summary.json). Raises ValueError /
     TypeError for unusable pairs (naming the record), NonFiniteError (after saving a checkpoint) when
     `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
-    with use_rules(plan.rules):
+    with use_rules(plan.rules), distributed.StopRequest() as stop:  # a signal while the run is built: one line
         return offline.train_loop(Run(plan), name="dpo", workdir=plan.workdir, train=plan.train,
                                   config_dict=plan.config_dict, eval_at_start=plan.eval_at_start,
-                                  eval_at_end=plan.eval_at_end, progress=progress,
+                                  eval_at_end=plan.eval_at_end, progress=progress, stop=stop,
                                   bar_fields=(("loss", "dpo/loss"), ("acc", "rewards/accuracies")),
                                   on_nonfinite=lambda: "; lower optim.lr or beta")

@@ -357,14 +357,10 @@ class _Loop:
         learner = self.learner
         if self.writer and self.pending is not None:
             self.writer.write(learner.step, self.pending)
-        if self.resume is not None and learner.step > start or isinstance(e, NonFiniteError):
-            learner.save(self.resume, force=True)
-            learner.wait()
-        if isinstance(e, distributed.RunInterrupted):
-            raise distributed.RunInterrupted(e.signal_name, f"{e.signal_name}: stopped at step {learner.step} "
-                                             f"(checkpoint {learner.checkpointer.latest_step()} in "
-                                             f"{self.plan.workdir / 'checkpoints'}); the same command resumes from "
-                                             "it") from None
+        if isinstance(e, distributed.RunInterrupted):  # the offline loop's stop too (`Learner.stop_checkpoint`)
+            raise learner.stop_checkpoint(self.resume, e.signal_name, start) from None
+        learner.save(self.resume, force=True)
+        learner.wait()
         raise e
 
 

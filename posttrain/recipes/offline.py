@@ -11,6 +11,7 @@ held-out metrics at the start and the end), `checkpoints/`, `summary.json`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import time
@@ -78,13 +79,25 @@ def write_config(workdir: pathlib.Path, config_dict: Mapping) -> None:
 
 def train_loop(run: OfflineRun, *, name: str, workdir: pathlib.Path, train: TrainSettings, config_dict: Mapping,
                eval_at_start: bool, eval_at_end: bool, progress: bool,
-               bar_fields: tuple = (), on_nonfinite: Callable[[], str] = lambda: "") -> dict:
+               bar_fields: tuple = (), on_nonfinite: Callable[[], str] = lambda: "",
+               stop: distributed.StopRequest | None = None) -> dict:
     """Runs (or resumes) the steps `learner.step .. train.steps - 1` of `run`; returns the summary (also written
-    to summary.json). `name`: the recipe (progress bar, checkpoint metadata key).
+    to summary.json). `name`: the recipe (progress bar, checkpoint metadata key). `stop`: the StopRequest the
+    recipe entered before building `run` (a signal while the model loads, DPO's reference logprobs are computed or
+    the start is evaluated then stops the command in one line too), else one entered here.
 
     Raises NonFiniteError (after saving a checkpoint) when `train.max_nonfinite_skips` consecutive steps had a
     non-finite loss or gradient (`on_nonfinite()` adds advice to its message); RunInterrupted after SIGINT /
     SIGTERM, once the state is saved (the same call resumes from it)."""
+    with contextlib.nullcontext(stop) if stop is not None else distributed.StopRequest() as stop:
+        return _train_loop(run, stop, name=name, workdir=workdir, train=train, config_dict=config_dict,
+                           eval_at_start=eval_at_start, eval_at_end=eval_at_end, progress=progress,
+                           bar_fields=bar_fields, on_nonfinite=on_nonfinite)
+
+
+def _train_loop(run: OfflineRun, stop: distributed.StopRequest, *, name, workdir, train, config_dict, eval_at_start,
+                eval_at_end, progress, bar_fields, on_nonfinite) -> dict:
+    """`train_loop` under its StopRequest `stop`."""
     learner = run.learner
     start, steps = learner.step, train.steps
     main = distributed.is_main_process()
@@ -100,9 +113,8 @@ def train_loop(run: OfflineRun, *, name: str, workdir: pathlib.Path, train: Trai
         # the model load's and the evaluation's freed host heap goes back to the OS before the first update: the
         # step's temporaries (one large block on the CPU) would otherwise peak on top of it (a lower peak RSS)
         trim_host_heap()
-        with distributed.StopRequest() as stop:
-            _steps(run, stop, name=name, workdir=workdir, train=train, meta=meta, writer=writer, bar=bar,
-                   clock=clock, summary=summary, on_nonfinite=on_nonfinite)
+        _steps(run, stop, name=name, workdir=workdir, train=train, meta=meta, writer=writer, bar=bar, clock=clock,
+               summary=summary, on_nonfinite=on_nonfinite)
         end = learner.step
         learner.save(meta, force=True)
         learner.wait()
@@ -148,13 +160,8 @@ def _steps(run: OfflineRun, stop: distributed.StopRequest, *, name, workdir, tra
             if limit and distributed.agree(clock.seconds >= limit):
                 summary["stopped_early"] = f"max_train_seconds={limit} reached"
                 break
-    except distributed.RunInterrupted as e:
-        if learner.step > start:  # nothing to save before the first completed update
-            learner.save(meta, force=True)
-            learner.wait()
-        raise distributed.RunInterrupted(e.signal_name, f"{e.signal_name}: stopped at step {learner.step} "
-                                         f"(checkpoint {learner.checkpointer.latest_step()} in "
-                                         f"{workdir / 'checkpoints'}); the same command resumes from it") from None
+    except distributed.RunInterrupted as e:  # the GRPO loop's stop too (`Learner.stop_checkpoint`)
+        raise learner.stop_checkpoint(meta, e.signal_name, start) from None
 
 
 def _evaluate(run: OfflineRun, summary: dict, key: str, step: int, writer) -> None:
@@ -173,5 +180,24 @@ def bootstrap_interval(x: np.ndarray, confidence: float = 0.95, seed: int = 0) -
         v = float(x.mean()) if len(x) else float("nan")
         return v, v
     ci = stats.bootstrap((x,), np.mean, confidence_level=confidence, method="percentile",
+                         random_state=np.random.default_rng(seed)).confidence_interval
+    return float(ci.low), float(ci.high)
+
+
+def paired_difference_interval(a: np.ndarray, b: np.ndarray, confidence: float = 0.95,
+                               seed: int = 0) -> tuple[float, float]:
+    """A paired percentile bootstrap interval (scipy.stats.bootstrap with paired=True: the same items resampled
+    for both, 9999 resamples, fixed seed) of mean(a) - mean(b), for per-item scores `a`, `b` of the same items
+    (float [N] each). Identical per-item differences give the difference at both ends (nan for no item). Raises
+    ValueError when the lengths differ."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    if a.shape != b.shape:
+        raise ValueError(f"paired scores need equal lengths: {a.shape} vs {b.shape}")
+    d = a - b
+    if len(d) < 2 or np.all(d == d[0]):
+        v = float(d.mean()) if len(d) else float("nan")
+        return v, v
+    ci = stats.bootstrap((a, b), lambda x, y, axis=-1: x.mean(axis) - y.mean(axis), paired=True, vectorized=True,
+                         confidence_level=confidence, method="percentile",
                          random_state=np.random.default_rng(seed)).confidence_interval
     return float(ci.low), float(ci.high)

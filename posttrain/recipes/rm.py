@@ -9,9 +9,10 @@ settings as in SFT and DPO (`run_plan.policy_source`, `run_plan.optimizer_settin
 
 Outputs besides the offline loop's: per step `rm/{loss,train_accuracy,train_margin,chosen,rejected,pairs}`;
 held-out `rm/accuracy` (ties 1/2) with its 95% bootstrap interval `rm/accuracy_{lo,hi}`, `rm/margin`, `rm/pairs`,
-and the length-only baseline on the same pairs (the longer reply preferred, a tie 1/2): `rm/length_accuracy` and
-the paired difference `rm/vs_length` (mean over pairs of the RM's minus the baseline's per-pair accuracy) with its
-95% bootstrap interval `rm/vs_length_{lo,hi}`; the summary's `export` (the directory written).
+and the length-only baseline on the same pairs (`rm/length_baseline_direction`: +1 the longer reply preferred, -1
+the shorter, whichever is more accurate on the TRAINING pairs; a tie 1/2): `rm/length_baseline_accuracy` and the
+difference `rm/vs_length` (the RM's minus the baseline's held-out accuracy) with its 95% paired bootstrap interval
+`rm/vs_length_{lo,hi}` (`offline.paired_difference_interval`); the summary's `export` (the directory written).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from posttrain.algos.sft.packing import step_rows
 from posttrain.checkpoints.policy import PolicySource, load_policy
 from posttrain.checkpoints.reward_model import RUN_SUBDIR, export_reward_model
 from posttrain.config.rm import RMRunConfig, to_dict
-from posttrain.infra import mesh as mesh_lib
+from posttrain.infra import distributed, mesh as mesh_lib
 from posttrain.infra.partitioning import use_rules
 from posttrain.infra.precision import PrecisionPolicy
 from posttrain.learn.learner import Learner, LearnerSettings
@@ -97,22 +98,29 @@ def make_rm_plan(cfg: RMRunConfig, *, num_devices: int | None = None, workdir: s
                   eval_at_start=r.eval_at_start, eval_at_end=r.eval_at_end, export=r.export)
 
 
-def length_accuracy(pairs) -> np.ndarray:
+def length_accuracy(pairs, direction: int = 1) -> np.ndarray:
     """float [P]: the length-only baseline's per-pair accuracy: 1 when the chosen reply has more tokens than the
-    rejected one, 1/2 for equal lengths, 0 otherwise."""
-    d = np.asarray([len(p.chosen) - len(p.rejected) for p in pairs])
+    rejected one (direction +1; fewer with direction -1), 1/2 for equal lengths, 0 otherwise."""
+    d = direction * np.asarray([len(p.chosen) - len(p.rejected) for p in pairs], np.int64)
     return np.where(d > 0, 1.0, np.where(d == 0, 0.5, 0.0))
 
 
-def held_out_metrics(acc_P: np.ndarray, margin_P: np.ndarray, length_P: np.ndarray) -> dict[str, float]:
-    """The held-out metrics of the module docstring from per-pair accuracies, margins and baseline accuracies."""
+def length_direction(pairs) -> int:
+    """+1 (the longer reply wins) or -1 (the shorter wins): the length baseline's direction that is more accurate
+    on `pairs` (the training pairs; +1 on a tie or without pairs)."""
+    return 1 if not pairs or length_accuracy(pairs, 1).mean() >= 0.5 else -1
+
+
+def held_out_metrics(acc_P: np.ndarray, margin_P: np.ndarray, length_P: np.ndarray,
+                     direction: int = 1) -> dict[str, float]:
+    """The held-out metrics of the module docstring from per-pair accuracies, margins and the length baseline's
+    per-pair accuracies (`length_accuracy` in `direction`, chosen on the training pairs)."""
     lo, hi = offline.bootstrap_interval(acc_P)
-    diff = acc_P - length_P
-    dlo, dhi = offline.bootstrap_interval(diff)
+    dlo, dhi = offline.paired_difference_interval(acc_P, length_P)
     return {"rm/accuracy": float(acc_P.mean()), "rm/accuracy_lo": lo, "rm/accuracy_hi": hi,
             "rm/margin": float(margin_P.mean()), "rm/pairs": float(len(acc_P)),
-            "rm/length_accuracy": float(length_P.mean()), "rm/vs_length": float(diff.mean()),
-            "rm/vs_length_lo": dlo, "rm/vs_length_hi": dhi}
+            "rm/length_baseline_accuracy": float(length_P.mean()), "rm/length_baseline_direction": float(direction),
+            "rm/vs_length": float(acc_P.mean() - length_P.mean()), "rm/vs_length_lo": dlo, "rm/vs_length_hi": dhi}
 
 
 class Run:
@@ -155,7 +163,9 @@ class Run:
             terms, valid = jax.device_get((terms, valid))
             acc.extend(np.asarray(terms["rm/train_accuracy"])[valid])
             margin.extend(np.asarray(terms["rm/train_margin"])[valid])
-        return held_out_metrics(np.asarray(acc), np.asarray(margin), length_accuracy(self.eval_pairs))
+        direction = length_direction(self.train_pairs)
+        return held_out_metrics(np.asarray(acc), np.asarray(margin), length_accuracy(self.eval_pairs, direction),
+                                direction)
 
     def tokens(self, batch) -> int:
         return int(np.count_nonzero(batch.segment_ids_RxL))
@@ -172,11 +182,11 @@ def train(plan: RMPlan, *, progress: bool = True) -> dict:
     """Runs (or resumes) reward-model training as planned, then exports it (`plan.export`); returns the summary
     (also in summary.json). Raises ValueError / TypeError for unusable pairs (naming the record), NonFiniteError
     (after saving a checkpoint) when `train.max_nonfinite_skips` consecutive steps were non-finite."""
-    with use_rules(plan.rules):
+    with use_rules(plan.rules), distributed.StopRequest() as stop:  # a signal while the run is built: one line
         run = Run(plan)
         summary = offline.train_loop(run, name="rm", workdir=plan.workdir, train=plan.train,
                                      config_dict=plan.config_dict, eval_at_start=plan.eval_at_start,
-                                     eval_at_end=plan.eval_at_end, progress=progress,
+                                     eval_at_end=plan.eval_at_end, progress=progress, stop=stop,
                                      bar_fields=(("loss", "rm/loss"), ("acc", "rm/train_accuracy")),
                                      on_nonfinite=lambda: "; lower optim.lr")
         if plan.export:

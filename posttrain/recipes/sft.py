@@ -26,7 +26,7 @@ from posttrain.algos.sft import packing
 from posttrain.algos.sft import step as sft_step
 from posttrain.checkpoints.policy import PolicySource, load_policy
 from posttrain.config.sft import SFTRunConfig, to_dict
-from posttrain.infra import mesh as mesh_lib
+from posttrain.infra import distributed, mesh as mesh_lib
 from posttrain.infra.partitioning import use_rules
 from posttrain.infra.precision import PrecisionPolicy
 from posttrain.learn.learner import Learner, LearnerSettings
@@ -173,9 +173,9 @@ def train(plan: SFTPlan, *, progress: bool = True) -> dict:
 
     Raises ValueError / FileNotFoundError for unusable data (naming the record), NonFiniteError (after saving a
     checkpoint) when `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
-    with use_rules(plan.rules):
+    with use_rules(plan.rules), distributed.StopRequest() as stop:  # a signal while the run is built: one line
         return offline.train_loop(Run(plan), name="sft", workdir=plan.workdir, train=plan.train,
                                   config_dict=plan.config_dict, eval_at_start=plan.eval_at_start,
-                                  eval_at_end=plan.eval_at_end, progress=progress,
+                                  eval_at_end=plan.eval_at_end, progress=progress, stop=stop,
                                   bar_fields=(("loss", "sft/loss"),),
                                   on_nonfinite=lambda: "; lower optim.lr or check the data")

@@ -1,6 +1,7 @@
-"""The offline loop (SFT, DPO) with a fake learner: steps, metrics and checkpoints in order; SIGINT during a batch
+"""The offline loop (SFT, DPO, RM) with a fake learner: steps, metrics and checkpoints in order; SIGINT during a batch
 or an update saves a checkpoint at the last completed step and raises RunInterrupted naming it (an update is never
-cut in half); a non-finite run stops with a checkpoint; every resource is closed whatever happens."""
+cut in half); a non-finite run stops with a checkpoint; every resource is closed whatever happens. A real tiny SFT
+run under SIGTERM (a subprocess) saves, exits within 30 s and resumes from the saved step."""
 import json
 import os
 import signal
@@ -8,12 +9,15 @@ import signal
 import pytest
 
 from posttrain.infra import distributed
+from posttrain.learn.learner import Learner
 from posttrain.recipes import offline
 from posttrain.recipes.grpo import NonFiniteError
 from posttrain.recipes.run_plan import TrainSettings
 
 
 class FakeCheckpointer:
+    directory = "ckpts"
+
     def __init__(self):
         self.saved = []
 
@@ -45,6 +49,8 @@ class FakeLearner:
 
     def close(self):
         self.closed = True
+
+    stop_checkpoint = Learner.stop_checkpoint  # the one stop path every loop shares, on this fake's state
 
 
 class FakeRun:
@@ -91,7 +97,7 @@ def test_sigint_saves_the_last_completed_step_and_names_it(tmp_path, where, at, 
     assert learner.step == (saved_at or 0) and learner.closed
     if saved_at:
         assert learner.checkpointer.saved == [saved_at]
-        assert f"stopped at step {saved_at} (checkpoint {saved_at}" in str(e.value)
+        assert f"stopped at step {saved_at} (checkpoint {saved_at} in ckpts)" in str(e.value)
         assert logged_steps(tmp_path) == list(range(1, saved_at + 1))  # the update's metrics were written
     else:
         assert learner.checkpointer.saved == []  # no update completed: nothing to save
@@ -110,3 +116,35 @@ def test_the_host_heap_is_trimmed_once_before_the_first_update(tmp_path, monkeyp
     monkeypatch.setattr(offline, "trim_host_heap", lambda: at.append(learner.step))
     loop(FakeRun(learner), tmp_path, steps=3)
     assert at == [0] and learner.step == 3
+
+
+def test_a_tiny_sft_run_signalled_mid_run_exits_within_30_s_and_resumes_from_its_checkpoint(tmp_path):
+    """`posttrain sft` on configs/sft_tiny.py (no periodic checkpoint before step 1000) gets SIGTERM after its
+    third step: it saves the step it reached, exits 143 within 30 s naming it, and the same command resumes there."""
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    args = [sys.executable, "-m", "posttrain.cli", "sft", "--config=configs/sft_tiny.py", f"--workdir={tmp_path}",
+            "--config.checkpoint.every_steps=1000", "--config.sft.eval_at_end=False", "--noprogress"]
+    env = {**os.environ, "POSTTRAIN_XLA_CACHE": "0"}
+    proc = subprocess.Popen(args + ["--config.train.steps=1000"], cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (tmp_path / "metrics.jsonl").is_file() and len(logged_steps(tmp_path)) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 30 and proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    step = int(err.strip().splitlines()[-1].split("stopped at step ")[1].split()[0])
+    assert step >= 3 and f"(checkpoint {step} in " in err and (tmp_path / "checkpoints" / str(step)).is_dir()
+    res = subprocess.run(args + [f"--config.train.steps={step + 2}"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert (out["start_step"], out["end_step"]) == (step, step + 2)
+    assert logged_steps(tmp_path) == list(range(1, step + 3))  # no step twice, none lost

@@ -37,9 +37,9 @@ def test_rm_tiny_trains_and_exports(tmp_path):
     c.train.steps, c.checkpoint.every_steps = 3, 100
     summary = rm.train(rm.make_rm_plan(rm_config_from_dict(c), workdir=str(tmp_path)), progress=False)
     start, end = summary["eval_start"], summary["eval_end"]
-    assert (start["rm/accuracy"], start["rm/margin"], start["rm/length_accuracy"]) == (0.5, 0.0, 0.5)
+    assert (start["rm/accuracy"], start["rm/margin"], start["rm/length_baseline_accuracy"]) == (0.5, 0.0, 0.5)
     assert end["rm/accuracy"] >= 0.875 and end["rm/margin"] > 0 and end["rm/pairs"] == 8.0, end
-    assert end["rm/vs_length"] == end["rm/accuracy"] - 0.5
+    assert end["rm/vs_length"] == end["rm/accuracy"] - end["rm/length_baseline_accuracy"]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["rm/loss"] for r in rows if "rm/loss" in r]
     assert len(losses) == 3 and losses[-1] < losses[0]
@@ -130,3 +130,54 @@ def test_cli_rm_help_and_archive_error(tmp_path, capsys):
     finally:
         flags.FLAGS.unparse_flags()
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "rm.from_archive=" in err, err
+
+
+def _numpy_length_baseline(train, held):
+    """Reference: per-pair accuracy of 'the longer reply wins' and 'the shorter wins' by plain loops; the direction
+    better on the training pairs (longer on a tie) applied to the held-out pairs."""
+    def acc(pairs, sign):
+        return [1.0 if sign * (len(c) - len(r)) > 0 else 0.5 if len(c) == len(r) else 0.0 for c, r in pairs]
+    sign = 1 if np.mean(acc(train, 1)) >= np.mean(acc(train, -1)) else -1
+    return sign, np.asarray(acc(held, sign))
+
+
+@pytest.mark.parametrize("shorter_wins", [False, True])
+def test_length_baseline_direction_is_chosen_on_the_training_pairs(shorter_wins):
+    from types import SimpleNamespace
+
+    from posttrain.recipes import rm
+
+    rng = np.random.default_rng(3)
+    def pairs(n):
+        lens = np.sort(rng.integers(1, 9, size=(n, 2)), axis=1)  # chosen the shorter (or equal) one
+        lens[: n // 4] = lens[: n // 4, ::-1]  # a quarter the other way
+        if not shorter_wins:
+            lens = lens[:, ::-1]
+        return [SimpleNamespace(chosen=np.zeros(a), rejected=np.zeros(b)) for a, b in lens]
+    train, held = pairs(40), pairs(25)
+    sign, ref = _numpy_length_baseline([(p.chosen, p.rejected) for p in train],
+                                       [(p.chosen, p.rejected) for p in held])
+    assert rm.length_direction(train) == sign == (-1 if shorter_wins else 1)
+    np.testing.assert_array_equal(rm.length_accuracy(held, sign), ref)
+    acc = rng.integers(0, 2, size=len(held)).astype(float)
+    m = rm.held_out_metrics(acc, np.zeros(len(held)), ref, sign)
+    assert m["rm/length_baseline_direction"] == sign and m["rm/length_baseline_accuracy"] == pytest.approx(ref.mean())
+    assert m["rm/vs_length"] == pytest.approx(acc.mean() - ref.mean())
+    assert m["rm/vs_length_lo"] <= m["rm/vs_length"] <= m["rm/vs_length_hi"]
+
+
+def test_paired_difference_interval_matches_a_numpy_paired_bootstrap():
+    from posttrain.recipes.offline import paired_difference_interval
+
+    rng = np.random.default_rng(0)
+    a = (rng.random(60) < 0.8).astype(float)
+    b = np.where(rng.random(60) < 0.9, a, 1 - a)  # correlated with a: pairing narrows the interval
+    idx = rng.integers(0, 60, size=(20000, 60))  # reference: the same rows resampled for a and b
+    ref = np.percentile(a[idx].mean(1) - b[idx].mean(1), [2.5, 97.5])
+    lo, hi = paired_difference_interval(a, b)
+    np.testing.assert_allclose([lo, hi], ref, atol=0.02)
+    unpaired = np.percentile(a[idx].mean(1) - b[rng.integers(0, 60, size=(20000, 60))].mean(1), [2.5, 97.5])
+    assert hi - lo < 0.8 * (unpaired[1] - unpaired[0])
+    assert paired_difference_interval(np.ones(3), np.zeros(3)) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="equal lengths"):
+        paired_difference_interval(np.ones(3), np.ones(4))
