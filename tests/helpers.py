@@ -1,4 +1,6 @@
 """Helpers shared by several test modules (importable because tests/conftest.py puts tests/ on sys.path)."""
+import json
+import os
 import sys
 
 import jax
@@ -103,10 +105,17 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 TIMING_KEYS = ("perf/", "train_wall_s", "peak_rss")  # what a golden comparison leaves out of metrics.jsonl
 
 
-def checkpoint_hashes(workdir) -> tuple[int, dict]:
-    """(step, {leaf path: sha256 of its bytes}) of the newest checkpoint under `workdir`/checkpoints, read by orbax
-    alone (no posttrain code)."""
-    import hashlib
+def array_fingerprint(x) -> list[float]:
+    """A float array's summary that survives the last-bit differences between CPU kinds (vector widths change the
+    order of float32 sums): [sum, sum of |x|, sum of x^2] in float64, then 8 evenly spaced elements."""
+    a = np.asarray(x, np.float64).ravel()
+    picks = a[np.linspace(0, a.size - 1, 8).astype(int)] if a.size else np.zeros(0)
+    return [float(a.sum()), float(np.abs(a).sum()), float((a * a).sum()), *map(float, picks)]
+
+
+def checkpoint_arrays(workdir) -> tuple[int, dict]:
+    """(step, {leaf path: array}) of the newest checkpoint under `workdir`/checkpoints, read by orbax alone (no
+    posttrain code)."""
     import pathlib
 
     import orbax.checkpoint as ocp
@@ -115,14 +124,20 @@ def checkpoint_hashes(workdir) -> tuple[int, dict]:
     step = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
     tree = ocp.PyTreeCheckpointer().restore((ckpts / str(step) / "state").resolve())
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return step, {jax.tree_util.keystr(p): hashlib.sha256(np.ascontiguousarray(np.asarray(x)).tobytes()).hexdigest()
-                  for p, x in leaves}
+    return step, {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
+
+
+def array_hashes(arrays: dict) -> dict:
+    """{name: sha256 hex of the array's bytes}."""
+    import hashlib
+
+    return {k: hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest() for k, x in arrays.items()}
 
 
 def golden_view(workdir) -> dict:
     """What a golden recording keeps of a GRPO run in `workdir`: every metrics.jsonl row without its timings
     (TIMING_KEYS), the sha256 and count of the archive's rows (timings, the run's name and the episode ids' run
-    prefix aside; canonical JSON) and the newest checkpoint's step and array hashes (`checkpoint_hashes`)."""
+    prefix aside; canonical JSON) and the newest checkpoint's step and arrays (`checkpoint_arrays`)."""
     import hashlib
     import json
     import pathlib
@@ -134,31 +149,61 @@ def golden_view(workdir) -> dict:
                for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     rows = archive.read(workdir).drop_columns(["sampler_s", "env_s", "run"]).to_pylist()
     rows = [{**r, "episode_id": r["episode_id"].split(":", 1)[1]} for r in rows]
-    step, hashes = checkpoint_hashes(workdir)
+    step, arrays = checkpoint_arrays(workdir)
     return {"metrics": metrics, "archive_rows": len(rows),
             "archive_sha256": hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest(),
-            "final_step": step, "checkpoint_sha256": hashes}
+            "final_step": step, "checkpoint_arrays": arrays}
 
 
 QUEUE_KEYS = ("rollout/staleness_mean", "rollout/staleness_max")  # the rollout queue's metrics, new since the goldens
 
 
+GOLDEN_RTOL, GOLDEN_ATOL = 1e-5, 1e-6  # float32 rounding of one machine kind against another, nothing more
+
+
+def assert_metrics_match(rows: list, want: list) -> None:
+    """Metric rows equal a recording: the same rows and keys, non-floats exactly, floats exactly or within float32
+    rounding across CPU kinds (GOLDEN_RTOL / GOLDEN_ATOL: measured differences were <= 4e-7 relative, or 5e-7
+    absolute on values near 0)."""
+    import math
+
+    assert [sorted(r) for r in rows] == [sorted(r) for r in want], "the metric rows or their keys differ"
+    off = [(r.get("step"), k, r[k], w[k]) for r, w in zip(rows, want) for k in r if r[k] != w[k] and not (
+        isinstance(r[k], float) and isinstance(w[k], float)
+        and math.isclose(r[k], w[k], rel_tol=GOLDEN_RTOL, abs_tol=GOLDEN_ATOL))]
+    assert not off, f"{len(off)} metrics differ from the recording beyond float32 rounding: {off[:5]}"
+
+
+def assert_arrays_match(arrays: dict, want_sha256: dict, want_fingerprint: dict) -> None:
+    """Arrays {name: array} equal a recording: each one's sha256 equals the recorded one (on the machine kind that
+    recorded it), or its `array_fingerprint` is within float32 rounding of the recorded fingerprint (on another CPU
+    kind). POSTTRAIN_GOLDEN_DUMP=path appends the fingerprints to that file (how a recording's are made)."""
+    fingerprints = {k: array_fingerprint(x) for k, x in arrays.items()}
+    if os.environ.get("POSTTRAIN_GOLDEN_DUMP"):
+        with open(os.environ["POSTTRAIN_GOLDEN_DUMP"], "a") as f:
+            f.write(json.dumps({"sha256": want_sha256, "fingerprint": fingerprints}) + "\n")
+    hashes = array_hashes(arrays)
+    assert sorted(hashes) == sorted(want_sha256)
+    far = [k for k in hashes if hashes[k] != want_sha256[k] and (k not in want_fingerprint or not np.allclose(
+        fingerprints[k], want_fingerprint[k], rtol=GOLDEN_RTOL, atol=1e-12))]
+    assert not far, f"{len(far)} of {len(hashes)} arrays differ from the recording: {far[:5]}"
+
+
 def assert_equals_golden(view: dict, golden: dict) -> None:
     """`golden_view` of a run equals a recording of the synchronous loop: every metrics row (the rollout queue's
-    QUEUE_KEYS aside, which must all be 0: no batch was stale), the archive and every checkpoint array."""
+    QUEUE_KEYS aside, which must all be 0: no batch was stale; `assert_metrics_match`), the archive exactly and
+    every checkpoint array (`assert_arrays_match`)."""
     stale = [(m.get("step"), k, m[k]) for m in view["metrics"] for k in QUEUE_KEYS if k in m and m[k] != 0]
     assert not stale, f"stale batches in a max_staleness=0 run: {stale}"
-    rows = [{k: v for k, v in m.items() if k not in QUEUE_KEYS} for m in view["metrics"]]
-    assert rows == golden["metrics"]
+    assert_metrics_match([{k: v for k, v in m.items() if k not in QUEUE_KEYS} for m in view["metrics"]],
+                         golden["metrics"])
     trained = [m for m in view["metrics"] if "policy/loss" in m]
     assert all(set(QUEUE_KEYS) <= set(m) for m in trained)  # the queue's machinery ran for every update
     for key in ("archive_rows", "archive_sha256", "final_step"):
         if key in golden:
             assert view[key] == golden[key], key
-    hashes, want = view["checkpoint_sha256"], golden["checkpoint_sha256"]
-    assert sorted(hashes) == sorted(want)
-    changed = [k for k in hashes if hashes[k] != want[k]]
-    assert not changed, f"{len(changed)} of {len(hashes)} checkpoint arrays differ from the recording: {changed[:5]}"
+    assert_arrays_match(view["checkpoint_arrays"], golden["checkpoint_sha256"],
+                        golden.get("checkpoint_fingerprint", {}))
 
 
 GGUF_CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -247,3 +292,19 @@ def fake_devices_flags(n: int) -> str:
     import os
 
     return (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
+
+
+def scripted_output(rows, pad_id, width=None, logprob=0.0, truncated_N=None):
+    """A `SampleOutput` holding the given token rows, as a sampler would return them: tokens int32 [N, width]
+    (`width` defaults to the longest row) padded with `pad_id`, logprob float32 [N, width] equal to `logprob` on
+    each row's tokens and 0 after them, lengths int32 [N], truncated bool [N] (all False unless given)."""
+    from posttrain.rollout.sampler import SampleOutput
+
+    width = width or max(map(len, rows))
+    assert max(map(len, rows)) <= width, "scripted reply longer than the sampler's width"
+    tokens = np.full((len(rows), width), pad_id, np.int32)
+    logp = np.zeros((len(rows), width), np.float32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)], logp[i, :len(r)] = r, logprob
+    truncated_N = np.zeros(len(rows), bool) if truncated_N is None else np.asarray(truncated_N, bool)
+    return SampleOutput(tokens, logp, np.array([len(r) for r in rows], np.int32), truncated_N)
