@@ -3,10 +3,10 @@
 import numpy as np
 
 from envs.tasks.repo_fix import tools
+from helpers import scripted_output
 from posttrain.eval import runner, suite as suite_lib
 from posttrain.model.tokenizer import Tokenizer
 from posttrain.rollout.episodes import Episode, InlineEnvs
-from posttrain.rollout.sampler import SampleOutput
 
 TOK = Tokenizer.byte_level()
 SUBMIT = tools.format_call("submit")
@@ -35,11 +35,7 @@ def scripted(replies_by_call):
         texts = replies_by_call[len(calls)]
         calls.append(len(lengths))
         rows = [TOK.encode(t) + [TOK.stop_ids[0]] for t in texts[:len(lengths) * group_size]]
-        tokens = np.full((len(rows), max(map(len, rows))), TOK.pad_id, np.int32)
-        for i, r in enumerate(rows):
-            tokens[i, :len(r)] = r
-        n = np.array([len(r) for r in rows], np.int32)
-        return SampleOutput(tokens, np.zeros(tokens.shape, np.float32), n, np.zeros(len(rows), bool))
+        return scripted_output(rows, TOK.pad_id)
 
     return fn, calls
 

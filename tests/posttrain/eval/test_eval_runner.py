@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 
+from helpers import scripted_output
 from posttrain.eval import metrics, records as records_lib, runner
 from posttrain.model.tokenizer import Tokenizer
 from posttrain.rollout.episodes import InlineEnvs
 from posttrain.rollout.rollouter import task_sources
-from posttrain.rollout.sampler import SampleOutput
 from posttrain.config import EnvSpec
 
 TOK = Tokenizer.byte_level()
@@ -27,12 +27,7 @@ def scripted(reply_of, budget=40):
             for g in range(group_size):
                 ids = TOK.encode(reply_of(text, g))
                 rows.append(ids[:budget] if len(ids) >= budget else ids + [TOK.stop_ids[0]])
-        width = max(len(r) for r in rows)
-        tokens = np.full((len(rows), width), TOK.pad_id, np.int32)
-        for i, r in enumerate(rows):
-            tokens[i, :len(r)] = r
-        n = np.array([len(r) for r in rows], np.int32)
-        return SampleOutput(tokens, np.zeros(tokens.shape, np.float32), n, n >= budget)
+        return scripted_output(rows, TOK.pad_id, truncated_N=[len(r) >= budget for r in rows])
     return fn
 
 

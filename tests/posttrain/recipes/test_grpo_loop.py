@@ -16,7 +16,7 @@ from posttrain.checkpoints.orbax import Checkpointer
 from posttrain.config import from_config_dict
 from posttrain.rollout.rollouter import Rollouter
 from posttrain.tasks import archive
-from helpers import tiny_config
+from helpers import scripted_output, tiny_config
 from posttrain.infra.metrics import read_tensorboard_scalars as read_tb_scalars
 
 
@@ -186,7 +186,6 @@ def digit_config(workdir, **over):
 def scripted_policy(monkeypatch, reply_for):
     """Replaces the rollouter's sampler by a script: reply_for(decoded prompt, row) -> reply text (then EOS).
     Returns the list of decoded prompts it was asked to continue."""
-    from posttrain.rollout.sampler import SampleOutput
 
     seen = []
 
@@ -199,13 +198,7 @@ def scripted_policy(monkeypatch, reply_for):
             seen.extend(texts)
             rows = [tok.encode(reply_for(text, i * group_size + g)) + [tok.eos_id]
                     for i, text in enumerate(texts) for g in range(group_size)]
-            assert max(map(len, rows)) <= Lg, "scripted reply longer than sampling.max_new_tokens"
-            toks = np.full((len(rows), Lg), tok.pad_id, np.int32)
-            logp = np.zeros((len(rows), Lg), np.float32)
-            for i, r in enumerate(rows):
-                toks[i, :len(r)], logp[i, :len(r)] = r, -1.0
-            lens = np.array([len(r) for r in rows], np.int32)
-            return SampleOutput(toks, logp, lens, np.zeros(len(rows), bool))
+            return scripted_output(rows, tok.pad_id, Lg, -1.0)
 
         return fn
 

@@ -9,10 +9,10 @@ import pathlib
 import numpy as np
 
 from envs.tasks.repo_fix import tools
+from helpers import scripted_output
 from posttrain.config import from_config_dict
 from posttrain.recipes import grpo as loop
 from posttrain.rollout.rollouter import Rollouter
-from posttrain.rollout.sampler import SampleOutput
 from posttrain.tasks import archive
 from posttrain.tasks.scheduler import TaskScheduler
 
@@ -54,13 +54,7 @@ def scripted(monkeypatch, golden: dict[str, str]):
                      for p, n in zip(np.asarray(prompts), np.asarray(lengths))]
             replies = [reply_for(t, i * group_size + g) for i, t in enumerate(texts) for g in range(group_size)]
             given.extend(replies)
-            rows = [tok.encode(r) + [tok.eos_id] for r in replies]
-            assert max(map(len, rows)) <= Lg, "scripted reply longer than sampling.max_new_tokens"
-            toks = np.full((len(rows), Lg), tok.pad_id, np.int32)
-            logp = np.zeros((len(rows), Lg), np.float32)
-            for i, r in enumerate(rows):
-                toks[i, :len(r)], logp[i, :len(r)] = r, -1.0
-            return SampleOutput(toks, logp, np.array([len(r) for r in rows], np.int32), np.zeros(len(rows), bool))
+            return scripted_output([tok.encode(r) + [tok.eos_id] for r in replies], tok.pad_id, Lg, -1.0)
 
         return fn
 

@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 
 from envs import base
-from helpers import assert_equals_golden, golden_view, tiny_config
+from helpers import assert_equals_golden, golden_view, scripted_output, tiny_config
 from posttrain.config import from_config_dict, to_dict
 from posttrain.recipes import grpo as loop
 from posttrain.rollout.episodes import Sample
 from posttrain.rollout.rollouter import Rollouter
-from posttrain.rollout.sampler import SampleOutput
 from posttrain.rollout.tickets import StepDraw, archive_rows
 from posttrain.tasks import archive, view
 from posttrain.tasks.jobs import JobScheduler
@@ -87,11 +86,7 @@ def scripted_sample_fn(rollouter, policy, params):
         rng = random.Random(str(np.asarray(jax.random.key_data(key)).tolist()))
         rows = [tok.encode("".join(rng.choice("0123456789abcdefxyz ") for _ in range(rng.randint(1, 5))))
                 + [tok.eos_id] for _ in range(len(prompts) * group_size)]
-        toks = np.full((len(rows), Lg), tok.pad_id, np.int32)
-        logp = np.zeros((len(rows), Lg), np.float32)
-        for i, r in enumerate(rows):
-            toks[i, :len(r)], logp[i, :len(r)] = r, -1.0
-        return SampleOutput(toks, logp, np.array([len(r) for r in rows], np.int32), np.zeros(len(rows), bool))
+        return scripted_output(rows, tok.pad_id, Lg, -1.0)
 
     return fn
 
