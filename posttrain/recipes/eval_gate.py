@@ -1,6 +1,7 @@
 """The evaluation gate of the GRPO loop (`eval.suite`, `eval.every_steps`, `eval.gate`): every `every_steps`
-steps the suite runs on the current policy against the run's initial policy, paired by task, and a regression
-beyond `eval.gate.max_drop` warns or stops the run; the best checkpoint by the suite's trained score is kept.
+steps, and after the last step when it was not one of those, the suite runs on the current policy against the
+run's initial policy, paired by task, and a regression beyond `eval.gate.max_drop` warns or stops the run; the best
+checkpoint by the suite's trained score is kept.
 
 The decisions are `posttrain.eval.gate`'s (pure); this module samples and writes. The suite is sampled with the
 run's own rollouter (its env runner and its sampler, so the programs compiled for the first evaluation serve every
@@ -176,14 +177,22 @@ class LoopGate:
         return decision, gate_lib.gate_metrics(decision, rows), cand["perf/eval_s"]
 
 
-def after_step(loop: Any, m: dict) -> None:
+def after_step(loop: Any, m: dict, *, final: bool = False) -> None:
     """The gate's part of a loop step (`grpo._Loop.step`, after the update and its evaluation): when due, the
     suite runs (the training clock paused, the env runner the evaluation's), `m` gains the eval/gate/* metrics and
     the suite's seconds in perf/eval_s, the step is checkpointed with its score, summary["eval_gate"] is updated;
     a regression beyond max_drop logs a warning, and with action "stop" sets `loop.gate.stopped` and
-    summary["stopped_early"] (the loop then finishes: final checkpoint, summary.json). No-op without a gate."""
-    gate = getattr(loop, "gate", None)
-    if gate is None or not gate.settings.due(loop.learner.step):
+    summary["stopped_early"] (the loop then finishes: final checkpoint, summary.json). No-op without a gate.
+    final: the end of the run (`grpo._Loop.finish`): due when the run moved past its start and its last step was
+    not gated yet (a run that ends on a time limit or between `every_steps` still gets the last policy's verdict)."""
+    gate, step = getattr(loop, "gate", None), loop.learner.step
+    if gate is None:
+        return
+    if final:
+        done = {d["step"] for d in gate.decisions}
+        if step <= loop.start or step in done or gate.stopped:
+            return
+    elif not gate.settings.due(step):
         return
     queue = getattr(loop, "queue", None)
     with loop.clock.paused(), (queue.exclusive() if queue is not None else contextlib.nullcontext()):

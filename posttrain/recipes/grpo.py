@@ -294,11 +294,16 @@ class _Loop:
         return False
 
     def finish(self) -> dict:
-        """The end of a run: the final checkpoint (forced, waited for), the end-of-run evaluation (`eval.at_end`,
+        """The end of a run: the suite gate's verdict on the last step (`eval_gate.after_step(final=True)`), the
+        final checkpoint (forced, waited for), the end-of-run evaluation (`eval.at_end`,
         when the run moved past its start; not in the training seconds) and the summary with the end step,
         training seconds, peak memory and this process's share of the env episodes (process 0: summary.json)."""
         plan, learner = self.plan, self.learner
         end = learner.step
+        gate_m: dict = {}
+        eval_gate.after_step(self, gate_m, final=True)  # eval.suite: the last step's verdict, when not gated yet
+        if gate_m and self.writer:
+            self.writer.write(end, gate_m)
         self.queue.close()  # no batch is left to make; one still queued (a time stop) is dropped
         learner.save(self.resume, force=True)
         learner.wait()

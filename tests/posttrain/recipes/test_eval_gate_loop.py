@@ -104,6 +104,20 @@ def test_warn_trains_on_and_the_best_checkpoint_is_kept(tmp_path, suite, monkeyp
         assert ck.all_steps() == [1, 3]
 
 
+
+def test_the_last_step_is_gated_when_every_steps_does_not_reach_it(tmp_path, suite, monkeypatch):
+    """3 steps at eval.every_steps=2: the suite runs after step 2 and, at the end of the run, after step 3 (its
+    regression warns); a run whose last step was gated (the tests above) samples no extra suite at its end."""
+    calls = plant(monkeypatch, ["gold", "gold", "wrong"])
+    summary = grpo.train(gate_config(tmp_path / "run", suite, **{"train.steps": 3, "eval.every_steps": 2}),
+                         progress=False)
+    assert calls == ["gold", "gold", "wrong"] and summary["end_step"] == 3
+    assert [(d["step"], d["action"]) for d in summary["eval_gate"]["decisions"]] == [(2, "pass"), (3, "warn")]
+    m = rows(tmp_path / "run")
+    assert m[3]["eval/gate/warn"] == 1.0 and m[3]["eval/gate/arithmetic/diff"] == -1.0
+    assert "eval/gate/warn" not in m[1]
+    assert (tmp_path / "run" / "eval_gate" / "step_000003" / "comparison.md").exists()
+
 def test_the_same_policy_against_itself_is_no_change(tmp_path, suite):
     plan = make_run_plan(gate_config(tmp_path / "run", suite, **{"eval.gate.action": "stop"}))
     rollouter, learner, _ = grpo.build(plan)
