@@ -139,7 +139,6 @@ def golden_view(workdir) -> dict:
     (TIMING_KEYS), the sha256 and count of the archive's rows (timings, the run's name and the episode ids' run
     prefix aside; canonical JSON) and the newest checkpoint's step and arrays (`checkpoint_arrays`)."""
     import hashlib
-    import json
     import pathlib
 
     from posttrain.tasks import archive
@@ -289,8 +288,6 @@ def json_value(obj: dict, path: str):
 
 def fake_devices_flags(n: int) -> str:
     """XLA_FLAGS for a subprocess with `n` fake CPU devices, keeping this process's flags (the suite's -O0)."""
-    import os
-
     return (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
 
 
