@@ -10,14 +10,7 @@ One step directory `<directory>/<step>/` holds three orbax items, written togeth
   manifest/  JSON written by this module: format version, step, and one record per array leaf
              {path, shape, dtype, [key_impl], [variable]} used to check a restore target before reading.
 
-How the pytree is stored:
-  * The tree is flattened with `jax.tree_util` paths, so any pytree works (flax struct dataclasses, optax
-    states, nnx `State`s, None subtrees). An nnx `Variable` is a pytree node: its array is the leaf at
-    `<path>/value`; its type (`Param`, `ExpertBias`, ...) is recorded in the manifest and checked on restore;
-    its metadata (`logical_axes`, ...) is NOT stored: it comes back from the restore target's tree definition,
-    together with the structure. Restored trees therefore have exactly the target's treedef.
-  * Typed PRNG keys (`jax.random.key`) are stored as `jax.random.key_data` (uint32) with the impl name in the
-    manifest, and restored with `jax.random.wrap_key_data(..., impl=...)` in the target's sharding.
+How the pytree is stored: `posttrain.checkpoints.stored_tree`.
 
 Async safety (the train step donates the state): in orbax 0.12.8, `save` blocks until every array has been
 transferred to host memory (`replica_slices.transfer_arrays_to_host`, no device-host byte limiter is set), and
@@ -33,7 +26,9 @@ directories (a `kill -9` mid-save) are ignored and removed when the next `Checkp
 an error, renamed to `<step>.corrupt-<unix time>` (never deleted) so the resumed run can write that step again, and
 the next older step is tried; `unreadable` lists what was passed over (a `read_only` Checkpointer renames
 nothing: readers of a run never change it). Data that still decodes after bit rot is
-not detected (no checksums). keep-last-K: orbax deletes older steps only after the newer one is committed.
+not detected (no checksums). keep-last-K: orbax deletes older steps only after the newer one is committed; guard
+checkpoints (`save(guard=True)`: the learner's step boundaries after a long step) never count toward K: one is kept
+only while it is the newest (`_Retention`).
 Multi-host: every process must call save/restore (orbax synchronises); the fallback
 decision is taken per process from a shared filesystem, which assumes all processes see the same corruption.
 """
@@ -48,7 +43,9 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
-from flax import nnx
+
+from posttrain.checkpoints.stored_tree import (CheckpointStructureError, check_structure, flat_leaves, get_nested,
+                                              is_key, key_data_sharding, leaf_record, nest)
 
 __all__ = ["Checkpointer", "CheckpointCorruptError", "CheckpointStructureError"]
 
@@ -57,113 +54,25 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 ITEMS = ("state", "meta", "manifest")
 _COMMIT_FILES = ("commit_success.txt", "_CHECKPOINT_METADATA")
-_MAX_LISTED = 8
-
-
-class CheckpointStructureError(ValueError):
-    """The restore target's pytree does not match the checkpoint (paths, shapes, dtypes, Variable types)."""
 
 
 class CheckpointCorruptError(ValueError):
     """A checkpoint exists but cannot be read (truncated/corrupt files), or no complete one is usable."""
 
 
-# ------------------------------------------------------------------------------------------ pytree <-> storage
-def _is_key(x) -> bool:
-    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
-
-
-def _components(path) -> tuple[str, ...]:
-    out = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                out.append(str(getattr(k, attr)))
-                break
-        else:
-            raise TypeError(f"unsupported pytree key {k!r} in path {jax.tree_util.keystr(path)}")
-    return tuple(out)
-
-
-def _leaves(tree) -> tuple[list[tuple[tuple[str, ...], Any, str | None]], Any]:
-    """[(path components, leaf, enclosing nnx.Variable type name or None)] in flatten order, and the treedef."""
-    out = []
-    nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
-    for path, node in nodes:
-        if isinstance(node, nnx.Variable):
-            for sub, leaf in jax.tree_util.tree_flatten_with_path(node)[0]:
-                out.append((_components(path + sub), leaf, type(node).__name__))
-        else:
-            out.append((_components(path), node, None))
-    treedef = jax.tree_util.tree_structure(tree)
-    if len(out) != treedef.num_leaves:  # a Variable that flattens differently from a plain pytree walk
-        raise TypeError(f"could not enumerate the leaves of the state ({len(out)} != {treedef.num_leaves})")
-    return out, treedef
-
-
-def _record(comps, leaf, var) -> dict:
-    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
-        raise TypeError(f"state leaf {'/'.join(comps)} is a {type(leaf).__name__}, not an array; "
-                        "checkpointed leaves must be jax/numpy arrays (or ShapeDtypeStructs in a target)")
-    rec = {"path": "/".join(comps), "shape": list(leaf.shape), "dtype": str(leaf.dtype)}
-    if _is_key(leaf):
-        rec["key_impl"] = str(jax.random.key_impl(leaf)) if isinstance(leaf, jax.Array) else None
-    if var is not None:
-        rec["variable"] = var
-    return rec
-
-
-def _nest(items: list[tuple[tuple[str, ...], Any]]) -> dict:
-    root: dict = {}
-    for comps, value in items:
-        node = root
-        for c in comps[:-1]:
-            node = node.setdefault(c, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"pytree paths collide at {'/'.join(comps)}")
-        if comps[-1] in node:
-            raise ValueError(f"pytree paths collide at {'/'.join(comps)} (keys equal as strings)")
-        node[comps[-1]] = value
-    return root
-
-
-def _get(nested: dict, comps):
-    for c in comps:
-        nested = nested[c]
-    return nested
-
-
-def _key_data_sharding(sharding, name: str):
-    if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):  # trailing key-data dim unsharded
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec))
-    raise TypeError(f"PRNG key leaf {name} has a {type(sharding).__name__}; use a NamedSharding")
-
-
-def _check_structure(saved: list[dict], wanted: list[dict], where: str):
-    """Raises CheckpointStructureError listing every difference between the saved and wanted leaf records."""
-    s, w = {r["path"]: r for r in saved}, {r["path"]: r for r in wanted}
-    problems = []
-    missing, extra = [p for p in w if p not in s], [p for p in s if p not in w]
-    if missing:
-        problems.append(f"in the target but not in the checkpoint: {missing[:_MAX_LISTED]}"
-                        + (f" (+{len(missing) - _MAX_LISTED} more)" if len(missing) > _MAX_LISTED else ""))
-    if extra:
-        problems.append(f"in the checkpoint but not in the target: {extra[:_MAX_LISTED]}"
-                        + (f" (+{len(extra) - _MAX_LISTED} more)" if len(extra) > _MAX_LISTED else ""))
-    for p in w:
-        if p in s:
-            for field in ("shape", "dtype", "variable"):
-                if s[p].get(field) != w[p].get(field):
-                    problems.append(f"{p}: {field} {s[p].get(field)} in the checkpoint, "
-                                    f"{w[p].get(field)} in the target")
-    if problems:
-        raise CheckpointStructureError(f"restore target does not match checkpoint {where}:\n  " + "\n  ".join(
-            problems[:3 * _MAX_LISTED]))
-
-
 # ---------------------------------------------------------------------------------------------- manager
+class _Retention(ocp.checkpoint_managers.PreservationPolicy):
+    """orbax preservation: the newest checkpoint, and the `n` newest of those whose step is not in `guards` (so a
+    run of guard checkpoints never displaces the interval's; the checkpoints come in ascending step order)."""
+
+    def __init__(self, n: int, guards: set):
+        self.n, self.guards = n, guards
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        kept = {c.step for c in [c for c in checkpoints if c.step not in self.guards][-self.n:]}
+        return [c.step in kept or i == len(checkpoints) - 1 for i, c in enumerate(checkpoints)]
+
+
 class Checkpointer:
     """Saves/restores `(train state pytree, JSON meta dict)` under `directory/<step>/`.
 
@@ -177,6 +86,7 @@ class Checkpointer:
         anything (no tmp cleanup, no quarantine); `save` raises ValueError.
       best_metric: a key of the `metrics` some saves carry: the checkpoint with its highest value is kept in
         addition to the `keep` newest (orbax's BestN beside LatestN; ties: the later step). None: only the newest.
+    `guards`: the steps this Checkpointer saved with `guard=True` and not saved again since (forced, no guard).
     Raises:
       ValueError: every_steps < 1 or keep < 1.
     Use as a context manager, or call `close()`, so the last async save is committed before exit.
@@ -195,7 +105,8 @@ class Checkpointer:
         self.restored_step: int | None = None  # the step the last `restore` actually read
         # steps the last `restore(None)` passed over: {"step", "error", "moved_to" (None: left in place)}
         self.unreadable: list[dict] = []
-        policy = ocp.checkpoint_managers.LatestN(n=self.keep)
+        self.guards: set[int] = set()
+        policy = _Retention(self.keep, self.guards)
         if best_metric:
             policy = ocp.checkpoint_managers.AnyPreservationPolicy([policy, ocp.checkpoint_managers.BestN(
                 get_metric_fn=lambda m: m[best_metric], n=1, keep_checkpoints_without_metrics=False)])
@@ -233,13 +144,15 @@ class Checkpointer:
         return int(step) % self.every_steps == 0 and int(step) not in self._mngr.all_steps()
 
     # -------------------------------------------------------------------------------------------- save
-    def save(self, step: int, state, meta: dict, *, force: bool = False, metrics: dict | None = None) -> bool:
+    def save(self, step: int, state, meta: dict, *, force: bool = False, metrics: dict | None = None,
+             guard: bool = False) -> bool:
         """Starts saving `state` (any pytree of arrays / typed keys) and `meta` (JSON dict) as `step`.
 
         Saves when `should_save(step)` or `force` (e.g. the final step); a step that already exists is never
         overwritten (returns False). With async_save, returns once the arrays are on the host; the state may then
-        be donated or modified. `metrics` ({name: float}) rank it for `best_metric`. Returns True when a save was
-        started.
+        be donated or modified. `metrics` ({name: float}) rank it for `best_metric`. `guard` (with `force`): a
+        guard checkpoint, kept only while newest; a save without it of a guard step makes the step a kept one
+        (e.g. the final step). Returns True when a save was started.
         Raises:
           TypeError: meta is not a JSON-serialisable dict, or a state leaf is not an array.
           ValueError: step < 0, or the Checkpointer is read-only.
@@ -255,11 +168,15 @@ class Checkpointer:
             json.dumps(meta, allow_nan=True)
         except (TypeError, ValueError) as e:
             raise TypeError(f"meta is not JSON-serialisable: {e}") from e
-        if step in self._mngr.all_steps() or (not force and not self.should_save(step)):
+        if step in self._mngr.all_steps() or not (force or self.should_save(step)):
+            if force and not guard:  # e.g. the final save of a step a guard saved: a kept one from now on
+                self.guards.discard(step)
             return False
-        leaves, _ = _leaves(state)
-        records = [_record(c, leaf, v) for c, leaf, v in leaves]
-        stored = _nest([(c, jax.random.key_data(x) if _is_key(x) else x) for c, x, _ in leaves])
+        if guard:
+            self.guards.add(step)
+        leaves, _ = flat_leaves(state)
+        records = [leaf_record(c, leaf, v) for c, leaf, v in leaves]
+        stored = nest([(c, jax.random.key_data(x) if is_key(x) else x) for c, x, _ in leaves])
         manifest = {"format": FORMAT_VERSION, "step": step, "leaves": records}
         self._mngr.save(step, force=True, metrics=metrics, args=ocp.args.Composite(
             state=ocp.args.StandardSave(stored), meta=ocp.args.JsonSave(meta),
@@ -322,17 +239,17 @@ class Checkpointer:
         manifest = self._mngr.restore(step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore()))["manifest"]
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
             raise ValueError(f"unknown manifest {str(manifest)[:200]} (expected format {FORMAT_VERSION})")
-        leaves, treedef = _leaves(target_state)
-        wanted = [_record(c, leaf, v) for c, leaf, v in leaves]
+        leaves, treedef = flat_leaves(target_state)
+        wanted = [leaf_record(c, leaf, v) for c, leaf, v in leaves]
         saved = {r["path"]: r for r in manifest["leaves"]}
-        _check_structure(manifest["leaves"], wanted, where)
+        check_structure(manifest["leaves"], wanted, where)
 
         abstract, keys = [], {}
         for (comps, leaf, _), rec in zip(leaves, wanted):
             sharding = getattr(leaf, "sharding", None)
             if sharding is None:
                 sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-            if _is_key(leaf):
+            if is_key(leaf):
                 impl = saved[rec["path"]]["key_impl"]  # the saved impl must give the target's key dtype
                 data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
                 wrapped = jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=impl), data)
@@ -341,14 +258,14 @@ class Checkpointer:
                                                    f"{wrapped.dtype}, target has {leaf.dtype}")
                 keys[comps] = (impl, sharding)
                 abstract.append((comps, jax.ShapeDtypeStruct(data.shape, data.dtype,
-                                                             sharding=_key_data_sharding(sharding, rec["path"]))))
+                                                             sharding=key_data_sharding(sharding, rec["path"]))))
             else:
                 abstract.append((comps, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)))
         out = self._mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_nest(abstract)), meta=ocp.args.JsonRestore()))
+            state=ocp.args.StandardRestore(nest(abstract)), meta=ocp.args.JsonRestore()))
         restored = []
         for comps, _, _ in leaves:
-            x = _get(out["state"], comps)
+            x = get_nested(out["state"], comps)
             if comps in keys:
                 impl, sharding = keys[comps]
                 x = jax.device_put(jax.random.wrap_key_data(x, impl=impl), sharding)

@@ -260,11 +260,16 @@ class CheckpointConfig:
         every_steps: save interval in steps (the last step is always saved).
         keep: newest checkpoints kept.
         async_save: write in the background.
+        stop_grace_s: seconds a run has after SIGINT / SIGTERM to finish its step and save it before it exits
+            anyway (128 + signum); below the scheduler's kill deadline (TPU preemption ~30 s, Kubernetes
+            terminationGracePeriodSeconds). A step boundary after a step of >= half of it is saved too (a guard
+            checkpoint, `Learner.save`), so a step in flight past the grace never loses the last finished one.
     """
 
     every_steps: int = 10
     keep: int = 2
     async_save: bool = True
+    stop_grace_s: float = 25.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -124,7 +124,9 @@ class StopRequest:
     every process. A second signal raises KeyboardInterrupt at once (nothing saved). Python runs handlers only
     between bytecodes, so a signal that arrives during a long device computation waits for it: a watchdog thread,
     woken by the signal itself (`signal.set_wakeup_fd`), ends the process with exit code 128 + signum when the loop
-    has not finished within `grace_s` seconds (the run then resumes from its last checkpoint, as after kill -9).
+    has not finished within `grace_s` seconds (the recipes pass `checkpoint.stop_grace_s`; the run then resumes from
+    its last checkpoint, as after kill -9: the learner's guard checkpoint of the last finished step when that step
+    was long, `posttrain.learn.learner`).
     """
 
     SIGNALS = ("SIGINT", "SIGTERM")

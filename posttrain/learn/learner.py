@@ -5,6 +5,15 @@ the `TrainState` (replaced by every update: the old one is donated), the shardin
 step and the checkpointer. `update(batch)` places a host `RolloutBatch` (the full global batch, the same on every
 process) on the mesh, runs one step and returns its metrics as floats; `policy()` gives the rollouter the current
 policy states; `save` / `restore` write and read the state with the rollouter's resumable state as metadata.
+
+Stops and long steps: a stop signal (SIGINT / SIGTERM) is answered at the next step boundary with a checkpoint
+(`stop_checkpoint`), but a step still running `checkpoint.stop_grace_s` after the signal is cut (the process exits,
+`distributed.StopRequest`), and the state it started from is gone (the step donates it). So every loop's step
+boundary (`save(meta)`) after a step that took >= GUARD_FRACTION of the grace is saved as a guard checkpoint: the
+async save copies the state to host memory before the next step donates it, the files are written while that step
+runs, and the guard is kept only until a newer checkpoint commits (it never displaces the `checkpoint.keep`
+interval checkpoints). Steps shorter than that finish within the grace unless the next one is over twice as long;
+`checkpoint.every_steps=1` saves every boundary whatever its length.
 """
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ import ctypes
 import dataclasses
 import pathlib
 import re
+import time
 from typing import Any, Callable, Mapping
 
 import jax
@@ -28,6 +38,14 @@ from posttrain.types import RolloutBatch, TrainState
 
 # (graphdef, optax transformation, lr schedule, the loaded model's ModelConfig) -> the pure step (state, batch)
 StepBuilder = Callable[[Any, Any, Any, Any], Callable]
+GUARD_FRACTION = 0.5  # a step boundary after a step of >= this x checkpoint.stop_grace_s gets a guard checkpoint
+
+
+def guard_due(step_s: float, grace_s: float) -> bool:
+    """True when the step boundary after a step of `step_s` seconds needs a guard checkpoint: a next step as long
+    (or up to 1 / GUARD_FRACTION times longer) might not finish, and be saved, within the `grace_s` seconds a stop
+    signal leaves (the module docstring)."""
+    return step_s >= GUARD_FRACTION * grace_s
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,7 +113,8 @@ def trim_host_heap() -> None:
 @dataclasses.dataclass
 class Learner:
     """The update phase of a run (see the module docstring). `nonfinite_run`: consecutive updates skipped for a
-    non-finite loss or gradient, up to the last one."""
+    non-finite loss or gradient, up to the last one; `boundary_t`: `time.monotonic()` at the last step boundary
+    (`save` without `force`), else at the start of this learner's first update (None before it)."""
 
     settings: LearnerSettings
     mesh: jax.sharding.Mesh
@@ -107,6 +126,7 @@ class Learner:
     step_fn: Callable[[TrainState, RolloutBatch], tuple[TrainState, dict]]  # jitted, state donated
     checkpointer: Checkpointer
     nonfinite_run: int = 0
+    boundary_t: float | None = None
 
     @classmethod
     def create(cls, settings: LearnerSettings, mesh, model_config, graphdef, weights,
@@ -149,6 +169,8 @@ class Learner:
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """One train step on a host batch; returns its metrics. A skipped (non-finite) update is logged and
         counted in `nonfinite_run`."""
+        if self.boundary_t is None:
+            self.boundary_t = time.monotonic()
         placed = jax.tree.map(distributed.global_array, batch, batch_shardings(self.mesh, batch, self.settings.rules))
         with jax.set_mesh(self.mesh):
             self.state, m = self.step_fn(self.state, placed)
@@ -171,11 +193,19 @@ class Learner:
 
     def save(self, rollout_state: Mapping, *, force: bool = False, metrics: Mapping | None = None) -> None:
         """Saves the state at its step when the checkpoint interval says so (or `force`), with the rollouter's
-        state and the config as metadata, and `metrics` (ranked by `settings.best_metric`)."""
-        if force or self.checkpointer.should_save(self.step):
+        state and the config as metadata, and `metrics` (ranked by `settings.best_metric`). A call without `force`
+        is a loop's step boundary: after a step (since the last boundary or the first update's start) of at least
+        GUARD_FRACTION x `checkpoint.stop_grace_s` seconds (process 0's clock) it saves a guard checkpoint."""
+        scheduled, guard = self.checkpointer.should_save(self.step), False
+        if not force:
+            now = time.monotonic()
+            step_s, self.boundary_t = now - (now if self.boundary_t is None else self.boundary_t), now
+            guard = not scheduled and distributed.agree(guard_due(step_s, self.settings.checkpoint.stop_grace_s))
+        if force or scheduled or guard:
             trim_host_heap()
             self.checkpointer.save(self.step, self.state, {**rollout_state, "config": dict(self.settings.config_dict)},
-                                   force=force, metrics=dict(metrics) if metrics else None)
+                                   force=force or guard, metrics=dict(metrics) if metrics else None,
+                                   guard=guard)
 
     def stop_checkpoint(self, meta: Mapping, signal_name: str, start: int) -> distributed.RunInterrupted:
         """For a stop signal (SIGINT / SIGTERM) in any training loop: saves the state with `meta` (forced, waited

@@ -223,7 +223,8 @@ def train(plan: DPOPlan, *, progress: bool = True) -> dict:
     """Runs (or resumes) DPO as planned; returns the summary (also in summary.json). Raises ValueError /
     TypeError for unusable pairs (naming the record), NonFiniteError (after saving a checkpoint) when
     `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
-    with use_rules(plan.rules), distributed.StopRequest() as stop:  # a signal while the run is built: one line
+    # a signal while the run is built is one line too; its grace is the config's
+    with use_rules(plan.rules), distributed.StopRequest(plan.learner.checkpoint.stop_grace_s) as stop:
         return offline.train_loop(Run(plan), name="dpo", workdir=plan.workdir, train=plan.train,
                                   config_dict=plan.config_dict, eval_at_start=plan.eval_at_start,
                                   eval_at_end=plan.eval_at_end, progress=progress, stop=stop,

@@ -206,7 +206,7 @@ def zero_variance_warning(run: int, metrics: dict) -> str | None:
 
 
 def _train(plan: RunPlan, progress: bool, allow_config_change: bool = False) -> dict:
-    with distributed.StopRequest() as stop, Resources() as res:
+    with distributed.StopRequest(plan.learner.checkpoint.stop_grace_s) as stop, Resources() as res:
         loop = open_run(plan, res, stop, progress=progress, allow_config_change=allow_config_change)
         for step in range(loop.start, plan.train.steps):
             if loop.advance(step, plan.train.steps):

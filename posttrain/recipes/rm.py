@@ -182,7 +182,8 @@ def train(plan: RMPlan, *, progress: bool = True) -> dict:
     """Runs (or resumes) reward-model training as planned, then exports it (`plan.export`); returns the summary
     (also in summary.json). Raises ValueError / TypeError for unusable pairs (naming the record), NonFiniteError
     (after saving a checkpoint) when `train.max_nonfinite_skips` consecutive steps were non-finite."""
-    with use_rules(plan.rules), distributed.StopRequest() as stop:  # a signal while the run is built: one line
+    # a signal while the run is built is one line too; its grace is the config's
+    with use_rules(plan.rules), distributed.StopRequest(plan.learner.checkpoint.stop_grace_s) as stop:
         run = Run(plan)
         summary = offline.train_loop(run, name="rm", workdir=plan.workdir, train=plan.train,
                                      config_dict=plan.config_dict, eval_at_start=plan.eval_at_start,

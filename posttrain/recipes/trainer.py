@@ -132,7 +132,7 @@ class GRPOTrainer:
             why = "train.max_train_seconds spent" if self._timed_out else f"train.steps={steps} reached"
             raise ValueError(f"{why} at step {self.global_step}: nothing left to train in this run (raise "
                              "train.steps, e.g. overrides={'train.steps': N}, to train further)")
-        with use_rules(self.plan.rules), distributed.StopRequest() as stop:
+        with use_rules(self.plan.rules), distributed.StopRequest(self.plan.learner.checkpoint.stop_grace_s) as stop:
             self._loop.stop = stop
             self._timed_out = self._loop.advance(self.global_step, steps)
         return dict(self._loop.metrics)

@@ -117,6 +117,25 @@ def test_best_metric_keeps_the_best_checkpoint_beside_the_newest(tmp_path):
         assert ck.all_steps() == [8, 9]
 
 
+def test_guard_checkpoints_are_kept_only_while_newest(tmp_path):
+    """save(guard=True) (the learner's boundary after a long step): a guard is kept only until a newer checkpoint
+    commits and never displaces the `keep` interval ones; a forced save of a guard step (the final one) keeps it."""
+    state = {"w": jnp.zeros((2,))}
+    with Checkpointer(tmp_path, every_steps=4, keep=1) as ck:
+        assert ck.save(4, state, {})  # the interval's
+        for step in (5, 6):
+            assert ck.save(step, state, {}, force=True, guard=True)
+            ck.wait()
+        assert ck.all_steps() == [4, 6] and ck.guards == {5, 6}
+        assert not ck.save(6, state, {}, force=True)  # the final save of step 6: already on disk, now kept
+        assert ck.save(7, state, {}, force=True, guard=True)
+        ck.wait()
+        assert ck.all_steps() == [6, 7] and ck.guards == {5, 7}
+        assert ck.save(8, state, {})
+        ck.wait()
+        assert ck.all_steps() == [8]
+
+
 def test_async_save_then_donation_keeps_saved_values(tmp_path):
     """The train step donates its state: buffers reused right after `save` returns must not reach the files."""
     state = {"w": jnp.arange(4_000_000, dtype=jnp.float32), "rng": jax.random.key(3)}

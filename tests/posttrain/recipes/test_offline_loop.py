@@ -1,7 +1,8 @@
 """The offline loop (SFT, DPO, RM) with a fake learner: steps, metrics and checkpoints in order; SIGINT during a batch
 or an update saves a checkpoint at the last completed step and raises RunInterrupted naming it (an update is never
 cut in half); a non-finite run stops with a checkpoint; every resource is closed whatever happens. A real tiny SFT
-run under SIGTERM (a subprocess) saves, exits within 30 s and resumes from the saved step."""
+run under SIGTERM (a subprocess) saves, exits within 30 s and resumes from the saved step; one whose step in flight
+outlasts the grace period is cut, with its last finished step on disk (a guard checkpoint) to resume from."""
 import json
 import os
 import signal
@@ -148,3 +149,62 @@ def test_a_tiny_sft_run_signalled_mid_run_exits_within_30_s_and_resumes_from_its
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert (out["start_step"], out["end_step"]) == (step, step + 2)
     assert logged_steps(tmp_path) == list(range(1, step + 3))  # no step twice, none lost
+
+
+# a `posttrain` command whose steps take >= 1.1 s and whose step after `argv[1]` finished ones outlasts any grace:
+# SIGTERM as it starts, then 60 s inside the update (a signal waits for a device computation the same way)
+SLOW_STEPS = """
+import os, signal, sys, time
+from posttrain import cli
+from posttrain.learn import learner as learner_lib
+update, cut_at = learner_lib.Learner.update, int(sys.argv[1])
+def slow_update(self, batch):
+    if self.step == cut_at:
+        self.wait()  # the guard save of the step before is committed (its write is no race on a loaded machine)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+    time.sleep(1.1)
+    return update(self, batch)
+learner_lib.Learner.update = slow_update
+sys.exit(cli.main(["posttrain", *sys.argv[2:]]))
+"""
+
+
+def test_a_step_past_the_grace_period_leaves_the_last_finished_step_to_resume_from(tmp_path):
+    """Tiny SFT, 4 steps, no interval checkpoint, checkpoint.stop_grace_s=2, steps >= 1.1 s (over half the grace:
+    each boundary is saved as a guard checkpoint): SIGTERM as step 3 starts and step 3 runs on, so the watchdog
+    ends the run after 2 s (143); step 2, the last finished, is on disk (the only checkpoint: the guard of step 1
+    went once it committed) and the run resumed from it logs steps 3 and 4 exactly as an uninterrupted run does."""
+    import subprocess
+    import sys
+
+    from posttrain.checkpoints.orbax import Checkpointer
+    from posttrain.config.sft import sft_config_from_dict
+    from posttrain.recipes import sft
+    from posttrain.recipes.trainer import load_config_file
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    over = {"checkpoint.every_steps": 1000, "checkpoint.stop_grace_s": 2, "train.steps": 4,
+            "sft.eval_at_start": False, "sft.eval_at_end": False}
+    cut = tmp_path / "cut"
+    res = subprocess.run([sys.executable, "-c", SLOW_STEPS, "2", "sft", "--config=configs/sft_tiny.py",
+                          f"--workdir={cut}", "--noprogress", *[f"--config.{k}={v}" for k, v in over.items()]],
+                         cwd=root, env={**os.environ, "POSTTRAIN_XLA_CACHE": "0"}, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 128 + signal.SIGTERM, res.stderr[-2000:]
+    assert "did not stop within 2 s" in res.stderr.strip().splitlines()[-1]
+    with Checkpointer(cut / "checkpoints", every_steps=1, keep=1, read_only=True) as ck:
+        assert ck.all_steps() == [2]
+    assert logged_steps(cut) == [1, 2]
+
+    def rows(workdir):  # `posttrain sft` on the same config in this process; its logged rows past step 2
+        cfg = load_config_file(os.path.join(root, "configs", "sft_tiny.py"))
+        for k, v in over.items():
+            section, key = k.split(".")
+            setattr(cfg[section], key, v)
+        sft.train(sft.make_sft_plan(sft_config_from_dict(cfg), workdir=str(workdir)), progress=False)
+        return [{k: v for k, v in r.items() if not k.startswith("perf/")}
+                for r in map(json.loads, open(workdir / "metrics.jsonl")) if r["step"] > 2]
+
+    resumed, uninterrupted = rows(cut), rows(tmp_path / "uninterrupted")
+    assert [r["step"] for r in resumed] == [3, 4] and resumed == uninterrupted
