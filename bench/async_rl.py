@@ -16,11 +16,13 @@ Cases.
       do not); share_of_bound = ratio / bound (target >= 0.8).
   (c) `quickstart`: configs/quickstart.py (SmolLM2-135M, 8 x 8 samples of 24 tokens), --quickstart-steps steps
       each, sync vs async (target: async not more than 5% slower, ratio >= 0.95); --quickstart-steps 0 skips it.
-  `gil_stall` (issue 24 item 5): the learner's update time (the latency case's model and batch) alone and with a
-      producer thread that runs the rollout phase (`Rollouter.collect`: tasks, env pool, tokenizer, batching,
-      archive rows) against the latency env with a scripted sampler (no device work), i.e. blocked on env latency;
-      --gil-rounds rounds of --gil-steps updates each way, alternating; ratio = median with / median alone (target
-      <= 1.05).
+  `gil_stall` (issue 24 item 5): the learner's update time (the latency case's model and batch) alone and next to
+      a producer that runs the rollout phase (`Rollouter.collect`: tasks, tokenizer, batching, archive rows) with a
+      scripted sampler (no device work), i.e. blocked on env latency, in three variants (`_gil_stall`): sleep (a
+      thread whose env wait is a pure time.sleep), thread (a thread with the env pool: the async loop's model) and
+      process (that producer in a child process: the GIL not shared); --gil-rounds rounds of --gil-steps updates
+      each, alternating; ratio = median with / median alone per variant (target <= 1.05), gil_part = thread /
+      process, core_part = process / alone, and each producer's CPU seconds per batch.
 A step's time is the wall time of `GRPOTrainer.step()` (rollout wait, update, archive, metrics), median over the
 steps after the first --warmup (their compiles). Each case reports the 1-minute load average after it (the shared
 machine's load moves every figure). Prints ONE JSON object (--json: only it).
@@ -28,13 +30,11 @@ machine's load moves every figure). Prints ONE JSON object (--json: only it).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -65,8 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "one after another: env seconds per step = episodes / workers x latency)")
     ap.add_argument("--model", choices=["bench", "tiny"], default="bench", help="BENCH_MODEL or tiny-dense")
     ap.add_argument("--quickstart-steps", type=int, default=4, help="steps per quickstart run (0: skip case c)")
-    ap.add_argument("--gil-rounds", type=int, default=3)
-    ap.add_argument("--gil-steps", type=int, default=5)
+    ap.add_argument("--gil-rounds", type=int, default=3, help="rounds of the GIL-stall check (each: alone, then "
+                    "each producer variant started afresh)")
+    ap.add_argument("--gil-steps", type=int, default=8, help="learner updates timed per variant and round")
     args = parse_quick(ap, argv, QUICK)
     if args.steps <= args.warmup or args.warmup < 0:
         ap.error(f"--steps={args.steps} must exceed --warmup={args.warmup} >= 0")
@@ -139,102 +140,29 @@ def compare(cfg, warmup: int, root: str, name: str, after=None) -> dict:
             "bound": round(bound, 3), "share_of_bound": round(ratio / bound, 3)}
 
 
-def scripted_sampler(tokenizer, reply: str = "The answer is 5."):
-    """A sample_fn (prompts, lengths, key, G, on_rows=None) -> SampleOutput of `reply` + stop on every row: the
-    producer's sampling without device work."""
-    import numpy as np
-
-    from posttrain.rollout.sampler import SampleOutput
-
-    ids = tokenizer.encode(reply) + [tokenizer.stop_ids[0]]
-
-    def fn(prompts, lengths, key, group_size, on_rows=None):
-        n = len(lengths) * group_size
-        tokens = np.tile(np.asarray(ids, np.int32), (n, 1))
-        return SampleOutput(tokens, np.full(tokens.shape, -0.5, np.float32), np.full(n, len(ids), np.int32),
-                            np.zeros(n, bool))
-
-    return fn
-
-
-def env_bound_producer(rollouter, stop: threading.Event, counter: list):
-    """A thread running `Rollouter.collect` (its own scheduler and env pool, a scripted sampler) until `stop`;
-    `counter` gets one entry per batch. Started, and returned."""
-    from posttrain.rollout import rollouter as rollouter_lib
-    from posttrain.rollout.episodes import HostShardedEnvs
-
-    st = rollouter.settings
-    sources = rollouter_lib.task_sources(st.train_specs)
-    scheduler = rollouter_lib.make_scheduler(st, {n: s for n, (_, _, s) in sources.items()})
-    fn = scripted_sampler(rollouter.tokenizer)
-
-    class EnvBound(rollouter_lib.Rollouter):
-        def sample_fn(self, policy, params):
-            return fn
-
-    runner = HostShardedEnvs(rollouter_lib.make_runner(st.num_workers, st.step_timeout_s))
-    r = EnvBound(**{**{f.name: getattr(rollouter, f.name) for f in dataclasses.fields(rollouter)},
-                    "runner": runner, "scheduler": scheduler})
-
-    def loop():
-        try:
-            step = 0
-            while not stop.is_set():
-                r.collect(step, None, _key(step))
-                counter.append(time.perf_counter())
-                step += 1
-        finally:
-            runner.close()
-
-    thread = threading.Thread(target=loop, name="env-bound-producer", daemon=True)
-    thread.start()
-    return thread
-
-
-def _key(step: int):
-    import jax
-
-    return jax.random.key(step)
-
-
 def gil_stall(args):
-    """`after` hook of the latency case's sync run: the learner's update seconds alone vs with an env-bound
-    producer thread (see the module docstring), on a batch of that run (its compiled programs)."""
+    """`after` hook of the latency case's sync run: the learner's update seconds alone vs next to a producer blocked
+    on env latency, per variant (`_gil_stall.measure`), on a batch of that run (its compiled programs)."""
     import jax
+
+    import _gil_stall
 
     def measure(trainer) -> dict:
         from posttrain.infra.partitioning import use_rules
 
         with use_rules(trainer.plan.rules):  # as the run's own steps traced them
-            return _measure(trainer)
+            learner, rollouter = trainer._loop.learner, trainer._loop.rollouter
+            batch = rollouter.collect(trainer.global_step, learner.policy(), learner.rng).batch
 
-    def _measure(trainer) -> dict:
-        learner, rollouter = trainer._loop.learner, trainer._loop.rollouter
-        batch = rollouter.collect(trainer.global_step, learner.policy(), learner.rng).batch
+            def timed() -> float:
+                t = time.perf_counter()
+                learner.update(batch)
+                jax.block_until_ready(learner.state)
+                return time.perf_counter() - t
 
-        def timed() -> float:
-            t = time.perf_counter()
-            learner.update(batch)
-            jax.block_until_ready(learner.state)
-            return time.perf_counter() - t
-
-        timed()  # warm (the run's step compiled it: same shapes)
-        alone, withp, batches = [], [], []
-        for _ in range(args.gil_rounds):
-            alone += [timed() for _ in range(args.gil_steps)]
-            stop = threading.Event()
-            thread = env_bound_producer(rollouter, stop, batches)
-            while not batches:  # its env workers started and its first batch made
-                time.sleep(0.05)
-            withp += [timed() for _ in range(args.gil_steps)]
-            stop.set()
-            thread.join()
-            produced = len(batches)
-            batches.clear()
-        a, w = statistics.median(alone), statistics.median(withp)
-        return {"learner_alone_s": round(a, 4), "learner_with_producer_s": round(w, 4), "ratio": round(w / a, 3),
-                "alone_s": [round(x, 4) for x in alone], "with_producer_s": [round(x, 4) for x in withp],
-                "producer_batches_last_round": produced, "load_avg": os.getloadavg()[0]}
+            timed()  # warm (the run's step compiled it: same shapes)
+            return _gil_stall.measure(timed, rollouter, rounds=args.gil_rounds, steps=args.gil_steps,
+                                      latency_s=args.latency)
 
     return measure
 

@@ -27,7 +27,11 @@ def _async_rl(out):
     assert lat["sync"]["staleness_max"] == 0 and lat["async"]["staleness_max"] <= 1  # the bound held
     assert len(lat["sync"]["steps_s"]) == len(lat["async"]["steps_s"]) == s["steps"]
     assert lat["sync"]["terms_s"]["env"] >= s["latency"] and lat["sync"]["terms_s"]["gen"] > 0  # each step waits
-    assert out["bound"] >= 1 and out["gil_stall"]["ratio"] > 0 and out["gil_stall"]["producer_batches_last_round"]
+    gil = out["gil_stall"]
+    assert out["bound"] >= 1 and gil["ratio"] == gil["thread"]["ratio"] > 0 and gil["core_part"] > 0
+    for v in ("sleep", "thread", "process"):  # each producer variant made batches while the learner was timed
+        assert gil[v]["batches"] >= 1 and len(gil[v]["updates_s"]) == s["gil_steps"] * s["gil_rounds"]
+    assert gil["thread"]["worker_cpu_s_per_batch"] is not None and gil["sleep"]["worker_cpu_s_per_batch"] == 0
 
 
 def _grpo_vs_trl(out):
