@@ -18,7 +18,7 @@ import typing
 from typing import Any, Mapping
 
 from envs.pool.processes import BACKENDS as ENV_BACKENDS
-from posttrain.config.schema import Config
+from posttrain.config.schema import SAMPLING_BACKENDS, Config
 from posttrain.infra.precision import DTYPES, PRECISIONS
 from posttrain.model.attention_kernels import IMPLS as ATTENTION_IMPLS
 from posttrain.model.config import GRAD_DTYPES, REMAT_MODES, REMAT_NAMES
@@ -36,6 +36,7 @@ _CHOICES = {
     ("model", "attention_impl"): ATTENTION_IMPLS,
     ("model", "grad_dtype"): GRAD_DTYPES,
     ("env", "backend"): ENV_BACKENDS,
+    ("sampling", "backend"): SAMPLING_BACKENDS,
 }
 _POSITIVE = (">= 1", lambda v: v >= 1)
 _NONNEGATIVE = (">= 0", lambda v: v >= 0)
@@ -54,6 +55,11 @@ _RANGES = {
     ("sampling", "top_p"): ("in (0, 1] (1: off)", lambda v: 0 < v <= 1),
     ("sampling", "top_k"): (">= 0 (0: off)", lambda v: v >= 0),
     ("sampling", "decode_shrink_steps"): _NONNEGATIVE,
+    ("sampling", "engine_slots"): (">= 0 (0: prompts x group)", lambda v: v >= 0),
+    ("sampling", "engine_pages"): ("0 (every slot at its longest) or >= 2 (page 0 is scratch)",
+                                   lambda v: v == 0 or v >= 2),
+    ("sampling", "engine_page_size"): _POSITIVE,
+    ("sampling", "engine_max_seq_len"): ("0 (sized by the requests) or >= 2", lambda v: v == 0 or v >= 2),
     ("model", "moe_capacity_factor"): (">= 0 (0: dropless)", lambda v: v >= 0),
     ("model", "moe_ep_capacity_factor"): ("> 0", lambda v: v > 0),
     ("eval", "temperature"): (">= 0 (0: greedy)", lambda v: v >= 0),

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 from posttrain.config.evaluation import EvalConfig, GateConfig  # noqa: F401  (the eval section)
 from posttrain.config.rewards import RewardsConfig
 from posttrain.config.rollout import RolloutConfig
+from posttrain.config.sampling import SAMPLING_BACKENDS, SamplingConfig  # noqa: F401  (the sampling section)
 from posttrain.config.tasks import TasksConfig
 from posttrain.model.config import LoRAConfig, MLAConfig, ModelConfig, MoEConfig, RopeConfig  # noqa: F401
 
@@ -89,31 +90,6 @@ class MeshConfig:
     rollout: int = 0
     rollout_tensor: int = -1
     rollout_expert: int = 1
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplingConfig:
-    """The `sampling` section: training rollouts.
-
-    Attributes:
-        max_new_tokens: completion tokens per turn.
-        temperature: sampling temperature (0: greedy); also the trainer's logprob temperature.
-        top_p: nucleus sampling mass (1: off).
-        top_k: keep the k most likely tokens (0: off).
-        prompt_bucket: prompt widths round up to a multiple of this (fewer compilations).
-        system_prompt: a system turn before every prompt ("": none).
-        decode_shrink_steps: drop finished rows from the decode batch up to this many times
-            (`sampler.shrink_schedule`; 0: never). Pays off when a few completions run much longer than the rest;
-            each width compiles its own decode loop.
-    """
-
-    max_new_tokens: int = 24
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    prompt_bucket: int = 16
-    system_prompt: str = ""
-    decode_shrink_steps: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -33,6 +33,7 @@ from posttrain.learn.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
 from posttrain.recipes.off_policy import off_policy_defaults
 from posttrain.recipes.reward_plan import RewardSettings, reward_settings
 from posttrain.rollout.rollouter import EnvSpecError, RolloutSettings, probe_workers, task_sources
+from posttrain.rollout.engine_sampler import engine_settings
 from posttrain.rollout.sampler import SamplingParams, logprob_temperature
 from posttrain.tasks.policy import SchedulerSettings, policies_from_mapping, resolve_policies
 
@@ -376,7 +377,8 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
         max_resample_rounds=rl.max_resample_rounds, record_routing=rl.routing_replay == "replay",
         num_workers=env.num_workers, env_backend=env.backend, step_timeout_s=env.step_timeout_s,
         max_infra_error_rate=env.max_infra_error_rate, seed=cfg.train.seed, **dataclasses.asdict(cfg.rollout),
-        curriculum=cfg.curriculum, run=tasks.run, tasks=tasks if cfg.tasks.enabled else None)
+        curriculum=cfg.curriculum, run=tasks.run, tasks=tasks if cfg.tasks.enabled else None,
+        engine=engine_settings(cfg, cfg.mesh.rollout or learn))
     learner = LearnerSettings(workdir=wd, optimizer=optimizer_settings(cfg), lora_rank=cfg.lora.rank,
                               need_reference=rl.beta > 0, seed=cfg.train.seed, checkpoint=cfg.checkpoint,
                               rules=rules, config_dict=config_dict, updates_per_step=rl.ppo_epochs * rl.minibatches,

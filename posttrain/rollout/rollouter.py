@@ -27,6 +27,7 @@ from posttrain.config import CurriculumConfig, EnvSpec
 from posttrain.infra import reshard
 from posttrain.infra.partitioning import current_rules
 from posttrain.rollout import batching, episodes as rollout, streaming, tickets
+from posttrain.rollout.engine_sampler import EngineSampler, EngineSamplerSettings
 from posttrain.rollout.floors import above_floor_metrics, spec_floors
 from posttrain.rollout.sampler import SamplingParams, sample, shared_prefix_len, shrink_schedule
 from posttrain.tasks.policy import SchedulerSettings
@@ -67,6 +68,8 @@ class RolloutSettings:
         stream_chunk: streaming scoring (`rollout.streaming`): every stream_chunk decode steps the finished
             samples go to the env runner while the rest decode (0: off, the envs get a turn's batch once it has
             all decoded). The samples are the same either way.
+        engine: the rollout engine's size when it samples (`sampling.backend="engine"`, `rollout.engine_sampler`);
+            None: the dense sampler (`sampler.sample`).
     """
 
     train_specs: Mapping[str, EnvSpec]
@@ -94,6 +97,7 @@ class RolloutSettings:
     tasks: SchedulerSettings | None = None
     max_staleness: int = 0
     stream_chunk: int = 0
+    engine: EngineSamplerSettings | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +231,7 @@ class Rollouter:
     train_specs: dict[str, EnvSpec]
     advantage_fn: batching.AdvantageFn  # the algorithm's advantages of a step's rewards
     curriculum: Any = None  # posttrain.tasks.curriculum.DifficultyCurriculum when curriculum.enabled
+    engine: EngineSampler | None = None  # the rollout engine behind sample_fn when settings.engine is set
 
     @classmethod
     def create(cls, settings: RolloutSettings, mesh, graphdef, tokenizer, advantage_fn: batching.AdvantageFn,
@@ -250,16 +255,21 @@ class Rollouter:
             scheduler.set_weights(cur.weights())
         runner = rollout.HostShardedEnvs(make_runner(settings.num_workers, settings.step_timeout_s,
                                                           settings.env_backend))
+        engine = EngineSampler(graphdef, settings.engine, mesh.devices.flat[0]) if settings.engine else None
         return cls(settings=settings, mesh=mesh, graphdef=graphdef, tokenizer=tokenizer, runner=runner,
-                   scheduler=scheduler, train_specs=train_specs, advantage_fn=advantage_fn, curriculum=cur)
+                   scheduler=scheduler, train_specs=train_specs, advantage_fn=advantage_fn, curriculum=cur,
+                   engine=engine)
 
     def sample_fn(self, policy: tuple, params: SamplingParams) -> rollout.SampleFn:
         """(prompts, lengths, key, G, on_rows=None) -> SampleOutput with the policy states `policy` (LoRA adapters
         merged); with settings.stream_chunk > 0 an `on_rows` sink gets the rows finished every stream_chunk decode
         steps (`rollout.streaming`). A policy or key on other devices than the rollouter's mesh (its own submesh:
-        `mesh.rollout`) is resharded onto it first (`reshard.onto`; the loop's queue has done it once per version)."""
+        `mesh.rollout`) is resharded onto it first (`reshard.onto`; the loop's queue has done it once per version).
+        With settings.engine the rollout engine samples (`rollout.engine_sampler`, same outputs' meaning)."""
         tok, st = self.tokenizer, self.settings
         policy = reshard.onto(policy, self.mesh, current_rules())
+        if self.engine is not None:
+            return self.engine.sample_fn(policy, params, tok.stop_ids, tok.pad_id, st.stream_chunk)
 
         def fn(prompts, lengths, key, group_size, on_rows=None):
             shared = shared_prefix_len(prompts, lengths)  # e.g. the chat template's system turn: prefilled once
@@ -339,7 +349,10 @@ class Rollouter:
         """Step `step`'s trajectories from the policy states `policy`, sampled with keys from the run's `rng`
         folded with the step (invariant 10: a fresh key per step)."""
         st = self.settings
+        if self.engine is not None:
+            self.engine.pop_metrics()  # an evaluation's since the last step: not this step's
         samples, perf, attempts = self.draw(step, self.sample_fn(policy, st.sampling), jax.random.fold_in(rng, step))
+        perf.update(self.engine.pop_metrics() if self.engine is not None else {})
         if self.curriculum is not None:
             perf.update(self.advance_curriculum(samples))
         if st.tasks is not None:

@@ -59,6 +59,8 @@ class SampleOutput(NamedTuple):
     # selected for every prompt token and every generated token that was fed back (the last one never is: -1)
     prompt_experts_PxLpxLxk: jax.Array | None = None  # int32 [P, Lp, L, k] (L MoE layers)
     experts_NxLgxLxk: jax.Array | None = None         # int32 [N, Lg, L, k]; -1 where not computed
+    versions_NxLg: jax.Array | None = None  # int32, the policy version of each token (-1 past the end); the rollout
+    # engine's (`rollout.engine_sampler`: weights may change between its decode chunks), None from `sample`
 
 
 def filter_logits(scaled_NxV: jax.Array, top_k: int, top_p: float) -> jax.Array:

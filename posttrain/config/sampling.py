@@ -1,0 +1,59 @@
+"""The `sampling` section of a run config: the training rollouts' distribution and lengths, and what samples
+them (`sampling.backend`: today's dense sampler or the rollout engine, `posttrain.rollout.engine_sampler`).
+
+Kept beside `schema.py` (which imports it into `Config`); ranges and choices are checked at load
+(`posttrain.config.load`, one ConfigError naming the key); `posttrain.recipes.run_plan` builds the rollout phase's
+`SamplingParams` and, for the engine, its `EngineSamplerSettings` from it.
+
+Example (a config file, or `--config.sampling.backend=engine` on the command line)::
+
+    c.sampling.backend = "engine"   # continuous batching over a paged KV cache, prefix reuse across turns
+    c.sampling.engine_pages = 256   # a smaller pool than every slot at its longest: full pools preempt
+"""
+from __future__ import annotations
+
+import dataclasses
+
+SAMPLING_BACKENDS = ("dense", "engine")  # `sampling.backend` (posttrain.rollout.engine_sampler.BACKENDS: a test)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """The `sampling` section: training rollouts.
+
+    Attributes:
+        max_new_tokens: completion tokens per turn.
+        temperature: sampling temperature (0: greedy); also the trainer's logprob temperature.
+        top_p: nucleus sampling mass (1: off).
+        top_k: keep the k most likely tokens (0: off).
+        prompt_bucket: prompt widths round up to a multiple of this (fewer compilations).
+        system_prompt: a system turn before every prompt ("": none).
+        decode_shrink_steps: drop finished rows from the decode batch up to this many times
+            (`sampler.shrink_schedule`; 0: never). Pays off when a few completions run much longer than the rest;
+            each width compiles its own decode loop.
+        backend: what samples the rollouts and evaluations, one of SAMPLING_BACKENDS: "dense" (`rollout.sampler
+            .sample`: one call per batch, a dense KV cache per row) or "engine" (`rollout.engine`: continuous
+            batching over a paged KV cache with prefix reuse, `rollout.engine_sampler`; one device, no routing
+            replay). Both record the same logprobs, and greedy replies are equal (up to float rounding).
+        engine_slots: the engine's sequences decoded together (0: rl.prompts_per_step x rl.group_size, a step's
+            first-turn rows; a call with more requests queues them). Engine only, like the fields below.
+        engine_pages: KV pages in the engine's pool, the scratch page included (0: every slot at engine_max_seq_len
+            tokens, so nothing is ever preempted; fewer save memory, and a full pool preempts and recomputes).
+        engine_page_size: tokens per KV page.
+        engine_max_seq_len: the longest prompt + reply the engine holds, in tokens (0: sized by the longest request
+            seen, rounded up to engine_page_size x a power of two; a longer one later builds a bigger engine, a
+            new compile).
+    """
+
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    prompt_bucket: int = 16
+    system_prompt: str = ""
+    decode_shrink_steps: int = 0
+    backend: str = "dense"
+    engine_slots: int = 0
+    engine_pages: int = 0
+    engine_page_size: int = 16
+    engine_max_seq_len: int = 0

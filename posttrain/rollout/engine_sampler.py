@@ -1,0 +1,207 @@
+"""The rollout engine as the rollout phase's sampler (issue 25): `sampling.backend = "engine"`.
+
+Dimension legend: P prompts, G group size, N = P*G sequences, Lg max new tokens, S engine slots.
+
+`Rollouter.sample_fn` returns `EngineSampler.sample_fn(...)` instead of a call of `sampler.sample` when the run plan
+sets `RolloutSettings.engine`; everything around it (run_episodes, streaming scoring, batching, the trainer) is the
+same code path. A call `fn(prompts_PxLp, lengths_P, key, G, on_rows=None)` queues one `engine.Request` per sample
+(row p*G + g is sample g of prompt p, as the dense sampler's rows) and returns the dense sampler's `SampleOutput`:
+tokens (pad_id after the stop token), logprobs `log_softmax(logits / T)` over the full vocabulary (invariant 1;
+0 after the stop token), lengths (stop token included), truncated, and `versions_NxLg` (the policy version that
+produced each token, -1 past the end). Sampled tokens at T > 0 differ from the dense sampler's (the engine's
+uniform of sample r's t-th token is `fold_in(fold_in(key, r), t)`, `engine_ops`); greedy ones equal them.
+
+One engine lives across the run's calls, so its page pool and prefix cache do too: a group's G samples share the
+prompt's pages, and a multi-turn episode's next turn (`episodes.run_episodes` calls again with the context so far)
+prefills only the tokens added since its last turn. New weights (a `sample_fn` call with other policy arrays) go
+to `Engine.update_weights`, which clears the cache (entries are keyed by version). The engine's size is fixed by
+`EngineSamplerSettings`, but for max_seq_len = 0: the first call's longest request (prompt + max_new_tokens) sizes
+it, rounded up to page_size times a power of two, and a later, longer request builds a bigger engine (a new
+compile). Single device (the run plan refuses more) and no MoE routing records (refused with routing replay).
+`Rollouter.collect` logs the engine's counters of its step (`pop_metrics`: rollout/{kv_pages_allocated,
+kv_pages_used, slot_occupancy, prefill_tokens, decode_tokens, preemptions, prefix_cached_tokens, weight_swaps}).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from posttrain.rollout.engine import Engine, EngineSettings, Request
+from posttrain.rollout.sampler import SampleOutput, SamplingParams
+
+BACKENDS = ("dense", "engine")  # `sampling.backend`; equals posttrain.config.schema.SAMPLING_BACKENDS (a test)
+_SUMMED = ("prefill_tokens", "decode_tokens", "preemptions", "prefix_cached_tokens", "weight_swaps")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineSamplerSettings:
+    """The engine's size when it samples a run's rollouts (built by the run plan from `sampling.engine_*`).
+    Raises ValueError on values outside the ranges below.
+
+    Attributes:
+        num_slots: S, sequences decoded together (>= 1; the run plan's default: a step's P * G first-turn rows).
+        num_pages: pages in the pool including the scratch page (0: num_slots * ceil(max_seq_len / page_size) + 1,
+            every slot at its longest, so no preemption; else >= 2).
+        page_size: tokens per page (>= 1).
+        max_seq_len: longest prompt + reply in tokens (0: sized by the longest request seen, module doc; else
+            >= 2: a longer request is a ValueError).
+        prefill_bucket: prefill widths are this times a power of two (>= 1).
+    """
+
+    num_slots: int
+    num_pages: int = 0
+    page_size: int = 16
+    max_seq_len: int = 0
+    prefill_bucket: int = 16
+
+    def __post_init__(self):
+        if self.num_slots < 1 or self.num_pages == 1 or self.num_pages < 0 or self.page_size < 1 \
+                or self.max_seq_len == 1 or self.max_seq_len < 0 or self.prefill_bucket < 1:
+            raise ValueError(f"invalid engine sampler settings: num_slots={self.num_slots} (>= 1), num_pages="
+                             f"{self.num_pages} (0 or >= 2), page_size={self.page_size} (>= 1), max_seq_len="
+                             f"{self.max_seq_len} (0 or >= 2), prefill_bucket={self.prefill_bucket} (>= 1)")
+
+    def engine_settings(self, longest: int) -> EngineSettings:
+        """The `EngineSettings` of an engine whose longest request has `longest` tokens (module doc)."""
+        Z, width = self.page_size, self.max_seq_len
+        if not width:
+            pages = 1
+            while pages * Z < longest:
+                pages *= 2
+            width = max(pages * Z, 2)
+        num_pages = self.num_pages or self.num_slots * -(-width // Z) + 1
+        return EngineSettings(num_slots=self.num_slots, num_pages=num_pages, page_size=Z, max_seq_len=width,
+                              prefill_bucket=self.prefill_bucket)
+
+
+def engine_settings(cfg, sampler_devices: int) -> EngineSamplerSettings | None:
+    """The engine's settings of a run config (`posttrain.config.Config`: `sampling.backend`, `sampling.engine_*`),
+    None for the dense sampler. Raises ConfigError for the engine with routing replay (it records no MoE
+    routing) or on more than one device (`sampler_devices`: its page pool is not sharded)."""
+    from posttrain.config import ConfigError
+
+    s = cfg.sampling
+    if s.backend != "engine":
+        return None
+    if cfg.rl.routing_replay == "replay":
+        raise ConfigError("sampling.backend='engine' records no MoE routing: rl.routing_replay='replay' needs "
+                          "sampling.backend='dense'")
+    if sampler_devices != 1:
+        raise ConfigError(f"sampling.backend='engine' runs on one device (its page pool is not sharded), this "
+                          f"run's sampler has {sampler_devices}: use sampling.backend='dense', or mesh.rollout=1 "
+                          "(the engine on a device of its own)")
+    return EngineSamplerSettings(num_slots=s.engine_slots or cfg.rl.prompts_per_step * cfg.rl.group_size,
+                                 num_pages=s.engine_pages, page_size=s.engine_page_size,
+                                 max_seq_len=s.engine_max_seq_len)
+
+
+def _same_arrays(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(x is y for x, y in zip(la, lb))
+
+
+class EngineSampler:
+    """One run's engine behind `sample_fn` (module doc). graphdef: the policy's; device: where the engine runs
+    (its page pool and programs), the rollout mesh's one device."""
+
+    def __init__(self, graphdef, settings: EngineSamplerSettings, device=None):
+        self.graphdef, self.settings, self.device = graphdef, settings, device
+        self.engine: Engine | None = None
+        self.version = -1  # of the newest policy given (the n-th distinct policy, from 0, unless given)
+        self._policy = None
+        self._metrics: dict[str, float] = {}
+
+    def _use(self, policy, version: int | None) -> None:
+        if self._policy is not None and _same_arrays(policy, self._policy):
+            return
+        self.version = self.version + 1 if version is None else int(version)
+        self._policy = policy
+        if self.engine is not None:
+            self.engine.update_weights(policy, self.version)
+
+    def _engine_for(self, longest: int) -> Engine:
+        e = self.engine
+        if e is None or (not self.settings.max_seq_len and e.settings.max_seq_len < longest):
+            e = self.engine = Engine(self.graphdef, self._policy, self.settings.engine_settings(longest),
+                                     version=self.version)
+        return e
+
+    def sample_fn(self, policy, params: SamplingParams, stop_ids, pad_id: int, stream_chunk: int = 0,
+                  version: int | None = None) -> Callable:
+        """`episodes.SampleFn` over the policy states `policy` (of policy `version`; None: the next number when
+        they differ from the last call's arrays) with `params`; stream_chunk > 0 with an `on_rows` sink: every
+        stream_chunk decode steps the rows finished so far go to it (`rollout.streaming`'s sink arguments)."""
+        self._use(policy, version)
+        stops = tuple(int(s) for s in stop_ids)
+
+        def fn(prompts, lengths, key, group_size, on_rows=None) -> SampleOutput:
+            prompts, lengths = np.asarray(prompts), np.asarray(lengths)
+            G, Lg = int(group_size), params.max_new_tokens
+            requests = [Request(prompt=tuple(int(x) for x in prompts[p, :int(lengths[p])]), max_new_tokens=Lg,
+                                temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                stop_ids=stops) for p in range(len(prompts)) for _ in range(G)]
+            out = _Rows(len(requests), Lg, pad_id)
+            every = stream_chunk if on_rows is not None else 0
+            on_chunk = (lambda _, chunk: out.deliver(on_rows) if (chunk + 1) % every == 0 else None) if every \
+                else None
+            with jax.default_device(self.device) if self.device is not None else contextlib.nullcontext():
+                engine = self._engine_for(int(lengths.max()) + Lg)
+                key = key if self.device is None else jax.device_put(key, self.device)
+                engine.generate(requests, key, on_chunk=on_chunk, on_finish=out.finish)
+            self._add_metrics(engine.metrics)
+            return out.output()
+
+        return fn
+
+    def _add_metrics(self, m: dict) -> None:
+        acc, S = self._metrics, self.engine.settings.num_slots
+        for k in _SUMMED:
+            acc[k] = acc.get(k, 0.0) + m[f"rollout/{k}"]
+        acc["kv_pages_allocated"] = max(acc.get("kv_pages_allocated", 0.0), m["rollout/kv_pages_allocated"])
+        acc["kv_pages_used"] = max(acc.get("kv_pages_used", 0.0), m["rollout/kv_pages_used"])
+        occupancy = m["rollout/slot_occupancy"]
+        steps = m["rollout/decode_tokens"] / (occupancy * S) if occupancy > 0 else 0.0
+        acc["steps"] = acc.get("steps", 0.0) + steps
+
+    def pop_metrics(self) -> dict[str, float]:
+        """rollout/{prefill_tokens, decode_tokens, preemptions, prefix_cached_tokens, weight_swaps} (sums),
+        kv_pages_allocated, kv_pages_used (the largest peak) and slot_occupancy (live slots / S over every decode
+        step) of the calls since the last pop; {} when there was none. Resets them."""
+        acc, self._metrics = self._metrics, {}
+        if not acc:
+            return {}
+        steps = acc.pop("steps")
+        occupancy = acc["decode_tokens"] / (steps * self.engine.settings.num_slots) if steps else 0.0
+        return {**{f"rollout/{k}": float(v) for k, v in acc.items()}, "rollout/slot_occupancy": occupancy}
+
+
+class _Rows:
+    """The host arrays of one call's SampleOutput, filled as the engine's requests finish."""
+
+    def __init__(self, n: int, Lg: int, pad_id: int):
+        self.tokens = np.full((n, Lg), pad_id, np.int32)
+        self.logp = np.zeros((n, Lg), np.float32)
+        self.versions = np.full((n, Lg), -1, np.int32)
+        self.lengths = np.zeros((n,), np.int32)
+        self.truncated = np.zeros((n,), bool)
+        self.done = np.zeros((n,), bool)
+        self._delivered = 0
+
+    def finish(self, index: int, c: Any) -> None:
+        """`Engine.generate`'s on_finish: request `index` ended with completion `c` (no follow-up request)."""
+        k = len(c.tokens)
+        self.tokens[index, :k], self.logp[index, :k], self.versions[index, :k] = c.tokens, c.logprobs, c.versions
+        self.lengths[index], self.truncated[index], self.done[index] = k, c.truncated, True
+
+    def deliver(self, sink) -> None:
+        """Hands the rows finished so far to a streaming sink when some finished since the last delivery."""
+        if int(self.done.sum()) > self._delivered:
+            self._delivered = int(self.done.sum())
+            sink(self.done.copy(), self.tokens.copy(), self.lengths.copy())
+
+    def output(self) -> SampleOutput:
+        return SampleOutput(self.tokens, self.logp, self.lengths, self.truncated, versions_NxLg=self.versions)

@@ -1,0 +1,137 @@
+"""`sampling.backend = "engine"`: the rollout engine behind `Rollouter.sample_fn` (rollout.engine_sampler).
+
+Greedy tokens and logprobs equal the dense sampler's through the same sample_fn (tiny-dense, f32 at precision
+highest, <= 1e-5), for a group's first turn, a next turn that extends it (prefix reuse) and new weights (a swap:
+versions move on); a 2-step GRPO run of configs/tiny.py with the engine records sampler logprobs equal to the
+trainer's teacher-forced ones (<= 1e-5; the dense sampler's test allows mean 1e-4, max 1e-3); bad settings are one
+ConfigError each.
+"""
+import dataclasses
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from posttrain.config import ConfigError
+from posttrain.config.schema import SAMPLING_BACKENDS
+from posttrain.infra.mesh import make_mesh
+from posttrain.recipes.run_plan import make_run_plan
+from posttrain.rollout import engine_sampler
+from posttrain.rollout.rollouter import Rollouter
+from posttrain.rollout.sampler import SamplingParams, pad_prompts
+from helpers import random_model, tiny_config
+
+STOPS, PAD = (1, 2, 3), 2
+LG = 16
+LENGTHS = (5, 11, 8, 3, 17, 9)  # test_engine.py's prompts: stopped and truncated greedy replies
+
+
+def _rollouters(tmp_path, graphdef):
+    """(dense, engine) Rollouters of one plan (4 prompts x 3 samples), sharing everything but the engine."""
+    plan = make_run_plan(tiny_config(tmp_path, **{"sampling.backend": "engine", "rl.group_size": 3}))
+    settings = plan.rollout
+    assert settings.engine == engine_sampler.EngineSamplerSettings(num_slots=12)  # P x G slots, sized by requests
+    mesh = make_mesh({"fsdp": 1}, jax.devices()[:1])
+    sized = dataclasses.replace(settings.engine, page_size=4, max_seq_len=64)  # one size for both turns
+    engine = engine_sampler.EngineSampler(graphdef, sized, jax.devices()[0])
+    r = Rollouter(settings=settings, mesh=mesh, graphdef=graphdef, runner=None, scheduler=None, train_specs={},
+                  tokenizer=types.SimpleNamespace(stop_ids=STOPS, pad_id=PAD), advantage_fn=None, engine=engine)
+    return dataclasses.replace(r, engine=None), r
+
+
+def _check_equal(dense, engine, version):
+    d, e = (jax.tree.map(np.asarray, o) for o in (dense, engine))
+    np.testing.assert_array_equal(e.lengths_N, d.lengths_N)
+    np.testing.assert_array_equal(e.truncated_N, d.truncated_N)
+    np.testing.assert_array_equal(e.tokens_NxLg, d.tokens_NxLg)  # pad after the stop token on both
+    np.testing.assert_allclose(e.logp_NxLg, d.logp_NxLg, atol=1e-5, rtol=0)  # 0 after the stop token on both
+    valid = np.arange(LG)[None] < d.lengths_N[:, None]
+    assert (e.versions_NxLg[valid] == version).all() and (e.versions_NxLg[~valid] == -1).all()
+    assert d.versions_NxLg is None
+    return d
+
+
+def test_greedy_engine_backend_equals_dense_through_sample_fn(tmp_path):
+    """Turn 1: 6 prompts x G = 3 over 12 slots (stopped and truncated replies); turn 2: each reply's context plus
+    3 bridge tokens (G = 1), read from the pages of turn 1 (prefix cache); then perturbed weights: version 1, the
+    dense sampler's tokens under them."""
+    cfg, graphdef, state = random_model("tiny-dense", matmul_precision="highest")
+    dense, engine = _rollouters(tmp_path, graphdef)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(4, cfg.vocab_size, n).tolist() for n in LENGTHS]
+    toks, lens = pad_prompts(prompts, PAD, bucket=8)
+    params = SamplingParams(max_new_tokens=LG, temperature=0.0)
+    key = jax.random.key(0)
+    d = _check_equal(dense.sample_fn((state,), params)(toks, lens, key, 3),
+                     engine.sample_fn((state,), params)(toks, lens, key, 3), version=0)
+    assert d.lengths_N.min() < LG and d.lengths_N.max() == LG and d.truncated_N.any()
+    first = engine.engine.pop_metrics()
+    assert first["rollout/prefix_cached_tokens"] > 0  # the group's samples share their prompt's full pages
+    contexts = [prompts[n // 3] + d.tokens_NxLg[n, :d.lengths_N[n]].tolist() + [7, 8, 9] for n in range(18)]
+    toks2, lens2 = pad_prompts(contexts, PAD, bucket=8)
+    fn = engine.sample_fn((state,), params)  # the same arrays: no swap, the cache stays
+    _check_equal(dense.sample_fn((state,), params)(toks2, lens2, key, 1), fn(toks2, lens2, key, 1), version=0)
+    second = engine.engine.pop_metrics()
+    assert second["rollout/weight_swaps"] == 0
+    assert second["rollout/prefill_tokens"] + second["rollout/prefix_cached_tokens"] == lens2.sum()
+    # at least every full page of turn 1 (prompt + reply but its last token, never fed) is read from the cache
+    assert second["rollout/prefix_cached_tokens"] >= sum((len(c) - 4) // 4 * 4 for c in contexts)
+    new = jax.tree.map(lambda x: x * 1.01, state)
+    d3 = _check_equal(dense.sample_fn((new,), params)(toks, lens, key, 3),
+                      engine.sample_fn((new,), params)(toks, lens, key, 3), version=1)
+    third = engine.engine.pop_metrics()
+    assert third["rollout/weight_swaps"] == 1  # the old version's pages serve nothing: only the group's sharing
+    assert third["rollout/prefix_cached_tokens"] == first["rollout/prefix_cached_tokens"]
+    deliveries = []  # streaming scoring: every 4 decode steps the rows finished so far, final once delivered
+    streamed = engine.engine.sample_fn((new,), params, STOPS, PAD, stream_chunk=4)(
+        toks, lens, key, 3, on_rows=lambda *rows: deliveries.append(rows))
+    _check_equal(d3, streamed, version=1)
+    assert 1 <= len(deliveries) and deliveries[0][0].sum() < 18  # some rows before the last ones finished
+    for finished, tokens, lengths in deliveries:
+        np.testing.assert_array_equal(tokens[finished], d3.tokens_NxLg[finished])
+        np.testing.assert_array_equal(lengths[finished], d3.lengths_N[finished])
+
+
+def test_two_step_grpo_run_with_the_engine(tmp_path):
+    """configs/tiny.py's base with sampling.backend=engine, 2 steps at T = 1: every sampled token's logprob equals
+    the trainer's teacher-forced one (rollout/logp_diff_*: <= 1e-5, f32 at precision highest), the engine's
+    counters are logged and step 2 ran under new weights (one swap)."""
+    import json
+
+    from posttrain.recipes import grpo
+
+    cfg = tiny_config(tmp_path, **{"sampling.backend": "engine", "train.steps": 2,
+                                   "model.matmul_precision": "highest"})
+    grpo.train(cfg, progress=False)
+    rows = [m for m in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+            if "rollout/logp_diff_max" in m]
+    assert [m["step"] for m in rows] == [1, 2]
+    for m in rows:
+        assert m["rollout/logp_diff_mean"] <= 1e-5 and m["rollout/logp_diff_max"] <= 1e-5, m
+        assert m["rollout/decode_tokens"] > 0 and m["rollout/prefix_cached_tokens"] > 0
+        assert m["rollout/preemptions"] == 0 and 0 < m["rollout/slot_occupancy"] <= 1
+    assert [m["rollout/weight_swaps"] for m in rows] == [0, 1]
+
+
+def test_backend_names_and_settings_errors(tmp_path):
+    assert engine_sampler.BACKENDS == SAMPLING_BACKENDS
+    with pytest.raises(ConfigError) as info:
+        tiny_config(tmp_path, **{"sampling.backend": "paged"})
+    assert str(info.value) == "sampling.backend='paged'; expected one of ('dense', 'engine')"
+    with pytest.raises(ConfigError, match=r"sampling.engine_pages=1 is out of range: must be 0 \(every slot"):
+        tiny_config(tmp_path, **{"sampling.engine_pages": 1})
+    engine = {"sampling.backend": "engine"}
+    with pytest.raises(ConfigError, match="^sampling.backend='engine' runs on one device .*, this run's sampler "
+                                          "has 2: use sampling.backend='dense', or mesh.rollout=1"):
+        make_run_plan(tiny_config(tmp_path, **engine), num_devices=2)
+    with pytest.raises(ConfigError, match="^sampling.backend='engine' records no MoE routing"):
+        make_run_plan(tiny_config(tmp_path, **engine, **{"rl.routing_replay": "replay"}))
+    assert make_run_plan(tiny_config(tmp_path)).rollout.engine is None  # the default: the dense sampler
+    plan = make_run_plan(tiny_config(tmp_path, **engine, **{"sampling.engine_slots": 5, "sampling.engine_pages": 9,
+                                                             "sampling.engine_max_seq_len": 64}))
+    s = plan.rollout.engine
+    assert s.engine_settings(10) == s.engine_settings(60)  # a fixed size: 5 slots, 9 pages of 16, 64 tokens
+    assert (s.engine_settings(10).num_pages, s.engine_settings(10).max_seq_len) == (9, 64)
+    grown = engine_sampler.EngineSamplerSettings(num_slots=4).engine_settings(70)  # 70 -> 8 pages of 16
+    assert (grown.max_seq_len, grown.num_pages) == (128, 4 * 8 + 1)
