@@ -11,7 +11,11 @@ max_staleness + 1 batches are ever ahead of the learner. At max_staleness = 0 th
 before batch s: the synchronous loop, through this same machinery.
 
 Weights: the learner publishes each new version after its step (`publish`; `snapshot` times the copy,
-perf/weight_sync_s). With max_staleness > 0 the published policy is a device copy: the next update donates the
+perf/weight_sync_s). With the rollout engine (`Rollouter.engine`) every published version is also handed to it
+(`EngineSampler.publish`); with `rollout.partial` (partial rollouts) it takes effect inside a generation under way,
+at the engine's next decode chunk: a long reply continues under the new weights, each token tagged with the
+version that produced it, and a batch counts as the version of its oldest token (`Trajectories.oldest_version`),
+so its staleness is the largest of its tokens'. With max_staleness > 0 the published policy is a device copy: the next update donates the
 learner's state, while the producer may still sample with the older version. At 0 no copy is needed (the producer
 is done with version s before update s + 1 starts) and none is made. With split meshes (`mesh.rollout`) the
 snapshot is the `sync` transfer instead: the version resharded onto the sampler's own devices in its inference
@@ -84,9 +88,13 @@ class RolloutQueue:
         self._cond = threading.Condition()
         self._busy = threading.Lock()  # held by the producer while it collects; `exclusive` takes it
         self._published = (start, self._copy((policy, rng)))
+        self.partial = bool(getattr(rollouter.settings, "partial", False))
+        self._engine = getattr(rollouter, "engine", None)  # the rollout engine's sampler, or None
+        if self._engine is not None:
+            self._engine.publish(self._published[1][0], start, live=False, keep=self.max_staleness + 1)
         self._ready: dict[int, ReadyBatch] = {}
         self._error: BaseException | None = None
-        self._stop = False
+        self._stop = self._ended = False  # _ended: the producer thread has returned (set, notified, by itself)
         self._thread = threading.Thread(target=self._produce, args=(start, steps), name="posttrain-rollouts",
                                         daemon=True)
         self._thread.start()
@@ -126,6 +134,7 @@ class RolloutQueue:
                     if self._stop:
                         return
                     traj = r.collect(step, policy, rng)
+                    version = version if traj.oldest_version is None else traj.oldest_version  # partial rollouts
                     state, status = json.loads(json.dumps(r.state_dict())), r.status(step, version)
                 records = tuple({**row, "policy_version": version} for row in traj.records)
                 batch = ReadyBatch(step, version, dataclasses.replace(traj, records=records), state, status,
@@ -136,6 +145,9 @@ class RolloutQueue:
         except BaseException as e:  # noqa: BLE001 - handed to the learner, which raises it
             with self._cond:
                 self._error = e
+        finally:  # a learner waiting in `get` learns of it at once (it blocks without a timeout)
+            with self._cond:
+                self._ended = True
                 self._cond.notify_all()
 
     def get(self, step: int) -> tuple[ReadyBatch, float]:
@@ -143,12 +155,12 @@ class RolloutQueue:
         producer raised (e.g. `EnvInfraError`), or StalenessError if the batch is beyond the bound."""
         t0 = time.perf_counter()
         with self._cond:
-            while step not in self._ready and self._error is None:
-                if not self._thread.is_alive():
-                    raise RuntimeError(f"the rollout producer stopped before batch {step}")
-                self._cond.wait(timeout=1.0)
+            while step not in self._ready and self._error is None and not self._ended:
+                self._cond.wait()  # woken by a new batch, an error or the producer's end: no polling
             if step not in self._ready:
-                raise self._error
+                if self._error is not None:
+                    raise self._error
+                raise RuntimeError(f"the rollout producer stopped before batch {step}")
             batch = self._ready.pop(step)
         if not 0 <= batch.staleness() <= self.max_staleness:
             raise StalenessError(f"batch {step} was sampled with policy version {batch.version}: staleness "
@@ -169,6 +181,8 @@ class RolloutQueue:
         with self._cond:
             self._published = (int(version), tree)
             self._cond.notify_all()
+        if self._engine is not None:  # partial rollouts: into the generation under way
+            self._engine.publish(tree[0], version, live=self.partial, keep=self.max_staleness + 1)
 
     @contextlib.contextmanager
     def exclusive(self):

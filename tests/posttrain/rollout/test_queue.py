@@ -98,6 +98,28 @@ def test_a_producer_error_is_raised_by_the_learner_and_close_stops_a_waiting_pro
     assert not q._thread.is_alive() and [s for s, _ in r.calls] == [0]
 
 
+def test_a_learner_waiting_for_a_batch_the_producer_will_not_make_is_woken_by_its_end():
+    """`get` blocks without polling (no wait timeout): the producer's end notifies it. Batch 1 of a queue of one
+    step (steps=1) is never made; the learner asks for it while batch 0 is still being collected and gets the
+    RuntimeError once the producer returns (a guard thread: a lost wake-up would hang here)."""
+    import threading
+
+    q = RolloutQueue(FakeRollouter(1, delay_s=0.2), start=0, steps=1, policy=0, rng=None)
+    raised = []
+
+    def learner():
+        with pytest.raises(RuntimeError, match="the rollout producer stopped before batch 1") as e:
+            q.get(1)
+        raised.append(e.value)
+
+    t = threading.Thread(target=learner, daemon=True)
+    t.start()
+    t.join(30.0)
+    assert raised and not t.is_alive()
+    assert q.get(0)[0].step == 0  # the batch it did make is still there
+    q.close()
+
+
 def test_exclusive_keeps_the_producer_out_and_the_staleness_check_names_the_batch():
     r = FakeRollouter(3, delay_s=0.05)
     with RolloutQueue(r, start=0, steps=4, policy=0, rng=None) as q:
