@@ -21,9 +21,17 @@ is done with version s before update s + 1 starts) and none is made. With split 
 snapshot is the `sync` transfer instead: the version resharded onto the sampler's own devices in its inference
 layout (`posttrain.infra.reshard.onto`), at any staleness (new arrays: the learner's donation cannot touch them).
 
-Thread, not process: the sampler is jitted JAX on the learner's own devices (a process could not share them, and
-would need the weights serialised per version); XLA releases the GIL while it runs, and env work runs in worker
-processes (`envs.pool`) or in short Python verifiers. One process only when max_staleness > 0 (the run plan
+Process model: a thread (issue 24 item 5). The sampler is jitted JAX on the learner's own devices (a process
+could not share them, and would need the weights serialised per version); XLA releases the GIL while it runs, and
+env work runs in worker processes (`envs.pool`) or in short Python verifiers. Blocked on env latency, the producer
+sits in `EnvPool._run`'s `multiprocessing.connection.wait` (a select, the GIL released, no polling; `get` below
+blocks without a timeout too): a py-spy `--gil` profile (bench/async_rl.py's latency case, loaded 2-core CPU)
+found it holding the GIL in 6 of 320 samples, and it used ~10 ms of CPU per batch (tokenizer, batching, archive
+rows) against a 2 s env wait. What such a producer costs the learner is measured by the GIL-stall check
+(`bench/async_rl.py` gil_stall; variants in `bench/_gil_stall.py`): the same producer as a thread and in its own
+process (GIL not shared) against the learner alone, so thread / process is the GIL's part and process / alone
+core sharing, which no process model removes. jax.distributed roles (a sampler process group) are the split-mesh
+design (`mesh.rollout`), not a remedy for env waits. One process only when max_staleness > 0 (the run plan
 refuses more): the producer's collectives (`HostShardedEnvs`) must not interleave with the learner's.
 
 Resume: a checkpoint keeps the rollout state (scheduler cursors, retry queue, curriculum) as it was right after
