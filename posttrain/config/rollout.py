@@ -30,10 +30,17 @@ class RolloutConfig:
             that have finished decoding go to the env runner while the others still decode, so env time overlaps
             decoding; the samples, rewards and batches are the same as without it (0: off, the envs get a turn's
             samples once all have decoded). An int >= 0; one process only.
+        partial: partial rollouts (issue 24 item 3): weights published by the learner while a batch still decodes
+            go into the running rollout engine at its next decode chunk, so a long reply continues under the new
+            policy instead of holding the batch back; each token records the version that produced it, a sample
+            counts as its oldest token's version for staleness, and the loss corrects token by token (the
+            sampler's logprob of each token is its behaviour policy). Needs max_staleness >= 1 and
+            sampling.backend="engine" (a ConfigError otherwise).
     """
 
     max_staleness: int = 0
     stream_chunk: int = 0
+    partial: bool = False
 
     def __post_init__(self):
         v = self.max_staleness
@@ -42,3 +49,6 @@ class RolloutConfig:
         v = self.stream_chunk
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"rollout.stream_chunk={v!r}: an int >= 0 (decode steps between deliveries; 0: off)")
+        if self.partial and self.max_staleness < 1:
+            raise ValueError(f"rollout.partial=True needs rollout.max_staleness >= 1 (weights that change during a "
+                             f"batch make it off-policy), got {self.max_staleness}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import threading
 from typing import Sequence
 
 import jax
@@ -78,6 +79,7 @@ class Engine:
         self.max_waste_per_seq = 0.0  # largest (pages allocated - used) / live sequences over the last call
         self.live_at_peak = 0  # live sequences at the last call's step with the most pages allocated
         self._pending = None  # (state, version) from update_weights, applied at the next chunk
+        self._lock = threading.Lock()  # update_weights may run on another thread (the learner's, partial rollouts)
         self._pool = self._pages = None
 
     def update_weights(self, state, version: int) -> None:
@@ -91,7 +93,8 @@ class Engine:
         if sig(state) != sig(self.state):
             raise ValueError(f"update_weights: version {version}'s state differs in structure, shapes or dtypes "
                              "from the engine's (a model of another config?)")
-        self._pending = (state, int(version))
+        with self._lock:
+            self._pending = (state, int(version))
 
     def clear_cache(self) -> None:
         """Drops the page pool and its prefix cache (their memory); the next `generate` starts empty."""
@@ -179,9 +182,11 @@ class Engine:
             self._requests.append(follow)
 
     def _swap(self) -> None:
-        if self._pending is None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
             return
-        (self.state, self.version), self._pending = self._pending, None
+        self.state, self.version = pending
         live = sorted((seq.order, s) for s, seq in enumerate(self._slots) if seq is not None)
         for _, slot in reversed(live):  # requeued oldest first, ahead of the pending requests
             self._queue.appendleft(self._slots[slot])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from typing import Any, Callable
 
 import jax
@@ -81,11 +82,15 @@ class EngineSamplerSettings:
 def engine_settings(cfg, sampler_devices: int) -> EngineSamplerSettings | None:
     """The engine's settings of a run config (`posttrain.config.Config`: `sampling.backend`, `sampling.engine_*`),
     None for the dense sampler. Raises ConfigError for the engine with routing replay (it records no MoE
-    routing) or on more than one device (`sampler_devices`: its page pool is not sharded)."""
+    routing) or on more than one device (`sampler_devices`: its page pool is not sharded), and for
+    rollout.partial without the engine."""
     from posttrain.config import ConfigError
 
     s = cfg.sampling
     if s.backend != "engine":
+        if cfg.rollout.partial:
+            raise ConfigError("rollout.partial=True swaps weights inside a running generation: it needs "
+                              "sampling.backend='engine'")
         return None
     if cfg.rl.routing_replay == "replay":
         raise ConfigError("sampling.backend='engine' records no MoE routing: rl.routing_replay='replay' needs "
@@ -106,36 +111,66 @@ def _same_arrays(a, b) -> bool:
 
 class EngineSampler:
     """One run's engine behind `sample_fn` (module doc). graphdef: the policy's; device: where the engine runs
-    (its page pool and programs), the rollout mesh's one device."""
+    (its page pool and programs), the rollout mesh's one device. `chunk_hook(engine, chunk)`, when set, is called
+    after every decode chunk (tests and benchmarks step in there)."""
 
     def __init__(self, graphdef, settings: EngineSamplerSettings, device=None):
         self.graphdef, self.settings, self.device = graphdef, settings, device
         self.engine: Engine | None = None
-        self.version = -1  # of the newest policy given (the n-th distinct policy, from 0, unless given)
-        self._policy = None
+        self.version = -1  # the version of the weights in the engine
+        self.chunk_hook = None
+        self._policy = None  # the weights in the engine (or pending there)
+        self._published: dict[int, Any] = {}  # version -> a rollout queue's policy states (`publish`)
+        self._live = False
+        self._lock = threading.Lock()  # `publish` runs on the learner's thread
         self._metrics: dict[str, float] = {}
 
-    def _use(self, policy, version: int | None) -> None:
+    def publish(self, policy, version: int, *, live: bool, keep: int = 2) -> None:
+        """A rollout queue's policy `version` (states `policy`; the `keep` newest versions are remembered): a later
+        `sample_fn` call with these arrays samples as that version. With `live` (partial rollouts,
+        `rollout.partial`) the engine takes them at once, at its next decode chunk (a generation under way
+        continues under them, its later tokens tagged `version`), and every later call with a published policy
+        samples with the newest one instead."""
+        with self._lock:
+            self._published[int(version)] = policy
+            self._published = {v: p for v, p in self._published.items() if v > version - keep}
+            self._live = live
+            if live:
+                self._set(policy, version)
+
+    def _set(self, policy, version: int) -> None:
         if self._policy is not None and _same_arrays(policy, self._policy):
             return
-        self.version = self.version + 1 if version is None else int(version)
-        self._policy = policy
+        self._policy, self.version = policy, int(version)
         if self.engine is not None:
             self.engine.update_weights(policy, self.version)
 
-    def _engine_for(self, longest: int) -> Engine:
-        e = self.engine
-        if e is None or (not self.settings.max_seq_len and e.settings.max_seq_len < longest):
-            e = self.engine = Engine(self.graphdef, self._policy, self.settings.engine_settings(longest),
-                                     version=self.version)
-        return e
+    def _use(self, policy) -> None:
+        """The weights of a `sample_fn` call: a published version's (live: the newest published), or the call's
+        own arrays (an evaluation's, a test's: the newest published version number, else the next number)."""
+        with self._lock:
+            known = next((v for v, p in self._published.items() if _same_arrays(policy, p)), None)
+            if known is None:
+                self._set(policy, max(self._published, default=self.version + 1))
+            elif self._live:
+                newest = max(self._published)
+                self._set(self._published[newest], newest)
+            else:
+                self._set(policy, known)
 
-    def sample_fn(self, policy, params: SamplingParams, stop_ids, pad_id: int, stream_chunk: int = 0,
-                  version: int | None = None) -> Callable:
-        """`episodes.SampleFn` over the policy states `policy` (of policy `version`; None: the next number when
-        they differ from the last call's arrays) with `params`; stream_chunk > 0 with an `on_rows` sink: every
-        stream_chunk decode steps the rows finished so far go to it (`rollout.streaming`'s sink arguments)."""
-        self._use(policy, version)
+    def _engine_for(self, longest: int) -> Engine:
+        with self._lock:
+            e = self.engine
+            if e is None or (not self.settings.max_seq_len and e.settings.max_seq_len < longest):
+                e = self.engine = Engine(self.graphdef, self._policy, self.settings.engine_settings(longest),
+                                         version=self.version)
+            return e
+
+    def sample_fn(self, policy, params: SamplingParams, stop_ids, pad_id: int, stream_chunk: int = 0) -> Callable:
+        """`episodes.SampleFn` over the policy states `policy` (`_use`) with `params`; stream_chunk > 0 with an
+        `on_rows` sink: every stream_chunk decode steps the rows finished so far go to it (`rollout.streaming`'s
+        sink arguments)."""
+        self._use(policy)
         stops = tuple(int(s) for s in stop_ids)
 
         def fn(prompts, lengths, key, group_size, on_rows=None) -> SampleOutput:
@@ -146,8 +181,13 @@ class EngineSampler:
                                 stop_ids=stops) for p in range(len(prompts)) for _ in range(G)]
             out = _Rows(len(requests), Lg, pad_id)
             every = stream_chunk if on_rows is not None else 0
-            on_chunk = (lambda _, chunk: out.deliver(on_rows) if (chunk + 1) % every == 0 else None) if every \
-                else None
+
+            def on_chunk(engine, chunk):
+                if every and (chunk + 1) % every == 0:
+                    out.deliver(on_rows)
+                if self.chunk_hook is not None:
+                    self.chunk_hook(engine, chunk)
+
             with jax.default_device(self.device) if self.device is not None else contextlib.nullcontext():
                 engine = self._engine_for(int(lengths.max()) + Lg)
                 key = key if self.device is None else jax.device_put(key, self.device)

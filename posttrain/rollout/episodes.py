@@ -115,7 +115,9 @@ class HostShardedEnvs:
 class Sample:
     """One sampled episode. `segments`: (tokens int32, logp float32, is_policy) after the prompt. `routing`:
     with routing replay, the experts the sampler's MoE layers selected for the prompt and segment tokens, int32
-    [tokens, Lm, k] (-1: none; may be shorter than prompt + segments), else None."""
+    [tokens, Lm, k] (-1: none; may be shorter than prompt + segments), else None. `versions`: with the rollout
+    engine, the policy version of each token of each policy segment (int32 arrays; partial rollouts mix two),
+    else empty."""
 
     domain: str
     group: int
@@ -128,6 +130,13 @@ class Sample:
     texts: list = dataclasses.field(default_factory=list)
     info: dict = dataclasses.field(default_factory=dict)
     routing: Any = None
+    versions: list = dataclasses.field(default_factory=list)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The policy version of its oldest sampled token (the version it counts as for staleness); None
+        without versions."""
+        return min((int(v.min()) for v in self.versions if len(v)), default=None)
 
     @property
     def completion_len(self) -> int:
@@ -237,6 +246,8 @@ def _take_row(s: Sample, out, row: int, tokenizer, context: list[int], prompt_ro
     seg = out.tokens_NxLg[row, :n].astype(np.int32)
     s.segments.append((seg, out.logp_NxLg[row, :n].astype(np.float32), True))
     s.truncated = bool(out.truncated_N[row])
+    if getattr(out, "versions_NxLg", None) is not None:
+        s.versions.append(np.asarray(out.versions_NxLg[row, :n], np.int32))
     if getattr(out, "experts_NxLgxLxk", None) is not None:  # the prefill covered the whole context
         s.routing = np.concatenate([out.prompt_experts_PxLpxLxk[prompt_row, :len(context)],
                                     out.experts_NxLgxLxk[row, :n]]).astype(np.int32)

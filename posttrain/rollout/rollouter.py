@@ -68,6 +68,8 @@ class RolloutSettings:
         stream_chunk: streaming scoring (`rollout.streaming`): every stream_chunk decode steps the finished
             samples go to the env runner while the rest decode (0: off, the envs get a turn's batch once it has
             all decoded). The samples are the same either way.
+        partial: partial rollouts (`rollout.queue`): new weights published while a batch decodes go into the
+            running engine at once (max_staleness >= 1 and the engine only).
         engine: the rollout engine's size when it samples (`sampling.backend="engine"`, `rollout.engine_sampler`);
             None: the dense sampler (`sampler.sample`).
     """
@@ -97,6 +99,7 @@ class RolloutSettings:
     tasks: SchedulerSettings | None = None
     max_staleness: int = 0
     stream_chunk: int = 0
+    partial: bool = False
     engine: EngineSamplerSettings | None = None
 
 
@@ -106,11 +109,13 @@ class Trajectories:
     a new `RolloutBatch` field, filled in `batching.assemble`). metrics: reward/*, response_length/*, env/*,
     rollout/*, perf/{gen,reward,rollout}_s, curriculum/* and, with the job scheduler, tasks/*. records: the
     episode archive's rows (`tasks.archive.ARCHIVE_SCHEMA`), one per sample attempt of the step, in run order
-    (`in_batch`: trained on; `rollout.tickets.archive_rows`)."""
+    (`in_batch`: trained on; `rollout.tickets.archive_rows`). oldest_version: the policy version of the batch's
+    oldest sampled token (rollout engine; None: not recorded, the dense sampler)."""
 
     batch: RolloutBatch
     metrics: dict[str, float]
     records: tuple[dict, ...]
+    oldest_version: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -363,7 +368,9 @@ class Rollouter:
                                            row_multiple=st.row_multiple)
         metrics.update(above_floor_metrics(metrics, spec_floors(self.train_specs)))
         return Trajectories(batch=batch, metrics={**metrics, **perf},
-                            records=tickets.archive_rows(attempts, self.tokenizer, policy_version=step))
+                            records=tickets.archive_rows(attempts, self.tokenizer, policy_version=step),
+                            oldest_version=min((v for s in samples if (v := s.oldest_version) is not None),
+                                               default=None))
 
     def status(self, step: int, policy_version: int | None = None) -> dict:
         """The run view after step `step` (`tasks.view.snapshot`: the scheduler's counters, the curriculum's levels
