@@ -157,12 +157,34 @@ def golden_view(workdir) -> dict:
 QUEUE_KEYS = ("rollout/staleness_mean", "rollout/staleness_max")  # the rollout queue's metrics, new since the goldens
 
 
-GOLDEN_RTOL, GOLDEN_ATOL = 1e-5, 1e-6  # float32 rounding of one machine kind against another, nothing more
+GOLDEN_RTOL, GOLDEN_ATOL = 1e-5, 1e-5  # float32 rounding of one machine kind against another, nothing more: on an
+# AMD EPYC the two-step goldens recorded on a Xeon with AMX differ by <= 2.1e-6 absolute (policy/ppo_kl, a mean of
+# logprob differences near 0.01) and 5e-7 relative elsewhere
+GOLDEN_ARRAY_TOL = 1e-4  # fingerprints_close's sums: measured <= 1.2e-5 between those two CPU kinds (Adam's moments)
+GOLDEN_PICK_TOL = 1e-2  # its sampled elements: measured <= 5.1e-4 (a tiny MoE's lm_head moments); a layout or
+# permutation fault moves them by O(1)
+
+
+def fingerprints_close(got: list, want: list, tol: float = GOLDEN_ARRAY_TOL, pick_tol: float = GOLDEN_PICK_TOL) -> bool:
+    """Two `array_fingerprint`s agree within float32 rounding, each term on its array's own scale: the signed sum
+    against the sum of |x| (a sum that cancels to near 0 must not demand a relative match), the sum of |x| and of
+    x^2 relative to themselves (`tol`), and the sampled elements against the largest sampled magnitude (`pick_tol`) (an element near 0
+    of an array of 1e-5 values, e.g. Adam's first moment, moves by more than its own size)."""
+    a, b = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if a.shape != b.shape:
+        return False
+    if a.size < 3:
+        return bool(np.allclose(a, b, rtol=tol, atol=0))
+    tiny = 1e-30
+    terms = [abs(a[0] - b[0]) / max(abs(b[1]), tiny), abs(a[1] - b[1]) / max(abs(b[1]), tiny),
+             abs(a[2] - b[2]) / max(abs(b[2]), tiny)]
+    picks = float(np.abs(a[3:] - b[3:]).max()) / max(float(np.abs(b[3:]).max()), tiny) if a.size > 3 else 0.0
+    return max(terms) <= tol and picks <= pick_tol
 
 
 def assert_metrics_match(rows: list, want: list) -> None:
     """Metric rows equal a recording: the same rows and keys, non-floats exactly, floats exactly or within float32
-    rounding across CPU kinds (GOLDEN_RTOL / GOLDEN_ATOL: measured differences were <= 4e-7 relative, or 5e-7
+    rounding across CPU kinds (GOLDEN_RTOL / GOLDEN_ATOL: measured differences were <= 5e-7 relative, or 2.1e-6
     absolute on values near 0)."""
     import math
 
@@ -183,8 +205,8 @@ def assert_arrays_match(arrays: dict, want_sha256: dict, want_fingerprint: dict)
             f.write(json.dumps({"sha256": want_sha256, "fingerprint": fingerprints}) + "\n")
     hashes = array_hashes(arrays)
     assert sorted(hashes) == sorted(want_sha256)
-    far = [k for k in hashes if hashes[k] != want_sha256[k] and (k not in want_fingerprint or not np.allclose(
-        fingerprints[k], want_fingerprint[k], rtol=GOLDEN_RTOL, atol=1e-12))]
+    far = [k for k in hashes if hashes[k] != want_sha256[k] and (
+        k not in want_fingerprint or not fingerprints_close(fingerprints[k], want_fingerprint[k]))]
     assert not far, f"{len(far)} of {len(hashes)} arrays differ from the recording: {far[:5]}"
 
 

@@ -170,6 +170,8 @@ sys.exit(cli.main(["posttrain", *sys.argv[2:]]))
 """
 
 
+@pytest.mark.slow  # a subprocess SFT run cut by the watchdog (minutes on a loaded 2-core CPU); the guard decision
+# itself runs in the default suite (test_learner: the fake-clock guard test) and guard retention in test_orbax
 def test_a_step_past_the_grace_period_leaves_the_last_finished_step_to_resume_from(tmp_path):
     """Tiny SFT, 4 steps, no interval checkpoint, checkpoint.stop_grace_s=2, steps >= 1.1 s (over half the grace:
     each boundary is saved as a guard checkpoint): SIGTERM as step 3 starts and step 3 runs on, so the watchdog
