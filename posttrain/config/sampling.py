@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-SAMPLING_BACKENDS = ("dense", "engine")  # `sampling.backend` (posttrain.rollout.engine_sampler.BACKENDS: a test)
+SAMPLING_BACKENDS = ("dense", "engine")  # `sampling.backend`, checked at load
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -34,7 +34,6 @@ import numpy as np
 from posttrain.rollout.engine import Engine, EngineSettings, Request
 from posttrain.rollout.sampler import SampleOutput, SamplingParams
 
-BACKENDS = ("dense", "engine")  # `sampling.backend`; equals posttrain.config.schema.SAMPLING_BACKENDS (a test)
 _SUMMED = ("prefill_tokens", "decode_tokens", "preemptions", "prefix_cached_tokens", "weight_swaps")
 
 

@@ -15,11 +15,12 @@ perf/weight_sync_s). With the rollout engine (`Rollouter.engine`) every publishe
 (`EngineSampler.publish`); with `rollout.partial` (partial rollouts) it takes effect inside a generation under way,
 at the engine's next decode chunk: a long reply continues under the new weights, each token tagged with the
 version that produced it, and a batch counts as the version of its oldest token (`Trajectories.oldest_version`),
-so its staleness is the largest of its tokens'. With max_staleness > 0 the published policy is a device copy: the next update donates the
-learner's state, while the producer may still sample with the older version. At 0 no copy is needed (the producer
-is done with version s before update s + 1 starts) and none is made. With split meshes (`mesh.rollout`) the
-snapshot is the `sync` transfer instead: the version resharded onto the sampler's own devices in its inference
-layout (`posttrain.infra.reshard.onto`), at any staleness (new arrays: the learner's donation cannot touch them).
+so its staleness is the largest of its tokens'. With max_staleness > 0 the published policy is a device copy: the
+next update donates the learner's state, while the producer may still sample with the older version. At 0 no
+copy is needed (the producer is done with version s before update s + 1 starts) and none is made. With split
+meshes (`mesh.rollout`) the snapshot is the `sync` transfer instead: the version resharded onto the sampler's own
+devices in its inference layout (`posttrain.infra.reshard.onto`), at any staleness (new arrays: the learner's
+donation cannot touch them).
 
 Process model: a thread (issue 24 item 5). The sampler is jitted JAX on the learner's own devices (a process
 could not share them, and would need the weights serialised per version); XLA releases the GIL while it runs, and
