@@ -32,6 +32,7 @@ SPLIT = {"mesh.rollout": 2, "mesh.data": 3, **BATCH}  # learner 6 = data 3 x fsd
 @dataclasses.dataclass(frozen=True)
 class Traj:
     records: tuple
+    oldest_version: int | None = None  # `Trajectories.oldest_version`: None, no partial rollouts here
 
 
 class Producer:
