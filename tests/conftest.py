@@ -19,6 +19,10 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 if os.environ.get("POSTTRAIN_TEST_FAST_COMPILE", "1") != "0" and "optimization_level" not in os.environ.get(
         "XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# Nothing in the suite reads the Hugging Face Hub (models come from packages or are made in the test): offline, a
+# transformers/TRL call that would ask the Hub fails at once instead of waiting on a network that does not answer.
+for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
+    os.environ.setdefault(_var, "1")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", os.environ["JAX_DEFAULT_MATMUL_PRECISION"])
