@@ -273,18 +273,66 @@ def _compile_or_refusal(step_fn, state, state_sh, batch_abs, batch_sh, mesh, rul
         return report, None, str(e), {}
 
 
+def compile_engine(graphdef, policy, mesh, settings, *, prompt_len: int) -> tuple[aot.MemoryReport, float, int]:
+    """Lowers and compiles the rollout engine's two programs (`engine_ops.decode_step` over `settings.num_slots`
+    slots, and `engine_ops.prefill` of a `prompt_len`-token prompt) on `mesh`'s one device with the policy's
+    abstract states and the page pool as `kv_pages.pool_shapes` makes it (`settings`: `engine.EngineSettings`).
+    Attention is the reference (a gather of each slot's pages): the Pallas kernels read the pages in place, so
+    their temp is at most the reference's. Returns (the larger program's MemoryReport, compile seconds of both,
+    the pool's bytes)."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from posttrain.rollout import engine_ops, kv_pages
+    from posttrain.rollout.engine import Request, request_rows
+
+    rep = NamedSharding(mesh, PartitionSpec())
+
+    def placed(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), tree)
+
+    S, M = settings.num_slots, settings.pages_per_seq
+    pool = placed(kv_pages.pool_shapes(graphdef, policy, settings.num_pages, settings.page_size))
+    state = placed(policy)
+    key = placed(jax.eval_shape(lambda: jax.random.key(0)))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)  # noqa: E731
+    rows = placed(jax.eval_shape(lambda: request_rows([Request(prompt=(0,), max_new_tokens=1)] * S)))
+    rows_1 = placed(jax.eval_shape(lambda: request_rows([Request(prompt=(0,), max_new_tokens=1)])))
+    width = settings.prefill_bucket
+    while width < prompt_len:
+        width *= 2
+    decode = engine_ops.decode_step.lower(graphdef, state, pool, i32(S, M), i32(S), i32(S), rows, key, i32(S),
+                                          i32(S), impl="reference")
+    prefill = engine_ops.prefill.lower(graphdef, state, pool, i32(1, width), i32(), i32(M), rows_1, key, i32(1))
+    reports, seconds = [], 0.0
+    for lowered in (decode, prefill):
+        _, report, s = aot.compile_with_report(lowered)
+        reports.append(report)
+        seconds += s
+    return max(reports, key=lambda r: r.peak), seconds, per_device_bytes(pool)
+
+
 def _sampler_report(graphdef, model_state, mesh, plan, prompt_len: int, hbm: int) -> dict:
-    """The `sample_*` keys of `plan_report`: the rollout sampler compiled for one step's prompts."""
+    """The `sample_*` keys of `plan_report`: the rollout sampler compiled for one step's prompts; with the rollout
+    engine (`sampling.backend="engine"`), its decode step and prefill (`compile_engine`) sized as the run sizes
+    it for a first turn's prompt_len + max_new_tokens tokens, and `sample_kv_pool_gib`, its page pool."""
     from posttrain.rollout.sampler import shrink_schedule
 
     ro = plan.rollout
+    if ro.engine is not None:
+        settings = ro.engine.engine_settings(prompt_len + ro.sampling.max_new_tokens)
+        srep, sseconds, pool = compile_engine(graphdef, model_state, mesh, settings, prompt_len=prompt_len)
+        sd = srep.as_dict()
+        return {"sample_backend": "engine", "sample_peak_gib": sd["peak_gib"], "sample_temp_gib": sd["temp_gib"],
+                "sample_kv_pool_gib": pool / aot.GIB, "sample_compile_s": round(sseconds, 1),
+                "sample_fits": aot.fits(srep.peak, hbm)}
     samples = ro.prompts_per_step * ro.group_size
     srep, sseconds = compile_sampler(graphdef, model_state, mesh, plan.rules, prompts=ro.prompts_per_step,
                                      prompt_len=prompt_len, group_size=ro.group_size, params=ro.sampling,
                                      shrink=shrink_schedule(samples, ro.decode_multiple, steps=ro.decode_shrink_steps),
                                      record_routing=ro.record_routing)
     sd = srep.as_dict()
-    return {"sample_peak_gib": sd["peak_gib"], "sample_temp_gib": sd["temp_gib"],
+    return {"sample_backend": "dense", "sample_peak_gib": sd["peak_gib"], "sample_temp_gib": sd["temp_gib"],
             "sample_compile_s": round(sseconds, 1), "sample_fits": aot.fits(srep.peak, hbm)}
 
 

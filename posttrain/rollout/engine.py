@@ -38,10 +38,12 @@ from posttrain.rollout.paged_attention import resolve_impl
 from posttrain.rollout.prefix_cache import PrefixCache
 from posttrain.rollout.sampler import logprob_temperature
 
-__all__ = ["Completion", "Engine", "EngineSettings", "Request"]
+__all__ = ["Completion", "Engine", "EngineSettings", "Request", "request_rows"]
 
-def _rows(requests: Sequence[Request | None]) -> dict:
-    """The per-row sampling arrays of `engine_ops.pick_tokens` (an empty slot: greedy at T = 1)."""
+
+def request_rows(requests: Sequence[Request | None]) -> dict:
+    """The per-row sampling arrays of `engine_ops.pick_tokens` for one request per slot (None, an empty slot:
+    greedy at T = 1): T float32 [S] (the logprob temperature), greedy bool [S], top_k int32 [S], top_p float32 [S]."""
     def col(fn, dtype):
         return jnp.asarray(np.asarray([fn(r) for r in requests], dtype))
 
@@ -232,7 +234,7 @@ class Engine:
             width *= 2
         tokens = np.zeros((1, width), np.int32)
         tokens[0, :n - start] = cached[start:]
-        args = (jnp.asarray(self._pages.table_SxM[slot]), _rows([seq.request]), self._key,
+        args = (jnp.asarray(self._pages.table_SxM[slot]), request_rows([seq.request]), self._key,
                 jnp.asarray([seq.index], jnp.int32))
         tok = lp = None
         if start == 0:
@@ -277,7 +279,7 @@ class Engine:
         self._counters.observe(self._pages.allocated, used, live)
         tok, lp, self._pool = decode_step(self.graphdef, self.state, self._pool, jnp.asarray(self._pages.table_SxM),
                                           jnp.asarray(lengths), jnp.asarray(prev),
-                                          _rows([q.request if q else None for q in slots]), self._key,
+                                          request_rows([q.request if q else None for q in slots]), self._key,
                                           jnp.asarray(request), jnp.asarray(t), impl=self.impl)
         tok, lp = np.asarray(tok), np.asarray(lp)
         for s, seq in enumerate(slots):

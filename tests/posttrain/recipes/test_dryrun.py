@@ -209,3 +209,27 @@ def test_launch_scripts_dry_run_print_the_commands():
     assert slurm.returncode == 0, slurm.stderr
     assert slurm.stdout.strip() == ("srun --kill-on-bad-exit=1 .venv/bin/posttrain train --distributed --noprogress "
                                     "--config=configs/plan/deepseek_v3.py")
+
+
+def test_plan_of_the_engine_backend_compiles_its_programs_and_sizes_its_page_pool(tmp_path):
+    """sampling.backend="engine": the plan compiles the rollout engine's decode step and prefill (not the dense
+    sampler), for the engine the run would build: S = P * G slots, pages of 8 tokens, as many as every slot at its
+    longest (prompt_len 16 + 6 new tokens -> 32 tokens, 4 pages) plus the scratch page. Its page pool, one K and
+    one V array [L, K, P, Z, H] in the compute dtype, is an argument of both programs, so the peak holds it."""
+    import numpy as np
+
+    from helpers import tiny_config
+    from posttrain.infra.aot import GIB
+
+    engine = plan.plan_train_step(tiny_config(tmp_path, **{"sampling.backend": "engine",
+                                                           "sampling.engine_page_size": 8}), "cpu-1", prompt_len=16)
+    dense = plan.plan_train_step(tiny_config(tmp_path), "cpu-1", prompt_len=16)
+    assert (engine["sample_backend"], dense["sample_backend"]) == ("engine", "dense")
+    assert "sample_kv_pool_gib" not in dense and engine["sample_fits"] is True and engine["sample_compile_s"] > 0
+    slots = engine["sequences"]
+    pages = slots * 4 + 1
+    L, K, H = 2, 2, 16  # tiny-dense: 2 layers, 2 KV heads of 16
+    pool = 2 * L * K * pages * 8 * H * np.dtype(engine["compute_dtype"]).itemsize
+    assert engine["sample_kv_pool_gib"] * GIB == pytest.approx(pool)
+    assert engine["sample_peak_gib"] * GIB >= pool
+    assert engine["peak_gib"] == dense["peak_gib"]  # the train step is the same program
