@@ -20,6 +20,7 @@ from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.learn.logprobs import score_logprobs
 from posttrain.model.tokenizer import Tokenizer
 from posttrain.rollout import batching, chat
+from posttrain.rollout.engine_sampler import EngineSampler, EngineSamplerSettings
 from posttrain.rollout.episodes import Episode, InlineEnvs, run_episodes, turn_bridge
 from posttrain.rollout.sampler import SamplingParams, sample
 
@@ -109,13 +110,22 @@ def test_a_tool_call_the_template_renders_parses_back_to_the_same_call():
     assert calls == [repo_tools.ToolCall("write_file", arguments), repo_tools.ToolCall("submit", {})] and not errors
 
 
-def test_six_turn_episode_trainer_logprobs_equal_the_samplers():
+@pytest.mark.parametrize("backend", ["dense", "engine"])
+def test_six_turn_episode_trainer_logprobs_equal_the_samplers(backend):
+    """Six turns of a tool episode sampled by the dense sampler or the rollout engine (`sampling.backend`): the
+    trainer's logprobs of the policy tokens equal the sampler's; the engine prefills each later turn's context
+    from the pages of the turns before it (its prefix cache) and tags every token with version 0."""
     cfg, graphdef, state = random_model("tiny-qwen3", vocab_size=320)
     params = SamplingParams(max_new_tokens=6, temperature=1.0)
     calls = []
+    engine = EngineSampler(graphdef, EngineSamplerSettings(num_slots=2, max_seq_len=1024)) \
+        if backend == "engine" else None
+    engine_fn = engine.sample_fn((state,), params, QWEN3.stop_ids, QWEN3.pad_id) if engine else None
 
     def sample_fn(prompts, lengths, key, group_size):
         calls.append(np.asarray(prompts).shape)
+        if engine_fn is not None:
+            return engine_fn(prompts, lengths, key, group_size)
         return sample(graphdef, state, jnp.asarray(prompts), jnp.asarray(lengths), key, group_size=group_size,
                       params=params, stop_ids=QWEN3.stop_ids, pad_id=QWEN3.pad_id)
 
@@ -138,3 +148,8 @@ def test_six_turn_episode_trainer_logprobs_equal_the_samplers():
     assert mask.sum() == sum(len(t) for s in samples for t, _, policy in s.segments if policy)
     diff = np.abs(np.asarray(logp) - batch.logp_sample_NxC)[mask]
     assert diff.mean() <= 1e-4 and diff.max() <= 1e-3, (diff.mean(), diff.max())
+    if engine is not None:
+        m = engine.pop_metrics()
+        first = sum(len(s.prompt_ids) + len(s.segments[0][0]) for s in samples)  # turn 1's prompt and reply
+        assert m["rollout/prefix_cached_tokens"] >= first - 2 * 16  # later turns: all but a partial last page
+        assert all(set(np.concatenate(s.versions).tolist()) == {0} for s in samples)
