@@ -88,12 +88,12 @@ def test_resumed_run_matches_uninterrupted_run_and_writes_outputs(tmp_path, monk
     plant(tmp_path / "b", [0, 1], trajectories=[0, 1, 7], evals=[0, 1])  # no checkpoint: starts over
     collect, sent = Rollouter.collect, []
 
-    def interrupted(self, step, policy, rng):
+    def interrupted(self, step, policy, rng, **kw):
         if step == 3 and not sent:
             sent.append(time.perf_counter())
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the handler raises inside this rollout
             time.sleep(1.0)
-        return collect(self, step, policy, rng)
+        return collect(self, step, policy, rng, **kw)
 
     monkeypatch.setattr(Rollouter, "collect", interrupted)
     with pytest.raises(RunInterrupted, match=r"SIGINT: stopped at step 3 \(checkpoint 3 in"):

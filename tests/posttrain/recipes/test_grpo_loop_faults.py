@@ -301,7 +301,7 @@ def test_a_failing_step_closes_everything_in_reverse_order_and_raises_its_own_er
                 raise OSError("disk full")  # a teardown error while the step's error propagates
         monkeypatch.setattr(cls, "close", close)
 
-    def boom(self, step, policy, rng):
+    def boom(self, step, policy, rng, **kw):
         raise RuntimeError("the sampler failed")
 
     monkeypatch.setattr(loop.Rollouter, "collect", boom)

@@ -60,7 +60,9 @@ def test_a_generation_spanning_a_published_version_records_both(tmp_path, monkey
     assert versions[8:] == [[1] * LG] * 8
     assert [s.oldest_version for s in drawn[1][0]] == [0] * 8 + [1] * 8
     assert b1.version == 0 and b1.staleness() == 1 == batch_metrics(b1, 0.0, 1.0)["rollout/staleness_max"]
-    assert {row["policy_version"] for row in b1.trajectories.records} == {0}
+    rows = b1.trajectories.records  # one per sample attempt, in run order: each sample's own oldest version
+    assert [(row["sample"], row["policy_version"]) for row in rows] == [
+        (s, v) for s, v in zip([s for _ in range(4) for s in range(4)], [0] * 8 + [1] * 8)]
     assert b1.trajectories.metrics["rollout/weight_swaps"] == 1
     assert b1.trajectories.metrics["rollout/preemptions"] == 0  # the swap recomputes, it does not preempt
 
