@@ -327,10 +327,9 @@ class _Loop:
         ready, waited = queue.get(step)
         traj, t1 = ready.trajectories, time.perf_counter()
         with self.stop.deferred():
-            with queue.learner_turn():  # shared devices: the producer's sampler waits (`queue.DeviceTurns`)
-                m = learner.update(traj.batch)
-                self.synced, sync_s = queue.snapshot(learner.policy(), learner.rng)  # the next version's weights
+            m = learner.update(traj.batch)
             self.resume, self.pending = ready.rollout_state, m
+            self.synced, sync_s = queue.snapshot(learner.policy(), learner.rng)  # the next version's weights
             m.update(traj.metrics)
             m.update(metrics_lib.step_perf(traj.num_tokens, t0, t1, time.perf_counter()))
             m.update(batch_metrics(ready, waited, time.perf_counter() - t0), **{"perf/weight_sync_s": sync_s})

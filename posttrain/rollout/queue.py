@@ -35,14 +35,6 @@ core sharing, which no process model removes. jax.distributed roles (a sampler p
 design (`mesh.rollout`), not a remedy for env waits. One process only when max_staleness > 0 (the run plan
 refuses more): the producer's collectives (`HostShardedEnvs`) must not interleave with the learner's.
 
-Device turns: on shared devices (no `sync`, max_staleness > 0, not partial) the producer's sampler calls and the
-learner's update take turns (`DeviceTurns`): the learner waits for the sampler call in progress, and the producer
-starts no new one while the learner waits or updates, so generation and training never run at once on the same
-cores (two programs side by side on them are slower than the two in turn: each wants every core) while env work,
-scoring and batching still overlap the update. The speedup bound of issue 24 acceptance 3,
-(gen + train + env) / max(gen + train, env), is this model. With partial rollouts a generation must continue
-across an update, so they run side by side; with split meshes they have devices of their own.
-
 Resume: a checkpoint keeps the rollout state (scheduler cursors, retry queue, curriculum) as it was right after
 the producer made the last batch the learner trained (`ReadyBatch.rollout_state`), so batches still queued at a
 stop or kill -9 are dropped and their tasks re-sampled, in the same order, with the restored policy: a resumed
@@ -69,43 +61,6 @@ JOIN_TIMEOUT_S = 60.0  # how long `close` waits for a rollout in progress before
 class StalenessError(RuntimeError):
     """A batch would be trained further behind the policy than `max_staleness` allows (a bug: the producer's
     admission control makes it impossible); names the step, its version and the bound."""
-
-
-class DeviceTurns:
-    """Turns on shared devices between the producer's sampler calls and the learner's updates (module doc): the
-    learner goes first when both wait; a turn in progress is never cut."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._holder: str | None = None
-        self._learner_waiting = False
-
-    @contextlib.contextmanager
-    def _turn(self, who: str):
-        with self._cond:
-            if who == "learner":
-                self._learner_waiting = True
-            while self._holder is not None or (who == "producer" and self._learner_waiting):
-                self._cond.wait()
-            self._holder, self._learner_waiting = who, self._learner_waiting and who != "learner"
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._holder = None
-                self._cond.notify_all()
-
-    def wrap(self, sample_fn: Callable) -> Callable:
-        """`sample_fn` whose every call is one producer turn, its outputs computed before the turn ends."""
-        def call(*args, **kwargs):
-            with self._turn("producer"):
-                return jax.block_until_ready(sample_fn(*args, **kwargs))
-
-        return call
-
-    def learner(self):
-        """A context: one update of the learner (and its weight snapshot)."""
-        return self._turn("learner")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +100,6 @@ class RolloutQueue:
         self._published = (start, self._copy((policy, rng)))
         self.partial = bool(getattr(rollouter.settings, "partial", False))
         self._engine = getattr(rollouter, "engine", None)  # the rollout engine's sampler, or None
-        self.turns = DeviceTurns() if sync is None and self.max_staleness > 0 and not self.partial else None
         if self._engine is not None:
             self._engine.publish(self._published[1][0], start, live=False, keep=self.max_staleness + 1)
         self._ready: dict[int, ReadyBatch] = {}
@@ -189,8 +143,7 @@ class RolloutQueue:
                 with self._busy:
                     if self._stop:
                         return
-                    traj = r.collect(step, policy, rng, policy_version=version,
-                                     wrap_sampler=None if self.turns is None else self.turns.wrap)
+                    traj = r.collect(step, policy, rng, policy_version=version)
                     version = version if traj.oldest_version is None else traj.oldest_version  # partial rollouts
                     state, status = json.loads(json.dumps(r.state_dict())), r.status(step, version)
                 batch = ReadyBatch(step, version, traj, state, status,
@@ -231,10 +184,6 @@ class RolloutQueue:
         if self.max_staleness > 0 or self._sync is not None:
             jax.block_until_ready(tree)
         return tree, time.perf_counter() - t0
-
-    def learner_turn(self):
-        """A context for the learner's update on shared devices (`DeviceTurns.learner`; a no-op without turns)."""
-        return contextlib.nullcontext() if self.turns is None else self.turns.learner()
 
     def publish(self, version: int, tree) -> None:
         """Makes `tree` (a `snapshot`) the newest policy, of version `version`; wakes a waiting producer."""

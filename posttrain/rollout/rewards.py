@@ -321,7 +321,7 @@ class RewardedRollouter(Rollouter):
 
         return scored
 
-    def collect(self, step: int, policy: tuple, rng, policy_version: int | None = None, wrap_sampler=None):
+    def collect(self, step: int, policy: tuple, rng, policy_version: int | None = None):
         """`Rollouter.collect` with the trained samples' `reward_metrics` added."""
-        t = super().collect(step, policy, rng, policy_version, wrap_sampler)
+        t = super().collect(step, policy, rng, policy_version)
         return dataclasses.replace(t, metrics={**t.metrics, **reward_metrics(t.records)})

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -350,18 +350,15 @@ class Rollouter:
         self.scheduler.set_weights(cur.weights())
         return cur.metrics()
 
-    def collect(self, step: int, policy: tuple, rng, policy_version: int | None = None,
-                wrap_sampler: Callable[[Callable], Callable] | None = None) -> Trajectories:
+    def collect(self, step: int, policy: tuple, rng, policy_version: int | None = None) -> Trajectories:
         """Step `step`'s trajectories from the policy states `policy`, sampled with keys from the run's `rng`
         folded with the step (invariant 10: a fresh key per step). policy_version: the archive rows' version of
-        samples whose tokens carry none (None: `step`); a rollout engine's sample records its oldest token's.
-        wrap_sampler: applied to the sampler function (the rollout queue's `DeviceTurns.wrap`)."""
+        samples whose tokens carry none (the rollout queue's; None: `step`); a sample whose tokens carry versions
+        (the rollout engine) records its oldest token's."""
         st = self.settings
         if self.engine is not None:
             self.engine.pop_metrics()  # an evaluation's since the last step: not this step's
-        fn = self.sample_fn(policy, st.sampling)
-        samples, perf, attempts = self.draw(step, fn if wrap_sampler is None else wrap_sampler(fn),
-                                            jax.random.fold_in(rng, step))
+        samples, perf, attempts = self.draw(step, self.sample_fn(policy, st.sampling), jax.random.fold_in(rng, step))
         perf.update(self.engine.pop_metrics() if self.engine is not None else {})
         if self.curriculum is not None:
             perf.update(self.advance_curriculum(samples))

@@ -10,7 +10,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -35,7 +34,7 @@ class FakeRollouter:
     def settings(self):
         return self
 
-    def collect(self, step, policy, rng, policy_version=None, wrap_sampler=None):
+    def collect(self, step, policy, rng, policy_version=None):
         if step == self.fail_at:
             raise OSError(f"env workers gone at step {step}")
         time.sleep(self.delay_s)
@@ -134,49 +133,6 @@ def test_exclusive_keeps_the_producer_out_and_the_staleness_check_names_the_batc
         q._ready[9] = dataclasses.replace(batch, step=9)
         with pytest.raises(StalenessError, match="batch 9 was sampled with policy version 0: staleness 9"):
             q.get(9)
-
-
-def test_on_shared_devices_sampler_calls_and_updates_take_turns_the_learner_first():
-    """max_staleness = 1 on shared devices: the producer's sampler calls (3 of 30 ms a batch, wrapped by the
-    queue's `DeviceTurns.wrap`) and the learner's updates (50 ms in `learner_turn`) never overlap, and a learner
-    asking for its turn gets it when the sampler call in progress ends: no sampler call starts between its asking
-    and its update. At max_staleness = 0, with split meshes (`sync`) and with partial rollouts: no turns."""
-    log, lock = [], threading.Lock()
-
-    def span(who, seconds):
-        t0 = time.perf_counter()
-        time.sleep(seconds)
-        with lock:
-            log.append((who, t0, time.perf_counter()))
-
-    class Sampling(FakeRollouter):
-        def collect(self, step, policy, rng, policy_version=None, wrap_sampler=None):
-            sample = wrap_sampler(lambda: span("sample", 0.03))
-            for _ in range(3):
-                sample()
-            return super().collect(step, policy, rng, policy_version)
-
-    asked = []
-    with RolloutQueue(Sampling(1), start=0, steps=6, policy=0, rng=None) as q:
-        for step in range(6):
-            q.get(step)
-            asked.append(time.perf_counter())
-            with q.learner_turn():
-                span("update", 0.05)
-            q.publish(step + 1, (step + 1, None))
-    samples = [(a, b) for who, a, b in log if who == "sample"]
-    updates = [(a, b) for who, a, b in log if who == "update"]
-    assert len(samples) == 18 and len(updates) == 6
-    assert not [(u, s) for u in updates for s in samples if s[0] < u[1] and u[0] < s[1]]  # no overlap
-    assert not [(t, u) for t, u in zip(asked, updates) for s in samples if t < s[0] < u[0]]  # the learner first
-    assert sum(1 for t, u in zip(asked, updates) if u[0] - t > 0.001) >= 1  # it did wait for a call in progress
-    r = FakeRollouter(1)
-    r.partial = True
-    for queue in (RolloutQueue(FakeRollouter(0), start=0, steps=1, policy=0, rng=None),
-                  RolloutQueue(FakeRollouter(1), start=0, steps=1, policy=0, rng=None, sync=lambda t: t),
-                  RolloutQueue(r, start=0, steps=1, policy=0, rng=None)):
-        with queue:
-            assert queue.turns is None
 
 
 @pytest.mark.parametrize("step,version,wait_s,collect_s,learner_wait_s,step_s,want", [
