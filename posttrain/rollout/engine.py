@@ -234,7 +234,9 @@ class Engine:
             width *= 2
         tokens = np.zeros((1, width), np.int32)
         tokens[0, :n - start] = cached[start:]
-        args = (jnp.asarray(self._pages.table_SxM[slot]), request_rows([seq.request]), self._key,
+        # a copy of the page row: on the CPU a NumPy argument may be read in place (zero-copy) while the program
+        # still runs, and the host changes the page table before anything waits for this prefill (a recompute)
+        args = (jnp.asarray(self._pages.table_SxM[slot].copy()), request_rows([seq.request]), self._key,
                 jnp.asarray([seq.index], jnp.int32))
         tok = lp = None
         if start == 0:
@@ -277,8 +279,9 @@ class Engine:
         live = sum(q is not None for q in slots)
         used = int(lengths.sum()) + live - self._pages.shared_extra * self.settings.page_size  # shared pages once
         self._counters.observe(self._pages.allocated, used, live)
-        tok, lp, self._pool = decode_step(self.graphdef, self.state, self._pool, jnp.asarray(self._pages.table_SxM),
-                                          jnp.asarray(lengths), jnp.asarray(prev),
+        table = jnp.asarray(self._pages.table_SxM.copy())  # a copy, as in `_prefill`
+        tok, lp, self._pool = decode_step(self.graphdef, self.state, self._pool, table, jnp.asarray(lengths),
+                                          jnp.asarray(prev),
                                           request_rows([q.request if q else None for q in slots]), self._key,
                                           jnp.asarray(request), jnp.asarray(t), impl=self.impl)
         tok, lp = np.asarray(tok), np.asarray(lp)
