@@ -15,7 +15,10 @@ Cases.
       measured steps; bound = (gen + train + env) / max(gen + train, env) (gen and train share the cores, env waits
       do not); share_of_bound = ratio / bound (target >= 0.8).
   (c) `quickstart`: configs/quickstart.py (SmolLM2-135M, 8 x 8 samples of 24 tokens), --quickstart-steps steps
-      each, sync vs async (target: async not more than 5% slower, ratio >= 0.95); --quickstart-steps 0 skips it.
+      each, sync vs async (target: async not more than 5% slower, ratio >= 0.95), and `no_stream`: async at
+      staleness 1 without streaming scoring (ASYNC_NO_STREAM; its env time is ~0, so streaming only cuts the decode
+      into stream_chunk-step calls, which then queue behind the update's work on the shared cores);
+      --quickstart-steps 0 skips it.
   `gil_stall` (issue 24 item 5): the learner's update time (the latency case's model and batch) alone and next to
       a producer that runs the rollout phase (`Rollouter.collect`: tasks, tokenizer, batching, archive rows) with a
       scripted sampler (no device work), i.e. blocked on env latency, in three variants (`_gil_stall`): sleep (a
@@ -47,6 +50,7 @@ QUICK = dict(steps=3, warmup=1, latency=0.05, prompts=2, group=2, quickstart_ste
 BENCH_MODEL = dict(vocab_size=320, d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, mlp_dim=768)
 ASYNC = {"rollout.max_staleness": 1, "rollout.stream_chunk": 2}
 SYNC = {"rollout.max_staleness": 0, "rollout.stream_chunk": 0}
+ASYNC_NO_STREAM = {"rollout.max_staleness": 1, "rollout.stream_chunk": 0}
 SYSTEM = ("You are a careful assistant that solves arithmetic problems. Read the question, add the two numbers "
           "digit by digit, check the sum once more, and then reply with the final answer only, as a plain number "
           "without words, units or punctuation. Replies that contain anything else are scored as wrong. ")
@@ -127,17 +131,21 @@ def run(cfg, overrides: dict, warmup: int, root: str, name: str, after=None) -> 
             **extra}
 
 
-def compare(cfg, warmup: int, root: str, name: str, after=None) -> dict:
+def compare(cfg, warmup: int, root: str, name: str, after=None, no_stream: bool = False) -> dict:
     """The sync run (peer; `after` as `run`'s) then the async one, same config and seeds: steps per hour, ratio,
-    bound, share."""
+    bound, share; with `no_stream` also async without streaming scoring ("no_stream": its run and ratio)."""
     sync = run(cfg, SYNC, warmup, root, f"{name}_sync", after)
     asyn = run(cfg, ASYNC, warmup, root, f"{name}_async")
     t = sync["terms_s"]
     bound = (t["gen"] + t["train"] + t["env"]) / max(t["gen"] + t["train"], t["env"], 1e-9)
     ratio = sync["step_s"] / asyn["step_s"]
-    return {"sync": sync, "async": asyn, "sync_steps_per_hour": round(3600 / sync["step_s"], 1),
-            "async_steps_per_hour": round(3600 / asyn["step_s"], 1), "ratio": round(ratio, 3),
-            "bound": round(bound, 3), "share_of_bound": round(ratio / bound, 3)}
+    out = {"sync": sync, "async": asyn, "sync_steps_per_hour": round(3600 / sync["step_s"], 1),
+           "async_steps_per_hour": round(3600 / asyn["step_s"], 1), "ratio": round(ratio, 3),
+           "bound": round(bound, 3), "share_of_bound": round(ratio / bound, 3)}
+    if no_stream:
+        plain = run(cfg, ASYNC_NO_STREAM, warmup, root, f"{name}_async_no_stream")
+        out["no_stream"] = {**plain, "ratio": round(sync["step_s"] / plain["step_s"], 3)}
+    return out
 
 
 def gil_stall(args):
@@ -172,13 +180,14 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="async_rl_") as root:
         latency = compare(latency_config(args), args.warmup, root, "latency", after=gil_stall(args))
         gil = latency["sync"].pop("after")
-        quick = (compare(quickstart_config(args), 1, root, "quickstart") if args.quickstart_steps > 1 else
-                 {"skipped": "--quickstart-steps < 2"})
+        quick = (compare(quickstart_config(args), 1, root, "quickstart", no_stream=True)
+                 if args.quickstart_steps > 1 else {"skipped": "--quickstart-steps < 2"})
     out = {"async_steps_per_hour": latency["async_steps_per_hour"],
            "sync_steps_per_hour": latency["sync_steps_per_hour"], "ratio": latency["ratio"],
            "bound": latency["bound"], "share_of_bound": latency["share_of_bound"], "latency": latency,
            "gil_stall": gil, "quickstart": quick,
            "settings": {**{k: v for k, v in vars(args).items() if k != "json"}, "sync": SYNC, "async": ASYNC,
+                        "async_no_stream": ASYNC_NO_STREAM,
                         "cpus": os.cpu_count()}}
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
     return out
