@@ -298,9 +298,7 @@ def compile_engine(graphdef, policy, mesh, settings, *, prompt_len: int) -> tupl
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)  # noqa: E731
     rows = placed(jax.eval_shape(lambda: request_rows([Request(prompt=(0,), max_new_tokens=1)] * S)))
     rows_1 = placed(jax.eval_shape(lambda: request_rows([Request(prompt=(0,), max_new_tokens=1)])))
-    width = settings.prefill_bucket
-    while width < prompt_len:
-        width *= 2
+    width = settings.prefill_width(prompt_len)
     decode = engine_ops.decode_step.lower(graphdef, state, pool, i32(S, M), i32(S), i32(S), rows, key, i32(S),
                                           i32(S), impl="reference")
     prefill = engine_ops.prefill.lower(graphdef, state, pool, i32(1, width), i32(), i32(M), rows_1, key, i32(1))

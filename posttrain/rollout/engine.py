@@ -229,10 +229,7 @@ class Engine:
         st = self.settings
         cached = seq.cached()
         start, n = seq.reused, len(cached)
-        width = st.prefill_bucket
-        while width < n - start:
-            width *= 2
-        tokens = np.zeros((1, width), np.int32)
+        tokens = np.zeros((1, st.prefill_width(n - start)), np.int32)
         tokens[0, :n - start] = cached[start:]
         # a copy of the page row: on the CPU a NumPy argument may be read in place (zero-copy) while the program
         # still runs, and the host changes the page table before anything waits for this prefill (a recompute)

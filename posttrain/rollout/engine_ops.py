@@ -76,6 +76,14 @@ class EngineSettings:
         """M, the page-table width."""
         return -(-self.max_seq_len // self.page_size)
 
+    def prefill_width(self, tokens: int) -> int:
+        """W of the prefill program for `tokens` new tokens: prefill_bucket times the smallest power of two that
+        holds them (one compile per width)."""
+        width = self.prefill_bucket
+        while width < tokens:
+            width *= 2
+        return width
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Request:
