@@ -40,7 +40,7 @@ def smollm2_path():
     try:
         return default_model_path()
     except FileNotFoundError as e:
-        pytest.skip(str(e))
+        pytest.skip(reason=str(e))
 
 
 def completion_lengths(tokens_BxL, stop_ids):

@@ -46,7 +46,7 @@ def test_every_python_block_runs_in_a_fresh_process(code):
     if SKIP_MARK in code:
         reason = code.split(SKIP_MARK, 1)[1].splitlines()[0].strip(" :()")
         assert reason, f"a {SKIP_MARK!r} marker must give its reason:\n{code}"
-        pytest.skip(reason)
+        pytest.skip(reason=reason)
     env = dict(os.environ)
     if os.environ.get("POSTTRAIN_XLA_CACHE"):  # the suite's compilation cache, through JAX's own variables
         env.update(JAX_COMPILATION_CACHE_DIR=os.environ["POSTTRAIN_XLA_CACHE"],

@@ -70,9 +70,9 @@ CASES = [
 def test_interpreter_is_visible_wherever_it_lives(case):
     name, base, mode, owner, private, expected = case
     if not os.path.isdir(base):
-        pytest.skip(f"no {base} here")
+        pytest.skip(reason=f"no {base} here")
     if owner is not None and not ROOT_MODE:
-        pytest.skip("chown needs root (and only root mode's bwrap is refused by a foreign 0700 dir)")
+        pytest.skip(reason="chown needs root (and only root mode's bwrap is refused by a foreign 0700 dir)")
     parent = Path(tempfile.mkdtemp(prefix="sbx-interp-", dir=base))
     parent.chmod(0o755)
     try:

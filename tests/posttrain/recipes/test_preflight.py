@@ -119,7 +119,7 @@ def test_every_cpu_config_fits_the_24gb_machine(rel):
 
     c = load_config(rel)
     if preflight.parse_machine(c.train.machine).platform != "cpu" or "rl" not in c:
-        pytest.skip("not a GRPO config for a CPU machine")
+        pytest.skip(reason="not a GRPO config for a CPU machine")
     cfg = from_config_dict(c)
     plan = make_run_plan(cfg, workdir="/nonexistent")
     prompt_len = cfg.train.preflight_prompt_len or 128  # the tiny configs skip the check at start-up
