@@ -27,13 +27,14 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", os.environ["JAX_DEFAULT_MATMUL_PRECISION"])
 
-# One persistent XLA compilation cache for the whole session and the CLI subprocesses it starts (`posttrain.cli`
-# reads POSTTRAIN_XLA_CACHE): many tests compile the same tiny-model programs (sampler, train step, init), and a
-# cache hit loads the executable instead of compiling it again. Fresh per session (removed at exit), so no test
-# depends on an earlier run. A compile with a buffer dump (`infra.aot.compile_with_report`) never hits it: its
-# options name a new dump folder each time. POSTTRAIN_TEST_XLA_CACHE=0 turns it off.
-# Under pytest-xdist the workers inherit the controlling process's folder (POSTTRAIN_TEST_XLA_CACHE_DIR), so a
-# program compiled by one worker is loaded by the other; the process that made the folder removes it.
+# One persistent XLA compilation cache for the whole session and every process it starts (`posttrain.cli` reads
+# POSTTRAIN_XLA_CACHE, other processes JAX's own variables): many tests compile the same tiny-model programs
+# (sampler, train step, init), and a cache hit loads the executable instead of compiling it again. Fresh per session
+# (removed at exit), so no test depends on an earlier run. A compile with a buffer dump
+# (`infra.aot.compile_with_report`) never hits it: its options name a new dump folder each time.
+# POSTTRAIN_TEST_XLA_CACHE=0 turns it off. Under pytest-xdist the workers inherit the controlling process's folder
+# (POSTTRAIN_TEST_XLA_CACHE_DIR), so a program compiled by one worker is loaded by the other; the process that
+# made the folder removes it.
 if os.environ.get("POSTTRAIN_TEST_XLA_CACHE", "1") != "0":
     _XLA_CACHE = os.environ.get("POSTTRAIN_TEST_XLA_CACHE_DIR", "")
     if not (os.environ.get("PYTEST_XDIST_WORKER") and os.path.isdir(_XLA_CACHE)):
@@ -41,6 +42,10 @@ if os.environ.get("POSTTRAIN_TEST_XLA_CACHE", "1") != "0":
         atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
         os.environ["POSTTRAIN_TEST_XLA_CACHE_DIR"] = _XLA_CACHE
     os.environ["POSTTRAIN_XLA_CACHE"] = _XLA_CACHE
+    # JAX reads these at start-up (its flags' environment names): every other process the suite starts (notebook
+    # kernels, bench subprocesses, scripts, multi-process tests) shares the cache too
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
     jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
