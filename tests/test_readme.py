@@ -47,11 +47,7 @@ def test_every_python_block_runs_in_a_fresh_process(code):
         reason = code.split(SKIP_MARK, 1)[1].splitlines()[0].strip(" :()")
         assert reason, f"a {SKIP_MARK!r} marker must give its reason:\n{code}"
         pytest.skip(reason=reason)
-    env = dict(os.environ)
-    if os.environ.get("POSTTRAIN_XLA_CACHE"):  # the suite's compilation cache, through JAX's own variables
-        env.update(JAX_COMPILATION_CACHE_DIR=os.environ["POSTTRAIN_XLA_CACHE"],
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=BLOCK_TIMEOUT_S)
     assert r.returncode == 0, f"README block failed:\n{code}\n{r.stderr[-4000:]}"
     assert r.stdout.strip() or "print(" not in code, "the block printed nothing"

@@ -174,8 +174,6 @@ CHILD = """
 import os, signal, sys, time
 sys.path[:0] = [{tests!r}, {here!r}]
 import jax
-if os.environ.get("POSTTRAIN_XLA_CACHE"):
-    jax.config.update("jax_compilation_cache_dir", os.environ["POSTTRAIN_XLA_CACHE"])
 import pytest
 import test_queue as tq
 from posttrain.recipes import grpo as loop
