@@ -6,7 +6,6 @@ A python block that cannot run quickly here carries the marker `# readme-test: s
 required and shown as the skip reason); none does today. The blocks share the suite's XLA compilation cache
 (tests/conftest.py), so a block that compiles what an earlier test compiled loads it instead.
 """
-import os
 import pathlib
 import re
 import shlex
