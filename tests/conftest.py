@@ -44,10 +44,11 @@ if os.environ.get("POSTTRAIN_TEST_XLA_CACHE", "1") != "0":
     os.environ["POSTTRAIN_XLA_CACHE"] = _XLA_CACHE
     # JAX reads these at start-up (its flags' environment names): every other process the suite starts (notebook
     # kernels, bench subprocesses, scripts, multi-process tests) shares the cache too
+    _MIN_COMPILE_S = "0.2"  # compiles shorter than this are not written
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
-    jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = _MIN_COMPILE_S
+    jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)  # this process imported JAX before setting them
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(_MIN_COMPILE_S))
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `from helpers import ...` in any test module
 

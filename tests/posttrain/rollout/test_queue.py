@@ -173,7 +173,6 @@ HERE = pathlib.Path(__file__).resolve().parent
 CHILD = """
 import os, signal, sys, time
 sys.path[:0] = [{tests!r}, {here!r}]
-import jax
 import pytest
 import test_queue as tq
 from posttrain.recipes import grpo as loop
