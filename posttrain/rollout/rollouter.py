@@ -29,7 +29,8 @@ from posttrain.infra.partitioning import current_rules
 from posttrain.rollout import batching, episodes as rollout, streaming, tickets
 from posttrain.rollout.engine_sampler import EngineSampler, EngineSamplerSettings
 from posttrain.rollout.floors import above_floor_metrics, spec_floors
-from posttrain.rollout.sampler import SamplingParams, sample, shared_prefix_len, shrink_schedule
+from posttrain.rollout.sampler import (SamplingParams, sample, shared_prefix_len, shrink_schedule,
+                                      template_prefix_len)
 from posttrain.tasks.policy import SchedulerSettings
 from posttrain.tasks.scheduler import TaskScheduler
 from posttrain.types import RolloutBatch
@@ -237,6 +238,7 @@ class Rollouter:
     advantage_fn: batching.AdvantageFn  # the algorithm's advantages of a step's rewards
     curriculum: Any = None  # posttrain.tasks.curriculum.DifficultyCurriculum when curriculum.enabled
     engine: EngineSampler | None = None  # the rollout engine behind sample_fn when settings.engine is set
+    template_prefix: int = 0  # tokens every first prompt shares (`sampler.template_prefix_len`): prefilled once
 
     @classmethod
     def create(cls, settings: RolloutSettings, mesh, graphdef, tokenizer, advantage_fn: batching.AdvantageFn,
@@ -261,9 +263,10 @@ class Rollouter:
         runner = rollout.HostShardedEnvs(make_runner(settings.num_workers, settings.step_timeout_s,
                                                           settings.env_backend))
         engine = EngineSampler(graphdef, settings.engine, mesh.devices.flat[0]) if settings.engine else None
+        template = template_prefix_len(lambda m: rollout.chat_prompt(tokenizer, m, settings.system_prompt))
         return cls(settings=settings, mesh=mesh, graphdef=graphdef, tokenizer=tokenizer, runner=runner,
                    scheduler=scheduler, train_specs=train_specs, advantage_fn=advantage_fn, curriculum=cur,
-                   engine=engine)
+                   engine=engine, template_prefix=template)
 
     def sample_fn(self, policy: tuple, params: SamplingParams) -> rollout.SampleFn:
         """(prompts, lengths, key, G, on_rows=None) -> SampleOutput with the policy states `policy` (LoRA adapters
@@ -277,7 +280,7 @@ class Rollouter:
             return self.engine.sample_fn(policy, params, tok.stop_ids, tok.pad_id, st.stream_chunk)
 
         def fn(prompts, lengths, key, group_size, on_rows=None):
-            shared = shared_prefix_len(prompts, lengths)  # e.g. the chat template's system turn: prefilled once
+            shared = shared_prefix_len(prompts, lengths, template=self.template_prefix)  # one length per run
             shrink = shrink_schedule(len(prompts) * group_size, st.decode_multiple, steps=st.decode_shrink_steps)
             every = st.stream_chunk if on_rows is not None else 0  # streaming scoring: finished rows to on_rows
             stream_id = streaming.register(on_rows) if every else 0

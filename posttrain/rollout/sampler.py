@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -241,14 +241,30 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, bucket: int = 16)
     return out, np.asarray([len(p) for p in prompts], np.int32)
 
 
-def shared_prefix_len(prompts_PxLp: np.ndarray, lengths_P: np.ndarray, multiple: int = 8) -> int:
+def shared_prefix_len(prompts_PxLp: np.ndarray, lengths_P: np.ndarray, multiple: int = 8, template: int = 0) -> int:
     """Length C of the token prefix common to all prompts, kept below every prompt's length (each prompt keeps
     at least one token of its own) and rounded down to a multiple of `multiple` (fewer distinct compiled
-    shapes). 0 when there is a single prompt or no common prefix. Host-side numpy."""
+    shapes). 0 when there is a single prompt or no common prefix. Host-side numpy.
+
+    template: the length of the prefix every prompt of the run shares by construction (the chat template's system
+    turn and user header: `template_prefix_len`), 0 if unknown. When the batch shares at least that many tokens, C
+    is that length rounded down, whatever else the batch's prompts share: a batch whose questions happen to start
+    alike (two "What is 3..." prompts) would otherwise prefill a longer prefix under its own compiled sample
+    program (a few seconds per new length on a CPU)."""
     prompts_PxLp, lengths_P = np.asarray(prompts_PxLp), np.asarray(lengths_P)
     if prompts_PxLp.shape[0] < 2:
         return 0
     same = (prompts_PxLp == prompts_PxLp[:1]).all(0)
     c = int(same.argmin()) if not same.all() else prompts_PxLp.shape[1]
     c = min(c, int(lengths_P.min()) - 1)
+    if 0 < template <= c:
+        c = template
     return max(c // multiple * multiple, 0)
+
+
+def template_prefix_len(render: Callable[[str], Sequence[int]]) -> int:
+    """Length of the token prefix that `render` (user message -> prompt token ids, e.g. the chat template with the
+    run's system prompt) gives every message: the common prefix of two renders whose messages share no
+    character, so what they share is the template's. For `shared_prefix_len(..., template=)`."""
+    a, b = list(render("0")), list(render("Zq"))
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

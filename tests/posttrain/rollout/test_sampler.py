@@ -179,6 +179,31 @@ def test_categorical_matches_softmax_law_and_never_draws_masked_tokens():
     assert (np.asarray(categorical(jnp.asarray([0.0, 0.5, 0.999999, 1.0 - 2 ** -24]), one)) == 123).all()
 
 
+def test_shared_prefix_len_stays_at_the_template_prefix():
+    """With the run's template prefix known, every batch that shares it gets the same C, however many more tokens
+    its prompts happen to share (each new C compiled its own sample program: 312 and 320 tokens for arithmetic
+    questions behind bench/async_rl.py's system turn); a batch sharing less falls back to its own common prefix;
+    `template_prefix_len` finds what the chat template puts before every message."""
+    from posttrain.model.tokenizer import Tokenizer
+    from posttrain.rollout.episodes import chat_prompt
+    from posttrain.rollout.sampler import shared_prefix_len, template_prefix_len
+
+    tok = Tokenizer.byte_level()
+    system = "Reply with the sum only. " * 3
+    template = template_prefix_len(lambda m: chat_prompt(tok, m, system))
+    first = chat_prompt(tok, "0", system)
+    assert 0 < template < len(first) and first[:template] == chat_prompt(tok, "What is 1 + 2?", system)[:template]
+    assert len(tok.decode(first[:template])) > len(system)  # the system turn and the user header
+    for questions, extra in ((["What is 3 + 4?", "What is 3 + 5?"], 12), (["What is 3 + 4?", "How much is 2?"], 0),
+                             (["12345678901234567890 a", "12345678901234567890 b"], 21)):
+        tokens, lengths = pad_prompts([chat_prompt(tok, q, system) for q in questions], 0, bucket=8)
+        assert shared_prefix_len(tokens, lengths, multiple=1) == template + extra  # what the batch shares
+        assert shared_prefix_len(tokens, lengths, template=template) == template // 8 * 8  # one C for the run
+    other = [chat_prompt(tok, q, "another system turn") for q in ("a", "b")]  # shares less: its own prefix
+    tokens, lengths = pad_prompts(other, 0, bucket=8)
+    assert shared_prefix_len(tokens, lengths, template=template) == shared_prefix_len(tokens, lengths) < template
+
+
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-deepseek"])
 def test_shared_prefix_prefill_matches_per_prompt_prefill(preset):
     """Prompts sharing their first C tokens: prefilling those once (shared_prefix_len=C) gives the same greedy
