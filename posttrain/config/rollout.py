@@ -36,11 +36,18 @@ class RolloutConfig:
             counts as its oldest token's version for staleness, and the loss corrects token by token (the
             sampler's logprob of each token is its behaviour policy). Needs max_staleness >= 1 and
             sampling.backend="engine" (a ConfigError otherwise).
+        sampler_priority: with max_staleness >= 1 on the learner's own devices, an update waits for a generation
+            call in progress to end before it starts (`RolloutQueue.yield_to_sampler`; perf/sampler_wait_s), so
+            the sampler, the producer's critical path, does not share the cores or the accelerator with an update
+            it started beside; updates never delay a generation (a generation starting during an update runs
+            beside it). Off (no effect) at max_staleness 0, with partial rollouts (a generation then spans
+            updates by design) and with split meshes (`mesh.rollout`: the sampler has devices of its own).
     """
 
     max_staleness: int = 0
     stream_chunk: int = 0
     partial: bool = False
+    sampler_priority: bool = True
 
     def __post_init__(self):
         v = self.max_staleness
@@ -49,6 +56,8 @@ class RolloutConfig:
         v = self.stream_chunk
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"rollout.stream_chunk={v!r}: an int >= 0 (decode steps between deliveries; 0: off)")
+        if not isinstance(self.sampler_priority, bool):
+            raise ValueError(f"rollout.sampler_priority={self.sampler_priority!r}: True or False")
         if self.partial and self.max_staleness < 1:
             raise ValueError(f"rollout.partial=True needs rollout.max_staleness >= 1 (weights that change during a "
                              f"batch make it off-policy), got {self.max_staleness}")

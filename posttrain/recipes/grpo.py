@@ -327,12 +327,14 @@ class _Loop:
         ready, waited = queue.get(step)
         traj, t1 = ready.trajectories, time.perf_counter()
         with self.stop.deferred():
+            sampler_wait_s = queue.yield_to_sampler()  # rollout.sampler_priority: a generation in progress first
             m = learner.update(traj.batch)
             self.resume, self.pending = ready.rollout_state, m
             self.synced, sync_s = queue.snapshot(learner.policy(), learner.rng)  # the next version's weights
             m.update(traj.metrics)
             m.update(metrics_lib.step_perf(traj.num_tokens, t0, t1, time.perf_counter()))
-            m.update(batch_metrics(ready, waited, time.perf_counter() - t0), **{"perf/weight_sync_s": sync_s})
+            m.update(batch_metrics(ready, waited, time.perf_counter() - t0), **{
+                "perf/weight_sync_s": sync_s, "perf/sampler_wait_s": sampler_wait_s})
             if self.writer:
                 archive.write_step(plan.workdir, step, traj.records)
                 view.write_status(plan.workdir, ready.status)  # `posttrain status` reads it

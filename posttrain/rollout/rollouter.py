@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Any, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 import jax
 import numpy as np
@@ -71,6 +71,8 @@ class RolloutSettings:
             all decoded). The samples are the same either way.
         partial: partial rollouts (`rollout.queue`): new weights published while a batch decodes go into the
             running engine at once (max_staleness >= 1 and the engine only).
+        sampler_priority: an update waits for a generation call in progress before it starts (`rollout.queue`;
+            max_staleness >= 1, no partial rollouts, the learner's own devices).
         engine: the rollout engine's size when it samples (`sampling.backend="engine"`, `rollout.engine_sampler`);
             None: the dense sampler (`sampler.sample`).
     """
@@ -101,6 +103,7 @@ class RolloutSettings:
     max_staleness: int = 0
     stream_chunk: int = 0
     partial: bool = False
+    sampler_priority: bool = True
     engine: EngineSamplerSettings | None = None
 
 
@@ -216,6 +219,16 @@ def make_scheduler(settings: RolloutSettings, sources: Mapping[str, Any]):
     from posttrain.tasks.jobs import JobScheduler
 
     return JobScheduler(sources, settings.tasks, weights=weights)
+
+
+def _gated(fn: rollout.SampleFn, gate: Callable[[], ContextManager]) -> rollout.SampleFn:
+    """`fn` with `gate()` held around each call until its outputs are computed (jax.block_until_ready)."""
+
+    def gated(*args, **kwargs):
+        with gate():
+            return jax.block_until_ready(fn(*args, **kwargs))
+
+    return gated
 
 
 def write_jsonl(path: pathlib.Path, records) -> None:
@@ -353,15 +366,20 @@ class Rollouter:
         self.scheduler.set_weights(cur.weights())
         return cur.metrics()
 
-    def collect(self, step: int, policy: tuple, rng, policy_version: int | None = None) -> Trajectories:
+    def collect(self, step: int, policy: tuple, rng, policy_version: int | None = None,
+                gate: Callable[[], ContextManager] | None = None) -> Trajectories:
         """Step `step`'s trajectories from the policy states `policy`, sampled with keys from the run's `rng`
         folded with the step (invariant 10: a fresh key per step). policy_version: the archive rows' version of
         samples whose tokens carry none (the rollout queue's; None: `step`); a sample whose tokens carry versions
-        (the rollout engine) records its oldest token's."""
+        (the rollout engine) records its oldest token's. gate: a context manager held around each generation call
+        until its outputs are computed (the rollout queue's `generating`: sampler priority)."""
         st = self.settings
         if self.engine is not None:
             self.engine.pop_metrics()  # an evaluation's since the last step: not this step's
-        samples, perf, attempts = self.draw(step, self.sample_fn(policy, st.sampling), jax.random.fold_in(rng, step))
+        fn = self.sample_fn(policy, st.sampling)
+        if gate is not None:
+            fn = _gated(fn, gate)
+        samples, perf, attempts = self.draw(step, fn, jax.random.fold_in(rng, step))
         perf.update(self.engine.pop_metrics() if self.engine is not None else {})
         if self.curriculum is not None:
             perf.update(self.advance_curriculum(samples))

@@ -4,6 +4,7 @@ and a tiny-model run at max_staleness=2 crashed mid-run and resumed trains no sa
 was sampled (the archive's policy_version column), re-sampling what was queued at the crash with the restored
 policy. The loop at max_staleness=0 against the synchronous loop's recordings: test_golden_run.py and
 test_tickets.py (acceptance 1)."""
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -23,20 +24,29 @@ from posttrain.rollout.rollouter import Trajectories
 @dataclasses.dataclass
 class FakeRollouter:
     """collect(step, policy, rng) records which policy (a version number) sampled each step; `delay_s` per
-    batch; `fail_at`: the step whose collect raises."""
+    batch (env time); `gen_s`: a generation call first, inside the queue's gate (its (start, end) times in
+    `gens`); `fail_at`: the step whose collect raises."""
 
     max_staleness: int
     delay_s: float = 0.0
     fail_at: int = -1
     calls: list = dataclasses.field(default_factory=list)
+    sampler_priority: bool = False
+    gen_s: float = 0.0
+    gens: list = dataclasses.field(default_factory=list)
 
     @property
     def settings(self):
         return self
 
-    def collect(self, step, policy, rng, policy_version=None):
+    def collect(self, step, policy, rng, policy_version=None, gate=None):
         if step == self.fail_at:
             raise OSError(f"env workers gone at step {step}")
+        if self.gen_s:
+            with gate() if gate is not None else contextlib.nullcontext():
+                t = time.perf_counter()
+                time.sleep(self.gen_s)
+                self.gens.append((step, t, time.perf_counter()))
         time.sleep(self.delay_s)
         self.calls.append((step, policy))
         return Trajectories(batch=None, metrics={"reward/mean": float(step)},
@@ -77,6 +87,34 @@ def test_the_producer_stays_within_the_bound_and_reaches_it_when_the_learner_is_
         assert all(b.version == b.step for b in got)  # the synchronous loop: batch s from version s
     elif update_s:  # the producer is faster than the learner: it runs the whole bound ahead
         assert max(b.step - b.version for b in got) == k
+
+
+@pytest.mark.parametrize("priority", [True, False])
+def test_with_sampler_priority_an_update_waits_for_the_generation_under_way_or_about_to_start(priority):
+    """rollout.sampler_priority at max_staleness=1: the producer (0.15 s of generation, 0.25 s of env a batch)
+    starts generating batch s + 1 as soon as it has queued batch s (or as soon as the version it needs is
+    published); the learner, woken by batch s, starts its update only after that generation (it waits in
+    `yield_to_sampler`), never the producer for the learner. Without it the update starts first and runs beside
+    the generation (the case the setting removes: both slowed on shared cores)."""
+    r = FakeRollouter(1, delay_s=0.25, sampler_priority=priority, gen_s=0.15)
+    updates, waits = [], []
+    with RolloutQueue(r, start=0, steps=6, policy=0, rng=None) as q:
+        assert q.sampler_priority is priority
+        for s in range(6):
+            q.get(s)
+            waits.append(q.yield_to_sampler())
+            t = time.perf_counter()
+            time.sleep(0.1)
+            updates.append(t)
+            q.publish(s + 1, (s + 1, None))
+    gens = {step: (t0, t1) for step, t0, t1 in r.gens}
+    # the update of batch s against batch s + 1's generation (started right after batch s was queued)
+    after = [updates[s] >= gens[s + 1][1] - 1e-3 for s in range(1, 5)]
+    if priority:
+        assert all(after), (updates, gens)
+        assert min(waits[1:5]) > 0.05  # it waited for each (about gen_s)
+    else:
+        assert not any(after) and waits == [0.0] * 6
 
 
 def test_a_resumed_queue_starts_at_the_restored_version():
