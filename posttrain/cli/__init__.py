@@ -3,9 +3,9 @@
   posttrain train  --config=configs/quickstart.py [--config.rl.group_size=8 ...] [--workdir=DIR]   (GRPO)
   posttrain sft    --config=configs/sft_tiny.py [--workdir=DIR]   (supervised fine-tuning on chat data)
   posttrain dpo    --config=configs/dpo_tiny.py [--workdir=DIR]   (direct preference optimisation on pairs)
-  posttrain sft    --from_archive=RUN [--min_reward=1] [--max_per_prompt=1] [--config=...] [--workdir=DIR]
+  posttrain sft    --from_archive=RUN[,RUN] [--min_reward=1] [--max_per_prompt=1] [--config=...] [--workdir=DIR]
                    (rejection-sampling fine-tuning on a GRPO run's successful episodes; base model: the run's)
-  posttrain dpo    --from_archive=RUN [--config=...] [--workdir=DIR]   (pairs from the run's groups: 1 over 0)
+  posttrain dpo    --from_archive=RUN[,RUN] [--config=...] [--workdir=DIR]   (pairs from the run's groups: 1 over 0)
   posttrain eval   --config=configs/quickstart.py --checkpoint=DIR   (DIR: a run's workdir)
   posttrain eval   --suite=configs/eval/default.py --checkpoint=DIR [--baseline=base|RUN2] [--limit=N]
                    [--domains=PATTERNS] [--out=DIR]   (a suite, paired verdicts vs the baseline; recipes/evaluate.py)

@@ -141,10 +141,8 @@ def _offline_config(f, name: str, default) -> dict:
         raise SystemExit("error: --config=configs/<name>.py or --from_archive=<GRPO run workdir> is required")
     raw = (f.config if f.config is not None else default()).to_dict()
     if f.from_archive:
-        saved = os.path.join(f.from_archive, "config.json")
-        if f.config is None and os.path.isfile(saved):
-            with open(saved, encoding="utf-8") as fh:
-                raw["model"] = json.load(fh).get("model", raw["model"])
+        if f.config is None:
+            raw["model"] = _archive_model(f.from_archive, raw["model"])
         raw[name]["from_archive"] = f.from_archive
     for key in ("min_reward", "max_per_prompt"):
         if getattr(f, key) is not None:
@@ -152,6 +150,24 @@ def _offline_config(f, name: str, default) -> dict:
                 raise SystemExit(f"error: --{key} applies to sft --from_archive only")
             raw[name][key] = getattr(f, key)
     return raw
+
+
+def _archive_model(runs: str, default: dict) -> dict:
+    """The `model` section of the runs in --from_archive (their saved config.json; `default` for a run without
+    one). Raises SystemExit naming two runs whose models differ: their archives' token ids are different models'."""
+    from posttrain.config.sft import archive_runs
+
+    models = {}
+    for run in archive_runs(runs):
+        saved = os.path.join(run, "config.json")
+        if os.path.isfile(saved):
+            with open(saved, encoding="utf-8") as fh:
+                models[run] = json.load(fh).get("model", default)
+    distinct = {json.dumps(m, sort_keys=True): r for r, m in models.items()}
+    if len(distinct) > 1:
+        raise SystemExit(f"error: --from_archive={runs}: the runs {sorted(distinct.values())} have different "
+                         "`model` sections (their archives' token ids belong to different models)")
+    return next(iter(models.values()), default)
 
 
 def _offline(f, name: str, default, load, make_plan, train, eval_key: str) -> int:

@@ -39,9 +39,10 @@ def define_flags():
         flags.DEFINE_float("temperature", 0.0, "sample: 0 = greedy")
         flags.DEFINE_integer("seed", 0, "sample: the sampling stream (temperature > 0: another seed, another reply)")
         flags.DEFINE_bool("progress", True, "train: show a progress bar")
-        flags.DEFINE_string("from_archive", None, "sft/dpo/rm: a GRPO run's workdir: train on its episode archive "
-                            "(sft: its successful replies; dpo, rm: pairs from its groups) instead of the config's data; "
-                            "without --config, the run's own model section")
+        flags.DEFINE_string("from_archive", None, "sft/dpo/rm: a GRPO run's workdir, or several separated by "
+                            "commas (runs of one model): train on their episode archives (sft: the successful replies; "
+                            "dpo, rm: pairs from the groups) instead of the config's data; without --config, the runs' "
+                            "own model section")
         flags.DEFINE_float("min_reward", None, "sft --from_archive: the reward a successful episode reaches "
                            "(default: sft.min_reward, 1)")
         flags.DEFINE_integer("max_per_prompt", None, "sft --from_archive: distinct successful replies kept per prompt "

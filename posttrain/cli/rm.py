@@ -1,7 +1,7 @@
 """`posttrain rm`: train a reward model (Bradley-Terry on preference pairs; `posttrain.recipes.rm`).
 
   posttrain rm     --config=configs/rm_tiny.py [--workdir=DIR]   (a scalar head on the config's model)
-  posttrain rm     --from_archive=RUN [--config=...] [--workdir=DIR]   (pairs from a GRPO run's groups: 1 over 0)
+  posttrain rm     --from_archive=RUN[,RUN] [--config=...] [--workdir=DIR]   (pairs from a GRPO run's groups: 1 over 0)
                    (prints the steps and the held-out rm/accuracy at the start and the end as one JSON line; the
                    model is exported to DIR/reward_model, what a GRPO run's rewards.model=DIR loads)
 """

@@ -36,7 +36,8 @@ class DPOConfig:
         the model and data hashes match (False: recompute at every start).
       eval_at_start: held-out pair accuracy and margins before the first step.
       eval_at_end: the same after the last step.
-      from_archive: a GRPO run's workdir: pairs from its archived groups instead of train_path / train_examples
+      from_archive: a GRPO run's workdir, or several separated by commas (`config.sft.archive_runs`): pairs
+        from their archived groups instead of train_path / train_examples
         (same prompt and policy version, a reply scored 1 chosen over one scored 0;
         `posttrain.algos.from_archive.dpo_pairs`; held out: eval_fraction of its prompts). "": not used.
     """

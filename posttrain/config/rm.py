@@ -39,7 +39,8 @@ class RMConfig:
       eval_at_end: the same after the last step.
       export: write the trained model as a transformers `AutoModelForSequenceClassification` directory in
         `<workdir>/reward_model` at the end (what `rewards.model=<workdir>` of a GRPO run loads).
-      from_archive: a GRPO run's workdir: pairs from its archived groups (same prompt and policy version, a reply
+      from_archive: a GRPO run's workdir, or several separated by commas (`config.sft.archive_runs`): pairs
+        from their archived groups (same prompt and policy version, a reply
         scored 1 chosen over one scored 0; `posttrain.algos.from_archive.dpo_pairs`). "": not used.
     """
 

@@ -47,7 +47,8 @@ class SFTConfig:
         moe_aux_coef: MoE load-balance coefficient (< 0: the model's own).
         eval_at_start: held-out NLL and perplexity before the first step.
         eval_at_end: held-out NLL and perplexity after the last step.
-        from_archive: a GRPO run's workdir: train on its archived successful episodes instead of train_path /
+        from_archive: a GRPO run's workdir, or several separated by commas (`config.sft.archive_runs`): train
+            on their archived successful episodes instead of train_path /
             train_examples (rejection-sampling fine-tuning, `posttrain.algos.from_archive.sft_examples`; held out:
             eval_fraction of its prompts). "": not used.
         min_reward: with from_archive, an episode is successful when its reward is >= this (and its status ok).
@@ -161,16 +162,28 @@ def offline_config_from_dict(cd, name: str, section_cls, run_cls, data_kind: str
     return run_cls(**{k: getattr(shared, k) for k in SHARED_SECTIONS}, **{name: own})
 
 
-def check_archive(run: str, key: str) -> None:
-    """Raises ConfigError naming `key` and `run` when `run` is not a directory holding an episode archive
-    (`<run>/archive/step_*.parquet`, `posttrain.tasks.archive`)."""
+def archive_runs(spec: str) -> list[str]:
+    """The run directories of a `from_archive` value: one workdir, or several separated by commas (e.g. the seeds
+    of one config: "runs/s0,runs/s1,runs/s2"), in order, blanks dropped."""
+    return [r.strip() for r in spec.split(",") if r.strip()]
+
+
+def check_archive(runs: str, key: str) -> None:
+    """Raises ConfigError naming `key` and the run when a run of `runs` (`archive_runs`) is not a directory
+    holding an episode archive (`<run>/archive/step_*.parquet`, `posttrain.tasks.archive`), or when two of them
+    are one directory."""
     import glob
 
-    if not os.path.isdir(run):
-        raise ConfigError(f"{key}={run!r}: no such run directory")
-    if not glob.glob(os.path.join(run, "archive", "step_*.parquet")):
-        raise ConfigError(f"{key}={run!r}: the run has no episode archive ({os.path.join(run, 'archive')} holds no "
-                          "step_*.parquet file; GRPO runs write one per step)")
+    seen = set()
+    for run in archive_runs(runs):
+        if not os.path.isdir(run):
+            raise ConfigError(f"{key}={runs!r}: {run!r}: no such run directory")
+        if not glob.glob(os.path.join(run, "archive", "step_*.parquet")):
+            raise ConfigError(f"{key}={runs!r}: {run!r} has no episode archive ({os.path.join(run, 'archive')} "
+                              "holds no step_*.parquet file; GRPO runs write one per step)")
+        if os.path.realpath(run) in seen:
+            raise ConfigError(f"{key}={runs!r}: {run!r} is named twice")
+        seen.add(os.path.realpath(run))
 
 
 def to_dict(cfg: SFTRunConfig) -> dict:

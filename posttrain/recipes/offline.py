@@ -62,13 +62,29 @@ def place(batch, mesh, rules):
     return jax.tree.map(distributed.global_array, batch, batch_shardings(mesh, batch, rules))
 
 
-def archive_table(run) -> "pyarrow.Table":
-    """The episode archive of the run in directory `run` (`tasks.archive.read`: every step, every row). Raises
-    FileNotFoundError naming the run when it has no archive (no `archive/step_*.parquet` file)."""
-    if not archive.step_files(run):
-        raise FileNotFoundError(f"{str(run)!r} has no episode archive ({archive.archive_dir(run)} holds no "
-                                "step_*.parquet file): from_archive takes the workdir of a GRPO run")
-    return archive.read(run)
+def archive_table(runs) -> "pyarrow.Table":
+    """The episode archives of the runs `runs` names (a workdir, or several separated by commas:
+    `config.sft.archive_runs`), every step and row of each (`tasks.archive.read`), concatenated in that order.
+    Raises FileNotFoundError naming a run that has no archive (no `archive/step_*.parquet` file), ValueError when
+    two runs' archives hold the same run name (their episode ids and groups would collide: e.g. two workdirs
+    both called "run")."""
+    import pyarrow as pa
+
+    from posttrain.config.sft import archive_runs
+
+    tables, owner = [], {}
+    for run in archive_runs(str(runs)):
+        if not archive.step_files(run):
+            raise FileNotFoundError(f"{str(run)!r} has no episode archive ({archive.archive_dir(run)} holds no "
+                                    "step_*.parquet file): from_archive takes the workdir of a GRPO run")
+        table = archive.read(run)
+        for name in set(table.column("run").to_pylist()):
+            if name in owner:
+                raise ValueError(f"the archives of {owner[name]!r} and {str(run)!r} both hold run {name!r}: their "
+                                 "episodes would be taken for one run's (rename a workdir and rerun it, or use one)")
+            owner[name] = str(run)
+        tables.append(table)
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
 
 
 def write_config(workdir: pathlib.Path, config_dict: Mapping) -> None:

@@ -202,3 +202,41 @@ def test_cli_help_lists_the_archive_flags(capsys):
         out = capsys.readouterr().out
         assert all(f"--{n}=" in out for n in names) and f"posttrain {command}    --from_archive=RUN" in out, out
     assert "--max_per_prompt" not in out  # dpo's help: the sft-only flag is not listed
+
+
+def test_several_runs_archives_are_read_as_one_and_their_groups_stay_apart(tmp_path):
+    """from_archive="A,B" (e.g. the seeds of one config): the archives in order, one table; a pair never joins
+    replies of two runs (the group key has the run); two archives of one run name, a run named twice, a missing
+    run and runs of different models are clear errors."""
+    from posttrain.cli.commands import _archive_model
+    from posttrain.config.sft import archive_runs, check_archive
+    from posttrain.recipes import offline
+
+    def write(name, run_name, model):
+        d = tmp_path / name
+        for step in (0, 1):
+            rows = [{**r, "run": run_name, "episode_id": r["episode_id"].replace("run:", f"{run_name}:")}
+                    for r in ROWS if r["step"] == step]
+            archive.write_step(d, step, rows)
+        (d / "config.json").write_text(json.dumps({"model": model}))
+        return str(d)
+
+    a, b = write("s0", "s0", {"preset": "tiny"}), write("s1", "s1", {"preset": "tiny"})
+    assert archive_runs(f" {a}, {b},") == [a, b]
+    check_archive(f"{a},{b}", "dpo.from_archive")
+    both = offline.archive_table(f"{a},{b}")
+    assert both.column("run").to_pylist() == ["s0"] * len(ROWS) + ["s1"] * len(ROWS)
+    pairs = from_archive.dpo_pairs(both)[0]
+    one = from_archive.dpo_pairs(offline.archive_table(a))[0]
+    assert len(pairs) == 2 * len(one) and all(p.pair_id.count("s0:") in (0, 2) for p in pairs)
+    assert _archive_model(f"{a},{b}", {}) == {"preset": "tiny"}
+    c = write("s2", "s0", {"preset": "tiny"})
+    with pytest.raises(ValueError, match="both hold run 's0'"):
+        offline.archive_table(f"{a},{c}")
+    with pytest.raises(ConfigError, match="named twice"):
+        check_archive(f"{a},{a}", "sft.from_archive")
+    with pytest.raises(ConfigError, match=r"'.*missing': no such run directory"):
+        check_archive(f"{a},{tmp_path / 'missing'}", "rm.from_archive")
+    d = write("s3", "s3", {"preset": "tiny-dense"})
+    with pytest.raises(SystemExit, match="different `model` sections"):
+        _archive_model(f"{a},{d}", {})
