@@ -79,14 +79,18 @@ def write_safetensors(tensors: dict[str, np.ndarray], out: pathlib.Path, max_sha
     return names
 
 
-def save_tokenizer(tokenizer, out_dir, *, model_max_length: int | None = None) -> list[str]:
+def save_tokenizer(tokenizer, out_dir, *, model_max_length: int | None = None,
+                   pad_token: str | None = None) -> list[str]:
     """Writes tokenizer.json, tokenizer_config.json (with `chat_template`) and special_tokens_map.json for a
     `posttrain.model.tokenizer.Tokenizer`, so `transformers.AutoTokenizer.from_pretrained(out_dir)` loads it offline.
-    Returns the file names written."""
+    pad_token: the pad token written instead of the tokenizer's own (a reward model's export: the one its config's
+    pad_token_id names). Returns the file names written."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.backend.save(str(out / "tokenizer.json"))
     special = dict(tokenizer.special_tokens)
+    if pad_token is not None:
+        special["pad_token"] = pad_token
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
               "add_bos_token": False, "add_eos_token": False, **special}
     if model_max_length:

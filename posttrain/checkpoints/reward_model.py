@@ -9,7 +9,8 @@ and `AutoTokenizer`, offline):
                        last token that is not `pad_token_id`) reads the reply's last token, end of turn included, as
                        posttrain does
   model.safetensors    the backbone's tensors (`hf.arrays_to_hf`; no `lm_head.weight`) and `score.weight` [1, D]
-  tokenizer files      as `export.save_tokenizer` writes them (when a tokenizer is given)
+  tokenizer files      as `export.save_tokenizer` writes them (when a tokenizer is given), the pad token the one of
+                       `pad_token_id`, so that `AutoTokenizer(..., padding=True)` pads with what the pooling skips
 A posttrain run directory of `posttrain rm` holds one in `reward_model/` (`load_reward_model` accepts either).
 """
 from __future__ import annotations
@@ -72,8 +73,10 @@ def export_reward_model(cfg: ModelConfig, state, out_dir, *, tokenizer=None, dty
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     write_safetensors({n: np.asarray(a).astype(np_dtype) for n, a in tensors.items()}, out, max_shard_bytes)
-    if tokenizer is not None:
-        save_tokenizer(tokenizer, out, model_max_length=cfg.max_position)
+    if tokenizer is not None:  # its pad token is the config's pad_token_id: `tokenizer(..., padding=True)` then
+        # pads with what transformers' pooling skips (SmolLM2's own pad, <|im_end|>, ends every reply)
+        save_tokenizer(tokenizer, out, model_max_length=cfg.max_position,
+                       pad_token=tokenizer.backend.id_to_token(extra["pad_token_id"]))
     return out
 
 

@@ -55,36 +55,44 @@ def test_rm_tiny_trains_and_exports(tmp_path):
     np.testing.assert_allclose((ours[0::2] - ours[1::2]).mean(), end["rm/margin"], rtol=1e-4, atol=1e-4)
 
 
-def test_transformers_reads_the_export_and_scores_the_same(tmp_path):
+@pytest.mark.parametrize("pad_is_eos", [False, True])
+def test_transformers_reads_the_export_and_scores_the_same(tmp_path, pad_is_eos):
     """A random tiny-dense reward model (head weights spread over [-1, 1]) exported and read back by transformers'
-    AutoModelForSequenceClassification: LlamaForSequenceClassification, one label, our scores (<= 1e-4, f32)."""
+    AutoModelForSequenceClassification: LlamaForSequenceClassification, one label, our scores (<= 1e-4, f32) on
+    a batch the exported AutoTokenizer pads (padding=True), also for a tokenizer whose pad is its end-of-turn
+    token, as SmolLM2's: the export's tokenizer padded with <|im_end|> while the config's pad_token_id was 0, so
+    transformers pooled a padding position of every shorter sequence (a trained SmolLM2 reward model: 0.71 off)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from helpers import random_model
+    from helpers import pad_is_eos_tokenizer, random_model
 
     from posttrain.checkpoints.reward_model import export_reward_model
     from posttrain.infra import mesh as mesh_lib
     from posttrain.model.reward_head import with_head
     from posttrain.model.tokenizer import Tokenizer
 
-    tok = Tokenizer.byte_level()
+    tok = pad_is_eos_tokenizer() if pad_is_eos else Tokenizer.byte_level()
     cfg, graphdef, state = random_model("tiny-dense", seed=2, std=0.05, vocab_size=320, dtype="float32",
                                         param_dtype="float32")
     mesh = mesh_lib.make_mesh({"fsdp": 1}, jax.devices()[:1])
     rm_def, rm_state = with_head(cfg, graphdef, state, mesh, mesh_lib.RULES, score=np.linspace(-1, 1, cfg.d_model))
     export_reward_model(cfg, rm_state, tmp_path, tokenizer=tok)
-    seqs = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}]))
-            for q, a in (("What is 2 + 3?", "5"), ("Hi", "Hello there!"), ("Name a colour.", "Blue, or red."))]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}])
+             for q, a in (("What is 2 + 3?", "5"), ("Hi", "Hello there!"), ("Name a colour.", "Blue, or red."))]
+    seqs = [tok.encode(t) for t in texts]
     tokens, lengths = padded(seqs, tok.pad_id)
     ours = np.asarray(jax.jit(lambda st, t, n: nnx.merge(rm_def, st).score_sequences(t, n))(
         rm_state, jnp.asarray(tokens), jnp.asarray(lengths)))
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path, torch_dtype=torch.float32)
     assert type(hf).__name__ == "LlamaForSequenceClassification" and hf.config.num_labels == 1
-    assert hf.config.pad_token_id == tok.pad_id and tok.pad_id not in tok.stop_ids
-    mask = (np.arange(tokens.shape[1])[None] < lengths[:, None]).astype(np.int64)
+    assert hf.config.pad_token_id not in tok.stop_ids
+    assert (hf.config.pad_token_id == tok.pad_id) is not pad_is_eos
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert hf_tok.pad_token_id == hf.config.pad_token_id
+    enc = hf_tok(texts, padding=True, add_special_tokens=False, return_tensors="pt")
+    assert [row[row_mask.bool()].tolist() for row, row_mask in zip(enc["input_ids"], enc["attention_mask"])] == seqs
     with torch.no_grad():
-        theirs = hf(input_ids=torch.from_numpy(tokens.astype(np.int64)),
-                    attention_mask=torch.from_numpy(mask)).logits[:, 0].numpy()
+        theirs = hf(**enc).logits[:, 0].numpy()
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
     assert np.ptp(ours) > 1e-2  # scores that differ: the comparison can fail
 
