@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     from posttrain.infra import distributed
     from posttrain.checkpoints.orbax import CheckpointCorruptError
     from posttrain.recipes.grpo import RunNotFoundError
-    from posttrain.rollout.rollouter import EnvInfraError
+    from posttrain.rollout.env_side import EnvInfraError
 
     distributed.initialize(True if f.distributed else None)
     if command != "plan":  # a plan measures a real compile (time, buffer report): no persistent cache

@@ -35,7 +35,7 @@ from posttrain.eval import collapse as collapse_lib
 from posttrain.eval import metrics as metrics_lib
 from posttrain.rollout.episodes import Episode, run_episodes
 from posttrain.rollout.floors import env_floor, spec_floors  # noqa: F401  (re-exported: suite.py, tests)
-from posttrain.rollout.rollouter import task_sources
+from posttrain.rollout.env_side import task_sources
 from posttrain.rollout.sampler import SamplingParams
 
 

@@ -32,7 +32,8 @@ from posttrain.learn.learner import LearnerSettings
 from posttrain.learn.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
 from posttrain.recipes.off_policy import off_policy_defaults
 from posttrain.recipes.reward_plan import RewardSettings, reward_settings
-from posttrain.rollout.rollouter import EnvSpecError, RolloutSettings, probe_workers, task_sources
+from posttrain.rollout.env_side import EnvSpecError, probe_workers, task_sources
+from posttrain.rollout.rollouter import RolloutSettings
 from posttrain.rollout.engine_sampler import engine_settings
 from posttrain.rollout.sampler import SamplingParams, logprob_temperature
 from posttrain.tasks.policy import SchedulerSettings, policies_from_mapping, resolve_policies
@@ -123,11 +124,10 @@ def check_names(cfg: Config) -> None:
 
 
 def check_envs(plan: RunPlan) -> tuple[dict, dict]:
-    """Builds every env of the plan once, before any model load or worker start (each construction runs the env's
-    golden self-check): (`task_sources` of env.train, the held-out episodes of env.eval), for the rollouter and the
-    evaluation to use. With env workers, one worker process starts each env once too. Raises ConfigError naming
-    env.train.<name> / env.eval.<name>, its id, its kwargs and the env's error (an unregistered id: the registered
-    ids and the `module:Env-v0` form; an env a worker cannot build: that form)."""
+    """Builds every env of the plan once (golden self-checks), before any model load or worker start: (`task_sources`
+    of env.train, env.eval's held-out episodes) for the rollouter and the evaluation; with env workers one worker
+    starts each env too. Raises ConfigError naming env.train.<name> / env.eval.<name>, its id, kwargs and the env's
+    error (an unregistered id: the registered ids and the `module:Env-v0` form; a worker's failure: that form)."""
     from posttrain.eval import runner as eval_runner
 
     try:

@@ -321,7 +321,7 @@ class RewardedRollouter(Rollouter):
 
         return scored
 
-    def collect(self, step: int, policy: tuple, rng, policy_version: int | None = None):
-        """`Rollouter.collect` with the trained samples' `reward_metrics` added."""
-        t = super().collect(step, policy, rng, policy_version)
+    def collect(self, step: int, policy: tuple, rng, policy_version: int | None = None, gate=None):
+        """`Rollouter.collect` (its arguments) with the trained samples' `reward_metrics` added."""
+        t = super().collect(step, policy, rng, policy_version, gate)
         return dataclasses.replace(t, metrics={**t.metrics, **reward_metrics(t.records)})

@@ -10,7 +10,7 @@ from helpers import scripted_output
 from posttrain.eval import metrics, records as records_lib, runner
 from posttrain.model.tokenizer import Tokenizer
 from posttrain.rollout.episodes import InlineEnvs
-from posttrain.rollout.rollouter import task_sources
+from posttrain.rollout.env_side import task_sources
 from posttrain.config import EnvSpec
 
 TOK = Tokenizer.byte_level()

@@ -42,7 +42,7 @@ class Producer:
         self.r, self.prompts, self.lengths, self.devices = rollouter, prompts, lengths, devices
         self.settings, self.on_rollout = rollouter.settings, []
 
-    def collect(self, step, policy, rng, policy_version=None):
+    def collect(self, step, policy, rng, policy_version=None, gate=None):  # no gate: split meshes
         self.on_rollout.append(reshard.on_devices((policy, rng), self.devices))
         return Traj((sample(self.r, policy, rng, step, self.prompts, self.lengths),))
 

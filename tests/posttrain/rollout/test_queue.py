@@ -275,3 +275,23 @@ def test_a_run_at_staleness_2_killed_and_resumed_never_trains_beyond_the_bound(t
     assert [m["step"] for m in metrics] == list(range(1, 6))
     assert [m["rollout/staleness_max"] for m in metrics] == [lag[s] for s in range(5)]
     assert all("policy/tis_weight" in m and 0 <= m["perf/idle_ratio_train"] <= 1 for m in metrics)
+
+
+def test_every_rollouter_takes_what_the_queue_passes_to_collect():
+    """The queue calls `collect(step, policy, rng, policy_version=, gate=)`: every Rollouter subclass in posttrain
+    keeps the base's parameters (RewardedRollouter's override lacked `gate`, so an asynchronous run with
+    rewards.model or rewards.judge failed at its first batch)."""
+    import inspect
+
+    import posttrain.rollout.rewards  # noqa: F401 - defines RewardedRollouter
+    from posttrain.rollout.rollouter import Rollouter
+
+    def subclasses(cls):
+        return [c for s in cls.__subclasses__() for c in (s, *subclasses(s))]
+
+    want = list(inspect.signature(Rollouter.collect).parameters)
+    assert want[-2:] == ["policy_version", "gate"]
+    found = [c for c in subclasses(Rollouter) if c.__module__.startswith("posttrain.")]
+    assert found, "no subclass found: the check would pass vacuously"
+    for cls in found:
+        assert list(inspect.signature(cls.collect).parameters) == want, cls

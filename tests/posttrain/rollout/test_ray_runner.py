@@ -16,7 +16,7 @@ from helpers import tiny_config
 from posttrain.config import ConfigError
 from posttrain.recipes.run_plan import make_run_plan
 from posttrain.rollout.episodes import Sample
-from posttrain.rollout.rollouter import make_runner
+from posttrain.rollout.env_side import make_runner
 from posttrain.rollout.tickets import StepDraw
 from posttrain.tasks import archive
 from posttrain.tasks.jobs import JobScheduler

@@ -4,7 +4,7 @@ import functools
 
 import pytest
 
-from posttrain.rollout import rollouter
+from posttrain.rollout import env_side, rollouter
 from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.recipes.run_plan import make_run_plan
 from helpers import tiny_config
@@ -54,7 +54,7 @@ def test_advance_curriculum_moves_specs_and_task_sources():
                    kwargs={"dataset": "chain_sum", "config": "{}", "level": 2, "size": 50, "split": "train"})
     specs = {"chain": spec}
     cur = from_env_specs(specs, CurriculumConfig(enabled=True, window=8, min_episodes=8))
-    source = rollouter.task_sources(specs)["chain"][2]
+    source = env_side.task_sources(specs)["chain"][2]
     scheduler = TaskScheduler({"chain": source}, {"chain": 1.0})
     run = types.SimpleNamespace(curriculum=cur, train_specs=dict(specs), scheduler=scheduler)
     advance = functools.partial(rollouter.Rollouter.advance_curriculum, run)
@@ -97,7 +97,7 @@ def test_a_step_over_the_infra_error_limit_stops_with_the_first_worker_error(mon
     if not raised:
         assert len(r.draw(7, None, jax.random.key(0))[0]) == 8
         return
-    with pytest.raises(rollouter.EnvInfraError) as info:
+    with pytest.raises(env_side.EnvInfraError) as info:
         r.draw(7, None, jax.random.key(0))
     bad = statuses.count("infra_error")
     assert str(info.value) == (f"step 7: {bad} of 8 episodes ended in infra errors (more than "
@@ -143,7 +143,7 @@ def test_the_cli_prints_an_infra_error_stop_in_one_line_with_exit_code_1(monkeyp
     from posttrain import cli
 
     def failing(f):
-        raise rollouter.EnvInfraError("step 0: 16 of 16 episodes ended in infra errors (more than "
+        raise env_side.EnvInfraError("step 0: 16 of 16 episodes ended in infra errors (more than "
                                       "env.max_infra_error_rate=0.5); the first (mine): reset raised NameNotFound")
 
     monkeypatch.setitem(cli.COMMANDS, "train", failing)
