@@ -153,3 +153,19 @@ def test_progress_bar_shows_reward_and_step_time():
     bar.close()
     text = stream.getvalue()
     assert "3/10" in text and "reward=0.457" in text and "step_s=12.3" in text and "loss" not in text
+
+
+def test_tensorboard_writer_does_not_import_torch(tmp_path):
+    """tensorboardX's writer imports torch whenever it is installed (the dev extra installs it): a run that never uses
+    torch must not pay its import (~1.3 s, hundreds of MB). A fresh process writes and reads events without it, and
+    torch still imports afterwards."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    code = ("import sys; from posttrain.infra.metrics import MetricsWriter, read_tensorboard_scalars as r\n"
+            f"w = MetricsWriter({str(tmp_path)!r}, plot=False); w.write(0, {{'reward/mean': 0.5}}); w.close()\n"
+            f"assert 'torch' not in sys.modules, 'torch imported'; assert r({str(tmp_path / 'tensorboard')!r})\n"
+            "import torch; print(torch.ones(1).sum().item())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "1.0", out.stderr[-2000:]
