@@ -7,9 +7,11 @@ most frequent gold answer is the answer of ~0.3 of them) raises its reward witho
 compares the modal reply share, the share of replies whose normalized answer equals the most frequent one, with
 the gold answers' modal share (the same statistic over the domain's gold answers, what an honest policy's modal
 share would be): a domain is **collapsed** when the modal reply share exceeds the gold share by at least `margin`
-and a one-sided exact binomial test (`scipy.stats.binomtest`, H0: a reply equals the modal answer with probability
-the gold modal share) rejects at `alpha`. Replies without an answer are not an answer: they count in R but never
-form the mode. Without gold answers the shares are reported and nothing is flagged.
+and a one-sided exact binomial test rejects at `alpha` (H0: a reply equals the modal answer with probability the
+gold modal share; p = P(X >= count), X ~ Binomial(R, gold share), `upper_tail_p`: the p-value of
+`scipy.stats.binomtest(..., alternative="greater")` without importing scipy.stats in every run that evaluates).
+Replies without an answer are not an answer: they count in R but never form the mode. Without gold answers the
+shares are reported and nothing is flagged.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import collections
 import dataclasses
 from typing import Mapping, Sequence
 
-from scipy import stats
+from scipy import special
 
 ALPHA = 0.01
 MARGIN = 0.2  # share points the modal reply share must exceed the gold modal share by
@@ -61,6 +63,12 @@ def modal(values: Sequence[str | None]) -> tuple[str | None, int]:
     return next(v for v in values if v is not None and counts[v] == best), best
 
 
+def upper_tail_p(count: int, n: int, p: float) -> float:
+    """P(X >= count) for X ~ Binomial(n, p) (count in 1..n, p in [0, 1]): the one-sided exact binomial test's
+    p-value, equal to `scipy.stats.binomtest(count, n, p, alternative="greater").pvalue` (tests check it)."""
+    return float(special.bdtrc(count - 1, n, p))
+
+
 def collapse_check(answers_R: Sequence[str | None], gold_T: Sequence[str | None] = (), *, alpha: float = ALPHA,
                    margin: float = MARGIN) -> Collapse:
     """The collapse check (module docstring) of one domain's reply answers against its gold answers (both
@@ -76,7 +84,7 @@ def collapse_check(answers_R: Sequence[str | None], gold_T: Sequence[str | None]
     if not golds:
         return Collapse(answer, share, None, None, False, len(answers))
     gold_share = modal(golds)[1] / len(golds)
-    p = float(stats.binomtest(count, len(answers), gold_share, alternative="greater").pvalue) if count else 1.0
+    p = upper_tail_p(count, len(answers), gold_share) if count else 1.0
     return Collapse(answer, share, gold_share, p, bool(share >= gold_share + margin and p < alpha), len(answers))
 
 

@@ -115,3 +115,13 @@ def test_letter_counting_records_scored_by_the_real_env_collapse_at_29_of_30_one
     assert got["collapsed"] == 1.0 and got["modal_share"] == pytest.approx(29 / 30)
     assert got["gold_modal_share"] < 29 / 30 - collapse.MARGIN
     assert runner.suite_summary(honest)["domains"]["lc"]["collapsed"] == 0.0
+
+
+
+@pytest.mark.parametrize("count,n,p", [(5, 10, 0.3), (1, 4, 0.5), (10, 10, 0.9), (3, 40, 0.01), (5, 5, 1.0),
+                                       (3, 5, 1.0), (5, 5, 0.0), (1, 1, 0.5), (29, 30, 0.3)])
+def test_upper_tail_p_equals_scipy_binomtest(count, n, p):
+    from scipy import stats
+
+    want = stats.binomtest(count, n, p, alternative="greater").pvalue
+    np.testing.assert_allclose(collapse.upper_tail_p(count, n, p), want, rtol=1e-12, atol=1e-300)
