@@ -325,32 +325,37 @@ class Transformer(nnx.Module):
         return (logits, cache, routing) if return_routing else (logits, cache)
 
     @_in_precision_scope
-    def decode_with_hook(self, tokens_B, positions_B, cache_xs: dict, make_hook):
+    def decode_with_hook(self, tokens_B, positions_B, cache_xs: dict, make_hook, *, return_routing: bool = False):
         """One new token per row whose attention over earlier tokens the caller computes (a paged KV cache,
         `posttrain.rollout.engine`): `extend_with_hook` with T = 1. Returns (float32 logits [B, V], {stack: the
-        fed tokens' entries [L, B, 1, ...] in the attention layout ("k", "v" / "kv")})."""
-        h, entries = self.extend_with_hook(tokens_B[:, None], positions_B[:, None], cache_xs, make_hook)
-        return self.logits(h)[:, 0], entries
+        fed tokens' entries [L, B, 1, ...] in the attention layout ("k", "v" / "kv")}), and with `return_routing`
+        the MoE layers' expert selection of the fed tokens, int32 [L, B, k] (None without MoE layers)."""
+        h, entries, *routing = self.extend_with_hook(tokens_B[:, None], positions_B[:, None], cache_xs, make_hook,
+                                                     return_routing=return_routing)
+        return (self.logits(h)[:, 0], entries) + tuple(None if r is None else r[:, :, 0] for r in routing)
 
     @_in_precision_scope
-    def extend_with_hook(self, tokens_BxT, positions_BxT, cache_xs: dict, make_hook, valid_BxT=None):
+    def extend_with_hook(self, tokens_BxT, positions_BxT, cache_xs: dict, make_hook, valid_BxT=None, *,
+                         return_routing: bool = False):
         """T new tokens per row whose attention over earlier tokens and each other the caller computes (the
         engine's decode step and its prefill of a turn's new tokens over cached pages). cache_xs: {stack: pytree
         with a leading [L] layer axis}, scanned with the layers; make_hook(xs of one layer) -> `attention.CacheHook`;
         valid_BxT: bool, False for padding (MoE routing skips it; default all True). Returns (final-norm hidden
-        states [B, T, D], {stack: the fed tokens' entries [L, B, T, ...] in the attention layout})."""
+        states [B, T, D], {stack: the fed tokens' entries [L, B, T, ...] in the attention layout}), and with
+        `return_routing` the MoE layers' expert selection, int32 [L, B, T, k] (None without MoE layers)."""
         B, T = tokens_BxT.shape
         x = self.embed(tokens_BxT)
         self_mask = jnp.ones((B, T, T), bool)  # unused: the hook computes the attention
         valid = jnp.ones((B, T), bool) if valid_BxT is None else valid_BxT
-        entries = {}
+        entries, routing = {}, None
         for name, stack in self.stacks():
             def body(block, h, xs_l):
-                h, ent, _ = block(h, positions_BxT, self_mask, (make_hook(xs_l),), valid)
-                return h, ent
+                h, ent, aux = block(h, positions_BxT, self_mask, (make_hook(xs_l),), valid)
+                return h, (ent, aux.get("routed_experts"))
 
-            x, entries[name] = self._scan(stack, x, cache_xs[name], body)
-        return self.final_norm(x), entries
+            x, (entries[name], routed) = self._scan(stack, x, cache_xs[name], body)
+            routing = routed if routed is not None else routing
+        return (self.final_norm(x), entries) + ((routing,) if return_routing else ())
 
 
 _FLOAT32_USES = ("router",)  # per-layer matrices used in float32 (MoE scores), never cast by `matrices_in_dtype`

@@ -5,7 +5,9 @@ Dimension legend: S slots, R requests, M pages per sequence, P pages in the pool
 `Engine(graphdef, state, EngineSettings(...)).generate(requests, key)` -> one `Completion` per request, in
 request order; `engine.metrics` then holds `rollout/{kv_pages_allocated, kv_pages_used, slot_occupancy,
 prefill_tokens, decode_tokens, preemptions, prefix_cached_tokens, weight_swaps}` of that call
-(`kv_pages.PageCounters`). Each loop turn (a decode chunk: today one decode step):
+(`kv_pages.PageCounters`). With `EngineSettings.record_routing` on a MoE model each fed token's expert selections
+are kept per page (host memory, like the pool: a reused prefix's come with its pages) and read into
+`Completion.routing` as a sequence ends. Each loop turn (a decode chunk: today one decode step):
   0. swap: weights given to `update_weights(state, version)` since the last turn take effect; every live sequence
      is requeued for recompute under them (its cached pages were computed by the old weights) and the prefix
      cache is cleared, so every token from then on is exactly the new version's (`Completion.versions`);
@@ -82,7 +84,7 @@ class Engine:
         self.live_at_peak = 0  # live sequences at the last call's step with the most pages allocated
         self._pending = None  # (state, version) from update_weights, applied at the next chunk
         self._lock = threading.Lock()  # update_weights may run on another thread (the learner's, partial rollouts)
-        self._pool = self._pages = None
+        self._pool = self._pages = self._routing = None
 
     def update_weights(self, state, version: int) -> None:
         """New weights (same structure, shapes and dtypes as the current state: no recompile) and their policy
@@ -100,7 +102,7 @@ class Engine:
 
     def clear_cache(self) -> None:
         """Drops the page pool and its prefix cache (their memory); the next `generate` starts empty."""
-        self._pool = self._pages = None
+        self._pool = self._pages = self._routing = None
 
     def check(self, requests: Sequence[Request]) -> None:
         """Raises TypeError for a non-Request, ValueError for a request longer than max_seq_len or needing more
@@ -132,6 +134,7 @@ class Engine:
             self._pages.cache = PrefixCache(st.page_size, self._pages.ref_P, self.version) if st.prefix_cache \
                 else None
             self._pool = kv_pages.empty_pool(self.shapes)
+            self._routing = None  # [P, Z, L, k] int32: each page's tokens' expert selections (record_routing)
         self._counters = kv_pages.PageCounters(st.num_slots, st.page_size)
         self._queue = collections.deque(_Seq(i, r) for i, r in enumerate(requests))
         self._slots: list[_Seq | None] = [None] * st.num_slots
@@ -161,7 +164,24 @@ class Engine:
     def _completion(seq: _Seq, r: Request) -> Completion:
         truncated = len(seq.tokens) >= r.max_new_tokens and seq.tokens[-1] not in r.stop_ids
         return Completion(np.asarray(seq.tokens, np.int32), np.asarray(seq.logprobs, np.float32), bool(truncated),
-                          seq.preemptions, np.asarray(seq.versions, np.int32))
+                          seq.preemptions, np.asarray(seq.versions, np.int32), seq.routing)
+
+    def _keep_routing(self, routed_NxLxk, pages_N, offsets_N) -> None:
+        """Stores the expert selections of N fed tokens at their (page, offset) (`record_routing`)."""
+        if routed_NxLxk is None:
+            return
+        routed = np.asarray(routed_NxLxk)
+        if self._routing is None:
+            self._routing = np.full((self.settings.num_pages, self.settings.page_size) + routed.shape[1:], -1,
+                                    np.int32)
+        self._routing[pages_N, offsets_N] = routed
+
+    def _read_routing(self, slot: int, seq: _Seq) -> None:
+        """seq.routing: its cached tokens' expert selections, read from its pages before they are released."""
+        if self._routing is not None:
+            pos = np.arange(_cached_len(seq))
+            Z = self.settings.page_size
+            seq.routing = self._routing[self._pages.table_SxM[slot][pos // Z], pos % Z]
 
     # ------------------------------------------------------------------ the loop's parts
     def _release(self, slot: int, num_valid: int | None = None) -> None:
@@ -176,6 +196,7 @@ class Engine:
 
     def _finish(self, slot: int) -> None:
         seq = self._done[self._slots[slot].index] = self._slots[slot]
+        self._read_routing(slot, seq)
         self._release(slot)
         follow = self._on_finish(seq.index, self._completion(seq, seq.request)) if self._on_finish else None
         if follow is not None:
@@ -236,12 +257,17 @@ class Engine:
         args = (jnp.asarray(self._pages.table_SxM[slot].copy()), request_rows([seq.request]), self._key,
                 jnp.asarray([seq.index], jnp.int32))
         tok = lp = None
+        routing = st.record_routing
         if start == 0:
-            tok, lp, self._pool = prefill(self.graphdef, self.state, self._pool, jnp.asarray(tokens), jnp.int32(n),
-                                          *args)
+            tok, lp, self._pool, routed = prefill(self.graphdef, self.state, self._pool, jnp.asarray(tokens),
+                                                  jnp.int32(n), *args, routing=routing)
         elif start < n:
-            tok, lp, self._pool = extend(self.graphdef, self.state, self._pool, jnp.asarray(tokens),
-                                         jnp.int32(start), jnp.int32(n - start), *args)
+            tok, lp, self._pool, routed = extend(self.graphdef, self.state, self._pool, jnp.asarray(tokens),
+                                                 jnp.int32(start), jnp.int32(n - start), *args, routing=routing)
+        if start < n and routed is not None:
+            pos = np.arange(start, n)
+            self._keep_routing(np.asarray(routed)[:n - start], self._pages.table_SxM[slot][pos // st.page_size],
+                               pos % st.page_size)
         self._counters.prefill_tokens += n - start
         self._counters.prefix_cached_tokens += start
         if self._pages.cache is not None:
@@ -277,11 +303,16 @@ class Engine:
         used = int(lengths.sum()) + live - self._pages.shared_extra * self.settings.page_size  # shared pages once
         self._counters.observe(self._pages.allocated, used, live)
         table = jnp.asarray(self._pages.table_SxM.copy())  # a copy, as in `_prefill`
-        tok, lp, self._pool = decode_step(self.graphdef, self.state, self._pool, table, jnp.asarray(lengths),
-                                          jnp.asarray(prev),
-                                          request_rows([q.request if q else None for q in slots]), self._key,
-                                          jnp.asarray(request), jnp.asarray(t), impl=self.impl)
+        tok, lp, self._pool, routed = decode_step(
+            self.graphdef, self.state, self._pool, table, jnp.asarray(lengths), jnp.asarray(prev),
+            request_rows([q.request if q else None for q in slots]), self._key, jnp.asarray(request), jnp.asarray(t),
+            impl=self.impl, routing=self.settings.record_routing)
         tok, lp = np.asarray(tok), np.asarray(lp)
+        if routed is not None:
+            live_S = np.asarray([q is not None for q in slots])
+            Z, rows = self.settings.page_size, self._pages.table_SxM[live_S]
+            self._keep_routing(np.asarray(routed)[live_S], rows[np.arange(len(rows)), lengths[live_S] // Z],
+                               lengths[live_S] % Z)
         for s, seq in enumerate(slots):
             if seq is not None:
                 seq.append(tok[s], lp[s], self.version)

@@ -18,7 +18,8 @@ token uses the uniform of `fold_in(fold_in(key, r), t)` (`sampler.categorical`),
 A prompt whose first tokens have cached pages (`prefix_cache`: a group's shared prompt, an episode's earlier
 turns) prefills only the rest (`extend`: those tokens over the cached pages, `paged_attention.attend_chunk`).
 Each token records the policy version whose weights produced it (`Engine.update_weights`).
-Not yet here: MoE routing records.
+With `EngineSettings.record_routing` on a MoE model the programs also return the experts each MoE layer selected
+for every fed token (routing replay; `Completion.routing`).
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ class EngineSettings:
             for the model's shapes, `paged_attention.kernel_problems`; the reference elsewhere).
         prefix_cache: keep ended sequences' pages for reuse by later requests with the same first tokens, across
             `generate` calls, and share a group's prompt pages (`prefix_cache` module doc); False frees them.
+        record_routing: on a MoE model, keep the experts each MoE layer selected for every token fed to the model
+            (`Completion.routing`, routing replay); host memory P * Z * L * k int32. No effect on a dense model.
     """
 
     num_slots: int
@@ -62,6 +65,7 @@ class EngineSettings:
     prefill_bucket: int = 16
     attention_impl: str = "auto"
     prefix_cache: bool = True
+    record_routing: bool = False
 
     def __post_init__(self):
         if (self.num_slots < 1 or self.num_pages < 2 or self.page_size < 1 or self.max_seq_len < 2
@@ -116,13 +120,17 @@ class Request:
 class Completion(NamedTuple):
     """A request's reply: tokens int32 [n] (the stop token last when one came), logprobs float32 [n]
     (`log_softmax(logits / T)` of each token), truncated (budget reached without a stop token), preemptions
-    (times it was preempted and recomputed), versions int32 [n] (the policy version that produced each token)."""
+    (times it was preempted and recomputed), versions int32 [n] (the policy version that produced each token),
+    routing int32 [len(prompt) + n - 1, L, k] (the experts each MoE layer selected for every token fed to the model:
+    the prompt and every generated token but the last, as last computed: a recompute after a preemption or a weight
+    swap computes them again; `EngineSettings.record_routing` on a MoE model, else None)."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
     truncated: bool
     preemptions: int
     versions: np.ndarray
+    routing: np.ndarray | None = None
 
 
 def filter_logits_rows(scaled_SxV, top_k_S, top_p_S):
@@ -164,10 +172,13 @@ def _merge(graphdef, state):
     return nnx.merge(graphdef, *(state if isinstance(state, tuple) else (state,)))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl"), donate_argnames=("pool",))
-def decode_step(graphdef, state, pool, table_SxM, lengths_S, prev_S, rows, key, request_S, t_S, *, impl: str):
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "routing"), donate_argnames=("pool",))
+def decode_step(graphdef, state, pool, table_SxM, lengths_S, prev_S, rows, key, request_S, t_S, *, impl: str,
+                routing: bool = False):
     """Feeds prev_S at positions lengths_S (each slot's cached tokens), writes their entries into the pages and
-    picks the next tokens. Returns (token [S], logprob [S], pool). Inactive slots: length 0 on the scratch page."""
+    picks the next tokens. Returns (token [S], logprob [S], pool, routed): routed is the MoE layers' expert
+    selection of the fed tokens, int32 [S, L, k], with `routing` on a MoE model, else None. Inactive slots:
+    length 0 on the scratch page."""
     model = _merge(graphdef, state)
     Z = jax.tree.leaves(pool)[0].shape[3]
     S = prev_S.shape[0]
@@ -181,38 +192,40 @@ def decode_step(graphdef, state, pool, table_SxM, lengths_S, prev_S, rows, key, 
                                          scale, impl)[:, None]
         return CacheHook(fn)
 
-    logits, entries = model.decode_with_hook(prev_S, lengths_S, pool, make_hook)
+    logits, entries, routed = model.decode_with_hook(prev_S, lengths_S, pool, make_hook, return_routing=True)
     pool = {stack: write_tokens(pool[stack], {n: e[:, :, 0] for n, e in entries[stack].items()}, page_S, offset_S)
             for stack in pool}
     tok, logp = pick_tokens(logits, rows, key, request_S, t_S)
-    return tok, logp, pool
+    return tok, logp, pool, (routed.transpose(1, 0, 2) if routing and routed is not None else None)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pool",))
-def prefill(graphdef, state, pool, tokens_1xW, length, page_row_M, rows, key, request_1):
+@functools.partial(jax.jit, static_argnames=("graphdef", "routing"), donate_argnames=("pool",))
+def prefill(graphdef, state, pool, tokens_1xW, length, page_row_M, rows, key, request_1, *, routing: bool = False):
     """Runs one right-padded sequence (`length` valid tokens), writes its entries into its pages (padding into the
     scratch page) and picks the token after it (`pick_tokens`, t = 0: a fresh request's first token; a recompute
-    ignores it). Returns (token [1], logprob [1], pool)."""
+    ignores it). Returns (token [1], logprob [1], pool, routed): routed int32 [W, L, k], the MoE layers' expert
+    selection of each fed token (padding's: meaningless), with `routing` on a MoE model, else None."""
     model = _merge(graphdef, state)
     W = tokens_1xW.shape[1]
     Z = jax.tree.leaves(pool)[0].shape[3]
     pos = jnp.arange(W)
     segment = (pos < length)[None].astype(jnp.int32)
-    h, _, entries = model.hidden_states(tokens_1xW, None, segment, None, return_entries=True)
+    h, aux, entries = model.hidden_states(tokens_1xW, None, segment, None, return_entries=True)
     page_W = jnp.where(pos < length, jnp.take(page_row_M, pos // Z, mode="clip"), kv_pages.SCRATCH_PAGE)
     pool = {stack: write_tokens(pool[stack], {n: e[:, 0] for n, e in entries[stack].items()}, page_W, pos % Z)
             for stack in pool}
     logits = model.logits(h[:, length - 1])
     tok, logp = pick_tokens(logits, rows, key, request_1, jnp.zeros((1,), jnp.int32))
-    return tok, logp, pool
+    return tok, logp, pool, _fed_routing(aux.get("routed_experts"), routing)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pool",))
-def extend(graphdef, state, pool, tokens_1xW, start, length, page_row_M, rows, key, request_1):
+@functools.partial(jax.jit, static_argnames=("graphdef", "routing"), donate_argnames=("pool",))
+def extend(graphdef, state, pool, tokens_1xW, start, length, page_row_M, rows, key, request_1, *,
+           routing: bool = False):
     """`prefill` of a sequence whose first `start` tokens are in its pages already: runs its `length` next tokens
     (right-padded to W) at positions start.., each attending to those cached tokens and causally to each other
     (`paged_attention.attend_chunk`), writes their entries (padding into the scratch page) and picks the token
-    after them (t = 0). Returns (token [1], logprob [1], pool)."""
+    after them (t = 0). Returns (token [1], logprob [1], pool, routed [W, L, k] or None: as `prefill`'s)."""
     model = _merge(graphdef, state)
     W = tokens_1xW.shape[1]
     Z = jax.tree.leaves(pool)[0].shape[3]
@@ -223,13 +236,19 @@ def extend(graphdef, state, pool, tokens_1xW, start, length, page_row_M, rows, k
     def make_hook(pages_l):
         return CacheHook(lambda q, own, scale: attend_chunk(pages_l, own, q, table, start_1, scale))
 
-    h, entries = model.extend_with_hook(tokens_1xW, pos[None].astype(jnp.int32), pool, make_hook, valid[None])
+    h, entries, routed = model.extend_with_hook(tokens_1xW, pos[None].astype(jnp.int32), pool, make_hook,
+                                                valid[None], return_routing=True)
     page_W = jnp.where(valid, jnp.take(page_row_M, pos // Z, mode="clip"), kv_pages.SCRATCH_PAGE)
     pool = {stack: write_tokens(pool[stack], {n: e[:, 0] for n, e in entries[stack].items()}, page_W, pos % Z)
             for stack in pool}
     logits = model.logits(h[:, length - 1])
     tok, logp = pick_tokens(logits, rows, key, request_1, jnp.zeros((1,), jnp.int32))
-    return tok, logp, pool
+    return tok, logp, pool, _fed_routing(routed, routing)
+
+
+def _fed_routing(routed_LxBxWxk, routing: bool):
+    """A prefill's expert selections [L, 1, W, k] -> [W, L, k] when `routing` (None without MoE layers)."""
+    return routed_LxBxWxk[:, 0].transpose(1, 0, 2) if routing and routed_LxBxWxk is not None else None
 
 
 class _Seq:
@@ -242,6 +261,7 @@ class _Seq:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.preemptions, self.order = 0, -1
+        self.routing = None  # [cached tokens, L, k] read from the pages when it finishes (record_routing)
 
     def cached(self) -> list[int]:
         """The tokens its pages hold once prefilled: the prompt and every generated token but the last."""

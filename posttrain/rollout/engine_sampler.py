@@ -17,7 +17,8 @@ prefills only the tokens added since its last turn. New weights (a `sample_fn` c
 to `Engine.update_weights`, which clears the cache (entries are keyed by version). The engine's size is fixed by
 `EngineSamplerSettings`, but for max_seq_len = 0: the first call's longest request (prompt + max_new_tokens) sizes
 it, rounded up to page_size times a power of two, and a later, longer request builds a bigger engine (a new
-compile). Single device (the run plan refuses more) and no MoE routing records (refused with routing replay).
+compile). Single device (the run plan refuses more). With routing replay the engine records every fed token's
+expert selections (`EngineSamplerSettings.record_routing`) in the dense sampler's layout.
 `Rollouter.collect` logs the engine's counters of its step (`pop_metrics`: rollout/{kv_pages_allocated,
 kv_pages_used, slot_occupancy, prefill_tokens, decode_tokens, preemptions, prefix_cached_tokens, weight_swaps}).
 """
@@ -50,6 +51,8 @@ class EngineSamplerSettings:
         max_seq_len: longest prompt + reply in tokens (0: sized by the longest request seen, module doc; else
             >= 2: a longer request is a ValueError).
         prefill_bucket: prefill widths are this times a power of two (>= 1).
+        record_routing: return the MoE layers' expert selections (`SampleOutput.prompt_experts_PxLpxLxk`,
+            `experts_NxLgxLxk`: routing replay, `rl.routing_replay="replay"`; `EngineSettings.record_routing`).
     """
 
     num_slots: int
@@ -57,6 +60,7 @@ class EngineSamplerSettings:
     page_size: int = 16
     max_seq_len: int = 0
     prefill_bucket: int = 16
+    record_routing: bool = False
 
     def __post_init__(self):
         if self.num_slots < 1 or self.num_pages == 1 or self.num_pages < 0 or self.page_size < 1 \
@@ -75,14 +79,13 @@ class EngineSamplerSettings:
             width = max(pages * Z, 2)
         num_pages = self.num_pages or self.num_slots * -(-width // Z) + 1
         return EngineSettings(num_slots=self.num_slots, num_pages=num_pages, page_size=Z, max_seq_len=width,
-                              prefill_bucket=self.prefill_bucket)
+                              prefill_bucket=self.prefill_bucket, record_routing=self.record_routing)
 
 
 def engine_settings(cfg, sampler_devices: int) -> EngineSamplerSettings | None:
     """The engine's settings of a run config (`posttrain.config.Config`: `sampling.backend`, `sampling.engine_*`),
-    None for the dense sampler. Raises ConfigError for the engine with routing replay (it records no MoE
-    routing) or on more than one device (`sampler_devices`: its page pool is not sharded), and for
-    rollout.partial without the engine."""
+    None for the dense sampler. Raises ConfigError for the engine on more than one device (`sampler_devices`: its
+    page pool is not sharded), and for rollout.partial without the engine."""
     from posttrain.config import ConfigError
 
     s = cfg.sampling
@@ -91,16 +94,14 @@ def engine_settings(cfg, sampler_devices: int) -> EngineSamplerSettings | None:
             raise ConfigError("rollout.partial=True swaps weights inside a running generation: it needs "
                               "sampling.backend='engine'")
         return None
-    if cfg.rl.routing_replay == "replay":
-        raise ConfigError("sampling.backend='engine' records no MoE routing: rl.routing_replay='replay' needs "
-                          "sampling.backend='dense'")
     if sampler_devices != 1:
         raise ConfigError(f"sampling.backend='engine' runs on one device (its page pool is not sharded), this "
                           f"run's sampler has {sampler_devices}: use sampling.backend='dense', or mesh.rollout=1 "
                           "(the engine on a device of its own)")
     return EngineSamplerSettings(num_slots=s.engine_slots or cfg.rl.prompts_per_step * cfg.rl.group_size,
                                  num_pages=s.engine_pages, page_size=s.engine_page_size,
-                                 max_seq_len=s.engine_max_seq_len)
+                                 max_seq_len=s.engine_max_seq_len,
+                                 record_routing=cfg.rl.routing_replay == "replay")
 
 
 def _same_arrays(a, b) -> bool:
@@ -192,7 +193,7 @@ class EngineSampler:
                 key = key if self.device is None else jax.device_put(key, self.device)
                 engine.generate(requests, key, on_chunk=on_chunk, on_finish=out.finish)
             self._add_metrics(engine.metrics)
-            return out.output()
+            return out.output(prompts.shape[1], G)
 
         return fn
 
@@ -228,6 +229,7 @@ class _Rows:
         self.lengths = np.zeros((n,), np.int32)
         self.truncated = np.zeros((n,), bool)
         self.done = np.zeros((n,), bool)
+        self.routing: list[np.ndarray | None] = [None] * n  # [fed tokens, L, k] per row (record_routing)
         self._delivered = 0
 
     def finish(self, index: int, c: Any) -> None:
@@ -235,6 +237,7 @@ class _Rows:
         k = len(c.tokens)
         self.tokens[index, :k], self.logp[index, :k], self.versions[index, :k] = c.tokens, c.logprobs, c.versions
         self.lengths[index], self.truncated[index], self.done[index] = k, c.truncated, True
+        self.routing[index] = c.routing
 
     def deliver(self, sink) -> None:
         """Hands the rows finished so far to a streaming sink when some finished since the last delivery."""
@@ -242,5 +245,16 @@ class _Rows:
             self._delivered = int(self.done.sum())
             sink(self.done.copy(), self.tokens.copy(), self.lengths.copy())
 
-    def output(self) -> SampleOutput:
-        return SampleOutput(self.tokens, self.logp, self.lengths, self.truncated, versions_NxLg=self.versions)
+    def output(self, Lp: int, G: int) -> SampleOutput:
+        """The call's SampleOutput (prompts padded to Lp, groups of G rows); with routing records the dense
+        sampler's layout: a prompt's selections from its group's first row, -1 where nothing was fed."""
+        if self.routing[0] is None:
+            return SampleOutput(self.tokens, self.logp, self.lengths, self.truncated, versions_NxLg=self.versions)
+        (N, Lg), (L, k) = self.tokens.shape, self.routing[0].shape[1:]
+        prompt_e, experts = np.full((N // G, Lp, L, k), -1, np.int32), np.full((N, Lg, L, k), -1, np.int32)
+        for i, r in enumerate(self.routing):
+            n_prompt = len(r) - (int(self.lengths[i]) - 1)
+            if i % G == 0:
+                prompt_e[i // G, :n_prompt] = r[:n_prompt]
+            experts[i, :len(r) - n_prompt] = r[n_prompt:]
+        return SampleOutput(self.tokens, self.logp, self.lengths, self.truncated, prompt_e, experts, self.versions)

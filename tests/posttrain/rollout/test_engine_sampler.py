@@ -92,17 +92,28 @@ def test_greedy_engine_backend_equals_dense_through_sample_fn(tmp_path):
         np.testing.assert_array_equal(lengths[finished], d3.lengths_N[finished])
 
 
-def test_two_step_grpo_run_with_the_engine(tmp_path):
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe-routing-replay"])
+def test_two_step_grpo_run_with_the_engine(tmp_path, moe, monkeypatch):
     """configs/tiny.py's base with sampling.backend=engine, 2 steps at T = 1: every sampled token's logprob equals
-    the trainer's teacher-forced one (rollout/logp_diff_*: <= 1e-5, f32 at precision highest), the engine's
-    counters are logged and step 2 ran under new weights (one swap)."""
+    the trainer's teacher-forced one (rollout/logp_diff_*: <= 1e-5, f32 at precision highest; on tiny-moe with
+    routing replay the trainer replays the engine's recorded experts), the engine's counters are logged and step 2
+    ran under new weights (one swap)."""
     import json
 
     from posttrain.recipes import grpo
 
+    from posttrain.rollout import batching
+
+    over = {"model.preset": "tiny-moe", "rl.routing_replay": "replay"} if moe else {}
     cfg = tiny_config(tmp_path, **{"sampling.backend": "engine", "train.steps": 2,
-                                   "model.matmul_precision": "highest"})
+                                   "model.matmul_precision": "highest", **over})
+    replayed, routed_experts = [], batching._routed_experts  # the batches' replay arrays (None: no routing)
+    monkeypatch.setattr(batching, "_routed_experts", lambda *a: replayed.append(routed_experts(*a)) or replayed[-1])
     grpo.train(cfg, progress=False)
+    if moe:  # every training batch replays the engine's records: each row's first token has its experts
+        assert len(replayed) >= 2 and all(r is not None and (r[:, 0] >= 0).all() for r in replayed)
+    else:
+        assert replayed and all(r is None for r in replayed)
     rows = [m for m in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
             if "rollout/logp_diff_max" in m]
     assert [m["step"] for m in rows] == [1, 2]
@@ -123,8 +134,8 @@ def test_backend_names_and_settings_errors(tmp_path):
     with pytest.raises(ConfigError, match="^sampling.backend='engine' runs on one device .*, this run's sampler "
                                           "has 2: use sampling.backend='dense', or mesh.rollout=1"):
         make_run_plan(tiny_config(tmp_path, **engine), num_devices=2)
-    with pytest.raises(ConfigError, match="^sampling.backend='engine' records no MoE routing"):
-        make_run_plan(tiny_config(tmp_path, **engine, **{"rl.routing_replay": "replay"}))
+    replay = make_run_plan(tiny_config(tmp_path, **engine, **{"rl.routing_replay": "replay"})).rollout.engine
+    assert replay.record_routing and replay.engine_settings(10).record_routing  # routing replay: the engine records
     assert make_run_plan(tiny_config(tmp_path)).rollout.engine is None  # the default: the dense sampler
     plan = make_run_plan(tiny_config(tmp_path, **engine, **{"sampling.engine_slots": 5, "sampling.engine_pages": 9,
                                                              "sampling.engine_max_seq_len": 64}))
