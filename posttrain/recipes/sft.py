@@ -138,6 +138,7 @@ class Run:
         self.train_examples, eval_examples, self.counts = load_examples(d, self.tokenizer)
         self.rows = packing.pack(self.train_examples, d.seq_len, d.packing)
         self.counts["sft/train_rows"] = len(self.rows)
+        self.shape = packing.batch_shape(self.train_examples, self.rows, d.seq_len)  # (L, C): one train compile
         self.eval_batches = packing.eval_batches(eval_examples, d.seq_len, d.rows_per_step, self.tokenizer.pad_id,
                                                  d.packing)
         self.learner = Learner.create(plan.learner, self.mesh, model_config, graphdef, weights, step_builder(plan))
@@ -145,10 +146,13 @@ class Run:
         self._eval_fn = sft_step.make_eval_fn(self.learner.graphdef, plan.model_step(model_config.moe))
 
     def batch(self, step: int):
-        """The host batch of `step` (rows drawn by `packing.step_rows`)."""
+        """The host batch of `step` (rows drawn by `packing.step_rows`), of the run's (L, C) (`packing.batch_shape`
+        of its training rows: rows as wide as the longest, not `seq_len`)."""
         d = self.plan.data
         idx = packing.step_rows(len(self.rows), d.rows_per_step, step, d.seed)
-        return packing.make_batch(self.train_examples, [self.rows[i] for i in idx], d.seq_len, self.tokenizer.pad_id)
+        L, C = self.shape
+        return packing.make_batch(self.train_examples, [self.rows[i] for i in idx], L, self.tokenizer.pad_id,
+                                  slots=C)
 
     def evaluate(self) -> dict[str, float]:
         """Held-out `sft/eval_loss`, `sft/ppl`, `sft/eval_tokens` of the current weights ({} without held-out data)."""

@@ -75,32 +75,52 @@ def step_rows(num_rows: int, rows_per_step: int, step: int, seed: int) -> np.nda
     return np.asarray([perms[int(e)][i] for e, i in zip(epochs, g % num_rows)], np.int64)
 
 
+def _scored(ex: Example) -> int:
+    """Scored slots of an example: its assistant tokens with a position before them."""
+    return int(np.count_nonzero(ex.assistant_n[1:]))
+
+
+def batch_shape(examples: Sequence[Example], rows: Sequence[Sequence[int]], width: int,
+                bucket: int = 16) -> tuple[int, int]:
+    """(L, C) that hold every row of `rows`: L the longest row's tokens and C its most scored slots, each rounded
+    up to a multiple of `bucket` and at most `width` (C <= L). A run sizes its batches by its data this way (one
+    compile), so short conversations are not padded to `seq_len` (TRL pads each batch to its longest). Raises
+    ValueError for no rows."""
+    if not rows:
+        raise ValueError("batch_shape of no rows")
+    up = lambda n: min(width, -(-max(n, 1) // bucket) * bucket)  # noqa: E731
+    L = up(max(sum(len(examples[i].tokens_n) for i in row) for row in rows))
+    return L, min(L, up(max(sum(_scored(examples[i]) for i in row) for row in rows)))
+
+
 def make_batch(examples: Sequence[Example], rows: Sequence[Sequence[int]], width: int, pad_id: int,
-               num_rows: int | None = None) -> RolloutBatch:
-    """The host `RolloutBatch` (NumPy arrays) of `rows` (lists of example indices) at width L = `width`, with
-    `num_rows` rows (default len(rows); extra rows are empty: segment 0, no loss mask, invalid).
+               num_rows: int | None = None, slots: int | None = None) -> RolloutBatch:
+    """The host `RolloutBatch` (NumPy arrays) of `rows` (lists of example indices) at width L = `width` with C =
+    `slots` scored slots per row (default L; `batch_shape`), with `num_rows` rows (default len(rows); extra rows
+    are empty: segment 0, no loss mask, invalid).
 
     Shapes and dtypes: tokens / positions / segment_ids / branch_ids [R, L] int32; targets / score_pos [N, C]
-    int32 and loss_mask [N, C] bool with N = R, C = L; the RL fields as in the module doc.
-    Raises ValueError when a row's examples are longer than `width` together or there are more rows than
-    `num_rows`."""
+    int32 and loss_mask [N, C] bool with N = R; the RL fields as in the module doc.
+    Raises ValueError when a row's examples are longer than `width` together or score more than C tokens, or
+    there are more rows than `num_rows`."""
     R = len(rows) if num_rows is None else num_rows
     if len(rows) > R:
         raise ValueError(f"{len(rows)} rows do not fit a batch of num_rows={R}")
     L = width
+    C = L if slots is None else slots
     tokens = np.full((R, L), pad_id, np.int32)
     positions, segments = np.zeros((R, L), np.int32), np.zeros((R, L), np.int32)
-    targets, score_pos = np.zeros((R, L), np.int32), np.zeros((R, L), np.int32)
-    mask = np.zeros((R, L), bool)
+    targets, score_pos = np.zeros((R, C), np.int32), np.zeros((R, C), np.int32)
+    mask = np.zeros((R, C), bool)
     truncated = np.zeros(R, bool)
     for r, row in enumerate(rows):
         at, slot = 0, 0
         for k, idx in enumerate(row):
             ex = examples[idx]
             n = len(ex.tokens_n)
-            if at + n > L:
+            if at + n > L or slot + _scored(ex) > C:
                 raise ValueError(f"row {r}: examples {list(row)} hold {sum(len(examples[i].tokens_n) for i in row)} "
-                                 f"tokens > width {L}")
+                                 f"tokens (width {L}) and score {sum(_scored(examples[i]) for i in row)} (slots {C})")
             tokens[r, at:at + n] = ex.tokens_n
             positions[r, at:at + n] = np.arange(n)
             segments[r, at:at + n] = k + 1
@@ -121,9 +141,13 @@ def make_batch(examples: Sequence[Example], rows: Sequence[Sequence[int]], width
 
 
 def eval_batches(examples: Sequence[Example], width: int, rows_per_batch: int, pad_id: int,
-                 packing: bool = True) -> list[RolloutBatch]:
-    """The held-out examples packed (as in training) into batches of `rows_per_batch` rows, the last one padded
-    with empty rows (so every batch has one shape)."""
+                 packing: bool = True, shape: tuple[int, int] | None = None) -> list[RolloutBatch]:
+    """The held-out examples packed (as in training, rows of at most `width` tokens) into batches of
+    `rows_per_batch` rows, the last one padded with empty rows, every batch of one (L, C) = `shape` (default
+    `batch_shape` of these rows)."""
     rows = pack(examples, width, packing)
-    return [make_batch(examples, rows[i:i + rows_per_batch], width, pad_id, rows_per_batch)
+    if not rows:
+        return []
+    L, C = shape or batch_shape(examples, rows, width)
+    return [make_batch(examples, rows[i:i + rows_per_batch], L, pad_id, rows_per_batch, C)
             for i in range(0, len(rows), rows_per_batch)]

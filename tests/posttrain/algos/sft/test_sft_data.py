@@ -115,3 +115,20 @@ def test_held_out_fraction_and_inline_records():
     assert len(texts) == 10  # a split, not a copy
     again = data.load_datasets(settings, tok)[1]
     assert [tok.decode(e.tokens_n) for e in again] == [tok.decode(e.tokens_n) for e in held]  # seeded
+
+
+@pytest.mark.parametrize("lengths,scored,rows,width,want", [
+    ([10, 20, 5], [3, 4, 1], [[0], [1], [2]], 96, (32, 16)),   # longest row 20 -> 32, most scored 4 -> 16
+    ([10, 20, 5], [3, 4, 1], [[0, 1], [2]], 96, (32, 16)),     # a packed row: 30 tokens, 7 scored
+    ([40, 50], [30, 45], [[0], [1]], 52, (52, 48)),            # rounding stops at the width
+    ([16], [16], [[0]], 96, (16, 16)),                         # exactly one bucket
+])
+def test_batch_shape_is_the_longest_row_and_most_scored_rounded_up(lengths, scored, rows, width, want):
+    examples = [data.Example(np.arange(n, dtype=np.int32), np.r_[np.zeros(n - k, bool), np.ones(k, bool)], False)
+                for n, k in zip(lengths, scored)]
+    assert packing.batch_shape(examples, rows, width) == want
+    L, C = want
+    batch = packing.make_batch(examples, rows, L, 0, slots=C)
+    assert batch.tokens_RxL.shape == (len(rows), L) and batch.targets_NxC.shape == (len(rows), C)
+    with pytest.raises(ValueError, match=r"score \d+ \(slots 0\)"):
+        packing.make_batch(examples, [[0]], L, 0, slots=0)

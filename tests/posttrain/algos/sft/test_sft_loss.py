@@ -1,5 +1,6 @@
 """The SFT loss: a NumPy reference (log-softmax NLL over the assistant tokens of each conversation run alone),
-invariant 3 (packed vs unpacked rows and 2 microbatches vs 1 give the same loss and gradients, <= 1e-5 float32),
+invariant 3 (packed vs unpacked rows, 2 microbatches vs 1 and rows at `packing.batch_shape` vs seq_len give the same
+loss and gradients, <= 1e-5 float32),
 held-out NLL / perplexity, and a loss that goes down on a memorisable batch."""
 import jax
 import jax.numpy as jnp
@@ -92,9 +93,14 @@ def test_packed_unpacked_and_microbatches_give_the_same_loss_and_gradients(setup
     assert len(rows) < len(examples) and max(len(r) for r in rows) > 1  # really packed
     packed = packing.make_batch(examples, rows, WIDTH, tok.pad_id, num_rows=len(examples))  # the unpacked shape
     unpacked = packing.make_batch(examples, packing.pack(examples, WIDTH, packing=False), WIDTH, tok.pad_id)
+    unpacked_rows = packing.pack(examples, WIDTH, packing=False)
+    L, C = packing.batch_shape(examples, unpacked_rows, WIDTH)
+    assert C < L < WIDTH  # sized by the data (a recipe's batches): narrower rows, fewer scored slots
+    narrow = packing.make_batch(examples, unpacked_rows, L, tok.pad_id, slots=C)
     results = {"packed": loss_and_grads(graphdef, state, packed), "unpacked": loss_and_grads(graphdef, state, unpacked),
                "packed M=2": loss_and_grads(graphdef, state, packed, M=2),
-               "unpacked M=2": loss_and_grads(graphdef, state, unpacked, M=2)}
+               "unpacked M=2": loss_and_grads(graphdef, state, unpacked, M=2),
+               "unpacked at batch_shape": loss_and_grads(graphdef, state, narrow)}
     loss0, grads0, m0 = results["packed"]
     assert float(jnp.abs(jax.tree.leaves(grads0)[0]).max()) > 0
     for name, (loss, grads, m) in results.items():
