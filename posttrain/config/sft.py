@@ -39,7 +39,8 @@ class SFTConfig:
         eval_path: a JSONL file of held-out records ("": none).
         eval_examples: the held-out records inline.
         eval_fraction: share of the training records held out when no eval data is given (in [0, 1)).
-        seq_len: row width in tokens (conversations longer than it are cut; >= 2).
+        seq_len: the longest row in tokens (conversations longer than it are cut; >= 2). A run's batches are as
+            wide as its longest packed row, rounded up to 16 (`algos.sft.packing.batch_shape`), not seq_len.
         rows_per_step: rows in a step's batch (a multiple of num_microbatches x the mesh's batch shards).
         packing: several conversations per row (best-fit decreasing, segment ids) or one per row.
         num_microbatches: gradient-accumulation microbatches.
