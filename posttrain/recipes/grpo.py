@@ -117,6 +117,9 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True,
                                     "; ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in changes.items()))
     mesh, rollout_mesh = mesh_lib.split_meshes(plan.mesh_shape, plan.rollout_mesh_shape)  # one mesh unless split
     model_config, graphdef, weights, tokenizer = load_policy(plan.policy, mesh, plan.rules)
+    if plan.rollout.record_routing and model_config.moe is None:  # replay would silently replay nothing
+        raise ConfigError("rl.routing_replay='replay' replays the sampler's MoE expert selections, and this model "
+                          "has no MoE layers: set rl.routing_replay='off'")
     learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, step_builder(plan),
                              read_only=reading)
     with Resources(("the checkpointer", learner.close)).on_error():  # a failed restore or env start closes it

@@ -115,3 +115,15 @@ def test_replay_keeps_the_step0_ratio_at_one_when_the_selection_bias_moves(sampl
             assert log_ratio.max() < 1e-4 and abs(tis - 1) < 1e-5, (log_ratio.max(), tis)
         else:
             assert log_ratio.max() > 1e-2 and abs(tis - 1) > 1e-3, (log_ratio.max(), tis)
+
+
+def test_replay_on_a_dense_model_is_one_clear_error(tmp_path):
+    """rl.routing_replay='replay' on a model without MoE layers would replay nothing: the run stops at load, before
+    any step or checkpoint, with one ConfigError."""
+    from helpers import tiny_config
+    from posttrain.config import ConfigError
+    from posttrain.recipes import grpo
+
+    with pytest.raises(ConfigError, match=r"^rl.routing_replay='replay' replays .* has no MoE layers"):
+        grpo.train(tiny_config(tmp_path, **{"rl.routing_replay": "replay"}), progress=False)
+    assert not list(tmp_path.glob("checkpoints/*")) and not (tmp_path / "metrics.jsonl").exists()
