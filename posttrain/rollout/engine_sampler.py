@@ -188,13 +188,24 @@ class EngineSampler:
                 if self.chunk_hook is not None:
                     self.chunk_hook(engine, chunk)
 
-            with jax.default_device(self.device) if self.device is not None else contextlib.nullcontext():
-                engine = self._engine_for(int(lengths.max()) + Lg)
-                key = key if self.device is None else jax.device_put(key, self.device)
-                engine.generate(requests, key, on_chunk=on_chunk, on_finish=out.finish)
-            self._add_metrics(engine.metrics)
+            generate(self._engine_for(int(lengths.max()) + Lg), requests, key, out.finish, on_chunk)
             return out.output(prompts.shape[1], G)
 
+        def generate(engine, requests, key, on_finish, on_chunk=None):
+            with jax.default_device(self.device) if self.device is not None else contextlib.nullcontext():
+                key = key if self.device is None else jax.device_put(key, self.device)
+                done = engine.generate(requests, key, on_chunk=on_chunk or (lambda e, c: self.chunk_hook and
+                                                                           self.chunk_hook(e, c)),
+                                       on_finish=on_finish)
+            self._add_metrics(engine.metrics)
+            return done
+
+        # per-episode multi-turn (`rollout.per_episode`): requests with this call's settings, an engine for
+        # requests of up to `longest` tokens, and `generate` on it
+        fn.request = lambda prompt: Request(prompt=tuple(int(x) for x in prompt), max_new_tokens=params.max_new_tokens,
+                                            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                            stop_ids=stops)
+        fn.engine_for, fn.generate = self._engine_for, generate
         return fn
 
     def _add_metrics(self, m: dict) -> None:

@@ -10,6 +10,7 @@ environment or the chat template between turns are kept in the sequence but mask
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Protocol, Sequence
 
@@ -181,7 +182,10 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
     `stream` (streaming scoring, `rollout.streaming`): `sample_fn` also takes `on_rows=` (a sink of the rows
     finished while it decodes, e.g. `Rollouter.sample_fn`'s) and each finished row's episode is stepped at once,
     while the rest decodes; the samples equal the non-streaming path's, and perf/reward_s is then only the env
-    time left after sampling (the overlapped part is hidden in perf/gen_s)."""
+    time left after sampling (the overlapped part is hidden in perf/gen_s).
+
+    With the rollout engine's sample_fn (it has `generate`) and max_turns > 1 the turns run per episode
+    (`rollout.per_episode`: an episode's next turn is queued as soon as its env step returns)."""
     import jax
 
     from posttrain.infra import distributed
@@ -196,6 +200,15 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
     samples = [Sample(domain=ep.domain, group=i // G, prompt_ids=prompts[i // G]) for i, ep in enumerate(expanded)]
     gen_s = env_s = 0.0
     contexts = None  # per-sample full token context for turns >= 2
+    if max_turns > 1 and getattr(sample_fn, "generate", None) is not None:  # the engine: per-episode turns
+        from posttrain.rollout import per_episode
+
+        Lg = sample_fn.request([0]).max_new_tokens  # sized for the prompt and max_turns replies, doubled
+        engine = sample_fn.engine_for(2 * (max(map(len, prompts)) + max_turns * Lg))
+        gen_s, env_s = per_episode.run(functools.partial(sample_fn.generate, engine), sample_fn.request,
+                                       engine.settings.max_seq_len, tokenizer, runner, samples, prompts,
+                                       group_size=G, max_turns=max_turns, key=key)
+        max_turns = 0  # the turn loop below has nothing left to run
     for turn in range(max_turns):
         active = [i for i, s in enumerate(samples) if not s.done]
         if not active:

@@ -4,9 +4,11 @@ trl/chat_templates/qwen3.jinja) on the byte tokenizer, so no download. The first
 through ``tools=``, tool results come back as the template's ``<tool_response>`` turns, a tool call the template
 renders parses back to the same call, a template that re-renders the reply is refused, and a 6-turn episode's
 trainer logprobs equal the sampler's (the tolerance of test_sampler.py) on a tiny Qwen3-shaped model."""
+import functools
 import pathlib
 
 import gymnasium
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,16 +112,18 @@ def test_a_tool_call_the_template_renders_parses_back_to_the_same_call():
     assert calls == [repo_tools.ToolCall("write_file", arguments), repo_tools.ToolCall("submit", {})] and not errors
 
 
-@pytest.mark.parametrize("backend", ["dense", "engine"])
+@pytest.mark.parametrize("backend", ["dense", "engine", "engine-per-episode"])
 def test_six_turn_episode_trainer_logprobs_equal_the_samplers(backend):
-    """Six turns of a tool episode sampled by the dense sampler or the rollout engine (`sampling.backend`): the
-    trainer's logprobs of the policy tokens equal the sampler's; the engine prefills each later turn's context
-    from the pages of the turns before it (its prefix cache) and tags every token with version 0."""
+    """Six turns of a tool episode sampled by the dense sampler or the rollout engine (`sampling.backend`), the
+    engine turn by turn or per episode (`rollout.per_episode`: each episode's next turn queued when its env step
+    returns): the trainer's logprobs of the policy tokens equal the sampler's; the engine prefills each later
+    turn's context from the pages of the turns before it (its prefix cache) and tags every token with version 0;
+    per episode, a later turn prefills only the reply's last token and the bridge."""
     cfg, graphdef, state = random_model("tiny-qwen3", vocab_size=320)
     params = SamplingParams(max_new_tokens=6, temperature=1.0)
     calls = []
     engine = EngineSampler(graphdef, EngineSamplerSettings(num_slots=2, max_seq_len=1024)) \
-        if backend == "engine" else None
+        if backend != "dense" else None
     engine_fn = engine.sample_fn((state,), params, QWEN3.stop_ids, QWEN3.pad_id) if engine else None
 
     def sample_fn(prompts, lengths, key, group_size):
@@ -131,9 +135,10 @@ def test_six_turn_episode_trainer_logprobs_equal_the_samplers(backend):
 
     episodes = [Episode("test/ToolChat-v0", {}, {"id": f"t{i}", "q": f"Call echo {TURNS} times ({i})."}, seed=i)
                 for i in range(2)]
-    samples, _ = run_episodes(sample_fn, QWEN3, InlineEnvs(), episodes, group_size=1, max_turns=TURNS,
-                              key=jax.random.key(0), pad_id=QWEN3.pad_id, bucket=512)
-    assert len(calls) == TURNS and len(set(calls)) == 1  # one program shape for all six turns
+    per_episode = backend == "engine-per-episode"
+    samples, _ = run_episodes(engine_fn if per_episode else sample_fn, QWEN3, InlineEnvs(), episodes,
+                              group_size=1, max_turns=TURNS, key=jax.random.key(0), pad_id=QWEN3.pad_id, bucket=512)
+    assert calls == [] if per_episode else len(calls) == TURNS and len(set(calls)) == 1  # one shape for all turns
     for s in samples:
         assert (s.reward, s.status, len(s.texts)) == (1.0, "ok", TURNS)
         assert [policy for _, _, policy in s.segments] == [True, False] * (TURNS - 1) + [True]
@@ -153,3 +158,33 @@ def test_six_turn_episode_trainer_logprobs_equal_the_samplers(backend):
         first = sum(len(s.prompt_ids) + len(s.segments[0][0]) for s in samples)  # turn 1's prompt and reply
         assert m["rollout/prefix_cached_tokens"] >= first - 2 * 16  # later turns: all but a partial last page
         assert all(set(np.concatenate(s.versions).tolist()) == {0} for s in samples)
+        if per_episode:  # turn k > 1 prefills the last reply token and the bridge: the cache holds the rest
+            new = sum(len(s.prompt_ids) + sum(1 + len(t) for t, _, policy in s.segments if not policy)
+                      for s in samples)
+            assert m["rollout/prefill_tokens"] <= new, (m["rollout/prefill_tokens"], new)
+
+
+def test_per_episode_turns_are_queued_as_each_env_step_returns():
+    """One engine slot, two six-turn episodes: per episode (`rollout.per_episode`) episode 0's next turn is queued
+    first as soon as its env step returns, so its six env steps come before episode 1's first; turn by turn every
+    episode's turn k steps before any turn k + 1. Both give whole episodes (reward 1, six replies)."""
+    cfg, graphdef, state = random_model("tiny-qwen3", vocab_size=320)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    engine = EngineSampler(graphdef, EngineSamplerSettings(num_slots=1, max_seq_len=1024))
+    episodes = [Episode("test/ToolChat-v0", {}, {"id": f"t{i}", "q": f"Call echo {TURNS} times ({i})."}, seed=i)
+                for i in range(2)]
+    orders = {}
+    for mode in ("per_episode", "by_turn"):
+        steps, envs = [], InlineEnvs()
+        step = envs.step
+        envs.step = lambda actions, indices=None: steps.extend(indices or range(len(actions))) or step(actions, indices)
+        fn = engine.sample_fn((state,), params, QWEN3.stop_ids, QWEN3.pad_id)
+        if mode == "by_turn":
+            fn = functools.partial(fn)  # no `generate` attribute: run_episodes goes turn by turn
+        samples, _ = run_episodes(fn, QWEN3, envs, episodes, group_size=1, max_turns=TURNS, key=jax.random.key(0),
+                                  pad_id=QWEN3.pad_id, bucket=512)
+        assert all((s.reward, s.status, len(s.texts)) == (1.0, "ok", TURNS) for s in samples), mode
+        orders[mode] = (list(steps), [[t.tolist() for t, _, _ in s.segments] for s in samples])
+    assert orders["per_episode"][0] == [0] * TURNS + [1] * TURNS
+    assert orders["by_turn"][0] == [0, 1] * TURNS
+    assert orders["per_episode"][1] == orders["by_turn"][1]  # greedy: the same tokens either way
