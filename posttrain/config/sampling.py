@@ -33,8 +33,8 @@ class SamplingConfig:
             each width compiles its own decode loop.
         backend: what samples the rollouts and evaluations, one of SAMPLING_BACKENDS: "dense" (`rollout.sampler
             .sample`: one call per batch, a dense KV cache per row) or "engine" (`rollout.engine`: continuous
-            batching over a paged KV cache with prefix reuse, `rollout.engine_sampler`; one device, no routing
-            replay). Both record the same logprobs, and greedy replies are equal (up to float rounding).
+            batching over a paged KV cache with prefix reuse, `rollout.engine_sampler`; one device). Both record
+            the same logprobs and MoE routing, and greedy replies are equal (up to float rounding).
         engine_slots: the engine's sequences decoded together (0: rl.prompts_per_step x rl.group_size, a step's
             first-turn rows; a call with more requests queues them). Engine only, like the fields below.
         engine_pages: KV pages in the engine's pool, the scratch page included (0: every slot at engine_max_seq_len
@@ -43,6 +43,10 @@ class SamplingConfig:
         engine_max_seq_len: the longest prompt + reply the engine holds, in tokens (0: sized by the longest request
             seen, rounded up to engine_page_size x a power of two; a longer one later builds a bigger engine, a
             new compile).
+        engine_per_episode: multi-turn episodes run per episode (`rollout.per_episode`): an episode's next turn is
+            queued as soon as its env step returns, instead of after every episode's turn. Needs
+            engine_max_seq_len > 0, the longest context an episode may reach (one engine holds every turn); a
+            turn that would not fit ends its episode as truncated.
     """
 
     max_new_tokens: int = 24
@@ -57,3 +61,4 @@ class SamplingConfig:
     engine_pages: int = 0
     engine_page_size: int = 16
     engine_max_seq_len: int = 0
+    engine_per_episode: bool = False

@@ -53,6 +53,7 @@ class EngineSamplerSettings:
         prefill_bucket: prefill widths are this times a power of two (>= 1).
         record_routing: return the MoE layers' expert selections (`SampleOutput.prompt_experts_PxLpxLxk`,
             `experts_NxLgxLxk`: routing replay, `rl.routing_replay="replay"`; `EngineSettings.record_routing`).
+        per_episode: multi-turn episodes run per episode (`rollout.per_episode`; needs max_seq_len >= 2).
     """
 
     num_slots: int
@@ -61,13 +62,16 @@ class EngineSamplerSettings:
     max_seq_len: int = 0
     prefill_bucket: int = 16
     record_routing: bool = False
+    per_episode: bool = False
 
     def __post_init__(self):
         if self.num_slots < 1 or self.num_pages == 1 or self.num_pages < 0 or self.page_size < 1 \
-                or self.max_seq_len == 1 or self.max_seq_len < 0 or self.prefill_bucket < 1:
+                or self.max_seq_len == 1 or self.max_seq_len < 0 or self.prefill_bucket < 1 \
+                or (self.per_episode and not self.max_seq_len):
             raise ValueError(f"invalid engine sampler settings: num_slots={self.num_slots} (>= 1), num_pages="
                              f"{self.num_pages} (0 or >= 2), page_size={self.page_size} (>= 1), max_seq_len="
-                             f"{self.max_seq_len} (0 or >= 2), prefill_bucket={self.prefill_bucket} (>= 1)")
+                             f"{self.max_seq_len} (0 or >= 2; >= 2 per episode), prefill_bucket="
+                             f"{self.prefill_bucket} (>= 1), per_episode={self.per_episode}")
 
     def engine_settings(self, longest: int) -> EngineSettings:
         """The `EngineSettings` of an engine whose longest request has `longest` tokens (module doc)."""
@@ -94,6 +98,9 @@ def engine_settings(cfg, sampler_devices: int) -> EngineSamplerSettings | None:
             raise ConfigError("rollout.partial=True swaps weights inside a running generation: it needs "
                               "sampling.backend='engine'")
         return None
+    if s.engine_per_episode and not s.engine_max_seq_len:
+        raise ConfigError("sampling.engine_per_episode=True needs sampling.engine_max_seq_len > 0: the longest "
+                          "context an episode may reach (one engine holds all of its turns)")
     if sampler_devices != 1:
         raise ConfigError(f"sampling.backend='engine' runs on one device (its page pool is not sharded), this "
                           f"run's sampler has {sampler_devices}: use sampling.backend='dense', or mesh.rollout=1 "
@@ -101,7 +108,7 @@ def engine_settings(cfg, sampler_devices: int) -> EngineSamplerSettings | None:
     return EngineSamplerSettings(num_slots=s.engine_slots or cfg.rl.prompts_per_step * cfg.rl.group_size,
                                  num_pages=s.engine_pages, page_size=s.engine_page_size,
                                  max_seq_len=s.engine_max_seq_len,
-                                 record_routing=cfg.rl.routing_replay == "replay")
+                                 record_routing=cfg.rl.routing_replay == "replay", per_episode=s.engine_per_episode)
 
 
 def _same_arrays(a, b) -> bool:
@@ -200,6 +207,8 @@ class EngineSampler:
             self._add_metrics(engine.metrics)
             return done
 
+        if not self.settings.per_episode:
+            return fn
         # per-episode multi-turn (`rollout.per_episode`): requests with this call's settings, an engine for
         # requests of up to `longest` tokens, and `generate` on it
         fn.request = lambda prompt: Request(prompt=tuple(int(x) for x in prompt), max_new_tokens=params.max_new_tokens,

@@ -184,8 +184,9 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
     while the rest decodes; the samples equal the non-streaming path's, and perf/reward_s is then only the env
     time left after sampling (the overlapped part is hidden in perf/gen_s).
 
-    With the rollout engine's sample_fn (it has `generate`) and max_turns > 1 the turns run per episode
-    (`rollout.per_episode`: an episode's next turn is queued as soon as its env step returns)."""
+    With the rollout engine's sample_fn at `sampling.engine_per_episode` (it has `generate`) and max_turns > 1
+    the turns run per episode (`rollout.per_episode`: an episode's next turn is queued as soon as its env step
+    returns)."""
     import jax
 
     from posttrain.infra import distributed
@@ -203,8 +204,7 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
     if max_turns > 1 and getattr(sample_fn, "generate", None) is not None:  # the engine: per-episode turns
         from posttrain.rollout import per_episode
 
-        Lg = sample_fn.request([0]).max_new_tokens  # sized for the prompt and max_turns replies, doubled
-        engine = sample_fn.engine_for(2 * (max(map(len, prompts)) + max_turns * Lg))
+        engine = sample_fn.engine_for(max(map(len, prompts)) + sample_fn.request([0]).max_new_tokens)
         gen_s, env_s = per_episode.run(functools.partial(sample_fn.generate, engine), sample_fn.request,
                                        engine.settings.max_seq_len, tokenizer, runner, samples, prompts,
                                        group_size=G, max_turns=max_turns, key=key)

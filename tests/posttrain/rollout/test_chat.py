@@ -122,7 +122,8 @@ def test_six_turn_episode_trainer_logprobs_equal_the_samplers(backend):
     cfg, graphdef, state = random_model("tiny-qwen3", vocab_size=320)
     params = SamplingParams(max_new_tokens=6, temperature=1.0)
     calls = []
-    engine = EngineSampler(graphdef, EngineSamplerSettings(num_slots=2, max_seq_len=1024)) \
+    per_episode = backend == "engine-per-episode"
+    engine = EngineSampler(graphdef, EngineSamplerSettings(num_slots=2, max_seq_len=1024, per_episode=per_episode)) \
         if backend != "dense" else None
     engine_fn = engine.sample_fn((state,), params, QWEN3.stop_ids, QWEN3.pad_id) if engine else None
 
@@ -135,7 +136,6 @@ def test_six_turn_episode_trainer_logprobs_equal_the_samplers(backend):
 
     episodes = [Episode("test/ToolChat-v0", {}, {"id": f"t{i}", "q": f"Call echo {TURNS} times ({i})."}, seed=i)
                 for i in range(2)]
-    per_episode = backend == "engine-per-episode"
     samples, _ = run_episodes(engine_fn if per_episode else sample_fn, QWEN3, InlineEnvs(), episodes,
                               group_size=1, max_turns=TURNS, key=jax.random.key(0), pad_id=QWEN3.pad_id, bucket=512)
     assert calls == [] if per_episode else len(calls) == TURNS and len(set(calls)) == 1  # one shape for all turns
@@ -170,7 +170,7 @@ def test_per_episode_turns_are_queued_as_each_env_step_returns():
     episode's turn k steps before any turn k + 1. Both give whole episodes (reward 1, six replies)."""
     cfg, graphdef, state = random_model("tiny-qwen3", vocab_size=320)
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
-    engine = EngineSampler(graphdef, EngineSamplerSettings(num_slots=1, max_seq_len=1024))
+    engine = EngineSampler(graphdef, EngineSamplerSettings(num_slots=1, max_seq_len=1024, per_episode=True))
     episodes = [Episode("test/ToolChat-v0", {}, {"id": f"t{i}", "q": f"Call echo {TURNS} times ({i})."}, seed=i)
                 for i in range(2)]
     orders = {}

@@ -136,6 +136,13 @@ def test_backend_names_and_settings_errors(tmp_path):
         make_run_plan(tiny_config(tmp_path, **engine), num_devices=2)
     replay = make_run_plan(tiny_config(tmp_path, **engine, **{"rl.routing_replay": "replay"})).rollout.engine
     assert replay.record_routing and replay.engine_settings(10).record_routing  # routing replay: the engine records
+    with pytest.raises(ConfigError, match=r"^sampling.engine_per_episode=True needs sampling.engine_max_seq_len > 0"):
+        make_run_plan(tiny_config(tmp_path, **engine, **{"sampling.engine_per_episode": True}))
+    per_episode = make_run_plan(tiny_config(tmp_path, **engine, **{"sampling.engine_per_episode": True,
+                                                                   "sampling.engine_max_seq_len": 256}))
+    assert per_episode.rollout.engine.per_episode
+    with pytest.raises(ValueError, match=r"per_episode=True"):
+        engine_sampler.EngineSamplerSettings(num_slots=2, per_episode=True)
     assert make_run_plan(tiny_config(tmp_path)).rollout.engine is None  # the default: the dense sampler
     plan = make_run_plan(tiny_config(tmp_path, **engine, **{"sampling.engine_slots": 5, "sampling.engine_pages": 9,
                                                              "sampling.engine_max_seq_len": 64}))
