@@ -180,12 +180,14 @@ class EngineSampler:
         self._use(policy)
         stops = tuple(int(s) for s in stop_ids)
 
+        def request(prompt) -> Request:  # one sample's request with this call's settings
+            return Request(prompt=tuple(int(x) for x in prompt), max_new_tokens=params.max_new_tokens,
+                           temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, stop_ids=stops)
+
         def fn(prompts, lengths, key, group_size, on_rows=None) -> SampleOutput:
             prompts, lengths = np.asarray(prompts), np.asarray(lengths)
             G, Lg = int(group_size), params.max_new_tokens
-            requests = [Request(prompt=tuple(int(x) for x in prompts[p, :int(lengths[p])]), max_new_tokens=Lg,
-                                temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                stop_ids=stops) for p in range(len(prompts)) for _ in range(G)]
+            requests = [request(prompts[p, :int(lengths[p])]) for p in range(len(prompts)) for _ in range(G)]
             out = _Rows(len(requests), Lg, pad_id)
             every = stream_chunk if on_rows is not None else 0
 
@@ -211,10 +213,7 @@ class EngineSampler:
             return fn
         # per-episode multi-turn (`rollout.per_episode`): requests with this call's settings, an engine for
         # requests of up to `longest` tokens, and `generate` on it
-        fn.request = lambda prompt: Request(prompt=tuple(int(x) for x in prompt), max_new_tokens=params.max_new_tokens,
-                                            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                            stop_ids=stops)
-        fn.engine_for, fn.generate = self._engine_for, generate
+        fn.request, fn.engine_for, fn.generate = request, self._engine_for, generate
         return fn
 
     def _add_metrics(self, m: dict) -> None:
