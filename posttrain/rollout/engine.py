@@ -166,22 +166,25 @@ class Engine:
         return Completion(np.asarray(seq.tokens, np.int32), np.asarray(seq.logprobs, np.float32), bool(truncated),
                           seq.preemptions, np.asarray(seq.versions, np.int32), seq.routing)
 
-    def _keep_routing(self, routed_NxLxk, pages_N, offsets_N) -> None:
-        """Stores the expert selections of N fed tokens at their (page, offset) (`record_routing`)."""
+    def _where(self, slots_N, positions_N) -> tuple[np.ndarray, np.ndarray]:
+        """(page, offset) of each sequence position in its slot's pages."""
+        Z = self.settings.page_size
+        return self._pages.table_SxM[slots_N, positions_N // Z], positions_N % Z
+
+    def _keep_routing(self, routed_NxLxk, slots_N, positions_N) -> None:
+        """Stores the expert selections of N fed tokens at their pages (`record_routing`)."""
         if routed_NxLxk is None:
             return
         routed = np.asarray(routed_NxLxk)
         if self._routing is None:
             self._routing = np.full((self.settings.num_pages, self.settings.page_size) + routed.shape[1:], -1,
                                     np.int32)
-        self._routing[pages_N, offsets_N] = routed
+        self._routing[self._where(slots_N, positions_N)] = routed
 
     def _read_routing(self, slot: int, seq: _Seq) -> None:
         """seq.routing: its cached tokens' expert selections, read from its pages before they are released."""
         if self._routing is not None:
-            pos = np.arange(_cached_len(seq))
-            Z = self.settings.page_size
-            seq.routing = self._routing[self._pages.table_SxM[slot][pos // Z], pos % Z]
+            seq.routing = self._routing[self._where(slot, np.arange(_cached_len(seq)))]
 
     # ------------------------------------------------------------------ the loop's parts
     def _release(self, slot: int, num_valid: int | None = None) -> None:
@@ -265,9 +268,7 @@ class Engine:
             tok, lp, self._pool, routed = extend(self.graphdef, self.state, self._pool, jnp.asarray(tokens),
                                                  jnp.int32(start), jnp.int32(n - start), *args, routing=routing)
         if start < n and routed is not None:
-            pos = np.arange(start, n)
-            self._keep_routing(np.asarray(routed)[:n - start], self._pages.table_SxM[slot][pos // st.page_size],
-                               pos % st.page_size)
+            self._keep_routing(np.asarray(routed)[:n - start], slot, np.arange(start, n))
         self._counters.prefill_tokens += n - start
         self._counters.prefix_cached_tokens += start
         if self._pages.cache is not None:
@@ -309,10 +310,8 @@ class Engine:
             impl=self.impl, routing=self.settings.record_routing)
         tok, lp = np.asarray(tok), np.asarray(lp)
         if routed is not None:
-            live_S = np.asarray([q is not None for q in slots])
-            Z, rows = self.settings.page_size, self._pages.table_SxM[live_S]
-            self._keep_routing(np.asarray(routed)[live_S], rows[np.arange(len(rows)), lengths[live_S] // Z],
-                               lengths[live_S] % Z)
+            live = np.flatnonzero([q is not None for q in slots])
+            self._keep_routing(np.asarray(routed)[live], live, lengths[live])
         for s, seq in enumerate(slots):
             if seq is not None:
                 seq.append(tok[s], lp[s], self.version)

@@ -256,14 +256,26 @@ def _take_row(s: Sample, out, row: int, tokenizer, context: list[int], prompt_ro
     """Appends sampler row `row` of `out` to sample `s` (segment, truncation, routing, text); returns its reply.
     `context`: the tokens the row continued; `prompt_row`: its row of the prompt routing (the prefill's)."""
     n = int(out.lengths_N[row])
-    seg = out.tokens_NxLg[row, :n].astype(np.int32)
-    s.segments.append((seg, out.logp_NxLg[row, :n].astype(np.float32), True))
-    s.truncated = bool(out.truncated_N[row])
-    if getattr(out, "versions_NxLg", None) is not None:
-        s.versions.append(np.asarray(out.versions_NxLg[row, :n], np.int32))
+    versions = getattr(out, "versions_NxLg", None)
+    routing = None
     if getattr(out, "experts_NxLgxLxk", None) is not None:  # the prefill covered the whole context
-        s.routing = np.concatenate([out.prompt_experts_PxLpxLxk[prompt_row, :len(context)],
-                                    out.experts_NxLgxLxk[row, :n]]).astype(np.int32)
+        routing = np.concatenate([out.prompt_experts_PxLpxLxk[prompt_row, :len(context)],
+                                  out.experts_NxLgxLxk[row, :n]])
+    return append_reply(s, out.tokens_NxLg[row, :n], out.logp_NxLg[row, :n], bool(out.truncated_N[row]), tokenizer,
+                        None if versions is None else versions[row, :n], routing)
+
+
+def append_reply(s: Sample, tokens, logp, truncated: bool, tokenizer, versions=None, routing=None) -> str:
+    """Appends a sampled reply to sample `s` as a policy segment (tokens int32 [n], logp float32 [n]), with its
+    truncation, per-token versions (int32 [n] or None) and routing (int32 [context + n, L, k] or None: the whole
+    sequence's, replacing the sample's); returns its text."""
+    seg = np.asarray(tokens, np.int32)
+    s.segments.append((seg, np.asarray(logp, np.float32), True))
+    s.truncated = truncated
+    if versions is not None:
+        s.versions.append(np.asarray(versions, np.int32))
+    if routing is not None:
+        s.routing = np.asarray(routing, np.int32)
     s.texts.append(tokenizer.decode(seg.tolist(), skip_special_tokens=True))
     return s.texts[-1]
 

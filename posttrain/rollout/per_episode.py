@@ -68,13 +68,12 @@ def run(generate: Callable, make_request: Callable, max_seq_len: int, tokenizer,
 
 
 def _take(s, c, tokenizer, context_len: int) -> None:
-    """Appends completion `c` (`engine.Completion`) to sample `s` as a policy segment: tokens, logprobs, versions,
-    truncation, text and (routing replay) the expert selections of the context and the reply, -1 for its last
-    token (never fed), as `episodes._take_row` lays out the dense sampler's."""
-    s.segments.append((np.asarray(c.tokens, np.int32), np.asarray(c.logprobs, np.float32), True))
-    s.truncated = bool(c.truncated)
-    s.versions.append(np.asarray(c.versions, np.int32))
+    """Appends completion `c` (`engine.Completion`) to sample `s` (`episodes.append_reply`), its routing laid out as
+    the dense sampler's: the context's and the reply's selections, -1 for its last token (never fed)."""
+    from posttrain.rollout.episodes import append_reply
+
+    routing = None
     if c.routing is not None:
         assert len(c.routing) == context_len + len(c.tokens) - 1, (len(c.routing), context_len, len(c.tokens))
-        s.routing = np.concatenate([c.routing, np.full((1,) + c.routing.shape[1:], -1, np.int32)])
-    s.texts.append(tokenizer.decode(np.asarray(c.tokens).tolist(), skip_special_tokens=True))
+        routing = np.concatenate([c.routing, np.full((1,) + c.routing.shape[1:], -1, np.int32)])
+    append_reply(s, c.tokens, c.logprobs, bool(c.truncated), tokenizer, c.versions, routing)
