@@ -166,6 +166,13 @@ class Engine:
         return Completion(np.asarray(seq.tokens, np.int32), np.asarray(seq.logprobs, np.float32), bool(truncated),
                           seq.preemptions, np.asarray(seq.versions, np.int32), seq.routing)
 
+    def _table(self, table_xM: np.ndarray, tokens: int) -> np.ndarray:
+        """A copy of the page table (or one row) as wide as a program over sequences of at most `tokens` tokens
+        reads (`EngineSettings.table_width`: the gather reference) or whole (the kernels)."""
+        if self.impl != "reference":
+            return table_xM.copy()
+        return table_xM[..., :self.settings.table_width(-(-tokens // self.settings.page_size))].copy()
+
     def _where(self, slots_N, positions_N) -> tuple[np.ndarray, np.ndarray]:
         """(page, offset) of each sequence position in its slot's pages."""
         Z = self.settings.page_size
@@ -257,16 +264,17 @@ class Engine:
         tokens[0, :n - start] = cached[start:]
         # a copy of the page row: on the CPU a NumPy argument may be read in place (zero-copy) while the program
         # still runs, and the host changes the page table before anything waits for this prefill (a recompute)
-        args = (jnp.asarray(self._pages.table_SxM[slot].copy()), request_rows([seq.request]), self._key,
-                jnp.asarray([seq.index], jnp.int32))
+        row = self._pages.table_SxM[slot]  # whole for `prefill` (which gathers no pages: one compile per W)
+        args = (request_rows([seq.request]), self._key, jnp.asarray([seq.index], jnp.int32))
         tok = lp = None
         routing = st.record_routing
         if start == 0:
             tok, lp, self._pool, routed = prefill(self.graphdef, self.state, self._pool, jnp.asarray(tokens),
-                                                  jnp.int32(n), *args, routing=routing)
+                                                  jnp.int32(n), jnp.asarray(row.copy()), *args, routing=routing)
         elif start < n:
             tok, lp, self._pool, routed = extend(self.graphdef, self.state, self._pool, jnp.asarray(tokens),
-                                                 jnp.int32(start), jnp.int32(n - start), *args, routing=routing)
+                                                 jnp.int32(start), jnp.int32(n - start),
+                                                 jnp.asarray(self._table(row, n)), *args, routing=routing)
         if start < n and routed is not None:
             self._keep_routing(np.asarray(routed)[:n - start], slot, np.arange(start, n))
         self._counters.prefill_tokens += n - start
@@ -303,7 +311,7 @@ class Engine:
         live = sum(q is not None for q in slots)
         used = int(lengths.sum()) + live - self._pages.shared_extra * self.settings.page_size  # shared pages once
         self._counters.observe(self._pages.allocated, used, live)
-        table = jnp.asarray(self._pages.table_SxM.copy())  # a copy, as in `_prefill`
+        table = jnp.asarray(self._table(self._pages.table_SxM, int(lengths.max()) + 1))  # a copy, as in `_prefill`
         tok, lp, self._pool, routed = decode_step(
             self.graphdef, self.state, self._pool, table, jnp.asarray(lengths), jnp.asarray(prev),
             request_rows([q.request if q else None for q in slots]), self._key, jnp.asarray(request), jnp.asarray(t),

@@ -80,6 +80,19 @@ class EngineSettings:
         """M, the page-table width."""
         return -(-self.max_seq_len // self.page_size)
 
+    def table_width(self, pages: int) -> int:
+        """The page-table width a program over sequences of at most `pages` pages reads with the gather
+        reference: the smallest power of two >= pages, at least min(8, M) and at most M (one compile per width:
+        ~log2(M / 8) + 1 of them). The reference gathers and attends over every page of the table it is given
+        (masked past each length), so narrowing the table to what the longest live sequence holds cuts the
+        decode step's reads and attention from M * Z keys per slot to at most twice what is live. The Pallas
+        kernels read only each sequence's own pages and take the full width (one compile)."""
+        M = self.pages_per_seq
+        width = min(8, M)
+        while width < pages:
+            width *= 2
+        return min(width, M)
+
     def prefill_width(self, tokens: int) -> int:
         """W of the prefill program for `tokens` new tokens: prefill_bucket times the smallest power of two that
         holds them (one compile per width)."""

@@ -162,3 +162,47 @@ def test_page_pool_and_bad_input():
         engine.check([Request(prompt=(4,), max_new_tokens=2), Request(prompt=(4,) * 10, max_new_tokens=8)])
     with pytest.raises(TypeError, match="request 0: expected engine.Request, got tuple"):
         engine.check([(4, 5)])
+
+
+def test_table_width_narrows_to_live_pages_with_equal_results(monkeypatch):
+    """With the gather reference the decode and extend programs get the page table only as wide as the longest
+    live sequence needs (a power of two >= 8, <= M); a multi-turn episode through a wide engine (M = 64) gives the
+    same tokens and logprobs (<= 1e-5: summation order) as with the full table, and the programs saw the narrow widths only."""
+    assert [EngineSettings(num_slots=1, num_pages=2, page_size=4, max_seq_len=m).table_width(p)
+            for m, p in [(40, 1), (40, 8), (40, 9), (40, 10), (256, 9), (256, 17), (256, 64), (16, 1)]] == \
+        [8, 8, 10, 10, 16, 32, 64, 4]
+    cfg, graphdef, state = random_model("tiny-dense")
+    rng = np.random.default_rng(3)
+    first = rng.integers(4, cfg.vocab_size, 7).tolist()
+    settings = EngineSettings(num_slots=4, num_pages=80, page_size=4, max_seq_len=256, prefill_bucket=32)
+    import posttrain.rollout.engine as engine_module
+
+    def run():
+        widths, calls = set(), {}
+        for name in ("decode_step", "extend"):
+            real = getattr(engine_module, name)
+            calls[name] = real
+
+            def spy(*args, _real=real, _at=3 if name == "decode_step" else 6, **kw):
+                widths.add((_real.__name__, args[_at].shape[-1]))
+                return _real(*args, **kw)
+            monkeypatch.setattr(engine_module, name, spy)
+        engine, prompt, out = Engine(graphdef, state, settings), list(first), []
+        for turn in range(3):
+            reqs = [Request(prompt=tuple(prompt), max_new_tokens=12, temperature=0.0, stop_ids=(1,))] * 2
+            done = engine.generate(reqs, jax.random.key(turn))
+            out.append(done)
+            prompt = prompt + done[0].tokens.tolist() + [5, 6, 7]
+        for name, real in calls.items():
+            monkeypatch.setattr(engine_module, name, real)
+        return out, widths
+
+    narrow, widths = run()
+    assert {w for _, w in widths} <= {8, 16} and {name for name, _ in widths} == {"decode_step", "extend"}
+    monkeypatch.setattr(EngineSettings, "table_width", lambda self, pages: self.pages_per_seq)
+    full, full_widths = run()
+    assert {w for _, w in full_widths} == {64}
+    for a, b in zip(narrow, full):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x.tokens, y.tokens)
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
