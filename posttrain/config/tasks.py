@@ -37,6 +37,9 @@ class SchedulingOptions:
         breaker_window: sample attempts in the breaker's window (the window must be full to trip).
         breaker_cooldown_steps: steps a paused domain waits before one probe group.
         band_visits: skip a task whose last this many visits were all correct or all wrong (0: no band).
+        band_fail_visits: the all-wrong side's own count (-1: band_visits; 0: never skip a task for failing). A
+            task failed on its last visits may pass later (the policy learns from other tasks and domains), while a
+            passed one rarely fails again, so skipping failures stops the exploration a hard domain learns from.
         band_recheck: the probability that such a task is drawn anyway (a re-check).
         pass_threshold: reward that counts as correct (band, pass rate).
         cost_ema: weight of a new env cost report in a domain's cost estimate (exponential moving average).
@@ -52,6 +55,7 @@ class SchedulingOptions:
     breaker_window: int = 32
     breaker_cooldown_steps: int = 5
     band_visits: int = 0
+    band_fail_visits: int = -1
     band_recheck: float = 0.1
     pass_threshold: float = 1.0
     cost_ema: float = 0.2
@@ -65,6 +69,7 @@ class SchedulingOptions:
                   "0 <= backoff_s <= backoff_max_s": 0.0 <= self.backoff_s <= self.backoff_max_s,
                   "0 < breaker_rate <= 1": 0.0 < self.breaker_rate <= 1.0,
                   "0 <= band_recheck <= 1": 0.0 <= self.band_recheck <= 1.0,
+                  "band_fail_visits an integer >= -1": _is_int(self.band_fail_visits) and self.band_fail_visits >= -1,
                   "0 < pass_threshold <= 1": 0.0 < self.pass_threshold <= 1.0,
                   "0 < cost_ema <= 1": 0.0 < self.cost_ema <= 1.0, "max_credit >= 1": self.max_credit >= 1.0}
         bad = [k for k, ok in checks.items() if not ok]

@@ -61,7 +61,7 @@ class DomainPolicy:
 class SchedulerSettings(SchedulingOptions):
     """The job scheduler's settings (`posttrain.tasks.jobs.JobScheduler`), built by `recipes/run_plan.py` from the
     config's `tasks` section: its SchedulingOptions (max_attempts, retries_per_step, backoff_s, backoff_max_s,
-    breaker_rate, breaker_window, breaker_cooldown_steps, band_visits, band_recheck, pass_threshold, cost_ema,
+    breaker_rate, breaker_window, breaker_cooldown_steps, band_visits, band_fail_visits, band_recheck, pass_threshold, cost_ema,
     max_credit; see there) and
 
     Attributes:

@@ -6,7 +6,8 @@ A GRPO group whose G rewards are all equal gets advantage 0 (docs/design.md inva
 nothing. Each task keeps, in its domain's state, one small list [draws, visits, mean reward, last visit step,
 streak]: draws counts the visits handed out (the next visit number), visits the completed ones; the streak is +k
 after k consecutive visits whose samples all passed (reward >= pass_threshold), -k after k all failed, 0
-otherwise. A fresh draw skips a task whose |streak| >= band_visits, except with probability band_recheck (a
+otherwise. A fresh draw skips a task whose streak >= band_visits or -streak >= band_fail_visits (-1: band_visits;
+0: never), except with probability band_recheck (a
 re-check: the policy may have changed), decided by a hash of (seed, step, domain, task index, pass), so the skip is
 deterministic given the state. Skipped draws are counted (tasks/<domain>/skipped_frac). The band composes with
 dynamic sampling (which redraws zero-variance groups after paying for them: the band avoids most of those
@@ -47,9 +48,14 @@ def record_visit(entry: list, rewards: Sequence[float], step: int, pass_threshol
     return entry
 
 
-def in_band(entry: list | None, band_visits: int) -> bool:
-    """Whether a task's recent visits were all correct or all wrong (band_visits 0: the band is off)."""
-    return bool(band_visits) and entry is not None and abs(entry[STREAK]) >= band_visits
+def in_band(entry: list | None, band_visits: int, band_fail_visits: int = -1) -> bool:
+    """Whether a task's recent visits were all correct (its last band_visits) or all wrong (its last
+    band_fail_visits; -1: band_visits, 0: never); band_visits 0: the band is off."""
+    if not band_visits or entry is None:
+        return False
+    fail = band_visits if band_fail_visits < 0 else band_fail_visits
+    streak = entry[STREAK]
+    return streak >= band_visits if streak > 0 else bool(fail) and -streak >= fail
 
 
 def recheck(seed: int, step: int, domain: str, task_index: int, epoch: int, probability: float) -> bool:
@@ -61,8 +67,8 @@ def recheck(seed: int, step: int, domain: str, task_index: int, epoch: int, prob
 
 def should_skip(entry: list | None, settings, step: int, domain: str, task_index: int, epoch: int) -> bool:
     """The band's decision for a fresh draw of `task_index` (settings: a SchedulerSettings)."""
-    return in_band(entry, settings.band_visits) and not recheck(settings.seed, step, domain, task_index, epoch,
-                                                                 settings.band_recheck)
+    return in_band(entry, settings.band_visits, settings.band_fail_visits) and not recheck(
+        settings.seed, step, domain, task_index, epoch, settings.band_recheck)
 
 
 def reset(tasks: dict) -> None:

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from jobs_fakes import FakeRunner, Source
+from posttrain.tasks import stats
 from posttrain.tasks.jobs import JobScheduler
 from posttrain.tasks.policy import DomainPolicy, SchedulerSettings
 from posttrain.tasks.retry import Outcome
@@ -82,6 +83,23 @@ def test_the_band_skips_settled_tasks_and_reports_the_skipped_fraction():
     off_runner = FakeRunner(off, pass_prob=band_prob)
     off_runner.run(36, 4)
     assert off.metrics()["tasks/skipped_frac"] == 0.0
+
+
+@pytest.mark.parametrize("fail_visits, failed_share", [(-1, (0.0, 0.1)), (0, (0.25, 0.45)), (3, (0.0, 0.1))])
+def test_the_band_sides_all_correct_and_all_wrong(fail_visits, failed_share):
+    """band_fail_visits: -1 the band's count on both sides, 0 all-wrong tasks are never skipped (the failing
+    quarter of the tasks then takes its share of draws and more, as the passing quarter is skipped), 3 they are
+    after three all-wrong visits. The passing side is skipped as before in every case."""
+    s = SchedulerSettings(group_size=4, band_visits=2, band_fail_visits=fail_visits, band_recheck=0.1, seed=0)
+    sched = JobScheduler({"m": Source(12, "m")}, s)
+    runner = FakeRunner(sched, pass_prob=band_prob)
+    runner.run(9, 4)  # three passes
+    drawn = [t.task_index for log in runner.run(30, 4, start=9) for t in log.tickets]
+    passing, failing = (sum(lo <= i < lo + 3 for i in drawn) / len(drawn) for lo in (0, 3))
+    assert passing < 0.1 and failed_share[0] <= failing <= failed_share[1], (passing, failing)
+    assert [stats.in_band([0, 0, 0.0, 0, streak], 2, fail_visits) for streak in (2, 1, -1, -2, -3)] == \
+        {-1: [True, False, False, True, True], 0: [True, False, False, False, False],
+         3: [True, False, False, False, True]}[fail_visits]
 
 
 def test_a_curriculum_move_restarts_the_band_but_not_the_visit_numbers():
