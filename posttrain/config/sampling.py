@@ -47,6 +47,11 @@ class SamplingConfig:
             queued as soon as its env step returns, instead of after every episode's turn. Needs
             engine_max_seq_len > 0, the longest context an episode may reach (one engine holds every turn); a
             turn that would not fit ends its episode as truncated.
+        engine_env_overlap: per episode, decode steps an episode's env step may overlap (0: the env steps
+            inside the engine's loop while the other episodes wait; > 0: on a thread of its own, and the next
+            turn is queued exactly that many decode steps after the reply ended, waiting for the env then if it
+            is slower, so runs are reproducible whatever the env's timing). Set it near env step seconds /
+            decode step seconds. Needs engine_per_episode.
     """
 
     max_new_tokens: int = 24
@@ -62,3 +67,4 @@ class SamplingConfig:
     engine_page_size: int = 16
     engine_max_seq_len: int = 0
     engine_per_episode: bool = False
+    engine_env_overlap: int = 0

@@ -18,7 +18,10 @@ are kept per page (host memory, like the pool: a reused prefix's come with its p
   2. make room: every live slot holds the page its next token goes to; when none is free, the newest sequence
      is preempted (pages freed, queued first for recompute, its tokens and logprobs kept);
   3. decode: one step over all S slots (`engine_ops.decode_step`); finished slots release their pages at once
-     (kept by the prefix cache for a later turn), `on_finish` may queue the episode's next turn at once;
+     (kept by the prefix cache for a later turn), `on_finish` may queue the episode's next turn at once, or
+     return a Future of it (its env steps on another thread meanwhile): the turn is queued `follow_after`
+     chunks later (waiting for the Future then if it is not done), so the order is the same however long
+     the env takes;
      then `on_chunk(engine, chunk)` if given.
 With `EngineSettings.prefix_cache` the page pool and its cache live across `generate` calls (`clear_cache`).
 The programs and the sampling rule are in `posttrain.rollout.engine_ops` (its module doc).
@@ -28,6 +31,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+from concurrent.futures import Future
 from typing import Sequence
 
 import jax
@@ -118,15 +122,21 @@ class Engine:
                                  f"{total} tokens ({need} pages of {st.page_size}); the engine holds max_seq_len="
                                  f"{st.max_seq_len} tokens and {st.num_pages - 1} allocatable pages")
 
-    def generate(self, requests: Sequence[Request], key: jax.Array, on_chunk=None,
-                 on_finish=None) -> list[Completion]:
+    def generate(self, requests: Sequence[Request], key: jax.Array, on_chunk=None, on_finish=None,
+                 follow_after: int = 0) -> list[Completion | None]:
         """Completes every request (see the module doc); key: a PRNG key (fresh per call); on_chunk(engine,
         chunk index): called after every decode chunk (e.g. to `update_weights`); on_finish(index, completion):
         called as each request ends (per-episode multi-turn: step its env there), may return the episode's next
         Request, queued first at once (index: the next one after all so far; it finds its earlier turns' pages
-        in the prefix cache) while the other requests keep decoding. Returns the completions of the requests
-        and then of the returned ones, by index."""
-        self._requests, self._on_finish = list(requests), on_finish
+        in the prefix cache) while the other requests keep decoding, or a `concurrent.futures.Future` of that
+        Request or None: it takes the next index at once and is queued `follow_after` (>= 0) decode chunks later,
+        when `generate` waits for the Future if it is not done (at once when nothing else is left to decode);
+        its exception is raised. Returns the completions of the requests and then of the returned ones, by
+        index (None at a Future's index that gave no request)."""
+        if follow_after < 0:
+            raise ValueError(f"follow_after={follow_after} (>= 0 decode chunks)")
+        self._requests, self._on_finish, self._follow_after = list(requests), on_finish, int(follow_after)
+        self._waiting: list[tuple[int, int, Future]] = []  # (due chunk, index, Future of its Request or None)
         self.check(requests)
         st = self.settings
         if self._pool is None or not st.prefix_cache or self._pages.allocated:  # (held pages: a call that raised)
@@ -141,7 +151,9 @@ class Engine:
         self._done: dict[int, _Seq] = {}
         self._order, self._key = itertools.count(), key
         for chunk in itertools.count():
-            if not (self._queue or any(s is not None for s in self._slots)):
+            self._chunk = chunk
+            self._take_follow_ups(chunk)
+            if not (self._queue or self._waiting or any(s is not None for s in self._slots)):
                 break
             self._swap()
             self._admit()
@@ -158,7 +170,7 @@ class Engine:
         self.live_at_peak = self._counters.live_at_peak
         if not st.prefix_cache:
             self.clear_cache()  # the pages' memory goes with the call
-        return [self._completion(self._done[i], r) for i, r in enumerate(self._requests)]
+        return [None if r is None else self._completion(self._done[i], r) for i, r in enumerate(self._requests)]
 
     @staticmethod
     def _completion(seq: _Seq, r: Request) -> Completion:
@@ -209,10 +221,31 @@ class Engine:
         self._read_routing(slot, seq)
         self._release(slot)
         follow = self._on_finish(seq.index, self._completion(seq, seq.request)) if self._on_finish else None
-        if follow is not None:
-            self.check([follow])
-            self._queue.appendleft(_Seq(len(self._requests), follow))
-            self._requests.append(follow)
+        if isinstance(follow, Future):
+            self._waiting.append((self._chunk + self._follow_after, len(self._requests), follow))
+            self._requests.append(None)
+        elif follow is not None:
+            self._requests.append(None)
+            self._queue_follow_up(len(self._requests) - 1, follow)
+
+    def _queue_follow_up(self, index: int, follow: Request) -> None:
+        self.check([follow])
+        self._queue.appendleft(_Seq(index, follow))
+        self._requests[index] = follow
+
+    def _take_follow_ups(self, chunk: int) -> None:
+        """Queues the Futures' requests due by `chunk` (all those of the earliest due chunk when nothing else is
+        left to decode), in the order their replies ended."""
+        if not self._waiting:
+            return
+        if not (self._queue or any(s is not None for s in self._slots)):
+            chunk = max(chunk, self._waiting[0][0])
+        due = [w for w in self._waiting if w[0] <= chunk]
+        self._waiting = [w for w in self._waiting if w[0] > chunk]
+        for _, index, future in due:
+            follow = future.result()
+            if follow is not None:
+                self._queue_follow_up(index, follow)
 
     def _swap(self) -> None:
         with self._lock:

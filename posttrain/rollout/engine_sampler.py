@@ -54,6 +54,7 @@ class EngineSamplerSettings:
         record_routing: return the MoE layers' expert selections (`SampleOutput.prompt_experts_PxLpxLxk`,
             `experts_NxLgxLxk`: routing replay, `rl.routing_replay="replay"`; `EngineSettings.record_routing`).
         per_episode: multi-turn episodes run per episode (`rollout.per_episode`; needs max_seq_len >= 2).
+        env_overlap: per episode, decode steps an env step may overlap (>= 0; `rollout.per_episode.run`).
     """
 
     num_slots: int
@@ -63,15 +64,17 @@ class EngineSamplerSettings:
     prefill_bucket: int = 16
     record_routing: bool = False
     per_episode: bool = False
+    env_overlap: int = 0
 
     def __post_init__(self):
         if self.num_slots < 1 or self.num_pages == 1 or self.num_pages < 0 or self.page_size < 1 \
                 or self.max_seq_len == 1 or self.max_seq_len < 0 or self.prefill_bucket < 1 \
-                or (self.per_episode and not self.max_seq_len):
+                or (self.per_episode and not self.max_seq_len) or self.env_overlap < 0:
             raise ValueError(f"invalid engine sampler settings: num_slots={self.num_slots} (>= 1), num_pages="
                              f"{self.num_pages} (0 or >= 2), page_size={self.page_size} (>= 1), max_seq_len="
                              f"{self.max_seq_len} (0 or >= 2; >= 2 per episode), prefill_bucket="
-                             f"{self.prefill_bucket} (>= 1), per_episode={self.per_episode}")
+                             f"{self.prefill_bucket} (>= 1), per_episode={self.per_episode}, env_overlap="
+                             f"{self.env_overlap} (>= 0)")
 
     def engine_settings(self, longest: int) -> EngineSettings:
         """The `EngineSettings` of an engine whose longest request has `longest` tokens (module doc)."""
@@ -101,6 +104,9 @@ def engine_settings(cfg, sampler_devices: int) -> EngineSamplerSettings | None:
     if s.engine_per_episode and not s.engine_max_seq_len:
         raise ConfigError("sampling.engine_per_episode=True needs sampling.engine_max_seq_len > 0: the longest "
                           "context an episode may reach (one engine holds all of its turns)")
+    if s.engine_env_overlap and not s.engine_per_episode:
+        raise ConfigError(f"sampling.engine_env_overlap={s.engine_env_overlap} overlaps env steps with decode in "
+                          "per-episode multi-turn rollouts: it needs sampling.engine_per_episode=True")
     if sampler_devices != 1:
         raise ConfigError(f"sampling.backend='engine' runs on one device (its page pool is not sharded), this "
                           f"run's sampler has {sampler_devices}: use sampling.backend='dense', or mesh.rollout=1 "
@@ -108,7 +114,8 @@ def engine_settings(cfg, sampler_devices: int) -> EngineSamplerSettings | None:
     return EngineSamplerSettings(num_slots=s.engine_slots or cfg.rl.prompts_per_step * cfg.rl.group_size,
                                  num_pages=s.engine_pages, page_size=s.engine_page_size,
                                  max_seq_len=s.engine_max_seq_len,
-                                 record_routing=cfg.rl.routing_replay == "replay", per_episode=s.engine_per_episode)
+                                 record_routing=cfg.rl.routing_replay == "replay", per_episode=s.engine_per_episode,
+                                 env_overlap=s.engine_env_overlap)
 
 
 def _same_arrays(a, b) -> bool:
@@ -200,12 +207,12 @@ class EngineSampler:
             generate(self._engine_for(int(lengths.max()) + Lg), requests, key, out.finish, on_chunk)
             return out.output(prompts.shape[1], G)
 
-        def generate(engine, requests, key, on_finish, on_chunk=None):
+        def generate(engine, requests, key, on_finish, on_chunk=None, follow_after=0):
             with jax.default_device(self.device) if self.device is not None else contextlib.nullcontext():
                 key = key if self.device is None else jax.device_put(key, self.device)
                 done = engine.generate(requests, key, on_chunk=on_chunk or (lambda e, c: self.chunk_hook and
                                                                            self.chunk_hook(e, c)),
-                                       on_finish=on_finish)
+                                       on_finish=on_finish, follow_after=follow_after)
             self._add_metrics(engine.metrics)
             return done
 
@@ -214,6 +221,7 @@ class EngineSampler:
         # per-episode multi-turn (`rollout.per_episode`): requests with this call's settings, an engine for
         # requests of up to `longest` tokens, and `generate` on it
         fn.request, fn.engine_for, fn.generate = request, self._engine_for, generate
+        fn.env_overlap = self.settings.env_overlap
         return fn
 
     def _add_metrics(self, m: dict) -> None:

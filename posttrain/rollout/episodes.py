@@ -207,7 +207,8 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
         engine = sample_fn.engine_for(max(map(len, prompts)) + sample_fn.request([0]).max_new_tokens)
         gen_s, env_s = per_episode.run(functools.partial(sample_fn.generate, engine), sample_fn.request,
                                        engine.settings.max_seq_len, tokenizer, runner, samples, prompts,
-                                       group_size=G, max_turns=max_turns, key=key)
+                                       group_size=G, max_turns=max_turns, key=key,
+                                       env_overlap=getattr(sample_fn, "env_overlap", 0))
         max_turns = 0  # the turn loop below has nothing left to run
     for turn in range(max_turns):
         active = [i for i, s in enumerate(samples) if not s.done]

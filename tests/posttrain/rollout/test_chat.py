@@ -188,3 +188,44 @@ def test_per_episode_turns_are_queued_as_each_env_step_returns():
     assert orders["per_episode"][0] == [0] * TURNS + [1] * TURNS
     assert orders["by_turn"][0] == [0, 1] * TURNS
     assert orders["per_episode"][1] == orders["by_turn"][1]  # greedy: the same tokens either way
+
+
+def test_per_episode_env_steps_overlap_decode_and_give_the_same_episodes():
+    """sampling.engine_env_overlap: with env_overlap=2 each env step runs on the episode-env thread while the
+    engine decodes the other episode (steps of 50 ms, overlapping at least one decode step), and the episodes
+    equal env_overlap=0's (greedy tokens, rewards, statuses)."""
+    import threading
+    import time
+
+    cfg, graphdef, state = random_model("tiny-qwen3", vocab_size=320)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    episodes = [Episode("test/ToolChat-v0", {}, {"id": f"t{i}", "q": f"Call echo {TURNS} times ({i})."}, seed=i)
+                for i in range(2)]
+    got = {}
+    for overlap in (0, 2):
+        engine = EngineSampler(graphdef, EngineSamplerSettings(num_slots=2, max_seq_len=1024, per_episode=True,
+                                                               env_overlap=overlap))
+        envs, threads, spans, chunks = InlineEnvs(), [], [], []
+        step = envs.step
+
+        def slow_step(actions, indices=None, step=step, threads=threads, spans=spans):
+            threads.append(threading.current_thread().name)
+            t = time.perf_counter()
+            time.sleep(0.05)
+            out = step(actions, indices)
+            spans.append((t, time.perf_counter()))
+            return out
+        envs.step = slow_step
+        engine.chunk_hook = lambda e, c, chunks=chunks: chunks.append(time.perf_counter())
+        fn = engine.sample_fn((state,), params, QWEN3.stop_ids, QWEN3.pad_id)
+        assert fn.env_overlap == overlap
+        samples, _ = run_episodes(fn, QWEN3, envs, episodes, group_size=1, max_turns=TURNS, key=jax.random.key(0),
+                                  pad_id=QWEN3.pad_id, bucket=512)
+        got[overlap] = [(s.reward, s.status, [t.tolist() for t, _, _ in s.segments]) for s in samples]
+        assert len(threads) == 2 * TURNS
+        inside = sum(any(a < c < b for a, b in spans) for c in chunks)
+        if overlap:
+            assert set(threads) == {"episode-env_0"} and inside >= 1, (set(threads), inside)
+        else:
+            assert set(threads) == {threading.current_thread().name} and inside == 0
+    assert got[0] == got[2] and all(g[:2] == (1.0, "ok") for g in got[2])

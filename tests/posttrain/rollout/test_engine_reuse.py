@@ -164,3 +164,75 @@ def test_per_episode_turns_queued_as_each_ends():
             np.testing.assert_array_equal(got.tokens, want.tokens)
             np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
             prompt = prompt + got.tokens.tolist() + (bridges[ep][turn] if turn < 2 else [])
+
+
+
+def _futures_episodes(state, graphdef, cfg, mode: str, follow_after: int, temperature: float, sleep_seed: int = 0):
+    """Two 3-turn episodes; on_finish returns each next turn as a Request ("direct") or as a Future done on a
+    thread after a random sleep ("future"). Returns (completions, each episode's (tokens, logprobs) turn by turn,
+    each episode's turns' (first, last) decode chunks)."""
+    import random
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng, nap = np.random.default_rng(8), random.Random(sleep_seed)
+    prompts = {0: rng.integers(4, cfg.vocab_size, 3).tolist(), 1: rng.integers(4, cfg.vocab_size, 4).tolist()}
+    budget, episode, turns, live, ended = {0: 3, 1: 24}, {0: 0, 1: 1}, {0: [], 1: []}, [], {}
+
+    def req(ep):
+        return Request(prompt=tuple(prompts[ep]), max_new_tokens=budget[ep], temperature=temperature)
+
+    def follow(ep, completion):
+        if mode == "future":
+            time.sleep(nap.random() * 0.03)
+        if len(turns[ep]) == 3:
+            return None
+        prompts[ep] = prompts[ep] + completion.tokens.tolist() + [5, 6]
+        return req(ep)
+
+    with ThreadPoolExecutor(1) as pool:
+        def on_finish(index, completion):
+            ep, ended[index] = episode[index], engine._chunk
+            turns[ep].append((completion.tokens.tolist(), completion.logprobs))
+            if mode == "direct":
+                nxt = follow(ep, completion)
+                if nxt is not None:
+                    episode[len(episode)] = ep
+                return nxt
+            episode[len(episode)] = ep
+            return pool.submit(follow, ep, completion)
+
+        engine = Engine(graphdef, state, EngineSettings(num_slots=4, num_pages=40, page_size=Z, max_seq_len=128,
+                                                        prefill_bucket=32))
+        out = engine.generate([req(0), req(1)], jax.random.key(3), follow_after=follow_after, on_finish=on_finish,
+                              on_chunk=lambda e, c: live.append({q.index for q in e._slots if q is not None}))
+    spans = {0: [], 1: []}
+    for index in sorted(ended):  # (first chunk live after its step: budgets >= 3, no stop ids; chunk it ended)
+        spans[episode[index]].append((min(c for c, ids in enumerate(live) if index in ids), ended[index]))
+    return out, turns, spans
+
+
+def test_follow_up_futures_keep_the_order_whatever_the_env_takes():
+    """on_finish may return a Future of the next turn (its env steps on another thread): at follow_after=0 the run
+    decodes as returning the Request itself does (greedy tokens, chunk by chunk); at follow_after=3 each next
+    turn first decodes exactly 3 chunks after its last turn's final chunk while another episode decodes (at once
+    when none does: episode 1's long turns outlast episode 0's three short ones), and two runs at T = 1 with different
+    env sleeps are equal (tokens, logprobs, chunks); a Future that gives None leaves None at its index."""
+    cfg, graphdef, state = random_model("tiny-dense")
+    direct = _futures_episodes(state, graphdef, cfg, "direct", 0, 0.0)
+    now = _futures_episodes(state, graphdef, cfg, "future", 0, 0.0)
+    assert sum(c is None for c in direct[0]) == 0 and sum(c is None for c in now[0]) == 2 and len(now[0]) == 8
+    assert direct[2] == now[2] and all(len(v) == 3 for v in now[2].values())
+    for ep in (0, 1):
+        assert [t for t, _ in direct[1][ep]] == [t for t, _ in now[1][ep]]
+        assert all(b[0] == a[1] + 1 for a, b in zip(now[2][ep], now[2][ep][1:]))
+    late = [_futures_episodes(state, graphdef, cfg, "future", 3, 1.0, sleep_seed=s) for s in (1, 2)]
+    assert late[0][2] == late[1][2]
+    for ep in (0, 1):
+        a, b = late[0][1][ep], late[1][1][ep]
+        assert [t for t, _ in a] == [t for t, _ in b] and len(a) == 3
+        for (_, la), (_, lb) in zip(a, b):
+            np.testing.assert_array_equal(la, lb)
+        spans = late[0][2][ep]
+        assert all(nxt[0] == prev[1] + (3 if ep == 0 else 1) for prev, nxt in zip(spans, spans[1:])), spans
+    assert late[0][2][0][-1][1] < late[0][2][1][0][1]  # episode 0 ended within episode 1's first turn

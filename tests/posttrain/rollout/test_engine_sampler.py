@@ -140,7 +140,12 @@ def test_backend_names_and_settings_errors(tmp_path):
         make_run_plan(tiny_config(tmp_path, **engine, **{"sampling.engine_per_episode": True}))
     per_episode = make_run_plan(tiny_config(tmp_path, **engine, **{"sampling.engine_per_episode": True,
                                                                    "sampling.engine_max_seq_len": 256}))
-    assert per_episode.rollout.engine.per_episode
+    assert per_episode.rollout.engine.per_episode and per_episode.rollout.engine.env_overlap == 0
+    with pytest.raises(ConfigError, match=r"^sampling.engine_env_overlap=2 overlaps .* needs "
+                                          r"sampling.engine_per_episode=True"):
+        make_run_plan(tiny_config(tmp_path, **engine, **{"sampling.engine_env_overlap": 2}))
+    with pytest.raises(ConfigError, match=r"sampling.engine_env_overlap=-1 is out of range"):
+        tiny_config(tmp_path, **{"sampling.engine_env_overlap": -1})
     with pytest.raises(ValueError, match=r"per_episode=True"):
         engine_sampler.EngineSamplerSettings(num_slots=2, per_episode=True)
     assert make_run_plan(tiny_config(tmp_path)).rollout.engine is None  # the default: the dense sampler
