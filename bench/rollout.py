@@ -3,6 +3,7 @@
     python bench/rollout.py --json [--prompts 64] [--new-tokens 24] [--runs 3] [--model PRESET|PATH]
     python bench/rollout.py --quick        # seconds: `QUICK` (a tiny random model, 4 prompts x 4 tokens, no floor)
     python bench/rollout.py --lengths long_tail [--quick]  # the paged engine vs the sampler (_rollout_long_tail.py)
+    python bench/rollout.py --multi_turn N [--quick]  # engine per episode vs sampler turn by turn (_rollout_multi_turn.py)
     python bench/rollout.py --aot h200|v5p|cpu [--quick]  # the engine's decode step compiled ahead of time:
                                                           # per-device memory (_rollout_aot.py)
 
@@ -222,6 +223,10 @@ def main(argv=None) -> dict:
 
             _reexec_in_aot_venv("h200", __file__)
         return aot_main(argv)
+    if any(a.startswith("--multi_turn") for a in argv):  # per-episode turns vs turn by turn (_rollout_multi_turn.py)
+        from _rollout_multi_turn import main as multi_turn
+
+        return multi_turn(argv)
     if any(a.startswith("--lengths") for a in argv):  # the engine vs the sampler (bench/_rollout_long_tail.py)
         from _rollout_long_tail import main as long_tail
 
