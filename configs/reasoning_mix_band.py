@@ -15,6 +15,9 @@ and the held-out pass@1 at the end (the train command's last line: `eval_end`).
   band off: posttrain train --config=configs/reasoning_mix_band.py --config.tasks.band_visits=0
             --workdir=runs/mix_noband --noprogress
 
+The all-wrong side of the band has its own count: --config.tasks.band_fail_visits=0 skips only tasks whose last
+visits all passed (-1, the default: band_visits for both sides).
+
 One domain's pool: --config.env.train.reasoning_gym/chain_sum.kwargs.size=32 (domain keys are settable).
 """
 import importlib.util
