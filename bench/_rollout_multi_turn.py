@@ -41,7 +41,6 @@ import numpy as np
 from _helpers import parse_quick
 from _rollout_long_tail import random_weights
 from posttrain.rollout.engine import Engine, EngineSettings, Request
-from posttrain.rollout.engine_ops import EngineSettings as _Settings
 from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
 
 QUICK = {"model": "tiny-dense", "episodes": 4, "reply": 4, "bridge": 3, "prompt_len": 8, "env_latency": 0.005,
@@ -151,12 +150,12 @@ def main(argv=None) -> dict:
     whole = settings.pages_per_seq
 
     def run_full():
-        real = _Settings.table_width
-        _Settings.table_width = lambda self, pages: whole
+        real = EngineSettings.table_width
+        EngineSettings.table_width = lambda self, pages: whole
         try:
             return run_engine(full, args, prompts, bridges, budgets, 0)
         finally:
-            _Settings.table_width = real
+            EngineSettings.table_width = real
 
     sides = {"sampler": lambda: run_sampler(graphdef, state, args, prompts, bridges, budgets),
              "engine_full_table": run_full,
