@@ -10,6 +10,13 @@ import sys
 import time
 
 INIT_STD = 0.02  # standard deviation of every weight matrix and the embedding (norm scales are ones)
+_START = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """One line on stderr, "[bench +S s] message" (S: seconds since this module was imported), so that a run cut
+    short by a timeout (scripts/accelerator_check.py keeps the step's stderr tail) says which phase it was in."""
+    print(f"[bench +{time.perf_counter() - _START:.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 def parse_quick(ap: argparse.ArgumentParser, argv, quick: dict, help: str = "") -> argparse.Namespace:
@@ -88,12 +95,24 @@ def compile_variants(make_fn, names, specs, budget: int, peer: str, aot: bool = 
     returns (results, compiled). results[name]: compile seconds and peak GiB (`posttrain.infra.aot.compile_with_report`:
     arguments + outputs + temporaries), with `aot` also temp GiB and the largest buffers. Without `aot`, compiled
     holds the executables whose peak fits `budget` bytes (`aot.fits`); the others' results say "skipped" and why
-    (all are skipped when the peer does not fit)."""
+    (all are skipped when the peer does not fit). A compile that runs out of device memory (XLA's GPU autotuner
+    runs candidate kernels on buffers of the real size: at the default MoE shape "ragged" asked an H200 for
+    128 GiB) is reported "skipped" with XLA's first line, and the other variants still run."""
+    import jax
+
     from posttrain.infra import aot as aot_lib
 
     results, compiled = {}, {}
     for name in [peer] + [n for n in names if n != peer]:
-        fn, report, seconds = aot_lib.compile_with_report(make_fn(name).lower(*specs), top=3)
+        t = time.perf_counter()
+        try:
+            fn, report, seconds = aot_lib.compile_with_report(make_fn(name).lower(*specs), top=3)
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            results[name] = {"compile_s": round(time.perf_counter() - t, 1), "peak_gib": None,
+                             "skipped": "compile ran out of device memory: " + str(e).strip().splitlines()[0][:300]}
+            continue
         r = results[name] = {"compile_s": round(seconds, 1), "peak_gib": gib(report.peak)}
         if aot:
             r.update(temp_gib=round(report.temp / aot_lib.GIB, 3), largest_buffers=report.as_dict()["largest_buffers"])

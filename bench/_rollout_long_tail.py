@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from _helpers import INIT_STD, parse_quick
+from _helpers import INIT_STD, parse_quick, progress
 from posttrain.model.presets import get_preset
 from posttrain.model.transformer import Transformer
 from posttrain.rollout import kv_pages
@@ -178,16 +178,19 @@ def compare(args, tmp: str) -> dict:
     if not args.skip_transformers:
         sides["transformers"] = TransformersSide(cfg, state, prompts, budgets, args.slots, tmp,
                                                  args.torch_threads)
+    progress(f"built {list(sides)}; {len(requests)} requests, {sum(budgets)} tokens, {args.slots} slots")
     warm, rounds, outs = {}, {k: [] for k in sides}, {}
     for name, fn in sides.items():
         t = time.perf_counter()
         outs[name] = fn()
         warm[name] = time.perf_counter() - t
-    for _ in range(args.runs):
+        progress(f"{name} warm-up {warm[name]:.1f} s")
+    for i in range(args.runs):
         for name, fn in sides.items():
             t = time.perf_counter()
             fn()
             rounds[name].append(time.perf_counter() - t)
+            progress(f"{name} round {i + 1}: {rounds[name][-1]:.2f} s")
     useful = int(sum(budgets))
     speed = {k: useful / statistics.median(v) for k, v in rounds.items()}
     per_token = kv_pages.pool_bytes(engine.shapes) / (settings.num_pages * settings.page_size)

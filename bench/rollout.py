@@ -35,8 +35,9 @@ background load on a shared machine hits both alike, and each side's median roun
 Prints ONE JSON object: posttrain_tokens_per_s, transformers_tokens_per_s, ratio (posttrain / transformers), all
 from median rounds; plus each side's best round, warm-up seconds (posttrain's first call includes the jit compile;
 its compile estimate is the first call minus the median round), tokens counted per side, per-round seconds, how many
-of the 64 greedy outputs agree token-for-token, the prompt shape, thread counts and the 1-minute load average at the
-end. Unless --no-floor, it also times the posttrain side's weight matmuls alone (`matmul_floor_s`) and reports
+of the 64 greedy outputs agree token-for-token, per side the most rows of a timed round whose greedy tokens differ
+from its warm-up call's (`outputs_changed_between_runs`: 0 on the CPU; transformers in bfloat16 on an H200 changed
+rows between calls), the prompt shape, thread counts and the 1-minute load average at the end. Unless --no-floor, it also times the posttrain side's weight matmuls alone (`matmul_floor_s`) and reports
 ratio_ceiling: the ratio this run would show if posttrain spent no time beyond them. torch's OpenMP threads slow
 down badly when another process takes a core (rounds 5-10x slower were seen on the shared 2-core machine): run it
 on a quiet machine and check round_s.
@@ -65,7 +66,7 @@ from posttrain.checkpoints import load_pretrained  # noqa: E402
 from posttrain.checkpoints.gguf import default_model_path  # noqa: E402
 from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample, shared_prefix_len, shrink_schedule  # noqa: E402
 
-from _helpers import parse_quick  # noqa: E402
+from _helpers import parse_quick, progress  # noqa: E402
 
 QUICK = {"model": "tiny-dense", "prompts": 4, "new_tokens": 4, "runs": 1, "no_floor": True}  # --quick, unless given
 
@@ -280,16 +281,20 @@ def compare(argv, tmp: str) -> dict:
     if not args.skip_transformers:
         sides["transformers"] = TransformersSide(prompts, args.new_tokens, tok.stop_ids, tok.pad_id, source,
                                                  args.group, args.ignore_stop, args.dtype, torch_device(args))
+    progress(f"loaded ({load_s:.1f} s) and built {list(sides)}")
     warm, outs = {}, {}
     for name, side in sides.items():  # warm-up (posttrain: the jit compile)
         warm[name], outs[name] = timed(side)
-    rounds = {name: [] for name in sides}
-    for _ in range(args.runs):  # the sides alternate, so background load hits both alike
+        progress(f"{name} warm-up {warm[name]:.1f} s")
+    rounds, changed = {name: [] for name in sides}, {name: 0 for name in sides}
+    for i in range(args.runs):  # the sides alternate, so background load hits both alike
         for name, side in sides.items():
             s, out = timed(side)
-            assert out == outs[name], f"{name} greedy output changed between runs"
+            changed[name] = max(changed[name], sum(a != b for a, b in zip(out, outs[name])))
             rounds[name].append(s)
+            progress(f"{name} round {i + 1}: {s:.2f} s")
     result = summary(args, prompts, ours, outs, warm, rounds, load_s)
+    result["outputs_changed_between_runs"] = changed
     if not args.no_floor:  # how fast the posttrain side could be if only its weight matmuls cost time
         steps = decode_widths(list(map(len, outs["posttrain"])), len(outs["posttrain"]), args.new_tokens, ours.shrink)
         floor = matmul_floor_s(pre, len(prompts) * (ours.width - ours.shared), len(prompts), steps)
