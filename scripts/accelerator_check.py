@@ -1,36 +1,43 @@
-"""A prepared check for a rarely lent accelerator with no network (one H200): at most 5 minutes in all.
+"""A prepared check for a rarely lent accelerator with no network (one H200): at most 10 minutes in all.
 
     scripts/accelerator_check.sh --wheels DIR                 # every step; JSON under $OUT or ./accelerator_check/
     scripts/accelerator_check.sh --only moe,attention         # rerun chosen steps (the other files stay)
     scripts/accelerator_check.sh --dry-run --out /tmp/check   # every step at tiny shapes on the CPU (the suite runs it)
 
-Each step is one subprocess with its own timeout, run from the checkout root with the checkout on PYTHONPATH and
-JAX_DEFAULT_MATMUL_PRECISION=default (the product's precision: tests/conftest.py pins "highest" when it is unset,
-which hides TF32 on NVIDIA GPUs). A step writes `<step>.json` as soon as it ends, and `summary.json` is rewritten
+Each step is one subprocess with its own timeout, run from the checkout root with the checkout on PYTHONPATH and,
+for the benches, JAX_DEFAULT_MATMUL_PRECISION=default (the product's precision: tests/conftest.py pins "highest"
+when it is unset, which hides TF32 on NVIDIA GPUs). A step writes `<step>.json` as soon as it ends, and `summary.json` is rewritten
 after every step, so a run cut short (a step's timeout, the budget, a lost machine) keeps what finished; at most
-`len(STEPS) + 1` = 7 files are written. A step that times out gets SIGINT first (pytest then writes the results of
-the tests that finished), SIGKILL `GRACE_S` later. --dry-run runs the same commands with only the shapes
+`len(STEPS) + 1` = 8 files are written (the device tool returns at most 8). A step that times out gets SIGINT
+first (pytest then writes the results of the tests that finished), SIGKILL `GRACE_S` later. --dry-run runs the same commands with only the shapes
 changed (`Step.real` -> `Step.dry`): the benches' --quick shapes, two named tests, JAX_PLATFORMS=cpu, and rollout
 in float32 (there the suite asserts that both sides' greedy outputs agree token for token, which bfloat16's rounding
 on different CPUs does not promise).
 
-Steps, with their timeout and the runtime expected on one H200 (estimates from the shapes, this machine's AOT
-compiles for an H200 and PLATFORM-NOTES' H200 figures, not yet measured there: a first run should replace them):
-  tests           45 s (~30 s)  pytest -m "parity or kernel" tests/, under JAX_DEFAULT_MATMUL_PRECISION=default
-  grpo_step_dots  50 s (~35 s)  bench/grpo_step.py qwen3-0.6b (random weights), bf16 compute / f32 master weights,
+Steps in their order, with their timeout and the seconds a run on one H200 took (2026-12-04, jax 0.11.2; the
+README's accelerator table has the figures):
+  grpo_step_dots  45 s (24 s)   bench/grpo_step.py qwen3-0.6b (random weights), bf16 compute / f32 master weights,
                                 16 x 2176 packed rows (prompt 128 + 8 x 256), remat "dots": step_s,
-                                mfu_published_peak (against bench/grpo_step.py's PUBLISHED_PEAK_BF16), peak_gib.
-                                AOT for an H200 here: compile ~28 s, peak 33.2 GiB; 0.13 s/step at the published peak
-  grpo_step_full  50 s (~35 s)  the same with remat "full" (AOT: peak 13.2 GiB)
-  moe             45 s (~35 s)  bench/moe.py at one qwen3-30b-a3b layer (16384 tokens, d 2048, 128 experts, top 8,
+                                mfu_published_peak (against bench/grpo_step.py's PUBLISHED_PEAK_BF16), peak_gib
+  grpo_step_full  40 s (19 s)   the same with remat "full"
+  moe             80 s (55 s)   bench/moe.py at one qwen3-30b-a3b layer (16384 tokens, d 2048, 128 experts, top 8,
                                 expert MLP 768): padded / capacity beside a dense peer; "ragged" (XLA's ragged_dot)
-                                is compiled and reported skipped (AOT: peak 258.9 GiB, more than the H200 has)
-  attention       35 s (~25 s)  bench/attention.py at 4 x 16k (prompt 2048 + 8 completions): the Pallas GPU
+                                runs out of memory in XLA's autotuner and is reported skipped
+  attention       40 s (20 s)   bench/attention.py at 4 x 16k (prompt 2048 + 8 completions): the Pallas GPU
                                 kernel and dense (run only when it fits) beside blockwise
-  rollout         80 s (~55 s)  bench/rollout.py --model qwen3-0.6b, 512 prompts x (128 random prompt ids +
+  rollout        170 s (~130 s) bench/rollout.py --model qwen3-0.6b, 512 prompts x (128 random prompt ids +
                                 256 new tokens, stop ignored), bf16, transformers on the GPU, one timed round
-The budget (300 s, setup included) caps each step's timeout at what is left of it (the timeouts add up to 305 s:
-rollout, the least certain, runs last on what the others leave); a step with under MIN_STEP_S left is "skipped".
+                                (122 s up to transformers' timed round, which the run did not finish)
+  engine         130 s (99 s)   bench/rollout.py --lengths long_tail, qwen3-0.6b (float32 weights, TF32 matmuls),
+                                512 requests of 128 prompt ids, replies 90% 32 / 10% 256 tokens, 128 slots: the
+                                paged engine (Pallas GPU paged attention) vs the sampler at equal KV memory
+  tests          120 s (~60 s)  pytest -n 8 -m "kernel or parity" tests/ at the tests' own precision ("highest":
+                                under "default" every float32 transformers-parity test fails on TF32's 3e-4
+                                error, as PLATFORM-NOTES says), XLA_PYTHON_CLIENT_PREALLOCATE=false so the workers
+                                share the GPU; last, since a cut-short pytest still reports the tests that finished
+                                (serially, 23 of them took 92 s)
+The budget (600 s, setup included) caps each step's timeout at what is left of it (the timeouts add up to 625 s:
+the tests run last on what the others leave); a step with under MIN_STEP_S left is "skipped".
 Setup (before the steps, inside the budget): the pure-Python wheels the device image lacks (`WHEELS`, listed in
 ../shared/PLATFORM-NOTES.md) are installed from --wheels DIR (`pip --no-index --no-deps --target`) into
 <cache-dir>/site, which goes first on the steps' PYTHONPATH; a wheel already importable is not installed again.
@@ -57,7 +64,7 @@ import time
 import xml.etree.ElementTree as ET
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-BUDGET_S = 300.0  # the whole check on the accelerator, setup included
+BUDGET_S = 600.0  # the whole check on the accelerator, setup included
 GRACE_S = 10.0  # from SIGINT to SIGKILL when a step times out
 MIN_STEP_S = 10.0  # a step with less time left than this in the budget is not started
 DRY_TIMEOUT_SCALE = 4.0  # --dry-run on a shared 2-core CPU: every timeout and the budget times this
@@ -86,25 +93,33 @@ GRPO = ("bench/grpo_step.py", "--dtype", "bfloat16", "--param-dtype", "float32",
 GRPO_REAL = ("--model", "qwen3-0.6b", "--rows", "16", "--row-len", "2176", "--prompt-len", "128", "--group-size", "8")
 GRPO_KEYS = ("step_s", "mfu_published_peak", "peak_gib", "mfu", "tokens_per_s", "remat", "device", "finite")
 RESULTS_KEYS = ("platform", "dtype", "results")
-STEPS = {
-    "tests": Step(("-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", "{work}/junit.xml"),
-                  ("-m", "parity or kernel", "tests"), ("-m", "not slow", *DRY_TESTS), 45, 30,
-                  ("collected", "passed", "failed", "errors", "skipped", "failures")),
-    "grpo_step_dots": Step((*GRPO, "--remat", "dots"), GRPO_REAL, ("--quick",), 50, 35, GRPO_KEYS),
-    "grpo_step_full": Step((*GRPO, "--remat", "full"), GRPO_REAL, ("--quick",), 50, 35, GRPO_KEYS),
+STEPS = {  # run in this order: the speed figures first, the tests (which keep what finished when cut) last
+    "grpo_step_dots": Step((*GRPO, "--remat", "dots"), GRPO_REAL, ("--quick",), 45, 24, GRPO_KEYS),
+    "grpo_step_full": Step((*GRPO, "--remat", "full"), GRPO_REAL, ("--quick",), 40, 19, GRPO_KEYS),
     "moe": Step(("bench/moe.py", "--json"), ("--tokens", "16384", "--d-model", "2048", "--experts", "128",
-                                             "--top-k", "8", "--expert-mlp", "768"), ("--quick",), 45, 35,
+                                             "--top-k", "8", "--expert-mlp", "768"), ("--quick",), 80, 55,
                 (*RESULTS_KEYS, "results.dense.tokens_per_s")),
     "attention": Step(("bench/attention.py", "--json"), ("--rows", "4", "--row-len", "16384", "--prompt-len", "2048",
-                                                         "--group", "8"), ("--quick",), 35, 25,
+                                                         "--group", "8"), ("--quick",), 40, 20,
                       (*RESULTS_KEYS, "device", "results.blockwise.tokens_per_s")),
     "rollout": Step(("bench/rollout.py", "--ignore-stop", "--no-floor", "--runs", "1", "--json"),
                     ("--model", "qwen3-0.6b", "--dtype", "bfloat16", "--prompts", "512", "--group", "1",
                      "--prompt-len", "128", "--new-tokens", "256"),
-                    ("--quick", "--dtype", "float32", "--group", "2", "--prompt-len", "16"), 80, 55,
+                    ("--quick", "--dtype", "float32", "--group", "2", "--prompt-len", "16"), 170, 130,
                     ("posttrain_tokens_per_s", "transformers_tokens_per_s", "ratio", "outputs_agreeing", "rows",
                      "torch_device", "warmup_s"),
                     (("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5"),)),  # the other half for torch
+    "engine": Step(("bench/rollout.py", "--lengths", "long_tail", "--skip-transformers", "--json"),
+                   ("--model", "qwen3-0.6b", "--requests", "512", "--slots", "128", "--short", "32",
+                    "--prompt-len", "128", "--page-size", "16", "--runs", "1"), ("--quick",), 130, 99,
+                   ("engine_tokens_per_s", "sampler_tokens_per_s", "ratio", "agree", "settings.attention_impl",
+                    "peak_pages.max_waste_per_live_seq", "warmup_s")),
+    "tests": Step(("-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors", "--junitxml",
+                   "{work}/junit.xml"),
+                  ("-n", "8", "--dist", "loadfile", "-m", "kernel or parity", "tests"), ("-m", "not slow", *DRY_TESTS),
+                  120, 60, ("collected", "passed", "failed", "errors", "skipped", "failures"),
+                  (("JAX_DEFAULT_MATMUL_PRECISION", "highest"),  # the tests' own precision (see the module doc)
+                   ("XLA_PYTHON_CLIENT_PREALLOCATE", "false"))),  # 8 workers share the GPU
 }
 
 
@@ -138,7 +153,7 @@ def step_command(name: str, dry_run: bool, work: str, tests_marker: str = "") ->
     step = STEPS[name]
     tail = list(step.dry if dry_run else step.real)
     if name == "tests" and tests_marker and not dry_run:
-        tail[1] = tests_marker
+        tail[tail.index("-m") + 1] = tests_marker
     return [sys.executable, *(a.replace("{work}", work) for a in (*step.args, *tail))]
 
 
@@ -197,23 +212,32 @@ def last_json(stdout: str) -> dict | None:
 
 def junit_result(path: str) -> dict | None:
     """Counts and failures (test id, first line of the message) from pytest's JUnit XML, None when absent or cut
-    short (a process killed while writing it)."""
+    short (a process killed while writing it). A module that failed to import (pytest's "collection failure": the
+    device image lacks a dev dependency such as ray or nbformat; the step runs pytest with
+    --continue-on-collection-errors) is listed in `collection_errors` and counted in none of the other fields."""
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError):
         return None
     suite = root if root.tag == "testsuite" else root.find("testsuite")
     n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    failures = []
+    failures, collection_errors = [], []
     for case in suite.iter("testcase"):
         bad = case.find("failure") if case.find("failure") is not None else case.find("error")
-        if bad is not None:
-            message = (bad.get("message") or bad.text or "").strip().splitlines()
-            failures.append({"test": f"{case.get('classname')}::{case.get('name')}",
-                             "message": message[0][:300] if message else ""})
+        if bad is None:
+            continue
+        test = f"{case.get('classname')}::{case.get('name')}"
+        if bad.tag == "error" and bad.get("message") == "collection failure":
+            lines = [line for line in (bad.text or "").strip().splitlines() if line.startswith("E ")]
+            collection_errors.append({"module": case.get("name") or test, "message": (lines or [""])[-1][:300]})
+            continue
+        message = (bad.get("message") or bad.text or "").strip().splitlines()
+        failures.append({"test": test, "message": message[0][:300] if message else ""})
+    n["tests"] -= len(collection_errors)
+    n["errors"] -= len(collection_errors)
     return {"collected": n["tests"], "passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"],
             "failed": n["failures"], "errors": n["errors"], "skipped": n["skipped"], "failures": failures,
-            "seconds": float(suite.get("time", 0.0))}
+            "collection_errors": collection_errors, "seconds": float(suite.get("time", 0.0))}
 
 
 def dotted(obj, path: str):

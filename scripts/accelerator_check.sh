@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared accelerator check (one H200, no network, at most 5 minutes): see scripts/accelerator_check.py.
+# The prepared accelerator check (one H200, no network, at most 10 minutes): see scripts/accelerator_check.py.
 #   scripts/accelerator_check.sh --wheels DIR [--only STEP,...] [--out DIR]    # real shapes, JSON under $OUT
 #   scripts/accelerator_check.sh --dry-run --out DIR                          # tiny shapes on the CPU
 # The interpreter: $PYTHON, else the checkout's .venv if there is one, else python3.

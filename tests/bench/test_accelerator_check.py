@@ -43,7 +43,8 @@ def test_dry_run_writes_every_step_file_with_its_keys(accelerator_dry_run):
     for name, step in check.STEPS.items():
         record = json.loads((run.out / f"{name}.json").read_text())
         assert record["status"] == "ok" and record["dry_run"] and record["seconds"] <= record["timeout_s"], record
-        assert record["env"]["JAX_DEFAULT_MATMUL_PRECISION"] == "default" and record["env"]["JAX_PLATFORMS"] == "cpu"
+        precision = "highest" if name == "tests" else "default"  # the tests' own; the benches' the product's
+        assert record["env"]["JAX_DEFAULT_MATMUL_PRECISION"] == precision and record["env"]["JAX_PLATFORMS"] == "cpu"
         assert [k for k in step.keys if not _has(record["result"], k)] == [], name
         assert summary["steps"][name]["status"] == "ok" and set(step.keys) <= set(summary["steps"][name])
     tests = json.loads((run.out / "tests.json").read_text())["result"]
@@ -79,6 +80,7 @@ def _moe(out):
 def _rollout(out):
     assert out["outputs_agreeing"] == out["rows"] == 2 * out["prompts"] == 8  # same weights, greedy: same tokens
     assert out["tokens_counted"]["posttrain"] == out["tokens_counted"]["transformers"]
+    assert out["outputs_changed_between_runs"] == {"posttrain": 0, "transformers": 0}  # float32 on the CPU
 
 
 # bench: (the check's step that ran its --quick mode, figure, peer, ratio (keys, dotted), more checks)
@@ -141,7 +143,10 @@ def test_real_mode_arguments_parse_in_each_bench():
     a = load_script(ROOT / "bench" / "attention.py", "check_attention").parse_args(real("attention"))
     assert (a.rows, a.row_len, a.prompt_len, a.group, a.quick) == (4, 16384, 2048, 8, False)
     tests = check.step_command("tests", dry_run=False, work="W")
-    assert tests[tests.index("-m", 3) + 1] == "parity or kernel" and tests[-1] == "tests"
+    assert tests[tests.index("-m", 3) + 1] == "kernel or parity" and tests[-1] == "tests"
+    assert tests[tests.index("-n") + 1] == "8" and "--continue-on-collection-errors" in tests
+    tests = check.step_command("tests", dry_run=False, work="W", tests_marker="kernel")
+    assert tests[tests.index("-m", 3) + 1] == "kernel"
     markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
     assert {m.split(":")[0] for m in markers} >= {"parity", "kernel"}  # registered for `pytest -m`
 
@@ -195,7 +200,23 @@ def test_junit_counts_and_failures(tmp_path):
     assert (r["collected"], r["passed"], r["failed"], r["errors"], r["skipped"], r["seconds"]) == (4, 1, 1, 1, 1, 2.5)
     assert r["failures"] == [{"test": "tests.a::test_bad", "message": "assert 1 == 2"},
                              {"test": "tests.b::test_err", "message": "boom"}]
-    assert check.junit_result(str(tmp_path / "absent.xml")) is None
+    assert check.junit_result(str(tmp_path / "absent.xml")) is None and r["collection_errors"] == []
+
+
+def test_junit_lists_modules_that_failed_to_import_apart(tmp_path):
+    # what pytest --continue-on-collection-errors wrote on the H200, whose image has no ray (tests/ collected whole)
+    (tmp_path / "j.xml").write_text(
+        '<testsuites><testsuite tests="3" failures="0" errors="1" skipped="1" time="12.1">'
+        '<testcase classname="" name="tests.posttrain.rollout.test_ray_runner">'
+        '<error message="collection failure">ImportError while importing test module\n'
+        "E   ModuleNotFoundError: No module named 'ray'</error></testcase>"
+        '<testcase classname="tests.m" name="test_ok"/>'
+        '<testcase classname="tests.m" name="test_skip"><skipped message="no gguf"/></testcase>'
+        '</testsuite></testsuites>')
+    r = check.junit_result(str(tmp_path / "j.xml"))
+    assert (r["collected"], r["passed"], r["failed"], r["errors"], r["skipped"]) == (2, 1, 0, 0, 1)
+    assert r["failures"] == [] and r["collection_errors"] == [
+        {"module": "tests.posttrain.rollout.test_ray_runner", "message": "E   ModuleNotFoundError: No module named 'ray'"}]
 
 
 def _probe_wheel(folder: pathlib.Path) -> None:
