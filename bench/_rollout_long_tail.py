@@ -24,7 +24,8 @@ Prints ONE JSON object: engine_tokens_per_s, sampler_tokens_per_s, ratio (engine
 and ratio_transformers (engine / transformers), the engine's rollout/* metrics, its pages at peak
 (peak_pages: allocated, used, allocated - used, live sequences then, and the largest (allocated - used) / live over
 all steps: at most 1 page per live sequence by construction), the requests whose greedy tokens agree with the
-engine's on each other side, KV bytes, per-round seconds and the 1-minute load average.
+engine's on each other side, KV bytes, per-round seconds and the 1-minute load average; with --profile,
+`profile.engine` and `profile.sampler`: one more call each under jax.profiler (bench/_profile.py).
 """
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip-transformers", action="store_true", help="engine and sampler only")
+    ap.add_argument("--profile", action="store_true", help="one more engine and sampler call each under "
+                                                           "jax.profiler (bench/_profile.py), in 'profile'")
     ap.add_argument("--torch-threads", type=int, default=0, help="transformers' torch threads (0: torch's default)")
     args = parse_quick(ap, argv, QUICK)
     if min(args.requests, args.slots, args.short, args.long_factor, args.prompt_len, args.page_size, args.runs) < 1 \
@@ -206,5 +209,10 @@ def compare(args, tmp: str) -> dict:
            "sampler_kv_bytes": int(kv_tokens * per_token), "warmup_s": warm, "round_s": rounds,
            "settings": {**vars(args), "num_pages": settings.num_pages, "attention_impl": engine.impl},
            "load_avg_1m": os.getloadavg()[0]}
+    if args.profile:
+        from _profile import profile_call
+
+        out["profile"] = {name: profile_call(sides[name]) for name in ("engine", "sampler")}
+        progress("profiled: busy " + ", ".join(f"{k} {v['busy_frac']}" for k, v in out["profile"].items()))
     print(json.dumps(out))
     return out

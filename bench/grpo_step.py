@@ -53,6 +53,8 @@ def parse_args(argv=None):
     ap.add_argument("--microbatches", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--aot", default="", choices=("", "h200", "v5p"), help="compile for this chip; do not run")
+    ap.add_argument("--profile", action="store_true", help="one more step under jax.profiler: its device-busy "
+                                                           "share and largest XLA ops (bench/_profile.py)")
     ap.add_argument("--json", action="store_true")
     args = parse_quick(ap, argv, QUICK)
     if bool(args.rows) != bool(args.row_len):
@@ -232,6 +234,17 @@ def run_steps(args, cfg, pre, opts, opt, batch, fl) -> dict:
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t)
     step_s = statistics.median(times)
+    profile = None
+    if getattr(args, "profile", False):
+        from _profile import profile_call
+
+        holder = [state]
+
+        def one_step():
+            holder[0], metrics = step(holder[0], jbatch)
+            return metrics
+
+        profile = profile_call(one_step)
     device = jax.devices()[0]
     peak = matmul_peak(jnp.dtype(cfg.dtype), 256 if args.quick else 2048 if device.platform == "cpu" else 8192)
     published = next((v for k, v in PUBLISHED_PEAK_BF16.items() if k in device.device_kind), None)
@@ -244,7 +257,7 @@ def run_steps(args, cfg, pre, opts, opt, batch, fl) -> dict:
             "mfu_6nd": 6 * fl.total_params * fl.tokens / step_s / peak,
             "peak_gib": stats["peak_bytes_in_use"] / 2 ** 30 if "peak_bytes_in_use" in stats else rss_gib,
             "peak_rss_gib": rss_gib, "loss": float(m["policy/loss"]),
-            "finite": bool(np.isfinite(float(m["optim/grad_norm"])))}
+            "finite": bool(np.isfinite(float(m["optim/grad_norm"]))), **({"profile": profile} if profile else {})}
 
 
 def aot_compile(args, cfg, opts, opt, batch, fl) -> dict:

@@ -37,8 +37,10 @@ from median rounds; plus each side's best round, warm-up seconds (posttrain's fi
 its compile estimate is the first call minus the median round), tokens counted per side, per-round seconds, how many
 of the 64 greedy outputs agree token-for-token, per side the most rows of a timed round whose greedy tokens differ
 from its warm-up call's (`outputs_changed_between_runs`: 0 on the CPU; transformers in bfloat16 on an H200 changed
-rows between calls), the prompt shape, thread counts and the 1-minute load average at the end. Unless --no-floor, it also times the posttrain side's weight matmuls alone (`matmul_floor_s`) and reports
-ratio_ceiling: the ratio this run would show if posttrain spent no time beyond them. torch's OpenMP threads slow
+rows between calls), the prompt shape, thread counts and the 1-minute load average at the end. Unless --no-floor,
+it also times the posttrain side's weight matmuls alone (`matmul_floor_s`) and reports ratio_ceiling: the ratio
+this run would show if posttrain spent no time beyond them. --profile adds `profile.posttrain`: one more call
+under jax.profiler, its device-busy share and largest XLA ops (bench/_profile.py). torch's OpenMP threads slow
 down badly when another process takes a core (rounds 5-10x slower were seen on the shared 2-core machine): run it
 on a quiet machine and check round_s.
 """
@@ -250,6 +252,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-shrink", action="store_true", help="decode all rows until the last one stops")
     ap.add_argument("--no-floor", action="store_true", help="skip timing the matmul floor (see matmul_floor_s)")
     ap.add_argument("--skip-transformers", action="store_true", help="posttrain side only (profiling)")
+    ap.add_argument("--profile", action="store_true", help="one more posttrain call under jax.profiler: where its "
+                                                           "device time goes (bench/_profile.py), in 'profile'")
     ap.add_argument("--model", default="", help="a preset (random weights), a .gguf / HF dir, or empty: the default")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights, compute: both sides")
     ap.add_argument("--torch-device", default="auto", help="transformers' device: auto (cuda when torch has one)|cpu|cuda")
@@ -295,6 +299,11 @@ def compare(argv, tmp: str) -> dict:
             progress(f"{name} round {i + 1}: {s:.2f} s")
     result = summary(args, prompts, ours, outs, warm, rounds, load_s)
     result["outputs_changed_between_runs"] = changed
+    if args.profile:
+        from _profile import profile_call
+
+        result["profile"] = {"posttrain": profile_call(ours)}
+        progress(f"posttrain profiled: busy {result['profile']['posttrain']['busy_frac']} of the call")
     if not args.no_floor:  # how fast the posttrain side could be if only its weight matmuls cost time
         steps = decode_widths(list(map(len, outs["posttrain"])), len(outs["posttrain"]), args.new_tokens, ours.shrink)
         floor = matmul_floor_s(pre, len(prompts) * (ours.width - ours.shared), len(prompts), steps)

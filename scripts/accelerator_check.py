@@ -18,7 +18,8 @@ Steps in their order, with their timeout and the seconds a run on one H200 took 
 README's accelerator table has the figures):
   grpo_step_dots  45 s (24 s)   bench/grpo_step.py qwen3-0.6b (random weights), bf16 compute / f32 master weights,
                                 16 x 2176 packed rows (prompt 128 + 8 x 256), remat "dots": step_s,
-                                mfu_published_peak (against bench/grpo_step.py's PUBLISHED_PEAK_BF16), peak_gib
+                                mfu_published_peak (against bench/grpo_step.py's PUBLISHED_PEAK_BF16), peak_gib;
+                                then one more step under jax.profiler (--profile: device-busy share, top ops)
   grpo_step_full  40 s (19 s)   the same with remat "full"
   moe             80 s (55 s)   bench/moe.py at one qwen3-30b-a3b layer (16384 tokens, d 2048, 128 experts, top 8,
                                 expert MLP 768): padded / capacity beside a dense peer; "ragged" (XLA's ragged_dot)
@@ -27,10 +28,12 @@ README's accelerator table has the figures):
                                 kernel and dense (run only when it fits) beside blockwise
   rollout        170 s (~130 s) bench/rollout.py --model qwen3-0.6b, 512 prompts x (128 random prompt ids +
                                 256 new tokens, stop ignored), bf16, transformers on the GPU, one timed round
-                                (122 s up to transformers' timed round, which the run did not finish)
-  engine         130 s (99 s)   bench/rollout.py --lengths long_tail, qwen3-0.6b (float32 weights, TF32 matmuls),
-                                512 requests of 128 prompt ids, replies 90% 32 / 10% 256 tokens, 128 slots: the
-                                paged engine (Pallas GPU paged attention) vs the sampler at equal KV memory
+                                (122 s up to transformers' timed round, which the run did not finish), then one
+                                more posttrain call under jax.profiler (--profile: device-busy share, top ops)
+  engine         130 s (99 s)   bench/rollout.py --lengths long_tail --profile, qwen3-0.6b (float32 weights, TF32
+                                matmuls), 256 requests of 128 prompt ids (512 ran 14.4 s a round per side), replies
+                                90% 32 / 10% 256 tokens, 128 slots: the paged engine (Pallas GPU paged attention)
+                                vs the sampler at equal KV memory, then one profiled call of each
   tests          120 s (~60 s)  pytest -n 8 -m "kernel or parity" tests/ at the tests' own precision ("highest":
                                 under "default" every float32 transformers-parity test fails on TF32's 3e-4
                                 error, as PLATFORM-NOTES says), XLA_PYTHON_CLIENT_PREALLOCATE=false so the workers
@@ -94,7 +97,8 @@ GRPO_REAL = ("--model", "qwen3-0.6b", "--rows", "16", "--row-len", "2176", "--pr
 GRPO_KEYS = ("step_s", "mfu_published_peak", "peak_gib", "mfu", "tokens_per_s", "remat", "device", "finite")
 RESULTS_KEYS = ("platform", "dtype", "results")
 STEPS = {  # run in this order: the speed figures first, the tests (which keep what finished when cut) last
-    "grpo_step_dots": Step((*GRPO, "--remat", "dots"), GRPO_REAL, ("--quick",), 45, 24, GRPO_KEYS),
+    "grpo_step_dots": Step((*GRPO, "--remat", "dots", "--profile"), GRPO_REAL, ("--quick",), 45, 24,
+                           (*GRPO_KEYS, "profile.busy_frac", "profile.categories", "profile.top_ops")),
     "grpo_step_full": Step((*GRPO, "--remat", "full"), GRPO_REAL, ("--quick",), 40, 19, GRPO_KEYS),
     "moe": Step(("bench/moe.py", "--json"), ("--tokens", "16384", "--d-model", "2048", "--experts", "128",
                                              "--top-k", "8", "--expert-mlp", "768"), ("--quick",), 80, 55,
@@ -102,18 +106,19 @@ STEPS = {  # run in this order: the speed figures first, the tests (which keep w
     "attention": Step(("bench/attention.py", "--json"), ("--rows", "4", "--row-len", "16384", "--prompt-len", "2048",
                                                          "--group", "8"), ("--quick",), 40, 20,
                       (*RESULTS_KEYS, "device", "results.blockwise.tokens_per_s")),
-    "rollout": Step(("bench/rollout.py", "--ignore-stop", "--no-floor", "--runs", "1", "--json"),
+    "rollout": Step(("bench/rollout.py", "--ignore-stop", "--no-floor", "--runs", "1", "--profile", "--json"),
                     ("--model", "qwen3-0.6b", "--dtype", "bfloat16", "--prompts", "512", "--group", "1",
                      "--prompt-len", "128", "--new-tokens", "256"),
                     ("--quick", "--dtype", "float32", "--group", "2", "--prompt-len", "16"), 170, 130,
                     ("posttrain_tokens_per_s", "transformers_tokens_per_s", "ratio", "outputs_agreeing", "rows",
-                     "torch_device", "warmup_s"),
+                     "torch_device", "warmup_s", "profile.posttrain.busy_frac", "profile.posttrain.top_ops"),
                     (("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5"),)),  # the other half for torch
-    "engine": Step(("bench/rollout.py", "--lengths", "long_tail", "--skip-transformers", "--json"),
-                   ("--model", "qwen3-0.6b", "--requests", "512", "--slots", "128", "--short", "32",
+    "engine": Step(("bench/rollout.py", "--lengths", "long_tail", "--skip-transformers", "--profile", "--json"),
+                   ("--model", "qwen3-0.6b", "--requests", "256", "--slots", "128", "--short", "32",
                     "--prompt-len", "128", "--page-size", "16", "--runs", "1"), ("--quick",), 130, 99,
                    ("engine_tokens_per_s", "sampler_tokens_per_s", "ratio", "agree", "settings.attention_impl",
-                    "peak_pages.max_waste_per_live_seq", "warmup_s")),
+                    "peak_pages.max_waste_per_live_seq", "warmup_s", "profile.engine.busy_frac",
+                    "profile.sampler.busy_frac", "profile.engine.top_ops", "profile.sampler.top_ops")),
     "tests": Step(("-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors", "--junitxml",
                    "{work}/junit.xml"),
                   ("-n", "8", "--dist", "loadfile", "-m", "kernel or parity", "tests"), ("-m", "not slow", *DRY_TESTS),

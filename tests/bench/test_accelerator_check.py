@@ -139,7 +139,10 @@ def test_real_mode_arguments_parse_in_each_bench():
     assert (a.tokens, a.d_model, a.experts, a.top_k, a.expert_mlp, a.quick) == (16384, 2048, 128, 8, 768, False)
     a = load_script(ROOT / "bench" / "rollout.py", "check_rollout").parse_args(real("rollout"))
     assert (a.model, a.prompts, a.group, a.prompt_len, a.new_tokens) == ("qwen3-0.6b", 512, 1, 128, 256)
-    assert a.ignore_stop and a.dtype == "bfloat16" and a.no_floor and not a.quick
+    assert a.ignore_stop and a.dtype == "bfloat16" and a.no_floor and a.profile and not a.quick
+    a = load_script(ROOT / "bench" / "_rollout_long_tail.py", "check_long_tail").parse_args(real("engine"))
+    assert (a.model, a.requests, a.slots, a.short, a.prompt_len, a.runs) == ("qwen3-0.6b", 256, 128, 32, 128, 1)
+    assert a.skip_transformers and a.profile and not a.quick
     a = load_script(ROOT / "bench" / "attention.py", "check_attention").parse_args(real("attention"))
     assert (a.rows, a.row_len, a.prompt_len, a.group, a.quick) == (4, 16384, 2048, 8, False)
     tests = check.step_command("tests", dry_run=False, work="W")
