@@ -33,7 +33,11 @@ Measured 2026-12-02 (jax 0.10.2, libtpu 0.0.42.1; peak / pool / weights / temp G
                       shapes need multiples of (8, 128))
   512 sequences x 1024 tokens:
     qwen3-0.6b     h200  pallas_gpu  60.62 / 56.00 / 2.22 / 2.40; v5p pallas_tpu 62.11 / 56.00 / 2.22 / 3.94
-    qwen3-30b-a3b  h200  pallas_gpu 107.24 / 48.00 / 56.87 / 2.37 (bf16 weights: f32 ones alone are 114 GiB);
+                   (2026-12-04, the pool read whole with page ids offset by layer, kv_pages.pool_shapes:
+                   h200 59.13 / 56.00 / 2.22 / 0.91: the 2 GiB copy of one layer's pages that fed the kernel
+                   at every layer of every step is gone)
+    qwen3-30b-a3b  h200  pallas_gpu 107.24 / 48.00 / 56.87 / 2.37 (bf16 weights: f32 ones alone are 114 GiB;
+                   2026-12-04: 107.19 / 48.00 / 56.87 / 2.31);
                    v5p   refused (RESOURCE_EXHAUSTED: 106.71 GiB of temporaries > 95.74); at 512 x 512 tokens
                          pallas_tpu 83.16 / 24.00 / 56.87 / 2.78, code 19.0 MiB
 """

@@ -132,3 +132,39 @@ def gqa_combine(p_BxTxNxS, kv):
     K = v.shape[2]
     o = jnp.einsum("btkgs,bskh->btkgh", p_BxTxNxS.reshape(B, T, K, N // K, S), v, preferred_element_type=jnp.float32)
     return o.reshape(B, T, N, v.shape[-1])
+
+
+def write_position(cache_e: jax.Array, new_e: jax.Array, name: str, t: jax.Array) -> jax.Array:
+    """cache_e with the one-position entries new_e (same layout) written at position t."""
+    start = [0] * cache_e.ndim
+    start[cache_seq_axis(name) % cache_e.ndim] = t
+    return jax.lax.dynamic_update_slice(cache_e, new_e.astype(cache_e.dtype), start)
+
+
+class DecodeCache(NamedTuple):
+    """KV cache of a group-sampling run (a pytree).
+
+    prefix: {stack: entries [L, P, ...]} over Lp positions, computed once per prompt (after the shared part);
+    prefix_len_P: valid lengths of those prompt parts;
+    suffix: {stack: entries [L, N, ...]} over Lg positions, per sample; step: number of tokens already in `suffix`.
+    Entries are in the cache layout (`attention.to_cache_layout`); `attention.cache_seq_axis` names each one's
+    position axis.
+    """
+
+    prefix: Any
+    prefix_len_P: jax.Array
+    suffix: Any
+    step: jax.Array
+    shared: Any = None  # {stack: entries [L, 1, ...]} over the C tokens common to every prompt, or None
+
+    def take_rows(self, slots_M: jax.Array) -> "DecodeCache":
+        """The cache of M of its N sample rows (int32 indices [M] into the current rows), e.g. the unfinished ones.
+
+        The result has one prompt part per row (P = N = M, G = 1): a row's prompt part is gathered from its prompt
+        (row // G), so rows of one group no longer need to stay adjacent. Costs one copy of the selected entries.
+        """
+        N = jax.tree.leaves(self.suffix)[0].shape[1]
+        prompt_M = slots_M // (N // self.prefix_len_P.shape[0])
+        rows = lambda idx: (lambda e: jnp.take(e, idx, axis=1))
+        return self._replace(prefix=jax.tree.map(rows(prompt_M), self.prefix), prefix_len_P=self.prefix_len_P[prompt_M],
+                             suffix=jax.tree.map(rows(slots_M), self.suffix))

@@ -16,7 +16,6 @@ Layers are stacked on a leading `layers` axis and applied with `jax.lax.scan` (o
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +23,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from posttrain.model.config import ModelConfig
-from posttrain.model.attention import Source, cache_len, cache_seq_axis, to_cache_layout
+from posttrain.model.attention import (DecodeCache, Source, cache_len, cache_seq_axis, to_cache_layout,
+                                       write_position)
 from posttrain.model.blockwise_attention import self_mask
 from posttrain.model.layers import CHECKPOINT_NAMES, MLP, Attention, MLAttention, RMSNorm, dot, param
 from posttrain.model.moe import MoE
@@ -95,35 +95,6 @@ def stack_layers(make_block, num: int, rngs: nnx.Rngs) -> nnx.Module:
 
     state = jax.tree.map(add_axis, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return nnx.merge(graphdef, state)
-
-
-class DecodeCache(NamedTuple):
-    """KV cache of a group-sampling run (a pytree).
-
-    prefix: {stack: entries [L, P, ...]} over Lp positions, computed once per prompt (after the shared part);
-    prefix_len_P: valid lengths of those prompt parts;
-    suffix: {stack: entries [L, N, ...]} over Lg positions, per sample; step: number of tokens already in `suffix`.
-    Entries are in the cache layout (`attention.to_cache_layout`); `attention.cache_seq_axis` names each one's
-    position axis.
-    """
-
-    prefix: Any
-    prefix_len_P: jax.Array
-    suffix: Any
-    step: jax.Array
-    shared: Any = None  # {stack: entries [L, 1, ...]} over the C tokens common to every prompt, or None
-
-    def take_rows(self, slots_M: jax.Array) -> "DecodeCache":
-        """The cache of M of its N sample rows (int32 indices [M] into the current rows), e.g. the unfinished ones.
-
-        The result has one prompt part per row (P = N = M, G = 1): a row's prompt part is gathered from its prompt
-        (row // G), so rows of one group no longer need to stay adjacent. Costs one copy of the selected entries.
-        """
-        N = jax.tree.leaves(self.suffix)[0].shape[1]
-        prompt_M = slots_M // (N // self.prefix_len_P.shape[0])
-        rows = lambda idx: (lambda e: jnp.take(e, idx, axis=1))
-        return self._replace(prefix=jax.tree.map(rows(prompt_M), self.prefix), prefix_len_P=self.prefix_len_P[prompt_M],
-                             suffix=jax.tree.map(rows(slots_M), self.suffix))
 
 
 class Transformer(nnx.Module):
@@ -318,44 +289,56 @@ class Transformer(nnx.Module):
             shared = None if cache.shared is None else cache.shared[name]
             x, (ent, routed) = self._scan(stack, x, (cache.prefix[name], cache.suffix[name], shared), body)
             routing = routed[:, :, 0] if routed is not None else routing
-            new_suffix[name] = {k: _write_position(cache.suffix[name][k], e, k, t)
+            new_suffix[name] = {k: write_position(cache.suffix[name][k], e, k, t)
                                 for k, e in to_cache_layout(ent).items()}
         logits = self.logits(self.final_norm(x))[:, 0]
         cache = cache._replace(suffix=new_suffix, step=t + 1)
         return (logits, cache, routing) if return_routing else (logits, cache)
 
     @_in_precision_scope
-    def decode_with_hook(self, tokens_B, positions_B, cache_xs: dict, make_hook, *, return_routing: bool = False):
-        """One new token per row whose attention over earlier tokens the caller computes (a paged KV cache,
-        `posttrain.rollout.engine`): `extend_with_hook` with T = 1. Returns (float32 logits [B, V], {stack: the
-        fed tokens' entries [L, B, 1, ...] in the attention layout ("k", "v" / "kv")}), and with `return_routing`
-        the MoE layers' expert selection of the fed tokens, int32 [L, B, k] (None without MoE layers)."""
-        h, entries, *routing = self.extend_with_hook(tokens_B[:, None], positions_B[:, None], cache_xs, make_hook,
-                                                     return_routing=return_routing)
-        return (self.logits(h)[:, 0], entries) + tuple(None if r is None else r[:, :, 0] for r in routing)
+    def decode_with_hook(self, tokens_B, positions_B, cache_xs: dict, make_hook, *, return_routing: bool = False,
+                         cache_carry: dict | None = None):
+        """`extend_with_hook` of one new token per row (the rollout engine's decode step). Returns (float32 logits
+        [B, V], {stack: the fed tokens' entries [L, B, 1, ...]}), then with `return_routing` the expert selection
+        int32 [L, B, k] (None without MoE layers), then with `cache_carry` the carried caches."""
+        h, entries, *rest = self.extend_with_hook(tokens_B[:, None], positions_B[:, None], cache_xs, make_hook,
+                                                  return_routing=return_routing, cache_carry=cache_carry)
+        if return_routing and rest[0] is not None:
+            rest[0] = rest[0][:, :, 0]
+        return (self.logits(h)[:, 0], entries) + tuple(rest)
 
     @_in_precision_scope
     def extend_with_hook(self, tokens_BxT, positions_BxT, cache_xs: dict, make_hook, valid_BxT=None, *,
-                         return_routing: bool = False):
+                         return_routing: bool = False, cache_carry: dict | None = None):
         """T new tokens per row whose attention over earlier tokens and each other the caller computes (the
         engine's decode step and its prefill of a turn's new tokens over cached pages). cache_xs: {stack: pytree
         with a leading [L] layer axis}, scanned with the layers; make_hook(xs of one layer) -> `attention.CacheHook`;
-        valid_BxT: bool, False for padding (MoE routing skips it; default all True). Returns (final-norm hidden
-        states [B, T, D], {stack: the fed tokens' entries [L, B, T, ...] in the attention layout}), and with
-        `return_routing` the MoE layers' expert selection, int32 [L, B, T, k] (None without MoE layers)."""
+        valid_BxT: bool, False for padding (MoE routing skips it; default all True). cache_carry: {stack: pytree}
+        carried through that stack's layer scan (a cache each layer updates where it lies, e.g. the whole page
+        pool: a scanned slice handed to a kernel is copied first); then make_hook(xs, cell) gets a one-element
+        list holding the carry and puts the updated cache back into cell[0].
+        Returns (final-norm hidden states [B, T, D], {stack: the fed tokens' entries [L, B, T, ...] in the
+        attention layout}), then with `return_routing` the MoE layers' expert selection, int32 [L, B, T, k] (None
+        without MoE layers), then with `cache_carry` {stack: the carry after the stack's last layer}."""
         B, T = tokens_BxT.shape
         x = self.embed(tokens_BxT)
         self_mask = jnp.ones((B, T, T), bool)  # unused: the hook computes the attention
         valid = jnp.ones((B, T), bool) if valid_BxT is None else valid_BxT
-        entries, routing = {}, None
+        entries, routing, carried, carrying = {}, None, {}, cache_carry is not None
         for name, stack in self.stacks():
-            def body(block, h, xs_l):
-                h, ent, aux = block(h, positions_BxT, self_mask, (make_hook(xs_l),), valid)
-                return h, (ent, aux.get("routed_experts"))
+            def body(block, carry, xs_l):
+                h, cell = (carry[0], [carry[1]]) if carrying else (carry, None)
+                hook = make_hook(xs_l, cell) if carrying else make_hook(xs_l)
+                h, ent, aux = block(h, positions_BxT, self_mask, (hook,), valid)
+                return ((h, cell[0]) if carrying else h), (ent, aux.get("routed_experts"))
 
-            x, (entries[name], routed) = self._scan(stack, x, cache_xs[name], body)
+            x, (entries[name], routed) = self._scan(stack, x, cache_xs[name], body,
+                                                    carry_extra=cache_carry[name] if carrying else None)
+            if carrying:
+                x, carried[name] = x
             routing = routed if routed is not None else routing
-        return (self.final_norm(x), entries) + ((routing,) if return_routing else ())
+        out = (self.final_norm(x), entries) + ((routing,) if return_routing else ())
+        return out + ((carried,) if carrying else ())
 
 
 _FLOAT32_USES = ("router",)  # per-layer matrices used in float32 (MoE scores), never cast by `matrices_in_dtype`
@@ -374,13 +357,6 @@ def matrices_in_dtype(state, dtype):
         return x
 
     return jax.tree_util.tree_map_with_path(cast, state)
-
-
-def _write_position(cache_e: jax.Array, new_e: jax.Array, name: str, t: jax.Array) -> jax.Array:
-    """cache_e with the one-position entries new_e (same layout) written at position t."""
-    start = [0] * cache_e.ndim
-    start[cache_seq_axis(name) % cache_e.ndim] = t
-    return jax.lax.dynamic_update_slice(cache_e, new_e.astype(cache_e.dtype), start)
 
 
 def _merge_aux(auxes: list[dict]) -> dict:

@@ -277,9 +277,9 @@ def compile_engine(graphdef, policy, mesh, settings, *, prompt_len: int) -> tupl
     """Lowers and compiles the rollout engine's two programs (`engine_ops.decode_step` over `settings.num_slots`
     slots, and `engine_ops.prefill` of a `prompt_len`-token prompt) on `mesh`'s one device with the policy's
     abstract states and the page pool as `kv_pages.pool_shapes` makes it (`settings`: `engine.EngineSettings`).
-    Attention is the reference (a gather of each slot's pages): the Pallas kernels read the pages in place, so
-    their temp is at most the reference's. Returns (the larger program's MemoryReport, compile seconds of both,
-    the pool's bytes)."""
+    Attention is the reference (a gather of each slot's pages): the Pallas kernels read the pool in place (the
+    whole pool, page ids offset by layer), so their temp is at most the reference's. Returns (the larger
+    program's MemoryReport, compile seconds of both, the pool's bytes)."""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 

@@ -61,8 +61,8 @@ def request_rows(requests: Sequence[Request | None]) -> dict:
 
 def _kernel_shapes(shapes: dict) -> dict:
     """`paged_attention.kernel_problems` keywords of a pool's first entry (every stack's layout is the same)."""
-    s = next(iter(next(iter(shapes.values())).values()))  # [L, K, P, Z, H]
-    return {"head_dim": s.shape[4], "page_size": s.shape[3], "num_kv_heads": s.shape[1], "dtype": s.dtype}
+    s = next(iter(next(iter(shapes.values())).values()))  # [K, L, P, Z, H]
+    return {"head_dim": s.shape[4], "page_size": s.shape[3], "num_kv_heads": s.shape[0], "dtype": s.dtype}
 
 
 def _cached_len(seq: _Seq) -> int:

@@ -35,7 +35,8 @@ from flax import nnx
 
 from posttrain.model.attention import CacheHook
 from posttrain.rollout import kv_pages
-from posttrain.rollout.paged_attention import IMPLS, attend_chunk, attend_with_new_token, write_tokens
+from posttrain.rollout.paged_attention import (IMPLS, attend_chunk, attend_with_new_token, flat_pages, stacked_pages,
+                                               write_layers)
 from posttrain.rollout.sampler import categorical, logprob_temperature
 
 
@@ -193,23 +194,30 @@ def decode_step(graphdef, state, pool, table_SxM, lengths_S, prev_S, rows, key, 
     selection of the fed tokens, int32 [S, L, k], with `routing` on a MoE model, else None. Inactive slots:
     length 0 on the scratch page."""
     model = _merge(graphdef, state)
-    Z = jax.tree.leaves(pool)[0].shape[3]
+    P, Z = jax.tree.leaves(pool)[0].shape[2:4]
     S = prev_S.shape[0]
     page_S = table_SxM[jnp.arange(S), lengths_S // Z]
     offset_S = lengths_S % Z
 
-    def make_hook(pages_l):
+    def make_hook(layer, cell):  # cell[0]: the stack's whole pool, one layer of L * P pages, carried by the scan
         def fn(q_Sx1xNxH, own, scale):
             own = {name: e[:, 0] for name, e in own.items()}
-            return attend_with_new_token(pages_l, own, q_Sx1xNxH[:, 0], table_SxM, lengths_S, page_S, offset_S,
-                                         scale, impl)[:, None]
+            out, cell[0] = attend_with_new_token(cell[0], own, q_Sx1xNxH[:, 0], table_SxM + layer * P, lengths_S,
+                                                 page_S + layer * P, offset_S, scale, impl)
+            return out[:, None]
         return CacheHook(fn)
 
-    logits, entries, routed = model.decode_with_hook(prev_S, lengths_S, pool, make_hook, return_routing=True)
-    pool = {stack: write_tokens(pool[stack], {n: e[:, :, 0] for n, e in entries[stack].items()}, page_S, offset_S)
-            for stack in pool}
+    layers = {stack: jnp.arange(_num_layers(p)) for stack, p in pool.items()}
+    logits, _, routed, flat = model.decode_with_hook(prev_S, lengths_S, layers, make_hook, return_routing=True,
+                                                     cache_carry={k: flat_pages(p) for k, p in pool.items()})
+    pool = {stack: stacked_pages(flat[stack], _num_layers(pool[stack])) for stack in pool}
     tok, logp = pick_tokens(logits, rows, key, request_S, t_S)
     return tok, logp, pool, (routed.transpose(1, 0, 2) if routing and routed is not None else None)
+
+
+def _num_layers(pool_stack: dict) -> int:
+    """L of a stack's pool ([K, L, P, Z, H])."""
+    return next(iter(pool_stack.values())).shape[1]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "routing"), donate_argnames=("pool",))
@@ -225,7 +233,7 @@ def prefill(graphdef, state, pool, tokens_1xW, length, page_row_M, rows, key, re
     segment = (pos < length)[None].astype(jnp.int32)
     h, aux, entries = model.hidden_states(tokens_1xW, None, segment, None, return_entries=True)
     page_W = jnp.where(pos < length, jnp.take(page_row_M, pos // Z, mode="clip"), kv_pages.SCRATCH_PAGE)
-    pool = {stack: write_tokens(pool[stack], {n: e[:, 0] for n, e in entries[stack].items()}, page_W, pos % Z)
+    pool = {stack: write_layers(pool[stack], {n: e[:, 0] for n, e in entries[stack].items()}, page_W, pos % Z)
             for stack in pool}
     logits = model.logits(h[:, length - 1])
     tok, logp = pick_tokens(logits, rows, key, request_1, jnp.zeros((1,), jnp.int32))
@@ -246,13 +254,17 @@ def extend(graphdef, state, pool, tokens_1xW, start, length, page_row_M, rows, k
     valid = jnp.arange(W) < length
     table, start_1 = page_row_M[None], jnp.reshape(start, (1,))
 
-    def make_hook(pages_l):
-        return CacheHook(lambda q, own, scale: attend_chunk(pages_l, own, q, table, start_1, scale))
+    P = jax.tree.leaves(pool)[0].shape[2]
 
-    h, entries, routed = model.extend_with_hook(tokens_1xW, pos[None].astype(jnp.int32), pool, make_hook,
-                                                valid[None], return_routing=True)
+    def make_hook(layer, cell):  # cell[0]: the stack's whole pool (carried, read in place, not written here)
+        return CacheHook(lambda q, own, scale: attend_chunk(cell[0], own, q, table + layer * P, start_1, scale))
+
+    layers = {stack: jnp.arange(_num_layers(p)) for stack, p in pool.items()}
+    h, entries, routed, _ = model.extend_with_hook(tokens_1xW, pos[None].astype(jnp.int32), layers, make_hook,
+                                                   valid[None], return_routing=True,
+                                                   cache_carry={k: flat_pages(p) for k, p in pool.items()})
     page_W = jnp.where(valid, jnp.take(page_row_M, pos // Z, mode="clip"), kv_pages.SCRATCH_PAGE)
-    pool = {stack: write_tokens(pool[stack], {n: e[:, 0] for n, e in entries[stack].items()}, page_W, pos % Z)
+    pool = {stack: write_layers(pool[stack], {n: e[:, 0] for n, e in entries[stack].items()}, page_W, pos % Z)
             for stack in pool}
     logits = model.logits(h[:, length - 1])
     tok, logp = pick_tokens(logits, rows, key, request_1, jnp.zeros((1,), jnp.int32))

@@ -108,9 +108,11 @@ class PagePool:
 
 
 def pool_shapes(graphdef, state, num_pages: int, page_size: int) -> dict:
-    """{stack: {name: jax.ShapeDtypeStruct}} of the page pool of a model: GQA "k", "v" [L, K, P, Z, H], MLA "kv"
-    [L, 1, P, Z, C], in the dtype of the model's cache entries (the compute dtype). Read off an abstract
-    one-token forward (`jax.eval_shape`: nothing runs)."""
+    """{stack: {name: jax.ShapeDtypeStruct}} of the page pool of a model: GQA "k", "v" [K, L, P, Z, H], MLA "kv"
+    [1, L, P, Z, C], in the dtype of the model's cache entries (the compute dtype). Read off an abstract
+    one-token forward (`jax.eval_shape`: nothing runs). Heads lead and a stack's L layers sit side by side, so
+    the pool reads as one layer of L * P pages (`paged_attention.flat_pages`): the kernels take the whole pool
+    with page ids offset by layer, and no layer's pages are sliced out (a copy) at any step."""
     from flax import nnx
 
     def entries(state):
@@ -124,7 +126,7 @@ def pool_shapes(graphdef, state, num_pages: int, page_size: int) -> dict:
         for name, e in ent.items():  # [L, 1, 1, K, H] or [L, 1, 1, C]
             L, tail = e.shape[0], e.shape[3:]
             K, width = (tail[0], tail[1]) if len(tail) == 2 else (1, tail[0])
-            out[stack][name] = jax.ShapeDtypeStruct((L, K, num_pages, page_size, width), e.dtype)
+            out[stack][name] = jax.ShapeDtypeStruct((K, L, num_pages, page_size, width), e.dtype)
     return out
 
 

@@ -9,6 +9,8 @@ Pages hold each layer's cached keys and values in the layout the kernels take: `
 the same pages: the caller keeps the first R output dims (`kv[..., :R]` are the latent values).
 Sequence s's token i lives at page `page_table_SxM[s, i // Z]`, offset `i % Z`; the first `lengths_S[s]` tokens
 are attended (>= 1; the engine writes the new token before attending, so its own entry is included).
+The engine's pool holds a stack's layers side by side in that layout (`[K, L, P, Z, H]`, read as one layer of
+L * P pages by `flat_pages`), so a layer's attention reads and writes the pool where it lies.
 
 Implementations (`IMPLS`; "auto" picks the platform's kernel when `kernel_problems` finds none for the shapes,
 else the reference, logged once with the reason; a kernel asked for by name that cannot take the shapes is a
@@ -212,29 +214,46 @@ def _kv(pages: dict):
     return (pages["kv"], pages["kv"]) if "kv" in pages else (pages["k"], pages["v"])
 
 
-def attend_pages(pages: dict, q_SxNxH, page_table_SxM, lengths_S, scale: float, impl: str = "auto"):
+def attend_pages(pages: dict, q_SxNxH, page_table_SxM, lengths_S, scale: float, impl: str = "auto",
+                 interpret: bool = False):
     """`paged_attention` over one layer's pages in the engine's layout: GQA {"k", "v"}, or MLA {"kv"} (one kv
     head serving as keys and values). Returns [S, N, H or C]."""
     k, v = _kv(pages)
-    return paged_attention(q_SxNxH, k, v, page_table_SxM, lengths_S, scale=scale, impl=impl)
+    return paged_attention(q_SxNxH, k, v, page_table_SxM, lengths_S, scale=scale, impl=impl, interpret=interpret)
 
 
 def attend_with_new_token(pages: dict, own: dict, q_SxNxH, page_table_SxM, lengths_S, page_S, offset_S,
-                          scale: float, impl: str = "auto"):
-    """Attention of each sequence's new token over its `lengths_S` cached tokens and itself (its own entry
-    `own`, {"k", "v": [S, K, H]} or {"kv": [S, C]}, goes to (page_S, offset_S)): the decode step's attention.
-    The kernels attend after writing it into (a copy of) the layer's pages; the reference appends it to the
-    gathered keys instead (no copy of the pages). Same result up to float rounding. Returns [S, N, H or C]."""
-    if resolve_impl(impl, **_shapes(q_SxNxH, _kv(pages)[0], page_table_SxM)) != "reference":
-        pages_w = write_tokens(pages, own, page_S, offset_S)
-        return attend_pages(pages_w, q_SxNxH, page_table_SxM, lengths_S + 1, scale, impl)
-    k, v = (_gather(x, page_table_SxM.astype(jnp.int32)) for x in _kv(pages))
-    own_k, own_v = (own["kv"][:, None], own["kv"][:, None]) if "kv" in own else (own["k"], own["v"])
-    k = jnp.concatenate([k, jnp.swapaxes(own_k, 0, 1)[:, :, None].astype(k.dtype)], axis=2)
-    v = jnp.concatenate([v, jnp.swapaxes(own_v, 0, 1)[:, :, None].astype(v.dtype)], axis=2)
-    T = k.shape[2]
-    keep = (jnp.arange(T)[None, :] < lengths_S[:, None]) | (jnp.arange(T)[None, :] == T - 1)
-    return _dense_attention(q_SxNxH, k, v, keep, scale)
+                          scale: float, impl: str = "auto", interpret: bool = False):
+    """Attention of each sequence's new token over its `lengths_S` cached tokens and itself: its own entry `own`
+    ({"k", "v": [S, K, H]} or {"kv": [S, C]}) is written into `pages` at (page_S, offset_S) first, then the
+    first lengths_S + 1 tokens are attended (the decode step's attention; every implementation reads the same
+    pages). Returns (out [S, N, H or C], the pages with the entries written). Pass the whole page pool, not a
+    slice of it (`flat_pages`, page ids of layer l offset by l * P): the write then updates the pool in place,
+    where writing into a slice copied the slice first (one layer's pages per layer per step)."""
+    pages = write_tokens(pages, own, page_S, offset_S)
+    return attend_pages(pages, q_SxNxH, page_table_SxM, lengths_S + 1, scale, impl, interpret), pages
+
+
+def flat_pages(pool_stack: dict) -> dict:
+    """A stack's pool in the engine's layout ({"k", "v": [K, L, P, Z, H]} or {"kv": [1, L, P, Z, C]}) viewed as one
+    layer's pages ([K, L * P, Z, H]: a reshape, no copy): page p of layer l is page `l * P + p`."""
+    return {n: x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:]) for n, x in pool_stack.items()}
+
+
+def stacked_pages(flat: dict, num_layers: int) -> dict:
+    """The inverse of `flat_pages`: [K, L * P, Z, H] -> [K, L, P, Z, H]."""
+    return {n: x.reshape(x.shape[0], num_layers, x.shape[1] // num_layers, *x.shape[2:]) for n, x in flat.items()}
+
+
+def write_layers(pool_stack: dict, entries: dict, page_S, offset_S) -> dict:
+    """`pool_stack` ([K, L, P, Z, H] layout) with every layer's entries of S tokens written at (page_S, offset_S):
+    entries {"k", "v": [L, S, K, H]} or {"kv": [L, S, C]} (a prefill's fed tokens, all layers at once)."""
+    L, P = next(iter(pool_stack.values())).shape[1:3]
+    pages = (jnp.arange(L)[:, None] * P + page_S[None, :]).reshape(-1)
+    offsets = jnp.broadcast_to(offset_S[None, :], (L, offset_S.shape[0])).reshape(-1)
+    flat = write_tokens(flat_pages(pool_stack), {n: e.reshape(-1, *e.shape[2:]) for n, e in entries.items()},
+                        pages, offsets)
+    return stacked_pages(flat, L)
 
 
 def attend_chunk(pages: dict, own: dict, q_BxQxNxH, page_table_BxM, start_B, scale: float):

@@ -129,24 +129,54 @@ def test_write_tokens_and_attend_pages_layouts():
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["reference", "pallas_gpu"])
 @pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
-def test_new_token_appended_equals_written_into_pages(mla):
-    """The decode step's attention: the reference appends the new token's entry to the gathered keys; the kernels'
-    order writes it into the pages first and attends over length + 1. Both equal (<= 1e-5), lengths 0 included."""
+def test_new_token_is_written_into_the_whole_pool_and_attended_at_its_layer(mla, impl):
+    """The decode step's attention on a 3-layer pool read as one layer of 3 * P pages (`flat_pages`): layer l's
+    page ids are offset by l * P; the new token's entry lands at its page and offset of that layer only, and
+    attention over length + 1 tokens equals NumPy's over the layer's pages (lengths 0 included)."""
     rng = np.random.default_rng(3)
-    S, N, H = 3, 4, 8
+    L, S, N, H, layer = 3, 3, 4, 16, 1
     names, K = (("kv",), 1) if mla else (("k", "v"), 2)
-    pages = {n: jnp.asarray(rng.normal(size=(K, P, Z, H)), jnp.float32) for n in names}
+    stacked = {n: jnp.asarray(rng.normal(size=(K, L, P, Z, H)), jnp.float32) for n in names}
     own = {n: jnp.asarray(rng.normal(size=(S, H) if mla else (S, K, H)), jnp.float32) for n in names}
     table = jnp.asarray([[3, 4, 0, 0], [5, 6, 7, 8], [9, 0, 0, 0]], jnp.int32)
     lengths = jnp.asarray([5, 15, 0], jnp.int32)
     page, off = table[jnp.arange(S), lengths // Z], lengths % Z
     q = jnp.asarray(rng.normal(size=(S, N, H)), jnp.float32)
-    got, want = jax.jit(lambda pages, own, q: (  # one compile
-        pa.attend_with_new_token(pages, own, q, table, lengths, page, off, 0.3, impl="reference"),
-        pa.attend_pages(pa.write_tokens(pages, own, page, off), q, table, lengths + 1, 0.3, impl="reference")))(
-        pages, own, q)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    out, flat = jax.jit(lambda pages, own, q: pa.attend_with_new_token(
+        pa.flat_pages(pages), own, q, table + layer * P, lengths, page + layer * P, off, 0.3, impl=impl,
+        interpret=impl != "reference"))(stacked, own, q)
+    written = pa.stacked_pages(flat, L)
+    want_pages = {n: np.array(x) for n, x in stacked.items()}
+    for n in names:
+        e = np.asarray(own[n]) if not mla else np.asarray(own[n])[:, None]
+        for s in range(S):
+            want_pages[n][:, layer, int(page[s]), int(off[s])] = e[s]
+        np.testing.assert_array_equal(np.asarray(written[n]), want_pages[n])  # the other layers untouched
+    k = want_pages[names[0]][:, layer]
+    want = _numpy_attention(np.asarray(q), k, want_pages[names[-1]][:, layer], np.asarray(table),
+                            np.asarray(lengths) + 1, 0.3)
+    np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+def test_write_layers_puts_each_layer_entry_at_its_page(mla):
+    """A prefill's entries of every layer ([L, S, ...]) go to (layer, page_S[s], offset_S[s]) of the stacked pool."""
+    rng = np.random.default_rng(4)
+    L, S, H = 3, 5, 8
+    names, K = (("kv",), 1) if mla else (("k", "v"), 2)
+    pool = {n: jnp.asarray(rng.normal(size=(K, L, P, Z, H)), jnp.float32) for n in names}
+    entries = {n: jnp.asarray(rng.normal(size=(L, S, H) if mla else (L, S, K, H)), jnp.float32) for n in names}
+    page, off = np.asarray([2, 2, 3, 19, 0]), np.asarray([0, 1, 3, 2, 1])
+    got = jax.jit(pa.write_layers)(pool, entries, jnp.asarray(page), jnp.asarray(off))
+    for n in names:
+        want = np.array(pool[n])
+        e = np.asarray(entries[n]) if not mla else np.asarray(entries[n])[:, :, None]
+        for layer in range(L):
+            for s in range(S):
+                want[:, layer, page[s], off[s]] = e[layer, s]
+        np.testing.assert_array_equal(np.asarray(got[n]), want)
 
 
 def test_resolve_impl_and_bad_input():
