@@ -301,7 +301,7 @@ def compile_engine(graphdef, policy, mesh, settings, *, prompt_len: int) -> tupl
     width = settings.prefill_width(prompt_len)
     decode = engine_ops.decode_step.lower(graphdef, state, pool, i32(S, M), i32(S), i32(S), rows, key, i32(S),
                                           i32(S), impl="reference")
-    prefill = engine_ops.prefill.lower(graphdef, state, pool, i32(1, width), i32(), i32(M), rows_1, key, i32(1))
+    prefill = engine_ops.prefill.lower(graphdef, state, pool, i32(1, width), i32(1), i32(1, M), rows_1, key, i32(1))
     reports, seconds = [], 0.0
     for lowered in (decode, prefill):
         _, report, s = aot.compile_with_report(lowered)

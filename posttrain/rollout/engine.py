@@ -13,8 +13,9 @@ are kept per page (host memory, like the pool: a reused prefix's come with its p
      cache is cleared, so every token from then on is exactly the new version's (`Completion.versions`);
   1. admit: every free slot takes the next pending request whose pages (its cached tokens + the next one) are
      free; the first tokens that the prefix cache holds (`prefix_cache`) are shared, the rest prefilled into
-     fresh pages (`prefill`, or `extend` past cached ones) and, for a fresh request, its first token drawn from
-     the prefill's logits;
+     fresh pages (`prefill`: the admitted sequences with nothing cached together, one program per width; or
+     `extend` past cached ones) and, for a fresh request, its first token drawn from the prefill's logits;
+     requests that end at that token free their slots for another round;
   2. make room: every live slot holds the page its next token goes to; when none is free, the newest sequence
      is preempted (pages freed, queued first for recompute, its tokens and logprobs kept);
   3. decode: one step over all S slots (`engine_ops.decode_step`); finished slots release their pages at once
@@ -39,24 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain.rollout import kv_pages
-from posttrain.rollout.engine_ops import Completion, EngineSettings, Request, _Seq, decode_step, extend, prefill
+from posttrain.rollout.engine_ops import (Completion, EngineSettings, Request, _Seq, decode_step, extend, prefill,
+                                          request_rows)
 from posttrain.rollout.paged_attention import resolve_impl
 from posttrain.rollout.prefix_cache import PrefixCache
-from posttrain.rollout.sampler import logprob_temperature
 
 __all__ = ["Completion", "Engine", "EngineSettings", "Request", "request_rows"]
-
-
-def request_rows(requests: Sequence[Request | None]) -> dict:
-    """The per-row sampling arrays of `engine_ops.pick_tokens` for one request per slot (None, an empty slot:
-    greedy at T = 1): T float32 [S] (the logprob temperature), greedy bool [S], top_k int32 [S], top_p float32 [S]."""
-    def col(fn, dtype):
-        return jnp.asarray(np.asarray([fn(r) for r in requests], dtype))
-
-    return {"T": col(lambda r: logprob_temperature(r.temperature) if r else 1.0, np.float32),
-            "greedy": col(lambda r: r.temperature == 0 if r else True, bool),
-            "top_k": col(lambda r: r.top_k if r else 0, np.int32),
-            "top_p": col(lambda r: r.top_p if r else 1.0, np.float32)}
 
 
 def _kernel_shapes(shapes: dict) -> dict:
@@ -263,13 +252,22 @@ class Engine:
         self._counters.weight_swaps += 1
 
     def _admit(self) -> None:
-        for slot in range(len(self._slots)):
-            while self._slots[slot] is None and self._queue:
-                seq = self._queue[0]
-                if not self._claim(slot, seq):
-                    return  # the pool is full: the queue waits for pages (no preemption to admit)
-                self._queue.popleft()
-                self._prefill(slot, seq)
+        """Fills the free slots from the queue, in rounds: each round claims pages for as many queued sequences
+        as there are free slots, then computes them (`_compute`); a round whose requests end at their first token
+        frees slots for the next. Stops when the queue is empty, no slot is free or the pool is full (the queue
+        waits for pages: no preemption to admit)."""
+        while self._queue and None in self._slots:
+            admitted, full = [], False
+            for slot in range(len(self._slots)):
+                if self._slots[slot] is None and self._queue:
+                    if not self._claim(slot, self._queue[0]):
+                        full = True
+                        break
+                    admitted.append((slot, self._place(slot, self._queue.popleft())))
+            if admitted:
+                self._compute(admitted)
+            if full or not admitted:
+                return
 
     def _claim(self, slot: int, seq: _Seq) -> bool:
         """Holds the pages of `seq`'s cached tokens + the next one in `slot`: the prefix cache's first, fresh
@@ -289,37 +287,79 @@ class Engine:
         self._release(slot, seq.reused)  # what it matched goes back to the cache
         return False
 
-    def _prefill(self, slot: int, seq: _Seq) -> None:
-        st = self.settings
-        cached = seq.cached()
-        start, n = seq.reused, len(cached)
-        tokens = np.zeros((1, st.prefill_width(n - start)), np.int32)
-        tokens[0, :n - start] = cached[start:]
-        # a copy of the page row: on the CPU a NumPy argument may be read in place (zero-copy) while the program
-        # still runs, and the host changes the page table before anything waits for this prefill (a recompute)
-        row = self._pages.table_SxM[slot]  # whole for `prefill` (which gathers no pages: one compile per W)
-        args = (request_rows([seq.request]), self._key, jnp.asarray([seq.index], jnp.int32))
-        tok = lp = None
-        routing = st.record_routing
-        if start == 0:
-            tok, lp, self._pool, routed = prefill(self.graphdef, self.state, self._pool, jnp.asarray(tokens),
-                                                  jnp.int32(n), jnp.asarray(row.copy()), *args, routing=routing)
-        elif start < n:
-            tok, lp, self._pool, routed = extend(self.graphdef, self.state, self._pool, jnp.asarray(tokens),
-                                                 jnp.int32(start), jnp.int32(n - start),
-                                                 jnp.asarray(self._table(row, n)), *args, routing=routing)
-        if start < n and routed is not None:
-            self._keep_routing(np.asarray(routed)[:n - start], slot, np.arange(start, n))
+    def _place(self, slot: int, seq: _Seq) -> tuple[int, int]:
+        """Puts claimed `seq` in `slot` and registers its pages' tokens with the prefix cache (host bookkeeping: a
+        later request may share them, and its programs run after the ones that write them). Returns (start, n):
+        its tokens already in pages and its cached tokens once computed."""
+        start, n = seq.reused, _cached_len(seq)
         self._counters.prefill_tokens += n - start
         self._counters.prefix_cached_tokens += start
         if self._pages.cache is not None:
-            self._pages.cache.register(self._pages.table_SxM[slot], cached, n, tail=False)
+            self._pages.cache.register(self._pages.table_SxM[slot], seq.cached(), n, tail=False)
         seq.order = next(self._order)
         self._slots[slot] = seq
-        if not seq.tokens:  # a fresh request: its first token comes from the prefill
-            seq.append(tok[0], lp[0], self.version)
-            if seq.finished():
-                self._finish(slot)
+        return start, n
+
+    def _compute(self, admitted: list) -> None:
+        """Computes the admitted (slot, (start, n)): sequences with nothing in pages prefill together (one program
+        per prefill width, `prefill_rows` rows at most each, padded to a power of two), the others extend their
+        cached pages one by one; then each fresh request takes its first token, in admission order."""
+        st, first = self.settings, {}
+        fresh = collections.defaultdict(list)
+        for slot, (start, n) in admitted:
+            if start == 0:
+                fresh[st.prefill_width(n)].append(slot)
+        for width, slots in fresh.items():
+            for i in range(0, len(slots), st.num_slots):
+                first.update(self._prefill_rows(slots[i:i + st.num_slots], width))
+        for slot, (start, n) in admitted:
+            if 0 < start < n:
+                first[slot] = self._extend(slot, start, n)
+        for slot, _ in admitted:
+            seq = self._slots[slot]
+            if not seq.tokens:  # a fresh request: its first token comes from the prefill
+                seq.append(*first[slot], self.version)
+                if seq.finished():
+                    self._finish(slot)
+
+    def _prefill_rows(self, slots: list[int], width: int) -> dict:
+        """One `prefill` of the sequences in `slots` (none in pages), rows padded to a power of two with empty
+        rows; returns {slot: (token, logprob)}."""
+        B = 1 << (len(slots) - 1).bit_length()
+        tokens = np.zeros((B, width), np.int32)
+        lengths = np.zeros((B,), np.int32)
+        # copies of the page rows: on the CPU a NumPy argument may be read in place (zero-copy) while the program
+        # still runs, and the host changes the page table before anything waits for this prefill (a recompute)
+        rows = np.full((B, self.settings.pages_per_seq), kv_pages.SCRATCH_PAGE, np.int32)
+        seqs = [self._slots[slot] for slot in slots]
+        for i, (slot, seq) in enumerate(zip(slots, seqs)):
+            cached = seq.cached()
+            tokens[i, :len(cached)], lengths[i], rows[i] = cached, len(cached), self._pages.table_SxM[slot]
+        requests = [q.request for q in seqs] + [None] * (B - len(seqs))
+        index = np.asarray([q.index for q in seqs] + [0] * (B - len(seqs)), np.int32)
+        tok, lp, self._pool, routed = prefill(self.graphdef, self.state, self._pool, jnp.asarray(tokens),
+                                              jnp.asarray(lengths), jnp.asarray(rows), request_rows(requests),
+                                              self._key, jnp.asarray(index), routing=self.settings.record_routing)
+        if routed is not None:
+            routed = np.asarray(routed)
+            for i, slot in enumerate(slots):
+                self._keep_routing(routed[i, :lengths[i]], slot, np.arange(lengths[i]))
+        tok, lp = np.asarray(tok), np.asarray(lp)
+        return {slot: (tok[i], lp[i]) for i, slot in enumerate(slots)}
+
+    def _extend(self, slot: int, start: int, n: int) -> tuple:
+        """`extend` of the sequence in `slot` over its first `start` tokens' pages; returns (token, logprob)."""
+        seq, st = self._slots[slot], self.settings
+        tokens = np.zeros((1, st.prefill_width(n - start)), np.int32)
+        tokens[0, :n - start] = seq.cached()[start:]
+        row = self._pages.table_SxM[slot]
+        tok, lp, self._pool, routed = extend(self.graphdef, self.state, self._pool, jnp.asarray(tokens),
+                                             jnp.int32(start), jnp.int32(n - start), jnp.asarray(self._table(row, n)),
+                                             request_rows([seq.request]), self._key,
+                                             jnp.asarray([seq.index], jnp.int32), routing=st.record_routing)
+        if routed is not None:
+            self._keep_routing(np.asarray(routed)[:n - start], slot, np.arange(start, n))
+        return tok[0], lp[0]
 
     def _make_room(self) -> None:
         live = sorted((seq.order, s) for s, seq in enumerate(self._slots) if seq is not None)

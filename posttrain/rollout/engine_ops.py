@@ -7,9 +7,10 @@ Z tokens per page, W prefill width, V vocab.
 (`Transformer.decode_with_hook`, attention over pages: `paged_attention.attend_pages`), and a finished slot is
 refilled from the queue of pending requests right away (its prompt prefilled into fresh pages), so the batch stays
 full while long replies finish. One compile of the decode step per engine size (S, M, P); prefill compiles once
-per width bucket. When the pool has no page for a live sequence's next token, the newest sequence is preempted:
-its pages are freed and it is queued first for recompute (prompt + its tokens so far prefilled again, its tokens
-and logprobs kept), counted in `rollout/preemptions`; a request that could never fit is a ValueError up front.
+per (rows, width) bucket (rows a power of two <= S). When the pool has no page for a live sequence's next token,
+the newest sequence is preempted: its pages are freed and it is queued first for recompute (prompt + its tokens
+so far prefilled again, its tokens and logprobs kept), counted in `rollout/preemptions`; a request that could
+never fit is a ValueError up front.
 
 Per request: token budget, temperature (0: greedy), top-k, top-p and stop ids. Logprobs are the project's one
 definition (docs/design.md invariant 1): `log_softmax(logits / T)` over the full vocabulary with
@@ -163,6 +164,18 @@ def filter_logits_rows(scaled_SxV, top_k_S, top_p_S):
     return jnp.where((top_p_S[:, None] < 1.0) & (x < threshold), -jnp.inf, x)
 
 
+def request_rows(requests: Sequence[Request | None]) -> dict:
+    """The per-row sampling arrays of `engine_ops.pick_tokens` for one request per slot (None, an empty slot:
+    greedy at T = 1): T float32 [S] (the logprob temperature), greedy bool [S], top_k int32 [S], top_p float32 [S]."""
+    def col(fn, dtype):
+        return jnp.asarray(np.asarray([fn(r) for r in requests], dtype))
+
+    return {"T": col(lambda r: logprob_temperature(r.temperature) if r else 1.0, np.float32),
+            "greedy": col(lambda r: r.temperature == 0 if r else True, bool),
+            "top_k": col(lambda r: r.top_k if r else 0, np.int32),
+            "top_p": col(lambda r: r.top_p if r else 1.0, np.float32)}
+
+
 def pick_tokens(logits_SxV, rows: dict, key, request_S, t_S):
     """(token int32 [S], logprob float32 [S]) per row: argmax where rows["greedy"], else a draw from the filtered
     `softmax(logits / T)` with the uniform of (key, request, t); logprob over the full vocabulary at T."""
@@ -221,23 +234,31 @@ def _num_layers(pool_stack: dict) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "routing"), donate_argnames=("pool",))
-def prefill(graphdef, state, pool, tokens_1xW, length, page_row_M, rows, key, request_1, *, routing: bool = False):
-    """Runs one right-padded sequence (`length` valid tokens), writes its entries into its pages (padding into the
-    scratch page) and picks the token after it (`pick_tokens`, t = 0: a fresh request's first token; a recompute
-    ignores it). Returns (token [1], logprob [1], pool, routed): routed int32 [W, L, k], the MoE layers' expert
-    selection of each fed token (padding's: meaningless), with `routing` on a MoE model, else None."""
+def prefill(graphdef, state, pool, tokens_BxW, lengths_B, page_rows_BxM, rows, key, request_B, *,
+            routing: bool = False):
+    """Runs B right-padded sequences (`lengths_B` valid tokens each; 0: a padding row, which writes only into the
+    scratch page), writes their entries into their pages (padding into the scratch page) and picks the token
+    after each (`pick_tokens`, t = 0: a fresh request's first token; a recompute ignores it). B sequences in one
+    program: an admission of several requests is one dispatch (one compile per (B, W) bucket). Returns
+    (token [B], logprob [B], pool, routed): routed int32 [B, W, L, k], the MoE layers' expert selection of each fed
+    token (padding's: meaningless), with `routing` on a MoE model, else None."""
     model = _merge(graphdef, state)
-    W = tokens_1xW.shape[1]
+    B, W = tokens_BxW.shape
     Z = jax.tree.leaves(pool)[0].shape[3]
     pos = jnp.arange(W)
-    segment = (pos < length)[None].astype(jnp.int32)
-    h, aux, entries = model.hidden_states(tokens_1xW, None, segment, None, return_entries=True)
-    page_W = jnp.where(pos < length, jnp.take(page_row_M, pos // Z, mode="clip"), kv_pages.SCRATCH_PAGE)
-    pool = {stack: write_layers(pool[stack], {n: e[:, 0] for n, e in entries[stack].items()}, page_W, pos % Z)
+    fed_BxW = pos[None, :] < lengths_B[:, None]
+    h, aux, entries = model.hidden_states(tokens_BxW, None, fed_BxW.astype(jnp.int32), None, return_entries=True)
+    page_BxW = jnp.where(fed_BxW, jnp.take_along_axis(page_rows_BxM, jnp.minimum(pos // Z, page_rows_BxM.shape[1] - 1)
+                                                      [None, :].repeat(B, 0), axis=1), kv_pages.SCRATCH_PAGE)
+    offset_BxW = jnp.broadcast_to(pos % Z, (B, W))
+    pool = {stack: write_layers(pool[stack], {n: e.reshape(e.shape[0], B * W, *e.shape[3:])
+                                              for n, e in entries[stack].items()},
+                                page_BxW.reshape(-1), offset_BxW.reshape(-1))
             for stack in pool}
-    logits = model.logits(h[:, length - 1])
-    tok, logp = pick_tokens(logits, rows, key, request_1, jnp.zeros((1,), jnp.int32))
-    return tok, logp, pool, _fed_routing(aux.get("routed_experts"), routing)
+    logits = model.logits(h[jnp.arange(B), jnp.maximum(lengths_B - 1, 0)])
+    tok, logp = pick_tokens(logits, rows, key, request_B, jnp.zeros((B,), jnp.int32))
+    routed = aux.get("routed_experts")  # [L, B, W, k]
+    return tok, logp, pool, (routed.transpose(1, 2, 0, 3) if routing and routed is not None else None)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "routing"), donate_argnames=("pool",))

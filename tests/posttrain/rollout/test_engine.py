@@ -72,6 +72,30 @@ def test_greedy_equals_sampler_through_pool_exhaustion():
     assert engine.max_waste_per_seq <= 1.0
 
 
+@pytest.mark.parametrize("count", [6, 3])
+def test_an_admission_prefills_its_requests_in_one_program(monkeypatch, count):
+    """The first admission fills all 4 slots with one `prefill` of 4 rows (3 requests: 3 rows and an empty one,
+    which writes only into the scratch page); a later one of n requests is one program of the next power of two
+    >= n rows. Tokens and logprobs equal the sampler's (<= 1e-5) either way."""
+    import posttrain.rollout.engine as engine_mod
+
+    cfg, graphdef, state, prompts, tokens, logp, lengths = _greedy_sampler("tiny-dense")
+    calls, real = [], engine_mod.prefill
+
+    def counted(graphdef, state, pool, tokens_BxW, lengths_B, *args, **kw):
+        calls.append((tuple(tokens_BxW.shape), int((np.asarray(lengths_B) > 0).sum())))
+        return real(graphdef, state, pool, tokens_BxW, lengths_B, *args, **kw)
+
+    monkeypatch.setattr(engine_mod, "prefill", counted)
+    engine = _engine(graphdef, state, num_pages=40)  # room for every sequence: no preemption
+    requests = [Request(prompt=tuple(p), max_new_tokens=LG, temperature=0.0, stop_ids=STOPS) for p in prompts]
+    completions = engine.generate(requests[:count], jax.random.key(0))
+    _check_equal_to_sampler(completions, tokens[:count], logp[:count], lengths[:count])
+    assert calls[0] == ((4, 32), min(count, 4))  # every prompt fits the 32-token bucket
+    assert sum(n for _, n in calls) == count and len(calls) < count
+    assert all(shape == (1 << (n - 1).bit_length(), 32) for shape, n in calls[1:]), calls
+
+
 @pytest.mark.parametrize("moe", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["mla", "mla-moe"])
 def test_greedy_equals_sampler_mla(moe):
     """tiny-deepseek: MLA's compressed entry paged as one kv head of keys and values, a pool with room for every
