@@ -248,8 +248,8 @@ def prefill(graphdef, state, pool, tokens_BxW, lengths_B, page_rows_BxM, rows, k
     pos = jnp.arange(W)
     fed_BxW = pos[None, :] < lengths_B[:, None]
     h, aux, entries = model.hidden_states(tokens_BxW, None, fed_BxW.astype(jnp.int32), None, return_entries=True)
-    page_BxW = jnp.where(fed_BxW, jnp.take_along_axis(page_rows_BxM, jnp.minimum(pos // Z, page_rows_BxM.shape[1] - 1)
-                                                      [None, :].repeat(B, 0), axis=1), kv_pages.SCRATCH_PAGE)
+    page_BxW = jnp.where(fed_BxW, page_rows_BxM[:, jnp.minimum(pos // Z, page_rows_BxM.shape[1] - 1)],
+                         kv_pages.SCRATCH_PAGE)
     offset_BxW = jnp.broadcast_to(pos % Z, (B, W))
     pool = {stack: write_layers(pool[stack], {n: e.reshape(e.shape[0], B * W, *e.shape[3:])
                                               for n, e in entries[stack].items()},
