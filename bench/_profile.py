@@ -43,7 +43,7 @@ def _stats(event) -> dict:
 
 def _counted_events(profile):
     """(plane name, [(start_ns, duration_ns, event, stats)] of one line) for each line whose events count (module
-    doc); stats is None where they are read later."""
+    doc)."""
     planes = list(profile.planes)
     device = [p for p in planes if p.name.startswith("/device:")]
     for plane in device or [p for p in planes if p.name.startswith("/host:CPU")]:

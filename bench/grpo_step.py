@@ -235,7 +235,7 @@ def run_steps(args, cfg, pre, opts, opt, batch, fl) -> dict:
         times.append(time.perf_counter() - t)
     step_s = statistics.median(times)
     profile = None
-    if getattr(args, "profile", False):
+    if args.profile:
         from _profile import profile_call
 
         holder = [state]

@@ -302,16 +302,14 @@ class Engine:
 
     def _compute(self, admitted: list) -> None:
         """Computes the admitted (slot, (start, n)): sequences with nothing in pages prefill together (one program
-        per prefill width, `prefill_rows` rows at most each, padded to a power of two), the others extend their
+        per prefill width, rows padded to a power of two: a round admits at most S), the others extend their
         cached pages one by one; then each fresh request takes its first token, in admission order."""
-        st, first = self.settings, {}
-        fresh = collections.defaultdict(list)
+        first, fresh = {}, collections.defaultdict(list)
         for slot, (start, n) in admitted:
             if start == 0:
-                fresh[st.prefill_width(n)].append(slot)
+                fresh[self.settings.prefill_width(n)].append(slot)
         for width, slots in fresh.items():
-            for i in range(0, len(slots), st.num_slots):
-                first.update(self._prefill_rows(slots[i:i + st.num_slots], width))
+            first.update(self._prefill_rows(slots, width))
         for slot, (start, n) in admitted:
             if 0 < start < n:
                 first[slot] = self._extend(slot, start, n)
