@@ -2,6 +2,7 @@
 
     python bench/rollout.py --lengths long_tail [--model smollm2-135m] [--requests 64] [--slots 16] [--short 16]
                             [--long-factor 8] [--prompt-len 32] [--page-size 16] [--runs 3] [--skip-transformers]
+                            [--decode-chunk K[,K...]]
     python bench/rollout.py --lengths long_tail --quick     # seconds: `QUICK` (tiny-dense, 12 requests, 4 slots)
 
 Workload (issue 25 item 7): R requests of --prompt-len random token ids (seed 0) whose replies are 90% short
@@ -24,8 +25,10 @@ Prints ONE JSON object: engine_tokens_per_s, sampler_tokens_per_s, ratio (engine
 and ratio_transformers (engine / transformers), the engine's rollout/* metrics, its pages at peak
 (peak_pages: allocated, used, allocated - used, live sequences then, and the largest (allocated - used) / live over
 all steps: at most 1 page per live sequence by construction), the requests whose greedy tokens agree with the
-engine's on each other side, KV bytes, per-round seconds and the 1-minute load average; with --profile,
-`profile.engine` and `profile.sampler`: one more call each under jax.profiler (bench/_profile.py).
+engine's on each other side, KV bytes, per-round seconds and the 1-minute load average; decode_chunk (K of the
+first engine) and engine_by_chunk (per --decode-chunk value, as resolved: tokens/s, agreement with the first
+engine, slot occupancy, warm-up seconds); with --profile, `profile.<side>`: one more call of each side under
+jax.profiler (bench/_profile.py).
 """
 from __future__ import annotations
 
@@ -72,7 +75,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true", help="one more engine and sampler call each under "
                                                            "jax.profiler (bench/_profile.py), in 'profile'")
     ap.add_argument("--torch-threads", type=int, default=0, help="transformers' torch threads (0: torch's default)")
+    ap.add_argument("--decode-chunk", default="0", help="the engine's decode steps per program "
+                    "(EngineSettings.decode_chunk; 0: the backend's default); a comma list times one engine each, "
+                    "the first reported as 'engine', all in 'engine_by_chunk'")
     args = parse_quick(ap, argv, QUICK)
+    try:
+        args.decode_chunk = [int(k) for k in str(args.decode_chunk).split(",")]
+    except ValueError:
+        raise SystemExit(f"--decode-chunk takes a comma list of integers >= 0, got {args.decode_chunk!r}") from None
+    if min(args.decode_chunk) < 0 or len(set(args.decode_chunk)) < len(args.decode_chunk):
+        raise SystemExit(f"--decode-chunk takes distinct integers >= 0, got {args.decode_chunk}")
     if min(args.requests, args.slots, args.short, args.long_factor, args.prompt_len, args.page_size, args.runs) < 1 \
             or not 0 <= args.long_frac <= 1:
         raise SystemExit("--requests --slots --short --long-factor --prompt-len --page-size --runs must be >= 1, "
@@ -92,7 +104,8 @@ def random_weights(name: str, seed: int = 0):
             (INIT_STD * rng.standard_normal(shape, np.float32))
         return v.replace(jnp.asarray(x))
 
-    return cfg, graphdef, jax.tree_util.tree_map_with_path(fill, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return cfg, graphdef, jax.tree_util.tree_map_with_path(fill, abstract,
+                                                           is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -167,17 +180,21 @@ def compare(args, tmp: str) -> dict:
     longest = args.short * args.long_factor
     padded = -(-args.prompt_len // PROMPT_BUCKET) * PROMPT_BUCKET
     kv_tokens = args.slots * (padded + longest)  # one sampler call's dense cache, per layer
-    settings = EngineSettings(num_slots=args.slots, num_pages=math.ceil(kv_tokens / args.page_size) + 1,
-                              page_size=args.page_size, max_seq_len=args.prompt_len + longest,
-                              prefill_bucket=PROMPT_BUCKET)
-    engine = Engine(graphdef, state, settings)
+    engines = {K: Engine(graphdef, state, EngineSettings(
+        num_slots=args.slots, num_pages=math.ceil(kv_tokens / args.page_size) + 1, page_size=args.page_size,
+        max_seq_len=args.prompt_len + longest, prefill_bucket=PROMPT_BUCKET, decode_chunk=K))
+        for K in args.decode_chunk}
+    engine, settings = engines[args.decode_chunk[0]], engines[args.decode_chunk[0]].settings
     requests = [Request(prompt=tuple(p), max_new_tokens=b, temperature=0.0) for p, b in zip(prompts, budgets)]
-    def run_engine():  # each round starts from an empty prefix cache: no round reuses an earlier one's pages
+
+    def run_engine(engine):  # each round starts from an empty prefix cache: no round reuses an earlier one's pages
         engine.clear_cache()
         return [c.tokens for c in engine.generate(requests, jax.random.key(0))]
 
-    sides = {"engine": run_engine,
-             "sampler": lambda: run_sampler(graphdef, state, prompts, budgets, args.slots)}
+    names = {K: "engine" if i == 0 else f"engine_chunk{K}" for i, K in enumerate(args.decode_chunk)}
+    sides = {"engine": lambda: run_engine(engine),
+             "sampler": lambda: run_sampler(graphdef, state, prompts, budgets, args.slots),
+             **{names[K]: (lambda e=e: run_engine(e)) for K, e in engines.items() if names[K] != "engine"}}
     if not args.skip_transformers:
         sides["transformers"] = TransformersSide(cfg, state, prompts, budgets, args.slots, tmp,
                                                  args.torch_threads)
@@ -204,6 +221,10 @@ def compare(args, tmp: str) -> dict:
                "ratio_transformers": speed["engine"] / speed["transformers"],
                "agree_transformers": agree("transformers"), "torch_threads": __import__("torch").get_num_threads()}
               if "transformers" in speed else {}),
+           "decode_chunk": engine.chunk_steps,
+           "engine_by_chunk": {str(e.chunk_steps): {"tokens_per_s": speed[names[K]], "agree": agree(names[K]),
+                                                    "slot_occupancy": e.metrics["rollout/slot_occupancy"],
+                                                    "warmup_s": warm[names[K]]} for K, e in engines.items()},
            "engine_metrics": engine.metrics, "peak_pages": peak_pages(engine),
            "engine_kv_bytes": kv_pages.pool_bytes(engine.shapes),
            "sampler_kv_bytes": int(kv_tokens * per_token), "warmup_s": warm, "round_s": rounds,
@@ -212,7 +233,7 @@ def compare(args, tmp: str) -> dict:
     if args.profile:
         from _profile import profile_call
 
-        out["profile"] = {name: profile_call(sides[name]) for name in ("engine", "sampler")}
+        out["profile"] = {name: profile_call(sides[name]) for name in ("sampler", *names.values())}
         progress("profiled: busy " + ", ".join(f"{k} {v['busy_frac']}" for k, v in out["profile"].items()))
     print(json.dumps(out))
     return out

@@ -26,20 +26,21 @@ README's accelerator table has the figures):
                                 runs out of memory in XLA's autotuner and is reported skipped
   attention       40 s (18 s)   bench/attention.py at 4 x 16k (prompt 2048 + 8 completions): the Pallas GPU
                                 kernel and dense (run only when it fits) beside blockwise
-  rollout        170 s (120 s) bench/rollout.py --model qwen3-0.6b, 512 prompts x (128 random prompt ids +
+  rollout        170 s (120 s)  bench/rollout.py --model qwen3-0.6b, 512 prompts x (128 random prompt ids +
                                 256 new tokens, stop ignored), bf16, transformers on the GPU, one timed round
-                                each, then one
-                                more posttrain call under jax.profiler (--profile: device-busy share, top ops)
-  engine         130 s (113 s)   bench/rollout.py --lengths long_tail --profile, qwen3-0.6b (float32 weights, TF32
+                                each, then one more posttrain call under jax.profiler (--profile: device-busy
+                                share, top ops)
+  engine         170 s (145 s)  bench/rollout.py --lengths long_tail --profile, qwen3-0.6b (float32 weights, TF32
                                 matmuls), 256 requests of 128 prompt ids (512 ran 14.4 s a round per side), replies
                                 90% 32 / 10% 256 tokens, 128 slots: the paged engine (Pallas GPU paged attention)
-                                vs the sampler at equal KV memory, then one profiled call of each
+                                at 8 decode steps a program (the GPU default) and at 1 vs the sampler at equal KV
+                                memory, then one profiled call of each (113 s with one engine)
   tests          120 s (104 s)  pytest -n 8 -m "kernel or parity" tests/ at the tests' own precision ("highest":
                                 under "default" every float32 transformers-parity test fails on TF32's 3e-4
                                 error, as PLATFORM-NOTES says), XLA_PYTHON_CLIENT_PREALLOCATE=false so the workers
                                 share the GPU; last, since a cut-short pytest still reports the tests that finished
                                 (80 collected; ray and nbformat absent there: listed apart, the step still ok)
-The budget (600 s, setup included) caps each step's timeout at what is left of it (the timeouts add up to 625 s:
+The budget (600 s, setup included) caps each step's timeout at what is left of it (the timeouts add up to 665 s:
 the tests run last on what the others leave); a step with under MIN_STEP_S left is "skipped".
 Setup (before the steps, inside the budget): the pure-Python wheels the device image lacks (`WHEELS`, listed in
 ../shared/PLATFORM-NOTES.md) are installed from --wheels DIR (`pip --no-index --no-deps --target`) into
@@ -116,8 +117,10 @@ STEPS = {  # run in this order: the speed figures first, the tests (which keep w
                     (("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5"),)),  # the other half for torch
     "engine": Step(("bench/rollout.py", "--lengths", "long_tail", "--skip-transformers", "--profile", "--json"),
                    ("--model", "qwen3-0.6b", "--requests", "256", "--slots", "128", "--short", "32",
-                    "--prompt-len", "128", "--page-size", "16", "--runs", "1"), ("--quick",), 130, 113,
+                    "--prompt-len", "128", "--page-size", "16", "--runs", "1", "--decode-chunk", "8,1"),
+                   ("--quick",), 170, 145,
                    ("engine_tokens_per_s", "sampler_tokens_per_s", "ratio", "agree", "settings.attention_impl",
+                    "decode_chunk", "engine_by_chunk",
                     "peak_pages.max_waste_per_live_seq", "warmup_s", "profile.engine.busy_frac",
                     "profile.sampler.busy_frac", "profile.engine.top_ops", "profile.sampler.top_ops")),
     "tests": Step(("-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors", "--junitxml",

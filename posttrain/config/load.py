@@ -59,6 +59,7 @@ _RANGES = {
     ("sampling", "engine_pages"): ("0 (every slot at its longest) or >= 2 (page 0 is scratch)",
                                    lambda v: v == 0 or v >= 2),
     ("sampling", "engine_page_size"): _POSITIVE, ("sampling", "engine_env_overlap"): _NONNEGATIVE,
+    ("sampling", "engine_decode_chunk"): _NONNEGATIVE,
     ("sampling", "engine_max_seq_len"): ("0 (sized by the requests) or >= 2", lambda v: v == 0 or v >= 2),
     ("model", "moe_capacity_factor"): (">= 0 (0: dropless)", lambda v: v >= 0),
     ("model", "moe_ep_capacity_factor"): ("> 0", lambda v: v > 0),

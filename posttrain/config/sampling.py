@@ -47,11 +47,15 @@ class SamplingConfig:
             queued as soon as its env step returns, instead of after every episode's turn. Needs
             engine_max_seq_len > 0, the longest context an episode may reach (one engine holds every turn); a
             turn that would not fit ends its episode as truncated.
-        engine_env_overlap: per episode, decode steps an episode's env step may overlap (0: the env steps
+        engine_env_overlap: per episode, decode chunks an episode's env step may overlap (0: the env steps
             inside the engine's loop while the other episodes wait; > 0: on a thread of its own, and the next
-            turn is queued exactly that many decode steps after the reply ended, waiting for the env then if it
+            turn is queued exactly that many decode chunks after the reply ended, waiting for the env then if it
             is slower, so runs are reproducible whatever the env's timing). Set it near env step seconds /
-            decode step seconds. Needs engine_per_episode.
+            decode chunk seconds. Needs engine_per_episode.
+        engine_decode_chunk: decode steps per device program, K (0: 8 on GPU / TPU, 1 on the CPU; >= 0). The
+            host admits requests, preempts and swaps weights between chunks, so K > 1 saves its per-step work
+            (half an H200's decode time at qwen3-0.6b) and costs a finished slot up to K - 1 idle steps.
+            Tokens and logprobs do not depend on it.
     """
 
     max_new_tokens: int = 24
@@ -68,3 +72,4 @@ class SamplingConfig:
     engine_max_seq_len: int = 0
     engine_per_episode: bool = False
     engine_env_overlap: int = 0
+    engine_decode_chunk: int = 0

@@ -7,7 +7,7 @@ request order; `engine.metrics` then holds `rollout/{kv_pages_allocated, kv_page
 prefill_tokens, decode_tokens, preemptions, prefix_cached_tokens, weight_swaps}` of that call
 (`kv_pages.PageCounters`). With `EngineSettings.record_routing` on a MoE model each fed token's expert selections
 are kept per page (host memory, like the pool: a reused prefix's come with its pages) and read into
-`Completion.routing` as a sequence ends. Each loop turn (a decode chunk: today one decode step):
+`Completion.routing` as a sequence ends. Each loop turn (a decode chunk: K = `EngineSettings.decode_chunk` steps):
   0. swap: weights given to `update_weights(state, version)` since the last turn take effect; every live sequence
      is requeued for recompute under them (its cached pages were computed by the old weights) and the prefix
      cache is cleared, so every token from then on is exactly the new version's (`Completion.versions`);
@@ -18,7 +18,9 @@ are kept per page (host memory, like the pool: a reused prefix's come with its p
      requests that end at that token free their slots for another round;
   2. make room: every live slot holds the page its next token goes to; when none is free, the newest sequence
      is preempted (pages freed, queued first for recompute, its tokens and logprobs kept);
-  3. decode: one step over all S slots (`engine_ops.decode_step`); finished slots release their pages at once
+  3. decode: K steps over all S slots in one program (`engine_ops.decode_chunk`; each live slot's pages grown
+     for its next K tokens where the pool has them, else it stops at what they hold); finished slots release
+     their pages when the chunk ends
      (kept by the prefix cache for a later turn), `on_finish` may queue the episode's next turn at once, or
      return a Future of it (its env steps on another thread meanwhile): the turn is queued `follow_after`
      chunks later (waiting for the Future then if it is not done), so the order is the same however long
@@ -40,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain.rollout import kv_pages
-from posttrain.rollout.engine_ops import (Completion, EngineSettings, Request, _Seq, decode_step, extend, prefill,
+from posttrain.rollout.engine_ops import (Completion, EngineSettings, Request, _Seq, decode_chunk, extend, prefill,
                                           request_rows)
 from posttrain.rollout.paged_attention import resolve_impl
 from posttrain.rollout.prefix_cache import PrefixCache
@@ -72,6 +74,7 @@ class Engine:
         self.shapes = kv_pages.pool_shapes(graphdef, state, settings.num_pages, settings.page_size)
         self.impl = resolve_impl(settings.attention_impl, pages_per_seq=settings.pages_per_seq,
                                  **_kernel_shapes(self.shapes))
+        self.chunk_steps = settings.chunk_steps()  # K decode steps per program
         self.metrics: dict[str, float] = {}
         self.max_waste_per_seq = 0.0  # largest (pages allocated - used) / live sequences over the last call
         self.live_at_peak = 0  # live sequences at the last call's step with the most pages allocated
@@ -374,25 +377,44 @@ class Engine:
                     seq = None
 
     def _step(self) -> None:
-        slots = self._slots
+        """One decode chunk over the slots: each live slot draws up to K tokens (its remaining budget, and the
+        tokens its pages hold after it tries to grow them for K more without preempting anyone)."""
+        slots, st = self._slots, self.settings
+        K = self.chunk_steps
         lengths = np.asarray([_cached_len(q) if q else 0 for q in slots], np.int32)
+        limit = np.zeros(len(slots), np.int32)
+        for s, seq in enumerate(slots):
+            if seq is not None:
+                want = min(K, seq.request.max_new_tokens - len(seq.tokens))
+                if want > 1 and not self._pages.grow(s, int(lengths[s]) + want):  # `_make_room` holds one
+                    want = min(want, int(self._pages.held_S[s]) * st.page_size - int(lengths[s]))
+                limit[s] = want
         prev = np.asarray([q.tokens[-1] if q else 0 for q in slots], np.int32)
         request = np.asarray([q.index if q else 0 for q in slots], np.int32)
         t = np.asarray([len(q.tokens) if q else 0 for q in slots], np.int32)
-        live = sum(q is not None for q in slots)
-        used = int(lengths.sum()) + live - self._pages.shared_extra * self.settings.page_size  # shared pages once
-        self._counters.observe(self._pages.allocated, used, live)
-        table = jnp.asarray(self._table(self._pages.table_SxM, int(lengths.max()) + 1))  # a copy, as in `_prefill`
-        tok, lp, self._pool, routed = decode_step(
+        stops = [q.request.stop_ids if q else () for q in slots]
+        stop = np.full((len(slots), 1 << (max(map(len, stops)) - 1).bit_length() if any(stops) else 1), -1, np.int32)
+        for s, ids in enumerate(stops):
+            stop[s, :len(ids)] = ids
+        table = jnp.asarray(self._table(self._pages.table_SxM, int((lengths + limit).max())))  # a copy (`_prefill`)
+        tok, lp, drawn, self._pool, routed = decode_chunk(
             self.graphdef, self.state, self._pool, table, jnp.asarray(lengths), jnp.asarray(prev),
             request_rows([q.request if q else None for q in slots]), self._key, jnp.asarray(request), jnp.asarray(t),
-            impl=self.impl, routing=self.settings.record_routing)
-        tok, lp = np.asarray(tok), np.asarray(lp)
+            jnp.asarray(limit), jnp.asarray(stop), steps=K, impl=self.impl, routing=st.record_routing)
+        tok, lp, drawn = np.asarray(tok), np.asarray(lp), np.asarray(drawn)
+        shared = self._pages.shared_extra * st.page_size  # shared pages counted once
+        for j in range(K):
+            live = int(drawn[j].sum())
+            if live:
+                self._counters.observe(self._pages.allocated, int((lengths + j + 1)[drawn[j]].sum()) - shared, live)
         if routed is not None:
-            live = np.flatnonzero([q is not None for q in slots])
-            self._keep_routing(np.asarray(routed)[live], live, lengths[live])
+            routed = np.asarray(routed)
+            for j in range(K):
+                live = np.flatnonzero(drawn[j])
+                self._keep_routing(routed[j][live], live, lengths[live] + j)
         for s, seq in enumerate(slots):
             if seq is not None:
-                seq.append(tok[s], lp[s], self.version)
+                for j in np.flatnonzero(drawn[:, s]):
+                    seq.append(tok[j, s], lp[j, s], self.version)
                 if seq.finished():
                     self._finish(s)

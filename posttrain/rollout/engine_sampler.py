@@ -54,7 +54,8 @@ class EngineSamplerSettings:
         record_routing: return the MoE layers' expert selections (`SampleOutput.prompt_experts_PxLpxLxk`,
             `experts_NxLgxLxk`: routing replay, `rl.routing_replay="replay"`; `EngineSettings.record_routing`).
         per_episode: multi-turn episodes run per episode (`rollout.per_episode`; needs max_seq_len >= 2).
-        env_overlap: per episode, decode steps an env step may overlap (>= 0; `rollout.per_episode.run`).
+        env_overlap: per episode, decode chunks an env step may overlap (>= 0; `rollout.per_episode.run`).
+        decode_chunk: decode steps per program (>= 0; 0: the backend's default; `EngineSettings.decode_chunk`).
     """
 
     num_slots: int
@@ -65,16 +66,17 @@ class EngineSamplerSettings:
     record_routing: bool = False
     per_episode: bool = False
     env_overlap: int = 0
+    decode_chunk: int = 0
 
     def __post_init__(self):
         if self.num_slots < 1 or self.num_pages == 1 or self.num_pages < 0 or self.page_size < 1 \
                 or self.max_seq_len == 1 or self.max_seq_len < 0 or self.prefill_bucket < 1 \
-                or (self.per_episode and not self.max_seq_len) or self.env_overlap < 0:
+                or (self.per_episode and not self.max_seq_len) or self.env_overlap < 0 or self.decode_chunk < 0:
             raise ValueError(f"invalid engine sampler settings: num_slots={self.num_slots} (>= 1), num_pages="
                              f"{self.num_pages} (0 or >= 2), page_size={self.page_size} (>= 1), max_seq_len="
                              f"{self.max_seq_len} (0 or >= 2; >= 2 per episode), prefill_bucket="
                              f"{self.prefill_bucket} (>= 1), per_episode={self.per_episode}, env_overlap="
-                             f"{self.env_overlap} (>= 0)")
+                             f"{self.env_overlap} (>= 0), decode_chunk={self.decode_chunk} (>= 0)")
 
     def engine_settings(self, longest: int) -> EngineSettings:
         """The `EngineSettings` of an engine whose longest request has `longest` tokens (module doc)."""
@@ -86,7 +88,8 @@ class EngineSamplerSettings:
             width = max(pages * Z, 2)
         num_pages = self.num_pages or self.num_slots * -(-width // Z) + 1
         return EngineSettings(num_slots=self.num_slots, num_pages=num_pages, page_size=Z, max_seq_len=width,
-                              prefill_bucket=self.prefill_bucket, record_routing=self.record_routing)
+                              prefill_bucket=self.prefill_bucket, record_routing=self.record_routing,
+                              decode_chunk=self.decode_chunk)
 
 
 def engine_settings(cfg, sampler_devices: int) -> EngineSamplerSettings | None:
@@ -115,7 +118,7 @@ def engine_settings(cfg, sampler_devices: int) -> EngineSamplerSettings | None:
                                  num_pages=s.engine_pages, page_size=s.engine_page_size,
                                  max_seq_len=s.engine_max_seq_len,
                                  record_routing=cfg.rl.routing_replay == "replay", per_episode=s.engine_per_episode,
-                                 env_overlap=s.engine_env_overlap)
+                                 env_overlap=s.engine_env_overlap, decode_chunk=s.engine_decode_chunk)
 
 
 def _same_arrays(a, b) -> bool:

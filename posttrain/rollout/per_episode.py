@@ -8,7 +8,7 @@ steps, then turn t + 1 starts for all. With the rollout engine (`EngineSampler.s
 that episode's env at once and queues its next turn (the context so far + the reply + the bridge tokens) while the
 other episodes keep decoding; the next turn finds its earlier turns' pages in the prefix cache, so it prefills
 only the bridge. With `env_overlap` > 0 the env steps on a thread of its own while the engine decodes the other
-episodes, and the next turn is queued `env_overlap` decode steps after the reply ended (`Engine.generate`'s
+episodes, and the next turn is queued `env_overlap` decode chunks after the reply ended (`Engine.generate`'s
 `follow_after`; the engine waits for the env then if it is slower), so a run is the same however long each env
 step takes. The token bookkeeping is `run_episodes`'s: the context grows by appending what the engine produced
 and the bridge (`turns.assert_extends` at every turn), the bridge is masked out of the loss, and each policy
@@ -36,7 +36,7 @@ def run(generate: Callable, make_request: Callable, max_seq_len: int, tokenizer,
     """Runs every sample of `samples` (group-major, after `runner.reset`; sample i answers prompts[i // G]) to the
     end of its episode. generate(requests, key, on_finish, follow_after=) -> completions: the engine's
     `generate`; make_request(prompt tokens) -> its `engine.Request` with the call's sampling settings;
-    max_seq_len: the longest request the engine takes; env_overlap: decode steps an env step may overlap (0: it
+    max_seq_len: the longest request the engine takes; env_overlap: decode chunks an env step may overlap (0: it
     runs inside the engine's loop; > 0: the runner is called from one other thread, one step at a time).
     Returns (gen_s, env_s): seconds in the engine's loop (less the env steps it ran, at env_overlap 0) and in env
     steps (overlapping gen_s at env_overlap > 0). Raises what the env runner raises."""

@@ -203,11 +203,11 @@ def test_table_width_narrows_to_live_pages_with_equal_results(monkeypatch):
 
     def run():
         widths, calls = set(), {}
-        for name in ("decode_step", "extend"):
+        for name in ("decode_chunk", "extend"):
             real = getattr(engine_module, name)
             calls[name] = real
 
-            def spy(*args, _real=real, _at=3 if name == "decode_step" else 6, **kw):
+            def spy(*args, _real=real, _at=3 if name == "decode_chunk" else 6, **kw):
                 widths.add((_real.__name__, args[_at].shape[-1]))
                 return _real(*args, **kw)
             monkeypatch.setattr(engine_module, name, spy)
@@ -222,7 +222,7 @@ def test_table_width_narrows_to_live_pages_with_equal_results(monkeypatch):
         return out, widths
 
     narrow, widths = run()
-    assert {w for _, w in widths} <= {8, 16} and {name for name, _ in widths} == {"decode_step", "extend"}
+    assert {w for _, w in widths} <= {8, 16} and {name for name, _ in widths} == {"decode_chunk", "extend"}
     monkeypatch.setattr(EngineSettings, "table_width", lambda self, pages: self.pages_per_seq)
     full, full_widths = run()
     assert {w for _, w in full_widths} == {64}
@@ -232,13 +232,13 @@ def test_table_width_narrows_to_live_pages_with_equal_results(monkeypatch):
             np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-deepseek"])
-def test_the_decode_step_carries_the_whole_pool_through_the_layer_scan(preset):
+@pytest.mark.parametrize("preset,steps", [("tiny-dense", 1), ("tiny-deepseek", 1), ("tiny-deepseek", 3)])
+def test_the_decode_step_carries_the_whole_pool_through_the_layer_scan(preset, steps):
     """Each layer writes its new entries into the pool and attends over it where it lies: each stack's layer scan
     carries that stack's whole pool ([K, L * P, Z, H]) and no scan takes a layer's slice of a pool as input.
     (Scanning the layers' pages as [L, K, P, Z, H] made XLA copy each layer's pages for the kernel at every
     step: 2 GiB a layer for qwen3-0.6b at 512 x 1024 tokens, compiled for an H200.) tiny-deepseek: a dense and
-    an MoE stack, MLA's single "kv" entry."""
+    an MoE stack, MLA's single "kv" entry; with steps > 1 the program is decode_chunk, which scans decode steps."""
     from posttrain.rollout import engine_ops, kv_pages
     from posttrain.rollout.engine import request_rows
     from posttrain.rollout.paged_attention import flat_pages
@@ -249,9 +249,12 @@ def test_the_decode_step_carries_the_whole_pool_through_the_layer_scan(preset):
     S, M = settings.num_slots, settings.pages_per_seq
     rows = request_rows([Request(prompt=(5,), max_new_tokens=2)] * S)
     i32 = jnp.zeros((S,), jnp.int32)
-    jaxpr = jax.make_jaxpr(lambda pool: engine_ops.decode_step(
-        graphdef, state, pool, jnp.zeros((S, M), jnp.int32), i32, i32, rows, jax.random.key(0), i32, i32,
-        impl="reference"))(pool)
+    args = (graphdef, state, pool, jnp.zeros((S, M), jnp.int32), i32, i32, rows, jax.random.key(0), i32, i32)
+    if steps == 1:  # decode_step; decode_chunk (the engine's program) scans it `steps` times
+        jaxpr = jax.make_jaxpr(lambda pool: engine_ops.decode_step(*args[:2], pool, *args[3:], impl="reference"))(pool)
+    else:
+        jaxpr = jax.make_jaxpr(lambda pool: engine_ops.decode_chunk(
+            *args[:2], pool, *args[3:], i32 + 2, jnp.full((S, 1), -1, jnp.int32), steps=steps, impl="reference"))(pool)
     scans = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
     for name, stack in pool.items():
         whole = sorted(tuple(x.shape) for x in flat_pages(stack).values())
@@ -276,3 +279,47 @@ def _eqns(jaxpr):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
                     yield from _eqns(inner)
+
+
+def test_decode_chunks_give_the_tokens_of_single_steps(monkeypatch):
+    """K = 3 and 4 decode steps per program (`EngineSettings.decode_chunk`) give every request the tokens,
+    logprobs, versions and truncation of K = 1 (one step a program): per-request temperatures, top-k / top-p,
+    stop ids of different counts (one request with none), budgets of 1-16 tokens, a group sharing its prompt's
+    pages, and a pool of 12 pages that preempts; with fewer programs run. A chunk allocates each slot's pages for
+    its next tokens up front, and a slot ends inside a chunk at its stop token or budget."""
+    import posttrain.rollout.engine as engine_module
+
+    cfg, graphdef, state = random_model("tiny-dense")
+    prompts = _prompts(cfg.vocab_size, seed=4)
+    settings = [(1.0, 0, 1.0, (1, 2), 16), (0.7, 10, 1.0, (3,), 1), (0.0, 0, 1.0, (5, 6, 8), 16),
+                (1.3, 0, 0.8, (7,), 9), (0.9, 20, 0.9, (), 16), (1.0, 0, 1.0, tuple(range(1, 40)), 16)]
+    requests = [Request(prompt=tuple(p), temperature=T, top_k=k, top_p=tp, stop_ids=st, max_new_tokens=b)
+                for p, (T, k, tp, st, b) in zip(prompts, settings)]
+    requests += [Request(prompt=tuple(prompts[4]), temperature=1.0, max_new_tokens=14)] * 2  # a group
+    programs = []
+    real = engine_module.decode_chunk
+    monkeypatch.setattr(engine_module, "decode_chunk", lambda *a, **kw: programs.append(kw["steps"]) or real(*a, **kw))
+    runs = {}
+    for K in (1, 3, 4):
+        programs.clear()
+        engine = Engine(graphdef, state, EngineSettings(num_slots=4, num_pages=12, page_size=4, max_seq_len=40,
+                                                        prefill_bucket=32, decode_chunk=K))
+        assert engine.chunk_steps == K
+        runs[K] = (engine.generate(requests, jax.random.key(5)), engine.metrics, len(programs))
+        assert set(programs) == {K}
+    ones, m1, n1 = runs[1]
+    assert m1["rollout/preemptions"] >= 1 and m1["rollout/prefix_cached_tokens"] > 0
+    assert [len(c.tokens) for c in ones][1] == 1 and len({len(c.tokens) for c in ones}) >= 4
+    for K in (3, 4):
+        got, m, n = runs[K]
+        assert n < n1, (K, n, n1)
+        assert m["rollout/decode_tokens"] == m1["rollout/decode_tokens"]
+        for i, (a, b) in enumerate(zip(ones, got)):
+            np.testing.assert_array_equal(b.tokens, a.tokens, err_msg=f"K={K} request {i}")
+            np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, err_msg=f"K={K} request {i}")  # table widths
+            assert b.truncated == a.truncated and b.versions.tolist() == a.versions.tolist()
+    assert EngineSettings(num_slots=1, num_pages=2).chunk_steps("gpu") == 8
+    assert EngineSettings(num_slots=1, num_pages=2).chunk_steps("cpu") == 1
+    assert EngineSettings(num_slots=1, num_pages=2, decode_chunk=2).chunk_steps("gpu") == 2
+    with pytest.raises(ValueError, match="decode_chunk=-1"):
+        EngineSettings(num_slots=1, num_pages=2, decode_chunk=-1)

@@ -46,17 +46,20 @@ def _check(graphdef, state, requests, completions):
         np.testing.assert_array_equal(c.routing, _teacher_forced_routing(graphdef, state, fed), err_msg=f"req {i}")
 
 
-def test_routing_equals_teacher_forced_through_preemption_and_prefix_reuse():
+@pytest.mark.parametrize("decode_chunk", [1, 3])
+def test_routing_equals_teacher_forced_through_preemption_and_prefix_reuse(decode_chunk):
     """tiny-deepseek (a dense stack, then the MoE stack; MLA): 8 requests over 4 slots and 13 allocatable pages,
     two of them a group sharing a prompt's pages (read from the prefix cache, the rest `extend`ed): every
-    completion's records equal the teacher-forced selections of its prompt and reply, recomputed ones included."""
+    completion's records equal the teacher-forced selections of its prompt and reply, recomputed ones included;
+    also with 3 decode steps per program."""
     cfg, graphdef, state = _model("tiny-deepseek")
     rng = np.random.default_rng(0)
     prompts = [tuple(rng.integers(4, cfg.vocab_size, n).tolist()) for n in LENGTHS]
     requests = [Request(prompt=p, max_new_tokens=LG, temperature=0.0, stop_ids=STOPS) for p in prompts]
     requests += [Request(prompt=prompts[4], max_new_tokens=LG, temperature=1.0, stop_ids=STOPS)] * 2  # a group
     engine = Engine(graphdef, state, EngineSettings(num_slots=4, num_pages=14, page_size=4, max_seq_len=40,
-                                                    prefill_bucket=32, record_routing=True))
+                                                    prefill_bucket=32, record_routing=True,
+                                                    decode_chunk=decode_chunk))
     completions = engine.generate(requests, jax.random.key(0))
     assert engine.metrics["rollout/preemptions"] >= 1 and engine.metrics["rollout/prefix_cached_tokens"] > 0
     _check(graphdef, state, requests, completions)

@@ -146,6 +146,11 @@ def test_backend_names_and_settings_errors(tmp_path):
         make_run_plan(tiny_config(tmp_path, **engine, **{"sampling.engine_env_overlap": 2}))
     with pytest.raises(ConfigError, match=r"sampling.engine_env_overlap=-1 is out of range"):
         tiny_config(tmp_path, **{"sampling.engine_env_overlap": -1})
+    with pytest.raises(ConfigError, match=r"sampling.engine_decode_chunk=-2 is out of range"):
+        tiny_config(tmp_path, **{"sampling.engine_decode_chunk": -2})
+    chunked = make_run_plan(tiny_config(tmp_path, **engine, **{"sampling.engine_decode_chunk": 4})).rollout.engine
+    assert chunked.decode_chunk == 4 and chunked.engine_settings(40).decode_chunk == 4
+    assert per_episode.rollout.engine.engine_settings(40).decode_chunk == 0  # the backend's default
     with pytest.raises(ValueError, match=r"per_episode=True"):
         engine_sampler.EngineSamplerSettings(num_slots=2, per_episode=True)
     assert make_run_plan(tiny_config(tmp_path)).rollout.engine is None  # the default: the dense sampler
