@@ -403,10 +403,11 @@ class Engine:
             jnp.asarray(limit), jnp.asarray(stop), steps=K, impl=self.impl, routing=st.record_routing)
         tok, lp, drawn = np.asarray(tok), np.asarray(lp), np.asarray(drawn)
         shared = self._pages.shared_extra * st.page_size  # shared pages counted once
+        written_KxS = lengths + np.cumsum(drawn, axis=0)  # tokens in each slot's pages after each step
         for j in range(K):
-            live = int(drawn[j].sum())
-            if live:
-                self._counters.observe(self._pages.allocated, int((lengths + j + 1)[drawn[j]].sum()) - shared, live)
+            if drawn[j].any():
+                self._counters.observe(self._pages.allocated, int(written_KxS[j][limit > 0].sum()) - shared,
+                                       int(drawn[j].sum()), int((limit > 0).sum()))
         if routed is not None:
             routed = np.asarray(routed)
             for j in range(K):

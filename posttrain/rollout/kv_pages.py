@@ -142,8 +142,9 @@ def empty_pool(shapes: dict) -> dict:
 
 class PageCounters:
     """The engine's counters (`metrics()` gives the `rollout/...` names). Peak = the step at which most pages
-    were allocated (`live_at_peak` sequences then); `max_waste_per_seq` the largest (allocated - used) / live
-    sequences seen at any step."""
+    were allocated (`live_at_peak` sequences holding pages then); `max_waste_per_seq` the largest (allocated -
+    used) / sequences holding pages seen at any step: under 1 with one decode step a program, under
+    1 + (K - 1) / Z with K (a chunk's pages are allocated before it runs)."""
 
     def __init__(self, num_slots: int, page_size: int):
         self.num_slots, self.page_size = num_slots, page_size
@@ -153,13 +154,16 @@ class PageCounters:
         self.prefill_tokens = self.decode_tokens = self.preemptions = 0
         self.prefix_cached_tokens = self.weight_swaps = 0
 
-    def observe(self, allocated: int, cached_tokens: int, live: int) -> None:
-        """Records one decode step: pages allocated, tokens held in them (the fed tokens included), live slots."""
+    def observe(self, allocated: int, cached_tokens: int, live: int, holding: int | None = None) -> None:
+        """Records one decode step: pages allocated, tokens held in them (the fed tokens included), live slots
+        (those decoding at this step) and `holding` sequences holding pages (default `live`; in a decode chunk,
+        a sequence that ended at an earlier step of the chunk holds its pages until the chunk ends)."""
         used = cached_tokens / self.page_size
+        holding = live if holding is None else holding
         if allocated >= self.peak_allocated:
-            self.peak_allocated, self.used_at_peak, self.live_at_peak = allocated, used, live
-        if live:
-            self.max_waste_per_seq = max(self.max_waste_per_seq, (allocated - used) / live)
+            self.peak_allocated, self.used_at_peak, self.live_at_peak = allocated, used, holding
+        if holding:
+            self.max_waste_per_seq = max(self.max_waste_per_seq, (allocated - used) / holding)
         self.occupancy_sum += live / self.num_slots
         self.steps += 1
         self.decode_tokens += live

@@ -286,7 +286,8 @@ def test_decode_chunks_give_the_tokens_of_single_steps(monkeypatch):
     logprobs, versions and truncation of K = 1 (one step a program): per-request temperatures, top-k / top-p,
     stop ids of different counts (one request with none), budgets of 1-16 tokens, a group sharing its prompt's
     pages, and a pool of 12 pages that preempts; with fewer programs run. A chunk allocates each slot's pages for
-    its next tokens up front, and a slot ends inside a chunk at its stop token or budget."""
+    its next tokens up front (at most 1 + (K - 1) / Z pages per sequence past what it wrote), and a slot ends
+    inside a chunk at its stop token or budget."""
     import posttrain.rollout.engine as engine_module
 
     cfg, graphdef, state = random_model("tiny-dense")
@@ -307,6 +308,7 @@ def test_decode_chunks_give_the_tokens_of_single_steps(monkeypatch):
         assert engine.chunk_steps == K
         runs[K] = (engine.generate(requests, jax.random.key(5)), engine.metrics, len(programs))
         assert set(programs) == {K}
+        assert engine.max_waste_per_seq <= 1 + (K - 1) / 4  # pages held past the tokens written, per sequence
     ones, m1, n1 = runs[1]
     assert m1["rollout/preemptions"] >= 1 and m1["rollout/prefix_cached_tokens"] > 0
     assert [len(c.tokens) for c in ones][1] == 1 and len({len(c.tokens) for c in ones}) >= 4
