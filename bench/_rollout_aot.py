@@ -7,7 +7,8 @@ The compilers need no accelerator: --aot h200 re-executes under .venv-aot (`VENV
 aot`) when this interpreter lacks the CUDA plugin; plugin wheels installed with `pip install --target DIR` and put
 on PYTHONPATH work too (how the figures below were made).
 
-Issue 25 item 7 / acceptance 4. Nothing runs and no weights are allocated: `engine_ops.decode_step` (one token for
+Issue 25 item 7 / acceptance 4. Nothing runs and no weights are allocated: `engine_ops.decode_chunk` (K decode
+steps, K the engine's default for the target's platform: 8 on GPU / TPU, 1 on the CPU; each step one token for
 each of S slots: attention over the page pool, the pool written and donated, the next token picked) is lowered
 for one device of TARGET (`posttrain.infra.aot.target_devices`; one-device mesh, the training rules) with
 abstract model weights and an abstract page pool, compiled with XLA's buffer-assignment dump, and
@@ -40,6 +41,12 @@ Measured 2026-12-02 (jax 0.10.2, libtpu 0.0.42.1; peak / pool / weights / temp G
                    2026-12-04: 107.19 / 48.00 / 56.87 / 2.31);
                    v5p   refused (RESOURCE_EXHAUSTED: 106.71 GiB of temporaries > 95.74); at 512 x 512 tokens
                          pallas_tpu 83.16 / 24.00 / 56.87 / 2.78, code 19.0 MiB
+  2026-12-04, decode_chunk (K = 8, the GPU / TPU default; bf16 weights): h200 qwen3-0.6b 59.13 / 56.00 / 2.22 /
+  0.91 and qwen3-30b-a3b 107.19 / 48.00 / 56.87 / 2.32, as at K = 1. v5p (libtpu 0.0.42.1) refuses qwen3-0.6b at
+  K = 1 and 8 (114.3 / 114.5 GiB of temporaries > 95.74): since the pool is written in place across the layer
+  scan, XLA:TPU copies the whole donated pool once (64 x 1024 tokens: temp 7.29 GiB for a 7.00 GiB pool, the
+  reference and pallas_tpu alike). Probes of a donated bf16 [8, 114716, 16, 128] array on v5p: one scatter into
+  it needs no temporary; two scatters in a row, or one per trip of a scan, copy it whole. GPU: no copy.
 """
 from __future__ import annotations
 
@@ -66,10 +73,12 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--pages", type=int, default=0, help="pages in the pool (0: every slot at full length + 1)")
     ap.add_argument("--param-dtype", default="auto", help="weights' dtype (auto: float32)")
+    ap.add_argument("--decode-chunk", type=int, default=0, help="decode steps per program (0: the engine's "
+                                                                 "default for the target's platform)")
     args = parse_quick(ap, argv, QUICK)
-    if min(args.slots, args.max_seq_len, args.page_size) < 1 or args.pages < 0:
+    if min(args.slots, args.max_seq_len, args.page_size) < 1 or args.pages < 0 or args.decode_chunk < 0:
         raise SystemExit(f"--slots {args.slots}, --max-seq-len {args.max_seq_len}, --page-size {args.page_size} "
-                         f"must be >= 1 and --pages {args.pages} >= 0")
+                         f"must be >= 1, --pages {args.pages} and --decode-chunk {args.decode_chunk} >= 0")
     return args
 
 
@@ -110,40 +119,41 @@ def abstract_inputs(cfg, settings, mesh, rules):
     key = jax.eval_shape(lambda: jax.random.key(0))
     i32 = lambda: sds((S,), jnp.int32)
     return graphdef, (state, pool, sds((S, M), jnp.int32), i32(), i32(), rows, sds(key.shape, key.dtype), i32(),
-                      i32())
+                      i32(), i32(), sds((S, 1), jnp.int32))
 
 
-def compile_decode(cfg, settings, mesh, rules, impl: str):
-    """(MemoryReport, generated code bytes, compile seconds, pool bytes, weights bytes) of `decode_step`."""
+def compile_decode(cfg, settings, mesh, rules, impl: str, steps: int):
+    """(MemoryReport, generated code bytes, compile seconds, pool bytes, weights bytes) of `decode_chunk` (`steps`
+    decode steps)."""
     import jax
 
     from posttrain.infra import aot
     from posttrain.infra.partitioning import use_rules
     from posttrain.recipes.dryrun import per_device_bytes
     from posttrain.rollout import kv_pages
-    from posttrain.rollout.engine_ops import decode_step
+    from posttrain.rollout.engine_ops import decode_chunk
 
     graphdef, args = abstract_inputs(cfg, settings, mesh, rules)
     with jax.set_mesh(mesh), use_rules(rules):
-        lowered = decode_step.lower(graphdef, *args, impl=impl)
+        lowered = decode_chunk.lower(graphdef, *args, impl=impl, steps=steps)
         compiled, report, seconds = aot.compile_with_report(lowered)
     code = compiled.memory_analysis().generated_code_size_in_bytes
     pool_bytes = kv_pages.pool_bytes(args[1])
     return report, code, seconds, pool_bytes, per_device_bytes(args[0])
 
 
-def compile_or_reference(cfg, settings, mesh, impl: str):
+def compile_or_reference(cfg, settings, mesh, impl: str, steps: int):
     """(impl compiled, the kernel's error or None, `compile_decode`'s results): `impl`, or the gather reference when
     the kernel cannot be built here (a RESOURCE_EXHAUSTED refusal is raised: the reference would not fit either)."""
     from posttrain.infra import mesh as mesh_lib
 
     try:
-        return impl, None, compile_decode(cfg, settings, mesh, mesh_lib.RULES, impl)
+        return impl, None, compile_decode(cfg, settings, mesh, mesh_lib.RULES, impl, steps)
     except Exception as e:  # noqa: BLE001 - a kernel the target's compiler cannot build here: the reference
         if impl == "reference" or "RESOURCE_EXHAUSTED" in str(e):
             raise
         error = f"{impl}: {type(e).__name__}: {str(e)[:300]}"
-    return "reference", error, compile_decode(cfg, settings, mesh, mesh_lib.RULES, "reference")
+    return "reference", error, compile_decode(cfg, settings, mesh, mesh_lib.RULES, "reference", steps)
 
 
 def main(argv=None) -> dict:
@@ -167,18 +177,21 @@ def main(argv=None) -> dict:
     cfg = get_preset(args.model, dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
     pages_per_seq = math.ceil(args.max_seq_len / args.page_size)
     settings = EngineSettings(num_slots=args.slots, num_pages=args.pages or args.slots * pages_per_seq + 1,
-                              page_size=args.page_size, max_seq_len=args.max_seq_len)
+                              page_size=args.page_size, max_seq_len=args.max_seq_len,
+                              decode_chunk=args.decode_chunk)
     mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1, "expert": 1}, devices=devices)
     impl = resolve_impl("auto", platform)
+    steps = settings.chunk_steps(platform)
     out = {"aot": args.aot, "device": str(devices[0].device_kind), "model": args.model, "slots": args.slots,
            "max_seq_len": args.max_seq_len, "page_size": args.page_size, "num_pages": settings.num_pages,
+           "decode_chunk": steps,
            "compute_dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
     hbm = aot.TARGETS[args.aot].hbm_bytes if args.aot != "cpu" else None
     if hbm:
         out["hbm_gib"] = round(hbm / aot.GIB, 1)
     try:
         impl, error, (report, code, seconds, pool_bytes, weight_bytes) = compile_or_reference(cfg, settings, mesh,
-                                                                                              impl)
+                                                                                              impl, steps)
     except Exception as e:  # noqa: BLE001 - XLA refuses a program larger than the device: the verdict
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise

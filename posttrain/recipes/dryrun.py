@@ -274,8 +274,9 @@ def _compile_or_refusal(step_fn, state, state_sh, batch_abs, batch_sh, mesh, rul
 
 
 def compile_engine(graphdef, policy, mesh, settings, *, prompt_len: int) -> tuple[aot.MemoryReport, float, int]:
-    """Lowers and compiles the rollout engine's two programs (`engine_ops.decode_step` over `settings.num_slots`
-    slots, and `engine_ops.prefill` of a `prompt_len`-token prompt) on `mesh`'s one device with the policy's
+    """Lowers and compiles the rollout engine's two programs (`engine_ops.decode_chunk` over `settings.num_slots`
+    slots, K = `settings.chunk_steps` of the mesh's platform decode steps, and `engine_ops.prefill` of a
+    `prompt_len`-token prompt) on `mesh`'s one device with the policy's
     abstract states and the page pool as `kv_pages.pool_shapes` makes it (`settings`: `engine.EngineSettings`).
     Attention is the reference (a gather of each slot's pages): the Pallas kernels read the pool in place (the
     whole pool, page ids offset by layer), so their temp is at most the reference's. Returns (the larger
@@ -299,8 +300,9 @@ def compile_engine(graphdef, policy, mesh, settings, *, prompt_len: int) -> tupl
     rows = placed(jax.eval_shape(lambda: request_rows([Request(prompt=(0,), max_new_tokens=1)] * S)))
     rows_1 = placed(jax.eval_shape(lambda: request_rows([Request(prompt=(0,), max_new_tokens=1)])))
     width = settings.prefill_width(prompt_len)
-    decode = engine_ops.decode_step.lower(graphdef, state, pool, i32(S, M), i32(S), i32(S), rows, key, i32(S),
-                                          i32(S), impl="reference")
+    decode = engine_ops.decode_chunk.lower(graphdef, state, pool, i32(S, M), i32(S), i32(S), rows, key, i32(S),
+                                           i32(S), i32(S), i32(S, 1), impl="reference",
+                                           steps=settings.chunk_steps(mesh.devices.flat[0].platform))
     prefill = engine_ops.prefill.lower(graphdef, state, pool, i32(1, width), i32(1), i32(1, M), rows_1, key, i32(1))
     reports, seconds = [], 0.0
     for lowered in (decode, prefill):

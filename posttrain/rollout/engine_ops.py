@@ -91,8 +91,10 @@ class EngineSettings:
                              f"{self.decode_chunk} (>= 0)")
 
     def chunk_steps(self, backend: str | None = None) -> int:
-        """K: decode_chunk, or for 0 `AUTO_DECODE_CHUNK[backend]` (default: jax.default_backend(); 1 elsewhere)."""
-        return self.decode_chunk or AUTO_DECODE_CHUNK.get(backend or jax.default_backend(), 1)
+        """K: decode_chunk, or for 0 `AUTO_DECODE_CHUNK[backend]` (backend: a JAX backend or device platform name,
+        "cuda" / "rocm" count as "gpu"; default jax.default_backend(); 1 for any other)."""
+        backend = backend or jax.default_backend()
+        return self.decode_chunk or AUTO_DECODE_CHUNK.get({"cuda": "gpu", "rocm": "gpu"}.get(backend, backend), 1)
 
     @property
     def pages_per_seq(self) -> int:
