@@ -278,14 +278,17 @@ def compile_engine(graphdef, policy, mesh, settings, *, prompt_len: int) -> tupl
     slots, K = `settings.chunk_steps` of the mesh's platform decode steps, and `engine_ops.prefill` of a
     `prompt_len`-token prompt) on `mesh`'s one device with the policy's
     abstract states and the page pool as `kv_pages.pool_shapes` makes it (`settings`: `engine.EngineSettings`).
-    Attention is the reference (a gather of each slot's pages): the Pallas kernels read the pool in place (the
-    whole pool, page ids offset by layer), so their temp is at most the reference's. Returns (the larger
-    program's MemoryReport, compile seconds of both, the pool's bytes)."""
+    Attention: on a TPU mesh the engine's (`paged_attention.resolve_impl("auto", "tpu")`: the Pallas kernel where
+    it takes the shapes, which also writes the pool in place: XLA:TPU copies a pool its scatters write more than
+    once, `page_writes`), elsewhere the reference (a gather of each slot's pages; the GPU kernel reads the pool
+    in place, so its temp is at most the reference's). Returns (the larger program's MemoryReport, compile
+    seconds of both, the pool's bytes)."""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
     from posttrain.rollout import engine_ops, kv_pages
     from posttrain.rollout.engine import Request, request_rows
+    from posttrain.rollout.paged_attention import resolve_impl
 
     rep = NamedSharding(mesh, PartitionSpec())
 
@@ -300,9 +303,14 @@ def compile_engine(graphdef, policy, mesh, settings, *, prompt_len: int) -> tupl
     rows = placed(jax.eval_shape(lambda: request_rows([Request(prompt=(0,), max_new_tokens=1)] * S)))
     rows_1 = placed(jax.eval_shape(lambda: request_rows([Request(prompt=(0,), max_new_tokens=1)])))
     width = settings.prefill_width(prompt_len)
+    platform = mesh.devices.flat[0].platform
+    first = next(iter(next(iter(pool.values())).values()))  # [K, L, P, Z, H]
+    impl = "reference" if platform != "tpu" else resolve_impl(
+        "auto", platform, head_dim=first.shape[4], page_size=first.shape[3], pages_per_seq=M,
+        num_kv_heads=first.shape[0], dtype=first.dtype)
     decode = engine_ops.decode_chunk.lower(graphdef, state, pool, i32(S, M), i32(S), i32(S), rows, key, i32(S),
-                                           i32(S), i32(S), i32(S, 1), impl="reference",
-                                           steps=settings.chunk_steps(mesh.devices.flat[0].platform))
+                                           i32(S), i32(S), i32(S, 1), impl=impl,
+                                           steps=settings.chunk_steps(platform))
     prefill = engine_ops.prefill.lower(graphdef, state, pool, i32(1, width), i32(1), i32(1, M), rows_1, key, i32(1))
     reports, seconds = [], 0.0
     for lowered in (decode, prefill):

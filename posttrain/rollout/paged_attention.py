@@ -22,7 +22,8 @@ ValueError naming the constraint):
   `interpret=True` runs a kernel in the Pallas interpreter on any platform (tests on the CPU): the GPU kernel's
   own `interpret` flag; the TPU kernel under `pltpu.force_tpu_interpret_mode()`.
 `attend_chunk` (T new tokens of one sequence over its cached pages and each other: the engine's prefill of a turn's
-new tokens) has the reference only.
+new tokens) has the reference only. With "pallas_tpu" the decode step's page writes are a kernel as well
+(`write_tokens`, `page_writes`): XLA:TPU copies a pool that its scatters write more than once.
 """
 from __future__ import annotations
 
@@ -195,17 +196,25 @@ def paged_attention(q_SxNxH, k_pages_KxPxZxH, v_pages_KxPxZxH, page_table_SxM, l
     return out.astype(q_SxNxH.dtype)
 
 
-def write_tokens(pages: dict, entries: dict, page_S: jax.Array, offset_S: jax.Array) -> dict:
+def write_tokens(pages: dict, entries: dict, page_S: jax.Array, offset_S: jax.Array, impl: str = "reference",
+                 interpret: bool = False) -> dict:
     """pages with S token entries written at (page_S, offset_S).
 
     pages: {"k", "v": [..., K, P, Z, H]} or {"kv": [..., 1, P, Z, C]} (leading axes, e.g. L, allowed);
     entries: one entry per token, {"k", "v": [..., S, K, H]} or {"kv": [..., S, C]}, same leading axes.
+    impl "pallas_tpu" (pages without leading axes): `page_writes.write_rows_pallas_tpu`, in place where XLA:TPU
+    would copy the pool (that module's doc; `interpret`: in the Pallas interpreter); any other: an XLA scatter.
     Tokens sharing a target (inactive slots on the scratch page) are written in an unspecified order.
     """
     out = {}
     for name, pool in pages.items():
         e = entries[name] if name != "kv" else entries[name][..., None, :]  # [..., S, K, H]
-        out[name] = pool.at[..., page_S, offset_S, :].set(jnp.moveaxis(e, -3, -2).astype(pool.dtype))
+        if impl == "pallas_tpu" and pool.ndim == 4:
+            from posttrain.rollout.page_writes import write_rows_pallas_tpu
+
+            out[name] = write_rows_pallas_tpu(pool, e, page_S, offset_S, interpret=interpret)
+        else:
+            out[name] = pool.at[..., page_S, offset_S, :].set(jnp.moveaxis(e, -3, -2).astype(pool.dtype))
     return out
 
 
@@ -229,8 +238,9 @@ def attend_with_new_token(pages: dict, own: dict, q_SxNxH, page_table_SxM, lengt
     first lengths_S + 1 tokens are attended (the decode step's attention; every implementation reads the same
     pages). Returns (out [S, N, H or C], the pages with the entries written). Pass the whole page pool, not a
     slice of it (`flat_pages`, page ids of layer l offset by l * P): the write then updates the pool in place,
-    where writing into a slice copied the slice first (one layer's pages per layer per step)."""
-    pages = write_tokens(pages, own, page_S, offset_S)
+    where writing into a slice copied the slice first (one layer's pages per layer per step). With impl
+    "pallas_tpu" the write is a kernel too (`write_tokens`): XLA:TPU copies a pool written more than once."""
+    pages = write_tokens(pages, own, page_S, offset_S, impl, interpret)
     return attend_pages(pages, q_SxNxH, page_table_SxM, lengths_S + 1, scale, impl, interpret), pages
 
 

@@ -188,3 +188,35 @@ def test_resolve_impl_and_bad_input():
     pages = jnp.zeros((2, P, Z, 8))
     with pytest.raises(ValueError, match="3 query heads over 2 kv heads"):
         pa.paged_attention(q, pages, pages, jnp.zeros((2, M), jnp.int32), jnp.ones((2,), jnp.int32), scale=1.0)
+
+
+@pytest.mark.parametrize("K,Z,H,dtype", [(2, 4, 8, jnp.float32), (8, 16, 128, jnp.bfloat16), (1, 8, 24, jnp.float32)],
+                         ids=["gqa-f32", "gqa-bf16-tpu-tiles", "mla-kv"])
+def test_tpu_page_write_kernel_interpreted_equals_the_scatter(K, Z, H, dtype):
+    """`write_tokens(impl="pallas_tpu")` (the in-place Mosaic kernel, `page_writes`, in the Pallas interpreter) equals
+    the XLA scatter: each token's row lands at (page, offset), the rest of each page and pool is untouched, also
+    when three layers write in turn inside a scan (the decode step's layer scan over a flat pool); inactive slots
+    all target scratch page 0, offset 0 (its content is not read)."""
+    rng = np.random.default_rng(5)
+    L, P_, S = 3, 7, 5
+    name = "kv" if K == 1 else "k"
+    pool = {name: jnp.asarray(rng.normal(size=(K, L * P_, Z, H)), dtype)}
+    new_LxSxKxH = jnp.asarray(rng.normal(size=(L, S, K, H)), dtype)
+    entries = (lambda l: {name: new_LxSxKxH[l][:, 0]}) if K == 1 else (lambda l: {name: new_LxSxKxH[l]})
+    page = jnp.asarray([3, 6, 0, 2, 0], jnp.int32)  # slots 2 and 4 inactive: the scratch page
+    off = jnp.asarray([Z - 1, 0, 0, Z // 2, 0], jnp.int32)
+
+    def run(impl):
+        def body(pages, l):
+            return pa.write_tokens(pages, entries(l), page + l * P_, off, impl=impl, interpret=True), None
+        return jax.jit(lambda p: jax.lax.scan(body, p, jnp.arange(L))[0])(pool)[name]
+
+    got, want = np.asarray(run("pallas_tpu"), np.float32), np.asarray(run("reference"), np.float32)
+    live = np.ones(got.shape[1], bool)
+    live[[l * P_ for l in range(L)]] = False  # scratch pages: written by several slots, order unspecified
+    np.testing.assert_array_equal(got[:, live], want[:, live])
+    for l in range(L):
+        np.testing.assert_array_equal(got[:, l * P_ + 3, Z - 1], np.asarray(new_LxSxKxH[l][0], np.float32)[:K])
+    untouched = np.asarray(pool[name], np.float32)
+    changed = (got != untouched).any(axis=(0, 3))  # [L * P, Z]: one row per live slot and layer, + scratch
+    assert changed.sum() == 4 * L and not changed[[l * P_ + p for l in range(L) for p in (1, 4, 5)]].any()
