@@ -96,7 +96,7 @@ def _devices(target: str):
     return aot.target_devices(target)[:1], aot.TARGETS[target].platform
 
 
-def abstract_inputs(cfg, settings, mesh, rules):
+def abstract_inputs(cfg, settings, mesh, rules, steps: int = 1):
     """(graphdef, the decode step's abstract arguments after graphdef, in order) on `mesh` (replicated inputs,
     weights sharded by `rules`; nothing allocated)."""
     import jax
@@ -120,10 +120,9 @@ def abstract_inputs(cfg, settings, mesh, rules):
     S, M = settings.num_slots, settings.pages_per_seq
     rows = {"T": sds((S,), jnp.float32), "greedy": sds((S,), jnp.bool_), "top_k": sds((S,), jnp.int32),
             "top_p": sds((S,), jnp.float32)}
-    key = jax.eval_shape(lambda: jax.random.key(0))
     i32 = lambda: sds((S,), jnp.int32)
-    return graphdef, (state, pool, sds((S, M), jnp.int32), i32(), i32(), rows, sds(key.shape, key.dtype), i32(),
-                      i32(), i32(), sds((S, 1), jnp.int32))
+    return graphdef, (state, pool, sds((S, M), jnp.int32), i32(), i32(), rows, sds((steps, S), jnp.float32), i32(),
+                      sds((S, 1), jnp.int32))
 
 
 def compile_decode(cfg, settings, mesh, rules, impl: str, steps: int):
@@ -137,7 +136,7 @@ def compile_decode(cfg, settings, mesh, rules, impl: str, steps: int):
     from posttrain.rollout import kv_pages
     from posttrain.rollout.engine_ops import decode_chunk
 
-    graphdef, args = abstract_inputs(cfg, settings, mesh, rules)
+    graphdef, args = abstract_inputs(cfg, settings, mesh, rules, steps)
     with jax.set_mesh(mesh), use_rules(rules):
         lowered = decode_chunk.lower(graphdef, *args, impl=impl, steps=steps)
         compiled, report, seconds = aot.compile_with_report(lowered)

@@ -298,7 +298,6 @@ def compile_engine(graphdef, policy, mesh, settings, *, prompt_len: int) -> tupl
     S, M = settings.num_slots, settings.pages_per_seq
     pool = placed(kv_pages.pool_shapes(graphdef, policy, settings.num_pages, settings.page_size))
     state = placed(policy)
-    key = placed(jax.eval_shape(lambda: jax.random.key(0)))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)  # noqa: E731
     rows = placed(jax.eval_shape(lambda: request_rows([Request(prompt=(0,), max_new_tokens=1)] * S)))
     rows_1 = placed(jax.eval_shape(lambda: request_rows([Request(prompt=(0,), max_new_tokens=1)])))
@@ -308,10 +307,11 @@ def compile_engine(graphdef, policy, mesh, settings, *, prompt_len: int) -> tupl
     impl = "reference" if platform != "tpu" else resolve_impl(
         "auto", platform, head_dim=first.shape[4], page_size=first.shape[3], pages_per_seq=M,
         num_kv_heads=first.shape[0], dtype=first.dtype)
-    decode = engine_ops.decode_chunk.lower(graphdef, state, pool, i32(S, M), i32(S), i32(S), rows, key, i32(S),
-                                           i32(S), i32(S), i32(S, 1), impl=impl,
-                                           steps=settings.chunk_steps(platform))
-    prefill = engine_ops.prefill.lower(graphdef, state, pool, i32(1, width), i32(1), i32(1, M), rows_1, key, i32(1))
+    K = settings.chunk_steps(platform)
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rep)  # noqa: E731
+    decode = engine_ops.decode_chunk.lower(graphdef, state, pool, i32(S, M), i32(S), i32(S), rows, f32(K, S),
+                                           i32(S), i32(S, 1), impl=impl, steps=K)
+    prefill = engine_ops.prefill.lower(graphdef, state, pool, i32(1, width), i32(1), i32(1, M), rows_1, f32(1))
     reports, seconds = [], 0.0
     for lowered in (decode, prefill):
         _, report, s = aot.compile_with_report(lowered)

@@ -43,7 +43,7 @@ import numpy as np
 
 from posttrain.rollout import kv_pages
 from posttrain.rollout.engine_ops import (Completion, EngineSettings, Request, _Seq, decode_chunk, extend, prefill,
-                                          request_rows)
+                                          request_rows, stop_rows, token_uniforms, uniform_width)
 from posttrain.rollout.paged_attention import resolve_impl
 from posttrain.rollout.prefix_cache import PrefixCache
 
@@ -101,18 +101,8 @@ class Engine:
         self._pool = self._pages = self._routing = None
 
     def check(self, requests: Sequence[Request]) -> None:
-        """Raises TypeError for a non-Request, ValueError for a request longer than max_seq_len or needing more
-        pages than the pool has (it could never run)."""
-        st = self.settings
-        for i, r in enumerate(requests):
-            if not isinstance(r, Request):
-                raise TypeError(f"request {i}: expected engine.Request, got {type(r).__name__}")
-            total = len(r.prompt) + r.max_new_tokens
-            need = -(-total // st.page_size)
-            if total > st.max_seq_len or need > st.num_pages - 1:
-                raise ValueError(f"request {i}: prompt {len(r.prompt)} + max_new_tokens {r.max_new_tokens} = "
-                                 f"{total} tokens ({need} pages of {st.page_size}); the engine holds max_seq_len="
-                                 f"{st.max_seq_len} tokens and {st.num_pages - 1} allocatable pages")
+        """`EngineSettings.check_requests`: TypeError, ValueError for requests that could never run."""
+        self.settings.check_requests(requests)
 
     def generate(self, requests: Sequence[Request], key: jax.Array, on_chunk=None, on_finish=None,
                  follow_after: int = 0) -> list[Completion | None]:
@@ -136,7 +126,7 @@ class Engine:
             self._pages.cache = PrefixCache(st.page_size, self._pages.ref_P, self.version) if st.prefix_cache \
                 else None
             self._pool = kv_pages.empty_pool(self.shapes)
-            self._routing = None  # [P, Z, L, k] int32: each page's tokens' expert selections (record_routing)
+            self._routing = kv_pages.PageRouting(st.num_pages, st.page_size)
         self._counters = kv_pages.PageCounters(st.num_slots, st.page_size)
         self._queue = collections.deque(_Seq(i, r) for i, r in enumerate(requests))
         self._slots: list[_Seq | None] = [None] * st.num_slots
@@ -177,25 +167,15 @@ class Engine:
             return table_xM.copy()
         return table_xM[..., :self.settings.table_width(-(-tokens // self.settings.page_size))].copy()
 
-    def _where(self, slots_N, positions_N) -> tuple[np.ndarray, np.ndarray]:
-        """(page, offset) of each sequence position in its slot's pages."""
-        Z = self.settings.page_size
-        return self._pages.table_SxM[slots_N, positions_N // Z], positions_N % Z
+    def _uniforms(self, request_S: np.ndarray, t_S: np.ndarray, steps: int) -> jax.Array:
+        """float32 [steps, S]: the uniforms of each row's next `steps` tokens (`engine_sampling.token_uniforms`)."""
+        return token_uniforms(self._key, jnp.asarray(request_S, jnp.int32), jnp.asarray(t_S, jnp.int32), steps=steps,
+                              width=uniform_width(int(np.max(request_S))))
 
     def _keep_routing(self, routed_NxLxk, slots_N, positions_N) -> None:
-        """Stores the expert selections of N fed tokens at their pages (`record_routing`)."""
-        if routed_NxLxk is None:
-            return
-        routed = np.asarray(routed_NxLxk)
-        if self._routing is None:
-            self._routing = np.full((self.settings.num_pages, self.settings.page_size) + routed.shape[1:], -1,
-                                    np.int32)
-        self._routing[self._where(slots_N, positions_N)] = routed
-
-    def _read_routing(self, slot: int, seq: _Seq) -> None:
-        """seq.routing: its cached tokens' expert selections, read from its pages before they are released."""
-        if self._routing is not None:
-            seq.routing = self._routing[self._where(slot, np.arange(_cached_len(seq)))]
+        """Stores the expert selections of N fed tokens at their pages (`record_routing`; None: nothing)."""
+        if routed_NxLxk is not None:
+            self._routing.keep(self._pages, np.asarray(routed_NxLxk), slots_N, positions_N)
 
     # ------------------------------------------------------------------ the loop's parts
     def _release(self, slot: int, num_valid: int | None = None) -> None:
@@ -210,7 +190,7 @@ class Engine:
 
     def _finish(self, slot: int) -> None:
         seq = self._done[self._slots[slot].index] = self._slots[slot]
-        self._read_routing(slot, seq)
+        seq.routing = self._routing.read(self._pages, slot, _cached_len(seq))
         self._release(slot)
         follow = self._on_finish(seq.index, self._completion(seq, seq.request)) if self._on_finish else None
         if isinstance(follow, Future):
@@ -340,7 +320,8 @@ class Engine:
         index = np.asarray([q.index for q in seqs] + [0] * (B - len(seqs)), np.int32)
         tok, lp, self._pool, routed = prefill(self.graphdef, self.state, self._pool, jnp.asarray(tokens),
                                               jnp.asarray(lengths), jnp.asarray(rows), request_rows(requests),
-                                              self._key, jnp.asarray(index), routing=self.settings.record_routing)
+                                              self._uniforms(index, np.zeros_like(index), 1)[0],
+                                              routing=self.settings.record_routing)
         if routed is not None:
             routed = np.asarray(routed)
             for i, slot in enumerate(slots):
@@ -356,8 +337,9 @@ class Engine:
         row = self._pages.table_SxM[slot]
         tok, lp, self._pool, routed = extend(self.graphdef, self.state, self._pool, jnp.asarray(tokens),
                                              jnp.int32(start), jnp.int32(n - start), jnp.asarray(self._table(row, n)),
-                                             request_rows([seq.request]), self._key,
-                                             jnp.asarray([seq.index], jnp.int32), routing=st.record_routing)
+                                             request_rows([seq.request]),
+                                             self._uniforms(np.asarray([seq.index]), np.zeros(1, np.int32), 1)[0],
+                                             routing=st.record_routing)
         if routed is not None:
             self._keep_routing(np.asarray(routed)[:n - start], slot, np.arange(start, n))
         return tok[0], lp[0]
@@ -392,14 +374,11 @@ class Engine:
         prev = np.asarray([q.tokens[-1] if q else 0 for q in slots], np.int32)
         request = np.asarray([q.index if q else 0 for q in slots], np.int32)
         t = np.asarray([len(q.tokens) if q else 0 for q in slots], np.int32)
-        stops = [q.request.stop_ids if q else () for q in slots]
-        stop = np.full((len(slots), 1 << (max(map(len, stops)) - 1).bit_length() if any(stops) else 1), -1, np.int32)
-        for s, ids in enumerate(stops):
-            stop[s, :len(ids)] = ids
+        stop = stop_rows([q.request.stop_ids if q else () for q in slots])
         table = jnp.asarray(self._table(self._pages.table_SxM, int((lengths + limit).max())))  # a copy (`_prefill`)
         tok, lp, drawn, self._pool, routed = decode_chunk(
             self.graphdef, self.state, self._pool, table, jnp.asarray(lengths), jnp.asarray(prev),
-            request_rows([q.request if q else None for q in slots]), self._key, jnp.asarray(request), jnp.asarray(t),
+            request_rows([q.request if q else None for q in slots]), self._uniforms(request, t, K),
             jnp.asarray(limit), jnp.asarray(stop), steps=K, impl=self.impl, routing=st.record_routing)
         tok, lp, drawn = np.asarray(tok), np.asarray(lp), np.asarray(drawn)
         shared = self._pages.shared_extra * st.page_size  # shared pages counted once

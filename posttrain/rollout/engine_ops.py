@@ -15,7 +15,8 @@ never fit is a ValueError up front.
 Per request: token budget, temperature (0: greedy), top-k, top-p and stop ids. Logprobs are the project's one
 definition (docs/design.md invariant 1): `log_softmax(logits / T)` over the full vocabulary with
 T = `sampler.logprob_temperature(temperature)`; top-k/top-p only restrict the drawn token. Request r's t-th
-token uses the uniform of `fold_in(fold_in(key, r), t)` (`sampler.categorical`), whichever slot it runs in.
+token uses the dense sampler's uniform of row r at step t (`engine_sampling.token_uniforms`), whichever slot it
+runs in.
 A prompt whose first tokens have cached pages (`prefix_cache`: a group's shared prompt, an episode's earlier
 turns) prefills only the rest (`extend`: those tokens over the cached pages, `paged_attention.attend_chunk`).
 Each token records the policy version whose weights produced it (`Engine.update_weights`).
@@ -38,7 +39,8 @@ from posttrain.model.attention import CacheHook
 from posttrain.rollout import kv_pages
 from posttrain.rollout.paged_attention import (IMPLS, attend_chunk, attend_with_new_token, flat_pages, stacked_pages,
                                                write_layers)
-from posttrain.rollout.sampler import categorical, logprob_temperature
+from posttrain.rollout.engine_sampling import (filter_logits_rows, pick_tokens, request_rows,  # noqa: F401
+                                              stop_rows, token_uniforms, uniform_width)
 
 
 # decode steps per program by backend (`EngineSettings.decode_chunk` = 0). CPU: 1, a step there is compute-bound
@@ -114,6 +116,19 @@ class EngineSettings:
             width *= 2
         return min(width, M)
 
+    def check_requests(self, requests) -> None:
+        """Raises TypeError for a non-Request, ValueError for a request longer than max_seq_len or needing more
+        pages than the pool has (it could never run)."""
+        for i, r in enumerate(requests):
+            if not isinstance(r, Request):
+                raise TypeError(f"request {i}: expected engine.Request, got {type(r).__name__}")
+            total = len(r.prompt) + r.max_new_tokens
+            need = -(-total // self.page_size)
+            if total > self.max_seq_len or need > self.num_pages - 1:
+                raise ValueError(f"request {i}: prompt {len(r.prompt)} + max_new_tokens {r.max_new_tokens} = "
+                                 f"{total} tokens ({need} pages of {self.page_size}); the engine holds max_seq_len="
+                                 f"{self.max_seq_len} tokens and {self.num_pages - 1} allocatable pages")
+
     def prefill_width(self, tokens: int) -> int:
         """W of the prefill program for `tokens` new tokens: prefill_bucket times the smallest power of two that
         holds them (one compile per width)."""
@@ -167,58 +182,11 @@ class Completion(NamedTuple):
     routing: np.ndarray | None = None
 
 
-def filter_logits_rows(scaled_SxV, top_k_S, top_p_S):
-    """`sampler.filter_logits` with each row's own top-k (0: off) and top-p (1: off): tokens outside them -> -inf.
-    Row s equals `filter_logits(scaled_SxV[s:s+1], top_k_S[s], top_p_S[s])` (tests check it)."""
-    V = scaled_SxV.shape[-1]
-    desc = -jnp.sort(-scaled_SxV, axis=-1)
-    k = jnp.where(top_k_S > 0, jnp.minimum(top_k_S, V), V)
-    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
-    x = jnp.where(scaled_SxV < kth, -jnp.inf, scaled_SxV)
-    desc = -jnp.sort(-x, axis=-1)
-    probs = jax.nn.softmax(desc, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
-    keep = jnp.maximum((before < top_p_S[:, None]).sum(-1, keepdims=True), 1)
-    threshold = jnp.take_along_axis(desc, keep - 1, axis=-1)
-    return jnp.where((top_p_S[:, None] < 1.0) & (x < threshold), -jnp.inf, x)
-
-
-def request_rows(requests: Sequence[Request | None]) -> dict:
-    """The per-row sampling arrays of `engine_ops.pick_tokens` for one request per slot (None, an empty slot:
-    greedy at T = 1): T float32 [S] (the logprob temperature), greedy bool [S], top_k int32 [S], top_p float32 [S]."""
-    def col(fn, dtype):
-        return jnp.asarray(np.asarray([fn(r) for r in requests], dtype))
-
-    return {"T": col(lambda r: logprob_temperature(r.temperature) if r else 1.0, np.float32),
-            "greedy": col(lambda r: r.temperature == 0 if r else True, bool),
-            "top_k": col(lambda r: r.top_k if r else 0, np.int32),
-            "top_p": col(lambda r: r.top_p if r else 1.0, np.float32)}
-
-
-def pick_tokens(logits_SxV, rows: dict, key, request_S, t_S):
-    """(token int32 [S], logprob float32 [S]) per row: argmax where rows["greedy"], else a draw from the filtered
-    `softmax(logits / T)` with the uniform of (key, request, t); logprob over the full vocabulary at T."""
-    scaled = logits_SxV.astype(jnp.float32) / rows["T"][:, None]
-    logp_all = jax.nn.log_softmax(scaled, axis=-1)
-    u = jax.vmap(lambda r, t: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, r), t)))(request_S, t_S)
-    greedy = jnp.argmax(logits_SxV, axis=-1).astype(jnp.int32)
-    top_k, top_p = rows["top_k"], rows["top_p"]
-
-    def draw(x):  # the sorts of top-k / top-p (two [S, V] sorts) only when some row asks for them
-        x = jax.lax.cond(((top_k > 0) | (top_p < 1.0)).any(), lambda x: filter_logits_rows(x, top_k, top_p),
-                         lambda x: x, x)
-        return categorical(u, x).astype(jnp.int32)
-
-    drawn = jax.lax.cond(rows["greedy"].all(), lambda x: greedy, draw, scaled)  # all greedy: no draw at all
-    tok = jnp.where(rows["greedy"], greedy, drawn)
-    return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
-
-
 def _merge(graphdef, state):
     return nnx.merge(graphdef, *(state if isinstance(state, tuple) else (state,)))
 
 
-def _decode_once(model, pool, table_SxM, lengths_S, prev_S, rows, key, request_S, t_S, impl: str):
+def _decode_once(model, pool, table_SxM, lengths_S, prev_S, impl: str):
     """One decode step of `decode_step` on a merged model: (logits [S, V], pool, routed [L, S, k] or None)."""
     P, Z = jax.tree.leaves(pool)[0].shape[2:4]
     S = prev_S.shape[0]
@@ -241,37 +209,37 @@ def _decode_once(model, pool, table_SxM, lengths_S, prev_S, rows, key, request_S
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "impl", "routing"), donate_argnames=("pool",))
-def decode_step(graphdef, state, pool, table_SxM, lengths_S, prev_S, rows, key, request_S, t_S, *, impl: str,
+def decode_step(graphdef, state, pool, table_SxM, lengths_S, prev_S, rows, u_S, *, impl: str,
                 routing: bool = False):
     """Feeds prev_S at positions lengths_S (each slot's cached tokens), writes their entries into the pages and
-    picks the next tokens. Returns (token [S], logprob [S], pool, routed): routed is the MoE layers' expert
+    picks the next tokens with their uniforms u_S (`token_uniforms`). Returns (token [S], logprob [S], pool,
+    routed): routed is the MoE layers' expert
     selection of the fed tokens, int32 [S, L, k], with `routing` on a MoE model, else None. Inactive slots:
     length 0 on the scratch page."""
     model = _merge(graphdef, state)
-    logits, pool, routed = _decode_once(model, pool, table_SxM, lengths_S, prev_S, rows, key, request_S, t_S, impl)
-    tok, logp = pick_tokens(logits, rows, key, request_S, t_S)
+    logits, pool, routed = _decode_once(model, pool, table_SxM, lengths_S, prev_S, impl)
+    tok, logp = pick_tokens(logits, rows, u_S)
     return tok, logp, pool, (routed.transpose(1, 0, 2) if routing and routed is not None else None)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "impl", "routing"), donate_argnames=("pool",))
-def decode_chunk(graphdef, state, pool, table_SxM, lengths_S, prev_S, rows, key, request_S, t_S, limit_S,
+def decode_chunk(graphdef, state, pool, table_SxM, lengths_S, prev_S, rows, u_KxS, limit_S,
                  stop_SxX, *, steps: int, impl: str, routing: bool = False):
     """Up to `steps` (K) decode steps in one program: `decode_step` repeated, each slot feeding the token it drew
     at the step before, until it has drawn limit_S tokens (0: an empty slot; the host's limit is the reply's
     remaining budget, K and the tokens its pages hold) or a token of its stop_SxX row (ids, -1: none). A slot
-    that has stopped feeds nothing more: length 0 on the scratch page, as an empty slot. Token t_S + j of request
-    request_S is drawn with the uniform of (key, request, t_S + j), so the tokens and logprobs are `decode_step`'s
-    one step at a time. Returns (tokens int32 [K, S], logprobs float32 [K, S], drawn bool [K, S]: which slots drew
-    at each step, pool, routed int32 [K, S, L, k] or None: as `decode_step`'s, at every step)."""
+    that has stopped feeds nothing more: length 0 on the scratch page, as an empty slot. Step j draws with
+    u_KxS[j] (`token_uniforms` of each slot's request and next tokens), so the tokens and logprobs are
+    `decode_step`'s one step at a time. Returns (tokens int32 [K, S], logprobs float32 [K, S], drawn bool [K, S]:
+    which slots drew at each step, pool, routed int32 [K, S, L, k] or None: as `decode_step`'s, at every step)."""
     model = _merge(graphdef, state)
 
     def body(carry, j):
         pool, lengths_S, prev_S, limit_S = carry
         active_S = j < limit_S
-        logits, pool, routed = _decode_once(model, pool, jnp.where(active_S[:, None], table_SxM, kv_pages.SCRATCH_PAGE),
-                                            jnp.where(active_S, lengths_S, 0), prev_S, rows, key, request_S, t_S + j,
-                                            impl)
-        tok, logp = pick_tokens(logits, rows, key, request_S, t_S + j)
+        table = jnp.where(active_S[:, None], table_SxM, kv_pages.SCRATCH_PAGE)
+        logits, pool, routed = _decode_once(model, pool, table, jnp.where(active_S, lengths_S, 0), prev_S, impl)
+        tok, logp = pick_tokens(logits, rows, u_KxS[j])
         stopped_S = active_S & (tok[:, None] == stop_SxX).any(-1)  # drew a stop token: its limit is what it drew
         carry = (pool, lengths_S + active_S, jnp.where(active_S, tok, prev_S), jnp.where(stopped_S, j + 1, limit_S))
         return carry, (tok, logp, active_S, routed.transpose(1, 0, 2) if routing and routed is not None else None)
@@ -287,13 +255,13 @@ def _num_layers(pool_stack: dict) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "routing"), donate_argnames=("pool",))
-def prefill(graphdef, state, pool, tokens_BxW, lengths_B, page_rows_BxM, rows, key, request_B, *,
+def prefill(graphdef, state, pool, tokens_BxW, lengths_B, page_rows_BxM, rows, u_B, *,
             routing: bool = False):
     """Runs B right-padded sequences (`lengths_B` valid tokens each; 0: a padding row, which writes only into the
     scratch page), writes their entries into their pages (padding into the scratch page) and picks the token
-    after each (`pick_tokens`, t = 0: a fresh request's first token; a recompute ignores it). B sequences in one
-    program: an admission of several requests is one dispatch (one compile per (B, W) bucket). Returns
-    (token [B], logprob [B], pool, routed): routed int32 [B, W, L, k], the MoE layers' expert selection of each fed
+    after each (`pick_tokens` with u_B, the uniforms of t = 0: a fresh request's first token; a recompute ignores
+    it). B sequences in one program: an admission of several requests is one dispatch (one compile per (B, W)
+    bucket). Returns (token [B], logprob [B], pool, routed): routed int32 [B, W, L, k], the MoE layers' expert selection of each fed
     token (padding's: meaningless), with `routing` on a MoE model, else None."""
     model = _merge(graphdef, state)
     B, W = tokens_BxW.shape
@@ -309,18 +277,19 @@ def prefill(graphdef, state, pool, tokens_BxW, lengths_B, page_rows_BxM, rows, k
                                 page_BxW.reshape(-1), offset_BxW.reshape(-1))
             for stack in pool}
     logits = model.logits(h[jnp.arange(B), jnp.maximum(lengths_B - 1, 0)])
-    tok, logp = pick_tokens(logits, rows, key, request_B, jnp.zeros((B,), jnp.int32))
+    tok, logp = pick_tokens(logits, rows, u_B)
     routed = aux.get("routed_experts")  # [L, B, W, k]
     return tok, logp, pool, (routed.transpose(1, 2, 0, 3) if routing and routed is not None else None)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "routing"), donate_argnames=("pool",))
-def extend(graphdef, state, pool, tokens_1xW, start, length, page_row_M, rows, key, request_1, *,
+def extend(graphdef, state, pool, tokens_1xW, start, length, page_row_M, rows, u_1, *,
            routing: bool = False):
     """`prefill` of a sequence whose first `start` tokens are in its pages already: runs its `length` next tokens
     (right-padded to W) at positions start.., each attending to those cached tokens and causally to each other
     (`paged_attention.attend_chunk`), writes their entries (padding into the scratch page) and picks the token
-    after them (t = 0). Returns (token [1], logprob [1], pool, routed [W, L, k] or None: as `prefill`'s)."""
+    after them (u_1: its uniform at t = 0). Returns (token [1], logprob [1], pool, routed [W, L, k] or None: as
+    `prefill`'s)."""
     model = _merge(graphdef, state)
     W = tokens_1xW.shape[1]
     Z = jax.tree.leaves(pool)[0].shape[3]
@@ -341,7 +310,7 @@ def extend(graphdef, state, pool, tokens_1xW, start, length, page_row_M, rows, k
     pool = {stack: write_layers(pool[stack], {n: e[:, 0] for n, e in entries[stack].items()}, page_W, pos % Z)
             for stack in pool}
     logits = model.logits(h[:, length - 1])
-    tok, logp = pick_tokens(logits, rows, key, request_1, jnp.zeros((1,), jnp.int32))
+    tok, logp = pick_tokens(logits, rows, u_1)
     return tok, logp, pool, _fed_routing(routed, routing)
 
 

@@ -8,8 +8,9 @@ same code path. A call `fn(prompts_PxLp, lengths_P, key, G, on_rows=None)` queue
 (row p*G + g is sample g of prompt p, as the dense sampler's rows) and returns the dense sampler's `SampleOutput`:
 tokens (pad_id after the stop token), logprobs `log_softmax(logits / T)` over the full vocabulary (invariant 1;
 0 after the stop token), lengths (stop token included), truncated, and `versions_NxLg` (the policy version that
-produced each token, -1 past the end). Sampled tokens at T > 0 differ from the dense sampler's (the engine's
-uniform of sample r's t-th token is `fold_in(fold_in(key, r), t)`, `engine_ops`); greedy ones equal them.
+produced each token, -1 past the end). With the same key its tokens are the dense sampler's, sampled ones too:
+sample r's t-th token takes the dense sampler's uniform of row r at step t (`engine_sampling.token_uniforms`),
+so the two differ only where float rounding moves a draw across a token boundary.
 
 One engine lives across the run's calls, so its page pool and prefix cache do too: a group's G samples share the
 prompt's pages, and a multi-turn episode's next turn (`episodes.run_episodes` calls again with the context so far)

@@ -180,3 +180,27 @@ class PageCounters:
                 "rollout/preemptions": float(self.preemptions),
                 "rollout/prefix_cached_tokens": float(self.prefix_cached_tokens),
                 "rollout/weight_swaps": float(self.weight_swaps)}
+
+
+class PageRouting:
+    """The expert selections of the tokens held in a pool's pages (routing replay, `EngineSettings.record_routing`):
+    int32 [P, Z, L, k] host memory, -1 where none was recorded, allocated at the first record (its L, k). A reused
+    prefix's selections come with its pages."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        self.num_pages, self.page_size = num_pages, page_size
+        self.array: np.ndarray | None = None
+
+    def _where(self, pages: PagePool, slots_N, positions_N) -> tuple[np.ndarray, np.ndarray]:
+        """(page, offset) of each sequence position in its slot's pages."""
+        return pages.table_SxM[slots_N, positions_N // self.page_size], positions_N % self.page_size
+
+    def keep(self, pages: PagePool, routed_NxLxk: np.ndarray, slots_N, positions_N) -> None:
+        """Stores N fed tokens' selections int32 [N, L, k] at their slots' positions."""
+        if self.array is None:
+            self.array = np.full((self.num_pages, self.page_size) + routed_NxLxk.shape[1:], -1, np.int32)
+        self.array[self._where(pages, slots_N, positions_N)] = routed_NxLxk
+
+    def read(self, pages: PagePool, slot: int, num_tokens: int) -> np.ndarray | None:
+        """The selections of `slot`'s first num_tokens tokens, int32 [num_tokens, L, k]; None before any record."""
+        return None if self.array is None else self.array[self._where(pages, slot, np.arange(num_tokens))]

@@ -249,12 +249,14 @@ def test_the_decode_step_carries_the_whole_pool_through_the_layer_scan(preset, s
     S, M = settings.num_slots, settings.pages_per_seq
     rows = request_rows([Request(prompt=(5,), max_new_tokens=2)] * S)
     i32 = jnp.zeros((S,), jnp.int32)
-    args = (graphdef, state, pool, jnp.zeros((S, M), jnp.int32), i32, i32, rows, jax.random.key(0), i32, i32)
+    args = (graphdef, state, pool, jnp.zeros((S, M), jnp.int32), i32, i32, rows)
     if steps == 1:  # decode_step; decode_chunk (the engine's program) scans it `steps` times
-        jaxpr = jax.make_jaxpr(lambda pool: engine_ops.decode_step(*args[:2], pool, *args[3:], impl="reference"))(pool)
+        jaxpr = jax.make_jaxpr(lambda pool: engine_ops.decode_step(*args[:2], pool, *args[3:], jnp.zeros((S,)),
+                                                                   impl="reference"))(pool)
     else:
         jaxpr = jax.make_jaxpr(lambda pool: engine_ops.decode_chunk(
-            *args[:2], pool, *args[3:], i32 + 2, jnp.full((S, 1), -1, jnp.int32), steps=steps, impl="reference"))(pool)
+            *args[:2], pool, *args[3:], jnp.zeros((steps, S)), i32 + 2, jnp.full((S, 1), -1, jnp.int32), steps=steps,
+            impl="reference"))(pool)
     scans = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
     for name, stack in pool.items():
         whole = sorted(tuple(x.shape) for x in flat_pages(stack).values())

@@ -1,6 +1,7 @@
 """`sampling.backend = "engine"`: the rollout engine behind `Rollouter.sample_fn` (rollout.engine_sampler).
 
-Greedy tokens and logprobs equal the dense sampler's through the same sample_fn (tiny-dense, f32 at precision
+Tokens and logprobs equal the dense sampler's through the same sample_fn, sampled ones too (the same key: the same
+uniforms); greedy ones (tiny-dense, f32 at precision
 highest, <= 1e-5), for a group's first turn, a next turn that extends it (prefix reuse) and new weights (a swap:
 versions move on); a 2-step GRPO run of configs/tiny.py with the engine records sampler logprobs equal to the
 trainer's teacher-forced ones (<= 1e-5; the dense sampler's test allows mean 1e-4, max 1e-3); bad settings are one
@@ -49,6 +50,58 @@ def _check_equal(dense, engine, version):
     assert (e.versions_NxLg[valid] == version).all() and (e.versions_NxLg[~valid] == -1).all()
     assert d.versions_NxLg is None
     return d
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
+def test_sampled_engine_backend_equals_dense_through_sample_fn(tmp_path, temperature, top_k, top_p):
+    """At T > 0 too (with and without top-k / top-p) the engine draws the dense sampler's tokens from the same key:
+    request r's t-th token takes the dense sampler's uniform of row r at step t (`engine_sampling.token_uniforms`);
+    6 prompts x G = 3 over 12 slots (6 requests queued), then their next turns (G = 1, another key). The two
+    samplers' logits differ by float rounding only, far from a token boundary at these sizes."""
+    cfg, graphdef, state = random_model("tiny-dense", matmul_precision="highest")
+    dense, engine = _rollouters(tmp_path, graphdef)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(4, cfg.vocab_size, n).tolist() for n in LENGTHS]
+    toks, lens = pad_prompts(prompts, PAD, bucket=8)
+    params = SamplingParams(max_new_tokens=LG, temperature=temperature, top_k=top_k, top_p=top_p)
+    d = _check_same_draws(dense.sample_fn((state,), params)(toks, lens, jax.random.key(4), 3),
+                          engine.sample_fn((state,), params)(toks, lens, jax.random.key(4), 3), unfiltered=top_k == 0)
+    assert len({tuple(r) for r in d.tokens_NxLg[:3]}) > 1  # a group's samples differ: draws, not argmax
+    contexts = [prompts[n // 3] + d.tokens_NxLg[n, :d.lengths_N[n]].tolist() + [7, 8] for n in range(18)]
+    toks2, lens2 = pad_prompts(contexts, PAD, bucket=8)
+    _check_same_draws(dense.sample_fn((state,), params)(toks2, lens2, jax.random.key(5), 1),
+                      engine.sample_fn((state,), params)(toks2, lens2, jax.random.key(5), 1), unfiltered=top_k == 0)
+
+
+def _check_same_draws(dense, engine, unfiltered: bool):
+    """Every row equal (tokens, logprobs <= 1e-5) but at most 2 of them, each equal up to a first difference where
+    rounding moved a draw across a token boundary: there the tokens are neighbours in the vocabulary (the inverse
+    CDF runs over token ids) when nothing is filtered out. Returns the dense side."""
+    d, e = (jax.tree.map(np.asarray, o) for o in (dense, engine))
+    differ = [n for n in range(len(d.lengths_N)) if not np.array_equal(d.tokens_NxLg[n], e.tokens_NxLg[n])]
+    assert len(differ) <= 2, differ
+    for n in range(len(d.lengths_N)):
+        i = np.flatnonzero(d.tokens_NxLg[n] != e.tokens_NxLg[n])[0] if n in differ else LG
+        np.testing.assert_allclose(e.logp_NxLg[n, :i], d.logp_NxLg[n, :i], atol=1e-5, rtol=0)
+        if n in differ and unfiltered:
+            assert abs(int(d.tokens_NxLg[n, i]) - int(e.tokens_NxLg[n, i])) == 1, (n, i)
+    return d
+
+
+def test_token_uniforms_are_the_dense_samplers_whatever_the_width():
+    """Row r's uniform at step t is element r of `uniform(fold_in(key, t), (N,))` for every N > r (the dense
+    sampler's draw), for each of K steps from each row's own t."""
+    from posttrain.rollout.engine_sampling import token_uniforms, uniform_width
+
+    key = jax.random.key(9)
+    request, t = np.asarray([0, 5, 70, 3]), np.asarray([0, 2, 7, 1])
+    for width in (uniform_width(70), 512):
+        u = np.asarray(token_uniforms(key, request, t, steps=3, width=width))
+        for s, (r, t0) in enumerate(zip(request, t)):
+            for j in range(3):
+                for n in (r + 1, 100):
+                    assert u[j, s] == np.asarray(jax.random.uniform(jax.random.fold_in(key, t0 + j), (n,)))[r]
+    assert uniform_width(0) == 64 and uniform_width(63) == 64 and uniform_width(64) == 128
 
 
 def test_greedy_engine_backend_equals_dense_through_sample_fn(tmp_path):
