@@ -184,7 +184,7 @@ def compare(args, tmp: str) -> dict:
         num_slots=args.slots, num_pages=math.ceil(kv_tokens / args.page_size) + 1, page_size=args.page_size,
         max_seq_len=args.prompt_len + longest, prefill_bucket=PROMPT_BUCKET, decode_chunk=K))
         for K in args.decode_chunk}
-    engine, settings = engines[args.decode_chunk[0]], engines[args.decode_chunk[0]].settings
+    engine = engines[args.decode_chunk[0]]
     requests = [Request(prompt=tuple(p), max_new_tokens=b, temperature=0.0) for p, b in zip(prompts, budgets)]
 
     def run_engine(engine):  # each round starts from an empty prefix cache: no round reuses an earlier one's pages
@@ -213,7 +213,7 @@ def compare(args, tmp: str) -> dict:
             progress(f"{name} round {i + 1}: {rounds[name][-1]:.2f} s")
     useful = int(sum(budgets))
     speed = {k: useful / statistics.median(v) for k, v in rounds.items()}
-    per_token = kv_pages.pool_bytes(engine.shapes) / (settings.num_pages * settings.page_size)
+    per_token = kv_pages.pool_bytes(engine.shapes) / (engine.settings.num_pages * args.page_size)
     agree = lambda side: sum(bool(np.array_equal(a, b)) for a, b in zip(outs["engine"], outs[side]))
     out = {"engine_tokens_per_s": speed["engine"], "sampler_tokens_per_s": speed["sampler"],
            "ratio": speed["engine"] / speed["sampler"], "generated_tokens": useful, "agree": agree("sampler"),
@@ -228,7 +228,7 @@ def compare(args, tmp: str) -> dict:
            "engine_metrics": engine.metrics, "peak_pages": peak_pages(engine),
            "engine_kv_bytes": kv_pages.pool_bytes(engine.shapes),
            "sampler_kv_bytes": int(kv_tokens * per_token), "warmup_s": warm, "round_s": rounds,
-           "settings": {**vars(args), "num_pages": settings.num_pages, "attention_impl": engine.impl},
+           "settings": {**vars(args), "num_pages": engine.settings.num_pages, "attention_impl": engine.impl},
            "load_avg_1m": os.getloadavg()[0]}
     if args.profile:
         from _profile import profile_call

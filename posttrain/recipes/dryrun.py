@@ -303,10 +303,8 @@ def compile_engine(graphdef, policy, mesh, settings, *, prompt_len: int) -> tupl
     rows_1 = placed(jax.eval_shape(lambda: request_rows([Request(prompt=(0,), max_new_tokens=1)])))
     width = settings.prefill_width(prompt_len)
     platform = mesh.devices.flat[0].platform
-    first = next(iter(next(iter(pool.values())).values()))  # [K, L, P, Z, H]
-    impl = "reference" if platform != "tpu" else resolve_impl(
-        "auto", platform, head_dim=first.shape[4], page_size=first.shape[3], pages_per_seq=M,
-        num_kv_heads=first.shape[0], dtype=first.dtype)
+    impl = "reference" if platform != "tpu" else resolve_impl("auto", platform, pages_per_seq=M,
+                                                              **kv_pages.kernel_shapes(pool))
     K = settings.chunk_steps(platform)
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rep)  # noqa: E731
     decode = engine_ops.decode_chunk.lower(graphdef, state, pool, i32(S, M), i32(S), i32(S), rows, f32(K, S),

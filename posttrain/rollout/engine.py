@@ -50,12 +50,6 @@ from posttrain.rollout.prefix_cache import PrefixCache
 __all__ = ["Completion", "Engine", "EngineSettings", "Request", "request_rows"]
 
 
-def _kernel_shapes(shapes: dict) -> dict:
-    """`paged_attention.kernel_problems` keywords of a pool's first entry (every stack's layout is the same)."""
-    s = next(iter(next(iter(shapes.values())).values()))  # [K, L, P, Z, H]
-    return {"head_dim": s.shape[4], "page_size": s.shape[3], "num_kv_heads": s.shape[0], "dtype": s.dtype}
-
-
 def _cached_len(seq: _Seq) -> int:
     """Tokens its pages hold: the prompt and every generated token but the last (fed at the next step)."""
     return len(seq.request.prompt) + max(len(seq.tokens) - 1, 0)
@@ -73,7 +67,7 @@ class Engine:
         self.graphdef, self.state, self.settings, self.version = graphdef, state, settings, int(version)
         self.shapes = kv_pages.pool_shapes(graphdef, state, settings.num_pages, settings.page_size)
         self.impl = resolve_impl(settings.attention_impl, pages_per_seq=settings.pages_per_seq,
-                                 **_kernel_shapes(self.shapes))
+                                 **kv_pages.kernel_shapes(self.shapes))
         self.chunk_steps = settings.chunk_steps()  # K decode steps per program
         self.metrics: dict[str, float] = {}
         self.max_waste_per_seq = 0.0  # largest (pages allocated - used) / live sequences over the last call

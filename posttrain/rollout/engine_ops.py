@@ -187,7 +187,9 @@ def _merge(graphdef, state):
 
 
 def _decode_once(model, pool, table_SxM, lengths_S, prev_S, impl: str):
-    """One decode step of `decode_step` on a merged model: (logits [S, V], pool, routed [L, S, k] or None)."""
+    """One decode step on a merged model: feeds prev_S at positions lengths_S (each slot's cached tokens) and writes
+    their entries into the pages (an inactive slot: length 0 on the scratch page). Returns (logits [S, V], pool,
+    routed [L, S, k]: the MoE layers' expert selection of the fed tokens, or None without MoE layers)."""
     P, Z = jax.tree.leaves(pool)[0].shape[2:4]
     S = prev_S.shape[0]
     page_S = table_SxM[jnp.arange(S), lengths_S // Z]
@@ -208,30 +210,17 @@ def _decode_once(model, pool, table_SxM, lengths_S, prev_S, impl: str):
     return logits, pool, routed
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "routing"), donate_argnames=("pool",))
-def decode_step(graphdef, state, pool, table_SxM, lengths_S, prev_S, rows, u_S, *, impl: str,
-                routing: bool = False):
-    """Feeds prev_S at positions lengths_S (each slot's cached tokens), writes their entries into the pages and
-    picks the next tokens with their uniforms u_S (`token_uniforms`). Returns (token [S], logprob [S], pool,
-    routed): routed is the MoE layers' expert
-    selection of the fed tokens, int32 [S, L, k], with `routing` on a MoE model, else None. Inactive slots:
-    length 0 on the scratch page."""
-    model = _merge(graphdef, state)
-    logits, pool, routed = _decode_once(model, pool, table_SxM, lengths_S, prev_S, impl)
-    tok, logp = pick_tokens(logits, rows, u_S)
-    return tok, logp, pool, (routed.transpose(1, 0, 2) if routing and routed is not None else None)
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "impl", "routing"), donate_argnames=("pool",))
 def decode_chunk(graphdef, state, pool, table_SxM, lengths_S, prev_S, rows, u_KxS, limit_S,
                  stop_SxX, *, steps: int, impl: str, routing: bool = False):
-    """Up to `steps` (K) decode steps in one program: `decode_step` repeated, each slot feeding the token it drew
-    at the step before, until it has drawn limit_S tokens (0: an empty slot; the host's limit is the reply's
-    remaining budget, K and the tokens its pages hold) or a token of its stop_SxX row (ids, -1: none). A slot
-    that has stopped feeds nothing more: length 0 on the scratch page, as an empty slot. Step j draws with
-    u_KxS[j] (`token_uniforms` of each slot's request and next tokens), so the tokens and logprobs are
-    `decode_step`'s one step at a time. Returns (tokens int32 [K, S], logprobs float32 [K, S], drawn bool [K, S]:
-    which slots drew at each step, pool, routed int32 [K, S, L, k] or None: as `decode_step`'s, at every step)."""
+    """Up to `steps` (K) decode steps in one program (`_decode_once`, then `pick_tokens`), each slot feeding the
+    token it drew at the step before, from prev_S at positions lengths_S, until it has drawn limit_S tokens (0: an
+    empty slot; the host's limit is the reply's remaining budget, K and the tokens its pages hold) or a token of
+    its stop_SxX row (ids, -1: none). A slot that has stopped feeds nothing more: length 0 on the scratch page,
+    as an empty slot. Step j draws with u_KxS[j] (`token_uniforms` of each slot's request and next tokens), so
+    the tokens and logprobs do not depend on K. Returns (tokens int32 [K, S], logprobs float32 [K, S], drawn
+    bool [K, S]: which slots drew at each step, pool, routed int32 [K, S, L, k]: the MoE layers' expert
+    selection of the fed tokens with `routing` on a MoE model, else None)."""
     model = _merge(graphdef, state)
 
     def body(carry, j):

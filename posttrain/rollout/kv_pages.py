@@ -154,12 +154,11 @@ class PageCounters:
         self.prefill_tokens = self.decode_tokens = self.preemptions = 0
         self.prefix_cached_tokens = self.weight_swaps = 0
 
-    def observe(self, allocated: int, cached_tokens: int, live: int, holding: int | None = None) -> None:
+    def observe(self, allocated: int, cached_tokens: int, live: int, holding: int) -> None:
         """Records one decode step: pages allocated, tokens held in them (the fed tokens included), live slots
-        (those decoding at this step) and `holding` sequences holding pages (default `live`; in a decode chunk,
-        a sequence that ended at an earlier step of the chunk holds its pages until the chunk ends)."""
+        (those decoding at this step) and `holding` sequences holding pages (in a decode chunk, a sequence that
+        ended at an earlier step of the chunk holds its pages until the chunk ends)."""
         used = cached_tokens / self.page_size
-        holding = live if holding is None else holding
         if allocated >= self.peak_allocated:
             self.peak_allocated, self.used_at_peak, self.live_at_peak = allocated, used, holding
         if holding:
@@ -204,3 +203,10 @@ class PageRouting:
     def read(self, pages: PagePool, slot: int, num_tokens: int) -> np.ndarray | None:
         """The selections of `slot`'s first num_tokens tokens, int32 [num_tokens, L, k]; None before any record."""
         return None if self.array is None else self.array[self._where(pages, slot, np.arange(num_tokens))]
+
+
+def kernel_shapes(shapes: dict) -> dict:
+    """`paged_attention.kernel_problems` keywords of a pool's first entry ({stack: {name: [K, L, P, Z, H]}}, arrays
+    or shapes; every stack's layout is the same): head_dim, page_size, num_kv_heads, dtype."""
+    s = next(iter(next(iter(shapes.values())).values()))
+    return {"head_dim": s.shape[4], "page_size": s.shape[3], "num_kv_heads": s.shape[0], "dtype": s.dtype}

@@ -238,7 +238,7 @@ def test_the_decode_step_carries_the_whole_pool_through_the_layer_scan(preset, s
     carries that stack's whole pool ([K, L * P, Z, H]) and no scan takes a layer's slice of a pool as input.
     (Scanning the layers' pages as [L, K, P, Z, H] made XLA copy each layer's pages for the kernel at every
     step: 2 GiB a layer for qwen3-0.6b at 512 x 1024 tokens, compiled for an H200.) tiny-deepseek: a dense and
-    an MoE stack, MLA's single "kv" entry; with steps > 1 the program is decode_chunk, which scans decode steps."""
+    an MoE stack, MLA's single "kv" entry; decode_chunk scans `steps` decode steps around the layer scans."""
     from posttrain.rollout import engine_ops, kv_pages
     from posttrain.rollout.engine import request_rows
     from posttrain.rollout.paged_attention import flat_pages
@@ -250,13 +250,9 @@ def test_the_decode_step_carries_the_whole_pool_through_the_layer_scan(preset, s
     rows = request_rows([Request(prompt=(5,), max_new_tokens=2)] * S)
     i32 = jnp.zeros((S,), jnp.int32)
     args = (graphdef, state, pool, jnp.zeros((S, M), jnp.int32), i32, i32, rows)
-    if steps == 1:  # decode_step; decode_chunk (the engine's program) scans it `steps` times
-        jaxpr = jax.make_jaxpr(lambda pool: engine_ops.decode_step(*args[:2], pool, *args[3:], jnp.zeros((S,)),
-                                                                   impl="reference"))(pool)
-    else:
-        jaxpr = jax.make_jaxpr(lambda pool: engine_ops.decode_chunk(
-            *args[:2], pool, *args[3:], jnp.zeros((steps, S)), i32 + 2, jnp.full((S, 1), -1, jnp.int32), steps=steps,
-            impl="reference"))(pool)
+    jaxpr = jax.make_jaxpr(lambda pool: engine_ops.decode_chunk(
+        *args[:2], pool, *args[3:], jnp.zeros((steps, S)), i32 + 2, jnp.full((S, 1), -1, jnp.int32), steps=steps,
+        impl="reference"))(pool)
     scans = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
     for name, stack in pool.items():
         whole = sorted(tuple(x.shape) for x in flat_pages(stack).values())
