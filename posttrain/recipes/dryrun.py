@@ -300,7 +300,6 @@ def compile_engine(graphdef, policy, mesh, settings, *, prompt_len: int) -> tupl
     state = placed(policy)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)  # noqa: E731
     rows = placed(jax.eval_shape(lambda: request_rows([Request(prompt=(0,), max_new_tokens=1)] * S)))
-    rows_1 = placed(jax.eval_shape(lambda: request_rows([Request(prompt=(0,), max_new_tokens=1)])))
     width = settings.prefill_width(prompt_len)
     platform = mesh.devices.flat[0].platform
     impl = "reference" if platform != "tpu" else resolve_impl("auto", platform, pages_per_seq=M,
@@ -309,7 +308,7 @@ def compile_engine(graphdef, policy, mesh, settings, *, prompt_len: int) -> tupl
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rep)  # noqa: E731
     decode = engine_ops.decode_chunk.lower(graphdef, state, pool, i32(S, M), i32(S), i32(S), rows, f32(K, S),
                                            i32(S), i32(S, 1), impl=impl, steps=K)
-    prefill = engine_ops.prefill.lower(graphdef, state, pool, i32(1, width), i32(1), i32(1, M), rows_1, f32(1))
+    prefill = engine_ops.prefill.lower(graphdef, state, pool, i32(1, width), i32(1), i32(1, M))
     reports, seconds = [], 0.0
     for lowered in (decode, prefill):
         _, report, s = aot.compile_with_report(lowered)

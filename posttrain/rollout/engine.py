@@ -42,20 +42,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain.rollout import kv_pages
-from posttrain.rollout.engine_ops import (Completion, EngineSettings, Request, _Seq, decode_chunk, extend, prefill,
-                                          request_rows, stop_rows, token_uniforms, uniform_width)
+from posttrain.rollout.engine_ops import (Completion, EngineSettings, Request, _Seq, decode_chunk, request_rows,
+                                          stop_rows, token_uniforms, uniform_width)
+from posttrain.rollout.engine_admission import Admission, _cached_len
 from posttrain.rollout.paged_attention import resolve_impl
 from posttrain.rollout.prefix_cache import PrefixCache
 
 __all__ = ["Completion", "Engine", "EngineSettings", "Request", "request_rows"]
 
 
-def _cached_len(seq: _Seq) -> int:
-    """Tokens its pages hold: the prompt and every generated token but the last (fed at the next step)."""
-    return len(seq.request.prompt) + max(len(seq.tokens) - 1, 0)
-
-
-class Engine:
+class Engine(Admission):
     """S slots decoding requests from a queue over a page pool (see the module doc).
 
     Args:
@@ -227,116 +223,6 @@ class Engine:
         if self._pages.cache is not None:
             self._pages.free_pages.extend(self._pages.cache.clear(self.version))
         self._counters.weight_swaps += 1
-
-    def _admit(self) -> None:
-        """Fills the free slots from the queue, in rounds: each round claims pages for as many queued sequences
-        as there are free slots, then computes them (`_compute`); a round whose requests end at their first token
-        frees slots for the next. Stops when the queue is empty, no slot is free or the pool is full (the queue
-        waits for pages: no preemption to admit)."""
-        while self._queue and None in self._slots:
-            admitted, full = [], False
-            for slot in range(len(self._slots)):
-                if self._slots[slot] is None and self._queue:
-                    if not self._claim(slot, self._queue[0]):
-                        full = True
-                        break
-                    admitted.append((slot, self._place(slot, self._queue.popleft())))
-            if admitted:
-                self._compute(admitted)
-            if full or not admitted:
-                return
-
-    def _claim(self, slot: int, seq: _Seq) -> bool:
-        """Holds the pages of `seq`'s cached tokens + the next one in `slot`: the prefix cache's first, fresh
-        ones for the rest; False (nothing held) when the pool has too few. Sets seq.reused (cached tokens)."""
-        pages, tokens = self._pages, seq.cached()
-        seq.reused = 0
-        if pages.cache is not None:  # a fresh request computes >= 1 token: its last prompt token's logits
-            full, tail, t = pages.cache.match(tokens, len(tokens) - (0 if seq.tokens else 1))
-            pages.share(slot, full)
-            if tail is not None:
-                pages.cache.take_tail(tail)
-                pages.share(slot, [tail])
-            seq.reused = len(full) * pages.page_size + t
-        if pages.grow(slot, _cached_len(seq) + 1):
-            return True
-        self._slots[slot] = seq
-        self._release(slot, seq.reused)  # what it matched goes back to the cache
-        return False
-
-    def _place(self, slot: int, seq: _Seq) -> tuple[int, int]:
-        """Puts claimed `seq` in `slot` and registers its pages' tokens with the prefix cache (host bookkeeping: a
-        later request may share them, and its programs run after the ones that write them). Returns (start, n):
-        its tokens already in pages and its cached tokens once computed."""
-        start, n = seq.reused, _cached_len(seq)
-        self._counters.prefill_tokens += n - start
-        self._counters.prefix_cached_tokens += start
-        if self._pages.cache is not None:
-            self._pages.cache.register(self._pages.table_SxM[slot], seq.cached(), n, tail=False)
-        seq.order = next(self._order)
-        self._slots[slot] = seq
-        return start, n
-
-    def _compute(self, admitted: list) -> None:
-        """Computes the admitted (slot, (start, n)): sequences with nothing in pages prefill together (one program
-        per prefill width, rows padded to a power of two: a round admits at most S), the others extend their
-        cached pages one by one; then each fresh request takes its first token, in admission order."""
-        first, fresh = {}, collections.defaultdict(list)
-        for slot, (start, n) in admitted:
-            if start == 0:
-                fresh[self.settings.prefill_width(n)].append(slot)
-        for width, slots in fresh.items():
-            first.update(self._prefill_rows(slots, width))
-        for slot, (start, n) in admitted:
-            if 0 < start < n:
-                first[slot] = self._extend(slot, start, n)
-        for slot, _ in admitted:
-            seq = self._slots[slot]
-            if not seq.tokens:  # a fresh request: its first token comes from the prefill
-                seq.append(*first[slot], self.version)
-                if seq.finished():
-                    self._finish(slot)
-
-    def _prefill_rows(self, slots: list[int], width: int) -> dict:
-        """One `prefill` of the sequences in `slots` (none in pages), rows padded to a power of two with empty
-        rows; returns {slot: (token, logprob)}."""
-        B = 1 << (len(slots) - 1).bit_length()
-        tokens = np.zeros((B, width), np.int32)
-        lengths = np.zeros((B,), np.int32)
-        # copies of the page rows: on the CPU a NumPy argument may be read in place (zero-copy) while the program
-        # still runs, and the host changes the page table before anything waits for this prefill (a recompute)
-        rows = np.full((B, self.settings.pages_per_seq), kv_pages.SCRATCH_PAGE, np.int32)
-        seqs = [self._slots[slot] for slot in slots]
-        for i, (slot, seq) in enumerate(zip(slots, seqs)):
-            cached = seq.cached()
-            tokens[i, :len(cached)], lengths[i], rows[i] = cached, len(cached), self._pages.table_SxM[slot]
-        requests = [q.request for q in seqs] + [None] * (B - len(seqs))
-        index = np.asarray([q.index for q in seqs] + [0] * (B - len(seqs)), np.int32)
-        tok, lp, self._pool, routed = prefill(self.graphdef, self.state, self._pool, jnp.asarray(tokens),
-                                              jnp.asarray(lengths), jnp.asarray(rows), request_rows(requests),
-                                              self._uniforms(index, np.zeros_like(index), 1)[0],
-                                              routing=self.settings.record_routing)
-        if routed is not None:
-            routed = np.asarray(routed)
-            for i, slot in enumerate(slots):
-                self._keep_routing(routed[i, :lengths[i]], slot, np.arange(lengths[i]))
-        tok, lp = np.asarray(tok), np.asarray(lp)
-        return {slot: (tok[i], lp[i]) for i, slot in enumerate(slots)}
-
-    def _extend(self, slot: int, start: int, n: int) -> tuple:
-        """`extend` of the sequence in `slot` over its first `start` tokens' pages; returns (token, logprob)."""
-        seq, st = self._slots[slot], self.settings
-        tokens = np.zeros((1, st.prefill_width(n - start)), np.int32)
-        tokens[0, :n - start] = seq.cached()[start:]
-        row = self._pages.table_SxM[slot]
-        tok, lp, self._pool, routed = extend(self.graphdef, self.state, self._pool, jnp.asarray(tokens),
-                                             jnp.int32(start), jnp.int32(n - start), jnp.asarray(self._table(row, n)),
-                                             request_rows([seq.request]),
-                                             self._uniforms(np.asarray([seq.index]), np.zeros(1, np.int32), 1)[0],
-                                             routing=st.record_routing)
-        if routed is not None:
-            self._keep_routing(np.asarray(routed)[:n - start], slot, np.arange(start, n))
-        return tok[0], lp[0]
 
     def _make_room(self) -> None:
         live = sorted((seq.order, s) for s, seq in enumerate(self._slots) if seq is not None)

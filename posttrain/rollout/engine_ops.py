@@ -244,14 +244,13 @@ def _num_layers(pool_stack: dict) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "routing"), donate_argnames=("pool",))
-def prefill(graphdef, state, pool, tokens_BxW, lengths_B, page_rows_BxM, rows, u_B, *,
-            routing: bool = False):
+def prefill(graphdef, state, pool, tokens_BxW, lengths_B, page_rows_BxM, *, routing: bool = False):
     """Runs B right-padded sequences (`lengths_B` valid tokens each; 0: a padding row, which writes only into the
-    scratch page), writes their entries into their pages (padding into the scratch page) and picks the token
-    after each (`pick_tokens` with u_B, the uniforms of t = 0: a fresh request's first token; a recompute ignores
-    it). B sequences in one program: an admission of several requests is one dispatch (one compile per (B, W)
-    bucket). Returns (token [B], logprob [B], pool, routed): routed int32 [B, W, L, k], the MoE layers' expert selection of each fed
-    token (padding's: meaningless), with `routing` on a MoE model, else None."""
+    scratch page) and writes their entries into their pages (padding into the scratch page). B sequences in one
+    program: an admission of several requests is one dispatch (one compile per (B, W) bucket). Returns (logits
+    float32 [B, V] of each row's last token (`first_tokens` draws from them), pool, routed): routed int32
+    [B, W, L, k], the MoE layers' expert selection of each fed token (padding's: meaningless), with `routing` on a
+    MoE model, else None."""
     model = _merge(graphdef, state)
     B, W = tokens_BxW.shape
     Z = jax.tree.leaves(pool)[0].shape[3]
@@ -266,46 +265,56 @@ def prefill(graphdef, state, pool, tokens_BxW, lengths_B, page_rows_BxM, rows, u
                                 page_BxW.reshape(-1), offset_BxW.reshape(-1))
             for stack in pool}
     logits = model.logits(h[jnp.arange(B), jnp.maximum(lengths_B - 1, 0)])
-    tok, logp = pick_tokens(logits, rows, u_B)
     routed = aux.get("routed_experts")  # [L, B, W, k]
-    return tok, logp, pool, (routed.transpose(1, 2, 0, 3) if routing and routed is not None else None)
+    return logits, pool, (routed.transpose(1, 2, 0, 3) if routing and routed is not None else None)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "routing"), donate_argnames=("pool",))
-def extend(graphdef, state, pool, tokens_1xW, start, length, page_row_M, rows, u_1, *,
-           routing: bool = False):
-    """`prefill` of a sequence whose first `start` tokens are in its pages already: runs its `length` next tokens
-    (right-padded to W) at positions start.., each attending to those cached tokens and causally to each other
-    (`paged_attention.attend_chunk`), writes their entries (padding into the scratch page) and picks the token
-    after them (u_1: its uniform at t = 0). Returns (token [1], logprob [1], pool, routed [W, L, k] or None: as
+def extend(graphdef, state, pool, tokens_BxW, start_B, length_B, page_rows_BxM, *, routing: bool = False):
+    """`prefill` of B sequences whose first `start_B` tokens are in their pages already: runs each one's
+    `length_B` next tokens (right-padded to W; a padding row has length 0 and scratch pages) at positions
+    start.., each attending to its cached tokens and causally to its other new ones
+    (`paged_attention.attend_chunk`), and writes their entries (padding into the scratch page). One program for
+    the turn continuations, recomputes and cached-prefix prompts of an admission round (one compile per (B, W)).
+    Returns (logits float32 [B, V] of each row's last new token, pool, routed [B, W, L, k] or None: as
     `prefill`'s)."""
     model = _merge(graphdef, state)
-    W = tokens_1xW.shape[1]
-    Z = jax.tree.leaves(pool)[0].shape[3]
-    pos = start + jnp.arange(W)
-    valid = jnp.arange(W) < length
-    table, start_1 = page_row_M[None], jnp.reshape(start, (1,))
-
-    P = jax.tree.leaves(pool)[0].shape[2]
+    B, W = tokens_BxW.shape
+    P, Z = jax.tree.leaves(pool)[0].shape[2:4]
+    pos_BxW = start_B[:, None] + jnp.arange(W)[None, :]
+    valid_BxW = jnp.arange(W)[None, :] < length_B[:, None]
 
     def make_hook(layer, cell):  # cell[0]: the stack's whole pool (carried, read in place, not written here)
-        return CacheHook(lambda q, own, scale: attend_chunk(cell[0], own, q, table + layer * P, start_1, scale))
+        return CacheHook(lambda q, own, scale: attend_chunk(cell[0], own, q, page_rows_BxM + layer * P, start_B,
+                                                            scale))
 
     layers = {stack: jnp.arange(_num_layers(p)) for stack, p in pool.items()}
-    h, entries, routed, _ = model.extend_with_hook(tokens_1xW, pos[None].astype(jnp.int32), layers, make_hook,
-                                                   valid[None], return_routing=True,
+    h, entries, routed, _ = model.extend_with_hook(tokens_BxW, pos_BxW.astype(jnp.int32), layers, make_hook,
+                                                   valid_BxW, return_routing=True,
                                                    cache_carry={k: flat_pages(p) for k, p in pool.items()})
-    page_W = jnp.where(valid, jnp.take(page_row_M, pos // Z, mode="clip"), kv_pages.SCRATCH_PAGE)
-    pool = {stack: write_layers(pool[stack], {n: e[:, 0] for n, e in entries[stack].items()}, page_W, pos % Z)
+    page_BxW = jnp.where(valid_BxW, jnp.take_along_axis(page_rows_BxM, jnp.minimum(pos_BxW // Z,
+                                                                                  page_rows_BxM.shape[1] - 1), 1),
+                         kv_pages.SCRATCH_PAGE)
+    pool = {stack: write_layers(pool[stack], {n: e.reshape(e.shape[0], B * W, *e.shape[3:])
+                                              for n, e in entries[stack].items()},
+                                page_BxW.reshape(-1), (pos_BxW % Z).reshape(-1))
             for stack in pool}
-    logits = model.logits(h[:, length - 1])
-    tok, logp = pick_tokens(logits, rows, u_1)
-    return tok, logp, pool, _fed_routing(routed, routing)
+    logits = model.logits(h[jnp.arange(B), jnp.maximum(length_B - 1, 0)])
+    return logits, pool, (routed.transpose(1, 2, 0, 3) if routing and routed is not None else None)
 
 
-def _fed_routing(routed_LxBxWxk, routing: bool):
-    """A prefill's expert selections [L, 1, W, k] -> [W, L, k] when `routing` (None without MoE layers)."""
-    return routed_LxBxWxk[:, 0].transpose(1, 0, 2) if routing and routed_LxBxWxk is not None else None
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def first_tokens(pool, logits_BxV, src_N, rows, u_N, copy_from_C, copy_to_C):
+    """The first tokens of N fresh requests and the page copies of an admission round: request n draws from row
+    src_N[n] of a `prefill` / `extend` program's logits (`pick_tokens` with its own settings `rows` and uniform
+    u_N: a group's G samples draw from their prompt's one computation, as the dense sampler's `repeat` of its
+    prefill logits), and every layer's page copy_to_C[c] becomes a copy of page copy_from_C[c] (the computed
+    prompt's pages that a group's other samples hold copies of: copy on write of a partially filled page;
+    padding: the scratch page onto itself). Returns (token int32 [N], logprob float32 [N], pool)."""
+    pool = {stack: {n: x.at[:, :, copy_to_C].set(x[:, :, copy_from_C]) for n, x in p.items()}
+            for stack, p in pool.items()}
+    tok, logp = pick_tokens(logits_BxV[src_N], rows, u_N)
+    return tok, logp, pool
 
 
 class _Seq:

@@ -83,7 +83,8 @@ def pick_tokens(logits_SxV, rows: dict, u_S):
     vocabulary at T."""
     scaled = logits_SxV.astype(jnp.float32) / rows["T"][:, None]
     logp_all = jax.nn.log_softmax(scaled, axis=-1)
-    greedy = jnp.argmax(logits_SxV, axis=-1).astype(jnp.int32)
+    greedy = jax.lax.cond(rows["greedy"].any(), lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),  # only if used
+                          lambda x: jnp.zeros(x.shape[:1], jnp.int32), logits_SxV)
     top_k, top_p = rows["top_k"], rows["top_p"]
 
     def draw(x):  # the sorts of top-k / top-p (two [S, V] sorts) only when some row asks for them

@@ -200,6 +200,11 @@ class PageRouting:
             self.array = np.full((self.num_pages, self.page_size) + routed_NxLxk.shape[1:], -1, np.int32)
         self.array[self._where(pages, slots_N, positions_N)] = routed_NxLxk
 
+    def copy(self, from_C, to_C) -> None:
+        """Page to_C[c]'s selections become page from_C[c]'s (the engine's page copies; nothing before a record)."""
+        if self.array is not None and len(to_C):
+            self.array[to_C] = self.array[from_C]
+
     def read(self, pages: PagePool, slot: int, num_tokens: int) -> np.ndarray | None:
         """The selections of `slot`'s first num_tokens tokens, int32 [num_tokens, L, k]; None before any record."""
         return None if self.array is None else self.array[self._where(pages, slot, np.arange(num_tokens))]

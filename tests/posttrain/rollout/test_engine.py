@@ -77,7 +77,7 @@ def test_an_admission_prefills_its_requests_in_one_program(monkeypatch, count):
     """The first admission fills all 4 slots with one `prefill` of 4 rows (3 requests: 3 rows and an empty one,
     which writes only into the scratch page); a later one of n requests is one program of the next power of two
     >= n rows. Tokens and logprobs equal the sampler's (<= 1e-5) either way."""
-    import posttrain.rollout.engine as engine_mod
+    import posttrain.rollout.engine_admission as engine_mod
 
     cfg, graphdef, state, prompts, tokens, logp, lengths = _greedy_sampler("tiny-dense")
     calls, real = [], engine_mod.prefill
@@ -200,17 +200,20 @@ def test_table_width_narrows_to_live_pages_with_equal_results(monkeypatch):
     first = rng.integers(4, cfg.vocab_size, 7).tolist()
     settings = EngineSettings(num_slots=4, num_pages=80, page_size=4, max_seq_len=256, prefill_bucket=32)
     import posttrain.rollout.engine as engine_module
+    import posttrain.rollout.engine_admission as admission_module
+
+    modules = {"decode_chunk": engine_module, "extend": admission_module}
 
     def run():
         widths, calls = set(), {}
         for name in ("decode_chunk", "extend"):
-            real = getattr(engine_module, name)
+            real = getattr(modules[name], name)
             calls[name] = real
 
             def spy(*args, _real=real, _at=3 if name == "decode_chunk" else 6, **kw):
                 widths.add((_real.__name__, args[_at].shape[-1]))
                 return _real(*args, **kw)
-            monkeypatch.setattr(engine_module, name, spy)
+            monkeypatch.setattr(modules[name], name, spy)
         engine, prompt, out = Engine(graphdef, state, settings), list(first), []
         for turn in range(3):
             reqs = [Request(prompt=tuple(prompt), max_new_tokens=12, temperature=0.0, stop_ids=(1,))] * 2
@@ -218,7 +221,7 @@ def test_table_width_narrows_to_live_pages_with_equal_results(monkeypatch):
             out.append(done)
             prompt = prompt + done[0].tokens.tolist() + [5, 6, 7]
         for name, real in calls.items():
-            monkeypatch.setattr(engine_module, name, real)
+            monkeypatch.setattr(modules[name], name, real)
         return out, widths
 
     narrow, widths = run()

@@ -43,25 +43,48 @@ def test_four_turn_episode_prefills_only_new_tokens():
     assert left > 6 + 3 * 3  # the episode grew past its first pages (tokens beyond the first turn reused)
 
 
-def test_group_shares_prompt_pages():
-    """4 samples of a 10-token prompt (2 full pages + 2 tokens): the first prefills it, the others share its 2
-    full pages and prefill the 2-token tail into a page of their own. Pages handed out: 2 + each sample's own;
-    tokens and logprobs equal the same requests without the cache (<= 1e-5)."""
+def _teacher_forced(graphdef, state, prompt, replies, width=40):
+    """log_softmax(logits) (T = 1) of each reply's tokens after prompt, from one full forward per row."""
+    from flax import nnx
+    import jax.numpy as jnp
+
+    seq, seg = np.zeros((len(replies), width), np.int32), np.zeros((len(replies), width), np.int32)
+    for i, r in enumerate(replies):
+        seq[i, :len(prompt) + len(r)], seg[i, :len(prompt) + len(r)] = list(prompt) + list(r), 1
+    logp = np.asarray(jax.nn.log_softmax(nnx.merge(graphdef, state)(jnp.asarray(seq), None, jnp.asarray(seg))[0]))
+    return [logp[i, len(prompt) - 1 + np.arange(len(r)), r] for i, r in enumerate(replies)]
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False], ids=["cache", "no-cache"])
+def test_group_shares_prompt_pages(monkeypatch, prefix_cache):
+    """4 samples of a 10-token prompt (2 full pages + 2 tokens): the first prefills it, the only program to run
+    the model before decoding (no `extend`); the others draw their first tokens from its logits and hold copies
+    of its pages (with the prefix cache: its 2 full pages shared, a copy of its partial third page; without: copies
+    of all 3, as many at a time as the pool holds). Every sample's logprobs equal one teacher-forced forward's (<= 1e-5: a missing or wrong page copy
+    changes the logprobs after it); pages handed out with the cache: 2 + each sample's own."""
+    import posttrain.rollout.engine_admission as engine_mod
+
     cfg, graphdef, state = random_model("tiny-dense")
     prompt = tuple(np.random.default_rng(6).integers(4, cfg.vocab_size, 10).tolist())
     requests = [Request(prompt=prompt, max_new_tokens=6, temperature=1.0, stop_ids=(1,)) for _ in range(4)]
-    engine, plain = _engine(state, graphdef), _engine(state, graphdef, prefix_cache=False)
+    calls = []
+    for name in ("prefill", "extend"):
+        monkeypatch.setattr(engine_mod, name, lambda *a, _f=getattr(engine_mod, name), _n=name, **k:
+                            calls.append(_n) or _f(*a, **k))
+    engine = _engine(state, graphdef, prefix_cache=prefix_cache)
     got = engine.generate(requests, jax.random.key(1))
-    want = plain.generate(requests, jax.random.key(1))
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(g.tokens, w.tokens)
-        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+    # without the cache the pool (11 pages) holds 2 samples' 4 pages: the others are admitted later (prefilled
+    # again) or preempted and recomputed
+    assert calls == ["prefill"] if prefix_cache else set(calls) == {"prefill"}
+    for g, want in zip(got, _teacher_forced(graphdef, state, prompt, [g.tokens for g in got])):
+        np.testing.assert_allclose(g.logprobs, want, atol=1e-5)
     assert len({tuple(g.tokens) for g in got}) > 1  # the samples differ
-    held = [engine._pages.pages_for(10 + max(len(g.tokens) - 1, 1)) for g in got]
-    assert engine._pages.allocations == 2 + sum(h - 2 for h in held)
-    assert engine.metrics["rollout/prefill_tokens"] == 10 + 3 * 2
-    assert engine.metrics["rollout/prefix_cached_tokens"] == 3 * 8
     assert engine.metrics["rollout/kv_pages_used"] <= engine.metrics["rollout/kv_pages_allocated"]
+    if prefix_cache:
+        assert engine.metrics["rollout/prefill_tokens"] == 10
+        assert engine.metrics["rollout/prefix_cached_tokens"] == 3 * 10
+        held = [engine._pages.pages_for(10 + max(len(g.tokens) - 1, 1)) for g in got]
+        assert engine._pages.allocations == 2 + sum(h - 2 for h in held)
 
 
 def test_weight_swap_mid_generation_records_versions():
@@ -236,3 +259,27 @@ def test_follow_up_futures_keep_the_order_whatever_the_env_takes():
         spans = late[0][2][ep]
         assert all(nxt[0] == prev[1] + (3 if ep == 0 else 1) for prev, nxt in zip(spans, spans[1:])), spans
     assert late[0][2][0][-1][1] < late[0][2][1][0][1]  # episode 0 ended within episode 1's first turn
+
+
+def test_an_admission_extends_its_cached_prompts_in_one_program(monkeypatch):
+    """Three next turns whose earlier turns are cached to different depths (and a page boundary apart) are
+    admitted together (10 pages: the pool holds them): one `extend` program of 4 rows (3 and a padding row) computes their new tokens, and every
+    reply's logprobs equal one teacher-forced forward's (<= 1e-5)."""
+    import posttrain.rollout.engine_admission as engine_mod
+
+    cfg, graphdef, state = random_model("tiny-dense")
+    rng = np.random.default_rng(11)
+    firsts = [tuple(rng.integers(4, cfg.vocab_size, n).tolist()) for n in (3, 5, 7)]
+    engine = _engine(state, graphdef)
+    done = engine.generate([Request(prompt=p, max_new_tokens=3, temperature=0.0, stop_ids=(1,)) for p in firsts],
+                           jax.random.key(0))
+    nexts = [p + tuple(c.tokens.tolist()) + tuple(rng.integers(4, cfg.vocab_size, k).tolist())
+             for p, c, k in zip(firsts, done, (1, 2, 1))]
+    shapes = []
+    monkeypatch.setattr(engine_mod, "extend", lambda *a, _f=engine_mod.extend, **k:
+                        shapes.append((a[3].shape[0], int((np.asarray(a[5]) > 0).sum()))) or _f(*a, **k))
+    got = engine.generate([Request(prompt=p, max_new_tokens=2, temperature=1.0, stop_ids=(1,)) for p in nexts],
+                          jax.random.key(1))
+    assert shapes == [(4, 3)]
+    for p, g in zip(nexts, got):
+        np.testing.assert_allclose(g.logprobs, _teacher_forced(graphdef, state, p, [g.tokens])[0], atol=1e-5)
