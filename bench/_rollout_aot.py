@@ -118,8 +118,10 @@ def abstract_inputs(cfg, settings, mesh, rules, steps: int = 1):
         pool = jax.tree.map(lambda s: sds(s.shape, s.dtype),
                             kv_pages.pool_shapes(graphdef, state, settings.num_pages, settings.page_size))
     S, M = settings.num_slots, settings.pages_per_seq
-    rows = {"T": sds((S,), jnp.float32), "greedy": sds((S,), jnp.bool_), "top_k": sds((S,), jnp.int32),
-            "top_p": sds((S,), jnp.float32)}
+    from posttrain.rollout.engine import Request, request_rows
+
+    rows = jax.tree.map(lambda x: sds(x.shape, x.dtype),  # the engine's own per-row arrays, by shape
+                        jax.eval_shape(lambda: request_rows([Request(prompt=(0,), max_new_tokens=1)] * S)))
     i32 = lambda: sds((S,), jnp.int32)
     return graphdef, (state, pool, sds((S, M), jnp.int32), i32(), i32(), rows, sds((steps, S), jnp.float32), i32(),
                       sds((S, 1), jnp.int32))

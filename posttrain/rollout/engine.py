@@ -239,42 +239,45 @@ class Engine(Admission):
                     seq = None
 
     def _step(self) -> None:
-        """One decode chunk over the slots: each live slot draws up to K tokens (its remaining budget, and the
-        tokens its pages hold after it tries to grow them for K more without preempting anyone)."""
-        slots, st = self._slots, self.settings
-        K = self.chunk_steps
-        lengths = np.asarray([_cached_len(q) if q else 0 for q in slots], np.int32)
-        limit = np.zeros(len(slots), np.int32)
-        for s, seq in enumerate(slots):
-            if seq is not None:
-                want = min(K, seq.request.max_new_tokens - len(seq.tokens))
-                if want > 1 and not self._pages.grow(s, int(lengths[s]) + want):  # `_make_room` holds one
-                    want = min(want, int(self._pages.held_S[s]) * st.page_size - int(lengths[s]))
-                limit[s] = want
-        prev = np.asarray([q.tokens[-1] if q else 0 for q in slots], np.int32)
-        request = np.asarray([q.index if q else 0 for q in slots], np.int32)
-        t = np.asarray([len(q.tokens) if q else 0 for q in slots], np.int32)
-        stop = stop_rows([q.request.stop_ids if q else () for q in slots])
-        table = jnp.asarray(self._table(self._pages.table_SxM, int((lengths + limit).max())))  # a copy (`_prefill`)
+        """One decode chunk over the live slots, compacted into `EngineSettings.decode_rows` rows (empty rows
+        pad): each live slot draws up to K tokens (its remaining budget, and the tokens its pages hold after it
+        tries to grow them for K more without preempting anyone)."""
+        st, K = self.settings, self.chunk_steps
+        live = [s for s, q in enumerate(self._slots) if q is not None]
+        R = st.decode_rows(len(live))
+        seqs = [self._slots[s] for s in live] + [None] * (R - len(live))
+        lengths = np.asarray([_cached_len(q) if q else 0 for q in seqs], np.int32)
+        limit = np.zeros(R, np.int32)
+        for i, s in enumerate(live):
+            want = min(K, seqs[i].request.max_new_tokens - len(seqs[i].tokens))
+            if want > 1 and not self._pages.grow(s, int(lengths[i]) + want):  # `_make_room` holds one
+                want = min(want, int(self._pages.held_S[s]) * st.page_size - int(lengths[i]))
+            limit[i] = want
+        prev = np.asarray([q.tokens[-1] if q else 0 for q in seqs], np.int32)
+        request = np.asarray([q.index if q else 0 for q in seqs], np.int32)
+        t = np.asarray([len(q.tokens) if q else 0 for q in seqs], np.int32)
+        stop = stop_rows([q.request.stop_ids if q else () for q in seqs])
+        table = np.full((R, st.pages_per_seq), kv_pages.SCRATCH_PAGE, np.int32)  # a copy (`_run`'s comment)
+        table[:len(live)] = self._pages.table_SxM[live]
         tok, lp, drawn, self._pool, routed = decode_chunk(
-            self.graphdef, self.state, self._pool, table, jnp.asarray(lengths), jnp.asarray(prev),
-            request_rows([q.request if q else None for q in slots]), self._uniforms(request, t, K),
-            jnp.asarray(limit), jnp.asarray(stop), steps=K, impl=self.impl, routing=st.record_routing)
+            self.graphdef, self.state, self._pool, jnp.asarray(self._table(table, int((lengths + limit).max()))),
+            jnp.asarray(lengths), jnp.asarray(prev), request_rows([q.request if q else None for q in seqs]),
+            self._uniforms(request, t, K), jnp.asarray(limit), jnp.asarray(stop), steps=K, impl=self.impl,
+            routing=st.record_routing)
         tok, lp, drawn = np.asarray(tok), np.asarray(lp), np.asarray(drawn)
         shared = self._pages.shared_extra * st.page_size  # shared pages counted once
-        written_KxS = lengths + np.cumsum(drawn, axis=0)  # tokens in each slot's pages after each step
+        written_KxR = lengths + np.cumsum(drawn, axis=0)  # tokens in each row's pages after each step
         for j in range(K):
             if drawn[j].any():
-                self._counters.observe(self._pages.allocated, int(written_KxS[j][limit > 0].sum()) - shared,
+                self._counters.observe(self._pages.allocated, int(written_KxR[j][limit > 0].sum()) - shared,
                                        int(drawn[j].sum()), int((limit > 0).sum()))
         if routed is not None:
             routed = np.asarray(routed)
             for j in range(K):
-                live = np.flatnonzero(drawn[j])
-                self._keep_routing(routed[j][live], live, lengths[live] + j)
-        for s, seq in enumerate(slots):
-            if seq is not None:
-                for j in np.flatnonzero(drawn[:, s]):
-                    seq.append(tok[j, s], lp[j, s], self.version)
-                if seq.finished():
-                    self._finish(s)
+                rows = np.flatnonzero(drawn[j])
+                self._keep_routing(routed[j][rows], np.asarray(live)[rows], lengths[rows] + j)
+        for i, s in enumerate(live):
+            for j in np.flatnonzero(drawn[:, i]):
+                seqs[i].append(tok[j, i], lp[j, i], self.version)
+            if seqs[i].finished():
+                self._finish(s)

@@ -105,16 +105,24 @@ class EngineSettings:
 
     def table_width(self, pages: int) -> int:
         """The page-table width a program over sequences of at most `pages` pages reads with the gather
-        reference: the smallest power of two >= pages, at least min(8, M) and at most M (one compile per width:
-        ~log2(M / 8) + 1 of them). The reference gathers and attends over every page of the table it is given
-        (masked past each length), so narrowing the table to what the longest live sequence holds cuts the
-        decode step's reads and attention from M * Z keys per slot to at most twice what is live. The Pallas
-        kernels read only each sequence's own pages and take the full width (one compile)."""
-        M = self.pages_per_seq
-        width = min(8, M)
+        reference: the smallest width >= pages on a grid of 2, 4, 6, 8 pages, then four per octave (10, 12, 14,
+        16, 20, 24, 28, 32, 40, ...), at most M (one compile per width). The reference gathers and attends over
+        every page of the table it is given (masked past each length), so narrowing the table to what the longest
+        live sequence holds cuts the decode step's reads and attention from M * Z keys per slot to at most 4/3 of
+        the live ones (2 pages' worth below 8 pages). The Pallas kernels read only each sequence's own pages and
+        take the full width (one compile)."""
+        width = 2
         while width < pages:
-            width *= 2
-        return min(width, M)
+            width += 2 if width < 8 else (1 << (width.bit_length() - 1)) // 4
+        return min(width, self.pages_per_seq)
+
+    def decode_rows(self, live: int) -> int:
+        """Rows of a decode program over `live` (>= 1) sequences: the smallest multiple of ceil(S / 4) >= live (S
+        up to 8: S). The live slots are packed into the first rows, so when slots empty out with nothing queued
+        (a call's tail) the decode stops paying for them, as the dense sampler's `shrink`; at most 4 decode
+        compiles per table width."""
+        quarter = -(-self.num_slots // 4) if self.num_slots > 8 else self.num_slots
+        return min(self.num_slots, -(-live // quarter) * quarter)
 
     def check_requests(self, requests) -> None:
         """Raises TypeError for a non-Request, ValueError for a request longer than max_seq_len or needing more

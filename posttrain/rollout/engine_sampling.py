@@ -37,15 +37,18 @@ def filter_logits_rows(scaled_SxV, top_k_S, top_p_S):
 
 
 def request_rows(requests: Sequence) -> dict:
-    """The per-row sampling arrays of `pick_tokens` for one request per slot (None, an empty slot:
-    greedy at T = 1): T float32 [S] (the logprob temperature), greedy bool [S], top_k int32 [S], top_p float32 [S]."""
+    """The per-row sampling arrays of `pick_tokens` for one request per slot (None, an empty slot: greedy at
+    T = 1, not live): T float32 [S] (the logprob temperature), greedy bool [S], top_k int32 [S], top_p float32 [S],
+    live bool [S] (empty rows' tokens are never used: they decide neither whether an argmax nor whether a draw
+    runs)."""
     def col(fn, dtype):
         return jnp.asarray(np.asarray([fn(r) for r in requests], dtype))
 
     return {"T": col(lambda r: logprob_temperature(r.temperature) if r else 1.0, np.float32),
             "greedy": col(lambda r: r.temperature == 0 if r else True, bool),
             "top_k": col(lambda r: r.top_k if r else 0, np.int32),
-            "top_p": col(lambda r: r.top_p if r else 1.0, np.float32)}
+            "top_p": col(lambda r: r.top_p if r else 1.0, np.float32),
+            "live": col(lambda r: r is not None, bool)}
 
 
 def stop_rows(stop_ids: Sequence[tuple[int, ...]]) -> np.ndarray:
@@ -83,15 +86,16 @@ def pick_tokens(logits_SxV, rows: dict, u_S):
     vocabulary at T."""
     scaled = logits_SxV.astype(jnp.float32) / rows["T"][:, None]
     logp_all = jax.nn.log_softmax(scaled, axis=-1)
-    greedy = jax.lax.cond(rows["greedy"].any(), lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),  # only if used
-                          lambda x: jnp.zeros(x.shape[:1], jnp.int32), logits_SxV)
+    live = rows["live"]
+    greedy = jax.lax.cond((rows["greedy"] & live).any(), lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),
+                          lambda x: jnp.zeros(x.shape[:1], jnp.int32), logits_SxV)  # only when a live row is greedy
     top_k, top_p = rows["top_k"], rows["top_p"]
 
     def draw(x):  # the sorts of top-k / top-p (two [S, V] sorts) only when some row asks for them
-        x = jax.lax.cond(((top_k > 0) | (top_p < 1.0)).any(), lambda x: filter_logits_rows(x, top_k, top_p),
+        x = jax.lax.cond((((top_k > 0) | (top_p < 1.0)) & live).any(), lambda x: filter_logits_rows(x, top_k, top_p),
                          lambda x: x, x)
         return categorical(u_S, x).astype(jnp.int32)
 
-    drawn = jax.lax.cond(rows["greedy"].all(), lambda x: greedy, draw, scaled)  # all greedy: no draw at all
+    drawn = jax.lax.cond((rows["greedy"] | ~live).all(), lambda x: greedy, draw, scaled)  # no draw at all
     tok = jnp.where(rows["greedy"], greedy, drawn)
     return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]

@@ -190,11 +190,11 @@ def test_page_pool_and_bad_input():
 
 def test_table_width_narrows_to_live_pages_with_equal_results(monkeypatch):
     """With the gather reference the decode and extend programs get the page table only as wide as the longest
-    live sequence needs (a power of two >= 8, <= M); a multi-turn episode through a wide engine (M = 64) gives the
+    live sequence needs (2, 4, 6, 8 pages, then four widths per octave, <= M); a multi-turn episode through a wide engine (M = 64) gives the
     same tokens and logprobs (<= 1e-5: summation order) as with the full table, and the programs saw the narrow widths only."""
     assert [EngineSettings(num_slots=1, num_pages=2, page_size=4, max_seq_len=m).table_width(p)
-            for m, p in [(40, 1), (40, 8), (40, 9), (40, 10), (256, 9), (256, 17), (256, 64), (16, 1)]] == \
-        [8, 8, 10, 10, 16, 32, 64, 4]
+            for m, p in [(40, 1), (40, 8), (40, 9), (40, 10), (256, 9), (256, 17), (256, 64), (16, 1), (256, 3),
+                         (1024, 33), (1024, 41), (1024, 100)]] == [2, 8, 10, 10, 10, 20, 64, 2, 4, 40, 48, 112]
     cfg, graphdef, state = random_model("tiny-dense")
     rng = np.random.default_rng(3)
     first = rng.integers(4, cfg.vocab_size, 7).tolist()
@@ -225,7 +225,7 @@ def test_table_width_narrows_to_live_pages_with_equal_results(monkeypatch):
         return out, widths
 
     narrow, widths = run()
-    assert {w for _, w in widths} <= {8, 16} and {name for name, _ in widths} == {"decode_chunk", "extend"}
+    assert {w for _, w in widths} <= {2, 4, 6, 8, 10, 12, 14, 16} and {name for name, _ in widths} == {"decode_chunk", "extend"}
     monkeypatch.setattr(EngineSettings, "table_width", lambda self, pages: self.pages_per_seq)
     full, full_widths = run()
     assert {w for _, w in full_widths} == {64}
@@ -233,6 +233,46 @@ def test_table_width_narrows_to_live_pages_with_equal_results(monkeypatch):
         for x, y in zip(a, b):
             np.testing.assert_array_equal(x.tokens, y.tokens)
             np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+
+
+def test_decode_packs_live_slots_into_fewer_rows_with_equal_results(monkeypatch):
+    """12 slots, 12 sampled requests of budgets 1..12: as they end the decode runs on the smallest multiple of 3
+    rows that holds the live ones (12, 9, 6, 3: `EngineSettings.decode_rows`), live slots packed first; tokens
+    equal and logprobs within 1e-5 of decoding all 12 slots every step, and every token is the draw of its own
+    request's uniform from the teacher-forced logits, whichever row it ran in."""
+    import posttrain.rollout.engine as engine_module
+
+    assert [EngineSettings(num_slots=s, num_pages=2).decode_rows(n) for s, n in
+            [(64, 64), (64, 49), (64, 48), (64, 1), (8, 1), (12, 5), (13, 5)]] == [64, 64, 48, 16, 8, 6, 8]
+    cfg, graphdef, state = random_model("tiny-dense")
+    prompts = [np.random.default_rng(i).integers(4, cfg.vocab_size, 5 + i % 3).tolist() for i in range(12)]
+    requests = [Request(prompt=tuple(p), max_new_tokens=1 + i, temperature=1.0) for i, p in enumerate(prompts)]
+    settings = EngineSettings(num_slots=12, num_pages=40, page_size=4, max_seq_len=24, prefill_bucket=32)
+    rows, real = [], engine_module.decode_chunk
+    monkeypatch.setattr(engine_module, "decode_chunk", lambda *a, **k: rows.append(a[3].shape[0]) or real(*a, **k))
+    packed = Engine(graphdef, state, settings).generate(requests, jax.random.key(5))
+    assert rows == sorted(rows, reverse=True) and set(rows) == {12, 9, 6, 3}, rows
+    monkeypatch.setattr(EngineSettings, "decode_rows", lambda self, live: self.num_slots)
+    rows.clear()
+    full = Engine(graphdef, state, settings).generate(requests, jax.random.key(5))
+    assert set(rows) == {12}
+    for a, b in zip(packed, full):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    # each token is the inverse-CDF draw of its request's own uniform (`token_uniforms` of its index and step)
+    # from the teacher-forced logits, whichever row it ran in
+    from posttrain.rollout.engine_sampling import token_uniforms, uniform_width
+    from posttrain.rollout.sampler import categorical
+
+    seq, seg = np.zeros((12, 24), np.int32), np.zeros((12, 24), np.int32)
+    for r, (p, c) in enumerate(zip(prompts, packed)):
+        seq[r, :len(p) + len(c.tokens)], seg[r, :len(p) + len(c.tokens)] = p + c.tokens.tolist(), 1
+    logits = np.asarray(nnx.merge(graphdef, state)(jnp.asarray(seq), None, jnp.asarray(seg))[0])
+    u = np.asarray(token_uniforms(jax.random.key(5), jnp.arange(12), jnp.zeros(12, jnp.int32), steps=12,
+                                  width=uniform_width(11)))  # [t, r]
+    at = [(r, t, len(p) - 1 + t) for r, (p, c) in enumerate(zip(prompts, packed)) for t in range(len(c.tokens))]
+    drawn = categorical(jnp.asarray([u[t, r] for r, t, _ in at]), jnp.asarray([logits[r, i] for r, _, i in at]))
+    np.testing.assert_array_equal(np.asarray(drawn), [packed[r].tokens[t] for r, t, _ in at])
 
 
 @pytest.mark.parametrize("preset,steps", [("tiny-dense", 1), ("tiny-deepseek", 1), ("tiny-deepseek", 3)])
