@@ -11,14 +11,17 @@ are kept per page (host memory, like the pool: a reused prefix's come with its p
   0. swap: weights given to `update_weights(state, version)` since the last turn take effect; every live sequence
      is requeued for recompute under them (its cached pages were computed by the old weights) and the prefix
      cache is cleared, so every token from then on is exactly the new version's (`Completion.versions`);
-  1. admit: every free slot takes the next pending request whose pages (its cached tokens + the next one) are
-     free; the first tokens that the prefix cache holds (`prefix_cache`) are shared, the rest prefilled into
-     fresh pages (`prefill`: the admitted sequences with nothing cached together, one program per width; or
-     `extend` past cached ones) and, for a fresh request, its first token drawn from the prefill's logits;
-     requests that end at that token free their slots for another round;
+  1. admit (`engine_admission.Admission`): every free slot takes the next pending request whose pages (its
+     cached tokens + the next one) are free; the first tokens that the prefix cache holds (`prefix_cache`) are
+     shared, the rest computed into fresh pages: one `prefill` program per width for the sequences with nothing
+     cached, one batched `extend` per width past cached ones. Fresh requests with the same prompt (a group's G
+     samples) compute it once: `first_tokens` draws every sample's first token from that computation's logits
+     and gives the others copies of its pages past those the prefix cache shares (copy on write);
+     requests that end at their first token free their slots for another round;
   2. make room: every live slot holds the page its next token goes to; when none is free, the newest sequence
      is preempted (pages freed, queued first for recompute, its tokens and logprobs kept);
-  3. decode: K steps over all S slots in one program (`engine_ops.decode_chunk`; each live slot's pages grown
+  3. decode: K steps over the live slots, packed into the first `EngineSettings.decode_rows` rows of one program
+     (`engine_ops.decode_chunk`; each live slot's pages grown
      for its next K tokens where the pool has them, else it stops at what they hold); finished slots release
      their pages when the chunk ends
      (kept by the prefix cache for a later turn), `on_finish` may queue the episode's next turn at once, or

@@ -25,10 +25,9 @@ for every fed token (routing replay; `Completion.routing`).
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -261,19 +260,29 @@ def prefill(graphdef, state, pool, tokens_BxW, lengths_B, page_rows_BxM, *, rout
     MoE model, else None."""
     model = _merge(graphdef, state)
     B, W = tokens_BxW.shape
-    Z = jax.tree.leaves(pool)[0].shape[3]
-    pos = jnp.arange(W)
-    fed_BxW = pos[None, :] < lengths_B[:, None]
+    pos_BxW = jnp.broadcast_to(jnp.arange(W), (B, W))
+    fed_BxW = pos_BxW < lengths_B[:, None]
     h, aux, entries = model.hidden_states(tokens_BxW, None, fed_BxW.astype(jnp.int32), None, return_entries=True)
-    page_BxW = jnp.where(fed_BxW, page_rows_BxM[:, jnp.minimum(pos // Z, page_rows_BxM.shape[1] - 1)],
+    return _write_fed(model, pool, h, entries, aux.get("routed_experts"), page_rows_BxM, pos_BxW, fed_BxW,
+                      lengths_B, routing)
+
+
+def _write_fed(model, pool, h, entries, routed, page_rows_BxM, pos_BxW, fed_BxW, length_B, routing: bool):
+    """The tail `prefill` and `extend` share: writes the fed tokens' entries (h [B, W, d] hidden states, entries
+    {stack: {name: [L, B, W, ...]}}) at their positions pos_BxW into their pages (`page_rows_BxM`; unfed
+    tokens into the scratch page) and returns (logits float32 [B, V] at each row's last fed token
+    (length_B - 1), pool, routed [B, W, L, k] or None: the MoE layers' [L, B, W, k] selection transposed, with
+    `routing`)."""
+    B = pos_BxW.shape[0]
+    Z = jax.tree.leaves(pool)[0].shape[3]
+    page_BxW = jnp.where(fed_BxW, jnp.take_along_axis(page_rows_BxM, jnp.minimum(pos_BxW // Z,
+                                                                                 page_rows_BxM.shape[1] - 1), 1),
                          kv_pages.SCRATCH_PAGE)
-    offset_BxW = jnp.broadcast_to(pos % Z, (B, W))
-    pool = {stack: write_layers(pool[stack], {n: e.reshape(e.shape[0], B * W, *e.shape[3:])
+    pool = {stack: write_layers(pool[stack], {n: e.reshape(e.shape[0], -1, *e.shape[3:])
                                               for n, e in entries[stack].items()},
-                                page_BxW.reshape(-1), offset_BxW.reshape(-1))
+                                page_BxW.reshape(-1), (pos_BxW % Z).reshape(-1))
             for stack in pool}
-    logits = model.logits(h[jnp.arange(B), jnp.maximum(lengths_B - 1, 0)])
-    routed = aux.get("routed_experts")  # [L, B, W, k]
+    logits = model.logits(h[jnp.arange(B), jnp.maximum(length_B - 1, 0)])
     return logits, pool, (routed.transpose(1, 2, 0, 3) if routing and routed is not None else None)
 
 
@@ -288,7 +297,7 @@ def extend(graphdef, state, pool, tokens_BxW, start_B, length_B, page_rows_BxM, 
     `prefill`'s)."""
     model = _merge(graphdef, state)
     B, W = tokens_BxW.shape
-    P, Z = jax.tree.leaves(pool)[0].shape[2:4]
+    P = jax.tree.leaves(pool)[0].shape[2]
     pos_BxW = start_B[:, None] + jnp.arange(W)[None, :]
     valid_BxW = jnp.arange(W)[None, :] < length_B[:, None]
 
@@ -300,15 +309,7 @@ def extend(graphdef, state, pool, tokens_BxW, start_B, length_B, page_rows_BxM, 
     h, entries, routed, _ = model.extend_with_hook(tokens_BxW, pos_BxW.astype(jnp.int32), layers, make_hook,
                                                    valid_BxW, return_routing=True,
                                                    cache_carry={k: flat_pages(p) for k, p in pool.items()})
-    page_BxW = jnp.where(valid_BxW, jnp.take_along_axis(page_rows_BxM, jnp.minimum(pos_BxW // Z,
-                                                                                  page_rows_BxM.shape[1] - 1), 1),
-                         kv_pages.SCRATCH_PAGE)
-    pool = {stack: write_layers(pool[stack], {n: e.reshape(e.shape[0], B * W, *e.shape[3:])
-                                              for n, e in entries[stack].items()},
-                                page_BxW.reshape(-1), (pos_BxW % Z).reshape(-1))
-            for stack in pool}
-    logits = model.logits(h[jnp.arange(B), jnp.maximum(length_B - 1, 0)])
-    return logits, pool, (routed.transpose(1, 2, 0, 3) if routing and routed is not None else None)
+    return _write_fed(model, pool, h, entries, routed, page_rows_BxM, pos_BxW, valid_BxW, length_B, routing)
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
