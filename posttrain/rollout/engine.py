@@ -7,7 +7,8 @@ request order; `engine.metrics` then holds `rollout/{kv_pages_allocated, kv_page
 prefill_tokens, decode_tokens, preemptions, prefix_cached_tokens, weight_swaps}` of that call
 (`kv_pages.PageCounters`). With `EngineSettings.record_routing` on a MoE model each fed token's expert selections
 are kept per page (host memory, like the pool: a reused prefix's come with its pages) and read into
-`Completion.routing` as a sequence ends. Each loop turn (a decode chunk: K = `EngineSettings.decode_chunk` steps):
+`Completion.routing` as a sequence ends. Each loop turn (a decode chunk: K = `EngineSettings.decode_chunk` steps;
+`drain_chunk` steps when no request waits for a slot and no `on_finish` can queue one):
   0. swap: weights given to `update_weights(state, version)` since the last turn take effect; every live sequence
      is requeued for recompute under them (its cached pages were computed by the old weights) and the prefix
      cache is cleared, so every token from then on is exactly the new version's (`Completion.versions`);
@@ -68,6 +69,7 @@ class Engine(Admission):
         self.impl = resolve_impl(settings.attention_impl, pages_per_seq=settings.pages_per_seq,
                                  **kv_pages.kernel_shapes(self.shapes))
         self.chunk_steps = settings.chunk_steps()  # K decode steps per program
+        self.drain_steps = settings.chunk_steps(drain=True)  # ... when no request waits for a slot
         self.metrics: dict[str, float] = {}
         self.max_waste_per_seq = 0.0  # largest (pages allocated - used) / live sequences over the last call
         self.live_at_peak = 0  # live sequences at the last call's step with the most pages allocated
@@ -125,6 +127,8 @@ class Engine(Admission):
         self._slots: list[_Seq | None] = [None] * st.num_slots
         self._done: dict[int, _Seq] = {}
         self._order, self._key = itertools.count(), key
+        prompts = collections.Counter(tuple(r.prompt) for r in requests)
+        self._block = max(prompts.values(), default=1)  # a group's samples: rows per shared-prefix block
         for chunk in itertools.count():
             self._chunk = chunk
             self._take_follow_ups(chunk)
@@ -159,6 +163,23 @@ class Engine(Admission):
         if self.impl != "reference":
             return table_xM.copy()
         return table_xM[..., :self.settings.table_width(-(-tokens // self.settings.page_size))].copy()
+
+    def _shared_tables(self, table_RxM: np.ndarray, tokens_R: np.ndarray, shared_B):
+        """The decode program's page tables: (`_table` of the rows, None), or with `shared_B` (pages each block of
+        `_block` rows shares, `kv_pages.shared_blocks`) (each row's table past its block's shared pages, (the
+        blocks' shared pages [B, F], their tokens [B])), F and the row tables' widths on `table_width`'s grid."""
+        if shared_B is None:
+            return jnp.asarray(self._table(table_RxM, int(tokens_R.max()))), None
+        Z, G = self.settings.page_size, self._block
+        F = self.settings.table_width(int(shared_B.max()))
+        prefix = np.full((len(shared_B), F), kv_pages.SCRATCH_PAGE, np.int32)
+        own = np.full_like(table_RxM, kv_pages.SCRATCH_PAGE)
+        for b, n in enumerate(shared_B):
+            prefix[b, :n] = table_RxM[b * G, :n]
+            own[b * G:(b + 1) * G, :table_RxM.shape[1] - n] = table_RxM[b * G:(b + 1) * G, n:]
+        need = int((-(-tokens_R // Z) - np.repeat(shared_B, G)).max())
+        own = own[:, :self.settings.table_width(max(need, 1))]
+        return jnp.asarray(own), (jnp.asarray(prefix), jnp.asarray(shared_B * Z, np.int32))
 
     def _uniforms(self, request_S: np.ndarray, t_S: np.ndarray, steps: int) -> jax.Array:
         """float32 [steps, S]: the uniforms of each row's next `steps` tokens (`engine_sampling.token_uniforms`)."""
@@ -244,29 +265,41 @@ class Engine(Admission):
     def _step(self) -> None:
         """One decode chunk over the live slots, compacted into `EngineSettings.decode_rows` rows (empty rows
         pad): each live slot draws up to K tokens (its remaining budget, and the tokens its pages hold after it
-        tries to grow them for K more without preempting anyone)."""
-        st, K = self.settings, self.chunk_steps
+        tries to grow them for K more without preempting anyone). With the gather reference and a call whose
+        requests repeat a prompt (a group's samples), rows come in blocks of the group size that read their shared
+        prompt pages once (`kv_pages.shared_blocks`), when that takes no more rows."""
+        st = self.settings
+        K = self.chunk_steps if self._queue or self._waiting or self._on_finish else self.drain_steps
         live = [s for s, q in enumerate(self._slots) if q is not None]
+        cached = {s: _cached_len(self._slots[s]) for s in live}
+        want = {}
+        for s in live:
+            q = self._slots[s]
+            want[s] = min(K, q.request.max_new_tokens - len(q.tokens))
+            if want[s] > 1 and not self._pages.grow(s, cached[s] + want[s]):  # `_make_room` holds one
+                want[s] = min(want[s], int(self._pages.held_S[s]) * st.page_size - cached[s])
         R = st.decode_rows(len(live))
-        seqs = [self._slots[s] for s in live] + [None] * (R - len(live))
-        lengths = np.asarray([_cached_len(q) if q else 0 for q in seqs], np.int32)
-        limit = np.zeros(R, np.int32)
-        for i, s in enumerate(live):
-            want = min(K, seqs[i].request.max_new_tokens - len(seqs[i].tokens))
-            if want > 1 and not self._pages.grow(s, int(lengths[i]) + want):  # `_make_room` holds one
-                want = min(want, int(self._pages.held_S[s]) * st.page_size - int(lengths[i]))
-            limit[i] = want
+        blocks = None
+        if self.impl == "reference" and self._block > 1:
+            blocks = kv_pages.shared_blocks(self._pages.table_SxM[live],
+                                            np.asarray([cached[s] // st.page_size for s in live]), self._block, R)
+        row_slot = [live[i] if i >= 0 else -1 for i in blocks[0]] if blocks else live + [-1] * (R - len(live))
+        seqs = [self._slots[s] if s >= 0 else None for s in row_slot]
+        lengths = np.asarray([cached[s] if s >= 0 else 0 for s in row_slot], np.int32)
+        limit = np.asarray([want[s] if s >= 0 else 0 for s in row_slot], np.int32)
         prev = np.asarray([q.tokens[-1] if q else 0 for q in seqs], np.int32)
         request = np.asarray([q.index if q else 0 for q in seqs], np.int32)
         t = np.asarray([len(q.tokens) if q else 0 for q in seqs], np.int32)
         stop = stop_rows([q.request.stop_ids if q else () for q in seqs])
-        table = np.full((R, st.pages_per_seq), kv_pages.SCRATCH_PAGE, np.int32)  # a copy (`_run`'s comment)
-        table[:len(live)] = self._pages.table_SxM[live]
+        table = np.full((len(row_slot), st.pages_per_seq), kv_pages.SCRATCH_PAGE, np.int32)  # a copy (`_run`)
+        for i, s in enumerate(row_slot):
+            if s >= 0:
+                table[i] = self._pages.table_SxM[s]
+        table, shared = self._shared_tables(table, lengths + limit, blocks[1] if blocks else None)
         tok, lp, drawn, self._pool, routed = decode_chunk(
-            self.graphdef, self.state, self._pool, jnp.asarray(self._table(table, int((lengths + limit).max()))),
-            jnp.asarray(lengths), jnp.asarray(prev), request_rows([q.request if q else None for q in seqs]),
-            self._uniforms(request, t, K), jnp.asarray(limit), jnp.asarray(stop), steps=K, impl=self.impl,
-            routing=st.record_routing)
+            self.graphdef, self.state, self._pool, table, jnp.asarray(lengths), jnp.asarray(prev),
+            request_rows([q.request if q else None for q in seqs]), self._uniforms(request, t, K),
+            jnp.asarray(limit), jnp.asarray(stop), steps=K, impl=self.impl, routing=st.record_routing, shared=shared)
         tok, lp, drawn = np.asarray(tok), np.asarray(lp), np.asarray(drawn)
         shared = self._pages.shared_extra * st.page_size  # shared pages counted once
         written_KxR = lengths + np.cumsum(drawn, axis=0)  # tokens in each row's pages after each step
@@ -278,8 +311,10 @@ class Engine(Admission):
             routed = np.asarray(routed)
             for j in range(K):
                 rows = np.flatnonzero(drawn[j])
-                self._keep_routing(routed[j][rows], np.asarray(live)[rows], lengths[rows] + j)
-        for i, s in enumerate(live):
+                self._keep_routing(routed[j][rows], np.asarray(row_slot)[rows], lengths[rows] + j)
+        for i, s in enumerate(row_slot):
+            if s < 0:
+                continue
             for j in np.flatnonzero(drawn[:, i]):
                 seqs[i].append(tok[j, i], lp[j, i], self.version)
             if seqs[i].finished():

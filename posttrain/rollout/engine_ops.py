@@ -45,6 +45,10 @@ from posttrain.rollout.engine_sampling import (filter_logits_rows, pick_tokens, 
 # decode steps per program by backend (`EngineSettings.decode_chunk` = 0). CPU: 1, a step there is compute-bound
 # (SmolLM2 at 16 slots: tens of ms) and a finished slot would idle for the rest of a chunk.
 AUTO_DECODE_CHUNK = {"gpu": 8, "tpu": 8, "cpu": 1}
+# ... and when no request waits for a slot (`EngineSettings.drain_chunk` = 0): a finished slot has nothing to take
+# in then, and the live ones are packed into fewer rows at the next chunk. CPU: 4 (quickstart shapes, SmolLM2,
+# 64 slots, 24 tokens: a call 2.48 -> 2.25 s, the host's per-program work).
+AUTO_DRAIN_CHUNK = {"gpu": 8, "tpu": 8, "cpu": 4}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +74,9 @@ class EngineSettings:
             chunk's pages are allocated before it runs (each live slot up to K tokens ahead). K > 1 pays where a
             step's host work is a large share of it (an accelerator: one decode step of qwen3-0.6b at 128 slots on
             an H200 ran 13.6 ms, 7.1 of them device-busy); tokens and logprobs do not depend on K.
+        drain_chunk: decode steps per program when no request waits to be admitted (nothing queued, no next turn
+            pending): a call's tail, or a call with no more requests than slots (>= 0, 0: `AUTO_DRAIN_CHUNK` of
+            the default backend).
     """
 
     num_slots: int
@@ -81,21 +88,26 @@ class EngineSettings:
     prefix_cache: bool = True
     record_routing: bool = False
     decode_chunk: int = 0
+    drain_chunk: int = 0
 
     def __post_init__(self):
         if (self.num_slots < 1 or self.num_pages < 2 or self.page_size < 1 or self.max_seq_len < 2
-                or self.prefill_bucket < 1 or self.attention_impl not in IMPLS or self.decode_chunk < 0):
+                or self.prefill_bucket < 1 or self.attention_impl not in IMPLS or self.decode_chunk < 0 or self.drain_chunk < 0):
             raise ValueError(f"invalid engine settings: num_slots={self.num_slots} (>= 1), num_pages="
                              f"{self.num_pages} (>= 2), page_size={self.page_size} (>= 1), max_seq_len="
                              f"{self.max_seq_len} (>= 2), prefill_bucket={self.prefill_bucket} (>= 1), "
                              f"attention_impl={self.attention_impl!r} (one of {IMPLS}), decode_chunk="
-                             f"{self.decode_chunk} (>= 0)")
+                             f"{self.decode_chunk} (>= 0), drain_chunk={self.drain_chunk} (>= 0)")
 
-    def chunk_steps(self, backend: str | None = None) -> int:
+    def chunk_steps(self, backend: str | None = None, *, drain: bool = False) -> int:
         """K: decode_chunk, or for 0 `AUTO_DECODE_CHUNK[backend]` (backend: a JAX backend or device platform name,
-        "cuda" / "rocm" count as "gpu"; default jax.default_backend(); 1 for any other)."""
+        "cuda" / "rocm" count as "gpu"; default jax.default_backend(); 1 for any other); with `drain`,
+        drain_chunk or `AUTO_DRAIN_CHUNK[backend]` (1 for any other)."""
         backend = backend or jax.default_backend()
-        return self.decode_chunk or AUTO_DECODE_CHUNK.get({"cuda": "gpu", "rocm": "gpu"}.get(backend, backend), 1)
+        backend = {"cuda": "gpu", "rocm": "gpu"}.get(backend, backend)
+        if drain:
+            return self.drain_chunk or AUTO_DRAIN_CHUNK.get(backend, 1)
+        return self.decode_chunk or AUTO_DECODE_CHUNK.get(backend, 1)
 
     @property
     def pages_per_seq(self) -> int:
@@ -193,20 +205,26 @@ def _merge(graphdef, state):
     return nnx.merge(graphdef, *(state if isinstance(state, tuple) else (state,)))
 
 
-def _decode_once(model, pool, table_SxM, lengths_S, prev_S, impl: str):
+def _decode_once(model, pool, table_SxM, lengths_S, prev_S, impl: str, shared=None):
     """One decode step on a merged model: feeds prev_S at positions lengths_S (each slot's cached tokens) and writes
-    their entries into the pages (an inactive slot: length 0 on the scratch page). Returns (logits [S, V], pool,
-    routed [L, S, k]: the MoE layers' expert selection of the fed tokens, or None without MoE layers)."""
+    their entries into the pages (an inactive slot: length 0 on the scratch page). shared: None, or
+    (prefix_table_BxF, prefix_len_B) for rows in B blocks sharing their first prefix_len tokens
+    (`paged_attention.shared_prefix_attention`; table_SxM then holds each row's pages past its block's prefix).
+    Returns (logits [S, V], pool, routed [L, S, k]: the MoE layers' expert selection of the fed tokens, or None
+    without MoE layers)."""
     P, Z = jax.tree.leaves(pool)[0].shape[2:4]
-    S = prev_S.shape[0]
-    page_S = table_SxM[jnp.arange(S), lengths_S // Z]
+    S, M = table_SxM.shape
+    start_S = 0 if shared is None else jnp.repeat(shared[1], S // shared[1].shape[0])  # tokens before the table
+    own_S = lengths_S - start_S
+    page_S = table_SxM[jnp.arange(S), jnp.clip(own_S // Z, 0, M - 1)]
     offset_S = lengths_S % Z
 
     def make_hook(layer, cell):  # cell[0]: the stack's whole pool, one layer of L * P pages, carried by the scan
         def fn(q_Sx1xNxH, own, scale):
             own = {name: e[:, 0] for name, e in own.items()}
-            out, cell[0] = attend_with_new_token(cell[0], own, q_Sx1xNxH[:, 0], table_SxM + layer * P, lengths_S,
-                                                 page_S + layer * P, offset_S, scale, impl)
+            layer_shared = None if shared is None else (shared[0] + layer * P, shared[1])
+            out, cell[0] = attend_with_new_token(cell[0], own, q_Sx1xNxH[:, 0], table_SxM + layer * P, own_S,
+                                                 page_S + layer * P, offset_S, scale, impl, shared=layer_shared)
             return out[:, None]
         return CacheHook(fn)
 
@@ -219,22 +237,25 @@ def _decode_once(model, pool, table_SxM, lengths_S, prev_S, impl: str):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "impl", "routing"), donate_argnames=("pool",))
 def decode_chunk(graphdef, state, pool, table_SxM, lengths_S, prev_S, rows, u_KxS, limit_S,
-                 stop_SxX, *, steps: int, impl: str, routing: bool = False):
+                 stop_SxX, *, steps: int, impl: str, routing: bool = False, shared=None):
     """Up to `steps` (K) decode steps in one program (`_decode_once`, then `pick_tokens`), each slot feeding the
     token it drew at the step before, from prev_S at positions lengths_S, until it has drawn limit_S tokens (0: an
     empty slot; the host's limit is the reply's remaining budget, K and the tokens its pages hold) or a token of
     its stop_SxX row (ids, -1: none). A slot that has stopped feeds nothing more: length 0 on the scratch page,
     as an empty slot. Step j draws with u_KxS[j] (`token_uniforms` of each slot's request and next tokens), so
-    the tokens and logprobs do not depend on K. Returns (tokens int32 [K, S], logprobs float32 [K, S], drawn
-    bool [K, S]: which slots drew at each step, pool, routed int32 [K, S, L, k]: the MoE layers' expert
-    selection of the fed tokens with `routing` on a MoE model, else None)."""
+    the tokens and logprobs do not depend on K. shared: None, or (prefix_table_BxF int32, prefix_len_B int32)
+    for rows in B blocks of S / B sharing their first prefix_len_B tokens, a multiple of Z (the gather reference
+    only: `shared_blocks`); table_SxM then holds each row's pages past its block's prefix. Returns (tokens int32
+    [K, S], logprobs float32 [K, S], drawn bool [K, S]: which slots drew at each step, pool, routed int32
+    [K, S, L, k]: the MoE layers' expert selection of the fed tokens with `routing` on a MoE model, else None)."""
     model = _merge(graphdef, state)
 
     def body(carry, j):
         pool, lengths_S, prev_S, limit_S = carry
         active_S = j < limit_S
         table = jnp.where(active_S[:, None], table_SxM, kv_pages.SCRATCH_PAGE)
-        logits, pool, routed = _decode_once(model, pool, table, jnp.where(active_S, lengths_S, 0), prev_S, impl)
+        logits, pool, routed = _decode_once(model, pool, table, jnp.where(active_S, lengths_S, 0), prev_S, impl,
+                                            shared)
         tok, logp = pick_tokens(logits, rows, u_KxS[j])
         stopped_S = active_S & (tok[:, None] == stop_SxX).any(-1)  # drew a stop token: its limit is what it drew
         carry = (pool, lengths_S + active_S, jnp.where(active_S, tok, prev_S), jnp.where(stopped_S, j + 1, limit_S))

@@ -215,3 +215,29 @@ def kernel_shapes(shapes: dict) -> dict:
     or shapes; every stack's layout is the same): head_dim, page_size, num_kv_heads, dtype."""
     s = next(iter(next(iter(shapes.values())).values()))
     return {"head_dim": s.shape[4], "page_size": s.shape[3], "num_kv_heads": s.shape[0], "dtype": s.dtype}
+
+
+def shared_blocks(table_NxM: np.ndarray, full_N: np.ndarray, block: int, rows: int):
+    """An arrangement of N live sequences into decode rows in blocks of `block` rows that share leading pages (for
+    `paged_attention.shared_prefix_attention`: each block's shared pages are read once), or None when it needs
+    more than `rows` rows or shares nothing. table_NxM: the sequences' page tables; full_N: their pages that no
+    later token is written to (cached tokens // Z: a shared page is full; the page a sequence writes next is its
+    own). Sequences whose first page is the same one (a group's prompt) fill blocks together in order, a block per
+    `block` of them, so a group's blocks are not mixed with another's; a block shares the leading pages that all
+    its sequences hold in the same columns, within every one's full pages. Host NumPy. Returns (row_R: the
+    sequence index of each row, -1 for an empty row, R = `rows` rounded up to a multiple of `block`;
+    shared_B: pages each of the R / block blocks shares, 0 for empty ones)."""
+    R = -(-rows // block) * block
+    groups: dict[int, list[int]] = {}
+    for i in range(table_NxM.shape[0]):
+        groups.setdefault(int(table_NxM[i, 0]) if full_N[i] else -1 - i, []).append(i)
+    members = [g[j:j + block] for g in groups.values() for j in range(0, len(g), block)]
+    if len(members) * block > R:
+        return None
+    row_R = np.full((R,), -1, np.int64)
+    shared_B = np.zeros((R // block,), np.int64)
+    for b, seqs in enumerate(members):
+        row_R[b * block:b * block + len(seqs)] = seqs
+        same = (table_NxM[seqs] == table_NxM[seqs[0]]).all(0)[:int(full_N[seqs].min())]
+        shared_B[b] = same.size if same.all() else int(np.argmin(same))
+    return (row_R, shared_B) if shared_B.any() else None

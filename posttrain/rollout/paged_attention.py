@@ -142,6 +142,36 @@ def reference_paged_attention(q_SxNxH, k_pages_KxPxZxH, v_pages_KxPxZxH, page_ta
     return _dense_attention(q_SxNxH, k, v, keep, scale)
 
 
+def shared_prefix_attention(q_SxNxH, k_pages_KxPxZxH, v_pages_KxPxZxH, prefix_table_BxF, prefix_len_B, table_SxM,
+                            lengths_S, scale):
+    """The reference's attention (gather, float32 softmax) for S = B * G sequences in B blocks of G rows whose
+    first prefix_len_B[b] tokens are the same pages, `prefix_table_BxF[b]` (prefix_len a multiple of Z): each
+    block's shared keys are gathered once and attended by its G queries, where the reference gathers them for
+    every row (cascade attention over a shared prefix: Juravsky et al., Hydragen, arXiv 2402.05099). Row s's
+    later tokens are in its own pages table_SxM[s] (its own token i at position prefix_len + i), of which the
+    first lengths_S[s] are attended (<= 0: none). Equals `reference_paged_attention` over the concatenated table
+    and lengths prefix_len + lengths (up to float rounding). Returns [S, N, H] in q's dtype."""
+    S, N, H = q_SxNxH.shape
+    B, K = prefix_table_BxF.shape[0], k_pages_KxPxZxH.shape[0]
+    G = S // B
+    kp, vp = _gather(k_pages_KxPxZxH, prefix_table_BxF), _gather(v_pages_KxPxZxH, prefix_table_BxF)  # [K, B, F*Z, H]
+    ko, vo = (_gather(x, table_SxM).reshape(K, B, G, -1, x.shape[-1]) for x in (k_pages_KxPxZxH, v_pages_KxPxZxH))
+    q = q_SxNxH.reshape(B, G, K, N // K, H)
+    f32 = dict(preferred_element_type=jnp.float32)
+    keep_p = jnp.arange(kp.shape[2])[None, :] < prefix_len_B[:, None]  # [B, F*Z]
+    keep_o = (jnp.arange(ko.shape[3])[None, :] < lengths_S[:, None]).reshape(B, G, -1)
+    logits = jnp.concatenate([
+        jnp.einsum("bgkrh,kbth->bgkrt", q, kp.astype(q.dtype), **f32) * scale
+        + jnp.where(keep_p, 0.0, MASK_VALUE)[:, None, None, None, :],
+        jnp.einsum("bgkrh,kbgth->bgkrt", q, ko.astype(q.dtype), **f32) * scale
+        + jnp.where(keep_o, 0.0, MASK_VALUE)[:, :, None, None, :]], axis=-1)
+    probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+    T = kp.shape[2]
+    out = (jnp.einsum("bgkrt,kbth->bgkrh", probs[..., :T], vp.astype(q.dtype), **f32)
+           + jnp.einsum("bgkrt,kbgth->bgkrh", probs[..., T:], vo.astype(q.dtype), **f32))
+    return out.reshape(S, N, vp.shape[-1]).astype(q_SxNxH.dtype)
+
+
 def _pallas_tpu(q, k_pages, v_pages, page_table, lengths, interpret: bool):
     from jax.experimental import pallas as pl  # noqa: F401  (imported for its registration side effects)
     from jax.experimental.pallas import tpu as pltpu
@@ -232,15 +262,21 @@ def attend_pages(pages: dict, q_SxNxH, page_table_SxM, lengths_S, scale: float, 
 
 
 def attend_with_new_token(pages: dict, own: dict, q_SxNxH, page_table_SxM, lengths_S, page_S, offset_S,
-                          scale: float, impl: str = "auto", interpret: bool = False):
+                          scale: float, impl: str = "auto", interpret: bool = False, shared=None):
     """Attention of each sequence's new token over its `lengths_S` cached tokens and itself: its own entry `own`
     ({"k", "v": [S, K, H]} or {"kv": [S, C]}) is written into `pages` at (page_S, offset_S) first, then the
     first lengths_S + 1 tokens are attended (the decode step's attention; every implementation reads the same
     pages). Returns (out [S, N, H or C], the pages with the entries written). Pass the whole page pool, not a
     slice of it (`flat_pages`, page ids of layer l offset by l * P): the write then updates the pool in place,
     where writing into a slice copied the slice first (one layer's pages per layer per step). With impl
-    "pallas_tpu" the write is a kernel too (`write_tokens`): XLA:TPU copies a pool written more than once."""
+    "pallas_tpu" the write is a kernel too (`write_tokens`): XLA:TPU copies a pool written more than once.
+    shared: (prefix_table_BxF, prefix_len_B) for rows in blocks sharing a prefix (`shared_prefix_attention`, the
+    reference only): page_table_SxM and lengths_S then count each row's own tokens past its block's prefix."""
     pages = write_tokens(pages, own, page_S, offset_S, impl, interpret)
+    if shared is not None:
+        k, v = _kv(pages)
+        return shared_prefix_attention(q_SxNxH, k, v, shared[0], shared[1], page_table_SxM, lengths_S + 1,
+                                       scale), pages
     return attend_pages(pages, q_SxNxH, page_table_SxM, lengths_S + 1, scale, impl, interpret), pages
 
 

@@ -50,7 +50,7 @@ def _check_equal_to_sampler(completions, tokens, logp, lengths):
 
 def _engine(graphdef, state, num_pages):
     return Engine(graphdef, state, EngineSettings(num_slots=4, num_pages=num_pages, page_size=4, max_seq_len=40,
-                                                  prefill_bucket=32))
+                                                  prefill_bucket=32, drain_chunk=1))  # one step a program
 
 
 def test_greedy_equals_sampler_through_pool_exhaustion():
@@ -247,7 +247,8 @@ def test_decode_packs_live_slots_into_fewer_rows_with_equal_results(monkeypatch)
     cfg, graphdef, state = random_model("tiny-dense")
     prompts = [np.random.default_rng(i).integers(4, cfg.vocab_size, 5 + i % 3).tolist() for i in range(12)]
     requests = [Request(prompt=tuple(p), max_new_tokens=1 + i, temperature=1.0) for i, p in enumerate(prompts)]
-    settings = EngineSettings(num_slots=12, num_pages=40, page_size=4, max_seq_len=24, prefill_bucket=32)
+    settings = EngineSettings(num_slots=12, num_pages=40, page_size=4, max_seq_len=24, prefill_bucket=32,
+                              drain_chunk=1)
     rows, real = [], engine_module.decode_chunk
     monkeypatch.setattr(engine_module, "decode_chunk", lambda *a, **k: rows.append(a[3].shape[0]) or real(*a, **k))
     packed = Engine(graphdef, state, settings).generate(requests, jax.random.key(5))
@@ -323,7 +324,8 @@ def _eqns(jaxpr):
 
 
 def test_decode_chunks_give_the_tokens_of_single_steps(monkeypatch):
-    """K = 3 and 4 decode steps per program (`EngineSettings.decode_chunk`) give every request the tokens,
+    """K = 3 and 4 decode steps per program (`EngineSettings.decode_chunk`, and `drain_chunk` the same), and K = 1
+    while requests wait with 4 once none does (`drain_chunk`), give every request the tokens,
     logprobs, versions and truncation of K = 1 (one step a program): per-request temperatures, top-k / top-p,
     stop ids of different counts (one request with none), budgets of 1-16 tokens, a group sharing its prompt's
     pages, and a pool of 12 pages that preempts; with fewer programs run. A chunk allocates each slot's pages for
@@ -340,20 +342,23 @@ def test_decode_chunks_give_the_tokens_of_single_steps(monkeypatch):
     requests += [Request(prompt=tuple(prompts[4]), temperature=1.0, max_new_tokens=14)] * 2  # a group
     programs = []
     real = engine_module.decode_chunk
-    monkeypatch.setattr(engine_module, "decode_chunk", lambda *a, **kw: programs.append(kw["steps"]) or real(*a, **kw))
+    monkeypatch.setattr(engine_module, "decode_chunk", lambda *a, **kw: programs.append(
+        (kw["steps"], bool(engine._queue))) or real(*a, **kw))  # steps, and whether a request waited
     runs = {}
-    for K in (1, 3, 4):
+    for K, drain in ((1, 1), (3, 3), (4, 4), (1, 4)):
         programs.clear()
         engine = Engine(graphdef, state, EngineSettings(num_slots=4, num_pages=12, page_size=4, max_seq_len=40,
-                                                        prefill_bucket=32, decode_chunk=K))
-        assert engine.chunk_steps == K
-        runs[K] = (engine.generate(requests, jax.random.key(5)), engine.metrics, len(programs))
-        assert set(programs) == {K}
-        assert engine.max_waste_per_seq <= 1 + (K - 1) / 4  # pages held past the tokens written, per sequence
-    ones, m1, n1 = runs[1]
+                                                        prefill_bucket=32, decode_chunk=K, drain_chunk=drain))
+        assert engine.chunk_steps == K and engine.drain_steps == drain
+        runs[K, drain] = (engine.generate(requests, jax.random.key(5)), engine.metrics, len(programs))
+        # chunks of K while a request waits for a slot (4 of the 8 at first, preempted ones later), else of drain
+        assert all(steps == (K if waited else drain) for steps, waited in programs), programs
+        assert engine.max_waste_per_seq <= 1 + (max(K, drain) - 1) / 4  # pages held past the tokens written
+    ones, m1, n1 = runs[1, 1]
     assert m1["rollout/preemptions"] >= 1 and m1["rollout/prefix_cached_tokens"] > 0
     assert [len(c.tokens) for c in ones][1] == 1 and len({len(c.tokens) for c in ones}) >= 4
-    for K in (3, 4):
+    assert programs[0] == (1, True) and (4, False) in programs  # the last run, (1, 4)
+    for K in ((3, 3), (4, 4), (1, 4)):
         got, m, n = runs[K]
         assert n < n1, (K, n, n1)
         assert m["rollout/decode_tokens"] == m1["rollout/decode_tokens"]
@@ -363,6 +368,8 @@ def test_decode_chunks_give_the_tokens_of_single_steps(monkeypatch):
             assert b.truncated == a.truncated and b.versions.tolist() == a.versions.tolist()
     assert EngineSettings(num_slots=1, num_pages=2).chunk_steps("gpu") == 8
     assert EngineSettings(num_slots=1, num_pages=2).chunk_steps("cpu") == 1
+    assert EngineSettings(num_slots=1, num_pages=2).chunk_steps("cpu", drain=True) == 4
+    assert EngineSettings(num_slots=1, num_pages=2, drain_chunk=2).chunk_steps("gpu", drain=True) == 2
     assert EngineSettings(num_slots=1, num_pages=2, decode_chunk=2).chunk_steps("gpu") == 2
     with pytest.raises(ValueError, match="decode_chunk=-1"):
         EngineSettings(num_slots=1, num_pages=2, decode_chunk=-1)

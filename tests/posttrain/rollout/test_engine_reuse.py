@@ -19,7 +19,8 @@ Z = 4
 def _engine(state, graphdef, prefix_cache=True, version=0):
     """The engine size of test_engine.py (one decode compile for both files)."""
     return Engine(graphdef, state, EngineSettings(num_slots=4, num_pages=12, page_size=Z, max_seq_len=40,
-                                                  prefill_bucket=32, prefix_cache=prefix_cache), version=version)
+                                                  prefill_bucket=32, prefix_cache=prefix_cache, drain_chunk=1),
+                  version=version)
 
 
 def test_four_turn_episode_prefills_only_new_tokens():
@@ -283,3 +284,51 @@ def test_an_admission_extends_its_cached_prompts_in_one_program(monkeypatch):
     assert shapes == [(4, 3)]
     for p, g in zip(nexts, got):
         np.testing.assert_allclose(g.logprobs, _teacher_forced(graphdef, state, p, [g.tokens])[0], atol=1e-5)
+
+
+def test_shared_blocks_arrangement():
+    """Groups (same first page) fill blocks of G rows in order, never mixed with another group; a block shares the
+    leading columns all its rows hold, within every row's full pages; an arrangement needing more rows than the
+    plain packing, or sharing nothing, is None."""
+    from posttrain.rollout.kv_pages import shared_blocks
+
+    table = np.asarray([[1, 2, 5], [7, 8, 9], [1, 2, 6], [1, 3, 4], [7, 8, 10], [11, 0, 0]])
+    full = np.asarray([2, 2, 2, 2, 1, 0])
+    row, shared = shared_blocks(table, full, 2, 8)
+    # group of page 1: rows 0, 2 (share 2 pages), then 3 alone (its own full pages); group of page 7: 1, 4 (share
+    # 1: row 4 holds one full page); row 5 (no full page) alone
+    assert row.tolist() == [0, 2, 3, -1, 1, 4, 5, -1] and shared.tolist() == [2, 2, 1, 0]
+    assert shared_blocks(table, full, 2, 6) is None  # 4 blocks of 2 do not fit 6 rows
+    assert shared_blocks(table, full, 3, 7).__class__ is tuple  # rows rounded up to 9: 3 blocks of 3
+    assert shared_blocks(table[5:], full[5:], 2, 2) is None  # nothing shared
+
+
+def test_shared_prefix_decode_equals_the_plain_decode(monkeypatch):
+    """Two groups of 3 samples (prompts of 9 and 13 tokens: 2 and 3 full pages) and 6 slots: the decode runs in
+    blocks of 3 rows reading each group's prompt pages once (`paged_attention.shared_prefix_attention`), with the
+    tokens of the plain decode (`kv_pages.shared_blocks` off) and logprobs within 1e-5 of it and of a
+    teacher-forced forward."""
+    import posttrain.rollout.engine as engine_module
+
+    cfg, graphdef, state = random_model("tiny-dense")
+    rng = np.random.default_rng(11)
+    prompts = [tuple(rng.integers(4, cfg.vocab_size, n).tolist()) for n in (9, 13)]
+    requests = [Request(prompt=p, max_new_tokens=8, temperature=1.0, stop_ids=(1,)) for p in prompts for _ in range(3)]
+    settings = EngineSettings(num_slots=6, num_pages=40, page_size=Z, max_seq_len=40, prefill_bucket=32)
+    shared, real = [], engine_module.decode_chunk
+    monkeypatch.setattr(engine_module, "decode_chunk",
+                        lambda *a, **k: shared.append(k["shared"] is not None) or real(*a, **k))
+    got = Engine(graphdef, state, settings).generate(requests, jax.random.key(3))
+    assert shared and all(shared[:4]), shared  # all 6 live: 2 blocks of 3
+    monkeypatch.setattr(engine_module.kv_pages, "shared_blocks", lambda *a: None)
+    shared.clear()
+    plain = Engine(graphdef, state, settings).generate(requests, jax.random.key(3))
+    assert not any(shared)
+    for a, b in zip(got, plain):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    for i, p in enumerate(prompts):
+        group = got[3 * i:3 * i + 3]
+        for g, want in zip(group, _teacher_forced(graphdef, state, p, [g.tokens for g in group])):
+            np.testing.assert_allclose(g.logprobs, want, atol=1e-5)
+    assert len({tuple(g.tokens) for g in got}) > 2

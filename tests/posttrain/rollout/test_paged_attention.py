@@ -220,3 +220,37 @@ def test_tpu_page_write_kernel_interpreted_equals_the_scatter(K, Z, H, dtype):
     untouched = np.asarray(pool[name], np.float32)
     changed = (got != untouched).any(axis=(0, 3))  # [L * P, Z]: one row per live slot and layer, + scratch
     assert changed.sum() == 4 * L and not changed[[l * P_ + p for l in range(L) for p in (1, 4, 5)]].any()
+
+
+@pytest.mark.parametrize("K,N,H", [(2, 4, 16), (1, 4, 24)], ids=["gqa", "one-kv-head-mla"])
+def test_shared_prefix_attention_equals_dense_attention(K, N, H):
+    """Blocks of G = 3 rows sharing 0, 1 and 2 leading pages (prefix lengths 0, Z, 2Z), own lengths 0 (only the
+    prefix), 1, a page boundary and two pages: equals NumPy dense attention over the concatenated tables (f32 <= 1e-5)
+    and the reference over them."""
+    rng = np.random.default_rng(3)
+    G, shared_pages = 3, [0, 1, 2]
+    own_lengths = [[1, Z, 2 * Z], [0, 1, Z + 1], [0, 3, 2 * Z]]
+    q = rng.normal(size=(G * len(shared_pages), N, H)).astype(np.float32)
+    k = rng.normal(size=(K, P, Z, H)).astype(np.float32)
+    v = k if K == 1 else rng.normal(size=(K, P, Z, H)).astype(np.float32)
+    free = list(rng.permutation(np.arange(1, P)))
+    prefix = np.zeros((len(shared_pages), 2), np.int32)
+    own = np.zeros((q.shape[0], 2), np.int32)
+    full = np.zeros((q.shape[0], 4), np.int32)
+    for b, n in enumerate(shared_pages):
+        prefix[b, :n] = [free.pop() for _ in range(n)]
+        for g in range(G):
+            s = b * G + g
+            own[s, :-(-own_lengths[b][g] // Z)] = [free.pop() for _ in range(-(-own_lengths[b][g] // Z))]
+            full[s, :n], full[s, n:n + 2] = prefix[b, :n], own[s]
+    prefix_len = np.asarray(shared_pages, np.int32) * Z
+    lengths = np.asarray([x for row in own_lengths for x in row], np.int32)
+    total = np.repeat(prefix_len, G) + lengths
+    got = pa.shared_prefix_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(prefix),
+                                     jnp.asarray(prefix_len), jnp.asarray(own), jnp.asarray(lengths), H ** -0.5)
+    keep = total > 0  # a row attending to nothing is undefined
+    want = _numpy_attention(q, k, v, full, total, H ** -0.5)
+    np.testing.assert_allclose(np.asarray(got)[keep], want[keep], atol=1e-5)
+    ref = pa.paged_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(full),
+                             jnp.asarray(np.maximum(total, 1)), scale=H ** -0.5, impl="reference")
+    np.testing.assert_allclose(np.asarray(got)[keep], np.asarray(ref)[keep], atol=1e-6)
