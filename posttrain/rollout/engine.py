@@ -295,11 +295,11 @@ class Engine(Admission):
         for i, s in enumerate(row_slot):
             if s >= 0:
                 table[i] = self._pages.table_SxM[s]
-        table, shared = self._shared_tables(table, lengths + limit, blocks[1] if blocks else None)
+        table, prefix = self._shared_tables(table, lengths + limit, blocks[1] if blocks else None)
         tok, lp, drawn, self._pool, routed = decode_chunk(
             self.graphdef, self.state, self._pool, table, jnp.asarray(lengths), jnp.asarray(prev),
             request_rows([q.request if q else None for q in seqs]), self._uniforms(request, t, K),
-            jnp.asarray(limit), jnp.asarray(stop), steps=K, impl=self.impl, routing=st.record_routing, shared=shared)
+            jnp.asarray(limit), jnp.asarray(stop), steps=K, impl=self.impl, routing=st.record_routing, shared=prefix)
         tok, lp, drawn = np.asarray(tok), np.asarray(lp), np.asarray(drawn)
         shared = self._pages.shared_extra * st.page_size  # shared pages counted once
         written_KxR = lengths + np.cumsum(drawn, axis=0)  # tokens in each row's pages after each step

@@ -92,7 +92,8 @@ class EngineSettings:
 
     def __post_init__(self):
         if (self.num_slots < 1 or self.num_pages < 2 or self.page_size < 1 or self.max_seq_len < 2
-                or self.prefill_bucket < 1 or self.attention_impl not in IMPLS or self.decode_chunk < 0 or self.drain_chunk < 0):
+                or self.prefill_bucket < 1 or self.attention_impl not in IMPLS or self.decode_chunk < 0
+                or self.drain_chunk < 0):
             raise ValueError(f"invalid engine settings: num_slots={self.num_slots} (>= 1), num_pages="
                              f"{self.num_pages} (>= 2), page_size={self.page_size} (>= 1), max_seq_len="
                              f"{self.max_seq_len} (>= 2), prefill_bucket={self.prefill_bucket} (>= 1), "
