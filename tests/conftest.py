@@ -72,3 +72,31 @@ def no_sandbox_leaks():
     if sandbox is not None:  # never imported: nothing could have leaked through it
         leaks = sandbox.find_leaks()
         assert not leaks, "sandbox leaks at the end of the test session:\n" + "\n".join(leaks)
+
+
+def _memory_maps() -> tuple[int, int]:
+    """(this process's memory mappings, the kernel's limit vm.max_map_count); (0, 0) where /proc does not tell."""
+    try:
+        with open("/proc/self/maps", encoding="ascii") as f:
+            used = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count", encoding="ascii") as f:
+            return used, int(f.read())
+    except (OSError, ValueError):
+        return 0, 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_programs():
+    """After a test module: drop JAX's compiled programs once this process holds more than half the kernel's memory
+    mappings. Every XLA:CPU executable keeps its generated code in memory mappings of its own (about 12 for a small
+    program, hundreds for a sampler) for as long as a cache holds it; a pytest-xdist worker that runs a thousand tests
+    passed the default limit of 65530 mappings, and XLA's next compile died of a segmentation fault (the worker went
+    down at 93-99% of the suite and the session never finished). Clearing only past half the limit keeps the cache
+    hits between modules that stay below it."""
+    yield
+    used, limit = _memory_maps()
+    if limit and used > limit // 2:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
