@@ -86,21 +86,34 @@ class Admission:
         order. A fresh request whose prompt an earlier one of the round has (a group's samples) computes nothing:
         it draws from that one's logits and holds copies of its pages past the shared ones (`first_tokens`: copy
         on write). The rest run together by kind and width: `prefill` of those with nothing in pages, `extend`
-        past cached pages (rows padded to a power of two; a round admits at most S)."""
+        past cached pages (rows padded to a power of two; a round admits at most S), in levels: a sequence that
+        shares pages another sequence of the round computes (an episode's next turn whose prompt prefix another
+        episode's turn brings) runs in a program after that one's (in one program, or in an earlier one, it
+        would read the pages before they are written)."""
         lead_of, followers, programs = {}, collections.defaultdict(list), collections.defaultdict(list)
+        Z, writer, level = self._pages.page_size, {}, {}  # page -> the round's slot writing it; slot -> its level
         for slot, (start, n) in admitted:
+            row = self._pages.table_SxM[slot]
+            # pages it reads that an earlier sequence of this round writes (its prompt's prefix, matched in the
+            # cache at `_claim` before they were computed) put it one level after their writers' programs
+            level[slot] = max((level[writer[p]] + 1 for p in row[:-(-start // Z)].tolist() if p in writer),
+                              default=0)
+            lead = slot
             if not self._slots[slot].tokens:
                 lead = lead_of.setdefault(tuple(self._slots[slot].request.prompt), slot)
-                if lead != slot:
-                    followers[lead].append((slot, start))
-                    self._counters.prefill_tokens -= n - start  # copied, not computed
-                    self._counters.prefix_cached_tokens += n - start
-                    continue
+                level[slot] = level[lead]  # its pages are copied from the lead's right after the lead's program
+            for p in row[start // Z:-(-n // Z)].tolist():
+                writer.setdefault(p, slot)
+            if lead != slot:
+                followers[lead].append((slot, start))
+                self._counters.prefill_tokens -= n - start  # copied, not computed
+                self._counters.prefix_cached_tokens += n - start
+                continue
             if start < n:  # (a recompute whose tokens are all cached computes nothing)
-                programs["extend" if start else "prefill", self.settings.prefill_width(n - start)].append(
-                    (slot, start, n))
+                programs[level[slot], "extend" if start else "prefill", self.settings.prefill_width(n - start)
+                         ].append((slot, start, n))
         first = {}
-        for (kind, width), rows in programs.items():
+        for (_, kind, width), rows in sorted(programs.items(), key=lambda item: item[0][0]):  # level by level
             first.update(self._first_tokens(self._run(kind, width, rows), rows, followers))
         for slot, _ in admitted:
             seq = self._slots[slot]

@@ -56,6 +56,30 @@ def _teacher_forced(graphdef, state, prompt, replies, width=40):
     return [logp[i, len(prompt) - 1 + np.arange(len(r)), r] for i, r in enumerate(replies)]
 
 
+def test_a_prompt_sharing_pages_another_request_of_its_round_computes_runs_after_it():
+    """One admission round: X2 (the next turn of a cached X: an extend), A (a fresh 9-token prompt: a prefill) and
+    B (A's first 8 tokens, both of its full pages, then 5 others: an extend sharing pages A computes). B's extend
+    has X2's program width, but must run after A's prefill: in X2's program, which ran first, it read A's pages
+    before they were written (wrong logprobs from its first token; the tool config's third turns at 64 slots).
+    Tokens and logprobs equal an engine without the prefix cache (<= 1e-5)."""
+    cfg, graphdef, state = random_model("tiny-dense")
+    rng = np.random.default_rng(9)
+    cached, fresh = _engine(state, graphdef), _engine(state, graphdef, prefix_cache=False)
+
+    def req(prompt):
+        return Request(prompt=tuple(prompt), max_new_tokens=2, temperature=0.0, stop_ids=(1, 2))
+
+    x = rng.integers(4, cfg.vocab_size, 6).tolist()
+    reply = cached.generate([req(x)], jax.random.key(0))[0].tokens.tolist()
+    a = rng.integers(4, cfg.vocab_size, 9).tolist()
+    round_ = [req(x + reply + [5, 6, 7]), req(a), req(a[:8] + rng.integers(4, cfg.vocab_size, 5).tolist())]
+    got, want = cached.generate(round_, jax.random.key(1)), fresh.generate(round_, jax.random.key(1))
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(g.tokens, w.tokens, err_msg=f"request {i}")
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5, err_msg=f"request {i}")
+    assert cached.metrics["rollout/prefix_cached_tokens"] == len(x) + len(reply) - 1 + 8  # X's turn, A's pages
+
+
 @pytest.mark.parametrize("prefix_cache", [True, False], ids=["cache", "no-cache"])
 def test_group_shares_prompt_pages(monkeypatch, prefix_cache):
     """4 samples of a 10-token prompt (2 full pages + 2 tokens): the first prefills it, the only program to run
