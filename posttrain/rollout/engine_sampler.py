@@ -157,7 +157,9 @@ class EngineSampler:
                 self._set(policy, version)
 
     def _set(self, policy, version: int) -> None:
-        if self._policy is not None and _same_arrays(policy, self._policy):
+        # the same arrays under another number (an evaluation sampled the learner's state before the rollout queue
+        # published it) are relabelled: the tokens of a training call carry the version it was published as
+        if self._policy is not None and _same_arrays(policy, self._policy) and int(version) == self.version:
             return
         self._policy, self.version = policy, int(version)
         if self.engine is not None:
@@ -165,11 +167,13 @@ class EngineSampler:
 
     def _use(self, policy) -> None:
         """The weights of a `sample_fn` call: a published version's (live: the newest published), or the call's
-        own arrays (an evaluation's, a test's: the newest published version number, else the next number)."""
+        own arrays (an evaluation's, a test's: the newest published version number, else the next number; the
+        current arrays again: their current number)."""
         with self._lock:
             known = next((v for v, p in self._published.items() if _same_arrays(policy, p)), None)
             if known is None:
-                self._set(policy, max(self._published, default=self.version + 1))
+                if self._policy is None or not _same_arrays(policy, self._policy):
+                    self._set(policy, max(self._published, default=self.version + 1))
             elif self._live:
                 newest = max(self._published)
                 self._set(self._published[newest], newest)

@@ -145,6 +145,28 @@ def test_greedy_engine_backend_equals_dense_through_sample_fn(tmp_path):
         np.testing.assert_array_equal(lengths[finished], d3.lengths_N[finished])
 
 
+def test_arrays_sampled_before_they_are_published_take_their_published_version(tmp_path):
+    """An evaluation (the eval gate) samples the learner's new state before the rollout queue publishes it as
+    version 1: that call is labelled with the newest published version (0); the training call after the publish,
+    with the same arrays, records version 1 on every token (it recorded 0 before the relabel, and the queue refused
+    the batch as stale at rollout.max_staleness=0)."""
+    cfg, graphdef, state = random_model("tiny-dense", matmul_precision="highest")
+    _, r = _rollouters(tmp_path, graphdef)
+    toks, lens = pad_prompts([[5, 6, 7], [8, 9]], PAD, bucket=4)
+    params = SamplingParams(max_new_tokens=LG, temperature=0.0)
+
+    def versions(policy):
+        out = r.sample_fn(policy, params)(toks, lens, jax.random.key(0), 1)
+        return set(np.asarray(out.versions_NxLg)[np.arange(LG)[None] < np.asarray(out.lengths_N)[:, None]].tolist())
+
+    r.engine.publish((state,), 0, live=False)
+    assert versions((state,)) == {0}
+    new = (jax.tree.map(lambda x: x * 1.01, state),)
+    assert versions(new) == {0}  # not published yet: the newest published number
+    r.engine.publish(new, 1, live=False)
+    assert versions(new) == {1} and r.engine.version == 1
+
+
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe-routing-replay"])
 def test_two_step_grpo_run_with_the_engine(tmp_path, moe, monkeypatch):
     """configs/tiny.py's base with sampling.backend=engine, 2 steps at T = 1: every sampled token's logprob equals
