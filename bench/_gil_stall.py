@@ -32,7 +32,7 @@ import threading
 import time
 
 VARIANTS = ("sleep", "thread", "process")
-SKIPPED = ("mesh", "graphdef", "runner", "scheduler")  # Rollouter fields a producer copy builds for itself
+SKIPPED = ("mesh", "graphdef", "runner", "scheduler", "engine")  # Rollouter fields a producer copy sets itself
 
 
 def scripted_sampler(tokenizer, reply: str = "The answer is 5."):
@@ -77,7 +77,7 @@ class SleepEnvs:
 
 def producer_rollouter(fields: dict, runner):
     """A Rollouter of the run's `fields` (all but SKIPPED) with its own scheduler, `runner` (an EnvRunner, wrapped
-    in HostShardedEnvs) and the scripted sampler."""
+    in HostShardedEnvs) and the scripted sampler (no rollout engine: the copy samples nothing on a device)."""
     from posttrain.rollout import rollouter as rollouter_lib
     from posttrain.rollout.episodes import HostShardedEnvs
 
@@ -89,7 +89,7 @@ def producer_rollouter(fields: dict, runner):
         def sample_fn(self, policy, params):
             return fn
 
-    return EnvBound(**fields, mesh=None, graphdef=None, runner=HostShardedEnvs(runner),
+    return EnvBound(**fields, mesh=None, graphdef=None, engine=None, runner=HostShardedEnvs(runner),
                     scheduler=rollouter_lib.make_scheduler(st, {n: s for n, (_, _, s) in sources.items()}))
 
 

@@ -34,8 +34,8 @@ class RolloutConfig:
             go into the running rollout engine at its next decode chunk, so a long reply continues under the new
             policy instead of holding the batch back; each token records the version that produced it, a sample
             counts as its oldest token's version for staleness, and the loss corrects token by token (the
-            sampler's logprob of each token is its behaviour policy). Needs max_staleness >= 1 and
-            sampling.backend="engine" (a ConfigError otherwise).
+            sampler's logprob of each token is its behaviour policy). Needs max_staleness >= 1 and the
+            rollout engine (sampling.backend "engine", or "auto" on one device; a ConfigError otherwise).
         sampler_priority: with max_staleness >= 1 on the learner's own devices, an update waits for a generation
             call in progress to end before it starts (`RolloutQueue.yield_to_sampler`; perf/sampler_wait_s), so
             the sampler, the producer's critical path, does not share the cores or the accelerator with an update

@@ -1,5 +1,6 @@
 """The `sampling` section of a run config: the training rollouts' distribution and lengths, and what samples
-them (`sampling.backend`: today's dense sampler or the rollout engine, `posttrain.rollout.engine_sampler`).
+them (`sampling.backend`: the rollout engine on one device, the dense sampler on a sharded one; `posttrain.rollout
+.engine_sampler` picks).
 
 Kept beside `schema.py` (which imports it into `Config`); ranges and choices are checked at load
 (`posttrain.config.load`, one ConfigError naming the key); `posttrain.recipes.run_plan` builds the rollout phase's
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-SAMPLING_BACKENDS = ("dense", "engine")  # `sampling.backend`, checked at load
+SAMPLING_BACKENDS = ("auto", "engine", "dense")  # `sampling.backend`, checked at load
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,11 +31,13 @@ class SamplingConfig:
         system_prompt: a system turn before every prompt ("": none).
         decode_shrink_steps: drop finished rows from the decode batch up to this many times
             (`sampler.shrink_schedule`; 0: never). Pays off when a few completions run much longer than the rest;
-            each width compiles its own decode loop.
-        backend: what samples the rollouts and evaluations, one of SAMPLING_BACKENDS: "dense" (`rollout.sampler
-            .sample`: one call per batch, a dense KV cache per row) or "engine" (`rollout.engine`: continuous
-            batching over a paged KV cache with prefix reuse, `rollout.engine_sampler`; one device). Both record
-            the same logprobs and MoE routing, and greedy replies are equal (up to float rounding).
+            each width compiles its own decode loop. Dense sampler only (the engine refills a finished slot).
+        backend: what samples the rollouts and evaluations, one of SAMPLING_BACKENDS: "engine" (`rollout.engine`:
+            continuous batching over a paged KV cache with prefix reuse, `rollout.engine_sampler`; one device),
+            "dense" (`rollout.sampler.sample`: one call per batch, a dense KV cache per row; any sampler mesh) or
+            "auto": the engine when the sampler runs on one device and decode_shrink_steps is 0 (a dense-only
+            knob), the dense sampler otherwise. Both record the same logprobs and MoE routing, draw the same
+            tokens from a key (up to float rounding) and give equal greedy replies.
         engine_slots: the engine's sequences decoded together (0: rl.prompts_per_step x rl.group_size, a step's
             first-turn rows; a call with more requests queues them). Engine only, like the fields below.
         engine_pages: KV pages in the engine's pool, the scratch page included (0: every slot at engine_max_seq_len
@@ -65,7 +68,7 @@ class SamplingConfig:
     prompt_bucket: int = 16
     system_prompt: str = ""
     decode_shrink_steps: int = 0
-    backend: str = "dense"
+    backend: str = "auto"
     engine_slots: int = 0
     engine_pages: int = 0
     engine_page_size: int = 16

@@ -1,4 +1,5 @@
-"""The rollout engine as the rollout phase's sampler (issue 25): `sampling.backend = "engine"`.
+"""The rollout engine as the rollout phase's sampler (issue 25): `sampling.backend = "engine"`, or "auto" on one
+device (the default).
 
 Dimension legend: P prompts, G group size, N = P*G sequences, Lg max new tokens, S engine slots.
 
@@ -93,17 +94,29 @@ class EngineSamplerSettings:
                               decode_chunk=self.decode_chunk)
 
 
+def sampling_backend(cfg, sampler_devices: int) -> str:
+    """The backend a run config samples with, "engine" or "dense": `sampling.backend` as set, and for "auto" the
+    engine when the sampler has one device (`sampler_devices`) and `sampling.decode_shrink_steps` is 0, the dense
+    sampler otherwise (`posttrain.config.sampling`)."""
+    s = cfg.sampling
+    if s.backend != "auto":
+        return s.backend
+    return "engine" if sampler_devices == 1 and not s.decode_shrink_steps else "dense"
+
+
 def engine_settings(cfg, sampler_devices: int) -> EngineSamplerSettings | None:
     """The engine's settings of a run config (`posttrain.config.Config`: `sampling.backend`, `sampling.engine_*`),
-    None for the dense sampler. Raises ConfigError for the engine on more than one device (`sampler_devices`: its
-    page pool is not sharded), and for rollout.partial without the engine."""
+    None for the dense sampler (`sampling_backend`). Raises ConfigError for the engine on more than one device
+    (`sampler_devices`: its page pool is not sharded), and for rollout.partial without the engine."""
     from posttrain.config import ConfigError
 
     s = cfg.sampling
-    if s.backend != "engine":
+    if sampling_backend(cfg, sampler_devices) != "engine":
         if cfg.rollout.partial:
-            raise ConfigError("rollout.partial=True swaps weights inside a running generation: it needs "
-                              "sampling.backend='engine'")
+            raise ConfigError(f"rollout.partial=True swaps weights inside a running generation: it needs the "
+                              f"rollout engine (sampling.backend='engine' or 'auto'), which runs on one device; "
+                              f"this run samples with the dense sampler (sampling.backend={s.backend!r}, "
+                              f"{sampler_devices} sampler devices, decode_shrink_steps={s.decode_shrink_steps})")
         return None
     if s.engine_per_episode and not s.engine_max_seq_len:
         raise ConfigError("sampling.engine_per_episode=True needs sampling.engine_max_seq_len > 0: the longest "

@@ -74,7 +74,8 @@ class RolloutSettings:
             running engine at once (max_staleness >= 1 and the engine only).
         sampler_priority: an update waits for a generation call in progress before it starts (`rollout.queue`;
             max_staleness >= 1, no partial rollouts, the learner's own devices).
-        engine: the rollout engine's size when it samples (`sampling.backend="engine"`, `rollout.engine_sampler`);
+        engine: the rollout engine's size when it samples (`sampling.backend` "engine", or "auto" on one device:
+            `rollout.engine_sampler.sampling_backend`);
             None: the dense sampler (`sampler.sample`).
     """
 

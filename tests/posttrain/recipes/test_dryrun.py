@@ -223,7 +223,7 @@ def test_plan_of_the_engine_backend_compiles_its_programs_and_sizes_its_page_poo
 
     engine = plan.plan_train_step(tiny_config(tmp_path, **{"sampling.backend": "engine",
                                                            "sampling.engine_page_size": 8}), "cpu-1", prompt_len=16)
-    dense = plan.plan_train_step(tiny_config(tmp_path), "cpu-1", prompt_len=16)
+    dense = plan.plan_train_step(tiny_config(tmp_path, **{"sampling.backend": "dense"}), "cpu-1", prompt_len=16)
     assert (engine["sample_backend"], dense["sample_backend"]) == ("engine", "dense")
     assert "sample_kv_pool_gib" not in dense and engine["sample_fits"] is True and engine["sample_compile_s"] > 0
     slots = engine["sequences"]

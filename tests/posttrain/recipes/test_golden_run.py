@@ -1,7 +1,9 @@
 """`configs/tiny.py` for 3 steps reproduces the run recorded before the phase-package move, exactly: every
 non-timing metric of metrics.jsonl and the bytes of every array of the final checkpoint (tests/golden/). The loop
 runs through the rollout queue at its default rollout.max_staleness=0 (issue 24 acceptance 1, weighted draw and
-the real sampler; tests/posttrain/rollout/test_tickets.py holds the job scheduler's golden run)."""
+the dense sampler it was recorded with, `sampling.backend="dense"`: the rollout engine, the default on one device,
+adds its own metrics; tests/posttrain/rollout/test_engine_sampler.py checks it against the dense sampler, and
+tests/posttrain/rollout/test_tickets.py holds the job scheduler's golden run)."""
 import importlib.util
 import json
 import pathlib
@@ -19,7 +21,9 @@ def _config():
     spec = importlib.util.spec_from_file_location("tiny", ROOT / "configs/tiny.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return from_config_dict(module.get_config())
+    c = module.get_config()
+    c.sampling.backend = "dense"
+    return from_config_dict(c)
 
 
 def test_tiny_three_steps_reproduce_the_recorded_run(tmp_path):

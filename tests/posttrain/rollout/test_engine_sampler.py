@@ -202,7 +202,7 @@ def test_two_step_grpo_run_with_the_engine(tmp_path, moe, monkeypatch):
 def test_backend_names_and_settings_errors(tmp_path):
     with pytest.raises(ConfigError) as info:
         tiny_config(tmp_path, **{"sampling.backend": "paged"})
-    assert str(info.value) == "sampling.backend='paged'; expected one of ('dense', 'engine')"
+    assert str(info.value) == "sampling.backend='paged'; expected one of ('auto', 'engine', 'dense')"
     with pytest.raises(ConfigError, match=r"sampling.engine_pages=1 is out of range: must be 0 \(every slot"):
         tiny_config(tmp_path, **{"sampling.engine_pages": 1})
     engine = {"sampling.backend": "engine"}
@@ -228,7 +228,16 @@ def test_backend_names_and_settings_errors(tmp_path):
     assert per_episode.rollout.engine.engine_settings(40).decode_chunk == 0  # the backend's default
     with pytest.raises(ValueError, match=r"per_episode=True"):
         engine_sampler.EngineSamplerSettings(num_slots=2, per_episode=True)
-    assert make_run_plan(tiny_config(tmp_path)).rollout.engine is None  # the default: the dense sampler
+    # the default, "auto": the engine on one device; the dense sampler on more, or when asked to shrink rows
+    assert make_run_plan(tiny_config(tmp_path)).rollout.engine is not None
+    assert make_run_plan(tiny_config(tmp_path), num_devices=2).rollout.engine is None
+    assert make_run_plan(tiny_config(tmp_path, **{"sampling.decode_shrink_steps": 2})).rollout.engine is None
+    assert make_run_plan(tiny_config(tmp_path, **{"sampling.backend": "dense"})).rollout.engine is None
+    partial = {"rollout.max_staleness": 1, "rollout.partial": True}
+    assert make_run_plan(tiny_config(tmp_path, **partial)).rollout.engine is not None
+    with pytest.raises(ConfigError, match=r"^rollout.partial=True .* needs the rollout engine .* this run samples "
+                                          r"with the dense sampler \(sampling.backend='auto', 2 sampler devices"):
+        make_run_plan(tiny_config(tmp_path, **partial), num_devices=2)
     plan = make_run_plan(tiny_config(tmp_path, **engine, **{"sampling.engine_slots": 5, "sampling.engine_pages": 9,
                                                              "sampling.engine_max_seq_len": 64}))
     s = plan.rollout.engine

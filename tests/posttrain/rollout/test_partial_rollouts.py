@@ -70,9 +70,11 @@ def test_a_generation_spanning_a_published_version_records_both(tmp_path, monkey
 def test_partial_needs_staleness_and_the_engine(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout.partial=True needs rollout.max_staleness >= 1"):
         tiny_config(tmp_path, **{"rollout.partial": True, "sampling.backend": "engine"})
-    with pytest.raises(ConfigError, match="^rollout.partial=True swaps weights inside a running generation: it "
-                                          "needs sampling.backend='engine'$"):
-        make_run_plan(tiny_config(tmp_path, **{"rollout.partial": True, "rollout.max_staleness": 1}))
+    with pytest.raises(ConfigError, match=r"^rollout.partial=True swaps weights inside a running generation: it "
+                                          r"needs the rollout engine .* \(sampling.backend='dense', 1 sampler "
+                                          r"devices, decode_shrink_steps=0\)$"):
+        make_run_plan(tiny_config(tmp_path, **{"rollout.partial": True, "rollout.max_staleness": 1,
+                                               "sampling.backend": "dense"}))
     plan = make_run_plan(tiny_config(tmp_path, **{"rollout.partial": True, "rollout.max_staleness": 1,
                                                   "sampling.backend": "engine"}))
     assert plan.rollout.partial and plan.rollout.engine is not None
