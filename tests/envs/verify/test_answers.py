@@ -301,9 +301,9 @@ TEXT_SHAPES = {  # the other readers of model text (code envs, tags, format rewa
 def test_tag_fence_and_format_readers_are_linear(reader, shape):
     fn = (lambda t: v.extract_tag(t, "answer")) if reader == "extract_tag" else getattr(v, reader)
     small, big = TEXT_SHAPES[shape](100_000), TEXT_SHAPES[shape](1_000_000)
-    t_small, t_big = _best_time(lambda: fn(small)), _best_time(lambda: fn(big))
-    assert t_big < 1.0 and t_big / max(t_small, 5e-3) < 20, (reader, shape, t_small, t_big)  # below 5 ms is noise
-    # (a quadratic reader takes 100x for 10x the text: over 20x even from the 5 ms floor)
+    t_small, t_big = _best_time(lambda: fn(small), 5), _best_time(lambda: fn(big), 5)
+    assert t_big < 1.0 and t_big / max(t_small, 5e-3) < 40, (reader, shape, t_small, t_big)  # below 5 ms is noise
+    # (a quadratic reader takes 100x for 10x the text; a linear one took up to 22x beside the suite's other worker)
 
 
 @pytest.mark.parametrize("text,expected", [  # same answer as the last match of <tag>(.*?)</tag> over the text
