@@ -93,15 +93,15 @@ class Admission:
         lead_of, followers, programs = {}, collections.defaultdict(list), collections.defaultdict(list)
         Z, writer, level = self._pages.page_size, {}, {}  # page -> the round's slot writing it; slot -> its level
         for slot, (start, n) in admitted:
-            row = self._pages.table_SxM[slot]
-            # pages it reads that an earlier sequence of this round writes (its prompt's prefix, matched in the
-            # cache at `_claim` before they were computed) put it one level after their writers' programs
-            level[slot] = max((level[writer[p]] + 1 for p in row[:-(-start // Z)].tolist() if p in writer),
-                              default=0)
-            lead = slot
+            row, lead = self._pages.table_SxM[slot], slot
             if not self._slots[slot].tokens:
                 lead = lead_of.setdefault(tuple(self._slots[slot].request.prompt), slot)
-                level[slot] = level[lead]  # its pages are copied from the lead's right after the lead's program
+            if lead != slot:  # a follower's pages are copied from its lead's right after the lead's program
+                level[slot] = level[lead]
+            else:  # pages it reads that an earlier sequence of this round writes (its prompt's prefix, matched in
+                # the cache at `_claim` before they were computed) put it one level after their writers' programs
+                level[slot] = max((level[writer[p]] + 1 for p in row[:-(-start // Z)].tolist() if p in writer),
+                                  default=0)
             for p in row[start // Z:-(-n // Z)].tolist():
                 writer.setdefault(p, slot)
             if lead != slot:
