@@ -2,6 +2,7 @@
 import atexit
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -14,11 +15,19 @@ import pytest
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # Tests compile far more than they compute: LLVM's optimisation of XLA:CPU's generated code is most of a tiny
 # program's compile time and buys the suite nothing (dots run in library kernels either way: SmolLM2's parity tests
-# take the same time). The suite and the processes it starts compile at -O0; the bit-exact recordings in
-# tests/golden/ are recorded at this setting. POSTTRAIN_TEST_FAST_COMPILE=0 compiles as the product does.
+# take the same time). The suite and the processes it starts compile at -O0, and with XLA:CPU's loop emitters
+# instead of its MLIR fusion emitters (`xla_cpu_use_fusion_emitters=false`), whose compile is most of what is left
+# of a small program's (the engine's many decode programs above all). The bit-exact recordings in tests/golden/ hold
+# at these settings. POSTTRAIN_TEST_FAST_COMPILE=0 compiles as the product does. XLA aborts a process whose
+# XLA_FLAGS names a flag it does not know, so the emitter flag is added only if a child process starts with it
+# (once per session: xdist workers and the suite's processes inherit the variable).
 if os.environ.get("POSTTRAIN_TEST_FAST_COMPILE", "1") != "0" and "optimization_level" not in os.environ.get(
         "XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+    _flags = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+    _probe = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
+                            env=dict(os.environ, XLA_FLAGS=_flags + " --xla_cpu_use_fusion_emitters=false",
+                                     JAX_PLATFORMS="cpu"), capture_output=True, timeout=120)
+    os.environ["XLA_FLAGS"] = _flags + (" --xla_cpu_use_fusion_emitters=false" if _probe.returncode == 0 else "")
 # Nothing in the suite reads the Hugging Face Hub (models come from packages or are made in the test): offline, a
 # transformers/TRL call that would ask the Hub fails at once instead of waiting on a network that does not answer.
 for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
