@@ -27,30 +27,7 @@ Prints ONE JSON object: the target, shapes, pool bytes (`kv_pages.pool_bytes`), 
 figures in GiB, the largest buffers, the compile seconds, the attention implementation compiled; a program XLA
 refuses as larger than the device (RESOURCE_EXHAUSTED) gives fits false and the compiler's message.
 
-Measured 2026-12-02 (jax 0.10.2, libtpu 0.0.42.1; peak / pool / weights / temp GiB per device, generated code):
-  quickstart shapes (smollm2-135m, 64 slots x 80 tokens, f32 weights):
-    h200  pallas_gpu  0.671 / 0.110 / 0.501 / 0.060, code 0 (XLA:GPU reports none)
-    v5p   reference   0.862 / 0.110 / 0.501 / 0.222, code 11.8 MiB (pallas_tpu refused head dim 64: its block
-                      shapes need multiples of (8, 128))
-  512 sequences x 1024 tokens:
-    qwen3-0.6b     h200  pallas_gpu  60.62 / 56.00 / 2.22 / 2.40; v5p pallas_tpu 62.11 / 56.00 / 2.22 / 3.94
-                   (2026-12-04, the pool read whole with page ids offset by layer, kv_pages.pool_shapes:
-                   h200 59.13 / 56.00 / 2.22 / 0.91: the 2 GiB copy of one layer's pages that fed the kernel
-                   at every layer of every step is gone)
-    qwen3-30b-a3b  h200  pallas_gpu 107.24 / 48.00 / 56.87 / 2.37 (bf16 weights: f32 ones alone are 114 GiB;
-                   2026-12-04: 107.19 / 48.00 / 56.87 / 2.31);
-                   v5p   refused (RESOURCE_EXHAUSTED: 106.71 GiB of temporaries > 95.74); at 512 x 512 tokens
-                         pallas_tpu 83.16 / 24.00 / 56.87 / 2.78, code 19.0 MiB
-  2026-12-04, decode_chunk (K = 8, the GPU / TPU default; bf16 weights): h200 qwen3-0.6b 59.13 / 56.00 / 2.22 /
-  0.91 and qwen3-30b-a3b 107.19 / 48.00 / 56.87 / 2.32, as at K = 1. v5p (libtpu 0.0.42.1) refuses qwen3-0.6b at
-  K = 1 and 8 (114.3 / 114.5 GiB of temporaries > 95.74): since the pool is written in place across the layer
-  scan, XLA:TPU copies the whole donated pool once (64 x 1024 tokens: temp 7.29 GiB for a 7.00 GiB pool, the
-  reference and pallas_tpu alike). Probes of a donated bf16 [8, 114716, 16, 128] array on v5p: one scatter into
-  it needs no temporary; two scatters in a row, or one per trip of a scan, copy it whole. GPU: no copy.
-  With pallas_tpu the writes are now a Mosaic kernel aliased to the pool (`rollout.page_writes`): v5p
-  qwen3-0.6b 512 x 1024 59.33 / 56.00 / 1.11 / 2.66 at K = 1 and 59.55 / 56.00 / 1.11 / 2.88 at K = 8 (bf16
-  weights; f32 weights, K = 8: 61.84 / 56.00 / 2.22 / 4.06); qwen3-30b-a3b refused at 512 x 1024 (107.57 GiB of
-  temporaries: weights and pool alone are 104.9 GiB), 84.03 / 24.00 / 56.87 / 3.60 at 512 x 512.
+The figures measured with it are in the README (the rollout engine's decode memory, compiled ahead of time).
 """
 from __future__ import annotations
 

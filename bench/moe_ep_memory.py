@@ -19,20 +19,13 @@ Implementations (`posttrain.model.moe.dispatch(ep_impl=...)`): "all_to_all" (fix
 `--capacity-factor`, default MoEConfig's 2.0), "ragged" (`jax.lax.ragged_all_to_all`, receive capacity from the
 same factor) and "all_gather" (every token gathered onto every expert shard, then reduce-scattered; the form used
 before the all-to-all). --gmm-impl: the grouped matmul inside `expert_ffn` (`posttrain.model.gmm.IMPLS`; default
-"ragged" = `jax.lax.ragged_dot`, the matmul the all-gather numbers below were measured with; "auto" follows the
+"ragged" = `jax.lax.ragged_dot`; "auto" follows the
 mesh's platform: megablox on TPU). Prints ONE JSON line:
 {"tokens_per_device", "capacity_factor", "gmm_impl", "temp_bytes": {impl: {EP: bytes}}, "temp_gib": ...,
  "peak_gib": ..., "compile_s": ..., "spread": {impl: max/min - 1 over EP},
  "ratio_to_all_gather": {impl: {EP: temp / all_gather's temp}} (when all_gather ran: the form it replaced)}.
 
-Measured 2026-11-30 (jax 0.10.2, libtpu 0.0.42.1, 2-core CPU host; each compile 1-2.5 min), temp GiB per device at
-EP 4 / 8 / 16, 4096 tokens per device, cf 2.0, gmm ragged:
-  all_to_all  1.663 / 1.637 / 1.540  (spread 8%; peak 2.29 / 1.98 / 1.74)
-  ragged      2.228 / 1.603 / 1.603  (spread 39%: EP 4 only; compile-checked, never run)
-  all_gather  4.194 / 7.731 / 15.316 (grows with EP: every device holds all EP * 4096 * 8 assignment rows)
-  all_to_all with --gmm-impl megablox (the TPU default): 2.006 / 2.099 / 2.100 (spread 5%)
-At EP 4 the local experts are 32: ragged_dot's TPU lowering keeps [El, rows] masks (pred[32, 65536] buffers of
-0.25 GiB in the all_to_all buffer assignment), the likely lift at EP 4; the exchange buffers do not depend on EP.
+The figures measured with it are in the README (MoE: expert parallelism's per-device memory).
 """
 from __future__ import annotations
 
