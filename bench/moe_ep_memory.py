@@ -19,8 +19,7 @@ Implementations (`posttrain.model.moe.dispatch(ep_impl=...)`): "all_to_all" (fix
 `--capacity-factor`, default MoEConfig's 2.0), "ragged" (`jax.lax.ragged_all_to_all`, receive capacity from the
 same factor) and "all_gather" (every token gathered onto every expert shard, then reduce-scattered; the form used
 before the all-to-all). --gmm-impl: the grouped matmul inside `expert_ffn` (`posttrain.model.gmm.IMPLS`; default
-"ragged" = `jax.lax.ragged_dot`; "auto" follows the
-mesh's platform: megablox on TPU). Prints ONE JSON line:
+"ragged" = `jax.lax.ragged_dot`; "auto" follows the mesh's platform: megablox on TPU). Prints ONE JSON line:
 {"tokens_per_device", "capacity_factor", "gmm_impl", "temp_bytes": {impl: {EP: bytes}}, "temp_gib": ...,
  "peak_gib": ..., "compile_s": ..., "spread": {impl: max/min - 1 over EP},
  "ratio_to_all_gather": {impl: {EP: temp / all_gather's temp}} (when all_gather ran: the form it replaced)}.
