@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 
-from posttrain.cli.commands import (_enable_compilation_cache, _fake_cpu_devices_for_plan, cmd_convert,
+from posttrain.cli.commands import (UsageError, _enable_compilation_cache, _fake_cpu_devices_for_plan, cmd_convert,
                                     cmd_domains, cmd_dpo, cmd_eval, cmd_plan, cmd_sample, cmd_sft, cmd_train)
 from posttrain.cli import rm, status
 from posttrain.cli.flags import command_help, config_override_argv, define_flags as _flags, flag_error_line
@@ -37,7 +37,11 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "convert
 COMMANDS["status"] = status.cmd_status
 COMMANDS["rm"] = rm.cmd_rm
 
-__all__ = ["COMMANDS", "command_help", "flag_error_line", "main"]
+__all__ = ["COMMANDS", "UsageError", "command_help", "flag_error_line", "main"]
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
 
 
 def main(argv=None) -> int:
@@ -61,7 +65,7 @@ def main(argv=None) -> int:
         return 2
     finally:
         sys.argv = saved
-    from posttrain.config import ConfigError
+    from posttrain.config import ConfigError, DataError
     from posttrain.infra import distributed
     from posttrain.checkpoints.orbax import CheckpointCorruptError
     from posttrain.recipes.grpo import RunNotFoundError
@@ -72,21 +76,25 @@ def main(argv=None) -> int:
         _enable_compilation_cache()
     try:
         return COMMANDS[command](f)
-    except ConfigError as e:  # raised before any model load or worker start: one line, no traceback
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    # exit code 2, one line, no traceback: what the user gave is wrong, and nothing was trained or changed
+    except (UsageError, ConfigError, DataError) as e:  # flags; config keys and values (before any model load or
+        print(f"error: {_one_line(e)}", file=sys.stderr)  # worker start); data files (path:line)
         return 2
     except RunNotFoundError as e:  # a command that reads a run found none: nothing created, no base model
         print(f"error: {e}", file=sys.stderr)
         return 2
     except CheckpointCorruptError as e:  # every checkpoint of the run unreadable: never the base model instead
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
+    # exit code 1, one line: the run could not go on
     except EnvInfraError as e:  # the envs, not the policy, failed a step: the first worker error, one line
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the file system refused (read-only, full disk, permissions): what and where
+        print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1
     except distributed.RunInterrupted as e:  # SIGINT / SIGTERM: the state was saved; 128 + the signal's number
         import signal
 
         print(f"interrupted: {e}", file=sys.stderr)
         return 128 + int(getattr(signal, e.signal_name, signal.SIGINT))
-

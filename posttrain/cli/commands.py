@@ -7,11 +7,17 @@ import json
 import os
 import sys
 
+
+class UsageError(Exception):
+    """A command-line mistake (a missing or conflicting flag, a bad flag value or path): `main` prints it as one
+    line, exit code 2."""
+
+
 def _load_config(f):
     from posttrain.config import from_config_dict
 
     if f.config is None:
-        raise SystemExit("error: --config=configs/<name>.py is required (train: or --workdir=DIR of a run, to "
+        raise UsageError("--config=configs/<name>.py is required (train: or --workdir=DIR of a run, to "
                          "resume it with its saved settings)")
     return from_config_dict(f.config)
 
@@ -34,7 +40,7 @@ def _sample_policy(f):
         from posttrain.model.transformer import Transformer
 
         if f.model:
-            raise SystemExit("error: sample takes one of --model=PATH and --checkpoint=RUN, not both")
+            raise UsageError("sample takes one of --model=PATH and --checkpoint=RUN, not both")
         kind, cfg, state, tok = _run_model(f, "sample")
         return nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))), state, tok
     from posttrain.checkpoints import load_pretrained
@@ -91,7 +97,7 @@ def _run_plan(f):
     from posttrain.recipes.run_plan import make_run_plan
 
     if not f.checkpoint:
-        raise SystemExit("error: --checkpoint=<run workdir> is required")
+        raise UsageError("--checkpoint=<run workdir> is required")
     require_checkpoint(f.checkpoint)  # a mistyped directory: one line, nothing created
     cfg = read_run.reading_config(f.checkpoint, _load_config(f) if f.config is not None else None)
     return make_run_plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint)))
@@ -104,7 +110,7 @@ def _run_model(f, command: str):
     from posttrain.recipes import grpo, read_run
 
     if not f.checkpoint:
-        raise SystemExit("error: --checkpoint=<run workdir> is required")
+        raise UsageError("--checkpoint=<run workdir> is required")
     grpo.require_checkpoint(f.checkpoint)
     kind = read_run.run_kind(f.checkpoint)
     if kind == "rm" and command == "sample":
@@ -138,7 +144,7 @@ def _offline_config(f, name: str, default) -> dict:
     `model` section (its saved config.json: the token ids in its archive are that model's); --from_archive,
     --min_reward and --max_per_prompt set the `name` section's fields."""
     if f.config is None and not f.from_archive:
-        raise SystemExit("error: --config=configs/<name>.py or --from_archive=<GRPO run workdir> is required")
+        raise UsageError("--config=configs/<name>.py or --from_archive=<GRPO run workdir> is required")
     raw = (f.config if f.config is not None else default()).to_dict()
     if f.from_archive:
         if f.config is None:
@@ -147,14 +153,14 @@ def _offline_config(f, name: str, default) -> dict:
     for key in ("min_reward", "max_per_prompt"):
         if getattr(f, key) is not None:
             if name != "sft" or not f.from_archive:
-                raise SystemExit(f"error: --{key} applies to sft --from_archive only")
+                raise UsageError(f"--{key} applies to sft --from_archive only")
             raw[name][key] = getattr(f, key)
     return raw
 
 
 def _archive_model(runs: str, default: dict) -> dict:
     """The `model` section of the runs in --from_archive (their saved config.json; `default` for a run without
-    one). Raises SystemExit naming two runs whose models differ: their archives' token ids are different models'."""
+    one). Raises UsageError naming two runs whose models differ: their archives' token ids are different models'."""
     from posttrain.config.sft import archive_runs
 
     models = {}
@@ -165,7 +171,7 @@ def _archive_model(runs: str, default: dict) -> dict:
                 models[run] = json.load(fh).get("model", default)
     distinct = {json.dumps(m, sort_keys=True): r for r, m in models.items()}
     if len(distinct) > 1:
-        raise SystemExit(f"error: --from_archive={runs}: the runs {sorted(distinct.values())} have different "
+        raise UsageError(f"--from_archive={runs}: the runs {sorted(distinct.values())} have different "
                          "`model` sections (their archives' token ids belong to different models)")
     return next(iter(models.values()), default)
 
@@ -186,7 +192,7 @@ def cmd_eval(f) -> int:
         from posttrain.recipes import evaluate
 
         if not (f.from_records or f.checkpoint):
-            raise SystemExit("error: --checkpoint=<run workdir> is required")
+            raise UsageError("--checkpoint=<run workdir> is required")
         try:
             result = (evaluate.rescore_folder(f.from_records, suite_path=f.suite, out=f.out) if f.from_records else
                       evaluate.evaluate_suite(f.suite, f.checkpoint, baseline=f.baseline, limit=f.limit,
@@ -195,7 +201,7 @@ def cmd_eval(f) -> int:
         except (ConfigError, evaluate.grpo.RunNotFoundError):
             raise  # main() prints them in one line with exit code 2
         except (ValueError, FileNotFoundError) as e:  # a bad suite, selection or records folder
-            raise SystemExit(f"error: {' '.join(str(e).split())}") from None
+            raise UsageError(f"{' '.join(str(e).split())}") from None
         print(result.pop("text"))
         print(json.dumps(result))
         return 0
@@ -211,7 +217,7 @@ def cmd_convert(f) -> int:
     from posttrain.checkpoints.export import export_hf
 
     if not f.out:
-        raise SystemExit("error: --out=<directory> is required")
+        raise UsageError("--out=<directory> is required")
     kind = "model"
     if f.checkpoint:
         kind, cfg, state, tokenizer = _run_model(f, "convert")
@@ -222,14 +228,14 @@ def cmd_convert(f) -> int:
         from posttrain.checkpoints.reward_model import export_reward_model
 
         if f.peft_out:
-            raise SystemExit("error: --peft_out needs a LoRA policy run; a reward-model run exports its full model")
+            raise UsageError("--peft_out needs a LoRA policy run; a reward-model run exports its full model")
         print(export_reward_model(cfg, state, f.out, tokenizer=tokenizer, dtype=f.dtype))
         return 0
     if f.peft_out:
         from posttrain.checkpoints.peft import export_peft
 
         if not (cfg.lora and cfg.lora.rank):
-            raise SystemExit("error: --peft_out needs a LoRA run (--checkpoint of a run with lora.rank > 0)")
+            raise UsageError("--peft_out needs a LoRA run (--checkpoint of a run with lora.rank > 0)")
         print(export_peft(cfg, state, f.peft_out, dtype=f.dtype))
     print(export_hf(cfg, state, f.out, tokenizer=tokenizer, dtype=f.dtype, max_shard_bytes=f.max_shard_mb << 20))
     return 0
@@ -253,7 +259,7 @@ def cmd_domains(f) -> int:
             return 0
         checks = domains.summary(f.pattern)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise UsageError(f"{e}") from None
     print(domains.format_listing(checks))
     return 0
 
@@ -270,7 +276,7 @@ def cmd_plan(f) -> int:
     except ConfigError:
         raise  # main() prints it in one line with exit code 2
     except (ValueError, RuntimeError, AssertionError) as e:  # AssertionError: assert_sufficiently_sharded
-        raise SystemExit(f"error: {' '.join(str(e).split())}") from None
+        raise UsageError(f"{' '.join(str(e).split())}") from None
     if f.json:
         print(json.dumps(report))
     else:

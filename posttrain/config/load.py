@@ -92,6 +92,12 @@ class ConfigError(ValueError):
     """A config key or value is invalid; the message names the dotted key path."""
 
 
+class DataError(ValueError):
+    """A data file or record the config names (SFT conversations, preference pairs, an archive) is missing,
+    undecodable or malformed, or leaves nothing to train on; the message names the file and line (`path:line`) or
+    the record (`train_examples[i]`). The command line prints it as one line (exit code 2)."""
+
+
 def convert_section(cls, value, path: str):
     """`value` (a plain mapping / sequence / scalar) converted to `cls` (a schema dataclass or a field type),
     rejecting unknown keys and wrong types. Raises ConfigError naming the dotted key path (`path` prefixes it)."""

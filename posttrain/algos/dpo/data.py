@@ -6,7 +6,8 @@ Record format (a JSONL line or the same dict inline; TRL's preference format,
 https://huggingface.co/docs/trl/dataset_formats#preference):
   {"prompt": str | [messages], "chosen": str | [messages], "rejected": str | [messages], "id"?: str}
 A string prompt is one user turn; a string reply one assistant turn; a message-list reply must be exactly one
-assistant turn. The prompt is rendered by the tokenizer's chat template with the generation prompt (as the RL
+assistant turn. Without "prompt" (TRL's implicit prompt), "chosen" and "rejected" are whole conversations and the
+prompt is the messages they begin with in common (`split_implicit_prompt`). The prompt is rendered by the tokenizer's chat template with the generation prompt (as the RL
 sampler sees it) and each reply is the template's rendering of that assistant turn after it (its content and
 end-of-turn token, not the whitespace after), tokenized on its own: the tokens a policy would generate.
 
@@ -20,16 +21,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 from flax import struct
 
+from posttrain.config import DataError
 from posttrain.algos.sft.data import as_turns, load_records, split_records
 from posttrain.rollout import batching
 from posttrain.rollout.episodes import Sample
 from posttrain.types import RolloutBatch
 
+log = logging.getLogger(__name__)
 ALIGN = 8  # prompt and reply regions are rounded up to a multiple of this many tokens
 
 
@@ -85,35 +89,54 @@ class PairSettings:
 def _reply(value: Any, where: str, key: str) -> dict:
     turns = as_turns(value, where, key, "assistant")
     if len(turns) != 1 or turns[0]["role"] != "assistant":
-        raise ValueError(f"{where}: {key!r} must be one assistant turn (a string or a one-message list), got roles "
+        raise DataError(f"{where}: {key!r} must be one assistant turn (a string or a one-message list), got roles "
                          f"{[t['role'] for t in turns]}")
     return turns[0]
 
 
+def split_implicit_prompt(record: Mapping[str, Any], where: str) -> dict:
+    """`record` with "prompt" = the messages its "chosen" and "rejected" conversations begin with in common, and
+    each reply the rest of its conversation (TRL's implicit-prompt preference format, as its `extract_prompt`).
+    Raises DataError naming `where` unless both are message lists that share at least one leading message."""
+    chosen, rejected = (as_turns(record[k], where, k, "assistant") for k in ("chosen", "rejected"))
+    if isinstance(record["chosen"], str) or isinstance(record["rejected"], str):
+        raise DataError(f"{where}: missing key(s) ['prompt']: string replies need a 'prompt' (only message-list "
+                        "replies carry their own)")
+    n = 0
+    while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+        n += 1
+    if n == 0:
+        raise DataError(f"{where}: missing key(s) ['prompt'], and 'chosen' and 'rejected' do not begin with the "
+                        "same messages, so no prompt can be taken from them")
+    return {**record, "prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
+
+
 def encode_pair(tokenizer, record: Mapping[str, Any], where: str, max_prompt_len: int,
                 max_completion_len: int) -> Pair:
-    """The `Pair` of one record (module doc). Raises ValueError naming `where` for a missing key, malformed
+    """The `Pair` of one record (module doc). Raises DataError naming `where` for a missing key, malformed
     messages, a prompt ending in an assistant turn, or a chat template that does not render the reply after the
     prompt; TypeError for a record that is not a mapping."""
     if not isinstance(record, Mapping):
         raise TypeError(f"{where}: a DPO record must be a mapping, got {type(record).__name__}")
-    missing = [k for k in ("prompt", "chosen", "rejected") if k not in record]
+    missing = [k for k in ("chosen", "rejected") if k not in record]
     if missing:
-        raise ValueError(f"{where}: missing key(s) {missing}: a preference record needs 'prompt', 'chosen' and "
-                         f"'rejected'; it has {sorted(record)}")
+        raise DataError(f"{where}: missing key(s) {missing}: a preference record needs 'chosen' and 'rejected' "
+                        f"(and 'prompt', unless both are conversations that begin with it); it has {sorted(record)}")
+    if "prompt" not in record:
+        record = split_implicit_prompt(record, where)
     prompt = as_turns(record["prompt"], where, "prompt", "user")
     if prompt[-1]["role"] == "assistant":
-        raise ValueError(f"{where}: the prompt ends with an assistant turn; the replies are the assistant's turn")
+        raise DataError(f"{where}: the prompt ends with an assistant turn; the replies are the assistant's turn")
     render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, add_generation_prompt=gen)
     head = render(prompt, True)
     replies, cut = [], False
     for key in ("chosen", "rejected"):
         full = render(prompt + [_reply(record[key], where, key)], False)
         if not full.startswith(head):
-            raise ValueError(f"{where}: the chat template does not render the {key} reply after the prompt")
+            raise DataError(f"{where}: the chat template does not render the {key} reply after the prompt")
         ids = np.asarray(tokenizer.encode(full[len(head):].rstrip()), np.int32)
         if not len(ids):
-            raise ValueError(f"{where}: the {key} reply renders to no tokens")
+            raise DataError(f"{where}: the {key} reply renders to no tokens")
         cut |= len(ids) > max_completion_len
         replies.append(ids[:max_completion_len])
     prompt_ids = np.asarray(tokenizer.encode(head), np.int32)
@@ -122,25 +145,47 @@ def encode_pair(tokenizer, record: Mapping[str, Any], where: str, max_prompt_len
 
 
 def encode_pairs(tokenizer, records: Sequence[tuple[str, Mapping]], settings: PairSettings) -> list[Pair]:
-    """The pairs of (where, record) items. Raises ValueError for duplicate pair ids and as `encode_pair` does."""
+    """The pairs of (where, record) items. Raises DataError for duplicate pair ids and as `encode_pair` does."""
     pairs = [encode_pair(tokenizer, r, where, settings.max_prompt_len, settings.max_completion_len)
              for where, r in records]
     ids = [p.pair_id for p in pairs]
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup:
-        raise ValueError(f"duplicate preference pair ids {dup[:5]}: every record's 'id' must be unique")
+        raise DataError(f"duplicate preference pair ids {dup[:5]}: every record's 'id' must be unique")
     return pairs
 
 
 def load_pairs(settings: PairSettings, tokenizer) -> tuple[list[Pair], list[Pair]]:
-    """(train pairs, held-out pairs) of the settings' data. Raises ValueError when there is no training pair."""
+    """(train pairs, held-out pairs) of the settings' data. Raises DataError when there is no training pair."""
     train = load_records(settings.train_path, settings.train_records, "train_examples")
     held = load_records(settings.eval_path, settings.eval_records, "eval_examples")
     if not held and settings.eval_fraction:
         train, held = split_records(train, settings.eval_fraction, settings.seed)
+    source = settings.train_path or "train_examples"
     if not train:
-        raise ValueError(f"no DPO training pair (from {settings.train_path or 'train_examples'})")
-    return encode_pairs(tokenizer, train, settings), encode_pairs(tokenizer, held, settings)
+        raise DataError(f"no preference pair to train on (from {source})")
+    train_pairs = encode_pairs(tokenizer, train, settings)
+    check_ties(train_pairs, source)
+    return train_pairs, encode_pairs(tokenizer, held, settings)
+
+
+def tied(pair: Pair) -> bool:
+    """True when the pair's chosen and rejected replies are the same tokens (after the length cut): such a pair
+    states no preference; its DPO / Bradley-Terry gradient is exactly zero."""
+    return len(pair.chosen) == len(pair.rejected) and bool(np.all(pair.chosen == pair.rejected))
+
+
+def check_ties(pairs: Sequence[Pair], source: str) -> int:
+    """The number of tied pairs (`tied`) among the training `pairs`, logged as a warning when there are any.
+    Raises DataError naming `source` when every pair is tied (nothing to learn)."""
+    n = sum(map(tied, pairs))
+    if pairs and n == len(pairs):
+        raise DataError(f"every one of the {n} preference pairs from {source} has chosen == rejected (after the "
+                        "length cut): no preference to learn")
+    if n:
+        log.warning("%d of %d preference pairs from %s have chosen == rejected (after the length cut): they carry "
+                    "no preference and contribute zero gradient", n, len(pairs), source)
+    return n
 
 
 def data_hash(pairs: Sequence[Pair]) -> str:

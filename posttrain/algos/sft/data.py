@@ -18,16 +18,21 @@ template renders the conversation up to it with the generation prompt (`prefix`)
 template's end-of-turn token, not the whitespace the template writes after it), and a token is an assistant token
 iff its first character lies in such a span (the tokenizer's character offsets). A template that does not render a
 conversation's prefixes as prefixes of its full rendering (e.g. one that drops earlier reasoning) is refused with a
-ValueError rather than masked wrongly.
+DataError rather than masked wrongly.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import pathlib
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
+
+from posttrain.config import DataError
+
+log = logging.getLogger(__name__)
 
 
 class Example(NamedTuple):
@@ -76,42 +81,48 @@ class DataSettings:
 
 
 def read_jsonl(path: str | pathlib.Path) -> list[tuple[str, dict]]:
-    """[(where, record)] of a JSONL file, `where` = "path:line" (1-based; blank lines skipped).
+    """[(where, record)] of a JSONL file (UTF-8), `where` = "path:line" (1-based; blank lines skipped).
 
-    Raises FileNotFoundError for a missing file; ValueError naming path:line for a line that is not JSON or not an
-    object."""
+    Raises DataError naming the path for a missing file or a directory, and path:line for a line that is not
+    UTF-8, not JSON or not an object."""
     path = pathlib.Path(path)
+    if path.is_dir():
+        raise DataError(f"data file {str(path)!r} is a directory; give a JSONL file")
     if not path.is_file():
-        raise FileNotFoundError(f"SFT data file {str(path)!r} does not exist")
+        raise DataError(f"data file {str(path)!r} does not exist")
     out = []
-    with path.open(encoding="utf-8") as fh:
-        for i, line in enumerate(fh, 1):
+    with path.open("rb") as fh:
+        for i, raw in enumerate(fh, 1):
+            where = f"{path}:{i}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{i}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): {line.strip()[:80]!r}") from None
+                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): {line.strip()[:80]!r}") from None
             if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+                raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
             out.append((where, record))
     return out
 
 
 def _check_messages(messages: Any, where: str, key: str) -> list[dict]:
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: {key!r} must be a non-empty list of {{'role', 'content'}} objects, got "
+        raise DataError(f"{where}: {key!r} must be a non-empty list of {{'role', 'content'}} objects, got "
                          f"{type(messages).__name__}")
     for j, m in enumerate(messages):
         if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ValueError(f"{where}: {key}[{j}] must be an object with string 'role' and 'content', got {m!r:.80}")
+            raise DataError(f"{where}: {key}[{j}] must be an object with string 'role' and 'content', got {m!r:.80}")
     return [dict(m) for m in messages]
 
 
 def as_turns(value: Any, where: str, key: str, role: str) -> list[dict]:
     """The chat messages of one record field: a string is one message of `role`, a list is checked as messages
-    (each a mapping with string 'role' and 'content'; copied). Raises ValueError naming `where` and `key` for an
+    (each a mapping with string 'role' and 'content'; copied). Raises DataError naming `where` and `key` for an
     empty list, a non-list, or a malformed message."""
     return [{"role": role, "content": value}] if isinstance(value, str) else _check_messages(value, where, key)
 
@@ -119,7 +130,7 @@ def as_turns(value: Any, where: str, key: str, role: str) -> list[dict]:
 def to_messages(record: Mapping[str, Any], where: str) -> tuple[list[dict], tuple[int, ...]]:
     """(messages, indices of the trained assistant turns) of one record in a TRL format (see the module doc).
 
-    Raises ValueError naming `where` for a record with neither `messages` nor `prompt` + `completion`, malformed
+    Raises DataError naming `where` for a record with neither `messages` nor `prompt` + `completion`, malformed
     messages, or no assistant turn to train."""
     if "messages" in record:
         messages = _check_messages(record["messages"], where, "messages")
@@ -131,26 +142,26 @@ def to_messages(record: Mapping[str, Any], where: str) -> tuple[list[dict], tupl
         trained = tuple(len(prompt) + i for i, m in enumerate(completion) if m["role"] == "assistant")
     else:
         missing = [k for k in ("prompt", "completion") if k not in record]
-        raise ValueError(f"{where}: missing key {' and '.join(map(repr, missing))}: a record needs 'messages', or "
+        raise DataError(f"{where}: missing key {' and '.join(map(repr, missing))}: a record needs 'messages', or "
                          f"'prompt' and 'completion'; it has {sorted(record)}")
     if not trained:
-        raise ValueError(f"{where}: no assistant turn to train on (roles {[m['role'] for m in messages]})")
+        raise DataError(f"{where}: no assistant turn to train on (roles {[m['role'] for m in messages]})")
     if trained[0] == 0:
-        raise ValueError(f"{where}: the first message is an assistant turn: nothing precedes it to condition on")
+        raise DataError(f"{where}: the first message is an assistant turn: nothing precedes it to condition on")
     return messages, trained
 
 
 def assistant_spans(tokenizer, messages: Sequence[Mapping], trained: Iterable[int], where: str):
     """(full rendering, [(start, end)] character spans of the trained turns) under the tokenizer's chat template.
 
-    Raises ValueError naming `where` when the template is not prefix-stable on this conversation."""
+    Raises DataError naming `where` when the template is not prefix-stable on this conversation."""
     render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, add_generation_prompt=gen)
     full = render(messages, False)
     spans = []
     for i in trained:
         prefix, upto = render(messages[:i], True), render(messages[:i + 1], False)
         if not (upto.startswith(prefix) and full.startswith(upto)):
-            raise ValueError(f"{where}: the chat template does not render turn {i} after the conversation before "
+            raise DataError(f"{where}: the chat template does not render turn {i} after the conversation before "
                              "it (its prefixes are not prefixes of the full rendering), so the assistant tokens "
                              "cannot be located by position")
         spans.append((len(prefix), len(upto.rstrip())))
@@ -162,7 +173,7 @@ def encode(tokenizer, messages: Sequence[Mapping], trained: Iterable[int], where
     """The `Example` of one conversation: its chat-template tokens (no special tokens added beyond the
     template's) and the assistant mask by position (module doc), cut to `max_len` tokens when given.
 
-    Raises ValueError naming `where` (see `assistant_spans`)."""
+    Raises DataError naming `where` (see `assistant_spans`)."""
     full, spans = assistant_spans(tokenizer, messages, trained, where)
     enc = tokenizer.backend.encode(full, add_special_tokens=False)
     starts = np.asarray([s for s, _ in enc.offsets], np.int64)
@@ -186,7 +197,7 @@ def load_records(path: str, records: Sequence[Mapping[str, Any]], name: str) -> 
 def tokenize(tokenizer, records: Sequence[tuple[str, Mapping]], max_len: int) -> tuple[list[Example], dict]:
     """Examples of (where, record) pairs cut to `max_len` tokens, and counts {"sft/examples", "sft/truncated",
     "sft/dropped"}: a conversation left with no trained token after the cut is dropped (its assistant turn starts
-    past max_len). Raises ValueError naming the record for a malformed one (`to_messages`, `encode`); TypeError
+    past max_len). Raises DataError naming the record for a malformed one (`to_messages`, `encode`); TypeError
     for a record that is not a mapping."""
     examples, truncated, dropped = [], 0, 0
     for where, record in records:
@@ -198,6 +209,9 @@ def tokenize(tokenizer, records: Sequence[tuple[str, Mapping]], max_len: int) ->
             continue
         truncated += ex.truncated
         examples.append(ex)
+    if dropped:
+        log.warning("%d of %d conversations dropped: no assistant token within the first %d tokens (seq_len)",
+                    dropped, len(records), max_len)
     return examples, {"sft/examples": len(examples), "sft/truncated": truncated, "sft/dropped": dropped}
 
 
@@ -213,7 +227,7 @@ def split_records(records: list, fraction: float, seed: int) -> tuple[list, list
 
 
 def load_datasets(settings: DataSettings, tokenizer) -> tuple[list[Example], list[Example], dict]:
-    """(train examples, held-out examples, counts) of the settings' data. Raises ValueError when no training
+    """(train examples, held-out examples, counts) of the settings' data. Raises DataError when no training
     record is left, and as `tokenize` / `read_jsonl` do."""
     train = load_records(settings.train_path, settings.train_records, "train_examples")
     held = load_records(settings.eval_path, settings.eval_records, "eval_examples")
@@ -222,7 +236,7 @@ def load_datasets(settings: DataSettings, tokenizer) -> tuple[list[Example], lis
     train_ex, counts = tokenize(tokenizer, train, settings.seq_len)
     eval_ex, eval_counts = tokenize(tokenizer, held, settings.seq_len)
     if not train_ex:
-        raise ValueError(f"no SFT training example with an assistant token within seq_len={settings.seq_len} "
+        raise DataError(f"no SFT training example with an assistant token within seq_len={settings.seq_len} "
                          f"(records: {len(train)}, from {settings.train_path or 'train_examples'})")
     counts.update({f"{k}_eval": v for k, v in eval_counts.items()})
     return train_ex, eval_ex, counts

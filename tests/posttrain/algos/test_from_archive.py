@@ -208,7 +208,7 @@ def test_several_runs_archives_are_read_as_one_and_their_groups_stay_apart(tmp_p
     """from_archive="A,B" (e.g. the seeds of one config): the archives in order, one table; a pair never joins
     replies of two runs (the group key has the run); two archives of one run name, a run named twice, a missing
     run and runs of different models are clear errors."""
-    from posttrain.cli.commands import _archive_model
+    from posttrain.cli.commands import UsageError, _archive_model
     from posttrain.config.sft import archive_runs, check_archive
     from posttrain.recipes import offline
 
@@ -238,5 +238,5 @@ def test_several_runs_archives_are_read_as_one_and_their_groups_stay_apart(tmp_p
     with pytest.raises(ConfigError, match=r"'.*missing': no such run directory"):
         check_archive(f"{a},{tmp_path / 'missing'}", "rm.from_archive")
     d = write("s3", "s3", {"preset": "tiny-dense"})
-    with pytest.raises(SystemExit, match="different `model` sections"):
+    with pytest.raises(UsageError, match="different `model` sections"):
         _archive_model(f"{a},{d}", {})

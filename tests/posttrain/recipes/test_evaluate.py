@@ -59,12 +59,13 @@ def main(*args):
 
 
 def test_bad_suite_invocations_fail_clearly(run_dir, tmp_path, capsys):
-    with pytest.raises(SystemExit, match="no such file"):
-        main("--suite=configs/eval/none.py", f"--checkpoint={run_dir}")
-    with pytest.raises(SystemExit, match="'zzz' matches no domain"):
-        main("--suite=configs/eval/tiny.py", f"--checkpoint={run_dir}", "--domains=zzz")
-    with pytest.raises(SystemExit, match="--checkpoint=<run workdir> is required"):
-        main("--suite=configs/eval/tiny.py")
+    for args, message in ((("--suite=configs/eval/none.py", f"--checkpoint={run_dir}"), "no such file"),
+                          (("--suite=configs/eval/tiny.py", f"--checkpoint={run_dir}", "--domains=zzz"),
+                           "'zzz' matches no domain"),
+                          (("--suite=configs/eval/tiny.py",), "--checkpoint=<run workdir> is required")):
+        assert main(*args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
     assert main("--suite=configs/eval/tiny.py", f"--checkpoint={tmp_path}") == 2
     assert "no checkpoints/ folder" in capsys.readouterr().err and not (tmp_path / "eval").exists()
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from posttrain.algos.dpo import data, reference
-from posttrain.config import ConfigError
+from posttrain.config import ConfigError, DataError
 from posttrain.config.dpo import dpo_config_from_dict
 from posttrain.model.tokenizer import Tokenizer
 
@@ -28,6 +28,38 @@ def test_malformed_records_name_the_record(record, err, msg):
     with pytest.raises(err, match=msg) as e:
         data.encode_pair(Tokenizer.byte_level(), record, "pairs.jsonl:7", 64, 64)
     assert "pairs.jsonl:7" in str(e.value)
+
+
+def test_implicit_prompt_records_equal_explicit_ones():
+    """TRL's implicit-prompt format: the prompt is the messages both conversations begin with."""
+    tok = Tokenizer.byte_level()
+    user, sys_ = {"role": "user", "content": "2 + 2?"}, {"role": "system", "content": "Be brief."}
+    ans = lambda c: {"role": "assistant", "content": c}
+    explicit = data.encode_pair(tok, {"prompt": [sys_, user], "chosen": "4", "rejected": "5"}, "a", 64, 64)
+    implicit = data.encode_pair(tok, {"chosen": [sys_, user, ans("4")], "rejected": [sys_, user, ans("5")]},
+                                "a", 64, 64)
+    for x, y in zip(explicit[1:4], implicit[1:4]):
+        assert x.tolist() == y.tolist()
+    for record, msg in (({"chosen": "4", "rejected": "5"}, r"string replies need a 'prompt'"),
+                        ({"chosen": [ans("4")], "rejected": [ans("5")]}, "do not begin with the same messages"),
+                        ({"chosen": [user, ans("4")], "rejected": [user, ans("4"), user, ans("5")]},
+                         "must be one assistant turn")):
+        with pytest.raises(DataError, match=msg):
+            data.encode_pair(tok, record, "pairs.jsonl:3", 64, 64)
+
+
+def test_tied_pairs_are_counted_and_all_tied_data_refused(caplog):
+    tok = Tokenizer.byte_level()
+    tie, pair = {"prompt": "q", "chosen": "same", "rejected": "same"}, {"prompt": "q", "chosen": "a", "rejected": "b"}
+    cut = {"prompt": "q", "chosen": "abcdefgh-x", "rejected": "abcdefgh-y"}  # equal after the 8-token cut
+    settings = data.PairSettings(train_records=(tie, pair, cut), max_completion_len=8)
+    with caplog.at_level("WARNING"):
+        train, _ = data.load_pairs(settings, tok)
+    assert [data.tied(p) for p in train] == [True, False, True]
+    assert "2 of 3 preference pairs from train_examples have chosen == rejected" in caplog.text
+    with pytest.raises(DataError, match="every one of the 2 preference pairs from train_examples has chosen == "
+                                        "rejected"):
+        data.load_pairs(data.PairSettings(train_records=(tie, cut), max_completion_len=8), tok)
 
 
 def test_duplicate_ids_and_truncation():

@@ -5,9 +5,11 @@ import json
 
 import numpy as np
 import pytest
+
 from helpers import pad_is_eos_tokenizer
 
 from posttrain.algos.sft import data, packing
+from posttrain.config import DataError
 from posttrain.model.tokenizer import Tokenizer
 
 
@@ -66,8 +68,14 @@ def test_a_bad_line_gives_one_error_naming_it(tmp_path, line, message):
 
 
 def test_missing_file_and_non_prefix_template_fail_clearly(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with pytest.raises(DataError, match="nope.jsonl' does not exist"):
         data.read_jsonl(tmp_path / "nope.jsonl")
+    with pytest.raises(DataError, match="is a directory"):
+        data.read_jsonl(tmp_path)
+    latin1 = tmp_path / "latin1.jsonl"  # a Latin-1 file: one line valid, the next holds 0xe9
+    latin1.write_bytes(b'{"prompt": "q", "completion": "a"}\n{"prompt": "caf\xe9", "completion": "a"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\)"):
+        data.read_jsonl(latin1)
     base = Tokenizer.byte_level()  # a template that renders only the last message: prefixes are not prefixes
     tok = Tokenizer(base.backend, eos_token="<|im_end|>",
                     chat_template="{{ messages[-1]['content'] }}{% if add_generation_prompt %}>{% endif %}")
