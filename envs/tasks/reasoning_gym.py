@@ -22,9 +22,11 @@ dataset's whole entry (question, answer, metadata), so any worker can score them
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
+import sys
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -61,6 +63,12 @@ def library():
         raise ImportError("ReasoningGym-v0 needs the reasoning-gym package: pip install 'reasoning-gym>=0.1.25'"
                           ) from exc
     return reasoning_gym
+
+
+def library_output_to_stderr():
+    """A context in which what the library prints goes to stderr: some generators print to stdout (bf's prints
+    "." per program it compiles), which would corrupt a command's output (`posttrain domains`, `status --json`)."""
+    return contextlib.redirect_stdout(sys.stderr)
 
 
 def dataset_names() -> list[str]:
@@ -139,7 +147,8 @@ def build_dataset(dataset: str, config: Mapping[str, Any] | str | None = None, *
             curriculum = rg.factory.create_curriculum(dataset)
             curriculum.set_global_level(level)
             config_obj = curriculum.generate_configuration(defaults=cfg)
-        return dataset_cls(config=config_obj)
+        with library_output_to_stderr():
+            return dataset_cls(config=config_obj)
     except (AssertionError, TypeError, ValueError, KeyError) as exc:
         if isinstance(exc, ValueError) and str(exc).startswith(f"reasoning_gym/{dataset}"):
             raise
@@ -213,9 +222,11 @@ class ReasoningGymTasks:
         n, want = self._num_tasks, self.split == "test"
         for k in range(MAX_DRAWS):
             try:
-                entry = self.dataset[index + k * n]
+                with library_output_to_stderr():
+                    entry = self.dataset[index + k * n]
             except IndexError:  # a fixed item list (gsm_symbolic, list_functions, word_ladder): wrap around
-                entry = self.dataset[(index + k) % n]
+                with library_output_to_stderr():
+                    entry = self.dataset[(index + k) % n]
             if held_out(entry["question"]) == want:
                 return entry
         raise ValueError(f"reasoning_gym/{self.name}: no {self.split} question in {MAX_DRAWS} draws for task "

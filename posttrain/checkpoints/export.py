@@ -20,6 +20,7 @@ unmerged.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import jax
@@ -66,17 +67,35 @@ def write_safetensors(tensors: dict[str, np.ndarray], out: pathlib.Path, max_sha
         size += tensors[n].nbytes
     shards.append(cur)
     if len(shards) == 1:
-        save_file(shards[0], str(out / f"{prefix}.safetensors"), metadata={"format": "pt"})
+        _save(save_file, shards[0], out / f"{prefix}.safetensors")
         return [f"{prefix}.safetensors"]
     weight_map, names = {}, []
     for i, shard in enumerate(shards):
         name = f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / name), metadata={"format": "pt"})
+        _save(save_file, shard, out / name)
         weight_map.update({n: name for n in shard})
         names.append(name)
     index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))}, "weight_map": weight_map}
     (out / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return names
+
+
+def _save(save_file, tensors: dict, path: pathlib.Path) -> None:
+    """safetensors' `save_file`, then the file's mode as any file this process creates (0o666 less the umask):
+    safetensors writes 0o600, which other users of a shared model directory cannot read."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it where Linux shows it (os.umask sets it for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+        return umask
 
 
 def save_tokenizer(tokenizer, out_dir, *, model_max_length: int | None = None,

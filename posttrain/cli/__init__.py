@@ -23,12 +23,13 @@ Multi-host: start one process per host with --distributed (launch/ has TPU-pod a
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from posttrain.cli.commands import (UsageError, _enable_compilation_cache, _fake_cpu_devices_for_plan, cmd_convert,
                                     cmd_domains, cmd_dpo, cmd_eval, cmd_plan, cmd_sample, cmd_sft, cmd_train)
 from posttrain.cli import rm, status
-from posttrain.cli.flags import command_help, config_override_argv, define_flags as _flags, flag_error_line
+from posttrain.cli.flags import command_help, config_file, config_override_argv, define_flags as _flags, flag_error_line
 
 # command name -> its function (a new command: a module of its own in this package, a line here, its usage lines
 # in the docstring above and its flags in flags.py)
@@ -65,6 +66,13 @@ def main(argv=None) -> int:
         return 2
     finally:
         sys.argv = saved
+    try:  # ml_collections defers a config file's load error to the first attribute read of --config's value
+        getattr(f.config, "to_dict", None)
+    except OSError as e:
+        path = config_file(argv).partition("=")[2]
+        why = "no such file" if path and not os.path.exists(path) else _one_line(e)
+        print(f"error: {config_file(argv)}: {why}", file=sys.stderr)
+        return 2
     from posttrain.config import ConfigError, DataError
     from posttrain.infra import distributed
     from posttrain.checkpoints.orbax import CheckpointCorruptError
@@ -90,6 +98,9 @@ def main(argv=None) -> int:
     except EnvInfraError as e:  # the envs, not the policy, failed a step: the first worker error, one line
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 1
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:  # a path given that is not there
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 2
     except OSError as e:  # the file system refused (read-only, full disk, permissions): what and where
         print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1

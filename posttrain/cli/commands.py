@@ -43,10 +43,19 @@ def _sample_policy(f):
             raise UsageError("sample takes one of --model=PATH and --checkpoint=RUN, not both")
         kind, cfg, state, tok = _run_model(f, "sample")
         return nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))), state, tok
+    pre = _pretrained(f.model)
+    return pre.graphdef, pre.state, pre.tokenizer
+
+
+def _pretrained(model):
+    """`checkpoints.load_pretrained(model)` (None: the default GGUF). Raises UsageError naming --model for a file
+    that is not a model it reads (a ValueError of the loader: not GGUF, unsupported architecture)."""
     from posttrain.checkpoints import load_pretrained
 
-    pre = load_pretrained(f.model)
-    return pre.graphdef, pre.state, pre.tokenizer
+    try:
+        return load_pretrained(model)
+    except ValueError as e:
+        raise UsageError(f"--model={model}: {' '.join(str(e).split())}") from None
 
 
 def cmd_sample(f) -> int:
@@ -213,16 +222,20 @@ def cmd_eval(f) -> int:
 
 
 def cmd_convert(f) -> int:
-    from posttrain.checkpoints import load_pretrained
     from posttrain.checkpoints.export import export_hf
+
+    from posttrain.recipes.workdir import check_export_dir
 
     if not f.out:
         raise UsageError("--out=<directory> is required")
+    check_export_dir(f.out, source=f.checkpoint)  # never into a run (its config.json), before any load
+    if f.peft_out:
+        check_export_dir(f.peft_out, source=f.checkpoint)
     kind = "model"
     if f.checkpoint:
         kind, cfg, state, tokenizer = _run_model(f, "convert")
     else:
-        pre = load_pretrained(f.model)
+        pre = _pretrained(f.model)
         cfg, state, tokenizer = pre.config, pre.state, pre.tokenizer
     if kind == "rm":  # a reward model: a transformers sequence-classification directory (what `posttrain rm` exports)
         from posttrain.checkpoints.reward_model import export_reward_model

@@ -22,21 +22,21 @@ def define_flags():
                             "the report folder (default eval_reports/<run name>/<suite name>-step<N>)")
         flags.DEFINE_string("suite", None, "eval: a configs/eval/*.py suite (domains by capability area)")
         flags.DEFINE_string("baseline", None, "eval --suite: 'base' (the run's initial policy) or a run's workdir")
-        flags.DEFINE_integer("limit", None, "eval --suite: at most this many tasks per domain")
+        flags.DEFINE_integer("limit", None, "eval --suite: at most this many tasks per domain", lower_bound=1)
         flags.DEFINE_string("domains", None, "eval --suite: only these domains (names or patterns, comma-separated)")
         flags.DEFINE_string("from_records", None, "eval: rescore the records of a suite report folder (no sampling)")
-        flags.DEFINE_string("dtype", None, "convert: float32|bfloat16|float16 of the written weights "
-                            "(default: the model's parameter dtype)")
-        flags.DEFINE_integer("max_shard_mb", 4096, "convert: safetensors shard size limit in MiB")
+        flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"], "convert: the written weights' dtype "
+                          "(default: the model's parameter dtype)")
+        flags.DEFINE_integer("max_shard_mb", 4096, "convert: safetensors shard size limit in MiB", lower_bound=1)
         flags.DEFINE_string("peft_out", None, "convert --checkpoint of a LoRA run: also write the adapter "
                             "(adapter_config.json + adapter_model.safetensors) here")
-        flags.DEFINE_integer("max_new_tokens", 64, "sample: tokens to generate")
+        flags.DEFINE_integer("max_new_tokens", 64, "sample: tokens to generate", lower_bound=1)
         flags.DEFINE_string("pattern", "*", "domains: domain names or patterns, comma-separated")
         flags.DEFINE_bool("floors", False, "domains: compute each domain's gaming floor (best mean reward of replies "
                           "without a solution) and golden sample (reference replies of 20 tasks per split)")
         flags.DEFINE_bool("write", False, "domains --floors: store them in envs/tasks/domain_floors.json (the table "
                           "selection reads)")
-        flags.DEFINE_float("temperature", 0.0, "sample: 0 = greedy")
+        flags.DEFINE_float("temperature", 0.0, "sample: 0 = greedy", lower_bound=0.0)
         flags.DEFINE_integer("seed", 0, "sample: the sampling stream (temperature > 0: another seed, another reply)")
         flags.DEFINE_bool("progress", True, "train: show a progress bar")
         flags.DEFINE_string("from_archive", None, "sft/dpo/rm: a GRPO run's workdir, or several separated by "
@@ -51,7 +51,8 @@ def define_flags():
                           "config.json (each change recorded with its step in config_changes.jsonl)")
         flags.DEFINE_string("target", "cpu-8", "plan: cpu-N | v5p-N (TensorCores) | h200xN")
         flags.DEFINE_bool("json", False, "plan/status: print one JSON line")
-        flags.DEFINE_integer("prompt_len", 512, "plan: prompt tokens per sequence (completions: sampling.max_new_tokens)")
+        flags.DEFINE_integer("prompt_len", 512, "plan: prompt tokens per sequence (completions: sampling.max_new_tokens)",
+                             lower_bound=1)
         flags.DEFINE_bool("sampler", True, "plan: also compile the rollout sampler (prefill + decode loop)")
         flags.DEFINE_bool("distributed", False, "multi-host: call jax.distributed.initialize() first "
                           "(also on with POSTTRAIN_DISTRIBUTED=1; see launch/)")
@@ -120,7 +121,14 @@ def flag_error_line(e: BaseException, argv) -> str:
                 value = next((a.split("=", 1)[1] for a in argv if a.startswith(f"{flag}=")), "...")
                 return unknown_key_message(flag.removeprefix("--"), key, value)
             return f"unknown config key {flag.removeprefix('--')}: {hint.strip()}"
+        if isinstance(c, AttributeError) and "get_config" in str(c):
+            return f"{config_file(argv)}: the config file defines no get_config() (configs/*.py return a ConfigDict)"
     return " ".join(str(e).split())
+
+
+def config_file(argv) -> str:
+    """The --config=PATH of `argv` ("--config" when there is none)."""
+    return next((f"--config={a.split('=', 1)[1]}" for a in argv if a.startswith("--config=")), "--config")
 
 
 def config_override_argv(argv):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import fnmatch
+import math
 import os
 import types
 import typing
@@ -67,8 +68,8 @@ _RANGES = {
     ("rl", "eps_low"): ("in [0, 1) (or -1: the loss's default)", lambda v: v == -1 or 0 <= v < 1),
     ("rl", "eps_high"): (">= 0 (or -1: the loss's default)", lambda v: v == -1 or v >= 0),
     ("rl", "beta"): _NONNEGATIVE, ("rl", "norm_constant"): _NONNEGATIVE,
-    ("rl", "tis_cap"): (">= 0 (0: off), or -1 (the run plan's rule: on when rollout.max_staleness > 0)",
-                        lambda v: v == -1 or v >= 0),
+    ("rl", "tis_cap"): (">= 1 (a cap below 1 scales down every on-policy token's weight), 0 (off), or -1 (the run "
+                        "plan's rule: on when rollout.max_staleness > 0)", lambda v: v in (-1, 0) or v >= 1),
     ("rollout", "max_staleness"): _NONNEGATIVE, ("rollout", "stream_chunk"): _NONNEGATIVE,
     ("rl", "dual_clip_c"): ("0 (off) or > 1", lambda v: v == 0 or v > 1),
     ("rl", "max_resample_rounds"): _NONNEGATIVE,
@@ -137,6 +138,8 @@ def convert_section(cls, value, path: str):
         return float(value)
     if cls in (int, float, str, bool) and (not isinstance(value, cls) or (cls is int and isinstance(value, bool))):
         raise ConfigError(f"{path}: expected {cls.__name__}, got {value!r} ({type(value).__name__})")
+    if cls is float and not math.isfinite(value):  # no float setting means anything at inf or nan
+        raise ConfigError(f"{path}: expected a finite number, got {value!r}")
     return value
 
 

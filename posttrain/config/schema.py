@@ -113,8 +113,8 @@ class RLConfig:
         aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (divides by `norm_constant`);
             "": the loss's default (ppo token_mean, gspo seq_mean_token_mean).
         norm_constant: the divisor of seq_mean_token_sum_norm (0: max_new_tokens).
-        tis_cap: truncated importance sampling cap on exp(logp_trainer_old - logp_sampler) (0: off; -1: the run
-            plan's rule, `recipes.off_policy.OFF_POLICY_TIS_CAP` when rollout.max_staleness > 0, else off).
+        tis_cap: truncated importance sampling cap on exp(logp_trainer_old - logp_sampler), >= 1 (0: off; -1: the
+            run plan's rule, `recipes.off_policy.OFF_POLICY_TIS_CAP` when rollout.max_staleness > 0, else off).
         num_microbatches: gradient-accumulation microbatches.
         ppo_epochs: passes over the batch's `minibatches` row blocks, one update each (1 x 1: one update, policy
             ratio exactly 1); the trainer computes the old logprobs once before the first

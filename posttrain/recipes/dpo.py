@@ -130,10 +130,11 @@ def load_pairs(d: data_lib.PairSettings, tokenizer):
 
 class Run:
     """The pieces of a DPO run: policy, tokenizer, pairs with their reference logprobs, fixed batch regions and the
-    learner (restored from the workdir's newest checkpoint, if any); writes config.json."""
+    learner (restored from the workdir's newest checkpoint, if any); claims the workdir (`offline.claim_workdir`)
+    and writes config.json once restored."""
 
     def __init__(self, plan: DPOPlan):
-        offline.write_config(plan.workdir, plan.config_dict)
+        offline.claim_workdir(plan.workdir, "dpo", plan.config_dict, DPORunConfig)
         self.plan = plan
         self.mesh = mesh_lib.make_mesh(plan.mesh_shape)
         model_config, graphdef, weights, self.tokenizer = load_policy(plan.policy, self.mesh, plan.rules)
@@ -144,6 +145,7 @@ class Run:
                                       batch_type=data_lib.PairBatch)
         self.ref = self._reference_logps()  # of the initial weights: before any restore
         self.learner.restore()
+        offline.write_config(plan.workdir, plan.config_dict)  # restored (or new): its settings
         self._eval_fn = dpo_step.make_eval_fn(self.learner.graphdef, plan.step)
         self.counts = {"dpo/train_pairs": len(self.train_pairs), "dpo/eval_pairs": len(self.eval_pairs),
                        "dpo/truncated": sum(p.truncated for p in self.train_pairs + self.eval_pairs),

@@ -33,11 +33,11 @@ from posttrain.recipes.eval_gate import evaluation as _evaluation, sample_suite
 from posttrain.recipes.run_plan import RunPlan, make_run_plan
 
 
-def run_plan_of(checkpoint: str | pathlib.Path, cfg: Config | None = None) -> RunPlan:
+def run_plan_of(checkpoint: str | pathlib.Path, cfg: Config | None = None, flag: str = "--checkpoint") -> RunPlan:
     """The run plan for the run in `checkpoint`, of any kind (`read_run.reading_config`: its saved config.json,
     or `cfg` (a --config) with the run's own model sections), with its workdir. Raises RunNotFoundError (nothing
-    read or created) without a complete checkpoint there, ConfigError for a run it cannot evaluate."""
-    grpo.require_checkpoint(checkpoint)
+    read or created; naming `flag`) without a complete checkpoint there, ConfigError for a run it cannot evaluate."""
+    grpo.require_checkpoint(checkpoint, flag)
     return make_run_plan(read_run.reading_config(checkpoint, cfg, "eval --suite"), workdir=str(checkpoint))
 
 
@@ -88,7 +88,7 @@ def evaluate_suite(suite_path: str, checkpoint: str, *, baseline: str | None = N
     for a run without a complete checkpoint, ValueError for a malformed suite or selection."""
     suite = suite_lib.select(suite_lib.load_suite(suite_path), limit=limit, domains=domains)
     plan = run_plan_of(checkpoint, cfg)
-    base_plan = run_plan_of(baseline) if baseline not in (None, "base") else None
+    base_plan = run_plan_of(baseline, flag="--baseline") if baseline not in (None, "base") else None
     built, skipped = suite_lib.resolve(suite)
     if not built:
         raise ValueError(f"suite {suite.name!r}: every domain was skipped: {skipped}")

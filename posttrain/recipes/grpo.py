@@ -25,6 +25,7 @@ from posttrain.infra import distributed, metrics as metrics_lib
 from posttrain.infra import mesh as mesh_lib, reshard
 from posttrain.infra.partitioning import use_rules
 from posttrain.learn.learner import Learner
+from posttrain.recipes import workdir as workdir_lib
 from posttrain.recipes import eval_gate, preflight, run_plan as run_plan_lib
 from posttrain.recipes.resources import Resources
 from posttrain.recipes.run_plan import RunPlan, make_run_plan
@@ -39,17 +40,17 @@ class RunNotFoundError(FileNotFoundError):
     nothing and never substitutes the base model."""
 
 
-def require_checkpoint(workdir) -> int:
+def require_checkpoint(workdir, flag: str = "--checkpoint") -> int:
     """The newest complete checkpoint step of the run in `workdir` (read only: nothing is created or moved).
-    Raises RunNotFoundError naming the directory when there is no run or no complete checkpoint in it."""
+    Raises RunNotFoundError naming `flag` and the directory when there is no run or no complete checkpoint in it."""
     workdir = pathlib.Path(workdir)
     if not (workdir / "checkpoints").is_dir():
         what = "no such directory" if not workdir.exists() else "no checkpoints/ folder in it"
-        raise RunNotFoundError(f"--checkpoint={workdir}: {what}; --checkpoint names the workdir of a run "
+        raise RunNotFoundError(f"{flag}={workdir}: {what}; {flag} names the workdir of a run "
                                "(e.g. runs/quickstart)")
     step = latest_checkpoint(workdir)
     if step is None:
-        raise RunNotFoundError(f"--checkpoint={workdir}: {workdir / 'checkpoints'} holds no complete checkpoint")
+        raise RunNotFoundError(f"{flag}={workdir}: {workdir / 'checkpoints'} holds no complete checkpoint")
     return step
 
 
@@ -73,21 +74,13 @@ def latest_checkpoint(workdir) -> int | None:
         return reader.latest_step()
 
 
-def resume_changes(plan: RunPlan, allow: bool = False) -> dict[str, tuple]:
+def resume_changes(plan: RunPlan, allow: bool = False) -> dict[str, list]:
     """{key: [saved, new, checkpoint step]} of the settings a resumed run changes against its saved config.json
     (none when nothing will be restored: no complete checkpoint); `run_plan.RESUME_FREE_KEYS` may change freely.
-    Raises ConfigError listing them unless `allow` (--allow_config_change)."""
-    step, path = latest_checkpoint(plan.workdir), plan.workdir / "config.json"
-    if step is None or not path.is_file():
-        return {}
-    changes = config_changes(json.loads(path.read_text()), plan.config_dict, run_plan_lib.RESUME_FREE_KEYS,
-                                          defaults=to_dict(Config()))
-    if changes and not allow:
-        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items())
-        raise ConfigError(f"resuming {plan.workdir} (checkpoint {step}) with changed settings: {listed}; resume with "
-                          f"the saved ones (`posttrain train --workdir={plan.workdir}` alone uses them) or pass "
-                          "--allow_config_change to resume with these (recorded in config_changes.jsonl)")
-    return {k: [old, new, step] for k, (old, new) in changes.items()}
+    Raises ConfigError listing them unless `allow` (--allow_config_change), and as `workdir.claim` does for a
+    workdir that is a file, not writable, or another kind's run."""
+    return workdir_lib.claim(plan.workdir, "grpo", plan.config_dict, defaults=to_dict(Config()),
+                             free_keys=run_plan_lib.RESUME_FREE_KEYS, allow_changes=allow)
 
 
 def build(plan: RunPlan, *, reading: bool = False, restore: bool = True,
@@ -103,18 +96,7 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True,
     else:  # the step's compiled peak against this machine's memory: before any worker start, load or write
         preflight.check(plan)
     sources, episodes = run_plan_lib.check_envs(plan)  # every env built once: a bad one stops before any load
-    if not reading:
-        changes = resume_changes(plan, allow_config_change)  # before any load: a changed resume is refused
-        plan.workdir.mkdir(parents=True, exist_ok=True)
-        (plan.workdir / "config.json").write_text(json.dumps(plan.config_dict, indent=2, default=str))
-        if changes and distributed.is_main_process():  # the record of what each stretch of steps ran with
-            step = next(iter(changes.values()))[2]
-            with (plan.workdir / "config_changes.jsonl").open("a") as f:
-                f.write(json.dumps({"step": step, "changes": {k: v[:2] for k, v in changes.items()}},
-                                   default=str) + "\n")
-            metrics_lib.log.warning("resuming from step %d with changed settings (recorded in %s): %s", step,
-                                    plan.workdir / "config_changes.jsonl",
-                                    "; ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in changes.items()))
+    changes = {} if reading else resume_changes(plan, allow_config_change)  # before any load or write
     mesh, rollout_mesh = mesh_lib.split_meshes(plan.mesh_shape, plan.rollout_mesh_shape)  # one mesh unless split
     model_config, graphdef, weights, tokenizer = load_policy(plan.policy, mesh, plan.rules)
     if plan.rollout.record_routing and model_config.moe is None:  # replay would silently replay nothing
@@ -130,10 +112,25 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True,
         if scored:
             rewarder = rewards_lib.Rewarder.create(plan.rewards, tokenizer, mesh, plan.rules)
             rollouter = dataclasses.replace(rollouter, rewarder=rewarder)
+    if not reading:  # restored (or new): the settings its next steps run with; a failed restore changed nothing
+        record_settings(plan, changes)
     note = unreadable_note(learner.checkpointer)
     if note:
         metrics_lib.log.error(note)
     return rollouter, learner, episodes
+
+
+def record_settings(plan: RunPlan, changes: dict[str, list]) -> None:
+    """Writes the workdir's config.json and appends `changes` (`resume_changes`) to config_changes.jsonl, the
+    record of what each stretch of steps ran with."""
+    workdir_lib.write_config(plan.workdir, plan.config_dict)
+    if changes and distributed.is_main_process():
+        step = next(iter(changes.values()))[2]
+        with (plan.workdir / "config_changes.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, "changes": {k: v[:2] for k, v in changes.items()}}, default=str) + "\n")
+        metrics_lib.log.warning("resuming from step %d with changed settings (recorded in %s): %s", step,
+                                plan.workdir / "config_changes.jsonl",
+                                "; ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in changes.items()))
 
 
 def rollout_meta(meta, reading: bool):

@@ -26,7 +26,8 @@ from posttrain.infra import distributed, metrics as metrics_lib
 from posttrain.infra.precision import resolve_policy
 from posttrain.learn.learner import Learner, batch_shardings, trim_host_heap
 from posttrain.recipes.grpo import NonFiniteError
-from posttrain.recipes.run_plan import TrainSettings, resolve_mesh
+from posttrain.recipes import workdir as workdir_lib
+from posttrain.recipes.run_plan import RESUME_FREE_KEYS, TrainSettings, resolve_mesh
 from posttrain.tasks import archive
 
 
@@ -87,10 +88,18 @@ def archive_table(runs) -> "pyarrow.Table":
     return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
 
 
-def write_config(workdir: pathlib.Path, config_dict: Mapping) -> None:
-    """Creates the workdir and writes `config.json`."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(json.dumps(config_dict, indent=2, default=str))
+def claim_workdir(workdir: pathlib.Path, kind: str, config_dict: Mapping, run_cls) -> None:
+    """`workdir.claim` for the offline run of `kind` ("sft", "dpo", "rm"; `run_cls` its config dataclass, whose
+    defaults judge fields added since a run was saved): a file, an unwritable path, another kind's run or a resume
+    with changed settings is refused (ConfigError) before anything is loaded or written. The step count, workdir,
+    time budget and the start / end evaluations may change on a resume."""
+    import dataclasses
+
+    workdir_lib.claim(workdir, kind, config_dict, defaults=dataclasses.asdict(run_cls()),
+                      free_keys=RESUME_FREE_KEYS + (f"{kind}.eval_at_start", f"{kind}.eval_at_end"))
+
+
+write_config = workdir_lib.write_config  # after the restore: a run whose restore fails keeps its saved settings
 
 
 def train_loop(run: OfflineRun, *, name: str, workdir: pathlib.Path, train: TrainSettings, config_dict: Mapping,

@@ -125,10 +125,11 @@ def held_out_metrics(acc_P: np.ndarray, margin_P: np.ndarray, length_P: np.ndarr
 
 class Run:
     """The pieces of a reward-model run: the backbone with its head, tokenizer, pairs, fixed batch regions and the
-    learner (restored from the workdir's newest checkpoint, if any); writes config.json."""
+    learner (restored from the workdir's newest checkpoint, if any); claims the workdir (`offline.claim_workdir`)
+    and writes config.json once restored."""
 
     def __init__(self, plan: RMPlan):
-        offline.write_config(plan.workdir, plan.config_dict)
+        offline.claim_workdir(plan.workdir, "rm", plan.config_dict, RMRunConfig)
         self.plan = plan
         self.mesh = mesh_lib.make_mesh(plan.mesh_shape)
         self.model_config, graphdef, weights, self.tokenizer = load_policy(plan.policy, self.mesh, plan.rules)
@@ -140,6 +141,7 @@ class Run:
         self.learner = Learner.create(plan.learner, self.mesh, self.model_config, graphdef, weights, build,
                                       batch_type=rm_step.RewardBatch)
         self.learner.restore()
+        offline.write_config(plan.workdir, plan.config_dict)  # restored (or new): its settings
         self._eval_fn = rm_step.make_eval_fn(self.learner.graphdef, plan.step)
         self.counts = {"rm/train_pairs": len(self.train_pairs), "rm/eval_pairs": len(self.eval_pairs),
                        "rm/truncated": sum(p.truncated for p in self.train_pairs + self.eval_pairs)}

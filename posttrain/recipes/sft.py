@@ -127,10 +127,11 @@ def load_examples(d: data_lib.DataSettings, tokenizer):
 
 class Run:
     """The pieces of a run: the policy loaded on the plan's mesh, its tokenizer, the packed training rows, the held-out
-    batches and the learner (restored from the newest checkpoint in the workdir, if any); writes config.json."""
+    batches and the learner (restored from the newest checkpoint in the workdir, if any); claims the workdir
+    (`offline.claim_workdir`) and writes config.json once restored."""
 
     def __init__(self, plan: SFTPlan):
-        offline.write_config(plan.workdir, plan.config_dict)
+        offline.claim_workdir(plan.workdir, "sft", plan.config_dict, SFTRunConfig)
         self.plan = plan
         self.mesh = mesh_lib.make_mesh(plan.mesh_shape)
         model_config, graphdef, weights, self.tokenizer = load_policy(plan.policy, self.mesh, plan.rules)
@@ -143,6 +144,7 @@ class Run:
                                                  d.packing)
         self.learner = Learner.create(plan.learner, self.mesh, model_config, graphdef, weights, step_builder(plan))
         self.learner.restore()
+        offline.write_config(plan.workdir, plan.config_dict)  # restored (or new): its settings
         self._eval_fn = sft_step.make_eval_fn(self.learner.graphdef, plan.model_step(model_config.moe))
 
     def batch(self, step: int):

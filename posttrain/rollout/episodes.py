@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import math
 import time
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,10 @@ class InlineEnvs:
     """Runs environments in this process (no isolation of env *code*; sandboxes still isolate model code).
 
     Suited to cheap verifiers (arithmetic, math); use `envs.pool.processes.EnvPool` for anything that may hang or crash.
+    An exception an env raises ends that episode as the pool ends one: ("", info) from `reset` and then
+    (obs "", reward 0.0, terminated False, truncated True, info) from its next `step`, info["status"] ==
+    "infra_error" and info["reason"] naming the exception (retried by the scheduler, never scored); the other
+    episodes go on. `infra_errors` counts them.
     """
 
     def __init__(self):
@@ -50,16 +57,31 @@ class InlineEnvs:
         self._make = gymnasium.make
         self._cache: dict[tuple, Any] = {}
         self._active: list[Any] = []
+        self._lost: dict[int, dict] = {}  # episode index -> the infra_error info its reset ended with
+        self.infra_errors = 0
+
+    def _failed(self, what: str, ep, e: Exception) -> dict:
+        self.infra_errors += 1
+        reason = f"{what} raised {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        log.warning("env %s: %s (episode ends as infra_error)", getattr(ep, "env_id", ep), reason)
+        return {"status": "infra_error", "reason": reason}
 
     def reset(self, episodes):
-        out, self._active = [], []
+        out, self._active, self._lost = [], [], {}
         for i, ep in enumerate(episodes):
             key = (ep.env_id, tuple(sorted(ep.env_kwargs.items())), i)
-            if key not in self._cache:
-                self._cache[key] = self._make(ep.env_id, **ep.env_kwargs).unwrapped
-            env = self._cache[key]
-            self._active.append(env)
-            out.append(env.reset(seed=ep.seed, options={"task": ep.task}))
+            try:
+                if key not in self._cache:
+                    self._cache[key] = self._make(ep.env_id, **ep.env_kwargs).unwrapped
+                env = self._cache[key]
+                self._active.append(env)
+                out.append(env.reset(seed=ep.seed, options={"task": ep.task}))
+            except Exception as e:  # noqa: BLE001 - an env's own fault ends its episode, not the run
+                self._cache.pop(key, None)
+                if len(self._active) == i:
+                    self._active.append(None)
+                self._lost[i] = self._failed("reset", ep, e)
+                out.append(("", dict(self._lost[i])))
         return out
 
     def step(self, actions, indices=None):
@@ -67,7 +89,16 @@ class InlineEnvs:
         indices = range(len(self._active)) if indices is None else indices
         if len(actions) != len(indices):
             raise ValueError(f"step got {len(actions)} actions for {len(indices)} episodes")
-        return [self._active[i].step(a) for i, a in zip(indices, actions)]
+        out = []
+        for i, a in zip(indices, actions):
+            if i in self._lost:
+                out.append(("", 0.0, False, True, dict(self._lost.pop(i))))
+                continue
+            try:
+                out.append(self._active[i].step(a))
+            except Exception as e:  # noqa: BLE001 - as in reset
+                out.append(("", 0.0, False, True, self._failed("step", type(self._active[i]).__name__, e)))
+        return out
 
     def close(self):
         self._cache.clear()
@@ -281,11 +312,25 @@ def append_reply(s: Sample, tokens, logp, truncated: bool, tokenizer, versions=N
     return s.texts[-1]
 
 
+def _finite_reward(reward) -> float | None:
+    """`reward` as a float, or None when it is not a finite real number (NaN, inf, a string, None)."""
+    try:
+        r = float(reward)
+    except (TypeError, ValueError):
+        return None
+    return r if math.isfinite(r) else None
+
+
 def _apply_result(s: Sample, result, reply: str, tokenizer) -> None:
     """An env step's (obs, reward, terminated, truncated, info) into sample `s`; a continuing episode gets the
     bridge tokens to its next turn (masked out of the loss)."""
     obs, reward, terminated, truncated, info = result
-    s.reward, s.status, s.info = float(reward), str(info.get("status", "")), info
+    reward = _finite_reward(reward)
+    if reward is None:  # an env fault, not the policy's: never scored; the scheduler retries it
+        log.warning("env returned reward %r (not a finite number): the episode ends as infra_error", result[1])
+        info = {**info, "status": "infra_error", "reason": f"env returned a non-finite reward {result[1]!r}"}
+        reward, truncated = 0.0, True
+    s.reward, s.status, s.info = reward, str(info.get("status", "")), info
     s.done = bool(terminated or truncated)
     if not s.done:
         bridge = turn_bridge(tokenizer, reply, obs, not s.truncated, info)

@@ -149,8 +149,11 @@ def _conform(table: pa.Table, path) -> pa.Table:
 def read(workdir, *, domain: str | Sequence[str] | None = None, status: str | Sequence[str] | None = None,
          steps: Iterable[int] | None = None, columns: Sequence[str] | None = None) -> pa.Table:
     """The archive's rows (ARCHIVE_SCHEMA, in step order), filtered to `domain`(s), `status`(es) and `steps`
-    (e.g. range(10, 20)); `columns` picks columns. Raises ValueError for an unknown column or a file written by a
-    newer schema version."""
+    (e.g. range(10, 20)); `columns` picks columns; no rows for a run that has archived none yet. Raises
+    FileNotFoundError when `workdir` does not exist (a mistyped run), ValueError for an unknown column or a file
+    written by a newer schema version."""
+    if not pathlib.Path(workdir).is_dir():
+        raise FileNotFoundError(f"archive.read: {str(workdir)!r} is not a directory (a run's workdir holds archive/)")
     unknown = sorted(set(columns or ()) - set(ARCHIVE_SCHEMA.names))
     if unknown:
         raise ValueError(f"archive.read: unknown column(s) {unknown}; columns: {ARCHIVE_SCHEMA.names}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp

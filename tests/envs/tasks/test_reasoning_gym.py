@@ -189,3 +189,12 @@ def test_env_module_never_imports_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-500:]
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_library_prints_go_to_stderr_not_our_stdout(capfd):
+    """reasoning-gym's bf generator prints "." to stdout per program; a command's stdout (`posttrain domains`,
+    `status --json`) must carry only its own output."""
+    source = rgenv.ReasoningGymTasks("bf", split="train", size=2, seed=0)
+    assert source.get_task(0)["question"]
+    out, err = capfd.readouterr()
+    assert out == "" and "." in err

@@ -94,6 +94,10 @@ def test_dtype_and_shards_are_honoured(tmp_path, dtype):
                 assert a.dtype.name == dtype, k
                 total += a.nbytes
     assert total == index["metadata"]["total_size"]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {oct(os.stat(out / s).st_mode & 0o777) for s in [*shards, "config.json"]}
+    assert modes == {oct(0o666 & ~umask)}, modes  # weights as readable as the rest (safetensors writes 0o600)
     written = json.loads((out / "config.json").read_text())
     assert written["dtype"] == written["torch_dtype"] == dtype  # transformers 5 / older readers
     model = transformers.AutoModelForCausalLM.from_pretrained(out)

@@ -51,6 +51,11 @@ def test_config_files_exist():
     ("mesh", "fsdp", 0, r"mesh.fsdp=0 is out of range: must be -1"),
     ("optim", "lr", "fast", r"optim.lr: expected float"),
     ("env", "train", {}, r"env.train is empty"),
+    ("optim", "lr", float("inf"), r"optim.lr: expected a finite number, got inf"),  # passed every range check
+    ("rl", "beta", float("inf"), r"rl.beta: expected a finite number, got inf"),
+    ("sampling", "temperature", float("inf"), r"sampling.temperature: expected a finite number"),
+    ("optim", "lr", float("nan"), r"optim.lr: expected a finite number, got nan"),
+    ("rl", "tis_cap", 0.5, r"rl.tis_cap=0.5 is out of range: must be >= 1 \(a cap below 1 scales down"),
 ])
 def test_bad_values_raise_one_clear_error(section, key, value, match):
     raw = load(pathlib.Path(CONFIGS[0]).with_name("quickstart.py")).to_dict()

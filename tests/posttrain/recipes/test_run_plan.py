@@ -372,3 +372,19 @@ def test_the_cli_reads_a_run_by_its_directory_alone(tmp_path, monkeypatch, comma
     monkeypatch.setattr(sys, "argv", list(argv))
     assert cli.main(argv) == 0
     assert seen[0].config_dict == saved.config_dict
+
+
+def test_a_failed_restore_leaves_the_saved_settings_as_they_were(tmp_path):
+    """--allow_config_change into a run whose checkpoint cannot be restored (here a state of another shape): the
+    restore fails, and config.json and config_changes.jsonl stay as they were, so the run can still be resumed
+    with its own settings (they were rewritten before the restore, which left the run stuck)."""
+    from helpers import saved_run, tiny_config
+
+    from posttrain.checkpoints.stored_tree import CheckpointStructureError
+
+    saved_run(tmp_path)
+    before = (tmp_path / "config.json").read_text()
+    with pytest.raises(CheckpointStructureError):
+        loop.train(run_plan.make_run_plan(tiny_config(tmp_path, **{"optim.lr": 0.5})), progress=False,
+                   allow_config_change=True)
+    assert (tmp_path / "config.json").read_text() == before and not (tmp_path / "config_changes.jsonl").exists()

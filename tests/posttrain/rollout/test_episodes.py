@@ -172,3 +172,46 @@ def test_an_episode_cut_by_max_turns_is_truncated_not_ok(max_turns, plan, status
     if status == "truncated":
         assert all(s.info["reason"] == f"env.max_turns={max_turns} reached before the env ended the episode"
                    for s in samples)
+
+
+class FaultyEnv(__import__("gymnasium").Env):
+    """A one-turn env whose task says how it fails: "reset" raises in reset, "step" raises in step, "nan" / "inf"
+    / "text" return that as the reward, "ok" scores 1."""
+
+    action_space = observation_space = __import__("gymnasium").spaces.Text(1000)
+
+    def reset(self, *, seed=None, options=None):
+        self.mode = options["task"]["mode"]
+        if self.mode == "reset":
+            raise RuntimeError("sandbox failed to start")
+        return f"mode {self.mode}", {}
+
+    def step(self, action):
+        if self.mode == "step":
+            raise RuntimeError("harness crashed")
+        reward = {"nan": float("nan"), "inf": float("inf"), "text": "1.0?", "ok": 1.0}[self.mode]
+        return "", reward, True, False, {"status": "ok"}
+
+
+@pytest.mark.parametrize("mode, reason", [
+    ("reset", "reset raised RuntimeError: sandbox failed to start"),
+    ("step", "step raised RuntimeError: harness crashed"),
+    ("nan", "env returned a non-finite reward nan"),
+    ("inf", "env returned a non-finite reward inf"),
+    ("text", "env returned a non-finite reward '1.0?'"),
+])
+def test_env_faults_end_their_episode_as_infra_error_and_the_others_go_on(mode, reason):
+    """An in-process env's exception (reset or step) or a reward that is no finite number ends that episode as
+    infra_error, the pool's contract (retried by the scheduler, never scored); the other episode scores 1."""
+    import gymnasium
+
+    if "test/Faulty-v0" not in gymnasium.registry:
+        gymnasium.register("test/Faulty-v0", entry_point=FaultyEnv)
+    fn, _ = scripted([["x"]])
+    eps = [Episode("test/Faulty-v0", {}, {"mode": m}, seed=i) for i, m in enumerate((mode, "ok"))]
+    runner = InlineEnvs()
+    samples, _ = run_episodes(fn, TOK, runner, eps, group_size=1, max_turns=1, key=_key(), pad_id=TOK.pad_id)
+    bad, good = samples
+    assert bad.status == "infra_error" and bad.info["reason"].startswith(reason) and bad.reward == 0.0
+    assert bad.done and not bad.counts and good.status == "ok" and good.reward == 1.0 and good.counts
+    assert runner.infra_errors == (1 if mode in ("reset", "step") else 0)

@@ -45,7 +45,10 @@ def test_write_read_round_trip_with_filters_and_version(tmp_path):
     code = archive.read(tmp_path, domain="code", status="infra_error", steps=range(1, 3), columns=["step", "reward"])
     assert code.to_pylist() == [{"step": 1, "reward": None}, {"step": 2, "reward": None}]  # infra: never scored
     assert archive.read(tmp_path, domain=["math", "code"], status=("ok",)).num_rows == 9
-    assert archive.read(tmp_path / "nowhere").num_rows == 0
+    with pytest.raises(FileNotFoundError, match="nowhere' is not a directory"):  # a mistyped run is no empty one
+        archive.read(tmp_path / "nowhere")
+    (tmp_path / "fresh").mkdir()
+    assert archive.read(tmp_path / "fresh").num_rows == 0  # a run that has archived nothing yet
     with pytest.raises(ValueError, match="unknown column"):
         archive.read(tmp_path, columns=["nope"])
 

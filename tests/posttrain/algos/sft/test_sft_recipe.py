@@ -54,6 +54,32 @@ def test_sft_command_runs_two_steps_and_the_loss_goes_down(tmp_path, capsys, mon
     assert summary["eval_end"]["sft/eval_tokens"] > 0 and (tmp_path / "checkpoints").is_dir()
     loss = losses(tmp_path)
     assert sorted(loss) == [1, 2] and loss[2] < loss[1] - 0.1
+    # the run is resumable with more steps, and nothing else: a changed setting, another recipe or an export into
+    # it are one line, exit code 2, and leave its config.json as it was
+    saved = (tmp_path / "config.json").read_text()
+    for argv in (["sft", f"--config={CONFIG}", "--config.train.steps=3", "--config.optim.lr=0.5"],
+                 ["dpo", f"--config={ROOT / 'configs' / 'dpo_tiny.py'}"],
+                 ["convert", f"--checkpoint={tmp_path}"]):
+        rc, err = command(monkeypatch, capsys, *argv, f"--{'out' if argv[0] == 'convert' else 'workdir'}={tmp_path}")
+        assert rc == 2 and len(err.strip().splitlines()) == 1, err
+        assert {"sft": "resuming", "dpo": "holds an SFT run", "convert": "is the run being exported"}[argv[0]] in err
+    assert (tmp_path / "config.json").read_text() == saved
+    assert run_sft(capsys, monkeypatch, f"--workdir={tmp_path}", "--config.train.steps=3")["end_step"] == 3
+
+
+def command(monkeypatch, capsys, *args) -> tuple[int, str]:
+    """`posttrain ARGS` in this process: (exit code, stderr)."""
+    from absl import flags
+
+    argv = ["posttrain", *args, "--noprogress"]
+    monkeypatch.setattr(sys, "argv", argv)
+    try:
+        rc = cli.main(list(argv))
+    finally:
+        for name in [n for n in flags.FLAGS if n.startswith("config.")]:
+            delattr(flags.FLAGS, name)
+        flags.FLAGS.unparse_flags()
+    return rc, capsys.readouterr().err
 
 
 def test_bad_sft_configs_fail_before_any_work(tmp_path):

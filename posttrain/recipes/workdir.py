@@ -1,0 +1,105 @@
+"""The directory a command writes, checked before anything is written, so that a mistaken --workdir or --out
+loses nothing: a training command (`posttrain train|sft|dpo|rm`) claims its workdir (`claim`), `posttrain convert`
+checks its output directory (`check_export_dir`).
+
+A workdir holds one run of one kind (`read_run.run_kind`: GRPO, SFT, DPO or reward model). `claim` refuses:
+  - a path that is a file, or a directory this process cannot write (a read-only file system, permissions);
+  - a workdir holding a run of another kind (its config.json, checkpoints and metrics would be overwritten or
+    read as this run's), or a config.json that is not a posttrain run's (e.g. a `convert` export);
+  - resuming a run (a complete checkpoint is there) with settings other than those its config.json saved, beside
+    `free_keys` (steps, workdir, time budget): the checkpoint would continue under other settings unrecorded.
+    `posttrain train --allow_config_change` accepts them and records them (`recipes.grpo.build`).
+Each is a ConfigError naming the path (one line, exit code 2). The run writes its config.json itself, once its
+checkpoint (if any) restored (`write_config`): a run whose restore fails leaves the saved settings as they were.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Mapping
+
+from posttrain.config import ConfigError, config_changes
+from posttrain.recipes import read_run
+
+RUN_MARKERS = ("checkpoints", "metrics.jsonl", "summary.json", "archive")  # what a posttrain run writes
+
+
+def check_writable(path, flag: str = "--workdir") -> pathlib.Path:
+    """`path` as a Path when it is a directory this process may create or write. Raises ConfigError naming `flag`
+    when it (or the nearest existing parent) is a file, or is not writable."""
+    path = pathlib.Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag}={path}: is a file, not a directory")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{flag}={path}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag}={path}: {existing} is not writable (a read-only file system or its permissions)")
+    return path
+
+
+def is_run_dir(path) -> bool:
+    """True when `path` holds what a posttrain run writes (checkpoints/, metrics.jsonl, summary.json, archive/)."""
+    return any((pathlib.Path(path) / m).exists() for m in RUN_MARKERS)
+
+
+def claim(workdir, kind: str, config_dict: Mapping, *, defaults: Mapping | None = None,
+          free_keys: tuple = (), allow_changes: bool = False) -> dict[str, list]:
+    """Checks that a `kind` run ("grpo", "sft", "dpo", "rm") may write `workdir` with `config_dict` (module doc);
+    writes nothing. Returns {dotted key: [saved, new, checkpoint step]} of the settings a resume changes (none
+    for a new run or without a complete checkpoint; `defaults`: `config_changes`' defaults). Raises ConfigError
+    for each refusal in the module doc (a changed resume only without `allow_changes`)."""
+    workdir = check_writable(workdir)
+    saved_path = workdir / "config.json"
+    if not saved_path.is_file():
+        return {}
+    existing = read_run.run_kind(workdir)
+    saved = json.loads(saved_path.read_text())
+    if not _is_run_config(saved_path):
+        raise ConfigError(f"--workdir={workdir}: its config.json is not a posttrain run's (keys {sorted(saved)[:6]}"
+                          f"{' ...' if len(saved) > 6 else ''}); give another --workdir")
+    if existing != kind:
+        raise ConfigError(f"--workdir={workdir} holds {read_run.KIND_NAMES[existing]}; {read_run.KIND_NAMES[kind]} "
+                          "would overwrite it: give another --workdir")
+    from posttrain.recipes.grpo import latest_checkpoint
+
+    step = latest_checkpoint(workdir)
+    if step is None:
+        return {}
+    changes = config_changes(saved, config_dict, free_keys, defaults=defaults)
+    if changes and not allow_changes:
+        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items())
+        how = ("pass --allow_config_change to resume with these (recorded in config_changes.jsonl)" if kind == "grpo"
+               else "or give another --workdir to start a new run")
+        raise ConfigError(f"resuming {workdir} (checkpoint {step}) with changed settings: {listed}; resume with the "
+                          f"saved ones (its config.json) {how}")
+    return {k: [old, new, step] for k, (old, new) in changes.items()}
+
+
+def _is_run_config(path: pathlib.Path) -> bool:
+    """True when `path` is a JSON object with a posttrain run's `model` and `train` sections."""
+    try:
+        raw = json.loads(path.read_text()) if path.is_file() else None
+    except ValueError:
+        return False
+    return isinstance(raw, dict) and {"model", "train"} <= set(raw)
+
+
+def write_config(workdir, config_dict: Mapping) -> None:
+    """Creates `workdir` and writes `config.json` (after `claim`, once a resumed checkpoint restored)."""
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(config_dict, indent=2, default=str))
+
+
+def check_export_dir(out, *, source=None) -> pathlib.Path:
+    """`out` for `posttrain convert --out`: a directory that may be written and that is neither a posttrain run
+    nor the run being exported (`source`). Raises ConfigError naming --out otherwise."""
+    out = check_writable(out, "--out")
+    if source is not None and out.resolve() == pathlib.Path(source).resolve():
+        raise ConfigError(f"--out={out} is the run being exported (--checkpoint): give a new directory")
+    if is_run_dir(out) or _is_run_config(out / "config.json"):
+        raise ConfigError(f"--out={out} holds a posttrain run: exporting there would overwrite its config.json; "
+                          "give a new directory")
+    return out
