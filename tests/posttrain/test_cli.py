@@ -47,11 +47,27 @@ def test_sample_default_model():
 @pytest.mark.parametrize("args,message", [
     (("train",), "--config=configs/<name>.py is required"),
     (("train", "--config=configs/tiny.py", "--config.rl.nonsense=1"), "nonsense"),
+    (("train", "--config=configs/nope.py"), "--config=configs/nope.py: no such file"),
+    (("train", "--config={tmp}/noget.py"), "noget.py: the config file defines no get_config()"),
+    (("train", "--config=configs/tiny.py", "--config.optim.lr=inf"), "optim.lr: expected a finite number"),
+    (("train", "--config=configs/tiny.py", "--workdir={tmp}/afile"), "afile: is a file, not a directory"),
+    (("sft", "--config=configs/sft_tiny.py", "--config.sft.train_examples=()",
+      "--config.sft.train_path={tmp}/latin1.jsonl", "--workdir={tmp}/sft"), "latin1.jsonl:1: not UTF-8 (byte 0xe9"),
+    (("sample", "--model={tmp}/afile"), "afile: not a GGUF file"),
+    (("sample", "--temperature=-1"), "flag --temperature=-1"),
+    (("convert", "--dtype=int8", "--out={tmp}/o"), "flag --dtype=int8"),
+    (("eval", "--suite=configs/eval/tiny.py"), "--checkpoint=<run workdir> is required"),
 ])
-def test_bad_invocations_fail_clearly(args, message):
-    res = cli(*args, timeout=120)
-    assert res.returncode != 0
-    assert message in res.stderr + res.stdout
+def test_bad_invocations_fail_clearly(args, message, tmp_path):
+    """A mistake in the command line, the config or a data file: one line on stderr, exit code 2."""
+    (tmp_path / "noget.py").write_text("x = 1\n")
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9", "completion": "a"}\n')
+    res = cli(*[a.format(tmp=tmp_path) for a in args], timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and lines and lines[-1].startswith("error: ") and message in lines[-1], res.stderr
+    assert not any(line.startswith("Traceback") for line in lines), res.stderr
+    assert not (tmp_path / "sft").exists()  # a data error leaves no workdir behind
 
 
 def test_an_unknown_command_lists_every_registered_command():
