@@ -8,7 +8,8 @@ One step directory `<directory>/<step>/` holds three orbax items, written togeth
              dict keyed by the pytree path components (`params/layers/attn/q_proj/value`, ...).
   meta/      the caller's JSON dict: data/task cursor, run config, RNG stream position, ... (JsonSave).
   manifest/  JSON written by this module: format version, step, and one record per array leaf
-             {path, shape, dtype, [key_impl], [variable]} used to check a restore target before reading.
+             {path, shape, dtype, [key_impl], [variable], checksum} used to check a restore target before
+             reading and what was read after.
 
 How the pytree is stored: `posttrain.checkpoints.stored_tree`.
 
@@ -25,8 +26,9 @@ directories (a `kill -9` mid-save) are ignored and removed when the next `Checkp
 `restore(None)` tries complete steps newest first; a step that fails to read (e.g. a truncated file) is logged as
 an error, renamed to `<step>.corrupt-<unix time>` (never deleted) so the resumed run can write that step again, and
 the next older step is tried; `unreadable` lists what was passed over (a `read_only` Checkpointer renames
-nothing: readers of a run never change it). Data that still decodes after bit rot is
-not detected (no checksums). keep-last-K: orbax deletes older steps only after the newer one is committed; guard
+nothing: readers of a run never change it). Bit rot that still decodes is caught the same way: the manifest holds
+each array's content checksum (`posttrain.checkpoints.checksum`), checked after every read (checkpoints written
+before checksums restore unchecked). keep-last-K: orbax deletes older steps only after the newer one is committed; guard
 checkpoints (`save(guard=True)`: the learner's step boundaries after a long step) never count toward K: one is kept
 only while it is the newest (`_Retention`).
 Multi-host: every process must call save/restore (orbax synchronises); the fallback
@@ -44,6 +46,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from posttrain.checkpoints import checksum
 from posttrain.checkpoints.stored_tree import (CheckpointStructureError, check_structure, flat_leaves, get_nested,
                                               is_key, key_data_sharding, leaf_record, nest)
 
@@ -176,7 +179,10 @@ class Checkpointer:
             self.guards.add(step)
         leaves, _ = flat_leaves(state)
         records = [leaf_record(c, leaf, v) for c, leaf, v in leaves]
-        stored = nest([(c, jax.random.key_data(x) if is_key(x) else x) for c, x, _ in leaves])
+        arrays = [jax.random.key_data(x) if is_key(x) else x for _, x, _ in leaves]
+        for rec, sums in zip(records, checksum.checksums(arrays)):  # before the state may be donated
+            rec["checksum"] = sums
+        stored = nest([(c, x) for (c, _, _), x in zip(leaves, arrays)])
         manifest = {"format": FORMAT_VERSION, "step": step, "leaves": records}
         self._mngr.save(step, force=True, metrics=metrics, args=ocp.args.Composite(
             state=ocp.args.StandardSave(stored), meta=ocp.args.JsonSave(meta),
@@ -263,6 +269,11 @@ class Checkpointer:
                 abstract.append((comps, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)))
         out = self._mngr.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(nest(abstract)), meta=ocp.args.JsonRestore()))
+        read = [get_nested(out["state"], comps) for comps, _, _ in leaves]
+        bad = checksum.mismatches([r["path"] for r in wanted], [saved[r["path"]].get("checksum") for r in wanted],
+                                  checksum.checksums(read))
+        if bad:  # bytes that decode but are not the ones written: as unreadable as a truncated file
+            raise ValueError(f"content checksum mismatch in {len(bad)} array(s) of {where}, the first: {bad[0]}")
         restored = []
         for comps, _, _ in leaves:
             x = get_nested(out["state"], comps)

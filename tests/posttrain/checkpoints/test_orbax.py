@@ -193,6 +193,44 @@ def test_truncated_file_falls_back_to_previous_step(tmp_path):
         assert ck.all_steps() == [1, 2]
 
 
+def test_bytes_that_decode_but_differ_fall_back_by_checksum(tmp_path):
+    """Step 2's array files replaced by step 1's (valid files of another content, as bit rot that still decodes
+    leaves them): the content checksum in step 2's manifest catches it, as a truncated file is caught."""
+    import shutil
+
+    target = _two_steps(tmp_path)
+    shutil.rmtree(tmp_path / "2" / "state")
+    shutil.copytree(tmp_path / "1" / "state", tmp_path / "2" / "state")
+    with Checkpointer(tmp_path, every_steps=1, keep=5) as ck:
+        with pytest.raises(CheckpointCorruptError, match=r"content checksum mismatch in 1 array\(s\) of .*2, the "
+                                                         r"first: w: saved \[\d+, \d+\], read"):
+            ck.restore(2, target)
+        restored, meta = ck.restore(None, target)
+        assert meta == {"index": 1} and float(restored["w"][0]) == 1.0
+        assert "content checksum mismatch" in ck.unreadable[0]["error"] and ck.unreadable[0]["moved_to"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "bool", "int64", "uint16"])
+def test_checksums_equal_the_numpy_reference(dtype):
+    """s1 = sum w_i, s2 = sum (i + 1) w_i mod 2^32 over the little-endian words (checksum module doc), for jax and
+    NumPy arrays, and changed by one flipped bit (sharded arrays: test_sharded_round_trip_restores_target_shardings,
+    whose restore into another layout also verifies them)."""
+    from posttrain.checkpoints import checksum
+
+    if dtype == "int64" and not jax.config.jax_enable_x64:
+        pytest.skip("64-bit arrays need jax_enable_x64")
+    rng = np.random.default_rng(0)
+    x = rng.integers(-1000, 1000, (16, 24)).astype(jnp.dtype(dtype)) if dtype != "bool" else rng.random((16, 24)) > .5
+    raw = np.frombuffer(np.ascontiguousarray(np.asarray(x)).tobytes(),
+                        {8: "<u4", 4: "<u4", 2: "<u2", 1: "<u1"}[np.dtype(x.dtype).itemsize]).astype(np.uint64)
+    i = np.arange(1, raw.size + 1, dtype=np.uint64)
+    want = [int(raw.sum() % 2 ** 32), int((raw * i).sum() % 2 ** 32)]
+    assert checksum.checksums([jnp.asarray(x), np.asarray(x)]) == [want] * 2
+    flipped = np.asarray(x).copy()
+    flipped.view(np.uint8).reshape(-1)[37] ^= 0x01  # one bit of one byte
+    assert checksum.checksums([flipped])[0] != want
+
+
 def test_step_without_commit_marker_is_skipped(tmp_path):
     target = _two_steps(tmp_path)
     (tmp_path / "2" / "commit_success.txt").unlink()
@@ -300,6 +338,8 @@ keys = jax.device_put(jax.random.split(jax.random.key(0), 8), NamedSharding(mesh
 state = {{"params": params, "keys": keys, "rng": jax.device_put(jax.random.key(9), NamedSharding(mesh, P()))}}
 sharded = [x for x in jax.tree.leaves(params) if not x.sharding.is_fully_replicated]
 assert len(sharded) >= 3, "test premise: some params are sharded"
+from posttrain.checkpoints import checksum  # the sums of sharded arrays are those of their host copies
+assert checksum.checksums(sharded) == checksum.checksums([np.asarray(x) for x in sharded])
 with Checkpointer({d!r}, every_steps=1, keep=1) as ck:
     ck.save(1, state, {{"index": 3}})
     ck.wait()
