@@ -54,6 +54,15 @@ __all__ = ["Checkpointer", "CheckpointCorruptError", "CheckpointStructureError"]
 
 log = logging.getLogger(__name__)
 
+
+def _drop_read_only_notice(record: logging.LogRecord) -> bool:
+    """orbax warns "Given directory is read only" at every read-only CheckpointManager: readers of a run (eval,
+    sample, convert) open one on purpose, several times a command."""
+    return not str(record.msg).startswith("Given directory is read only")
+
+
+logging.getLogger("absl").addFilter(_drop_read_only_notice)
+
 FORMAT_VERSION = 1
 ITEMS = ("state", "meta", "manifest")
 _COMMIT_FILES = ("commit_success.txt", "_CHECKPOINT_METADATA")

@@ -45,6 +45,17 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
+def _config_file_error(f, argv) -> str | None:
+    """Why --config's file did not load (None when it did, or there is none): ml_collections defers a config
+    file's load error to the first attribute read of the flag's value."""
+    try:
+        getattr(f.config, "to_dict", None)
+    except OSError as e:
+        path = config_file(argv).partition("=")[2]
+        return f"{config_file(argv)}: " + ("no such file" if path and not os.path.exists(path) else _one_line(e))
+    return None
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] not in COMMANDS:
@@ -66,16 +77,14 @@ def main(argv=None) -> int:
         return 2
     finally:
         sys.argv = saved
-    try:  # ml_collections defers a config file's load error to the first attribute read of --config's value
-        getattr(f.config, "to_dict", None)
-    except OSError as e:
-        path = config_file(argv).partition("=")[2]
-        why = "no such file" if path and not os.path.exists(path) else _one_line(e)
-        print(f"error: {config_file(argv)}: {why}", file=sys.stderr)
+    unreadable = _config_file_error(f, argv)
+    if unreadable:
+        print(f"error: {unreadable}", file=sys.stderr)
         return 2
     from posttrain.config import ConfigError, DataError
     from posttrain.infra import distributed
     from posttrain.checkpoints.orbax import CheckpointCorruptError
+    from posttrain.infra.mesh import ShardingError
     from posttrain.recipes.grpo import RunNotFoundError
     from posttrain.rollout.env_side import EnvInfraError
 
@@ -85,9 +94,9 @@ def main(argv=None) -> int:
     try:
         return COMMANDS[command](f)
     # exit code 2, one line, no traceback: what the user gave is wrong, and nothing was trained or changed
-    except (UsageError, ConfigError, DataError) as e:  # flags; config keys and values (before any model load or
-        print(f"error: {_one_line(e)}", file=sys.stderr)  # worker start); data files (path:line)
-        return 2
+    except (UsageError, ConfigError, DataError, ShardingError) as e:  # flags; config keys and values (before any
+        print(f"error: {_one_line(e)}", file=sys.stderr)  # model load or worker start); data files (path:line); a
+        return 2  # mesh that does not divide the model's dimensions
     except RunNotFoundError as e:  # a command that reads a run found none: nothing created, no base model
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -91,6 +91,7 @@ def cmd_train(f) -> int:
     for which in ("eval_start", "eval_end"):
         if which in summary:
             out[which] = summary[which].get("eval/pass@1")
+    out["eval_metric"] = "eval/pass@1"  # what eval_start / eval_end hold
     print(json.dumps(out))
     return 0
 
@@ -191,6 +192,7 @@ def _offline(f, name: str, default, load, make_plan, train, eval_key: str) -> in
     summary = train(make_plan(load(_offline_config(f, name, default)), workdir=f.workdir), progress=f.progress)
     out = {k: summary.get(k) for k in ("start_step", "end_step", "train_wall_s", "peak_rss_gb")}
     out.update({k: summary[k].get(eval_key) for k in ("eval_start", "eval_end") if k in summary})
+    out["eval_metric"] = eval_key  # what eval_start / eval_end hold (perplexity, pair accuracy)
     print(json.dumps(out))
     return 0
 

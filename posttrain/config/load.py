@@ -175,6 +175,18 @@ def _plain(v):
     return v
 
 
+def as_config(cfg) -> Config:
+    """`cfg` as a validated Config: a Config as is; a ConfigDict or a plain nested dict through `from_config_dict`
+    (ConfigError naming a bad key). Raises TypeError for anything else (e.g. a path: load it with
+    `ml_collections.config_flags` or call the config file's get_config())."""
+    if isinstance(cfg, Config):
+        return cfg
+    if hasattr(cfg, "to_dict") or isinstance(cfg, Mapping):
+        return from_config_dict(cfg)
+    raise TypeError(f"expected a posttrain Config, or the ConfigDict a configs/*.py get_config() returns, got "
+                    f"{type(cfg).__name__} {str(cfg)[:80]!r}")
+
+
 def from_config_dict(cd) -> Config:
     """Converts a ConfigDict (or plain nested dict) into a validated, frozen `Config`.
 

@@ -52,9 +52,15 @@ def comparison_markdown(cmp: Comparison) -> str:
         p1, rw = d.pass_at_1, d.mean_reward
         lines.append(
             f"| {d.domain} | {d.tasks} | {p1.baseline:.3f} | {p1.candidate:.3f} | {_diff_ci(p1)} | {d.wins}/{d.losses} "
-            f"| {p1.test} | {_p(p1.p)} | {_p(p1.p_holm)} | {p1.mde:.3f} | **{p1.verdict}** | {_diff_ci(rw)} "
+            f"| {p1.test} | {_p(p1.p)} | {_p(p1.p_holm)} | {_mde(p1.mde)} | **{p1.verdict}** | {_diff_ci(rw)} "
             f"| {rw.verdict or '-'} |")
     return "\n".join(lines) + "\n"
+
+
+def _mde(mde: float) -> str:
+    """The MDE cell: a pass@1 difference cannot exceed 1, so an MDE above it says no difference is detectable with
+    this many tasks."""
+    return f"{mde:.3f}" if mde <= 1 else f"{mde:.3f} (none detectable: add tasks)"
 
 
 SUMMARY_COLUMNS = ("pass@1", "mean_reward", "above_floor", "format_rate", "mean_length", "truncation_rate",

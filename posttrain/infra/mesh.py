@@ -166,12 +166,17 @@ def logical_to_spec(logical_axes: Sequence[str | None] | None, rules=RULES) -> P
     return PartitionSpec(*spec)
 
 
+class ShardingError(ValueError):
+    """An array dimension does not divide over the mesh axes its sharding rule names (the mesh is the user's
+    setting: the command line prints it as one line, exit code 2)."""
+
+
 def check_divisible(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh, name: str = "array") -> None:
-    """Raises ValueError naming the array, dimension and mesh axes when a sharded dim does not divide."""
+    """Raises ShardingError naming the array, dimension and mesh axes when a sharded dim does not divide."""
     for dim, (size, axes) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
         n = math.prod(mesh.shape[a] for a in _as_tuple(axes))
         if size % n:
-            raise ValueError(f"{name}: dimension {dim} of shape {tuple(shape)} has size {size}, which does not "
+            raise ShardingError(f"{name}: dimension {dim} of shape {tuple(shape)} has size {size}, which does not "
                              f"divide over mesh axes {axes} of total size {n} (mesh {dict(mesh.shape)}); "
                              "change the mesh or the sharding rules")
 

@@ -22,7 +22,7 @@ from posttrain.algos.grpo import losses as losses_lib
 from posttrain.algos.grpo.advantages import ADVANTAGES
 from posttrain.algos.grpo.step import StepOptions, with_moe
 from posttrain.checkpoints.policy import PolicySource
-from posttrain.config import Config, ConfigError, config_changes, from_config_dict, to_dict
+from posttrain.config import Config, ConfigError, as_config, config_changes, to_dict
 from posttrain.config.tasks import SchedulingOptions
 from posttrain.eval import suite as suite_lib, gate as gate_lib
 from posttrain.eval.runner import SCORERS, EvalSettings
@@ -331,18 +331,6 @@ def resolve_rollout_mesh(m, num_devices: int) -> tuple[int, dict | None]:
         raise ConfigError(str(e)) from None
 
 
-def as_config(cfg) -> Config:
-    """`cfg` as a validated Config: a Config as is; a ConfigDict or a plain nested dict through `from_config_dict`
-    (ConfigError naming a bad key). Raises TypeError for anything else (e.g. a path: load it with
-    `ml_collections.config_flags` or call the config file's get_config())."""
-    if isinstance(cfg, Config):
-        return cfg
-    if hasattr(cfg, "to_dict") or isinstance(cfg, Mapping):
-        return from_config_dict(cfg)
-    raise TypeError(f"expected a posttrain Config, or the ConfigDict a configs/*.py get_config() returns, got "
-                    f"{type(cfg).__name__} {str(cfg)[:80]!r}")
-
-
 def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str | None = None,
                   backend: str | None = None) -> RunPlan:
     """Derives and validates every run setting (no I/O).
@@ -350,13 +338,10 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
     num_devices / backend default to the local JAX runtime's (all processes' devices). Raises ConfigError for a
     name that is not in its registry, when the mesh does not fit the devices or the rows of one step (prompts, or
     prompts x group size when rows are not packed) do not split into minibatches x microbatches x batch shards.
-    `cfg` may also be the ml_collections ConfigDict a configs/*.py file returns (`from_config_dict` validates it);
-    anything else is a TypeError naming what to pass.
-    """
+    `cfg`: a Config, or the ConfigDict a configs/*.py returns (`config.as_config`; else TypeError)."""
     import jax
 
-    cfg = as_config(cfg)
-    cfg, off_policy_warning = off_policy_defaults(with_loss_defaults(cfg))
+    cfg, off_policy_warning = off_policy_defaults(with_loss_defaults(as_config(cfg)))
     check_names(cfg)
     learn, rollout_shape = resolve_rollout_mesh(cfg.mesh, jax.device_count() if num_devices is None else num_devices)
     shape, rules, shards = resolve_mesh(cfg.mesh, learn, f" (the learner's, besides mesh.rollout="

@@ -191,3 +191,17 @@ def test_sample_help_lists_checkpoint_and_seed(capsys):
     text = capsys.readouterr().out
     assert "--checkpoint=" in text and "--seed=" in text and "--temperature=" in text
     assert "posttrain sample" in text
+
+
+def test_a_mesh_that_does_not_divide_the_model_is_one_line(tmp_path):
+    """8 fake devices, mesh.tensor=8 on a model with 2 KV heads: the sharding check's error, one line, exit 2,
+    before any step (it was a traceback)."""
+    from helpers import fake_devices_flags
+
+    env = {**os.environ, "POSTTRAIN_XLA_CACHE": "0", "XLA_FLAGS": fake_devices_flags(8), "JAX_PLATFORMS": "cpu"}
+    res = subprocess.run([sys.executable, "-m", "posttrain.cli", "train", "--config=configs/tiny.py",
+                          f"--workdir={tmp_path}", "--config.mesh.tensor=8", "--config.mesh.fsdp=1", "--noprogress"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and "does not divide over mesh axes" in lines[-1], res.stderr[-3000:]
+    assert not any(line.startswith("Traceback") for line in lines) and not (tmp_path / "config.json").exists()
