@@ -19,12 +19,19 @@ CONFIG = ROOT / "configs" / "sft_tiny.py"
 
 
 def run_sft(capsys, monkeypatch, *args) -> dict:
-    """`posttrain sft --config=configs/sft_tiny.py ARGS` in this process; its JSON line. The --config.* override
-    flags it defines (from sys.argv, as ml_collections does) are removed again, so another in-process command
-    can define its own."""
+    """`posttrain sft --config=configs/sft_tiny.py ARGS` in this process; its JSON line."""
+    rc, out, err = command(monkeypatch, capsys, "sft", f"--config={CONFIG}", *args)
+    assert rc == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def command(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    """`posttrain ARGS --noprogress` in this process: (exit code, stdout, stderr). The --config.* override flags it
+    defines (from sys.argv, as ml_collections does) are removed again, so another in-process command can define
+    its own."""
     from absl import flags
 
-    argv = ["posttrain", "sft", f"--config={CONFIG}", "--noprogress", *args]
+    argv = ["posttrain", *args, "--noprogress"]
     monkeypatch.setattr(sys, "argv", argv)
     try:
         rc = cli.main(list(argv))
@@ -33,9 +40,7 @@ def run_sft(capsys, monkeypatch, *args) -> dict:
             delattr(flags.FLAGS, name)
         flags.FLAGS.unparse_flags()
     captured = capsys.readouterr()
-    assert rc == 0, captured.err[-3000:]
-    out = captured.out
-    return json.loads(out.strip().splitlines()[-1])
+    return rc, captured.out, captured.err
 
 
 def losses(workdir) -> dict[int, float]:
@@ -60,26 +65,11 @@ def test_sft_command_runs_two_steps_and_the_loss_goes_down(tmp_path, capsys, mon
     for argv in (["sft", f"--config={CONFIG}", "--config.train.steps=3", "--config.optim.lr=0.5"],
                  ["dpo", f"--config={ROOT / 'configs' / 'dpo_tiny.py'}"],
                  ["convert", f"--checkpoint={tmp_path}"]):
-        rc, err = command(monkeypatch, capsys, *argv, f"--{'out' if argv[0] == 'convert' else 'workdir'}={tmp_path}")
+        rc, _, err = command(monkeypatch, capsys, *argv, f"--{'out' if argv[0] == 'convert' else 'workdir'}={tmp_path}")
         assert rc == 2 and len(err.strip().splitlines()) == 1, err
         assert {"sft": "resuming", "dpo": "holds an SFT run", "convert": "is the run being exported"}[argv[0]] in err
     assert (tmp_path / "config.json").read_text() == saved
     assert run_sft(capsys, monkeypatch, f"--workdir={tmp_path}", "--config.train.steps=3")["end_step"] == 3
-
-
-def command(monkeypatch, capsys, *args) -> tuple[int, str]:
-    """`posttrain ARGS` in this process: (exit code, stderr)."""
-    from absl import flags
-
-    argv = ["posttrain", *args, "--noprogress"]
-    monkeypatch.setattr(sys, "argv", argv)
-    try:
-        rc = cli.main(list(argv))
-    finally:
-        for name in [n for n in flags.FLAGS if n.startswith("config.")]:
-            delattr(flags.FLAGS, name)
-        flags.FLAGS.unparse_flags()
-    return rc, capsys.readouterr().err
 
 
 def test_bad_sft_configs_fail_before_any_work(tmp_path):
