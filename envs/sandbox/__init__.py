@@ -202,6 +202,9 @@ def run(files_or_code: str | Mapping[str, str | bytes], argv: Sequence[str] | No
     files, argv = check_program(files_or_code, argv, stdin)
     procs.install_signal_handlers()
     t0 = time.monotonic()
+    problem = unrunnable(files, argv, stdin)
+    if problem:
+        return refused(problem, t0)
     if workspace is not None:
         if not workspace._busy.acquire(blocking=False):
             raise RuntimeError("Workspace is already running a program; runs in one workspace must not overlap")
@@ -248,6 +251,33 @@ def check_program(files_or_code, argv, stdin) -> tuple[Mapping[str, str | bytes]
     if stdin is not None and not isinstance(stdin, str):
         raise TypeError(f"stdin must be str or None, got {type(stdin).__name__}")
     return files, argv
+
+
+MAX_ARGV_BYTES = 100_000  # under Linux's 128 KiB limit on one argument (MAX_ARG_STRLEN), with room for the launcher's
+
+
+def unrunnable(files: Mapping[str, str | bytes], argv: Sequence[str], stdin: str | None) -> str | None:
+    """Why a program cannot be started as given (None when it can): text a model wrote that no process can take,
+    i.e. a NUL byte or a lone surrogate in an argument, stdin or a file, or a command line over MAX_ARGV_BYTES.
+    These are the program's faults, not the sandbox's: `run` answers them with `refused`, never infra_error."""
+    for where, text in [*((f"argument {i}", a) for i, a in enumerate(argv)), ("stdin", stdin or ""),
+                        *((f"file {p}", c) for p, c in files.items() if isinstance(c, str))]:
+        if where.startswith("argument") and "\x00" in text:
+            return f"{where} contains a NUL byte"
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"{where} is not valid text: {e.reason} (character {e.start})"
+    size = sum(len(a.encode()) + 1 for a in argv)
+    if size > MAX_ARGV_BYTES:
+        return f"the command line is {size} bytes, over the {MAX_ARGV_BYTES}-byte limit (write it to a file)"
+    return None
+
+
+def refused(problem: str, t0: float) -> SandboxResult:
+    """The result of a program `unrunnable` refused: runtime_error, no exit code, the reason on stderr."""
+    return SandboxResult(status="runtime_error", returncode=None, stdout="", stderr=f"cannot run: {problem}\n",
+                         wall_s=time.monotonic() - t0, cpu_s=0.0, reason=problem)
 
 
 def _infra(reason: str, t0: float, stdout: str = "", stderr: str = "") -> SandboxResult:

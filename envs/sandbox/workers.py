@@ -104,6 +104,9 @@ class SandboxPool:
                                f"`{launch.INSTALL_HINT}` (or use envs.sandbox.run(isolation='weak'))")
         procs.install_signal_handlers()
         t0, reason = time.monotonic(), ""
+        problem = sandbox.unrunnable(files, argv, stdin)
+        if problem:
+            return sandbox.refused(problem, t0)
         for _ in range(2):  # a worker that died before the program started is replaced once
             try:
                 worker = self._acquire()

@@ -73,7 +73,7 @@ def check_call(obj) -> ToolCall | str:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             return f'{name}: "arguments" is a string that is not a JSON object'
     if not isinstance(args, dict):
         return f'{name}: "arguments" must be an object, got {type(args).__name__}'
@@ -88,6 +88,9 @@ def check_call(obj) -> ToolCall | str:
     return ToolCall(name, {k: v for k, v in args.items() if k in schema["properties"]})
 
 
+TOO_DEEP = "the tool call's JSON nests too deeply to parse"
+
+
 def _tagged(text: str) -> tuple[list[ToolCall], list[str]]:
     calls, errors, pos = [], [], 0
     while (start := text.find(OPEN, pos)) != -1:
@@ -97,6 +100,10 @@ def _tagged(text: str) -> tuple[list[ToolCall], list[str]]:
         close = text.find(CLOSE, at)
         try:
             obj, end = _DECODER.raw_decode(text, at)
+        except RecursionError:  # nesting deeper than the interpreter's stack: the model's reply, not an env fault
+            errors.append(TOO_DEEP)
+            pos = close + len(CLOSE) if close != -1 else len(text)
+            continue
         except ValueError as exc:
             if close == -1:
                 errors.append("truncated tool call: no complete JSON object and no closing </tool_call>")
@@ -123,6 +130,9 @@ def _fenced(text: str) -> tuple[list[ToolCall], list[str]]:
             continue
         try:
             obj = json.loads(body)
+        except RecursionError:
+            errors.append(TOO_DEEP)
+            continue
         except ValueError as exc:
             if tag or '"name"' in body:
                 closed = match.group(0).rstrip().endswith("```") and len(match.group(0).rstrip()) > 3

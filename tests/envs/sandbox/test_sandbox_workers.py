@@ -280,3 +280,21 @@ def test_parent_sigterm_removes_its_workers():
     assert not os.path.exists(host_dir) and [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
     child.stdout.close(), child.stderr.close()
     assert procs.LIVE.keys().isdisjoint(p.pid for p in tree)
+
+
+@pytest.mark.parametrize("files, argv, stdin, reason", [
+    ("print('\ud800')", None, None, "file main.py is not valid text: surrogates not allowed"),
+    ({}, ["bash", "-c", "echo '\ud800'"], None, "argument 2 is not valid text"),
+    ({}, ["bash", "-c", "echo a\x00b"], None, "argument 2 contains a NUL byte"),
+    ({}, ["bash", "-c", "echo " + "a" * 200_000], None, "the command line is 200014 bytes, over the 100000-byte"),
+    ("print(input())", None, "\udcff", "stdin is not valid text"),
+])
+@pytest.mark.parametrize("runner", ["run", "pool"])
+def test_programs_no_process_can_take_are_refused_as_runtime_errors(pool, files, argv, stdin, reason, runner):
+    """A model's program with a lone surrogate or a NUL byte, or a command line over the kernel's limit, is the
+    program's fault: runtime_error naming why, never an exception out of run (it was UnicodeEncodeError /
+    ValueError) or an infra_error (E2BIG from the launcher: a policy could dodge a 0 with it)."""
+    run = sandbox.run if runner == "run" else pool.run
+    result = run(files, argv, limits=FAST, stdin=stdin)
+    assert (result.status, result.returncode) == ("runtime_error", None)
+    assert result.reason.startswith(reason) and result.stderr == f"cannot run: {result.reason}\n"

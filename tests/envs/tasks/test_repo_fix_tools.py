@@ -133,3 +133,15 @@ def test_apply_is_lenient_about_line_numbers_counts_and_git_headers():
 def test_apply_refuses_what_does_not_match(diff, message):
     with pytest.raises(patch.PatchError, match=message):
         patch.apply(diff, OLD.get)
+
+
+@pytest.mark.parametrize("reply", [
+    "<tool_call>" + "[" * 100_000 + "]" * 100_000 + "</tool_call>",
+    "<tool_call>" + '{"a":' * 50_000,
+    "```json\n" + '{"name": "run", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n```",
+    '<tool_call>{"name": "run", "arguments": "' + "[" * 100_000 + "]" * 100_000 + '"}</tool_call>',
+])
+def test_json_nested_past_the_stack_is_a_parse_error_not_a_crash(reply):
+    """RecursionError from json on a reply nested 50,000+ deep (it escaped step as an exception): one error."""
+    calls, errors = parse_tool_calls(reply)
+    assert calls == [] and len(errors) == 1 and ("nests too deeply" in errors[0] or "not a JSON object" in errors[0])
