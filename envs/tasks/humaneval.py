@@ -18,9 +18,12 @@ imports and helpers stay defined, the stub is redefined); otherwise it is a func
 the prompt, re-indented by 4 spaces if it does not compile as given.
 
 A pass needs exit status 0 AND a per-run random nonce printed after ``check()`` returns (`RUNNER`),
-so ``sys.exit(0)`` / ``os._exit(0)`` inside a completion scores 0. The candidate runs in the same
-interpreter, so code that walks the interpreter's frames or stdin could still find the nonce: this
-stops the known cheap exits, not a deliberate adversary (the sandbox bounds the damage either way).
+so ``sys.exit(0)`` / ``os._exit(0)`` inside a completion scores 0, and ``check`` sees only plain data from the
+solution (`RUNNER`'s ``_posttrain_plain``), so an object that compares equal to anything scores 0. The candidate
+runs in the same interpreter as the test, so code that walks the interpreter's frames can still find the nonce:
+``sys._getframe(1).f_locals['nonce']`` printed before an early exit passes every task (an adversarial-reply trial
+found it). These checks stop generic cheap exits, not such a harness-specific one: closing it needs the expected
+outputs out of the candidate's process (run the solution on recorded arguments, compare in this process).
 """
 from __future__ import annotations
 
@@ -41,10 +44,32 @@ INSTRUCTION = ("Complete the following Python function. Reply with the complete 
 MAX_INFO_CHARS = 2000  # stdout/stderr kept in info (characters)
 # The test program runs inside a function that prints a per-run random nonce (sent on stdin) only after
 # check() returned, so exiting early with status 0 (sys.exit(0), os._exit(0)) does not count as a pass.
+# `check` gets the candidate through `_posttrain_plain`, which lets only plain data out of it (exact builtin types,
+# or NumPy's scalar types when NumPy is loaded; containers of them): an object whose __eq__ / __lt__ / __sub__ say
+# whatever the test wants fails there (a generic "always equal" reply passed 157 of 164 tests). The builtins it
+# uses are bound when it is defined, before the candidate's code runs.
 RUNNER = """import sys
 sys.path.extend({site_dirs!r})
+def _posttrain_plain(fn, _type=type, _all=all, _modules=sys.modules, _TypeError=TypeError):
+    atoms = {{bool, int, float, complex, str, bytes, type(None)}}
+    def plain(v, depth):
+        t = _type(v)
+        if t in atoms:
+            return True
+        if t in (list, tuple, set, frozenset):
+            return depth < 64 and _all(plain(x, depth + 1) for x in v)
+        if t is dict:
+            return depth < 64 and _all(plain(k, depth + 1) and plain(x, depth + 1) for k, x in v.items())
+        np = _modules.get("numpy")
+        return np is not None and t in (np.float64, np.float32, np.int64, np.int32, np.bool_)
+    def candidate(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if not plain(out, 0):
+            raise _TypeError("the solution returned a " + _type(out).__name__ + ": answers are plain data")
+        return out
+    return candidate
 def _posttrain_run(source, nonce):
-    namespace = {{"__name__": "__main__", "__builtins__": __builtins__}}
+    namespace = {{"__name__": "__main__", "__builtins__": __builtins__, "_posttrain_plain": _posttrain_plain}}
     exec(compile(source, "<humaneval>", "exec"), namespace)
     sys.stdout.write("\\n" + nonce + "\\n")
     sys.stdout.flush()
@@ -107,7 +132,8 @@ def select_code(completion: str, entry_point: str) -> str:
 
 
 def assemble_program(task: dict, completion: str) -> str:
-    """The full test program for `completion` on HumanEval `task` (see the module docstring)."""
+    """The full test program for `completion` on HumanEval `task` (see the module docstring); it calls
+    ``check(_posttrain_plain(<entry_point>))``, `RUNNER` defining `_posttrain_plain`."""
     prompt, entry_point = task["prompt"], task["entry_point"]
     code = select_code(completion, entry_point)
     if re.search(rf"^def\s+{re.escape(entry_point)}\s*\(", code, re.M):
@@ -118,7 +144,7 @@ def assemble_program(task: dict, completion: str) -> str:
             reindented = prompt + textwrap.indent(textwrap.dedent(code), "    ")
             if _compiles(reindented):
                 solution = reindented
-    return f"{solution}\n\n{task['test']}\n\ncheck({entry_point})\n"
+    return f"{solution}\n\n{task['test']}\n\ncheck(_posttrain_plain({entry_point}))\n"
 
 
 class HumanEvalTasks(base.ListTaskSource):

@@ -37,7 +37,7 @@ def test_assemble_program_variants():
     assert "\n\ndef truncate_number" in code.assemble_program(task, full)
     unindented = code.assemble_program(task, "return number % 1.0")
     assert task["prompt"] + "    return number % 1.0" in unindented
-    assert code.assemble_program(task, full).rstrip().endswith("check(truncate_number)")
+    assert code.assemble_program(task, full).rstrip().endswith("check(_posttrain_plain(truncate_number))")
 
 
 @pytest.mark.parametrize("index", [0, 2, 12, 53])
@@ -115,3 +115,30 @@ def test_runs_in_persistent_workers_by_default_or_fresh_on_request(env):
     assert not code.HumanEvalEnv(isolation="weak", self_check=False).workers
     with pytest.raises(TypeError, match="workers"):
         code.HumanEvalEnv(workers="yes")
+
+
+ALWAYS_EQUAL = '''```python
+class _U:
+    def __eq__(s, o): return True
+    def __ne__(s, o): return False
+    __lt__ = __le__ = __gt__ = __ge__ = __eq__
+    def __bool__(s): return True
+    def __sub__(s, o): return 0
+    __rsub__ = __sub__
+    def __abs__(s): return 0
+def {ep}(*a, **k): return _U()
+```'''
+
+
+@pytest.mark.parametrize("index", [0, 2, 32, 53, 120])
+def test_an_object_that_equals_anything_scores_0_and_the_canonical_solution_1(env, index):
+    """The "always equal" reply (an object whose comparisons and subtraction say what the test wants) passed 157 of
+    164 tests; check() now sees only plain data. The canonical solution still passes (all 164: a sweep in the
+    session note)."""
+    task = env.task_source.get_task(index)
+    rewards = []
+    for reply in (ALWAYS_EQUAL.format(ep=task["entry_point"]), task["canonical_solution"]):
+        env.reset(seed=0, options={"task": task})
+        _, reward, _, _, info = env.step(reply)
+        rewards.append((reward, info["status"]))
+    assert rewards[0][0] == 0.0 and rewards[1] == (1.0, "ok"), rewards
