@@ -17,65 +17,29 @@ that defines the entry point, else the first one), otherwise the raw text. If th
 imports and helpers stay defined, the stub is redefined); otherwise it is a function body appended to
 the prompt, re-indented by 4 spaces if it does not compile as given.
 
-A pass needs exit status 0 AND a per-run random nonce printed after ``check()`` returns (`RUNNER`),
-so ``sys.exit(0)`` / ``os._exit(0)`` inside a completion scores 0, and ``check`` sees only plain data from the
-solution (`RUNNER`'s ``_posttrain_plain``), so an object that compares equal to anything scores 0. The candidate
-runs in the same interpreter as the test, so code that walks the interpreter's frames can still find the nonce:
-``sys._getframe(1).f_locals['nonce']`` printed before an early exit passes every task (an adversarial-reply trial
-found it). These checks stop generic cheap exits, not such a harness-specific one: closing it needs the expected
-outputs out of the candidate's process (run the solution on recorded arguments, compare in this process).
+Scoring (`envs.tasks.humaneval_io`): the sandbox runs only the solution, on the argument tuples the problem's
+tests call it with (recorded once from the canonical solution), and prints its return values as plain data; the
+problem's ``check`` then runs in this process on those values. The tests and the expected values never enter the
+sandbox, so an early ``sys.exit(0)``, a success marker read from the interpreter's frames, or an object that
+compares equal to anything scores 0: to pass, the returned values must satisfy the tests.
 """
 from __future__ import annotations
 
 import functools
 import os
 import re
-import secrets
 import sys
 import sysconfig
 import textwrap
 
 from envs import base, sandbox
 from envs.sandbox import workers as sandbox_workers
-
+from envs.tasks import humaneval_io
 from envs.verify import answers as verifiers
+
 INSTRUCTION = ("Complete the following Python function. Reply with the complete function in a "
                "```python code block.\n\n```python\n{prompt}```")
 MAX_INFO_CHARS = 2000  # stdout/stderr kept in info (characters)
-# The test program runs inside a function that prints a per-run random nonce (sent on stdin) only after
-# check() returned, so exiting early with status 0 (sys.exit(0), os._exit(0)) does not count as a pass.
-# `check` gets the candidate through `_posttrain_plain`, which lets only plain data out of it (exact builtin types,
-# or NumPy's scalar types when NumPy is loaded; containers of them): an object whose __eq__ / __lt__ / __sub__ say
-# whatever the test wants fails there (a generic "always equal" reply passed 157 of 164 tests). The builtins it
-# uses are bound when it is defined, before the candidate's code runs.
-RUNNER = """import sys
-sys.path.extend({site_dirs!r})
-def _posttrain_plain(fn, _type=type, _all=all, _modules=sys.modules, _TypeError=TypeError):
-    atoms = {{bool, int, float, complex, str, bytes, type(None)}}
-    def plain(v, depth):
-        t = _type(v)
-        if t in atoms:
-            return True
-        if t in (list, tuple, set, frozenset):
-            return depth < 64 and _all(plain(x, depth + 1) for x in v)
-        if t is dict:
-            return depth < 64 and _all(plain(k, depth + 1) and plain(x, depth + 1) for k, x in v.items())
-        np = _modules.get("numpy")
-        return np is not None and t in (np.float64, np.float32, np.int64, np.int32, np.bool_)
-    def candidate(*args, **kwargs):
-        out = fn(*args, **kwargs)
-        if not plain(out, 0):
-            raise _TypeError("the solution returned a " + _type(out).__name__ + ": answers are plain data")
-        return out
-    return candidate
-def _posttrain_run(source, nonce):
-    namespace = {{"__name__": "__main__", "__builtins__": __builtins__, "_posttrain_plain": _posttrain_plain}}
-    exec(compile(source, "<humaneval>", "exec"), namespace)
-    sys.stdout.write("\\n" + nonce + "\\n")
-    sys.stdout.flush()
-_SOURCE = {source!r}
-_posttrain_run(_SOURCE, sys.stdin.readline().strip())
-"""
 
 
 @functools.lru_cache(maxsize=1)
@@ -83,7 +47,7 @@ def _fast_start() -> tuple[tuple[str, ...], tuple[str, ...] | None]:
     """(site dirs to put on sys.path, argv) for the test program.
 
     When the sandbox's interpreter is this one, it starts with ``-S`` (no `site`: skips .pth processing,
-    10-40% of a HumanEval run here) and the RUNNER appends this interpreter's site-packages to sys.path, so
+    10-40% of a HumanEval run here) and the program (`humaneval_io.DRIVER`) appends this interpreter's site-packages to sys.path, so
     installed packages stay importable (``exit``/``quit``/``help`` builtins are absent). Otherwise the
     sandbox's default argv.
     """
@@ -131,9 +95,9 @@ def select_code(completion: str, entry_point: str) -> str:
     return blocks[0] if blocks else completion
 
 
-def assemble_program(task: dict, completion: str) -> str:
-    """The full test program for `completion` on HumanEval `task` (see the module docstring); it calls
-    ``check(_posttrain_plain(<entry_point>))``, `RUNNER` defining `_posttrain_plain`."""
+def assemble_solution(task: dict, completion: str) -> str:
+    """The solution source for `completion` on HumanEval `task`: the prompt with the completion's code (see the
+    module docstring); `humaneval_io.program` runs it on the tests' recorded calls."""
     prompt, entry_point = task["prompt"], task["entry_point"]
     code = select_code(completion, entry_point)
     if re.search(rf"^def\s+{re.escape(entry_point)}\s*\(", code, re.M):
@@ -144,7 +108,7 @@ def assemble_program(task: dict, completion: str) -> str:
             reindented = prompt + textwrap.indent(textwrap.dedent(code), "    ")
             if _compiles(reindented):
                 solution = reindented
-    return f"{solution}\n\n{task['test']}\n\ncheck(_posttrain_plain({entry_point}))\n"
+    return solution + "\n"
 
 
 class HumanEvalTasks(base.ListTaskSource):
@@ -195,13 +159,12 @@ class HumanEvalEnv(base.TextEnv):
     def turn_step(self, action: str) -> tuple[str, float, bool, dict]:
         site_dirs, argv = ((), None) if self.workers else _fast_start()
         action = verifiers.strip_reasoning(action, self.think_tags)
-        program = RUNNER.format(source=assemble_program(self.task, action), site_dirs=site_dirs)
-        nonce = secrets.token_hex(16)
+        program = humaneval_io.program(self.task, assemble_solution(self.task, action), site_dirs)
         if self.workers:  # the fork server has imported site already: no -S needed
-            result = sandbox_workers.shared_pool(self.limits).run(program, limits=self.limits, stdin=nonce + "\n")
+            result = sandbox_workers.shared_pool(self.limits).run(program, limits=self.limits)
         else:
-            result = sandbox.run(program, argv, limits=self.limits, stdin=nonce + "\n", isolation=self.isolation)
-        verdict = verifiers.score_unit_tests(result, success_marker=nonce)
+            result = sandbox.run(program, argv, limits=self.limits, isolation=self.isolation)
+        verdict = humaneval_io.score(self.task, result)
         info = {**verdict.info(), "returncode": result.returncode, "wall_s": result.wall_s,
                 "stdout": base.cap_text(result.stdout, MAX_INFO_CHARS),
                 "stderr": base.cap_text(result.stderr, MAX_INFO_CHARS)}

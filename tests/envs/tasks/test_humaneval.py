@@ -1,4 +1,6 @@
 """Tests for envs/code.py (HumanEval-v0). A few problems here; all 164 in the slow test and the bench."""
+import json
+
 import pytest
 
 from envs.tasks import humaneval as code
@@ -29,15 +31,15 @@ def test_problems_come_from_the_package_in_order():
         code.HumanEvalTasks("train")
 
 
-def test_assemble_program_variants():
+def test_assemble_solution_variants():
     task = PROBLEMS[2]  # truncate_number(number: float) -> float: return number % 1.0
     body = "    return number % 1.0\n"
     full = f"Sure!\n```python\ndef truncate_number(number: float) -> float:\n{body}```\nDone."
-    assert code.assemble_program(task, body).startswith(task["prompt"] + body)
-    assert "\n\ndef truncate_number" in code.assemble_program(task, full)
-    unindented = code.assemble_program(task, "return number % 1.0")
+    assert code.assemble_solution(task, body).startswith(task["prompt"] + body)
+    assert "\n\ndef truncate_number" in code.assemble_solution(task, full)
+    unindented = code.assemble_solution(task, "return number % 1.0")
     assert task["prompt"] + "    return number % 1.0" in unindented
-    assert code.assemble_program(task, full).rstrip().endswith("check(_posttrain_plain(truncate_number))")
+    assert code.assemble_solution(task, full).rstrip().endswith("return number % 1.0")  # no tests in it
 
 
 @pytest.mark.parametrize("index", [0, 2, 12, 53])
@@ -130,15 +132,41 @@ def {ep}(*a, **k): return _U()
 ```'''
 
 
-@pytest.mark.parametrize("index", [0, 2, 32, 53, 120])
-def test_an_object_that_equals_anything_scores_0_and_the_canonical_solution_1(env, index):
-    """The "always equal" reply (an object whose comparisons and subtraction say what the test wants) passed 157 of
-    164 tests; check() now sees only plain data. The canonical solution still passes (all 164: a sweep in the
-    session note)."""
+FRAME_NONCE = """```python
+import sys, os
+try:
+    n = sys._getframe(1).f_locals["nonce"]
+except Exception:
+    n = "x"
+sys.stdout.write("\\n" + n + "\\n"); sys.stdout.flush(); os._exit(0)
+```"""
+
+
+@pytest.mark.parametrize("index", [0, 2, 32, 33, 38, 53, 120])
+def test_replies_that_game_an_in_process_test_score_0_and_the_canonical_solution_1(env, index):
+    """An object that equals anything passed 157 of 164 tests and a success marker read from the test's frame all
+    164, while the tests ran in the candidate's interpreter; now they run here on its returned values
+    (`humaneval_io`). Problems 32, 38 and 53 draw random inputs, 33 and 38 call helpers or the function itself in
+    their asserts; the canonical solution passes (all 164: a sweep in the session note)."""
     task = env.task_source.get_task(index)
     rewards = []
-    for reply in (ALWAYS_EQUAL.format(ep=task["entry_point"]), task["canonical_solution"]):
+    for reply in (ALWAYS_EQUAL.format(ep=task["entry_point"]), FRAME_NONCE, task["canonical_solution"]):
         env.reset(seed=0, options={"task": task})
         _, reward, _, _, info = env.step(reply)
         rewards.append((reward, info["status"]))
-    assert rewards[0][0] == 0.0 and rewards[1] == (1.0, "ok"), rewards
+    assert [r for r, _ in rewards] == [0.0, 0.0, 1.0] and rewards[2][1] == "ok", rewards
+
+
+def test_replay_reads_only_plain_values_and_checks_each_call():
+    from envs.tasks import humaneval_io as io
+
+    task = PROBLEMS[2]  # truncate_number(3.5) == 0.5, ...
+    calls = io.recorded_calls(task)
+    right = [io.plain.loads(c)[0] % 1.0 for c in calls]
+    assert io.replay(task, right) == ""
+    assert io.replay(task, right[:-1]).startswith(f"{len(calls) - 1} return values for {len(calls)} calls")
+    assert io.replay(task, [0.25] * len(calls)).startswith("AssertionError")
+    line = io.MARKER + json.dumps([io.plain.dumps(v) for v in right])
+    assert io.outputs("noise\n" + line + "\n") == right
+    for bad in ("[1, 2]", '["{\\"q\\": 1}"]', "not json", "[" * 100_000):
+        assert io.outputs(io.MARKER + bad) is None
