@@ -71,6 +71,18 @@ def library_output_to_stderr():
     return contextlib.redirect_stdout(sys.stderr)
 
 
+def containment_credit(answer: str, gold: str, value: float) -> float:
+    """A dataset scorer's partial credit `value` for an answer that contains the whole gold text, kept only when
+    what surrounds it is punctuation and spaces ("-1048." for -1048), else 0; `value` unchanged when the gold text
+    is not in the answer (a graded score of another kind). reasoning-gym's default scorer and its
+    `compute_decimal_reward` pay len(gold) / len(answer) for any answer containing the gold: 0.45 for
+    "-1047 -1048", 0.36 for "-1048 or -1047", so listing candidates earned a share without choosing one."""
+    if gold not in answer:
+        return value
+    rest = answer.replace(gold, "", 1)
+    return value if not any(ch.isalnum() for ch in rest) else 0.0
+
+
 def dataset_names() -> list[str]:
     """Sorted names of every dataset registered in reasoning-gym (``reasoning_gym.factory.DATASETS``)."""
     return sorted(library().factory.DATASETS)
@@ -293,6 +305,8 @@ class ReasoningGymEnv(base.TextEnv):
         entry = {"question": task["question"], "answer": task["answer"], "metadata": task["metadata"]}
         try:
             value = float(self.task_source.dataset.score_answer(answer, entry))
+            if 0.0 < value < 1.0 and isinstance(answer, str) and isinstance(task["answer"], str):
+                value = containment_credit(answer, task["answer"], value)
             reason = ("no <answer>...</answer> after the reasoning block" + (" and no final-answer last line"
                       if self.fallback else "")) if answer is None else ""
         except Exception as exc:  # noqa: BLE001 - a scorer crash on odd text scores 0 with a reason

@@ -99,8 +99,10 @@ def test_multiline_answer_survives_extraction():
 def test_partial_credit_is_kept_in_reward_and_info():
     env = make("gcd")  # the library's default scorer: len(gold) / len(answer) when the answer contains gold
     task = env.task_source.get_task(0)
-    reward, info = env.score(task, f"<answer>{task['answer']} extra words</answer>")
+    reward, info = env.score(task, f"<answer>{task['answer']}!!</answer>")
     assert 0.0 < reward < 1.0 and info["score"] == reward and info["status"] == "wrong"
+    reward, info = env.score(task, f"<answer>{task['answer']} extra words</answer>")  # more than the answer
+    assert reward == 0.0 and info["score"] == 0.0 and info["status"] == "wrong"
 
 
 def test_scorer_exception_scores_zero_with_reason():
@@ -198,3 +200,21 @@ def test_library_prints_go_to_stderr_not_our_stdout(capfd):
     assert source.get_task(0)["question"]
     out, err = capfd.readouterr()
     assert out == "" and "." in err
+
+
+@pytest.mark.parametrize("answer_of, reward", [
+    (lambda g: g, 1.0),
+    (lambda g: g + "!", None),                       # punctuation around the gold: the scorer's partial credit
+    (lambda g: f"{int(g) + 1} {g}", 0.0),            # a list of candidates: paid 0.45 for chain_sum's -1048
+    (lambda g: f"{g} or {int(g) - 1}", 0.0),
+    (lambda g: str(int(g) + 1), 0.0),
+])
+def test_containment_credit_needs_one_answer(answer_of, reward):
+    """reasoning-gym's scorers pay len(gold) / len(answer) for any answer containing the gold text (chain_sum:
+    `compute_decimal_reward`); a hedged list of candidates kept a share of the reward. Now only punctuation and
+    spaces may surround it."""
+    env = make("chain_sum")
+    env.reset(seed=0)
+    gold = env.task["answer"]
+    _, got, *_ = env.step(f"<answer>{answer_of(gold)}</answer>")
+    assert got == (reward if reward is not None else pytest.approx(len(gold) / (len(gold) + 1)))
