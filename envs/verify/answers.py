@@ -281,14 +281,14 @@ def score_math(response: str, gold: str, methods: tuple[str, ...] = METHODS, *,
 # Code (unit tests) and format
 
 
-def score_unit_tests(result: Any, success_marker: str | None = None) -> Verdict:
+def score_unit_tests(result: Any) -> Verdict:
     """Turn a sandbox result (`envs.sandbox.SandboxResult`, duck-typed: status, returncode, stdout,
     stderr, reason) of running a program plus its unit tests into a Verdict.
 
-    Passing (status "ok", returncode 0, and, when `success_marker` is given, the last stdout line equal
-    to it) -> reward 1, "ok". Exit 0 without the marker (the program left before its tests finished,
-    e.g. ``sys.exit(0)`` in the candidate) -> "wrong". A failed assertion -> "wrong". Other sandbox
+    Passing (status "ok", returncode 0) -> reward 1, "ok". A failed assertion -> "wrong". Other sandbox
     statuses pass through (runtime_error, timeout, memory_limit, output_limit, infra_error), reward 0.
+    Exit 0 is all it reads: a test program that runs untrusted code in its own interpreter cannot tell an early
+    ``sys.exit(0)`` from a pass (HumanEval judges return values outside the sandbox: `envs.tasks.humaneval_io`).
     """
     status = getattr(result, "status", "infra_error")
     if status not in STATUSES or status == "wrong":
@@ -296,10 +296,7 @@ def score_unit_tests(result: Any, success_marker: str | None = None) -> Verdict:
     stderr = getattr(result, "stderr", "") or ""
     tail = stderr.strip().splitlines()[-1] if stderr.strip() else ""
     if status == "ok" and getattr(result, "returncode", None) == 0:
-        stdout_lines = (getattr(result, "stdout", "") or "").strip().splitlines()
-        if success_marker is None or (stdout_lines and stdout_lines[-1].strip() == success_marker):
-            return Verdict(1.0, "ok", method="tests", reason="")
-        return Verdict(0.0, "wrong", method="tests", reason="exited 0 before the tests completed")
+        return Verdict(1.0, "ok", method="tests", reason="")
     if status in ("ok", "runtime_error") and tail.startswith("AssertionError"):
         return Verdict(0.0, "wrong", method="tests", reason=tail[:300])
     if status == "ok":

@@ -54,9 +54,9 @@ def claim(workdir, kind: str, config_dict: Mapping, *, defaults: Mapping | None 
     saved_path = workdir / "config.json"
     if not saved_path.is_file():
         return {}
-    existing = read_run.run_kind(workdir)
+    existing = read_run.run_kind(workdir)  # ConfigError for a config.json that is no JSON object
     saved = json.loads(saved_path.read_text())
-    if not _is_run_config(saved_path):
+    if not _is_run_config(saved):
         raise ConfigError(f"--workdir={workdir}: its config.json is not a posttrain run's (keys {sorted(saved)[:6]}"
                           f"{' ...' if len(saved) > 6 else ''}); give another --workdir")
     if existing != kind:
@@ -77,12 +77,16 @@ def claim(workdir, kind: str, config_dict: Mapping, *, defaults: Mapping | None 
     return {k: [old, new, step] for k, (old, new) in changes.items()}
 
 
-def _is_run_config(path: pathlib.Path) -> bool:
-    """True when `path` is a JSON object with a posttrain run's `model` and `train` sections."""
+def _read_json(path: pathlib.Path):
+    """The JSON value in `path`, or None when it is missing or not JSON."""
     try:
-        raw = json.loads(path.read_text()) if path.is_file() else None
+        return json.loads(path.read_text()) if path.is_file() else None
     except ValueError:
-        return False
+        return None
+
+
+def _is_run_config(raw) -> bool:
+    """True when `raw` (a parsed config.json) is an object with a posttrain run's `model` and `train` sections."""
     return isinstance(raw, dict) and {"model", "train"} <= set(raw)
 
 
@@ -99,7 +103,7 @@ def check_export_dir(out, *, source=None) -> pathlib.Path:
     out = check_writable(out, "--out")
     if source is not None and out.resolve() == pathlib.Path(source).resolve():
         raise ConfigError(f"--out={out} is the run being exported (--checkpoint): give a new directory")
-    if is_run_dir(out) or _is_run_config(out / "config.json"):
+    if is_run_dir(out) or _is_run_config(_read_json(out / "config.json")):
         raise ConfigError(f"--out={out} holds a posttrain run: exporting there would overwrite its config.json; "
                           "give a new directory")
     return out

@@ -143,14 +143,6 @@ def test_methods_restrict_extraction():
         v.score_math("5", "5", methods=("guess",))
 
 
-def test_success_marker_is_required_when_given():
-    marker = "c0ffee"
-    assert v.score_unit_tests(FakeResult("ok", 0, stdout=f"hi\n{marker}\n"), marker).reward == 1.0
-    early = v.score_unit_tests(FakeResult("ok", 0, stdout="hi\n"), marker)
-    assert (early.reward, early.status) == (0.0, "wrong") and "before the tests" in early.reason
-    assert v.score_unit_tests(FakeResult("ok", 0, stdout=f"{marker}\nmore"), marker).reward == 0.0
-
-
 @pytest.mark.parametrize("expr", ["9^{9^{9^{9}}}", "10^{10^{10}}", "2^{99999}", "100000!", "(10^{100000})!",
                                   "2**2**40", "1+" * 200 + "1", "(9^{99})!", "x!", "2^3^4", "e^{9^{9^{9}}}",
                                   "2^{(9^{9})}", "9^{9}^{9}", "2^{-3^{40}}", "2**(3)**40"])
