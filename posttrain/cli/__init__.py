@@ -85,7 +85,6 @@ def main(argv=None) -> int:
     from posttrain.infra import distributed
     from posttrain.checkpoints.orbax import CheckpointCorruptError
     from posttrain.infra.mesh import ShardingError
-    from posttrain.recipes.grpo import RunNotFoundError
     from posttrain.rollout.env_side import EnvInfraError
 
     distributed.initialize(True if f.distributed else None)
@@ -93,23 +92,18 @@ def main(argv=None) -> int:
         _enable_compilation_cache()
     try:
         return COMMANDS[command](f)
-    # exit code 2, one line, no traceback: what the user gave is wrong, and nothing was trained or changed
-    except (UsageError, ConfigError, DataError, ShardingError) as e:  # flags; config keys and values (before any
-        print(f"error: {_one_line(e)}", file=sys.stderr)  # model load or worker start); data files (path:line); a
-        return 2  # mesh that does not divide the model's dimensions
-    except RunNotFoundError as e:  # a command that reads a run found none: nothing created, no base model
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except CheckpointCorruptError as e:  # every checkpoint of the run unreadable: never the base model instead
+    # exit code 2, one line, no traceback: what the user gave is wrong, and nothing was trained or changed: flags;
+    # config keys and values (before any model load or worker start); data files (path:line); a mesh that does not
+    # divide the model; a run that is not there (RunNotFoundError: a FileNotFoundError; nothing created, never the
+    # base model instead) or whose every checkpoint is unreadable; another path that is not there
+    except (UsageError, ConfigError, DataError, ShardingError, CheckpointCorruptError, FileNotFoundError,
+            IsADirectoryError, NotADirectoryError) as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
     # exit code 1, one line: the run could not go on
     except EnvInfraError as e:  # the envs, not the policy, failed a step: the first worker error, one line
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 1
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:  # a path given that is not there
-        print(f"error: {_one_line(e)}", file=sys.stderr)
-        return 2
     except OSError as e:  # the file system refused (read-only, full disk, permissions): what and where
         print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1

@@ -19,7 +19,7 @@ from typing import Any
 from posttrain.algos.grpo import step as grpo_step
 from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.checkpoints.policy import load_policy
-from posttrain.config import Config, ConfigError, config_changes, to_dict
+from posttrain.config import Config, ConfigError, to_dict
 from posttrain.eval import runner as eval_runner
 from posttrain.infra import distributed, metrics as metrics_lib
 from posttrain.infra import mesh as mesh_lib, reshard

@@ -42,6 +42,11 @@ def run_kind(workdir) -> str | None:
         raise ConfigError(f"{path}: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a run's config.json holds an object, not {type(raw).__name__}")
+    return kind_of(raw)
+
+
+def kind_of(raw: dict) -> str:
+    """"grpo", "sft", "dpo" or "rm": the kind of a run by the sections of its parsed config.json."""
     return next((k for k in OFFLINE_KINDS if k in raw), "grpo")
 
 

@@ -54,11 +54,13 @@ def claim(workdir, kind: str, config_dict: Mapping, *, defaults: Mapping | None 
     saved_path = workdir / "config.json"
     if not saved_path.is_file():
         return {}
-    existing = read_run.run_kind(workdir)  # ConfigError for a config.json that is no JSON object
-    saved = json.loads(saved_path.read_text())
+    saved = _read_json(saved_path)
     if not _is_run_config(saved):
-        raise ConfigError(f"--workdir={workdir}: its config.json is not a posttrain run's (keys {sorted(saved)[:6]}"
-                          f"{' ...' if len(saved) > 6 else ''}); give another --workdir")
+        keys = (f"keys {sorted(saved)[:6]}" if isinstance(saved, dict) else
+                "not JSON" if saved is None else f"a JSON {type(saved).__name__}")
+        raise ConfigError(f"--workdir={workdir}: its config.json is not a posttrain run's ({keys}); give another "
+                          "--workdir")
+    existing = read_run.kind_of(saved)
     if existing != kind:
         raise ConfigError(f"--workdir={workdir} holds {read_run.KIND_NAMES[existing]}; {read_run.KIND_NAMES[kind]} "
                           "would overwrite it: give another --workdir")
@@ -70,10 +72,11 @@ def claim(workdir, kind: str, config_dict: Mapping, *, defaults: Mapping | None 
     changes = config_changes(saved, config_dict, free_keys, defaults=defaults)
     if changes and not allow_changes:
         listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items())
-        how = ("pass --allow_config_change to resume with these (recorded in config_changes.jsonl)" if kind == "grpo"
-               else "or give another --workdir to start a new run")
+        how = (f"(`posttrain train --workdir={workdir}` alone uses them) or pass --allow_config_change to resume "
+               "with these (recorded in config_changes.jsonl)" if kind == "grpo"
+               else "(its config.json) or give another --workdir to start a new run")
         raise ConfigError(f"resuming {workdir} (checkpoint {step}) with changed settings: {listed}; resume with the "
-                          f"saved ones (its config.json) {how}")
+                          f"saved ones {how}")
     return {k: [old, new, step] for k, (old, new) in changes.items()}
 
 
