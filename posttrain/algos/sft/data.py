@@ -11,6 +11,9 @@ https://huggingface.co/docs/trl/dataset_formats):
       only the completion's assistant turns are trained. A string prompt is one user turn and a string completion
       one assistant turn: both go through the chat template (TRL would concatenate plain strings untemplated; this
       library trains chat models, so a plain pair is a one-turn chat).
+  {"text": str}   (language modeling)
+      no chat template: the text's tokens (with the special tokens the tokenizer's post-processor adds, and EOS
+      appended unless the text already ends with it, as TRL does) are all trained.
 
 The mask is built by POSITION (docs/design.md invariant 2), never by token value: for the assistant turn i the chat
 template renders the conversation up to it with the generation prompt (`prefix`) and up to and including it
@@ -36,9 +39,10 @@ log = logging.getLogger(__name__)
 
 
 class Example(NamedTuple):
-    """One tokenized conversation. tokens_n: int32 ids of the full chat-template rendering; assistant_n: bool,
-    True on the tokens the loss trains (assistant turns, their end-of-turn token included); truncated: the
-    rendering was longer than the row width and its tail was cut."""
+    """One tokenized conversation or text. tokens_n: int32 ids of the full chat-template rendering (a "text"
+    record: of the text); assistant_n: bool, True on the tokens the loss trains (assistant turns, their end-of-turn
+    token included; every token of a text); truncated: the rendering was longer than the row width and its tail
+    was cut."""
 
     tokens_n: np.ndarray
     assistant_n: np.ndarray
@@ -142,8 +146,8 @@ def to_messages(record: Mapping[str, Any], where: str) -> tuple[list[dict], tupl
         trained = tuple(len(prompt) + i for i, m in enumerate(completion) if m["role"] == "assistant")
     else:
         missing = [k for k in ("prompt", "completion") if k not in record]
-        raise DataError(f"{where}: missing key {' and '.join(map(repr, missing))}: a record needs 'messages', or "
-                         f"'prompt' and 'completion'; it has {sorted(record)}")
+        raise DataError(f"{where}: missing key {' and '.join(map(repr, missing))}: a record needs 'messages', "
+                         f"'prompt' and 'completion', or 'text'; it has {sorted(record)}")
     if not trained:
         raise DataError(f"{where}: no assistant turn to train on (roles {[m['role'] for m in messages]})")
     if trained[0] == 0:
@@ -187,6 +191,32 @@ def encode(tokenizer, messages: Sequence[Mapping], trained: Iterable[int], where
     return Example(tokens, mask, bool(cut))
 
 
+def encode_text(tokenizer, text: Any, where: str, max_len: int | None = None) -> Example:
+    """The `Example` of a language-modeling record's text: its tokens with the special tokens the tokenizer's
+    post-processor adds (e.g. BOS), EOS appended unless already last (TRL's SFTTrainer on a "text" dataset), every
+    token trained; cut to `max_len` tokens when given. Raises DataError naming `where` for a text that is not a
+    non-empty string."""
+    if not isinstance(text, str) or not text:
+        raise DataError(f"{where}: 'text' must be a non-empty string, got {text!r:.80}")
+    ids = tokenizer.encode(text, add_special_tokens=True)
+    if not ids or ids[-1] != tokenizer.eos_id:
+        ids = [*ids, tokenizer.eos_id]
+    tokens = np.asarray(ids, np.int32)
+    cut = max_len is not None and len(tokens) > max_len
+    if cut:
+        tokens = tokens[:max_len]
+    return Example(tokens, np.ones(len(tokens), bool), bool(cut))
+
+
+def encode_record(tokenizer, record: Mapping[str, Any], where: str, max_len: int | None = None) -> Example:
+    """The `Example` of one record in any format of the module doc: a record with 'text' and neither 'messages'
+    nor 'prompt' is language modeling (`encode_text`), any other goes through the chat template (`to_messages`,
+    `encode`). Raises DataError naming `where` for a malformed record."""
+    if "text" in record and "messages" not in record and "prompt" not in record:
+        return encode_text(tokenizer, record["text"], where, max_len)
+    return encode(tokenizer, *to_messages(record, where), where, max_len)
+
+
 def load_records(path: str, records: Sequence[Mapping[str, Any]], name: str) -> list[tuple[str, Mapping]]:
     """[(where, record)] from a JSONL `path`, else from inline `records` (where = "<name>[i]")."""
     if path:
@@ -197,13 +227,13 @@ def load_records(path: str, records: Sequence[Mapping[str, Any]], name: str) -> 
 def tokenize(tokenizer, records: Sequence[tuple[str, Mapping]], max_len: int) -> tuple[list[Example], dict]:
     """Examples of (where, record) pairs cut to `max_len` tokens, and counts {"sft/examples", "sft/truncated",
     "sft/dropped"}: a conversation left with no trained token after the cut is dropped (its assistant turn starts
-    past max_len). Raises DataError naming the record for a malformed one (`to_messages`, `encode`); TypeError
+    past max_len). Raises DataError naming the record for a malformed one (`encode_record`); TypeError
     for a record that is not a mapping."""
     examples, truncated, dropped = [], 0, 0
     for where, record in records:
         if not isinstance(record, Mapping):
             raise TypeError(f"{where}: an SFT record must be a mapping, got {type(record).__name__}")
-        ex = encode(tokenizer, *to_messages(record, where), where, max_len)
+        ex = encode_record(tokenizer, record, where, max_len)
         if not ex.assistant_n[1:].any():  # token 0 has no position before it to predict it from
             dropped += 1
             continue

@@ -53,7 +53,9 @@ def test_prompt_completion_trains_only_the_completion():
 @pytest.mark.parametrize("line,message", [
     ('{"messages": [{"role": "user", "content": "a"}, ', "not valid JSON"),
     ('{"prompt": "a"}', "missing key 'completion'"),
-    ('{"text": "a"}', "needs 'messages'"),
+    ('{"completion": "a"}', "missing key 'prompt': a record needs 'messages', 'prompt' and 'completion', or 'text'"),
+    ('{"text": ""}', "'text' must be a non-empty string"),
+    ('{"text": ["a"]}', "'text' must be a non-empty string"),
     ('[1, 2]', "expected a JSON object"),
     ('{"messages": [{"role": "user"}]}', r"messages\[0\] must be an object with string 'role' and 'content'"),
     ('{"messages": [{"role": "user", "content": "a"}]}', "no assistant turn"),
@@ -65,6 +67,32 @@ def test_a_bad_line_gives_one_error_naming_it(tmp_path, line, message):
     settings = data.DataSettings(train_path=str(path), seq_len=64)
     with pytest.raises(ValueError, match=f"train.jsonl:3: .*{message}"):
         data.load_datasets(settings, Tokenizer.byte_level())
+
+
+def test_text_records_train_every_token_and_end_with_one_eos(tmp_path):
+    """TRL's language-modeling format: no chat template, EOS appended unless the text ends with it, all trained."""
+    tok = Tokenizer.byte_level()
+    ex = data.encode_record(tok, {"text": "2+2=4"}, "r")
+    assert ex.tokens_n.tolist() == tok.encode("2+2=4", add_special_tokens=True) + [tok.eos_id]
+    assert ex.assistant_n.all() and not ex.truncated
+    ended = data.encode_record(tok, {"text": "2+2=4<|im_end|>"}, "r")  # already ends with EOS: not doubled
+    assert ended.tokens_n.tolist() == ex.tokens_n.tolist()
+    cut = data.encode_record(tok, {"text": "x" * 100}, "r", max_len=16)
+    assert len(cut.tokens_n) == 16 and cut.truncated and cut.tokens_n[-1] != tok.eos_id
+    # a file mixing the three formats: each record in its own format, the text one without a template
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (
+        {"text": "plain words"}, {"prompt": "q", "completion": "a"},
+        {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "v"}]})) + "\n")
+    train, _, counts = data.load_datasets(data.DataSettings(train_path=str(path), seq_len=64), tok)
+    assert counts["sft/examples"] == 3
+    assert tok.decode(train[0].tokens_n, skip_special_tokens=False) == "plain words<|im_end|>"
+    assert train[0].assistant_n.all() and not train[1].assistant_n.all()
+    # packed next to a chat record, every text token after the first is a target, in order
+    batch = packing.make_batch(train[:2], [[0, 1]], 64, tok.pad_id, num_rows=1)
+    mask = batch.loss_mask_NxC[0]
+    n_text = len(train[0].tokens_n)
+    assert batch.targets_NxC[0][mask][:n_text - 1].tolist() == train[0].tokens_n[1:].tolist()
 
 
 def test_missing_file_and_non_prefix_template_fail_clearly(tmp_path):
