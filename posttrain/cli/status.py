@@ -31,8 +31,9 @@ def _pass_threshold(workdir: pathlib.Path) -> float:
 
 
 def load_view(workdir) -> dict:
-    """{"step", "source", "rows"} of the run in `workdir` (`tasks.view.rows`), read only. Raises
-    FileNotFoundError naming the folder when it holds neither status.json nor an archive."""
+    """{"step", "source", "rows"} of the run in `workdir` (`tasks.view.rows`), read only. `step` is the last
+    trained step as metrics.jsonl and the checkpoints number it (the update that trained the archive's batch s is
+    step s + 1). Raises FileNotFoundError naming the folder when it holds neither status.json nor an archive."""
     from posttrain.tasks import archive, view
 
     workdir = pathlib.Path(workdir)
@@ -54,8 +55,8 @@ def load_view(workdir) -> dict:
         raise FileNotFoundError(f"--workdir={workdir}: {what}; --workdir names the folder of a run (e.g. "
                                 "runs/quickstart)")
     source = "+".join(s for s, v in (("status.json", status), ("archive", stats)) if v is not None)
-    step = (status or {}).get("step", (stats or {}).get("step"))
-    return {"step": step, "source": source, "rows": view.rows(status, stats)}
+    last = (status or {}).get("step", (stats or {}).get("step"))
+    return {"step": None if last is None else int(last) + 1, "source": source, "rows": view.rows(status, stats)}
 
 
 def _cells(row: dict) -> list[str]:

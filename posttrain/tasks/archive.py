@@ -1,12 +1,14 @@
 """The episode archive: one Parquet row per sample attempt under `workdir/archive/`, written atomically per step.
 
-Layout: `archive/step_00000012.parquet` holds every sample attempt the rollout phase ran for step 12 (trained or
-not: `in_batch`), keyed by (`episode_id`, `attempt`) with `episode_id` = "run:domain:task index:visit:sample index"
+Layout: `archive/step_00000012.parquet` holds every sample attempt the rollout phase ran for batch 12 (trained or
+not: `in_batch`). Batches count from 0 as the learner's policy version when it trains them, so a row's staleness is
+`step - policy_version` and batch s is trained by the update metrics.jsonl and the checkpoints number s + 1. Rows
+are keyed by (`episode_id`, `attempt`) with `episode_id` = "run:domain:task index:visit:sample index"
 (`tasks.retry.episode_id`). The file is written to a hidden temp file in the same folder, fsynced and renamed over
 the final name (`os.replace`, atomic on POSIX): a kill -9 mid-write leaves at most a `.step_*.tmp` file that no
-reader and no `step_*.parquet` glob sees, and the next write of that step removes it. Writing a step again
-(a resume that re-runs it, a retried write) replaces its file, and `cut(workdir, start)` removes the steps a
-resume from checkpoint `start` will run again, so no key is ever archived twice.
+reader and no `step_*.parquet` glob sees, and the next write of that step removes it. Writing a step again (a resume
+that re-runs it, a retried write) replaces its file, and `cut(workdir, start)` removes the steps a resume from
+checkpoint `start` will run again, so no key is ever archived twice.
 
 The schema is versioned: `schema_version` in the file's key-value metadata (SCHEMA_VERSION). Readers accept older
 versions: `read` fills columns a file lacks with nulls (an upgrade step per version may be added to `_UPGRADES`).
@@ -15,11 +17,12 @@ duckdb can query the files in place:
     duckdb.sql("SELECT domain, avg((reward >= 1)::INT) FROM read_parquet('RUN/archive/step_*.parquet') "
                "WHERE status <> 'infra_error' GROUP BY domain")
 
-Columns (ARCHIVE_SCHEMA): episode_id, attempt, run, domain, task_index, visit, sample, try_index, retry_round,
-step, policy_version, task_id, prompt_ids (list<int32>), completion_ids (list<int32>: every token after the
-prompt, env turns included), prompt, completion (the replies, joined by newlines), reward (float64; null for an
-infra error: never scored), status, truncated, in_batch, sampler_s, env_s, env_cost_s (env-reported sandbox CPU
-s, `info["cost"]`), details (a JSON object string: env-, judge- and tool-specific fields).
+Columns (ARCHIVE_SCHEMA): episode_id, attempt, run, domain, task_index, visit, sample, try_index, retry_round, step,
+policy_version, task_id, prompt_ids (list<int32>), completion_ids (list<int32>: every token after the prompt, env
+turns included), prompt (the chat-rendered prompt as the model saw it, special tokens kept, as in the eval records),
+completion (the replies, joined by newlines), reward (float64; null for an infra error: never scored), status,
+truncated, in_batch, sampler_s, env_s, env_cost_s (env-reported sandbox CPU s, `info["cost"]`), details (a JSON
+object string: env-, judge- and tool-specific fields).
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ the final name, so a reader never sees a partial file). Its form (STATUS_VERSION
      "domains": {name: {"weight", "priority", "max_env_cpu_s", "quarantined", "breaker", "level",
                         "last": COUNTERS, "run": COUNTERS}}}
 
-where policy_version is the policy version that sampled the step's batch (the archive rows' `policy_version`; below
+where step is the batch's 0-based index as in the archive (the update that trains it is metrics.jsonl's step
+`steps`, which `posttrain status` shows), policy_version is the policy version that sampled the step's batch (the archive rows' `policy_version`; below
 `step` by the batch's staleness under rollout.max_staleness > 0; null when not known; absent in older files),
 COUNTERS = {groups, slots, cpu_s, episodes, scored, passes, infra_errors, retries} over the last step and over
 the run (the job scheduler's `stats.DomainState` counters: slots while the domain was drawn from, passes of the

@@ -54,7 +54,8 @@ def test_json_view_and_the_run_is_unchanged(tmp_path, capsys, with_status, thres
     code, out, err = status(capsys, f"--workdir={run}", "--json")
     assert code == 0 and err == "" and listing(run) == before
     data = json.loads(out)
-    assert data["step"] == 1 and data["source"] == source and [r["domain"] for r in data["rows"]] == ["a", "b"]
+    # archive batches 0 and 1 are trained by the updates metrics.jsonl and the checkpoints number 1 and 2
+    assert data["step"] == 2 and data["source"] == source and [r["domain"] for r in data["rows"]] == ["a", "b"]
     rows = {r["domain"]: r for r in data["rows"]}
     assert {k: rows["a"][k] for k in a} == pytest.approx(a) and {k: rows["b"][k] for k in b} == pytest.approx(b)
 
@@ -62,7 +63,7 @@ def test_json_view_and_the_run_is_unchanged(tmp_path, capsys, with_status, thres
 def test_table_view(tmp_path, capsys):
     code, out, _ = status(capsys, f"--workdir={make_run(tmp_path)}")
     lines = out.splitlines()
-    assert code == 0 and lines[0] == "step 1 (status.json+archive)"
+    assert code == 0 and lines[0] == "step 2 (status.json+archive)"
     assert lines[1].split() == ["domain", "weight", "prio", "share", "last", "share", "run", "quota", "last",
                                 "quota", "run", "episodes", "pass", "rate", "infra", "err", "retries", "quarant.",
                                 "breaker", "level"]

@@ -14,6 +14,7 @@ from envs import base
 from posttrain.recipes import grpo as loop
 from posttrain.checkpoints.orbax import Checkpointer
 from posttrain.config import from_config_dict
+from posttrain.model.tokenizer import Tokenizer
 from posttrain.rollout.rollouter import Rollouter
 from posttrain.tasks import archive
 from helpers import scripted_output, tiny_config
@@ -254,6 +255,10 @@ def test_sandboxed_envs_through_the_worker_pool(tmp_path, monkeypatch, env_id, m
     assert m["env/infra_error_rate"] == 0.0 and m["reward/mean"] == 0.5
     rows = archive.read(tmp_path, steps=[0]).to_pylist()
     assert len(rows) == 16 and [r["reward"] for r in rows] == [1.0, 0.0] * 8
+    tok = Tokenizer.byte_level()  # the prompt as the model saw it: its chat template's special tokens kept
+    assert all(r["prompt"] == tok.decode(r["prompt_ids"], skip_special_tokens=False) for r in rows)
+    assert all(r["prompt"].startswith("<|im_start|>") and r["prompt"].endswith("<|im_start|>assistant\n")
+               for r in rows)
     if max_turns > 1:  # every episode had a second turn, after the sandbox printed 42
         assert all(json.loads(r["details"])["turns"] == 2 and r["completion"].startswith(CODE + "\n") for r in rows)
         assert sum("```output\n42\n" in t for t in seen) == 16
