@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -62,6 +63,34 @@ def _drop_read_only_notice(record: logging.LogRecord) -> bool:
 
 
 logging.getLogger("absl").addFilter(_drop_read_only_notice)
+
+
+def _late_read_callback(unraisable) -> bool:
+    """Whether an unraisable exception is a tensorstore read of an abandoned restore reporting back to its closed
+    event loop: RuntimeError("Event loop is closed") raised by asyncio's `_check_closed`. When one array of a
+    checkpoint fails to read, orbax's restore ends and closes its loop while reads of the other arrays are in
+    flight; each of those then prints this traceback as it completes (up to one per array, harmless)."""
+    e, tb = unraisable.exc_value, unraisable.exc_traceback
+    if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed" and tb is not None):
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_name == "_check_closed"
+
+
+def _quiet_late_read_callbacks() -> None:
+    """Installs (once per process) an unraisable hook that drops `_late_read_callback`s and passes everything else
+    to the hook before it; called before a restore, since a read can report back before the failure reaches us."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_posttrain_late_reads", False):
+        return
+
+    def hook(unraisable):
+        if not _late_read_callback(unraisable):
+            previous(unraisable)
+
+    hook._posttrain_late_reads = True
+    sys.unraisablehook = hook
 
 FORMAT_VERSION = 1
 ITEMS = ("state", "meta", "manifest")
@@ -217,6 +246,7 @@ class Checkpointer:
             directory and each step's error.
         """
         self._mngr.wait_until_finished()
+        _quiet_late_read_callbacks()
         steps = self.all_steps()
         if step is not None:
             if int(step) not in steps:

@@ -287,13 +287,17 @@ def test_bad_arguments(tmp_path):
 
 
 KILL_CHILD = """
-import os, signal, sys
+import os, signal, sys, time
 import jax.numpy as jnp
 from posttrain.checkpoints.orbax import Checkpointer
 ck = Checkpointer({d!r}, every_steps=1, keep=3, async_save=True)
 ck.save(1, {{"w": jnp.full((16_000_000,), 1.0)}}, {{"index": 1}})
 ck.wait()
 ck.save(2, {{"w": jnp.full((16_000_000,), 2.0)}}, {{"index": 2}})  # 64 MB: the background write is in flight
+for _ in range(20_000):  # under load the temp folder can appear after save() returns: kill once it is there
+    if any(n.startswith("2.orbax-checkpoint-tmp") for n in os.listdir({d!r})):
+        break
+    time.sleep(0.0005)
 print("killing", flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -365,3 +369,36 @@ def test_sharded_round_trip_restores_target_shardings(tmp_path):
     proc = _subprocess(SHARDED_CHILD.format(d=str(tmp_path)),
                        env_extra={"XLA_FLAGS": fake_devices_flags(8), "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0 and "SHARDED_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_late_reads_of_an_abandoned_restore_are_silenced_and_nothing_else(monkeypatch):
+    """A tensorstore read finishing after a failed restore closed its event loop raises RuntimeError('Event loop is
+    closed') in asyncio's _check_closed, printed as an unraisable traceback per array; the hook the Checkpointer
+    installs drops exactly that and passes any other unraisable exception on."""
+    import asyncio
+    import sys
+    import types
+
+    from posttrain.checkpoints import orbax as orbax_lib
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(lambda: None)
+    except RuntimeError as e:
+        late = types.SimpleNamespace(exc_value=e, exc_traceback=e.__traceback__, exc_type=RuntimeError)
+    other = RuntimeError("Event loop is closed")  # the same text raised elsewhere (no traceback into asyncio)
+    try:
+        raise other
+    except RuntimeError as e:
+        elsewhere = types.SimpleNamespace(exc_value=e, exc_traceback=e.__traceback__, exc_type=RuntimeError)
+    passed = []
+    monkeypatch.setattr(sys, "unraisablehook", passed.append)
+    orbax_lib._quiet_late_read_callbacks()
+    orbax_lib._quiet_late_read_callbacks()  # once per process: not wrapped twice
+    assert sys.unraisablehook is not passed.append
+    sys.unraisablehook(late)
+    sys.unraisablehook(elsewhere)
+    sys.unraisablehook(types.SimpleNamespace(exc_value=ValueError("x"), exc_traceback=None, exc_type=ValueError))
+    assert [u.exc_value for u in passed] == [elsewhere.exc_value, passed[1].exc_value]
+    assert isinstance(passed[1].exc_value, ValueError)
