@@ -144,10 +144,10 @@ class StepDraw:
 
 
 def archive_rows(attempts: Sequence[Attempt], tokenizer, policy_version: int) -> tuple[dict, ...]:
-    """One `tasks.archive` row per attempt, in run order: token ids and texts (the prompt decoded with its special tokens; the completion
-    = every token after the prompt, env turns included, and the replies joined by newlines), reward (null for an
-    infra error), status, timings, env cost, and `details` = the env's info (status and cost aside), the number
-    of turns and whether the ticket was a paused domain's probe. policy_version: the sample's oldest token's
+    """One `tasks.archive` row per attempt, in run order: token ids and texts (the prompt decoded with its special
+    tokens; the completion = every token after the prompt, env turns included, and the replies joined by newlines),
+    reward (null for an infra error), status, timings, env cost, and `details` = the env's info (status and cost
+    aside), the number of turns and whether the ticket was a paused domain's probe. policy_version: the sample's oldest token's
     version where its tokens carry versions (`Sample.oldest_version`, the rollout engine), else this one."""
     rows = []
     for a in attempts:
@@ -158,7 +158,8 @@ def archive_rows(attempts: Sequence[Attempt], tokenizer, policy_version: int) ->
             a.ticket, a.sample, policy_version=policy_version if s.oldest_version is None else s.oldest_version,
             status=s.status, reward=s.reward,
             prompt_ids=s.prompt_ids, completion_ids=[int(x) for seg, _, _ in s.segments for x in seg],
-            prompt=tokenizer.decode(s.prompt_ids, skip_special_tokens=False), completion="\n".join(s.texts), truncated=s.truncated,
+            prompt=tokenizer.decode(s.prompt_ids, skip_special_tokens=False), completion="\n".join(s.texts),
+            truncated=s.truncated,
             in_batch=a.in_batch, sampler_s=a.sampler_s, env_s=a.env_s, env_cost_s=env_cost(s.info),
             details=details))
     return tuple(rows)

@@ -9,14 +9,14 @@ the final name, so a reader never sees a partial file). Its form (STATUS_VERSION
                         "last": COUNTERS, "run": COUNTERS}}}
 
 where step is the batch's 0-based index as in the archive (the update that trains it is metrics.jsonl's step
-`steps`, which `posttrain status` shows), policy_version is the policy version that sampled the step's batch (the archive rows' `policy_version`; below
-`step` by the batch's staleness under rollout.max_staleness > 0; null when not known; absent in older files),
-COUNTERS = {groups, slots, cpu_s, episodes, scored, passes, infra_errors, retries} over the last step and over
-the run (the job scheduler's `stats.DomainState` counters: slots while the domain was drawn from, passes of the
-complete groups; the weighted draw has none: `weight` is its draw probability and the counters come from the
-archive). `archive_stats` computes the same counters from archive rows, where slots are every domain's groups of
-that scope (a share is the domain's fraction of the groups drawn) and passes count every scored attempt. `rows`
-merges both (the snapshot wins) into one row per domain with ROW_COLUMNS:
+`steps`, which `posttrain status` shows), policy_version is the policy version that sampled the step's batch (the
+archive rows' `policy_version`; below `step` by the batch's staleness under rollout.max_staleness > 0; null when not
+known; absent in older files), COUNTERS = {groups, slots, cpu_s, episodes, scored, passes, infra_errors, retries}
+over the last step and over the run (the job scheduler's `stats.DomainState` counters: slots while the domain was
+drawn from, passes of the complete groups; the weighted draw has none: `weight` is its draw probability and the
+counters come from the archive). `archive_stats` computes the same counters from archive rows, where slots are every
+domain's groups of that scope (a share is the domain's fraction of the groups drawn) and passes count every scored
+attempt. `rows` merges both (the snapshot wins) into one row per domain with ROW_COLUMNS:
 
     share_last / share_run   groups / slots (last step / run)
     quota_last / quota_run   env CPU s / max_env_cpu_s (last step / run: / (cap x steps)); None without a cap

@@ -234,7 +234,8 @@ def test_retry_tickets_run_as_their_own_batch_after_their_back_off():
     assert calls == [(1, 3, 0), (1, 1, 1)] and slept == [0.25]
     samples, _, attempts = d.finish(1, 1)
     assert [s.texts for s in samples] == [["0:0"], ["1:1"], ["0:2"]]
-    rows = archive_rows(attempts, type("Tok", (), {"decode": staticmethod(str)}), policy_version=0)
+    tok = type("Tok", (), {"decode": staticmethod(lambda ids, skip_special_tokens=True: str(ids))})
+    rows = archive_rows(attempts, tok, policy_version=0)
     assert [(r["episode_id"], r["attempt"], r["in_batch"], r["reward"]) for r in rows] == [
         ("r:d:0:0:0", 0, True, 0.0), ("r:d:0:0:1", 0, False, None), ("r:d:0:0:2", 0, True, 0.0),
         ("r:d:0:0:1", 1, True, 1.0)]
