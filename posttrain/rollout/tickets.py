@@ -147,8 +147,9 @@ def archive_rows(attempts: Sequence[Attempt], tokenizer, policy_version: int) ->
     """One `tasks.archive` row per attempt, in run order: token ids and texts (the prompt decoded with its special
     tokens; the completion = every token after the prompt, env turns included, and the replies joined by newlines),
     reward (null for an infra error), status, timings, env cost, and `details` = the env's info (status and cost
-    aside), the number of turns and whether the ticket was a paused domain's probe. policy_version: the sample's oldest token's
-    version where its tokens carry versions (`Sample.oldest_version`, the rollout engine), else this one."""
+    aside), the number of turns and whether the ticket was a paused domain's probe. policy_version: the sample's
+    oldest token's version where its tokens carry versions (`Sample.oldest_version`, the rollout engine), else this
+    one."""
     rows = []
     for a in attempts:
         s = a.result
