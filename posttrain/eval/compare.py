@@ -6,6 +6,11 @@ An evaluation is a mapping {"records": [per-task record], "task_set_hash": str} 
 record fields and `task_set_hash`), or a bare sequence of records carrying prompts (its hash is then computed).
 Differences are always candidate - baseline, per task, so "improved" means the candidate is better.
 
+Unscored samples (status "infra_error": the env or its sandbox failed) are left out on each side
+(`metrics.scored_only`), and a task with no scored sample on either side leaves the pairing (counted per domain as
+`unscored`); a domain left with no pair is not tested (`Comparison.unscored_domains`), so a broken verifier never
+reads as a model that scores 0.
+
 Per domain and metric (pass@1; mean reward):
   - the per-task values of each side and their paired bootstrap interval of the mean difference
     (`scipy.stats.bootstrap`, paired=True, BCa, fixed seed);
@@ -29,7 +34,7 @@ from typing import Mapping, Sequence
 import numpy as np
 from scipy import stats
 
-from posttrain.eval.metrics import by_domain, correct_of, per_task, task_set_hash
+from posttrain.eval.metrics import by_domain, correct_of, per_task, scored_only, task_set_hash
 
 VERDICTS = ("improved", "no change", "regressed")
 
@@ -56,7 +61,8 @@ class MetricComparison:
 @dataclasses.dataclass(frozen=True)
 class DomainComparison:
     """One domain: tasks (T pairs); wins / losses: tasks where the candidate's pass@1 is higher / lower (McNemar's
-    discordant pairs when N = 1); partial_credit: a reward outside {0, 1} on either side; verdict: pass@1's."""
+    discordant pairs when N = 1); partial_credit: a reward outside {0, 1} on either side; verdict: pass@1's;
+    unscored: tasks left out of the pairs because one side has no scored sample of them."""
 
     domain: str
     tasks: int
@@ -65,6 +71,7 @@ class DomainComparison:
     partial_credit: bool
     pass_at_1: MetricComparison
     mean_reward: MetricComparison
+    unscored: int = 0
 
     @property
     def verdict(self) -> str:
@@ -74,7 +81,7 @@ class DomainComparison:
 @dataclasses.dataclass(frozen=True)
 class Comparison:
     """The comparison of two evaluations: their common task_set_hash, the settings, one DomainComparison per
-    domain (sorted by name)."""
+    domain with a scored pair (sorted by name), and the domains with none (`unscored_domains`, sorted)."""
 
     task_set_hash: str
     alpha: float
@@ -83,6 +90,7 @@ class Comparison:
     n_resamples: int
     seed: int
     domains: tuple[DomainComparison, ...]
+    unscored_domains: tuple[str, ...] = ()
 
 
 def mcnemar_exact(losses: int, wins: int) -> float:
@@ -205,7 +213,8 @@ def compare(baseline, candidate, *, alpha: float = 0.05, confidence: float | Non
     alpha: family-wise level of the verdicts; confidence: of the reported intervals (default 1 - alpha); power: of
     the MDE; n_resamples / seed: of the bootstrap and permutation tests (the same seed gives the same result).
     Raises ValueError when an evaluation has no hash and no prompts to compute it, a recorded hash disagrees with
-    its records' prompts, the two hashes differ, or the (domain, task_id) sets differ (the message names them).
+    its records' prompts, the two hashes differ, the (domain, task_id) sets differ (the message names them), or no
+    task is scored on both sides.
     """
     confidence = 1.0 - alpha if confidence is None else confidence
     base, base_hash = _evaluation(baseline, "baseline")
@@ -214,9 +223,14 @@ def compare(baseline, candidate, *, alpha: float = 0.05, confidence: float | Non
     if base_hash != cand_hash:
         raise ValueError(f"task set hashes differ: baseline {base_hash}, candidate {cand_hash}; the evaluations "
                          "ran different tasks (or prompts) and are not paired")
-    rows = []
+    base_scored, cand_scored = _scored_by_task(base), _scored_by_task(cand)
+    rows, unscored_domains = [], []
     for domain in sorted(base):
-        b, c = base[domain], cand[domain]
+        pairs = sorted(set(base_scored.get(domain, {})) & set(cand_scored.get(domain, {})))
+        if not pairs:
+            unscored_domains.append(domain)
+            continue
+        b, c = [base_scored[domain][t] for t in pairs], [cand_scored[domain][t] for t in pairs]
         n_b = np.array([correct_of(r).size for r in b])
         n_c = np.array([correct_of(r).size for r in c])
         pb, pc = per_task(b, "pass@1"), per_task(c, "pass@1")
@@ -226,7 +240,10 @@ def compare(baseline, candidate, *, alpha: float = 0.05, confidence: float | Non
         wins, losses = int(np.sum(pc > pb)), int(np.sum(pc < pb))
         p = mcnemar_exact(losses, wins) if binary else paired_permutation_p(pb, pc, n_resamples=n_resamples, seed=seed)
         rows.append(dict(domain=domain, pb=pb, pc=pc, rb=rb, rc=rc, partial=partial, wins=wins, losses=losses, p=p,
-                         test="mcnemar" if binary else "permutation"))
+                         test="mcnemar" if binary else "permutation", unscored=len(base[domain]) - len(pairs)))
+    if not rows:
+        raise ValueError(f"no task is scored on both sides: every sample of {unscored_domains} on one side or the "
+                         "other ended in infra_error (the env or its sandbox failed; records' statuses)")
     reject_M, p_adj_M = holm([r["p"] for r in rows], alpha)
     m_partial = sum(r["partial"] for r in rows)
     domains = []
@@ -248,8 +265,18 @@ def compare(baseline, candidate, *, alpha: float = 0.05, confidence: float | Non
             paired_bootstrap_ci(rb, rc, confidence=confidence, n_resamples=n_resamples, seed=seed),
             min_detectable_effect(rc - rb, alpha=alpha, power=power, tests=max(1, m_partial)),
             "bootstrap", None, None, reward_verdict)
-        domains.append(DomainComparison(row["domain"], len(pb), row["wins"], row["losses"], row["partial"], pass1, reward))
-    return Comparison(base_hash, alpha, confidence, power, n_resamples, seed, tuple(domains))
+        domains.append(DomainComparison(row["domain"], len(pb), row["wins"], row["losses"], row["partial"], pass1,
+                                        reward, row["unscored"]))
+    return Comparison(base_hash, alpha, confidence, power, n_resamples, seed, tuple(domains), tuple(unscored_domains))
+
+
+def _scored_by_task(evaluation: Mapping[str, list]) -> dict[str, dict[str, Mapping]]:
+    """{domain: {task_id as JSON: the record cut to its scored samples}} of the tasks with a scored sample."""
+    kept, _ = scored_only([r for rs in evaluation.values() for r in rs])
+    out: dict[str, dict[str, Mapping]] = {}
+    for r in kept:
+        out.setdefault(r["domain"], {})[json.dumps(r["task_id"])] = r
+    return out
 
 
 def _evaluation(evaluation, name: str) -> tuple[dict[str, list[Mapping]], str]:

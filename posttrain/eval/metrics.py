@@ -12,6 +12,12 @@ A per-task record is a mapping with
   lengths    N numbers (optional): response length of each sample, in tokens
   truncated  N bools (optional): the sample hit its token budget
   greedy     bool (optional): sampled at temperature 0, so exactly one sample is meaningful
+  statuses   N strs (optional): the env's status of each sample; an "infra_error" sample (the env or its sandbox
+             failed: `envs.verify.answers.STATUSES`) is unscored, never a wrong answer
+
+Unscored samples: `scored_only` drops the infra-error samples from every per-sample field and the tasks left with
+no scored sample, and counts both per domain; every summary, loop metric and paired comparison is computed on what
+it keeps (a metric function given a record with an unscored sample raises, so none is counted by accident).
 
 Every metric is a per-task value (`TASK_METRICS`, or "pass@<k>" through `metric_fn`); a domain's value is the
 unweighted mean over its tasks (each task weighs the same, whatever its N). All values are floats in [0, 1] except
@@ -27,6 +33,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 OPTIONAL_FIELDS = {"format_rate": "formatted", "mean_length": "lengths", "truncation_rate": "truncated"}
+INFRA_ERROR = "infra_error"  # envs.verify.answers.INFRA_ERROR (no envs import here)
+PER_SAMPLE_FIELDS = ("replies", "statuses", "rewards", "correct", "formatted", "lengths", "truncated", "turns")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -62,6 +70,40 @@ def pass_at_1(correct_N: Sequence[bool], *, greedy: bool = False) -> float:
     return float(correct_N.mean())
 
 
+def scored_mask(record: Mapping) -> np.ndarray:
+    """N bools: the record's samples that were scored (status other than "infra_error"; all of them without
+    `statuses`)."""
+    statuses = record.get("statuses")
+    if statuses is None:
+        return np.ones(len(record.get("correct", record.get("rewards", ()))), dtype=bool)
+    return np.asarray([s != INFRA_ERROR for s in statuses], dtype=bool).reshape(-1)
+
+
+def scored_only(records: Iterable[Mapping]) -> tuple[list[dict], dict[str, dict[str, int]]]:
+    """(the records cut to their scored samples, {domain: {"infra_errors": unscored samples, "unscored_tasks":
+    tasks with no scored sample, "samples": all samples}}). Each kept record keeps only its scored samples in every
+    per-sample field (PER_SAMPLE_FIELDS); a record with none is left out. Every domain of `records` has a count
+    entry, zeros included. Raises ValueError for a record whose `statuses` and `rewards` differ in length."""
+    kept, counts = [], {}
+    for r in records:
+        c = counts.setdefault(r.get("domain"), {"infra_errors": 0, "unscored_tasks": 0, "samples": 0})
+        mask_N = scored_mask(r)
+        rewards = r.get("rewards")
+        if rewards is not None and len(rewards) != mask_N.size:
+            raise ValueError(f"task {_key(r)}: {mask_N.size} statuses but {len(rewards)} rewards")
+        c["samples"] += int(mask_N.size)
+        if mask_N.all():
+            kept.append(dict(r))
+            continue
+        c["infra_errors"] += int((~mask_N).sum())
+        if not mask_N.any():
+            c["unscored_tasks"] += 1
+            continue
+        kept.append({k: ([v for v, keep in zip(r[k], mask_N) if keep] if k in PER_SAMPLE_FIELDS and k in r else v)
+                     for k, v in r.items()})
+    return kept, counts
+
+
 def correct_of(record: Mapping) -> np.ndarray:
     """The N correctness bits of a record: its `correct`, else `rewards >= 1.0`. Raises ValueError when the record
     has neither, no samples, or `correct` and `rewards` of different lengths."""
@@ -76,6 +118,7 @@ def correct_of(record: Mapping) -> np.ndarray:
         raise ValueError(f"task {_key(record)} has neither 'correct' nor 'rewards'")
     if correct_N.size == 0:
         raise ValueError(f"task {_key(record)} has no samples")
+    _require_scored(record)
     return correct_N
 
 
@@ -198,7 +241,14 @@ def task_set_hash(records: Iterable[Mapping]) -> str:
     return hashlib.sha256("\n".join(sorted(lines)).encode("utf-8")).hexdigest()
 
 
+def _require_scored(record: Mapping) -> None:
+    if "statuses" in record and INFRA_ERROR in record["statuses"]:
+        raise ValueError(f"task {_key(record)} has an unscored (infra_error) sample: pass the records through "
+                         "scored_only first")
+
+
 def _field(record: Mapping, field: str, dtype) -> np.ndarray:
+    _require_scored(record)
     if field not in record:
         raise ValueError(f"task {_key(record)} has no {field!r}")
     values_N = np.asarray(record[field], dtype=dtype).reshape(-1)

@@ -16,11 +16,12 @@ VERDICT_COLORS = {"improved": "tab:green", "no change": "tab:gray", "regressed":
 
 def comparison_dict(cmp: Comparison) -> dict:
     """The comparison as a JSON-able dict (`json.dumps` works on it): the settings, and "domains": a list of
-    {domain, tasks, wins, losses, partial_credit, verdict, pass@1: {...}, mean_reward: {...}} with each metric's
-    baseline, candidate, diff, ci [lo, hi], mde, test, p, p_holm, verdict; and "counts": {verdict: domains}."""
+    {domain, tasks, unscored, wins, losses, partial_credit, verdict, pass@1: {...}, mean_reward: {...}} with each
+    metric's baseline, candidate, diff, ci [lo, hi], mde, test, p, p_holm, verdict; "counts": {verdict: domains};
+    and "unscored_domains": the domains with no task scored on both sides (not tested)."""
     domains = []
     for d in cmp.domains:
-        row = {"domain": d.domain, "tasks": d.tasks, "wins": d.wins, "losses": d.losses,
+        row = {"domain": d.domain, "tasks": d.tasks, "unscored": d.unscored, "wins": d.wins, "losses": d.losses,
                "partial_credit": d.partial_credit, "verdict": d.verdict}
         for m in (d.pass_at_1, d.mean_reward):
             entry = dataclasses.asdict(m)
@@ -30,14 +31,15 @@ def comparison_dict(cmp: Comparison) -> dict:
     counts = {v: sum(d.verdict == v for d in cmp.domains) for v in VERDICTS}
     return {"task_set_hash": cmp.task_set_hash, "alpha": cmp.alpha, "confidence": cmp.confidence,
             "power": cmp.power, "n_resamples": cmp.n_resamples, "seed": cmp.seed, "tasks": sum(d.tasks for d in cmp.domains),
-            "domains": domains, "counts": counts}
+            "domains": domains, "counts": counts, "unscored_domains": list(cmp.unscored_domains)}
 
 
 def comparison_markdown(cmp: Comparison) -> str:
     """A Markdown table, one row per domain: tasks, pass@1 baseline -> candidate, its difference with the paired
     bootstrap interval, wins / losses, the test's raw and Holm-adjusted p, the MDE, the verdict; then mean reward
     (difference and interval, and its verdict on partial-credit domains). A header line gives the suite size,
-    alpha, the interval's confidence and the task-set hash."""
+    alpha, the interval's confidence and the task-set hash; a line after the table names the tasks and domains left
+    out because a side has no scored sample of them (infra errors)."""
     pct = f"{100 * cmp.confidence:g}%"
     lines = [
         f"Paired comparison (candidate - baseline) over {sum(d.tasks for d in cmp.domains)} tasks in "
@@ -54,6 +56,11 @@ def comparison_markdown(cmp: Comparison) -> str:
             f"| {d.domain} | {d.tasks} | {p1.baseline:.3f} | {p1.candidate:.3f} | {_diff_ci(p1)} | {d.wins}/{d.losses} "
             f"| {p1.test} | {_p(p1.p)} | {_p(p1.p_holm)} | {_mde(p1.mde)} | **{p1.verdict}** | {_diff_ci(rw)} "
             f"| {rw.verdict or '-'} |")
+    left_out = [f"{d.domain}: {d.unscored} task(s)" for d in cmp.domains if d.unscored]
+    left_out += [f"{d}: every task (not tested)" for d in cmp.unscored_domains]
+    if left_out:
+        lines += ["", "Left out of the pairs (a side has no scored sample: every one ended in infra_error, the env "
+                      "or its sandbox failed): " + "; ".join(left_out)]
     return "\n".join(lines) + "\n"
 
 
@@ -72,19 +79,26 @@ def summary_markdown(summary: dict, label: str = "") -> str:
     domains, then all tasks; columns tasks, samples per task (the fewest), pass@1, every pass@k a row has, mean
     reward, mean reward above the domain's gaming floor, format-compliance rate, mean response length (tokens),
     truncation rate, the modal reply share and the gold answers' modal share ("-" where absent); a collapsed
-    domain (`posttrain.eval.collapse`) is marked "COLLAPSED" after its name. `label` heads the table when given."""
+    domain (`posttrain.eval.collapse`) is marked "COLLAPSED" after its name. When any row has unscored samples
+    (`infra_errors`) a last column gives them with the tasks left unscored, and a domain with no scored task is
+    marked "UNSCORED". `label` heads the table when given."""
     order = []
     for area, s in summary["areas"].items():
         order.append((f"**{area}**", s))
-        order += [(f"- {d}" + (" COLLAPSED" if ds.get("collapsed") else ""), ds)
+        order += [(f"- {d}" + (" COLLAPSED" if ds.get("collapsed") else "")
+                   + (" UNSCORED" if ds.get("unscored_tasks") and not ds["tasks"] else ""), ds)
                   for d, ds in summary["domains"].items() if summary["area_of"].get(d) == area]
     order.append(("**all**", summary["all"]))
     ks = sorted({k for _, s in order for k in s if k.startswith("pass@") and k != "pass@1"}, key=lambda k: int(k[5:]))
     cols = ["pass@1", *ks, *SUMMARY_COLUMNS[1:]]
-    lines = ([label, ""] if label else []) + ["| area / domain | tasks | n | " + " | ".join(cols) + " |",
-                                              "|---|---:|---:|" + "---:|" * len(cols)]
+    infra = any(s.get("infra_errors") for _, s in order)
+    extra = " infra errors (tasks unscored) |" if infra else ""
+    lines = ([label, ""] if label else []) + ["| area / domain | tasks | n | " + " | ".join(cols) + " |" + extra,
+                                              "|---|---:|---:|" + "---:|" * (len(cols) + infra)]
     for name, s in order:
         cells = ["-" if c not in s else f"{s[c]:.1f}" if c == "mean_length" else f"{s[c]:.3f}" for c in cols]
+        if infra:
+            cells.append(f"{s.get('infra_errors', 0)} ({s.get('unscored_tasks', 0)})")
         lines.append(f"| {name} | {int(s['tasks'])} | {int(s['n_min'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

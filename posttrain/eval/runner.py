@@ -23,6 +23,7 @@ the last integer of the final reply with the task's gold answer (the quickstart'
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import time
 import zlib
@@ -37,6 +38,8 @@ from posttrain.rollout.episodes import Episode, run_episodes
 from posttrain.rollout.floors import env_floor, spec_floors  # noqa: F401  (re-exported: suite.py, tests)
 from posttrain.rollout.env_side import task_sources
 from posttrain.rollout.sampler import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -209,9 +212,21 @@ def evaluate(sample_fn, tokenizer, runner, episodes: Mapping[str, Sequence[Episo
 def loop_metrics(records: Sequence[Mapping], floors: Mapping[str, float | None] | None = None) -> dict[str, float]:
     """The training loop's eval/* metrics: per domain pass@1, mean reward and (for a domain with a floor in
     `floors`, default: the records' own "floor") above_floor = mean reward - floor, and eval/pass@1 over all
-    tasks."""
+    tasks, all over the scored samples (`metrics.scored_only`: an infra-error sample is left out, never counted
+    wrong). A domain with an infra error also gets eval/<domain>/infra_error_rate (its share of samples) and
+    eval/<domain>/unscored_tasks; one with no scored task gets no pass@1 or mean reward (a warning says so)."""
     out, all_pass, floors = {}, [], _domain_floors(records, floors)
-    for domain, rs in metrics_lib.by_domain(records).items():
+    kept, counts = metrics_lib.scored_only(records)
+    scored = metrics_lib.by_domain(kept)
+    for domain, c in counts.items():
+        if c["infra_errors"]:
+            out[f"eval/{domain}/infra_error_rate"] = c["infra_errors"] / c["samples"]
+            out[f"eval/{domain}/unscored_tasks"] = float(c["unscored_tasks"])
+            log.warning("eval: %s: %d of %d samples ended in infra_error (the env or its sandbox failed); %s",
+                        domain, c["infra_errors"], c["samples"],
+                        "no task was scored" if domain not in scored else
+                        f"{c['unscored_tasks']} task(s) unscored; pass@1 is over the scored samples")
+    for domain, rs in scored.items():
         p = metrics_lib.per_task(rs, "pass@1")
         out[f"eval/{domain}/pass@1"] = float(p.mean())
         out[f"eval/{domain}/mean_reward"] = float(metrics_lib.per_task(rs, "mean_reward").mean())
@@ -241,15 +256,20 @@ def suite_summary(records: Sequence[Mapping], ks: Mapping[str, Sequence[int]] | 
     values of each domain (an area gets a pass@k that every task of it has samples for). A domain's summary also
     has modal_share, gold_modal_share (when its records have gold answers) and collapsed (1.0 / 0.0) of
     `collapse.domain_collapse`, and above_floor (mean_reward - floor) for a domain with a floor in `floors`
-    (default: the records' own "floor"). Raises ValueError for no records."""
+    (default: the records' own "floor"). Every summary is over the scored samples (`metrics.scored_only`) and
+    carries infra_errors (unscored samples) and unscored_tasks (tasks with no scored sample); a domain, area or
+    the whole with no scored task has only tasks 0, n_min 0 and those counts. Raises ValueError for no records."""
     ks, floors = ks or {}, _domain_floors(records, floors)
     if not records:
         raise ValueError("suite_summary of no records")
+    area_of = {r["domain"]: r.get("area") or "-" for r in records}
+    records, counts = metrics_lib.scored_only(records)
     by_area: dict[str, list] = {}
     for r in records:
         by_area.setdefault(r.get("area") or "-", []).append(r)
     all_ks = sorted({k for v in ks.values() for k in v})
-    domains = {}
+    empty, scored = {"tasks": 0, "n_min": 0}, {r["domain"] for r in records}
+    domains = {d: dict(empty) for d in counts if d not in scored}  # nothing scored: no metric
     for d, rs in metrics_lib.by_domain(records).items():
         s = metrics_lib.summarize_domain(rs, ks.get(d, ()))
         c = collapse_lib.domain_collapse(rs)
@@ -259,9 +279,18 @@ def suite_summary(records: Sequence[Mapping], ks: Mapping[str, Sequence[int]] | 
         if floors.get(d) is not None:
             s["above_floor"] = s["mean_reward"] - float(floors[d])
         domains[d] = s
-    return {"area_of": {r["domain"]: r.get("area") or "-" for r in records}, "domains": domains,
-            "areas": {a: metrics_lib.summarize_domain(rs, all_ks) for a, rs in by_area.items()},
-            "all": metrics_lib.summarize_domain(list(records), all_ks)}
+    for d, c in counts.items():
+        domains[d].update(infra_errors=c["infra_errors"], unscored_tasks=c["unscored_tasks"])
+    areas = {a: metrics_lib.summarize_domain(by_area[a], all_ks) if a in by_area else dict(empty)
+             for a in dict.fromkeys(area_of.values())}
+    for a, s in areas.items():
+        in_area = [counts[d] for d, da in area_of.items() if da == a]
+        s.update(infra_errors=sum(c["infra_errors"] for c in in_area),
+                 unscored_tasks=sum(c["unscored_tasks"] for c in in_area))
+    every = metrics_lib.summarize_domain(list(records), all_ks) if records else dict(empty)
+    every.update(infra_errors=sum(c["infra_errors"] for c in counts.values()),
+                 unscored_tasks=sum(c["unscored_tasks"] for c in counts.values()))
+    return {"area_of": area_of, "domains": {d: domains[d] for d in area_of}, "areas": areas, "all": every}
 
 
 def settings_episodes(settings: EvalSettings) -> dict[str, list[Episode]]:
