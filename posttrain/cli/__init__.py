@@ -20,14 +20,16 @@
   posttrain plan --config=configs/plan/kimi_k2.py --target=v5p-512|h200x256|cpu-8 [--json] [--prompt_len=512] [--nosampler]
                  (compile the train step for that machine without it: fits? per-device memory, FLOPs)
 Multi-host: start one process per host with --distributed (launch/ has TPU-pod and SLURM scripts).
+The current directory is importable, as under `python -m`: an env id 'my_envs:MyEnv-v0' finds ./my_envs.py.
 """
 from __future__ import annotations
 
 import os
 import sys
 
-from posttrain.cli.commands import (UsageError, _enable_compilation_cache, _fake_cpu_devices_for_plan, cmd_convert,
-                                    cmd_domains, cmd_dpo, cmd_eval, cmd_plan, cmd_sample, cmd_sft, cmd_train)
+from posttrain.cli.commands import (UsageError, _enable_compilation_cache, _fake_cpu_devices_for_plan, check_run_flags,
+                                    cmd_convert, cmd_domains, cmd_dpo, cmd_eval, cmd_plan, cmd_sample, cmd_sft,
+                                    cmd_train)
 from posttrain.cli import rm, status
 from posttrain.cli.flags import command_help, config_file, config_override_argv, define_flags as _flags, flag_error_line
 
@@ -56,12 +58,26 @@ def _config_file_error(f, argv) -> str | None:
     return None
 
 
+def _import_from_cwd() -> None:
+    """Puts the current directory on sys.path (after the installed packages), as `python -m posttrain.cli` has it
+    (first there): the `posttrain` script's sys.path[0] is its own bin folder, so a `module:Env-v0` env id (a
+    config's env, a suite's domain) whose module sits in the directory the command runs in would not import. Env
+    worker processes inherit sys.path (`envs.pool`)."""
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the directory was removed: nothing there to import
+        return
+    if all(os.path.abspath(p or os.curdir) != cwd for p in sys.path):  # "" is the current directory
+        sys.path.append(cwd)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] not in COMMANDS:
         print(__doc__, file=sys.stderr)
         return 2
     command = argv.pop(1)
+    _import_from_cwd()
     if command == "plan":
         _fake_cpu_devices_for_plan(argv)
     f = _flags()
@@ -87,17 +103,19 @@ def main(argv=None) -> int:
     from posttrain.infra.mesh import ShardingError
     from posttrain.rollout.env_side import EnvInfraError
 
-    distributed.initialize(True if f.distributed else None)
-    if command != "plan":  # a plan measures a real compile (time, buffer report): no persistent cache
-        _enable_compilation_cache()
     try:
+        check_run_flags(f, command)
+        distributed.initialize(True if f.distributed else None)
+        if command != "plan":  # a plan measures a real compile (time, buffer report): no persistent cache
+            _enable_compilation_cache()
         return COMMANDS[command](f)
     # exit code 2, one line, no traceback: what the user gave is wrong, and nothing was trained or changed: flags;
     # config keys and values (before any model load or worker start); data files (path:line); a mesh that does not
     # divide the model; a run that is not there (RunNotFoundError: a FileNotFoundError; nothing created, never the
-    # base model instead) or whose every checkpoint is unreadable; another path that is not there
+    # base model instead) or whose every checkpoint is unreadable; another path that is not there; --distributed
+    # without a cluster JAX detects or the JAX_* variables that name the peers
     except (UsageError, ConfigError, DataError, ShardingError, CheckpointCorruptError, FileNotFoundError,
-            IsADirectoryError, NotADirectoryError) as e:
+            IsADirectoryError, NotADirectoryError, distributed.DistributedSetupError) as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
     # exit code 1, one line: the run could not go on

@@ -5,12 +5,32 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import pathlib
 import sys
 
 
 class UsageError(Exception):
     """A command-line mistake (a missing or conflicting flag, a bad flag value or path): `main` prints it as one
     line, exit code 2."""
+
+
+def check_run_flags(f, command: str) -> None:
+    """Raises UsageError for a flag that names a run (--checkpoint, --baseline, each run of --from_archive, status
+    --workdir) given a folder inside a run instead: its checkpoints/ folder or a step folder in it. The message
+    names the run folder to give (a command reads that run's newest complete checkpoint, or its archive)."""
+    named = [("--checkpoint", f.checkpoint), ("--baseline", f.baseline if f.baseline != "base" else None),
+             *[("--from_archive", run) for run in (f.from_archive or "").split(",")],
+             ("--workdir", f.workdir if command == "status" else None)]
+    for flag, path in named:
+        if not (path and path.strip()):
+            continue
+        p = pathlib.Path(path.strip())
+        folder = p if p.name == "checkpoints" else p.parent if p.parent.name == "checkpoints" else None
+        if (folder is not None and folder.is_dir() and not (p / "checkpoints").is_dir()
+                and (folder.parent / "config.json").is_file()):
+            what = "the checkpoints/ folder" if folder == p else "a checkpoint step folder"
+            raise UsageError(f"{flag}={path.strip()} is {what} of the run {folder.parent}; {flag} names the run's own "
+                             f"folder (the one holding config.json): {flag}={folder.parent}")
 
 
 def _load_config(f):

@@ -8,32 +8,42 @@ A suite file defines ``get_suite() -> dict``::
      "areas": {"arithmetic": {"trained": True, "domains": {"arithmetic": {"env": "posttrain/Arithmetic-v0"}}},
                "logic": {"domains": {"reasoning_gym/gcd": {"config": {"max_value": 50}}}}}}
 
-Domain settings (`SuiteDomain`): env (a registered gymnasium id, `envs.ENTRY_POINTS`; without it the domain name is
-a pattern of the domain registry `envs.tasks.domains`, e.g. "reasoning_gym/gcd" or "reasoning_gym/count_*", built
-through `domains.select` and its golden check), kwargs (env constructor kwargs), config (registry domains: dataset
-config overrides), split (passed as the env's `split` kwarg; None for an env with one task set), tasks (the first
-this many tasks), n (samples per task), k (pass@k values; each needs n >= 2k), temperature (0: greedy, then n = 1
-and no k), max_new_tokens (the token budget of one turn), max_turns, scorer (`runner.SCORERS`), format
-(`runner.FORMATS`, the answer format a reply must follow), trained (the policy trains on this domain).
+Domain settings (`SuiteDomain`): env (a gymnasium id: a built-in one of `envs.ENTRY_POINTS`, or `module:Env-v0`
+for an env of your own, its module importable: on sys.path, the current directory included; without env the
+domain name is a pattern of the domain registry `envs.tasks.domains`, e.g. "reasoning_gym/gcd" or
+"reasoning_gym/count_*", built through `domains.select` and its golden check), kwargs (a dict of env constructor
+kwargs), config (a dict; registry domains: dataset config overrides), split (a str, passed as the env's `split`
+kwarg; None for an env with one task set), tasks (the first this many tasks), n (samples per task), k (the pass@k
+values: an int or a list of ints >= 1, k = 1 being pass@1, always reported; each needs n >= k, the condition of
+Chen et al. 2021's unbiased estimator, `metrics.pass_at_k`), temperature (0: greedy, then n = 1 and no k),
+max_new_tokens (the token budget of one turn), max_turns, scorer (`runner.SCORERS`), format (`runner.FORMATS`, the
+answer format a reply must follow), trained (a bool: the policy trains on this domain).
 
-`resolve` builds every domain's task source; a domain that cannot be built (its data is absent, its package is not
-installed, its golden check fails) is skipped with a one-line reason instead of failing the suite. No JAX here.
+`resolve` builds every domain's task source. A built-in domain that cannot be built on this machine (its data is
+absent, a third-party package it needs is not installed, its golden check fails) is skipped with a one-line reason
+instead of failing the suite; every other failure (an unknown id, a bad kwarg, an env of your own that does not
+import or build) is a ConfigError naming the suite file and the domain. No JAX here.
 """
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import importlib
 import importlib.util
 import json
 import pathlib
+import sys
+import traceback
 from typing import Any, Mapping, Sequence
 
-from posttrain.config import EnvSpec
+from posttrain.config import ConfigError, EnvSpec
 from posttrain.eval.runner import FORMATS, SCORERS, spec_floors
+from posttrain.rollout.env_side import EnvSpecError, task_sources
 
 DOMAIN_KEYS = ("env", "kwargs", "config", "split", "tasks", "n", "k", "temperature", "max_new_tokens", "max_turns",
                "scorer", "format", "trained")
 REGISTRY_PREFIXES = ("reasoning_gym/",)  # domain names built through envs.tasks.domains
+FIRST_PARTY = ("envs", "posttrain")  # a module of these missing is a broken install, never a skipped domain
 
 
 class DomainUnavailable(RuntimeError):
@@ -90,40 +100,66 @@ class ResolvedDomain:
 
 def load_suite(path: str | pathlib.Path) -> Suite:
     """The suite defined by `get_suite()` in the Python file `path`. Raises FileNotFoundError for a missing file and
-    ValueError (naming the file, the domain and the key) for a malformed suite."""
+    ValueError (naming the file, and for a malformed domain the domain and the key) for a file that is not Python,
+    raises while it loads or in get_suite() (its exception and the file:line it came from), has no get_suite(), or
+    returns a malformed suite (`parse_suite`)."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--suite={path}: no such file (suites live in configs/eval/*.py)")
     spec = importlib.util.spec_from_file_location(f"suite_{path.stem}", path)
+    if spec is None:
+        raise ValueError(f"{path}: a suite is a Python file (.py) defining get_suite() -> dict")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+        raw = module.get_suite() if hasattr(module, "get_suite") else None
+    except Exception as e:  # noqa: BLE001 - the user's file: its error in one line, where it was raised
+        raise ValueError(f"{path}: loading the suite raised {_error_line(e)}") from e
     if not hasattr(module, "get_suite"):
         raise ValueError(f"{path}: a suite file defines get_suite() -> dict")
-    return parse_suite(module.get_suite(), str(path))
+    return parse_suite(raw, str(path))
 
 
 def parse_suite(raw: Mapping, path: str = "<suite>") -> Suite:
-    """A validated Suite from the dict a suite file returns (see the module docstring)."""
+    """A validated Suite from the dict a suite file returns (see the module docstring). Raises ValueError naming
+    `path` (and the area, domain and key) for a value of the wrong type or out of range, an unknown key, an empty
+    suite or area, a domain without env that names no registry domain, or a domain listed twice."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{path}: get_suite() returns a dict with keys name, alpha, defaults, areas; got "
+                         f"{type(raw).__name__}")
     unknown = sorted(set(raw) - {"name", "alpha", "defaults", "areas"})
     if unknown or "areas" not in raw or not raw["areas"]:
         raise ValueError(f"{path}: a suite has keys name, alpha, defaults, areas (non-empty); got {sorted(raw)}")
-    alpha = float(raw.get("alpha", 0.05))
-    if not 0.0 < alpha < 1.0:
-        raise ValueError(f"{path}: alpha must be in (0, 1), got {alpha}")
-    defaults = dict(raw.get("defaults", {}))
+    title, alpha, defaults = raw.get("name", pathlib.Path(path).stem), raw.get("alpha", 0.05), raw.get("defaults", {})
+    if not (isinstance(title, str) and title):
+        raise ValueError(f"{path}: name must be a non-empty string, got {title!r}")
+    if not (_is_number(alpha) and 0.0 < alpha < 1.0):
+        raise ValueError(f"{path}: alpha must be in (0, 1), got {alpha!r}")
+    if not isinstance(defaults, Mapping) or not isinstance(raw["areas"], Mapping):
+        raise ValueError(f"{path}: defaults (domain settings) and areas ({{area: {{'domains': {{...}}}}}}) are dicts, "
+                         f"got defaults={type(defaults).__name__}, areas={type(raw['areas']).__name__}")
     domains: list[SuiteDomain] = []
     for area, block in raw["areas"].items():
-        if not isinstance(block, Mapping) or set(block) - {"trained", "domains"} or not block.get("domains"):
-            raise ValueError(f"{path}: area {area!r} is a dict with 'domains' (non-empty) and optional 'trained'")
+        if (not isinstance(block, Mapping) or set(block) - {"trained", "domains"} or not block.get("domains")
+                or not isinstance(block["domains"], Mapping) or not isinstance(block.get("trained", False), bool)):
+            raise ValueError(f"{path}: area {area!r} is a dict with 'domains' (a non-empty dict) and optional "
+                             "'trained' (a bool)")
         for name, entry in block["domains"].items():
-            merged = {"trained": bool(block.get("trained", False)), **defaults, **dict(entry or {})}
-            for expanded in _expand(name, merged):
+            if not (isinstance(name, str) and name) or not isinstance(entry, (Mapping, type(None))):
+                raise ValueError(f"{path}: area {area!r}: domain {name!r}: domains are named by non-empty strings, "
+                                 f"each with a dict of settings (keys {list(DOMAIN_KEYS)}), got {type(entry).__name__}")
+            merged = {"trained": block.get("trained", False), **defaults, **dict(entry or {})}
+            try:
+                expanded_names = _expand(name, merged)
+            except ValueError as e:
+                raise ValueError(f"{path}: domain {name!r}: {_one_line(e, limit=None)}") from None
+            for expanded in expanded_names:
                 domains.append(_domain(expanded, area, merged, path))
     names = [d.name for d in domains]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ValueError(f"{path}: domains appear more than once: {repeated}")
-    return Suite(str(raw.get("name", pathlib.Path(path).stem)), path, alpha, tuple(domains))
+    return Suite(title, path, alpha, tuple(domains))
 
 
 def _expand(name: str, entry: Mapping) -> list[str]:
@@ -136,32 +172,67 @@ def _expand(name: str, entry: Mapping) -> list[str]:
 
 
 def _domain(name: str, area: str, entry: Mapping, path: str) -> SuiteDomain:
+    """The SuiteDomain of one (expanded) entry. Raises ValueError naming `path`, the domain and every bad key."""
     where = f"{path}: domain {name!r}"
     unknown = sorted(set(entry) - set(DOMAIN_KEYS))
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; known: {list(DOMAIN_KEYS)}")
+    wrong = [f"{key}={entry[key]!r} must be {what}" for key, (ok, what) in _TYPES.items()
+             if key in entry and not ok(entry[key])]
+    if wrong:
+        raise ValueError(f"{where}: " + "; ".join(wrong))
     if not entry.get("env") and not name.startswith(REGISTRY_PREFIXES):
         raise ValueError(f"{where}: give 'env' (a gymnasium id) or name a registry domain ({REGISTRY_PREFIXES})")
     fields = {k: entry[k] for k in DOMAIN_KEYS if k in entry and k != "k"}
-    d = SuiteDomain(name=name, area=str(area), ks=tuple(sorted({int(k) for k in entry.get("k", ())} - {1})),
-                    **fields)
+    d = SuiteDomain(name=name, area=str(area), ks=_ks(entry.get("k", ())), **fields)
     _check_domain(d, where)
     return d
 
 
-def _check_domain(d: SuiteDomain, where: str) -> None:
-    def is_int(x, low):
-        return isinstance(x, int) and not isinstance(x, bool) and x >= low
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
-    problems = [f"{key}={getattr(d, key)!r} must be an int >= 1" for key in ("tasks", "n", "max_new_tokens",
-                                                                             "max_turns") if not is_int(getattr(d, key), 1)]
-    if not (isinstance(d.temperature, (int, float)) and d.temperature >= 0):
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _ks(value) -> tuple[int, ...] | None:
+    """The pass@k values (k >= 2, sorted) of a domain's k: an int or a list / tuple of ints >= 1 (k = 1 is pass@1,
+    always reported); None for anything else."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not all(_is_int(k) and k >= 1 for k in values):
+        return None
+    return tuple(sorted(set(values) - {1}))
+
+
+# the settings whose type `_domain` checks: key -> (accepts, what it must be)
+_TYPES = {
+    **{key: (lambda v: _is_int(v) and v >= 1, "an int >= 1") for key in ("tasks", "n", "max_new_tokens", "max_turns")},
+    "env": (lambda v: isinstance(v, str), "a gymnasium id string, e.g. 'posttrain/Arithmetic-v0' or 'my_envs:MyEnv-v0'"),
+    "kwargs": (lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v),
+               "a dict of env constructor kwargs, e.g. {'digits': 2}"),
+    "config": (lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v),
+               "a dict of dataset config overrides"),
+    "split": (lambda v: v is None or isinstance(v, str), "a split name (str) or None"),
+    "k": (lambda v: _ks(v) is not None, "an int >= 1 or a list of them (the pass@k values, e.g. 4 or [2, 4])"),
+    "temperature": (_is_number, "a number >= 0"),
+    "scorer": (lambda v: isinstance(v, str), f"a str, one of {sorted(SCORERS)}"),
+    "format": (lambda v: isinstance(v, str), f"a str, one of {sorted(FORMATS)}"),
+    "trained": (lambda v: isinstance(v, bool), "a bool"),
+}
+
+
+def _check_domain(d: SuiteDomain, where: str) -> None:
+    problems = []
+    if d.temperature < 0:
         problems.append(f"temperature={d.temperature!r} must be >= 0")
     elif d.greedy and (d.n != 1 or d.ks):
         problems.append(f"temperature 0 (greedy) has one sample per task and no pass@k, got n={d.n}, k={list(d.ks)}")
-    short = [k for k in d.ks if d.n < 2 * k or k < 1]
+    short = [k for k in d.ks if d.n < k]
     if short:
-        problems.append(f"pass@k needs n >= 2k samples (Chen et al. 2021), got n={d.n} for k={short}")
+        problems.append(f"pass@k needs n >= k samples per task (Chen et al. 2021's unbiased estimator), got n={d.n} "
+                        f"for k={short}")
     if d.scorer not in SCORERS:
         problems.append(f"scorer={d.scorer!r} is not one of {sorted(SCORERS)}")
     if d.format not in FORMATS:
@@ -217,26 +288,78 @@ def env_spec_of(d: SuiteDomain) -> EnvSpec:
 
 def resolve(suite: Suite) -> tuple[list[ResolvedDomain], dict[str, str]]:
     """(the domains that build, in suite order; {skipped domain: one-line reason}). Constructing each env runs its
-    golden self-check. Absent data (FileNotFoundError, OSError), a missing package (ImportError), a failed golden
-    check (DomainUnavailable) or self-check (RuntimeError) skip the domain; other errors (a bad kwarg: TypeError,
-    ValueError) propagate."""
-    import gymnasium
-
-    import envs  # noqa: F401  (registers the env ids)
+    golden self-check. A built-in domain (an id of `envs.ENTRY_POINTS`, or a registry domain) is skipped when this
+    machine cannot build it (`_skip_reason`): absent data (FileNotFoundError, OSError), a missing third-party package
+    (an ImportError from a ModuleNotFoundError naming a module outside posttrain and envs), a failed golden check
+    (DomainUnavailable) or self-check (RuntimeError). Every other failure raises ConfigError (a ValueError, one
+    line) naming the suite file and the domain: an unregistered id (with the registered ids, as training reports
+    it: `rollout.env_side.task_sources`), a bad kwarg or setting, and any failure of an env of your own, the import
+    of its `module:Env-v0` module included (the module and where it raised)."""
+    import envs
 
     built, skipped = [], {}
     for d in suite.domains:
+        builtin = not d.env or d.env in envs.ENTRY_POINTS
         try:
+            if not builtin:
+                _import_env_module(d.env)
             spec = env_spec_of(d)
-            env = gymnasium.make(spec.id, **dict(spec.kwargs)).unwrapped
-        except (DomainUnavailable, OSError, ImportError, RuntimeError) as e:
-            kind = ("data absent" if isinstance(e, FileNotFoundError) else "not installed"
-                    if isinstance(e, ImportError) else "unavailable" if isinstance(e, DomainUnavailable)
-                    else type(e).__name__)
-            skipped[d.name] = f"{kind}: {_one_line(e)}"
+            source = task_sources({d.name: spec})[d.name][2]
+        except Exception as e:  # noqa: BLE001 - every failure to build is this domain's: skipped or named
+            cause = e.__cause__ if isinstance(e, EnvSpecError) and e.__cause__ is not None else e
+            reason = _skip_reason(cause) if builtin else None
+            if reason is None:
+                message = (str(e).removeprefix(f"{e.name}: ") if isinstance(e, EnvSpecError) else str(e)
+                           if isinstance(e, ValueError) else _error_line(e, where=False))
+                raise ConfigError(f"{suite.path}: domain {d.name!r}: {_one_line(message, limit=None)}") from e
+            skipped[d.name] = reason
             continue
-        built.append(ResolvedDomain(d, spec, env.task_source, min(d.tasks, env.task_source.num_tasks)))
+        built.append(ResolvedDomain(d, spec, source, min(d.tasks, source.num_tasks)))
     return built, skipped
+
+
+def _import_env_module(env_id: str) -> None:
+    """Imports the module of a `module:Env-v0` id, as gymnasium.make does first (nothing for an id without one).
+    Raises ValueError naming the module: not found (with where it must be), or its exception and file:line."""
+    if ":" not in env_id:
+        return
+    module = env_id.split(":")[0]
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's module: its error in one line, where it was raised
+        if isinstance(e, ModuleNotFoundError) and e.name and (module + ".").startswith(e.name + "."):
+            raise ValueError(f"env {env_id!r}: no module named {e.name!r} (gymnasium imports {module!r} to "
+                             f"register the id: {e.name.replace('.', '/')}.py must be on sys.path: the current "
+                             "directory for the posttrain command and python -m, or a folder on PYTHONPATH)") from e
+        raise ValueError(f"env {env_id!r}: importing module {module!r} raised {_error_line(e)}") from e
+
+
+def _skip_reason(e: BaseException) -> str | None:
+    """The one-line reason a built-in domain that failed with `e` is skipped, or None when `e` is an error to
+    report: only what this machine lacks skips (absent data, a third-party package, a failed golden check)."""
+    if isinstance(e, DomainUnavailable):
+        return f"unavailable: {_one_line(e)}"
+    if isinstance(e, ImportError):
+        return f"not installed: {_one_line(e)}" if _missing_package(e) else None
+    if isinstance(e, FileNotFoundError):
+        return f"data absent: {_one_line(e)}"
+    if isinstance(e, (OSError, RuntimeError)):
+        return f"{type(e).__name__}: {_one_line(e)}"
+    return None
+
+
+def _missing_package(e: BaseException) -> str | None:
+    """The top-level name of the third-party package an ImportError reports missing: the first ModuleNotFoundError
+    with a name along its chain of ImportErrors (an env's own ImportError raised from one, e.g. ReasoningGym-v0's
+    install hint), unless it names a module of posttrain or envs (a broken install, not a missing extra)."""
+    seen = []
+    while isinstance(e, ImportError) and all(e is not x for x in seen):
+        if isinstance(e, ModuleNotFoundError) and e.name:
+            top = e.name.partition(".")[0]
+            return None if top in FIRST_PARTY else top
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def suite_dict(suite: Suite, built: Sequence[ResolvedDomain], skipped: Mapping[str, str]) -> dict:
@@ -252,6 +375,19 @@ def suite_dict(suite: Suite, built: Sequence[ResolvedDomain], skipped: Mapping[s
             "floors": spec_floors({r.domain.name: r.spec for r in built})}
 
 
-def _one_line(e: BaseException) -> str:
+def _one_line(e: BaseException | str, limit: int | None = 200) -> str:
     text = " ".join(str(e).split())
-    return text if len(text) <= 200 else text[:197] + "..."
+    return text if limit is None or len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _error_line(e: BaseException, where: bool = True) -> str:
+    """"Type: message" of an exception on one line; `where`: with the file:line of the innermost frame of the
+    user's code that raised it (outside Python's and the installed packages' files, when one is), which a
+    SyntaxError's own message names already."""
+    text = f"{type(e).__name__}: {_one_line(e, limit=None)}"
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<")]
+    installed = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    frames = [f for f in frames if not f.filename.startswith(installed)] or frames
+    if where and frames and not isinstance(e, SyntaxError):
+        text += f" ({frames[-1].filename}:{frames[-1].lineno})"
+    return text

@@ -50,8 +50,9 @@ TARGETS = {
     "v5e": Target("v5e", "tpu", int(16 * GIB), 197e12, 0.819e12, "v5e:1x1"),
     "v6e": Target("v6e", "tpu", int(32 * GIB), 918e12, 1.638e12, "v6e:1x1"),
 }
-_INSTALL = {"gpu": "pip install -e '.[aot]' (jax-cuda12-plugin/pjrt matching jaxlib) and run with JAX_PLATFORMS=cpu",
-            "tpu": "pip install -e '.[tpu]' (libtpu)"}
+_INSTALL = {"gpu": "VENV=.venv-aot scripts/setup_env.sh aot (a venv of its own: with the CUDA plugin installed every "
+                   "JAX start probes for a GPU), then run that venv's posttrain with JAX_PLATFORMS=cpu",
+            "tpu": "scripts/setup_env.sh tpu (libtpu)"}
 
 
 def target_devices(name: str, topology: str | None = None) -> list:

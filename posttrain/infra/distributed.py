@@ -21,28 +21,53 @@ import jax
 import numpy as np
 
 ENV_FLAG = "POSTTRAIN_DISTRIBUTED"
+# jax.distributed.initialize's arguments -> the variables that give them (JAX reads the first itself)
+SETTINGS_VARS = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+                 "process_id": "JAX_PROCESS_ID"}
+AUTO_DETECTED = "Cloud TPU VMs, SLURM (srun), Open MPI (mpirun) and Kubernetes"  # jax._src.clusters
+
+
+class DistributedSetupError(ValueError):
+    """Distributed mode is on and this process cannot tell how to join its peers (no cluster JAX detects, and the
+    coordinator address, process count or id not given) or was given a malformed value; the message names the
+    variables to set."""
 
 
 def initialize(enabled: bool | None = None, **kwargs) -> bool:
     """Calls `jax.distributed.initialize(**kwargs)` once when enabled (argument, or env POSTTRAIN_DISTRIBUTED=1).
 
-    On Cloud TPU pods, SLURM and Open MPI, JAX discovers the coordinator, process count and id by itself;
+    On Cloud TPU VMs, SLURM, Open MPI and Kubernetes, JAX discovers the coordinator, process count and id by itself;
     elsewhere pass coordinator_address=..., num_processes=..., process_id=... (or set the JAX_COORDINATOR_ADDRESS,
     JAX_NUM_PROCESSES, JAX_PROCESS_ID variables). Must run before any other JAX call touches a device.
-    Returns whether distributed mode is on. Raises RuntimeError (from JAX) when the peers cannot be reached.
+    Returns whether distributed mode is on. Raises DistributedSetupError (a ValueError, one line naming the
+    variables to set) when no cluster is detected and a setting is missing, or a variable is malformed (a count or
+    id that is not an integer, an address without a port, process id out of range); RuntimeError (from JAX) when
+    the peers cannot be reached.
     """
     if enabled is None:
         enabled = os.environ.get(ENV_FLAG, "0") not in ("", "0", "false", "False")
     if not enabled:
         return False
-    env = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
-           "process_id": "JAX_PROCESS_ID"}
-    for key, var in env.items():
+    for key, var in SETTINGS_VARS.items():
         if key not in kwargs and os.environ.get(var):
-            value = os.environ[var]
+            value = os.environ[var].strip()
+            if key != "coordinator_address" and not value.isdigit():
+                raise DistributedSetupError(f"{var}={value!r}: expected an integer >= 0")
+            if key == "coordinator_address" and not value.rpartition(":")[2].isdigit():
+                raise DistributedSetupError(f"{var}={value!r}: expected host:port (the address of process 0)")
             kwargs[key] = value if key == "coordinator_address" else int(value)
     if not jax.distributed.is_initialized():
-        jax.distributed.initialize(**kwargs)
+        try:
+            jax.distributed.initialize(**kwargs)
+        except ValueError as e:  # JAX checks its settings before it contacts anyone: nothing was started
+            missing = [var for key, var in SETTINGS_VARS.items() if kwargs.get(key) is None]
+            how = (f"no cluster detected (JAX finds its peers by itself on {AUTO_DETECTED}): set "
+                   f"{', '.join(missing)} in every process, e.g. JAX_COORDINATOR_ADDRESS=10.0.0.1:1234 "
+                   "JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 on the first host (launch/ has TPU pod, SLURM and "
+                   "one-machine scripts)" if missing and "defined" in str(e) else
+                   "given: " + ", ".join(f"{var}={kwargs.get(key)!r}" for key, var in SETTINGS_VARS.items()))
+            raise DistributedSetupError(f"distributed mode (--distributed or {ENV_FLAG}=1): "
+                                        f"{' '.join(str(e).split()).rstrip('.')}; {how}") from e
     return True
 
 
