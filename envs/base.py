@@ -13,10 +13,12 @@ score 0 (docs/design.md invariant 7), through `TextEnv.golden_episodes`.
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import gymnasium
+import numpy as np
 from gymnasium.spaces import Text
 
 from envs.verify import answers as verifiers
@@ -87,6 +89,20 @@ def require_keys(task: Mapping[str, Any], keys: Sequence[str], env_name: str) ->
     missing = [k for k in keys if k not in task]
     if missing:
         raise ValueError(f"{env_name}: task is missing keys {missing}; got keys {sorted(task)}")
+
+
+def as_reward(value: Any) -> float | None:
+    """`value` as a float when it is a real number, else None; the one rule for what an env may return as a reward.
+
+    Real numbers: any `numbers.Real` (int, float, `fractions.Fraction`, numpy integer and floating scalars) and the
+    bools (Python's and numpy's) as 1.0 / 0.0: a verifier's ``return got == gold`` is unambiguous. Anything else
+    gives None and is never parsed or coerced: a str such as "1.0", bytes, None, complex numbers, sequences and
+    arrays (0-d included), so a misspelt reward cannot pass for a score. NaN and inf are real numbers here (returned
+    as floats); whether they are acceptable is the caller's decision (posttrain's rollout refuses them).
+    """
+    if isinstance(value, (numbers.Real, np.bool_)):
+        return float(value)
+    return None
 
 
 def cap_text(text: str, max_chars: int) -> str:
@@ -175,7 +191,10 @@ class TextEnv(gymnasium.Env):
     def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
         """Apply one model turn. Raises RuntimeError outside an episode, TypeError on a non-str action.
 
-        Malformed text never raises: it scores 0 with ``info["reason"]``.
+        Malformed text never raises: it scores 0 with ``info["reason"]``. The reward is `turn_step`'s (or
+        `on_truncate`'s) as a float when it is a real number (`as_reward`); any other value (a str "1.0", None, ...)
+        is returned unchanged, never coerced, for the caller to refuse (posttrain's rollout ends that episode as
+        an infra_error naming the env, the type and the value).
         """
         if self._done:
             raise RuntimeError(f"{type(self).__name__}: step() called outside an episode; call reset()")
@@ -189,7 +208,8 @@ class TextEnv(gymnasium.Env):
             reward, info = self.on_truncate(reward, info)
         self._done = terminated or truncated
         info = {**info, "turn": self.turn, "task_id": self.task.get("id")}
-        return observation, float(reward), bool(terminated), truncated, info
+        value = as_reward(reward)
+        return observation, reward if value is None else value, bool(terminated), truncated, info
 
     def play(self, task: Mapping, actions: Sequence[str]) -> tuple[float, dict]:
         """(reward, info) of the episode on `task` that takes `actions` in turn until it ends (the last step's
@@ -215,7 +235,7 @@ class TextEnv(gymnasium.Env):
             if reward != want:
                 raise RuntimeError(
                     f"{type(self).__name__} self-check failed on task {task.get('id')!r}: expected reward "
-                    f"{want}, got {reward} (status={info.get('status')!r}, reason={info.get('reason')!r})")
+                    f"{want}, got {reward!r} (status={info.get('status')!r}, reason={info.get('reason')!r})")
         self.task, self._done = None, True
 
 

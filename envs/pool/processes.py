@@ -64,7 +64,9 @@ class EpisodeSpec:
 
 
 class StepResult(NamedTuple):
-    """gymnasium's step tuple for one episode (unpacks as obs, reward, terminated, truncated, info)."""
+    """gymnasium's step tuple for one episode (unpacks as obs, reward, terminated, truncated, info). `reward` is a
+    float, or the env's own value when that is no real number (`envs.base.as_reward`; never coerced: the caller
+    refuses it)."""
 
     observation: str
     reward: float

@@ -22,10 +22,13 @@ import threading
 import time
 import traceback
 from collections import defaultdict
+from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
 import gymnasium
+
+from envs.base import as_reward
 
 
 class EnvHost:
@@ -44,12 +47,17 @@ class EnvHost:
         return obs, dict(info)
 
     def _step(self, episode: int, action: str):
+        """The env's step tuple, its reward a float when it is a real number (`envs.base.as_reward`) and its info a
+        dict when it is a mapping, else each as the env returned it (never coerced: the pool's caller refuses it,
+        e.g. posttrain's rollout as an infra_error)."""
         if episode not in self._live:
             raise KeyError(f"episode {episode} is not active in this worker (reset it first)")
         obs, reward, terminated, truncated, info = self._live[episode][1].step(action)
         if terminated or truncated:
             self.release(episode)
-        return obs, float(reward), bool(terminated), bool(truncated), dict(info)
+        value = as_reward(reward)
+        info = dict(info) if isinstance(info, Mapping) else info
+        return obs, reward if value is None else value, bool(terminated), bool(truncated), info
 
     def handle(self, op: str, item: tuple) -> tuple[str, Any]:
         """Run one reset/step item; ("ok", result) or ("error", reason). Never raises."""

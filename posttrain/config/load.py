@@ -79,6 +79,7 @@ _RANGES = {
     ("optim", "eps"): ("> 0", lambda v: v > 0), ("optim", "min_lr_ratio"): ("in [0, 1]", lambda v: 0 <= v <= 1),
     ("env", "max_infra_error_rate"): ("in [0, 1] (1: never stop)", lambda v: 0 <= v <= 1),
     ("env", "num_workers"): _NONNEGATIVE, ("env", "step_timeout_s"): ("> 0", lambda v: v > 0),
+    ("env", "max_abs_reward"): ("> 0", lambda v: v > 0),
     ("train", "max_train_seconds"): _NONNEGATIVE, ("train", "seed"): _NONNEGATIVE,
     ("eval", "num_tasks"): _POSITIVE, ("eval", "every_steps"): _NONNEGATIVE,
     ("eval", "seed"): (">= 0, or -1 (train.seed + 1)", lambda v: v >= -1),

@@ -216,6 +216,14 @@ class EnvConfig:
         max_turns: model turns per episode (multi-turn tool / terminal envs).
         max_infra_error_rate: a step whose share of infra-error episodes (worker crash, timeout, env exception)
             exceeds it stops the run with the first error (1: never).
+        max_abs_reward: the largest reward magnitude an env may return (> 0 and finite, like every float setting).
+            A larger one ends its episode as an infra error naming the env and the value (never scored; counted by
+            max_infra_error_rate), in training and evaluation alike (`rollout.env_results.check_result`, which also
+            refuses a reward that is no real number, NaN / inf, and an info["status"] outside
+            `envs.verify.answers.STATUSES`). Default 1e4: verifiable rewards are 0/1 and reward-model, judge or
+            shaped rewards stay within a few hundred, so 1e4 leaves 10-100x headroom, while a larger reward is a
+            scale bug that, without std-normalised advantages (rl.advantage=dr_grpo), overflows the gradient
+            (optim/grad_norm inf, skipped updates) with nothing pointing at the env.
     """
 
     train: Mapping[str, EnvSpec] = dataclasses.field(default_factory=dict)
@@ -226,6 +234,7 @@ class EnvConfig:
     step_timeout_s: float = 60.0
     max_turns: int = 1
     max_infra_error_rate: float = 0.5
+    max_abs_reward: float = 1e4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

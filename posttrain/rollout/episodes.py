@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import time
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
+
+from posttrain.rollout.env_results import DEFAULT_MAX_ABS_REWARD, check_result
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,11 @@ class Episode:
 
 
 class EnvRunner(Protocol):
+    """Resets and steps the envs of a batch of episodes (`InlineEnvs`, `envs.pool.processes.EnvPool`,
+    `HostShardedEnvs`). Its results are checked where they become samples (`check_result`), against the runner's
+    `max_abs_reward` attribute when it has one (`HostShardedEnvs`: the run's env.max_abs_reward), else
+    DEFAULT_MAX_ABS_REWARD."""
+
     def reset(self, episodes: Sequence[Episode]) -> list[tuple[str, dict]]: ...
 
     def step(self, actions: Sequence[str], indices: Sequence[int] | None = None
@@ -109,11 +115,15 @@ class HostShardedEnvs:
     (`distributed.host_share`, a contiguous block in reset order) in its own `local` runner, and every process
     gets the results of all shares (`distributed.allgather_objects`), in order. With one process it is `local`.
 
-    `episodes` / `env_steps` count what this process ran itself (its share), since construction.
+    `episodes` / `env_steps` count what this process ran itself (its share), since construction. `max_abs_reward`:
+    the largest reward magnitude `run_episodes` accepts from these envs (`check_result`; the run's
+    env.max_abs_reward), so every caller that runs episodes on this runner (training, in-loop and suite
+    evaluations) checks the same bound.
     """
 
-    def __init__(self, local: EnvRunner):
+    def __init__(self, local: EnvRunner, max_abs_reward: float = DEFAULT_MAX_ABS_REWARD):
         self.local = local
+        self.max_abs_reward = max_abs_reward
         self.episodes = 0
         self.env_steps = 0
         self._share = range(0)
@@ -206,9 +216,14 @@ def turn_bridge(tokenizer, reply: str, observation: str, ended_with_stop: bool, 
 
 def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Sequence[Episode], *,
                  group_size: int, max_turns: int, key, pad_id: int, bucket: int = 16,
-                 system_prompt: str = "", stream: bool = False) -> tuple[list[Sample], dict]:
+                 system_prompt: str = "", stream: bool = False,
+                 max_abs_reward: float | None = None) -> tuple[list[Sample], dict]:
     """Runs P episodes x G samples to completion; returns the samples (group-major) and timing stats: perf/gen_s
     (sampling), perf/reward_s (env steps after sampling returned) and perf/rollout_s (all, resets included).
+
+    Every env step's result is checked as it becomes a sample (`check_result`): a malformed reward or status ends
+    that episode as an infra_error naming its env id. `max_abs_reward`: the largest reward magnitude accepted
+    (None: the runner's `max_abs_reward` attribute when it has one, else DEFAULT_MAX_ABS_REWARD).
 
     `stream` (streaming scoring, `rollout.streaming`): `sample_fn` also takes `on_rows=` (a sink of the rows
     finished while it decodes, e.g. `Rollouter.sample_fn`'s) and each finished row's episode is stepped at once,
@@ -226,6 +241,8 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
 
     G = group_size
     t0 = time.perf_counter()
+    if max_abs_reward is None:
+        max_abs_reward = getattr(runner, "max_abs_reward", DEFAULT_MAX_ABS_REWARD)
     expanded = [ep for ep in episodes for _ in range(G)]
     first = runner.reset(expanded)
     prompts = [chat_prompt(tokenizer, first[p * G][0], system_prompt, first[p * G][1]) for p in range(len(episodes))]
@@ -239,7 +256,8 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
         gen_s, env_s = per_episode.run(functools.partial(sample_fn.generate, engine), sample_fn.request,
                                        engine.settings.max_seq_len, tokenizer, runner, samples, prompts,
                                        group_size=G, max_turns=max_turns, key=key,
-                                       env_overlap=getattr(sample_fn, "env_overlap", 0))
+                                       env_overlap=getattr(sample_fn, "env_overlap", 0),
+                                       env_ids=[ep.env_id for ep in expanded], max_abs_reward=max_abs_reward)
         max_turns = 0  # the turn loop below has nothing left to run
     for turn in range(max_turns):
         active = [i for i, s in enumerate(samples) if not s.done]
@@ -264,7 +282,7 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
             _, results = scorer.finish(out.tokens_NxLg, out.lengths_N)  # checks each streamed reply
         env_s += time.perf_counter() - t
         for row, i in enumerate(active):
-            _apply_result(samples[i], results[row], replies[row], tokenizer)
+            _apply_result(samples[i], results[row], replies[row], tokenizer, expanded[i].env_id, max_abs_reward)
         before = [prompts[i // G] for i in range(len(samples))] if turn == 0 else contexts
         contexts = [s.prompt_ids + [int(x) for t, _, _ in s.segments for x in t] for s in samples]
         for i in active:  # token append keeps the extension property (rollout.turns): a failure is a bug
@@ -312,25 +330,12 @@ def append_reply(s: Sample, tokens, logp, truncated: bool, tokenizer, versions=N
     return s.texts[-1]
 
 
-def _finite_reward(reward) -> float | None:
-    """`reward` as a float, or None when it is not a finite real number (NaN, inf, a string, None)."""
-    try:
-        r = float(reward)
-    except (TypeError, ValueError):
-        return None
-    return r if math.isfinite(r) else None
-
-
-def _apply_result(s: Sample, result, reply: str, tokenizer) -> None:
-    """An env step's (obs, reward, terminated, truncated, info) into sample `s`; a continuing episode gets the
-    bridge tokens to its next turn (masked out of the loss)."""
-    obs, reward, terminated, truncated, info = result
-    reward = _finite_reward(reward)
-    if reward is None:  # an env fault, not the policy's: never scored; the scheduler retries it
-        log.warning("env returned reward %r (not a finite number): the episode ends as infra_error", result[1])
-        info = {**info, "status": "infra_error", "reason": f"env returned a non-finite reward {result[1]!r}"}
-        reward, truncated = 0.0, True
-    s.reward, s.status, s.info = reward, str(info.get("status", "")), info
+def _apply_result(s: Sample, result, reply: str, tokenizer, env_id: str = "",
+                  max_abs_reward: float = DEFAULT_MAX_ABS_REWARD) -> None:
+    """An env step's (obs, reward, terminated, truncated, info) of episode `env_id` into sample `s`, checked
+    (`check_result`); a continuing episode gets the bridge tokens to its next turn (masked out of the loss)."""
+    obs, reward, terminated, truncated, info = check_result(result, env_id, max_abs_reward)
+    s.reward, s.status, s.info = reward, info["status"], info
     s.done = bool(terminated or truncated)
     if not s.done:
         bridge = turn_bridge(tokenizer, reply, obs, not s.truncated, info)

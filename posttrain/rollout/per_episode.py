@@ -32,17 +32,23 @@ from posttrain.rollout import turns
 
 def run(generate: Callable, make_request: Callable, max_seq_len: int, tokenizer, runner, samples: Sequence,
         prompts: Sequence[list[int]], *, group_size: int, max_turns: int, key,
-        env_overlap: int = 0) -> tuple[float, float]:
+        env_overlap: int = 0, env_ids: Sequence[str] | None = None,
+        max_abs_reward: float | None = None) -> tuple[float, float]:
     """Runs every sample of `samples` (group-major, after `runner.reset`; sample i answers prompts[i // G]) to the
     end of its episode. generate(requests, key, on_finish, follow_after=) -> completions: the engine's
     `generate`; make_request(prompt tokens) -> its `engine.Request` with the call's sampling settings;
     max_seq_len: the longest request the engine takes; env_overlap: decode chunks an env step may overlap (0: it
-    runs inside the engine's loop; > 0: the runner is called from one other thread, one step at a time).
+    runs inside the engine's loop; > 0: the runner is called from one other thread, one step at a time); env_ids:
+    the env id of each sample (None: ""), named when its env's result is refused (`env_results.check_result`, with
+    `max_abs_reward`; None: env_results.DEFAULT_MAX_ABS_REWARD).
     Returns (gen_s, env_s): seconds in the engine's loop (less the env steps it ran, at env_overlap 0) and in env
     steps (overlapping gen_s at env_overlap > 0). Raises what the env runner raises."""
+    from posttrain.rollout.env_results import DEFAULT_MAX_ABS_REWARD
     from posttrain.rollout.episodes import _apply_result
 
     G = group_size
+    env_ids = [""] * len(samples) if env_ids is None else list(env_ids)
+    bound = DEFAULT_MAX_ABS_REWARD if max_abs_reward is None else max_abs_reward
     contexts = [list(prompts[i // G]) for i in range(len(samples))]
     owner, turn_of = list(range(len(samples))), [0] * len(samples)  # request index -> sample, its turn
     env_s = [0.0]
@@ -66,7 +72,7 @@ def run(generate: Callable, make_request: Callable, max_seq_len: int, tokenizer,
         t = time.perf_counter()
         result = runner.step([s.texts[-1]], [i])[0]
         env_s[0] += time.perf_counter() - t
-        _apply_result(s, result, s.texts[-1], tokenizer)
+        _apply_result(s, result, s.texts[-1], tokenizer, env_ids[i], bound)
         if s.done or turn >= max_turns:
             return None
         context = s.prompt_ids + [int(x) for seg, _, _ in s.segments for x in seg]

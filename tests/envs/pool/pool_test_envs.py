@@ -3,8 +3,10 @@
 Echo-v0: the task is {"answer": str, "turns": int}; each step scores 1.0 when the action equals the
 answer; the episode terminates after `turns` steps. Observations carry a number drawn from the
 seeded np_random, so seeds are visible. Special actions misbehave on purpose: "sleep:<seconds>",
-"crash" (the worker process exits), "raise" (the env raises), "pid" (the observation is the worker pid).
+"crash" (the worker process exits), "raise" (the env raises), "pid" (the observation is the worker pid),
+"reward:<Python literal>" (that value is the reward, as a user's env might return it: "reward:'1.0'", "reward:None").
 """
+import ast
 import os
 import time
 
@@ -30,7 +32,8 @@ class EchoEnv(gymnasium.Env):
         elif action == "raise":
             raise RuntimeError("env bug")
         self._turn += 1
-        reward = float(action == self._task["answer"])
+        reward = (ast.literal_eval(action.removeprefix("reward:")) if action.startswith("reward:")
+                  else float(action == self._task["answer"]))
         obs = str(os.getpid()) if action == "pid" else f"turn={self._turn} draw={int(self.np_random.integers(1 << 30))}"
         done = self._turn >= self._task["turns"]
         return obs, reward, done, False, {"status": "ok" if reward else "wrong"}

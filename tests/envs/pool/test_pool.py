@@ -132,6 +132,21 @@ def test_env_host_reuses_envs_and_a_reset_releases_the_previous_batch():
     host.close()
 
 
+@pytest.mark.parametrize("action, reward", [("reward:'1.0'", "1.0"), ("reward:None", None), ("reward:[1]", [1]),
+                                            ("reward:1j", 1j), ("reward:True", 1.0), ("reward:7", 7.0)])
+def test_env_host_passes_a_reward_that_is_no_real_number_on_unchanged(action, reward):
+    """The worker used to float() every reward ("1.0" scored 1, the pool and Ray backends alike): a real number is
+    a float, anything else goes back as the env returned it, for the caller to refuse (posttrain's rollout)."""
+    import pool_test_envs  # noqa: F401
+    from envs.pool.worker import EnvHost
+
+    host = EnvHost()
+    assert host.handle("reset", (0, ECHO, {}, {"answer": "a", "turns": 1}, 0))[0] == "ok"
+    kind, (obs, got, terminated, truncated, info) = host.handle("step", (0, action))
+    assert kind == "ok" and got == reward and type(got) is type(reward) and terminated and not truncated
+    host.close()
+
+
 def test_deterministic_seeds_give_identical_results_across_pools():
     specs = echo(10, turns=2, seed0=100)
     runs = []

@@ -56,12 +56,24 @@ def test_config_files_exist():
     ("sampling", "temperature", float("inf"), r"sampling.temperature: expected a finite number"),
     ("optim", "lr", float("nan"), r"optim.lr: expected a finite number, got nan"),
     ("rl", "tis_cap", 0.5, r"rl.tis_cap=0.5 is out of range: must be >= 1 \(a cap below 1 scales down"),
+    ("env", "max_abs_reward", 0.0, r"^env.max_abs_reward=0.0 is out of range: must be > 0$"),
+    ("env", "max_abs_reward", -5, r"^env.max_abs_reward=-5.0 is out of range: must be > 0$"),
+    ("env", "max_abs_reward", float("inf"), r"^env.max_abs_reward: expected a finite number, got inf$"),
+    ("env", "max_abs_reward", float("nan"), r"^env.max_abs_reward: expected a finite number, got nan$"),
+    ("env", "max_abs_reward", "1e4", r"^env.max_abs_reward: expected float, got '1e4' \(str\)$"),
 ])
 def test_bad_values_raise_one_clear_error(section, key, value, match):
     raw = load(pathlib.Path(CONFIGS[0]).with_name("quickstart.py")).to_dict()
     raw[section][key] = value  # a plain dict: ml_collections' own type checks would catch some earlier
     with pytest.raises(ConfigError, match=match):
         from_config_dict(raw)
+
+
+def test_env_max_abs_reward_defaults_to_1e4_and_takes_a_positive_number():
+    raw = load(pathlib.Path(CONFIGS[0]).with_name("quickstart.py")).to_dict()
+    assert from_config_dict(raw).env.max_abs_reward == 1e4
+    raw["env"]["max_abs_reward"] = 50  # an int is a float setting's value
+    assert from_config_dict(raw).env.max_abs_reward == 50.0
 
 
 def test_env_domains_keeps_matching_train_and_eval_envs():

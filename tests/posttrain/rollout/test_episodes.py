@@ -9,6 +9,9 @@ from posttrain.rollout.episodes import Episode, InlineEnvs, run_episodes
 from posttrain.rollout.sampler import SampleOutput
 from posttrain.model.tokenizer import Tokenizer
 
+import faulty_envs
+from faulty_envs import FAULTY
+
 TOK = Tokenizer.byte_level()
 STOP = TOK.stop_ids[0]
 
@@ -150,7 +153,7 @@ class _Turns:
         for i in (range(len(actions)) if indices is None else indices):
             self.turns[i] += 1
             term, trunc, status = self.plan.get(self.turns[i], (False, False, "ok"))
-            out.append(("tool output", float(status == "correct"), term, trunc, {"status": status}))
+            out.append(("tool output", float(term and status == "ok"), term, trunc, {"status": status}))
         return out
 
 
@@ -159,7 +162,7 @@ class _Turns:
 @pytest.mark.parametrize("max_turns,plan,status,reward", [
     (1, {}, "truncated", 0.0),
     (3, {}, "truncated", 0.0),  # configs/tool.py's 3 turns with the env's own limit later (its default 4)
-    (3, {2: (True, False, "correct")}, "correct", 1.0),
+    (3, {2: (True, False, "ok")}, "ok", 1.0),
     (3, {3: (True, False, "wrong")}, "wrong", 0.0),
     (3, {2: (False, True, "wrong")}, "wrong", 0.0),  # the env truncated it itself (its on_truncate verdict)
 ])
@@ -174,44 +177,103 @@ def test_an_episode_cut_by_max_turns_is_truncated_not_ok(max_turns, plan, status
                    for s in samples)
 
 
-class FaultyEnv(__import__("gymnasium").Env):
-    """A one-turn env whose task says how it fails: "reset" raises in reset, "step" raises in step, "nan" / "inf"
-    / "text" return that as the reward, "ok" scores 1."""
-
-    action_space = observation_space = __import__("gymnasium").spaces.Text(1000)
-
-    def reset(self, *, seed=None, options=None):
-        self.mode = options["task"]["mode"]
-        if self.mode == "reset":
-            raise RuntimeError("sandbox failed to start")
-        return f"mode {self.mode}", {}
-
-    def step(self, action):
-        if self.mode == "step":
-            raise RuntimeError("harness crashed")
-        reward = {"nan": float("nan"), "inf": float("inf"), "text": "1.0?", "ok": 1.0}[self.mode]
-        return "", reward, True, False, {"status": "ok"}
+MODES = ["reset", "step", "env_infra", *sorted(faulty_envs.REFUSED), *sorted(faulty_envs.ACCEPTED)]
 
 
-@pytest.mark.parametrize("mode, reason", [
-    ("reset", "reset raised RuntimeError: sandbox failed to start"),
-    ("step", "step raised RuntimeError: harness crashed"),
-    ("nan", "env returned a non-finite reward nan"),
-    ("inf", "env returned a non-finite reward inf"),
-    ("text", "env returned a non-finite reward '1.0?'"),
-])
-def test_env_faults_end_their_episode_as_infra_error_and_the_others_go_on(mode, reason):
-    """An in-process env's exception (reset or step) or a reward that is no finite number ends that episode as
-    infra_error, the pool's contract (retried by the scheduler, never scored); the other episode scores 1."""
-    import gymnasium
+def expected(mode: str, runner: str = "inline") -> tuple:
+    """(status, reward, counts, reason or None) of a sample of the faulty env in `mode` (`faulty_envs`)."""
+    if mode in faulty_envs.ACCEPTED:
+        reward, status, _ = faulty_envs.ACCEPTED[mode]
+        return status, reward, True, None
+    reason = {"reset": "reset raised RuntimeError: sandbox failed to start",
+              "step": "step raised RuntimeError: harness crashed", "env_infra": "flaky sandbox"}.get(mode)
+    if runner == "pool" and mode == "four":  # the worker unpacks gymnasium's 5 itself
+        reason = "step raised ValueError: not enough values to unpack (expected 5, got 4)"
+    return "infra_error", 0.0, False, reason or f"env {FAULTY!r} {faulty_envs.REFUSED[mode]}"
 
-    if "test/Faulty-v0" not in gymnasium.registry:
-        gymnasium.register("test/Faulty-v0", entry_point=FaultyEnv)
+
+def run_faulty(runner, modes=MODES, stream=False, **kw):
     fn, _ = scripted([["x"]])
-    eps = [Episode("test/Faulty-v0", {}, {"mode": m}, seed=i) for i, m in enumerate((mode, "ok"))]
+    sample_fn = (lambda *a, on_rows=None: fn(*a)) if stream else fn  # streaming: every row scored at finish
+    eps = [Episode(FAULTY, {}, {"mode": m}, seed=i, domain=m) for i, m in enumerate(modes)]
+    samples, _ = run_episodes(sample_fn, TOK, runner, eps, group_size=1, max_turns=1, key=_key(), pad_id=TOK.pad_id,
+                              stream=stream, **kw)
+    return samples
+
+
+def outcome(s) -> tuple:
+    reason = s.info.get("reason") if s.status == "infra_error" else None
+    return s.status, s.reward, s.counts, reason if reason is None else reason.splitlines()[0]
+
+
+# kind: everything a user's env can get wrong in a step (an exception, a reward that is no real number, non-finite or
+# beyond env.max_abs_reward, an unknown or missing status, an info or step tuple of the wrong shape) ends only that
+# episode, as an infra_error naming the env (never scored); the valid rewards of the same batch score as floats
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "streaming"])
+def test_env_faults_end_their_episode_as_infra_error_and_the_others_go_on(stream):
     runner = InlineEnvs()
-    samples, _ = run_episodes(fn, TOK, runner, eps, group_size=1, max_turns=1, key=_key(), pad_id=TOK.pad_id)
-    bad, good = samples
-    assert bad.status == "infra_error" and bad.info["reason"].startswith(reason) and bad.reward == 0.0
-    assert bad.done and not bad.counts and good.status == "ok" and good.reward == 1.0 and good.counts
-    assert runner.infra_errors == (1 if mode in ("reset", "step") else 0)
+    samples = run_faulty(runner, stream=stream)
+    assert {m: outcome(s) for m, s in zip(MODES, samples)} == {m: expected(m) for m in MODES}
+    assert all(s.done and type(s.reward) is float for s in samples)
+    assert runner.infra_errors == 2  # the exceptions; the boundary's refusals are not the runner's
+
+
+def test_env_workers_pass_faulty_results_on_to_the_same_check():
+    """The EnvPool worker (process backend; the Ray backend runs the same `EnvHost`) no longer coerces a reward
+    (float("1.0") scored 1) or an info: its results meet the same check as the in-process runner's."""
+    from envs.pool.processes import EnvPool
+
+    with EnvPool(num_workers=1, step_timeout_s=30.0) as pool:
+        samples = run_faulty(pool)
+    assert {m: outcome(s) for m, s in zip(MODES, samples)} == {m: expected(m, "pool") for m in MODES}
+
+
+def test_the_runners_bound_applies_to_every_caller_evaluations_included():
+    """`HostShardedEnvs.max_abs_reward` (the run's env.max_abs_reward on the Rollouter's runner) is the bound of every
+    run_episodes call on that runner: the evaluation runner's (`eval.runner.sample_groups`, which names none) too;
+    an explicit max_abs_reward overrides it."""
+    from posttrain.eval import runner as eval_runner
+    from posttrain.rollout.episodes import HostShardedEnvs
+
+    modes = ["ok", "np_float", "-bound"]
+    eps = [Episode(FAULTY, {}, {"mode": m}, seed=i, domain=m) for i, m in enumerate(modes)]
+    fn, _ = scripted([["x"]])
+    groups = eval_runner.sample_groups(fn, TOK, HostShardedEnvs(InlineEnvs(), max_abs_reward=0.5), eps, batch_size=8)
+    got = [outcome(group[0]) for _, group, _ in groups]
+    assert got == [("infra_error", 0.0, False, f"env {FAULTY!r} returned reward 1.0, beyond env.max_abs_reward=0.5 "
+                    "(a reward scale bug? rescale the env's rewards or raise env.max_abs_reward)"),
+                   ("wrong", 0.5, True, None), ("infra_error", 0.0, False, f"env {FAULTY!r} returned reward "
+                    "-10000.0, beyond env.max_abs_reward=0.5 (a reward scale bug? rescale the env's rewards or raise "
+                    "env.max_abs_reward)")]
+    assert [outcome(s) for s in run_faulty(HostShardedEnvs(InlineEnvs(), max_abs_reward=0.5), modes,
+                                           max_abs_reward=1e4)] == [expected(m) for m in modes]
+    assert HostShardedEnvs(InlineEnvs()).max_abs_reward == 1e4
+
+
+def test_per_episode_turns_check_each_result_and_name_its_env():
+    """The rollout engine's per-episode turns (`rollout.per_episode`) step each env on its own and meet the same check:
+    a refused result ends that episode as an infra_error naming its env id, the others go on."""
+    import types
+
+    from posttrain.rollout import per_episode
+    from posttrain.rollout.episodes import Sample
+
+    modes = ["text", "ok", "huge"]
+    runner = InlineEnvs()
+    runner.reset([Episode(FAULTY, {}, {"mode": m}, seed=i) for i, m in enumerate(modes)])
+    reply = TOK.encode("x") + [STOP]
+
+    def generate(requests, key, on_finish, follow_after=0):
+        queue = list(enumerate(requests))
+        while queue:
+            index, _ = queue.pop(0)
+            done = types.SimpleNamespace(tokens=reply, logprobs=[-0.1] * len(reply), truncated=False, versions=None,
+                                         routing=None)
+            if (nxt := on_finish(index, done)) is not None:
+                queue.append((index + len(requests), nxt))
+        return []
+
+    samples = [Sample(domain=m, group=i, prompt_ids=[1, 2]) for i, m in enumerate(modes)]
+    per_episode.run(generate, lambda ctx: types.SimpleNamespace(max_new_tokens=4), 64, TOK, runner, samples,
+                    [[1, 2]] * 3, group_size=1, max_turns=2, key=None, env_ids=[FAULTY] * 3)
+    assert [outcome(s) for s in samples] == [expected(m) for m in modes]
