@@ -38,15 +38,17 @@ def run_plan_of(checkpoint: str | pathlib.Path, cfg: Config | None = None, flag:
     or `cfg` (a --config) with the run's own model sections), with its workdir. Raises RunNotFoundError (nothing
     read or created; naming `flag`) without a complete checkpoint there, ConfigError for a run it cannot evaluate."""
     grpo.require_checkpoint(checkpoint, flag)
-    return make_run_plan(read_run.reading_config(checkpoint, cfg, "eval --suite"), workdir=str(checkpoint))
+    return make_run_plan(read_run.reading_config(checkpoint, cfg, "eval --suite", suite=True), workdir=str(checkpoint))
 
 
 def evaluate_policies(plan: RunPlan, built, *, with_base: bool, sampling_plan: RunPlan | None = None) -> dict:
     """{"base"?: (records, seconds, 0), "run": (records, seconds, step)}: the run's initial policy (when
-    `with_base`) and its newest checkpoint, sampled with `sampling_plan`'s eval settings (default: `plan`'s)."""
+    `with_base`) and its newest checkpoint, sampled with `sampling_plan`'s eval settings (default: `plan`'s). Only
+    the suite's envs (`built`) are used: the run's own env.train and env.eval are not built, so a run trained on an
+    env whose module is not importable here evaluates on a suite all the same."""
     out = {}
     with use_rules(plan.rules):
-        rollouter, learner, _ = grpo.build(plan, reading=True, restore=False)
+        rollouter, learner, _ = grpo.build(plan, reading=True, restore=False, held_out=False)
         try:
             if with_base:
                 out["base"] = (*sample_suite(sampling_plan or plan, built, rollouter, learner.policy()), 0)

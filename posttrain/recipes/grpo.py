@@ -83,19 +83,26 @@ def resume_changes(plan: RunPlan, allow: bool = False) -> dict[str, list]:
                              free_keys=run_plan_lib.RESUME_FREE_KEYS, allow_changes=allow)
 
 
-def build(plan: RunPlan, *, reading: bool = False, restore: bool = True,
-          allow_config_change: bool = False) -> tuple[Rollouter, Learner, dict]:
+def build(plan: RunPlan, *, reading: bool = False, restore: bool = True, allow_config_change: bool = False,
+          held_out: bool = True) -> tuple[Rollouter, Learner, dict]:
     """The phases of a run: the policy loaded on the plan's mesh, the learner's train state (restored from the
     newest checkpoint in the workdir, if any, unless not `restore`: then the initial policy until
     `learner.restore()`), the rollouter (its scheduler and curriculum restored with it; with `plan.rewards`, a
     `rollout.rewards.RewardedRollouter` with the reward model and judge loaded) and the held-out episodes. Writes
     the workdir's config.json, unless `reading` (a command that only reads a run: then the run must hold a
-    complete checkpoint, `require_checkpoint`)."""
+    complete checkpoint, `require_checkpoint`).
+
+    A command that only reads a run builds none of its training envs (env.train: recorded in its config, they
+    need not be importable where the run is read; the rollouter then samples and steps the envs of the episodes
+    it is given but draws no training tasks, `Rollouter.create(train=False)`), and its held-out envs (env.eval,
+    the episodes returned) only with `held_out` (`posttrain eval` of the run's own eval envs; a suite evaluation,
+    `sample` and `convert` use none: episodes {}). Raises ConfigError for an env it builds that cannot be built."""
     if reading:
         require_checkpoint(plan.workdir)
     else:  # the step's compiled peak against this machine's memory: before any worker start, load or write
         preflight.check(plan)
-    sources, episodes = run_plan_lib.check_envs(plan)  # every env built once: a bad one stops before any load
+    # every env used built once: a bad one stops before any load
+    sources, episodes = run_plan_lib.check_envs(plan, train=not reading, held_out=held_out or not reading)
     changes = {} if reading else resume_changes(plan, allow_config_change)  # before any load or write
     mesh, rollout_mesh = mesh_lib.split_meshes(plan.mesh_shape, plan.rollout_mesh_shape)  # one mesh unless split
     model_config, graphdef, weights, tokenizer = load_policy(plan.policy, mesh, plan.rules)
@@ -106,9 +113,12 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True,
                              read_only=reading)
     with Resources(("the checkpointer", learner.close)).on_error():  # a failed restore or env start closes it
         scored = plan.rewards is not None and not reading  # rewards.model / rewards.judge: loaded for training
+        meta = learner.restore() if restore else None
+        # a reader's rollouter draws no training tasks: no scheduler or curriculum state to restore (an offline run's
+        # checkpoint has none either)
         rollouter = (rewards_lib.RewardedRollouter if scored else Rollouter).create(
             plan.rollout, rollout_mesh, learner.graphdef, tokenizer, advantage_fn(plan.advantage),
-            meta=rollout_meta(learner.restore() if restore else None, reading), sources=sources)
+            meta=None if reading else meta, sources=sources, train=not reading)
         if scored:
             rewarder = rewards_lib.Rewarder.create(plan.rewards, tokenizer, mesh, plan.rules)
             rollouter = dataclasses.replace(rollouter, rewarder=rewarder)
@@ -131,12 +141,6 @@ def record_settings(plan: RunPlan, changes: dict[str, list]) -> None:
         metrics_lib.log.warning("resuming from step %d with changed settings (recorded in %s): %s", step,
                                 plan.workdir / "config_changes.jsonl",
                                 "; ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in changes.items()))
-
-
-def rollout_meta(meta, reading: bool):
-    """A restored checkpoint's metadata for the rollouter; for a command that reads a run, None for an offline
-    run's (SFT / DPO: no scheduler state, so its policy is sampled with a fresh one)."""
-    return None if reading and meta is not None and "scheduler" not in meta else meta
 
 
 def unreadable_note(checkpointer) -> str | None:
@@ -374,7 +378,9 @@ class _Loop:
 def evaluate_run(plan: RunPlan) -> tuple[int, dict]:
     """(step, eval/* metrics) of the newest readable checkpoint of the run in `plan.workdir` on the plan's eval
     suite; the run is only read (no records written, an unreadable checkpoint left in place and named in an ERROR
-    line). Raises RunNotFoundError (before loading anything) when the workdir holds no complete checkpoint."""
+    line). Only the run's env.eval envs are built (not its training envs). Raises RunNotFoundError (before loading
+    anything) when the workdir holds no complete checkpoint, ConfigError naming env.eval.<name> when one of its eval
+    envs cannot be built here (e.g. the module of a 'my_envs:Env-v0' id is not importable)."""
     with use_rules(plan.rules):
         rollouter, learner, episodes = build(plan, reading=True)
         with Resources(("the checkpointer", learner.close), ("the env workers", rollouter.close)):
@@ -382,11 +388,12 @@ def evaluate_run(plan: RunPlan) -> tuple[int, dict]:
 
 
 def run_policy(plan: RunPlan):
-    """(ModelConfig, nnx state, tokenizer) of the newest checkpoint of the run in `plan.workdir` (LoRA unmerged).
-    Raises RunNotFoundError (before loading anything) when the workdir holds no complete checkpoint."""
+    """(ModelConfig, nnx state, tokenizer) of the newest checkpoint of the run in `plan.workdir` (LoRA unmerged); no
+    env of the run is built. Raises RunNotFoundError (before loading anything) when the workdir holds no complete
+    checkpoint."""
     from flax import nnx
 
-    rollouter, learner, _ = build(plan, reading=True)
+    rollouter, learner, _ = build(plan, reading=True, held_out=False)
     with Resources(("the checkpointer", learner.close), ("the env workers", rollouter.close)):
         state = nnx.state(nnx.merge(learner.graphdef, *learner.policy()))
     return learner.model_config, state, rollouter.tokenizer

@@ -12,8 +12,9 @@ shared ones), else GRPO (`rl`). What each command reads:
   rm    | refused (it scores, it has no policy) | refused          | HF sequence classifier          | refused
 
 An SFT or DPO run has no environment of its own: `eval` takes the env and eval sections from --config, else from
-the GRPO run it was trained from (`<section>.from_archive`, that run's config.json), else refuses naming --config;
-the policy's shape and state (`model`, `lora`, `optim`, `checkpoint`) are always the run's.
+the GRPO run it was trained from (`<section>.from_archive`, that run's config.json), else refuses naming --config
+(`eval --suite` then takes the defaults: a suite evaluation builds only the suite's envs); the policy's shape and
+state (`model`, `lora`, `optim`, `checkpoint`) are always the run's.
 """
 from __future__ import annotations
 
@@ -72,10 +73,16 @@ def offline_plan(workdir, kind: str):
     return make(cfg, workdir=str(workdir))
 
 
-def policy_eval_config(workdir, kind: str, cfg: Config | None) -> Config:
+# a suite evaluation's stand-in for the env section of an SFT / DPO run that has none: never built (the suite's envs
+# are all a suite evaluation builds, `grpo.build(held_out=False)`) nor written anywhere
+SUITE_PLACEHOLDER_ENV = {"id": "posttrain/Arithmetic-v0"}
+
+
+def policy_eval_config(workdir, kind: str, cfg: Config | None, suite: bool = False) -> Config:
     """The GRPO Config that evaluates the policy of the SFT / DPO run in `workdir`: `cfg`'s sections (else those of
-    the GRPO run it was trained from) with the run's OFFLINE_STATE_SECTIONS and its workdir, and a learner shaped
-    like the run's (no reference copy, one update per step). Raises ConfigError when neither gives an env."""
+    the GRPO run it was trained from; else, for a `suite` evaluation, which uses no env of the run, the defaults with
+    SUITE_PLACEHOLDER_ENV as env.train) with the run's OFFLINE_STATE_SECTIONS and its workdir, and a learner shaped
+    like the run's (no reference copy, one update per step). Raises ConfigError when none gives an env."""
     from posttrain.recipes.run_plan import saved_config
 
     saved = json.loads((pathlib.Path(workdir) / "config.json").read_text())
@@ -83,6 +90,11 @@ def policy_eval_config(workdir, kind: str, cfg: Config | None) -> Config:
     base = cfg
     if base is None and source and run_kind(source) == "grpo":
         base = saved_config(source)
+    if base is None and suite:
+        from posttrain.config import EnvSpec
+
+        base = dataclasses.replace(Config(), env=dataclasses.replace(
+            Config().env, train={"suite_placeholder": EnvSpec(**SUITE_PLACEHOLDER_ENV)}))
     if base is None:
         raise refuse(workdir, kind, "eval", "needs an env to evaluate on: pass --config=configs/X.py (its env and "
                      "eval sections; the run's model and weights are used), or --suite" +
@@ -98,10 +110,11 @@ def policy_eval_config(workdir, kind: str, cfg: Config | None) -> Config:
     return from_config_dict(raw)
 
 
-def reading_config(workdir, cfg: Config | None = None, command: str = "eval") -> Config:
+def reading_config(workdir, cfg: Config | None = None, command: str = "eval", suite: bool = False) -> Config:
     """The GRPO Config with which `command` evaluates the policy of the run in `workdir` (a complete checkpoint
-    there is the caller's check): a GRPO run's `run_plan.config_for_run`, an SFT / DPO run's `policy_eval_config`.
-    Raises ConfigError for a reward-model run (it has no policy) or a run without a usable config."""
+    there is the caller's check): a GRPO run's `run_plan.config_for_run`, an SFT / DPO run's `policy_eval_config`
+    (`suite`: for a suite evaluation, which needs no env of the run). Raises ConfigError for a reward-model run (it
+    has no policy) or a run without a usable config."""
     from posttrain.recipes.run_plan import config_for_run
 
     kind = run_kind(workdir)
@@ -109,7 +122,7 @@ def reading_config(workdir, cfg: Config | None = None, command: str = "eval") ->
         raise refuse(workdir, kind, command, "evaluates a policy; a reward model scores replies (use it as "
                      f"rewards.model={workdir} in a GRPO config)")
     if kind in OFFLINE_KINDS:
-        return policy_eval_config(workdir, kind, cfg)
+        return policy_eval_config(workdir, kind, cfg, suite)
     return config_for_run(workdir, cfg)
 
 

@@ -123,19 +123,19 @@ def check_names(cfg: Config) -> None:
             raise ConfigError(f"{section}.{key}={value!r}; expected one of {tuple(registry)}")
 
 
-def check_envs(plan: RunPlan) -> tuple[dict, dict]:
-    """Builds every env of the plan once (golden self-checks), before any model load or worker start: (`task_sources`
-    of env.train, env.eval's held-out episodes) for the rollouter and the evaluation; with env workers one worker
-    starts each env too. Raises ConfigError naming env.train.<name> / env.eval.<name>, its id, kwargs and the env's
-    error (an unregistered id: the registered ids and the `module:Env-v0` form; a worker's failure: that form)."""
+def check_envs(plan: RunPlan, *, train: bool = True, held_out: bool = True) -> tuple[dict, dict]:
+    """Builds the plan's envs once (self-checks) before any model load or worker start: (env.train's `task_sources`
+    unless not `train`, env.eval's episodes unless not `held_out`; {} if skipped); with env workers one worker starts
+    each too. Raises ConfigError naming env.train.<name> / env.eval.<name>, its id, kwargs and the env's error (an
+    id not registered or its module not importable: the registered ids and the `module:Env-v0` form; a worker's too)."""
     from posttrain.eval import runner as eval_runner
 
     try:
-        train = task_sources(plan.rollout.train_specs)
+        train = task_sources(plan.rollout.train_specs) if train else {}
     except EnvSpecError as e:
         raise ConfigError(f"env.train.{e}") from e
     try:
-        episodes = eval_runner.settings_episodes(plan.eval)
+        episodes = eval_runner.settings_episodes(plan.eval) if held_out else {}
     except EnvSpecError as e:
         raise ConfigError(f"env.eval.{e}") from e
     if plan.rollout.num_workers > 0:  # what the workers cannot build fails here too, not as infra errors later
@@ -376,9 +376,9 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
         packed=rl.packed, overlong_filter=rl.overlong_filter, dynamic_sampling=rl.dynamic_sampling,
         max_resample_rounds=rl.max_resample_rounds, record_routing=rl.routing_replay == "replay",
         num_workers=env.num_workers, env_backend=env.backend, step_timeout_s=env.step_timeout_s,
-        max_infra_error_rate=env.max_infra_error_rate, seed=cfg.train.seed, **dataclasses.asdict(cfg.rollout),
-        curriculum=cfg.curriculum, run=tasks.run, tasks=tasks if cfg.tasks.enabled else None,
-        engine=engine_settings(cfg, cfg.mesh.rollout or learn))
+        max_infra_error_rate=env.max_infra_error_rate, max_abs_reward=env.max_abs_reward, seed=cfg.train.seed,
+        **dataclasses.asdict(cfg.rollout), curriculum=cfg.curriculum, run=tasks.run,
+        tasks=tasks if cfg.tasks.enabled else None, engine=engine_settings(cfg, cfg.mesh.rollout or learn))
     learner = LearnerSettings(workdir=wd, optimizer=optimizer_settings(cfg), lora_rank=cfg.lora.rank,
                               need_reference=rl.beta > 0, seed=cfg.train.seed, checkpoint=cfg.checkpoint,
                               rules=rules, config_dict=config_dict, updates_per_step=rl.ppo_epochs * rl.minibatches,

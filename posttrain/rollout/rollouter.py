@@ -28,6 +28,7 @@ from posttrain.infra import reshard
 from posttrain.infra.partitioning import current_rules
 from posttrain.rollout import batching, episodes as rollout, streaming, tickets
 from posttrain.rollout.engine_sampler import EngineSampler, EngineSamplerSettings
+from posttrain.rollout.env_results import DEFAULT_MAX_ABS_REWARD
 from posttrain.rollout.env_side import check_infra_errors, make_runner, task_sources
 from posttrain.rollout.floors import above_floor_metrics, spec_floors
 from posttrain.rollout.sampler import (SamplingParams, sample, shared_prefix_len, shrink_schedule,
@@ -61,6 +62,8 @@ class RolloutSettings:
         env_backend: the env workers' kind, "process" or "ray" (`envs.pool.processes.BACKENDS`; `make_runner`).
         step_timeout_s: a worker's limit on one env step, in seconds.
         max_infra_error_rate: a step with a larger share of infra-error episodes raises EnvInfraError.
+        max_abs_reward: an env reward of larger magnitude ends its episode as an infra_error
+            (`env_results.check_result`; the run's env runner carries it, so its evaluations check it too).
         seed: seeds the task order.
         curriculum: the config's curriculum section.
         run: the run's name (the first field of every episode id in the archive).
@@ -98,6 +101,7 @@ class RolloutSettings:
     env_backend: str = "process"
     step_timeout_s: float = 60.0
     max_infra_error_rate: float = 0.5
+    max_abs_reward: float = DEFAULT_MAX_ABS_REWARD
     seed: int = 0
     curriculum: CurriculumConfig = CurriculumConfig()
     run: str = "run"
@@ -149,6 +153,28 @@ def make_scheduler(settings: RolloutSettings, sources: Mapping[str, Any]):
     return JobScheduler(sources, settings.tasks, weights=weights)
 
 
+def training_tasks(settings: RolloutSettings, meta: Mapping | None, sources: Mapping | None) -> tuple:
+    """(scheduler, train_specs, curriculum or None) of a training rollouter: `sources` (`task_sources` of
+    settings.train_specs; built here when None, each env's self-check included), the scheduler over them with the
+    cursors of `meta` (a checkpoint's; None: fresh) and the curriculum's levels applied. Raises EnvSpecError for
+    a training env that cannot be built."""
+    train = dict(sources) if sources is not None else task_sources(settings.train_specs)
+    scheduler = make_scheduler(settings, {n: s for n, (_, _, s) in train.items()})
+    train_specs, cur = dict(settings.train_specs), None
+    if settings.curriculum.enabled:
+        from posttrain.tasks.curriculum import from_env_specs
+
+        cur = from_env_specs(train_specs, settings.curriculum)
+    if meta is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+        if cur is not None:
+            cur.load_state_dict(meta["curriculum"])
+    if cur is not None:  # every curriculum domain's tasks at its (start or restored) level
+        apply_levels(cur, train_specs, scheduler, [d for d in cur.names if cur.max_levels[d] > 0])
+        scheduler.set_weights(cur.weights())
+    return scheduler, train_specs, cur
+
+
 def _gated(fn: rollout.SampleFn, gate: Callable[[], ContextManager]) -> rollout.SampleFn:
     """`fn` with `gate()` held around each call until its outputs are computed (jax.block_until_ready)."""
 
@@ -174,7 +200,7 @@ class Rollouter:
     graphdef: Any  # nnx.GraphDef of the policy, merged with the learner's policy states
     tokenizer: Any  # posttrain.model.tokenizer.Tokenizer
     runner: rollout.HostShardedEnvs
-    scheduler: Any  # TaskScheduler, or tasks.jobs.JobScheduler when settings.tasks is set
+    scheduler: Any  # TaskScheduler, or tasks.jobs.JobScheduler when settings.tasks is set; None: create(train=False)
     train_specs: dict[str, EnvSpec]
     advantage_fn: batching.AdvantageFn  # the algorithm's advantages of a step's rewards
     curriculum: Any = None  # posttrain.tasks.curriculum.DifficultyCurriculum when curriculum.enabled
@@ -183,26 +209,16 @@ class Rollouter:
 
     @classmethod
     def create(cls, settings: RolloutSettings, mesh, graphdef, tokenizer, advantage_fn: batching.AdvantageFn,
-               meta: Mapping | None = None, sources: Mapping | None = None) -> "Rollouter":
+               meta: Mapping | None = None, sources: Mapping | None = None, train: bool = True) -> "Rollouter":
         """Tasks, environments and scheduler of `settings`; `meta` (a checkpoint's) restores the scheduler's
         cursors and the curriculum's levels; `sources`: `task_sources(settings.train_specs)` when already built
-        (a run plan's dry check), else built here."""
-        train = dict(sources) if sources is not None else task_sources(settings.train_specs)
-        scheduler = make_scheduler(settings, {n: s for n, (_, _, s) in train.items()})
-        train_specs, cur = dict(settings.train_specs), None
-        if settings.curriculum.enabled:
-            from posttrain.tasks.curriculum import from_env_specs
-
-            cur = from_env_specs(train_specs, settings.curriculum)
-        if meta is not None:
-            scheduler.load_state_dict(meta["scheduler"])
-            if cur is not None:
-                cur.load_state_dict(meta["curriculum"])
-        if cur is not None:  # every curriculum domain's tasks at its (start or restored) level
-            apply_levels(cur, train_specs, scheduler, [d for d in cur.names if cur.max_levels[d] > 0])
-            scheduler.set_weights(cur.weights())
+        (a run plan's dry check), else built here. `train` False (a command that only reads a run: evaluations,
+        export): no training env, task source, scheduler or curriculum is built (settings.train_specs need not be
+        importable; `meta` and `sources` are not read); the rollouter samples (`sample_fn`) and steps the envs of
+        the episodes it is given (`runner`); `draw`, `collect`, `status` and `state_dict` raise RuntimeError."""
+        scheduler, train_specs, cur = training_tasks(settings, meta, sources) if train else (None, {}, None)
         runner = rollout.HostShardedEnvs(make_runner(settings.num_workers, settings.step_timeout_s,
-                                                          settings.env_backend))
+                                                     settings.env_backend), max_abs_reward=settings.max_abs_reward)
         engine = EngineSampler(graphdef, settings.engine, mesh.devices.flat[0]) if settings.engine else None
         template = template_prefix_len(lambda m: rollout.chat_prompt(tokenizer, m, settings.system_prompt))
         return cls(settings=settings, mesh=mesh, graphdef=graphdef, tokenizer=tokenizer, runner=runner,
@@ -244,7 +260,9 @@ class Rollouter:
         """Samples this step's groups from the scheduler's tickets (`rollout.tickets`; the job scheduler's with
         their in-step retries); draws again, bounded by max_resample_rounds, while fewer than P groups are kept
         (dynamic sampling sets zero-variance groups aside; the job scheduler drops groups it could not complete).
-        Returns (the batch's samples, perf/* and rollout/* metrics, every sample attempt of the step)."""
+        Returns (the batch's samples, perf/* and rollout/* metrics, every sample attempt of the step). Raises
+        RuntimeError for a rollouter built without training tasks (`create(train=False)`)."""
+        self._require_tasks("draw training tasks")
         st, jobs = self.settings, self.settings.tasks is not None
         G, P = st.group_size, st.prompts_per_step
         d, rounds = tickets.StepDraw(G, st.dynamic_sampling), 0
@@ -327,14 +345,23 @@ class Rollouter:
 
     def status(self, step: int, policy_version: int | None = None) -> dict:
         """The run view after step `step` (`tasks.view.snapshot`: the scheduler's counters, the curriculum's levels
-        and the policy version that sampled the batch), the content of the run's status.json."""
+        and the policy version that sampled the batch), the content of the run's status.json. Raises RuntimeError
+        for a rollouter built without training tasks (`create(train=False)`)."""
         from posttrain.tasks import view
 
+        self._require_tasks("report")
         levels = self.curriculum.levels if self.curriculum is not None else None
         return view.snapshot(step, self.scheduler, levels, policy_version)
 
+    def _require_tasks(self, what: str) -> None:
+        if self.scheduler is None:
+            raise RuntimeError(f"this rollouter was built to read a run (Rollouter.create(train=False)): it has no "
+                               f"task scheduler to {what}")
+
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of the rollouts: the scheduler's cursors (and the curriculum's state)."""
+        """What a checkpoint keeps of the rollouts: the scheduler's cursors (and the curriculum's state). Raises
+        RuntimeError for a rollouter built without training tasks (`create(train=False)`)."""
+        self._require_tasks("save")
         meta = {"scheduler": self.scheduler.state_dict()}
         if self.curriculum is not None:
             meta["curriculum"] = self.curriculum.state_dict()

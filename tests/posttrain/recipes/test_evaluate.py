@@ -94,6 +94,35 @@ def test_suite_report_goes_outside_the_run_which_stays_byte_identical(run_dir, t
     assert _tree(run_dir) == before
 
 
+def test_a_suite_evaluation_needs_none_of_the_runs_own_envs(run_dir, tmp_path, capsys):
+    """A run trained and evaluated on an env of the user's own ('my_envs:WordLength-v0'), read where its module is not
+    importable: a suite evaluation builds only the suite's envs (and `sample` / `convert`, `grpo.run_policy`, none);
+    plain `eval` evaluates the run's own env.eval, so there it must build, and the one-line error names it."""
+    import shutil
+
+    import jax
+
+    from posttrain.recipes import read_run
+
+    run = tmp_path / "mine"
+    shutil.copytree(run_dir, run)
+    raw = json.loads((run / "config.json").read_text())
+    mine = {"words": {"id": "no_such_envs_module:WordLength-v0", "weight": 1.0, "kwargs": {"split": "test"}}}
+    raw["env"].update(train=mine, eval=mine)
+    (run / "config.json").write_text(json.dumps(raw))
+    assert main("--suite=configs/eval/tiny.py", f"--checkpoint={run}", "--domains=arithmetic", "--limit=2",
+                f"--out={tmp_path / 'report'}") == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    records, results = records_lib.read_evaluation(tmp_path / "report" / "candidate")
+    assert [r["domain"] for r in records] == ["arithmetic"] * 2 and results["task_set_hash"] == result["task_set_hash"]
+    assert main(f"--checkpoint={run}") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: env.eval.words: id='no_such_envs_module:WordLength-v0' kwargs={'split': 'test'}: "
+                              "ModuleNotFoundError: No module named 'no_such_envs_module'"), err
+    model_config, state, tokenizer = grpo.run_policy(make_run_plan(read_run.reading_config(run), workdir=str(run)))
+    assert tokenizer.vocab_size <= model_config.vocab_size and len(jax.tree.leaves(state)) > 0
+
+
 def _power_script():
     import importlib.util
 

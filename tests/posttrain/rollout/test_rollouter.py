@@ -151,3 +151,30 @@ def test_the_cli_prints_an_infra_error_stop_in_one_line_with_exit_code_1(monkeyp
     assert cli.main(["posttrain", "train"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: step 0: 16 of 16 episodes ended in infra errors")
+
+
+def test_a_reading_rollouter_builds_no_training_env_and_draws_nothing():
+    """`Rollouter.create(train=False)` (a command that only reads a run: suite evaluation, sample, convert) builds
+    none of settings.train_specs (here a module that is not importable) and refuses what needs the scheduler; a
+    training rollouter builds them and names the one that fails. The runner carries env.max_abs_reward."""
+    import dataclasses
+
+    from posttrain.config import EnvSpec
+    from posttrain.model.tokenizer import Tokenizer
+
+    specs = {"words": EnvSpec(id="no_such_envs_module:WordLength-v0")}
+    settings = dataclasses.replace(make_run_plan(tiny_config("/tmp/x", **{"env.max_abs_reward": 3.0})).rollout,
+                                   train_specs=specs, engine=None)  # the dense sampler: no mesh needed
+    r = rollouter.Rollouter.create(settings, None, None, Tokenizer.byte_level(), advantage_fn("grpo"), train=False)
+    try:
+        assert r.scheduler is None and r.train_specs == {} and r.curriculum is None
+        assert r.runner.max_abs_reward == 3.0 and settings.max_abs_reward == 3.0
+        for what, call in (("draw training tasks", lambda: r.draw(0, None, None)), ("save", r.state_dict),
+                           ("report", lambda: r.status(0))):
+            with pytest.raises(RuntimeError, match=f"built to read a run .*: it has no task scheduler to {what}$"):
+                call()
+    finally:
+        r.close()
+    with pytest.raises(env_side.EnvSpecError, match=r"^words: id='no_such_envs_module:WordLength-v0' kwargs=\{\}: "
+                                                    r"ModuleNotFoundError: No module named 'no_such_envs_module'"):
+        rollouter.Rollouter.create(settings, None, None, Tokenizer.byte_level(), advantage_fn("grpo"))
