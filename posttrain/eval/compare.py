@@ -39,6 +39,10 @@ from posttrain.eval.metrics import by_domain, correct_of, per_task, scored_only,
 VERDICTS = ("improved", "no change", "regressed")
 
 
+class NothingScoredError(ValueError):
+    """No task of the two evaluations is scored on both sides (every sample of one side ended in infra_error)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class MetricComparison:
     """One metric of one domain. baseline / candidate: domain means; diff = candidate - baseline; ci: paired
@@ -213,8 +217,8 @@ def compare(baseline, candidate, *, alpha: float = 0.05, confidence: float | Non
     alpha: family-wise level of the verdicts; confidence: of the reported intervals (default 1 - alpha); power: of
     the MDE; n_resamples / seed: of the bootstrap and permutation tests (the same seed gives the same result).
     Raises ValueError when an evaluation has no hash and no prompts to compute it, a recorded hash disagrees with
-    its records' prompts, the two hashes differ, the (domain, task_id) sets differ (the message names them), or no
-    task is scored on both sides.
+    its records' prompts, the two hashes differ or the (domain, task_id) sets differ (the message names them);
+    NothingScoredError (a ValueError) when no task is scored on both sides.
     """
     confidence = 1.0 - alpha if confidence is None else confidence
     base, base_hash = _evaluation(baseline, "baseline")
@@ -242,7 +246,7 @@ def compare(baseline, candidate, *, alpha: float = 0.05, confidence: float | Non
         rows.append(dict(domain=domain, pb=pb, pc=pc, rb=rb, rc=rc, partial=partial, wins=wins, losses=losses, p=p,
                          test="mcnemar" if binary else "permutation", unscored=len(base[domain]) - len(pairs)))
     if not rows:
-        raise ValueError(f"no task is scored on both sides: every sample of {unscored_domains} on one side or the "
+        raise NothingScoredError(f"no task is scored on both sides: every sample of {unscored_domains} on one side or the "
                          "other ended in infra_error (the env or its sandbox failed; records' statuses)")
     reject_M, p_adj_M = holm([r["p"] for r in rows], alpha)
     m_partial = sum(r["partial"] for r in rows)

@@ -153,21 +153,29 @@ class LoopGate:
         return {"decisions": list(self.decisions), "best_step": self.best[0] if self.best else None,
                 "best_score": self.best[1] if self.best else None, "baseline_s": self.baseline["perf/eval_s"]}
 
-    def check(self, plan, rollouter, learner) -> tuple[gate_lib.GateDecision, dict, float]:
+    def check(self, plan, rollouter, learner) -> tuple[gate_lib.GateDecision | None, dict, float]:
         """Samples the suite with the current policy, compares it with the baseline and decides; writes the
-        step's folder (process 0). Returns (decision, eval/gate/* metrics, seconds sampled)."""
+        step's folder (process 0). Returns (decision, eval/gate/* metrics, seconds sampled); the decision is None,
+        with a warning and eval/gate/unscored = 1, when no task is scored on both sides (every sample ended in
+        infra_error: a broken verifier or sandbox is no verdict on the policy)."""
         step = learner.step
         ks = {r.domain.name: r.domain.ks for r in self.built}
         cand = evaluation(f"step {step}", *sample_suite(plan, self.built, rollouter, learner.policy()), step, ks,
                           self.described)
-        cmp = compare_lib.compare(self.baseline, cand, alpha=self.settings.alpha)
+        out = self.folder / f"step_{step:06d}"
+        try:
+            cmp = compare_lib.compare(self.baseline, cand, alpha=self.settings.alpha)
+        except compare_lib.NothingScoredError as e:  # a broken verifier or sandbox: no verdict, never a regression
+            if distributed.is_main_process():
+                _write(out / "candidate", cand)
+            metrics_lib.log.warning(f"eval gate at step {step}: no verdict ({e}); training goes on")
+            return None, {"eval/gate/unscored": 1.0}, cand["perf/eval_s"]
         rows = gate_lib.rows_of(cmp)
         s = self.settings
         decision = gate_lib.decide(rows, step=step, action=s.action, max_drop=s.max_drop, trained=self.trained,
                                    best=self.best)
         self.best = (decision.best_step, decision.best_score)
         self.decisions.append(decision.to_dict())
-        out = self.folder / f"step_{step:06d}"
         if distributed.is_main_process():
             _write(out / "candidate", cand)
             (out / "comparison.md").write_text(report.comparison_markdown(cmp))
@@ -199,6 +207,8 @@ def after_step(loop: Any, m: dict, *, final: bool = False) -> None:
         decision, metrics, seconds = gate.check(loop.plan, loop.rollouter, loop.learner)
     m.update(metrics)
     m["perf/eval_s"] = m.get("perf/eval_s", 0.0) + seconds
+    if decision is None:  # nothing scored on both sides (infra errors): no verdict at this step, training goes on
+        return
     loop.learner.save(loop.resume, force=True, metrics={SCORE: decision.score})
     loop.summary["eval_gate"] = gate.summary()
     if decision.action != "pass":

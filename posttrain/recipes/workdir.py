@@ -72,8 +72,9 @@ def claim(workdir, kind: str, config_dict: Mapping, *, defaults: Mapping | None 
     changes = config_changes(saved, config_dict, free_keys, defaults=defaults)
     if changes and not allow_changes:
         listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items())
-        how = (f"(`posttrain train --workdir={workdir}` alone uses them) or pass --allow_config_change to resume "
-               "with these (recorded in config_changes.jsonl)" if kind == "grpo"
+        how = (f"(`posttrain train --workdir={workdir}` alone uses them) or resume with these, recorded in "
+               "config_changes.jsonl: --allow_config_change on the command line, allow_config_change=True in "
+               "grpo.train(...) / GRPOTrainer(...)" if kind == "grpo"
                else "(its config.json) or give another --workdir to start a new run")
         raise ConfigError(f"resuming {workdir} (checkpoint {step}) with changed settings: {listed}; resume with the "
                           f"saved ones {how}")

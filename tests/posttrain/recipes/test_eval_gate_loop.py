@@ -42,7 +42,8 @@ def suite(tmp_path):
 
 def plant(monkeypatch, schedule):
     """Replaces the "arithmetic" replies of the n-th suite sampling (0: the baseline) by the gold answer
-    (schedule[n] "gold") or a wrong constant ("wrong"), then rescores them through the env."""
+    (schedule[n] "gold") or a wrong constant ("wrong"), then rescores them through the env; "infra" marks every
+    sample of every domain an infra_error instead."""
     real, calls = eval_gate.sample_suite, []
 
     def planted(plan, built, rollouter, policy):
@@ -54,7 +55,10 @@ def plant(monkeypatch, schedule):
                 r["replies"] = [r["gold"] if kind == "gold" else "-7"] * len(r["replies"])
         specs = {b.domain.name: {"env_id": b.spec.id, "env_kwargs": dict(b.spec.kwargs), "scorer": b.domain.scorer,
                                  "format": b.domain.format} for b in built}
-        return records_lib.rescore(records, specs), seconds
+        records = records_lib.rescore(records, specs)
+        if kind == "infra":  # every sample's env failed: nothing is scored
+            records = [{**r, "statuses": ["infra_error"] * len(r["statuses"])} for r in records]
+        return records, seconds
 
     monkeypatch.setattr(eval_gate, "sample_suite", planted)
     return calls
@@ -117,6 +121,20 @@ def test_the_last_step_is_gated_when_every_steps_does_not_reach_it(tmp_path, sui
     assert m[3]["eval/gate/warn"] == 1.0 and m[3]["eval/gate/arithmetic/diff"] == -1.0
     assert "eval/gate/warn" not in m[1]
     assert (tmp_path / "run" / "eval_gate" / "step_000003" / "comparison.md").exists()
+
+def test_a_suite_with_nothing_scored_is_no_verdict_and_the_run_goes_on(tmp_path, suite, monkeypatch, caplog):
+    """Every sample of step 1's suite ends in infra_error (a broken verifier): no verdict, no stop, no crash; the
+    next step is gated as usual."""
+    calls = plant(monkeypatch, ["gold", "infra", "wrong"])
+    summary = grpo.train(gate_config(tmp_path / "run", suite, **{"train.steps": 2, "eval.gate.action": "stop"}),
+                         progress=False)
+    assert calls == ["gold", "infra", "wrong"] and summary["end_step"] == 2
+    assert [(d["step"], d["action"]) for d in summary["eval_gate"]["decisions"]] == [(2, "stop")]
+    m = rows(tmp_path / "run")
+    assert m[1]["eval/gate/unscored"] == 1.0 and "eval/gate/stop" not in m[1] and m[2]["eval/gate/stop"] == 1.0
+    assert "eval gate at step 1: no verdict (no task is scored on both sides" in caplog.text
+    assert (tmp_path / "run" / "eval_gate" / "step_000001" / "candidate" / "records.jsonl").is_file()
+
 
 def test_the_same_policy_against_itself_is_no_change(tmp_path, suite):
     plan = make_run_plan(gate_config(tmp_path / "run", suite, **{"eval.gate.action": "stop"}))
