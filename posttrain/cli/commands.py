@@ -235,6 +235,11 @@ def cmd_eval(f) -> int:
             raise UsageError(f"{' '.join(str(e).split())}") from None
         print(result.pop("text"))
         print(json.dumps(result))
+        if result["unscored"]:  # the report is written, but a domain of it could not be evaluated at all
+            listed = "; ".join(f"{role}: {', '.join(ds)}" for role, ds in result["unscored"].items())
+            print(f"error: no task of these domains was scored, every sample ended in infra_error (the env or its "
+                  f"sandbox failed; the records' reasons say why): {listed}", file=sys.stderr)
+            return 1
         return 0
     from posttrain.recipes import grpo
 

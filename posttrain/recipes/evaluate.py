@@ -86,7 +86,7 @@ def write_report(out: pathlib.Path, evaluations: Mapping[str, dict], alpha: floa
 def evaluate_suite(suite_path: str, checkpoint: str, *, baseline: str | None = None, cfg: Config | None = None,
                    limit: int | None = None, domains: str | None = None, out: str | None = None) -> dict:
     """Runs the suite on `checkpoint` (and `baseline`: "base" or a run's workdir), writes the report (see the
-    module docstring); returns {"out", "text", "task_set_hash", "counts"?, "skipped"}. Raises RunNotFoundError
+    module docstring); returns as `_result`. Raises RunNotFoundError
     for a run without a complete checkpoint, ValueError for a malformed suite or selection."""
     suite = suite_lib.select(suite_lib.load_suite(suite_path), limit=limit, domains=domains)
     plan = run_plan_of(checkpoint, cfg)
@@ -118,8 +118,13 @@ def default_out(checkpoint, suite_name: str, step: int) -> pathlib.Path:
 
 
 def _result(folder, text, evaluations, skipped) -> dict:
+    """{"out", "text", "skipped", "task_set_hash", "unscored", "counts"?}: "unscored" = {role: [domain]} of the
+    domains no task of which was scored in that evaluation (every sample an infra_error), empty roles left out."""
+    unscored = {role: [d for d, s in ev["summary"]["domains"].items() if s.get("unscored_tasks") and not s["tasks"]]
+                for role, ev in evaluations.items()}
     result = {"out": str(folder), "text": text, "skipped": dict(skipped),
-              "task_set_hash": evaluations["candidate"]["task_set_hash"]}
+              "task_set_hash": evaluations["candidate"]["task_set_hash"],
+              "unscored": {role: ds for role, ds in unscored.items() if ds}}
     if (folder / "comparison.json").is_file():
         result["counts"] = json.loads((folder / "comparison.json").read_text())["counts"]
     return result

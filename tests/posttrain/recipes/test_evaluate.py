@@ -164,3 +164,56 @@ def test_power_script_bad_arguments_are_one_error(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         _power_script().parse_args(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+BROKEN_ENV = '''
+import gymnasium
+from envs import base
+
+
+class Broken(base.QuestionAnswerEnv):
+    """Its verifier raises on every reply (a bug in user code): every sample ends as infra_error."""
+    instruction = "Answer with a number."
+
+    def __init__(self, split="test"):
+        tasks = [{"question": f"What is {i} + 1?", "answer": str(i + 1), "id": i} for i in range(4)]
+        super().__init__(base.ListTaskSource(tasks, split=split, name="broken"), max_turns=1, self_check=False)
+
+    def turn_step(self, action):
+        raise ZeroDivisionError("verifier bug")
+
+
+gymnasium.register("Broken-v0", entry_point=Broken)
+'''
+BROKEN_SUITE = '''
+def get_suite():
+    arithmetic = {"env": "posttrain/Arithmetic-v0", "kwargs": {"digits": 1, "num_test": 20},
+                  "scorer": "last_integer", "format": "number"}
+    return {"name": "broken", "defaults": {"split": "test", "tasks": 4, "max_new_tokens": 6},
+            "areas": {"a": {"domains": {"arithmetic": arithmetic, "broken": {"env": "broken_env:Broken-v0"}}}}}
+'''
+
+
+def test_a_domain_whose_env_fails_every_sample_is_unscored_not_zero(run_dir, tmp_path, monkeypatch, capsys):
+    """A user trial's suite whose env raised in step reported pass@1 0.000, "no change" and exit code 0. Its
+    samples are infra errors: the domain is UNSCORED in each table, left out of the pairs (named under the
+    comparison), the other domains are compared as usual, and the command exits 1 naming it."""
+    (tmp_path / "broken_env.py").write_text(BROKEN_ENV)
+    (tmp_path / "suite.py").write_text(BROKEN_SUITE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "report"
+    assert main(f"--suite={tmp_path / 'suite.py'}", f"--checkpoint={run_dir}", "--baseline=base",
+                f"--out={out}") == 1
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines()[-1] == (
+        "error: no task of these domains was scored, every sample ended in infra_error (the env or its sandbox "
+        "failed; the records' reasons say why): baseline: broken; candidate: broken")
+    assert "| - broken UNSCORED | 0 | 0 | - |" in captured.out
+    assert "broken: every task (not tested)" in captured.out
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert result["counts"] == {"improved": 0, "no change": 1, "regressed": 0}  # arithmetic alone is compared
+    assert result["unscored"] == {"baseline": ["broken"], "candidate": ["broken"]}
+    records, results = records_lib.read_evaluation(out / "candidate")
+    broken = [r for r in records if r["domain"] == "broken"]
+    assert len(broken) == 4 and all(r["statuses"] == ["infra_error"] for r in broken)
+    assert results["summary"]["domains"]["broken"] == {"tasks": 0, "n_min": 0, "infra_errors": 4, "unscored_tasks": 4}
