@@ -105,6 +105,24 @@ def as_reward(value: Any) -> float | None:
     return None
 
 
+def checked_reset(result: Any, env_id: str) -> tuple[str, dict]:
+    """An env's `reset` return value as (observation, info dict). Raises TypeError naming `env_id`, what it returned
+    and the expected form for anything but gymnasium's (obs, info) pair with a str observation (the first user
+    message) and a mapping info; runners treat it as they treat an exception in reset (the episode ends as an
+    infra_error, the others go on)."""
+    shown = repr(result) if len(repr(result)) <= 200 else repr(result)[:200] + "..."
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise TypeError(f"env {env_id!r}: reset returned {shown}; expected gymnasium's (observation, info) pair")
+    obs, info = result
+    if not isinstance(obs, str):
+        raise TypeError(f"env {env_id!r}: reset returned an observation of type {type(obs).__name__} ({shown}); "
+                        "expected a str (the first user message)")
+    if not isinstance(info, Mapping):
+        raise TypeError(f"env {env_id!r}: reset returned info of type {type(info).__name__} ({shown}); expected a "
+                        "dict")
+    return obs, dict(info)
+
+
 def cap_text(text: str, max_chars: int) -> str:
     """`text` cut to its first and last `max_chars` // 2 characters (tracebacks end with the error),
     with a marker in the middle saying how many characters were dropped."""

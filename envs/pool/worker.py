@@ -28,7 +28,7 @@ from typing import Any
 
 import gymnasium
 
-from envs.base import as_reward
+from envs.base import as_reward, checked_reset
 
 
 class EnvHost:
@@ -43,8 +43,7 @@ class EnvHost:
         key = (env_id, repr(sorted(env_kwargs.items())))
         env = self._free[key].pop() if self._free[key] else gymnasium.make(env_id, **env_kwargs)
         self._live[episode] = (key, env)
-        obs, info = env.reset(seed=seed, options=None if task is None else {"task": task})
-        return obs, dict(info)
+        return checked_reset(env.reset(seed=seed, options=None if task is None else {"task": task}), env_id)
 
     def _step(self, episode: int, action: str):
         """The env's step tuple, its reward a float when it is a real number (`envs.base.as_reward`) and its info a

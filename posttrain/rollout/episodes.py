@@ -49,10 +49,10 @@ class InlineEnvs:
     """Runs environments in this process (no isolation of env *code*; sandboxes still isolate model code).
 
     Suited to cheap verifiers (arithmetic, math); use `envs.pool.processes.EnvPool` for anything that may hang or crash.
-    An exception an env raises ends that episode as the pool ends one: ("", info) from `reset` and then
-    (obs "", reward 0.0, terminated False, truncated True, info) from its next `step`, info["status"] ==
-    "infra_error" and info["reason"] naming the exception (retried by the scheduler, never scored); the other
-    episodes go on. `infra_errors` counts them.
+    An exception an env raises, or a reset that returns no (str, dict) pair (`envs.base.checked_reset`), ends that
+    episode as the pool ends one: ("", info) from `reset` and then (obs "", reward 0.0, terminated False, truncated
+    True, info) from its next `step`, info["status"] == "infra_error" and info["reason"] naming the exception
+    (retried by the scheduler, never scored); the other episodes go on. `infra_errors` counts them.
     """
 
     def __init__(self):
@@ -73,6 +73,8 @@ class InlineEnvs:
         return {"status": "infra_error", "reason": reason}
 
     def reset(self, episodes):
+        from envs.base import checked_reset
+
         out, self._active, self._lost = [], [], {}
         for i, ep in enumerate(episodes):
             key = (ep.env_id, tuple(sorted(ep.env_kwargs.items())), i)
@@ -81,7 +83,7 @@ class InlineEnvs:
                     self._cache[key] = self._make(ep.env_id, **ep.env_kwargs).unwrapped
                 env = self._cache[key]
                 self._active.append(env)
-                out.append(env.reset(seed=ep.seed, options={"task": ep.task}))
+                out.append(checked_reset(env.reset(seed=ep.seed, options={"task": ep.task}), ep.env_id))
             except Exception as e:  # noqa: BLE001 - an env's own fault ends its episode, not the run
                 self._cache.pop(key, None)
                 if len(self._active) == i:

@@ -1,7 +1,8 @@
 """A one-turn gymnasium env whose task's "mode" says what its reset / step does: the user-written env of the
 rollout's fault tests (`test_episodes.py`), importable in env workers as FAULTY ("faulty_envs:test/Faulty-v0").
 
-Modes: "reset" / "step" raise there; every other mode is a key of RESULTS, the step's return value as it is;
+Modes: "reset" / "step" raise there; a key of RESETS is what reset returns (refused by `envs.base.checked_reset`);
+every other mode is a key of RESULTS, the step's return value as it is;
 REFUSED holds the reason `rollout.env_results.check_result` gives each refused mode, ACCEPTED what it makes of the
 others.
 """
@@ -61,6 +62,16 @@ ACCEPTED = {  # mode -> (reward, status, terminated)
 }
 
 
+RESETS = {  # mode -> what reset returns instead of (f"mode {mode}", {}), and the TypeError it gives
+    "reset_obs_none": ((None, {}), "reset returned an observation of type NoneType ((None, {})); expected a str (the "
+                       "first user message)"),
+    "reset_obs_list": ((["hi"], {}), "reset returned an observation of type list ((['hi'], {})); expected a str (the "
+                       "first user message)"),
+    "reset_info_list": (("hi", []), "reset returned info of type list (('hi', [])); expected a dict"),
+    "reset_bare_obs": ("hi", "reset returned 'hi'; expected gymnasium's (observation, info) pair"),
+}
+
+
 class FaultyEnv(gymnasium.Env):
     action_space = observation_space = gymnasium.spaces.Text(1000)
 
@@ -69,6 +80,8 @@ class FaultyEnv(gymnasium.Env):
         self.mode = options["task"]["mode"]
         if self.mode == "reset":
             raise RuntimeError("sandbox failed to start")
+        if self.mode in RESETS:
+            return RESETS[self.mode][0]
         return f"mode {self.mode}", {}
 
     def step(self, action):

@@ -177,7 +177,8 @@ def test_an_episode_cut_by_max_turns_is_truncated_not_ok(max_turns, plan, status
                    for s in samples)
 
 
-MODES = ["reset", "step", "env_infra", *sorted(faulty_envs.REFUSED), *sorted(faulty_envs.ACCEPTED)]
+MODES = ["reset", "step", "env_infra", *sorted(faulty_envs.RESETS), *sorted(faulty_envs.REFUSED),
+         *sorted(faulty_envs.ACCEPTED)]
 
 
 def expected(mode: str, runner: str = "inline") -> tuple:
@@ -187,6 +188,8 @@ def expected(mode: str, runner: str = "inline") -> tuple:
         return status, reward, True, None
     reason = {"reset": "reset raised RuntimeError: sandbox failed to start",
               "step": "step raised RuntimeError: harness crashed", "env_infra": "flaky sandbox"}.get(mode)
+    if mode in faulty_envs.RESETS:  # a reset result that is no (str, dict) pair: as an exception in reset
+        reason = f"reset raised TypeError: env {FAULTY!r}: {faulty_envs.RESETS[mode][1]}"
     if runner == "pool" and mode == "four":  # the worker unpacks gymnasium's 5 itself
         reason = "step raised ValueError: not enough values to unpack (expected 5, got 4)"
     return "infra_error", 0.0, False, reason or f"env {FAULTY!r} {faulty_envs.REFUSED[mode]}"
@@ -206,16 +209,19 @@ def outcome(s) -> tuple:
     return s.status, s.reward, s.counts, reason if reason is None else reason.splitlines()[0]
 
 
-# kind: everything a user's env can get wrong in a step (an exception, a reward that is no real number, non-finite or
-# beyond env.max_abs_reward, an unknown or missing status, an info or step tuple of the wrong shape) ends only that
-# episode, as an infra_error naming the env (never scored); the valid rewards of the same batch score as floats
+# kind: everything a user's env can get wrong in a reset (an exception, no (str, dict) pair) or a step (an exception,
+# a reward that is no real number, non-finite or beyond env.max_abs_reward, an unknown or missing status, an info or
+# step tuple of the wrong shape) ends only that episode, as an infra_error naming the env (never scored); the valid
+# rewards of the same batch score as floats
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "streaming"])
 def test_env_faults_end_their_episode_as_infra_error_and_the_others_go_on(stream):
     runner = InlineEnvs()
     samples = run_faulty(runner, stream=stream)
     assert {m: outcome(s) for m, s in zip(MODES, samples)} == {m: expected(m) for m in MODES}
     assert all(s.done and type(s.reward) is float for s in samples)
-    assert runner.infra_errors == 2  # the exceptions; the boundary's refusals are not the runner's
+    # the exceptions and the malformed resets (refused in the runner's reset); the step results' refusals are not the
+    # runner's
+    assert runner.infra_errors == 2 + len(faulty_envs.RESETS)
 
 
 def test_env_workers_pass_faulty_results_on_to_the_same_check():
