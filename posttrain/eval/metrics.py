@@ -242,7 +242,7 @@ def task_set_hash(records: Iterable[Mapping]) -> str:
 
 
 def _require_scored(record: Mapping) -> None:
-    if "statuses" in record and INFRA_ERROR in record["statuses"]:
+    if not scored_mask(record).all():
         raise ValueError(f"task {_key(record)} has an unscored (infra_error) sample: pass the records through "
                          "scored_only first")
 
