@@ -29,8 +29,9 @@ def check_result(result, env_id: str, max_abs_reward: float = DEFAULT_MAX_ABS_RE
 
       * a result that is not gymnasium's 5-tuple (obs, reward, terminated, truncated, info), an info that is no
         mapping;
-      * an info["status"] that is missing or not one of `envs.verify.answers.STATUSES` (env/*_rate metrics, the
-        archive and the job scheduler know only those);
+      * an info["status"] that is not one of `envs.verify.answers.STATUSES` (env/*_rate metrics, the archive and
+        the job scheduler know only those), or none on the step that ends the episode (a turn that goes on may
+        leave it out: its sample's status is then "" until a later step sets it);
       * a reward that is not a real number (`envs.base.as_reward`: int, float, bool as 0/1, numpy integer /
         floating / bool scalars; a str such as "1.0", None, complex, a list or an array is refused, never parsed),
         that is NaN or inf, or whose magnitude exceeds `max_abs_reward` (`env.max_abs_reward`: a reward that large
@@ -56,8 +57,9 @@ def check_result(result, env_id: str, max_abs_reward: float = DEFAULT_MAX_ABS_RE
     if not isinstance(info, Mapping):
         return fault(f"returned info of type {type(info).__name__} ({_shown(info)}); expected a dict")
     status = info.get("status")
-    if status not in STATUSES:
-        what = "no info['status']" if status is None else f"status {_shown(status)}"
+    ends = bool(terminated) or bool(truncated)
+    if status not in STATUSES and (ends or status is not None):  # a turn that goes on may leave it out
+        what = "no info['status'] on the step that ends the episode" if status is None else f"status {_shown(status)}"
         return fault(f"returned {what}; expected one of {STATUSES}")
     if status == "infra_error":  # the env's own fault report: its reason stands
         return obs, 0.0, bool(terminated), True, dict(info)

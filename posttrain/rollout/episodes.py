@@ -337,7 +337,7 @@ def _apply_result(s: Sample, result, reply: str, tokenizer, env_id: str = "",
     """An env step's (obs, reward, terminated, truncated, info) of episode `env_id` into sample `s`, checked
     (`check_result`); a continuing episode gets the bridge tokens to its next turn (masked out of the loss)."""
     obs, reward, terminated, truncated, info = check_result(result, env_id, max_abs_reward)
-    s.reward, s.status, s.info = reward, info["status"], info
+    s.reward, s.status, s.info = reward, info.get("status", ""), info
     s.done = bool(terminated or truncated)
     if not s.done:
         bridge = turn_bridge(tokenizer, reply, obs, not s.truncated, info)

@@ -51,7 +51,7 @@ REFUSED = {  # mode -> info["reason"] (after "env '<id>' ")
     "banana": f"returned status 'banana'; expected one of {STATUSES}",
     "truncated_status": f"returned status 'truncated'; expected one of {STATUSES}",
     "empty_status": f"returned status ''; expected one of {STATUSES}",
-    "no_status": f"returned no info['status']; expected one of {STATUSES}",
+    "no_status": f"returned no info['status'] on the step that ends the episode; expected one of {STATUSES}",
     "info_list": "returned info of type list ([('status', 'ok')]); expected a dict",
     "four": "returned a step result of 4 items; expected gymnasium's 5 (obs, reward, terminated, truncated, info)",
     "obs_none": "returned observation None of type NoneType for a next turn; expected a str",

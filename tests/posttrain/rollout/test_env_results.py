@@ -54,3 +54,12 @@ def test_the_bound_is_the_callers_and_inclusive():
     assert info["reason"].startswith("env 'E' returned reward -10.5, beyond env.max_abs_reward=10 ")
     assert check_result(RESULTS["huge"], "E", max_abs_reward=math.inf)[1] == 1e30  # the API takes no bound
     assert check_result(RESULTS["inf"], "E", max_abs_reward=math.inf)[4]["status"] == "infra_error"  # never inf
+
+
+def test_a_turn_that_goes_on_may_leave_the_status_out_but_not_give_an_unknown_one():
+    obs, reward, terminated, truncated, info = check_result(("next question", 0.0, False, False, {"turn": 1}), "x")
+    assert (obs, reward, terminated, truncated, info) == ("next question", 0.0, False, False, {"turn": 1})
+    refused = check_result(("next question", 0.0, False, False, {"status": "banana"}), "x")
+    assert refused[4]["status"] == "infra_error" and "returned status 'banana'" in refused[4]["reason"]
+    ended = check_result(("", 1.0, True, False, {}), "x")
+    assert ended[4]["reason"].startswith("env 'x' returned no info['status'] on the step that ends the episode")

@@ -139,10 +139,11 @@ def test_host_sharded_envs_step_only_their_share_and_return_every_result(monkeyp
 
 class _Turns:
     """An EnvRunner whose episodes end as `plan` says: {turn: (terminated, truncated, status)}; other turns go on
-    with the status a tool run reports ("ok")."""
+    with the status a tool run reports ("ok"), or with none (`between=None`: a multi-turn env that sets a status
+    only when it ends the episode)."""
 
-    def __init__(self, plan):
-        self.plan, self.turns = plan, {}
+    def __init__(self, plan, between: str | None = "ok"):
+        self.plan, self.turns, self.between = plan, {}, between
 
     def reset(self, episodes):
         self.turns = {i: 0 for i in range(len(episodes))}
@@ -152,8 +153,9 @@ class _Turns:
         out = []
         for i in (range(len(actions)) if indices is None else indices):
             self.turns[i] += 1
-            term, trunc, status = self.plan.get(self.turns[i], (False, False, "ok"))
-            out.append(("tool output", float(term and status == "ok"), term, trunc, {"status": status}))
+            term, trunc, status = self.plan.get(self.turns[i], (False, False, self.between))
+            info = {} if status is None else {"status": status}
+            out.append(("tool output", float(term and status == "ok"), term, trunc, info))
         return out
 
 
@@ -175,6 +177,20 @@ def test_an_episode_cut_by_max_turns_is_truncated_not_ok(max_turns, plan, status
     if status == "truncated":
         assert all(s.info["reason"] == f"env.max_turns={max_turns} reached before the env ended the episode"
                    for s in samples)
+
+
+def test_turns_that_go_on_may_leave_the_status_out_and_the_last_one_sets_it():
+    """A user trial's multi-turn env returned info {} on the turns before its last: every episode ended as an
+    infra_error at turn 1. Only the step that ends the episode must carry a status."""
+    fn, _ = scripted([["a"]] * 3)
+    eps = [Episode("any", {}, {"id": "t"}, seed=0, domain="tool")]
+    samples, _ = run_episodes(fn, TOK, _Turns({3: (True, False, "ok")}, between=None), eps, group_size=2,
+                              max_turns=3, key=_key(), pad_id=TOK.pad_id)
+    assert [(s.status, s.reward, s.done, len(s.texts)) for s in samples] == [("ok", 1.0, True, 3)] * 2
+    fn, _ = scripted([["a"]] * 2)  # never ended by the env: cut by max_turns, as before
+    cut, _ = run_episodes(fn, TOK, _Turns({}, between=None), eps, group_size=1, max_turns=2, key=_key(),
+                          pad_id=TOK.pad_id)
+    assert [(s.status, s.done) for s in cut] == [("truncated", True)]
 
 
 MODES = ["reset", "step", "env_infra", *sorted(faulty_envs.RESETS), *sorted(faulty_envs.REFUSED),
