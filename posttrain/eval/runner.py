@@ -214,7 +214,8 @@ def loop_metrics(records: Sequence[Mapping], floors: Mapping[str, float | None] 
     `floors`, default: the records' own "floor") above_floor = mean reward - floor, and eval/pass@1 over all
     tasks, all over the scored samples (`metrics.scored_only`: an infra-error sample is left out, never counted
     wrong). A domain with an infra error also gets eval/<domain>/infra_error_rate (its share of samples) and
-    eval/<domain>/unscored_tasks; one with no scored task gets no pass@1 or mean reward (a warning says so)."""
+    eval/<domain>/unscored_tasks; one with no scored task gets no pass@1 or mean reward (a warning says so), and
+    with no task scored at all there is no eval/pass@1 (never a 0 for a broken verifier)."""
     out, all_pass, floors = {}, [], _domain_floors(records, floors)
     kept, counts = metrics_lib.scored_only(records)
     scored = metrics_lib.by_domain(kept)
@@ -233,7 +234,8 @@ def loop_metrics(records: Sequence[Mapping], floors: Mapping[str, float | None] 
         if floors.get(domain) is not None:
             out[f"eval/{domain}/above_floor"] = out[f"eval/{domain}/mean_reward"] - float(floors[domain])
         all_pass.extend(p)
-    out["eval/pass@1"] = float(np.mean(all_pass)) if all_pass else 0.0
+    if all_pass:  # no scored task anywhere (every sample an infra_error): no headline figure, never a 0
+        out["eval/pass@1"] = float(np.mean(all_pass))
     return out
 
 

@@ -49,6 +49,8 @@ def test_loop_metrics_are_over_the_scored_samples_and_name_the_infra_errors(capl
     assert "eval/fine/infra_error_rate" not in m  # only domains that had one: the usual metrics are unchanged
     assert m["eval/pass@1"] == pytest.approx(np.mean([1.0, 0.0, 1.0]))  # the three scored tasks
     assert "dead: 2 of 2 samples ended in infra_error" in caplog.text and "no task was scored" in caplog.text
+    only_dead = runner.loop_metrics([r for r in records if r["domain"] == "dead"])
+    assert "eval/pass@1" not in only_dead and only_dead["eval/dead/infra_error_rate"] == 1.0  # no headline 0
 
 
 def test_suite_summary_and_table_show_unscored_tasks_instead_of_zeros():
