@@ -105,12 +105,18 @@ def as_reward(value: Any) -> float | None:
     return None
 
 
+def shown_value(value: Any, limit: int = 200) -> str:
+    """repr(value), cut to `limit` characters: how an env's malformed output is quoted in an error."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def checked_reset(result: Any, env_id: str) -> tuple[str, dict]:
     """An env's `reset` return value as (observation, info dict). Raises TypeError naming `env_id`, what it returned
     and the expected form for anything but gymnasium's (obs, info) pair with a str observation (the first user
     message) and a mapping info; runners treat it as they treat an exception in reset (the episode ends as an
     infra_error, the others go on)."""
-    shown = repr(result) if len(repr(result)) <= 200 else repr(result)[:200] + "..."
+    shown = shown_value(result)
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise TypeError(f"env {env_id!r}: reset returned {shown}; expected gymnasium's (observation, info) pair")
     obs, info = result

@@ -39,7 +39,7 @@ def check_result(result, env_id: str, max_abs_reward: float = DEFAULT_MAX_ABS_RE
       * an observation that is not a str while the episode goes on (it becomes the next user turn).
 
     An episode the env itself ended as an infra_error keeps the env's reason (its reward is not read: 0.0)."""
-    from envs.base import as_reward
+    from envs.base import as_reward, shown_value as _shown
     from envs.verify.answers import STATUSES
 
     info = None  # the env's info once read: a refused result keeps its other keys
@@ -78,8 +78,3 @@ def check_result(result, env_id: str, max_abs_reward: float = DEFAULT_MAX_ABS_RE
                      "a str")
     return obs, value, terminated, truncated, dict(info)
 
-
-def _shown(value, limit: int = 200) -> str:
-    """repr(value), cut to `limit` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
