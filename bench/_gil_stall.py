@@ -40,7 +40,7 @@ def scripted_sampler(tokenizer, reply: str = "The answer is 5."):
     producer's sampling without device work."""
     import numpy as np
 
-    from posttrain.rollout.sampler import SampleOutput
+    from posttrain.generate.sampler import SampleOutput
 
     ids = tokenizer.encode(reply) + [tokenizer.stop_ids[0]]
 

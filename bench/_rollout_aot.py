@@ -84,7 +84,7 @@ def abstract_inputs(cfg, settings, mesh, rules, steps: int = 1):
     from posttrain.infra import mesh as mesh_lib
     from posttrain.infra.partitioning import use_rules
     from posttrain.model.transformer import Transformer
-    from posttrain.rollout import kv_pages
+    from posttrain.generate import kv_pages
 
     rep = NamedSharding(mesh, PartitionSpec())
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
@@ -95,7 +95,7 @@ def abstract_inputs(cfg, settings, mesh, rules, steps: int = 1):
         pool = jax.tree.map(lambda s: sds(s.shape, s.dtype),
                             kv_pages.pool_shapes(graphdef, state, settings.num_pages, settings.page_size))
     S, M = settings.num_slots, settings.pages_per_seq
-    from posttrain.rollout.engine import Request, request_rows
+    from posttrain.generate.engine.loop import Request, request_rows
 
     rows = jax.tree.map(lambda x: sds(x.shape, x.dtype),  # the engine's own per-row arrays, by shape
                         jax.eval_shape(lambda: request_rows([Request(prompt=(0,), max_new_tokens=1)] * S)))
@@ -111,9 +111,9 @@ def compile_decode(cfg, settings, mesh, rules, impl: str, steps: int):
 
     from posttrain.infra import aot
     from posttrain.infra.partitioning import use_rules
-    from posttrain.recipes.dryrun import per_device_bytes
-    from posttrain.rollout import kv_pages
-    from posttrain.rollout.engine_ops import decode_chunk
+    from posttrain.recipes.plan import per_device_bytes
+    from posttrain.generate import kv_pages
+    from posttrain.generate.engine.ops import decode_chunk
 
     graphdef, args = abstract_inputs(cfg, settings, mesh, rules, steps)
     with jax.set_mesh(mesh), use_rules(rules):
@@ -148,8 +148,8 @@ def main(argv=None) -> dict:
     from posttrain.infra import mesh as mesh_lib
     from posttrain.infra.precision import resolve_policy
     from posttrain.model.presets import get_preset
-    from posttrain.rollout.engine_ops import EngineSettings
-    from posttrain.rollout.paged_attention import resolve_impl
+    from posttrain.generate.engine.ops import EngineSettings
+    from posttrain.generate.paged_attention import resolve_impl
 
     try:
         devices, platform = _devices(args.aot)

@@ -8,9 +8,9 @@
 Workload (issue 25 item 7): R requests of --prompt-len random token ids (seed 0) whose replies are 90% short
 (--short tokens) and 10% --long-factor times longer, greedy, no stop ids (each reply is exactly its budget), on a
 preset's random weights (float32, NumPy normal(0, 0.02), norm scales ones; the SmolLM2-135M shapes by default).
-  * engine: `posttrain.rollout.engine.Engine` with S = --slots slots and all R requests queued; each request has
+  * engine: `posttrain.generate.engine.loop.Engine` with S = --slots slots and all R requests queued; each request has
     its own budget; a finished slot is refilled at once.
-  * sampler: `posttrain.rollout.sampler.sample` on the same requests in calls of S rows (request order), each call
+  * sampler: `posttrain.generate.sampler.sample` on the same requests in calls of S rows (request order), each call
     with the largest budget among its rows (one token budget per call), every row decoded to it.
   * transformers (the peer, unless --skip-transformers): the same weights written as an HF directory
     (`checkpoints.export.export_hf`) and loaded by `transformers.AutoModelForCausalLM` (float32, the CPU,
@@ -48,9 +48,9 @@ from flax import nnx
 from _helpers import INIT_STD, parse_quick, progress
 from posttrain.model.presets import get_preset
 from posttrain.model.transformer import Transformer
-from posttrain.rollout import kv_pages
-from posttrain.rollout.engine import Engine, EngineSettings, Request
-from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
+from posttrain.generate import kv_pages
+from posttrain.generate.engine.loop import Engine, EngineSettings, Request
+from posttrain.generate.sampler import SamplingParams, pad_prompts, sample
 
 QUICK = {"model": "tiny-dense", "requests": 12, "slots": 4, "short": 4, "prompt_len": 8, "page_size": 4,
          "runs": 1, "torch_threads": 1}

@@ -10,7 +10,7 @@ from --reply * [1 - --spread, 1 + --spread] (seed 0; greedy, no stop ids, so a r
 replies of different lengths are); after it the env sleeps --env-latency seconds (one env worker: one step at a time) and appends --bridge
 random tokens (its observation and the template's), so turn t + 1's context = turn t's + reply + bridge.
   * sampler: today's path (`episodes.run_episodes` with the dense sampler): every turn, one
-    `rollout.sampler.sample` call over all E contexts (right-padded to a multiple of 16, the whole context
+    `generate.sampler.sample` call over all E contexts (right-padded to a multiple of 16, the whole context
     prefilled again) to the turn's largest budget (a call ends with its slowest row), each reply cut to its
     budget, then every episode's env step.
   * engine_full_table: the engine per episode (`rollout.per_episode`'s scheduling: a reply that ends steps its
@@ -40,8 +40,8 @@ import numpy as np
 
 from _helpers import parse_quick
 from _rollout_long_tail import random_weights
-from posttrain.rollout.engine import Engine, EngineSettings, Request
-from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
+from posttrain.generate.engine.loop import Engine, EngineSettings, Request
+from posttrain.generate.sampler import SamplingParams, pad_prompts, sample
 
 QUICK = {"model": "tiny-dense", "episodes": 4, "reply": 4, "bridge": 3, "prompt_len": 8, "env_latency": 0.005,
          "overlap": 2, "page_size": 4, "runs": 1}

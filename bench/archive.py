@@ -1,4 +1,4 @@
-"""Episode-archive benchmark: what `posttrain.tasks.archive` costs a step, and how fast a run's archive answers.
+"""Episode-archive benchmark: what `posttrain.scheduling.archive` costs a step, and how fast a run's archive answers.
 
     python bench/archive.py --json [--rows 1000000] [--step-s S | --metrics RUN/metrics.jsonl] [--keep DIR]
     python bench/archive.py --json --quick     # seconds: 10,000 rows, 5 step writes
@@ -34,8 +34,8 @@ import pyarrow.compute as pc
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 from _helpers import parse_quick  # noqa: E402
-from posttrain.tasks import archive  # noqa: E402  (after the path tweak, so the bench runs from a checkout)
-from posttrain.tasks.retry import TaskTicket  # noqa: E402
+from posttrain.scheduling import archive  # noqa: E402  (after the path tweak, so the bench runs from a checkout)
+from posttrain.scheduling.tickets import TaskTicket  # noqa: E402
 
 QUICKSTART_STEP_S = 205.0 / 24  # the quickstart's training seconds / steps (PLATFORM-NOTES)
 QUICK = {"rows": 10_000, "repeats": 5}

@@ -265,7 +265,7 @@ def aot_compile(args, cfg, opts, opt, batch, fl) -> dict:
     from posttrain.algos.grpo import step as ts
     from posttrain.infra import aot
     from posttrain.infra import mesh as mesh_lib
-    from posttrain.recipes import dryrun as plan
+    from posttrain.recipes import plan
 
     devices = aot.target_devices(args.aot)
     mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1, "expert": 1}, devices=devices[:1])

@@ -95,7 +95,7 @@ def scheduled_questions(steps: int, prompts_per_step: int, seed: int = 0) -> lis
     """The arithmetic tasks posttrain's loop trains on, in order: what `rollouter.Rollouter.draw` draws from its
     scheduler (domain "arithmetic", `next_tasks(step * 1000, P)` per step, no dynamic sampling). Imports no JAX."""
     from envs.tasks.arithmetic import ArithmeticTasks
-    from posttrain.tasks.scheduler import TaskScheduler
+    from posttrain.scheduling.weighted_draw import TaskScheduler
 
     sched = TaskScheduler({"arithmetic": ArithmeticTasks("train", digits=2)}, {"arithmetic": 1.0}, seed=seed)
     return [t for s in range(steps) for _, t in sched.next_tasks(s * 1000, prompts_per_step)]
@@ -142,7 +142,7 @@ def run_posttrain(s: dict) -> dict:
         loop.train(cfg, progress=False)
         rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
         rows = [r for r in rows if "perf/step_s" in r]
-        from posttrain.tasks import archive
+        from posttrain.scheduling import archive
 
         prompts = []
         for step in range(s["steps"]):  # the batch's groups as drawn (no dynamic sampling: run order)

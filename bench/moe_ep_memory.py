@@ -12,7 +12,7 @@ Workload: one `qwen3-30b-a3b` MoE layer (d_model D 2048, E 128 experts, top-k 8,
 bf16 parameters and compute, `--tokens` tokens per device. Forward and backward (gradients w.r.t. the tokens, the
 router and the three expert weights) of sum(y * g) for a fixed cotangent g, under `jax.jit` on a mesh whose only
 non-trivial axis is 'expert' = EP (the default rules then split the tokens over the same axis and the experts
-E/EP per device). Devices: the v5p topology with EP chips (`posttrain.recipes.dryrun.target_devices("v5p-<2*EP>")`; needs
+E/EP per device). Devices: the v5p topology with EP chips (`posttrain.recipes.plan.target_devices("v5p-<2*EP>")`; needs
 libtpu, e.g. `.venv-aot` with `libtpu==0.0.42.*`). Nothing runs; only `compiled.memory_analysis()` is read.
 
 Implementations (`posttrain.model.moe.dispatch(ep_impl=...)`): "all_to_all" (fixed send capacity
@@ -49,7 +49,7 @@ def target_devices(ep: int, quick: bool) -> list:
     """`ep` devices: the v5p topology with EP chips, or with `quick` the first `ep` (fake) CPU devices."""
     import jax
 
-    from posttrain.recipes import dryrun as plan
+    from posttrain.recipes import plan
 
     devices = jax.devices("cpu")[:ep] if quick else plan.target_devices(f"v5p-{2 * ep}")[0]
     assert len(devices) == ep, (ep, len(devices))

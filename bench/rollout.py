@@ -21,7 +21,7 @@ Workload: the default model (SmolLM2-135M-Instruct, the default GGUF dequantized
 prompts of the project's default task ("What is a + b? Answer with just the number.", a, b in [10, 99], seed 0,
 rendered with the model's chat template), greedy, 24 new tokens, on this machine's CPU. Both sides get the SAME
 prompt token ids (posttrain's tokenizer).
-  * posttrain: `posttrain.rollout.sampler.sample` (one prefill per prompt, `lax.while_loop` decode with a KV cache),
+  * posttrain: `posttrain.generate.sampler.sample` (one prefill per prompt, `lax.while_loop` decode with a KV cache),
     float32, prompts right-padded to a multiple of 16, all 64 in one call. The tokens common to all prompts
     (the chat template's system turn) are prefilled once (`shared_prefix_len`, as the training loop does);
     --no-shared-prefix prefills every prompt in full. Once no more than 48, then 32 rows are unfinished, decoding
@@ -66,7 +66,7 @@ import numpy as np  # noqa: E402
 
 from posttrain.checkpoints import load_pretrained  # noqa: E402
 from posttrain.checkpoints.gguf import default_model_path  # noqa: E402
-from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample, shared_prefix_len, shrink_schedule  # noqa: E402
+from posttrain.generate.sampler import SamplingParams, pad_prompts, sample, shared_prefix_len, shrink_schedule  # noqa: E402
 
 from _helpers import parse_quick, progress  # noqa: E402
 

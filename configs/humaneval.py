@@ -17,7 +17,7 @@ def get_config():
     c.eval.num_tasks = 32               # all 164 took 300 s at the start of the run on 2 cores
     # 8 packed rows of up to 8 x 384 completion tokens: with no remat the step's compiled peak is 27.9 GiB; saving
     # matmul outputs only and 4 accumulation microbatches (same gradient) bring it to 6.8 GiB at 384 prompt tokens
-    # (HumanEval's prompts are up to ~400 tokens; `posttrain.recipes.preflight` checks it before the model loads)
+    # (HumanEval's prompts are up to ~400 tokens; `posttrain.runs.preflight` checks it before the model loads)
     c.model.remat = "dots"
     c.rl.num_microbatches = 4
     c.train.preflight_prompt_len = 384

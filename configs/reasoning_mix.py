@@ -65,7 +65,7 @@ def get_config():
     c.train.workdir = "runs/reasoning_mix"
     c.checkpoint.every_steps = 30
     c.checkpoint.async_save = False     # on a CPU host an async save's host copy would overlap the next step's memory
-    # Task scheduling (posttrain.tasks.jobs): the priorities and caps are a choice for this mix, each for a reason.
+    # Task scheduling (posttrain.scheduling.scheduler): the priorities and caps are a choice for this mix, each for a reason.
     c.tasks.enabled = True
     floor = {"min_share": 0.05}  # 0.2 of the 4 prompts a step (one group every 5 steps, by credit) for every domain,
     # whatever the priorities take: each keeps a training signal and a moving eval/<domain>/pass@1

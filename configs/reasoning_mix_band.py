@@ -1,5 +1,5 @@
 """configs/reasoning_mix.py with a small train task pool per domain, so that a 20-minute run revisits its tasks and
-the pass-rate band (issue 23 item 4, `posttrain.tasks.stats`) has something to skip (issue 23 acceptance 4).
+the pass-rate band (issue 23 item 4, `posttrain.scheduling.stats`) has something to skip (issue 23 acceptance 4).
 
 reasoning_mix draws from 10,000 train tasks per domain: the ~240 groups of its 20 training minutes never visit a
 task twice, so the band (which skips a task whose last `tasks.band_visits` visits were all correct or all wrong)

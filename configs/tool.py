@@ -13,7 +13,7 @@ def get_config():
     c.sampling.max_new_tokens = 256
     # 64 unpacked rows of up to 3 turns: with no remat and one microbatch the step's compiled peak is 60.0 GiB (the
     # OOM at the first update); saving matmul outputs only and 8 accumulation microbatches (8 rows each, the same
-    # gradient) bring it to 7.0 GiB (`posttrain.recipes.preflight`, 128 prompt tokens)
+    # gradient) bring it to 7.0 GiB (`posttrain.runs.preflight`, 128 prompt tokens)
     c.model.remat = "dots"
     c.rl.num_microbatches = 8
     c.optim.lr = 1e-6

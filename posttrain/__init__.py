@@ -24,15 +24,18 @@ _EXPORTS = {
     "load_pretrained": "posttrain.checkpoints", "export_hf": "posttrain.checkpoints.export",
     "Transformer": "posttrain.model.transformer", "ModelConfig": "posttrain.model.config",
     "get_preset": "posttrain.model.presets",
-    "SamplingParams": "posttrain.rollout.sampler", "sample": "posttrain.rollout.sampler", "pad_prompts": "posttrain.rollout.sampler",
+    "SamplingParams": "posttrain.generate.sampler", "sample": "posttrain.generate.sampler", "pad_prompts": "posttrain.generate.sampler",
     "ADVANTAGES": "posttrain.algos.grpo.advantages", "POLICY_LOSSES": "posttrain.algos.grpo.losses", "KL_ESTIMATORS": "posttrain.algos.grpo.losses",
     "AGGREGATIONS": "posttrain.algos.grpo.losses", "policy_loss": "posttrain.algos.grpo.losses", "token_logprobs": "posttrain.learn.logprobs",
     "Config": "posttrain.config", "from_config_dict": "posttrain.config", "default_config": "posttrain.config",
-    "make_run_plan": "posttrain.recipes.run_plan", "RunPlan": "posttrain.recipes.run_plan", "PrecisionPolicy": "posttrain.infra.precision",
+    "make_run_plan": "posttrain.runs.plan", "RunPlan": "posttrain.runs.plan", "PrecisionPolicy": "posttrain.infra.precision",
     "train": "posttrain.recipes.grpo", "GRPOTrainer": "posttrain.recipes.trainer",
 }
 __all__ = sorted(_EXPORTS)
 
+from posttrain import _moved  # noqa: E402  (old module paths: deprecated aliases of the new ones)
+
+_moved.install()
 importlib.import_module("envs")  # registers the posttrain/*-v0 ids with gymnasium (idempotent)
 
 

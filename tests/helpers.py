@@ -141,7 +141,7 @@ def golden_view(workdir) -> dict:
     import hashlib
     import pathlib
 
-    from posttrain.tasks import archive
+    from posttrain.scheduling import archive
 
     workdir = pathlib.Path(workdir)
     metrics = [{k: v for k, v in json.loads(line).items() if not any(k.startswith(t) or t in k for t in TIMING_KEYS)}
@@ -273,7 +273,7 @@ def saved_run(workdir, **over):
     import jax.numpy as jnp
 
     from posttrain.checkpoints.orbax import Checkpointer
-    from posttrain.recipes import run_plan
+    from posttrain.runs import plan as run_plan
 
     plan = run_plan.make_run_plan(tiny_config(workdir, **over))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -315,7 +315,7 @@ def scripted_output(rows, pad_id, width=None, logprob=0.0, truncated_N=None):
     """A `SampleOutput` holding the given token rows, as a sampler would return them: tokens int32 [N, width]
     (`width` defaults to the longest row) padded with `pad_id`, logprob float32 [N, width] equal to `logprob` on
     each row's tokens and 0 after them, lengths int32 [N], truncated bool [N] (all False unless given)."""
-    from posttrain.rollout.sampler import SampleOutput
+    from posttrain.generate.sampler import SampleOutput
 
     width = width or max(map(len, rows))
     assert max(map(len, rows)) <= width, "scripted reply longer than the sampler's width"

@@ -1,4 +1,4 @@
-"""Size limits of the code (CONVENTIONS: files up to 400 lines; functions up to ~60 lines of code).
+"""Size limits of the code (CONVENTIONS: files up to 500 lines; functions up to ~60 lines of code).
 
 A file's size is its physical lines; a function's is its lines that hold code (blank lines, comment-only lines and
 its docstring not counted; nested functions count toward the function that holds them). Run as a script to list
@@ -12,7 +12,7 @@ import tokenize
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FOLDERS = ("posttrain", "envs", "tests", "bench", "scripts", "configs", "launch", "colab")
-MAX_FILE_LINES = 400
+MAX_FILE_LINES = 500
 MAX_FUNCTION_CODE_LINES = 60
 # Over the limit in modules another change is rewriting: an entry is removed once its module is split.
 KNOWN: set[str] = set()
@@ -61,7 +61,7 @@ def violations(known=KNOWN) -> list[str]:
     return out
 
 
-def test_no_file_over_400_lines_and_no_function_over_60_lines_of_code():
+def test_no_file_over_500_lines_and_no_function_over_60_lines_of_code():
     found = violations()
     assert not found, "split these:\n" + "\n".join(found)
 

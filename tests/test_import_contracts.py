@@ -25,7 +25,7 @@ LINT_IMPORTS = pathlib.Path(sys.executable).parent / "lint-imports"
 CONTRACT_IDS = [c["id"] for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]]
 
 # Config may be read only here (paths relative to the checkout root).
-CONFIG_READERS = ("posttrain/config/", "posttrain/recipes/", "posttrain/cli/")
+CONFIG_READERS = ("posttrain/config/", "posttrain/recipes/", "posttrain/runs/", "posttrain/cli/")
 CONFIG_MODULES = {"posttrain", "posttrain.config", "posttrain.config.schema"}  # modules that export `Config`
 CONFIG_NAME = re.compile(r"\bConfig\b")  # the identifier Config, not ModelConfig / RLConfig
 
@@ -114,12 +114,12 @@ def test_config_read_only_by_recipes():
     assert len(files) > 20, f"expected the posttrain modules under {ROOT / 'posttrain'}, found {len(files)}"
     problems = [use for p in files for use in _config_uses(p)]
 
-    run_plan = ROOT / "posttrain/recipes/run_plan.py"
+    run_plan = ROOT / "posttrain/runs/plan.py"
     classes = [n for n in ast.parse(run_plan.read_text()).body if isinstance(n, ast.ClassDef) and n.name == "RunPlan"]
     assert len(classes) == 1, f"expected one class RunPlan in {run_plan}, found {len(classes)}"
     fields = {n.target.id: n for n in classes[0].body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
     assert fields, f"RunPlan in {run_plan} declares no fields"
-    problems += [f"posttrain/recipes/run_plan.py:{n.lineno}: RunPlan.{name}: {ast.unparse(n.annotation)}"
+    problems += [f"posttrain/runs/plan.py:{n.lineno}: RunPlan.{name}: {ast.unparse(n.annotation)}"
                  for name, n in fields.items() if CONFIG_NAME.search(ast.unparse(n.annotation))]
     if "config_dict" in fields:
         annotation = fields["config_dict"].annotation

@@ -11,7 +11,7 @@ env_kwargs, task and seed, and ``step(actions, indices)`` returns results aligne
 
 Episode i of a reset lives in worker i % num_workers (deterministic), in its own env instance (envs are
 reused across episodes per worker and (env_id, env_kwargs)); with seeds given, results do not depend
-on the pool. Workers are started as ``python -m envs.pool.worker`` (not multiprocessing spawn or
+on the pool. Workers are started as ``python -m envs.pool.env_host`` (not multiprocessing spawn or
 forkserver, which re-import the parent's ``__main__``, i.e. the training script and JAX); they import
 only `imports` (default ``envs``, which registers the posttrain ids). Env ids can also name a module
 to import first, gymnasium style: ``"my.module:MyEnv-v0"``.
@@ -100,7 +100,7 @@ class _Worker:
 
 
 class ProcessWorkers:
-    """Backend: workers as ``python -m envs.pool.worker`` subprocesses on socketpairs."""
+    """Backend: workers as ``python -m envs.pool.env_host`` subprocesses on socketpairs."""
 
     def __init__(self, num_workers: int, imports: Sequence[str]) -> None:
         self._imports = list(imports)
@@ -115,7 +115,7 @@ class ProcessWorkers:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
         try:
             self._procs[w] = subprocess.Popen(
-                [sys.executable, "-m", "envs.pool.worker", str(child_end.fileno()), *self._imports],
+                [sys.executable, "-m", "envs.pool.env_host", str(child_end.fileno()), *self._imports],
                 pass_fds=[child_end.fileno()], env=env, start_new_session=True)
         finally:
             child_end.close()

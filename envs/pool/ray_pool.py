@@ -3,14 +3,14 @@ run's config): one Ray actor per worker, so the same tickets and reports drive e
 
 Needs the optional extra (``pip install posttrain[ray]``); ray is imported only when this backend is
 used. Uses the current Ray cluster (``ray.init(...)`` first; otherwise Ray starts a local one on the
-first actor). Each actor holds an `envs.pool.worker.EnvHost`; items are submitted as one actor call
+first actor). Each actor holds an `envs.pool.env_host.EnvHost`; items are submitted as one actor call
 each, so Ray runs them in order and the pool sees each result as it lands (per-item timeouts as with
 the process backend).
 
 Worker death is Ray's restart: actors are created with ``max_restarts`` (default 3; Ray restarts a dead actor
 process: crash, OOM kill, lost node) and ``max_task_retries=0`` (Ray never re-runs a call in flight when its actor
 died, so no env step runs twice). The pool turns every episode the dead actor held into an ``infra_error``
-(its reason names the Ray error), which the job scheduler retries as a new attempt (`posttrain.tasks.retry`): the
+(its reason names the Ray error), which the job scheduler retries as a new attempt (`posttrain.scheduling.tickets`): the
 sample is our retry. A hung actor (an item past its timeout) is killed with ``ray.kill(no_restart=False)``, so Ray
 restarts it the same way. A restarted actor is used again once it answers ``ready`` (calls made while Ray restarts
 it fail at once with ``ActorUnavailableError`` and are sent again); an actor whose restarts are spent, or that never
@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from envs.pool.worker import EnvHost, worker_info
+from envs.pool.env_host import EnvHost, worker_info
 
 DEFAULT_ACTOR_OPTIONS = {"num_cpus": 0, "max_restarts": 3}
 READY_RETRY_S = 0.05  # seconds between `ready` calls to an actor Ray is restarting

@@ -17,7 +17,7 @@ in `PRELOAD` are already imported (copy-on-write copies: a monkeypatch stays in 
 run even with ``-S``; any other argv is exec'd. Results and statuses are those of `envs.sandbox.run`.
 
 A worker whose task misbehaves beyond recovery (killed or stopped its server, left a tree that could not
-be deleted) is replaced at its next use (`envs.sandbox.worker`). Scoring that must start clean (a
+be deleted) is replaced at its next use (`envs.sandbox.fork_worker`). Scoring that must start clean (a
 repository's hidden tests) keeps `envs.sandbox.run`. Workers start lazily (~0.1-0.3 s each) up to `size`
 concurrent tasks; they are registered like every sandbox (`procs.kill_all` at exit and on SIGINT/SIGTERM;
 `find_leaks` counts what their tasks leave, not the workers themselves).
@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 
 from envs import sandbox
 from envs.sandbox import launch, procs
-from envs.sandbox.worker import Worker, _Gone
+from envs.sandbox.fork_worker import Worker, _Gone
 
 PRELOAD = ("collections", "itertools", "functools", "math", "re", "string", "typing", "heapq", "bisect", "random",
            "statistics", "fractions", "decimal", "hashlib", "json", "copy", "operator", "dataclasses", "traceback",

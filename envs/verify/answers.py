@@ -2,7 +2,7 @@
 
 Pure functions, no JAX. Every environment scores through this module (docs/design.md invariant 7), and
 every scoring call is bounded (invariant 14): linear in the response, and the symbolic comparison
-runs in a worker process killed after `timeout_s` (`envs.verify.worker`), from any thread.
+runs in a worker process killed after `timeout_s` (`envs.verify.symbolic`), from any thread.
 
 Before anything else a response is cleaned once (`envs.verify.text`): Unicode numerals become ASCII
 (``−7`` -> ``-7``, ``７`` -> ``7``, ``x²`` -> ``x^{2}``), and a reasoning trace is cut off (the reply
@@ -29,13 +29,13 @@ import dataclasses
 import re
 from typing import Any
 
-from envs.verify import worker
+from envs.verify import symbolic
 from envs.verify.text import (MAX_ANSWER_CHARS, MAX_SYMBOLIC_CHARS, NUMBER, THINK_TAGS, UNITS,  # noqa: F401
                                 as_fraction, fractions_equal, normalize_answer, normalize_unicode, strip_reasoning,
                                 strip_unit, too_costly)
 
-DEFAULT_TIMEOUT_S = worker.DEFAULT_TIMEOUT_S  # bound on one symbolic comparison (seconds)
-REL_TOL = worker.REL_TOL
+DEFAULT_TIMEOUT_S = symbolic.DEFAULT_TIMEOUT_S  # bound on one symbolic comparison (seconds)
+REL_TOL = symbolic.REL_TOL
 METHODS = ("hash", "boxed", "last_number")  # extraction rules, in priority order
 STATUSES = ("ok", "wrong", "timeout", "memory_limit", "disk_limit", "output_limit", "runtime_error",
             "infra_error")
@@ -234,7 +234,7 @@ def compare_answers(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) 
         return fractions_equal(p, fp, g, fg), ""
     if too_costly(p) or too_costly(g):
         return False, "too costly to compare symbolically"
-    return worker.pool().compare(p, g, timeout_s)
+    return symbolic.pool().compare(p, g, timeout_s)
 
 
 def answers_equivalent(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:

@@ -13,7 +13,7 @@ import fractions
 import re
 import unicodedata
 
-from envs.verify.worker import REL_TOL  # relative tolerance for decimal approximations
+from envs.verify.symbolic import REL_TOL  # relative tolerance for decimal approximations
 
 MAX_ANSWER_CHARS = 300  # extracted answers longer than this are refused before comparison (chars)
 MAX_SYMBOLIC_CHARS = MAX_ANSWER_CHARS  # too_costly refuses longer expressions

@@ -1,4 +1,4 @@
-"""Offline training data from a GRPO run's episode archive (`posttrain.tasks.archive`): pure functions over its
+"""Offline training data from a GRPO run's episode archive (`posttrain.scheduling.archive`): pure functions over its
 pyarrow table.
 
 Dimension legend:

@@ -1,7 +1,7 @@
 """Loading the policy a run starts from: the model (a preset with fresh weights, or a GGUF / HF checkpoint) created
 sharded on the run's mesh under its precision policy, and its tokenizer.
 
-`PolicySource` is this package's typed settings (built by `posttrain.recipes.run_plan` from the config's `model`
+`PolicySource` is this package's typed settings (built by `posttrain.runs.plan` from the config's `model`
 and `lora` sections and the resolved precision policy); `PolicySource.model_fields` is the one place a run's
 model options become `ModelConfig` fields, for training, evaluation and `posttrain plan` alike.
 """

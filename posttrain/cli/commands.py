@@ -81,7 +81,7 @@ def _pretrained(model):
 def cmd_sample(f) -> int:
     import jax
 
-    from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
+    from posttrain.generate.sampler import SamplingParams, pad_prompts, sample
 
     graphdef, state, tok = _sample_policy(f)
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": f.prompt}], add_generation_prompt=True))
@@ -96,10 +96,10 @@ def cmd_sample(f) -> int:
 
 def cmd_train(f) -> int:
     from posttrain.recipes import grpo as loop
-    from posttrain.recipes.run_plan import make_run_plan
+    from posttrain.runs.plan import make_run_plan
 
     if f.config is None and f.workdir:  # resuming a run by its directory: the settings it saved
-        from posttrain.recipes.run_plan import config_for_run
+        from posttrain.runs.plan import config_for_run
 
         cfg = config_for_run(f.workdir)
     else:
@@ -118,18 +118,18 @@ def cmd_train(f) -> int:
 
 def _run_plan(f):
     """The GRPO run plan that evaluates the policy of the run in --checkpoint (its workdir), whatever its kind
-    (`read_run.reading_config`: a GRPO run's saved config.json, or --config with the run's own model and lora
+    (`evaluate.reading_config`: a GRPO run's saved config.json, or --config with the run's own model and lora
     sections; an SFT / DPO run's policy; a reward-model run refused in one line, exit code 2)."""
     import dataclasses
 
-    from posttrain.recipes import read_run
-    from posttrain.recipes.grpo import require_checkpoint
-    from posttrain.recipes.run_plan import make_run_plan
+    from posttrain.recipes.evaluate import reading_config
+    from posttrain.runs.lookup import require_checkpoint
+    from posttrain.runs.plan import make_run_plan
 
     if not f.checkpoint:
         raise UsageError("--checkpoint=<run workdir> is required")
     require_checkpoint(f.checkpoint)  # a mistyped directory: one line, nothing created
-    cfg = read_run.reading_config(f.checkpoint, _load_config(f) if f.config is not None else None)
+    cfg = reading_config(f.checkpoint, _load_config(f) if f.config is not None else None)
     return make_run_plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=f.checkpoint)))
 
 
@@ -137,16 +137,18 @@ def _run_model(f, command: str):
     """(kind, ModelConfig, nnx state, tokenizer) of the newest checkpoint of the run in --checkpoint, read only: a
     GRPO run's policy (`grpo.run_policy`), an SFT / DPO run's, a reward model with its head (`read_run`); a
     reward-model run for `sample` is refused (one line, exit code 2)."""
-    from posttrain.recipes import grpo, read_run
+    from posttrain.recipes import evaluate, grpo
+    from posttrain.runs import read
+    from posttrain.runs.lookup import require_checkpoint
 
     if not f.checkpoint:
         raise UsageError("--checkpoint=<run workdir> is required")
-    grpo.require_checkpoint(f.checkpoint)
-    kind = read_run.run_kind(f.checkpoint)
+    require_checkpoint(f.checkpoint)
+    kind = read.run_kind(f.checkpoint)
     if kind == "rm" and command == "sample":
-        raise read_run.refuse(f.checkpoint, kind, command, "generates replies; a reward model only scores them")
-    if kind in read_run.OFFLINE_KINDS:
-        return (kind, *read_run.offline_model(f.checkpoint, kind))
+        raise read.refuse(f.checkpoint, kind, command, "generates replies; a reward model only scores them")
+    if kind in read.OFFLINE_KINDS:
+        return (kind, *evaluate.offline_model(f.checkpoint, kind))
     return ("grpo", *grpo.run_policy(_run_plan(f)))
 
 
@@ -221,6 +223,7 @@ def cmd_eval(f) -> int:
     if f.suite or f.from_records:
         from posttrain.config import ConfigError
         from posttrain.recipes import evaluate
+        from posttrain.runs.lookup import RunNotFoundError
 
         if not (f.from_records or f.checkpoint):
             raise UsageError("--checkpoint=<run workdir> is required")
@@ -229,7 +232,7 @@ def cmd_eval(f) -> int:
                       evaluate.evaluate_suite(f.suite, f.checkpoint, baseline=f.baseline, limit=f.limit,
                                               domains=f.domains, out=f.out,
                                               cfg=_load_config(f) if f.config is not None else None))
-        except (ConfigError, evaluate.grpo.RunNotFoundError):
+        except (ConfigError, RunNotFoundError):
             raise  # main() prints them in one line with exit code 2
         except (ValueError, FileNotFoundError) as e:  # a bad suite, selection or records folder
             raise UsageError(f"{' '.join(str(e).split())}") from None
@@ -251,7 +254,7 @@ def cmd_eval(f) -> int:
 def cmd_convert(f) -> int:
     from posttrain.checkpoints.export import export_hf
 
-    from posttrain.recipes.workdir import check_export_dir
+    from posttrain.runs.workdir import check_export_dir
 
     if not f.out:
         raise UsageError("--out=<directory> is required")
@@ -306,7 +309,7 @@ def cmd_domains(f) -> int:
 
 def cmd_plan(f) -> int:
     """Compiles the config's train step for --target and prints the per-device report; exit 1 when it does not fit."""
-    from posttrain.recipes.dryrun import plan_train_step
+    from posttrain.recipes.plan import plan_train_step
 
     cfg = _load_config(f)
     from posttrain.config import ConfigError
@@ -323,7 +326,7 @@ def cmd_plan(f) -> int:
         for k, v in report.items():
             print(f"{k:>20}: {round(v, 3) if isinstance(v, float) else v}")
     if not report["fits"]:
-        from posttrain.recipes.dryrun import fit_verdict
+        from posttrain.recipes.plan import fit_verdict
 
         print(f"error: {fit_verdict(report, f.target)}", file=sys.stderr)
         return 1

@@ -3,7 +3,7 @@
   posttrain status --workdir=RUN [--json]   (per domain: weight, priority, share and quota used (last step / run),
                    episodes, pass rate, infra errors, retries, quarantined, breaker, curriculum level)
 
-Its data: RUN/status.json (the loop writes it after every step, `posttrain.tasks.view`); the episode archive
+Its data: RUN/status.json (the loop writes it after every step, `posttrain.scheduling.status_table`); the episode archive
 (RUN/archive/, read for its few counting columns) fills what status.json lacks or stands in for it when there is
 none (a pass: reward >= the run's tasks.pass_threshold in RUN/config.json, default 1). A table (rich on a
 terminal when installed, else plain text) or, with --json, one JSON object {"step", "source", "rows"}.
@@ -31,10 +31,10 @@ def _pass_threshold(workdir: pathlib.Path) -> float:
 
 
 def load_view(workdir) -> dict:
-    """{"step", "source", "rows"} of the run in `workdir` (`tasks.view.rows`), read only. `step` is the last
+    """{"step", "source", "rows"} of the run in `workdir` (`scheduling.status_table.rows`), read only. `step` is the last
     trained step as metrics.jsonl and the checkpoints number it (the update that trained the archive's batch s is
     step s + 1). Raises FileNotFoundError naming the folder when it holds neither status.json nor an archive."""
-    from posttrain.tasks import archive, view
+    from posttrain.scheduling import archive, status_table as view
 
     workdir = pathlib.Path(workdir)
     status = view.read_status(workdir)
@@ -44,7 +44,7 @@ def load_view(workdir) -> dict:
         table = archive.read(workdir, columns=view.ARCHIVE_COLUMNS)
         stats = view.archive_stats(table, _pass_threshold(workdir))
     if status is None and stats is None:
-        from posttrain.recipes import read_run
+        from posttrain.runs import read as read_run
 
         kind = read_run.run_kind(workdir) if workdir.is_dir() else None
         if kind in read_run.OFFLINE_KINDS:

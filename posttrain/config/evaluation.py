@@ -1,5 +1,5 @@
 """The `eval` section of a run's config: held-out evaluation on `env.eval` and the evaluation gate of the training
-loop (`eval.suite`, `eval.gate`; `posttrain.eval.gate` decides, `posttrain.recipes.eval_gate` runs it)."""
+loop (`eval.suite`, `eval.gate`; `posttrain.eval.gate` decides, `posttrain.eval.gate_hook` runs it)."""
 from __future__ import annotations
 
 import dataclasses

@@ -5,7 +5,7 @@ overrides; `from_config_dict` turns the result into a frozen `Config`, rejecting
 out-of-range numbers and unknown names of what lives below this package (dtypes, remat modes, kernels) with one
 `ConfigError` that names the key path. Names of registries above it (advantages, policy losses, KL estimators,
 aggregations, optimizers, schedules, eval scorers) are checked against the registries themselves by
-`posttrain.recipes.run_plan.make_run_plan`. This is the only module that knows ml_collections.
+`posttrain.runs.plan.make_run_plan`. This is the only module that knows ml_collections.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from posttrain.model.config import GRAD_DTYPES, REMAT_MODES, REMAT_NAMES
 from posttrain.model.gmm import IMPLS as GMM_IMPLS
 
 # (section, key) -> allowed values, from the tables of the packages below config/ that own them; the names of
-# registries above it are checked by `posttrain.recipes.run_plan.check_names` against the registries themselves
+# registries above it are checked by `posttrain.runs.plan.check_names` against the registries themselves
 _CHOICES = {
     ("rl", "routing_replay"): ("off", "replay"),
     ("model", "remat"): REMAT_MODES,

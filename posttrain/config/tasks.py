@@ -1,8 +1,8 @@
-"""The `tasks` section of a run config: task scheduling over many domains (`posttrain.tasks.jobs.JobScheduler`).
+"""The `tasks` section of a run config: task scheduling over many domains (`posttrain.scheduling.scheduler.JobScheduler`).
 
 Kept beside `schema.py` (which imports it into `Config`). The options are validated here (one ConfigError naming
 `tasks` at load); the policies where they become the scheduler's own settings
-(`posttrain.recipes.run_plan.scheduler_settings` -> `posttrain.tasks.policy.SchedulerSettings`), resolved against
+(`posttrain.runs.plan.scheduler_settings` -> `posttrain.scheduling.domain_rules.SchedulerSettings`), resolved against
 env.train, before any I/O.
 
 Example (a config file)::
@@ -25,7 +25,7 @@ def _is_int(x) -> bool:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulingOptions:
     """The retry, breaker, band and credit options of task scheduling, shared by the config's `tasks` section
-    (TasksConfig) and the scheduler's own settings (`posttrain.tasks.policy.SchedulerSettings`), which extend it.
+    (TasksConfig) and the scheduler's own settings (`posttrain.scheduling.domain_rules.SchedulerSettings`), which extend it.
 
     Attributes:
         max_attempts: group tries of a task visit (its first try and its re-queues) before its task is quarantined.
@@ -83,9 +83,9 @@ class TasksConfig(SchedulingOptions):
 
     Attributes:
         enabled: draw training tasks with the job scheduler (policies, retries, quarantine, breaker, band)
-            instead of the weighted draw of `posttrain.tasks.scheduler.TaskScheduler`.
+            instead of the weighted draw of `posttrain.scheduling.weighted_draw.TaskScheduler`.
         policies: fnmatch pattern of env.train names -> {weight, priority, min_share, max_share, max_env_cpu_s,
-            max_concurrency} (`posttrain.tasks.policy.DomainPolicy`; the most specific pattern wins; min_shares
+            max_concurrency} (`posttrain.scheduling.domain_rules.DomainPolicy`; the most specific pattern wins; min_shares
             may sum to at most 1).
     """
 

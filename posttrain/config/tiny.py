@@ -26,5 +26,5 @@ def tiny_base(preset: str = "tiny-dense", workdir: str = "runs/tiny"):
     c.checkpoint.every_steps = 2
     c.train.machine = "cpu-1:24GB"
     c.train.preflight_prompt_len = 0  # the step of a tiny preset (0.02 GiB compiled) fits any host; its check's
-    # compile would double the seconds a tiny run takes to start (tests/posttrain/recipes/test_preflight.py checks it)
+    # compile would double the seconds a tiny run takes to start (tests/posttrain/runs/test_preflight.py checks it)
     return c

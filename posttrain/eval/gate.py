@@ -19,7 +19,7 @@ ACTIONS = ("warn", "stop")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GateSettings:
-    """The in-loop suite and its gate (built by `posttrain.recipes.run_plan` from `eval.suite`, `eval.every_steps`
+    """The in-loop suite and its gate (built by `posttrain.runs.plan` from `eval.suite`, `eval.every_steps`
     and `eval.gate`).
 
     Attributes:

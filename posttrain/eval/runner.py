@@ -35,16 +35,16 @@ from posttrain.config import EnvSpec
 from posttrain.eval import collapse as collapse_lib
 from posttrain.eval import metrics as metrics_lib
 from posttrain.rollout.episodes import Episode, run_episodes
-from posttrain.rollout.floors import env_floor, spec_floors  # noqa: F401  (re-exported: suite.py, tests)
+from posttrain.rollout.floor_metrics import env_floor, spec_floors  # noqa: F401  (re-exported: suite.py, tests)
 from posttrain.rollout.env_side import task_sources
-from posttrain.rollout.sampler import SamplingParams
+from posttrain.generate.sampler import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalSettings:
-    """What held-out evaluation needs of a run (built by `posttrain.recipes.run_plan`).
+    """What held-out evaluation needs of a run (built by `posttrain.runs.plan`).
 
     Attributes:
       specs: the eval env mix (domain name -> EnvSpec).

@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable, Mapping
 
 import jax
+import numpy as np
 
 from posttrain.checkpoints.orbax import Checkpointer
 from posttrain.config import CheckpointConfig
@@ -226,3 +227,14 @@ class Learner:
         """Waits for pending saves and closes the checkpointer."""
         self.checkpointer.wait()
         self.checkpointer.close()
+
+
+def abstract_batch(batch, mesh, rules=mesh_lib.RULES):
+    """(ShapeDtypeStructs of a numpy RolloutBatch with the batch sharding, the shardings)."""
+    shardings = jax.tree.map(lambda x: mesh_lib.batch_sharding(mesh, np.ndim(x), rules), batch)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=s),
+                        batch, shardings), shardings
+
+
+class NonFiniteError(RuntimeError):
+    """Training stopped after `train.max_nonfinite_skips` consecutive steps with a non-finite loss or gradient."""

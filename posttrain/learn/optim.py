@@ -2,7 +2,7 @@
 
 Dimension legend: none; the optimizer maps a pytree of float gradients to updates of the same structure.
 
-Plain arguments, or an `OptimizerSettings` (built by `posttrain.recipes.run_plan` from the config's `optim`
+Plain arguments, or an `OptimizerSettings` (built by `posttrain.runs.plan` from the config's `optim`
 section and the run's step count) whose `build()` is the one place a run's optimizer is made. The learning-rate
 schedule is returned alongside the transformation so the train step can log `optim/lr` for the step it applies.
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from posttrain.infra import mesh as mesh_lib
 from posttrain.model.layers import LoRAParam
 from posttrain.types import TrainState
 
@@ -65,3 +66,26 @@ def create_train_state(graphdef, model_state, tx: optax.GradientTransformation, 
     state = TrainState(step=jnp.zeros((), jnp.int32), params=trainable, opt_state=tx.init(trainable),
                        frozen=frozen, ref_params=ref, rng=rng)
     return graphdef, state
+
+
+def abstract_train_state(model_cfg, tx, mesh, rules=mesh_lib.RULES, *, lora_rank: int = 0,
+                         need_reference: bool = False):
+    """(graphdef, abstract TrainState with shardings, its shardings) for `model_cfg` on `mesh` (nothing allocated)."""
+    from flax import nnx
+
+    from posttrain.learn.state import create_train_state
+    from posttrain.model.transformer import Transformer
+
+    box = {}
+
+    def init():
+        graphdef, model_state = nnx.split(Transformer(model_cfg, rngs=nnx.Rngs(0)))
+        box["graphdef"], state = create_train_state(graphdef, model_state, tx, jax.random.key(0),
+                                                    lora_rank=lora_rank, need_reference=need_reference)
+        return state
+
+    with jax.set_mesh(mesh):
+        state = jax.eval_shape(init)
+        shardings = mesh_lib.state_shardings(state, mesh, rules)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+    return box["graphdef"], abstract, shardings

@@ -29,7 +29,7 @@ class Source(NamedTuple):
 
 
 class CacheHook(NamedTuple):
-    """A cache the caller attends to itself (e.g. a paged KV cache, `posttrain.rollout.paged_attention`): passed
+    """A cache the caller attends to itself (e.g. a paged KV cache, `posttrain.generate.paged_attention`): passed
     as a layer's only extra source, the layer calls `fn(q, own_entries, scale)` instead of its softmax and uses
     the result as the attention output. q: [B, T, N, H] (MLA: the absorbed queries [B, T, N, R + rope dims]);
     own_entries: the layer's entries of its T new tokens ({"k", "v": [B, T, K, H]} or MLA's {"kv": [B, T, C]});

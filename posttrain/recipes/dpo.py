@@ -4,7 +4,7 @@ and margins before and after.
 
 `make_dpo_plan(cfg)` is the only reader of a `DPORunConfig` (`posttrain.config.dpo`); the shared sections map to
 settings as in GRPO and SFT (`run_plan.policy_source`, `run_plan.optimizer_settings`). The math is
-`posttrain.algos.dpo`'s, the loop `recipes.offline.train_loop`. The reference is the initial policy: its sequence
+`posttrain.algos.dpo`'s, the loop `learn.offline_loop.train_loop`. The reference is the initial policy: its sequence
 logprobs are computed before the first step into `<workdir>/reference_logps.parquet` (reused on resume and by a
 new run in the same workdir while the model and data hashes match), so training keeps no second model.
 
@@ -34,8 +34,9 @@ from posttrain.infra import distributed, mesh as mesh_lib
 from posttrain.infra.partitioning import use_rules
 from posttrain.infra.precision import PrecisionPolicy
 from posttrain.learn.learner import Learner, LearnerSettings
-from posttrain.recipes import offline
-from posttrain.recipes.run_plan import TrainSettings, optimizer_settings, policy_source
+from posttrain.learn import offline_loop
+from posttrain.runs import plan as plan_lib, workdir as workdir_lib
+from posttrain.runs.plan import TrainSettings, optimizer_settings, policy_source
 
 CACHE_FILE = "reference_logps.parquet"
 
@@ -80,7 +81,7 @@ def make_dpo_plan(cfg: DPORunConfig, *, num_devices: int | None = None, workdir:
     """Derives and validates every setting of a DPO run (no I/O). Raises ConfigError when the mesh does not fit
     the devices or `dpo.pairs_per_step` does not divide into `dpo.num_microbatches` x the mesh's batch shards."""
     d = cfg.dpo
-    shape, rules, _, precision = offline.layout(cfg, "dpo.pairs_per_step", d.pairs_per_step, d.num_microbatches,
+    shape, rules, _, precision = plan_lib.offline_layout(cfg, "dpo.pairs_per_step", d.pairs_per_step, d.num_microbatches,
                                                 num_devices, backend)
     wd = pathlib.Path(workdir or cfg.train.workdir)
     config_dict, t = to_dict(cfg), cfg.train
@@ -118,7 +119,7 @@ def load_pairs(d: data_lib.PairSettings, tokenizer):
     FileNotFoundError for a run without an archive, ValueError when no training pair is left."""
     if not d.from_archive:
         return data_lib.load_pairs(d, tokenizer)
-    train, held, counts = from_archive.dpo_pairs(offline.archive_table(d.from_archive),
+    train, held, counts = from_archive.dpo_pairs(offline_loop.archive_table(d.from_archive),
                                                  max_prompt_len=d.max_prompt_len,
                                                  max_completion_len=d.max_completion_len,
                                                  eval_fraction=d.eval_fraction, seed=d.seed)
@@ -130,11 +131,11 @@ def load_pairs(d: data_lib.PairSettings, tokenizer):
 
 class Run:
     """The pieces of a DPO run: policy, tokenizer, pairs with their reference logprobs, fixed batch regions and the
-    learner (restored from the workdir's newest checkpoint, if any); claims the workdir (`offline.claim_workdir`)
+    learner (restored from the workdir's newest checkpoint, if any); claims the workdir (`workdir_lib.claim_offline`)
     and writes config.json once restored."""
 
     def __init__(self, plan: DPOPlan):
-        offline.claim_workdir(plan.workdir, "dpo", plan.config_dict, DPORunConfig)
+        workdir_lib.claim_offline(plan.workdir, "dpo", plan.config_dict, DPORunConfig)
         self.plan = plan
         self.mesh = mesh_lib.make_mesh(plan.mesh_shape)
         model_config, graphdef, weights, self.tokenizer = load_policy(plan.policy, self.mesh, plan.rules)
@@ -145,7 +146,7 @@ class Run:
                                       batch_type=data_lib.PairBatch)
         self.ref = self._reference_logps()  # of the initial weights: before any restore
         self.learner.restore()
-        offline.write_config(plan.workdir, plan.config_dict)  # restored (or new): its settings
+        workdir_lib.write_config(plan.workdir, plan.config_dict)  # restored (or new): its settings
         self._eval_fn = dpo_step.make_eval_fn(self.learner.graphdef, plan.step)
         self.counts = {"dpo/train_pairs": len(self.train_pairs), "dpo/eval_pairs": len(self.eval_pairs),
                        "dpo/truncated": sum(p.truncated for p in self.train_pairs + self.eval_pairs),
@@ -171,7 +172,7 @@ class Run:
         for chunk, batch in self._batches(pairs):
             with jax.set_mesh(self.mesh):
                 s_N = np.asarray(jax.device_get(fn(state.params, state.frozen,
-                                                   offline.place(batch, self.mesh, self.plan.rules))))
+                                                   offline_loop.place(batch, self.mesh, self.plan.rules))))
             out.update({p.pair_id: (float(s_N[2 * k]), float(s_N[2 * k + 1])) for k, p in enumerate(chunk)})
         if self.plan.reference_cache:
             reference.write(path, out, *hashes)
@@ -194,7 +195,7 @@ class Run:
         for _, batch in self._batches(self.eval_pairs, self.ref):
             with jax.set_mesh(self.mesh):
                 terms, valid = self._eval_fn(state.params, state.frozen,
-                                             offline.place(batch, self.mesh, self.plan.rules))
+                                             offline_loop.place(batch, self.mesh, self.plan.rules))
             terms, valid = jax.device_get((terms, valid))
             acc.extend(np.asarray(terms["rewards/accuracies"])[valid])
             margin.extend(np.asarray(terms["rewards/margins"])[valid])
@@ -215,9 +216,9 @@ def pair_settings(section, seed: int) -> data_lib.PairSettings:
 
 
 def accuracy_interval(acc_P: np.ndarray, confidence: float = 0.95, seed: int = 0) -> dict[str, float]:
-    """{"dpo/eval_accuracy_lo", "dpo/eval_accuracy_hi"}: `offline.bootstrap_interval` of the mean per-pair
+    """{"dpo/eval_accuracy_lo", "dpo/eval_accuracy_hi"}: `offline_loop.bootstrap_interval` of the mean per-pair
     accuracy (a percentile bootstrap, fixed seed; a single pair or identical values give the value itself)."""
-    lo, hi = offline.bootstrap_interval(np.asarray(acc_P, float), confidence, seed)
+    lo, hi = offline_loop.bootstrap_interval(np.asarray(acc_P, float), confidence, seed)
     return {"dpo/eval_accuracy_lo": lo, "dpo/eval_accuracy_hi": hi}
 
 
@@ -227,7 +228,7 @@ def train(plan: DPOPlan, *, progress: bool = True) -> dict:
     `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
     # a signal while the run is built is one line too; its grace is the config's
     with use_rules(plan.rules), distributed.StopRequest(plan.learner.checkpoint.stop_grace_s) as stop:
-        return offline.train_loop(Run(plan), name="dpo", workdir=plan.workdir, train=plan.train,
+        return offline_loop.train_loop(Run(plan), name="dpo", workdir=plan.workdir, train=plan.train,
                                   config_dict=plan.config_dict, eval_at_start=plan.eval_at_start,
                                   eval_at_end=plan.eval_at_end, progress=progress, stop=stop,
                                   bar_fields=(("loss", "dpo/loss"), ("acc", "rewards/accuracies")),

@@ -18,27 +18,30 @@ step, seconds by domain); comparison.md, comparison.json, forest.png.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import time
 from typing import Mapping
 
-from posttrain.config import Config
+from posttrain.config import Config, ConfigError
 from posttrain.eval import compare as compare_lib
 from posttrain.eval import records as records_lib
 from posttrain.eval import report, suite as suite_lib
 from posttrain.infra.partitioning import use_rules
-from posttrain.recipes import grpo, read_run
-from posttrain.recipes.eval_gate import evaluation as _evaluation, sample_suite
-from posttrain.recipes.run_plan import RunPlan, make_run_plan
+from posttrain.recipes import grpo
+from posttrain.eval.gate_hook import evaluation as _evaluation, sample_suite
+from posttrain.runs.lookup import require_checkpoint
+from posttrain.runs.plan import RunPlan, make_run_plan
+from posttrain.runs.read import OFFLINE_KINDS, OFFLINE_STATE_SECTIONS, refuse, run_kind
 
 
 def run_plan_of(checkpoint: str | pathlib.Path, cfg: Config | None = None, flag: str = "--checkpoint") -> RunPlan:
     """The run plan for the run in `checkpoint`, of any kind (`read_run.reading_config`: its saved config.json,
     or `cfg` (a --config) with the run's own model sections), with its workdir. Raises RunNotFoundError (nothing
     read or created; naming `flag`) without a complete checkpoint there, ConfigError for a run it cannot evaluate."""
-    grpo.require_checkpoint(checkpoint, flag)
-    return make_run_plan(read_run.reading_config(checkpoint, cfg, "eval --suite", suite=True), workdir=str(checkpoint))
+    require_checkpoint(checkpoint, flag)
+    return make_run_plan(reading_config(checkpoint, cfg, "eval --suite", suite=True), workdir=str(checkpoint))
 
 
 def evaluate_policies(plan: RunPlan, built, *, with_base: bool, sampling_plan: RunPlan | None = None) -> dict:
@@ -154,3 +157,107 @@ def rescore_folder(folder: str, *, suite_path: str | None = None, out: str | Non
     target.mkdir(parents=True, exist_ok=True)
     text = write_report(target, evaluations, alpha, described.get("skipped", {}))
     return _result(target, text, evaluations, described.get("skipped", {}))
+
+
+def offline_plan(workdir, kind: str):
+    """The plan (`recipes.<kind>.make_<kind>_plan`) of the offline run in `workdir` from its saved config.json,
+    with its workdir. Raises ConfigError naming the file when it does not load."""
+    from posttrain.config import dpo, rm, sft
+    from posttrain.recipes import dpo as dpo_recipe, rm as rm_recipe, sft as sft_recipe
+
+    load, make = {"sft": (sft.sft_config_from_dict, sft_recipe.make_sft_plan),
+                  "dpo": (dpo.dpo_config_from_dict, dpo_recipe.make_dpo_plan),
+                  "rm": (rm.rm_config_from_dict, rm_recipe.make_rm_plan)}[kind]
+    path = pathlib.Path(workdir) / "config.json"
+    try:
+        cfg = load(json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{path}: {' '.join(str(e).split())}") from None
+    return make(cfg, workdir=str(workdir))
+
+
+# a suite evaluation's stand-in for the env section of an SFT / DPO run that has none: never built (the suite's envs
+# are all a suite evaluation builds, `grpo.build(held_out=False)`) nor written anywhere
+SUITE_PLACEHOLDER_ENV = {"id": "posttrain/Arithmetic-v0"}
+
+
+def policy_eval_config(workdir, kind: str, cfg: Config | None, suite: bool = False) -> Config:
+    """The GRPO Config that evaluates the policy of the SFT / DPO run in `workdir`: `cfg`'s sections (else those of
+    the GRPO run it was trained from; else, for a `suite` evaluation, which uses no env of the run, the defaults with
+    SUITE_PLACEHOLDER_ENV as env.train) with the run's OFFLINE_STATE_SECTIONS and its workdir, and a learner shaped
+    like the run's (no reference copy, one update per step). Raises ConfigError when none gives an env."""
+    from posttrain.runs.plan import saved_config
+
+    saved = json.loads((pathlib.Path(workdir) / "config.json").read_text())
+    source = saved.get(kind, {}).get("from_archive") or ""
+    base = cfg
+    if base is None and source and run_kind(source) == "grpo":
+        base = saved_config(source)
+    if base is None and suite:
+        from posttrain.config import EnvSpec
+
+        base = dataclasses.replace(Config(), env=dataclasses.replace(
+            Config().env, train={"suite_placeholder": EnvSpec(**SUITE_PLACEHOLDER_ENV)}))
+    if base is None:
+        raise refuse(workdir, kind, "eval", "needs an env to evaluate on: pass --config=configs/X.py (its env and "
+                     "eval sections; the run's model and weights are used), or --suite" +
+                     (f" (its from_archive run {source!r} has no GRPO config.json)" if source else ""))
+    from posttrain.config import from_config_dict, to_dict
+
+    own = offline_plan(workdir, kind).config_dict  # validated; the sections as the run saved them
+
+    raw = to_dict(base)
+    raw.update({s: own[s] for s in OFFLINE_STATE_SECTIONS})
+    raw["rl"].update(beta=0.0, ppo_epochs=1, minibatches=1)  # the offline learner's state: no reference copy
+    raw["train"]["workdir"] = str(workdir)
+    return from_config_dict(raw)
+
+
+def reading_config(workdir, cfg: Config | None = None, command: str = "eval", suite: bool = False) -> Config:
+    """The GRPO Config with which `command` evaluates the policy of the run in `workdir` (a complete checkpoint
+    there is the caller's check): a GRPO run's `run_plan.config_for_run`, an SFT / DPO run's `policy_eval_config`
+    (`suite`: for a suite evaluation, which needs no env of the run). Raises ConfigError for a reward-model run (it
+    has no policy) or a run without a usable config."""
+    from posttrain.runs.plan import config_for_run
+
+    kind = run_kind(workdir)
+    if kind == "rm":
+        raise refuse(workdir, kind, command, "evaluates a policy; a reward model scores replies (use it as "
+                     f"rewards.model={workdir} in a GRPO config)")
+    if kind in OFFLINE_KINDS:
+        return policy_eval_config(workdir, kind, cfg, suite)
+    return config_for_run(workdir, cfg)
+
+
+def offline_model(workdir, kind: str):
+    """(ModelConfig, nnx state, tokenizer) of the newest checkpoint of the offline run in `workdir` (LoRA
+    unmerged; a reward model with its head), read only. Raises RunNotFoundError without a complete checkpoint."""
+    from flax import nnx
+
+    from posttrain.checkpoints.policy import load_policy
+    from posttrain.infra import mesh as mesh_lib
+    from posttrain.infra.partitioning import use_rules
+    from posttrain.learn.learner import Learner
+    from posttrain.learn.state import merge_model
+    from posttrain.recipes.grpo import require_checkpoint
+
+    require_checkpoint(workdir)
+    plan = offline_plan(workdir, kind)
+    with use_rules(plan.rules):
+        mesh = mesh_lib.make_mesh(plan.mesh_shape)
+        model_config, graphdef, weights, tokenizer = load_policy(plan.policy, mesh, plan.rules)
+        kw = {}
+        if kind == "rm":
+            from posttrain.algos.rm.step import RewardBatch
+            from posttrain.model.reward_head import with_head
+
+            graphdef, weights = with_head(model_config, graphdef, weights, mesh, plan.rules, seed=plan.learner.seed)
+            kw["batch_type"] = RewardBatch
+        never_run = lambda *a: (lambda state, batch: (state, {}))  # noqa: E731 (reading: no step is taken)
+        learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, never_run, read_only=True, **kw)
+        try:
+            learner.restore()
+            s = learner.state
+            return model_config, nnx.state(merge_model(learner.graphdef, s.params, s.frozen)), tokenizer
+        finally:
+            learner.close()

@@ -1,9 +1,9 @@
 """The GRPO recipe, the only imperative driver of a run: plan -> rollouter / learner -> for each step: collect,
-train, log, save, evaluate. No math and no derived settings live here (those are `posttrain.recipes.run_plan`'s);
+train, log, save, evaluate. No math and no derived settings live here (those are `posttrain.runs.plan`'s);
 the GRPO math is `posttrain.algos.grpo`'s (advantages handed to the rollouter, the step built on `learn.step`).
 
 Outputs in the workdir: `metrics.jsonl`, TensorBoard events, `reward_curve.png`, `archive/step_*.parquet` (the
-episode archive: one row per sample attempt, `posttrain.tasks.archive`), `eval/step_*.jsonl`, `checkpoints/`
+episode archive: one row per sample attempt, `posttrain.scheduling.archive`), `eval/step_*.jsonl`, `checkpoints/`
 (Orbax), `summary.json`. Re-running the same command resumes from the last complete checkpoint with the same task
 order and RNG stream.
 """
@@ -12,11 +12,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import pathlib
 import time
 from typing import Any
 
-from posttrain.algos.grpo import step as grpo_step
 from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.checkpoints.policy import load_policy
 from posttrain.config import Config, ConfigError, to_dict
@@ -24,54 +22,17 @@ from posttrain.eval import runner as eval_runner
 from posttrain.infra import distributed, metrics as metrics_lib
 from posttrain.infra import mesh as mesh_lib, reshard
 from posttrain.infra.partitioning import use_rules
-from posttrain.learn.learner import Learner
-from posttrain.recipes import workdir as workdir_lib
-from posttrain.recipes import eval_gate, preflight, run_plan as run_plan_lib
-from posttrain.recipes.resources import Resources
-from posttrain.recipes.run_plan import RunPlan, make_run_plan
+from posttrain.learn.learner import Learner, NonFiniteError
+from posttrain.runs import workdir as workdir_lib
+from posttrain.eval import gate_hook as eval_gate
+from posttrain.runs import preflight, plan as run_plan_lib
+from posttrain.runs.resources import Resources
+from posttrain.runs.lookup import require_checkpoint
+from posttrain.runs.plan import RunPlan, make_run_plan, step_builder
 from posttrain.rollout import rewards as rewards_lib
 from posttrain.rollout.queue import RolloutQueue, batch_metrics
 from posttrain.rollout.rollouter import Rollouter, write_jsonl
-from posttrain.tasks import archive, view
-
-
-class RunNotFoundError(FileNotFoundError):
-    """A command that reads a run (eval, convert) was pointed at a directory with no complete checkpoint; it creates
-    nothing and never substitutes the base model."""
-
-
-def require_checkpoint(workdir, flag: str = "--checkpoint") -> int:
-    """The newest complete checkpoint step of the run in `workdir` (read only: nothing is created or moved).
-    Raises RunNotFoundError naming `flag` and the directory when there is no run or no complete checkpoint in it."""
-    workdir = pathlib.Path(workdir)
-    if not (workdir / "checkpoints").is_dir():
-        what = "no such directory" if not workdir.exists() else "no checkpoints/ folder in it"
-        raise RunNotFoundError(f"{flag}={workdir}: {what}; {flag} names the workdir of a run "
-                               "(e.g. runs/quickstart)")
-    step = latest_checkpoint(workdir)
-    if step is None:
-        raise RunNotFoundError(f"{flag}={workdir}: {workdir / 'checkpoints'} holds no complete checkpoint")
-    return step
-
-
-class NonFiniteError(RuntimeError):
-    """Training stopped after `train.max_nonfinite_skips` consecutive steps with a non-finite loss or gradient."""
-
-
-def step_builder(plan: RunPlan):
-    """The learner's `build_step`: the GRPO step of `plan` for the loaded model (its MoE coefficients)."""
-    return lambda graphdef, tx, lr_schedule, model_config: grpo_step.make_train_step(
-        graphdef, tx, lr_schedule, plan.model_step(model_config.moe))
-
-
-def latest_checkpoint(workdir) -> int | None:
-    """The newest complete checkpoint step in `workdir` (read only), or None."""
-    from posttrain.checkpoints.orbax import Checkpointer
-
-    if not (pathlib.Path(workdir) / "checkpoints").is_dir():
-        return None
-    with Checkpointer(pathlib.Path(workdir) / "checkpoints", every_steps=1, keep=1, read_only=True) as reader:
-        return reader.latest_step()
+from posttrain.scheduling import archive, status_table as view
 
 
 def resume_changes(plan: RunPlan, allow: bool = False) -> dict[str, list]:
@@ -80,7 +41,7 @@ def resume_changes(plan: RunPlan, allow: bool = False) -> dict[str, list]:
     Raises ConfigError listing them unless `allow` (--allow_config_change), and as `workdir.claim` does for a
     workdir that is a file, not writable, or another kind's run."""
     return workdir_lib.claim(plan.workdir, "grpo", plan.config_dict, defaults=to_dict(Config()),
-                             free_keys=run_plan_lib.RESUME_FREE_KEYS, allow_changes=allow)
+                             free_keys=workdir_lib.RESUME_FREE_KEYS, allow_changes=allow)
 
 
 def build(plan: RunPlan, *, reading: bool = False, restore: bool = True, allow_config_change: bool = False,
@@ -277,7 +238,7 @@ class _Loop:
     metrics: dict | None = None
     queue: Any = None  # rollout.queue.RolloutQueue: the producer of the batches (started by `open_run`)
     synced: Any = None  # the (policy, rng) snapshot of the last update, published to the producer by `advance`
-    gate: Any = None  # recipes.eval_gate.LoopGate with eval.suite, else None
+    gate: Any = None  # eval.gate_hook.LoopGate with eval.suite, else None
 
     def advance(self, step: int, steps: int) -> bool:
         """Step `step` of `steps` and the stop check; True when train.max_train_seconds is reached or the eval gate

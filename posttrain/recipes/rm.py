@@ -5,14 +5,14 @@ sequence-classification directory in `<workdir>/reward_model` (`checkpoints.rewa
 
 `make_rm_plan(cfg)` is the only reader of an `RMRunConfig` (`posttrain.config.rm`); the shared sections map to
 settings as in SFT and DPO (`run_plan.policy_source`, `run_plan.optimizer_settings`). The math is
-`posttrain.algos.rm`'s, the loop `recipes.offline.train_loop`.
+`posttrain.algos.rm`'s, the loop `learn.offline_loop.train_loop`.
 
 Outputs besides the offline loop's: per step `rm/{loss,train_accuracy,train_margin,chosen,rejected,pairs}`;
 held-out `rm/accuracy` (ties 1/2) with its 95% bootstrap interval `rm/accuracy_{lo,hi}`, `rm/margin`, `rm/pairs`,
 and the length-only baseline on the same pairs (`rm/length_baseline_direction`: +1 the longer reply preferred, -1
 the shorter, whichever is more accurate on the TRAINING pairs; a tie 1/2): `rm/length_baseline_accuracy` and the
 difference `rm/vs_length` (the RM's minus the baseline's held-out accuracy) with its 95% paired bootstrap interval
-`rm/vs_length_{lo,hi}` (`offline.paired_difference_interval`); the summary's `export` (the directory written).
+`rm/vs_length_{lo,hi}` (`offline_loop.paired_difference_interval`); the summary's `export` (the directory written).
 """
 from __future__ import annotations
 
@@ -38,8 +38,9 @@ from posttrain.learn.learner import Learner, LearnerSettings
 from posttrain.learn.state import merge_model
 from posttrain.model.reward_head import with_head
 from posttrain.recipes import dpo as dpo_recipe
-from posttrain.recipes import offline
-from posttrain.recipes.run_plan import TrainSettings, optimizer_settings, policy_source
+from posttrain.learn import offline_loop
+from posttrain.runs import plan as plan_lib, workdir as workdir_lib
+from posttrain.runs.plan import TrainSettings, optimizer_settings, policy_source
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,7 +83,7 @@ def make_rm_plan(cfg: RMRunConfig, *, num_devices: int | None = None, workdir: s
     """Derives and validates every setting of a reward-model run (no I/O). Raises ConfigError when the mesh does
     not fit the devices or `rm.pairs_per_step` does not divide into `rm.num_microbatches` x the batch shards."""
     r, t = cfg.rm, cfg.train
-    shape, rules, _, precision = offline.layout(cfg, "rm.pairs_per_step", r.pairs_per_step, r.num_microbatches,
+    shape, rules, _, precision = plan_lib.offline_layout(cfg, "rm.pairs_per_step", r.pairs_per_step, r.num_microbatches,
                                                 num_devices, backend)
     wd = pathlib.Path(workdir or t.workdir)
     config_dict = to_dict(cfg)
@@ -115,8 +116,8 @@ def held_out_metrics(acc_P: np.ndarray, margin_P: np.ndarray, length_P: np.ndarr
                      direction: int = 1) -> dict[str, float]:
     """The held-out metrics of the module docstring from per-pair accuracies, margins and the length baseline's
     per-pair accuracies (`length_accuracy` in `direction`, chosen on the training pairs)."""
-    lo, hi = offline.bootstrap_interval(acc_P)
-    dlo, dhi = offline.paired_difference_interval(acc_P, length_P)
+    lo, hi = offline_loop.bootstrap_interval(acc_P)
+    dlo, dhi = offline_loop.paired_difference_interval(acc_P, length_P)
     return {"rm/accuracy": float(acc_P.mean()), "rm/accuracy_lo": lo, "rm/accuracy_hi": hi,
             "rm/margin": float(margin_P.mean()), "rm/pairs": float(len(acc_P)),
             "rm/length_baseline_accuracy": float(length_P.mean()), "rm/length_baseline_direction": float(direction),
@@ -125,11 +126,11 @@ def held_out_metrics(acc_P: np.ndarray, margin_P: np.ndarray, length_P: np.ndarr
 
 class Run:
     """The pieces of a reward-model run: the backbone with its head, tokenizer, pairs, fixed batch regions and the
-    learner (restored from the workdir's newest checkpoint, if any); claims the workdir (`offline.claim_workdir`)
+    learner (restored from the workdir's newest checkpoint, if any); claims the workdir (`workdir_lib.claim_offline`)
     and writes config.json once restored."""
 
     def __init__(self, plan: RMPlan):
-        offline.claim_workdir(plan.workdir, "rm", plan.config_dict, RMRunConfig)
+        workdir_lib.claim_offline(plan.workdir, "rm", plan.config_dict, RMRunConfig)
         self.plan = plan
         self.mesh = mesh_lib.make_mesh(plan.mesh_shape)
         self.model_config, graphdef, weights, self.tokenizer = load_policy(plan.policy, self.mesh, plan.rules)
@@ -141,7 +142,7 @@ class Run:
         self.learner = Learner.create(plan.learner, self.mesh, self.model_config, graphdef, weights, build,
                                       batch_type=rm_step.RewardBatch)
         self.learner.restore()
-        offline.write_config(plan.workdir, plan.config_dict)  # restored (or new): its settings
+        workdir_lib.write_config(plan.workdir, plan.config_dict)  # restored (or new): its settings
         self._eval_fn = rm_step.make_eval_fn(self.learner.graphdef, plan.step)
         self.counts = {"rm/train_pairs": len(self.train_pairs), "rm/eval_pairs": len(self.eval_pairs),
                        "rm/truncated": sum(p.truncated for p in self.train_pairs + self.eval_pairs)}
@@ -161,7 +162,7 @@ class Run:
             batch = data_lib.make_batch(self.eval_pairs[i:i + P], *self.regions, self.tokenizer.pad_id, P)
             with jax.set_mesh(self.mesh):
                 terms, valid = self._eval_fn(state.params, state.frozen,
-                                             offline.place(batch, self.mesh, self.plan.rules))
+                                             offline_loop.place(batch, self.mesh, self.plan.rules))
             terms, valid = jax.device_get((terms, valid))
             acc.extend(np.asarray(terms["rm/train_accuracy"])[valid])
             margin.extend(np.asarray(terms["rm/train_margin"])[valid])
@@ -187,7 +188,7 @@ def train(plan: RMPlan, *, progress: bool = True) -> dict:
     # a signal while the run is built is one line too; its grace is the config's
     with use_rules(plan.rules), distributed.StopRequest(plan.learner.checkpoint.stop_grace_s) as stop:
         run = Run(plan)
-        summary = offline.train_loop(run, name="rm", workdir=plan.workdir, train=plan.train,
+        summary = offline_loop.train_loop(run, name="rm", workdir=plan.workdir, train=plan.train,
                                      config_dict=plan.config_dict, eval_at_start=plan.eval_at_start,
                                      eval_at_end=plan.eval_at_end, progress=progress, stop=stop,
                                      bar_fields=(("loss", "rm/loss"), ("acc", "rm/train_accuracy")),

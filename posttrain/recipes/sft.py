@@ -30,8 +30,9 @@ from posttrain.infra import distributed, mesh as mesh_lib
 from posttrain.infra.partitioning import use_rules
 from posttrain.infra.precision import PrecisionPolicy
 from posttrain.learn.learner import Learner, LearnerSettings
-from posttrain.recipes import offline
-from posttrain.recipes.run_plan import TrainSettings, optimizer_settings, policy_source
+from posttrain.learn import offline_loop
+from posttrain.runs import plan as plan_lib, workdir as workdir_lib
+from posttrain.runs.plan import TrainSettings, optimizer_settings, policy_source
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,7 +82,7 @@ def make_sft_plan(cfg: SFTRunConfig, *, num_devices: int | None = None, workdir:
     runtime's. Raises ConfigError when the mesh does not fit the devices or `sft.rows_per_step` does not divide
     into `sft.num_microbatches` x the mesh's batch shards."""
     s = cfg.sft
-    shape, rules, shards, precision = offline.layout(cfg, "sft.rows_per_step", s.rows_per_step, s.num_microbatches,
+    shape, rules, shards, precision = plan_lib.offline_layout(cfg, "sft.rows_per_step", s.rows_per_step, s.num_microbatches,
                                                      num_devices, backend)
     wd = pathlib.Path(workdir or cfg.train.workdir)
     config_dict = to_dict(cfg)
@@ -117,7 +118,7 @@ def load_examples(d: data_lib.DataSettings, tokenizer):
     example is left."""
     if not d.from_archive:
         return data_lib.load_datasets(d, tokenizer)
-    train, held, counts = from_archive.sft_examples(offline.archive_table(d.from_archive), min_reward=d.min_reward,
+    train, held, counts = from_archive.sft_examples(offline_loop.archive_table(d.from_archive), min_reward=d.min_reward,
                                                     max_per_prompt=d.max_per_prompt, max_len=d.seq_len,
                                                     eval_fraction=d.eval_fraction, seed=d.seed)
     if not train:
@@ -128,10 +129,10 @@ def load_examples(d: data_lib.DataSettings, tokenizer):
 class Run:
     """The pieces of a run: the policy loaded on the plan's mesh, its tokenizer, the packed training rows, the held-out
     batches and the learner (restored from the newest checkpoint in the workdir, if any); claims the workdir
-    (`offline.claim_workdir`) and writes config.json once restored."""
+    (`workdir_lib.claim_offline`) and writes config.json once restored."""
 
     def __init__(self, plan: SFTPlan):
-        offline.claim_workdir(plan.workdir, "sft", plan.config_dict, SFTRunConfig)
+        workdir_lib.claim_offline(plan.workdir, "sft", plan.config_dict, SFTRunConfig)
         self.plan = plan
         self.mesh = mesh_lib.make_mesh(plan.mesh_shape)
         model_config, graphdef, weights, self.tokenizer = load_policy(plan.policy, self.mesh, plan.rules)
@@ -144,7 +145,7 @@ class Run:
                                                  d.packing)
         self.learner = Learner.create(plan.learner, self.mesh, model_config, graphdef, weights, step_builder(plan))
         self.learner.restore()
-        offline.write_config(plan.workdir, plan.config_dict)  # restored (or new): its settings
+        workdir_lib.write_config(plan.workdir, plan.config_dict)  # restored (or new): its settings
         self._eval_fn = sft_step.make_eval_fn(self.learner.graphdef, plan.model_step(model_config.moe))
 
     def batch(self, step: int):
@@ -163,7 +164,7 @@ class Run:
         nll, tokens = 0.0, 0.0
         state = self.learner.state
         for b in self.eval_batches:
-            placed = offline.place(b, self.mesh, self.plan.rules)
+            placed = offline_loop.place(b, self.mesh, self.plan.rules)
             with jax.set_mesh(self.mesh):
                 s, n = self._eval_fn(state.params, state.frozen, placed)
             nll, tokens = nll + float(s), tokens + float(n)
@@ -181,7 +182,7 @@ def train(plan: SFTPlan, *, progress: bool = True) -> dict:
     checkpoint) when `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
     # a signal while the run is built is one line too; its grace is the config's
     with use_rules(plan.rules), distributed.StopRequest(plan.learner.checkpoint.stop_grace_s) as stop:
-        return offline.train_loop(Run(plan), name="sft", workdir=plan.workdir, train=plan.train,
+        return offline_loop.train_loop(Run(plan), name="sft", workdir=plan.workdir, train=plan.train,
                                   config_dict=plan.config_dict, eval_at_start=plan.eval_at_start,
                                   eval_at_end=plan.eval_at_end, progress=progress, stop=stop,
                                   bar_fields=(("loss", "sft/loss"),),

@@ -30,7 +30,8 @@ from posttrain.config import Config, from_config_dict, to_dict
 from posttrain.infra import distributed
 from posttrain.infra.partitioning import use_rules
 from posttrain.recipes import grpo
-from posttrain.recipes.run_plan import RunPlan, config_for_run, make_run_plan
+from posttrain.runs.resources import Resources
+from posttrain.runs.plan import RunPlan, config_for_run, make_run_plan
 
 
 def load_config_file(path) -> Any:
@@ -88,7 +89,7 @@ class GRPOTrainer:
 
     def __init__(self, plan: RunPlan, *, progress: bool = False, allow_config_change: bool = False):
         self.plan, self._closed, self._timed_out = plan, False, False
-        self._res = grpo.Resources()
+        self._res = Resources()
         with use_rules(plan.rules), self._res.on_error():  # a failed start closes what it opened
             self._loop = grpo.open_run(plan, self._res, None, progress=progress,
                                        allow_config_change=allow_config_change)

@@ -227,7 +227,7 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
     that episode as an infra_error naming its env id. `max_abs_reward`: the largest reward magnitude accepted
     (None: the runner's `max_abs_reward` attribute when it has one, else DEFAULT_MAX_ABS_REWARD).
 
-    `stream` (streaming scoring, `rollout.streaming`): `sample_fn` also takes `on_rows=` (a sink of the rows
+    `stream` (streaming scoring, `generate.streaming`): `sample_fn` also takes `on_rows=` (a sink of the rows
     finished while it decodes, e.g. `Rollouter.sample_fn`'s) and each finished row's episode is stepped at once,
     while the rest decodes; the samples equal the non-streaming path's, and perf/reward_s is then only the env
     time left after sampling (the overlapped part is hidden in perf/gen_s).
@@ -239,7 +239,7 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
 
     from posttrain.infra import distributed
     from posttrain.rollout import turns
-    from posttrain.rollout.sampler import pad_prompts
+    from posttrain.generate.sampler import pad_prompts
 
     G = group_size
     t0 = time.perf_counter()
@@ -299,7 +299,7 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
 
 def _scorer(runner, active: list[int], tokenizer):
     """The streaming scorer of one turn: sampler row r is episode active[r]."""
-    from posttrain.rollout.streaming import TurnScorer
+    from posttrain.generate.streaming import TurnScorer
 
     return TurnScorer(runner, active, lambda ids: tokenizer.decode(ids.tolist(), skip_special_tokens=True))
 

@@ -201,7 +201,7 @@ class Judge:
         return cls(settings, mesh, graphdef, state, tokenizer)
 
     def generate(self, messages: Sequence[str]) -> list[str]:
-        from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
+        from posttrain.generate.sampler import SamplingParams, pad_prompts, sample
 
         tok, st = self.tokenizer, self.settings
         prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True))

@@ -4,7 +4,7 @@ A `Rollouter` holds what rollouts need and nothing the update needs: its setting
 and graphdef the sampler runs on, the tokenizer, the environment runner, the task scheduler (and the curriculum
 that moves its levels) and the algorithm's advantage function. `collect(step, policy, rng)` returns
 `Trajectories`: the array-native `RolloutBatch` (numpy, the full global batch on every process), the rollout
-metrics (with `reward/<domain>/above_floor` for a domain whose gaming floor the registry knows, `rollout.floors`)
+metrics (with `reward/<domain>/above_floor` for a domain whose gaming floor the registry knows, `rollout.floor_metrics`)
 and the archive records. Held-out evaluation is `posttrain.eval`'s; it samples through `sample_fn`.
 
 Under several processes the sampler runs on the global mesh (every process passes the same prompts), and the
@@ -26,21 +26,22 @@ import numpy as np
 from posttrain.config import CurriculumConfig, EnvSpec
 from posttrain.infra import reshard
 from posttrain.infra.partitioning import current_rules
-from posttrain.rollout import batching, episodes as rollout, streaming, tickets
-from posttrain.rollout.engine_sampler import EngineSampler, EngineSamplerSettings
+from posttrain.rollout import batching, episodes as rollout, attempts as tickets
+from posttrain.generate import streaming
+from posttrain.generate.backend import EngineSampler, EngineSamplerSettings
 from posttrain.rollout.env_results import DEFAULT_MAX_ABS_REWARD
 from posttrain.rollout.env_side import check_infra_errors, make_runner, task_sources
-from posttrain.rollout.floors import above_floor_metrics, spec_floors
-from posttrain.rollout.sampler import (SamplingParams, sample, shared_prefix_len, shrink_schedule,
+from posttrain.rollout.floor_metrics import above_floor_metrics, spec_floors
+from posttrain.generate.sampler import (SamplingParams, sample, shared_prefix_len, shrink_schedule,
                                       template_prefix_len)
-from posttrain.tasks.policy import SchedulerSettings
-from posttrain.tasks.scheduler import TaskScheduler
+from posttrain.scheduling.domain_rules import SchedulerSettings
+from posttrain.scheduling.weighted_draw import TaskScheduler
 from posttrain.types import RolloutBatch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutSettings:
-    """What the rollout phase needs of a run (built by `posttrain.recipes.run_plan`).
+    """What the rollout phase needs of a run (built by `posttrain.runs.plan`).
 
     Attributes:
         train_specs: the training env mix {domain: EnvSpec}.
@@ -67,10 +68,10 @@ class RolloutSettings:
         seed: seeds the task order.
         curriculum: the config's curriculum section.
         run: the run's name (the first field of every episode id in the archive).
-        tasks: the job scheduler's settings (None: the weighted draw of `TaskScheduler`; `rollout.tickets`).
+        tasks: the job scheduler's settings (None: the weighted draw of `TaskScheduler`; `rollout.attempts`).
         max_staleness: the most policy versions a batch's samples may lag the learner that trains them
             (`rollout.queue`; 0: synchronous).
-        stream_chunk: streaming scoring (`rollout.streaming`): every stream_chunk decode steps the finished
+        stream_chunk: streaming scoring (`generate.streaming`): every stream_chunk decode steps the finished
             samples go to the env runner while the rest decode (0: off, the envs get a turn's batch once it has
             all decoded). The samples are the same either way.
         partial: partial rollouts (`rollout.queue`): new weights published while a batch decodes go into the
@@ -78,7 +79,7 @@ class RolloutSettings:
         sampler_priority: an update waits for a generation call in progress before it starts (`rollout.queue`;
             max_staleness >= 1, no partial rollouts, the learner's own devices).
         engine: the rollout engine's size when it samples (`sampling.backend` "engine", or "auto" on one device:
-            `rollout.engine_sampler.sampling_backend`);
+            `generate.backend.sampling_backend`);
             None: the dense sampler (`sampler.sample`).
     """
 
@@ -118,8 +119,8 @@ class Trajectories:
     """One step's rollouts. batch: the training batch (host numpy arrays; a new per-token or per-sample array is
     a new `RolloutBatch` field, filled in `batching.assemble`). metrics: reward/*, response_length/*, env/*,
     rollout/*, perf/{gen,reward,rollout}_s, curriculum/* and, with the job scheduler, tasks/*. records: the
-    episode archive's rows (`tasks.archive.ARCHIVE_SCHEMA`), one per sample attempt of the step, in run order
-    (`in_batch`: trained on; `rollout.tickets.archive_rows`). oldest_version: the policy version of the batch's
+    episode archive's rows (`scheduling.archive.ARCHIVE_SCHEMA`), one per sample attempt of the step, in run order
+    (`in_batch`: trained on; `rollout.attempts.archive_rows`). oldest_version: the policy version of the batch's
     oldest sampled token (rollout engine; None: not recorded, the dense sampler)."""
 
     batch: RolloutBatch
@@ -144,11 +145,11 @@ def apply_levels(curriculum, train_specs: dict, scheduler: TaskScheduler, domain
 
 def make_scheduler(settings: RolloutSettings, sources: Mapping[str, Any]):
     """The run's task scheduler over `sources` ({domain: TaskSource}) at the env specs' weights: the job scheduler
-    (`tasks.jobs.JobScheduler`) when `settings.tasks` is set, else the weighted draw (`TaskScheduler`)."""
+    (`scheduling.scheduler.JobScheduler`) when `settings.tasks` is set, else the weighted draw (`TaskScheduler`)."""
     weights = {n: settings.train_specs[n].weight for n in sources}
     if settings.tasks is None:
         return TaskScheduler(sources, weights, seed=settings.seed)
-    from posttrain.tasks.jobs import JobScheduler
+    from posttrain.scheduling.scheduler import JobScheduler
 
     return JobScheduler(sources, settings.tasks, weights=weights)
 
@@ -162,7 +163,7 @@ def training_tasks(settings: RolloutSettings, meta: Mapping | None, sources: Map
     scheduler = make_scheduler(settings, {n: s for n, (_, _, s) in train.items()})
     train_specs, cur = dict(settings.train_specs), None
     if settings.curriculum.enabled:
-        from posttrain.tasks.curriculum import from_env_specs
+        from posttrain.scheduling.curriculum import from_env_specs
 
         cur = from_env_specs(train_specs, settings.curriculum)
     if meta is not None:
@@ -200,10 +201,10 @@ class Rollouter:
     graphdef: Any  # nnx.GraphDef of the policy, merged with the learner's policy states
     tokenizer: Any  # posttrain.model.tokenizer.Tokenizer
     runner: rollout.HostShardedEnvs
-    scheduler: Any  # TaskScheduler, or tasks.jobs.JobScheduler when settings.tasks is set; None: create(train=False)
+    scheduler: Any  # TaskScheduler, or scheduling.scheduler.JobScheduler when settings.tasks is set; None: create(train=False)
     train_specs: dict[str, EnvSpec]
     advantage_fn: batching.AdvantageFn  # the algorithm's advantages of a step's rewards
-    curriculum: Any = None  # posttrain.tasks.curriculum.DifficultyCurriculum when curriculum.enabled
+    curriculum: Any = None  # posttrain.scheduling.curriculum.DifficultyCurriculum when curriculum.enabled
     engine: EngineSampler | None = None  # the rollout engine behind sample_fn when settings.engine is set
     template_prefix: int = 0  # tokens every first prompt shares (`sampler.template_prefix_len`): prefilled once
 
@@ -228,9 +229,9 @@ class Rollouter:
     def sample_fn(self, policy: tuple, params: SamplingParams) -> rollout.SampleFn:
         """(prompts, lengths, key, G, on_rows=None) -> SampleOutput with the policy states `policy` (LoRA adapters
         merged); with settings.stream_chunk > 0 an `on_rows` sink gets the rows finished every stream_chunk decode
-        steps (`rollout.streaming`). A policy or key on other devices than the rollouter's mesh (its own submesh:
+        steps (`generate.streaming`). A policy or key on other devices than the rollouter's mesh (its own submesh:
         `mesh.rollout`) is resharded onto it first (`reshard.onto`; the loop's queue has done it once per version).
-        With settings.engine the rollout engine samples (`rollout.engine_sampler`, same outputs' meaning)."""
+        With settings.engine the rollout engine samples (`generate.backend`, same outputs' meaning)."""
         tok, st = self.tokenizer, self.settings
         policy = reshard.onto(policy, self.mesh, current_rules())
         if self.engine is not None:
@@ -257,7 +258,7 @@ class Rollouter:
         return fn
 
     def draw(self, step: int, sample_fn, key) -> tuple[list[rollout.Sample], dict, list[tickets.Attempt]]:
-        """Samples this step's groups from the scheduler's tickets (`rollout.tickets`; the job scheduler's with
+        """Samples this step's groups from the scheduler's tickets (`rollout.attempts`; the job scheduler's with
         their in-step retries); draws again, bounded by max_resample_rounds, while fewer than P groups are kept
         (dynamic sampling sets zero-variance groups aside; the job scheduler drops groups it could not complete).
         Returns (the batch's samples, perf/* and rollout/* metrics, every sample attempt of the step). Raises
@@ -344,10 +345,10 @@ class Rollouter:
                                                default=None))
 
     def status(self, step: int, policy_version: int | None = None) -> dict:
-        """The run view after step `step` (`tasks.view.snapshot`: the scheduler's counters, the curriculum's levels
+        """The run view after step `step` (`scheduling.status_table.snapshot`: the scheduler's counters, the curriculum's levels
         and the policy version that sampled the batch), the content of the run's status.json. Raises RuntimeError
         for a rollouter built without training tasks (`create(train=False)`)."""
-        from posttrain.tasks import view
+        from posttrain.scheduling import status_table as view
 
         self._require_tasks("report")
         levels = self.curriculum.levels if self.curriculum is not None else None

@@ -44,7 +44,7 @@ def test_settings_full_and_quick():
 
 def test_scheduled_questions_are_posttrains_order():
     from envs.tasks.arithmetic import ArithmeticTasks
-    from posttrain.tasks.scheduler import TaskScheduler
+    from posttrain.scheduling.weighted_draw import TaskScheduler
 
     qs = gvt.scheduled_questions(steps=2, prompts_per_step=3)
     assert len(qs) == 6

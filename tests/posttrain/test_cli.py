@@ -13,6 +13,7 @@ import pytest
 from helpers import smollm2_path, tiny_config
 from posttrain import GRPOTrainer, cli as cli_lib
 from posttrain.model.tokenizer import Tokenizer
+from posttrain.runs.lookup import RunNotFoundError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -84,7 +85,7 @@ def test_commands_that_read_a_run_never_create_it_or_use_the_base_model(tmp_path
     any model load, and the directory is left as it was (a mistyped --checkpoint never evaluates or exports the
     untrained base model, and never creates the directory)."""
     from posttrain.recipes import grpo
-    from posttrain.recipes.run_plan import make_run_plan
+    from posttrain.runs.plan import make_run_plan
     from helpers import tiny_config
 
     run = tmp_path / "run"
@@ -96,7 +97,7 @@ def test_commands_that_read_a_run_never_create_it_or_use_the_base_model(tmp_path
         (run / "checkpoints" / "4" / "state").mkdir(parents=True)  # an interrupted save: no commit files
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     plan = make_run_plan(tiny_config(str(run)))
-    with pytest.raises(grpo.RunNotFoundError, match=f"--checkpoint={run}"):
+    with pytest.raises(RunNotFoundError, match=f"--checkpoint={run}"):
         getattr(grpo, reader)(plan)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
@@ -119,18 +120,18 @@ def test_eval_of_a_mistyped_run_is_one_line_with_exit_code_2(tmp_path):
      "does not fit: train step peak 130.0 GiB per device > 90% of 139.0 GiB HBM on h200x8"),
 ])
 def test_a_plan_that_does_not_fit_names_every_program_over_the_limit_largest_first(report, line):
-    from posttrain.recipes.dryrun import fit_verdict
+    from posttrain.recipes.plan import fit_verdict
 
     assert fit_verdict(report, "h200x8") == line
 
 
 def test_plan_cli_names_the_train_step_first_and_exits_1(monkeypatch, capsys):
     """issue 29 item 8's report through `posttrain plan`: its last stderr line names the 380.9 GiB train step before
-    the 52.1 GiB sampler (the compile is faked: the figures are the issue's; test_dryrun compiles for real)."""
-    from posttrain.recipes import dryrun
+    the 52.1 GiB sampler (the compile is faked: the figures are the issue's; test_plan compiles for real)."""
+    from posttrain.recipes import plan
 
     report = {"fits": False, "peak_gib": 380.9, "sample_peak_gib": 52.1, "sample_fits": False, "hbm_gib": 139.0}
-    monkeypatch.setattr(dryrun, "plan_train_step", lambda cfg, target, **kw: dict(report, target=target))
+    monkeypatch.setattr(plan, "plan_train_step", lambda cfg, target, **kw: dict(report, target=target))
     code = cli_lib.main(["posttrain", "plan", f"--config={ROOT}/configs/tiny.py", "--target=h200x8", "--json"])
     out = capsys.readouterr()
     assert code == 1 and json.loads(out.out.strip().splitlines()[-1])["target"] == "h200x8"

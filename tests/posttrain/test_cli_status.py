@@ -5,8 +5,8 @@ import json
 import pytest
 
 from posttrain import cli as cli_lib
-from posttrain.tasks import archive, view
-from posttrain.tasks.retry import TaskTicket
+from posttrain.scheduling import archive, status_table as view
+from posttrain.scheduling.tickets import TaskTicket
 
 # (domain, task, status, reward, retry round) of the rows of steps 0 and 1
 ROWS = {0: [("a", 0, "ok", 1.0, 0), ("a", 0, "wrong", 0.0, 0), ("b", 1, "infra_error", None, 0),

@@ -32,7 +32,7 @@ from posttrain.types import RolloutBatch, TrainState
 
 class StepOptions(NamedTuple):
     """Static settings of the GRPO step (hashable). loss: the policy loss; temperature: T of the trainer's
-    logprobs (the sampler's, `rollout.sampler.logprob_temperature`); num_microbatches: accumulation
+    logprobs (the sampler's, `generate.sampler.logprob_temperature`); num_microbatches: accumulation
     microbatches; moe_aux_coef / moe_z_coef: load-balance and router z-loss coefficients; bias_update_rate: the
     aux-loss-free routing-bias rate; lora_rank: adapters only when > 0; logprob_chunk: slots per unembedding
     chunk; ppo_epochs x minibatches: updates per batch; matmul_precision: of the logprob matmuls."""

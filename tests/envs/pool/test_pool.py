@@ -118,7 +118,7 @@ def test_waiting_episodes_of_a_dead_worker_and_failed_resets_report_at_their_nex
 
 def test_env_host_reuses_envs_and_a_reset_releases_the_previous_batch():
     import pool_test_envs  # noqa: F401  (registers Echo-v0 here too)
-    from envs.pool.worker import EnvHost
+    from envs.pool.env_host import EnvHost
 
     host = EnvHost()
     for ep in range(4):
@@ -138,7 +138,7 @@ def test_env_host_passes_a_reward_that_is_no_real_number_on_unchanged(action, re
     """The worker used to float() every reward ("1.0" scored 1, the pool and Ray backends alike): a real number is
     a float, anything else goes back as the env returned it, for the caller to refuse (posttrain's rollout)."""
     import pool_test_envs  # noqa: F401
-    from envs.pool.worker import EnvHost
+    from envs.pool.env_host import EnvHost
 
     host = EnvHost()
     assert host.handle("reset", (0, ECHO, {}, {"answer": "a", "turns": 1}, 0))[0] == "ok"

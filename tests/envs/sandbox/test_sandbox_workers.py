@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from envs import sandbox
-from envs.sandbox import Limits, procs, worker as worker_mod
+from envs.sandbox import Limits, fork_worker, procs
 from envs.sandbox.workers import SandboxPool, shared_pool
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -219,7 +219,7 @@ def test_a_task_that_kills_or_stops_its_server_gets_a_fresh_worker(pool, monkeyp
     r = pool.run("import os, signal; os.kill(-1, signal.SIGKILL)")
     assert (r.status, r.returncode) == ("runtime_error", 137)
     assert pool.run("print(1)").stdout == "1\n" and _server(pool).pid != old
-    monkeypatch.setattr(worker_mod, "BACKSTOP_S", 0.5)
+    monkeypatch.setattr(fork_worker, "BACKSTOP_S", 0.5)
     old = _server(pool).pid
     r = pool.run("import os, signal, time; os.kill(os.getppid(), signal.SIGSTOP); time.sleep(30)", limits=Limits(wall_s=0.5))
     assert (r.status, r.reason) == ("timeout", "wall: exceeded wall_s=0.5") and r.wall_s < 3

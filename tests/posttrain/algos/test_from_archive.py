@@ -1,5 +1,5 @@
 """Offline data from the episode archive (`posttrain.algos.from_archive`) on a synthetic archive written with
-`tasks.archive.write_step`: the SFT examples (successful, distinct, at most K per prompt, reply-only mask,
+`scheduling.archive.write_step`: the SFT examples (successful, distinct, at most K per prompt, reply-only mask,
 held-out prompts never trained), the DPO pairs (one group, same policy version, 1 over 0), the rows left out
 (no reward, multi-turn, another split) and the errors; then `posttrain sft` / `dpo` recipes read a run's archive
 (2 steps of the tiny configs) and a run directory without an archive is one clear error."""
@@ -11,7 +11,7 @@ import pytest
 
 from posttrain.algos import from_archive
 from posttrain.config import ConfigError
-from posttrain.tasks import archive
+from posttrain.scheduling import archive
 
 COLUMNS = archive.ARCHIVE_SCHEMA.names
 
@@ -101,7 +101,7 @@ def test_bad_tables_and_settings():
 def test_config_and_recipe_errors_for_a_run_without_an_archive(tmp_path):
     from posttrain.config.dpo import default_dpo_config, dpo_config_from_dict
     from posttrain.config.sft import default_sft_config, sft_config_from_dict
-    from posttrain.recipes import offline
+    from posttrain.learn import offline_loop
 
     (tmp_path / "empty").mkdir()
     for load, default, name in ((sft_config_from_dict, default_sft_config, "sft"),
@@ -114,7 +114,7 @@ def test_config_and_recipe_errors_for_a_run_without_an_archive(tmp_path):
         with pytest.raises(ConfigError, match="no such run directory"):
             load(c)
     with pytest.raises(FileNotFoundError, match="has no episode archive"):
-        offline.archive_table(tmp_path / "empty")
+        offline_loop.archive_table(tmp_path / "empty")
 
 
 def test_the_recipes_read_a_runs_archive(table):
@@ -210,7 +210,7 @@ def test_several_runs_archives_are_read_as_one_and_their_groups_stay_apart(tmp_p
     run and runs of different models are clear errors."""
     from posttrain.cli.commands import UsageError, _archive_model
     from posttrain.config.sft import archive_runs, check_archive
-    from posttrain.recipes import offline
+    from posttrain.learn import offline_loop
 
     def write(name, run_name, model):
         d = tmp_path / name
@@ -224,15 +224,15 @@ def test_several_runs_archives_are_read_as_one_and_their_groups_stay_apart(tmp_p
     a, b = write("s0", "s0", {"preset": "tiny"}), write("s1", "s1", {"preset": "tiny"})
     assert archive_runs(f" {a}, {b},") == [a, b]
     check_archive(f"{a},{b}", "dpo.from_archive")
-    both = offline.archive_table(f"{a},{b}")
+    both = offline_loop.archive_table(f"{a},{b}")
     assert both.column("run").to_pylist() == ["s0"] * len(ROWS) + ["s1"] * len(ROWS)
     pairs = from_archive.dpo_pairs(both)[0]
-    one = from_archive.dpo_pairs(offline.archive_table(a))[0]
+    one = from_archive.dpo_pairs(offline_loop.archive_table(a))[0]
     assert len(pairs) == 2 * len(one) and all(p.pair_id.count("s0:") in (0, 2) for p in pairs)
     assert _archive_model(f"{a},{b}", {}) == {"preset": "tiny"}
     c = write("s2", "s0", {"preset": "tiny"})
     with pytest.raises(ValueError, match="both hold run 's0'"):
-        offline.archive_table(f"{a},{c}")
+        offline_loop.archive_table(f"{a},{c}")
     with pytest.raises(ConfigError, match="named twice"):
         check_archive(f"{a},{a}", "sft.from_archive")
     with pytest.raises(ConfigError, match=r"'.*missing': no such run directory"):

@@ -16,7 +16,7 @@ from posttrain.learn.state import merge_model
 from posttrain.checkpoints.load import load_hf_dir
 from posttrain.checkpoints.export import export_hf, save_tokenizer
 from posttrain.model.config import LoRAConfig
-from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
+from posttrain.generate.sampler import SamplingParams, pad_prompts, sample
 from posttrain.model.tokenizer import Tokenizer
 
 torch = pytest.importorskip("torch")
@@ -226,7 +226,7 @@ def test_convert_of_a_lora_run_checkpoint_in_process(tmp_path):
     from posttrain.recipes import grpo as loop
     from posttrain.algos.grpo import step as ts
     from posttrain.config import to_dict
-    from posttrain.recipes.run_plan import make_run_plan
+    from posttrain.runs.plan import make_run_plan
     from helpers import tiny_config
 
     cfg = tiny_config(tmp_path / "run", **{"lora.rank": 4, "optim.lr": 1e-2})

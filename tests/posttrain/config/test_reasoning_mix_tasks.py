@@ -8,12 +8,12 @@ import sys
 import pytest
 
 from posttrain.config import from_config_dict, to_dict
-from posttrain.recipes.run_plan import make_run_plan
-from posttrain.tasks.jobs import JobScheduler
-from posttrain.tasks.policy import resolve_policies
+from posttrain.runs.plan import make_run_plan
+from posttrain.scheduling.scheduler import JobScheduler
+from posttrain.scheduling.domain_rules import resolve_policies
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tasks"))
-from jobs_fakes import FakeRunner, Source  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scheduling"))
+from scheduler_fakes import FakeRunner, Source  # noqa: E402
 
 CONFIG = pathlib.Path(__file__).resolve().parents[3] / "configs" / "reasoning_mix.py"
 STEPS = 200

@@ -20,8 +20,8 @@ from helpers import random_model, tiny_config  # noqa: E402
 from posttrain.infra import mesh as mesh_lib, reshard  # noqa: E402
 from posttrain.infra.partitioning import use_rules  # noqa: E402
 from posttrain.model.tokenizer import Tokenizer  # noqa: E402
-from posttrain.recipes import dryrun  # noqa: E402
-from posttrain.recipes.run_plan import make_run_plan  # noqa: E402
+from posttrain.recipes import plan  # noqa: E402
+from posttrain.runs.plan import make_run_plan  # noqa: E402
 from posttrain.rollout.queue import RolloutQueue  # noqa: E402
 from posttrain.rollout.rollouter import Rollouter  # noqa: E402
 
@@ -91,7 +91,7 @@ def main(out_path):
         b1, _ = q.get(1)
         q.close()
     shardings = mesh_lib.state_shardings(on_learner, rollout, split.rules)
-    report = dryrun.plan_train_step(split_cfg, "cpu-8", prompt_len=16)
+    report = plan.plan_train_step(split_cfg, "cpu-8", prompt_len=16)
     leaves = jax.tree_util.tree_leaves_with_path(synced)
     result = {
         "learner_mesh": dict(learner.shape), "rollout_mesh": dict(rollout.shape),

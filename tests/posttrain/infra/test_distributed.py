@@ -82,7 +82,7 @@ def test_two_processes_keep_one_job_scheduler_replica_each(tmp_path):
     """With tasks.enabled every process holds a replica of the job scheduler and is reported the gathered
     outcomes of all shares: two processes draw the same tickets and log the same tasks/* metrics as one, and
     process 0 writes the same episode archive (timings and the run's name aside)."""
-    from posttrain.tasks import archive
+    from posttrain.scheduling import archive
 
     jobs = ["--config.tasks.enabled=True"]
     (single, _), (multi, _) = _train(tmp_path / "one", 1, 4, extra=jobs), _train(tmp_path / "two", 2, 2, extra=jobs)

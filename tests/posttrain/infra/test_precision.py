@@ -68,7 +68,7 @@ def test_model_policy_sets_every_dot_forward_and_backward(preset="tiny-deepseek"
 def test_parity_computations_run_at_highest_in_this_suite():
     """The computations the parity tests compare (teacher-forced logits, the sampler's prefill and decode step,
     chunked logprobs) lower with HIGHEST on every dot under the suite's pin (tests/conftest.py)."""
-    from posttrain.rollout.sampler import SamplingParams, sample
+    from posttrain.generate.sampler import SamplingParams, sample
 
     cfg = get_preset("tiny-dense")
     graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -107,7 +107,7 @@ def test_training_takes_its_dtypes_from_the_policy_not_the_checkpoint(tmp_path, 
     from posttrain.checkpoints import policy as setup
     from posttrain.infra import mesh as mesh_lib
     from posttrain.checkpoints.export import export_hf
-    from posttrain.recipes.run_plan import make_run_plan
+    from posttrain.runs.plan import make_run_plan
     from posttrain.model.tokenizer import Tokenizer
 
     from helpers import random_model, tiny_config

@@ -14,8 +14,7 @@ from posttrain.checkpoints import policy as setup
 from posttrain.infra import mesh as mesh_lib
 from posttrain.learn import learner as learner_lib
 from posttrain.learn.learner import Learner, batch_shardings
-from posttrain.recipes import grpo
-from posttrain.recipes.run_plan import make_run_plan
+from posttrain.runs.plan import make_run_plan, step_builder
 from posttrain.types import RolloutBatch
 from helpers import tiny_config
 
@@ -37,7 +36,7 @@ def test_update_then_save_and_restore(tmp_path):
     plan = make_run_plan(tiny_config(tmp_path))
     mesh = mesh_lib.make_mesh(plan.mesh_shape)
     model_config, graphdef, weights, _ = setup.load_policy(plan.policy, mesh, plan.rules)
-    learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, grpo.step_builder(plan))
+    learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, step_builder(plan))
     assert learner.restore() is None and learner.step == 0
     batch = batching.random_batch(0, advantage_fn("grpo"), prompts=4, group_size=4, prompt_len=16, completion_len=8, vocab_size=320,
                                   row_multiple=plan.rollout.row_multiple)
@@ -66,7 +65,7 @@ def test_a_boundary_after_a_step_of_half_the_grace_saves_a_guard_checkpoint(tmp_
     plan = make_run_plan(tiny_config(tmp_path, **{"checkpoint.every_steps": 4, "checkpoint.stop_grace_s": 2.0}))
     mesh = mesh_lib.make_mesh(plan.mesh_shape)
     model_config, graphdef, weights, _ = setup.load_policy(plan.policy, mesh, plan.rules)
-    learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, grpo.step_builder(plan))
+    learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, step_builder(plan))
     batch = batching.random_batch(0, advantage_fn("grpo"), prompts=4, group_size=4, prompt_len=16, completion_len=8,
                                   vocab_size=320, row_multiple=plan.rollout.row_multiple)
     saved = []

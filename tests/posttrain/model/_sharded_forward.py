@@ -26,7 +26,7 @@ from posttrain.model import moe as moe_lib  # noqa: E402
 from posttrain.model.presets import get_preset  # noqa: E402
 from posttrain.model.transformer import Transformer  # noqa: E402
 from posttrain.infra.partitioning import create_sharded  # noqa: E402
-from posttrain.rollout.sampler import SamplingParams, sample  # noqa: E402
+from posttrain.generate.sampler import SamplingParams, sample  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/
 from helpers import random_model  # noqa: E402

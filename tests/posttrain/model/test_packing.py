@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from posttrain.model.blockwise_attention import self_mask
-from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
+from posttrain.generate.sampler import SamplingParams, pad_prompts, sample
 from helpers import completion_lengths, random_model
 
 EOS = PAD = 2

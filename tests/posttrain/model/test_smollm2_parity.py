@@ -14,7 +14,7 @@ from flax import nnx
 from posttrain.checkpoints import load_pretrained
 from posttrain.checkpoints.gguf import load_gguf
 
-from posttrain.rollout.sampler import SamplingParams, pad_prompts, sample
+from posttrain.generate.sampler import SamplingParams, pad_prompts, sample
 
 pytestmark = pytest.mark.parity  # scripts/accelerator_check.sh runs these on the accelerator
 

@@ -167,7 +167,7 @@ def _rollout(tok, turns, packed):
     writes them) and an env that ends the episode after len(turns) turns, then `batching.assemble`."""
     from posttrain.algos.grpo.advantages import advantage_fn
     from posttrain.rollout import batching, episodes
-    from posttrain.rollout.sampler import SampleOutput
+    from posttrain.generate.sampler import SampleOutput
 
     G, width, calls = len(turns[0]), 6, []
 

@@ -12,8 +12,9 @@ from helpers import tiny_config
 from posttrain.checkpoints.orbax import Checkpointer
 from posttrain.config import ConfigError
 from posttrain.eval import records as records_lib
-from posttrain.recipes import eval_gate, grpo
-from posttrain.recipes.run_plan import make_run_plan
+from posttrain.eval import gate_hook as eval_gate
+from posttrain.recipes import grpo
+from posttrain.runs.plan import make_run_plan
 
 # 16 rows of at most 6 new tokens a sampler call, as the tiny run's rollouts (4 prompts x 4 samples): the suite
 # reuses the training sampler's programs where its temperature matches

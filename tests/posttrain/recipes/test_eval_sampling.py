@@ -5,7 +5,7 @@ import sys
 import types
 
 from posttrain.eval import suite as suite_lib
-from posttrain.recipes import eval_gate
+from posttrain.eval import gate_hook as eval_gate
 from posttrain.rollout.episodes import InlineEnvs
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/tests/posttrain/eval")

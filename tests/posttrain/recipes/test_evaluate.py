@@ -10,7 +10,7 @@ from helpers import tiny_config
 from posttrain import cli
 from posttrain.eval import records as records_lib
 from posttrain.recipes import evaluate, grpo
-from posttrain.recipes.run_plan import make_run_plan
+from posttrain.runs.plan import make_run_plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -102,7 +102,7 @@ def test_a_suite_evaluation_needs_none_of_the_runs_own_envs(run_dir, tmp_path, c
 
     import jax
 
-    from posttrain.recipes import read_run
+    from posttrain.runs import read as read_run
 
     run = tmp_path / "mine"
     shutil.copytree(run_dir, run)
@@ -119,7 +119,7 @@ def test_a_suite_evaluation_needs_none_of_the_runs_own_envs(run_dir, tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: env.eval.words: id='no_such_envs_module:WordLength-v0' kwargs={'split': 'test'}: "
                               "ModuleNotFoundError: No module named 'no_such_envs_module'"), err
-    model_config, state, tokenizer = grpo.run_policy(make_run_plan(read_run.reading_config(run), workdir=str(run)))
+    model_config, state, tokenizer = grpo.run_policy(make_run_plan(evaluate.reading_config(run), workdir=str(run)))
     assert tokenizer.vocab_size <= model_config.vocab_size and len(jax.tree.leaves(state)) > 0
 
 

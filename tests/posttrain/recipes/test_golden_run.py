@@ -2,8 +2,8 @@
 non-timing metric of metrics.jsonl and the bytes of every array of the final checkpoint (tests/golden/). The loop
 runs through the rollout queue at its default rollout.max_staleness=0 (issue 24 acceptance 1, weighted draw and
 the dense sampler it was recorded with, `sampling.backend="dense"`: the rollout engine, the default on one device,
-adds its own metrics; tests/posttrain/rollout/test_engine_sampler.py checks it against the dense sampler, and
-tests/posttrain/rollout/test_tickets.py holds the job scheduler's golden run)."""
+adds its own metrics; tests/posttrain/generate/test_backend.py checks it against the dense sampler, and
+tests/posttrain/rollout/test_attempts.py holds the job scheduler's golden run)."""
 import importlib.util
 import json
 import pathlib
@@ -11,7 +11,7 @@ import pathlib
 from helpers import assert_equals_golden, golden_view
 from posttrain.config import from_config_dict
 from posttrain.recipes import grpo
-from posttrain.recipes.run_plan import make_run_plan
+from posttrain.runs.plan import make_run_plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 GOLDEN = json.loads((ROOT / "tests/golden/tiny_3_steps.json").read_text())

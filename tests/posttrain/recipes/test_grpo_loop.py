@@ -16,7 +16,7 @@ from posttrain.checkpoints.orbax import Checkpointer
 from posttrain.config import from_config_dict
 from posttrain.model.tokenizer import Tokenizer
 from posttrain.rollout.rollouter import Rollouter
-from posttrain.tasks import archive
+from posttrain.scheduling import archive
 from helpers import scripted_output, tiny_config
 from posttrain.infra.metrics import read_tensorboard_scalars as read_tb_scalars
 
@@ -136,7 +136,7 @@ def test_checkpoint_at_end_of_pass_resumes_into_next_pass(tmp_path):
 
 
 def test_each_step_samples_with_a_fresh_key(tmp_path, monkeypatch):
-    from posttrain.tasks.scheduler import TaskScheduler
+    from posttrain.scheduling.weighted_draw import TaskScheduler
 
     def same_tasks(self, step, count):  # same prompts every step and lr ~0: only the key can change replies
         name = self.names[0]
@@ -206,7 +206,7 @@ def scripted_policy(monkeypatch, reply_for):
 def _first_tasks_with_answers(monkeypatch, env_id, count=4):
     """Makes the scheduler draw the env's first `count` tasks every step; returns {text that identifies the task in
     the prompt: a correct reply} for them."""
-    from posttrain.tasks.scheduler import TaskScheduler
+    from posttrain.scheduling.weighted_draw import TaskScheduler
 
     def first_tasks(self, step, n):
         name = self.names[0]

@@ -7,7 +7,7 @@ import pytest
 
 from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.recipes import grpo as loop
-from posttrain.recipes.run_plan import make_run_plan, truncation_warning
+from posttrain.runs.plan import make_run_plan, truncation_warning
 from posttrain.checkpoints.orbax import Checkpointer
 from posttrain.config import from_config_dict
 from helpers import tiny_config
@@ -108,7 +108,7 @@ def test_open_outputs_cuts_every_appended_output_back_to_the_start(tmp_path, sta
     with MetricsWriter(tmp_path, plot=False, tensorboard=False) as w:
         for s in range(5):
             w.write(s, {"reward/mean": 0.5})
-    from posttrain.tasks import archive
+    from posttrain.scheduling import archive
 
     for s in range(4):
         archive.write_step(tmp_path, s, [])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import random_model, tiny_config
 
-from posttrain.tasks import archive
+from posttrain.scheduling import archive
 
 
 @pytest.mark.slow  # 55-75 s on 2 loaded cores (the judge's and the reward model's compiles on top of a tiny run);

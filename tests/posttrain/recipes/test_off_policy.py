@@ -1,12 +1,12 @@
-"""The run plan's off-policy rule (`recipes.off_policy`, issue 24 item 2): at rollout.max_staleness > 0 the loss is
+"""The run plan's off-policy rule (`runs.plan.off_policy_defaults`, issue 24 item 2): at rollout.max_staleness > 0 the loss is
 PPO-clip on the decoupled ratio with TIS on (rl.tis_cap -1 -> OFF_POLICY_TIS_CAP); an explicit choice wins, with a
 warning when it leaves the lag uncorrected; at 0 nothing changes (TIS off); bad values are one error."""
 import pytest
 
 from helpers import tiny_config
 from posttrain.config import ConfigError
-from posttrain.recipes.off_policy import OFF_POLICY_TIS_CAP
-from posttrain.recipes.run_plan import make_run_plan
+from posttrain.runs.plan import OFF_POLICY_TIS_CAP
+from posttrain.runs.plan import make_run_plan
 
 
 @pytest.mark.parametrize("over,tis,warned", [

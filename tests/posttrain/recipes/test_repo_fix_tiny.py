@@ -13,8 +13,8 @@ from helpers import scripted_output
 from posttrain.config import from_config_dict
 from posttrain.recipes import grpo as loop
 from posttrain.rollout.rollouter import Rollouter
-from posttrain.tasks import archive
-from posttrain.tasks.scheduler import TaskScheduler
+from posttrain.scheduling import archive
+from posttrain.scheduling.weighted_draw import TaskScheduler
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 TASKS = (0, 4)  # two problems (a problem has 4 task slots)

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from helpers import saved_run, tiny_config
-from posttrain.recipes import grpo as loop, run_plan
+from posttrain.recipes import grpo as loop
+from posttrain.runs import plan as run_plan
 
 
 # kind: a field added after a run was saved is not a change when the resumed run keeps its default

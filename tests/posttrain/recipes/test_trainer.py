@@ -11,8 +11,9 @@ from helpers import tiny_config
 from posttrain import GRPOTrainer, train
 from posttrain.checkpoints.orbax import Checkpointer
 from posttrain.config import ConfigError, to_dict
-from posttrain.recipes import grpo, trainer as trainer_lib
-from posttrain.tasks import archive
+from posttrain.recipes import trainer as trainer_lib
+from posttrain.runs.resources import Resources
+from posttrain.scheduling import archive
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -81,7 +82,7 @@ def _fake_trainer(closed: list) -> GRPOTrainer:
     t = GRPOTrainer.__new__(GRPOTrainer)
     t.plan = trainer_lib.make_plan(ROOT / "configs" / "tiny.py", workdir="unused")
     t._closed, t._timed_out, t._loop = False, False, _FakeLoop()
-    t._res = grpo.Resources(("first", lambda: closed.append("first")), ("second", lambda: closed.append("second")))
+    t._res = Resources(("first", lambda: closed.append("first")), ("second", lambda: closed.append("second")))
     return t
 
 

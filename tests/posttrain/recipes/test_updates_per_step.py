@@ -5,7 +5,7 @@ import json
 from helpers import tiny_config
 from posttrain.checkpoints.orbax import Checkpointer
 from posttrain.recipes import grpo as loop
-from posttrain.tasks import archive
+from posttrain.scheduling import archive
 
 
 def test_ppo_epochs_run_trains_every_step_at_staleness_zero_and_resumes(tmp_path):

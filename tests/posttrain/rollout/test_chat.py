@@ -22,9 +22,9 @@ from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.learn.logprobs import score_logprobs
 from posttrain.model.tokenizer import Tokenizer
 from posttrain.rollout import batching, chat
-from posttrain.rollout.engine_sampler import EngineSampler, EngineSamplerSettings
+from posttrain.generate.backend import EngineSampler, EngineSamplerSettings
 from posttrain.rollout.episodes import Episode, InlineEnvs, run_episodes, turn_bridge
-from posttrain.rollout.sampler import SamplingParams, sample
+from posttrain.generate.sampler import SamplingParams, sample
 
 BYTES = Tokenizer.byte_level()
 TEMPLATE = (pathlib.Path(__file__).resolve().parents[2] / "golden" / "qwen3_chat_template.jinja").read_text()

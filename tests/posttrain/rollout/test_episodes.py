@@ -6,7 +6,7 @@ import pytest
 from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.rollout import batching
 from posttrain.rollout.episodes import Episode, InlineEnvs, run_episodes
-from posttrain.rollout.sampler import SampleOutput
+from posttrain.generate.sampler import SampleOutput
 from posttrain.model.tokenizer import Tokenizer
 
 import faulty_envs

@@ -11,7 +11,7 @@ from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.config import ConfigError
 from posttrain.infra.mesh import make_mesh
 from posttrain.model.tokenizer import Tokenizer
-from posttrain.recipes.run_plan import make_run_plan
+from posttrain.runs.plan import make_run_plan
 from posttrain.rollout.queue import RolloutQueue, batch_metrics
 from posttrain.rollout.rollouter import Rollouter
 from helpers import random_model, tiny_config

@@ -231,7 +231,7 @@ def patch_run(mp, kill_at=None):
     whole bound ahead) and, with `kill_at`, SIGKILL of this process in that step's archive write."""
     from posttrain.learn.learner import Learner
     from posttrain.rollout.rollouter import Rollouter
-    from posttrain.tasks import archive
+    from posttrain.scheduling import archive
     from test_tickets import scripted_sample_fn
 
     mp.setattr(Rollouter, "sample_fn", scripted_sample_fn)
@@ -257,7 +257,7 @@ def test_a_run_at_staleness_2_killed_and_resumed_never_trains_beyond_the_bound(t
     import json
 
     from posttrain.recipes import grpo as loop
-    from posttrain.tasks import archive
+    from posttrain.scheduling import archive
 
     child = subprocess.run([sys.executable, "-c", CHILD.format(tests=str(HERE.parents[1]), here=str(HERE)),
                             str(tmp_path)], cwd=HERE.parents[2], capture_output=True, text=True, timeout=600)

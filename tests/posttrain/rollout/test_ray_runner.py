@@ -14,13 +14,13 @@ import ray
 from envs.pool.processes import EnvPool, EpisodeSpec
 from helpers import tiny_config
 from posttrain.config import ConfigError
-from posttrain.recipes.run_plan import make_run_plan
+from posttrain.runs.plan import make_run_plan
 from posttrain.rollout.episodes import Sample
 from posttrain.rollout.env_side import make_runner
-from posttrain.rollout.tickets import StepDraw
-from posttrain.tasks import archive
-from posttrain.tasks.jobs import JobScheduler
-from posttrain.tasks.policy import SchedulerSettings
+from posttrain.rollout.attempts import StepDraw
+from posttrain.scheduling import archive
+from posttrain.scheduling.scheduler import JobScheduler
+from posttrain.scheduling.domain_rules import SchedulerSettings
 
 POOL_ENVS = pathlib.Path(__file__).resolve().parents[2] / "envs" / "pool"  # pool_test_envs: Echo-v0 ("crash" exits)
 IMPORTS = ("envs", "pool_test_envs")

@@ -6,7 +6,7 @@ import pytest
 
 from posttrain.rollout import env_side, rollouter
 from posttrain.algos.grpo.advantages import advantage_fn
-from posttrain.recipes.run_plan import make_run_plan
+from posttrain.runs.plan import make_run_plan
 from helpers import tiny_config
 
 
@@ -46,9 +46,9 @@ def test_advance_curriculum_moves_specs_and_task_sources():
     import types
 
     from posttrain.config import EnvSpec
-    from posttrain.tasks.curriculum import CurriculumConfig, from_env_specs
+    from posttrain.scheduling.curriculum import CurriculumConfig, from_env_specs
     from posttrain.rollout.episodes import Sample
-    from posttrain.tasks.scheduler import TaskScheduler
+    from posttrain.scheduling.weighted_draw import TaskScheduler
 
     spec = EnvSpec(id="posttrain/ReasoningGym-v0", weight=1.0,
                    kwargs={"dataset": "chain_sum", "config": "{}", "level": 2, "size": 50, "split": "train"})
@@ -113,7 +113,7 @@ def test_an_env_registered_only_in_this_process_fails_at_start_with_workers(tmp_
 
     from envs import base
     from posttrain.config import ConfigError, to_dict, from_config_dict
-    from posttrain.recipes import run_plan
+    from posttrain.runs import plan as run_plan
 
     class Mine(base.TextEnv):
         def __init__(self):

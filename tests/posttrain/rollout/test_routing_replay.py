@@ -17,7 +17,7 @@ from posttrain.algos.grpo import losses
 from posttrain.learn import optim
 from posttrain.algos.grpo import step as ts
 from posttrain.rollout.episodes import Sample
-from posttrain.rollout.sampler import SamplingParams, sample
+from posttrain.generate.sampler import SamplingParams, sample
 
 P, G, LG = 2, 3, 6
 PROMPTS = np.array([[5, 6, 7, 8, 9, 10, 0, 0], [5, 6, 7, 11, 12, 0, 0, 0]], np.int32)

@@ -175,7 +175,7 @@ def test_length_baseline_direction_is_chosen_on_the_training_pairs(shorter_wins)
 
 
 def test_paired_difference_interval_matches_a_numpy_paired_bootstrap():
-    from posttrain.recipes.offline import paired_difference_interval
+    from posttrain.learn.offline_loop import paired_difference_interval
 
     rng = np.random.default_rng(0)
     a = (rng.random(60) < 0.8).astype(float)

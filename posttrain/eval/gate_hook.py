@@ -1,0 +1,232 @@
+"""The evaluation gate of the GRPO loop (`eval.suite`, `eval.every_steps`, `eval.gate`): every `every_steps`
+steps, and after the last step when it was not one of those, the suite runs on the current policy against the
+run's initial policy, paired by task, and a regression beyond `eval.gate.max_drop` warns or stops the run; the best
+checkpoint by the suite's trained score is kept.
+
+The decisions are `posttrain.eval.gate`'s (pure); this module samples and writes. The suite is sampled with the
+run's own rollouter (its env runner and its sampler, so the programs compiled for the first evaluation serve every
+later one) on the `eval.seed` stream. The initial policy's records are sampled once, before the first update, and
+kept; a resume reads them back. Outputs under workdir/eval_gate/ (training owns them; a resume cuts the steps it
+runs again): baseline/ (records.jsonl, results.json) and per gated step step_NNNNNN/ (candidate/,
+comparison.md, comparison.json, forest.png, decision.json). Each gated step is checkpointed (forced) with its
+score (`eval/gate/score`), so `Checkpointer(best_metric=)` keeps the best one beside the `checkpoint.keep` newest.
+Metrics: eval/gate/* (`gate.gate_metrics`) and perf/eval_s (the suite's seconds added); summary.json:
+"eval_gate" {"decisions", "best_step", "best_score", "baseline_s"} and, for a stop, "stopped_early".
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import pathlib
+import shutil
+import time
+from typing import Any, Mapping, Sequence
+
+from posttrain.config import ConfigError
+from posttrain.eval import compare as compare_lib
+from posttrain.eval import gate as gate_lib
+from posttrain.eval import records as records_lib
+from posttrain.eval import report, suite as suite_lib
+from posttrain.eval.metrics import task_set_hash
+from posttrain.eval.runner import domain_key, sample_groups, suite_summary, task_record
+from posttrain.infra import distributed, metrics as metrics_lib
+from posttrain.rollout.episodes import Episode
+from posttrain.generate.sampler import SamplingParams
+
+GATE_DIR = "eval_gate"
+SCORE = "eval/gate/score"
+
+
+def budget_groups(built: Sequence[suite_lib.ResolvedDomain]) -> dict[tuple, list[suite_lib.ResolvedDomain]]:
+    """The suite's domains by sampling budget (max_new_tokens, temperature, n, max_turns), in suite order: the
+    domains of one group share sampler batches (one SamplingParams, one compiled program per batch shape)."""
+    groups: dict[tuple, list] = {}
+    for r in built:
+        d = r.domain
+        groups.setdefault((d.max_new_tokens, float(d.temperature), d.n, d.max_turns), []).append(r)
+    return groups
+
+
+def sample_suite(plan, built: Sequence[suite_lib.ResolvedDomain], rollouter, policy) -> tuple[list, dict]:
+    """(records of every task of every built domain, in suite order; {domain: seconds, "total": seconds}) for the
+    policy states `policy`, sampled with `rollouter`'s sampler and env runner (the run's own: its env workers and
+    compiled programs serve every evaluation) on the stream `plan.eval.seed`. Domains with the same budget share
+    batches (`budget_groups`); the stream of a group is the key folded with its domains' names joined by "+"
+    (`domain_key`; a group of one domain: its name), and a domain's seconds are its share of the samples of each
+    batch it was in, times that batch's wall time."""
+    import jax
+
+    t0, e = time.perf_counter(), plan.eval
+    key, by_name = jax.random.key(e.seed), {r.domain.name: r.domain for r in built}
+    seconds, records = dict.fromkeys(by_name, 0.0), {name: [] for name in by_name}
+
+    def timed(chunk, s):
+        for ep in chunk:
+            seconds[ep.domain] += s / len(chunk)
+
+    for (tokens, temperature, n, turns), group in budget_groups(built).items():
+        sample_fn = rollouter.sample_fn(policy, SamplingParams(max_new_tokens=tokens, temperature=temperature))
+        episodes = [Episode(r.spec.id, dict(r.spec.kwargs), r.source.get_task(i), seed=i, domain=r.domain.name)
+                    for r in group for i in range(r.num_tasks)]
+        local = [i for r in group for i in range(r.num_tasks)]
+        sampled = sample_groups(sample_fn, rollouter.tokenizer, rollouter.runner, episodes, batch_size=e.batch_size,
+                                num_samples=n, max_turns=turns, system_prompt=e.system_prompt,
+                                bucket=e.prompt_bucket, on_batch=timed,
+                                key=domain_key(key, "+".join(r.domain.name for r in group)))
+        for (ep, samples, prompt), i in zip(sampled, local):
+            d = by_name[ep.domain]
+            records[d.name].append(task_record(ep, i, samples, prompt, scorer=d.scorer, fmt=d.format,
+                                               greedy=d.greedy, area=d.area))
+    return [rec for name in by_name for rec in records[name]], {**seconds, "total": time.perf_counter() - t0}
+
+
+def evaluation(label: str, records: list, seconds: dict, step: int | None, ks: Mapping, described: dict) -> dict:
+    """One evaluation as `posttrain.eval.compare` and `records.write_evaluation` take it."""
+    return {"label": label, "step": step, "records": records, "task_set_hash": task_set_hash(records),
+            "summary": suite_summary(records, ks), "perf/eval_s": seconds["total"], "seconds": seconds,
+            "suite": described}
+
+
+def cut(folder: pathlib.Path, start: int) -> None:
+    """Removes the gated steps after `start` (a resume runs them again; at 0 the baseline goes too)."""
+    for path in sorted(folder.glob("step_*")):
+        digits = path.name.removeprefix("step_")
+        if digits.isdigit() and int(digits) > start:
+            shutil.rmtree(path)
+    if start == 0 and (folder / "baseline").is_dir():
+        shutil.rmtree(folder / "baseline")
+
+
+def _write(folder: pathlib.Path, ev: Mapping) -> None:
+    records_lib.write_evaluation(folder, ev["records"], {k: v for k, v in ev.items() if k != "records"})
+
+
+@dataclasses.dataclass
+class LoopGate:
+    """The gate of one run: its settings, resolved suite, the initial policy's evaluation, the decisions so far
+    and the best (step, score); `stopped`: the stop message once the gate stopped the run."""
+
+    settings: gate_lib.GateSettings
+    folder: pathlib.Path
+    built: list
+    described: dict
+    baseline: dict
+    decisions: list = dataclasses.field(default_factory=list)
+    best: tuple | None = None
+    stopped: str | None = None
+
+    @property
+    def trained(self) -> list[str]:
+        return [r.domain.name for r in self.built if r.domain.trained]
+
+    @classmethod
+    def open(cls, plan, rollouter, learner, start: int, summary: dict) -> "LoopGate | None":
+        """The gate of `plan` (None without eval.suite): the suite resolved, the outputs cut back to `start`, the
+        initial policy's evaluation sampled now (start 0: the learner holds the initial policy) or read back.
+        Raises ConfigError when no suite domain builds, or a resumed run has no baseline of this suite."""
+        s = plan.gate
+        if s is None:
+            return None
+        built, skipped = suite_lib.resolve(s.suite)
+        if not built:
+            raise ConfigError(f"eval.suite={s.suite.path!r}: every domain was skipped: {skipped}")
+        described, folder = suite_lib.suite_dict(s.suite, built, skipped), plan.workdir / GATE_DIR
+        if distributed.is_main_process():
+            cut(folder, start)
+        ks = {r.domain.name: r.domain.ks for r in built}
+        if start == 0:
+            baseline = evaluation("initial policy", *sample_suite(plan, built, rollouter, learner.policy()), 0, ks,
+                                  described)
+            if distributed.is_main_process():
+                _write(folder / "baseline", baseline)
+        else:
+            baseline = _read_baseline(folder, described)
+        gate = cls(s, folder, built, described, baseline)
+        for path in sorted(folder.glob("step_*/decision.json")):
+            gate.decisions.append(json.loads(path.read_text()))
+            gate.best = (gate.decisions[-1]["best_step"], gate.decisions[-1]["best_score"])
+        summary["eval_gate"] = gate.summary()
+        return gate
+
+    def summary(self) -> dict:
+        return {"decisions": list(self.decisions), "best_step": self.best[0] if self.best else None,
+                "best_score": self.best[1] if self.best else None, "baseline_s": self.baseline["perf/eval_s"]}
+
+    def check(self, plan, rollouter, learner) -> tuple[gate_lib.GateDecision | None, dict, float]:
+        """Samples the suite with the current policy, compares it with the baseline and decides; writes the
+        step's folder (process 0). Returns (decision, eval/gate/* metrics, seconds sampled); the decision is None,
+        with a warning and eval/gate/unscored = 1, when no task is scored on both sides (every sample ended in
+        infra_error: a broken verifier or sandbox is no verdict on the policy)."""
+        step = learner.step
+        ks = {r.domain.name: r.domain.ks for r in self.built}
+        cand = evaluation(f"step {step}", *sample_suite(plan, self.built, rollouter, learner.policy()), step, ks,
+                          self.described)
+        out = self.folder / f"step_{step:06d}"
+        try:
+            cmp = compare_lib.compare(self.baseline, cand, alpha=self.settings.alpha)
+        except compare_lib.NothingScoredError as e:  # a broken verifier or sandbox: no verdict, never a regression
+            if distributed.is_main_process():
+                _write(out / "candidate", cand)
+            metrics_lib.log.warning(f"eval gate at step {step}: no verdict ({e}); training goes on")
+            return None, {"eval/gate/unscored": 1.0}, cand["perf/eval_s"]
+        rows = gate_lib.rows_of(cmp)
+        s = self.settings
+        decision = gate_lib.decide(rows, step=step, action=s.action, max_drop=s.max_drop, trained=self.trained,
+                                   best=self.best)
+        self.best = (decision.best_step, decision.best_score)
+        self.decisions.append(decision.to_dict())
+        if distributed.is_main_process():
+            _write(out / "candidate", cand)
+            (out / "comparison.md").write_text(report.comparison_markdown(cmp))
+            (out / "comparison.json").write_text(json.dumps(report.comparison_dict(cmp), indent=2))
+            report.forest_plot(cmp, out / "forest.png")
+            (out / "decision.json").write_text(json.dumps(decision.to_dict(), indent=2))
+        return decision, gate_lib.gate_metrics(decision, rows), cand["perf/eval_s"]
+
+
+def after_step(loop: Any, m: dict, *, final: bool = False) -> None:
+    """The gate's part of a loop step (`grpo._Loop.step`, after the update and its evaluation): when due, the
+    suite runs (the training clock paused, the env runner the evaluation's), `m` gains the eval/gate/* metrics and
+    the suite's seconds in perf/eval_s, the step is checkpointed with its score, summary["eval_gate"] is updated;
+    a regression beyond max_drop logs a warning, and with action "stop" sets `loop.gate.stopped` and
+    summary["stopped_early"] (the loop then finishes: final checkpoint, summary.json). No-op without a gate.
+    final: the end of the run (`grpo._Loop.finish`): due when the run moved past its start and its last step was
+    not gated yet (a run that ends on a time limit or between `every_steps` still gets the last policy's verdict)."""
+    gate, step = getattr(loop, "gate", None), loop.learner.step
+    if gate is None:
+        return
+    if final:
+        done = {d["step"] for d in gate.decisions}
+        if step <= loop.start or step in done or gate.stopped:
+            return
+    elif not gate.settings.due(step):
+        return
+    queue = getattr(loop, "queue", None)
+    with loop.clock.paused(), (queue.exclusive() if queue is not None else contextlib.nullcontext()):
+        decision, metrics, seconds = gate.check(loop.plan, loop.rollouter, loop.learner)
+    m.update(metrics)
+    m["perf/eval_s"] = m.get("perf/eval_s", 0.0) + seconds
+    if decision is None:  # nothing scored on both sides (infra errors): no verdict at this step, training goes on
+        return
+    loop.learner.save(loop.resume, force=True, metrics={SCORE: decision.score})
+    loop.summary["eval_gate"] = gate.summary()
+    if decision.action != "pass":
+        text = gate_lib.message(decision, str(gate.folder / f"step_{decision.step:06d}" / "comparison.md"))
+        metrics_lib.log.warning(text)
+        if decision.action == "stop":
+            gate.stopped = loop.summary["stopped_early"] = text
+
+
+def _read_baseline(folder: pathlib.Path, described: dict) -> dict:
+    """The stored initial-policy evaluation, checked against the suite. Raises ConfigError when it is absent or
+    was sampled for another suite (the initial policy is only at hand before the first update)."""
+    try:
+        records, results = records_lib.read_evaluation(folder / "baseline")
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"eval.suite: this run has no usable baseline in {folder / 'baseline'} ({e}); the gate "
+                          "samples the initial policy before the first update: start a new run with eval.suite") from None
+    if json.dumps(results.get("suite"), sort_keys=True) != json.dumps(described, sort_keys=True, default=str):
+        raise ConfigError(f"eval.suite: {folder / 'baseline'} was sampled for another suite or suite file version "
+                          "(the domains or their settings differ); start a new run to gate on this suite")
+    return {**results, "records": records}

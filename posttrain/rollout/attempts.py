@@ -1,0 +1,166 @@
+"""One step's draw as tickets: the scheduler's tickets run as env episodes, the groups they complete, and the
+episode archive's row of every sample attempt.
+
+Dimension legend: P groups (prompts) of a step, G group size (samples per group); see `posttrain.types`.
+
+Both task schedulers hand the rollout phase `scheduling.tickets.TaskTicket`s (a task visit's samples to run):
+  - the job scheduler (`scheduling.scheduler.JobScheduler`, `tasks.enabled`): its own tickets; every sample run is
+    reported (`report`), which decides in-step retries (tickets of fewer than G samples, run after their
+    `delay_s`), complete groups (all G samples scored: they enter the batch) and dropped groups (archived with
+    `in_batch` False, never trained);
+  - the weighted draw (`scheduling.weighted_draw.TaskScheduler`): `weighted_tickets` of its draws (visit = the task's
+    pass, attempt 0); nothing is retried and every group enters the batch as drawn (an infra error leaves the
+    loss through `valid_N`), as before the job scheduler existed.
+Under several processes every process holds a replica of the scheduler: the runner (`HostShardedEnvs`) gathers
+every share's results on every process, so each replica is reported the same outcomes and decides the same.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+from posttrain.rollout.episodes import Sample
+from posttrain.scheduling import archive
+from posttrain.scheduling.tickets import STATUSES, Outcome, TaskTicket
+
+
+@dataclasses.dataclass
+class Attempt:
+    """One sample run: `ticket`'s sample `sample` (index in its group, 0..G-1) and its result; sampler_s /
+    env_s: its share of its batch's sampling and env seconds; in_batch: it is the attempt the batch trains on."""
+
+    ticket: TaskTicket
+    sample: int
+    result: Sample
+    sampler_s: float = 0.0
+    env_s: float = 0.0
+    in_batch: bool = False
+
+    @property
+    def key(self) -> tuple:
+        """(group key, sample index, attempt): the one run of one sample."""
+        return self.ticket.group_key, self.sample, self.ticket.attempt
+
+    def outcome(self) -> Outcome:
+        """The scheduler's Outcome of this run (a status no env statuses list holds, e.g. "", counts as scored)."""
+        s = self.result
+        return Outcome(self.ticket.ticket_id, self.sample, s.status if s.status in STATUSES else "ok", s.reward,
+                       env_cost(s.info))
+
+
+def env_cost(info) -> float:
+    """The env-reported sandbox CPU seconds of an episode (`info["cost"]`; 0 when absent)."""
+    return float(info.get("cost", 0.0) or 0.0)
+
+
+def weighted_tickets(draws, step: int, run: str, group_size: int, first_id: int) -> list[TaskTicket]:
+    """Tickets of `TaskScheduler.next_draws` results (domain, task index, pass, task): visit = pass, attempt 0,
+    all G samples; ids from `first_id` on."""
+    return [TaskTicket(first_id + i, step, run, d, index, epoch, tuple(range(group_size)), 0, task=task)
+            for i, (d, index, epoch, task) in enumerate(draws)]
+
+
+# (tickets of one size, samples per ticket, call number) -> (samples, group-major, and the run's perf/* seconds)
+RunFn = Callable[[Sequence[TaskTicket], int, int], tuple[list[Sample], dict]]
+
+
+class StepDraw:
+    """The state of one step's draw: the groups kept for the batch (batch order), the zero-variance groups set
+    aside by dynamic sampling, every sample attempt, the perf/* sums and the draw counters."""
+
+    def __init__(self, group_size: int, dynamic_sampling: bool):
+        self.G, self.dynamic = group_size, dynamic_sampling
+        self.kept: list[list[Attempt]] = []
+        self.spare: list[list[Attempt]] = []
+        self.attempts: list[Attempt] = []
+        self.perf: dict[str, float] = {}
+        self.drawn = self.filtered = self.dropped = self.calls = 0
+
+    def run(self, run_fn: RunFn, tickets: Sequence[TaskTicket]) -> list[Attempt]:
+        """Runs `tickets` (grouped by their number of samples, one `run_fn` call per size, in order of first
+        appearance); returns their Attempts in ticket order, sample order within a ticket."""
+        sizes = list(dict.fromkeys(len(t.samples) for t in tickets))
+        out: dict[int, list[Attempt]] = {}
+        for size in sizes:
+            batch = [t for t in tickets if len(t.samples) == size]
+            samples, perf = run_fn(batch, size, self.calls)
+            self.calls += 1
+            self.perf = {k: self.perf.get(k, 0.0) + v for k, v in perf.items()}
+            share = 1.0 / max(len(samples), 1)
+            for i, t in enumerate(batch):
+                out[t.ticket_id] = [Attempt(t, k, samples[i * size + j], perf.get("perf/gen_s", 0.0) * share,
+                                            perf.get("perf/reward_s", 0.0) * share)
+                                    for j, k in enumerate(t.samples)]
+        attempts = [a for t in tickets for a in out[t.ticket_id]]
+        self.attempts += attempts
+        return attempts
+
+    def add_group(self, group: list[Attempt]) -> None:
+        """A group of G attempts (sample order) that may enter the batch; with dynamic sampling a group whose
+        scored rewards are all equal is set aside (DAPO)."""
+        informative = len({a.result.reward for a in group if a.result.counts}) > 1
+        (self.kept if informative or not self.dynamic else self.spare).append(group)
+        self.filtered += int(self.dynamic and not informative)
+
+    def weighted_round(self, run_fn: RunFn, tickets: Sequence[TaskTicket]) -> None:
+        """One round of the weighted draw: every ticket's G samples are one group, as drawn."""
+        self.drawn += len(tickets)
+        attempts = self.run(run_fn, tickets)
+        for i in range(len(tickets)):
+            self.add_group(attempts[i * self.G:(i + 1) * self.G])
+
+    def job_round(self, run_fn: RunFn, tickets: Sequence[TaskTicket], scheduler, sleep=time.sleep) -> None:
+        """One round of the job scheduler: runs the tickets and their in-step retries (after the longest
+        `delay_s` of each retry batch), reporting every sample run; complete groups are assembled in sample order
+        from the attempts the scheduler scored (`GroupResult.attempts`), dropped groups counted."""
+        self.drawn += len(tickets)
+        pending, runs = list(tickets), {}
+        while pending:
+            delay = max(t.delay_s for t in pending)
+            if delay > 0:
+                sleep(delay)
+            attempts = self.run(run_fn, pending)
+            runs.update((a.key, a) for a in attempts)
+            result = scheduler.report([a.outcome() for a in attempts])
+            for g in result.complete:
+                self.add_group([runs[(g.group_key, k, g.attempts[k])] for k in range(self.G)])
+            self.dropped += len(result.dropped)
+            pending = list(result.retries)
+
+    def finish(self, prompts: int, rounds: int) -> tuple[list[Sample], dict, list[Attempt]]:
+        """(the batch's samples, group-major with `Sample.group` set to the batch group, the perf/* and rollout/*
+        metrics, every attempt of the step with `in_batch` set): the kept groups, topped up with set-aside ones,
+        at most `prompts` groups."""
+        kept = (self.kept + self.spare)[:prompts]
+        for gi, group in enumerate(kept):
+            for a in group:
+                a.result.group, a.in_batch = gi, True
+        perf = dict(self.perf)
+        perf["rollout/resample_rounds"] = rounds - 1
+        perf["rollout/groups_drawn"] = self.drawn
+        perf["rollout/frac_groups_filtered"] = self.filtered / max(self.drawn, 1)  # zero-variance groups set aside
+        return [a.result for group in kept for a in group], perf, self.attempts
+
+
+def archive_rows(attempts: Sequence[Attempt], tokenizer, policy_version: int) -> tuple[dict, ...]:
+    """One `scheduling.archive` row per attempt, in run order: token ids and texts (the prompt decoded with its special
+    tokens; the completion = every token after the prompt, env turns included, and the replies joined by newlines),
+    reward (null for an infra error), status, timings, env cost, and `details` = the env's info (status and cost
+    aside), the number of turns and whether the ticket was a paused domain's probe. policy_version: the sample's
+    oldest token's version where its tokens carry versions (`Sample.oldest_version`, the rollout engine), else this
+    one."""
+    rows = []
+    for a in attempts:
+        s = a.result
+        details = {"turns": len(s.texts), "probe": a.ticket.probe,
+                   **{k: v for k, v in s.info.items() if k not in ("status", "cost")}}
+        rows.append(archive.ticket_row(
+            a.ticket, a.sample, policy_version=policy_version if s.oldest_version is None else s.oldest_version,
+            status=s.status, reward=s.reward,
+            prompt_ids=s.prompt_ids, completion_ids=[int(x) for seg, _, _ in s.segments for x in seg],
+            prompt=tokenizer.decode(s.prompt_ids, skip_special_tokens=False), completion="\n".join(s.texts),
+            truncated=s.truncated,
+            in_batch=a.in_batch, sampler_s=a.sampler_s, env_s=a.env_s, env_cost_s=env_cost(s.info),
+            details=details))
+    return tuple(rows)
