@@ -67,7 +67,7 @@ def tiny_run(folder: pathlib.Path) -> pathlib.Path:
 
     from posttrain.config import from_config_dict
     from posttrain.recipes import grpo
-    from posttrain.recipes.run_plan import make_run_plan
+    from posttrain.runs.plan import make_run_plan
 
     spec = importlib.util.spec_from_file_location("tiny_config", ROOT / "configs/tiny.py")
     module = importlib.util.module_from_spec(spec)

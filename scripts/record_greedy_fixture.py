@@ -3,7 +3,7 @@
     .venv/bin/python scripts/record_greedy_fixture.py [--out tests/golden/smollm2_greedy_200.npz] [--batch 50]
 
 The fixture of issue 25 acceptance 1 ("greedy tokens equal the recorded fixture on >= 199 of 200 prompts, any
-difference at a top-2 logit gap < 1e-4"; tests/posttrain/rollout/test_engine_fixture.py compares the engine).
+difference at a top-2 logit gap < 1e-4"; tests/posttrain/generate/test_engine_fixture.py compares the engine).
 Prompts: configs/quickstart.py's eval env (posttrain/Arithmetic-v0, split "test", digits 2: its 200 fixed tasks),
 each task's first observation rendered as the training and eval rollouts render it (`episodes.chat_prompt`:
 the GGUF's chat template, no system turn), token ids from posttrain's tokenizer. Replies: the peer, independent of
