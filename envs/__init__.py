@@ -1,11 +1,7 @@
 """posttrain environments: gymnasium text environments with verifiable rewards (no JAX here).
 
-Importing this package registers every environment id with gymnasium (idempotent)::
-
-    import gymnasium, envs
-    env = gymnasium.make("posttrain/Arithmetic-v0")
-    obs, info = env.reset(seed=0)
-    obs, reward, terminated, truncated, info = env.step("The answer is 122.")
+Importing this package registers every id in `ENTRY_POINTS` with gymnasium (idempotent), so
+``gymnasium.make("posttrain/Arithmetic-v0")`` works after ``import envs``; docs/environments.md.
 """
 import gymnasium
 

@@ -1,17 +1,7 @@
 """EnvPool worker side: the environments of many episodes in one process (no JAX here, ever).
 
-`EnvHost` holds one gymnasium environment per live episode and reuses finished ones (an env whose
-construction is costly, e.g. one that self-checks in the sandbox, is built once per worker and key).
-It runs inside a subprocess started as ``python -m envs.pool.env_host FD [MODULE...]`` (process
-backend) or inside a Ray actor (ray backend).
-
-Protocol (process backend; pickled over a socketpair with multiprocessing.connection):
-  worker -> pool: ("ready", {"pid": int, "jax_imported": bool}) once, after importing MODULEs;
-  pool -> worker: (op, items) with op "reset" (items: (episode, env_id, env_kwargs, task, seed); all
-                  earlier episodes are released first), "release" (no items: release all), or "step"
-                  (items: (episode, action)), or ("close", None);
-  worker -> pool: ("result", episode, kind, payload) per item, in order; kind "ok" (payload: the
-                  reset or step tuple) or "error" (payload: the reason, a traceback summary).
+`EnvHost` holds one env per live episode and reuses finished ones; it runs in a subprocess started as
+``python -m envs.pool.env_host FD [MODULE...]`` (process backend) or in a Ray actor. Protocol: docs/pool.md.
 """
 from __future__ import annotations
 
@@ -46,9 +36,10 @@ class EnvHost:
         return checked_reset(env.reset(seed=seed, options=None if task is None else {"task": task}), env_id)
 
     def _step(self, episode: int, action: str):
-        """The env's step tuple, its reward a float when it is a real number (`envs.base.as_reward`) and its info a
-        dict when it is a mapping, else each as the env returned it (never coerced: the pool's caller refuses it,
-        e.g. posttrain's rollout as an infra_error)."""
+        """The env's step tuple, its reward a float when a real number (`envs.base.as_reward`), its info a dict.
+
+        A reward or info of another kind is returned as the env gave it, for the pool's caller to refuse.
+        """
         if episode not in self._live:
             raise KeyError(f"episode {episode} is not active in this worker (reset it first)")
         obs, reward, terminated, truncated, info = self._live[episode][1].step(action)

@@ -1,27 +1,8 @@
-"""EnvPool: batched reset/step over many gymnasium text environments living in worker processes.
+"""EnvPool: batched reset/step over many gymnasium text environments living in worker processes or Ray actors.
 
-    with EnvPool(num_workers=8, step_timeout_s=30.0) as pool:
-        first = pool.reset([EpisodeSpec(env_id="posttrain/Arithmetic-v0", seed=i) for i in range(64)])
-        results = pool.step(texts)                 # one action per pool.active episode -> [StepResult]
-        results = pool.step({3: "...", 9: "..."})  # or a subset, by episode index (multi-turn)
-        # each StepResult unpacks like gymnasium: obs, reward, terminated, truncated, info
-
-It also fits `posttrain.rollout.episodes.EnvRunner`: ``reset(episodes)`` takes any objects with env_id,
-env_kwargs, task and seed, and ``step(actions, indices)`` returns results aligned with `indices`.
-
-Episode i of a reset lives in worker i % num_workers (deterministic), in its own env instance (envs are
-reused across episodes per worker and (env_id, env_kwargs)); with seeds given, results do not depend
-on the pool. Workers are started as ``python -m envs.pool.env_host`` (not multiprocessing spawn or
-forkserver, which re-import the parent's ``__main__``, i.e. the training script and JAX); they import
-only `imports` (default ``envs``, which registers the posttrain ids). Env ids can also name a module
-to import first, gymnasium style: ``"my.module:MyEnv-v0"``.
-
-Failures never become wrong answers: an item that exceeds its timeout gets its worker killed and
-restarted; a worker that dies (crash, OOM kill) is restarted; every episode that worker held and
-that had not finished ends with ``info["status"] == "infra_error"`` (reward 0, truncated=True,
-``info["reason"]`` says why; an episode that was not being stepped reports it at its next step). An
-exception raised by an env ends that episode the same way. Other episodes are unaffected. Counters: `restarts`, `infra_errors`. Backends: "process" (subprocesses) and
-"ray" (Ray actors, `envs.pool.ray_pool`; needs the optional ``ray`` extra and a running/initialisable Ray).
+Episode i of a reset lives in worker i % num_workers; a timeout, a worker's death or an env's exception ends only
+the episodes it touched, as infra_error (never a wrong answer), and the worker is restarted. Usage, the worker
+protocol and the Ray backend (`envs.pool.ray_pool`): docs/pool.md.
 """
 from __future__ import annotations
 
@@ -46,8 +27,7 @@ BACKENDS = ("process", "ray")  # EnvPool's worker kinds (a run's env.backend)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EpisodeSpec:
-    """One episode: ``gymnasium.make(env_id, **env_kwargs).reset(seed=seed, options={"task": task})``
-    (options=None when task is None: the env draws its own task with the seed)."""
+    """One episode: ``gymnasium.make(env_id, **env_kwargs)`` reset with `seed` and, unless None, ``{"task": task}``."""
 
     env_id: str
     env_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -64,9 +44,7 @@ class EpisodeSpec:
 
 
 class StepResult(NamedTuple):
-    """gymnasium's step tuple for one episode (unpacks as obs, reward, terminated, truncated, info). `reward` is a
-    float, or the env's own value when that is no real number (`envs.base.as_reward`; never coerced: the caller
-    refuses it)."""
+    """One episode's step tuple; `reward` a float, or the env's own value, never coerced (`envs.base.as_reward`)."""
 
     observation: str
     reward: float
@@ -179,17 +157,14 @@ class ProcessWorkers:
 
 
 class EnvPool:
-    """Batched gymnasium episodes over `num_workers` workers with per-item timeouts.
+    """Batched gymnasium episodes over `num_workers` workers with per-item timeouts (not thread-safe: one caller).
 
     Args:
-      num_workers: worker processes (or Ray actors). step_timeout_s: seconds one env.step may take
-        (counted from when the worker starts that item). reset_timeout_s: the same for make + reset
-        (default: step_timeout_s). startup_timeout_s: seconds a (re)started worker may take to import.
-      backend: one of BACKENDS, "process" or "ray". imports: modules each worker imports first (registrations).
-      ray_actor_options: `ray.remote` options of the actors over `ray_pool.DEFAULT_ACTOR_OPTIONS` ({"num_cpus": 0,
-        "max_restarts": 3}: Ray restarts a dead actor 3 times, then a new one replaces it); max_task_retries is 0.
-    Not thread-safe: one caller drives a pool. Worker processes exit when the pool closes or its
-    process dies (an orphaned worker checks every 0.5 s, even inside a hung env step).
+      step_timeout_s: seconds one env.step may take, from when the worker starts that item; reset_timeout_s: the
+        same for make + reset (default: step_timeout_s); startup_timeout_s: for a (re)started worker's imports.
+      imports: modules each worker imports first (registrations).
+      ray_actor_options: `ray.remote` options over `ray_pool.DEFAULT_ACTOR_OPTIONS`; max_task_retries is always 0.
+
     Raises ValueError/TypeError on bad arguments; ImportError for backend="ray" without ray.
     """
 
@@ -231,12 +206,10 @@ class EnvPool:
         return self._backend.pids()
 
     def reset(self, specs: Sequence[EpisodeSpec]) -> list[tuple[str, dict]]:
-        """Start len(specs) episodes 0..len-1 (dropping any still active); returns [(observation, info)].
+        """Start episodes 0..len(specs)-1 (dropping any still active); returns [(observation, info)].
 
-        Items may be EpisodeSpec or any object with env_id, env_kwargs, task and seed attributes.
-        An episode whose reset failed (worker death, timeout, env exception) gets ("", info) with
-        info["status"] == "infra_error"; its next step returns that infra_error and ends it.
-        Raises TypeError for items without those attributes.
+        Items: EpisodeSpec or any object with env_id, env_kwargs, task and seed (else TypeError). A failed reset gives
+        ("", info) with info["status"] == "infra_error"; that episode's next step returns the error and ends it.
         """
         self._check_open()
         specs = [_as_spec(s) for s in specs]
@@ -255,13 +228,11 @@ class EnvPool:
 
     def step(self, actions: Sequence[str] | Mapping[int, str], indices: Sequence[int] | None = None
              ) -> list[StepResult]:
-        """Step episodes once: `actions[k]` goes to episode `indices[k]` (default: `active`, ascending),
-        or pass a mapping {episode: action}. Returns the StepResults in that order (ascending keys for
-        a mapping); an episode ends when terminated or truncated.
+        """Step episodes once: `actions[k]` to episode `indices[k]` (default: `active`), or a mapping {episode: action}.
 
-        Episodes whose env was lost (failed reset, or their worker died while they waited) return
-        their infra_error here. Raises ValueError for inactive episodes, duplicates or a length
-        mismatch, TypeError for non-str actions.
+        Returns the StepResults in that order (ascending keys for a mapping); an episode whose env was lost returns its
+        infra_error. Raises ValueError for inactive or repeated episodes or a length mismatch, TypeError for non-str
+        actions.
         """
         self._check_open()
         if isinstance(actions, Mapping):

@@ -1,20 +1,7 @@
-"""Ray backend of `envs.pool.processes.EnvPool` (``EnvPool(..., backend="ray")``, or ``env.backend = "ray"`` in a
-run's config): one Ray actor per worker, so the same tickets and reports drive envs spread over a Ray cluster.
+"""Ray backend of `envs.pool.processes.EnvPool` (``backend="ray"``): one Ray actor per worker.
 
-Needs the optional extra (``pip install posttrain[ray]``); ray is imported only when this backend is
-used. Uses the current Ray cluster (``ray.init(...)`` first; otherwise Ray starts a local one on the
-first actor). Each actor holds an `envs.pool.env_host.EnvHost`; items are submitted as one actor call
-each, so Ray runs them in order and the pool sees each result as it lands (per-item timeouts as with
-the process backend).
-
-Worker death is Ray's restart: actors are created with ``max_restarts`` (default 3; Ray restarts a dead actor
-process: crash, OOM kill, lost node) and ``max_task_retries=0`` (Ray never re-runs a call in flight when its actor
-died, so no env step runs twice). The pool turns every episode the dead actor held into an ``infra_error``
-(its reason names the Ray error), which the job scheduler retries as a new attempt (`posttrain.scheduling.tickets`): the
-sample is our retry. A hung actor (an item past its timeout) is killed with ``ray.kill(no_restart=False)``, so Ray
-restarts it the same way. A restarted actor is used again once it answers ``ready`` (calls made while Ray restarts
-it fail at once with ``ActorUnavailableError`` and are sent again); an actor whose restarts are spent, or that never
-became ready, is replaced by a new one (counted in `replaced`).
+Needs the optional extra (``pip install posttrain[ray]``), imported only when used. A dead actor is Ray's restart
+(``max_restarts``; a call in flight is never re-run); its episodes end as infra_error. Details: docs/pool.md.
 """
 from __future__ import annotations
 
@@ -62,8 +49,9 @@ class EnvActor:
 class RayWorkers:
     """Same interface as `envs.pool.processes.ProcessWorkers`: start/send/poll/kill/pids/close.
 
-    actor_options: `ray.remote` options over DEFAULT_ACTOR_OPTIONS (``max_restarts`` included);
-    ``max_task_retries`` is always 0. Counter: `replaced` (actors created anew in a slot)."""
+    actor_options: `ray.remote` options over DEFAULT_ACTOR_OPTIONS; ``max_task_retries`` is always 0. Counter:
+    `replaced` (actors created anew in a slot).
+    """
 
     def __init__(self, num_workers: int, imports: Sequence[str], actor_options: Mapping[str, Any] | None) -> None:
         self._ray = import_ray()
@@ -89,8 +77,7 @@ class RayWorkers:
         self._refs[self._actors[w].ready.remote()] = (w, "ready")
 
     def send(self, w: int, op: str, items: list) -> None:
-        """Submits `items` to worker w's actor; until it has answered `ready` (a call to an actor Ray is restarting
-        would fail at once) they wait here, in order."""
+        """Submit `items` to worker w's actor, or hold them, in order, until it has answered `ready`."""
         if not self._ready[w]:
             self._queued[w].append((op, items))
             return
@@ -160,8 +147,10 @@ class RayWorkers:
         self._queued[w] = []
 
     def kill(self, w: int) -> None:
-        """Ends worker w's calls: a hung ready actor is killed for Ray to restart (`start` then waits for it), one
-        that died is left to Ray's restart, one that never became ready is killed for good (`start` makes anew)."""
+        """End worker w's calls: a hung ready actor is killed for Ray to restart, one never ready is killed for good.
+
+        One that died is left to Ray's restart; `start` then waits for it, or makes a new actor.
+        """
         actor = self._actors[w]
         self._forget(w)
         if actor is None or w in self._restarting:

@@ -3,33 +3,7 @@
     result = run("print(sum(range(10)))", limits=Limits(cpu_s=5, wall_s=10))
     result.status, result.stdout   # ("ok", "45\\n")
 
-Isolation ("strict", the default; see `envs.sandbox.launch` for the mechanism): new user, pid,
-network, ipc, uts (and cgroup) namespaces; the sandbox sees only what it needs, read-only: the system
-folders (/usr, /etc, the /bin and /lib links), the interpreter's prefix and, of its site-packages, only
-`mounts.SANDBOX_PACKAGES` (numpy), at their host paths wherever they are (`envs.sandbox.mounts`); nothing
-else of the host (no /home, /root, /run, /opt, /srv, /var, /sys, no project checkout, no host UNIX socket). A private writable directory is the cwd
-(``/tmp/work`` inside); a scrubbed environment; an unprivileged uid per sandbox, so RLIMIT_NPROC bounds
-the process count even when the caller is root; ``--die-with-parent`` and ``--new-session``. When the
-sandbox's main process exits, its pid namespace and every process in it (daemons, ``setsid``
-children) die with it.
-
-Limits: CPU seconds (RLIMIT_CPU, per process, rounded up to whole seconds), wall seconds (the whole
-tree is killed), memory (all processes together: their summed PSS, polled every MEMORY_POLL_S, kills the
-tree above memory_mb; per process RLIMIT_DATA = memory_mb and RLIMIT_AS = 2*memory_mb + 512 MiB stop fast
-single allocations; BLAS/OpenMP pinned to one thread so ``import numpy`` works),
-processes (RLIMIT_NPROC), output (stdout and stderr each capped at max_output_bytes while reading),
-storage: as root, everything the program can write (cwd, /tmp, /dev/shm) is one tmpfs of disk_mb MiB
-with disk_mb/4 KiB inodes, in the holder's mount namespace (`envs.sandbox.holder`), so nothing reaches
-the host disk and it is freed with the sandbox; filling it ends the run as "disk_limit" (so does a file
-over RLIMIT_FSIZE = min(128 MiB, disk_mb)). System V shared memory and message queues (RAM no limit
-counts), System V semaphores, POSIX message queues and keyrings (state that outlives the program) are
-denied by a seccomp filter. Requests above the caller's hard limits are clamped, not errors.
-
-Every sandbox (process tree and temp dir) is tracked; all are killed and removed on normal exit
-(atexit), on SIGINT/SIGTERM (handlers chain to the previous ones) and when `run` raises. Temp dirs
-are named ``{TMP_BASE}/posttrain-sbx-<pid>-*`` and sandbox processes run as host uids
->= `UID_BASE`; `find_leaks` lists whatever is left. Many short programs: `envs.sandbox.workers`
-(persistent sandboxes with a fork server, the same isolation, nothing carried over between programs).
+Isolation, limits and cleanup: docs/sandbox.md. Many short programs: `envs.sandbox.workers.SandboxPool`.
 """
 from __future__ import annotations
 
@@ -62,9 +36,18 @@ MEMORY_POLL_S = 0.05  # how often the memory of a running sandbox's processes is
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Limits:
-    """Resource limits of one sandboxed run (units in the names: seconds, MiB, bytes).
+    """Resource limits of one sandboxed run (how each is enforced: docs/sandbox.md).
 
-    Raises ValueError on non-positive values, TypeError on wrong types.
+    Attributes:
+        cpu_s: CPU seconds per process (RLIMIT_CPU, rounded up to whole seconds).
+        wall_s: wall seconds of the whole run.
+        memory_mb: MiB of all the sandbox's processes together (their summed PSS).
+        max_procs: processes of the sandbox (RLIMIT_NPROC).
+        max_output_bytes: cap on stdout and on stderr, each.
+        disk_mb: MiB of cwd, /tmp and /dev/shm together (as root; otherwise /tmp and /dev/shm each).
+        network: whether the sandbox shares the host's network.
+
+    Raises ValueError on non-positive or non-finite values, TypeError on wrong types.
     """
 
     cpu_s: float = 10.0
@@ -91,10 +74,10 @@ class Limits:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SandboxResult:
-    """Outcome of one run. status is one of STATUSES; wall_s/cpu_s in seconds (cpu_s: the whole tree).
+    """Outcome of one run: `status` one of STATUSES, `reason` why when it is not "ok".
 
-    returncode is the program's exit code (128+N when killed by signal N), None when it never ran or
-    was killed by the harness. cpu_s covers the program and the children it waited for (0 if unknown). reason explains any non-ok status ("cpu", "wall", ...).
+    `returncode`: the exit code (128+N when killed by signal N), None when the program never ran or the harness
+    killed it. Seconds: `wall_s`, and `cpu_s` of the program and the children it waited for (0 if unknown).
     """
 
     status: str
@@ -108,12 +91,10 @@ class SandboxResult:
 
 # ----------------------------------------------------------------------------- workspace
 class Workspace:
-    """A private sandbox working dir that persists across several `run(..., workspace=ws)` calls.
+    """A private sandbox working dir that persists across `run(..., workspace=ws)` calls (a context manager).
 
-    Use as a context manager; the dir (host path: `path`) is removed on exit (and by kill_all).
-    Runs in one workspace share its sandbox uid, so they must not overlap in time (RuntimeError).
-    A host-side checker reads results with `read_bytes`/`read_text`, which refuse symlinks.
-    Verifier state (expected answers, rewards) must live outside: the program can write anything here.
+    Runs in one workspace share its uid, so they must not overlap (RuntimeError). `read_bytes`/`read_text` refuse
+    symlinks. Keep verifier state (expected answers) outside: the program can write anything here.
     """
 
     def __init__(self, disk_mb: int = Limits.disk_mb) -> None:
@@ -152,8 +133,7 @@ class Workspace:
 
     @property
     def path(self) -> Path:
-        """Host path of the working dir (as root: under ``/proc/<holder>/root``, the directory lives
-        on the sandbox's own tmpfs). Raises RuntimeError when the workspace is not open."""
+        """Host path of the working dir (as root under ``/proc/<holder>/root``); RuntimeError when not open."""
         if self._path is None:
             raise RuntimeError("Workspace is not open (use `with Workspace() as ws:`)")
         return Path(self._storage[0])
@@ -182,19 +162,20 @@ def run(files_or_code: str | Mapping[str, str | bytes], argv: Sequence[str] | No
         isolation: str = "strict") -> SandboxResult:
     """Run a program in a sandbox and return its SandboxResult (never raises for program failures).
 
+    A sandbox that could not start, or a dir that could not be made, gives status "infra_error".
+
     Args:
-      files_or_code: Python source (written to main.py; argv defaults to [PYTHON, "main.py"]) or a
-        mapping of relative path -> str/bytes content written into the working dir (argv required).
-      argv: the command, resolved inside the sandbox (PATH has the venv's bin, /usr/bin, /bin).
-      limits: resource limits. stdin: text fed to the program (default: empty).
+      files_or_code: Python source (written to main.py; argv defaults to [PYTHON, "main.py"]) or a mapping of
+        relative path -> str/bytes content written into the working dir (argv required).
+      argv: the command, resolved inside the sandbox (PATH: the interpreter's bin, /usr/local/bin, /usr/bin, /bin).
+      stdin: text fed to the program (default: empty).
       workspace: an open Workspace to run in (files persist); default: a fresh dir removed afterwards.
-      isolation: "strict" (bubblewrap; required unless bwrap is missing) or "weak" (explicit opt-in to
-        unshare + rlimits when bwrap is missing).
+      isolation: "strict" (bubblewrap) or "weak" (unshare + rlimits, an explicit opt-in when bwrap is missing).
+
     Raises:
-      TypeError/ValueError on bad arguments; RuntimeError when bubblewrap is missing and
-      isolation="strict" (the message says what to install), user namespaces are unavailable, or the
-      interpreter cannot be shown inside (one line naming the path, `mounts.check_visible`).
-    Infra failures (sandbox could not start, dir could not be created) return status "infra_error".
+      TypeError, ValueError: bad arguments.
+      RuntimeError: "strict" without bubblewrap (the message says what to install), no user namespaces, or an
+        interpreter that cannot be shown inside (`mounts.check_visible`).
     """
     if isolation not in ("strict", "weak"):
         raise ValueError(f"isolation must be 'strict' or 'weak', got {isolation!r}")
@@ -343,9 +324,9 @@ def _classify(limits: Limits, *, started: bool, why: str, killed: bool, rc: int,
 
 
 def _communicate(proc, tree: procs.Tree, started_r: int, cap: int, deadline: float, memory_cap: int):
-    """Read stdout/stderr (each capped at `cap` bytes) until the process has exited and every pipe
-    is closed, or a limit hits; every MEMORY_POLL_S, sum the processes' memory (`Tree.memory_bytes`).
-    Returns (stdout, stderr, started, why), why in {"", "wall", "output", "memory"}.
+    """Read stdout/stderr (each capped at `cap` bytes) until the process exited and every pipe closed, or a limit hit.
+
+    Memory is polled every MEMORY_POLL_S. Returns (stdout, stderr, started, why), why: "", "wall", "output" or "memory".
     """
     next_poll = time.monotonic() + MEMORY_POLL_S
     bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}

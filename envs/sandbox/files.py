@@ -1,5 +1,4 @@
-"""Writing and reading files of a sandbox's working dir from the host without following links the
-program may have planted (private helper of `envs.sandbox`; no JAX)."""
+"""Host-side writes and reads of a sandbox's working dir that never follow links the program planted (no JAX)."""
 from __future__ import annotations
 
 import os

@@ -1,17 +1,8 @@
 """One persistent sandbox worker, host side (private helper of `envs.sandbox.workers`; no JAX).
 
-`Worker` starts one bubblewrap sandbox (`launch.bwrap_prefix`: the isolation of a one-shot `envs.sandbox.run`)
-whose program is `envs.sandbox.forkserver`, and runs one task at a time in it: it writes the program's files
-into the worker's (empty) working dir, hands the server the task's stdin (a memfd) and the write ends of two
-pipes it reads itself, each capped at `Limits.max_output_bytes`, and every `sandbox.MEMORY_POLL_S` sums the
-PSS of the task's processes (the server and the namespace init excluded); over a cap it asks the server to
-kill the task ("K"). The server enforces the wall time; `BACKSTOP_S` past it the host kills the worker.
-The result is classified exactly as a one-shot run's (`sandbox._classify`). A worker whose server died (a
-task may SIGKILL it: "runtime_error", returncode 137), missed the backstop ("timeout") or could not clean
-up is closed (`dead`); its pool starts a fresh one. `_Gone`: the worker died before the program started.
-
-Workers are started from one long-lived thread per process (`_in_spawner`): bwrap's ``--die-with-parent``
-follows the thread that started it, which must outlive the worker.
+`Worker` runs the fork server (`envs.sandbox.forkserver`) in one strict sandbox and one task at a time in it,
+capping the task's output and memory; a worker that cannot be trusted any more is closed (`dead`) for its pool to
+replace. Design and protocol: docs/sandbox.md.
 """
 from __future__ import annotations
 
@@ -126,7 +117,7 @@ class Worker:
         self.tree.expected, self.tree.dirs = tuple(servers), (self.host_dir,)
 
     def run(self, files, argv: list[str], limits: sandbox.Limits, stdin: str | None, t0: float) -> sandbox.SandboxResult:
-        """One task (see the module docstring). Raises _Gone when the worker died before it started."""
+        """Run one task (protocol: docs/sandbox.md). Raises _Gone when the worker died before it started."""
         try:
             sbx_files.write_files(self.work, files, launch.host_uid(self.uid))
         except OSError as e:

@@ -1,35 +1,8 @@
 """The fork server that runs inside one persistent sandbox worker (standard library only; no JAX).
 
-`envs.sandbox.workers` starts this file's source as ``python -c <source> <socket fd> <config JSON>``
-inside a bubblewrap sandbox (the same mounts, namespaces, uid and seccomp filter as a one-shot
-`envs.sandbox.run`); nothing of the project is importable there, so this module imports only the
-standard library. Protocol over the inherited AF_UNIX SOCK_SEQPACKET socket (one message each):
-
-  server -> host  ``R``                                   ready (after importing `config["preload"]`)
-  host -> server  request JSON + SCM_RIGHTS [stdin, stdout, stderr]
-  server -> host  ``S``                                   the task's child is about to be forked
-  host -> server  ``K``                                   kill the task now (output or memory cap hit)
-  server -> host  result JSON {rc, cpu_s, why, free_bytes, free_inodes, dirty} (or {error} if fork failed)
-
-Request: {"argv": [...], "python": bool, "script": str, "args": [...], "limits": {cpu_s, wall_s, memory_mb, max_procs, fsize, nofile}}.
-Per task the server forks a child that: starts a new session (its own process group); takes the three
-descriptors as 0, 1, 2 and closes every other one (the socket included, so it cannot forge a result);
-gets the sandbox's environment back, the server's signal dispositions and umask, the working dir
-`CWD` and soft = hard rlimits (CPU s, RLIMIT_DATA, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_NPROC,
-no core files); then either execs ``argv`` (PATH search) or, with ``"python": true``, runs the script
-``script`` (with ``args``) in the forked interpreter as ``python script`` would (``__main__``, sys.argv, sys.path[0],
-fresh sys.std*, atexit, non-daemon threads joined). Modules imported by the server are the child's
-copy-on-write copies: a monkeypatch stays in the child.
-
-After the child exits (or at its wall time, or on ``K``) every process of the sandbox uid except the
-server is SIGKILLed (``kill(-1)``: atomic against fork) until none is left in the pid namespace; the
-free space of the writable fs is measured; everything written in `WIPE` (cwd, /tmp, /dev/shm) is deleted
-and their modes, extended attributes and times reset. ``dirty`` in the result (a process that would not die, a
-tree that could not be deleted, the server's own rlimits, nice value, scheduling policy or CPU affinity changed
-by a task: same-uid processes may lower those, and the next children would inherit them) tells the host to
-replace the worker. The server is not dumpable (no ptrace, no /proc/<pid>/mem
-or fd access by the same uid) and ignores every catchable signal; a task can still SIGKILL or SIGSTOP
-it, which the host sees (end of stream, or no reply by its backstop) and answers by restarting the worker.
+`envs.sandbox.fork_worker` starts this source as ``python -c <source> <socket fd> <config JSON>`` in the sandbox,
+where nothing of the project is importable. It forks one child per task, then kills whatever the task left and
+wipes `WIPE`, so the next task sees nothing of it. Protocol and guarantees: docs/sandbox.md.
 """
 from __future__ import annotations
 
@@ -253,7 +226,7 @@ def _serve_one(sock: socket.socket, req: dict, fds: list[int], env: dict, handle
 
 
 def serve(sock_fd: int, config: dict) -> None:
-    """Serve tasks over socket `sock_fd` until the host closes it (see the module docstring)."""
+    """Serve tasks over socket `sock_fd` until the host closes it (protocol: docs/sandbox.md)."""
     sock = socket.socket(fileno=sock_fd)
     env = dict(os.environ)
     handlers = {s: signal.getsignal(s) for s in _CATCHABLE}

@@ -1,17 +1,7 @@
-"""The holder: one user + mount namespace per host process, kept alive while the process runs
-(private helper of `envs.sandbox`, root mode only; no JAX).
+"""The holder: one user + mount namespace per host process, kept while it runs (root mode only; no JAX).
 
-* User namespace: inner uid/gid 0 -> host 0 (so bwrap can bind-mount root-owned paths), inner
-  FIRST_SLOT_UID+k -> host UID_BASE+FIRST_SLOT_UID+k; nested user namespaces disabled inside it
-  (`user.max_user_namespaces=0`). bwrap joins it (``--userns``).
-* Mount namespace (private propagation): every sandbox's writable storage is a tmpfs of
-  `Limits.disk_mb` MiB mounted here, on the sandbox's (empty) host directory. The sandbox's cwd,
-  /tmp and /dev/shm are directories of that one tmpfs, so together they hold at most disk_mb, and
-  nothing a sandbox writes reaches the host disk. bwrap starts inside this namespace (`nsenter`);
-  the host reads and writes the files through ``/proc/<holder pid>/root`` (`view`).
-* Removing the host directory (rmdir, Linux >= 3.18) detaches the tmpfs in this namespace and frees
-  it; when this process exits, the holder reads EOF and exits, and the namespace with all its
-  tmpfs goes away with the last sandbox (bwrap ``--die-with-parent``).
+Private helper of `envs.sandbox`: bwrap joins its user namespace and starts in its mount namespace, where each
+sandbox's writable storage is one tmpfs (`Holder.mount_tmpfs`). Uid maps and lifetime: docs/sandbox.md.
 """
 from __future__ import annotations
 
@@ -73,8 +63,10 @@ class Holder:
         return self.proc.stderr.read().decode(errors="replace").strip()
 
     def mount_tmpfs(self, path: str, size_bytes: int, inner_uid: int) -> None:
-        """Mount a tmpfs of `size_bytes` owned by `inner_uid` on host dir `path` (in the holder's
-        namespace only) with SUBDIRS in it. Raises OSError when the mount fails."""
+        """Mount a `size_bytes` tmpfs owned by `inner_uid`, with SUBDIRS, on `path` in the holder's namespace.
+
+        Raises OSError when the mount fails.
+        """
         if any(c in path for c in "\n\r"):
             raise OSError(f"sandbox dir path has a line break: {path!r}")
         with self._lock:

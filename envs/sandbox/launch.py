@@ -1,29 +1,7 @@
 """Command lines that start one sandboxed program (private helper of `envs.sandbox`; no JAX).
 
-Strict isolation (bubblewrap), as root:
-  * One user + mount namespace per host process, the holder (`envs.sandbox.holder`): bwrap joins its
-    user namespace (``--userns``) and starts inside its mount namespace (``nsenter``), where each
-    sandbox's writable storage is one tmpfs of `Limits.disk_mb` (cwd, /tmp and /dev/shm are
-    directories of it). The program inherits the userns fd, which grants nothing (setns into it fails).
-  * The sandbox sees only what it needs, read-only: the system folders `SYSTEM_DIRS` (/usr, /etc and
-    the /bin, /lib links), the interpreter's prefix (its stdlib) and, of its site-packages, only
-    `SANDBOX_PACKAGES`, each at its own host path, even under /tmp or /dev/shm (`envs.sandbox.mounts`);
-    no /home, /root, /run, /srv, /opt, /var, /sys, no project checkout, no host UNIX socket (abstract
-    sockets live in the network namespace, which is new).
-  * Each running sandbox gets its own inner uid (a *slot*): RLIMIT_NPROC is counted per (namespace,
-    uid), so `max_procs` bounds each sandbox separately, and the host uid is unprivileged, so the limit
-    applies at all (root ignores RLIMIT_NPROC). Sandbox processes are recognisable on the host by
-    their host uid >= UID_BASE.
-  * The exec chain is ``bwrap -> setpriv (uid/gid, drop caps) -> sh (ulimits) -> program``; sh forks
-    the program (to report its CPU time with `times`), so two tiny execs and a fork (~2-4 ms). bwrap's
-    own ``--uid/--gid`` cannot be used with ``--userns`` as root (it calls setuid before setgid).
-  * sh writes a "started" byte to fd 0 (a pipe only the harness reads) right before running the
-    program, whose stdin is redirected: "the sandbox failed to start" (infra_error) cannot be forged
-    by program output, and a setup failure is never mistaken for a wrong answer.
-As a non-root user bwrap makes its own user namespace (``--unshare-user``); the caller is already
-unprivileged, so RLIMIT_NPROC applies. `isolation="weak"` (explicit opt-in, only used when bwrap is
-missing) is util-linux `unshare` (pid/net/ipc/uts/mount namespaces) + rlimits: no filesystem view, and
-as root no process-count bound.
+``bwrap -> setpriv -> sh (rlimits, the "started" byte) -> program``, or unshare for `isolation="weak"`; the seccomp
+filter, the uid slots and each sandbox's storage. The isolation they give, and why: docs/sandbox.md.
 """
 from __future__ import annotations
 
@@ -54,8 +32,7 @@ def find_bwrap() -> str | None:
 
 
 def sandbox_python() -> str:
-    """The interpreter that runs Python programs inside the sandbox (env POSTTRAIN_SANDBOX_PYTHON or
-    the current interpreter, i.e. the project venv's python, which can ``import numpy``)."""
+    """The interpreter of sandboxed Python programs: env POSTTRAIN_SANDBOX_PYTHON, else this one (it has numpy)."""
     return os.environ.get("POSTTRAIN_SANDBOX_PYTHON", sys.executable)
 
 
@@ -132,13 +109,8 @@ def _static_bwrap_args(bwrap: str, python: str, network: bool, root: bool, disk_
 
 
 # ----------------------------------------------------------------------------- seccomp
-# System V shared memory and message queues hold RAM that no rlimit counts and that outlives the
-# process that made it (until the sandbox's IPC namespace dies), so the sandbox may not create them
-# (shmget, msgget fail with EPERM). System V semaphores and POSIX message queues outlive it the same way
-# and keyrings (add_key, request_key, keyctl) outlive even the sandbox (a slot uid's user keyring in the
-# holder's namespace): state one program could leave for the next (a persistent worker's next task, the
-# next sandbox on the same uid), so they are denied too. Syscalls of any other ABI (x32, 32-bit compat)
-# fail the same way.
+# Denied (EPERM): calls that make state outliving the program (System V IPC, POSIX mqueues, keyrings) and any
+# syscall of another ABI (x32, 32-bit compat); why: docs/sandbox.md.
 _SECCOMP_ARCH = {"x86_64": (0xC000003E, {"shmget": 29, "msgget": 68, "semget": 64, "mq_open": 240, "add_key": 248,
                                          "request_key": 249, "keyctl": 250}, 0x40000000),  # AUDIT_ARCH_X86_64, x32
                  "aarch64": (0xC00000B7, {"shmget": 194, "msgget": 186, "semget": 190, "mq_open": 180, "add_key": 217,
@@ -148,8 +120,7 @@ _RET_ALLOW, _RET_EPERM = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOM
 
 
 def seccomp_program(machine: str | None = None) -> bytes | None:
-    """Classic-BPF seccomp filter (struct sock_filter array, linux/filter.h) for bwrap ``--seccomp``
-    that denies the calls above; None on an architecture without a table here (no filter)."""
+    """bwrap ``--seccomp`` filter (classic BPF, linux/filter.h) denying the calls above; None on an unlisted arch."""
     import platform
     import struct
 
@@ -205,11 +176,10 @@ def _ulimit_script(limits, stdin_fd: int | None) -> str:
 
 
 def prepare_storage(host_dir: str, inner_uid: int, disk_bytes: int) -> tuple[str, str | None]:
-    """Give sandbox dir `host_dir` its storage: (working dir as the host reads and writes it, root of
-    the capped fs or None). As root with bubblewrap, a tmpfs of `disk_bytes` in the holder's mount
-    namespace (`Holder.mount_tmpfs`); otherwise `host_dir` itself (no total cap: non-root runs cap
-    /tmp and /dev/shm at disk_bytes each; without bwrap only RLIMIT_FSIZE applies). Raises OSError or
-    RuntimeError when the holder cannot mount.
+    """Give sandbox dir `host_dir` its storage: (working dir as the host sees it, root of the capped fs or None).
+
+    As root with bubblewrap, a tmpfs of `disk_bytes` in the holder's mount namespace; otherwise `host_dir` itself (no
+    total cap). Raises OSError or RuntimeError when the holder cannot mount.
     """
     if os.geteuid() != 0 or find_bwrap() is None:
         return host_dir, None
@@ -221,10 +191,8 @@ def prepare_storage(host_dir: str, inner_uid: int, disk_bytes: int) -> tuple[str
 def disk_full(fs_root: str | None) -> bool:
     """Whether the sandbox's capped fs (cwd + /tmp + /dev/shm) has (almost) no space or inodes left.
 
-    Read after the run, so a program that filled the fs and freed it on the way out (Python's
-    resource_tracker unlinks leaked /dev/shm segments) is not seen here; touching a tmpfs-backed mapping
-    past the cap raises SIGBUS, which `envs.sandbox.run` therefore also counts as a disk limit when the fs
-    is capped."""
+    Read after the run, so it misses a program that filled the fs and freed it on exit; `run` counts SIGBUS too.
+    """
     if fs_root is None:
         return False
     try:
@@ -241,13 +209,11 @@ def fs_is_full(free_bytes: int, free_inodes: int) -> bool:
 
 def build_argv(program: list[str], limits, *, host_dir: str, work_dir: str, inner_uid: int, stdin_fd: int | None,
                isolation: str, holder_fs: bool, seccomp: int | None = None) -> tuple[list[str], list[int]]:
-    """(argv, fds to pass) running `program` in sandbox dir `host_dir` with `prepare_storage`'s working
-    dir `work_dir` (seen inside as SANDBOX_CWD); `holder_fs`: whether host_dir has the holder's tmpfs;
-    `seccomp`: fd from `seccomp_fd` (bubblewrap only).
+    """(argv, fds to pass) running `program` in sandbox dir `host_dir`, whose `work_dir` is seen as SANDBOX_CWD.
 
-    The command must be started with the write end of the "started" pipe as its stdin (fd 0).
-    Raises RuntimeError when the requested isolation is unavailable (one message naming what is
-    missing and how to install it).
+    Start the command with the write end of the "started" pipe as its stdin (fd 0). `holder_fs`: whether host_dir has
+    the holder's tmpfs; `seccomp`: an fd from `seccomp_fd`. Raises RuntimeError when the isolation is unavailable (one
+    message naming what is missing and how to install it).
     """
     pass_fds = [] if stdin_fd is None else [stdin_fd]
     script = _ulimit_script(limits, stdin_fd)
@@ -264,10 +230,11 @@ def build_argv(program: list[str], limits, *, host_dir: str, work_dir: str, inne
 
 def bwrap_prefix(network: bool, disk_mb: int, *, host_dir: str, inner_uid: int, holder_fs: bool,
                  seccomp: int | None = None) -> tuple[list[str], list[int]]:
-    """(argv up to the sandboxed command, fds to pass) of a strict sandbox in `host_dir` (see `build_argv`):
-    bwrap with its namespaces, mounts and environment and, as root, setpriv to inner uid `inner_uid`.
-    Shared by one-shot runs and persistent workers (`envs.sandbox.workers`). Raises RuntimeError when
-    bubblewrap is missing or, as root, `host_dir` has no storage from `prepare_storage`."""
+    """(argv up to the sandboxed command, fds to pass) of a strict sandbox in `host_dir` (see `build_argv`).
+
+    bwrap with its namespaces, mounts and environment and, as root, setpriv to `inner_uid`; shared with the persistent
+    workers. Raises RuntimeError when bubblewrap is missing or, as root, `host_dir` has no `prepare_storage` storage.
+    """
     bwrap = find_bwrap()
     if bwrap is None:
         raise RuntimeError(f"sandbox: bubblewrap (bwrap) is not installed; install it with `{INSTALL_HINT}`")

@@ -1,22 +1,8 @@
 """What of the host a sandbox sees, read-only at its own paths (private helper of `envs.sandbox`; no JAX).
 
-The sandbox's root is bubblewrap's own tmpfs; onto it go the system folders `SYSTEM_DIRS` and the
-interpreter that runs sandboxed Python programs (`interpreter_args`): its base installation (the
-stdlib), its resolved executable, a venv's ``pyvenv.cfg`` and ``bin/python*`` links, and of its
-site-packages only `SANDBOX_PACKAGES` (the base's own packages are hidden under a tmpfs). Each is
-bound at the path it has on the host, whatever that path is under:
-
-  * the interpreter's mounts come after the sandbox's own storage (its /tmp, /dev/shm and cwd), so a
-    venv under /tmp or /dev/shm is bound over it instead of vanishing under it;
-  * the missing parents of a bound path are made on the sandbox's side mode 0755 (`with_parents`), so
-    a host parent the sandbox user could not enter (a 0700 home directory) does not hide it; only the
-    bound path itself must be readable by the sandbox user.
-
-What cannot be shown raises one line naming the path (`check_visible`): a path inside the sandbox's
-working directory `SANDBOX_CWD`; a bound path the sandbox user cannot read (as root the sandbox user
-is an unprivileged uid, so the "other" permission bits count); as root, a path under a host directory
-bubblewrap itself cannot enter (its capabilities in the holder's user namespace, `envs.sandbox.holder`,
-cover only inodes owned by the ids mapped there: host 0 and the slot uids).
+The system folders `SYSTEM_DIRS` and the interpreter (`interpreter_args`: its base installation, executable, a
+venv's links and, of site-packages, only `SANDBOX_PACKAGES`), each bound at its host path; what cannot be shown
+raises one line naming it (`check_visible`). The rules and why: docs/sandbox.md.
 """
 from __future__ import annotations
 
@@ -88,11 +74,11 @@ def _python_mounts(python: str) -> list[str]:
 
 @functools.lru_cache(maxsize=8)
 def interpreter_args(python: str, storage: tuple[str, ...] = ("/tmp", "/dev/shm")) -> tuple[str, ...]:
-    """bwrap args showing interpreter `python` at its host paths, to come after the sandbox's `storage`
-    mounts. Each top folder the mounts land in under a storage mount (/tmp/<x>, /dev/shm/<x>) first gets
-    a fresh read-only tmpfs of its own, so nothing is made in the sandbox's storage (which a `Workspace`
-    keeps across runs) and the program cannot write there. Raises RuntimeError (one line naming the
-    path, `check_visible`) when a part of it cannot be shown to the sandbox user."""
+    """bwrap args showing interpreter `python` at its host paths, to come after the sandbox's `storage` mounts.
+
+    Each top folder they land in under a storage mount first gets a fresh read-only tmpfs, so nothing is made in the
+    sandbox's storage. Raises RuntimeError (`check_visible`) when a part cannot be shown to the sandbox user.
+    """
     args = _python_mounts(python)
     check_visible([args[i + 1] for i, a in enumerate(args) if a == "--ro-bind"])
     dests = [args[i + _ARITY[a] - 1] for i, a in enumerate(args) if a in ("--ro-bind", "--symlink", "--tmpfs")]
@@ -102,9 +88,11 @@ def interpreter_args(python: str, storage: tuple[str, ...] = ("/tmp", "/dev/shm"
 
 
 def with_parents(args: list[str], made: list[str] = ()) -> list[str]:
-    """`args` with ``--perms 0755 --dir`` for every missing ancestor of a mount or symlink target, so
-    the sandbox can traverse them (bwrap would create them mode 0700), except those in `made` (and
-    their ancestors). No ``--perms`` in `args`."""
+    """`args` with ``--perms 0755 --dir`` for every missing ancestor of a mount or symlink target.
+
+    bwrap would make them mode 0700, which the sandbox user cannot traverse. Skips `made` (and their ancestors);
+    `args` holds no ``--perms``.
+    """
     out, i = [], 0
     made = {"/", *SYSTEM_DIRS, *(p for m in made for p in _ancestors_and_self(m))}
     while i < len(args):
@@ -153,8 +141,7 @@ def _refuse(path: str, why: str) -> NoReturn:
 
 
 def check_visible(paths: list[str]) -> None:
-    """Raise RuntimeError (one line naming the path and why) unless every host path in `paths` can be
-    bound read-only at its own path and read there by the sandbox user (see the module docstring)."""
+    """Raise RuntimeError naming the path and why unless each of `paths` can be bound at its path and read inside."""
     root = os.geteuid() == 0
     for path in paths:
         if path == SANDBOX_CWD or path.startswith(SANDBOX_CWD + "/"):

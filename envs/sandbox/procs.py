@@ -1,9 +1,7 @@
-"""Registry of live sandboxes (process trees + temp dirs) and their cleanup (private helper of
-`envs.sandbox`; no JAX).
+"""Registry of live sandboxes (process trees + temp dirs) and their cleanup (private helper of `envs.sandbox`).
 
-Every sandbox process tree and temp dir is registered here while it exists. `kill_all` kills and
-removes all of them; it runs at exit (atexit) and on SIGINT/SIGTERM (handlers chained to the previous
-ones). Processes are addressed through pidfds, so a recycled pid is never signalled.
+`kill_all` kills and removes them all, at exit and on SIGINT/SIGTERM (chained to the previous handlers).
+Processes are addressed through pidfds, so a recycled pid is never signalled.
 """
 from __future__ import annotations
 
@@ -47,8 +45,7 @@ def _kill(fd: int | None) -> None:
 
 
 class Tree:
-    """One sandbox: the bwrap process we started and, once known, its pid-namespace init (bwrap's
-    child). When the init has exited, the kernel has already killed and reaped the whole namespace."""
+    """One sandbox: bwrap and, once known, its pid-namespace init, whose exit takes the whole namespace with it."""
 
     def __init__(self, pid: int) -> None:
         self.pid, self.pidfd, self.init_fd, self.init_pid = pid, os.pidfd_open(pid), None, None
@@ -66,9 +63,10 @@ class Tree:
                     pass
 
     def memory_bytes(self, skip: frozenset[int] = frozenset()) -> int:
-        """Memory of every process in the sandbox: the sum of their proportional set sizes (PSS, from
-        /proc/<pid>/smaps_rollup; shared pages split between their users, so forks are not counted
-        twice), without the processes in `skip` (their children count). 0 before the init is known."""
+        """Bytes of the sandbox's processes but `skip` (their children count): summed PSS, so forks count once.
+
+        From /proc/<pid>/smaps_rollup; 0 before the init is known (`find_init`).
+        """
         total, todo, seen = 0, [self.init_pid] if self.init_pid else [], set()
         while todo:
             pid = todo.pop()
@@ -196,9 +194,10 @@ def make_dir(owner_uid: int) -> str:
 
 
 def remove_tree(path: str) -> None:
-    """Delete a sandbox dir whatever the program left in it (never raises). shutil.rmtree recurses in
-    Python, so a program that nests thousands of dirs would make it raise RecursionError; coreutils
-    `rm` does not recurse on the stack."""
+    """Delete a sandbox dir whatever the program left in it (never raises).
+
+    Falls back to coreutils `rm`: shutil.rmtree recurses in Python and raises RecursionError on deeply nested dirs.
+    """
     try:
         shutil.rmtree(path)
     except FileNotFoundError:
@@ -215,13 +214,11 @@ def remove_dir(path: str) -> None:
 
 
 def find_leaks() -> list[str]:
-    """Descriptions of sandbox processes and temp dirs of this process that are still around.
+    """Descriptions of this process's sandbox processes and temp dirs still around (empty when all is clean).
 
-    Processes: bwrap descendants of this process, and any process running as a sandbox uid
-    (>= UID_BASE) that descends from us or has no bwrap ancestor (orphaned). Dirs:
-    TMP_BASE/posttrain-sbx-<our pid>-*. Empty when everything was cleaned up. A live persistent worker
-    (`envs.sandbox.workers`; a registered tree with `expected` pids) is not a leak: its bwrap, init,
-    server and dir are expected; what its tasks leave behind is a leak.
+    Processes: bwrap descendants, and processes of a sandbox uid (>= UID_BASE) that descend from us or have no bwrap
+    ancestor. Dirs: TMP_BASE/posttrain-sbx-<our pid>-*. A live persistent worker's bwrap, init, server and dir are
+    not leaks; what its tasks leave is.
     """
     import psutil
 

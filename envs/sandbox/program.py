@@ -1,6 +1,7 @@
-"""What a sandbox is asked to run, checked before anything starts: the arguments' types (`check_program`) and
-whether any process could take the program as given (`unrunnable`: text a model wrote with a NUL byte or a lone
-surrogate, a command line over the kernel's limit). `envs.sandbox.run` and `SandboxPool.run` share both."""
+"""What a sandbox is asked to run, checked before anything starts (shared by `envs.sandbox.run` and `SandboxPool.run`).
+
+`check_program`: the arguments' types; `unrunnable`: whether any process could take the program as given.
+"""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -15,8 +16,7 @@ def _python() -> str:
 
 
 def check_program(files_or_code, argv, stdin) -> tuple[Mapping[str, str | bytes], list[str]]:
-    """`run`'s program arguments checked: (files to write, argv). Raises TypeError/ValueError naming the
-    offending value (shared with `envs.sandbox.workers.SandboxPool.run`)."""
+    """`run`'s program arguments checked: (files to write, argv); TypeError/ValueError naming the offending value."""
     if isinstance(files_or_code, str):
         files, argv = {"main.py": files_or_code}, list(argv) if argv is not None else [_python(), "main.py"]
     elif isinstance(files_or_code, Mapping):
@@ -40,9 +40,11 @@ MAX_ARGV_BYTES = 100_000  # under Linux's 128 KiB limit on one argument (MAX_ARG
 
 
 def unrunnable(files: Mapping[str, str | bytes], argv: Sequence[str], stdin: str | None) -> str | None:
-    """Why a program cannot be started as given (None when it can): text a model wrote that no process can take,
-    i.e. a NUL byte or a lone surrogate in an argument, stdin or a file, or a command line over MAX_ARGV_BYTES.
-    These are the program's faults, not the sandbox's: `run` answers them with `refused`, never infra_error."""
+    """Why no process can take the program as given; None when one can.
+
+    A NUL byte in an argument, a lone surrogate in any text, or a command line over MAX_ARGV_BYTES: the program's
+    fault, not the sandbox's, so `run` answers it with `refused`, never infra_error.
+    """
     for where, text in [*((f"argument {i}", a) for i, a in enumerate(argv)), ("stdin", stdin or ""),
                         *((f"file {p}", c) for p, c in files.items() if isinstance(c, str))]:
         if where.startswith("argument") and "\x00" in text:

@@ -1,13 +1,7 @@
 """Arithmetic-v0: procedurally generated integer arithmetic, the quickstart's default task.
 
-Default: two-digit addition, "What is 59 + 63? Answer with just the number." with a, b in [10, 99].
-
-The task space is every (op, a, b) with a, b in the operand range (``digits`` digits; [0, 9] for 1),
-ordered (59 + 63 and 63 + 59 are distinct tasks). A keyed bijection of the space (`permute`, a Feistel
-network with cycle walking) that does not depend on ``seed`` puts the first ``num_test`` items in the
-"test" split (a fixed held-out set, default 200) and the rest in "train"; the train items are then
-ordered by a second bijection keyed by ``seed``. So train never yields a test item, ``get_task(i)`` is
-deterministic and O(1) for any space size, and ``num_tasks`` is finite.
+Default: two-digit addition. A keyed bijection (`permute`) independent of ``seed`` puts the first ``num_test``
+items of the task space in the fixed "test" split; "train" never yields a test item, and ``get_task(i)`` is O(1).
 """
 from __future__ import annotations
 
@@ -30,12 +24,9 @@ def _mix(x: int, key: int) -> int:
 
 
 def permute(index: int, n: int, key: int) -> int:
-    """Image of `index` under a keyed bijection of [0, n).
+    """Image of `index` under a keyed bijection of [0, n): a 4-round Feistel network with cycle walking.
 
-    A 4-round balanced Feistel network on the smallest even bit width covering n, with cycle walking
-    (re-apply until the value falls below n; it terminates because the network permutes its domain).
-    Raises ValueError when index is outside [0, n).
-    """
+    Raises ValueError when index is outside [0, n)."""
     if not 0 <= index < n:
         raise ValueError(f"permute: index {index} outside [0, {n})")
     half = max(1, ((n - 1).bit_length() + 1) // 2)
@@ -54,17 +45,11 @@ class ArithmeticTasks:
     """`TaskSource` of arithmetic questions for one split.
 
     Args:
-      split: "train" or "test".
-      digits: operand width in decimal digits (>= 1); operands lie in [10**(digits-1), 10**digits - 1],
-        or [0, 9] for digits=1.
-      ops: operations, a non-empty subset of "+", "-", "*".
+      digits: operand width (>= 1): operands in [10**(digits-1), 10**digits - 1], or [0, 9] for digits=1.
       num_test: size of the held-out test split (at most half the task space).
       seed: shuffle key of the train order (the test set does not depend on it).
-      prompt: question template with {a}, {op}, {b} (default `PROMPT`).
-
-    Task dict: ``{"id": "arithmetic-<split>-<i>", "question": PROMPT text, "answer": "122",
-    "operands": [59, 63], "op": "+"}``. Raises ValueError on bad arguments, IndexError on a bad index.
-    """
+      prompt: question template with {a}, {op}, {b}.
+    Raises ValueError on bad arguments, IndexError on a bad index."""
 
     def __init__(self, split: str = "train", *, digits: int = 2, ops: Sequence[str] = ("+",),
                  num_test: int = 200, seed: int = 0, prompt: str = PROMPT) -> None:
@@ -111,11 +96,7 @@ class ArithmeticTasks:
 
 
 class ArithmeticEnv(base.QuestionAnswerEnv):
-    """posttrain/Arithmetic-v0: single-turn; reward 1 when the extracted answer equals a op b.
-
-    Extraction is `verifiers.extract_answer` (####, \\boxed{}, else the last number, so
-    "The answer is 122." scores 1). Arguments are those of `ArithmeticTasks`, plus `self_check`.
-    """
+    """posttrain/Arithmetic-v0: single-turn; reward 1 when `answers.extract_answer` reads a op b."""
 
     def __init__(self, *, split: str = "train", digits: int = 2, ops: Sequence[str] = ("+",),
                  num_test: int = 200, seed: int = 0, self_check: bool = True) -> None:

@@ -1,13 +1,7 @@
 """GSM8K-v0: grade-school math word problems (Cobbe et al. 2021, arXiv:2110.14168).
 
-Tasks come from, in order: a local JSONL file given by ``path`` (the upstream format, one
-``{"question": str, "answer": str}`` per line, the answer ending in ``#### <number>``; a directory holds
-``<split>.jsonl``), else TFDS (``tfds.load("gsm8k")``, needs TensorFlow and the prepared data), else
-HuggingFace ``datasets.load_dataset("openai/gsm8k", "main")``. Nothing here assumes a data location:
-with no path and neither loader available, construction raises FileNotFoundError saying what was tried.
-
-Reward 1 when the answer extracted from the reply (`verifiers.extract_answer`: ``#### N``, else
-``\\boxed{N}``, else the last number) is numerically equivalent to the ``####`` answer.
+Tasks come from ``path`` (JSONL), else TFDS, else HuggingFace ``datasets`` (`load_gsm8k`). Reward 1 when the
+extracted answer is numerically equivalent to the ``####`` answer.
 """
 from __future__ import annotations
 
@@ -22,11 +16,9 @@ INSTRUCTION = ("\n\nSolve the problem step by step. End your reply with the fina
 
 
 def read_jsonl(path: str, split: str) -> list[dict]:
-    """Rows of a GSM8K JSONL file (or ``<path>/<split>.jsonl`` for a directory), with ids added.
+    """Rows ``{"question", "answer": "... #### N"}`` of a JSONL file (or ``<path>/<split>.jsonl``), ids added.
 
-    Raises FileNotFoundError when the file is missing, ValueError on a row that is not JSON or lacks
-    "question"/"answer" (naming the file and line).
-    """
+    Raises FileNotFoundError when the file is missing, ValueError on a row that is not JSON or lacks a key."""
     if os.path.isdir(path):
         path = os.path.join(path, f"{split}.jsonl")
     if not os.path.isfile(path):
@@ -72,11 +64,8 @@ def _load_hf(split: str) -> list[dict]:
 def load_gsm8k(split: str = "test", path: str | None = None, data_dir: str | None = None) -> list[dict]:
     """GSM8K rows ``{"id", "question", "answer"}`` of `split` ("train" or "test").
 
-    Args:
-      path: a JSONL file or a directory with ``<split>.jsonl``; when given, it is the only source.
-      data_dir: TFDS data directory (when `path` is None).
-    Raises ValueError on an unknown split, FileNotFoundError when no source can provide the data.
-    """
+    `path` (a JSONL file or a directory with ``<split>.jsonl``), when given, is the only source; else TFDS (with
+    `data_dir`), then HuggingFace. Raises ValueError on an unknown split, FileNotFoundError when none works."""
     if split not in SPLITS:
         raise ValueError(f"GSM8K: split must be one of {SPLITS}, got {split!r}")
     if path is not None:
@@ -102,13 +91,10 @@ class GSM8KTasks(base.ListTaskSource):
 
 
 class GSM8KEnv(base.QuestionAnswerEnv):
-    """posttrain/GSM8K-v0: single-turn. Observation: the question + `INSTRUCTION`.
+    """posttrain/GSM8K-v0: single-turn; reward 1 when the extracted answer equals N ("$1,234.00" == 1234).
 
-    Task dict: ``{"question": str, "answer": "<solution> #### N", "id"?: str}`` (or a bare "N" answer).
-    Reward 1 when the reply's extracted answer is numerically equivalent to N ("$1,234.00" == 1234).
-    Args: split, path, data_dir as in `load_gsm8k`; max_examples keeps only the first rows (for tests);
-    self_check runs the golden episodes (the reference solution scores 1, gold + 1 scores 0).
-    """
+    Task dict: ``{"question", "answer": "<solution> #### N"}`` (or a bare "N"). Args as `load_gsm8k`;
+    max_examples keeps the first rows."""
 
     instruction = INSTRUCTION
 

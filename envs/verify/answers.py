@@ -1,27 +1,7 @@
-"""Answer extraction and scoring: the one place where a model's answer is read out of its text.
+"""Answer extraction and scoring: the one place where a model's answer is read out of its text (docs/verify.md).
 
-Pure functions, no JAX. Every environment scores through this module (docs/design.md invariant 7), and
-every scoring call is bounded (invariant 14): linear in the response, and the symbolic comparison
-runs in a worker process killed after `timeout_s` (`envs.verify.symbolic`), from any thread.
-
-Before anything else a response is cleaned once (`envs.verify.text`): Unicode numerals become ASCII
-(``−7`` -> ``-7``, ``７`` -> ``7``, ``x²`` -> ``x^{2}``), and a reasoning trace is cut off (the reply
-after the last ``</think>``; `think_tags` sets or disables this per environment).
-
-Extraction (`extract_answer`), in priority order:
-  1. GSM8K final-answer line ``#### <answer>`` (Cobbe et al. 2021, "Training Verifiers to Solve Math
-     Word Problems", arXiv:2110.14168): the LAST ``####`` anywhere in the text, rest of its line.
-  2. ``\\boxed{...}`` / ``\\fbox{...}`` (MATH convention, Hendrycks et al. 2021, arXiv:2103.03874),
-     brace-balanced, the last one wins; a box that is opened but never closed yields None.
-  3. The last number in the text (``-1,234.5`` style), so "The answer is 122." reads 122.
-An extracted answer longer than MAX_ANSWER_CHARS is refused (scores 0) before any comparison.
-
-Equivalence (`compare_answers`): after `normalize_answer` (units from the one list
-`_verify_text.UNITS`), two plain numbers compare as fractions in-process; anything else goes to
-HuggingFace `math-verify` in a worker. Exact answers compare exactly; a relative tolerance (REL_TOL)
-applies only to a decimal approximation of a value no decimal writes exactly.
-
-Malformed model output never raises: it scores 0 with a `reason`.
+Pure, no JAX; every call is bounded (docs/design.md invariants 7 and 14). Malformed model output never raises: it
+scores 0 with a `reason`.
 """
 from __future__ import annotations
 
@@ -52,12 +32,9 @@ _RUN_LIMIT = 4 * MAX_ANSWER_CHARS  # a run of number characters longer than this
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """Outcome of scoring one response.
+    """Outcome of scoring one response: reward 1.0 or 0.0, a status from STATUSES and a short reason.
 
-    reward: 1.0 or 0.0. status: one of STATUSES. extracted: the answer read from the response (None if
-    none could be read). gold: the reference answer. method: how it was read ("hash", "boxed",
-    "last_number", "tests", "none"). reason: a short human-readable explanation.
-    """
+    extracted: the answer read (None if none); method: "hash", "boxed", "last_number", "tests" or "none"."""
 
     reward: float
     status: str
@@ -77,10 +54,7 @@ class Verdict:
 
 
 def extract_hash_answer(text: str) -> str | None:
-    """Rest of the line after the LAST ``####`` anywhere in `text` (GSM8K format), stripped.
-
-    Returns None when there is no ``####`` or the line after it is empty.
-    """
+    """Rest of the line after the LAST ``####`` in `text` (GSM8K format), stripped; None if absent or empty."""
     i = text.rfind("####")
     if i < 0:
         return None
@@ -112,11 +86,9 @@ def _last_box(text: str) -> tuple[str | None, str]:
 
 
 def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` or ``\\fbox{...}`` (brace-balanced), or None.
+    """Content of the last ``\\boxed{...}`` or ``\\fbox{...}``, nested braces kept, or None.
 
-    Nested braces are kept: ``\\boxed{\\frac{1}{3}}`` -> ``\\frac{1}{3}``. If the last box is never closed
-    (``\\boxed{12``, e.g. a truncated generation) or its content is longer than MAX_ANSWER_CHARS, None.
-    """
+    None also when the last box is never closed (a truncated generation) or holds over MAX_ANSWER_CHARS."""
     return _last_box(text)[0]
 
 
@@ -131,9 +103,7 @@ def _last_run(text: str, run_re: re.Pattern) -> tuple[int, int]:
 def last_number(text: str) -> str | None:
     """The last number in `text` (optional sign, thousands commas, decimals), or None.
 
-    Same result as the last match of the number regex over the whole text, found from the end: only the
-    final run of number characters is read (a run longer than 4 * MAX_ANSWER_CHARS is returned whole).
-    """
+    Only the final run of number characters is read; a run over 4 * MAX_ANSWER_CHARS is returned whole."""
     start, end = _last_run(text, _NUMBER_RUN_RE)
     if start < 0:
         return None
@@ -144,13 +114,9 @@ def last_number(text: str) -> str | None:
 
 
 def last_integer(text: str) -> int | None:
-    """The last run of digits (with an optional leading ``-``) in `text` as an int, or None.
+    """The last match of ``-?\\d+`` in `text` as an int ("1,234" reads 234), or None; the quickstart's held-out rule.
 
-    This is the quickstart's held-out rule ("the last integer in the reply", regex ``-?\\d+``), the same
-    rule as the TRL peer in PLATFORM-NOTES.md; "1,234" reads 234 and "12.5" reads 5 under it. Unicode
-    numerals are read after `normalize_unicode` ("−4" is -4). Runs over 4300 digits (Python's int
-    conversion limit) read None.
-    """
+    Read after `normalize_unicode`; a run over 4300 digits (Python's int conversion limit) reads None."""
     if not isinstance(text, str):
         return None
     text = normalize_unicode(text)
@@ -162,17 +128,10 @@ def last_integer(text: str) -> int | None:
 
 def extract_answer(text: str, methods: tuple[str, ...] = METHODS,
                    think_tags: tuple[str, str] | None = THINK_TAGS) -> tuple[str | None, str, str]:
-    """Read the final answer out of a model response.
+    """(answer, method, reason) read out of a response after `normalize_unicode` and `strip_reasoning`.
 
-    The text is first cleaned: `normalize_unicode`, then `strip_reasoning(text, think_tags)` (only the
-    reply after the last ``</think>`` counts; None keeps the whole text).
-    `methods` restricts the rules tried (a subset of METHODS, always applied in METHODS order):
-    "hash" (``####`` line), "boxed" (``\\boxed{}``/``\\fbox{}``), "last_number". The first rule whose
-    marker is present decides, even when its content is unreadable (an unclosed box reads None).
-    Returns (answer, method, reason): answer is None (with a reason) when nothing can be read.
-    Never raises on odd text; non-str input reads as nothing. Raises ValueError on an unknown method
-    name or malformed `think_tags`.
-    """
+    `methods` (a subset of METHODS, tried in METHODS order) restricts the rules; the first whose marker is present
+    decides, even when unreadable (answer None, with a reason). Raises ValueError on bad `methods`/`think_tags` only."""
     if not set(methods) <= set(METHODS):
         raise ValueError(f"extract_answer: methods must be a subset of {METHODS}, got {methods}")
     if not isinstance(text, str) or not text.strip():
@@ -194,9 +153,9 @@ def extract_answer(text: str, methods: tuple[str, ...] = METHODS,
 
 
 def gold_answer(solution: str) -> str:
-    """The reference answer of a task: the ``####`` line of a GSM8K solution, else the whole string
-    (after `normalize_unicode`). Raises ValueError when `solution` is empty or has an empty ``####`` line.
-    """
+    """The reference answer of a task: the ``####`` line of a GSM8K solution, else the whole string.
+
+    Raises ValueError when `solution` is empty or has an empty ``####`` line."""
     if not isinstance(solution, str) or not solution.strip():
         raise ValueError(f"gold solution must be a non-empty str, got {solution!r}")
     solution = normalize_unicode(solution)
@@ -213,13 +172,9 @@ def gold_answer(solution: str) -> str:
 
 
 def compare_answers(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[bool | None, str]:
-    """(equal, reason) for answer `pred` against reference `gold` (both already extracted).
+    """(equal, reason) for answer `pred` against reference `gold`, both already extracted.
 
-    equal is None when the symbolic comparison ran out of `timeout_s` seconds (reason starts with
-    "timeout:") or no verifier worker could start (reason starts with "infra:"). Plain numbers and
-    simple fractions compare in-process; `pred` longer than MAX_ANSWER_CHARS is refused (False).
-    Raises ValueError on a non-positive timeout; never raises on odd answer text.
-    """
+    equal is None on a timeout or infra failure ("timeout: ..." / "infra: ..."); raises only on a bad `timeout_s`."""
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     if not isinstance(pred, str) or not isinstance(gold, str):
@@ -238,25 +193,17 @@ def compare_answers(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) 
 
 
 def answers_equivalent(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
-    """Whether answer `pred` equals reference `gold` (`compare_answers`; a timeout counts as not equal).
-
-    "0.5" == "\\frac{1}{2}", "$1,234.00" == "1234", "2^{10}" == "1024", "E" == "E"; "3x" != "3",
-    "\\frac{1}{2^{98}}" != "\\frac{1}{2^{99}}". Returns within `timeout_s` (+ a worker's start-up
-    when none is warm) from any thread. Never raises on odd text.
-    """
+    """Whether `pred` equals `gold` by `compare_answers` ("0.5" == "\\frac{1}{2}"); a timeout counts as not equal."""
     return compare_answers(pred, gold, timeout_s)[0] is True
 
 
 def score_math(response: str, gold: str, methods: tuple[str, ...] = METHODS, *,
                think_tags: tuple[str, str] | None = THINK_TAGS, timeout_s: float = DEFAULT_TIMEOUT_S) -> Verdict:
-    """Score a free-form math response against reference answer `gold` (already extracted), reading
-    the answer with `extract_answer(response, methods, think_tags)`.
+    """Score a free-form math response against the extracted reference answer `gold`.
 
-    Returns a Verdict with reward 1.0 / status "ok" when the extracted answer is equivalent, else
-    reward 0.0 with status "wrong" (and a reason), "timeout" (the symbolic comparison took over
-    `timeout_s` s) or "infra_error" (no verifier worker). Never raises on malformed `response`; raises
-    ValueError on unknown `methods`, malformed `think_tags` or a non-positive `timeout_s`.
-    """
+    Reward 1.0, status "ok" when `extract_answer(response, methods, think_tags)` is equivalent; else 0.0 with
+    status "wrong", "timeout" or "infra_error" and a reason. Never raises on a malformed `response`; raises
+    ValueError on unknown `methods`, malformed `think_tags` or a non-positive `timeout_s`."""
     if not set(methods) <= set(METHODS):
         raise ValueError(f"score_math: methods must be a subset of {METHODS}, got {methods}")
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
@@ -282,14 +229,9 @@ def score_math(response: str, gold: str, methods: tuple[str, ...] = METHODS, *,
 
 
 def score_unit_tests(result: Any) -> Verdict:
-    """Turn a sandbox result (`envs.sandbox.SandboxResult`, duck-typed: status, returncode, stdout,
-    stderr, reason) of running a program plus its unit tests into a Verdict.
+    """A Verdict from the sandbox result (duck-typed `envs.sandbox.SandboxResult`) of a program and its tests.
 
-    Passing (status "ok", returncode 0) -> reward 1, "ok". A failed assertion -> "wrong". Other sandbox
-    statuses pass through (runtime_error, timeout, memory_limit, output_limit, infra_error), reward 0.
-    Exit 0 is all it reads: a test program that runs untrusted code in its own interpreter cannot tell an early
-    ``sys.exit(0)`` from a pass (HumanEval judges return values outside the sandbox: `envs.tasks.humaneval_io`).
-    """
+    Exit 0 is all it reads, so an early ``sys.exit(0)`` passes (HumanEval judges outside: `envs.tasks.humaneval_io`)."""
     status = getattr(result, "status", "infra_error")
     if status not in STATUSES or status == "wrong":
         return Verdict(0.0, "infra_error", method="tests", reason=f"unknown sandbox status {status!r}")
@@ -306,12 +248,9 @@ def score_unit_tests(result: Any) -> Verdict:
 
 
 def check_format(text: str, tags: tuple[str, ...] = ("think", "answer")) -> tuple[bool, str]:
-    """Whether `text` is exactly the sequence ``<t1>...</t1> <t2>...</t2> ...`` for `tags`.
+    """(ok, reason): whether `text` is exactly ``<t1>...</t1> <t2>...</t2> ...`` for `tags`, tags paired by name.
 
-    Every ``<x>``/``</x>`` in the text must pair with its own name (a stack; ``<think>...</tool>`` fails),
-    and the top-level elements must be `tags` in order with only whitespace between them.
-    Returns (ok, reason). Never raises on odd input.
-    """
+    Never raises on odd input."""
     if not isinstance(text, str):
         return False, "response is not a str"
     stack: list[str] = []
@@ -341,11 +280,9 @@ def check_format(text: str, tags: tuple[str, ...] = ("think", "answer")) -> tupl
 
 
 def extract_code_blocks(text: str, languages: tuple[str, ...] = ("python", "py")) -> list[str]:
-    """Bodies of the fenced ```<lang> blocks in `text` whose language tag is in `languages` (case-
-    insensitive), in order; an empty-string entry in `languages` also accepts untagged fences.
+    """Bodies of the fenced blocks of `text` whose language tag is in `languages` (case-insensitive), in order.
 
-    An unclosed final fence is ignored (truncated generation). Never raises.
-    """
+    An empty-string entry accepts untagged fences; an unclosed final fence is ignored. Never raises."""
     if not isinstance(text, str):
         return []
     wanted = {lang.lower() for lang in languages}
@@ -357,12 +294,10 @@ def extract_code_blocks(text: str, languages: tuple[str, ...] = ("python", "py")
 
 
 def extract_tag(text: str, tag: str) -> str | None:
-    """Content of the last ``<tag>...</tag>`` in `text` (the last non-overlapping match of
-    ``<tag>(.*?)</tag>``), stripped, or None. Never raises on odd text.
+    """Content of the last ``<tag>...</tag>`` in `text`, stripped, or None. Never raises on odd text.
 
-    Linear in len(text): the text after the last ``</tag>`` is dropped before the regex runs, so no scan
-    starts at an opening tag that is never closed (``"<answer>" * n`` was quadratic: 7 s at 100 KB).
-    """
+    Linear in len(text): the text after the last ``</tag>`` is dropped before the regex runs, so no scan starts at
+    an opening tag that is never closed."""
     if not isinstance(text, str):
         return None
     close = f"</{tag}>"

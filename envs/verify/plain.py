@@ -1,13 +1,6 @@
-"""An exact, typed JSON encoding of plain Python data, for values that cross a sandbox boundary: a program's
-arguments going in and its return values coming out, decoded on the trusted side into builtin objects only (so
-nothing the untrusted side wrote can run code or override a comparison there).
+"""An exact, typed JSON encoding of plain Python data crossing a sandbox boundary (format: docs/verify.md).
 
-Plain data: None, bool, int (any size), float (inf and nan included, bit exact), complex, str, bytes, and
-list / tuple / set / frozenset / dict of plain data, nested at most MAX_DEPTH deep; NumPy scalars encode as the
-builtin number they equal. Each value is a JSON value: a str as itself, None as null, anything else a one-key
-object naming its type: {"b": true}, {"i": "12"}, {"f": "0x1.8p+1"} (float.hex), {"c": [re, im]}, {"y": hex},
-{"l": [...]}, {"t": [...]}, {"s": [...]}, {"fs": [...]}, {"d": [[key, value], ...]}.
-
+Decoding builds builtin objects only, so nothing the untrusted side wrote can run code or override a comparison.
 This module also runs inside the sandbox, as source text: it imports nothing but `json`.
 """
 import json
@@ -17,8 +10,7 @@ _SEQUENCES = {list: "l", tuple: "t", set: "s", frozenset: "fs"}
 
 
 def encode(value, depth=0):
-    """The JSON-able form of `value` (module doc). Raises TypeError naming the type of a value that is not plain
-    data, ValueError past MAX_DEPTH."""
+    """The JSON-able form of `value`; raises TypeError on a value that is not plain data, ValueError past MAX_DEPTH."""
     if depth > MAX_DEPTH:
         raise ValueError(f"nested deeper than {MAX_DEPTH}")
     t = type(value)

@@ -1,20 +1,8 @@
 """Symbolic answer comparison in persistent worker processes, bounded in time from any thread.
 
-math-verify's own timeout is a SIGALRM, which only works on the main thread; sympy cannot be
-interrupted from another thread. So the symbolic work runs here, in worker processes that import
-math-verify once and then answer one request at a time over a pipe (JSON lines). A caller that waits
-longer than its `timeout_s` kills the worker (SIGKILL) and gets a timeout; a replacement starts in
-the background, so the next call finds a warm worker. Starting a process per call would cost the
-~1 s import of sympy each time.
-
-`symbolic_equal` (what a worker computes) is a pure function and runs in-process in tests.
-
-Equality rule: exact answers (integers, rationals, radicals, symbolic constants)
-compare exactly; a relative tolerance `REL_TOL` applies only when one side is a decimal approximation
-(a sympy Float) of a value no decimal can write exactly (1/3, sqrt 2, pi). math-verify's numeric
-path rounds to 6 places or chops below 1e-15 (``1/2^98 == 1/2^99``); it is used here only for what is
-not a number or a tuple/set of numbers (expressions in variables, equations, intervals), with
-`NUMERIC_DIGITS` digits so nothing small is chopped.
+math-verify's own timeout (SIGALRM) works only on the main thread, so warm workers answer one request at a time;
+a caller that waits past its `timeout_s` kills its worker and a replacement starts in the background.
+`symbolic_equal` runs in-process in tests. Why workers, and the equality rule: docs/verify.md.
 """
 from __future__ import annotations
 
@@ -48,11 +36,9 @@ def _terminating(x) -> bool:
 def numbers_equal(a, b) -> bool:
     """Equality of two sympy numbers (no free symbols): exact unless a side holds a Float.
 
-    With a Float on one side and an exact rational with a terminating decimal on the other, the
-    Float must match to its own precision (1e-12 relative): "1234567.5" != 1234567. With a
-    non-terminating exact side (1/3, sqrt(2), pi) or Floats on both sides: |a - b| <= REL_TOL * max(|a|, |b|).
-    Exact both sides: a - b simplifies to 0 or is below 10^-(NUMERIC_DIGITS - 10) relative.
-    """
+    A Float against an exact terminating decimal must match to 1e-12 relative ("1234567.5" != 1234567); against a
+    non-terminating value (1/3, sqrt(2), pi) or another Float, to REL_TOL relative. Two exact sides: a - b
+    simplifies to 0 or is below 10^-(NUMERIC_DIGITS - 10) relative."""
     import sympy
 
     a, b = sympy.sympify(a).doit(), sympy.sympify(b).doit()
@@ -112,9 +98,8 @@ def _structures_equal(g, p) -> bool | None:
 
 
 def _extraction_config() -> list:
-    """math-verify's default LaTeX + plain-expression extraction, with its unit stripping turned off:
-    it deletes single letters such as m, s, h, l ("5m" == 5), which can be variables. Units are
-    stripped before, from the one list `envs.verify.text.UNITS`."""
+    """math-verify's default extraction without its unit stripping, which deletes single letters ("5m" == 5) that
+    can be variables; units are stripped before, from `envs.verify.text.UNITS`."""
     from latex2sympy2_extended.math_normalization import NormalizationConfig
     from math_verify import ExprExtractionConfig, LatexExtractionConfig
 
@@ -124,10 +109,9 @@ def _extraction_config() -> list:
 
 
 def symbolic_equal(pred: str, gold: str) -> bool:
-    """Whether LaTeX answers `pred` and `gold` are equal, by math-verify parsing (HuggingFace
-    math-verify, latex2sympy2) and the rule in the module docstring. Unbounded in time: call it
-    through `WorkerPool.compare` outside tests. A parse failure is "not equal".
-    """
+    """Whether LaTeX answers `pred` and `gold` are equal (HuggingFace math-verify parsing, rule in docs/verify.md).
+
+    Unbounded in time: call it through `WorkerPool.compare` outside tests. A parse failure is "not equal"."""
     import math_verify
 
     gold_parsed = math_verify.parse(f"${gold}$", _extraction_config(), parsing_timeout=None)
@@ -145,10 +129,7 @@ def symbolic_equal(pred: str, gold: str) -> bool:
 
 # ---------------------------------------------------------------------------------- worker side
 def _worker_main() -> None:
-    """Loop: read {"p": pred, "g": gold} lines from stdin, write {"eq": bool, "err": str} lines.
-
-    Leaves when stdin closes or the parent process is gone (checked every second, also while busy).
-    """
+    """Answer {"p": pred, "g": gold} lines from stdin with {"eq", "err"} lines; exit when stdin or the parent goes."""
     import logging
 
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
@@ -258,11 +239,10 @@ class WorkerPool:
         return worker
 
     def compare(self, pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[bool | None, str]:
-        """(equal, reason) from a worker: equal is None when the comparison took longer than
-        `timeout_s` seconds (the worker is killed, reason "timeout: ..."), or no worker was free or
-        could start within START_TIMEOUT_S, or the worker died or answered garbage (reason "infra: ...").
-        So a call returns within START_TIMEOUT_S + timeout_s. Raises ValueError on a non-positive timeout.
-        """
+        """(equal, reason) from a worker, within START_TIMEOUT_S + `timeout_s` seconds.
+
+        equal is None after `timeout_s` (the worker is killed; reason "timeout: ...") or when no worker was free or
+        started, or it died or answered garbage ("infra: ..."). Raises ValueError on a non-positive timeout."""
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"verifier timeout_s must be a positive number, got {timeout_s!r}")
         worker = self._acquire(time.monotonic() + START_TIMEOUT_S)

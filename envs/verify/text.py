@@ -1,11 +1,7 @@
-"""Text clean-up before answer extraction (private helper of `envs.verify.answers`; pure, no JAX).
+"""Text clean-up before answer extraction (helper of `envs.verify.answers`; pure, each function linear in its input).
 
-Three things, each linear in the length of its input:
-  * `normalize_unicode`: numerals written with Unicode signs, digits or spaces become ASCII once,
-    before extraction and comparison (stdlib `unicodedata`, NFKC plus the few mappings NFKC lacks).
-  * `strip_reasoning`: the part of a reasoning model's reply after its last closing think tag.
-  * `strip_unit`: a trailing unit from the one documented list `UNITS`; single letters are never
-    units, so a variable, a constant or the imaginary unit is never deleted (``3x``, ``7i``, ``2e``).
+`normalize_unicode` makes numerals ASCII, `strip_reasoning` cuts off a reasoning trace and `strip_unit` drops a
+trailing unit from the one list `UNITS` (never a single letter: ``3x``, ``7i``, ``2e`` keep theirs).
 """
 from __future__ import annotations
 
@@ -59,15 +55,10 @@ def _supsub_fraction(m: re.Match) -> str:
 
 
 def normalize_unicode(text: str) -> str:
-    """`text` with numerals in ASCII: minus signs -> ``-``; digits of any script (full-width ``７``,
-    Arabic-Indic, ...) -> ``0-9``; superscripts -> ``^{...}`` (``10⁻³`` -> ``10^{-3}``), subscripts ->
-    ``_{...}``; one-character fractions and superscript/subscript ones -> ``\\frac{a}{b}`` (``3½`` ->
-    ``3+\\frac{1}{2}``, ``¹⁄₁₆`` -> ``\\frac{1}{16}``); thin, narrow
-    or no-break spaces between digit groups removed (``1 234`` -> ``1234``), other Unicode spaces ->
-    ``" "``; zero-width and bidi marks removed; then NFKC (Unicode TR15) for everything else.
+    """`text` with numerals in ASCII (NFKC, Unicode TR15, plus the mappings NFKC lacks).
 
-    Linear in len(text). Raises TypeError on a non-str.
-    """
+    Minus signs -> ``-``, any script's digits -> ``0-9``, superscripts -> ``^{...}``, fractions -> ``\\frac{a}{b}``
+    (``3½`` -> ``3+\\frac{1}{2}``), digit-group spaces and invisible marks removed. TypeError on a non-str."""
     if not isinstance(text, str):
         raise TypeError(f"normalize_unicode: text must be a str, got {type(text).__name__}")
     if text.isascii():
@@ -103,11 +94,10 @@ THINK_TAGS = ("<think>", "</think>")  # default (open, close) tags of a reasonin
 
 
 def strip_reasoning(text: str, tags: tuple[str, str] | None = THINK_TAGS) -> str:
-    """The reply after its last closing think tag (``tags[1]``), so numbers inside the trace are
-    never read as the answer. A reply that opens ``tags[0]`` and never closes it (cut off while
-    thinking) has no answer part: returns "". A reply without tags is returned as is; `tags=None`
-    turns this off. Linear in len(text). Raises ValueError on malformed `tags`.
-    """
+    """The reply after its last closing think tag (``tags[1]``), so numbers in the trace are never the answer.
+
+    A reply that opens ``tags[0]`` and never closes it gives ""; one without tags is returned as is; `tags=None`
+    turns this off. Raises ValueError on malformed `tags`."""
     if tags is None:
         return text
     if (not isinstance(tags, tuple) or len(tags) != 2 or not all(isinstance(t, str) and t for t in tags)):
@@ -119,9 +109,8 @@ def strip_reasoning(text: str, tags: tuple[str, str] | None = THINK_TAGS) -> str
 
 
 # ------------------------------------------------------------------------------------ units
-# The one list of units removed from the end of an answer (after a number or expression). Sources: the
-# units GSM8K solutions and MATH answers write (currency, percent, length, mass, time, volume, speed,
-# angle, area). No single letters (m, g, s, h, l, i, e ...): those are variables or constants.
+# The one list of units stripped from the end of an answer (those GSM8K solutions and MATH answers write). No
+# single letters (m, g, s, h, l, i, e ...): those are variables or constants.
 UNITS = (
     "%", "percent", "percentage points", "dollars", "dollar", "cents", "cent", "euros", "euro", "pounds", "pound",
     "mm", "cm", "km", "meters", "meter", "metres", "metre", "inches", "inch", "in.", "feet", "foot", "ft",
@@ -141,13 +130,10 @@ _UNIT_WINDOW = 48  # longest unit with its \text{...} wrapper and spacing, in ch
 
 
 def strip_unit(answer: str) -> str:
-    """`answer` without one trailing unit from `UNITS` (plain, ``\\%``, or wrapped in ``\\text{}``,
-    ``\\mbox{}``, ``\\mathrm{}``, with an optional ``^2`` / ``^3`` after the wrapper: ``6\\text{ cm}^2``), when
-    something remains before it: ``42 dollars`` -> ``42``,
-    ``5\\text{ cm}`` -> ``5``, ``50\\%`` -> ``50``, ``30^\\circ`` -> ``30``; ``3x``, ``7i``, ``2\\pi``
-    and ``dollars`` stay as they are. A unit glued to letters (``3xcm``) is not stripped.
-    Looks only at the last `_UNIT_WINDOW` chars, so the cost does not grow with len(answer).
-    """
+    """`answer` without one trailing unit from `UNITS`, when something remains before it.
+
+    ``42 dollars`` -> ``42``, ``6\\text{ cm}^2`` -> ``6``, ``30^\\circ`` -> ``30``; ``3x``, ``dollars``, ``3xcm`` stay.
+    Reads only the last `_UNIT_WINDOW` chars, so the cost does not grow with len(answer)."""
     tail = answer[-_UNIT_WINDOW:]
     m = _UNIT_TAIL_RE.search(tail)
     if m is None:
@@ -160,13 +146,10 @@ def strip_unit(answer: str) -> str:
 
 # ------------------------------------------------------------------------------------ answers
 def normalize_answer(answer: str) -> str:
-    """Canonical text of an answer: Unicode numerals in ASCII, math delimiters and ``$`` dropped,
-    thousands commas removed, one trailing unit from `UNITS` (``42 dollars``, ``5 km/h``,
-    ``5\\text{ cm}``, ``50%``) and ``.0`` removed, trailing period and markdown ``**``/backticks dropped.
-    Letters that are not a listed unit stay (``3x``, ``7i``). Linear in len(answer).
+    """Canonical text of an answer: "$1,234.00" -> "1234", "42 dollars" -> "42", "\\frac{1}{2}" as is.
 
-    "$1,234.00" -> "1234"; "42 dollars" -> "42"; "\\frac{1}{2}" is left as is.
-    """
+    Numerals made ASCII; math delimiters, ``$``, thousands commas, one unit (`strip_unit`), ``.0``, a trailing
+    period and markdown ``**``/backticks dropped; other letters stay (``3x``). Linear in len(answer)."""
     s = normalize_unicode(answer).strip().strip("*`").strip()  # markdown emphasis / code: "**18**"
     for left, right in (("\\(", "\\)"), ("\\[", "\\]")):
         if s.startswith(left) and s.endswith(right):
@@ -217,12 +200,10 @@ _TOWER_RE = re.compile(r"\^\s*\{\s*[-+(]*\s*\d[\d.]*\s*\)?\s*\}?\s*\^|\^\s*\d[\d
 
 
 def too_costly(expr: str) -> bool:
-    """Whether symbolic evaluation of `expr` is refused up front (a cheap screen before the worker's
-    time bound, so runaway answers rarely cost a worker): longer than MAX_SYMBOLIC_CHARS, a numeric
-    power tower (a number raised to a power inside an exponent, or chained: ``9^{9^{9^9}}``, ``2^3^4``,
-    ``2**2**40``), an exponent of 4+ digits, or a factorial of anything but a literal of at most 3
-    digits. Separate powers, powers of brackets and symbolic towers are fine (``x^2+y^2``, ``(x+1)^2``,
-    ``e^{x^2}``, ``2^{n^2}``); whatever passes is still bounded by the worker's time limit."""
+    """Whether symbolic evaluation of `expr` is refused up front, so runaway answers rarely cost a worker.
+
+    Refused: over MAX_SYMBOLIC_CHARS, a numeric power tower (``2^3^4``), a 4+ digit exponent, a factorial of
+    anything but a literal < 1000."""
     if len(expr) > MAX_SYMBOLIC_CHARS or _TOWER_RE.search(expr):
         return True
     if re.search(r"\^\s*\{?\s*[-+]?\d{4,}", expr):

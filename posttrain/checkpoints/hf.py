@@ -1,21 +1,6 @@
-"""Hugging Face checkpoints <-> posttrain parameters (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3).
+"""Hugging Face tensors <-> posttrain parameters: one bidirectional table per family (docs/checkpoint_formats.md).
 
-Format: a directory with `config.json` and `model.safetensors` or sharded `model-XXXXX-of-YYYYY.safetensors` plus
-`model.safetensors.index.json` (https://huggingface.co/docs/safetensors). HF linear weights are [out, in]; ours
-are einsum-shaped ([in, heads, head_dim] etc., see `posttrain.model.layers`).
-
-This module holds the name / layout mapping in both directions, and nothing else: one bidirectional table per family
-(`Rule`s from `layer_table` / `top_table`, laid out by `block_layout`) drives import (`hf_to_arrays`, read lazily
-per shard through `Lazy`) *and* export (`arrays_to_hf`), so the two cannot drift apart. Reading files and placing
-parameters is `posttrain.checkpoints.load`, writing them `posttrain.checkpoints.export` / `peft`; load and export
-take the table from here and never import each other.
-DeepSeek stores its rotary dims interleaved (x0, x1), (x2, x3)... when config.json has `rope_interleave: true`
-(transformers' default); we permute those rows to the half-split layout on import (and back on export): q.k is
-unchanged when both sides get the same permutation. With `rope_interleave: false` the rows are already half-split.
-config.json itself is read and written by `posttrain.checkpoints.hf_config`.
-
-A tensor in the file that no rule reads is an error (`check_unused`), except the ones real checkpoints carry and
-transformers does not use either (`UNUSED_OK`).
+Families: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3. Reading files is `load`, writing `export`.
 """
 from __future__ import annotations
 
@@ -30,8 +15,7 @@ from posttrain.model.config import ModelConfig
 
 # ------------------------------------------------------------------------------------------- tensor table
 class Rule(NamedTuple):
-    """ours: param paths inside a block; hf: tensor names inside `model.layers.{i}.`;
-    to_ours(list of hf arrays) -> list of our arrays; to_hf(list of our arrays) -> list of hf arrays."""
+    """Param paths inside a block (`ours`) <-> tensor names inside `model.layers.{i}.` (`hf`), with the converters."""
 
     ours: tuple[str, ...]
     hf: tuple[str, ...]
@@ -143,15 +127,13 @@ def block_layout(cfg: ModelConfig):
     return out
 
 
-# Tensors real checkpoints carry that transformers does not load either: rotary caches of older Llama/Mistral
-# exports, and DeepSeek-V3's multi-token-prediction layers (indices >= num_hidden_layers, `num_nextn_predict_layers`
-# of them). Anything else unread is an error: a silently dropped tensor changes the model.
+# Tensors transformers does not load either (rotary caches of older Llama / Mistral exports; DeepSeek-V3's MTP
+# layers: `check_unused`'s mtp_layers). Anything else unread is an error: a silently dropped tensor changes the model.
 UNUSED_OK = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"model\.rotary_emb\.inv_freq")
 
 
 def check_unused(names: Iterable[str], used: set[str], num_layers: int, mtp_layers: int = 0) -> None:
-    """Raises ValueError naming the tensors in `names` that are neither in `used` nor allowed by `UNUSED_OK`
-    (MTP layers: `model.layers.{i}.*` for num_layers <= i < num_layers + mtp_layers)."""
+    """Raises ValueError naming the tensors neither `used`, allowed by `UNUSED_OK` nor of the `mtp_layers`."""
     def allowed(n):
         m = re.match(r"model\.layers\.(\d+)\.", n)
         if m and num_layers <= int(m.group(1)) < num_layers + mtp_layers:
@@ -167,9 +149,7 @@ def check_unused(names: Iterable[str], used: set[str], num_layers: int, mtp_laye
 
 # -------------------------------------------------------------------------------- HF tensors <-> our arrays
 class Lazy(NamedTuple):
-    """One parameter, read when placed: `shape` (ours; [L, ...] for stacked blocks) and `read(index)` -> the
-    np.ndarray at `index` (a tuple of slices, as `jax.make_array_from_callback` passes), reading only the layers the
-    index covers, one HF tensor at a time."""
+    """One parameter read when placed: `shape` (ours) and `read(index)` -> the array at a tuple of slices."""
 
     shape: tuple
     read: Callable
@@ -195,16 +175,10 @@ def _read_stacked(tensors, rule, layers, j, index):
 
 def hf_to_arrays(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], expected: Mapping[tuple, tuple], *,
                  rope_interleave: bool = True, used: set | None = None) -> dict:
-    """{our param path tuple: `Lazy`} from HF-named tensors, validated against `expected` (per-layer) shapes.
+    """{our param path tuple: `Lazy`} from HF-named tensors, checked against the `expected` per-layer shapes.
 
-    Names and shapes are checked up front from `tensors.shape(name)` when it has one (headers, nothing read); the
-    tensors themselves are read when `load.place` asks for each parameter (`Lazy.read`), so the host never holds more
-    than one layer's tensor of one parameter plus the shard being placed. A rule with two outputs (DeepSeek's
-    kv_b_proj -> k_b_proj, v_b_proj) reads its tensor once per output.
-    rope_interleave: DeepSeek's config.json `rope_interleave`; used: when given, the names read are added to it.
-    Raises:
-      ValueError: a missing tensor (named) or a shape mismatch (tensor name, expected and found shapes).
-    """
+    Names and shapes are checked up front (from headers when `tensors` has `shape`); `used` collects the names read.
+    Raises ValueError for a missing tensor or a shape mismatch (named)."""
     family = hf_family(cfg)
     used = set() if used is None else used
 

@@ -1,19 +1,6 @@
 """config.json <-> ModelConfig for the supported Hugging Face families, with transformers' defaults.
 
-Source of the fields and defaults: transformers 5.x `models/<family>/configuration_<family>.py` (dataclass
-fields of `LlamaConfig`, `MistralConfig`, `Qwen2Config`, `Qwen3Config`, `Qwen3MoeConfig`, `MixtralConfig`,
-`DeepseekV3Config`), plus the keys of DeepSeek-V3's / Kimi K2's remote-code config.json (`scoring_func`,
-`topk_method`, `moe_layer_freq`, ...). Kimi K2 (`model_type: kimi_k2`) is read with DeepSeek-V3's table. `head_dim` of
-Qwen2 and Qwen3-MoE is not a declared field but their modeling code reads it (`getattr(config, "head_dim", ...)`).
-
-Every field of a family is in `FIELDS[family]` as one of
-  read     mapped into ModelConfig; a key absent from config.json takes transformers' default (`Field.default`).
-  only     we implement only `Field.allowed`; any other value (also transformers' default when the key is
-           absent) raises ValueError naming the key, the value and the supported values.
-  ignored  changes nothing in the forward pass (initialisation, cache switch, token ids, output flags).
-An explicit null is accepted only where transformers gives it a meaning (`Field.nullable`); elsewhere it is an
-error. Keys no table lists are ignored, as transformers ignores them. `quantization_config` is accepted only for
-fp8 block quantisation (DeepSeek-V3 / Kimi K2; `posttrain.checkpoints.fp8`), other methods are refused.
+Each field is read, allowed only with the values we implement, or ignored (`FIELDS`; docs/checkpoint_formats.md).
 """
 from __future__ import annotations
 
@@ -95,7 +82,7 @@ DEFAULT_THETA = {"mixtral": 1e6}  # transformers' `default_theta` class attribut
 
 
 def table_family(model_type: str) -> str:
-    """The FIELDS key for a model_type (kimi_k2 -> deepseek_v3). Raises ValueError for an unsupported one."""
+    """The FIELDS key for a model_type (kimi_k2 -> deepseek_v3); ValueError for an unsupported one."""
     if model_type not in SUPPORTED:
         raise ValueError(f"unsupported architecture model_type={model_type!r}; supported: {SUPPORTED}")
     return "deepseek_v3" if model_type == "kimi_k2" else model_type
@@ -104,10 +91,8 @@ def table_family(model_type: str) -> str:
 def normalized(hf: Mapping) -> dict:
     """config.json with aliases renamed to transformers' field names, checked against `FIELDS`.
 
-    Returns {field: value} for every field of the family (transformers' default where the key is absent), plus
-    `model_type`, the rope keys, `dtype`, and `weight_block_size` ((bO, bI) of an fp8 block-quantised file, else
-    None; `posttrain.checkpoints.fp8.weight_block`). Raises ValueError for an unsupported family or value (naming the key).
-    """
+    Returns {field: value} for every field of the family (defaults for absent keys), plus `model_type`, the rope
+    keys, `dtype` and `weight_block_size` (`fp8.weight_block`). Raises ValueError for an unsupported family or value."""
     family = table_family(hf.get("model_type"))
     table = FIELDS[family]
     hf = dict(hf)
@@ -134,8 +119,7 @@ def normalized(hf: Mapping) -> dict:
 
 
 def file_dtype(hf: Mapping) -> str:
-    """The checkpoint's dtype from config.json (`dtype`, or `torch_dtype` before transformers 5); float32 when
-    neither is given. Raises ValueError naming the key for a dtype posttrain does not load (e.g. float8)."""
+    """The checkpoint's dtype from config.json `dtype` or `torch_dtype` (default float32); ValueError for others."""
     for key in ("dtype", "torch_dtype"):
         value = hf.get(key)
         if value is not None:
@@ -188,11 +172,10 @@ def _check_window(c: Mapping, family: str) -> None:
 
 
 def config_from_hf(hf: Mapping, *, dtype: str | None = None, param_dtype: str | None = None) -> ModelConfig:
-    """ModelConfig from a config.json dict, with transformers' defaults for absent keys (see the module doc).
+    """ModelConfig from a config.json dict, with transformers' defaults for absent keys.
 
-    dtype / param_dtype: compute and storage dtypes; None means the file's dtype (`file_dtype`).
-    Raises ValueError for an unsupported model_type, value (named), or layer pattern.
-    """
+    dtype / param_dtype: compute and storage dtypes (None: `file_dtype`). Raises ValueError for an unsupported
+    model_type, value (named) or layer pattern."""
     c = normalized(hf)
     mt = c["model_type"]
     family = table_family(mt)
@@ -257,10 +240,7 @@ def _check_exportable(m: MoEConfig, mt: str) -> None:
 
 
 def config_to_hf(cfg: ModelConfig, *, dtype: str | None = None, **extra) -> dict:
-    """config.json dict for `cfg` (inverse of `config_from_hf`); every behaviour field is written explicitly.
-
-    dtype: the dtype the tensors are written in (default cfg.param_dtype); extra: more keys (token ids, ...).
-    """
+    """config.json dict for `cfg` (inverse of `config_from_hf`), every behaviour field explicit; `extra`: more keys."""
     mt = hf_family(cfg)
     mt = "deepseek_v3" if mt == "kimi_k2" else mt  # kimi_k2 is remote code: export under the transformers class
     r = cfg.rope

@@ -1,11 +1,6 @@
-"""Load pretrained weights (HF safetensors directory or GGUF file) into a sharded nnx state.
+"""Load pretrained weights (HF safetensors directory or GGUF file) into a sharded nnx state: `load_pretrained`.
 
-`load_pretrained(path, mesh=...)` is the one entry point the CLI, sampler and trainer use. This module holds the
-readers (`SafetensorsDir`, the GGUF path through `posttrain.checkpoints.gguf`) and the placement (`place`); the
-HF name / layout mapping is `posttrain.checkpoints.hf` (`hf_to_arrays`), export is `posttrain.checkpoints.export`.
-Parameters are placed one at a time with `jax.make_array_from_callback`, directly in their final sharding; HF
-tensors are read (and fp8 ones dequantised) inside the callback, one layer at a time for the shard it asks for
-(`hf.Lazy`), so the whole model is never in host memory.
+Readers (`SafetensorsDir`, `gguf`) and placement (`place`, per shard); the tensor mapping is `hf`.
 """
 from __future__ import annotations
 
@@ -41,7 +36,7 @@ class Pretrained(NamedTuple):
 
 # --------------------------------------------------------------------------------------------- reading
 class SafetensorsDir:
-    """Lazy tensor access over `model.safetensors` or an index of shards. Raises ValueError when unreadable."""
+    """Lazy tensor access over a directory's safetensors; FileNotFoundError without any, ValueError if unreadable."""
 
     def __init__(self, path: pathlib.Path):
         from safetensors import safe_open
@@ -100,8 +95,7 @@ class SafetensorsDir:
 
 # --------------------------------------------------------------------------------------------- placing
 def place(cfg: ModelConfig, arrays_fn: Callable[[dict], dict], mesh=None, rules=mesh_lib.RULES, seed: int = 0):
-    """Builds the abstract model, gets {path: np.ndarray or `hf.Lazy`} from `arrays_fn(expected_shapes)`, and places
-    each parameter sharded (an `hf.Lazy` one is read inside `jax.make_array_from_callback`, one shard at a time)."""
+    """Places the parameters `arrays_fn(expected_shapes)` gives ({path: array or `hf.Lazy`}) sharded on `mesh`."""
     import jax.numpy as jnp
 
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
@@ -136,8 +130,7 @@ def place(cfg: ModelConfig, arrays_fn: Callable[[dict], dict], mesh=None, rules=
 
 
 def _tied_head(cfg: ModelConfig, tensors) -> ModelConfig:
-    """transformers' rule for a tied config whose file also holds `lm_head.weight`: equal to the embedding -> tied;
-    different -> untied, the file's head is used (`PreTrainedModel.tie_weights` skips the tie, with a warning)."""
+    """`cfg` untied when the file's `lm_head.weight` differs from the embedding, as transformers' `tie_weights`."""
     if not cfg.tie_embeddings or "lm_head.weight" not in tensors:
         return cfg
     if np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
@@ -149,16 +142,14 @@ def _tied_head(cfg: ModelConfig, tensors) -> ModelConfig:
 
 def load_hf_dir(path, *, mesh=None, rules=mesh_lib.RULES, dtype: str | None = None, param_dtype: str | None = None,
                 **overrides) -> Pretrained:
-    """Loads config.json + safetensors (+ tokenizer files when present) from an HF model directory.
+    """Loads config.json, safetensors (fp8 ones dequantised) and the tokenizer if present from an HF directory.
 
-    dtype / param_dtype: compute and storage dtypes; None (default) means the checkpoint's dtype (config.json
-    `dtype` / `torch_dtype`, float32 when absent). overrides: other ModelConfig fields.
-    FP8 block-quantised files (config.json `quantization_config` fp8 with `weight_block_size`, DeepSeek-V3 /
-    Kimi K2) are dequantised tensor by tensor as they are placed (`posttrain.checkpoints.fp8`); their
-    `*_scale_inv` tensors count as used, and the MTP layers' ones are skipped with the layers.
-    Raises FileNotFoundError (no config.json / safetensors) and ValueError (unsupported config value, missing,
-    misshapen or unused tensor, fp8 weight without its scale or with a misshapen one; each named).
-    """
+    Args:
+      dtype, param_dtype: compute and storage dtypes (None: the checkpoint's, `hf_config.file_dtype`).
+      overrides: other ModelConfig fields.
+    Raises:
+      FileNotFoundError: no config.json or safetensors.
+      ValueError: an unsupported config value, a missing, misshapen or unused tensor, a bad fp8 scale (named)."""
     path = pathlib.Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json (expected an HF model directory or a .gguf file)")
@@ -181,17 +172,14 @@ def load_hf_dir(path, *, mesh=None, rules=mesh_lib.RULES, dtype: str | None = No
 
 
 def gguf_file_dtype(tensor_types: Mapping[str, int]) -> str:
-    """The dtype a GGUF file's weights are stored in: float16 / bfloat16 when every non-F32 tensor is F16 / BF16
-    (norms stay F32 in such files), else float32 (quantized blocks dequantize exactly to float32)."""
+    """float16 / bfloat16 when every non-F32 tensor is F16 / BF16, else float32 (quantized blocks are exact in it)."""
     kinds = set(tensor_types) - {"F32"}
     return {frozenset({"F16"}): "float16", frozenset({"BF16"}): "bfloat16"}.get(frozenset(kinds), "float32")
 
 
 def load_gguf_file(path, *, mesh=None, rules=mesh_lib.RULES, dtype: str | None = None,
                    param_dtype: str | None = None, **overrides) -> Pretrained:
-    """Loads a GGUF file (dequantized through the `gguf` package) and its embedded tokenizer.
-
-    dtype / param_dtype: None (default) means the file's dtype (`gguf_file_dtype`)."""
+    """Loads a GGUF file and its tokenizer; dtype / param_dtype None: the file's (`gguf_file_dtype`)."""
     from posttrain.checkpoints import gguf as gguf_lib
 
     ckpt = gguf_lib.load_gguf(path)
@@ -206,10 +194,10 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json")  # what marks a pos
 
 
 def check_model_path(path) -> None:
-    """Checks, without reading weights, that `path` is a model a run can load: a GGUF file (its magic bytes) or an
-    HF directory whose config.json names a supported model_type. Raises FileNotFoundError when it does not exist,
-    ValueError naming the path and what is allowed otherwise (a posttrain run directory is named as one, with the
-    command that exports its policy as a model)."""
+    """Checks, without reading weights, that `path` is a GGUF file or an HF directory of a supported model_type.
+
+    Raises FileNotFoundError when it does not exist, ValueError naming the path otherwise (a posttrain run directory
+    with the command that exports its policy)."""
     path = pathlib.Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory (a .gguf file or an HF model directory)")
@@ -233,12 +221,10 @@ def check_model_path(path) -> None:
 
 
 def load_pretrained(path=None, **kwargs) -> Pretrained:
-    """A `.gguf` file or an HF directory; None means the default model (SmolLM2-135M-Instruct GGUF).
+    """Loads a `.gguf` file or an HF directory (None: the default SmolLM2-135M-Instruct GGUF).
 
-    kwargs: mesh (parameters are placed sharded on it), rules (the logical-axis rules, default `mesh.RULES`),
-    dtype, param_dtype, and any other ModelConfig field to
-    override (e.g. remat="full", lora=LoRAConfig(rank=16)); LoRA adapters absent from the checkpoint start fresh.
-    """
+    kwargs: mesh, rules (logical-axis rules), dtype, param_dtype and other ModelConfig fields (e.g.
+    lora=LoRAConfig(rank=16): adapters absent from the checkpoint start fresh). Raises as `load_hf_dir`."""
     if path is None:
         from posttrain.checkpoints import gguf as gguf_lib
 

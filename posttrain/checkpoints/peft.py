@@ -1,21 +1,6 @@
-"""LoRA adapters -> a PEFT adapter directory (`peft.PeftModel.from_pretrained(base_model, DIR)` loads it).
+"""LoRA adapters -> a PEFT adapter directory (format and MoE restriction: docs/checkpoint_formats.md).
 
-Format (peft `LoraConfig` / `save_pretrained`, https://huggingface.co/docs/peft):
-  adapter_config.json          {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r", "lora_alpha",
-                               "target_modules": [every adapted module's full name], ...}
-  adapter_model.safetensors    base_model.model.<module>.lora_A.weight [r, in] and .lora_B.weight [out, r]
-PEFT computes y = x W^T + (lora_alpha / r) x A^T B^T, posttrain y = x W + (alpha / r) (x a) b with a [in, r] and
-b [r, out] (`posttrain.model.layers.project`), so A = a^T and B = b^T up to HF's row order. That order (head
-reshapes, DeepSeek's interleaved rotary rows) is read off the same `checkpoints.hf` rule that exports the base
-weight: the rule is applied to an array of flat indices, which gives the permutation of W's input and output
-features in the HF tensor.
-
-MoE families: peft (0.21, `utils/transformers_weight_conversion.py`) rewrites any `gate_proj` / `up_proj` /
-`down_proj` target of a qwen2_moe-style model (Qwen3-MoE, DeepSeek-V3, Mixtral) into the routed experts' fused
-parameters, so adapters on their dense or shared-expert MLPs cannot be expressed: `export_peft` refuses them
-(export merged with `export_hf`, or adapt attention only).
-
-Dimension legend: r adapter rank; I / O flattened input / output features of a projection.
+Shapes: the legend in `posttrain.types`.
 """
 from __future__ import annotations
 
@@ -34,8 +19,7 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def _feature_order(rule, w_shape: tuple[int, ...], n_in: int) -> tuple[np.ndarray, np.ndarray]:
-    """(out_order [O_hf], in_order [I_hf]): HF row o holds our flat output feature out_order[o], HF column i our
-    flat input feature in_order[i], for a weight of our shape `w_shape` whose first dims multiply to `n_in`."""
+    """(out_order, in_order): our flat feature of each HF row and column of a weight of our shape `w_shape`."""
     n_out = math.prod(w_shape) // n_in
     idx = np.arange(math.prod(w_shape), dtype=np.int64).reshape(w_shape)
     hf = rule.to_hf([idx])[0]
@@ -45,10 +29,7 @@ def _feature_order(rule, w_shape: tuple[int, ...], n_in: int) -> tuple[np.ndarra
 
 
 def adapter_tensors(cfg: ModelConfig, arrays: dict[tuple, np.ndarray]) -> dict[str, np.ndarray]:
-    """{PEFT tensor name: array} for every `<name>_lora_a` / `<name>_lora_b` pair in `arrays` (flat param dict).
-
-    Raises ValueError when an adapter's base weight has no single-tensor HF rule (nothing to attach it to).
-    """
+    """{PEFT tensor name: array} of every `*_lora_a` / `*_lora_b` pair; ValueError for a base without an HF tensor."""
     family = hf_lib.hf_family(cfg)
     out = {}
     for stack, first, num, is_moe in hf_lib.block_layout(cfg):
@@ -73,12 +54,10 @@ def adapter_tensors(cfg: ModelConfig, arrays: dict[tuple, np.ndarray]) -> dict[s
 
 def export_peft(cfg: ModelConfig, state, out_dir, *, dtype: str | None = None,
                 base_model: str | None = None) -> pathlib.Path:
-    """Writes the LoRA adapters of `state` (an nnx State of a model built with `cfg.lora`) as a PEFT directory.
+    """Writes the LoRA adapters of `state` as a PEFT directory (base_model: its `base_model_name_or_path`).
 
-    dtype: float32 | bfloat16 | float16 of the written tensors (default cfg.param_dtype); base_model: recorded as
-    `base_model_name_or_path` (e.g. the directory `export_hf` wrote the merged-free base to).
-    Raises ValueError when cfg has no adapters or an adapter cannot be placed (named).
-    """
+    dtype: float32 | bfloat16 | float16 of the tensors (default cfg.param_dtype). Raises ValueError when cfg has no
+    adapters or an adapter cannot be expressed (named)."""
     if cfg.lora is None or not cfg.lora.rank:
         raise ValueError("export_peft: the model config has no LoRA adapters (lora.rank == 0)")
     tensors = adapter_tensors(cfg, flat_arrays(state))

@@ -1,17 +1,6 @@
 """A reward model (`posttrain.model.reward_head.RewardModel`) as a transformers sequence-classification directory.
 
-Written by `export_reward_model`, read by `load_reward_model` (and by `transformers.AutoModelForSequenceClassification`
-and `AutoTokenizer`, offline):
-  config.json          the backbone's config (`hf_config.config_to_hf`) with `architectures` =
-                       [<Family>ForSequenceClassification] (LlamaForSequenceClassification for Llama-family presets),
-                       `num_labels` 1 (`id2label` {0: "LABEL_0"}) and `pad_token_id`: an id that ends no reply (the
-                       tokenizer's pad id unless it is a stop id, then its unk id or 0), so transformers' pooling (the
-                       last token that is not `pad_token_id`) reads the reply's last token, end of turn included, as
-                       posttrain does
-  model.safetensors    the backbone's tensors (`hf.arrays_to_hf`; no `lm_head.weight`) and `score.weight` [1, D]
-  tokenizer files      as `export.save_tokenizer` writes them (when a tokenizer is given), the pad token the one of
-                       `pad_token_id`, so that `AutoTokenizer(..., padding=True)` pads with what the pooling skips
-A posttrain run directory of `posttrain rm` holds one in `reward_model/` (`load_reward_model` accepts either).
+Written by `export_reward_model`, read by `load_reward_model` and transformers; layout: docs/checkpoint_formats.md.
 """
 from __future__ import annotations
 
@@ -33,8 +22,7 @@ _ARCHS = {"llama": "LlamaForSequenceClassification", "mistral": "MistralForSeque
 
 
 def export_pad_id(tokenizer) -> int:
-    """The `pad_token_id` written: the tokenizer's pad id when it is no stop id, else its unk id, else 0 (an id
-    that is not a stop id either). Raises ValueError when every candidate is a stop id."""
+    """The exported `pad_token_id`: the first of pad, unk and 0 that is no stop id; ValueError when none is."""
     stops = set(int(i) for i in tokenizer.stop_ids)
     unk = tokenizer.special_tokens.get("unk_token")
     candidates = [tokenizer.pad_id, None if unk is None else tokenizer.backend.token_to_id(unk), 0]
@@ -46,10 +34,10 @@ def export_pad_id(tokenizer) -> int:
 
 def export_reward_model(cfg: ModelConfig, state, out_dir, *, tokenizer=None, dtype: str | None = None,
                         max_shard_bytes: int = 4 << 30) -> pathlib.Path:
-    """Writes the directory of the module docstring for the backbone config `cfg` and the `RewardModel`'s nnx
-    `state` (paths ("backbone", ...) and ("head", "score")). dtype: float32 | bfloat16 | float16 of the tensors
-    (default cfg.param_dtype). Raises ValueError for an unsupported dtype, a family without a transformers
-    sequence-classification class, or a LoRA backbone (merge it first)."""
+    """Writes the directory for backbone config `cfg` and the `RewardModel`'s nnx `state`.
+
+    dtype: float32 | bfloat16 | float16 (default cfg.param_dtype). Raises ValueError for an unsupported dtype, a
+    family without a sequence-classification class, or a LoRA backbone."""
     mt = hf_config_lib.hf_family(cfg)
     if mt not in _ARCHS:
         raise ValueError(f"a {mt!r} backbone has no transformers sequence-classification export; families: "
@@ -81,8 +69,9 @@ def export_reward_model(cfg: ModelConfig, state, out_dir, *, tokenizer=None, dty
 
 
 def reward_model_dir(path) -> pathlib.Path:
-    """The exported directory `path` names: itself, or `<path>/reward_model` for a `posttrain rm` run. Raises
-    FileNotFoundError when neither holds a config.json, ValueError when it is no single-score classifier."""
+    """`path`, or `<path>/reward_model` for a `posttrain rm` run.
+
+    Raises FileNotFoundError when neither holds a config.json, ValueError when it is no single-score classifier."""
     path = pathlib.Path(path)
     d = path if (path / "config.json").is_file() and not (path / RUN_SUBDIR).is_dir() else path / RUN_SUBDIR
     if not (d / "config.json").is_file():
@@ -98,10 +87,9 @@ def reward_model_dir(path) -> pathlib.Path:
 
 
 def load_reward_model(path, *, mesh=None, rules=mesh_lib.RULES, **fields):
-    """(ModelConfig of the backbone, graphdef, state, tokenizer or None) of the `RewardModel` in `path` (an exported
-    directory or a `posttrain rm` run directory), placed sharded on `mesh` by `rules`. fields: ModelConfig fields
-    replaced (dtype, param_dtype, matmul_precision, ...). Raises as `reward_model_dir` does, ValueError for a
-    missing, misshapen or unused tensor."""
+    """(backbone ModelConfig, graphdef, state, tokenizer or None) of the `RewardModel` in `path`, placed on `mesh`.
+
+    fields: ModelConfig fields replaced. Raises as `reward_model_dir`, and ValueError for a bad tensor (named)."""
     import dataclasses
 
     from posttrain.checkpoints.load import SafetensorsDir, place

@@ -1,15 +1,7 @@
-"""The paged KV cache's bookkeeping: a fixed pool of pages, a page table per engine slot, the allocator and its
-counters (host-side NumPy; the page contents live on the device, `posttrain.generate.engine.loop`).
+"""The paged KV cache's host bookkeeping: page allocator, page tables, counters and routing per page (docs/engine.md).
 
-Dimension legend: S slots, M pages per sequence (page-table width), P pages in the pool, Z tokens per page,
-L layers of one stack, K kv heads, H head dim, C MLA's compressed entry dims.
-
-Page 0 is the scratch page: never allocated, it backs every page-table entry that holds no page, so inactive
-slots and a prefill's padding write there and nothing a live sequence reads is touched. Pages 1..P-1 are
-allocated one at a time as a sequence grows (a sequence of n cached tokens holds ceil(n / Z) pages, plus the page
-its next token is written to) and released when it ends or is preempted: freed, or kept by the prefix cache
-(`posttrain.generate.prefix_cache`), which also lets several slots hold one page. Source: vLLM's PagedAttention (Kwon
-et al. 2023, arXiv:2309.06180): blocks allocated on demand, so waste stays under one page per sequence.
+The page contents live on the device. Page 0 is the scratch page, never allocated.
+Shapes: the legend in `posttrain.types`.
 """
 from __future__ import annotations
 
@@ -23,11 +15,9 @@ SCRATCH_PAGE = 0
 
 
 class PagePool:
-    """Allocator of pages 1..num_pages-1 and the [S, M] page tables of the slots. A page may be held by several
-    slots (`share`: a group's prompt pages) and kept after its last holder ends by a `prefix_cache.PrefixCache`
-    (`cache`; evicted from it when no page is free). Raises ValueError when num_pages < 2, num_slots < 1 or
-    pages_per_seq < 1.
-    """
+    """Allocator of pages 1..num_pages-1 (shared by slots, kept by `cache`) and the slots' [S, M] page tables.
+
+    Raises ValueError when num_pages < 2 or another size < 1."""
 
     def __init__(self, num_pages: int, num_slots: int, pages_per_seq: int, page_size: int):
         if num_pages < 2 or num_slots < 1 or pages_per_seq < 1 or page_size < 1:
@@ -62,7 +52,6 @@ class PagePool:
         return len(self.free_pages) + cached
 
     def pages_for(self, num_tokens: int) -> int:
-        """Pages that hold `num_tokens` tokens."""
         return -(-num_tokens // self.page_size)
 
     def _take(self) -> int:
@@ -70,8 +59,7 @@ class PagePool:
         return self.free_pages.pop() if self.free_pages else self.cache.evict()
 
     def grow(self, slot: int, num_tokens: int) -> bool:
-        """Allocates pages until `slot` holds `num_tokens` tokens (evicting unheld cached pages when none is free);
-        False (nothing allocated) when too few are available. Raises ValueError past the page-table width."""
+        """Allocates (or evicts) pages until `slot` holds `num_tokens` tokens; False, allocating none, if too few."""
         need = self.pages_for(num_tokens) - int(self.held_S[slot])
         if need <= 0:
             return True
@@ -95,8 +83,7 @@ class PagePool:
         self.held_S[slot] += len(pages)
 
     def release(self, slot: int) -> None:
-        """Drops `slot`'s hold on its pages (its table entries point at the scratch page again); a page no slot
-        holds is freed unless the cache keeps it."""
+        """Drops `slot`'s hold on its pages; a page no slot holds is freed unless the cache keeps it."""
         held = int(self.held_S[slot])
         for p in self.table_SxM[slot, :held][::-1]:
             p = int(p)
@@ -108,11 +95,7 @@ class PagePool:
 
 
 def pool_shapes(graphdef, state, num_pages: int, page_size: int) -> dict:
-    """{stack: {name: jax.ShapeDtypeStruct}} of the page pool of a model: GQA "k", "v" [K, L, P, Z, H], MLA "kv"
-    [1, L, P, Z, C], in the dtype of the model's cache entries (the compute dtype). Read off an abstract
-    one-token forward (`jax.eval_shape`: nothing runs). Heads lead and a stack's L layers sit side by side, so
-    the pool reads as one layer of L * P pages (`paged_attention.flat_pages`): the kernels take the whole pool
-    with page ids offset by layer, and no layer's pages are sliced out (a copy) at any step."""
+    """{stack: {name: ShapeDtypeStruct}} of a model's pool: "k", "v" [K, L, P, Z, H] or MLA "kv" [1, L, P, Z, C]."""
     from flax import nnx
 
     def entries(state):
@@ -131,20 +114,15 @@ def pool_shapes(graphdef, state, num_pages: int, page_size: int) -> dict:
 
 
 def pool_bytes(shapes: dict) -> int:
-    """Bytes of a page pool (`pool_shapes`)."""
     return sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for ent in shapes.values() for s in ent.values())
 
 
 def empty_pool(shapes: dict) -> dict:
-    """A zero-filled page pool of `pool_shapes` on the default device."""
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 class PageCounters:
-    """The engine's counters (`metrics()` gives the `rollout/...` names). Peak = the step at which most pages
-    were allocated (`live_at_peak` sequences holding pages then); `max_waste_per_seq` the largest (allocated -
-    used) / sequences holding pages seen at any step: under 1 with one decode step a program, under
-    1 + (K - 1) / Z with K (a chunk's pages are allocated before it runs)."""
+    """The engine's counters; `max_waste_per_seq` is the largest (allocated - used) pages per holding sequence."""
 
     def __init__(self, num_slots: int, page_size: int):
         self.num_slots, self.page_size = num_slots, page_size
@@ -155,9 +133,7 @@ class PageCounters:
         self.prefix_cached_tokens = self.weight_swaps = 0
 
     def observe(self, allocated: int, cached_tokens: int, live: int, holding: int) -> None:
-        """Records one decode step: pages allocated, tokens held in them (the fed tokens included), live slots
-        (those decoding at this step) and `holding` sequences holding pages (in a decode chunk, a sequence that
-        ended at an earlier step of the chunk holds its pages until the chunk ends)."""
+        """Records one decode step: pages allocated, tokens held in them, live slots and sequences holding pages."""
         used = cached_tokens / self.page_size
         if allocated >= self.peak_allocated:
             self.peak_allocated, self.used_at_peak, self.live_at_peak = allocated, used, holding
@@ -168,9 +144,7 @@ class PageCounters:
         self.decode_tokens += live
 
     def metrics(self) -> dict[str, float]:
-        """rollout/{kv_pages_allocated (peak), kv_pages_used (tokens held / page size, at that peak),
-        slot_occupancy (mean live slots / S over decode steps), prefill_tokens, decode_tokens, preemptions,
-        prefix_cached_tokens (prompt tokens read from cached pages instead of prefilled), weight_swaps}."""
+        """The call's `rollout/...` metrics; kv_pages_* are read at the step with the most pages allocated."""
         return {"rollout/kv_pages_allocated": float(self.peak_allocated),
                 "rollout/kv_pages_used": float(self.used_at_peak),
                 "rollout/slot_occupancy": self.occupancy_sum / max(self.steps, 1),
@@ -182,16 +156,13 @@ class PageCounters:
 
 
 class PageRouting:
-    """The expert selections of the tokens held in a pool's pages (routing replay, `EngineSettings.record_routing`):
-    int32 [P, Z, L, k] host memory, -1 where none was recorded, allocated at the first record (its L, k). A reused
-    prefix's selections come with its pages."""
+    """The expert selections of the tokens in a pool's pages: int32 [P, Z, L, k] on the host, -1 where none."""
 
     def __init__(self, num_pages: int, page_size: int):
         self.num_pages, self.page_size = num_pages, page_size
         self.array: np.ndarray | None = None
 
     def _where(self, pages: PagePool, slots_N, positions_N) -> tuple[np.ndarray, np.ndarray]:
-        """(page, offset) of each sequence position in its slot's pages."""
         return pages.table_SxM[slots_N, positions_N // self.page_size], positions_N % self.page_size
 
     def keep(self, pages: PagePool, routed_NxLxk: np.ndarray, slots_N, positions_N) -> None:
@@ -201,7 +172,7 @@ class PageRouting:
         self.array[self._where(pages, slots_N, positions_N)] = routed_NxLxk
 
     def copy(self, from_C, to_C) -> None:
-        """Page to_C[c]'s selections become page from_C[c]'s (the engine's page copies; nothing before a record)."""
+        """Page to_C[c]'s selections become page from_C[c]'s."""
         if self.array is not None and len(to_C):
             self.array[to_C] = self.array[from_C]
 
@@ -211,22 +182,16 @@ class PageRouting:
 
 
 def kernel_shapes(shapes: dict) -> dict:
-    """`paged_attention.kernel_problems` keywords of a pool's first entry ({stack: {name: [K, L, P, Z, H]}}, arrays
-    or shapes; every stack's layout is the same): head_dim, page_size, num_kv_heads, dtype."""
+    """`paged_attention.kernel_problems` keywords (head_dim, page_size, num_kv_heads, dtype) of a pool's entries."""
     s = next(iter(next(iter(shapes.values())).values()))
     return {"head_dim": s.shape[4], "page_size": s.shape[3], "num_kv_heads": s.shape[0], "dtype": s.dtype}
 
 
 def shared_blocks(table_NxM: np.ndarray, full_N: np.ndarray, block: int, rows: int):
-    """An arrangement of N live sequences into decode rows in blocks of `block` rows that share leading pages (for
-    `paged_attention.shared_prefix_attention`: each block's shared pages are read once), or None when it needs
-    more than `rows` rows or shares nothing. table_NxM: the sequences' page tables; full_N: their pages that no
-    later token is written to (cached tokens // Z: a shared page is full; the page a sequence writes next is its
-    own). Sequences whose first page is the same one (a group's prompt) fill blocks together in order, a block per
-    `block` of them, so a group's blocks are not mixed with another's; a block shares the leading pages that all
-    its sequences hold in the same columns, within every one's full pages. Host NumPy. Returns (row_R: the
-    sequence index of each row, -1 for an empty row, R = `rows` rounded up to a multiple of `block`;
-    shared_B: pages each of the R / block blocks shares, 0 for empty ones)."""
+    """Arranges N sequences into blocks of `block` decode rows sharing leading pages (`shared_prefix_attention`).
+
+    full_N: each sequence's full pages (cached tokens // Z). Returns None when it takes more than `rows` rows or
+    shares nothing, else (row_R: the sequence of each row, -1 empty; shared_B: pages each block shares)."""
     R = -(-rows // block) * block
     groups: dict[int, list[int]] = {}
     for i in range(table_NxM.shape[0]):

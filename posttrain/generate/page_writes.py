@@ -1,19 +1,7 @@
 """Writing one token entry per sequence into a page pool in place on TPU: a Pallas (Mosaic) kernel.
 
-Dimension legend: S sequences, K kv heads, P pages in the pool, Z tokens per page, H head dim (or MLA's C).
-
-Why a kernel: XLA:TPU updates a donated buffer in place for one scatter, but copies the whole buffer when it takes
-two scatters in a row or one per trip of a loop (measured ahead of time for a v5p, libtpu 0.0.42.1, on a bf16
-[8, 114716, 16, 128] pool: 3.5 GiB of temporaries for a 3.5 GiB pool; none for one scatter). The engine's decode
-step writes the pool once per layer inside the layer scan (and once per step inside a decode chunk), so on a v5p
-the pool of qwen3-0.6b at 512 x 1024 tokens (56 GiB) needed 114 GiB of temporaries. A `pallas_call` whose output
-aliases the pool (`input_output_aliases`) writes where the pool lies: no temporary, in a scan too (same probe).
-
-The kernel reads each target page into VMEM, replaces row `offset_S[s]` (a select over the page's rows: Mosaic
-takes DMAs of whole tiles only, and a page row is not one) and writes the page back, one sequence after another;
-sequences that share a target (inactive slots on the scratch page) are written in order, the last one kept.
-`XLA scatter` (`paged_attention.write_tokens`) is the reference; the tests run the kernel in the Pallas
-interpreter on the CPU against it.
+XLA:TPU copies a pool written by several scatters; this kernel's output aliases it (docs/engine.md).
+Shapes: the legend in `posttrain.types`.
 """
 from __future__ import annotations
 
@@ -23,19 +11,16 @@ import jax.numpy as jnp
 
 def write_rows_pallas_tpu(pages_KxPxZxH: jax.Array, new_SxKxH: jax.Array, page_S: jax.Array, offset_S: jax.Array,
                           interpret: bool = False) -> jax.Array:
-    """pages_KxPxZxH with new_SxKxH[s] written at (page_S[s], offset_S[s]) for every s, in place (the result
-    aliases the input: donate the pool to the caller's jit).
+    """pages_KxPxZxH with new_SxKxH[s] written at (page_S[s], offset_S[s]) for every s, in place.
+
+    The result aliases the input: donate the pool to the caller's jit. Sequences sharing a target are written in
+    order, the last one kept. `paged_attention.write_tokens` (an XLA scatter) is the reference.
 
     Args:
-      pages_KxPxZxH: one pool array (any float dtype; [1, P, Z, C] for MLA's "kv").
-      new_SxKxH: the entries, cast to the pool's dtype.
-      page_S, offset_S: int targets, page_S in [0, P) and offset_S in [0, Z) (not checked on the device).
-      interpret: run in the Pallas interpreter (any platform).
-    Returns:
-      [K, P, Z, H], the pool's dtype.
+      pages_KxPxZxH: one pool array ([1, P, Z, C] for MLA's "kv").
+      page_S, offset_S: in [0, P) and [0, Z) (not checked on the device).
     Raises:
-      ValueError: new_SxKxH not [S, K, H] of the pool's K and H, or page_S / offset_S not [S].
-    """
+      ValueError: new_SxKxH not [S, K, H] of the pool's K and H, or page_S / offset_S not [S]."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 

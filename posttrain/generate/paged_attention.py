@@ -1,29 +1,7 @@
-"""Attention of one new token per sequence over a paged KV cache: one function, a gather-based reference and the
-Pallas paged-attention kernels as fast paths (docs/design.md invariant 13).
+"""Attention of new tokens over a paged KV cache: a gather-based reference and the Pallas paged-attention kernels.
 
-Dimension legend: S sequences (engine slots), N query heads, K kv heads, H head dim, P pages in the pool,
-Z tokens per page (page size), M pages per sequence (page-table width), L layers of one stack.
-
-Pages hold each layer's cached keys and values in the layout the kernels take: `k_pages_KxPxZxH`,
-`v_pages_KxPxZxH` (GQA). MLA's compressed entry ("kv", [R + rope dims]) is one kv head (K = 1) whose values are
-the same pages: the caller keeps the first R output dims (`kv[..., :R]` are the latent values).
-Sequence s's token i lives at page `page_table_SxM[s, i // Z]`, offset `i % Z`; the first `lengths_S[s]` tokens
-are attended (>= 1; the engine writes the new token before attending, so its own entry is included).
-The engine's pool holds a stack's layers side by side in that layout (`[K, L, P, Z, H]`, read as one layer of
-L * P pages by `flat_pages`), so a layer's attention reads and writes the pool where it lies.
-
-Implementations (`IMPLS`; "auto" picks the platform's kernel when `kernel_problems` finds none for the shapes,
-else the reference, logged once with the reason; a kernel asked for by name that cannot take the shapes is a
-ValueError naming the constraint):
-  * "reference": gathers the sequence's pages into a dense [K, S, M*Z, H] and runs a float32 softmax masked by
-    length (any platform; the CPU path).
-  * "pallas_tpu": `jax.experimental.pallas.ops.tpu.paged_attention` (Mosaic; scale folded into q).
-  * "pallas_gpu": `jax.experimental.pallas.ops.gpu.paged_attention` (Triton; scale folded into q).
-  `interpret=True` runs a kernel in the Pallas interpreter on any platform (tests on the CPU): the GPU kernel's
-  own `interpret` flag; the TPU kernel under `pltpu.force_tpu_interpret_mode()`.
-`attend_chunk` (T new tokens of one sequence over its cached pages and each other: the engine's prefill of a turn's
-new tokens) has the reference only. With "pallas_tpu" the decode step's page writes are a kernel as well
-(`write_tokens`, `page_writes`): XLA:TPU copies a pool that its scatters write more than once.
+Page layout, `IMPLS` and the TPU page writes: docs/engine.md.
+Shapes: the legend in `posttrain.types`.
 """
 from __future__ import annotations
 
@@ -45,16 +23,12 @@ _logged: set = set()
 
 def kernel_problems(impl: str, *, head_dim: int, page_size: int, pages_per_seq: int, dtype,
                     num_heads: int | None = None, num_kv_heads: int | None = None) -> list[str]:
-    """The documented constraints of kernel `impl` that these shapes break ([] when it can take them; always []
-    for "reference"). dtype: the pages' dtype; num_heads / num_kv_heads: checked when given.
-      pallas_tpu (Mosaic, `jax.experimental.pallas.ops.tpu.paged_attention`): head_dim a multiple of 128 (the
-        lane width; splash and vLLM's Pallas backend refuse the same, jax-ml/jax#30861, vllm#10343), page_size a
-        multiple of the sublane tile (8 rows of 32 bits: 16 in bf16), pages float32 or bfloat16;
-      pallas_gpu (Triton, `jax.experimental.pallas.ops.gpu.paged_attention`): head_dim a power of two >= 16 (Triton
-        block shapes are powers of two, its dots >= 16), page_size * gcd(pages_per_seq, 8) (the keys of one compute
-        block) a power of two >= 16, pages float32, bfloat16 or float16;
-      both: num_heads a multiple of num_kv_heads.
-    """
+    """The documented constraints of kernel `impl` that these shapes break; [] when it can take them.
+
+    pallas_tpu (Mosaic): head_dim a multiple of 128 (lanes), page_size a multiple of 8 rows of 32 bits (16 in
+    bf16), pages float32 or bfloat16. pallas_gpu (Triton): head_dim and page_size * gcd(pages_per_seq, 8) (the keys
+    of one compute block) powers of two >= 16, pages float32, bfloat16 or float16. Both: num_heads a multiple of
+    num_kv_heads (checked when given)."""
     if impl not in ("pallas_tpu", "pallas_gpu"):
         return []
     dtype = jnp.dtype(dtype)
@@ -82,10 +56,10 @@ def kernel_problems(impl: str, *, head_dim: int, page_size: int, pages_per_seq: 
 
 
 def resolve_impl(impl: str, platform: str | None = None, **shapes) -> str:
-    """The implementation `impl` runs as. "auto" -> "pallas_tpu" on TPU, "pallas_gpu" on GPU, else "reference";
-    with `shapes` (`kernel_problems`' keywords) a kernel only where none of its constraints break, else
-    "reference" (logged once per reason). A kernel named explicitly is checked against `shapes` when given.
-    Raises ValueError for a name not in IMPLS, or a named kernel that cannot take the shapes (the constraint)."""
+    """The implementation `impl` runs as: "auto" is the platform's kernel where `shapes` allow, else "reference".
+
+    shapes: `kernel_problems`' keywords (none: nothing checked). Raises ValueError for a name not in IMPLS, or a
+    kernel named explicitly that cannot take the shapes."""
     if impl not in IMPLS:
         raise ValueError(f"paged attention impl={impl!r}; expected one of {IMPLS}")
     if impl == "reference":
@@ -104,7 +78,6 @@ def resolve_impl(impl: str, platform: str | None = None, **shapes) -> str:
 
 
 def _shapes(q_SxNxH, pages_KxPxZxH, page_table_SxM) -> dict:
-    """`kernel_problems`' keywords for these arrays."""
     K, _, Z, H = pages_KxPxZxH.shape
     return {"head_dim": H, "page_size": Z, "pages_per_seq": page_table_SxM.shape[1], "dtype": pages_KxPxZxH.dtype,
             "num_heads": q_SxNxH.shape[-2], "num_kv_heads": K}
@@ -144,13 +117,11 @@ def reference_paged_attention(q_SxNxH, k_pages_KxPxZxH, v_pages_KxPxZxH, page_ta
 
 def shared_prefix_attention(q_SxNxH, k_pages_KxPxZxH, v_pages_KxPxZxH, prefix_table_BxF, prefix_len_B, table_SxM,
                             lengths_S, scale):
-    """The reference's attention (gather, float32 softmax) for S = B * G sequences in B blocks of G rows whose
-    first prefix_len_B[b] tokens are the same pages, `prefix_table_BxF[b]` (prefix_len a multiple of Z): each
-    block's shared keys are gathered once and attended by its G queries, where the reference gathers them for
-    every row (cascade attention over a shared prefix: Juravsky et al., Hydragen, arXiv 2402.05099). Row s's
-    later tokens are in its own pages table_SxM[s] (its own token i at position prefix_len + i), of which the
-    first lengths_S[s] are attended (<= 0: none). Equals `reference_paged_attention` over the concatenated table
-    and lengths prefix_len + lengths (up to float rounding). Returns [S, N, H] in q's dtype."""
+    """The reference's attention for B blocks of G rows sharing their first pages: [S, N, H] in q's dtype.
+
+    Each block's prefix_len_B[b] shared tokens (a multiple of Z) are gathered once for its G queries (cascade
+    attention: Hydragen, arXiv:2402.05099); row s then attends the first lengths_S[s] tokens of its pages table_SxM[s].
+    """
     S, N, H = q_SxNxH.shape
     B, K = prefix_table_BxF.shape[0], k_pages_KxPxZxH.shape[0]
     G = S // B
@@ -195,21 +166,14 @@ def _pallas_gpu(q, k_pages, v_pages, page_table, lengths, interpret: bool):
 
 def paged_attention(q_SxNxH, k_pages_KxPxZxH, v_pages_KxPxZxH, page_table_SxM, lengths_S, *, scale: float,
                     impl: str = "auto", interpret: bool = False):
-    """softmax(scale * q k^T) v of each sequence's one query token over its first `lengths_S` cached tokens.
+    """softmax(scale * q k^T) v of each sequence's query over its first `lengths_S` tokens: [S, N, H] in q's dtype.
 
     Args:
-      q_SxNxH: queries (float dtype); query head n reads kv head n // (N / K).
-      k_pages_KxPxZxH, v_pages_KxPxZxH: the page pool of one layer (same shape; the compute dtype).
-      page_table_SxM: int32 page ids (entries past a sequence's length are never read, but must be in [0, P)).
-      lengths_S: int32 tokens attended per sequence, in [1, M * Z].
-      scale: logit multiplier (1/sqrt(H), or MLA's scale).
-      impl: one of IMPLS ("auto": by `jax.default_backend()`); interpret: run a Pallas kernel interpreted.
-    Returns:
-      [S, N, H] in q's dtype.
+      q_SxNxH: queries; query head n reads kv head n // (N / K).
+      page_table_SxM: int32 page ids, all in [0, P) (entries past a sequence's length are not read).
+      lengths_S: int32, in [1, M * Z].
     Raises:
-      ValueError: unknown impl, a named kernel that cannot take the shapes (`kernel_problems`), N not a
-        multiple of K, or k/v pages of different shapes.
-    """
+      ValueError: as `resolve_impl`, N not a multiple of K, or k and v pages of different shapes."""
     N, K = q_SxNxH.shape[1], k_pages_KxPxZxH.shape[0]
     if N % K or k_pages_KxPxZxH.shape != v_pages_KxPxZxH.shape:
         raise ValueError(f"paged attention: {N} query heads over {K} kv heads, k pages {k_pages_KxPxZxH.shape}, "
@@ -228,14 +192,10 @@ def paged_attention(q_SxNxH, k_pages_KxPxZxH, v_pages_KxPxZxH, page_table_SxM, l
 
 def write_tokens(pages: dict, entries: dict, page_S: jax.Array, offset_S: jax.Array, impl: str = "reference",
                  interpret: bool = False) -> dict:
-    """pages with S token entries written at (page_S, offset_S).
+    """pages with S token entries written at (page_S, offset_S); tokens sharing a target in an unspecified order.
 
-    pages: {"k", "v": [..., K, P, Z, H]} or {"kv": [..., 1, P, Z, C]} (leading axes, e.g. L, allowed);
-    entries: one entry per token, {"k", "v": [..., S, K, H]} or {"kv": [..., S, C]}, same leading axes.
-    impl "pallas_tpu" (pages without leading axes): `page_writes.write_rows_pallas_tpu`, in place where XLA:TPU
-    would copy the pool (that module's doc; `interpret`: in the Pallas interpreter); any other: an XLA scatter.
-    Tokens sharing a target (inactive slots on the scratch page) are written in an unspecified order.
-    """
+    pages {"k", "v": [..., K, P, Z, H]} or {"kv": [..., 1, P, Z, C]}, entries {"k", "v": [..., S, K, H]} or {"kv":
+    [..., S, C]}. impl "pallas_tpu" on pages without leading axes writes with `page_writes`, else an XLA scatter."""
     out = {}
     for name, pool in pages.items():
         e = entries[name] if name != "kv" else entries[name][..., None, :]  # [..., S, K, H]
@@ -255,23 +215,17 @@ def _kv(pages: dict):
 
 def attend_pages(pages: dict, q_SxNxH, page_table_SxM, lengths_S, scale: float, impl: str = "auto",
                  interpret: bool = False):
-    """`paged_attention` over one layer's pages in the engine's layout: GQA {"k", "v"}, or MLA {"kv"} (one kv
-    head serving as keys and values). Returns [S, N, H or C]."""
+    """`paged_attention` over one layer's pages, GQA {"k", "v"} or MLA {"kv"}: [S, N, H or C]."""
     k, v = _kv(pages)
     return paged_attention(q_SxNxH, k, v, page_table_SxM, lengths_S, scale=scale, impl=impl, interpret=interpret)
 
 
 def attend_with_new_token(pages: dict, own: dict, q_SxNxH, page_table_SxM, lengths_S, page_S, offset_S,
                           scale: float, impl: str = "auto", interpret: bool = False, shared=None):
-    """Attention of each sequence's new token over its `lengths_S` cached tokens and itself: its own entry `own`
-    ({"k", "v": [S, K, H]} or {"kv": [S, C]}) is written into `pages` at (page_S, offset_S) first, then the
-    first lengths_S + 1 tokens are attended (the decode step's attention; every implementation reads the same
-    pages). Returns (out [S, N, H or C], the pages with the entries written). Pass the whole page pool, not a
-    slice of it (`flat_pages`, page ids of layer l offset by l * P): the write then updates the pool in place,
-    where writing into a slice copied the slice first (one layer's pages per layer per step). With impl
-    "pallas_tpu" the write is a kernel too (`write_tokens`): XLA:TPU copies a pool written more than once.
-    shared: (prefix_table_BxF, prefix_len_B) for rows in blocks sharing a prefix (`shared_prefix_attention`, the
-    reference only): page_table_SxM and lengths_S then count each row's own tokens past its block's prefix."""
+    """Writes each sequence's entry `own` at (page_S, offset_S), attends its first lengths_S + 1 tokens: (out, pages).
+
+    Pass the whole pool (`flat_pages`), not a slice: the write then updates it in place instead of copying the
+    slice. shared: as `engine.ops.decode_chunk`'s (`shared_prefix_attention`)."""
     pages = write_tokens(pages, own, page_S, offset_S, impl, interpret)
     if shared is not None:
         k, v = _kv(pages)
@@ -281,8 +235,7 @@ def attend_with_new_token(pages: dict, own: dict, q_SxNxH, page_table_SxM, lengt
 
 
 def flat_pages(pool_stack: dict) -> dict:
-    """A stack's pool in the engine's layout ({"k", "v": [K, L, P, Z, H]} or {"kv": [1, L, P, Z, C]}) viewed as one
-    layer's pages ([K, L * P, Z, H]: a reshape, no copy): page p of layer l is page `l * P + p`."""
+    """A stack's pool [K, L, P, Z, H] viewed as one layer's pages [K, L * P, Z, H]: page p of layer l is `l * P + p`."""
     return {n: x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:]) for n, x in pool_stack.items()}
 
 
@@ -292,8 +245,7 @@ def stacked_pages(flat: dict, num_layers: int) -> dict:
 
 
 def write_layers(pool_stack: dict, entries: dict, page_S, offset_S) -> dict:
-    """`pool_stack` ([K, L, P, Z, H] layout) with every layer's entries of S tokens written at (page_S, offset_S):
-    entries {"k", "v": [L, S, K, H]} or {"kv": [L, S, C]} (a prefill's fed tokens, all layers at once)."""
+    """`pool_stack` [K, L, P, Z, H] with every layer's entries {"k", "v": [L, S, K, H]} or {"kv": [L, S, C]} written."""
     L, P = next(iter(pool_stack.values())).shape[1:3]
     pages = (jnp.arange(L)[:, None] * P + page_S[None, :]).reshape(-1)
     offsets = jnp.broadcast_to(offset_S[None, :], (L, offset_S.shape[0])).reshape(-1)
@@ -303,10 +255,9 @@ def write_layers(pool_stack: dict, entries: dict, page_S, offset_S) -> dict:
 
 
 def attend_chunk(pages: dict, own: dict, q_BxQxNxH, page_table_BxM, start_B, scale: float):
-    """Attention of Q new tokens per sequence (at positions start_B .. start_B + Q - 1) over its first `start_B`
-    cached tokens in the pages and, causally, over each other (their own entries `own`, {"k", "v": [B, Q, K, H]}
-    or {"kv": [B, Q, C]}): the engine's prefill of a turn's new tokens. Reference only (gather + float32 softmax);
-    padding queries past a sequence's new tokens give unused rows. Returns [B, Q, N, H or C] in q's dtype."""
+    """Attention of Q new tokens (entries `own`) per sequence over its first `start_B` tokens and, causally, each other.
+
+    Reference only. Returns [B, Q, N, H or C] in q's dtype."""
     k, v = (_gather(x, page_table_BxM.astype(jnp.int32)) for x in _kv(pages))  # [K, B, M * Z, H]
     own_k, own_v = (own["kv"][:, :, None], own["kv"][:, :, None]) if "kv" in own else (own["k"], own["v"])
     k = jnp.concatenate([k, jnp.transpose(own_k, (2, 0, 1, 3)).astype(k.dtype)], axis=2)

@@ -1,28 +1,7 @@
-"""Prefix reuse for the rollout engine (issue 25 item 3): KV pages kept after their sequence ends, found again by
-their tokens, keyed by policy version (host-side bookkeeping; the pages live in `kv_pages.PagePool`).
+"""Prefix reuse for the rollout engine: KV pages kept after their sequence ends, found again by their tokens.
 
-Dimension legend: Z tokens per page, P pages in the pool.
-
-A cached page is an exact trie node at page granularity: a *full* page is keyed by (its parent, its Z tokens),
-the parent being the page before it in the sequence, or ("root", policy version) for the first, so a key names
-the whole token prefix up to the page's end, with no hashing and no collisions. A *tail* is the partially filled
-last page of a sequence that ended (its t < Z tokens), keyed the same way; a later request whose tokens continue
-it takes the page over (it becomes that request's own page and leaves the cache: the request writes into it).
-Source: vLLM's automatic prefix caching (blocks keyed by their tokens and their prefix) and SGLang's radix cache
-(Zheng et al. 2023, arXiv:2312.07104), here at page granularity.
-
-How the engine uses it (`engine.Engine`):
-  * a group's G samples: the first sample's prefill registers the prompt's full pages; the others share them
-    (reference counts, never written again: a sequence only writes at positions past its cached tokens) and each
-    prefills only the prompt's last partial page into a page of its own (copy on write at the first partially
-    filled page, by recompute of its < Z tokens; a prompt of a multiple of Z tokens recomputes its last page, so
-    that every sample gets the logits of its last prompt token);
-  * a multi-turn episode: the ended turn's pages stay cached (full pages and its tail), the next turn's prompt
-    matches them and prefills only what follows: the last reply token (its entry was never computed: it would
-    have been fed at the next step) and the tokens added since;
-  * a weight swap clears the cache (`clear`): entries of one version never serve another.
-Pages whose reference count drops to 0 stay cached and are evicted, least recently used leaf first (a page no
-other cached page continues), when the pool needs a free page.
+Keys, sharing, copy on write and eviction: docs/engine.md.
+Shapes: the legend in `posttrain.types`.
 """
 from __future__ import annotations
 
@@ -32,8 +11,7 @@ import numpy as np
 
 
 class PrefixCache:
-    """The cached pages of one policy version (see the module doc). `ref_P`: the pool's reference counts (read
-    to find evictable pages). Raises ValueError for a page size < 1."""
+    """The cached pages of one policy version; `ref_P` is the pool's reference counts. Raises ValueError for Z < 1."""
 
     def __init__(self, page_size: int, ref_P: np.ndarray, version: int = 0):
         if page_size < 1:
@@ -59,8 +37,7 @@ class PrefixCache:
             self.last_used[p] = self._clock
 
     def match(self, tokens: Sequence[int], limit: int) -> tuple[list[int], int | None, int]:
-        """(full pages, tail page or None, tail tokens t) caching the longest prefix of `tokens` of at most `limit`
-        tokens: len(full) * Z + t of them. The caller shares the full pages and takes over the tail."""
+        """(full pages to share, tail page to take over or None, its tokens t) of the longest cached prefix <= limit."""
         Z, parent, full = self.page_size, self._root(), []
         while (len(full) + 1) * Z <= limit:
             page = self.full.get((parent, tuple(tokens[len(full) * Z:(len(full) + 1) * Z])))
@@ -81,9 +58,7 @@ class PrefixCache:
         self._drop(page)
 
     def register(self, row_M: np.ndarray, tokens: Sequence[int], num_valid: int, *, tail: bool) -> None:
-        """Caches the pages of a sequence whose page-table row is `row_M` and whose first `num_valid` tokens have
-        their entries in those pages: every full page along the chain (stops at a page whose key another page
-        already holds), and with `tail` its partially filled last page (an ended sequence's)."""
+        """Caches the pages of `row_M` holding the first `num_valid` tokens (the partial last one with `tail`)."""
         Z, parent = self.page_size, self._root()
         for j in range(num_valid // Z):
             page, key = int(row_M[j]), (parent, tuple(tokens[j * Z:(j + 1) * Z]))
@@ -123,8 +98,7 @@ class PrefixCache:
         self.last_used.pop(page, None)
 
     def evict(self) -> int | None:
-        """Drops the least recently used cached page that no sequence holds and no cached page continues; returns
-        it (the pool frees it), or None when there is none."""
+        """Drops and returns the least recently used unheld leaf page, or None when there is none."""
         leaves = [p for p in self.key_of if self.ref_P[p] == 0 and self.children.get(p, 0) == 0]
         if not leaves:
             return None

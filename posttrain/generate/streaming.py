@@ -1,20 +1,7 @@
-"""Streaming scoring: samples whose generation has finished go to the env runner while the rest still decode, so
-environment time (sandboxed tests, verifiers) overlaps decoding instead of following it.
+"""Streaming scoring: rows whose generation finished go to the env runner while the rest still decode (docs/engine.md).
 
-Dimension legend: N sampler rows (sequences) of one `sample` call, Lg max new tokens.
-
-How. `sampler.sample(stream_every=K, stream_id=i)` calls `emit` every K decode steps inside its decode loop: a host
-callback (`jax.experimental.io_callback`, which observes values and changes none) hands the rows finished so far
-(tokens_NxLg, lengths_N) to the sink registered under i (`register`). The sink of a turn is a `TurnScorer`: it
-decodes each newly finished row's reply and steps its episode in the env runner from its own thread (the sampler
-thread only queues them), one runner call per delivery (`EnvPool` is driven by one caller at a time). When the
-sampler returns, the rows not delivered yet are submitted; the turn's results are complete once every row's step
-has returned. A finished row's tokens never change again and an episode's step depends only on its own env and
-reply, so the samples, rewards and statuses equal the non-streaming path's (`tests/posttrain/rollout/
-test_streaming.py` checks it on the same seeds); a streamed reply that differs from the final one raises.
-
-One process only: under several processes the env runner (`HostShardedEnvs`) exchanges results by collectives,
-which must not run from a second thread (the run plan refuses rollout.stream_chunk > 0 there).
+One process only: the multi-process env runner exchanges results by collectives, which must not run from a thread.
+Shapes: the legend in `posttrain.types`.
 """
 from __future__ import annotations
 
@@ -31,16 +18,14 @@ _LOCK = threading.Lock()
 
 
 def emit(stream_id, finished_N, tokens_NxLg, lengths_N) -> None:
-    """Inside a jitted decode loop: hands (finished_N bool, tokens_NxLg int32, lengths_N int32) to the host sink
-    registered under `stream_id` (an int32 scalar; `register`). Returns nothing; changes no value."""
+    """Inside a jitted decode loop: hands the rows to the host sink registered under `stream_id` (int32 scalar)."""
     from jax.experimental import io_callback
 
     io_callback(deliver, None, stream_id, finished_N, tokens_NxLg, lengths_N, ordered=False)
 
 
 def deliver(stream_id, finished_N, tokens_NxLg, lengths_N) -> None:
-    """Host side of `emit`: calls the sink of `stream_id` with numpy copies (a sink already unregistered, e.g. a
-    delivery racing the end of its call, is skipped)."""
+    """Host side of `emit`: calls the sink of `stream_id` with NumPy copies (skipped once it is unregistered)."""
     with _LOCK:
         sink = _SINKS.get(int(stream_id))
     if sink is not None:
@@ -61,16 +46,9 @@ def unregister(stream_id: int) -> None:
 
 
 class TurnScorer:
-    """Steps one turn's episodes in `runner` as their rows finish decoding (see the module docstring).
+    """Steps one turn's episodes in `runner`, from its own thread, as their rows finish (sink: `rows_finished`).
 
-    Args:
-      runner: the `EnvRunner` (its `step(actions, indices)`; driven from this scorer's thread only, meanwhile).
-      indices: the env episode index of each sampler row (turn 0: 0..N-1; later turns: the active episodes).
-      decode: row tokens (int32 [n], the stop token included) -> the reply text (the tokenizer's decode).
-    `rows_finished` is the sink (`register`); `finish(tokens_NxLg, lengths_N)` returns (replies, results) of
-    every row, in row order, and re-raises an error of the runner. Counts `deliveries` and `streamed` (rows sent
-    before the sampler returned).
-    """
+    indices: the env episode index of each sampler row; decode: row tokens (int32 [n]) -> the reply text."""
 
     def __init__(self, runner, indices: Sequence[int], decode: Callable[[np.ndarray], str]):
         self.runner, self.indices, self.decode = runner, list(indices), decode
@@ -82,7 +60,7 @@ class TurnScorer:
         self._thread: threading.Thread | None = None  # started by the first submission (none if sampling fails first)
 
     def rows_finished(self, finished_N, tokens_NxLg, lengths_N) -> None:
-        """The sink: queues the rows newly finished (on the sampler's callback thread: no env work here)."""
+        """The sink: queues the newly finished rows (on the sampler's callback thread: no env work here)."""
         rows = [int(r) for r in np.flatnonzero(finished_N) if int(r) not in self.replies]
         if rows:
             self.deliveries += 1
@@ -108,8 +86,9 @@ class TurnScorer:
                 self._error = e
 
     def finish(self, tokens_NxLg, lengths_N) -> tuple[list[str], list]:
-        """Submits the rows not delivered yet, waits for every step; (replies, results) in row order. Raises
-        the runner's error, or RuntimeError when a streamed reply differs from the final tokens' (a bug)."""
+        """Submits the rows left, waits for every step; returns (replies, results) in row order.
+
+        Raises the runner's error, or RuntimeError when a streamed reply differs from the final tokens'."""
         tokens_NxLg, lengths_N = np.asarray(tokens_NxLg), np.asarray(lengths_N)
         streamed = dict(self.replies)
         rest = [r for r in range(len(self.indices)) if r not in self.replies]

@@ -1,19 +1,6 @@
-"""Ahead-of-time compilation for accelerators we do not have: devices of a target topology, per-device memory
-read off the compiled program, and the largest buffers of XLA's buffer assignment.
+"""Ahead-of-time compilation for accelerators we do not have: target devices, per-device memory, collectives.
 
-Targets (published figures: NVIDIA H200 SXM datasheet; the Google Cloud TPU v5p, v5e and v6e system architecture
-pages), per device:
-  h200  GPU, 141 GB HBM3e (about 139 GiB usable), 989 TFLOP/s dense bf16, 4.8 TB/s. Needs the `aot` extra
-        (jax-cuda12-plugin + pjrt of the installed jaxlib's version; no CUDA libraries) and runs on a CPU machine.
-  v5p   TPU (one TensorCore of a 2-core chip), 95 GiB HBM2e, 459 TFLOP/s bf16, 2.765 TB/s.
-  v5e   TPU (one chip, one TensorCore; Colab's "v5e-1" runtime), 16 GiB HBM2, 197 TFLOP/s bf16, 819 GB/s.
-  v6e   TPU Trillium (one chip, one TensorCore; Colab's "v6e-1" runtime), 32 GiB HBM, 918 TFLOP/s bf16, 1.638 TB/s.
-  The TPU targets need the `tpu` extra (libtpu).
-
-Memory per device = argument + output - alias bytes of `compiled.memory_analysis()` (donated inputs alias outputs)
-+ the temp allocation of XLA's buffer assignment; see `MemoryReport`. Facts: `../shared/PLATFORM-NOTES.md`; the
-H200 target description ships as `targets/h200.txtpb`.
-"""
+Targets, the extras to install and the memory accounting: docs/aot.md."""
 from __future__ import annotations
 
 import contextlib
@@ -24,13 +11,11 @@ import tempfile
 import time
 
 GIB = 1 << 30
-# a program fits a device when its peak is at most this share of the device's memory (the rest: the runtime's own
-# allocations and fragmentation)
-HBM_FIT_FRACTION = 0.9
+HBM_FIT_FRACTION = 0.9  # the rest of a device's memory: the runtime's own allocations and fragmentation
 
 
 def fits(peak_bytes: int, hbm_bytes: int) -> bool:
-    """Whether a compiled program's peak (bytes per device) fits a device of `hbm_bytes`: peak <= 90% of it."""
+    """Whether a program's peak (bytes per device) is at most HBM_FIT_FRACTION of a device's `hbm_bytes`."""
     return peak_bytes <= HBM_FIT_FRACTION * hbm_bytes
 
 
@@ -56,11 +41,9 @@ _INSTALL = {"gpu": "VENV=.venv-aot scripts/setup_env.sh aot (a venv of its own: 
 
 
 def target_devices(name: str, topology: str | None = None) -> list:
-    """The devices of `topology` (default: the target's) on target `name`, for building a Mesh to compile against.
+    """The devices of `topology` (default: the target's) on target `name`, for a Mesh to compile against.
 
-    Raises ValueError for an unknown target, RuntimeError (with the install command) when the compiler plugin for
-    the target is missing.
-    """
+    Raises ValueError for an unknown target, RuntimeError (with the install command) without its compiler plugin."""
     if name not in TARGETS:
         raise ValueError(f"unknown AOT target {name!r}; known: {sorted(TARGETS)}")
     t = TARGETS[name]
@@ -84,14 +67,7 @@ def target_devices(name: str, topology: str | None = None) -> list:
 
 @dataclasses.dataclass
 class MemoryReport:
-    """Per-device bytes of one compiled program and its largest buffers [(bytes, shape, producing op)].
-
-    peak = argument + output - alias + the temp allocation XLA's buffer assignment made (`assigned_temp`: its
-    preallocated-temp allocation in device memory), falling back to memory_analysis()'s temp_size when no buffer
-    assignment was dumped. On TPU temp_size can overstate what the buffer assignment allocates, while the temp
-    allocation plus the arguments agrees with XLA's own peak_memory_in_bytes. (XLA:CPU's peak_memory_in_bytes leaves temporaries out, so
-    that field is not used.)
-    """
+    """Per-device bytes of one compiled program and its largest buffers [(bytes, shape, op)] (docs/aot.md)."""
 
     argument: int
     output: int
@@ -115,8 +91,7 @@ class MemoryReport:
 
 @contextlib.contextmanager
 def no_persistent_cache():
-    """JAX's persistent compilation cache off for the compiles inside, then as before. JAX decides once per process
-    whether the cache is used, so the switch is followed by `reset_cache` (which makes it decide again)."""
+    """JAX's persistent compilation cache off for the compiles inside (`reset_cache` makes JAX decide again)."""
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
@@ -131,13 +106,7 @@ def no_persistent_cache():
 
 
 def compile_with_report(lowered, top: int = 5):
-    """Compiles a `jax.stages.Lowered` with XLA's buffer-assignment dump; returns (compiled, MemoryReport, seconds).
-
-    The largest buffers are the `top` largest distinct values in the buffer assignment (shapes as XLA prints them).
-    The compile bypasses JAX's persistent compilation cache (`no_persistent_cache`): a cached executable would be
-    loaded, not compiled, leaving no buffer report and a meaningless compile time (the cache key ignores dump
-    options).
-    """
+    """Compiles `lowered` with a buffer-assignment dump, bypassing the cache: (compiled, MemoryReport, seconds)."""
     with tempfile.TemporaryDirectory() as dump, no_persistent_cache():
         t = time.perf_counter()
         compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_pass_re": "NOTHING"})
@@ -163,8 +132,7 @@ def _buffer_assignment(dump_dir: pathlib.Path) -> str | None:
 
 
 def assigned_temp_bytes(dump_dir: pathlib.Path) -> int | None:
-    """Bytes of the device-memory temp allocation(s) in an XLA dump's buffer assignment (None without one). Other
-    colors (TPU VMEM, semaphores) are on-chip scratch, not HBM."""
+    """Bytes of the device-memory temp allocations in an XLA dump's buffer assignment, or None without one."""
     text = _buffer_assignment(dump_dir)
     return None if text is None else sum(int(b) for b in _TEMP_RE.findall(text))
 
@@ -212,15 +180,9 @@ def _type_bytes(type_text: str) -> int:
 
 
 def collective_bytes(hlo_text: str) -> dict:
-    """Bytes each device moves per execution, by collective kind, from an optimized HLO module's text
-    (`compiled.as_text()`).
+    """{kind: bytes} each device moves per execution, plus "total", from optimized HLO text (`compiled.as_text()`).
 
-    Each collective counts its full per-device buffer: the gathered result for all-gather, the operand for the
-    others (reduce-scatter: before scattering; ragged-all-to-all: its input buffer, the rows it may send). An async
-    `-start` op counts once. A collective inside a while loop counts `known_trip_count` times (XLA annotates scans
-    with it; a loop without it counts once and is reported in "unknown_trip_count_loops"), nested loops multiply.
-    Returns {kind: bytes} for every kind in COLLECTIVE_KINDS, plus "total" and "unknown_trip_count_loops".
-    """
+    Counting rules: docs/aot.md; "unknown_trip_count_loops": loops without a known trip count (counted once)."""
     comps, types, current = {}, {}, None
     for line in hlo_text.splitlines():
         if line and not line[0].isspace() and line.rstrip().endswith("{"):

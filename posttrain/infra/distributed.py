@@ -1,17 +1,6 @@
-"""Multi-process (multi-host) runs through `jax.distributed`: one process per host, every process runs the
-same program (JAX's multi-controller model). Nothing here is a cluster manager: the launcher (TPU pod ssh,
-SLURM `srun`, Kubernetes) starts the processes and `jax.distributed.initialize` finds its peers.
+"""Multi-process (multi-host) runs through `jax.distributed`, and stop signals for training loops.
 
-Data flow under several processes: the jitted sampler runs on the global mesh and its outputs are gathered to
-every host with `to_host`; each process then steps only its share of the episodes (`host_share`: a contiguous
-block of the batch) in its own env pool, and the results of all shares are exchanged with `allgather_objects`
-(`rollout.HostShardedEnvs`), so every process assembles the same host batch and builds the global training
-arrays from it with `global_array` (each process supplies only its addressable shards). Metrics files, plots
-and progress bars are written by process 0 only; orbax checkpoints are written by all processes together
-(orbax coordinates them).
-
-With one process every function here reduces to the single-host behaviour.
-"""
+Data flow and the stop protocol: docs/distributed.md. With one process everything here is single-host behaviour."""
 from __future__ import annotations
 
 import os
@@ -28,22 +17,15 @@ AUTO_DETECTED = "Cloud TPU VMs, SLURM (srun), Open MPI (mpirun) and Kubernetes" 
 
 
 class DistributedSetupError(ValueError):
-    """Distributed mode is on and this process cannot tell how to join its peers (no cluster JAX detects, and the
-    coordinator address, process count or id not given) or was given a malformed value; the message names the
-    variables to set."""
+    """Distributed mode is on but a setting to join the peers is missing or malformed; names the variables to set."""
 
 
 def initialize(enabled: bool | None = None, **kwargs) -> bool:
     """Calls `jax.distributed.initialize(**kwargs)` once when enabled (argument, or env POSTTRAIN_DISTRIBUTED=1).
 
-    On Cloud TPU VMs, SLURM, Open MPI and Kubernetes, JAX discovers the coordinator, process count and id by itself;
-    elsewhere pass coordinator_address=..., num_processes=..., process_id=... (or set the JAX_COORDINATOR_ADDRESS,
-    JAX_NUM_PROCESSES, JAX_PROCESS_ID variables). Must run before any other JAX call touches a device.
-    Returns whether distributed mode is on. Raises DistributedSetupError (a ValueError, one line naming the
-    variables to set) when no cluster is detected and a setting is missing, or a variable is malformed (a count or
-    id that is not an integer, an address without a port, process id out of range); RuntimeError (from JAX) when
-    the peers cannot be reached.
-    """
+    Outside `AUTO_DETECTED` clusters pass the settings or set `SETTINGS_VARS`; call before any JAX device use.
+    Returns whether distributed mode is on. Raises DistributedSetupError for a missing or malformed setting,
+    RuntimeError (from JAX) when the peers cannot be reached."""
     if enabled is None:
         enabled = os.environ.get(ENV_FLAG, "0") not in ("", "0", "false", "False")
     if not enabled:
@@ -77,9 +59,7 @@ def is_main_process() -> bool:
 
 
 def to_host(tree):
-    """numpy copies of a pytree of (possibly multi-host sharded) jax arrays, the full global value on every
-    process. Single process: `np.asarray`. Several: `multihost_utils.process_allgather` (a collective: every
-    process must call it with the same structure)."""
+    """numpy copies of a pytree of arrays, the full value on every process (a collective: every process calls it)."""
     if jax.process_count() == 1:
         return jax.tree.map(np.asarray, tree)
     from jax.experimental import multihost_utils
@@ -88,8 +68,7 @@ def to_host(tree):
 
 
 def global_array(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
-    """A global jax array with `sharding` from a host array holding the FULL global value on every process
-    (each process places only the shards its devices own). Single process: `jax.device_put`."""
+    """A global jax array with `sharding` from the full global value `x` held on every process."""
     if jax.process_count() == 1:
         return jax.device_put(x, sharding)
     x = np.asarray(x)
@@ -97,8 +76,7 @@ def global_array(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 
 
 def agree(flag: bool) -> bool:
-    """Process 0's value of a host-side decision (e.g. a wall-clock stop), so that every process takes the same
-    branch; a collective under several processes."""
+    """Process 0's value of a host-side decision, so every process takes the same branch (a collective)."""
     if jax.process_count() == 1:
         return bool(flag)
     from jax.experimental import multihost_utils
@@ -107,15 +85,13 @@ def agree(flag: bool) -> bool:
 
 
 def host_share(n: int) -> range:
-    """The items of a list of `n` this process handles: a contiguous block, blocks of all processes in process
-    order (sizes differ by at most one). One process: range(n)."""
+    """This process's contiguous block of `n` items, blocks in process order (sizes differ by at most one)."""
     count, index = jax.process_count(), jax.process_index()
     return range(n * index // count, n * (index + 1) // count)
 
 
 def allgather_objects(obj) -> list:
-    """Every process's `obj` (picklable; the processes of one job trust each other), in process order, on every
-    process. Two collectives (sizes, then the padded bytes): every process must call it. One process: [obj]."""
+    """Every process's picklable `obj`, in process order, on every process (collectives: all must call it)."""
     if jax.process_count() == 1:
         return [obj]
     from jax.experimental import multihost_utils
@@ -130,8 +106,7 @@ def allgather_objects(obj) -> list:
 
 # ----------------------------------------------------------------------------- stop signals
 class RunInterrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM stopped a training run (after its state was saved, when the loop could); `signal_name`
-    is the signal's name. A KeyboardInterrupt, so code that handles Ctrl-C handles it."""
+    """SIGINT or SIGTERM stopped a training run (a KeyboardInterrupt); `signal_name` names the signal."""
 
     def __init__(self, signal_name: str, message: str = ""):
         super().__init__(message or f"{signal_name} received")
@@ -139,20 +114,7 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 class StopRequest:
-    """SIGINT / SIGTERM as a request to stop a training loop soon, with its state saved (a context manager; it
-    installs its handlers only in the main thread, and restores the previous ones on exit).
-
-    The first signal is recorded (`signal_name`). With one process, outside a `deferred()` block the handler raises
-    RunInterrupted at once (the work in progress, e.g. a rollout, is abandoned; the loop saves the state it had
-    before it); inside one it is raised when the block ends (an update and its checkpoint are never cut in half).
-    With several processes the handler only records it and `check()` (a collective at a step boundary) raises it on
-    every process. A second signal raises KeyboardInterrupt at once (nothing saved). Python runs handlers only
-    between bytecodes, so a signal that arrives during a long device computation waits for it: a watchdog thread,
-    woken by the signal itself (`signal.set_wakeup_fd`), ends the process with exit code 128 + signum when the loop
-    has not finished within `grace_s` seconds (the recipes pass `checkpoint.stop_grace_s`; the run then resumes from
-    its last checkpoint, as after kill -9: the learner's guard checkpoint of the last finished step when that step
-    was long, `posttrain.learn.learner`).
-    """
+    """A context manager taking SIGINT / SIGTERM as a request to stop a training loop soon (docs/distributed.md)."""
 
     SIGNALS = ("SIGINT", "SIGTERM")
 
@@ -243,8 +205,7 @@ class StopRequest:
         return block()
 
     def check(self) -> None:
-        """At a step boundary: raises RunInterrupted when any process received a stop signal (a collective under
-        several processes; every process must call it)."""
+        """Raises RunInterrupted when any process received a stop signal (a collective: every process calls it)."""
         if jax.process_count() == 1:
             flags = [self.signal_name]
         else:

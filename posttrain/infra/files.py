@@ -1,6 +1,4 @@
-"""Atomic file writes: a reader (or a resumed run after kill -9) sees the old file or the whole new one, never a
-part. The bytes go to a temp file in the destination's folder, are fsynced, and `os.replace` puts them in place
-(atomic on POSIX within one file system); the folder is fsynced too, so the rename survives a power loss."""
+"""Atomic file writes: a reader (or a run resumed after kill -9) sees the old file or the whole new one, not a part."""
 from __future__ import annotations
 
 import os
@@ -10,15 +8,13 @@ from typing import Callable, IO
 
 def atomic_write(path, write: Callable[[IO], None], *, binary: bool = False,
                  clear_stale: bool = False) -> pathlib.Path:
-    """Calls `write(f)` on a temp file beside `path`, then replaces `path` with it; returns `path`.
+    """Calls `write(f)` on a temp file beside `path`, fsyncs, then replaces `path` with it; returns `path`.
 
     Args:
       path: the destination (its folder is created).
-      write: writes the content to the open file object it is given.
-      binary: open the temp file in "wb" mode (else "w", text).
       clear_stale: first remove temp files a killed writer of `path` left behind (`.<stem>.<pid>.tmp`).
     Raises:
-      whatever `write` or the file system raises; the temp file is removed and `path` is left as it was.
+      whatever `write` or the file system raises; `path` is then left as it was.
     """
     final = pathlib.Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)

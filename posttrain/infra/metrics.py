@@ -1,19 +1,6 @@
 """Metrics: device-side masked reductions, and the host-side writers the training loop uses.
 
-Dimension legend:
-  ...  any shape; `mask` has the shape of `x` (or broadcasts to it), truthy = counted.
-
-Device side (pure, jit-compatible, float32 out): masked_mean / masked_max / masked_min, also in
-REDUCTIONS by name. Masked positions are replaced with `jnp.where` before any arithmetic, so NaN/inf
-there cannot leak; a reduction over no counted element returns 0.0 (never NaN or +-inf).
-
-Host side (the only imperative part): `MetricsWriter` writes each step's flat dict of scalars, with
-the standard names of docs/design.md (`reward/mean`, `policy/loss`, ...), to
-  <workdir>/metrics.jsonl      one JSON object per line, {"step": int, name: float | null, ...}
-  <workdir>/tensorboard/       TensorBoard event files (tensorboardX)
-  <workdir>/reward_curve.png   train `reward/mean` and `eval/pass@1` against step (matplotlib Agg)
-and `ProgressBar` shows reward and step time on a tqdm bar.
-"""
+Reductions are float32; masked positions never reach the arithmetic (NaN/inf cannot leak); nothing counted: 0."""
 
 from __future__ import annotations
 
@@ -45,8 +32,7 @@ def peak_rss_gb() -> float:
 
 
 def step_perf(tokens: int, t_start: float, t_update: float, t_end: float) -> dict[str, float]:
-    """perf/* of one training step from its `time.perf_counter()` marks (start, update start, end): its wall time
-    (rollouts + update), the update's, tokens trained per second of the step, and the peak RSS so far."""
+    """perf/* metrics of one training step from its `time.perf_counter()` marks (start, update start, end)."""
     return {"perf/step_s": t_end - t_start, "perf/train_s": t_end - t_update,
             "perf/tokens_per_s": tokens / (t_end - t_start), "perf/peak_rss_gb": peak_rss_gb()}
 
@@ -77,7 +63,7 @@ def _count(x, mask, axis):
 
 
 def masked_mean(x, mask, axis=None):
-    """Mean of x over positions where mask is true (float32); 0 where nothing is counted."""
+    """Mean of x over positions where mask (broadcast to x) is true (float32); 0 where nothing is counted."""
     mask, n = _count(x, mask, axis)
     total = jnp.where(mask, jnp.asarray(x, jnp.float32), 0.0).sum(axis=axis)
     return total / jnp.maximum(n, 1)
@@ -100,11 +86,7 @@ REDUCTIONS: dict[str, Callable] = {"mean": masked_mean, "max": masked_max, "min"
 
 # ----------------------------------------------------------------------------- host side
 def read_metrics(path: str | os.PathLike, max_step: int | None = None) -> list[dict[str, Any]]:
-    """Records of a metrics.jsonl file, in file order, keeping those with step <= max_step (if given).
-
-    Lines that are not a JSON object with an int "step" (e.g. a line cut short by a crash) are skipped
-    with a warning. Raises FileNotFoundError if the file does not exist.
-    """
+    """Records of metrics.jsonl with step <= max_step, malformed lines skipped; FileNotFoundError without the file."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no metrics file at {path}")
@@ -127,10 +109,7 @@ def read_metrics(path: str | os.PathLike, max_step: int | None = None) -> list[d
 
 
 def _import_tensorboardx():
-    """The `tensorboardX` module, imported without torch: tensorboardX's writer imports torch whenever it is
-    installed, only to accept torch tensors (we log Python floats), which costs a process without torch in use
-    ~1.3 s and a few hundred MB of RSS (`posttrain train --config=configs/tiny.py` with torch installed). A process
-    that has imported torch already keeps it."""
+    """The `tensorboardX` module, imported without torch (which it imports when installed, costing time and RSS)."""
     if "tensorboardX" in sys.modules or "torch" in sys.modules:
         import tensorboardX
 
@@ -144,9 +123,7 @@ def _import_tensorboardx():
 
 
 def read_tensorboard_scalars(logdir: str | os.PathLike) -> list[tuple[str, int, float]]:
-    """(tag, step, value) of every scalar in the TensorBoard event files under `logdir`, file by file in name order
-    (TFRecord framing: u64 length, u32 CRC, the Event proto, u32 CRC; CRCs not checked). Raises FileNotFoundError
-    when there is no event file."""
+    """(tag, step, value) of every scalar in the event files under `logdir`; FileNotFoundError if there is none."""
     import struct
 
     _import_tensorboardx()
@@ -167,9 +144,7 @@ def read_tensorboard_scalars(logdir: str | os.PathLike) -> list[tuple[str, int, 
 
 
 def cut_step_files(folder: str | os.PathLike, first_dropped: int) -> list[Path]:
-    """Removes the per-step records `folder/step_NNNNNN.jsonl` of steps >= first_dropped (a resumed run writes
-    them again; a stale one from a longer earlier attempt would otherwise stay); returns the removed paths,
-    ascending. A missing folder is nothing to cut."""
+    """Removes `folder/step_NNNNNN.jsonl` of steps >= first_dropped (a resume rewrites them); returns them sorted."""
     removed = []
     for path in sorted(Path(folder).glob("step_*.jsonl")):
         digits = path.stem.removeprefix("step_")
@@ -192,19 +167,12 @@ def _to_float(name: str, value: Any) -> float | None:
 
 
 class MetricsWriter:
-    """Appends one JSON line, TensorBoard scalars and (throttled) a reward-curve PNG per `write`.
+    """Writes metrics.jsonl, TensorBoard scalars and (throttled) reward_curve.png; several writes may share a step.
 
     Args:
-      workdir: run directory (created if missing).
-      resume_step: the step a run (re)starts from: the restored checkpoint's, or 0 when it starts over (no
-        checkpoint: every earlier record is dropped, the start-of-run evaluation runs again). Lines of
-        metrics.jsonl with a later step (all lines for 0) are dropped (file rewritten atomically), the
-        TensorBoard event files are rewritten from the lines kept and the PNG is redrawn, so no output holds a
-        step twice (`cut_step_files` does the same for per-step files). None: append to whatever is there.
-      plot_every_s: minimum seconds between PNG rewrites (the PNG is always rewritten at close).
-      tensorboard, plot: turn those outputs off.
-    Several writes may share a step (e.g. train and eval metrics of the same step).
-    Use as a context manager or call close().
+      resume_step: the step a run (re)starts from (0: starts over): later records (all for 0) leave every output.
+        None: append to whatever is there.
+      plot_every_s: minimum seconds between PNG rewrites (always rewritten at close).
     """
 
     JSONL, PNG, TB_DIR = "metrics.jsonl", "reward_curve.png", "tensorboard"
@@ -232,7 +200,7 @@ class MetricsWriter:
             if resume_step is not None:  # events of dropped steps go: rewrite them from the lines kept
                 for old in tb_dir.glob("events.out.tfevents.*"):
                     old.unlink()
-            # a unique suffix: tensorboardX names files by the second, and a second writer within it overwrote the first
+            # a unique suffix: tensorboardX names files by the second, so a second writer within it would overwrite
             self._tb = SummaryWriter(logdir=str(tb_dir), filename_suffix=f".{os.getpid()}.{time.time_ns()}")
             for rec in history if resume_step is not None else ():
                 self._tb_write(rec)
@@ -251,11 +219,10 @@ class MetricsWriter:
                 self.history[key].append((rec["step"], rec[key]))
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Records `metrics` (name -> real scalar) at `step` (int >= 0). Non-finite values become null.
+        """Records `metrics` (name -> real scalar) at `step` (int >= 0); non-finite values become null.
 
-        Raises TypeError on a non-int step, a non-str name or a non-scalar value (naming it); ValueError
-        on a negative step or the reserved name "step".
-        """
+        Raises TypeError on a non-int step, a non-str name or a non-scalar value; ValueError on a negative step
+        or the reserved name "step"."""
         if self._file is None:
             raise ValueError("MetricsWriter is closed")
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool):
@@ -316,13 +283,7 @@ class MetricsWriter:
 
 
 class ProgressBar:
-    """A tqdm bar over training steps whose postfix shows the latest reward and step time.
-
-    Args:
-      total_steps: steps of the whole run. initial_step: where a resumed run starts.
-      fields: postfix label -> metric name (missing metrics are left out).
-      file: stream (default stderr); disable: hide the bar (e.g. on non-zero processes).
-    """
+    """A tqdm bar over training steps whose postfix shows `fields` (label -> metric name; missing ones left out)."""
 
     def __init__(self, total_steps: int, *, initial_step: int = 0, desc: str = "train",
                  fields: Mapping[str, str] = (("reward", "reward/mean"), ("step_s", "perf/step_s")),

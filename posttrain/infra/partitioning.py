@@ -1,8 +1,6 @@
 """Sharding helpers used inside traced code: logical constraints, sharded creation, sufficiency checks.
 
-The active mesh is the one set by `jax.set_mesh(mesh)` (an Auto-axis mesh from `posttrain.infra.mesh.make_mesh`);
-without one every helper here is a no-op, so the same model code runs unsharded on a laptop.
-"""
+Without an active mesh (`jax.set_mesh`) every helper is a no-op."""
 from __future__ import annotations
 
 import contextlib
@@ -38,11 +36,7 @@ def active_mesh():
 
 
 def with_logical_constraint(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
-    """`with_sharding_constraint` from logical axis names; dimensions that do not divide stay replicated.
-
-    Activations (unlike parameters) legitimately have sizes that do not divide the mesh (a batch of 1 in
-    decoding), so this helper drops the offending mesh axes instead of raising.
-    """
+    """`with_sharding_constraint` from logical axis names; dimensions that do not divide the mesh stay replicated."""
     mesh = active_mesh()
     if mesh is None:
         return x
@@ -56,17 +50,9 @@ def with_logical_constraint(x: jax.Array, logical_axes: Sequence[str | None]) ->
 
 
 def create_sharded(init_fn, mesh, rules=mesh_lib.RULES):
-    """Runs a module constructor so that its parameters are born sharded.
+    """Runs the nnx Module constructor `init_fn` under jit: (graphdef, state) born sharded, no host copy.
 
-    `init_fn()` must build and return an nnx Module. The abstract shapes are traced with `nnx.eval_shape`,
-    mapped to NamedShardings through `rules`, then a jitted init with those `out_shardings` materialises the
-    state directly on the devices (no host copy of the full model ever exists).
-
-    Returns:
-      (graphdef, state): the nnx functional boundary.
-    Raises:
-      ValueError: a parameter dimension does not divide the mesh (names the parameter).
-    """
+    Raises ValueError naming a parameter whose dimension does not divide the mesh."""
     from flax import nnx
 
     abstract = nnx.eval_shape(init_fn)
@@ -82,11 +68,7 @@ def create_sharded(init_fn, mesh, rules=mesh_lib.RULES):
 
 
 def assert_sufficiently_sharded(state, mesh, min_fraction: float = 0.5, min_size: int = 1 << 16):
-    """Raises AssertionError when too many large arrays are fully replicated on a multi-device mesh.
-
-    A guard for big models: on a mesh with more than one device, at least `min_fraction` of the elements of
-    arrays with >= `min_size` elements must live in sharded arrays.
-    """
+    """Raises AssertionError when under `min_fraction` of the elements of arrays of >= `min_size` are sharded."""
     if mesh.size == 1:
         return
     total = sharded = 0

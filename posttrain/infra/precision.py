@@ -1,18 +1,6 @@
 """The precision policy: parameter (master) dtype, compute dtype and matmul precision, decided in one place.
 
-  param_dtype       storage dtype of trainable parameters, and so of their gradients and Adam moments.
-  compute_dtype     dtype of activations and matmul operands; every matmul accumulates in float32, and norms,
-                    softmax, logprobs and the loss are float32 whatever this is.
-  matmul_precision  "default" (the backend's default: on NVIDIA GPUs float32 matmuls run as TF32, relative error
-                    ~3e-4 on an H200), "high" (bf16_3x / TF32 where available) or "highest" (true float32). Applied
-                    to every dot of the model (forward, backward, sampler) and of the logprob computation.
-
-`resolve_policy` turns config strings into a `PrecisionPolicy`, with "auto" meaning: on CPU float32 compute (the
-reference numerics; CPUs without bf16 units run bf16 slower), on GPU/TPU bfloat16 compute; the master weights are
-float32 unless asked otherwise (`param_dtype="bfloat16"` halves parameter, gradient and optimizer memory at the
-cost of bf16 rounding in the update). Model presets describe checkpoints (their dtype fields say what the
-file holds), not this training policy.
-"""
+Matmuls accumulate in float32; norms, softmax, logprobs and the loss are float32. Design: docs/precision.md."""
 from __future__ import annotations
 
 import contextlib
@@ -28,13 +16,12 @@ _LAX = {"high": jax.lax.Precision.HIGH, "highest": jax.lax.Precision.HIGHEST}
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrecisionPolicy:
-    """A resolved precision policy (names, not dtype objects, so it is hashable and JSON-friendly). Raises
-    ValueError on an unknown name.
+    """A resolved precision policy, as names (hashable, JSON-friendly); raises ValueError on an unknown name.
 
     Attributes:
-        param_dtype: dtype of the master weights (and of Adam's moments): one of DTYPES.
+        param_dtype: dtype of the master weights (and of their gradients and Adam moments): one of DTYPES.
         compute_dtype: dtype of activations and matmul operands: one of DTYPES.
-        matmul_precision: precision of every dot: one of PRECISIONS.
+        matmul_precision: precision of every dot: one of PRECISIONS ("default": the backend's, TF32 on NVIDIA).
     """
 
     param_dtype: str = "float32"
@@ -51,11 +38,9 @@ class PrecisionPolicy:
 
 def resolve_policy(compute_dtype: str = "auto", param_dtype: str = "auto", matmul_precision: str = "default",
                    backend: str | None = None) -> PrecisionPolicy:
-    """The policy for these config values on `backend` (default: `jax.default_backend()`).
+    """The policy for these config values on `backend`; "auto": float32 compute on CPU, bfloat16 elsewhere.
 
-    "auto" compute dtype: float32 on "cpu", bfloat16 elsewhere. "auto" param dtype: float32.
-    Raises ValueError on unknown names.
-    """
+    "auto" param dtype: float32. Raises ValueError on unknown names."""
     backend = backend or jax.default_backend()
     if compute_dtype == "auto":
         compute_dtype = "float32" if backend == "cpu" else "bfloat16"
@@ -65,10 +50,7 @@ def resolve_policy(compute_dtype: str = "auto", param_dtype: str = "auto", matmu
 
 
 def lax_precision(name: str | None):
-    """`jax.lax.Precision` for "high" | "highest"; None for "default" or None (the backend's default).
-
-    Raises ValueError on any other name.
-    """
+    """`jax.lax.Precision` for "high" | "highest"; None for "default" or None; ValueError for any other name."""
     if name in (None, "default"):
         return None
     if name not in _LAX:
@@ -77,11 +59,6 @@ def lax_precision(name: str | None):
 
 
 def matmul_scope(name: str | None):
-    """A context under which every traced dot without an explicit precision gets `name` ("default": no change).
-
-    Dots take their precision when traced, so wrapping a model call covers its forward pass, its autodiff
-    backward (transposed dots keep the precision) and remat recomputation; custom-VJP backward rules are traced
-    later and must pass `lax_precision(name)` explicitly.
-    """
+    """A context giving traced dots without explicit precision `name`; custom-VJP backwards need `lax_precision`."""
     lax_precision(name)  # validates
     return contextlib.nullcontext() if name in (None, "default") else jax.default_matmul_precision(name)

@@ -1,14 +1,6 @@
 """Attention core shared by GQA and MLA: multi-source softmax attention and the KV-cache layout.
 
-Dimension legend: B batch, T query length, S key length, N query heads, K kv heads, H head dim,
-A, C the contracted and output dims of a per-KV-head matmul.
-
-Attention is "multi-source": a query attends to several key/value *sources* at once with one softmax:
-its own tokens (training, prefill) and, when decoding, a prompt prefix shared by a group of samples plus the
-per-sample cache of already generated tokens. A source is `(entries, mask_BsxTsxS, group)`: `group` samples
-(consecutive batch rows) share one row of `entries`, which is how G samples of one prompt read the prompt's KV
-computed once.
-"""
+Design: docs/attention.md. Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
@@ -20,8 +12,7 @@ NEG_INF = -1e9  # large but finite: logits + NEG_INF never overflows, fully mask
 
 
 class Source(NamedTuple):
-    """Keys/values a query attends to. entries: {name: array [Bs, ...]}, an attention's own entries ([Bs, S, ...])
-    or the KV-cache layout (`to_cache_layout`); mask: bool [Bs, Ts or 1, S]; group: rows sharing one entry row."""
+    """Keys/values to attend: entries {name: [Bs, ...]}, mask bool [Bs, Ts or 1, S], `group` query rows per entry."""
 
     entries: Any
     mask: jax.Array
@@ -29,24 +20,19 @@ class Source(NamedTuple):
 
 
 class CacheHook(NamedTuple):
-    """A cache the caller attends to itself (e.g. a paged KV cache, `posttrain.generate.paged_attention`): passed
-    as a layer's only extra source, the layer calls `fn(q, own_entries, scale)` instead of its softmax and uses
-    the result as the attention output. q: [B, T, N, H] (MLA: the absorbed queries [B, T, N, R + rope dims]);
-    own_entries: the layer's entries of its T new tokens ({"k", "v": [B, T, K, H]} or MLA's {"kv": [B, T, C]});
-    returns [B, T, N, Hv] (MLA: [B, T, N, >= R], the layer keeps the first R dims)."""
+    """A cache the caller attends to itself (e.g. `posttrain.generate.paged_attention`), as a layer's only source.
+
+    `fn(q [B, T, N, H], own_entries, scale) -> [B, T, N, Hv]` replaces the softmax (MLA: first R dims used)."""
 
     fn: Any
 
 
 def multi_source_attention(q, sources: Sequence[Source], scale: float, logits_fn, combine_fn):
-    """Softmax attention over the concatenation of several sources.
+    """Softmax attention over the concatenation of several sources: [B, T, N, Hv] in q's dtype (float32 softmax).
 
     Args:
-      q: [B, T, N, ...] queries. logits_fn(q_grouped, entries) -> [Bs, g*T, N, S];
-      combine_fn(probs [Bs, g*T, N, S], entries) -> [Bs, g*T, N, Hv].
-      scale: multiplier on the logits (1/sqrt(d) with optional YaRN mscale^2).
-    Returns:
-      [B, T, N, Hv] in q's dtype. Softmax is float32; fully masked rows give a uniform (finite) average.
+      logits_fn: (q grouped [Bs, g*T, N, ...], entries) -> logits [Bs, g*T, N, S].
+      combine_fn: (probs [Bs, g*T, N, S], entries) -> [Bs, g*T, N, Hv].
     """
     B, T = q.shape[:2]
     logits, sizes = [], []
@@ -54,7 +40,7 @@ def multi_source_attention(q, sources: Sequence[Source], scale: float, logits_fn
         bs = B // src.group
         qg = q.reshape(bs, src.group * T, *q.shape[2:])
         lg = logits_fn(qg, src.entries).astype(jnp.float32) * scale
-        # an additive bias (not a `where`): its backward needs no per-layer residual of the logits' shape
+        # an additive bias (not a `where`): its backward needs no residual of the logits' shape
         lg = lg + jnp.where(src.mask, 0.0, NEG_INF)[:, :, None, :]
         sizes.append(lg.shape[-1])
         logits.append(lg.reshape(B, T, lg.shape[2], lg.shape[3]))
@@ -69,16 +55,13 @@ def multi_source_attention(q, sources: Sequence[Source], scale: float, logits_fn
     return out.astype(q.dtype)
 
 
-# KV-cache layout of GQA entries: keys as [B, K, H, S] and values as [B, K, S, H], the operand layouts of the two
-# attention dots (batch dims leading, then contracting, then free), so that decoding reads the cache without
-# transposing it (in [B, S, K, H], XLA:CPU copies every layer's cached K and V into these layouts at every decode
-# step). Other entries (MLA's "kv") keep [B, S, ...].
+# GQA cache layout: keys [B, K, H, S], values [B, K, S, H], the operand layouts of the two attention dots, so decoding
+# reads the cache without a transpose (docs/attention.md). Other entries (MLA's "kv") keep [B, S, ...].
 CACHE_SEQ_AXIS = {"k_bkhs": -1, "v_bksh": -2}
 
 
 def to_cache_layout(entries: dict) -> dict:
-    """Attention entries with [..., S, K, H] keys/values ("k", "v") -> the cache layout ("k_bkhs", "v_bksh");
-    other entries unchanged. Works on stacked [L, B, S, ...] entries too. `cache_seq_axis` names the S axis."""
+    """Entries with [..., S, K, H] "k"/"v" in the cache layout ("k_bkhs", "v_bksh"); others (and [L, ...]) as is."""
     out = dict(entries)
     if "k" in out:
         out["k_bkhs"] = jnp.moveaxis(out.pop("k"), -3, -1)
@@ -98,11 +81,7 @@ def cache_len(entries: dict) -> int:
 
 
 def _per_kv_head_matmul(x_BxTxNxA: jax.Array, y_BxKxAxC: jax.Array) -> jax.Array:
-    """float32 [B, T, N, C]: each query head's rows of x times its KV head's matrix (head n uses n // (N / K)).
-
-    The query heads of one KV head become the rows of one [T * N/K, A] x [A, C] product, batch dims leading:
-    the operand layout XLA's dot takes without copying y.
-    """
+    """float32 [B, T, N, C]: each query head's rows of x times its KV head's [A, C] matrix, without copying y."""
     B, T, N, A = x_BxTxNxA.shape
     K, C = y_BxKxAxC.shape[1], y_BxKxAxC.shape[3]
     x = jnp.swapaxes(x_BxTxNxA.reshape(B, T, K, N // K * A), 1, 2).reshape(B, K, T * (N // K), A)
@@ -111,8 +90,7 @@ def _per_kv_head_matmul(x_BxTxNxA: jax.Array, y_BxKxAxC: jax.Array) -> jax.Array
 
 
 def gqa_logits(q_BxTxNxH, kv):
-    """Grouped-query attention logits (unscaled) float32 [B, T, N, S] of queries against keys `kv["k"]`
-    [B, S, K, H] or, in the cache layout, `kv["k_bkhs"]` [B, K, H, S]; query head n reads kv head n // (N / K)."""
+    """Unscaled GQA logits float32 [B, T, N, S] against `kv["k"]` [B, S, K, H] or `kv["k_bkhs"]` [B, K, H, S]."""
     B, T, N, H = q_BxTxNxH.shape
     if "k_bkhs" in kv:  # cache layout
         return _per_kv_head_matmul(q_BxTxNxH, kv["k_bkhs"])
@@ -123,8 +101,7 @@ def gqa_logits(q_BxTxNxH, kv):
 
 
 def gqa_combine(p_BxTxNxS, kv):
-    """Attention-weighted values float32 [B, T, N, H]: probabilities [B, T, N, S] times `kv["v"]` [B, S, K, H] or,
-    in the cache layout, `kv["v_bksh"]` [B, K, S, H]."""
+    """Attention-weighted values float32 [B, T, N, H] from `kv["v"]` [B, S, K, H] or `kv["v_bksh"]` [B, K, S, H]."""
     B, T, N, S = p_BxTxNxS.shape
     if "v_bksh" in kv:  # cache layout
         return _per_kv_head_matmul(p_BxTxNxS, kv["v_bksh"])
@@ -142,14 +119,9 @@ def write_position(cache_e: jax.Array, new_e: jax.Array, name: str, t: jax.Array
 
 
 class DecodeCache(NamedTuple):
-    """KV cache of a group-sampling run (a pytree).
+    """KV cache of a group-sampling run (a pytree; entries in the cache layout).
 
-    prefix: {stack: entries [L, P, ...]} over Lp positions, computed once per prompt (after the shared part);
-    prefix_len_P: valid lengths of those prompt parts;
-    suffix: {stack: entries [L, N, ...]} over Lg positions, per sample; step: number of tokens already in `suffix`.
-    Entries are in the cache layout (`attention.to_cache_layout`); `attention.cache_seq_axis` names each one's
-    position axis.
-    """
+    prefix {stack: [L, P, ...]}: per prompt, prefix_len_P valid; suffix {stack: [L, N, ...]}: per sample, `step` set."""
 
     prefix: Any
     prefix_len_P: jax.Array
@@ -158,11 +130,7 @@ class DecodeCache(NamedTuple):
     shared: Any = None  # {stack: entries [L, 1, ...]} over the C tokens common to every prompt, or None
 
     def take_rows(self, slots_M: jax.Array) -> "DecodeCache":
-        """The cache of M of its N sample rows (int32 indices [M] into the current rows), e.g. the unfinished ones.
-
-        The result has one prompt part per row (P = N = M, G = 1): a row's prompt part is gathered from its prompt
-        (row // G), so rows of one group no longer need to stay adjacent. Costs one copy of the selected entries.
-        """
+        """The cache of M of its N sample rows (int32 [M]), with one prompt part per row (P = N = M, G = 1)."""
         N = jax.tree.leaves(self.suffix)[0].shape[1]
         prompt_M = slots_M // (N // self.prefix_len_P.shape[0])
         rows = lambda idx: (lambda e: jnp.take(e, idx, axis=1))

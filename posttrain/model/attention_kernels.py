@@ -1,33 +1,6 @@
 """Fused (Pallas) kernels for the packed-row branch mask: TPU splash attention and the Pallas GPU (Triton) `mha`.
 
-Dimension legend: B batch, T row length (queries and keys of one row), N query heads, K kv heads, H query/key head
-dim, E value head dim (H for GQA, v_head_dim for MLA), D = max(H, E).
-
-The mask is `flash.block_mask`: query i may attend key j iff j <= i, both have the same non-zero segment id, and j's
-branch is 0 (shared prompt) or equal to i's branch. That rule is not an equivalence relation (the prompt is visible
-to every completion, completions not to each other), so no segment-id encoding expresses it for kernels whose mask
-is `q_id == kv_id` + causal. Two exact reformulations, both checked against `flash.blockwise_attention`
-(tests/posttrain/model/test_fused_attention.py):
-
-  * splash (TPU; `jax.experimental.pallas.ops.tpu.splash_attention`, separate q and kv segment ids): two causal
-    kernel calls, merged by log-sum-exp. (A) keys of the shared prompt: q id = segment, kv id = segment where
-    branch == 0 else a sentinel; (B) keys of the query's own completion: q and kv ids = (segment, branch) for
-    completion tokens, sentinels otherwise (prompt queries see only call A). L = logaddexp(LA, LB),
-    O = OA exp(LA - L) + OB exp(LB - L); a row with no key in a call has lse ~ mask_value (-0.7 float32 max), so
-    its weight is exactly 0. Backward: one custom VJP around the merged op runs each call's own splash backward
-    with residuals (q, k, v, that call's ids, merged O, merged L) and dO. FlashAttention-2's backward restricted to
-    a subset of keys, given the global O and LSE (D = rowsum(dO * O)), is exactly those keys' share of the
-    gradient (Dao 2023, arXiv:2307.08691, Algorithm 2), so dq = dqA + dqB, dk = dkA + dkB, dv = dvA + dvB.
-  * pallas_gpu (`jax.experimental.pallas.ops.gpu.attention.mha`: one id array for q and kv, so call A cannot be
-    written): a private copy of that module whose `segment_mask` evaluates the branch rule on ids packed as
-    (segment << BRANCH_BITS) | branch. One kernel call, the kernel's own forward and backward (exact gradients).
-    GQA by repeating kv heads (autodiff sums their gradients); MLA (E != H) by zero-padding q, k, v to D.
-
-Rows are padded to the kernel block with segment 0 (padding); padding queries get output 0 like the reference.
-Splash runs its separate dq backward kernel: the fused one (use_fused_bwd_kernel) keeps dq per kv block (two
-[B, N, kv blocks, T, H] dq-partial buffers). `bench/attention.py` compares the implementations with blockwise.
-Ids must satisfy 0 <= branch < 2**BRANCH_BITS and 0 <= segment < 2**(31 - BRANCH_BITS) (unchecked: traced).
-"""
+Exact reformulations of `blockwise_attention.block_mask`: docs/attention.md. Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 import dataclasses
@@ -47,17 +20,16 @@ GPU_MAX_HEAD_DIM = 256
 
 
 def mesh_platform() -> str:
-    """The platform compiled for: the active (abstract) mesh's device platform, else `jax.default_backend()`.
-    AOT compiles for TPU / GPU run on a CPU host, so the mesh, not the process backend, decides."""
+    """The platform compiled for: the active mesh's (AOT compiles run on a CPU host), else the default backend."""
     mesh = jax.sharding.get_abstract_mesh()
     device = None if mesh.empty else getattr(mesh, "abstract_device", None)
     return getattr(device, "platform", None) or jax.default_backend()
 
 
 def resolve_impl(impl: str, platform: str, H: int, E: int) -> str:
-    """The implementation `impl` runs as on `platform`: "auto" -> splash on TPU, pallas_gpu on GPU when
-    max(H, E) <= GPU_MAX_HEAD_DIM, else blockwise; any other name of IMPLS is returned as is.
-    Raises ValueError for a name not in IMPLS."""
+    """The implementation `impl` runs as on `platform`; "auto": splash on TPU, pallas_gpu on GPU, else blockwise.
+
+    pallas_gpu needs max(H, E) <= GPU_MAX_HEAD_DIM. Raises ValueError for a name not in IMPLS."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r}; expected one of {IMPLS}")
     if impl != "auto":
@@ -126,13 +98,11 @@ _splash_pair.defvjp(_splash_pair_fwd, _splash_pair_bwd)
 
 def splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxE, segment_BxT, branch_BxT, scale: float, *,
                      block: int = SPLASH_BLOCK, interpret: bool = False) -> jax.Array:
-    """Branch-masked self-attention with TPU splash attention: two causal calls merged by log-sum-exp, gradients
-    from splash's own backward kernels (module doc).
+    """Branch-masked self-attention [B, T, N, E] in q's dtype: two causal splash calls merged by log-sum-exp.
 
-    q/k/v as in `flash.blockwise_attention` (one dtype; GQA: N a multiple of K; MLA: E may differ from H);
-    segment_BxT, branch_BxT: int32 ids (0 = padding / shared prompt). block: kernel block length (multiple of
-    128; capped at T rounded up to 128); T is zero-padded to a multiple of it. interpret: run the kernels in the
-    Pallas interpreter (CPU tests). Returns [B, T, N, E] in q's dtype; padding queries get 0.
+    Args:
+      block: kernel block length, a multiple of 128 (capped at T rounded up to 128).
+      interpret: run in the Pallas interpreter (CPU tests).
     """
     B, T, N, H = q_BxTxNxH.shape
     T128 = -(-T // 128) * 128
@@ -156,8 +126,7 @@ def splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxE, segment_BxT, branch_BxT, s
 # -------------------------------------------------------------------------------------------- Pallas GPU (Triton)
 
 def tree_segment_mask(q_ids_Q, kv_ids_C) -> jax.Array:
-    """bool [Q, C]: `flash.block_mask` without its causal part, on ids packed as (segment << BRANCH_BITS) | branch
-    (the segment test of the Pallas GPU kernel, which adds causality itself)."""
+    """bool [Q, C]: `blockwise_attention.block_mask` without causality, on ids (segment << BRANCH_BITS) | branch."""
     low = (1 << BRANCH_BITS) - 1
     qs, qb = q_ids_Q[:, None] >> BRANCH_BITS, q_ids_Q[:, None] & low
     ks, kb = kv_ids_C[None, :] >> BRANCH_BITS, kv_ids_C[None, :] & low
@@ -166,8 +135,7 @@ def tree_segment_mask(q_ids_Q, kv_ids_C) -> jax.Array:
 
 @functools.cache
 def _tree_mha_module():
-    """A private copy of `jax.experimental.pallas.ops.gpu.attention` whose kernels call `tree_segment_mask`
-    (the kernels look `segment_mask` up in their module's globals at trace time; the upstream module is untouched)."""
+    """A private copy of the Pallas GPU attention module whose kernels call `tree_segment_mask` (a global at trace)."""
     from jax.experimental.pallas.ops.gpu import attention as upstream
     spec = importlib.util.spec_from_file_location("posttrain_tree_mha", upstream.__file__)
     module = importlib.util.module_from_spec(spec)
@@ -178,22 +146,14 @@ def _tree_mha_module():
 
 
 def gpu_block_sizes(module, head_dim: int):
-    """The Pallas GPU kernel's block sizes: its defaults (forward 128 x 128, backward 32) up to head dim 128; above
-    (the kernel pads to 256), forward key blocks of 64: with 128-key blocks, head dim 192 (DeepSeek-V3's MLA)
-    needs 328,192 bytes of shared memory per block, over an H200's 232,448; 64-key blocks fit head dims 192
-    and 256."""
+    """The Pallas GPU kernel's default block sizes, with 64-key forward blocks above head dim 128 (shared memory)."""
     sizes = module.BlockSizes.get_default()
     return dataclasses.replace(sizes, block_k=64) if head_dim > 128 else sizes
 
 
 def pallas_gpu_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxE, segment_BxT, branch_BxT, scale: float, *,
                          interpret: bool = False) -> jax.Array:
-    """Branch-masked self-attention with the Pallas GPU (Triton) FlashAttention kernel in one call (module doc).
-
-    Arguments as `splash_attention`; T is zero-padded to a multiple of GPU_BLOCK; kv heads are repeated to N and
-    q, k, v zero-padded to D = max(H, E) (no change to the logits). Returns [B, T, N, E] in q's dtype; padding
-    queries get 0. Gradients: the kernel's custom VJP (Triton backward).
-    """
+    """Branch-masked self-attention [B, T, N, E] in one Pallas GPU (Triton) kernel call; args as `splash_attention`."""
     B, T, N, H = q_BxTxNxH.shape
     K, E = k_BxTxKxH.shape[2], v_BxTxKxE.shape[-1]
     D, T_pad = max(H, E), -(-T // GPU_BLOCK) * GPU_BLOCK
@@ -212,10 +172,9 @@ def pallas_gpu_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxE, segment_BxT, branch_Bx
 # ----------------------------------------------------------------------------------------------------- dispatch
 
 def fused(impl: str, q_BxTxNxH, k_BxTxKxH, v_BxTxKxE, segment_BxT, branch_BxT, scale: float, platform: str):
-    """`splash_attention` (impl "splash") or `pallas_gpu_attention` ("pallas_gpu"), interpreted when `platform`
-    is not the kernel's own. Under a mesh of more than one device the kernel runs per shard (`jax.shard_map`):
-    batch split as the "batch" rule says and heads as "heads" where N and K divide (else replicated), since the
-    kernels are custom calls that the SPMD partitioner cannot split. Returns [B, T, N, E] in q's dtype."""
+    """`splash_attention` or `pallas_gpu_attention` by `impl`, interpreted off the kernel's own platform.
+
+    Under a multi-device mesh it runs per shard (`jax.shard_map`): batch by the "batch" rule, heads where N, K fit."""
     if impl == "splash":
         fn = functools.partial(splash_attention, scale=scale, interpret=platform != "tpu")
     elif impl == "pallas_gpu":

@@ -1,9 +1,6 @@
-"""Model architecture configuration: frozen, keyword-only dataclasses.
+"""Model architecture configuration: frozen, keyword-only dataclasses validated on construction.
 
-These describe the *shape* of a decoder (dense or Mixture-of-Experts, GQA or MLA attention). They are plain
-data with no behaviour beyond validation, so layers receive the few fields they need, never a whole config.
-`posttrain.config` converts ml-collections dicts into these; presets live in `posttrain.model.presets`.
-"""
+They describe a decoder's shape; layers receive the few fields they need. Presets: `posttrain.model.presets`."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,13 +14,13 @@ REMAT_NAMES = ("dot", "qkv", "attn_out", "mlp_in")  # `posttrain.model.layers.CH
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeConfig:
-    """Rotary position embedding (Su et al. 2021, "RoFormer") and its context-extension variants
-    (`posttrain.model.layers.rope_frequencies`). Raises ValueError on an unknown type or a missing factor.
+    """Rotary position embedding (Su et al. 2021, "RoFormer") and its context-extension variants.
+
+    Raises ValueError on an unknown type or a missing factor. Formulas: `posttrain.model.layers.rope_frequencies`.
 
     Attributes:
         theta: the base of the inverse frequencies theta^(-2i/d).
-        type: "default" | "linear" (position interpolation) | "llama3" (Llama 3.1 frequency-band scaling) |
-            "yarn" (Peng et al. 2023, arXiv:2309.00071, as used by DeepSeek-V3 / Kimi K2).
+        type: "default" | "linear" (position interpolation) | "llama3" (Llama 3.1) | "yarn" (arXiv:2309.00071).
         factor: the context-extension factor (> 0 unless type is "default").
         original_max_position: the pre-extension context length (> 0 for llama3 and yarn).
         low_freq_factor: llama3: wavelengths above original_max_position / this are scaled by 1 / factor.
@@ -60,8 +57,7 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MLAConfig:
-    """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434). The KV cache holds only the
-    compressed latent (kv_lora_rank) plus the shared rotary key (qk_rope_head_dim) per token.
+    """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434): a cache of latent + shared rotary key per token.
 
     Attributes:
         q_lora_rank: rank of the query's low-rank projection (None: a full-rank query projection).
@@ -80,9 +76,7 @@ class MLAConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEConfig:
-    """Mixture-of-Experts feed-forward (dropless, top-k routing). How the experts run is a setting of the run,
-    not of the checkpoint: `ModelConfig.moe_gmm_impl`, `moe_capacity_factor`, `moe_ep_capacity_factor`. Raises
-    ValueError on inconsistent counts.
+    """Mixture-of-Experts feed-forward with top-k routing (docs/moe.md); ValueError on inconsistent counts.
 
     Attributes:
         num_experts: E, routed experts per layer.
@@ -96,8 +90,7 @@ class MoEConfig:
         topk_groups: tokens choose experts only within this many best groups.
         first_k_dense: the first k layers use a dense MLP of `dense_mlp_dim` (DeepSeek's first_k_dense_replace).
         dense_mlp_dim: F of those dense layers (> 0 when first_k_dense > 0).
-        score_bias: aux-loss-free load balancing (DeepSeek-V3 §2.1.2): a per-expert bias added to the scores for
-            expert *selection* only, nudged by `bias_update_rate * sign(mean_load - load)` after each step.
+        score_bias: aux-loss-free balancing (DeepSeek-V3 §2.1.2): a selection bias, += rate * sign(mean - load).
         bias_update_rate: that nudge's step size (0: frozen).
         aux_loss_coef: coefficient of the load-balancing auxiliary loss (Switch Transformer; 0: off).
         z_loss_coef: coefficient of the router z-loss (ST-MoE, Zoph et al. 2022; 0: off).
@@ -133,14 +126,12 @@ class MoEConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoRAConfig:
-    """Low-rank adapters (Hu et al. 2021, arXiv:2106.09685): y = x W + (alpha / rank) (x A) B on the named
-    projections (attention q/k/v/o, MLA q_a/q_b/kv_a, dense and shared-expert MLPs; routed experts excluded).
-    A is Gaussian, B is zero, so a fresh adapter leaves the model unchanged.
+    """Low-rank adapters (Hu et al. 2021, arXiv:2106.09685): y = x W + (alpha / rank) (x A) B, with B starting at 0.
 
     Attributes:
         rank: the adapters' rank r (0: no adapters).
         alpha: the scale numerator (> 0): updates are scaled by alpha / rank.
-        targets: the projection names adapted.
+        targets: the projection names adapted (`LORA_TARGETS`; never the routed experts).
     """
 
     rank: int = 0
@@ -163,8 +154,9 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A decoder-only transformer: embed -> scan(blocks) -> RMSNorm -> unembed. Raises ValueError on a
-    non-positive dimension, heads not a multiple of kv heads, or an unknown name.
+    """A decoder-only transformer: embed -> scan(blocks) -> RMSNorm -> unembed.
+
+    Raises ValueError on a non-positive dimension, heads not a multiple of kv heads, or an unknown name.
 
     Attributes:
         vocab_size: V, token ids.
@@ -176,8 +168,7 @@ class ModelConfig:
         mlp_dim: F of the dense gated MLP.
         norm_eps: RMSNorm epsilon.
         rope: rotary embedding (RopeConfig).
-        max_position: the context length the checkpoint declares (HF max_position_embeddings; the exported
-            tokenizer's model_max_length).
+        max_position: the context length the checkpoint declares (HF max_position_embeddings).
         tie_embeddings: the unembedding is the embedding's transpose (no lm_head).
         qk_norm: RMSNorm on each head's queries and keys (Qwen3).
         attention_bias: biases on the q/k/v projections (Qwen2).
@@ -185,36 +176,16 @@ class ModelConfig:
         moe: Mixture-of-Experts feed-forward (MoEConfig), or None for dense.
         param_dtype: storage dtype of parameters.
         dtype: compute dtype of matmuls (softmax, norms and logits are float32).
-        matmul_precision: "default" | "high" | "highest", applied to every dot (see `posttrain.infra.precision`).
-        remat: per scanned block, what the backward pass keeps from the forward (`posttrain.model.transformer.REMAT`):
-            "none" everything autodiff saves (most memory, no recompute); "dots" every weight-matmul output, in the
-            compute dtype (recomputes norms, RoPE, softmax, elementwise ops: ~no extra FLOPs); "names" only the
-            activations named in `remat_names` (e.g. ("attn_out", "mlp_in") recomputes the projections: ~+1/3 of
-            the layer FLOPs, less memory than "dots"); "full" only the block input (recompute the whole forward:
-            +1/3 FLOPs of a train step, least memory).
+        matmul_precision: "default" | "high" | "highest", applied to every dot (docs/precision.md).
+        remat: what the backward keeps per scanned block: "none" | "dots" | "names" | "full" (docs/precision.md).
         remat_names: the activations kept under remat "names" (`layers.CHECKPOINT_NAMES`).
         lora: adapters added to the projections (LoRAConfig; None or rank 0: none).
-        attention_impl: self-attention of packed rows given as ids (rows of >=
-            `blockwise_attention.BLOCKWISE_MIN_LEN` tokens; `posttrain.model.attention_kernels.IMPLS`): "auto"
-            (splash on a TPU mesh, the Pallas GPU kernel on a GPU mesh, else blockwise), "blockwise", "splash",
-            "pallas_gpu" (the Pallas interpreter off their platform) or "dense".
-        grad_dtype: "param" (default) or "compute": with "compute" the scanned layers' matrix weights (everything
-            of >= 2 dims per layer but the MoE router, which scores in float32) enter the layer scan already cast to
-            the compute dtype, so their gradients are stacked in it (bfloat16: half the gradient memory of float32
-            master weights; the optimizer upcasts them). The forward is unchanged (those weights are cast before
-            every use anyway); the gradients are rounded to the compute dtype before the update and summed across
-            devices in it (instead of float32 accumulation). XLA:TPU already holds such a copy of the weights (it
-            hoists each layer's cast out of the scan), so there it only halves the gradients. Training and prefill
-            only; decode is unchanged.
-        moe_gmm_impl: how MoE experts run (a setting of the run, `model.moe_*` in the run config): the grouped
-            matmul of the expert MLPs (`posttrain.model.gmm.IMPLS`; "auto" per backend).
-        moe_capacity_factor: 0 dropless (every routed token is computed); c > 0 gives every expert
-            ceil(c * tokens * k / E) slots per call and drops the rest (`moe.expert_keys` counts them).
-        moe_ep_capacity_factor: expert parallelism's all-to-all capacity: each expert shard receives at most
-            ceil(cf * m * k / S) rows from each of the S source shards of m tokens; rows over it are dropped and
-            counted (metric `moe/ep_dropped_frac`).
-        name: the architecture family ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2"; "" unknown), the
-            HF model_type it exports to.
+        attention_impl: self-attention of long packed rows, one of `posttrain.model.attention_kernels.IMPLS`.
+        grad_dtype: "param" or "compute": layer-matrix gradients in the compute dtype (docs/precision.md).
+        moe_gmm_impl: the experts' grouped matmul, one of `posttrain.model.gmm.IMPLS` but "capacity".
+        moe_capacity_factor: 0 dropless; c > 0 gives each expert ceil(c * tokens * k / E) slots, drops the rest.
+        moe_ep_capacity_factor: expert parallelism's capacity factor (> 0; `posttrain.model.moe.dispatch`).
+        name: the architecture family, the HF model_type it exports to ("" unknown).
     """
 
     vocab_size: int

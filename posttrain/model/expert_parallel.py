@@ -1,22 +1,6 @@
 """Expert-parallel MoE dispatch inside `jax.shard_map`: the all-to-all exchanges and the all-gather form.
 
-Dimension legend: S expert shards (the size of the 'exp' mesh axes), El = E/S experts per shard, m tokens of one
-source shard, k experts per token, n = m*k assignment rows, D d_model, C fixed send capacity per (source,
-destination) pair, R ragged receive rows per expert shard.
-
-`posttrain.model.moe.dispatch` picks the form (the policy, overflow included, is in moe.py's module doc):
-  fixed    `jax.lax.all_to_all` of [S*C, D] buffers, C = ceil(cf * n / S); a source keeps its first C rows (token
-           order) for each destination and drops the rest. Runs everywhere (XLA:CPU included).
-  ragged   `jax.lax.ragged_all_to_all` (TPU/GPU only; XLA:CPU does not implement it): each source sends exactly its
-           rows, sorted by expert; every shard all-gathers the [S, S] row counts, so all agree on where each chunk
-           lands. An expert shard receives at most R = ceil(cf * n) rows in total (the fixed form's S*C): sources
-           fill it in shard order and rows past R are dropped. Capacity is pooled over the sources, so it drops
-           less than `fixed` under skew; cf >= S never drops. Compile-checked for TPU v5p only (no run).
-  gather   every expert shard gathers all tokens of its group, computes its own experts' rows and reduce-scatters
-           (psum where tokens are replicated): dropless, memory and traffic grow with S.
-The expert MLP itself is the `ffn` argument (`moe.expert_ffn`, called with k = 1 rows: received rows, their expert
-id, weight 1; padding has expert id -1 and weight 0).
-"""
+`posttrain.model.moe.dispatch` picks the form (docs/moe.md). Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 import math
@@ -41,11 +25,7 @@ def _specs(ex_axes, mlp_axes, tok_axes, embed_axes=()):
 
 
 def gather_weights(wg, wu, wd, dtype, embed_axes):
-    """FSDP inside shard_map: the expert weights arrive split over `embed_axes` on D (their parameter sharding)
-    and are cast to the compute dtype before the all-gather, so each layer gathers [El, D, F] in bf16 (not
-    float32), and the gradient leaves through the all-gather's transpose, a reduce-scatter in the compute dtype.
-    Entering shard_map with D whole would make XLA gather float32 weights outside it and sum each device's full
-    float32 [El, D, F] weight gradient with a psum inside (three float32 [El, D, F] buffers per layer)."""
+    """The expert weights cast to `dtype`, then all-gathered on D over `embed_axes` (FSDP; why: docs/moe.md)."""
     cast = [w.astype(dtype) for w in (wg, wu, wd)]
     if not embed_axes:
         return cast
@@ -57,8 +37,7 @@ def gather_weights(wg, wu, wd, dtype, embed_axes):
 
 def dispatch_gather(ffn, x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype, mesh, ex_axes, mlp_axes,
                     tok_axes, embed_axes=()):
-    """All-gather form (module doc). x_MxD [M, D], experts/weights [M, k]; weights split on D over embed_axes
-    (`gather_weights`); returns y_MxD float32."""
+    """The dropless all-gather form of `posttrain.model.moe.dispatch`; returns y_MxD float32."""
     gather = tuple(a for a in ex_axes if a in tok_axes)
     psum_only = tuple(a for a in ex_axes if a not in tok_axes) + tuple(mlp_axes)
     El = w_gate.shape[0] // mesh_size(mesh, ex_axes)
@@ -82,14 +61,10 @@ def dispatch_gather(ffn, x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, 
 
 def dispatch_all_to_all(ffn, x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype, capacity_factor: float,
                         mesh, ex_axes, mlp_axes, tok_axes, ragged: bool = False, ragged_impl=None, embed_axes=()):
-    """All-to-all forms (module doc), tokens split over `tok_axes`. Expert axes the tokens are replicated over
-    (not in tok_axes) first split the tokens further, so every token is computed once, and all-gather the outputs
-    at the end: the alternative psum form runs every token's local-expert rows on every expert shard ([m*k, D]
-    expert rows and an [m, D] float32 all-reduce per device) against [~cf*m*k/S', D] rows and an [m, D]
-    all-gather here: lower memory and traffic. Needs M divisible by the token shards times those axes.
-    ragged_impl: a stand-in for `jax.lax.ragged_all_to_all` (tests on CPU). embed_axes: the weights' D split
-    (`gather_weights`). Returns (y_MxD float32, dropped
-    fraction float32 scalar)."""
+    """The fixed or ragged all-to-all form of `posttrain.model.moe.dispatch`: (y_MxD float32, dropped fraction).
+
+    M must divide by the token shards times the expert shards the tokens are replicated over.
+    ragged_impl: a CPU stand-in for `jax.lax.ragged_all_to_all`."""
     S = mesh_size(mesh, ex_axes)
     El = w_gate.shape[0] // S
     outside = tuple(a for a in ex_axes if a not in tok_axes)
@@ -116,13 +91,9 @@ def dispatch_all_to_all(ffn, x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_do
 
 
 def send_slots(dest_n, num_shards: int, capacity: int):
-    """Fixed-capacity send layout. dest_n int32 [n]: destination shard of each assignment row.
+    """Fixed-capacity send layout: the first `capacity` rows per destination shard (int32 dest_n [n]) fill its slots.
 
-    Rows are stably sorted by destination; the first `capacity` rows (in row order) for each destination fill
-    slots [dest * capacity, (dest + 1) * capacity) of the [S*C] send buffer, the rest are dropped.
-    Returns (src_SC int32: the row in each slot, n for an empty slot; slot_n int32: each row's slot, S*C when
-    dropped).
-    """
+    Returns int32 (src_SC: each slot's row, n if empty; slot_n: each row's slot, S*C if dropped)."""
     n = dest_n.shape[0]
     order = jnp.argsort(dest_n, stable=True)
     dest_sorted = dest_n[order]
@@ -135,9 +106,7 @@ def send_slots(dest_n, num_shards: int, capacity: int):
 
 
 def combine(rows_nxD, weights_mxk, keep_n):
-    """sum_k weight * row per token, float32 [m, D], from the returned rows in token-major order [m*k, D]
-    (compute dtype). One fused convert-multiply-reduce: no float32 [m*k, D] copy; dropped rows (keep_n False)
-    add 0."""
+    """float32 [m, D]: each token's k returned rows [m*k, D] summed with their weights; dropped rows add 0."""
     m, k = weights_mxk.shape
     w = jnp.where(keep_n.reshape(m, k), weights_mxk, 0.0).astype(jnp.float32)
     return (rows_nxD.reshape(m, k, -1).astype(jnp.float32) * w[..., None]).sum(1)
@@ -154,11 +123,7 @@ def _expert_side(ffn, recv_x, recv_e, wg, wu, wd, dtype, ex_axes, mlp_axes, El):
 
 
 def exchange_fixed(ffn, x_mxD, e_mxk, w_mxk, wg, wu, wd, dtype, capacity_factor, ex_axes, mlp_axes, S, El):
-    """One source shard's tokens to the expert shards and back through fixed [S*C, D] buffers (in shard_map).
-
-    x_mxD: this shard's m tokens; e_mxk / w_mxk: their global expert ids / routing weights.
-    Returns (y_mxD float32 combined with the routing weights, dropped row count float32 scalar).
-    """
+    """One source shard's rows to the expert shards and back via [S*C, D] buffers: (y_mxD float32, dropped count)."""
     m, k = e_mxk.shape
     n = m * k
     C = min(n, max(1, math.ceil(capacity_factor * n / S)))
@@ -179,9 +144,7 @@ def exchange_fixed(ffn, x_mxD, e_mxk, w_mxk, wg, wu, wd, dtype, capacity_factor,
 
 
 def ragged_plan(counts_SxS, capacity: int):
-    """Who sends what where. counts_SxS[i, j]: rows source i has for destination j; each destination takes at most
-    `capacity` rows, sources in shard order. Returns (kept [S, S] rows actually sent, dst_off [S, S]: offset of
-    chunk i->j in j's receive buffer, src_off [S, S]: offset of chunk i->j in i's expert-sorted rows)."""
+    """(kept, dst_off, src_off) [S, S]: rows i sends j under `capacity`, their offset at j and in i's sorted rows."""
     dst_off = jnp.cumsum(counts_SxS, axis=0) - counts_SxS
     kept = jnp.clip(capacity - dst_off, 0, counts_SxS)
     src_off = jnp.cumsum(counts_SxS, axis=1) - counts_SxS
@@ -190,8 +153,7 @@ def ragged_plan(counts_SxS, capacity: int):
 
 def exchange_ragged(ffn, x_mxD, e_mxk, w_mxk, wg, wu, wd, dtype, capacity_factor, ex_axes, mlp_axes, S, El,
                     impl=None):
-    """`exchange_fixed` with `jax.lax.ragged_all_to_all` (or `impl`, same signature): sources send exactly their
-    rows; an expert shard receives at most R = ceil(cf * n) rows. Same arguments and returns."""
+    """`exchange_fixed` over `jax.lax.ragged_all_to_all` (or `impl`): at most R = ceil(cf * n) rows per shard."""
     a2a = impl or jax.lax.ragged_all_to_all
     m, k = e_mxk.shape
     n = m * k

@@ -1,16 +1,9 @@
-"""Model FLOPs of a GRPO train step, counted the way MaxText counts them (for MFU; recomputation not counted).
+"""Model FLOPs of a GRPO train step for MFU, counted as MaxText does (recomputation not counted).
 
-  train FLOPs = 6 x (non-embedding parameters active per token) x tokens      (forward 2, backward 4 per MAC;
-                                                                                 LoRA: 4 x base + 6 x adapters)
-              + 6 x D x V x scored tokens                                      (LM head: only scored slots go
-                                                                                 through the unembedding)
-              + 3 x 2 x (qk_dim + v_dim) x heads x attended pairs x layers     (causal attention of the
-                                                                                 branch-masked packed rows)
-Active parameters of an MoE layer count its k routed experts of E (plus shared experts); `tokens` are the
-non-padding tokens of the rows; attended (query, key) pairs of a token are position + 1 under the packed layout
-(a completion attends to its prompt and its own earlier tokens, and its positions continue the prompt's).
-Source: Chowdhery et al. 2022 (PaLM, appendix B) and MaxText's `calculate_tflops_training_per_device`.
-"""
+FLOPs = 6 x active non-embedding params x tokens + 6 x D x V x scored tokens + 6 x (qk + v head dims) x heads x
+attended pairs x layers (LoRA: 4, not 6, for frozen weights); active: an MoE layer's k routed (+ shared) experts;
+a token attends position + 1 keys. Source: PaLM (Chowdhery et al. 2022, appendix B), MaxText's
+`calculate_tflops_training_per_device`."""
 from __future__ import annotations
 
 import dataclasses
@@ -61,10 +54,7 @@ def attention_pairs(positions_RxL, segment_ids_RxL) -> int:
 
 
 def train_step_flops(cfg: ModelConfig, model_state, batch, *, lora: bool = False) -> StepFlops:
-    """Model FLOPs of one update on `batch` (a RolloutBatch, numpy or jax) for the model of `cfg`.
-
-    model_state: the model's nnx State, concrete or abstract (`nnx.eval_shape`); only shapes are read.
-    """
+    """Model FLOPs of one update on `batch` (a RolloutBatch); only the shapes of `model_state` are read."""
     total, embed, active, adapters = _param_counts(cfg, model_state)
     tokens = int((np.asarray(batch.segment_ids_RxL) != 0).sum())
     scored = int((np.asarray(batch.loss_mask_NxC) & np.asarray(batch.valid_N)[:, None]).sum())

@@ -1,32 +1,6 @@
 """Grouped matmul for Mixture-of-Experts: rows sorted by expert, each contiguous group times its expert's weight.
 
-Dimension legend: M rows (token-expert assignments, sorted by expert), D input features, F output features,
-E groups (experts), G = E + 1 (the last group holds rows that belong to no expert), Nb padded blocks of `block`
-rows, C expert capacity (rows per expert in the capacity layout).
-
-    y[r] = x[r] @ w[e(r)]   for the rows r of group e (rows sizes[0] + ... + sizes[E-1] onward: y[r] = 0)
-
-One function, `grouped_matmul(x_MxD, w_ExDxF, sizes_E, impl=...)`, with interchangeable implementations
-(`IMPLS`), equal in values and gradients (tests/posttrain/model/test_gmm.py: against NumPy):
-
-- "ragged": `jax.lax.ragged_dot` (XLA). Fine for a few experts; XLA expands it across all groups, so with many
-  experts it is far slower than a dense dot of the same FLOPs and its temporaries grow with the expert count
-  (`bench/moe.py` compares the implementations).
-- "padded": dropless padded dense. Each group is padded to a multiple of `block` rows (at most M + E * block
-  rows in all, so the bound is M / block + E blocks), every block gathers its expert's weight, and one batched
-  matmul [Nb, block, D] x [Nb, D, F] runs over the blocks; the weight gradient is the per-block gradient summed
-  back per expert (`segment_sum`). Extra memory: Nb x D x F weight copies and E x block padding rows.
-- "megablox": the TPU Pallas kernel `jax.experimental.pallas.ops.tpu.megablox.gmm` (its own custom VJP: `gmm`
-  for the input gradient, `tgmm` for the weight gradient). Runs under `interpret=True` off TPU (slow; tests).
-- "capacity": the fixed-capacity layout [E, C, D] x [E, D, F] (Switch Transformer, Fedus et al. 2021). Needs
-  every group to fit in `capacity` rows: the caller drops the rows over capacity first (`posttrain.model.moe`
-  counts them). Not dropless; opt in with `MoEConfig.capacity_factor`.
-- "auto": `auto_impl(platform)`: megablox on TPU, padded elsewhere (ragged_dot expands across all groups, on
-  GPUs and on XLA:CPU alike).
-
-Not here yet: the Hopper Pallas kernels (`pallas.ops.gpu.ragged_dot_mgpu` forward, `transposed_ragged_dot_mgpu`
-weight gradient) need a GPU to test, so GPUs use "padded".
-"""
+The implementations (`IMPLS`) agree in values and gradients; docs/moe.md. Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 import functools
@@ -44,13 +18,7 @@ def auto_impl(platform: str | None = None) -> str:
 
 
 def default_block(rows: int, groups: int) -> int:
-    """Block rows for "padded": the power of two nearest the mean group size rows / groups, within [8, 1024].
-
-    The trade-off: the weight copies are (rows / block + groups) x D x F, about twice the weights at this
-    block, and the padding is on average block / 2 rows per group, about half the rows (at most 2x FLOPs).
-    Smaller blocks cut the padding but multiply the copies (memory and weight traffic): at rows / (4 groups)
-    an 8,192-row layer (1,024 tokens, top-8, 128 experts) ran at 0.14 of the
-    dense peer's throughput on CPU, against 0.34 at this block (`bench/moe.py`)."""
+    """Block rows for "padded": the power of two at or below the mean group size, within [8, 1024] (docs/moe.md)."""
     mean = max(rows // max(groups, 1), 1)
     return int(min(1024, max(8, 1 << (mean.bit_length() - 1))))
 
@@ -58,16 +26,15 @@ def default_block(rows: int, groups: int) -> int:
 def grouped_matmul(x_MxD: jax.Array, w_ExDxF: jax.Array, sizes_E: jax.Array, *, impl: str = "auto",
                    block: int | None = None, capacity: int | None = None, precision=None,
                    out_dtype=jnp.float32, platform: str | None = None) -> jax.Array:
-    """y[M, F] = x[r] @ w[group(r)] for rows sorted by group; rows past sum(sizes) give 0.
+    """y [M, F] in `out_dtype` (float32 accumulation): x[r] @ w[group(r)] for rows sorted by group.
 
-    x_MxD: rows in the compute dtype, sorted by group. w_ExDxF: one weight per group. sizes_E: int32 [E], rows per
-    group (sum <= M). impl: one of IMPLS. block: rows per block for "padded" (default `default_block`).
-    capacity: rows per group for "capacity" (required there; every sizes[e] must be <= capacity, else rows are
-    silently lost, so the caller drops and counts them first). precision: a `jax.lax.Precision` or None (the
-    ambient default). platform: the backend compiled for (default `jax.default_backend()`; a TPU mesh compiled
-    ahead of time on a CPU host says "tpu"): picks "auto" and megablox's interpret mode. Accumulates in float32;
-    returns `out_dtype`.
-    Raises ValueError for an unknown impl, mismatched shapes or a missing capacity.
+    Args:
+      sizes_E: int32 rows per group (sum <= M); rows past the sum give 0.
+      block: rows per block for "padded" (default `default_block`).
+      capacity: rows per group for "capacity" (required there); rows over it are silently lost.
+      platform: the backend compiled for (default `jax.default_backend()`): picks "auto" and megablox's interpret.
+    Raises:
+      ValueError: an unknown impl, mismatched shapes or a missing capacity.
     """
     M, D = x_MxD.shape
     E, Dw, F = w_ExDxF.shape
@@ -144,9 +111,7 @@ def _megablox_ops():
 
 
 def _megablox(x_MxD, w_ExDxF, sizes_E, *, interpret):
-    """megablox.gmm needs M to be a multiple of the row tile: pad with rows outside every group. It leaves rows
-    outside every group uninitialised in its output and in its input gradient, so both are masked with `where`
-    (whose cotangent selects, so the garbage never reaches x's gradient)."""
+    """megablox.gmm on rows padded to its tile; rows outside every group (left uninitialised) are masked by `where`."""
     M, D = x_MxD.shape
     F = w_ExDxF.shape[2]
     tm = min(128, -(-M // 8) * 8)

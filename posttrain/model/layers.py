@@ -1,16 +1,6 @@
 """Transformer layers (Flax NNX): RMSNorm, RoPE, GQA and MLA attention, gated MLP.
 
-Dimension legend (used in every name suffix of this module):
-  B batch, T query length, S key length, D d_model, N query heads, K kv heads, H head dim,
-  F MLP hidden, R MLA latent rank (kv_lora_rank), P rotary dims of MLA (qk_rope_head_dim), C cache-entry dims.
-
-Every parameter is an `nnx.Param` whose `logical_axes` metadata names its dimensions; `posttrain.infra.mesh.RULES`
-maps those names to mesh axes. Layers receive the few fields they need, never a config object.
-
-Both attentions run on the multi-source core of `posttrain.model.attention` (prompt prefix shared by a group of
-samples + per-sample cache + own tokens, one softmax) when given a [B, T, S] mask, and on the blockwise
-self-attention of `posttrain.model.blockwise_attention` when given the row's ids (`flash.RowIds`: long training/prefill rows).
-"""
+Parameters carry `logical_axes` (mapped by `posttrain.infra.mesh.RULES`). Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 import functools
@@ -45,16 +35,13 @@ def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtyp
     return nnx.Param(value, logical_axes=tuple(axes))
 
 
-# Names of saveable activations (`jax.ad_checkpoint.checkpoint_name`), read by the remat policies of
-# `posttrain.model.transformer`: "dot" every weight-matmul output (in the compute dtype), "qkv" queries/keys/values
-# after RoPE, "attn_out" the attention output before the output projection, "mlp_in" the normed MLP/MoE input.
+# Saveable activations for the remat policies: "dot" every weight-matmul output (compute dtype), "qkv" after RoPE,
+# "attn_out" before the output projection, "mlp_in" the normed MLP/MoE input.
 CHECKPOINT_NAMES = ("dot", "qkv", "attn_out", "mlp_in")
 
 
 def dot(eq: str, x: jax.Array, w: jax.Array, dtype, precision=None) -> jax.Array:
-    """einsum in the compute dtype with float32 accumulation; the result is cast back to `dtype` and named "dot"
-    (so the "dots" remat policy saves it in the compute dtype, not in float32). precision: a `jax.lax.Precision`
-    or None (the ambient `jax.default_matmul_precision`)."""
+    """einsum in `dtype` with float32 accumulation, cast back to `dtype` and named "dot" (saved by remat "dots")."""
     y = jnp.einsum(eq, x.astype(dtype), w.astype(dtype), precision=precision, preferred_element_type=jnp.float32)
     return checkpoint_name(y.astype(dtype), "dot")
 
@@ -64,8 +51,7 @@ class LoRAParam(nnx.Param):
 
 
 def add_adapters(module: nnx.Module, lora: LoRAConfig | None, shapes: dict, rngs: nnx.Rngs, param_dtype) -> None:
-    """Creates `<name>_lora_a` [in, r] (Gaussian, std in^-0.5) and `<name>_lora_b` [r, out] (zeros) for each
-    projection `name` in `shapes` ({name: (in_features, out_features)}) that `lora.targets` lists."""
+    """Adds `<name>_lora_a` [in, r] and zero `<name>_lora_b` [r, out] per targeted {name: (in, out)} of `shapes`."""
     module.lora_scale = 0.0
     if lora is None or not lora.rank:
         return
@@ -79,10 +65,7 @@ def add_adapters(module: nnx.Module, lora: LoRAConfig | None, shapes: dict, rngs
 
 
 def project(module: nnx.Module, name: str, eq: str, x_BxTx_: jax.Array, dtype) -> jax.Array:
-    """`dot(eq, x, module.<name>)` plus the adapter path scale * (x A) B when `module` has one for `name`.
-
-    x's dims after the leading (B, T) are the contracted ones; the adapter output is reshaped like the result.
-    """
+    """`dot(eq, x, module.<name>)` plus scale * (x A) B when `module` has an adapter for `name` (x: [B, T, ...])."""
     y = dot(eq, x_BxTx_, getattr(module, name)[...], dtype)
     a = getattr(module, f"{name}_lora_a", None)
     if a is None:
@@ -108,11 +91,7 @@ class RMSNorm(nnx.Module):
 
 # ----------------------------------------------------------------------------------------------------- RoPE
 def rope_frequencies(dim: int, rope: RopeConfig) -> tuple[np.ndarray, float]:
-    """Inverse frequencies [dim/2] (float32) and the cos/sin attention factor for a RoPE variant.
-
-    Formulas follow the published methods: position interpolation (linear), Llama 3.1 band scaling, and
-    YaRN (Peng et al. 2023, arXiv:2309.00071) with ramp between beta_fast/beta_slow and mscale.
-    """
+    """Inverse frequencies [dim/2] (float32) and the cos/sin factor: linear, Llama 3.1 or YaRN (arXiv:2309.00071)."""
     exps = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     pos_freqs = np.power(np.float32(rope.theta), exps, dtype=np.float32)
     inv = (np.float32(1.0) / pos_freqs).astype(np.float32)
@@ -170,10 +149,7 @@ def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxh: jax.Array, sin_BxTxh: jax.Array)
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention (Ainslie et al. 2023) with optional q/k RMSNorm (Qwen3) and qkv bias (Qwen2).
-
-    Cache entries per token: {"k": [K, H], "v": [K, H]} (post-RoPE keys).
-    """
+    """Grouped-query attention (Ainslie et al. 2023) with optional q/k RMSNorm (Qwen3) and qkv bias (Qwen2)."""
 
     def __init__(self, *, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: RopeConfig,
                  qk_norm: bool, bias: bool, norm_eps: float, dtype, param_dtype, rngs: nnx.Rngs,
@@ -197,8 +173,7 @@ class Attention(nnx.Module):
                                   "o_proj": (N * H, D)}, rngs, param_dtype)
 
     def __call__(self, x_BxTxD, positions_BxT, mask, extra_sources: Sequence[Source] = ()):
-        """Returns (y [B, T, D], entries {"k","v"} of these T tokens). Self-attention uses `mask`: bool [B, T, T]
-        (dense, with any extra sources) or `flash.RowIds` (blockwise, no extra sources)."""
+        """(y [B, T, D], entries {"k", "v"} of these tokens); mask: bool [B, T, T] or `RowIds` (no extra sources)."""
         q = project(self, "q_proj", "btd,dnh->btnh", x_BxTxD, self.dtype)
         k = project(self, "k_proj", "btd,dkh->btkh", x_BxTxD, self.dtype)
         v = project(self, "v_proj", "btd,dkh->btkh", x_BxTxD, self.dtype)
@@ -222,13 +197,9 @@ def _latent_logits(q_BxTxNxC, kv):
 
 
 class MLAttention(nnx.Module):
-    """Multi-head latent attention (DeepSeek-V2/V3). Cache entries per token: {"kv": [R + P]} =
-    concat(RMSNorm(latent), RoPE(shared rotary key)): the compressed cache.
+    """Multi-head latent attention (DeepSeek-V2/V3); cache entries {"kv": [R + P]} per token (docs/attention.md).
 
-    Without cached sources (training, prefill) keys/values are expanded per head; with cached sources the
-    up-projections are absorbed into the query and output ("weight absorption", DeepSeek-V2 §2.1.3), so the
-    cache is read in its compressed form. Both paths give the same result up to float rounding.
-    """
+    With cached sources the up-projections are absorbed into q and the output (DeepSeek-V2 §2.1.3)."""
 
     def __init__(self, *, d_model: int, num_heads: int, mla: MLAConfig, rope: RopeConfig, norm_eps: float,
                  dtype, param_dtype, rngs: nnx.Rngs, lora: LoRAConfig | None = None,
@@ -262,7 +233,7 @@ class MLAttention(nnx.Module):
                      param_dtype)
 
     def __call__(self, x_BxTxD, positions_BxT, mask, extra_sources: Sequence[Source] = ()):
-        """Returns (y [B, T, D], entries {"kv"}); `mask` as in `Attention.__call__`."""
+        """(y [B, T, D], entries {"kv"}); `mask` as in `Attention.__call__`."""
         dt = self.dtype
         if self.q_lora:
             q = project(self, "q_b_proj", "btq,qnh->btnh",
@@ -311,13 +282,8 @@ def _mm(a, b, dtype, precision=None):
 def swiglu(x_NxD, gate_DxF, up_DxF, down_FxD, dtype, precision=None):
     """down(silu(x @ gate) * (x @ up)) over flattened tokens [N, D] -> [N, D] (Shazeer 2020).
 
-    The backward is written out as six 2-D matmuls (same math as autodiff, float32 accumulation). Reason: from
-    the autodiff form, XLA:CPU fuses the SiLU-gradient elementwise ops into a transposed copy for the weight-
-    gradient dots, a strided loop that took ~25% of a SmolLM2 train step; here those ops stay in natural
-    layout. Residuals: x, x @ gate, x @ up (matmul outputs in the compute dtype, named "dot", so the "dots" remat
-    policy saves them). precision: a `jax.lax.Precision` or None, passed explicitly because the backward rule is
-    traced outside the caller's `jax.default_matmul_precision` scope.
-    """
+    The hand-written backward keeps XLA:CPU from fusing the SiLU gradient into a strided transposed copy;
+    `precision` is explicit because that backward is traced outside the caller's precision scope."""
     return _swiglu_fwd(x_NxD, gate_DxF, up_DxF, down_FxD, dtype, precision)[0]
 
 

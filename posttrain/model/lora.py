@@ -1,9 +1,4 @@
-"""LoRA helpers over flat parameter dicts: merge adapters into their base weights, count adapter parameters.
-
-The adapters themselves live in the model (`posttrain.model.layers.add_adapters` / `project`): y = x W +
-(alpha / r) (x A) B, so training computes no gradient for the frozen base W. `merge_adapters` folds them back
-(W + (alpha / r) A @ B, reshaped to W's einsum shape) for export or for a plain, adapter-free model.
-"""
+"""LoRA over flat parameter dicts: fold adapters into their base weights (W + (alpha / r) A @ B) for export."""
 from __future__ import annotations
 
 from typing import Mapping
@@ -12,11 +7,9 @@ import numpy as np
 
 
 def merge_adapters(arrays: Mapping[tuple, np.ndarray], scale: float) -> dict:
-    """{path: array} with every `<name>_lora_a` / `<name>_lora_b` pair folded into `<name>` and removed.
+    """{path: array} with each `<name>_lora_a` / `_lora_b` pair folded into `<name>` (scale: alpha / rank).
 
-    scale: alpha / rank of the adapters. Stacked layers ([L, ...] leading axis) are handled per layer.
-    Raises ValueError when an adapter has no matching base weight.
-    """
+    Stacked [L, ...] layers merge per layer. Raises ValueError for an adapter without a base weight."""
     out = {k: v for k, v in arrays.items() if not k[-1].endswith(("_lora_a", "_lora_b"))}
     for path, a in arrays.items():
         if not path[-1].endswith("_lora_a"):

@@ -1,10 +1,7 @@
-"""Named model shapes: the published configurations of real models, and tiny ones for tests.
+"""Named model shapes (no weights): published configurations of real models, and tiny ones for tests.
 
-Sources: each model's released config.json (Hugging Face hub): HuggingFaceTB/SmolLM2-135M-Instruct,
-Qwen/Qwen3-0.6B, Qwen/Qwen3-30B-A3B, deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct.
-Weights come from checkpoints (`posttrain.checkpoints.load_pretrained`); presets give shapes for planning,
-random-init experiments and tests.
-"""
+Sources: config.json on the Hugging Face hub of HuggingFaceTB/SmolLM2-135M-Instruct, Qwen/Qwen3-0.6B,
+Qwen/Qwen3-30B-A3B, deepseek-ai/DeepSeek-V3 and moonshotai/Kimi-K2-Instruct."""
 from __future__ import annotations
 
 import dataclasses
@@ -68,11 +65,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def get_preset(name: str, **overrides) -> ModelConfig:
-    """The named ModelConfig, optionally with fields replaced (e.g. `dtype="bfloat16"`, `num_layers=4`).
-
-    Raises:
-      ValueError: unknown preset name (lists the known ones) or an invalid override.
-    """
+    """The named ModelConfig with `overrides` replaced; raises ValueError for an unknown name or override."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
     try:

@@ -1,18 +1,6 @@
 """A scalar reward model: the decoder's final hidden states read by a Linear D -> 1 head at each reply's last token.
 
-Dimension legend: B rows, T length, D d_model, N scored sequences (replies; several may share a row).
-
-`RewardModel` is a `Transformer` backbone plus `ScoreHead` (`score` [D, 1], logical axes ("embed", None), as
-transformers' `LlamaForSequenceClassification.score` transposed, bias-free). A reply's reward is
-
-    r_n = h[row_n, last_n] . score        (float32)
-
-with h the backbone's final-norm hidden states, `row_n` the row holding reply n and `last_n` the row position of the
-reply's last token (the end-of-turn token when the reply has one): the pooling of transformers'
-`*ForSequenceClassification` (the last non-pad token of a right-padded sequence). Which rows and positions hold
-which replies is the caller's (the pair layout of `posttrain.algos.rm.step`, the unpadded sequences of
-`posttrain.rollout.rewards`).
-"""
+The pooling of transformers' `*ForSequenceClassification`. Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 import jax
@@ -27,9 +15,7 @@ from posttrain.model.transformer import Transformer
 
 
 class ScoreHead(nnx.Module):
-    """The reward head: `score` [D, 1], zeros (every reward 0 at the start, so held-out pair accuracy starts at
-    chance, 1/2 with ties counting 1/2; the first update moves the head along the hidden-state differences) or
-    `init` when given (float [D, 1])."""
+    """The reward head `score` [D, 1]: `init` (float [D, 1]) when given, else zeros (every reward 0 at the start)."""
 
     def __init__(self, d_model: int, *, param_dtype, rngs: nnx.Rngs, init=None):
         self.score = param(rngs, (d_model, 1), ("embed", None), param_dtype, init="zeros")
@@ -44,14 +30,13 @@ def head_scores(h_BxTxD, rows_N, last_N, score_Dx1) -> jax.Array:
 
 
 class RewardModel(nnx.Module):
-    """A `Transformer` backbone (`backbone`) and its `ScoreHead` (`head`); see the module docstring."""
+    """A `Transformer` backbone (`backbone`) and its `ScoreHead` (`head`)."""
 
     def __init__(self, backbone: Transformer, head: ScoreHead):
         self.backbone, self.head = backbone, head
 
     def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT, branch_ids_BxT, rows_N, last_N) -> jax.Array:
-        """float32 [N] rewards of the replies ending at (rows_N, last_N) in the (possibly packed) rows; the rows'
-        ids follow `Transformer.hidden_states`."""
+        """float32 [N] rewards of the replies ending at (rows_N, last_N) in the (possibly packed) rows."""
         with matmul_scope(self.backbone.matmul_precision):
             h, _ = self.backbone.hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT, branch_ids_BxT)
             return head_scores(h, rows_N, last_N, self.head.score[...])
@@ -65,9 +50,9 @@ class RewardModel(nnx.Module):
 
 
 def with_head(cfg: ModelConfig, graphdef, state, mesh, rules, *, seed: int = 0, score=None):
-    """(graphdef, state) of a `RewardModel` over the backbone `graphdef` / `state` (a loaded policy: its arrays are
-    reused, not copied) with a new head created sharded on `mesh` by `rules` (`score`: float [D, 1] or [1, D]
-    weights, e.g. an exported head; None: zeros)."""
+    """(graphdef, state) of a `RewardModel`: the backbone's arrays reused, a new head sharded on `mesh` by `rules`.
+
+    score: float [D, 1] or [1, D] head weights (e.g. an exported head); None: zeros."""
     from posttrain.infra.partitioning import create_sharded
 
     init = None if score is None else np.asarray(score, np.float32).reshape(cfg.d_model, 1)

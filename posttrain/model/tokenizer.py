@@ -1,14 +1,6 @@
-"""Tokenizer and chat template.
+"""Tokenizer and chat template: a fast `tokenizers.Tokenizer` built from GGUF metadata or a Hugging Face directory.
 
-`Tokenizer` wraps a fast `tokenizers.Tokenizer` (Rust). It is built either from a GGUF file's metadata
-(`tokenizer.ggml.*` keys, see https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) or from a Hugging Face
-tokenizer directory (`tokenizer.json` + `tokenizer_config.json` / `chat_template.jinja`). Chat templates are rendered
-with jinja2's sandboxed environment configured exactly as transformers' `apply_chat_template` does.
-
-Masks are built from positions, never from token values (docs/design.md invariant 2): the pad id may equal the EOS id.
-
-Dimension legend: B = batch rows (completions), L = sequence positions (the padded width).
-"""
+GGUF keys: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md. The pad id may equal the EOS id."""
 
 from __future__ import annotations
 
@@ -135,12 +127,7 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 
 def compile_chat_template(template: str) -> jinja2.Template:
-    """Compile a chat template in the environment transformers uses (transformers.utils.chat_template_utils).
-
-    ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True) with loop controls and the `generation` tag;
-    globals `raise_exception`, `strftime_now`, `dict`, `namespace`; a `tojson` filter without HTML escaping.
-    Raises jinja2.TemplateSyntaxError for a malformed template.
-    """
+    """Compile a chat template as transformers.utils.chat_template_utils does; jinja2.TemplateSyntaxError if bad."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
@@ -155,13 +142,11 @@ def _token_content(value: Any) -> str | None:
 
 
 class Tokenizer:
-    """Text <-> token ids, special ids and the chat template.
+    """Text <-> token ids, special ids and the chat template; ValueError for a special token not in the vocabulary.
 
     Args:
-      backend: a `tokenizers.Tokenizer` (its post-processor decides what `add_special_tokens=True` adds).
-      eos_token / bos_token / pad_token / unk_token: token strings (pad defaults to EOS when absent).
-      chat_template: Jinja2 source, or None (then `apply_chat_template` raises ValueError).
-    Raises ValueError when a given special token is not in the vocabulary.
+      backend: its post-processor decides what `add_special_tokens=True` adds.
+      pad_token: defaults to EOS. chat_template: Jinja2 source, or None (`apply_chat_template` then raises ValueError).
     """
 
     def __init__(self, backend: _Backend, *, eos_token: str, bos_token: str | None = None,
@@ -182,13 +167,9 @@ class Tokenizer:
     # ----- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
-        """Build from GGUF key/value metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`).
+        """Build from GGUF metadata: byte-level BPE ("gpt2") with a pre-tokenizer of GGUF_PRE_TOKENIZERS.
 
-        Supports `tokenizer.ggml.model == "gpt2"` (byte-level BPE) with the pre-tokenizers in GGUF_PRE_TOKENIZERS
-        (llama.cpp's `tokenizer.ggml.pre`). Control tokens become special added tokens, user-defined ones plain
-        added tokens (as transformers' GGUF converter and llama.cpp do). Raises ValueError for another tokenizer
-        model or pre-tokenizer, or when tokens/merges/eos id are missing.
-        """
+        Raises ValueError for another model or pre-tokenizer, or when tokens, merges or the eos id are missing."""
         model = metadata.get("tokenizer.ggml.model")
         if model != "gpt2":
             raise ValueError(f"unsupported GGUF tokenizer model {model!r}; supported: 'gpt2' (byte-level BPE)")
@@ -232,11 +213,8 @@ class Tokenizer:
     def from_hf_dir(cls, path: str | pathlib.Path) -> Tokenizer:
         """Build from a Hugging Face tokenizer directory (as written by `save_pretrained`).
 
-        Reads `tokenizer.json`; special tokens from `tokenizer_config.json` then `special_tokens_map.json`; the chat
-        template from `chat_template.jinja` or `tokenizer_config.json["chat_template"]` (a string, or a list of
-        {"name", "template"} where "default" is used). Raises FileNotFoundError without `tokenizer.json`,
-        ValueError when no EOS token is declared.
-        """
+        The chat template: `chat_template.jinja`, else `tokenizer_config.json` (of a named list, "default").
+        Raises FileNotFoundError without `tokenizer.json`, ValueError when no EOS token is declared."""
         path = pathlib.Path(path)
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
@@ -257,11 +235,7 @@ class Tokenizer:
 
     @classmethod
     def byte_level(cls) -> Tokenizer:
-        """A 259-id byte tokenizer with a ChatML template, for tiny random models in tests and smoke runs.
-
-        Ids 0-255 are the bytes (GPT-2 byte-to-unicode spelling), 256 `<|endoftext|>`, 257 `<|im_start|>`,
-        258 `<|im_end|>` (EOS and end-of-turn).
-        """
+        """A 259-id ChatML byte tokenizer for tests: 256 bytes, then pad, `<|im_start|>` and `<|im_end|>` (EOS)."""
         spelling = _bytes_to_unicode()
         vocab = {spelling[b]: b for b in range(256)}
         backend = _Backend(models.BPE(vocab=vocab, merges=[]))
@@ -276,7 +250,7 @@ class Tokenizer:
     # ----- ids and properties -------------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
-        """Number of ids, added tokens included (49152 for SmolLM2)."""
+        """Number of ids, added tokens included."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     @property
@@ -294,8 +268,7 @@ class Tokenizer:
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        """EOS plus the chat template's end-of-turn token (the special token the template writes right after an
-        assistant message, e.g. `<|im_end|>`), sorted and deduplicated."""
+        """EOS and the chat template's end-of-turn token (the special token written after a reply), sorted."""
         if self._stop_ids is None:
             self._stop_ids = tuple(sorted({self.eos_id, *self._end_of_turn_ids()}))
         return self._stop_ids
@@ -315,8 +288,7 @@ class Tokenizer:
 
     # ----- text <-> ids -------------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; special-token strings in `text` map to their ids. With add_special_tokens the
-        post-processor adds BOS/EOS where the tokenizer asks for them."""
+        """Token ids of `text` (special-token strings map to their ids; add_special_tokens: BOS/EOS as configured)."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
@@ -335,9 +307,8 @@ class Tokenizer:
                             tokenize: bool = False, **kwargs: Any) -> str | list[int]:
         """Render `messages` ([{"role", "content", ...}]) with the chat template, as transformers does.
 
-        The template sees `messages` (None-valued keys dropped), `tools=None`, `documents=None`,
-        `add_generation_prompt`, the special token strings (`bos_token`, `eos_token`, ...) and `kwargs`
-        (which override them). Returns the string, or with tokenize=True its ids (no special tokens added).
+        The template sees the messages without None-valued keys, `tools=None`, `documents=None`, the special token
+        strings and `kwargs` (which override them). Returns the string, or with tokenize=True its ids.
         Raises ValueError without a template or with no messages; jinja2.TemplateError from the template.
         """
         if self.chat_template is None:

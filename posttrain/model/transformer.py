@@ -1,18 +1,7 @@
 """Decoder-only transformer: embed -> scan(dense blocks) -> scan(MoE blocks) -> RMSNorm -> unembed.
 
-Dimension legend: B batch, T length, D d_model, V vocab, L layers of one stack, P prompts, N = P*G sampled
-sequences (G samples per prompt), Lp prompt width, Lg generation width, E experts.
-
-Two entry points share every layer:
-  * `hidden_states(tokens, positions, segment_ids, branch_ids)`: teacher-forced pass over (possibly packed)
-    sequences. Token i may attend to token j <= i iff both have the same non-zero segment id and j's branch
-    is 0 (the shared prefix) or equal to i's branch. Branches let one prompt be followed by its G completions
-    in one row, so the prompt is computed (forward and backward) once per group. Rows of at least
-    `flash.BLOCKWISE_MIN_LEN` tokens run blockwise attention (`posttrain.model.blockwise_attention`): the mask stays ids.
-  * `prefill` + `decode_step`: the KV-cache path used by the sampler. The prompt's cache is computed once per
-    prompt and read by all G samples (`attention.Source(group=G)`); each sample appends to its own cache.
-Layers are stacked on a leading `layers` axis and applied with `jax.lax.scan` (optionally rematerialised).
-"""
+Teacher-forced passes over packed rows (`hidden_states`), the dense KV-cache sampler (`prefill`, `decode_step`) and
+attention over a caller's cache (`extend_with_hook`). Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 import functools
@@ -34,12 +23,7 @@ from posttrain.infra.precision import matmul_scope
 
 
 def remat_policy(remat: str, names: tuple[str, ...] = ()):
-    """The `jax.checkpoint` policy of a remat mode (see `ModelConfig.remat`); "none" -> no checkpoint at all.
-
-    "dots" saves the activations named "dot" (weight-matmul outputs, already cast to the compute dtype; a
-    policy on raw dot_general outputs would keep float32 accumulators: 2x the memory in bf16). "names" saves
-    `names`; "full" saves nothing inside the block. Raises ValueError on an unknown mode or name.
-    """
+    """The `jax.checkpoint` policy of a remat mode (docs/precision.md), None for "none"; ValueError if unknown."""
     if set(names) - set(CHECKPOINT_NAMES):
         raise ValueError(f"unknown remat names {sorted(set(names) - set(CHECKPOINT_NAMES))}; known: {CHECKPOINT_NAMES}")
     policies = {"dots": lambda: jax.checkpoint_policies.save_only_these_names("dot"),
@@ -53,7 +37,7 @@ def remat_policy(remat: str, names: tuple[str, ...] = ()):
 
 
 def _in_precision_scope(method):
-    """Runs a Transformer entry point under its matmul precision (`posttrain.infra.precision.matmul_scope`)."""
+    """Runs a Transformer entry point under its `matmul_scope`."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -172,13 +156,15 @@ class Transformer(nnx.Module):
     def hidden_states(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, branch_ids_BxT=None,
                       *, return_entries: bool = False, shared_entries=None, blockwise: bool | None = None,
                       replay_experts_LxBxTxk=None):
-        """Final-norm hidden states [B, T, D], aux dict (MoE losses summed over layers, expert load per layer),
-        and (if asked) the per-stack attention entries [L, B, T, ...]. `shared_entries` ({stack: [L, 1, ...]},
-        cache layout): entries of C earlier tokens that every row continues (positions must then start at C).
-        blockwise: self-attention path, True blockwise (`flash.blockwise_attention`: never a [T, T] score or mask
-        tensor), False dense, None by shape (`flash.BLOCKWISE_MIN_LEN`); with `shared_entries` always dense.
-        replay_experts_LxBxTxk: routing replay for the MoE stack (int, -1: route normally; `moe.route`); the
-        aux dict's "routed_experts" [L, B, T, k] int32 is the selection the MoE layers made."""
+        """(final-norm hidden states [B, T, D], aux[, {stack: attention entries [L, B, T, ...]}]).
+
+        Args:
+          shared_entries: {stack: [L, 1, ...]} cache-layout entries of C tokens every row continues (positions from C).
+          blockwise: True, False (dense; always with shared_entries) or None by shape (`blockwise_attention.self_mask`).
+          replay_experts_LxBxTxk: routing replay for the MoE stack (-1: route normally).
+        Returns:
+          aux: MoE losses summed over layers, "expert_load" [L, E], "routed_experts" int32 [L, B, T, k].
+        """
         B, T = tokens_BxT.shape
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -218,12 +204,11 @@ class Transformer(nnx.Module):
     @_in_precision_scope
     def prefill(self, prompts_PxLp, lengths_P, *, group: int, max_new: int, shared_len: int = 0,
                 return_routing: bool = False):
-        """Runs right-padded prompts once; returns (logits [P, V] at each prompt's last token, DecodeCache
-        with an empty per-sample suffix of width `max_new` for P * group samples), and with `return_routing`
-        the MoE layers' expert selection of every prompt token, int32 [L, P, Lp, k] (None without MoE layers).
+        """Runs right-padded prompts once: (logits [P, V] at each last token, DecodeCache[, routing]).
 
-        shared_len: C > 0 when all prompts begin with the same C tokens (C < every length; see
-        `sampler.shared_prefix_len`): those are run once, and every prompt's remainder attends to them.
+        The cache has an empty suffix of width `max_new` for P * group samples; routing (`return_routing`): the
+        expert selection of every prompt token, int32 [L, P, Lp, k], None without MoE layers.
+        shared_len: C > 0 when every prompt starts with the same C tokens (C < every length): they run once.
         """
         P, Lp = prompts_PxLp.shape
         shared, routing = None, []
@@ -258,8 +243,7 @@ class Transformer(nnx.Module):
     # ------------------------------------------------------------------ decoding
     @_in_precision_scope
     def decode_step(self, tokens_N, cache: DecodeCache, *, return_routing: bool = False):
-        """Appends one token per sample; returns (logits [N, V] for the next token, updated cache), and with
-        `return_routing` the MoE layers' expert selection for the appended tokens, int32 [L, N, k] (or None)."""
+        """Appends one token per sample: (next-token logits [N, V], cache[, expert selection int32 [L, N, k]])."""
         N = tokens_N.shape[0]
         P = cache.prefix_len_P.shape[0]
         G = N // P
@@ -275,9 +259,8 @@ class Transformer(nnx.Module):
         valid = jnp.ones((N, 1), bool)
         new_suffix, routing = {}, None
         for name, stack in self.stacks():
-            # Each layer reads its cache slices as scan inputs and returns this token's entries; they are written
-            # once after the scan. (Carrying the whole [L, N, Lg, ...] suffix through the layer scan made XLA CPU
-            # copy it twice per layer per step: about a quarter of decode time for SmolLM2 at N=64.)
+            # Cache slices are scan inputs and the new entries are written once after the scan: carrying the whole
+            # suffix through the layer scan makes XLA:CPU copy it twice per layer per step.
             def body(block, h, inputs):
                 prefix_l, suffix_l, shared_l = inputs
                 sources = (Source(prefix_l, prefix_mask, G), Source(suffix_l, suffix_mask, 1))
@@ -298,9 +281,7 @@ class Transformer(nnx.Module):
     @_in_precision_scope
     def decode_with_hook(self, tokens_B, positions_B, cache_xs: dict, make_hook, *, return_routing: bool = False,
                          cache_carry: dict | None = None):
-        """`extend_with_hook` of one new token per row (the rollout engine's decode step). Returns (float32 logits
-        [B, V], {stack: the fed tokens' entries [L, B, 1, ...]}), then with `return_routing` the expert selection
-        int32 [L, B, k] (None without MoE layers), then with `cache_carry` the carried caches."""
+        """`extend_with_hook` of one token per row, returning float32 logits [B, V] instead of hidden states."""
         h, entries, *rest = self.extend_with_hook(tokens_B[:, None], positions_B[:, None], cache_xs, make_hook,
                                                   return_routing=return_routing, cache_carry=cache_carry)
         if return_routing and rest[0] is not None:
@@ -310,16 +291,17 @@ class Transformer(nnx.Module):
     @_in_precision_scope
     def extend_with_hook(self, tokens_BxT, positions_BxT, cache_xs: dict, make_hook, valid_BxT=None, *,
                          return_routing: bool = False, cache_carry: dict | None = None):
-        """T new tokens per row whose attention over earlier tokens and each other the caller computes (the
-        engine's decode step and its prefill of a turn's new tokens over cached pages). cache_xs: {stack: pytree
-        with a leading [L] layer axis}, scanned with the layers; make_hook(xs of one layer) -> `attention.CacheHook`;
-        valid_BxT: bool, False for padding (MoE routing skips it; default all True). cache_carry: {stack: pytree}
-        carried through that stack's layer scan (a cache each layer updates where it lies, e.g. the whole page
-        pool: a scanned slice handed to a kernel is copied first); then make_hook(xs, cell) gets a one-element
-        list holding the carry and puts the updated cache back into cell[0].
-        Returns (final-norm hidden states [B, T, D], {stack: the fed tokens' entries [L, B, T, ...] in the
-        attention layout}), then with `return_routing` the MoE layers' expert selection, int32 [L, B, T, k] (None
-        without MoE layers), then with `cache_carry` {stack: the carry after the stack's last layer}."""
+        """T new tokens per row whose attention over earlier tokens and each other the caller's hook computes.
+
+        Args:
+          cache_xs: {stack: pytree with a leading [L] axis}, scanned with the layers; make_hook(xs) -> `CacheHook`.
+          valid_BxT: bool, False for padding (MoE routing skips it).
+          cache_carry: {stack: pytree} carried through the layer scan (a cache updated in place, e.g. the page
+            pool; a scanned slice handed to a kernel is copied); make_hook(xs, cell) then reads and replaces cell[0].
+        Returns:
+          (hidden states [B, T, D], {stack: new entries [L, B, T, ...]}), then with `return_routing` the expert
+          selection int32 [L, B, T, k] (or None), then with `cache_carry` {stack: the final carry}.
+        """
         B, T = tokens_BxT.shape
         x = self.embed(tokens_BxT)
         self_mask = jnp.ones((B, T, T), bool)  # unused: the hook computes the attention
@@ -345,8 +327,7 @@ _FLOAT32_USES = ("router",)  # per-layer matrices used in float32 (MoE scores), 
 
 
 def matrices_in_dtype(state, dtype):
-    """The scanned layers' state with every floating leaf of >= 3 dims ([L, ...] stacks of matrices, experts)
-    cast to `dtype` when that is narrower, except `_FLOAT32_USES` (see ModelConfig.grad_dtype)."""
+    """`state` with every floating [L, ...] matrix stack cast to a narrower `dtype`, except `_FLOAT32_USES`."""
     narrow = jnp.dtype(dtype)
 
     def cast(path, x):
@@ -368,7 +349,7 @@ def _merge_aux(auxes: list[dict]) -> dict:
                 out[k] = v
             elif k == "expert_load":
                 out[k] = v if k not in out else jnp.concatenate([out[k], v])
-            elif k == "ep_dropped_frac":  # a fraction: the mean over layers (every MoE layer has the same count)
+            elif k == "ep_dropped_frac":  # every MoE layer has the same count, so the mean over layers is exact
                 out[k] = v.mean()
             else:
                 out[k] = out.get(k, 0.0) + v.sum()

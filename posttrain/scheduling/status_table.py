@@ -48,7 +48,7 @@ ARCHIVE_COLUMNS = ["domain", "step", "task_index", "visit", "try_index", "retry_
 def snapshot(step: int, scheduler, levels: Mapping[str, int] | None = None, policy_version: int | None = None
              ) -> dict:
     """The status.json dict of `scheduler` after step `step` (0-based): a `scheduling.scheduler.JobScheduler` (policies,
-    counters, quarantine, breaker) or a `scheduling.weighted_draw.TaskScheduler` (draw probabilities only); `levels`:
+    counters, quarantine, breaker) or a `scheduling.weighted_draw.WeightedDraw` (draw probabilities only); `levels`:
     the curriculum's {domain: level}; `policy_version`: the version that sampled the step's batch."""
     levels = dict(levels or {})
     domains = {}

@@ -1,11 +1,9 @@
-"""The repository of a RepoFix-v0 task: a small package with a README, a command line, one module per HumanEval
-problem, and visible tests run by a standard-library runner (no pytest inside the sandbox).
+"""The repository of a RepoFix-v0 task: a small package, its README, a command line and visible tests.
 
     README.md                  what each function does (its docstring), how to run the tests
-    toolbox/__init__.py        re-exports every function
-    toolbox/__main__.py        python -m toolbox FUNCTION [JSON_ARG ...]
+    toolbox/__init__.py        re-exports every function; toolbox/__main__.py: python -m toolbox FUNCTION [ARG ...]
     toolbox/core.py            the first problem's module (``extras.py`` for a second problem)
-    tests/run_tests.py         calls every test_* function of tests/test_*.py; exit status 1 on a failure
+    tests/run_tests.py         runs every test_* of tests/test_*.py (standard library, no pytest); exit 1 on a failure
     tests/test_core.py         the visible cases, as plain asserts
 
 Hidden tests are never laid out here: they stay in the task dict, on the host (`envs.tasks.repo_fix.scoring`).

@@ -1,22 +1,8 @@
-"""Mutation operators: the defects of RepoFix-v0, made by editing the canonical solution's AST (mutation testing:
-DeMillo, Lipton & Sayward 1978, "Hints on test data selection"; operator families as in mutmut / MutPy).
+"""Mutation operators: the defects of RepoFix-v0, made by editing the canonical solution's AST (mutation testing,
+DeMillo, Lipton & Sayward 1978; families as in mutmut / MutPy, listed in docs/repo_fix.md).
 
-`enumerate_mutations(text, functions)` lists every single mutation of the named functions' bodies, in source
-order. Families (`OPERATORS`):
-
-  compare         one comparison operator swapped: < <=, > >=, == !=, in / not in, is / is not
-  arithmetic      one arithmetic operator swapped (``+`` -> ``-``, ``*`` -> ``+``, ``//`` -> ``/`` ...; also in ``+=``)
-  off_by_one      a ``range(...)`` argument or a slice bound moved by one; a constant index moved by one
-  constant        another integer constant, True <-> False, or a short string one character shorter ('' -> ' ')
-  drop_branch     an ``else``/``elif`` part removed, or an ``if`` without ``else`` removed
-  swap_args       the first two positional arguments of a call swapped, or the operands of ``-``, ``/``, ``%`` ...
-  wrong_variable  a local variable read replaced by another local of the same function
-
-A `Mutation` is a text edit of the module (replace ``text[start:end]`` by `replacement`; offsets in characters),
-so the rest of the file keeps its formatting and comments, and the inverse patch is a one-line diff. Every edit is
-checked: the edited text must parse to exactly the mutated AST (otherwise the edit is retried with the whole node
-re-rendered by `ast.unparse`, and dropped when that fails too). The docstring, f-strings and annotations are never
-mutated. Whether a mutation is a *defect* (the tests notice it) is decided later, by running the tests.
+A `Mutation` is a text edit that must parse to exactly the mutated AST, so the rest of the file keeps its
+formatting; docstrings, f-strings and annotations are never mutated. The tests decide which are defects.
 """
 from __future__ import annotations
 
@@ -301,8 +287,9 @@ def _realise(src: _Source, tree: ast.Module, fn: str, proposal: _Proposal) -> Mu
 
 
 def enumerate_mutations(text: str, functions: Sequence[str]) -> list[Mutation]:
-    """Every verified single mutation of the bodies of `functions` (top-level defs of `text`), in source order,
-    one per distinct mutated text. Raises ValueError when a name is not a top-level function of `text`."""
+    """Every verified single mutation of the bodies of `functions` (top-level defs of `text`), in source order.
+
+    One per distinct mutated text. Raises ValueError when a name is not a top-level function of `text`."""
     src, tree = _Source(text), ast.parse(text)
     defs = {node.name: (i, node) for i, node in enumerate(tree.body) if isinstance(node, ast.FunctionDef)}
     missing = [f for f in functions if f not in defs]

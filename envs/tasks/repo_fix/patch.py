@@ -1,12 +1,8 @@
-"""Unified diffs for RepoFix-v0: `make_diff` writes one (the golden patch), `parse` and `apply` read one (the
-``apply_patch`` tool). Format: GNU diff's unified format (``--- a/PATH``, ``+++ b/PATH``, ``@@ -l,s +l,s @@``
-hunks of `` ``/``-``/``+`` lines; ``/dev/null`` for a created or deleted file; ``git diff`` headers are skipped).
+"""Unified diffs (GNU format) for RepoFix-v0: `make_diff` writes the golden patch; `parse` and `apply` read one.
 
-Reading is lenient where models are sloppy and strict where it matters: hunk line counts are not trusted (a hunk
-runs until the next ``@@`` or file header), an empty line inside a hunk is an empty context line, a hunk is
-found at the position of its context nearest to the line its header names (trailing whitespace ignored when the
-exact text is nowhere), but every context and removed line must be in the file, or the whole patch is refused
-(`PatchError`) and nothing is written.
+Reading is lenient where models are sloppy (hunk line counts are not trusted; a hunk goes where its context is
+nearest the line its header names) and strict where it matters: every context and removed line must be in the
+file, or the whole patch is refused (`PatchError`).
 """
 from __future__ import annotations
 
@@ -123,8 +119,7 @@ def apply(text: str, read: Callable[[str], str | None]) -> dict[str, str | None]
     """{path: new text, or None to delete} for patch `text`; `read(path)` gives a file's text (None: missing).
 
     Raises PatchError when the patch cannot be read, a file it changes is missing, a file it creates exists, or a
-    hunk does not match; nothing is returned (so nothing is written) in that case.
-    """
+    hunk does not match (so nothing is written)."""
     out: dict[str, str | None] = {}
     for fp in parse(text):
         source = fp.old_path

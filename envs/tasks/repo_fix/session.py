@@ -1,9 +1,7 @@
-"""One RepoFix-v0 episode's workspace and the tools acting on it (`Session.execute`).
+"""One RepoFix-v0 episode's workspace (an `envs.sandbox.Workspace`) and the tools acting on it (`Session.execute`).
 
-The workspace is an `envs.sandbox.Workspace` (a private directory that persists across the episode's turns).
-Commands (``run``) execute in the sandbox; file tools read host-side through `Workspace.read_text` (no symlink
-followed, regular files only) and write through a sandbox run (the sandbox's own file writer, which replaces a
-planted symlink instead of following it). `snapshot` copies the workspace for scoring.
+Commands run in the sandbox; file tools read host-side (no symlink followed) and write through a sandbox run,
+whose file writer replaces a planted symlink instead of following it.
 """
 from __future__ import annotations
 
@@ -68,8 +66,9 @@ class Session:
             return None
 
     def write(self, files: dict[str, str | bytes], delete: tuple[str, ...] = ()) -> None:
-        """Write `files` and delete `delete` in one sandbox run. Raises ValueError when the files hold more than
-        MAX_WRITE_BYTES, InfraError when the sandbox fails."""
+        """Write `files` and delete `delete` in one sandbox run.
+
+        Raises ValueError over MAX_WRITE_BYTES, InfraError when the sandbox fails."""
         size = sum(len(t.encode() if isinstance(t, str) else t) for t in files.values())
         if size > MAX_WRITE_BYTES:
             raise ValueError(f"{size} bytes to write, more than the {MAX_WRITE_BYTES} one call may write")
@@ -94,8 +93,7 @@ class Session:
         return sorted(out)
 
     def snapshot(self) -> dict[str, bytes]:
-        """{path: bytes} of the workspace's regular files (caps: MAX_SNAPSHOT_FILES, MAX_FILE_BYTES per file,
-        MAX_SNAPSHOT_BYTES in all; what is over a cap is left out)."""
+        """{path: bytes} of the workspace's regular files; what is over MAX_FILE_BYTES or MAX_SNAPSHOT_* is left out."""
         out, total = {}, 0
         for path in self.walk()[:MAX_SNAPSHOT_FILES]:
             try:

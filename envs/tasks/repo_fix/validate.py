@@ -1,13 +1,9 @@
 """Which mutations are defects: the canonical solution and its mutants run against a problem's tests in one
 sandbox run (`sandboxed` ``validate`` mode), lazily, one problem at a time, cached per process.
 
-A problem is kept when its canonical solution passes every visible and hidden case (through the same value
-round trip the scorer uses); a mutant is a *defect* when it fails at least one visible and one hidden case and
-runs no case into the per-case time limit (a hanging mutant would make every test run of the episode slow). The
-candidates run are `MAX_SINGLES` single mutations, drawn round-robin over the operator families (each family
-shuffled with the seed), and `MAX_PAIRS` pairs of non-overlapping mutations among the first `PAIR_POOL` of them.
-"Time" is counted in executed lines (`sandboxed.MAX_LINE_BUDGET`, `sandboxed.SLOWDOWN`), so the verdicts, and
-with them every task, are the same in every process, on any machine, under any load.
+A mutant is a *defect* when it fails a visible and a hidden case and runs no case into the time limit (a hanging
+mutant would slow every test run of the episode); time is counted in executed lines, so tasks are the same on
+any machine. Candidates: docs/repo_fix.md.
 """
 from __future__ import annotations
 
@@ -77,8 +73,7 @@ def _is_defect(outcome: dict) -> bool:
 
 def run_validation(problem: problems_lib.Problem, visible, hidden, texts: list[str],
                    isolation: str = "strict") -> list[dict]:
-    """Outcomes of `texts` (module texts of `problem`) on the cases: per text {"visible": [...], "hidden": [...]}
-    of "pass" | "fail" | "timeout", or {"error": ...}. Raises RuntimeError when the sandbox run fails."""
+    """Per text, {"visible", "hidden"} lists of "pass" | "fail" | "timeout", or {"error"}; RuntimeError on failure."""
     payload = {"module": "toolbox.core", "entry": problem.entry, "prelude": problem.prelude,
                "visible": [c.source for c in visible], "hidden": [c.source for c in hidden], "texts": texts,
                "case_s": CASE_S, "text_s": min(CASE_S * (len(visible) + len(hidden)) + 2.0, MAX_TEXT_S),
@@ -92,8 +87,9 @@ def run_validation(problem: problems_lib.Problem, visible, hidden, texts: list[s
 
 
 def validate(problem: problems_lib.Problem, seed: int, isolation: str = "strict") -> Validated:
-    """The `Validated` record of `problem` for `seed` (see the module docstring). Raises ValueError when the problem
-    is not usable, RuntimeError when the sandbox fails."""
+    """The `Validated` record of `problem` for `seed`; a problem whose canonical solution fails keeps no defect.
+
+    Raises ValueError when the problem is not usable, RuntimeError when the sandbox fails."""
     visible, hidden = problems_lib.split_cases(problem, seed)
     order = candidate_order(mutate.enumerate_mutations(problem.module, problem.functions), seed, problem.task_id)
     singles = order[:MAX_SINGLES]

@@ -1,15 +1,6 @@
-"""The admission part of the rollout engine's loop (`engine.Engine` step 1): free slots take queued requests,
-their pages come from the prefix cache or the pool, and what is not in pages yet is computed.
+"""The rollout engine's admission (loop step 1, docs/engine.md): free slots take queued requests and compute them.
 
-Dimension legend: S slots, B rows of a prefill / extend program, W its width, N first tokens drawn, C page copies,
-M pages per sequence, V vocab.
-
-Per admission round: `_claim` holds each admitted sequence's pages (cached ones shared), `_place` registers them
-with the prefix cache, and `_compute` runs the programs: a fresh request whose prompt an earlier one of the round
-has (a group's G samples) computes nothing and draws its first token from that one's logits, with copies of its
-pages past the shared ones (`engine_ops.first_tokens`: copy on write of a partially filled page; the dense sampler
-likewise prefills a prompt once and repeats its logits G times); the others run as one `prefill` (nothing in
-pages) or one `extend` (past cached pages) program per width, rows padded to a power of two.
+Shapes: the legend in `posttrain.types`.
 """
 from __future__ import annotations
 
@@ -29,14 +20,10 @@ def _cached_len(seq: _Seq) -> int:
 
 
 class Admission:
-    """`engine.Engine`'s admission methods (a mixin: they read and write the engine's slots, pages, pool, queue
-    and counters; see the module doc)."""
+    """`Engine`'s admission methods (a mixin over the engine's slots, pages, pool, queue and counters)."""
 
     def _admit(self) -> None:
-        """Fills the free slots from the queue, in rounds: each round claims pages for as many queued sequences
-        as there are free slots, then computes them (`_compute`); a round whose requests end at their first token
-        frees slots for the next. Stops when the queue is empty, no slot is free or the pool is full (the queue
-        waits for pages: no preemption to admit)."""
+        """Fills free slots from the queue in rounds until it is empty, no slot is free or the pool is full."""
         while self._queue and None in self._slots:
             admitted, full = [], False
             for slot in range(len(self._slots)):
@@ -51,8 +38,7 @@ class Admission:
                 return
 
     def _claim(self, slot: int, seq: _Seq) -> bool:
-        """Holds the pages of `seq`'s cached tokens + the next one in `slot`: the prefix cache's first, fresh
-        ones for the rest; False (nothing held) when the pool has too few. Sets seq.reused (cached tokens)."""
+        """Holds `seq`'s pages in `slot` (cached ones first, sets seq.reused); False, holding none, if too few."""
         pages, tokens = self._pages, seq.cached()
         seq.reused = 0
         if pages.cache is not None:  # a fresh request computes >= 1 token: its last prompt token's logits
@@ -69,9 +55,7 @@ class Admission:
         return False
 
     def _place(self, slot: int, seq: _Seq) -> tuple[int, int]:
-        """Puts claimed `seq` in `slot` and registers its pages' tokens with the prefix cache (host bookkeeping: a
-        later request may share them, and its programs run after the ones that write them). Returns (start, n):
-        its tokens already in pages and its cached tokens once computed."""
+        """Puts claimed `seq` in `slot`; returns (start, n): its tokens in pages now and once computed."""
         start, n = seq.reused, _cached_len(seq)
         self._counters.prefill_tokens += n - start
         self._counters.prefix_cached_tokens += start
@@ -82,14 +66,11 @@ class Admission:
         return start, n
 
     def _compute(self, admitted: list) -> None:
-        """Computes the admitted (slot, (start, n)), then gives each fresh request its first token, in admission
-        order. A fresh request whose prompt an earlier one of the round has (a group's samples) computes nothing:
-        it draws from that one's logits and holds copies of its pages past the shared ones (`first_tokens`: copy
-        on write). The rest run together by kind and width: `prefill` of those with nothing in pages, `extend`
-        past cached pages (rows padded to a power of two; a round admits at most S), in levels: a sequence that
-        shares pages another sequence of the round computes (an episode's next turn whose prompt prefix another
-        episode's turn brings) runs in a program after that one's (in one program, or in an earlier one, it
-        would read the pages before they are written)."""
+        """Computes the admitted (slot, (start, n)) and gives each fresh request its first token.
+
+        A fresh request repeating an earlier prompt of the round follows that one (its logits, copies of its pages).
+        The rest run as `prefill` / `extend` programs by width, in levels: a sequence reading pages that another
+        of the round writes runs in a later program than its writer's."""
         lead_of, followers, programs = {}, collections.defaultdict(list), collections.defaultdict(list)
         Z, writer, level = self._pages.page_size, {}, {}  # page -> the round's slot writing it; slot -> its level
         for slot, (start, n) in admitted:
@@ -123,8 +104,7 @@ class Admission:
                     self._finish(slot)
 
     def _run(self, kind: str, width: int, rows: list) -> jax.Array:
-        """One `prefill` or `extend` program of the (slot, start, n) `rows` (tokens start..n - 1 of each slot's
-        cached tokens), padded to a power of two with empty rows; returns its logits [B, V] (on the device)."""
+        """Runs one `prefill` or `extend` of tokens start..n - 1 of each (slot, start, n); returns logits [B, V]."""
         st, B = self.settings, 1 << (len(rows) - 1).bit_length()
         tokens, start, length = np.zeros((B, width), np.int32), np.zeros((B,), np.int32), np.zeros((B,), np.int32)
         # copies of the page rows: on the CPU a NumPy argument may be read in place (zero-copy) while the program
@@ -148,9 +128,7 @@ class Admission:
         return logits
 
     def _first_tokens(self, logits_BxV, rows: list, followers: dict) -> dict:
-        """{slot: (token, logprob)} of the fresh requests among a program's (slot, start, n) `rows` and of their
-        followers ((slot, start) by leading slot: each draws from its leader's row and gets copies of the
-        leader's pages from its own start on, where they are not the same page), one `first_tokens` program."""
+        """{slot: (token, logprob)} of the fresh requests among `rows` and of their `followers` (by leading slot)."""
         Z, table, picks, copies = self.settings.page_size, self._pages.table_SxM, [], []
         for i, (slot, _, n) in enumerate(rows):
             if self._slots[slot].tokens:

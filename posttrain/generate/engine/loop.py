@@ -1,37 +1,7 @@
-"""A continuous-batching rollout engine over a paged KV cache (issue 25 items 1, 2 and 7): the host loop.
+"""The rollout engine's host loop: `Engine` decodes requests from a queue in slots over a paged KV cache.
 
-Dimension legend: S slots, R requests, M pages per sequence, P pages in the pool, Z tokens per page, V vocab.
-
-`Engine(graphdef, state, EngineSettings(...)).generate(requests, key)` -> one `Completion` per request, in
-request order; `engine.metrics` then holds `rollout/{kv_pages_allocated, kv_pages_used, slot_occupancy,
-prefill_tokens, decode_tokens, preemptions, prefix_cached_tokens, weight_swaps}` of that call
-(`kv_pages.PageCounters`). With `EngineSettings.record_routing` on a MoE model each fed token's expert selections
-are kept per page (host memory, like the pool: a reused prefix's come with its pages) and read into
-`Completion.routing` as a sequence ends. Each loop turn (a decode chunk: K = `EngineSettings.decode_chunk` steps;
-`drain_chunk` steps when no request waits for a slot and no `on_finish` can queue one):
-  0. swap: weights given to `update_weights(state, version)` since the last turn take effect; every live sequence
-     is requeued for recompute under them (its cached pages were computed by the old weights) and the prefix
-     cache is cleared, so every token from then on is exactly the new version's (`Completion.versions`);
-  1. admit (`engine_admission.Admission`): every free slot takes the next pending request whose pages (its
-     cached tokens + the next one) are free; the first tokens that the prefix cache holds (`prefix_cache`) are
-     shared, the rest computed into fresh pages: one `prefill` program per width for the sequences with nothing
-     cached, one batched `extend` per width past cached ones. Fresh requests with the same prompt (a group's G
-     samples) compute it once: `first_tokens` draws every sample's first token from that computation's logits
-     and gives the others copies of its pages past those the prefix cache shares (copy on write);
-     requests that end at their first token free their slots for another round;
-  2. make room: every live slot holds the page its next token goes to; when none is free, the newest sequence
-     is preempted (pages freed, queued first for recompute, its tokens and logprobs kept);
-  3. decode: K steps over the live slots, packed into the first `EngineSettings.decode_rows` rows of one program
-     (`engine_ops.decode_chunk`; each live slot's pages grown
-     for its next K tokens where the pool has them, else it stops at what they hold); finished slots release
-     their pages when the chunk ends
-     (kept by the prefix cache for a later turn), `on_finish` may queue the episode's next turn at once, or
-     return a Future of it (its env steps on another thread meanwhile): the turn is queued `follow_after`
-     chunks later (waiting for the Future then if it is not done), so the order is the same however long
-     the env takes;
-     then `on_chunk(engine, chunk)` if given.
-With `EngineSettings.prefix_cache` the page pool and its cache live across `generate` calls (`clear_cache`).
-The programs and the sampling rule are in `posttrain.generate.engine.ops` (its module doc).
+The loop (swap, admit, make room, decode) is described in docs/engine.md.
+Shapes: the legend in `posttrain.types`.
 """
 from __future__ import annotations
 
@@ -56,12 +26,7 @@ __all__ = ["Completion", "Engine", "EngineSettings", "Request", "request_rows"]
 
 
 class Engine(Admission):
-    """S slots decoding requests from a queue over a page pool (see the module doc).
-
-    Args:
-      graphdef, state: the model (`nnx.split` of a `Transformer`; state may be a tuple of states).
-      settings: `EngineSettings` (sizes: one decode compile per engine size).
-    """
+    """S slots decoding requests from a queue over a page pool; `graphdef, state(s)`: `nnx.split` of a `Transformer`."""
 
     def __init__(self, graphdef, state, settings: EngineSettings, version: int = 0):
         self.graphdef, self.state, self.settings, self.version = graphdef, state, settings, int(version)
@@ -78,10 +43,9 @@ class Engine(Admission):
         self._pool = self._pages = self._routing = None
 
     def update_weights(self, state, version: int) -> None:
-        """New weights (same structure, shapes and dtypes as the current state: no recompile) and their policy
-        version; they take effect at the next decode chunk (module doc, step 0), or at the next `generate`.
-        Safe to call from another thread or from `generate`'s `on_chunk`. Raises ValueError for a state of
-        another structure, shape or dtype."""
+        """Sets new weights, in effect from the next decode chunk; safe from another thread or from `on_chunk`.
+
+        Raises ValueError for a state of another structure, shape or dtype than the current one."""
         def sig(tree):
             return jax.tree.structure(tree), [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
 
@@ -96,20 +60,18 @@ class Engine(Admission):
         self._pool = self._pages = self._routing = None
 
     def check(self, requests: Sequence[Request]) -> None:
-        """`EngineSettings.check_requests`: TypeError, ValueError for requests that could never run."""
+        """Raises as `EngineSettings.check_requests` for requests that could never run."""
         self.settings.check_requests(requests)
 
     def generate(self, requests: Sequence[Request], key: jax.Array, on_chunk=None, on_finish=None,
                  follow_after: int = 0) -> list[Completion | None]:
-        """Completes every request (see the module doc); key: a PRNG key (fresh per call); on_chunk(engine,
-        chunk index): called after every decode chunk (e.g. to `update_weights`); on_finish(index, completion):
-        called as each request ends (per-episode multi-turn: step its env there), may return the episode's next
-        Request, queued first at once (index: the next one after all so far; it finds its earlier turns' pages
-        in the prefix cache) while the other requests keep decoding, or a `concurrent.futures.Future` of that
-        Request or None: it takes the next index at once and is queued `follow_after` (>= 0) decode chunks later,
-        when `generate` waits for the Future if it is not done (at once when nothing else is left to decode);
-        its exception is raised. Returns the completions of the requests and then of the returned ones, by
-        index (None at a Future's index that gave no request)."""
+        """Completes every request; returns the completions of the requests, then of the follow-ups, by index.
+
+        Args:
+          on_chunk: `on_chunk(engine, chunk index)`, called after every decode chunk (e.g. to `update_weights`).
+          on_finish: `on_finish(index, completion)`, called as each request ends; it may return the next Request
+            (queued first at once, at the next index) or a Future of a Request or None (queued `follow_after` >= 0
+            chunks later; its exception is raised; its completion is None when it gave no request)."""
         if follow_after < 0:
             raise ValueError(f"follow_after={follow_after} (>= 0 decode chunks)")
         self._requests, self._on_finish, self._follow_after = list(requests), on_finish, int(follow_after)
@@ -158,16 +120,13 @@ class Engine(Admission):
                           seq.preemptions, np.asarray(seq.versions, np.int32), seq.routing)
 
     def _table(self, table_xM: np.ndarray, tokens: int) -> np.ndarray:
-        """A copy of the page table (or one row) as wide as a program over sequences of at most `tokens` tokens
-        reads (`EngineSettings.table_width`: the gather reference) or whole (the kernels)."""
+        """A copy of the page table cut to `EngineSettings.table_width` for the reference, whole for the kernels."""
         if self.impl != "reference":
             return table_xM.copy()
         return table_xM[..., :self.settings.table_width(-(-tokens // self.settings.page_size))].copy()
 
     def _shared_tables(self, table_RxM: np.ndarray, tokens_R: np.ndarray, shared_B):
-        """The decode program's page tables: (`_table` of the rows, None), or with `shared_B` (pages each block of
-        `_block` rows shares, `kv_pages.shared_blocks`) (each row's table past its block's shared pages, (the
-        blocks' shared pages [B, F], their tokens [B])), F and the row tables' widths on `table_width`'s grid."""
+        """(row tables, None), or with `shared_B` (tables past the shared pages, (shared [B, F], tokens [B]))."""
         if shared_B is None:
             return jnp.asarray(self._table(table_RxM, int(tokens_R.max()))), None
         Z, G = self.settings.page_size, self._block
@@ -182,7 +141,6 @@ class Engine(Admission):
         return jnp.asarray(own), (jnp.asarray(prefix), jnp.asarray(shared_B * Z, np.int32))
 
     def _uniforms(self, request_S: np.ndarray, t_S: np.ndarray, steps: int) -> jax.Array:
-        """float32 [steps, S]: the uniforms of each row's next `steps` tokens (`engine_sampling.token_uniforms`)."""
         return token_uniforms(self._key, jnp.asarray(request_S, jnp.int32), jnp.asarray(t_S, jnp.int32), steps=steps,
                               width=uniform_width(int(np.max(request_S))))
 
@@ -191,10 +149,8 @@ class Engine(Admission):
         if routed_NxLxk is not None:
             self._routing.keep(self._pages, np.asarray(routed_NxLxk), slots_N, positions_N)
 
-    # ------------------------------------------------------------------ the loop's parts
     def _release(self, slot: int, num_valid: int | None = None) -> None:
-        """Frees `slot`; its pages go to the prefix cache (full pages and its partial last page) with their first
-        `num_valid` tokens (default: all its cached tokens)."""
+        """Frees `slot`; its pages and their first `num_valid` tokens (default: all) go to the prefix cache."""
         seq, pages = self._slots[slot], self._pages
         if pages.cache is not None:
             n = _cached_len(seq) if num_valid is None else num_valid
@@ -220,8 +176,7 @@ class Engine(Admission):
         self._requests[index] = follow
 
     def _take_follow_ups(self, chunk: int) -> None:
-        """Queues the Futures' requests due by `chunk` (all those of the earliest due chunk when nothing else is
-        left to decode), in the order their replies ended."""
+        """Queues the Futures' requests due by `chunk` (the earliest due ones when nothing else is left to decode)."""
         if not self._waiting:
             return
         if not (self._queue or any(s is not None for s in self._slots)):
@@ -263,11 +218,9 @@ class Engine(Admission):
                     seq = None
 
     def _step(self) -> None:
-        """One decode chunk over the live slots, compacted into `EngineSettings.decode_rows` rows (empty rows
-        pad): each live slot draws up to K tokens (its remaining budget, and the tokens its pages hold after it
-        tries to grow them for K more without preempting anyone). With the gather reference and a call whose
-        requests repeat a prompt (a group's samples), rows come in blocks of the group size that read their shared
-        prompt pages once (`kv_pages.shared_blocks`), when that takes no more rows."""
+        """One decode chunk over the live slots, each drawing up to K tokens (what its pages can be grown to hold).
+
+        With the reference and a repeated prompt, rows come in blocks sharing their prompt pages (`shared_blocks`)."""
         st = self.settings
         K = self.chunk_steps if self._queue or self._waiting or self._on_finish else self.drain_steps
         live = [s for s, q in enumerate(self._slots) if q is not None]

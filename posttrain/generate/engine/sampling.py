@@ -1,12 +1,6 @@
-"""The rollout engine's sampling rule: per-row settings, stop rows, the uniforms and the draw (`engine_ops` programs).
+"""The rollout engine's sampling rule: per-row settings, stop rows, the uniforms and the draw (docs/engine.md).
 
-Dimension legend: S rows (engine slots or prefill rows), V vocab, K decode steps of a chunk.
-
-Logprobs are the project's one definition (docs/design.md invariant 1): `log_softmax(logits / T)` over the full
-vocabulary with T = `sampler.logprob_temperature(temperature)`; top-k / top-p only restrict the drawn token. A
-drawn token is `sampler.categorical(u, filtered logits)` with u from `token_uniforms`: the dense sampler's uniform
-of the same row and step, so with the same key both samplers draw the same tokens (up to float rounding at a
-boundary of the inverse CDF).
+Shapes: the legend in `posttrain.types`.
 """
 from __future__ import annotations
 
@@ -21,8 +15,7 @@ from posttrain.generate.sampler import categorical, logprob_temperature
 
 
 def filter_logits_rows(scaled_SxV, top_k_S, top_p_S):
-    """`sampler.filter_logits` with each row's own top-k (0: off) and top-p (1: off): tokens outside them -> -inf.
-    Row s equals `filter_logits(scaled_SxV[s:s+1], top_k_S[s], top_p_S[s])` (tests check it)."""
+    """`sampler.filter_logits` with each row's own top-k (0: off) and top-p (1: off): tokens outside them -> -inf."""
     V = scaled_SxV.shape[-1]
     desc = -jnp.sort(-scaled_SxV, axis=-1)
     k = jnp.where(top_k_S > 0, jnp.minimum(top_k_S, V), V)
@@ -37,10 +30,7 @@ def filter_logits_rows(scaled_SxV, top_k_S, top_p_S):
 
 
 def request_rows(requests: Sequence) -> dict:
-    """The per-row sampling arrays of `pick_tokens` for one request per slot (None, an empty slot: greedy at
-    T = 1, not live): T float32 [S] (the logprob temperature), greedy bool [S], top_k int32 [S], top_p float32 [S],
-    live bool [S] (empty rows' tokens are never used: they decide neither whether an argmax nor whether a draw
-    runs)."""
+    """`pick_tokens`' per-row arrays {"T", "greedy", "top_k", "top_p", "live"} [S] of one request (or None) per slot."""
     def col(fn, dtype):
         return jnp.asarray(np.asarray([fn(r) for r in requests], dtype))
 
@@ -52,8 +42,7 @@ def request_rows(requests: Sequence) -> dict:
 
 
 def stop_rows(stop_ids: Sequence[tuple[int, ...]]) -> np.ndarray:
-    """Each slot's stop ids as one int32 [S, X] array for `decode_chunk`, padded with -1; X the smallest power of
-    two that holds the longest (fewer compiles), 1 when no slot has any."""
+    """Each slot's stop ids as int32 [S, X] padded with -1; X a power of two (1 when no slot has any)."""
     width = 1 << (max(map(len, stop_ids)) - 1).bit_length() if any(stop_ids) else 1
     out = np.full((len(stop_ids), width), -1, np.int32)
     for s, ids in enumerate(stop_ids):
@@ -63,12 +52,10 @@ def stop_rows(stop_ids: Sequence[tuple[int, ...]]) -> np.ndarray:
 
 @functools.partial(jax.jit, static_argnames=("steps", "width"))
 def token_uniforms(key, request_S, t_S, *, steps: int, width: int):
-    """The uniform of each slot's next `steps` tokens, float32 [steps, S]: request r's token t takes element r of
-    `jax.random.uniform(jax.random.fold_in(key, t), (N,))`, the dense sampler's uniform of its row r at step t
-    (`sampler._pick`, rows numbered p * G + g as `engine_sampler` numbers its requests). Under JAX's default
-    partitionable threefry (`jax_threefry_partitionable`) element r is the same for every N > r, so `width`
-    (static, > every request index: `uniform_width`) only sets the compile; with it off the draws are still
-    uniform but not the dense sampler's. Source: jax.random's threefry2x32 counter-based bits."""
+    """float32 [steps, S]: the uniforms of each slot's next `steps` tokens, the dense sampler's (docs/engine.md).
+
+    Request r's token t takes element r of `jax.random.uniform(jax.random.fold_in(key, t), (width,))`; `width`
+    (> every request index: `uniform_width`) sets only the compile under `jax_threefry_partitionable`."""
     def one(r, t):
         return jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(key, t + j), (width,), jnp.float32)[r])(
             jnp.arange(steps))
@@ -81,9 +68,7 @@ def uniform_width(max_request: int) -> int:
 
 
 def pick_tokens(logits_SxV, rows: dict, u_S):
-    """(token int32 [S], logprob float32 [S]) per row: argmax where rows["greedy"], else a draw from the filtered
-    `softmax(logits / T)` with its uniform u_S (`token_uniforms`; `sampler.categorical`); logprob over the full
-    vocabulary at T."""
+    """(token int32 [S], logprob float32 [S] over the whole vocabulary at T): argmax where greedy, else a u_S draw."""
     scaled = logits_SxV.astype(jnp.float32) / rows["T"][:, None]
     logp_all = jax.nn.log_softmax(scaled, axis=-1)
     live = rows["live"]
