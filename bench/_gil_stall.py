@@ -78,11 +78,11 @@ class SleepEnvs:
 def producer_rollouter(fields: dict, runner):
     """A Rollouter of the run's `fields` (all but SKIPPED) with its own scheduler, `runner` (an EnvRunner, wrapped
     in HostShardedEnvs) and the scripted sampler (no rollout engine: the copy samples nothing on a device)."""
-    from posttrain.rollout import rollouter as rollouter_lib
+    from posttrain.rollout import env_side, rollouter as rollouter_lib
     from posttrain.rollout.episodes import HostShardedEnvs
 
     st = fields["settings"]
-    sources = rollouter_lib.task_sources(st.train_specs)
+    sources = env_side.task_sources(st.env_config.train)
     fn = scripted_sampler(fields["tokenizer"])
 
     class EnvBound(rollouter_lib.Rollouter):
@@ -113,11 +113,12 @@ def produce(fields: dict, kind: str, latency_s: float, stop: threading.Event, on
     worker_cpu_s_per_batch} over the batches after the first."""
     import jax
 
-    from posttrain.rollout import rollouter as rollouter_lib
+    from posttrain.rollout import env_side
 
     st = fields["settings"]
-    runner = (SleepEnvs(latency_s, st.num_workers) if kind == "sleep" else
-              rollouter_lib.make_runner(st.num_workers, st.step_timeout_s))
+    env = st.env_config
+    runner = (SleepEnvs(latency_s, env.num_workers) if kind == "sleep" else
+              env_side.make_runner(env.num_workers, env.step_timeout_s))
     r, marks, step = producer_rollouter(fields, runner), [], 0
     pids = lambda: [p for p in getattr(runner, "worker_pids", []) if p]  # noqa: E731
     try:

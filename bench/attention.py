@@ -82,10 +82,10 @@ def attention_loss(impl: str):
     import jax
     import jax.numpy as jnp
 
-    from posttrain.model import blockwise_attention as ba
+    from posttrain.model import blockwise_attention
 
     def loss(q, k, v, segment, branch, ct):
-        out = ba.attend(q, {"k": k, "v": v}, ba.RowIds(segment, branch), q.shape[-1] ** -0.5, impl=impl)
+        out = blockwise_attention.attend(q, {"k": k, "v": v}, blockwise_attention.RowIds(segment, branch), q.shape[-1] ** -0.5, impl=impl)
         return jnp.sum(out.astype(jnp.float32) * ct)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))

@@ -176,14 +176,14 @@ def main(argv=None):
     import jax
 
     from posttrain.algos.grpo import losses
-    from posttrain.algos.grpo import step as ts
+    from posttrain.algos.grpo import step as step_lib
     from posttrain.learn import optim
     from posttrain.model import flops as flops_lib
 
     backend = {"h200": "gpu", "v5p": "tpu"}.get(args.aot, jax.default_backend())
     cfg, pre = model_config(args, backend)
     batch = make_batch(args, cfg, pre)
-    opts = ts.StepOptions(loss=losses.LossConfig(), temperature=1.0, lora_rank=args.lora_rank,
+    opts = step_lib.StepOptions(loss=losses.LossConfig(), temperature=1.0, lora_rank=args.lora_rank,
                           num_microbatches=args.microbatches, matmul_precision=cfg.matmul_precision)
     opt = optim.make_optimizer("adamw", lr=1e-5 if not args.lora_rank else 1e-4, schedule="constant")
     abstract_model = flops_lib.abstract_model_state(cfg)
@@ -211,7 +211,7 @@ def run_steps(args, cfg, pre, opts, opt, batch, fl) -> dict:
     import numpy as np
     from flax import nnx
 
-    from posttrain.algos.grpo import step as ts
+    from posttrain.algos.grpo import step as step_lib
     from posttrain.learn.state import create_train_state
 
     if pre is not None:
@@ -221,7 +221,7 @@ def run_steps(args, cfg, pre, opts, opt, batch, fl) -> dict:
 
         graphdef, model_state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), lora_rank=opts.lora_rank)
-    step = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts), donate_argnums=(0,))
+    step = jax.jit(step_lib.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts), donate_argnums=(0,))
     jbatch = jax.tree.map(jnp.asarray, batch)
     t = time.perf_counter()
     state, m = step(state, jbatch)
@@ -262,7 +262,7 @@ def run_steps(args, cfg, pre, opts, opt, batch, fl) -> dict:
 
 def aot_compile(args, cfg, opts, opt, batch, fl) -> dict:
     """Lowers and compiles the donated, sharded train step for one device of `args.aot`; no weights allocated."""
-    from posttrain.algos.grpo import step as ts
+    from posttrain.algos.grpo import step as step_lib
     from posttrain.infra import aot
     from posttrain.infra import mesh as mesh_lib
     from posttrain.recipes import plan
@@ -272,7 +272,7 @@ def aot_compile(args, cfg, opts, opt, batch, fl) -> dict:
     graphdef, state, state_sh = plan.abstract_train_state(cfg, opt.tx, mesh, lora_rank=opts.lora_rank,
                                                           need_reference=opts.loss.beta > 0)
     batch_abs, batch_sh = plan.abstract_batch(batch, mesh)
-    step_fn = ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts)
+    step_fn = step_lib.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts)
     report, seconds, _, _ = plan.compile_train_step(step_fn, state, state_sh, batch_abs, batch_sh, mesh)
     target = aot.TARGETS[args.aot]
     return {"aot": args.aot, "device": str(devices[0].device_kind), "compile_s": round(seconds, 1),

@@ -11,7 +11,7 @@ float32, full fine-tuning (no LoRA), no bf16/fp16, no vLLM. TRL runs without gra
 setting); posttrain uses the quickstart's remat policy "dots" (keeps matmul outputs, recomputes elementwise ops:
 same math, less memory, and faster than no remat on this CPU; `--posttrain-remat none` to compare). Task: posttrain's
 `Arithmetic-v0` train split ("What is a + b? Answer with just the number.", a, b in [10, 99]); TRL gets the SAME
-questions in the SAME order (posttrain's `TaskScheduler` order for seed 0, checked afterwards against the prompts
+questions in the SAME order (posttrain's `WeightedDraw` order for seed 0, checked afterwards against the prompts
 posttrain archived), as chat messages rendered by the model's own chat template. Reward 1 when the last integer
 of the reply equals a + b (`envs.verify.answers.last_integer` on the TRL side; posttrain's env reads the last number).
 Per step: P prompts x G samples (default 8 x 8 = 64 completions), 24 new tokens, temperature 1.0 (top-p 1, top-k
@@ -93,12 +93,12 @@ def make_settings(quick: bool = False, steps: int = 4, posttrain_remat: str = "d
 
 def scheduled_questions(steps: int, prompts_per_step: int, seed: int = 0) -> list[dict]:
     """The arithmetic tasks posttrain's loop trains on, in order: what `rollouter.Rollouter.draw` draws from its
-    scheduler (domain "arithmetic", `next_tasks(step * 1000, P)` per step, no dynamic sampling). Imports no JAX."""
+    scheduler (domain "arithmetic", one `next_tasks(step, P)` per step, no dynamic sampling). Imports no JAX."""
     from envs.tasks.arithmetic import ArithmeticTasks
-    from posttrain.scheduling.weighted_draw import TaskScheduler
+    from posttrain.scheduling.weighted_draw import WeightedDraw
 
-    sched = TaskScheduler({"arithmetic": ArithmeticTasks("train", digits=2)}, {"arithmetic": 1.0}, seed=seed)
-    return [t for s in range(steps) for _, t in sched.next_tasks(s * 1000, prompts_per_step)]
+    sched = WeightedDraw({"arithmetic": ArithmeticTasks("train", digits=2)}, {"arithmetic": 1.0}, seed=seed)
+    return [t.task for s in range(steps) for t in sched.next_tasks(s, prompts_per_step)]
 
 
 def peak_rss_gb() -> float:
@@ -118,15 +118,15 @@ def write_quick_model(out_dir: str) -> str:
 def run_posttrain(s: dict) -> dict:
     """Trains s["steps"] steps with `posttrain.recipes.grpo.train` from s["model_path"] (written first when
     s["write_model"]); step times and rewards from metrics.jsonl."""
-    from posttrain import config as cfglib
+    from posttrain import config
     from posttrain.infra.precision import resolve_policy
-    from posttrain.recipes import grpo as loop
+    from posttrain.recipes import grpo
     if s.get("write_model"):
         write_quick_model(s["model_path"])
     with tempfile.TemporaryDirectory(prefix="grpo_vs_trl_pt_") as workdir:
-        c = cfglib.default_config()
+        c = config.default_config()
         c.model.path = s["model_path"]
-        c.env.train = {"arithmetic": cfglib.env_spec("posttrain/Arithmetic-v0", split="train", digits=2)}
+        c.env.train = {"arithmetic": config.env_spec("posttrain/Arithmetic-v0", split="train", digits=2)}
         c.rl.group_size, c.rl.prompts_per_step = s["samples_per_prompt"], s["prompts_per_step"]
         c.sampling.max_new_tokens, c.sampling.temperature = s["max_new_tokens"], s["temperature"]
         c.optim.lr, c.optim.schedule, c.optim.grad_clip_norm = s["lr"], s["lr_schedule"], s["grad_clip_norm"]
@@ -136,10 +136,10 @@ def run_posttrain(s: dict) -> dict:
         c.checkpoint.async_save = False  # the final forced save must not overlap anything we time
         c.train.steps, c.train.seed, c.train.workdir = s["steps"], s["seed"], workdir
         c.model.remat = s["gradient_checkpointing"]["posttrain"]
-        cfg = cfglib.from_config_dict(c)
+        cfg = config.from_config_dict(c)
         policy = resolve_policy(cfg.model.dtype, cfg.model.param_dtype, cfg.model.matmul_precision)
         assert cfg.lora.rank == 0 and policy.compute_dtype == policy.param_dtype == "float32", (cfg.model, policy)
-        loop.train(cfg, progress=False)
+        grpo.train(cfg, progress=False)
         rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
         rows = [r for r in rows if "perf/step_s" in r]
         from posttrain.scheduling import archive

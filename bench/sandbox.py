@@ -39,7 +39,7 @@ import time
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 from _helpers import parse_quick  # noqa: E402
-from envs.tasks import humaneval as code  # noqa: E402  (after the path tweak, so the bench runs from a checkout)
+from envs.tasks import humaneval  # noqa: E402  (after the path tweak, so the bench runs from a checkout)
 
 QUICK = {"limit": 4, "workers": 2, "repeats": 1}  # --quick, unless given
 
@@ -133,9 +133,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_quick(parser, argv, QUICK)
     if args.workers < 1 or args.repeats < 1:
         parser.error(f"--workers and --repeats must be >= 1, got {args.workers}, {args.repeats}")
-    problems = code.load_problems()[: args.limit]
+    problems = humaneval.load_problems()[: args.limit]
     note = ensure_harness_exec()
-    envs = [code.HumanEvalEnv(workers=not args.fresh) for _ in range(args.workers)]  # self-checks: untimed
+    envs = [humaneval.HumanEvalEnv(workers=not args.fresh) for _ in range(args.workers)]  # self-checks: untimed
     if not args.fresh:
         from envs.sandbox import workers
 

@@ -24,7 +24,7 @@ import time
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 from _helpers import parse_quick  # noqa: E402
-from envs.verify import answers as verifiers  # noqa: E402
+from envs.verify import answers  # noqa: E402
 
 SIZES = (100_000, 1_000_000)  # characters of the "100k" and "1m" responses
 QUICK_SIZES = (1_000, 10_000)  # --quick
@@ -58,18 +58,18 @@ def main(argv=None) -> dict:
     out: dict = {"sizes": list(sizes), "quick": args.quick, "shapes": {}}
     for name, make in SHAPES.items():
         small, big = make(sizes[0]), make(sizes[1])
-        ms_small = best_ms(lambda: verifiers.score_math(small, "42"), args.repeats)
-        ms_big = best_ms(lambda: verifiers.score_math(big, "42"), args.repeats)
+        ms_small = best_ms(lambda: answers.score_math(small, "42"), args.repeats)
+        ms_big = best_ms(lambda: answers.score_math(big, "42"), args.repeats)
         out["shapes"][name] = {"ms_100k": round(ms_small, 3), "ms_1m": round(ms_big, 3),
                                "ratio": round(ms_big / max(ms_small, 1e-3), 2)}
     out["max_ms_1m"] = max(s["ms_1m"] for s in out["shapes"].values())
     out["goal_ms_1m"] = 50
     out["ratio_to_goal"] = round(out["max_ms_1m"] / out["goal_ms_1m"], 3)
-    verifiers.answers_equivalent("1", "1+0")  # start a worker
-    out["symbolic_warm_ms"] = round(best_ms(lambda: verifiers.answers_equivalent(r"\sqrt{8}", r"2\sqrt{2}"),
+    answers.answers_equivalent("1", "1+0")  # start a worker
+    out["symbolic_warm_ms"] = round(best_ms(lambda: answers.answers_equivalent(r"\sqrt{8}", r"2\sqrt{2}"),
                                             args.repeats), 2)
     t0 = time.perf_counter()
-    verdict = verifiers.score_math(r"\boxed{\binom{1000000000}{100000000}}", "1", timeout_s=1.0)
+    verdict = answers.score_math(r"\boxed{\binom{1000000000}{100000000}}", "1", timeout_s=1.0)
     out["timeout_call_s"] = round(time.perf_counter() - t0, 3)
     out["timeout_call_status"] = verdict.status
     out["load_avg_1m"] = os.getloadavg()[0]

@@ -1,15 +1,8 @@
-"""Text environments: the gymnasium interface every posttrain environment implements (docs/design.md).
+"""Text environments: the gymnasium interface every posttrain environment implements (docs/environments.md).
 
-An episode: ``obs, info = env.reset(seed=s, options={"task": task_dict})`` (the observation is the user
-message text; without a task the env draws one from its own task source with the seed), then
-``obs, reward, terminated, truncated, info = env.step(action_text)`` until terminated or truncated.
-``info["status"]`` is one of `verifiers.STATUSES` plus the verifier's details (extracted, gold, reason).
-
-Dataset-like task sources (`TaskSource`) expose ``split``, ``num_tasks`` and a deterministic
-``get_task(index) -> dict``, so a training loop can keep an integer cursor that survives a resume.
-
-Every environment checks at construction that known-correct completions score 1 and known-wrong ones
-score 0 (docs/design.md invariant 7), through `TextEnv.golden_episodes`.
+`TextEnv` is the base class: ``reset(seed=, options={"task": task})``, then ``step(text)`` until terminated or
+truncated, ``info["status"]`` one of `answers.STATUSES`. `TaskSource`s are deterministic and indexable, so a
+training cursor survives a resume. Every env scores its `golden_episodes` at construction (docs/design.md, 7).
 """
 from __future__ import annotations
 
@@ -21,16 +14,12 @@ import gymnasium
 import numpy as np
 from gymnasium.spaces import Text
 
-from envs.verify import answers as verifiers
+from envs.verify import answers
 MAX_TEXT_CHARS = 1 << 20  # generous bound for observations and actions (characters)
 
 
 class AnyText(Text):
-    """`gymnasium.spaces.Text` that holds any Unicode string up to `max_length` characters.
-
-    The stock Text space restricts characters to a charset (alphanumeric by default); model text and
-    dataset questions contain punctuation and Unicode. Sampling still draws from printable ASCII.
-    """
+    """`gymnasium.spaces.Text` holding any Unicode string of up to `max_length` characters (samples printable ASCII)."""
 
     def __init__(self, max_length: int = MAX_TEXT_CHARS, *, min_length: int = 0) -> None:
         import string
@@ -54,10 +43,9 @@ class TaskSource(Protocol):
 
 
 class ListTaskSource:
-    """A `TaskSource` over an in-memory sequence of task dicts (datasets, built-in task lists).
+    """A `TaskSource` over an in-memory sequence of task dicts; `get_task` returns a shallow copy.
 
-    get_task returns a shallow copy, so callers cannot mutate the source. Raises ValueError on an
-    empty list and IndexError on an index outside [0, num_tasks).
+    Raises ValueError on an empty list, IndexError on an index outside [0, num_tasks).
     """
 
     def __init__(self, tasks: Sequence[Mapping[str, Any]], *, split: str, name: str = "tasks") -> None:
@@ -94,11 +82,8 @@ def require_keys(task: Mapping[str, Any], keys: Sequence[str], env_name: str) ->
 def as_reward(value: Any) -> float | None:
     """`value` as a float when it is a real number, else None; the one rule for what an env may return as a reward.
 
-    Real numbers: any `numbers.Real` (int, float, `fractions.Fraction`, numpy integer and floating scalars) and the
-    bools (Python's and numpy's) as 1.0 / 0.0: a verifier's ``return got == gold`` is unambiguous. Anything else
-    gives None and is never parsed or coerced: a str such as "1.0", bytes, None, complex numbers, sequences and
-    arrays (0-d included), so a misspelt reward cannot pass for a score. NaN and inf are real numbers here (returned
-    as floats); whether they are acceptable is the caller's decision (posttrain's rollout refuses them).
+    Real: any `numbers.Real` (numpy scalars included) and bools (Python's and numpy's) as 1.0 / 0.0. Anything else (a
+    str such as "1.0", None, complex, arrays, 0-d included) gives None, never parsed or coerced. NaN and inf pass.
     """
     if isinstance(value, (numbers.Real, np.bool_)):
         return float(value)
@@ -112,10 +97,7 @@ def shown_value(value: Any, limit: int = 200) -> str:
 
 
 def checked_reset(result: Any, env_id: str) -> tuple[str, dict]:
-    """An env's `reset` return value as (observation, info dict). Raises TypeError naming `env_id`, what it returned
-    and the expected form for anything but gymnasium's (obs, info) pair with a str observation (the first user
-    message) and a mapping info; runners treat it as they treat an exception in reset (the episode ends as an
-    infra_error, the others go on)."""
+    """An env's `reset` return value as (str observation, info dict); TypeError naming `env_id` for anything else."""
     shown = shown_value(result)
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise TypeError(f"env {env_id!r}: reset returned {shown}; expected gymnasium's (observation, info) pair")
@@ -130,8 +112,7 @@ def checked_reset(result: Any, env_id: str) -> tuple[str, dict]:
 
 
 def cap_text(text: str, max_chars: int) -> str:
-    """`text` cut to its first and last `max_chars` // 2 characters (tracebacks end with the error),
-    with a marker in the middle saying how many characters were dropped."""
+    """`text` cut to its head and tail (tracebacks end with the error), `max_chars` in all, around a cut marker."""
     if len(text) <= max_chars:
         return text
     head, tail = max_chars - max_chars // 2, max_chars // 2
@@ -180,15 +161,12 @@ class TextEnv(gymnasium.Env):
 
     def on_truncate(self, reward: float, info: dict) -> tuple[float, dict]:
         """Score an episode that reached max_turns without terminating (default: 0, status "wrong")."""
-        verdict = verifiers.Verdict(0.0, "wrong", gold=info.get("gold"),
+        verdict = answers.Verdict(0.0, "wrong", gold=info.get("gold"),
                                     reason=f"max_turns={self.max_turns} reached without a final answer")
         return 0.0, {**info, **verdict.info()}
 
     def golden_episodes(self) -> list[tuple[dict, list[str], float]]:
-        """Known episodes for the self-check: (task, actions, expected final reward).
-
-        Must include at least one episode expected to score 1 and one expected to score 0.
-        """
+        """Known episodes for `self_check`: (task, actions, expected final reward), at least one 1 and one 0."""
         raise NotImplementedError
 
     # -- gymnasium API ------------------------------------------------------------------------------
@@ -215,10 +193,8 @@ class TextEnv(gymnasium.Env):
     def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
         """Apply one model turn. Raises RuntimeError outside an episode, TypeError on a non-str action.
 
-        Malformed text never raises: it scores 0 with ``info["reason"]``. The reward is `turn_step`'s (or
-        `on_truncate`'s) as a float when it is a real number (`as_reward`); any other value (a str "1.0", None, ...)
-        is returned unchanged, never coerced, for the caller to refuse (posttrain's rollout ends that episode as
-        an infra_error naming the env, the type and the value).
+        Malformed text never raises: it scores 0 with ``info["reason"]``. A reward that is no real number
+        (`as_reward`) is returned unchanged, never coerced, for the caller to refuse.
         """
         if self._done:
             raise RuntimeError(f"{type(self).__name__}: step() called outside an episode; call reset()")
@@ -236,8 +212,7 @@ class TextEnv(gymnasium.Env):
         return observation, reward if value is None else value, bool(terminated), truncated, info
 
     def play(self, task: Mapping, actions: Sequence[str]) -> tuple[float, dict]:
-        """(reward, info) of the episode on `task` that takes `actions` in turn until it ends (the last step's
-        reward and info; (0.0, {}) for no actions). Raises as `reset` / `step`."""
+        """The last step's (reward, info) of an episode on `task` playing `actions` until it ends; (0.0, {}) if none."""
         self.reset(options={"task": task})
         reward, info = 0.0, {}
         for action in actions:
@@ -264,36 +239,35 @@ class TextEnv(gymnasium.Env):
 
 
 class QuestionAnswerEnv(TextEnv):
-    """Single-turn question answering scored by `verifiers.score_math`.
+    """Single-turn question answering scored by `answers.score_math`.
 
-    Task dict: ``{"question": str, "answer": str, "id"?: str}``; ``answer`` is either the bare reference
-    answer ("122") or a GSM8K solution ending in ``#### <answer>``. The observation is the question
-    followed by the class's `instruction`.
+    Task dict: ``{"question": str, "answer": str, "id"?: str}``; ``answer`` is the bare reference answer ("122") or a
+    GSM8K solution ending in ``#### <answer>``. The observation is the question followed by `instruction`.
     """
 
     instruction = ""
-    think_tags = verifiers.THINK_TAGS  # reasoning trace to skip before extraction (None: read the whole reply)
+    think_tags = answers.THINK_TAGS  # reasoning trace to skip before extraction (None: read the whole reply)
 
     def validate_task(self, task: dict) -> dict:
         require_keys(task, ("question", "answer"), type(self).__name__)
         if not isinstance(task["question"], str) or not task["question"].strip():
             raise ValueError(f"{type(self).__name__}: task['question'] must be a non-empty str")
-        return {**task, "gold": verifiers.gold_answer(task["answer"])}
+        return {**task, "gold": answers.gold_answer(task["answer"])}
 
     def first_observation(self, task: dict) -> str:
         return task["question"] + self.instruction
 
     def turn_step(self, action: str) -> tuple[str, float, bool, dict]:
-        verdict = verifiers.score_math(action, self.task["gold"], think_tags=self.think_tags)
+        verdict = answers.score_math(action, self.task["gold"], think_tags=self.think_tags)
         return "", verdict.reward, True, verdict.info()
 
     def golden_answer(self, task: dict) -> str:
         """A completion known to be correct for `task` (used by the self-check)."""
-        return f"#### {verifiers.gold_answer(task['answer'])}"
+        return f"#### {answers.gold_answer(task['answer'])}"
 
     def golden_episodes(self) -> list[tuple[dict, list[str], float]]:
         task = self.task_source.get_task(0)
-        gold = verifiers.gold_answer(task["answer"])
+        gold = answers.gold_answer(task["answer"])
         return [(task, [self.golden_answer(task)], 1.0),
                 (task, [f"#### {wrong_answer(gold)}"], 0.0),
                 (task, [""], 0.0)]
@@ -301,5 +275,5 @@ class QuestionAnswerEnv(TextEnv):
 
 def wrong_answer(gold: str) -> str:
     """An answer that is certainly not equivalent to `gold`: gold + 1 for numbers, else a word."""
-    value = verifiers.as_fraction(verifiers.normalize_answer(gold))
+    value = answers.as_fraction(answers.normalize_answer(gold))
     return str(value + 1) if value is not None else "not-" + gold.replace(" ", "")

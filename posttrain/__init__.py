@@ -28,7 +28,7 @@ _EXPORTS = {
     "ADVANTAGES": "posttrain.algos.grpo.advantages", "POLICY_LOSSES": "posttrain.algos.grpo.losses", "KL_ESTIMATORS": "posttrain.algos.grpo.losses",
     "AGGREGATIONS": "posttrain.algos.grpo.losses", "policy_loss": "posttrain.algos.grpo.losses", "token_logprobs": "posttrain.learn.logprobs",
     "Config": "posttrain.config", "from_config_dict": "posttrain.config", "default_config": "posttrain.config",
-    "make_run_plan": "posttrain.runs.plan", "RunPlan": "posttrain.runs.plan", "PrecisionPolicy": "posttrain.infra.precision",
+    "make_run_plan": "posttrain.config.plan", "RunPlan": "posttrain.config.plan", "PrecisionPolicy": "posttrain.infra.precision",
     "train": "posttrain.recipes.grpo", "GRPOTrainer": "posttrain.recipes.trainer",
 }
 __all__ = sorted(_EXPORTS)

@@ -67,7 +67,7 @@ def tiny_run(folder: pathlib.Path) -> pathlib.Path:
 
     from posttrain.config import from_config_dict
     from posttrain.recipes import grpo
-    from posttrain.runs.plan import make_run_plan
+    from posttrain.config.plan import make_run_plan
 
     spec = importlib.util.spec_from_file_location("tiny_config", ROOT / "configs/tiny.py")
     module = importlib.util.module_from_spec(spec)
@@ -94,7 +94,7 @@ def sample_pool(args, out: pathlib.Path) -> tuple[list, dict]:
     suite = dataclasses.replace(suite, domains=tuple(dataclasses.replace(d, temperature=args.temperature, n=n, ks=())
                                                      for d in suite.domains))
     plan = evaluate.run_plan_of(args.checkpoint)
-    plan = dataclasses.replace(plan, eval=dataclasses.replace(plan.eval, batch_size=max(n, args.batch_size)))
+    plan = dataclasses.replace(plan, eval=dataclasses.replace(plan.eval_settings, batch_size=max(n, args.batch_size)))
     built, skipped = suite_lib.resolve(suite)
     if not built:
         raise SystemExit(f"every selected domain was skipped: {skipped}")

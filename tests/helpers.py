@@ -273,7 +273,7 @@ def saved_run(workdir, **over):
     import jax.numpy as jnp
 
     from posttrain.checkpoints.orbax import Checkpointer
-    from posttrain.runs import plan as run_plan
+    from posttrain.config import plan as run_plan
 
     plan = run_plan.make_run_plan(tiny_config(workdir, **over))
     workdir.mkdir(parents=True, exist_ok=True)

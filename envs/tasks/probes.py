@@ -1,19 +1,7 @@
 """Gaming floors and sampled golden checks of a domain, through the domain's own environment and scorer.
 
-A **floor** is the best mean reward that a reply without a solution earns: each probe (`probe_replies`: the empty
-reply, the answer format with nothing in it, the most frequent gold answers of the train split as constants,
-the question copied back, a list of candidate answers, yes/no/True/False and small numbers, and what the kind of
-domain suggests: stub bodies for code, idle commands for a terminal) is scored on a sample of held-out tasks and
-the floor is the held-out mean reward of the probe that scores best on the train sample (rewards in [0, 1], so
-the floor is in [0, 1]; choosing on one sample and measuring on another keeps the maximum over many probes from
-inflating it). A policy
-trained where the floor is high can learn the probe instead of the task, and its reward curve calls it progress.
-
-A **golden sample** checks that the reference reply of each of `tasks` tasks of every split scores 1 (not only task
-0 of one split, as the construction-time self-check does): "passed", "failed" (with the first failures), "unverified"
-(no reference reply) or "skipped" (the domain's data or package is absent, with the reason).
-
-Domains: ``reasoning_gym/<dataset>`` (`envs.tasks.reasoning_gym`) and the env domains of `ENV_DOMAINS`. No JAX.
+A **floor** is the best mean reward a reply without a solution earns: a policy can learn it instead of the task.
+A **golden sample** checks that sampled reference replies of every split score 1. The method: docs/tasks.md.
 """
 from __future__ import annotations
 
@@ -25,8 +13,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from envs.tasks import reasoning_gym as rg_env
-from envs.verify import answers as verifiers
+from envs.tasks import reasoning_gym
+from envs.verify import answers
 RG_PREFIX = "reasoning_gym/"
 GOLDEN_SAMPLE_STATUSES = ("passed", "failed", "unverified", "skipped")
 CONSTANTS = ("yes", "no", "Yes", "No", "True", "False", "0", "1", "2", "-1", "None", "[]")
@@ -40,16 +28,13 @@ class EnvDomain:
     """A registry domain over a posttrain env other than ReasoningGym-v0.
 
     Attributes:
-      env_id: the gymnasium id (`envs.ENTRY_POINTS`).
-      kwargs: constructor kwargs besides split (the domain's default configuration).
-      splits: the env's splits ("train", "test"); a domain with one split has a single task set.
-      wrap: a format string that puts an answer where the scorer reads it ("#### {}"), "" when answers are not
-        constants (code, commands).
+      env_id: the gymnasium id (`envs.ENTRY_POINTS`); kwargs: its default constructor kwargs besides split.
+      splits: the env's splits; a domain with one split has a single task set.
+      wrap: format string putting an answer where the scorer reads it ("#### {}"); "" when answers aren't constants.
       probes: replies tried as they are, besides the empty reply.
-      reference: how a task's reference reply is made: "golden_answer" (the env's method), "canonical_solution"
-        (the task's field), "golden_episodes" (the env's known-correct episodes) or "module:function" returning
-        (status, source, reason, sample) (`repo_fix.env.golden_status`).
-      tasks: at most this many tasks per split probed (sandboxed envs fewer).
+      reference: how a task's reference reply is made: "golden_answer", "canonical_solution" (the task's field),
+        "golden_episodes" or "module:function" returning (status, source, reason, sample).
+      tasks: at most this many tasks per split probed.
     """
 
     env_id: str
@@ -81,17 +66,13 @@ ENV_DOMAINS: dict[str, EnvDomain] = {
 
 @dataclasses.dataclass(frozen=True)
 class Assessment:
-    """One domain's floor and golden sample (the row `posttrain domains --floors` prints and the table stores).
+    """One domain's floor and golden sample: a row of the `posttrain domains --floors` table.
 
     Attributes:
-      domain: the registry name.
       config: the dataset config / env kwargs assessed, as sorted JSON.
-      floor: the best probe's mean reward in [0, 1] (None when skipped).
-      probe: the best probe's name ("" when skipped).
+      floor, probe: the best probe's held-out mean reward in [0, 1] and its name (None, "" when skipped).
       probes: {probe name: mean reward} of every probe.
-      golden: a GOLDEN_SAMPLE_STATUSES value.
-      golden_checked: reference replies scored (over all splits).
-      golden_failures: those that did not score 1.
+      golden: a GOLDEN_SAMPLE_STATUSES value; golden_checked / golden_failures: reference replies scored / below 1.
       reason: why golden is not "passed" (the first failures, or why skipped).
       num_tasks: {split: tasks in the split} (None for a procedural reasoning-gym split).
       sampled: the tasks the probes were scored on (fewer than asked for a dataset slow to generate).
@@ -112,9 +93,9 @@ class Assessment:
 
 def probe_replies(tasks_train: list[dict], wrap: str, extra: tuple[str, ...] = (),
                   gold: Callable[[dict], str | None] = lambda t: t.get("answer")) -> dict[str, Callable[[dict], str]]:
-    """{probe name: task -> reply} of replies without a solution. Constants and the candidate list come from the
-    gold answers of `tasks_train` (`gold(task)`), so they are what a policy could learn on the train split; `wrap`
-    formats an answer ("" skips the answer probes: code, commands); `extra` replies are tried as they are."""
+    """{probe name: task -> reply} of replies without a solution, constants from the gold answers of `tasks_train`.
+
+    `wrap` formats an answer ("" skips the answer probes); `extra` replies are used as they are."""
     probes: dict[str, Callable[[dict], str]] = {"empty": lambda t: ""}
     for reply in extra:
         probes[f"reply:{reply.strip()[:40]}"] = lambda t, r=reply: r
@@ -136,10 +117,10 @@ def probe_replies(tasks_train: list[dict], wrap: str, extra: tuple[str, ...] = (
 def floor_of(score: Callable[[dict, str], float], tasks: list[dict], probes: Mapping[str, Callable[[dict], str]],
              select_on: list[dict] | None = None,
              select_score: Callable[[dict, str], float] | None = None) -> tuple[float, str, dict[str, float]]:
-    """(floor, best probe, {probe: mean reward on `tasks`}) of `probes` scored by `score(task, reply)`. The best
-    probe is the one with the largest mean on `select_on` (scored by `select_score`, default `score`) when given,
-    so the floor is its mean on the held-out `tasks`, free of the upward bias of a maximum over many noisy means;
-    else the largest mean on `tasks`. Ties go to the first probe. Raises ValueError for no tasks or no probes."""
+    """(floor, best probe, {probe: mean reward on `tasks`}) of `probes` scored by `score(task, reply)`.
+
+    The best probe is chosen on `select_on` (scored by `select_score`) when given, so its mean on the held-out
+    `tasks` is free of the bias of a maximum over noisy means. Raises ValueError for no tasks or no probes."""
     if not tasks or not probes:
         raise ValueError(f"floor_of needs tasks and probes, got {len(tasks)} tasks and {len(probes)} probes")
 
@@ -154,8 +135,7 @@ def floor_of(score: Callable[[dict, str], float], tasks: list[dict], probes: Map
 
 def golden_sample(score: Callable[[dict, str], float], tasks: list[dict],
                   reference: Callable[[dict], str | None]) -> tuple[str, int, int, str]:
-    """(status, checked, failures, reason) of the reference replies of `tasks`: "passed" when every one scores 1,
-    "failed" when any does not (the reason names the first three), "unverified" when no task has one."""
+    """(status, checked, failures, reason) of the reference replies of `tasks`; the reason names three failures."""
     checked, failed = 0, []
     for task in tasks:
         reply = reference(task)
@@ -171,12 +151,12 @@ def golden_sample(score: Callable[[dict, str], float], tasks: list[dict],
     return ("failed" if failed else "passed"), checked, len(failed), reason
 
 
-def _rg_score(env: rg_env.ReasoningGymEnv) -> Callable[[dict, str], float]:
+def _rg_score(env: reasoning_gym.ReasoningGymEnv) -> Callable[[dict, str], float]:
     return lambda task, reply: env.score(task, reply)[0]
 
 
 def _rg_reference(task: dict) -> str | None:
-    good, _ = rg_env.reference_reply(task)
+    good, _ = reasoning_gym.reference_reply(task)
     return None if good is None else f"<answer>\n{good}\n</answer>"
 
 
@@ -193,12 +173,12 @@ def _sample_tasks(source, tasks: int, budget_s: float) -> list[dict]:
 
 def assess_reasoning_gym(domain: str, config: Mapping[str, Any] | None = None, *, tasks: int = 20,
                          seed: int = 0, level: int | None = None, budget_s: float = 20.0) -> Assessment:
-    """The floor (on `tasks` test tasks, constants from `tasks` train tasks) and golden sample (both splits) of a
-    reasoning-gym domain with `config` (None: the library defaults); a split whose generation takes longer than
-    `budget_s` seconds is sampled on fewer tasks (`_sample_tasks`). Raises ValueError on a bad dataset/config."""
+    """The floor and golden sample (both splits) of a reasoning-gym domain with `config` (None: library defaults).
+
+    `tasks` per split; fewer for a split slower than `budget_s` seconds. Raises ValueError on a bad dataset/config."""
     dataset = domain.removeprefix(RG_PREFIX)
-    cfg = rg_env.parse_config(config, dataset)
-    envs_by_split = {split: rg_env.ReasoningGymEnv(dataset=dataset, config=cfg, split=split, seed=seed,
+    cfg = reasoning_gym.parse_config(config, dataset)
+    envs_by_split = {split: reasoning_gym.ReasoningGymEnv(dataset=dataset, config=cfg, split=split, seed=seed,
                                                    size=max(tasks, 1), num_test=tasks, level=level,
                                                    self_check=False) for split in ("train", "test")}
     sampled = {s: _sample_tasks(e.task_source, tasks, budget_s) for s, e in envs_by_split.items()}
@@ -216,8 +196,9 @@ def assess_reasoning_gym(domain: str, config: Mapping[str, Any] | None = None, *
 
 
 def assess_env_domain(domain: str, *, tasks: int | None = None) -> Assessment:
-    """The floor and golden sample of an `ENV_DOMAINS` domain (its default kwargs). Absent data (OSError) or a
-    missing package (ImportError) give a "skipped" assessment with the reason; other errors propagate."""
+    """The floor and golden sample of an `ENV_DOMAINS` domain with its default kwargs.
+
+    An OSError, ImportError or RuntimeError building the envs gives a "skipped" row; other errors propagate."""
     import gymnasium
 
     import envs  # noqa: F401  (registers the ids)
@@ -235,7 +216,7 @@ def assess_env_domain(domain: str, *, tasks: int | None = None) -> Assessment:
         counts = {s: e.task_source.num_tasks for s, e in built.items()}
         sampled = {s: [e.task_source.get_task(i) for i in range(min(n, counts[s]))] for s, e in built.items()}
         test = built[d.splits[-1]]
-        gold = (lambda t: verifiers.gold_answer(t["answer"])) if d.wrap else (lambda t: None)
+        gold = (lambda t: answers.gold_answer(t["answer"])) if d.wrap else (lambda t: None)
         probes = probe_replies(sampled[d.splits[0]], d.wrap, d.probes, gold=gold)
         first = built[d.splits[0]]
         floor, probe, means = floor_of(lambda t, r: test.play(t, [r])[0], sampled[d.splits[-1]], probes,

@@ -1,21 +1,7 @@
-"""PythonTool-v0: multi-turn math with a Python interpreter as a tool (in the style of PAL / program-
-aided reasoning, Gao et al. 2022, arXiv:2211.10435, and ToRA, Gou et al. 2023, arXiv:2309.17452).
+"""PythonTool-v0: multi-turn math with a Python interpreter as a tool (PAL, arXiv:2211.10435; ToRA, arXiv:2309.17452).
 
-Protocol, one model turn per step():
-  * A turn containing ``\\boxed{...}`` is the FINAL ANSWER: the episode terminates and the box content
-    is verified (`verifiers.score_math` restricted to the "boxed" rule; ``####`` and bare numbers are
-    not answers here). Code in that same turn is not run.
-  * Otherwise, a turn with a fenced ```python block runs the FIRST such block in `envs.sandbox` (a fresh
-    interpreter each turn: no state carries over; by default forked in a persistent sandbox worker,
-    `envs.sandbox.workers.shared_pool`); the next observation is its stdout + stderr,
-    capped at `max_output_chars`, in a ```output block, with a line naming a non-ok sandbox status.
-  * A turn with neither terminates with reward 0 (reason "no code and no \\boxed{} answer").
-  * After `max_turns` turns without a final answer the episode is truncated with reward 0.
-  * A sandbox infra_error terminates the episode with status "infra_error" (never scored as wrong).
-
-Tasks: ``{"question": str, "answer": str}`` as in Arithmetic-v0 / GSM8K-v0. By default 3-digit
-arithmetic (+, -, *) from `ArithmeticTasks`; pass ``gsm8k_path`` for GSM8K questions, or any
-`TaskSource` as ``task_source``.
+Tasks ``{"question", "answer"}``: 3-digit arithmetic (`ArithmeticTasks`) by default, GSM8K with ``gsm8k_path``, or
+any ``task_source``. The turn protocol: `PythonToolEnv`.
 """
 from __future__ import annotations
 
@@ -24,25 +10,26 @@ from envs.tasks import arithmetic
 from envs import base, sandbox
 from envs.sandbox import workers as sandbox_workers
 
-from envs.verify import answers as verifiers
+from envs.verify import answers
 from envs.tasks import gsm8k
 INSTRUCTION = ("\n\nYou can run Python: write code in a ```python block and you will see its output. "
                "When you know the answer, reply with it as \\boxed{answer}.")
 
 
 class PythonToolEnv(base.QuestionAnswerEnv):
-    """posttrain/PythonTool-v0 (see the module docstring for the protocol).
+    """posttrain/PythonTool-v0: a turn with ``\\boxed{...}`` is the final answer; a turn with code runs it.
+
+    A ``\\boxed{}`` turn ends the episode, scored by `answers.score_math` on the box only (its code is not run).
+    Otherwise the FIRST ```python block runs in a fresh sandboxed interpreter and the next observation is its capped
+    output. A turn with neither, or `max_turns` turns without an answer, end with reward 0; a sandbox infra_error
+    ends the episode with status "infra_error".
 
     Args:
-      split: "train" or "test" of the default task source.
-      task_source: any `TaskSource` of {"question", "answer"} tasks (overrides split/gsm8k_path).
-      gsm8k_path: GSM8K JSONL file or directory (see `envs.tasks.gsm8k.load_gsm8k`).
-      max_turns: turns (step() calls) before truncation, >= 2.
+      task_source: any `TaskSource` of {"question", "answer"} tasks (overrides split and gsm8k_path).
       limits: `sandbox.Limits` per code run (default: 5 s CPU, 10 s wall, 512 MB, 64 KiB output).
       max_output_chars: cap on the tool output shown to the model (characters).
-      isolation: passed to `sandbox.run` ("weak" never uses workers).
-      workers: run code in persistent sandbox workers (default); False: a fresh sandbox per run.
-    Raises ValueError on bad arguments, TypeError when workers is not a bool.
+      workers: run code in persistent sandbox workers; False (or isolation "weak"): a fresh sandbox per run.
+    Raises ValueError on bad arguments (max_turns < 2), TypeError when workers is not a bool.
     """
 
     instruction = INSTRUCTION
@@ -70,13 +57,13 @@ class PythonToolEnv(base.QuestionAnswerEnv):
 
     def turn_step(self, action: str) -> tuple[str, float, bool, dict]:
         gold = self.task["gold"]
-        action = verifiers.strip_reasoning(verifiers.normalize_unicode(action), self.think_tags)
+        action = answers.strip_reasoning(answers.normalize_unicode(action), self.think_tags)
         if "\\boxed" in action or "\\fbox" in action:
-            verdict = verifiers.score_math(action, gold, methods=("boxed",), think_tags=None)
+            verdict = answers.score_math(action, gold, methods=("boxed",), think_tags=None)
             return "", verdict.reward, True, verdict.info()
-        blocks = verifiers.extract_code_blocks(action, ("python", "py", "python3"))
+        blocks = answers.extract_code_blocks(action, ("python", "py", "python3"))
         if not blocks:
-            verdict = verifiers.Verdict(0.0, "wrong", gold=gold, reason="no code and no \\boxed{} answer")
+            verdict = answers.Verdict(0.0, "wrong", gold=gold, reason="no code and no \\boxed{} answer")
             return "", 0.0, True, verdict.info()
         if self.workers:
             result = sandbox_workers.shared_pool(self.limits).run(blocks[0], limits=self.limits)
@@ -94,7 +81,7 @@ class PythonToolEnv(base.QuestionAnswerEnv):
         return f"```output\n{text}\n```{note}"
 
     def golden_answer(self, task: dict) -> str:
-        return f"\\boxed{{{task['gold'] if 'gold' in task else verifiers.gold_answer(task['answer'])}}}"
+        return f"\\boxed{{{task['gold'] if 'gold' in task else answers.gold_answer(task['answer'])}}}"
 
     def golden_episodes(self) -> list[tuple[dict, list[str], float]]:
         episodes = super().golden_episodes()

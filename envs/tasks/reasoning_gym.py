@@ -1,24 +1,8 @@
-"""ReasoningGym-v0: one gymnasium text env over any `reasoning-gym` dataset (~106 procedural domains).
+"""ReasoningGym-v0: one gymnasium text env over any `reasoning-gym` dataset (arXiv:2505.24760, ~106 domains).
 
-Source: reasoning-gym (Stojanovski et al. 2025, "REASONING GYM: Reasoning Environments for Reinforcement
-Learning with Verifiable Rewards", arXiv:2505.24760; PyPI ``reasoning-gym``, pure Python, offline). Its API is
-used as is: ``reasoning_gym.create_dataset``-style construction from the registered (dataset, config) classes,
-each dataset's own ``score_answer(answer, entry) -> float in [0, 1]`` and its curricula for difficulty levels;
-answers are read by the library's convention, the last ``<answer>...</answer>`` (`envs.verify.tagged`).
-
-An episode: the question plus `INSTRUCTION` (or the env's ``instruction``; answer inside ``<answer>`` tags); the
-reply after the last ``</think>`` is searched for the last ``<answer>...</answer>`` (`envs.verify.tagged.read_answer`;
-multi-line answers kept); the reward is the dataset's score of that answer, partial credit included (``info["score"]``);
-``info["status"]`` is "ok" only at score 1. A reply with no answer tag at all (small instruct models such as
-SmolLM2-135M ignore the instruction and write "The answer is 12.") is read by a conservative fallback on its
-last non-empty line only (`tagged.fallback_answer`: ``\\boxed{}``, "answer is/: X", "... = X", "... is X", a lone
-token), so a revised or buried number never scores; ``fallback=False`` keeps tags only.
-
-Splits: "train" is the dataset built with ``seed`` and ``size``; "test" the same config with seed
-``seed + TEST_SEED_OFFSET`` and ``num_test`` items. The question sets are disjoint (`held_out`: a question is
-held out when its CRC32 falls in one of `HELD_OUT_BUCKETS` buckets; each split redraws an item of the wrong side,
-deterministically), so a small procedural task space cannot leak eval questions into training. Tasks carry the
-dataset's whole entry (question, answer, metadata), so any worker can score them whatever its own kwargs. No JAX.
+Each dataset's own ``score_answer`` (partial credit included) scores the ``<answer>`` tag, and its curricula set
+levels. Train and test questions are disjoint (`held_out`), so a small task space cannot leak eval questions.
+Tasks carry the dataset's whole entry, so any worker can score them whatever its kwargs. No JAX.
 """
 from __future__ import annotations
 
@@ -33,7 +17,7 @@ from typing import Any
 
 from envs import base
 
-from envs.verify import answers as verifiers
+from envs.verify import answers
 from envs.verify import tagged
 ENV_ID = "posttrain/ReasoningGym-v0"
 INSTRUCTION = ("\n\nThink it through, then give only the final answer inside <answer></answer> tags, "
@@ -45,8 +29,7 @@ TEST_SEED_OFFSET = 1_000_003  # test split seed = train seed + this (a different
 HELD_OUT_BUCKETS = 8  # a question is held out (test split only) when crc32(question) % this == 0
 MAX_DRAWS = 256  # draws per task before a split gives up: (7/8)**256 ~ 1e-15 for a test task of a large space
 # Metadata fields in which reasoning-gym ships a reply its own scorer accepts, for datasets without a reference
-# answer (answer=None): graph_color "possible_answer", propositional_logic "example_answer", rubiks_cube
-# "example_correct_answer". Datasets with neither an answer nor one of these are "unverified".
+# answer (graph_color, propositional_logic, rubiks_cube); datasets with neither are "unverified".
 REFERENCE_REPLY_KEYS = ("possible_answer", "example_answer", "example_correct_answer")
 # Datasets whose library defaults do not build: the default config used for them here.
 DEFAULT_CONFIGS = {"composite": {"datasets": [{"name": "chain_sum", "weight": 1.0, "config": {}},
@@ -66,17 +49,14 @@ def library():
 
 
 def library_output_to_stderr():
-    """A context in which what the library prints goes to stderr: some generators print to stdout (bf's prints
-    "." per program it compiles), which would corrupt a command's output (`posttrain domains`, `status --json`)."""
+    """A context sending what the library prints to stderr, so generators that print (bf) cannot corrupt stdout."""
     return contextlib.redirect_stdout(sys.stderr)
 
 
 def containment_credit(answer: str, gold: str, value: float) -> float:
-    """A dataset scorer's partial credit `value` for an answer that contains the whole gold text, kept only when
-    what surrounds it is punctuation and spaces ("-1048." for -1048), else 0; `value` unchanged when the gold text
-    is not in the answer (a graded score of another kind). reasoning-gym's default scorer and its
-    `compute_decimal_reward` pay len(gold) / len(answer) for any answer containing the gold: 0.45 for
-    "-1047 -1048", 0.36 for "-1048 or -1047", so listing candidates earned a share without choosing one."""
+    """Partial credit `value` for an answer containing the gold text, kept only when the rest is punctuation.
+
+    Else 0 (reasoning-gym pays len(gold) / len(answer) to a list of candidates); unchanged when the gold is absent."""
     if gold not in answer:
         return value
     rest = answer.replace(gold, "", 1)
@@ -89,11 +69,9 @@ def dataset_names() -> list[str]:
 
 
 def parse_config(config: Mapping[str, Any] | str | None, dataset: str = "?") -> dict:
-    """A dataset config as a dict: None -> {}, a JSON object string -> its dict, a mapping -> a copy.
+    """A dataset config as a dict: None -> {}, a JSON object string (env kwargs) -> its dict, a mapping -> a copy.
 
-    Env specs pass the config as a JSON string so their kwargs stay hashable. Raises ValueError on bad JSON
-    or a JSON value that is not an object, TypeError on any other type.
-    """
+    Raises ValueError on bad JSON or a JSON value that is not an object, TypeError on any other type."""
     if config is None:
         return {}
     if isinstance(config, str):
@@ -118,14 +96,11 @@ def max_level(dataset: str) -> int | None:
 
 def build_dataset(dataset: str, config: Mapping[str, Any] | str | None = None, *, seed: int = 0, size: int = 1000,
                   level: int | None = None):
-    """A reasoning-gym dataset object (``ProceduralDataset``) for `dataset` with `config`, `seed`, `size`.
+    """A reasoning-gym ``ProceduralDataset`` for `dataset` with `config`, `seed`, `size`.
 
-    `level` (optional) applies the library's curriculum (``create_curriculum(dataset).set_global_level(level)``,
-    then ``generate_configuration`` over `config`): the curriculum's attributes override those keys of `config`.
-    Raises ValueError on an unknown dataset (with close names), a config that sets seed/size (kwargs of the
-    env), unknown config keys (naming them and the valid ones), a config the library rejects, or a level
-    outside [0, max_level]; TypeError on a config of the wrong type.
-    """
+    `level` applies the library's curriculum, whose attributes override those keys of `config`. Raises ValueError
+    on an unknown dataset, bad config keys (seed/size included) or values, or a level outside [0, max_level];
+    TypeError on a config of the wrong type."""
     rg = library()
     datasets = rg.factory.DATASETS
     if dataset not in datasets:
@@ -168,15 +143,14 @@ def build_dataset(dataset: str, config: Mapping[str, Any] | str | None = None, *
 
 
 def held_out(question: str) -> bool:
-    """Whether `question` belongs to the held-out (test) side of the split: ``crc32(question) % HELD_OUT_BUCKETS
-    == 0`` (stable across processes and versions, unlike ``hash``). Train tasks never have it, test tasks always,
-    so the two splits' question sets are disjoint whatever the seeds and the size of the task space."""
+    """Whether `question` is on the held-out (test) side: ``crc32(question) % HELD_OUT_BUCKETS == 0``.
+
+    Stable across processes and versions (unlike ``hash``); train tasks never have it, test tasks always."""
     return zlib.crc32(question.encode("utf-8", "surrogatepass")) % HELD_OUT_BUCKETS == 0
 
 
 def reference_reply(entry: Mapping[str, Any]) -> tuple[str | None, str]:
-    """(an answer the dataset's scorer should accept, where it came from): the entry's reference answer
-    ("answer"), else a library-provided reply in its metadata (`REFERENCE_REPLY_KEYS`), else (None, "none")."""
+    """(a reply the dataset's scorer should accept, its source): "answer", a `REFERENCE_REPLY_KEYS` field, or none."""
     if entry.get("answer") is not None:
         return str(entry["answer"]), "answer"
     meta = entry.get("metadata") or {}
@@ -190,15 +164,8 @@ def reference_reply(entry: Mapping[str, Any]) -> tuple[str | None, str]:
 class ReasoningGymTasks:
     """`TaskSource` over one reasoning-gym dataset and split (arguments as in `build_dataset`).
 
-    Args:
-      dataset: a reasoning-gym dataset name (`dataset_names()`).
-      config: its config (mapping or JSON object string; library defaults for missing keys).
-      split: "train" (seed `seed`, `size` items) or "test" (seed `seed + TEST_SEED_OFFSET`, `num_test` items);
-        train questions are never `held_out`, test questions always are (disjoint question sets).
-      level: optional curriculum level.
-    Task dict: ``{"id": "reasoning_gym/<dataset>-<split>-<i>", "dataset", "question", "answer" (str or None),
-    "metadata" (the library's dict), "level"}``. Raises ValueError on bad arguments, IndexError on a bad index.
-    """
+    The "train" split is built with seed `seed` and `size` items, "test" with `seed + TEST_SEED_OFFSET` and
+    `num_test` items. Raises ValueError on bad arguments, IndexError on a bad index."""
 
     def __init__(self, dataset: str, config: Mapping[str, Any] | str | None = None, *, split: str = "train",
                  seed: int = 0, size: int = 1000, num_test: int = 100, level: int | None = None) -> None:
@@ -254,8 +221,7 @@ class ReasoningGymTasks:
 
 @dataclasses.dataclass(frozen=True)
 class GoldenResult:
-    """Outcome of `ReasoningGymEnv.golden_check`: status (one of GOLDEN_STATUSES), where the accepted reply
-    came from ("answer", "metadata.<key>", "none") and, when not verified, why."""
+    """Outcome of `ReasoningGymEnv.golden_check`: a GOLDEN_STATUSES status, the reply's source and a reason."""
 
     status: str
     source: str
@@ -265,16 +231,11 @@ class GoldenResult:
 class ReasoningGymEnv(base.TextEnv):
     """posttrain/ReasoningGym-v0: single-turn; reward = the dataset's ``score_answer`` of the tagged answer.
 
-    Kwargs: those of `ReasoningGymTasks` (``dataset`` required), ``self_check`` (run `golden_check` at
-    construction: RuntimeError when it fails), ``allow_unverified`` (accept a dataset with no reference reply,
-    "unverified", instead of raising), ``fallback`` (default True: a reply without any answer tag is read by
-    `envs.verify.tagged.fallback_answer`, its last line; False: tags only) and ``instruction`` (the text after the
-    question; None: `INSTRUCTION`; `SHORT_INSTRUCTION` suits models too small to follow the tag format). Scorer
-    exceptions on odd replies score 0 with the reason in info; ``info["method"]`` says how the answer was read
-    (`envs.verify.tagged.read_answer`).
-    """
+    Kwargs: those of `ReasoningGymTasks`, ``allow_unverified`` (accept a dataset with no reference reply),
+    ``fallback`` (False: tags only) and ``instruction`` (None: `INSTRUCTION`; `SHORT_INSTRUCTION` suits small
+    models). ``info["status"]`` is "ok" only at score 1; a scorer exception scores 0 with the reason."""
 
-    think_tags = verifiers.THINK_TAGS
+    think_tags = answers.THINK_TAGS
 
     def __init__(self, *, dataset: str | None = None, config: Mapping[str, Any] | str | None = None,
                  split: str = "train", seed: int = 0, size: int = 1000, num_test: int = 100,
@@ -316,7 +277,7 @@ class ReasoningGymEnv(base.TextEnv):
         status = "ok" if value == 1.0 else "wrong"
         if status == "wrong" and not reason:
             reason = "partial credit" if value > 0 else "answer scored 0"
-        shown = answer if answer is None or len(answer) <= verifiers.MAX_ANSWER_CHARS else answer[:200] + "..."
+        shown = answer if answer is None or len(answer) <= answers.MAX_ANSWER_CHARS else answer[:200] + "..."
         return value, {"status": status, "score": value, "extracted": shown, "gold": task["answer"],
                        "method": method, "reason": reason, "level": task.get("level")}
 
@@ -325,11 +286,9 @@ class ReasoningGymEnv(base.TextEnv):
         return "", reward, True, info
 
     def golden_episodes(self) -> list[tuple[dict, list[str], float]]:
-        """(task, [reply], expected) for task 0: the reference reply after a think block (expect 1.0), an untagged
-        reply that states the reference and then revises it to a wrong answer on its last line (read by the
-        fallback), and a wrong answer in tags after a think block holding the reference
-        (both expected below 1, written as 0.0: `golden_check` tests them with "< 1", since some scorers give
-        a small format credit, e.g. 0.01, even to a missing answer). Empty when there is no reference reply."""
+        """(task, [reply], expected) for task 0: the reference (1.0), and two wrong replies that hold it (0.0).
+
+        The 0.0 cases are tested as "< 1" (some scorers give a small format credit). Empty without a reference."""
         task = self.task_source.get_task(0)
         good, _ = reference_reply(task)
         if good is None:
@@ -350,9 +309,9 @@ class ReasoningGymEnv(base.TextEnv):
         return "no solution"
 
     def golden_check(self) -> GoldenResult:
-        """Runs `golden_episodes` without raising: "verified" (the reference answer scores 1 through extraction,
-        the other replies below 1), "verified_reference_free" (same with a library-provided reply), "unverified"
-        (no reply known to be correct) or "failed" (with the reason)."""
+        """Run `golden_episodes` without raising: "verified", "verified_reference_free", "unverified" or "failed".
+
+        "verified_reference_free": the accepted reply is library-provided, not a reference answer."""
         task = self.task_source.get_task(0)
         _, source = reference_reply(task)
         episodes = self.golden_episodes()

@@ -1,24 +1,8 @@
-"""Terminal-v0: multi-turn shell tasks in a sandboxed working directory (in the spirit of
-InterCode-Bash, Yang et al. 2023, arXiv:2306.14898, and Terminal-Bench).
+"""Terminal-v0: multi-turn shell tasks in a sandboxed working directory (cf. InterCode-Bash, arXiv:2306.14898).
 
-Protocol, one model turn per step():
-  * The FIRST fenced ```bash (or ```sh) block of the turn runs as ``bash -c <block>`` in the episode's
-    private workspace (`envs.sandbox.Workspace`, which persists across the turns of one episode); the
-    next observation is its stdout + stderr, capped at `max_output_chars`, then ``[exit code N]``.
-  * A line of the turn, outside code blocks, that is exactly ``DONE`` ends the episode (after that
-    turn's block, if any, has run). The task's checker then inspects the workspace: reward 1 or 0.
-  * A turn with neither a block nor DONE gets a reminder of the protocol as observation.
-  * A reasoning trace is cut off first (the turn after its last ``</think>``, `verifiers.strip_reasoning`;
-    `TerminalEnv.think_tags`): commands and DONE inside the trace are not acted on.
-  * After `max_turns` turns the episode is truncated and the checker still scores the workspace.
-
-Checkers run on the host after the episode and hold their truth in host memory: expected contents and
-hidden test inputs live in this module, never in the workspace, so a program that writes a fake
-result file (``reward.txt``, ``PASSED``) gains nothing. Checkers only look at the workspace through
-`Probe`: files are read host-side without following symlinks, programs run in the sandbox.
-
-Task dict: ``{"id": str, "instruction": str, "files": {relative path: text}, "check": callable(Probe)
--> (passed: bool, reason: str)}``; a dict with only ``{"id": <built-in id>}`` selects a built-in task.
+Checkers run on the host after the episode, seeing the workspace only through `Probe`, and hold their truth in
+host memory, so a fake result file (``reward.txt``, ``PASSED``) gains nothing. Task dict: ``{"id", "instruction",
+"files": {path: text}, "check": callable(Probe) -> (passed, reason)}``, or ``{"id"}`` of a built-in task.
 """
 from __future__ import annotations
 
@@ -27,7 +11,7 @@ from collections.abc import Mapping
 
 from envs import base, sandbox
 
-from envs.verify import answers as verifiers
+from envs.verify import answers
 PROTOCOL = ("\n\nYou are in a Linux shell in an empty-ish working directory. Each reply may contain one "
             "```bash code block; it is run and you see its output. When the task is complete, reply with "
             "a line containing only DONE.")
@@ -55,8 +39,7 @@ class Probe:
         return result
 
     def read(self, path: str) -> str | None:
-        """Text of workspace file `path` (host-side read that refuses symlinks and non-regular files, at
-        most 1 MiB), or None when it is missing, not a regular file, or the path is invalid."""
+        """Text of workspace file `path` (read host-side, no symlink followed, at most 1 MiB), or None if unreadable."""
         try:
             return self._workspace.read_text(path)
         except (OSError, ValueError):
@@ -140,19 +123,21 @@ GOLDEN_COMMANDS = {
 
 
 class TerminalEnv(base.TextEnv):
-    """posttrain/Terminal-v0 (protocol in the module docstring).
+    """posttrain/Terminal-v0: run each turn's shell commands in a private workspace until the model says DONE.
+
+    A turn (its reasoning trace cut off) runs its FIRST ```bash/```sh block as ``bash -c`` in the workspace and
+    sees the capped output and ``[exit code N]``. A line ``DONE`` outside code blocks ends the episode after that
+    block; the checker then scores the workspace (1 or 0), as it does at truncation after `max_turns`.
 
     Args:
-      tasks: task dicts (default: BUILTIN_TASKS), each {"id", "instruction", "files", "check"}.
-      max_turns: step() calls before truncation (>= 1).
+      tasks: task dicts (default: BUILTIN_TASKS); they form one split, "test".
       limits: `sandbox.Limits` per command (default: 5 s CPU, 10 s wall, 512 MB, 64 KiB output).
       max_output_chars: cap on the command output shown to the model (characters).
-      isolation: passed to `sandbox.run`.
-    Raises ValueError on a malformed task; reset() raises InfraError (a RuntimeError) when the sandbox
-    cannot set up the workspace. Tasks form one split, "test". close() removes the workspace.
+    Raises ValueError on a malformed task; reset() raises InfraError (a RuntimeError) when the sandbox cannot set
+    up the workspace. close() removes the workspace.
     """
 
-    think_tags = verifiers.THINK_TAGS  # reasoning trace cut off before commands and DONE are read (None: keep it)
+    think_tags = answers.THINK_TAGS  # reasoning trace cut off before commands and DONE are read (None: keep it)
 
     def __init__(self, *, tasks: list[dict] | None = None, max_turns: int = 8,
                  limits: sandbox.Limits | None = None, max_output_chars: int = 2000,
@@ -188,8 +173,8 @@ class TerminalEnv(base.TextEnv):
         return task["instruction"] + PROTOCOL
 
     def turn_step(self, action: str) -> tuple[str, float, bool, dict]:
-        action = verifiers.strip_reasoning(action, self.think_tags)  # commands and DONE only after the trace
-        blocks = verifiers.extract_code_blocks(action, ("bash", "sh", "shell"))
+        action = answers.strip_reasoning(action, self.think_tags)  # commands and DONE only after the trace
+        blocks = answers.extract_code_blocks(action, ("bash", "sh", "shell"))
         done = bool(_DONE_RE.search(_FENCED_RE.sub("", action)))
         observation, info = REMINDER, {"status": "ok", "reason": ""}
         if blocks:
@@ -219,7 +204,7 @@ class TerminalEnv(base.TextEnv):
             return 0.0, {"status": "infra_error", "reason": str(exc)}
         except Exception as exc:  # noqa: BLE001 - a workspace the checker cannot parse is a failure
             passed, reason = False, f"checker error: {exc!r}"
-        verdict = verifiers.Verdict(float(bool(passed)), "ok" if passed else "wrong", method="checker",
+        verdict = answers.Verdict(float(bool(passed)), "ok" if passed else "wrong", method="checker",
                                     reason="" if passed else reason)
         return verdict.reward, verdict.info()
 

@@ -29,6 +29,7 @@ import pyarrow as pa
 
 from posttrain.algos.dpo.data import Pair
 from posttrain.algos.sft.data import Example, split_records
+from posttrain.scheduling import archive
 
 COLUMNS = ("episode_id", "attempt", "run", "domain", "task_index", "visit", "sample", "step", "policy_version",
            "prompt_ids", "completion_ids", "reward", "status", "details")
@@ -157,3 +158,32 @@ def dpo_pairs(table: pa.Table, *, max_prompt_len: int = 256, max_completion_len:
     counts.update({"archive/groups_with_pair": len({_group_key(c) for c, _ in chosen_rejected}),
                    "dpo/train_pairs": len(out[True]), "dpo/eval_pairs": len(out[False])})
     return out[True], out[False], counts
+
+
+def archive_table(runs):
+    """The episode archives of the runs `runs` names (a workdir, or several separated by commas:
+    `archive_runs`), every step and row of each (`scheduling.archive.read`), concatenated in that order.
+    Raises FileNotFoundError naming a run that has no archive (no `archive/step_*.parquet` file), ValueError when
+    two runs' archives hold the same run name (their episode ids and groups would collide: e.g. two workdirs
+    both called "run")."""
+    import pyarrow as pa
+
+    tables, owner = [], {}
+    for run in archive_runs(str(runs)):
+        if not archive.step_files(run):
+            raise FileNotFoundError(f"{str(run)!r} has no episode archive ({archive.archive_dir(run)} holds no "
+                                    "step_*.parquet file): from_archive takes the workdir of a GRPO run")
+        table = archive.read(run)
+        for name in set(table.column("run").to_pylist()):
+            if name in owner:
+                raise ValueError(f"the archives of {owner[name]!r} and {str(run)!r} both hold run {name!r}: their "
+                                 "episodes would be taken for one run's (rename a workdir and rerun it, or use one)")
+            owner[name] = str(run)
+        tables.append(table)
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+
+
+def archive_runs(spec: str) -> list[str]:
+    """The run directories of a `from_archive` value: one workdir, or several separated by commas (e.g. the seeds
+    of one config: "runs/s0,runs/s1,runs/s2"), in order, blanks dropped."""
+    return [r.strip() for r in spec.split(",") if r.strip()]

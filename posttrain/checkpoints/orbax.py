@@ -36,6 +36,7 @@ decision is taken per process from a shared filesystem, which assumes all proces
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -48,10 +49,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from posttrain.checkpoints import checksum
+from posttrain.errors import AT_LEAST_ONE, POSITIVE, check_fields
 from posttrain.checkpoints.stored_tree import (CheckpointStructureError, check_structure, flat_leaves, get_nested,
                                               is_key, key_data_sharding, leaf_record, nest)
 
-__all__ = ["Checkpointer", "CheckpointCorruptError", "CheckpointStructureError"]
+__all__ = ["CheckpointConfig", "Checkpointer", "CheckpointCorruptError", "CheckpointStructureError"]
 
 log = logging.getLogger(__name__)
 
@@ -357,3 +359,26 @@ class Checkpointer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """The `checkpoint` section (Orbax, under workdir/checkpoints).
+
+    Attributes:
+        every_steps: save interval in steps (the last step is always saved).
+        keep: newest checkpoints kept.
+        async_save: write in the background.
+        stop_grace_s: seconds a run has after SIGINT / SIGTERM to finish its step and save it before it exits
+            anyway (128 + signum); below the scheduler's kill deadline (TPU preemption ~30 s, Kubernetes
+            terminationGracePeriodSeconds). A step boundary after a step of >= half of it is saved too (a guard
+            checkpoint, `Learner.save`), so a step in flight past the grace never loses the last finished one.
+    """
+
+    every_steps: int = 10
+    keep: int = 2
+    async_save: bool = True
+    stop_grace_s: float = 25.0
+
+    def __post_init__(self):
+        check_fields(self, ranges={"keep": AT_LEAST_ONE, "every_steps": AT_LEAST_ONE, "stop_grace_s": POSITIVE})

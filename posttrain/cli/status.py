@@ -34,15 +34,15 @@ def load_view(workdir) -> dict:
     """{"step", "source", "rows"} of the run in `workdir` (`scheduling.status_table.rows`), read only. `step` is the last
     trained step as metrics.jsonl and the checkpoints number it (the update that trained the archive's batch s is
     step s + 1). Raises FileNotFoundError naming the folder when it holds neither status.json nor an archive."""
-    from posttrain.scheduling import archive, status_table as view
+    from posttrain.scheduling import archive, status_table
 
     workdir = pathlib.Path(workdir)
-    status = view.read_status(workdir)
+    status = status_table.read_status(workdir)
     needs_archive = status is None or any("run" not in d for d in status.get("domains", {}).values())
     stats = None
     if needs_archive and archive.step_files(workdir):
-        table = archive.read(workdir, columns=view.ARCHIVE_COLUMNS)
-        stats = view.archive_stats(table, _pass_threshold(workdir))
+        table = archive.read(workdir, columns=status_table.ARCHIVE_COLUMNS)
+        stats = status_table.archive_stats(table, _pass_threshold(workdir))
     if status is None and stats is None:
         from posttrain.runs import read as read_run
 
@@ -56,7 +56,7 @@ def load_view(workdir) -> dict:
                                 "runs/quickstart)")
     source = "+".join(s for s, v in (("status.json", status), ("archive", stats)) if v is not None)
     last = (status or {}).get("step", (stats or {}).get("step"))
-    return {"step": None if last is None else int(last) + 1, "source": source, "rows": view.rows(status, stats)}
+    return {"step": None if last is None else int(last) + 1, "source": source, "rows": status_table.rows(status, stats)}
 
 
 def _cells(row: dict) -> list[str]:

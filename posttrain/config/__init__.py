@@ -1,9 +1,9 @@
-"""Run configuration: the schema (`schema.py`, frozen dataclasses) and its loader (`load.py`).
+"""Run configuration: each run kind's config composed of its components' config types, and its loader.
 
     from posttrain.config import default_config, env_spec, from_config_dict
 """
-from posttrain.config.load import (MLA_LATENTS_OVER_FSDP, ConfigError, DataError, as_config, config_changes, default_config,  # noqa: F401
-                                   env_spec, from_config_dict, dryrun_config, to_dict)
+from posttrain.config.load import (MLA_LATENTS_OVER_FSDP, ConfigError, DataError, as_config, config_changes,  # noqa: F401
+                                   default_config, dryrun_config, env_spec, from_config_dict, to_dict)
 from posttrain.config.schema import (CheckpointConfig, Config, CurriculumConfig, EnvConfig, EnvSpec,  # noqa: F401
-                                     EvalConfig, RLConfig, MeshConfig, ModelRunConfig, OptimConfig, SamplingConfig,
+                                     EvalConfig, GRPOConfig, MeshConfig, ModelRunConfig, OptimConfig, SamplingConfig,
                                      TrainConfig)

@@ -1,11 +1,9 @@
 """Loading a run configuration: an ml-collections ConfigDict -> a validated, frozen `Config` (`schema.py`).
 
 `configs/*.py` files define `get_config() -> ml_collections.ConfigDict`; the CLI applies `--config.a.b=v`
-overrides; `from_config_dict` turns the result into a frozen `Config`, rejecting unknown keys, wrong types,
-out-of-range numbers and unknown names of what lives below this package (dtypes, remat modes, kernels) with one
-`ConfigError` that names the key path. Names of registries above it (advantages, policy losses, KL estimators,
-aggregations, optimizers, schedules, eval scorers) are checked against the registries themselves by
-`posttrain.runs.plan.make_run_plan`. This is the only module that knows ml_collections.
+overrides; `from_config_dict` turns the result into a frozen `Config`, refusing unknown keys and wrong types here
+and out-of-range values and unknown names in each section type's own `__post_init__`, with one `ConfigError` that
+names the key path. This is the only module that knows ml_collections.
 """
 from __future__ import annotations
 
@@ -13,91 +11,13 @@ import collections.abc
 import dataclasses
 import fnmatch
 import math
-import os
+import pathlib
 import types
 import typing
 from typing import Any, Mapping
 
-from envs.pool.processes import BACKENDS as ENV_BACKENDS
-from posttrain.config.schema import SAMPLING_BACKENDS, Config
-from posttrain.infra.precision import DTYPES, PRECISIONS
-from posttrain.model.attention_kernels import IMPLS as ATTENTION_IMPLS
-from posttrain.model.config import GRAD_DTYPES, REMAT_MODES, REMAT_NAMES
-from posttrain.model.gmm import IMPLS as GMM_IMPLS
-
-# (section, key) -> allowed values, from the tables of the packages below config/ that own them; the names of
-# registries above it are checked by `posttrain.runs.plan.check_names` against the registries themselves
-_CHOICES = {
-    ("rl", "routing_replay"): ("off", "replay"),
-    ("model", "remat"): REMAT_MODES,
-    ("model", "dtype"): ("auto",) + tuple(DTYPES),
-    ("model", "param_dtype"): ("auto",) + tuple(DTYPES),
-    ("model", "matmul_precision"): PRECISIONS,
-    ("model", "moe_gmm_impl"): tuple(i for i in GMM_IMPLS if i != "capacity"),
-    ("model", "attention_impl"): ATTENTION_IMPLS,
-    ("model", "grad_dtype"): GRAD_DTYPES,
-    ("env", "backend"): ENV_BACKENDS,
-    ("sampling", "backend"): SAMPLING_BACKENDS,
-}
-_POSITIVE = (">= 1", lambda v: v >= 1)
-_NONNEGATIVE = (">= 0", lambda v: v >= 0)
-# (section, key) -> (what is allowed, check): every numeric setting with a bounded range, checked before any work
-_RANGES = {
-    ("rl", "group_size"): (">= 2 (a group of 1 is its own baseline: every advantage, and so every policy gradient, "
-                           "is zero)", lambda v: v >= 2),
-    **{("rl", k): _POSITIVE for k in ("prompts_per_step", "num_microbatches", "ppo_epochs",
-                                      "minibatches")},
-    ("sampling", "max_new_tokens"): _POSITIVE, ("train", "steps"): _POSITIVE, ("eval", "batch_size"): _POSITIVE,
-    ("train", "max_nonfinite_skips"): _POSITIVE, ("env", "max_turns"): _POSITIVE, ("checkpoint", "keep"): _POSITIVE,
-    ("checkpoint", "every_steps"): _POSITIVE, ("checkpoint", "stop_grace_s"): ("> 0", lambda v: v > 0),
-    ("eval", "max_new_tokens"): _POSITIVE,
-    ("sampling", "prompt_bucket"): _POSITIVE,
-    ("sampling", "temperature"): (">= 0 (0: greedy)", lambda v: v >= 0),
-    ("sampling", "top_p"): ("in (0, 1] (1: off)", lambda v: 0 < v <= 1),
-    ("sampling", "top_k"): (">= 0 (0: off)", lambda v: v >= 0),
-    ("sampling", "decode_shrink_steps"): _NONNEGATIVE,
-    ("sampling", "engine_slots"): (">= 0 (0: prompts x group)", lambda v: v >= 0),
-    ("sampling", "engine_pages"): ("0 (every slot at its longest) or >= 2 (page 0 is scratch)",
-                                   lambda v: v == 0 or v >= 2),
-    ("sampling", "engine_page_size"): _POSITIVE, ("sampling", "engine_env_overlap"): _NONNEGATIVE,
-    ("sampling", "engine_decode_chunk"): _NONNEGATIVE,
-    ("sampling", "engine_max_seq_len"): ("0 (sized by the requests) or >= 2", lambda v: v == 0 or v >= 2),
-    ("model", "moe_capacity_factor"): (">= 0 (0: dropless)", lambda v: v >= 0),
-    ("model", "moe_ep_capacity_factor"): ("> 0", lambda v: v > 0),
-    ("eval", "temperature"): (">= 0 (0: greedy)", lambda v: v >= 0),
-    ("rl", "eps_low"): ("in [0, 1) (or -1: the loss's default)", lambda v: v == -1 or 0 <= v < 1),
-    ("rl", "eps_high"): (">= 0 (or -1: the loss's default)", lambda v: v == -1 or v >= 0),
-    ("rl", "beta"): _NONNEGATIVE, ("rl", "norm_constant"): _NONNEGATIVE,
-    ("rl", "tis_cap"): (">= 1 (a cap below 1 scales down every on-policy token's weight), 0 (off), or -1 (the run "
-                        "plan's rule: on when rollout.max_staleness > 0)", lambda v: v in (-1, 0) or v >= 1),
-    ("rollout", "max_staleness"): _NONNEGATIVE, ("rollout", "stream_chunk"): _NONNEGATIVE,
-    ("rl", "dual_clip_c"): ("0 (off) or > 1", lambda v: v == 0 or v > 1),
-    ("rl", "max_resample_rounds"): _NONNEGATIVE,
-    ("optim", "lr"): ("> 0", lambda v: v > 0), ("optim", "weight_decay"): _NONNEGATIVE,
-    ("optim", "grad_clip_norm"): (">= 0 (0: off)", lambda v: v >= 0), ("optim", "warmup_steps"): _NONNEGATIVE,
-    ("optim", "b1"): ("in [0, 1)", lambda v: 0 <= v < 1), ("optim", "b2"): ("in [0, 1)", lambda v: 0 <= v < 1),
-    ("optim", "eps"): ("> 0", lambda v: v > 0), ("optim", "min_lr_ratio"): ("in [0, 1]", lambda v: 0 <= v <= 1),
-    ("env", "max_infra_error_rate"): ("in [0, 1] (1: never stop)", lambda v: 0 <= v <= 1),
-    ("env", "num_workers"): _NONNEGATIVE, ("env", "step_timeout_s"): ("> 0", lambda v: v > 0),
-    ("env", "max_abs_reward"): ("> 0", lambda v: v > 0),
-    ("train", "max_train_seconds"): _NONNEGATIVE, ("train", "seed"): _NONNEGATIVE,
-    ("eval", "num_tasks"): _POSITIVE, ("eval", "every_steps"): _NONNEGATIVE,
-    ("eval", "seed"): (">= 0, or -1 (train.seed + 1)", lambda v: v >= -1),
-    **{("mesh", k): ("-1 (the remaining devices) or >= 1", lambda v: v == -1 or v >= 1)
-       for k in ("data", "fsdp", "tensor", "expert", "rollout_tensor")},
-    ("mesh", "rollout"): (">= 0 (0: the sampler shares the learner's mesh)", lambda v: v >= 0),
-    ("mesh", "rollout_expert"): _POSITIVE,
-}
-
-
-class ConfigError(ValueError):
-    """A config key or value is invalid; the message names the dotted key path."""
-
-
-class DataError(ValueError):
-    """A data file or record the config names (SFT conversations, preference pairs, an archive) is missing,
-    undecodable or malformed, or leaves nothing to train on; the message names the file and line (`path:line`) or
-    the record (`train_examples[i]`). The command line prints it as one line (exit code 2)."""
+from posttrain.config.schema import Config
+from posttrain.errors import ConfigError, DataError, FieldError  # noqa: F401  (the errors of bad config and data)
 
 
 def convert_section(cls, value, path: str):
@@ -116,6 +36,8 @@ def convert_section(cls, value, path: str):
         kwargs = {k: convert_section(hints[k], v, f"{path}.{k}".lstrip(".")) for k, v in value.items()}
         try:
             return cls(**kwargs)
+        except FieldError as e:  # one field out of range or not one of its choices: named by its full path
+            raise ConfigError(f"{path}.{e}".lstrip(".")) from e
         except (TypeError, ValueError) as e:  # the dataclass's own validation
             raise ConfigError(f"{path or 'config'}: {' '.join(str(e).split())}") from e
     if origin in (typing.Union, types.UnionType):
@@ -196,40 +118,10 @@ def from_config_dict(cd) -> Config:
     """
     raw = cd.to_dict() if hasattr(cd, "to_dict") else dict(cd)
     cfg = convert_section(Config, raw, "")
-    for (section, key), choices in _CHOICES.items():
-        value = getattr(getattr(cfg, section), key)
-        if value not in choices:
-            raise ConfigError(f"{section}.{key}={value!r}; expected one of {choices}")
-    for (section, key), (allowed, ok) in _RANGES.items():
-        value = getattr(getattr(cfg, section), key)
-        if not ok(value):
-            raise ConfigError(f"{section}.{key}={value!r} is out of range: must be {allowed}")
-    try:
-        from posttrain.infra import mesh as mesh_lib
-        mesh_lib.rules_with_overrides(cfg.mesh.rules)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"mesh.rules={dict(cfg.mesh.rules)!r}: {e}") from None
-    free = [k for k in ("data", "fsdp", "tensor", "expert") if getattr(cfg.mesh, k) == -1]
-    if len(free) > 1:
-        raise ConfigError(f"mesh: at most one axis may be -1, got {['mesh.' + k for k in free]}")
-    if cfg.env.backend != "process" and cfg.env.num_workers < 1:
-        raise ConfigError(f"env.backend={cfg.env.backend!r} needs env.num_workers >= 1 (its actors), got "
-                          f"env.num_workers={cfg.env.num_workers}")
     if cfg.env.domains:
         cfg = _keep_domains(cfg)
     if not cfg.env.train:
         raise ConfigError("env.train is empty: name at least one environment, e.g. posttrain/Arithmetic-v0")
-    for section in ("train", "eval"):  # ids and kwargs: `run_plan.check_envs` builds each env before any load
-        for name, spec in getattr(cfg.env, section).items():
-            if not (isinstance(spec.weight, (int, float)) and spec.weight > 0):
-                raise ConfigError(f"env.{section}.{name}.weight={spec.weight!r} is out of range: must be > 0")
-    if set(cfg.model.remat_names) - set(REMAT_NAMES):
-        raise ConfigError(f"model.remat_names={list(cfg.model.remat_names)}; each must be one of {REMAT_NAMES}")
-    if cfg.model.path and cfg.model.preset:
-        raise ConfigError("set at most one of model.path and model.preset")
-    if cfg.model.path and not os.path.exists(cfg.model.path):
-        raise ConfigError(f"model.path={cfg.model.path!r}: no such file or directory (a .gguf file or an HF "
-                          "model directory)")
     return cfg
 
 
@@ -340,3 +232,44 @@ def dryrun_config(preset: str, variant: str = "full", *, mesh: Mapping[str, int]
         c.lora.rank, c.lora.alpha, c.rl.num_microbatches = 64, 128.0, 4
     return c
 
+
+RUN_SHAPE_SECTIONS = ("model", "lora")  # what a run's checkpoints are shaped by: always the run's own
+
+
+def saved_config(workdir) -> Config | None:
+    """The Config a run saved in `workdir`/config.json (what its steps ran with), or None when there is none.
+    Raises ConfigError naming the file when it does not load."""
+    import json
+
+    from posttrain.config import from_config_dict
+
+    path = pathlib.Path(workdir) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return from_config_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:  # ConfigError is a ValueError; a truncated file is a JSONDecodeError
+        raise ConfigError(f"{path}: {' '.join(str(e).split())}") from None
+
+
+def config_for_run(workdir, cfg: Config | None = None) -> Config:
+    """The config of a command that reads the run in `workdir` (eval, convert): its saved config.json alone; with
+    `cfg` (a --config), cfg with the run's own `model` and `lora` sections (RUN_SHAPE_SECTIONS: what its
+    checkpoints were trained as, so a forgotten --config.lora.rank cannot mismatch them; a difference is logged).
+    Raises ConfigError when the run saved no config and no `cfg` is given."""
+    saved = saved_config(workdir)
+    if saved is None:
+        if cfg is None:
+            raise ConfigError(f"{workdir}: no config.json in it (not a run's directory?); pass the run's "
+                              "--config=configs/X.py")
+        return cfg
+    if cfg is None:
+        return saved
+    from posttrain.infra.metrics import log
+
+    theirs = {s: getattr(saved, s) for s in RUN_SHAPE_SECTIONS}
+    differ = config_changes({s: to_dict(cfg)[s] for s in RUN_SHAPE_SECTIONS}, {s: to_dict(saved)[s] for s in theirs})
+    if differ:
+        log.warning("--checkpoint=%s: using the run's own %s", workdir,
+                    ", ".join(f"{k}={new!r} (not {old!r})" for k, (old, new) in differ.items()))
+    return dataclasses.replace(cfg, **theirs)

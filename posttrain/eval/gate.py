@@ -14,27 +14,52 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-ACTIONS = ("warn", "stop")
+
+
+
+ACTIONS = ("warn", "stop")  # what a regression beyond max_drop does
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GateConfig:
+    """The `eval.gate` section: what a regression found by the in-loop suite (`eval.suite`) does.
+
+    Attributes:
+        action: "warn" logs the regression and trains on; "stop" ends the run at that step (checkpoint saved,
+            comparison table written under the run's workdir, summary.json saying why).
+        max_drop: a domain counts as regressed only when its verdict is "regressed" (exact McNemar, Holm-adjusted
+            at `alpha`) and its pass@1 fell by more than this (a share of tasks in [0, 1); 0: any significant drop).
+        alpha: family-wise level of the verdicts across the suite's domains (Holm), in (0, 1).
+    """
+
+    action: str = "warn"
+    max_drop: float = 0.0
+    alpha: float = 0.05
+
+    def __post_init__(self):
+        if self.action not in ACTIONS:
+            raise ValueError(f"gate.action={self.action!r}; expected one of {ACTIONS}")
+        if not (isinstance(self.max_drop, (int, float)) and 0.0 <= self.max_drop < 1.0):
+            raise ValueError(f"gate.max_drop={self.max_drop!r} is out of range: must be in [0, 1)")
+        if not (isinstance(self.alpha, (int, float)) and 0.0 < self.alpha < 1.0):
+            raise ValueError(f"gate.alpha={self.alpha!r} is out of range: must be in (0, 1)")
+
+
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GateSettings:
-    """The in-loop suite and its gate (built by `posttrain.runs.plan` from `eval.suite`, `eval.every_steps`
-    and `eval.gate`).
+    """The in-loop suite and its gate (`config.plan` builds it from `eval.suite`, `eval.every_steps`, `eval.gate`).
 
     Attributes:
         suite: the parsed suite (`posttrain.eval.suite.Suite`).
+        gate_config: what a regression does (the `eval.gate` section).
         every_steps: run the suite after every this many completed steps (>= 1).
-        action: "warn" or "stop" (ACTIONS) on a regression beyond max_drop.
-        max_drop: the pass@1 drop (share of tasks, in [0, 1)) a significant regression must exceed.
-        alpha: family-wise level of the verdicts (Holm across the suite's domains), in (0, 1).
     """
 
     suite: Any
+    gate_config: GateConfig
     every_steps: int
-    action: str = "warn"
-    max_drop: float = 0.0
-    alpha: float = 0.05
 
     def due(self, step: int) -> bool:
         """Whether the suite runs after `step` completed steps (step 0, the baseline, is sampled at the start)."""
@@ -138,3 +163,5 @@ def message(decision: GateDecision, table: str) -> str:
     listed = ", ".join(f"{d} (pass@1 -{drop:.3f})" for d, drop in decision.regressed.items())
     verb = "stopping the run" if decision.action == "stop" else "training on (eval.gate.action=warn)"
     return f"eval gate at step {decision.step}: regressed against the initial policy: {listed}; {verb}; table: {table}"
+
+

@@ -15,15 +15,14 @@ Metrics: eval/gate/* (`gate.gate_metrics`) and perf/eval_s (the suite's seconds 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import pathlib
 import shutil
 import time
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
-from posttrain.config import ConfigError
+from posttrain.errors import ConfigError
 from posttrain.eval import compare as compare_lib
 from posttrain.eval import gate as gate_lib
 from posttrain.eval import records as records_lib
@@ -48,17 +47,17 @@ def budget_groups(built: Sequence[suite_lib.ResolvedDomain]) -> dict[tuple, list
     return groups
 
 
-def sample_suite(plan, built: Sequence[suite_lib.ResolvedDomain], rollouter, policy) -> tuple[list, dict]:
+def sample_suite(eval_settings, built: Sequence[suite_lib.ResolvedDomain], rollouter, policy) -> tuple[list, dict]:
     """(records of every task of every built domain, in suite order; {domain: seconds, "total": seconds}) for the
     policy states `policy`, sampled with `rollouter`'s sampler and env runner (the run's own: its env workers and
-    compiled programs serve every evaluation) on the stream `plan.eval.seed`. Domains with the same budget share
+    compiled programs serve every evaluation) on the stream `eval_settings.seed`. Domains with the same budget share
     batches (`budget_groups`); the stream of a group is the key folded with its domains' names joined by "+"
     (`domain_key`; a group of one domain: its name), and a domain's seconds are its share of the samples of each
     batch it was in, times that batch's wall time."""
     import jax
 
-    t0, e = time.perf_counter(), plan.eval
-    key, by_name = jax.random.key(e.seed), {r.domain.name: r.domain for r in built}
+    t0, sampling = time.perf_counter(), eval_settings.sampling_config
+    key, by_name = jax.random.key(eval_settings.seed), {r.domain.name: r.domain for r in built}
     seconds, records = dict.fromkeys(by_name, 0.0), {name: [] for name in by_name}
 
     def timed(chunk, s):
@@ -70,9 +69,9 @@ def sample_suite(plan, built: Sequence[suite_lib.ResolvedDomain], rollouter, pol
         episodes = [Episode(r.spec.id, dict(r.spec.kwargs), r.source.get_task(i), seed=i, domain=r.domain.name)
                     for r in group for i in range(r.num_tasks)]
         local = [i for r in group for i in range(r.num_tasks)]
-        sampled = sample_groups(sample_fn, rollouter.tokenizer, rollouter.runner, episodes, batch_size=e.batch_size,
-                                num_samples=n, max_turns=turns, system_prompt=e.system_prompt,
-                                bucket=e.prompt_bucket, on_batch=timed,
+        sampled = sample_groups(sample_fn, rollouter.tokenizer, rollouter.runner, episodes,
+                                batch_size=eval_settings.eval_config.batch_size, num_samples=n, max_turns=turns,
+                                system_prompt=sampling.system_prompt, bucket=sampling.prompt_bucket, on_batch=timed,
                                 key=domain_key(key, "+".join(r.domain.name for r in group)))
         for (ep, samples, prompt), i in zip(sampled, local):
             d = by_name[ep.domain]
@@ -121,57 +120,79 @@ class LoopGate:
         return [r.domain.name for r in self.built if r.domain.trained]
 
     @classmethod
-    def open(cls, plan, rollouter, learner, start: int, summary: dict) -> "LoopGate | None":
-        """The gate of `plan` (None without eval.suite): the suite resolved, the outputs cut back to `start`, the
-        initial policy's evaluation sampled now (start 0: the learner holds the initial policy) or read back.
-        Raises ConfigError when no suite domain builds, or a resumed run has no baseline of this suite."""
-        s = plan.gate
-        if s is None:
+    def open(cls, settings: gate_lib.GateSettings | None, workdir: pathlib.Path, eval_settings, rollouter, policy,
+             start: int) -> "LoopGate | None":
+        """The gate of a run (None without eval.suite).
+
+        The suite is resolved, the outputs under `workdir` cut back to `start`, and the initial policy's evaluation
+        sampled now (start 0: `policy` is the initial policy) or read back.
+
+        Raises:
+            ConfigError: no suite domain builds, or a resumed run has no baseline of this suite.
+        """
+        if settings is None:
             return None
-        built, skipped = suite_lib.resolve(s.suite)
+        built, skipped = suite_lib.resolve(settings.suite)
         if not built:
-            raise ConfigError(f"eval.suite={s.suite.path!r}: every domain was skipped: {skipped}")
-        described, folder = suite_lib.suite_dict(s.suite, built, skipped), plan.workdir / GATE_DIR
+            raise ConfigError(f"eval.suite={settings.suite.path!r}: every domain was skipped: {skipped}")
+        described, folder = suite_lib.suite_dict(settings.suite, built, skipped), workdir / GATE_DIR
         if distributed.is_main_process():
             cut(folder, start)
         ks = {r.domain.name: r.domain.ks for r in built}
         if start == 0:
-            baseline = evaluation("initial policy", *sample_suite(plan, built, rollouter, learner.policy()), 0, ks,
+            baseline = evaluation("initial policy", *sample_suite(eval_settings, built, rollouter, policy), 0, ks,
                                   described)
             if distributed.is_main_process():
                 _write(folder / "baseline", baseline)
         else:
             baseline = _read_baseline(folder, described)
-        gate = cls(s, folder, built, described, baseline)
+        gate = cls(settings, folder, built, described, baseline)
         for path in sorted(folder.glob("step_*/decision.json")):
             gate.decisions.append(json.loads(path.read_text()))
             gate.best = (gate.decisions[-1]["best_step"], gate.decisions[-1]["best_score"])
-        summary["eval_gate"] = gate.summary()
         return gate
+
+    def due(self, step: int, start: int, *, final: bool = False) -> bool:
+        """Whether the suite runs after `step` completed steps.
+
+        At the run's end (`final`) it runs when the run moved past `start` and its last step was not gated yet, so a
+        run that ends on a time limit or between `every_steps` still gets the last policy's verdict.
+        """
+        if final:
+            return step > start and step not in {d["step"] for d in self.decisions} and not self.stopped
+        return self.settings.due(step)
+
+    def verdict(self, decision: gate_lib.GateDecision) -> str | None:
+        """The warning for a regression beyond max_drop (None when the step passed); a "stop" sets `stopped`."""
+        if decision.action == "pass":
+            return None
+        text = gate_lib.message(decision, str(self.folder / f"step_{decision.step:06d}" / "comparison.md"))
+        if decision.action == "stop":
+            self.stopped = text
+        return text
 
     def summary(self) -> dict:
         return {"decisions": list(self.decisions), "best_step": self.best[0] if self.best else None,
                 "best_score": self.best[1] if self.best else None, "baseline_s": self.baseline["perf/eval_s"]}
 
-    def check(self, plan, rollouter, learner) -> tuple[gate_lib.GateDecision | None, dict, float]:
+    def check(self, step: int, eval_settings, rollouter, policy) -> tuple[gate_lib.GateDecision | None, dict, float]:
         """Samples the suite with the current policy, compares it with the baseline and decides; writes the
         step's folder (process 0). Returns (decision, eval/gate/* metrics, seconds sampled); the decision is None,
         with a warning and eval/gate/unscored = 1, when no task is scored on both sides (every sample ended in
         infra_error: a broken verifier or sandbox is no verdict on the policy)."""
-        step = learner.step
         ks = {r.domain.name: r.domain.ks for r in self.built}
-        cand = evaluation(f"step {step}", *sample_suite(plan, self.built, rollouter, learner.policy()), step, ks,
+        cand = evaluation(f"step {step}", *sample_suite(eval_settings, self.built, rollouter, policy), step, ks,
                           self.described)
         out = self.folder / f"step_{step:06d}"
         try:
-            cmp = compare_lib.compare(self.baseline, cand, alpha=self.settings.alpha)
+            cmp = compare_lib.compare(self.baseline, cand, alpha=self.settings.gate_config.alpha)
         except compare_lib.NothingScoredError as e:  # a broken verifier or sandbox: no verdict, never a regression
             if distributed.is_main_process():
                 _write(out / "candidate", cand)
             metrics_lib.log.warning(f"eval gate at step {step}: no verdict ({e}); training goes on")
             return None, {"eval/gate/unscored": 1.0}, cand["perf/eval_s"]
         rows = gate_lib.rows_of(cmp)
-        s = self.settings
+        s = self.settings.gate_config
         decision = gate_lib.decide(rows, step=step, action=s.action, max_drop=s.max_drop, trained=self.trained,
                                    best=self.best)
         self.best = (decision.best_step, decision.best_score)
@@ -183,39 +204,6 @@ class LoopGate:
             report.forest_plot(cmp, out / "forest.png")
             (out / "decision.json").write_text(json.dumps(decision.to_dict(), indent=2))
         return decision, gate_lib.gate_metrics(decision, rows), cand["perf/eval_s"]
-
-
-def after_step(loop: Any, m: dict, *, final: bool = False) -> None:
-    """The gate's part of a loop step (`grpo._Loop.step`, after the update and its evaluation): when due, the
-    suite runs (the training clock paused, the env runner the evaluation's), `m` gains the eval/gate/* metrics and
-    the suite's seconds in perf/eval_s, the step is checkpointed with its score, summary["eval_gate"] is updated;
-    a regression beyond max_drop logs a warning, and with action "stop" sets `loop.gate.stopped` and
-    summary["stopped_early"] (the loop then finishes: final checkpoint, summary.json). No-op without a gate.
-    final: the end of the run (`grpo._Loop.finish`): due when the run moved past its start and its last step was
-    not gated yet (a run that ends on a time limit or between `every_steps` still gets the last policy's verdict)."""
-    gate, step = getattr(loop, "gate", None), loop.learner.step
-    if gate is None:
-        return
-    if final:
-        done = {d["step"] for d in gate.decisions}
-        if step <= loop.start or step in done or gate.stopped:
-            return
-    elif not gate.settings.due(step):
-        return
-    queue = getattr(loop, "queue", None)
-    with loop.clock.paused(), (queue.exclusive() if queue is not None else contextlib.nullcontext()):
-        decision, metrics, seconds = gate.check(loop.plan, loop.rollouter, loop.learner)
-    m.update(metrics)
-    m["perf/eval_s"] = m.get("perf/eval_s", 0.0) + seconds
-    if decision is None:  # nothing scored on both sides (infra errors): no verdict at this step, training goes on
-        return
-    loop.learner.save(loop.resume, force=True, metrics={SCORE: decision.score})
-    loop.summary["eval_gate"] = gate.summary()
-    if decision.action != "pass":
-        text = gate_lib.message(decision, str(gate.folder / f"step_{decision.step:06d}" / "comparison.md"))
-        metrics_lib.log.warning(text)
-        if decision.action == "stop":
-            gate.stopped = loop.summary["stopped_early"] = text
 
 
 def _read_baseline(folder: pathlib.Path, described: dict) -> dict:

@@ -27,57 +27,91 @@ import logging
 import re
 import time
 import zlib
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from posttrain.config import EnvSpec
+from posttrain.errors import AT_LEAST_ONE, NONNEGATIVE, check_fields
 from posttrain.eval import collapse as collapse_lib
 from posttrain.eval import metrics as metrics_lib
+from posttrain.eval.gate import GateConfig
 from posttrain.rollout.episodes import Episode, run_episodes
 from posttrain.rollout.floor_metrics import env_floor, spec_floors  # noqa: F401  (re-exported: suite.py, tests)
 from posttrain.rollout.env_side import task_sources
 from posttrain.generate.sampler import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """The `eval` section: held-out evaluation on `env.eval`, and the evaluation gate.
+
+    Attributes:
+        every_steps: evaluate every this many steps during training (0: never); with `suite`, the suite and its
+            gate run at the same steps (then >= 1).
+        at_start: evaluate before the first step.
+        at_end: evaluate after the last step.
+        num_tasks: the first this many tasks of each domain.
+        max_new_tokens: completion tokens per eval turn.
+        temperature: eval sampling temperature (0: greedy).
+        batch_size: episodes per sampler call.
+        scorer: "env" uses the env's reward (>= 1 solves); "last_integer" compares the last integer of the reply
+            with the task's answer.
+        seed: the evaluation sampling stream (`jax.random.key(seed)`, folded per domain and batch), for the
+            loop's evaluations and `posttrain eval --suite`; two evaluations with different seeds draw independent
+            samples (-1: train.seed + 1).
+        suite: a `configs/eval/*.py` suite file run during training every `every_steps` steps on the current
+            policy against the run's initial policy (its records sampled once, at step 0, and kept in
+            workdir/eval_gate/baseline); "" (default): no gate.
+        gate: what a regression on the suite does (GateConfig).
+    """
+
+    every_steps: int = 0
+    at_start: bool = True
+    at_end: bool = True
+    num_tasks: int = 200
+    max_new_tokens: int = 24
+    temperature: float = 0.0
+    batch_size: int = 64
+    scorer: str = "env"
+    seed: int = -1
+    suite: str = ""
+    gate: GateConfig = GateConfig()
+
+    def __post_init__(self):
+        check_fields(self, choices={"scorer": SCORERS}, ranges={
+            "batch_size": AT_LEAST_ONE, "max_new_tokens": AT_LEAST_ONE, "num_tasks": AT_LEAST_ONE,
+            "every_steps": NONNEGATIVE, "temperature": (">= 0 (0: greedy)", lambda v: v >= 0),
+            "seed": (">= 0, or -1 (train.seed + 1)", lambda v: v >= -1)})
+
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalSettings:
-    """What held-out evaluation needs of a run (built by `posttrain.runs.plan`).
+    """What held-out evaluation needs of a run.
 
     Attributes:
-      specs: the eval env mix (domain name -> EnvSpec).
-      sampling: the eval rollouts' SamplingParams (greedy by default).
-      num_tasks: the first this many tasks of each domain.
-      batch_size: episodes per sampler call.
-      scorer: a SCORERS name.
-      max_turns: turns per episode, as in training rollouts.
-      system_prompt: as in training rollouts.
-      prompt_bucket: prompt padding multiple, as in training rollouts.
-      seed: of the sampling stream (`eval.seed`; two evaluations with different seeds draw independent samples).
-      every_steps: evaluate after every this many steps (0: never).
-      at_start: evaluate before the first step.
-      at_end: evaluate after the last step.
+        eval_config: the `eval` section (tasks, batch, scorer, budget, when to evaluate).
+        env_config: the `env` section (the `eval` mix; turns per episode as in training).
+        sampling_config: the `sampling` section (system prompt and prompt bucket as in training rollouts).
+        seed: of the sampling stream (two evaluations with different seeds draw independent samples).
     """
 
-    specs: Mapping[str, EnvSpec]
-    sampling: SamplingParams
-    num_tasks: int = 200
-    batch_size: int = 64
-    scorer: str = "env"
-    max_turns: int = 1
-    system_prompt: str = ""
-    prompt_bucket: int = 16
+    eval_config: EvalConfig
+    env_config: Any
+    sampling_config: Any
     seed: int = 1
-    every_steps: int = 0
-    at_start: bool = True
-    at_end: bool = True
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The eval rollouts' SamplingParams (greedy by default)."""
+        return SamplingParams(max_new_tokens=self.eval_config.max_new_tokens, temperature=self.eval_config.temperature)
 
     def due(self, done: int, total_steps: int) -> bool:
-        """Whether the evaluation of `every_steps` runs after `done` completed steps (the last step's is the
-        `at_end` one)."""
-        return bool(self.every_steps) and done % self.every_steps == 0 and done < total_steps
+        """Whether the evaluation of `every_steps` runs after `done` completed steps (the last step's is at_end)."""
+        every = self.eval_config.every_steps
+        return bool(every) and done % every == 0 and done < total_steps
 
 
 def eval_episodes(sources: Mapping[str, tuple], num_tasks: int) -> dict[str, list[Episode]]:
@@ -297,14 +331,17 @@ def suite_summary(records: Sequence[Mapping], ks: Mapping[str, Sequence[int]] | 
 
 def settings_episodes(settings: EvalSettings) -> dict[str, list[Episode]]:
     """The held-out episodes of `settings` ({} without eval specs); constructing each env runs its self-check."""
-    return eval_episodes(task_sources(settings.specs), settings.num_tasks) if settings.specs else {}
+    specs = settings.env_config.eval
+    return eval_episodes(task_sources(specs), settings.eval_config.num_tasks) if specs else {}
 
 
 def run(settings: EvalSettings, episodes: Mapping[str, Sequence[Episode]], sample_fn, tokenizer, runner):
     """`evaluate` with the settings' scorer, batch, turns, prompt and sampling key: (eval/* metrics, records)."""
     import jax
 
-    return evaluate(sample_fn, tokenizer, runner, episodes, batch_size=settings.batch_size, scorer=settings.scorer,
-                    max_turns=settings.max_turns, key=jax.random.key(settings.seed),
-                    greedy=settings.sampling.temperature == 0.0, system_prompt=settings.system_prompt,
-                    bucket=settings.prompt_bucket)
+    e, s = settings.eval_config, settings.sampling_config
+    return evaluate(sample_fn, tokenizer, runner, episodes, batch_size=e.batch_size, scorer=e.scorer,
+                    max_turns=settings.env_config.max_turns, key=jax.random.key(settings.seed),
+                    greedy=e.temperature == 0.0, system_prompt=s.system_prompt, bucket=s.prompt_bucket)
+
+

@@ -36,9 +36,9 @@ import sys
 import traceback
 from typing import Any, Mapping, Sequence
 
-from posttrain.config import ConfigError, EnvSpec
+from posttrain.errors import ConfigError
 from posttrain.eval.runner import FORMATS, SCORERS, spec_floors
-from posttrain.rollout.env_side import EnvSpecError, task_sources
+from posttrain.rollout.env_side import EnvSpec, EnvSpecError, task_sources
 
 DOMAIN_KEYS = ("env", "kwargs", "config", "split", "tasks", "n", "k", "temperature", "max_new_tokens", "max_turns",
                "scorer", "format", "trained")
@@ -166,9 +166,9 @@ def _expand(name: str, entry: Mapping) -> list[str]:
     """The registry domains a name without "env" stands for (a pattern may match several); [name] otherwise."""
     if entry.get("env") or not any(ch in name for ch in "*?["):
         return [name]
-    from envs.tasks import domains as registry
+    from envs.tasks import domains as domains_lib
 
-    return registry.match_domains(name)
+    return domains_lib.match_domains(name)
 
 
 def _domain(name: str, area: str, entry: Mapping, path: str) -> SuiteDomain:
@@ -269,19 +269,19 @@ def env_spec_of(d: SuiteDomain) -> EnvSpec:
     if d.env:
         kwargs = dict(d.kwargs) if d.split is None else {**dict(d.kwargs), "split": d.split}
         return EnvSpec(id=d.env, kwargs=kwargs)
-    from envs.tasks import domains as registry
+    from envs.tasks import domains as domains_lib
 
     from envs.tasks import floors
 
-    config = {**registry.default_config(d.name), **dict(d.config)}
-    check = registry.check_domain(d.name, config=config)
-    if check.status not in registry.TRAINABLE:
+    config = {**domains_lib.default_config(d.name), **dict(d.config)}
+    check = domains_lib.check_domain(d.name, config=config)
+    if check.status not in domains_lib.TRAINABLE:
         raise DomainUnavailable(f"golden check {check.status}: {check.reason}")
     sampled = floors.assessment(d.name, config)
     if sampled.golden == "failed":
         raise DomainUnavailable(f"golden sample failed: {sampled.reason}")
     entry = {"pattern": d.name, "allow_flagged": True, **({"config": dict(d.config)} if d.config else {})}
-    specs, _ = registry.select([entry], split=d.split or "test", num_test=d.tasks, size=max(d.tasks, 1000))
+    specs, _ = domains_lib.select([entry], split=d.split or "test", num_test=d.tasks, size=max(d.tasks, 1000))
     spec = specs[d.name]
     return EnvSpec(id=spec["id"], kwargs={**spec["kwargs"], **dict(d.kwargs)})
 

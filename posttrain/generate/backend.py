@@ -34,6 +34,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from posttrain.errors import AT_LEAST_ONE, NONNEGATIVE, ConfigError, check_fields
 from posttrain.generate.engine.loop import Engine, EngineSettings, Request
 from posttrain.generate.sampler import SampleOutput, SamplingParams
 
@@ -92,47 +93,6 @@ class EngineSamplerSettings:
         return EngineSettings(num_slots=self.num_slots, num_pages=num_pages, page_size=Z, max_seq_len=width,
                               prefill_bucket=self.prefill_bucket, record_routing=self.record_routing,
                               decode_chunk=self.decode_chunk)
-
-
-def sampling_backend(cfg, sampler_devices: int) -> str:
-    """The backend a run config samples with, "engine" or "dense": `sampling.backend` as set, and for "auto" the
-    engine when the sampler has one device (`sampler_devices`) and `sampling.decode_shrink_steps` is 0, the dense
-    sampler otherwise (`posttrain.config.sampling`)."""
-    s = cfg.sampling
-    if s.backend != "auto":
-        return s.backend
-    return "engine" if sampler_devices == 1 and not s.decode_shrink_steps else "dense"
-
-
-def engine_settings(cfg, sampler_devices: int) -> EngineSamplerSettings | None:
-    """The engine's settings of a run config (`posttrain.config.Config`: `sampling.backend`, `sampling.engine_*`),
-    None for the dense sampler (`sampling_backend`). Raises ConfigError for the engine on more than one device
-    (`sampler_devices`: its page pool is not sharded), and for rollout.partial without the engine."""
-    from posttrain.config import ConfigError
-
-    s = cfg.sampling
-    if sampling_backend(cfg, sampler_devices) != "engine":
-        if cfg.rollout.partial:
-            raise ConfigError(f"rollout.partial=True swaps weights inside a running generation: it needs the "
-                              f"rollout engine (sampling.backend='engine' or 'auto'), which runs on one device; "
-                              f"this run samples with the dense sampler (sampling.backend={s.backend!r}, "
-                              f"{sampler_devices} sampler devices, decode_shrink_steps={s.decode_shrink_steps})")
-        return None
-    if s.engine_per_episode and not s.engine_max_seq_len:
-        raise ConfigError("sampling.engine_per_episode=True needs sampling.engine_max_seq_len > 0: the longest "
-                          "context an episode may reach (one engine holds all of its turns)")
-    if s.engine_env_overlap and not s.engine_per_episode:
-        raise ConfigError(f"sampling.engine_env_overlap={s.engine_env_overlap} overlaps env steps with decode in "
-                          "per-episode multi-turn rollouts: it needs sampling.engine_per_episode=True")
-    if sampler_devices != 1:
-        raise ConfigError(f"sampling.backend='engine' runs on one device (its page pool is not sharded), this "
-                          f"run's sampler has {sampler_devices}: use sampling.backend='dense', or mesh.rollout=1 "
-                          "(the engine on a device of its own)")
-    return EngineSamplerSettings(num_slots=s.engine_slots or cfg.rl.prompts_per_step * cfg.rl.group_size,
-                                 num_pages=s.engine_pages, page_size=s.engine_page_size,
-                                 max_seq_len=s.engine_max_seq_len,
-                                 record_routing=cfg.rl.routing_replay == "replay", per_episode=s.engine_per_episode,
-                                 env_overlap=s.engine_env_overlap, decode_chunk=s.engine_decode_chunk)
 
 
 def _same_arrays(a, b) -> bool:
@@ -306,3 +266,122 @@ class _Rows:
                 prompt_e[i // G, :n_prompt] = r[:n_prompt]
             experts[i, :len(r) - n_prompt] = r[n_prompt:]
         return SampleOutput(self.tokens, self.logp, self.lengths, self.truncated, prompt_e, experts, self.versions)
+
+
+SAMPLING_BACKENDS = ("auto", "engine", "dense")  # `sampling.backend`, checked at load
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """The `sampling` section: training rollouts.
+
+    Attributes:
+        max_new_tokens: completion tokens per turn.
+        temperature: sampling temperature (0: greedy); also the trainer's logprob temperature.
+        top_p: nucleus sampling mass (1: off).
+        top_k: keep the k most likely tokens (0: off).
+        prompt_bucket: prompt widths round up to a multiple of this (fewer compilations).
+        system_prompt: a system turn before every prompt ("": none).
+        decode_shrink_steps: drop finished rows from the decode batch up to this many times
+            (`sampler.shrink_schedule`; 0: never). Pays off when a few completions run much longer than the rest;
+            each width compiles its own decode loop. Dense sampler only (the engine refills a finished slot).
+        backend: what samples the rollouts and evaluations, one of SAMPLING_BACKENDS: "engine" (`generate.engine.loop`:
+            continuous batching over a paged KV cache with prefix reuse, `generate.backend`; one device),
+            "dense" (`generate.sampler.sample`: one call per batch, a dense KV cache per row; any sampler mesh) or
+            "auto": the engine when the sampler runs on one device and decode_shrink_steps is 0 (a dense-only
+            knob), the dense sampler otherwise. Both record the same logprobs and MoE routing, draw the same
+            tokens from a key (up to float rounding) and give equal greedy replies.
+        engine_slots: the engine's sequences decoded together (0: rl.prompts_per_step x rl.group_size, a step's
+            first-turn rows; a call with more requests queues them). Engine only, like the fields below.
+        engine_pages: KV pages in the engine's pool, the scratch page included (0: every slot at engine_max_seq_len
+            tokens, so nothing is ever preempted; fewer save memory, and a full pool preempts and recomputes).
+        engine_page_size: tokens per KV page.
+        engine_max_seq_len: the longest prompt + reply the engine holds, in tokens (0: sized by the longest request
+            seen, rounded up to engine_page_size x a power of two; a longer one later builds a bigger engine, a
+            new compile).
+        engine_per_episode: multi-turn episodes run per episode (`rollout.per_episode`): an episode's next turn is
+            queued as soon as its env step returns, instead of after every episode's turn. Needs
+            engine_max_seq_len > 0, the longest context an episode may reach (one engine holds every turn); a
+            turn that would not fit ends its episode as truncated.
+        engine_env_overlap: per episode, decode chunks an episode's env step may overlap (0: the env steps
+            inside the engine's loop while the other episodes wait; > 0: on a thread of its own, and the next
+            turn is queued exactly that many decode chunks after the reply ended, waiting for the env then if it
+            is slower, so runs are reproducible whatever the env's timing). Set it near env step seconds /
+            decode chunk seconds. Needs engine_per_episode.
+        engine_decode_chunk: decode steps per device program, K (0: 8 on GPU / TPU, 1 on the CPU; >= 0). The
+            host admits requests, preempts and swaps weights between chunks, so K > 1 saves its per-step work
+            (half an H200's decode time at qwen3-0.6b) and costs a finished slot up to K - 1 idle steps.
+            Tokens and logprobs do not depend on it.
+    """
+
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    prompt_bucket: int = 16
+    system_prompt: str = ""
+    decode_shrink_steps: int = 0
+    backend: str = "auto"
+    engine_slots: int = 0
+    engine_pages: int = 0
+    engine_page_size: int = 16
+    engine_max_seq_len: int = 0
+    engine_per_episode: bool = False
+    engine_env_overlap: int = 0
+    engine_decode_chunk: int = 0
+
+    def __post_init__(self):
+        check_fields(self, choices={"backend": SAMPLING_BACKENDS}, ranges={
+            "max_new_tokens": AT_LEAST_ONE, "prompt_bucket": AT_LEAST_ONE,
+            "temperature": (">= 0 (0: greedy)", lambda v: v >= 0), "top_p": ("in (0, 1] (1: off)", lambda v: 0 < v <= 1),
+            "top_k": (">= 0 (0: off)", lambda v: v >= 0), "decode_shrink_steps": NONNEGATIVE,
+            "engine_slots": (">= 0 (0: prompts x group)", lambda v: v >= 0),
+            "engine_pages": ("0 (every slot at its longest) or >= 2 (page 0 is scratch)", lambda v: v == 0 or v >= 2),
+            "engine_page_size": AT_LEAST_ONE, "engine_env_overlap": NONNEGATIVE, "engine_decode_chunk": NONNEGATIVE,
+            "engine_max_seq_len": ("0 (sized by the requests) or >= 2", lambda v: v == 0 or v >= 2)})
+
+    def params(self) -> SamplingParams:
+        """The training rollouts' per-call sampling parameters."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k)
+
+    def backend_for(self, sampler_devices: int) -> str:
+        """"engine" or "dense": `backend` as set; "auto" picks the engine on one device without decode shrinking."""
+        if self.backend != "auto":
+            return self.backend
+        return "engine" if sampler_devices == 1 and not self.decode_shrink_steps else "dense"
+
+    def engine_settings(self, sampler_devices: int, *, default_slots: int, record_routing: bool,
+                        partial: bool = False) -> EngineSamplerSettings | None:
+        """The engine's size on `sampler_devices` devices, or None when the dense sampler samples (`backend_for`).
+
+        Args:
+            default_slots: the slots when engine_slots is 0 (a step's first-turn rows, prompts x group size).
+            record_routing: record MoE expert selections (routing replay).
+            partial: partial rollouts are on (`rollout.partial`), which need the engine.
+
+        Raises:
+            ConfigError: partial rollouts without the engine, the engine on more than one device (its page pool is
+                not sharded), engine_per_episode without engine_max_seq_len, or engine_env_overlap without it.
+        """
+        if self.backend_for(sampler_devices) != "engine":
+            if partial:
+                raise ConfigError(f"rollout.partial=True swaps weights inside a running generation: it needs the "
+                                  f"rollout engine (sampling.backend='engine' or 'auto'), which runs on one device; "
+                                  f"this run samples with the dense sampler (sampling.backend={self.backend!r}, "
+                                  f"{sampler_devices} sampler devices, decode_shrink_steps={self.decode_shrink_steps})")
+            return None
+        if self.engine_per_episode and not self.engine_max_seq_len:
+            raise ConfigError("sampling.engine_per_episode=True needs sampling.engine_max_seq_len > 0: the longest "
+                              "context an episode may reach (one engine holds all of its turns)")
+        if self.engine_env_overlap and not self.engine_per_episode:
+            raise ConfigError(f"sampling.engine_env_overlap={self.engine_env_overlap} overlaps env steps with decode "
+                              "in per-episode multi-turn rollouts: it needs sampling.engine_per_episode=True")
+        if sampler_devices != 1:
+            raise ConfigError(f"sampling.backend='engine' runs on one device (its page pool is not sharded), this "
+                              f"run's sampler has {sampler_devices}: use sampling.backend='dense', or mesh.rollout=1 "
+                              "(the engine on a device of its own)")
+        return EngineSamplerSettings(num_slots=self.engine_slots or default_slots, num_pages=self.engine_pages,
+                                     page_size=self.engine_page_size, max_seq_len=self.engine_max_seq_len,
+                                     record_routing=record_routing, per_episode=self.engine_per_episode,
+                                     env_overlap=self.engine_env_overlap, decode_chunk=self.engine_decode_chunk)

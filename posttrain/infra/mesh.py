@@ -9,12 +9,15 @@ under which `with_sharding_constraint` raises (PLATFORM-NOTES.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from posttrain.errors import AT_LEAST_ONE, FieldError, check_fields
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -213,3 +216,51 @@ def batch_shards(mesh_shape: Mapping[str, int], rules=RULES) -> int:
 def batch_sharding(mesh: Mesh, ndim: int, rules=RULES) -> NamedSharding:
     """Sharding for a [batch, ...] activation/input array: batch split over the batch rule's axes."""
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """The `mesh` section: per-axis device counts; one axis may be -1 (all remaining devices). Applied by training,
+    sampling and `posttrain plan` alike.
+
+    Attributes:
+        data: devices on the data-parallel axis.
+        fsdp: devices on the fully-sharded data-parallel axis (-1: the rest).
+        tensor: devices on the tensor-parallel axis.
+        expert: devices on the expert-parallel axis.
+        rules: overlays of the logical-axis rules (`posttrain.infra.mesh.RULES`), logical axis -> mesh axis, list
+            of mesh axes, or None (replicated); e.g. {"embed": None} turns FSDP of the weights off.
+        rollout: devices of the rollout sampler's own submesh (0: the sampler shares the learner's mesh). When set,
+            the sampler runs on the last `rollout` devices and the learner on the rest (data/fsdp/tensor/expert
+            above resolve over those); each policy version is resharded once from the train layout to the
+            sampler's (`posttrain.infra.reshard`, timed as perf/weight_sync_s). One process only.
+        rollout_tensor: tensor-parallel degree of the rollout submesh (-1: its devices / rollout_expert); the
+            devices left over split the decode batch (data axis). Its weights are not FSDP-sharded.
+        rollout_expert: expert-parallel degree of the rollout submesh.
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    expert: int = 1
+    rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    rollout: int = 0
+    rollout_tensor: int = -1
+    rollout_expert: int = 1
+
+    def __post_init__(self):
+        axis = ("-1 (the remaining devices) or >= 1", lambda v: v == -1 or v >= 1)
+        check_fields(self, ranges={**dict.fromkeys(("data", "fsdp", "tensor", "expert", "rollout_tensor"), axis),
+                                   "rollout": (">= 0 (0: the sampler shares the learner's mesh)", lambda v: v >= 0),
+                                   "rollout_expert": AT_LEAST_ONE})
+        try:
+            rules_with_overrides(self.rules)
+        except (ValueError, TypeError) as e:
+            raise FieldError("rules", dict(self.rules), f": {e}") from None
+        free = [k for k in MESH_AXES if getattr(self, k) == -1]
+        if len(free) > 1:
+            raise ValueError(f"at most one axis may be -1, got {['mesh.' + k for k in free]}")
+
+    def axis_sizes(self) -> dict[str, int]:
+        """{mesh axis: devices} as configured (one may be -1)."""
+        return {axis: getattr(self, axis) for axis in MESH_AXES}

@@ -27,13 +27,13 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from posttrain.checkpoints.orbax import Checkpointer
-from posttrain.config import CheckpointConfig
+from posttrain.checkpoints.orbax import CheckpointConfig, Checkpointer
+from posttrain.errors import AT_LEAST_ONE, NONNEGATIVE, check_fields
 from posttrain.infra import distributed
 from posttrain.infra import mesh as mesh_lib
 from posttrain.infra import metrics as metrics_lib
 from posttrain.learn import step as step_lib
-from posttrain.learn.optim import OptimizerSettings
+from posttrain.learn.optim import OptimConfig
 from posttrain.learn.state import create_train_state, model_states
 from posttrain.types import RolloutBatch, TrainState
 
@@ -55,11 +55,12 @@ class LearnerSettings:
 
     Attributes:
         workdir: the run's directory (checkpoints/ under it).
-        optimizer: the optimizer's settings (`posttrain.learn.optim.OptimizerSettings`).
+        optimizer: the config's optim section.
+        total_steps: train steps of the run (the learning-rate schedule's length in steps).
         lora_rank: train adapters only when > 0.
         need_reference: keep the initial policy for a KL term.
         seed: seeds the run's PRNG key.
-        checkpoint: the config's checkpoint section (interval, kept count, async writes).
+        checkpointing: the config's checkpoint section (interval, kept count, async writes, stop grace).
         rules: logical-axis rules (`posttrain.infra.mesh.RULES` with the run's overlays; batch sharding).
         config_dict: the run's config as a plain dict, stored with every checkpoint.
         best_metric: keep the checkpoint with the highest value of this metric (given to `save`) beside the
@@ -70,11 +71,12 @@ class LearnerSettings:
     """
 
     workdir: pathlib.Path
-    optimizer: OptimizerSettings
+    optimizer: OptimConfig
+    total_steps: int | None = None
     lora_rank: int = 0
     need_reference: bool = False
     seed: int = 0
-    checkpoint: CheckpointConfig = CheckpointConfig()
+    checkpointing: CheckpointConfig = CheckpointConfig()
     rules: tuple = mesh_lib.RULES
     config_dict: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     best_metric: str | None = None
@@ -138,7 +140,7 @@ class Learner:
         `read_only`: for commands that only read a run (eval, convert): its checkpointer never writes, renames or
         deletes anything (an unreadable checkpoint is passed over and left in place). `batch_type`: the step's
         batch (RolloutBatch or a subclass with more fields), for the jitted step's input shardings."""
-        opt = settings.optimizer.build()
+        opt = settings.optimizer.build(settings.total_steps)
         with jax.set_mesh(mesh):
             graphdef, state = create_train_state(graphdef, weights, opt.tx, jax.random.key(settings.seed),
                                                  lora_rank=settings.lora_rank,
@@ -146,7 +148,7 @@ class Learner:
         state_sh = jax.tree.map(lambda x: x.sharding, state)
         batch_sh = batch_shardings(mesh, rules=settings.rules, batch_type=batch_type)
         step_fn = step_lib.jit_step(build_step(graphdef, opt.tx, opt.lr_schedule, model_config), state_sh, batch_sh)
-        c = settings.checkpoint
+        c = settings.checkpointing
         ckpt = Checkpointer(settings.workdir / "checkpoints", every_steps=c.every_steps, keep=c.keep,
                             async_save=c.async_save, read_only=read_only,
                             best_metric=None if read_only else settings.best_metric)
@@ -201,7 +203,7 @@ class Learner:
         if not force:
             now = time.monotonic()
             step_s, self.boundary_t = now - (now if self.boundary_t is None else self.boundary_t), now
-            guard = not scheduled and distributed.agree(guard_due(step_s, self.settings.checkpoint.stop_grace_s))
+            guard = not scheduled and distributed.agree(guard_due(step_s, self.settings.checkpointing.stop_grace_s))
         if force or scheduled or guard:
             trim_host_heap()
             self.checkpointer.save(self.step, self.state, {**rollout_state, "config": dict(self.settings.config_dict)},
@@ -238,3 +240,36 @@ def abstract_batch(batch, mesh, rules=mesh_lib.RULES):
 
 class NonFiniteError(RuntimeError):
     """Training stopped after `train.max_nonfinite_skips` consecutive steps with a non-finite loss or gradient."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The `train` section.
+
+    Attributes:
+        steps: updates in the run.
+        seed: seeds the init of presets, the task order and the sampling keys.
+        workdir: the run's directory (--workdir overrides).
+        max_train_seconds: stop after this much training time, in-loop evaluation not counted (0: no limit).
+        max_nonfinite_skips: a step whose loss or gradient is NaN/inf is skipped (nothing applied); this many in a
+            row stop the run (after saving a checkpoint) with an error.
+        machine: the machine the config is written for ("" : not stated), a `posttrain plan` target name:
+            "cpu-N:<G>GB" (N CPU devices on a host of G GB; the shipped CPU configs say "cpu-1:24GB", the 2-core
+            24 GB machine), "v5p-N", "v5e-N", "v6e-N" or "h200xN" (`runs.preflight.parse_machine` checks it;
+            every file in configs/ states one). Informative: the pre-flight check measures the machine running.
+        preflight_prompt_len: prompt tokens the pre-flight memory check compiles the train step for (with
+            sampling.max_new_tokens per completion) before any model load or write (`runs.preflight`); a run
+            whose step's compiled peak exceeds 90% of the memory it has stops there. 0 skips the check.
+    """
+
+    steps: int = 20
+    seed: int = 0
+    workdir: str = "runs/default"
+    max_train_seconds: float = 0.0
+    max_nonfinite_skips: int = 3
+    machine: str = ""
+    preflight_prompt_len: int = 128
+
+    def __post_init__(self):
+        check_fields(self, ranges={"steps": AT_LEAST_ONE, "max_nonfinite_skips": AT_LEAST_ONE,
+                                   "max_train_seconds": NONNEGATIVE, "seed": NONNEGATIVE})

@@ -23,8 +23,7 @@ import numpy as np
 from scipy import stats
 
 from posttrain.infra import distributed, metrics as metrics_lib
-from posttrain.learn.learner import Learner, NonFiniteError, batch_shardings, trim_host_heap
-from posttrain.scheduling import archive
+from posttrain.learn.learner import Learner, NonFiniteError, TrainConfig, batch_shardings, trim_host_heap
 
 
 class OfflineRun(Protocol):
@@ -43,54 +42,29 @@ def place(batch, mesh, rules):
     return jax.tree.map(distributed.global_array, batch, batch_shardings(mesh, batch, rules))
 
 
-def archive_table(runs):
-    """The episode archives of the runs `runs` names (a workdir, or several separated by commas:
-    `config.sft.archive_runs`), every step and row of each (`scheduling.archive.read`), concatenated in that order.
-    Raises FileNotFoundError naming a run that has no archive (no `archive/step_*.parquet` file), ValueError when
-    two runs' archives hold the same run name (their episode ids and groups would collide: e.g. two workdirs
-    both called "run")."""
-    import pyarrow as pa
-
-    from posttrain.config.sft import archive_runs
-
-    tables, owner = [], {}
-    for run in archive_runs(str(runs)):
-        if not archive.step_files(run):
-            raise FileNotFoundError(f"{str(run)!r} has no episode archive ({archive.archive_dir(run)} holds no "
-                                    "step_*.parquet file): from_archive takes the workdir of a GRPO run")
-        table = archive.read(run)
-        for name in set(table.column("run").to_pylist()):
-            if name in owner:
-                raise ValueError(f"the archives of {owner[name]!r} and {str(run)!r} both hold run {name!r}: their "
-                                 "episodes would be taken for one run's (rename a workdir and rerun it, or use one)")
-            owner[name] = str(run)
-        tables.append(table)
-    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
-
-
-def train_loop(run: OfflineRun, *, name: str, workdir: pathlib.Path, train: TrainSettings, config_dict: Mapping,
+def train_loop(run: OfflineRun, *, name: str, workdir: pathlib.Path, train_config: TrainConfig, config_dict: Mapping,
                eval_at_start: bool, eval_at_end: bool, progress: bool,
                bar_fields: tuple = (), on_nonfinite: Callable[[], str] = lambda: "",
                stop: distributed.StopRequest | None = None) -> dict:
-    """Runs (or resumes) the steps `learner.step .. train.steps - 1` of `run`; returns the summary (also written
+    """Runs (or resumes) the steps `learner.step .. train_config.steps - 1` of `run`; returns the summary (also written
     to summary.json). `name`: the recipe (progress bar, checkpoint metadata key). `stop`: the StopRequest the
     recipe entered before building `run` (a signal while the model loads, DPO's reference logprobs are computed or
     the start is evaluated then stops the command in one line too), else one entered here.
 
-    Raises NonFiniteError (after saving a checkpoint) when `train.max_nonfinite_skips` consecutive steps had a
+    Raises NonFiniteError (after saving a checkpoint) when `train_config.max_nonfinite_skips` consecutive steps had a
     non-finite loss or gradient (`on_nonfinite()` adds advice to its message); RunInterrupted after SIGINT /
     SIGTERM, once the state is saved (the same call resumes from it)."""
     with contextlib.nullcontext(stop) if stop is not None else distributed.StopRequest() as stop:
-        return _train_loop(run, stop, name=name, workdir=workdir, train=train, config_dict=config_dict,
+        return _train_loop(run, stop, name=name, workdir=workdir, train_config=train_config, config_dict=config_dict,
                            eval_at_start=eval_at_start, eval_at_end=eval_at_end, progress=progress,
                            bar_fields=bar_fields, on_nonfinite=on_nonfinite)
 
 
-def _train_loop(run: OfflineRun, stop: distributed.StopRequest, *, name, workdir, train, config_dict, eval_at_start,
+def _train_loop(run: OfflineRun, stop: distributed.StopRequest, *, name, workdir, train_config, config_dict, eval_at_start,
                 eval_at_end, progress, bar_fields, on_nonfinite) -> dict:
     """`train_loop` under its StopRequest `stop`."""
     learner = run.learner
-    start, steps = learner.step, train.steps
+    start, steps = learner.step, train_config.steps
     main = distributed.is_main_process()
     writer = metrics_lib.MetricsWriter(workdir, resume_step=start, plot=False) if main else None
     bar = metrics_lib.ProgressBar(steps, initial_step=start, desc=name, disable=not (progress and main),
@@ -104,7 +78,7 @@ def _train_loop(run: OfflineRun, stop: distributed.StopRequest, *, name, workdir
         # the model load's and the evaluation's freed host heap goes back to the OS before the first update: the
         # step's temporaries (one large block on the CPU) would otherwise peak on top of it (a lower peak RSS)
         trim_host_heap()
-        _steps(run, stop, name=name, workdir=workdir, train=train, meta=meta, writer=writer, bar=bar, clock=clock,
+        _steps(run, stop, name=name, workdir=workdir, train_config=train_config, meta=meta, writer=writer, bar=bar, clock=clock,
                summary=summary, on_nonfinite=on_nonfinite)
         end = learner.step
         learner.save(meta, force=True)
@@ -123,14 +97,14 @@ def _train_loop(run: OfflineRun, stop: distributed.StopRequest, *, name, workdir
     return summary
 
 
-def _steps(run: OfflineRun, stop: distributed.StopRequest, *, name, workdir, train, meta, writer, bar, clock,
+def _steps(run: OfflineRun, stop: distributed.StopRequest, *, name, workdir, train_config, meta, writer, bar, clock,
            summary, on_nonfinite) -> None:
-    """The steps from `learner.step` to `train.steps`. An update, its metrics and its checkpoint are never cut by
+    """The steps from `learner.step` to `train_config.steps`. An update, its metrics and its checkpoint are never cut by
     SIGINT / SIGTERM (`stop.deferred`); a signal saves a checkpoint and raises RunInterrupted naming it."""
     learner = run.learner
     start = learner.step
     try:
-        for step in range(start, train.steps):
+        for step in range(start, train_config.steps):
             t0 = time.perf_counter()
             batch = run.batch(step)
             t1 = time.perf_counter()
@@ -140,14 +114,14 @@ def _steps(run: OfflineRun, stop: distributed.StopRequest, *, name, workdir, tra
                 if writer:
                     writer.write(learner.step, m)
                 bar.update(m)
-                if learner.nonfinite_run >= train.max_nonfinite_skips:
+                if learner.nonfinite_run >= train_config.max_nonfinite_skips:
                     learner.save(meta, force=True)
                     raise NonFiniteError(f"stopped at step {learner.step}: {learner.nonfinite_run} consecutive "
                                          f"{name.upper()} steps had a non-finite loss or gradient (nothing applied; "
                                          f"checkpoint saved in {workdir / 'checkpoints'}){on_nonfinite()}")
                 learner.save(meta)
             stop.check()
-            limit = train.max_train_seconds
+            limit = train_config.max_train_seconds
             if limit and distributed.agree(clock.seconds >= limit):
                 summary["stopped_early"] = f"max_train_seconds={limit} reached"
                 break
@@ -192,22 +166,3 @@ def paired_difference_interval(a: np.ndarray, b: np.ndarray, confidence: float =
                          confidence_level=confidence, method="percentile",
                          random_state=np.random.default_rng(seed)).confidence_interval
     return float(ci.low), float(ci.high)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainSettings:
-    """The loop's own settings.
-
-    Attributes:
-        steps: updates in the run.
-        max_train_seconds: stop after this much time (0: no limit; rollouts, updates and checkpoints count,
-            in-loop evaluation does not).
-        max_nonfinite_skips: consecutive skipped (non-finite) updates that stop the run.
-        preflight_prompt_len: prompt tokens of the pre-flight memory check's batch (0: no check;
-            `runs.preflight`).
-    """
-
-    steps: int
-    max_train_seconds: float = 0.0
-    max_nonfinite_skips: int = 3
-    preflight_prompt_len: int = 0

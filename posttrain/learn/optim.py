@@ -2,8 +2,8 @@
 
 Dimension legend: none; the optimizer maps a pytree of float gradients to updates of the same structure.
 
-Plain arguments, or an `OptimizerSettings` (built by `posttrain.runs.plan` from the config's `optim`
-section and the run's step count) whose `build()` is the one place a run's optimizer is made. The learning-rate
+Plain arguments, or the config's `optim` section (`OptimConfig.build(total_steps)`: the one place a run's optimizer
+is made). The learning-rate
 schedule is returned alongside the transformation so the train step can log `optim/lr` for the step it applies.
 
 Schedule (lr in parameter units per unit of normalised gradient, `step` = number of updates already
@@ -18,6 +18,7 @@ applied, 0 for the first):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -25,7 +26,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["OPTIMIZERS", "SCHEDULES", "Optimizer", "OptimizerSettings", "make_optimizer", "make_schedule"]
+from posttrain.errors import NONNEGATIVE, POSITIVE, check_fields
+
+__all__ = ["OPTIMIZERS", "SCHEDULES", "OptimConfig", "Optimizer", "make_optimizer", "make_schedule"]
 
 
 # --- decay shapes: progress p in [0, 1] -> multiplier of the peak rate, ending at min_lr_ratio.
@@ -176,9 +179,22 @@ def _labels(trainable_mask):
     return to_label(trainable_mask)
 
 
-class OptimizerSettings(NamedTuple):
-    """Every argument of `make_optimizer` a run sets (see its docstring for units and ranges); `build()` makes the
-    optimizer. The learner and `posttrain plan` build theirs from the same settings."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """The `optim` section (`posttrain.learn.optim.make_optimizer`).
+
+    Attributes:
+        name: adamw | adam | sgd.
+        lr: peak learning rate.
+        weight_decay: decoupled weight decay.
+        b1: Adam's first-moment decay (sgd: the momentum).
+        b2: Adam's second-moment decay.
+        eps: Adam's epsilon.
+        grad_clip_norm: clip the global L2 norm of the gradient to this (0: off).
+        warmup_steps: linear warmup from 0 to lr over this many steps.
+        schedule: constant | cosine | linear, decaying to lr * min_lr_ratio at train.steps.
+        min_lr_ratio: the schedule's final learning rate as a fraction of lr.
+    """
 
     name: str = "adamw"
     lr: float = 1e-5
@@ -186,13 +202,22 @@ class OptimizerSettings(NamedTuple):
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
-    grad_clip_norm: float | None = 1.0
+    grad_clip_norm: float = 1.0
     warmup_steps: int = 0
-    total_steps: int | None = None
     schedule: str = "constant"
     min_lr_ratio: float = 0.0
 
-    def build(self) -> Optimizer:
-        """`make_optimizer(**self)`; raises its ValueErrors."""
-        s = self._asdict()
-        return make_optimizer(s.pop("name"), **s)
+    def __post_init__(self):
+        check_fields(self, choices={"name": OPTIMIZERS, "schedule": SCHEDULES}, ranges={
+            "lr": POSITIVE, "weight_decay": NONNEGATIVE, "grad_clip_norm": (">= 0 (0: off)", lambda v: v >= 0),
+            "warmup_steps": NONNEGATIVE, "b1": ("in [0, 1)", lambda v: 0 <= v < 1),
+            "b2": ("in [0, 1)", lambda v: 0 <= v < 1), "eps": POSITIVE,
+            "min_lr_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1)})
+
+    def build(self, total_steps: int | None = None, **masks) -> Optimizer:
+        """`make_optimizer` with these settings over `total_steps` updates (`masks`: its weight-decay and trainable
+        masks). Raises its ValueErrors."""
+        return make_optimizer(self.name, lr=self.lr, weight_decay=self.weight_decay, b1=self.b1, b2=self.b2,
+                              eps=self.eps, grad_clip_norm=self.grad_clip_norm or None,
+                              warmup_steps=self.warmup_steps, total_steps=total_steps, schedule=self.schedule,
+                              min_lr_ratio=self.min_lr_ratio, **masks)

@@ -1,16 +1,6 @@
-"""Blockwise self-attention in plain JAX (FlashAttention-2 style): online softmax over key blocks, a hand-written
-backward that recomputes scores block by block, and the packed-row mask computed per block from ids.
+"""Blockwise self-attention in plain JAX over packed rows, with the mask computed per block from ids.
 
-Dimension legend: B batch, T row length (queries and keys of one row), N query heads, K kv heads, G = N / K query
-heads per kv head, H query/key head dim, E value head dim (H for GQA, v_head_dim for MLA), Q query-block length,
-C key-block length, I number of query blocks, J number of key blocks.
-
-Source: Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning",
-arXiv:2307.08691 (Algorithm 1 forward, Algorithm 2 backward with D = rowsum(dO * O)). Memory is O(T x block) per
-layer instead of O(T^2): scores exist for one [Q, C] block at a time, and the backward keeps only O, the
-log-sum-exp and the inputs. Training rows have one source (a packed prompt + completions), so this covers the
-gradient path; several sources (shared prefix, KV cache) stay on `attention.multi_source_attention`.
-"""
+FlashAttention-2 (Dao 2023, arXiv:2307.08691); docs/attention.md. Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 import functools
@@ -19,17 +9,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from posttrain.model import attention_kernels as fused_attention
+from posttrain.model import attention_kernels
 from posttrain.model.attention import NEG_INF, CacheHook, Source, gqa_combine, gqa_logits, multi_source_attention
 
-# Default block lengths (queries and keys) by backend: 128 on the CPU (the fastest of 128 / 256 / 512 there, fwd+bwd);
-# elsewhere 512 (a plain-JAX loop pays per-iteration overhead on accelerators, so fewer, larger blocks).
+# Block lengths by backend: a plain-JAX loop pays per-iteration overhead on accelerators, so fewer, larger blocks.
 BLOCK = {"cpu": 128}
 DEFAULT_BLOCK = 512
-# Rows of at least this many tokens take the blockwise path; shorter ones the dense softmax over one [T, T] score
-# tensor (on the CPU, fwd+bwd, blockwise is clearly faster from 512 tokens on, for one causal segment and for a
-# prompt + 8 completions alike, and not below).
-BLOCKWISE_MIN_LEN = 512
+BLOCKWISE_MIN_LEN = 512  # shorter rows take the dense softmax (on the CPU blockwise is faster from 512 tokens on)
 _BIG = jnp.iinfo(jnp.int32).max
 
 
@@ -39,24 +25,21 @@ def default_block() -> int:
 
 
 class RowIds(NamedTuple):
-    """The packed-row mask as ids (never a [T, T] mask): int32 segment_BxT (0 = padding) and branch_BxT
-    (0 = shared prompt, g = completion g). Rule: `block_mask`."""
+    """The packed-row mask as ids: int32 segment_BxT (0 = padding), branch_BxT (0 = shared prompt); `block_mask`."""
 
     segment_BxT: jax.Array
     branch_BxT: jax.Array
 
 
 def block_mask(seg_q_BxQ, br_q_BxQ, idx_q_Q, seg_k_BxC, br_k_BxC, idx_k_C) -> jax.Array:
-    """bool [B, Q, C]: query i may attend key j iff j <= i (in-row indices idx), both have the same non-zero
-    segment id, and j's branch is 0 (the shared prefix) or equal to i's branch."""
+    """bool [B, Q, C]: key j <= query i (in-row idx), same non-zero segment, j's branch 0 (shared) or i's."""
     same_seg = (seg_q_BxQ[:, :, None] == seg_k_BxC[:, None, :]) & (seg_k_BxC != 0)[:, None, :]
     branch_ok = (br_k_BxC == 0)[:, None, :] | (br_q_BxQ[:, :, None] == br_k_BxC[:, None, :])
     return (idx_q_Q[:, None] >= idx_k_C[None, :])[None] & same_seg & branch_ok
 
 
 def _summary(seg_nxBxL, br_nxBxL):
-    """Per block and row: (segment min, max, branch min, max) over real tokens; for keys also the min/max of
-    non-zero branches and whether a branch-0 key exists. Empty blocks get min > max."""
+    """Per block and row: segment and branch min/max, non-zero branch min/max, any branch 0; empty: min > max."""
     real = seg_nxBxL != 0
     lo = lambda x, m: jnp.where(m, x, _BIG).min(-1)
     hi = lambda x, m: jnp.where(m, x, -1).max(-1)
@@ -66,8 +49,7 @@ def _summary(seg_nxBxL, br_nxBxL):
 
 
 def live_blocks(seg_q_IxBxQ, br_q_IxBxQ, seg_k_JxBxC, br_k_JxBxC) -> jax.Array:
-    """bool [I, J]: False only where query block i and key block j have no allowed pair in any row (then the
-    block is skipped). Conservative: built from per-block intervals of in-row index, segment and branch ids."""
+    """bool [I, J]: False where query block i and key block j have no allowed pair in any row (conservative)."""
     Q, C = seg_q_IxBxQ.shape[-1], seg_k_JxBxC.shape[-1]
     qs0, qs1, qb0, qb1, _, _, _ = (a[:, None] for a in _summary(seg_q_IxBxQ, br_q_IxBxQ))  # [I, 1, B]
     ks0, ks1, _, _, kn0, kn1, k0 = (a[None] for a in _summary(seg_k_JxBxC, br_k_JxBxC))   # [1, J, B]
@@ -99,11 +81,7 @@ def _flash_fwd(q_IxBxKxGxQxH, k_JxBxKxCxH, v_JxBxKxCxE, seg_q, br_q, seg_k, br_k
 
 
 def _opaque(fn, *static):
-    """fn(*arrays, *static) as one unit to JAX's partial evaluation. Inside an outer scan (the layer scan), that
-    evaluation hoists every value computable from loop-invariant inputs (the ids: block masks, constant fills) out
-    of the loop and stacks it over all [I, J] block pairs: [I, J, B, K, G, Q, C] buffers, the very score-sized
-    memory this module avoids. A checkpoint that saves nothing keeps
-    the loops whole."""
+    """fn(*arrays, *static) opaque to partial evaluation, so no block mask is hoisted out of the loops."""
     return jax.checkpoint(lambda *arrays: fn(*arrays, *static), policy=jax.checkpoint_policies.nothing_saveable,
                           prevent_cse=False)
 
@@ -182,16 +160,11 @@ def blockwise_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxE, ids: RowIds, scale: flo
     """Masked softmax self-attention of one packed row per batch entry, computed block by block.
 
     Args:
-      q_BxTxNxH, k_BxTxKxH, v_BxTxKxE: queries, keys, values (one dtype, the compute dtype); query head n reads
-        kv head n // (N / K) (GQA; MLA's expanded form has K = N and E != H).
-      ids: `RowIds` of the row; the mask is `block_mask` with in-row indices 0..T-1, evaluated per block.
-      scale: multiplier on the logits. precision: a `jax.lax.Precision` or None (ambient); passed explicitly
-        because the backward is traced outside the caller's `jax.default_matmul_precision` scope.
-      block_q, block_k: block lengths (None: `default_block()`; capped at T); T need not be a multiple (padding
-        is masked).
+      q_BxTxNxH, k_BxTxKxH, v_BxTxKxE: one dtype; query head n reads kv head n // (N / K).
+      precision: a `jax.lax.Precision` or None; explicit: the custom backward is traced outside the caller's scope.
+      block_q, block_k: block lengths (None: `default_block()`; capped at T).
     Returns:
-      [B, T, N, E] in q's dtype; softmax in float32; a query with no allowed key gets 0 (and zero gradient).
-      Gradients (custom VJP, FlashAttention-2 Algorithm 2) flow to q, k and v.
+      [B, T, N, E] in q's dtype; a query with no allowed key gets 0 (and zero gradient).
     Raises:
       ValueError: on inconsistent shapes, N not a multiple of K, or a block length < 1.
     """
@@ -224,13 +197,8 @@ def blockwise_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxE, ids: RowIds, scale: flo
 def attend(q_BxTxNxH, kv: dict, mask, scale: float, precision=None, extra_sources=(), impl: str = "auto") -> jax.Array:
     """Attention of queries over their own entries kv {"k": [B, T, K, H], "v": [B, T, K, E]} (+ extra sources).
 
-    mask: `RowIds` -> the branch-masked self-attention of `impl` (`fused_attention.resolve_impl` on the mesh's
-    platform: splash / Pallas GPU kernels (interpreted off their platform), else `blockwise_attention`; "dense"
-    the one-softmax reference; the kernels ignore `precision`); one source only: raises ValueError with
-    extra_sources. A bool [B, T, S] array (short rows, `self_mask`; `impl` unused) ->
-    the dense multi-source softmax (`attention.multi_source_attention`). A single `attention.CacheHook` source:
-    its function computes the attention (the mask unused). Returns [B, T, N, E].
-    """
+    mask `RowIds`: the self-attention of `impl` (`attention_kernels.resolve_impl`; kernels ignore `precision`; extra
+    sources raise ValueError); bool [B, T, S]: the dense softmax. A lone `CacheHook` source computes it itself."""
     if len(extra_sources) == 1 and isinstance(extra_sources[0], CacheHook):
         return extra_sources[0].fn(q_BxTxNxH, kv, scale)
     if isinstance(mask, RowIds):
@@ -238,10 +206,10 @@ def attend(q_BxTxNxH, kv: dict, mask, scale: float, precision=None, extra_source
             raise ValueError(f"blockwise attention takes one source; got {len(extra_sources)} extra sources "
                              "(pass a [B, T, S] mask for prefill/decode with cached sources)")
         k, v = kv["k"], kv["v"]
-        platform = fused_attention.mesh_platform()
-        impl = fused_attention.resolve_impl(impl, platform, q_BxTxNxH.shape[-1], v.shape[-1])
+        platform = attention_kernels.mesh_platform()
+        impl = attention_kernels.resolve_impl(impl, platform, q_BxTxNxH.shape[-1], v.shape[-1])
         if impl in ("splash", "pallas_gpu"):
-            return fused_attention.fused(impl, q_BxTxNxH, k, v, mask.segment_BxT, mask.branch_BxT, scale, platform)
+            return attention_kernels.fused(impl, q_BxTxNxH, k, v, mask.segment_BxT, mask.branch_BxT, scale, platform)
         if impl == "dense":
             mask = self_mask(mask.segment_BxT, mask.branch_BxT, blockwise=False)
         else:
@@ -250,8 +218,7 @@ def attend(q_BxTxNxH, kv: dict, mask, scale: float, precision=None, extra_source
 
 
 def self_mask(segment_ids_BxT: jax.Array, branch_ids_BxT: jax.Array, blockwise: bool | None = None):
-    """The self-attention mask to hand to the layers: `RowIds` (blockwise path) when `blockwise`, else the dense
-    bool [B, T, T] `block_mask` over the whole row. blockwise=None chooses by shape: T >= BLOCKWISE_MIN_LEN."""
+    """The layers' self-attention mask: `RowIds` when blockwise (None: T >= BLOCKWISE_MIN_LEN), else bool [B, T, T]."""
     T = segment_ids_BxT.shape[1]
     if blockwise if blockwise is not None else T >= BLOCKWISE_MIN_LEN:
         return RowIds(segment_ids_BxT, branch_ids_BxT)

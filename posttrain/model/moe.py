@@ -1,40 +1,6 @@
-"""Mixture-of-Experts feed-forward: top-k routing, dropless dispatch (sort + ragged_dot), all-to-all expert parallelism.
+"""Mixture-of-Experts feed-forward: top-k routing, grouped-matmul experts, expert-parallel dispatch.
 
-Dimension legend: B batch, T length, D d_model, E experts (El experts local to one 'expert' shard),
-F expert MLP hidden, M tokens (B*T), k experts per token.
-
-Routing (pure, `route`): softmax scoring (Mixtral, Qwen3-MoE) or sigmoid scoring (DeepSeek-V3, Kimi K2) with
-optional group-limited selection (top-2-sum group scores, DeepSeek-V3), renormalised top-k weights, a routed
-scaling factor, and an optional aux-loss-free selection bias (DeepSeek-V3 §2.1.2).
-Auxiliary outputs: the Switch-Transformer load-balancing loss E * sum_e f_e * p_e (Fedus et al. 2021), the router
-z-loss mean(logsumexp(logits)^2) (Zoph et al. 2022, ST-MoE), and the per-expert load (fraction of assignments).
-
-Dispatch on one device is dropless: assignments are sorted by expert and each expert's contiguous rows go through
-one `jax.lax.ragged_dot`.
-
-Expert parallelism (`dispatch` under a mesh with an 'expert' axis of S > 1 shards, El = E/S experts each) runs in
-`shard_map` as an all-to-all exchange. Each source shard holds m tokens and routes them itself (routing happens
-before dispatch); its n = m*k assignment rows are stably sorted by destination shard (expert id // El) and written
-into a fixed [S, C, D] send buffer (plus the expert ids, -1 marking empty slots), C = ceil(ep_capacity_factor *
-n / S) rows per (source, destination) pair. `jax.lax.all_to_all` delivers chunk j to expert shard j, which runs
-its experts on the S*C received rows (`expert_ffn`, one expert per row, weight 1, padding weight 0;
-tensor-sharded expert MLPs psum over 'exp_mlp'), and a second all-to-all returns the rows (compute dtype),
-slot-aligned, to their source, which sums each token's k rows with the routing weights in float32. Per-device
-memory and traffic are O(ep_capacity_factor * m * k * D) whatever S is.
-Overflow policy: when more than C of a source shard's rows go to one destination, the first C in (token, slot)
-order are kept and the rest are DROPPED: they contribute 0 to the output (and get no gradient), as if their routing
-weight were 0; the routing weights are not renormalised. The dropped fraction of all assignments is returned and
-reported as aux `ep_dropped_frac` (metric `moe/ep_dropped_frac`); ep_capacity_factor >= S can never drop.
-On TPU/GPU meshes the default is the ragged variant (`jax.lax.ragged_all_to_all`, which XLA:CPU lacks): sources send
-exactly their rows and an expert shard receives at most R = ceil(ep_capacity_factor * n) rows in total, filled
-from the sources in shard order (rows past R are dropped and counted the same way); compile-checked only.
-Tokens replicated over the expert axis (it is not a batch axis) are first split over it, so every token is computed
-once, and the outputs all-gathered at the end. Where they cannot be split (a decode batch smaller than the mesh), or
-with one expert shard, the dropless all-gather form runs instead: every expert shard sees all tokens of its group,
-computes its own experts' rows (others add 0), and a reduce-scatter / psum combines (memory grows with S; kept as
-`dispatch(ep_impl="all_gather")` for comparison, see bench/moe_ep_memory.py). The exchanges live in
-`posttrain/model/expert_parallel.py`.
-"""
+Design: docs/moe.md. Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 import functools
@@ -46,7 +12,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from posttrain.infra import mesh as mesh_lib
-from posttrain.model import expert_parallel as ep_lib
+from posttrain.model import expert_parallel
 from posttrain.model import gmm
 from posttrain.model.config import MoEConfig
 from posttrain.model.layers import MLP, dot, param
@@ -59,13 +25,9 @@ class ExpertBias(nnx.Variable):
 
 def route(logits_MxE: jax.Array, bias_E: jax.Array | None, *, k: int, scoring: str, norm_topk_prob: bool,
           routed_scaling_factor: float, num_groups: int = 1, topk_groups: int = 1, replay_Mxk=None):
-    """Top-k routing. Returns (weights_Mxk f32, experts_Mxk int32, probs_MxE f32 used by the balance loss).
+    """Top-k routing: (weights_Mxk f32, experts_Mxk int32, probs_MxE f32 for the balance loss).
 
-    The bias (if any) only affects which experts are *selected*; weights come from the unbiased scores.
-    replay_Mxk: routing replay (int, -1 = none): where >= 0, that expert is selected instead of the top-k
-    choice (e.g. the sampler's selection), while its weight still comes from the current scores, so the router
-    gets the same gradient form as without replay.
-    """
+    The bias changes the selection, not the weights. replay_Mxk: int, where >= 0 that expert is selected instead."""
     logits = logits_MxE.astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
     choice = scores if bias_E is None else scores + bias_E.astype(jnp.float32)
@@ -106,9 +68,9 @@ def expert_capacity(rows: int, num_experts: int, capacity_factor: float) -> int:
 
 
 def expert_keys(experts_Mxk, num_local: int, expert_offset=0, capacity: int | None = None):
-    """Which local group every assignment row (token-major, [M*k]) goes to: its local expert id, or `num_local`
-    for rows computed nowhere (another shard's expert, or over `capacity`: an expert keeps its first `capacity`
-    rows in token order). Returns (keys [M*k] int32, dropped: int32 count of local rows over capacity)."""
+    """Local group of each assignment row (token-major [M*k]): its local expert, else `num_local` (computed nowhere).
+
+    An expert keeps its first `capacity` rows in token order. Returns (keys int32, int32 count of rows dropped)."""
     local_id = experts_Mxk.reshape(-1) - expert_offset
     is_local = (local_id >= 0) & (local_id < num_local)
     key = jnp.where(is_local, local_id, num_local).astype(jnp.int32)
@@ -125,15 +87,9 @@ def expert_keys(experts_Mxk, num_local: int, expert_offset=0, capacity: int | No
 
 def expert_ffn(x_MxD, experts_Mxk, weights_Mxk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, dtype, expert_offset=0, *,
                impl: str = "auto", capacity_factor: float | None = None, precision=None, platform: str | None = None):
-    """Gated-MLP over the experts held locally (ids [offset, offset + El)); other assignments add 0.
+    """y_MxD float32 = sum_k weight * expert_k(x) over the local experts (ids [offset, offset + El)); others add 0.
 
-    x_MxD: tokens; experts_Mxk int32 / weights_Mxk float32 from `route` (k may be 1: e.g. rows received by an
-    expert shard, weight 0 for padding). The rows are sorted by local expert and run through
-    `gmm.grouped_matmul(impl=...)` three times (gate, up, down). capacity_factor None: dropless; else every local
-    expert computes at most `expert_capacity(M * k, El, capacity_factor)` rows and the rest add 0 (count them with
-    `expert_keys`). precision, platform: passed to `gmm.grouped_matmul`. Returns y_MxD float32 =
-    sum_k weight * expert_k(x).
-    """
+    capacity_factor None: dropless, else at most `expert_capacity(M * k, El, capacity_factor)` rows per expert."""
     M, k = experts_Mxk.shape
     El = w_gate_ExDxF.shape[0]
     capacity = None if capacity_factor is None else expert_capacity(M * k, El, capacity_factor)
@@ -148,7 +104,6 @@ def expert_ffn(x_MxD, experts_Mxk, weights_Mxk, w_gate_ExDxF, w_up_ExDxF, w_down
     def mm(a, w):
         return gmm.grouped_matmul(a, w.astype(dtype), sizes, out_dtype=dtype, **gmm_kw)
 
-    # matmul outputs in the compute dtype, named "dot" for the "dots" remat policy (like `layers.dot`)
     g = checkpoint_name(mm(xs, w_gate_ExDxF), "dot")
     u = checkpoint_name(mm(xs, w_up_ExDxF), "dot")
     h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dtype)
@@ -171,16 +126,14 @@ def _platform(mesh) -> str:
 
 def dispatch(x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype, ep_capacity_factor: float = 2.0,
              ep_impl: str = "auto", *, ffn_kw: dict | None = None, _ragged_impl=None):
-    """`expert_ffn` over all experts; under an active mesh, expert-parallel in shard_map (see module doc).
+    """`expert_ffn` over all experts; under an active mesh, expert-parallel in shard_map (docs/moe.md).
 
-    x_MxD: tokens (any float dtype); experts_Mxk int32 and weights_Mxk float32 from `route`; w_gate/w_up
-    [E, D, F], w_down [E, F, D]; dtype: compute dtype. ep_capacity_factor (cf): the all-to-all capacity, C =
-    ceil(cf * m * k / S) rows per (source, destination) pair (ragged: ceil(cf * m * k) rows per expert shard).
-    ep_impl: "auto" (ragged on a TPU/GPU mesh, else all_to_all; all_gather where no exchange applies),
-    "all_to_all" (fixed capacity), "ragged" (`jax.lax.ragged_all_to_all`; not on CPU) or "all_gather" (the
-    dropless all-gather / reduce-scatter form, kept for comparison). ffn_kw: `expert_ffn` keywords (impl,
-    capacity_factor) of every local expert computation. _ragged_impl: tests' CPU stand-in.
-    Returns (y_MxD float32, ep_dropped_frac float32 scalar: the fraction of the M*k assignments dropped).
+    Args:
+      ep_capacity_factor: cf; C = ceil(cf * m * k / S) rows per (source, destination) pair (ragged: ceil(cf * m * k)).
+      ep_impl: one of EP_IMPLS; "auto": ragged on a TPU/GPU mesh, else all_to_all; "ragged" does not run on CPU.
+      ffn_kw: `expert_ffn` keywords (impl, capacity_factor).
+    Returns:
+      (y_MxD float32, the fraction of the M*k assignments dropped, float32 scalar).
     """
     if ep_impl not in EP_IMPLS:
         raise ValueError(f"ep_impl={ep_impl!r}; expected one of {EP_IMPLS}")
@@ -195,7 +148,7 @@ def dispatch(x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype, ep_ca
     tok_axes = _axes(mesh_lib.logical_to_spec(("batch",), rules)[0])
     embed_axes = tuple(a for a in _axes(mesh_lib.logical_to_spec(("embed",), rules)[0])
                        if a not in ex_axes and a not in mlp_axes)  # the weights' FSDP split of D
-    size = lambda axes: ep_lib.mesh_size(mesh, axes)
+    size = lambda axes: expert_parallel.mesh_size(mesh, axes)
     M = x_MxD.shape[0]
     if M % size(tok_axes):
         tok_axes = ()  # e.g. a decode batch smaller than the mesh: tokens replicated
@@ -204,20 +157,19 @@ def dispatch(x_MxD, experts_Mxk, weights_Mxk, w_gate, w_up, w_down, dtype, ep_ca
     if ep_impl == "all_gather" or size(ex_axes) == 1 or M % (size(tok_axes) * size(outside)):
         # nothing to exchange (one expert shard), or replicated tokens that do not split over the expert shards
         # (decode): the exact, dropless all-gather / psum form
-        return ep_lib.dispatch_gather(ffn, *args, mesh, ex_axes, mlp_axes, tok_axes, embed_axes), zero
+        return expert_parallel.dispatch_gather(ffn, *args, mesh, ex_axes, mlp_axes, tok_axes, embed_axes), zero
     ragged = ep_impl == "ragged" or (ep_impl == "auto" and _platform(mesh) in ("tpu", "gpu"))
-    return ep_lib.dispatch_all_to_all(ffn, *args, float(ep_capacity_factor), mesh, ex_axes, mlp_axes,
+    return expert_parallel.dispatch_all_to_all(ffn, *args, float(ep_capacity_factor), mesh, ex_axes, mlp_axes,
                                       tok_axes, ragged=ragged, ragged_impl=_ragged_impl, embed_axes=embed_axes)
 
 
 class MoE(nnx.Module):
-    """Routed experts (+ optional always-on shared experts). Returns (y_BxTxD, aux dict): `router_aux`'s entries
-    and ep_dropped_frac (float32 scalar, the fraction of assignments the expert-parallel exchange dropped)."""
+    """Routed experts plus optional always-on shared experts; calls return (y_BxTxD, aux dict)."""
 
     def __init__(self, *, d_model: int, moe: MoEConfig, dtype, param_dtype, rngs: nnx.Rngs, lora=None,
                  matmul_precision: str = "default", gmm_impl: str = "auto", capacity_factor: float = 0.0,
                  ep_capacity_factor: float = 2.0):
-        """gmm_impl, capacity_factor (0: dropless), ep_capacity_factor: see `ModelConfig.moe_*`."""
+        """gmm_impl, capacity_factor, ep_capacity_factor: `ModelConfig.moe_*`."""
         D, E, F = d_model, moe.num_experts, moe.expert_mlp_dim
         self.dtype = dtype
         self.k, self.scoring, self.norm_topk_prob = moe.num_experts_per_tok, moe.scoring, moe.norm_topk_prob
@@ -234,8 +186,9 @@ class MoE(nnx.Module):
                        if moe.num_shared_experts else None)
 
     def __call__(self, x_BxTxD, valid_BxT, replay_BxTxk=None):
-        """replay_BxTxk: experts to select per token (routing replay, -1: route normally) or None. The aux dict
-        carries the selection as "routed_experts" [B, T, k] int32 (what a sampler records for replay)."""
+        """(y_BxTxD, aux): `router_aux`'s entries, ep_dropped_frac and "routed_experts" int32 [B, T, k].
+
+        replay_BxTxk: experts to select per token (-1: route normally) or None."""
         B, T, D = x_BxTxD.shape
         x = x_BxTxD.reshape(B * T, D)
         logits = dot("md,de->me", x.astype(jnp.float32), self.router[...].astype(jnp.float32), jnp.float32)

@@ -3,7 +3,7 @@ once on the initial policy, cached in Parquet) -> for each step: batch, update, 
 and margins before and after.
 
 `make_dpo_plan(cfg)` is the only reader of a `DPORunConfig` (`posttrain.config.dpo`); the shared sections map to
-settings as in GRPO and SFT (`run_plan.policy_source`, `run_plan.optimizer_settings`). The math is
+settings as in GRPO and SFT (`PolicySource.of`, the optim section). The math is
 `posttrain.algos.dpo`'s, the loop `learn.offline_loop.train_loop`. The reference is the initial policy: its sequence
 logprobs are computed before the first step into `<workdir>/reference_logps.parquet` (reused on resume and by a
 new run in the same workdir while the model and data hashes match), so training keeps no second model.
@@ -35,8 +35,9 @@ from posttrain.infra.partitioning import use_rules
 from posttrain.infra.precision import PrecisionPolicy
 from posttrain.learn.learner import Learner, LearnerSettings
 from posttrain.learn import offline_loop
-from posttrain.runs import plan as plan_lib, workdir as workdir_lib
-from posttrain.runs.plan import TrainSettings, optimizer_settings, policy_source
+from posttrain.config.plan import offline_layout
+from posttrain.learn.learner import TrainConfig
+from posttrain.runs import workdir as workdir_lib
 
 CACHE_FILE = "reference_logps.parquet"
 
@@ -70,7 +71,7 @@ class DPOPlan:
     data: data_lib.PairSettings
     step: dpo_step.StepOptions
     learner: LearnerSettings
-    train: TrainSettings
+    train: TrainConfig
     reference_cache: bool = True
     eval_at_start: bool = True
     eval_at_end: bool = True
@@ -81,7 +82,7 @@ def make_dpo_plan(cfg: DPORunConfig, *, num_devices: int | None = None, workdir:
     """Derives and validates every setting of a DPO run (no I/O). Raises ConfigError when the mesh does not fit
     the devices or `dpo.pairs_per_step` does not divide into `dpo.num_microbatches` x the mesh's batch shards."""
     d = cfg.dpo
-    shape, rules, _, precision = plan_lib.offline_layout(cfg, "dpo.pairs_per_step", d.pairs_per_step, d.num_microbatches,
+    shape, rules, _, precision = offline_layout(cfg, "dpo.pairs_per_step", d.pairs_per_step, d.num_microbatches,
                                                 num_devices, backend)
     wd = pathlib.Path(workdir or cfg.train.workdir)
     config_dict, t = to_dict(cfg), cfg.train
@@ -89,13 +90,12 @@ def make_dpo_plan(cfg: DPORunConfig, *, num_devices: int | None = None, workdir:
     step = dpo_step.StepOptions(loss=d.loss, beta=d.beta, label_smoothing=d.label_smoothing,
                                 num_microbatches=d.num_microbatches, logprob_chunk=d.logprob_chunk,
                                 matmul_precision=cfg.model.matmul_precision, lora_rank=cfg.lora.rank)
-    learner = LearnerSettings(workdir=wd, optimizer=optimizer_settings(cfg), lora_rank=cfg.lora.rank,
-                              need_reference=False, seed=t.seed, checkpoint=cfg.checkpoint, rules=rules,
+    learner = LearnerSettings(workdir=wd, optimizer=cfg.optim, total_steps=cfg.train.steps, lora_rank=cfg.lora.rank,
+                              need_reference=False, seed=t.seed, checkpointing=cfg.checkpoint, rules=rules,
                               config_dict=config_dict)
     return DPOPlan(workdir=wd, config_dict=config_dict, precision=precision, mesh_shape=shape, rules=rules,
-                   policy=policy_source(cfg, precision), data=pairs, step=step, learner=learner,
-                   train=TrainSettings(steps=t.steps, max_train_seconds=t.max_train_seconds,
-                                       max_nonfinite_skips=t.max_nonfinite_skips),
+                   policy=PolicySource.of(cfg.model, cfg.lora, precision, seed=cfg.train.seed), data=pairs, step=step, learner=learner,
+                   train=cfg.train,
                    reference_cache=d.reference_cache, eval_at_start=d.eval_at_start, eval_at_end=d.eval_at_end)
 
 
@@ -119,7 +119,7 @@ def load_pairs(d: data_lib.PairSettings, tokenizer):
     FileNotFoundError for a run without an archive, ValueError when no training pair is left."""
     if not d.from_archive:
         return data_lib.load_pairs(d, tokenizer)
-    train, held, counts = from_archive.dpo_pairs(offline_loop.archive_table(d.from_archive),
+    train, held, counts = from_archive.dpo_pairs(from_archive.archive_table(d.from_archive),
                                                  max_prompt_len=d.max_prompt_len,
                                                  max_completion_len=d.max_completion_len,
                                                  eval_fraction=d.eval_fraction, seed=d.seed)
@@ -227,8 +227,8 @@ def train(plan: DPOPlan, *, progress: bool = True) -> dict:
     TypeError for unusable pairs (naming the record), NonFiniteError (after saving a checkpoint) when
     `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
     # a signal while the run is built is one line too; its grace is the config's
-    with use_rules(plan.rules), distributed.StopRequest(plan.learner.checkpoint.stop_grace_s) as stop:
-        return offline_loop.train_loop(Run(plan), name="dpo", workdir=plan.workdir, train=plan.train,
+    with use_rules(plan.rules), distributed.StopRequest(plan.learner.checkpointing.stop_grace_s) as stop:
+        return offline_loop.train_loop(Run(plan), name="dpo", workdir=plan.workdir, train_config=plan.train,
                                   config_dict=plan.config_dict, eval_at_start=plan.eval_at_start,
                                   eval_at_end=plan.eval_at_end, progress=progress, stop=stop,
                                   bar_fields=(("loss", "dpo/loss"), ("acc", "rewards/accuracies")),

@@ -32,7 +32,7 @@ from posttrain.infra.partitioning import use_rules
 from posttrain.recipes import grpo
 from posttrain.eval.gate_hook import evaluation as _evaluation, sample_suite
 from posttrain.runs.lookup import require_checkpoint
-from posttrain.runs.plan import RunPlan, make_run_plan
+from posttrain.config.plan import RunPlan, make_run_plan
 from posttrain.runs.read import OFFLINE_KINDS, OFFLINE_STATE_SECTIONS, refuse, run_kind
 
 
@@ -54,9 +54,9 @@ def evaluate_policies(plan: RunPlan, built, *, with_base: bool, sampling_plan: R
         rollouter, learner, _ = grpo.build(plan, reading=True, restore=False, held_out=False)
         try:
             if with_base:
-                out["base"] = (*sample_suite(sampling_plan or plan, built, rollouter, learner.policy()), 0)
+                out["base"] = (*sample_suite((sampling_plan or plan).eval_settings, built, rollouter, learner.policy()), 0)
             learner.restore()
-            out["run"] = (*sample_suite(sampling_plan or plan, built, rollouter, learner.policy()), learner.step)
+            out["run"] = (*sample_suite((sampling_plan or plan).eval_settings, built, rollouter, learner.policy()), learner.step)
         finally:
             learner.close()
             rollouter.close()
@@ -186,7 +186,7 @@ def policy_eval_config(workdir, kind: str, cfg: Config | None, suite: bool = Fal
     the GRPO run it was trained from; else, for a `suite` evaluation, which uses no env of the run, the defaults with
     SUITE_PLACEHOLDER_ENV as env.train) with the run's OFFLINE_STATE_SECTIONS and its workdir, and a learner shaped
     like the run's (no reference copy, one update per step). Raises ConfigError when none gives an env."""
-    from posttrain.runs.plan import saved_config
+    from posttrain.config.load import saved_config
 
     saved = json.loads((pathlib.Path(workdir) / "config.json").read_text())
     source = saved.get(kind, {}).get("from_archive") or ""
@@ -218,7 +218,7 @@ def reading_config(workdir, cfg: Config | None = None, command: str = "eval", su
     there is the caller's check): a GRPO run's `run_plan.config_for_run`, an SFT / DPO run's `policy_eval_config`
     (`suite`: for a suite evaluation, which needs no env of the run). Raises ConfigError for a reward-model run (it
     has no policy) or a run without a usable config."""
-    from posttrain.runs.plan import config_for_run
+    from posttrain.config.load import config_for_run
 
     kind = run_kind(workdir)
     if kind == "rm":

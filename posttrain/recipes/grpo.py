@@ -1,5 +1,5 @@
 """The GRPO recipe, the only imperative driver of a run: plan -> rollouter / learner -> for each step: collect,
-train, log, save, evaluate. No math and no derived settings live here (those are `posttrain.runs.plan`'s);
+train, log, save, evaluate. No math and no derived settings live here (those are `posttrain.config.plan`'s);
 the GRPO math is `posttrain.algos.grpo`'s (advantages handed to the rollouter, the step built on `learn.step`).
 
 Outputs in the workdir: `metrics.jsonl`, TensorBoard events, `reward_curve.png`, `archive/step_*.parquet` (the
@@ -18,26 +18,26 @@ from typing import Any
 from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.checkpoints.policy import load_policy
 from posttrain.config import Config, ConfigError, to_dict
+from posttrain.config.plan import RunPlan, check_envs, make_run_plan
 from posttrain.eval import runner as eval_runner
 from posttrain.infra import distributed, metrics as metrics_lib
 from posttrain.infra import mesh as mesh_lib, reshard
 from posttrain.infra.partitioning import use_rules
 from posttrain.learn.learner import Learner, NonFiniteError
+from posttrain.eval import gate_hook
+from posttrain.recipes import plan as plan_command
 from posttrain.runs import workdir as workdir_lib
-from posttrain.eval import gate_hook as eval_gate
-from posttrain.runs import preflight, plan as run_plan_lib
-from posttrain.runs.resources import Resources
 from posttrain.runs.lookup import require_checkpoint
-from posttrain.runs.plan import RunPlan, make_run_plan, step_builder
+from posttrain.runs.resources import Resources
 from posttrain.rollout import rewards as rewards_lib
 from posttrain.rollout.queue import RolloutQueue, batch_metrics
 from posttrain.rollout.rollouter import Rollouter, write_jsonl
-from posttrain.scheduling import archive, status_table as view
+from posttrain.scheduling import archive, status_table
 
 
 def resume_changes(plan: RunPlan, allow: bool = False) -> dict[str, list]:
     """{key: [saved, new, checkpoint step]} of the settings a resumed run changes against its saved config.json
-    (none when nothing will be restored: no complete checkpoint); `run_plan.RESUME_FREE_KEYS` may change freely.
+    (none when nothing will be restored: no complete checkpoint); `workdir.RESUME_FREE_KEYS` may change freely.
     Raises ConfigError listing them unless `allow` (--allow_config_change), and as `workdir.claim` does for a
     workdir that is a file, not writable, or another kind's run."""
     return workdir_lib.claim(plan.workdir, "grpo", plan.config_dict, defaults=to_dict(Config()),
@@ -61,16 +61,16 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True, allow_c
     if reading:
         require_checkpoint(plan.workdir)
     else:  # the step's compiled peak against this machine's memory: before any worker start, load or write
-        preflight.check(plan)
+        plan_command.check(plan)
     # every env used built once: a bad one stops before any load
-    sources, episodes = run_plan_lib.check_envs(plan, train=not reading, held_out=held_out or not reading)
+    sources, episodes = check_envs(plan, train=not reading, held_out=held_out or not reading)
     changes = {} if reading else resume_changes(plan, allow_config_change)  # before any load or write
     mesh, rollout_mesh = mesh_lib.split_meshes(plan.mesh_shape, plan.rollout_mesh_shape)  # one mesh unless split
     model_config, graphdef, weights, tokenizer = load_policy(plan.policy, mesh, plan.rules)
-    if plan.rollout.record_routing and model_config.moe is None:  # replay would silently replay nothing
+    if plan.config.rl.routing_replay == "replay" and model_config.moe is None:  # replay would silently replay nothing
         raise ConfigError("rl.routing_replay='replay' replays the sampler's MoE expert selections, and this model "
                           "has no MoE layers: set rl.routing_replay='off'")
-    learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, step_builder(plan),
+    learner = Learner.create(plan.learner_settings, mesh, model_config, graphdef, weights, plan.step_builder(),
                              read_only=reading)
     with Resources(("the checkpointer", learner.close)).on_error():  # a failed restore or env start closes it
         scored = plan.rewards is not None and not reading  # rewards.model / rewards.judge: loaded for training
@@ -78,7 +78,7 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True, allow_c
         # a reader's rollouter draws no training tasks: no scheduler or curriculum state to restore (an offline run's
         # checkpoint has none either)
         rollouter = (rewards_lib.RewardedRollouter if scored else Rollouter).create(
-            plan.rollout, rollout_mesh, learner.graphdef, tokenizer, advantage_fn(plan.advantage),
+            plan.rollout_settings, rollout_mesh, learner.graphdef, tokenizer, advantage_fn(plan.config.rl.advantage),
             meta=None if reading else meta, sources=sources, train=not reading)
         if scored:
             rewarder = rewards_lib.Rewarder.create(plan.rewards, tokenizer, mesh, plan.rules)
@@ -133,8 +133,8 @@ def open_outputs(workdir, start: int) -> metrics_lib.MetricsWriter:
 def evaluate(plan: RunPlan, rollouter: Rollouter, learner: Learner, episodes: dict, *, write: bool = True) -> dict:
     """eval/* metrics of the learner's current policy on `episodes`; process 0 writes the records to
     eval/step_*.jsonl of the run, if `write` (training; a command that only reads a run writes nothing there)."""
-    sample_fn = rollouter.sample_fn(learner.policy(), plan.eval.sampling)
-    m, records = eval_runner.run(plan.eval, episodes, sample_fn, rollouter.tokenizer, rollouter.runner)
+    sample_fn = rollouter.sample_fn(learner.policy(), plan.eval_settings.sampling)
+    m, records = eval_runner.run(plan.eval_settings, episodes, sample_fn, rollouter.tokenizer, rollouter.runner)
     if write and distributed.is_main_process():
         write_jsonl(plan.workdir / "eval" / f"step_{learner.step:06d}.jsonl", records)
     return m
@@ -171,10 +171,10 @@ def zero_variance_warning(run: int, metrics: dict) -> str | None:
 
 
 def _train(plan: RunPlan, progress: bool, allow_config_change: bool = False) -> dict:
-    with distributed.StopRequest(plan.learner.checkpoint.stop_grace_s) as stop, Resources() as res:
+    with distributed.StopRequest(plan.config.checkpoint.stop_grace_s) as stop, Resources() as res:
         loop = open_run(plan, res, stop, progress=progress, allow_config_change=allow_config_change)
-        for step in range(loop.start, plan.train.steps):
-            if loop.advance(step, plan.train.steps):
+        for step in range(loop.start, plan.config.train.steps):
+            if loop.advance(step, plan.config.train.steps):
                 break
         return loop.finish()
 
@@ -195,21 +195,24 @@ def open_run(plan: RunPlan, res: Resources, stop: distributed.StopRequest, *, pr
     writer = open_outputs(plan.workdir, start) if main else None
     if writer:
         res.push("the metrics writer", writer.close)
-    bar = metrics_lib.ProgressBar(plan.train.steps, initial_step=start, disable=not (progress and main))
+    bar = metrics_lib.ProgressBar(plan.config.train.steps, initial_step=start, disable=not (progress and main))
     res.push("the progress bar", bar.close)
     summary = {"start_step": start, "config": plan.config_dict}
     if learner.checkpointer.unreadable:
         summary["unreadable_checkpoints"] = learner.checkpointer.unreadable
-    if start == 0 and plan.eval.at_start and episodes:
+    if start == 0 and plan.config.eval.at_start and episodes:
         summary["eval_start"] = m = evaluate(plan, rollouter, learner, episodes)
         if writer:
             writer.write(0, m)
-    gate = eval_gate.LoopGate.open(plan, rollouter, learner, start, summary)  # eval.suite: its baseline now
+    gate = gate_hook.LoopGate.open(plan.gate, plan.workdir, plan.eval_settings, rollouter, learner.policy(),
+                                   start)  # eval.suite: its baseline now
+    if gate is not None:
+        summary["eval_gate"] = gate.summary()
     clock = metrics_lib.TrainClock()  # training wall time: rollouts, updates, checkpoints; not in-loop eval
     loop = _Loop(plan, rollouter, learner, episodes, writer, bar, clock, stop, summary=summary, start=start,
                  resume=json.loads(json.dumps(rollouter.state_dict())), gate=gate)
     sync = functools.partial(reshard.onto, mesh=rollouter.mesh, rules=plan.rules) if plan.rollout_mesh_shape else None
-    loop.queue = RolloutQueue(rollouter, start=start, steps=plan.train.steps, policy=learner.policy(), rng=learner.rng,
+    loop.queue = RolloutQueue(rollouter, start=start, steps=plan.config.train.steps, policy=learner.policy(), rng=learner.rng,
                               sync=sync)  # mesh.rollout: each version resharded onto the sampler's submesh
     res.push("the rollout producer", loop.queue.close)  # stopped before the env workers close
     return loop
@@ -251,7 +254,7 @@ class _Loop:
             self.stopped(e, self.start)
         if self.gate is not None and self.gate.stopped:  # eval.gate.action=stop on a regression
             return True
-        limit = self.plan.train.max_train_seconds
+        limit = self.plan.config.train.max_train_seconds
         if limit and distributed.agree(self.clock.seconds >= limit):
             self.summary["stopped_early"] = f"max_train_seconds={limit} reached"
             return True
@@ -259,21 +262,21 @@ class _Loop:
         return False
 
     def finish(self) -> dict:
-        """The end of a run: the suite gate's verdict on the last step (`eval_gate.after_step(final=True)`), the
+        """The end of a run: the suite gate's verdict on the last step (`gate_step(final=True)`), the
         final checkpoint (forced, waited for), the end-of-run evaluation (`eval.at_end`,
         when the run moved past its start; not in the training seconds) and the summary with the end step,
         training seconds, peak memory and this process's share of the env episodes (process 0: summary.json)."""
         plan, learner = self.plan, self.learner
         end = learner.step
         gate_m: dict = {}
-        eval_gate.after_step(self, gate_m, final=True)  # eval.suite: the last step's verdict, when not gated yet
+        self.gate_step(gate_m, final=True)  # eval.suite: the last step's verdict, when not gated yet
         if gate_m and self.writer:
             self.writer.write(end, gate_m)
         self.queue.close()  # no batch is left to make; one still queued (a time stop) is dropped
         learner.save(self.resume, force=True)
         learner.wait()
         train_s = self.clock.seconds
-        if plan.eval.at_end and self.episodes and end > self.start:
+        if plan.config.eval.at_end and self.episodes and end > self.start:
             self.summary["eval_end"] = m = evaluate(plan, self.rollouter, learner, self.episodes)
             if self.writer:
                 self.writer.write(end, m)
@@ -302,16 +305,16 @@ class _Loop:
                 "perf/weight_sync_s": sync_s, "perf/sampler_wait_s": sampler_wait_s})
             if self.writer:
                 archive.write_step(plan.workdir, step, traj.records)
-                view.write_status(plan.workdir, ready.status)  # `posttrain status` reads it
-            if learner.nonfinite_run >= plan.train.max_nonfinite_skips:
+                status_table.write_status(plan.workdir, ready.status)  # `posttrain status` reads it
+            if learner.nonfinite_run >= plan.config.train.max_nonfinite_skips:
                 raise NonFiniteError(f"stopped at step {learner.step}: {learner.nonfinite_run} consecutive steps had "
                                      "a non-finite loss or gradient (nothing was applied; checkpoint saved at step "
                                      f"{learner.step} in {plan.workdir / 'checkpoints'}); lower optim.lr or check "
                                      "the rewards/advantages")
-        if plan.eval.due(learner.step, steps):
+        if plan.eval_settings.due(learner.step, steps):
             with self.clock.paused(), queue.exclusive():  # the env runner is the evaluation's meanwhile
                 m.update(evaluate(plan, rollouter, learner, self.episodes))
-        eval_gate.after_step(self, m)  # eval.suite's gate when due: eval/gate/* metrics, a checkpoint, a stop
+        self.gate_step(m)  # eval.suite's gate when due: eval/gate/* metrics, a checkpoint, a stop
         with self.stop.deferred():
             if self.writer:
                 self.writer.write(learner.step, m)
@@ -322,6 +325,29 @@ class _Loop:
             if warning:
                 metrics_lib.log.warning(warning)
             learner.save(self.resume)
+
+    def gate_step(self, m: dict, *, final: bool = False) -> None:
+        """The suite's gate when due (`LoopGate.due`): sampled with the training clock paused and the env runner
+        the evaluation's; `m` gains eval/gate/* and the suite's seconds in perf/eval_s; a verdict checkpoints the
+        step with its score, updates summary["eval_gate"] and, for a regression, warns (action "stop": the loop
+        then finishes, summary["stopped_early"] saying why)."""
+        gate, step = self.gate, self.learner.step
+        if gate is None or not gate.due(step, self.start, final=final):
+            return
+        with self.clock.paused(), self.queue.exclusive():
+            decision, metrics, seconds = gate.check(step, self.plan.eval_settings, self.rollouter,
+                                                    self.learner.policy())
+        m.update(metrics)
+        m["perf/eval_s"] = m.get("perf/eval_s", 0.0) + seconds
+        if decision is None:  # nothing scored on both sides (infra errors): no verdict here, training goes on
+            return
+        self.learner.save(self.resume, force=True, metrics={gate_hook.SCORE: decision.score})
+        self.summary["eval_gate"] = gate.summary()
+        text = gate.verdict(decision)
+        if text:
+            metrics_lib.log.warning(text)
+            if gate.stopped:
+                self.summary["stopped_early"] = text
 
     def stopped(self, e: BaseException, start: int) -> None:
         """Writes the pending metrics and saves the learner with the matching rollout state (for a signal: when the

@@ -24,15 +24,18 @@ devices to the rollout's (`split_report`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import re
 import tempfile
+import time
 from typing import Any
 
 import jax
 import numpy as np
 
+from posttrain.errors import ConfigError
 from posttrain.infra import aot
 from posttrain.infra import mesh as mesh_lib
 from posttrain.learn.learner import abstract_batch
@@ -149,7 +152,7 @@ def plan_train_step(cfg, target: str, *, prompt_len: int = 512, sampler: bool = 
     """The per-device report of `cfg`'s run on `target` (see `plan_report`): the run plan is made for the target's
     devices and backend. Raises ConfigError for a config that makes no valid plan on the target,
     ValueError/RuntimeError from `target_devices`."""
-    from posttrain.runs.plan import make_run_plan
+    from posttrain.config.plan import make_run_plan
 
     devices, platform, hbm, peak = target_devices(target)
     plan = make_run_plan(cfg, num_devices=len(devices), backend=platform)
@@ -163,28 +166,18 @@ def plan_report(plan, devices, hbm: int, peak, *, target: str, prompt_len: int =
     max_new_tokens, packed per the plan; with `sampler`, also the rollout sampler's compile for the same prompts
     (`sample_*` keys; `fits` then needs both). The step compiled is the learner's: the GRPO recipe's step builder
     jitted by `learn.step.jit_step`. Raises ValueError without a model preset (shapes only, no weights)."""
-    from posttrain.algos.grpo.advantages import advantage_fn
     from posttrain.infra.partitioning import assert_sufficiently_sharded
     from posttrain.learn.state import model_states
     from posttrain.model import flops as flops_lib
-    from posttrain.recipes.grpo import step_builder
-    from posttrain.rollout.batching import random_batch
 
     mesh, rollout_mesh = mesh_lib.split_meshes(plan.mesh_shape, plan.rollout_mesh_shape, devices)
     if not plan.policy.preset:
         raise ValueError("plan needs model.preset (shapes only; no weights are read)")
     model_cfg = plan.policy.preset_config()
-    opt = plan.learner.optimizer.build()
-    lora_rank = plan.learner.lora_rank
-    graphdef, state, state_sh = abstract_train_state(model_cfg, opt.tx, mesh, plan.rules, lora_rank=lora_rank,
-                                                     need_reference=plan.learner.need_reference)
+    c, lora_rank = plan.config, plan.config.lora.rank
+    graphdef, step_fn, state, state_sh, batch, batch_abs, batch_sh = abstract_step(plan, mesh, model_cfg, prompt_len,
+                                                                                   c.sampling.max_new_tokens)
     assert_sufficiently_sharded((state.params, state.frozen), mesh)  # the whole model (LoRA: adapters + base)
-    ro = plan.rollout
-    batch = random_batch(0, advantage_fn(plan.advantage), prompts=ro.prompts_per_step, group_size=ro.group_size,
-                         prompt_len=prompt_len, completion_len=ro.sampling.max_new_tokens,
-                         vocab_size=model_cfg.vocab_size, packed=ro.packed, row_multiple=ro.row_multiple)
-    batch_abs, batch_sh = abstract_batch(batch, mesh, plan.rules)
-    step_fn = step_builder(plan)(graphdef, opt.tx, opt.lr_schedule, model_cfg)
     report, seconds, log, collectives = _compile_or_refusal(step_fn, state, state_sh, batch_abs, batch_sh, mesh,
                                                             plan.rules)
     fl = flops_lib.train_step_flops(model_cfg, state.params if not lora_rank else
@@ -192,7 +185,7 @@ def plan_report(plan, devices, hbm: int, peak, *, target: str, prompt_len: int =
     n = len(devices)
     p = plan.precision
     out = {"target": target, "devices": n, "mesh": dict(plan.mesh_shape), "model": plan.policy.preset,
-           "packed": ro.packed, "sequences": ro.prompts_per_step * ro.group_size,
+           "packed": c.rl.packed, "sequences": c.rl.prompts_per_step * c.rl.group_size,
            "compute_dtype": p.compute_dtype, "param_dtype": p.param_dtype, "remat": model_cfg.remat,
            "lora_rank": lora_rank,
            "rows": int(batch.tokens_RxL.shape[0]), "row_len": int(batch.tokens_RxL.shape[1]),
@@ -296,19 +289,19 @@ def _sampler_report(graphdef, model_state, mesh, plan, prompt_len: int, hbm: int
     it for a first turn's prompt_len + max_new_tokens tokens, and `sample_kv_pool_gib`, its page pool."""
     from posttrain.generate.sampler import shrink_schedule
 
-    ro = plan.rollout
-    if ro.engine is not None:
-        settings = ro.engine.engine_settings(prompt_len + ro.sampling.max_new_tokens)
+    c = plan.config
+    if plan.engine is not None:
+        settings = plan.engine.engine_settings(prompt_len + c.sampling.max_new_tokens)
         srep, sseconds, pool = compile_engine(graphdef, model_state, mesh, settings, prompt_len=prompt_len)
         sd = srep.as_dict()
         return {"sample_backend": "engine", "sample_peak_gib": sd["peak_gib"], "sample_temp_gib": sd["temp_gib"],
                 "sample_kv_pool_gib": pool / aot.GIB, "sample_compile_s": round(sseconds, 1),
                 "sample_fits": aot.fits(srep.peak, hbm)}
-    samples = ro.prompts_per_step * ro.group_size
-    srep, sseconds = compile_sampler(graphdef, model_state, mesh, plan.rules, prompts=ro.prompts_per_step,
-                                     prompt_len=prompt_len, group_size=ro.group_size, params=ro.sampling,
-                                     shrink=shrink_schedule(samples, ro.decode_multiple, steps=ro.decode_shrink_steps),
-                                     record_routing=ro.record_routing)
+    rl, samples = c.rl, c.rl.prompts_per_step * c.rl.group_size
+    shrink = shrink_schedule(samples, plan.decode_multiple, steps=c.sampling.decode_shrink_steps)
+    srep, sseconds = compile_sampler(graphdef, model_state, mesh, plan.rules, prompts=rl.prompts_per_step,
+                                     prompt_len=prompt_len, group_size=rl.group_size, params=c.sampling.params(),
+                                     shrink=shrink, record_routing=rl.routing_replay == "replay")
     sd = srep.as_dict()
     return {"sample_backend": "dense", "sample_peak_gib": sd["peak_gib"], "sample_temp_gib": sd["temp_gib"],
             "sample_compile_s": round(sseconds, 1), "sample_fits": aot.fits(srep.peak, hbm)}
@@ -324,3 +317,171 @@ def fit_verdict(report: dict, target: str) -> str:
     parts = [f"{name} peak {peak:.1f} GiB" for peak, name in sorted(over, reverse=True)]
     return (f"does not fit: {' and '.join(parts) or 'the plan'} per device > {aot.HBM_FIT_FRACTION:.0%} of "
             f"{report['hbm_gib']:.1f} GiB HBM on {target}")
+
+
+_MACHINE_RE = re.compile(r"^(?:(cpu)-(\d+)(?::(\d+(?:\.\d+)?)GB)?|(v5p|v5e|v6e)-(\d+)|(h200)x(\d+))$")
+
+
+MACHINE_FORMS = "cpu-N[:<G>GB], v5p-N, v5e-N, v6e-N or h200xN"
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """A parsed `train.machine`.
+
+    Attributes:
+        target: the `posttrain plan --target` name (the CPU memory suffix dropped).
+        platform: "cpu", "tpu" or "gpu".
+        devices: devices the config is written for.
+        host_bytes: the host memory a CPU config assumes (None when not stated, and for accelerators).
+    """
+
+    target: str
+    platform: str
+    devices: int
+    host_bytes: int | None = None
+
+
+class PreflightError(ConfigError):
+    """The train step's compiled peak memory does not fit the machine running it (raised before any work)."""
+
+
+def parse_machine(name: str) -> Machine:
+    """The `Machine` of a `train.machine` value. Raises ValueError naming the value and the allowed forms."""
+    m = _MACHINE_RE.match(str(name))
+    if not m or int(m.group(2) or m.group(5) or m.group(7)) < 1:
+        raise ValueError(f"train.machine={name!r}: expected {MACHINE_FORMS} (e.g. 'cpu-1:24GB', 'v5p-256')")
+    if m.group(1):
+        gb = m.group(3)
+        return Machine(f"cpu-{m.group(2)}", "cpu", int(m.group(2)), int(float(gb) * 1e9) if gb else None)
+    if m.group(4):
+        return Machine(f"{m.group(4)}-{m.group(5)}", "tpu", int(m.group(5)))
+    return Machine(f"h200x{m.group(7)}", "gpu", int(m.group(7)))
+
+
+def model_config(source):
+    """The ModelConfig a run of `source` (a `checkpoints.policy.PolicySource`) builds, read without weights: the
+    preset's, or the checkpoint's config (GGUF header or config.json) with the run's fields."""
+    import json
+    import pathlib
+
+    from posttrain.checkpoints import hf_config, load
+    from posttrain.checkpoints.gguf import read_hf_config
+
+    if source.preset:
+        return source.preset_config()
+    path = pathlib.Path(source.path or _default_path())
+    fields = dict(source.fields)
+    dtype, param_dtype = fields.pop("dtype", None), fields.pop("param_dtype", None)
+    if path.is_file():
+        hf, types = read_hf_config(path)
+        own = load.gguf_file_dtype(types)
+        dtype, param_dtype = dtype or own, param_dtype or own
+    else:
+        hf = json.loads((path / "config.json").read_text())
+    cfg = hf_config.config_from_hf(hf, dtype=dtype, param_dtype=param_dtype)
+    return dataclasses.replace(cfg, **fields)
+
+
+def _default_path():
+    from posttrain.checkpoints.gguf import default_model_path
+
+    return default_model_path()
+
+
+def memory_limit(devices) -> tuple[int, str]:
+    """(bytes the run may use, what they are) on `devices`: the host's available memory on the CPU, the smallest
+    device's `bytes_limit` on an accelerator."""
+    if devices[0].platform == "cpu":
+        import psutil
+
+        return psutil.virtual_memory().available, "host memory available"
+    limits = [(d.memory_stats() or {}).get("bytes_limit", 0) for d in devices]
+    return min(limits), f"{devices[0].device_kind} memory per device"
+
+
+def abstract_step(plan, mesh, model_cfg, prompt_len: int, completion_len: int):
+    """The GRPO train step of `plan` on `mesh` with abstract state and batch (nothing allocated).
+
+    The batch is `rollout.batching.random_batch`: rl.prompts_per_step prompts of `prompt_len` tokens, each with
+    rl.group_size completions of `completion_len` tokens, packed per the plan.
+
+    Returns:
+        (graphdef, step_fn, state, state shardings, host batch, abstract batch, batch shardings).
+    """
+    from posttrain.algos.grpo.advantages import advantage_fn
+    from posttrain.rollout.batching import random_batch
+
+    c, ls = plan.config, plan.learner_settings
+    opt = ls.optimizer.build(ls.total_steps)
+    graphdef, state, state_sh = abstract_train_state(model_cfg, opt.tx, mesh, plan.rules, lora_rank=ls.lora_rank,
+                                                     need_reference=ls.need_reference)
+    batch = random_batch(0, advantage_fn(c.rl.advantage), prompts=c.rl.prompts_per_step, group_size=c.rl.group_size,
+                         prompt_len=prompt_len, completion_len=completion_len, vocab_size=model_cfg.vocab_size,
+                         packed=c.rl.packed, row_multiple=plan.row_multiple)
+    batch_abs, batch_sh = abstract_batch(batch, mesh, plan.rules)
+    step_fn = plan.step_builder()(graphdef, opt.tx, opt.lr_schedule, model_cfg)
+    return graphdef, step_fn, state, state_sh, batch, batch_abs, batch_sh
+
+
+def compile_step(plan, devices, prompt_len: int) -> dict:
+    """The train step of `plan` compiled for `devices` (abstract state and batch; see the module doc).
+
+    Returns:
+        {"peak": bytes per device, "rows", "row_len", "compile_s", "remat"}.
+    """
+    from posttrain.infra.partitioning import use_rules
+    from posttrain.learn.step import jit_step
+
+    cfg = model_config(plan.policy)
+    mesh = mesh_lib.make_mesh(plan.mesh_shape, devices=devices)
+    c = plan.config
+    _, step_fn, state, state_sh, batch, batch_abs, batch_sh = abstract_step(
+        plan, mesh, cfg, prompt_len, c.sampling.max_new_tokens * c.env.max_turns)
+    t = time.perf_counter()
+    with jax.set_mesh(mesh), use_rules(plan.rules):  # compiled as the learner jits it; JAX's compilation cache
+        m = jit_step(step_fn, state_sh, batch_sh).lower(state, batch_abs).compile().memory_analysis()
+    peak = aot.MemoryReport(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
+                            m.alias_size_in_bytes, []).peak
+    return {"peak": peak, "rows": int(batch.tokens_RxL.shape[0]), "row_len": int(batch.tokens_RxL.shape[1]),
+            "compile_s": time.perf_counter() - t, "remat": cfg.remat}
+
+
+def verdict(plan, step: dict, limit: int, what: str, devices: int) -> str | None:
+    """The refusal line when `devices` x the step's peak exceeds `aot.HBM_FIT_FRACTION` of `limit` (CPU: the
+    devices share the host; pass devices=1 for per-device accelerator memory), else None."""
+    need = step["peak"] * devices
+    if aot.fits(need, limit):
+        return None
+    rl, g = plan.config.rl, aot.GIB
+    per = f" ({devices} devices x {step['peak'] / g:.1f} GiB)" if devices > 1 else ""
+    return (f"pre-flight: the GRPO train step needs {need / g:.1f} GiB at its peak{per}, over "
+            f"{aot.HBM_FIT_FRACTION:.0%} of the {limit / g:.1f} GiB {what} (compiled for {step['rows']} rows x "
+            f"{step['row_len']} tokens); lower it with model.remat=dots or full (now {step['remat']}), "
+            f"rl.num_microbatches (now {plan.step.num_microbatches}), rl.prompts_per_step x rl.group_size (now "
+            f"{rl.prompts_per_step} x {rl.group_size}), sampling.max_new_tokens (now "
+            f"{plan.config.sampling.max_new_tokens}){'' if rl.packed else ' or rl.packed=True (now False)'}; "
+            "train.preflight_prompt_len=0 skips this check")
+
+
+def check(plan, *, devices=None, limit: tuple[int, str] | None = None) -> dict | None:
+    """Runs the pre-flight check of `plan` on `devices` (default: the local devices its mesh uses) against `limit`
+    ((bytes, what); default `memory_limit`). Returns the step's figures plus "limit" (None when
+    train.preflight_prompt_len is 0). Raises PreflightError with the `verdict` line when the step does not fit,
+    ValueError for a negative train.preflight_prompt_len."""
+    import math
+
+    import jax
+
+    prompt_len = plan.config.train.preflight_prompt_len
+    if prompt_len < 0:
+        raise ValueError(f"train.preflight_prompt_len={prompt_len}: expected >= 0 (0 skips the check)")
+    if not prompt_len:
+        return None
+    devices = devices or jax.local_devices()[:math.prod(plan.mesh_shape.values())]
+    limit_bytes, what = limit or memory_limit(devices)
+    step = compile_step(plan, devices, prompt_len)
+    line = verdict(plan, step, limit_bytes, what, len(devices) if devices[0].platform == "cpu" else 1)
+    if line:
+        raise PreflightError(line)
+    return {**step, "limit": limit_bytes}

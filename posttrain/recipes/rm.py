@@ -4,7 +4,7 @@ log, save; held-out accuracy and margin before and after; at the end the model e
 sequence-classification directory in `<workdir>/reward_model` (`checkpoints.reward_model`).
 
 `make_rm_plan(cfg)` is the only reader of an `RMRunConfig` (`posttrain.config.rm`); the shared sections map to
-settings as in SFT and DPO (`run_plan.policy_source`, `run_plan.optimizer_settings`). The math is
+settings as in SFT and DPO (`PolicySource.of`, the optim section). The math is
 `posttrain.algos.rm`'s, the loop `learn.offline_loop.train_loop`.
 
 Outputs besides the offline loop's: per step `rm/{loss,train_accuracy,train_margin,chosen,rejected,pairs}`;
@@ -39,8 +39,9 @@ from posttrain.learn.state import merge_model
 from posttrain.model.reward_head import with_head
 from posttrain.recipes import dpo as dpo_recipe
 from posttrain.learn import offline_loop
-from posttrain.runs import plan as plan_lib, workdir as workdir_lib
-from posttrain.runs.plan import TrainSettings, optimizer_settings, policy_source
+from posttrain.config.plan import offline_layout
+from posttrain.learn.learner import TrainConfig
+from posttrain.runs import workdir as workdir_lib
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,7 +73,7 @@ class RMPlan:
     data: data_lib.PairSettings
     step: rm_step.StepOptions
     learner: LearnerSettings
-    train: TrainSettings
+    train: TrainConfig
     eval_at_start: bool = True
     eval_at_end: bool = True
     export: bool = True
@@ -83,19 +84,18 @@ def make_rm_plan(cfg: RMRunConfig, *, num_devices: int | None = None, workdir: s
     """Derives and validates every setting of a reward-model run (no I/O). Raises ConfigError when the mesh does
     not fit the devices or `rm.pairs_per_step` does not divide into `rm.num_microbatches` x the batch shards."""
     r, t = cfg.rm, cfg.train
-    shape, rules, _, precision = plan_lib.offline_layout(cfg, "rm.pairs_per_step", r.pairs_per_step, r.num_microbatches,
+    shape, rules, _, precision = offline_layout(cfg, "rm.pairs_per_step", r.pairs_per_step, r.num_microbatches,
                                                 num_devices, backend)
     wd = pathlib.Path(workdir or t.workdir)
     config_dict = to_dict(cfg)
     pairs = dpo_recipe.pair_settings(r, t.seed)
     step = rm_step.StepOptions(loss=r.loss, center_coef=float(r.center_coef), num_microbatches=r.num_microbatches,
                                matmul_precision=cfg.model.matmul_precision)
-    learner = LearnerSettings(workdir=wd, optimizer=optimizer_settings(cfg), seed=t.seed, checkpoint=cfg.checkpoint,
+    learner = LearnerSettings(workdir=wd, optimizer=cfg.optim, total_steps=cfg.train.steps, seed=t.seed, checkpointing=cfg.checkpoint,
                               rules=rules, config_dict=config_dict)
     return RMPlan(workdir=wd, config_dict=config_dict, precision=precision, mesh_shape=shape, rules=rules,
-                  policy=policy_source(cfg, precision), data=pairs, step=step, learner=learner,
-                  train=TrainSettings(steps=t.steps, max_train_seconds=t.max_train_seconds,
-                                      max_nonfinite_skips=t.max_nonfinite_skips),
+                  policy=PolicySource.of(cfg.model, cfg.lora, precision, seed=cfg.train.seed), data=pairs, step=step, learner=learner,
+                  train=cfg.train,
                   eval_at_start=r.eval_at_start, eval_at_end=r.eval_at_end, export=r.export)
 
 
@@ -186,9 +186,9 @@ def train(plan: RMPlan, *, progress: bool = True) -> dict:
     (also in summary.json). Raises ValueError / TypeError for unusable pairs (naming the record), NonFiniteError
     (after saving a checkpoint) when `train.max_nonfinite_skips` consecutive steps were non-finite."""
     # a signal while the run is built is one line too; its grace is the config's
-    with use_rules(plan.rules), distributed.StopRequest(plan.learner.checkpoint.stop_grace_s) as stop:
+    with use_rules(plan.rules), distributed.StopRequest(plan.learner.checkpointing.stop_grace_s) as stop:
         run = Run(plan)
-        summary = offline_loop.train_loop(run, name="rm", workdir=plan.workdir, train=plan.train,
+        summary = offline_loop.train_loop(run, name="rm", workdir=plan.workdir, train_config=plan.train,
                                      config_dict=plan.config_dict, eval_at_start=plan.eval_at_start,
                                      eval_at_end=plan.eval_at_end, progress=progress, stop=stop,
                                      bar_fields=(("loss", "rm/loss"), ("acc", "rm/train_accuracy")),

@@ -2,8 +2,8 @@
 update, log, save; held-out NLL and perplexity before and after.
 
 `make_sft_plan(cfg)` is the only reader of an `SFTRunConfig` (`posttrain.config.sft`): it derives every setting
-once, before any I/O, reusing the GRPO run plan's mappings of the shared sections (`run_plan.policy_source`,
-`run_plan.optimizer_settings`), so a model, optimizer or checkpoint setting means the same in both. The math is
+once, before any I/O, reusing the GRPO run plan's mappings of the shared sections (`PolicySource.of`,
+the optim section), so a model, optimizer or checkpoint setting means the same in both. The math is
 `posttrain.algos.sft`'s; the update phase is the same `learn.learner.Learner` as GRPO's with the SFT step.
 
 Outputs in the workdir: `config.json`, `metrics.jsonl` and TensorBoard events (per step `sft/loss`, `sft/tokens`,
@@ -31,8 +31,9 @@ from posttrain.infra.partitioning import use_rules
 from posttrain.infra.precision import PrecisionPolicy
 from posttrain.learn.learner import Learner, LearnerSettings
 from posttrain.learn import offline_loop
-from posttrain.runs import plan as plan_lib, workdir as workdir_lib
-from posttrain.runs.plan import TrainSettings, optimizer_settings, policy_source
+from posttrain.config.plan import offline_layout
+from posttrain.learn.learner import TrainConfig
+from posttrain.runs import workdir as workdir_lib
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,7 +52,7 @@ class SFTPlan:
         step: the SFT step's options before the loaded model's MoE coefficients (`model_step`).
         moe_aux_coef: sft.moe_aux_coef (< 0: the model's own).
         learner: the update phase's settings (LearnerSettings).
-        train: the loop's own settings (TrainSettings).
+        train: the config's train section.
         eval_at_start: held-out NLL and perplexity before the first step.
         eval_at_end: held-out NLL and perplexity after the last step.
     """
@@ -67,7 +68,7 @@ class SFTPlan:
     step: sft_step.StepOptions
     moe_aux_coef: float
     learner: LearnerSettings
-    train: TrainSettings
+    train: TrainConfig
     eval_at_start: bool = True
     eval_at_end: bool = True
 
@@ -82,7 +83,7 @@ def make_sft_plan(cfg: SFTRunConfig, *, num_devices: int | None = None, workdir:
     runtime's. Raises ConfigError when the mesh does not fit the devices or `sft.rows_per_step` does not divide
     into `sft.num_microbatches` x the mesh's batch shards."""
     s = cfg.sft
-    shape, rules, shards, precision = plan_lib.offline_layout(cfg, "sft.rows_per_step", s.rows_per_step, s.num_microbatches,
+    shape, rules, shards, precision = offline_layout(cfg, "sft.rows_per_step", s.rows_per_step, s.num_microbatches,
                                                      num_devices, backend)
     wd = pathlib.Path(workdir or cfg.train.workdir)
     config_dict = to_dict(cfg)
@@ -94,14 +95,13 @@ def make_sft_plan(cfg: SFTRunConfig, *, num_devices: int | None = None, workdir:
                                  max_per_prompt=s.max_per_prompt)
     step = sft_step.StepOptions(num_microbatches=s.num_microbatches, logprob_chunk=s.logprob_chunk,
                                 matmul_precision=cfg.model.matmul_precision, lora_rank=cfg.lora.rank)
-    learner = LearnerSettings(workdir=wd, optimizer=optimizer_settings(cfg), lora_rank=cfg.lora.rank,
-                              need_reference=False, seed=t.seed, checkpoint=cfg.checkpoint, rules=rules,
+    learner = LearnerSettings(workdir=wd, optimizer=cfg.optim, total_steps=cfg.train.steps, lora_rank=cfg.lora.rank,
+                              need_reference=False, seed=t.seed, checkpointing=cfg.checkpoint, rules=rules,
                               config_dict=config_dict)
     return SFTPlan(workdir=wd, config_dict=config_dict, precision=precision, mesh_shape=shape, rules=rules,
-                   batch_shards=shards, policy=policy_source(cfg, precision), data=data, step=step,
+                   batch_shards=shards, policy=PolicySource.of(cfg.model, cfg.lora, precision, seed=cfg.train.seed), data=data, step=step,
                    moe_aux_coef=s.moe_aux_coef, learner=learner,
-                   train=TrainSettings(steps=t.steps, max_train_seconds=t.max_train_seconds,
-                                       max_nonfinite_skips=t.max_nonfinite_skips),
+                   train=cfg.train,
                    eval_at_start=s.eval_at_start, eval_at_end=s.eval_at_end)
 
 
@@ -118,7 +118,7 @@ def load_examples(d: data_lib.DataSettings, tokenizer):
     example is left."""
     if not d.from_archive:
         return data_lib.load_datasets(d, tokenizer)
-    train, held, counts = from_archive.sft_examples(offline_loop.archive_table(d.from_archive), min_reward=d.min_reward,
+    train, held, counts = from_archive.sft_examples(from_archive.archive_table(d.from_archive), min_reward=d.min_reward,
                                                     max_per_prompt=d.max_per_prompt, max_len=d.seq_len,
                                                     eval_fraction=d.eval_fraction, seed=d.seed)
     if not train:
@@ -181,8 +181,8 @@ def train(plan: SFTPlan, *, progress: bool = True) -> dict:
     Raises ValueError / FileNotFoundError for unusable data (naming the record), NonFiniteError (after saving a
     checkpoint) when `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
     # a signal while the run is built is one line too; its grace is the config's
-    with use_rules(plan.rules), distributed.StopRequest(plan.learner.checkpoint.stop_grace_s) as stop:
-        return offline_loop.train_loop(Run(plan), name="sft", workdir=plan.workdir, train=plan.train,
+    with use_rules(plan.rules), distributed.StopRequest(plan.learner.checkpointing.stop_grace_s) as stop:
+        return offline_loop.train_loop(Run(plan), name="sft", workdir=plan.workdir, train_config=plan.train,
                                   config_dict=plan.config_dict, eval_at_start=plan.eval_at_start,
                                   eval_at_end=plan.eval_at_end, progress=progress, stop=stop,
                                   bar_fields=(("loss", "sft/loss"),),

@@ -31,7 +31,8 @@ from posttrain.infra import distributed
 from posttrain.infra.partitioning import use_rules
 from posttrain.recipes import grpo
 from posttrain.runs.resources import Resources
-from posttrain.runs.plan import RunPlan, config_for_run, make_run_plan
+from posttrain.config.load import config_for_run
+from posttrain.config.plan import RunPlan, make_run_plan
 
 
 def load_config_file(path) -> Any:
@@ -112,7 +113,7 @@ class GRPOTrainer:
 
     @property
     def done(self) -> bool:
-        return self._timed_out or self.global_step >= self.plan.train.steps
+        return self._timed_out or self.global_step >= self.plan.config.train.steps
 
     @property
     def summary(self) -> dict:
@@ -128,12 +129,12 @@ class GRPOTrainer:
         schedule follows it), RuntimeError after `close`, NonFiniteError / RunInterrupted as `train` does (the
         state saved first)."""
         self._check_open()
-        steps = self.plan.train.steps
+        steps = self.plan.config.train.steps
         if self.done:
             why = "train.max_train_seconds spent" if self._timed_out else f"train.steps={steps} reached"
             raise ValueError(f"{why} at step {self.global_step}: nothing left to train in this run (raise "
                              "train.steps, e.g. overrides={'train.steps': N}, to train further)")
-        with use_rules(self.plan.rules), distributed.StopRequest(self.plan.learner.checkpoint.stop_grace_s) as stop:
+        with use_rules(self.plan.rules), distributed.StopRequest(self.plan.config.checkpoint.stop_grace_s) as stop:
             self._loop.stop = stop
             self._timed_out = self._loop.advance(self.global_step, steps)
         return dict(self._loop.metrics)

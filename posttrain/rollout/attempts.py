@@ -3,14 +3,8 @@ episode archive's row of every sample attempt.
 
 Dimension legend: P groups (prompts) of a step, G group size (samples per group); see `posttrain.types`.
 
-Both task schedulers hand the rollout phase `scheduling.tickets.TaskTicket`s (a task visit's samples to run):
-  - the job scheduler (`scheduling.scheduler.JobScheduler`, `tasks.enabled`): its own tickets; every sample run is
-    reported (`report`), which decides in-step retries (tickets of fewer than G samples, run after their
-    `delay_s`), complete groups (all G samples scored: they enter the batch) and dropped groups (archived with
-    `in_batch` False, never trained);
-  - the weighted draw (`scheduling.weighted_draw.TaskScheduler`): `weighted_tickets` of its draws (visit = the task's
-    pass, attempt 0); nothing is retried and every group enters the batch as drawn (an infra error leaves the
-    loss through `valid_N`), as before the job scheduler existed.
+Both task schedulers (`scheduling.scheduler.Scheduler`) hand the rollout phase `scheduling.tickets.TaskTicket`s and
+are reported every sample run, which decides in-step retries, complete groups and dropped groups.
 Under several processes every process holds a replica of the scheduler: the runner (`HostShardedEnvs`) gathers
 every share's results on every process, so each replica is reported the same outcomes and decides the same.
 """
@@ -52,13 +46,6 @@ class Attempt:
 def env_cost(info) -> float:
     """The env-reported sandbox CPU seconds of an episode (`info["cost"]`; 0 when absent)."""
     return float(info.get("cost", 0.0) or 0.0)
-
-
-def weighted_tickets(draws, step: int, run: str, group_size: int, first_id: int) -> list[TaskTicket]:
-    """Tickets of `TaskScheduler.next_draws` results (domain, task index, pass, task): visit = pass, attempt 0,
-    all G samples; ids from `first_id` on."""
-    return [TaskTicket(first_id + i, step, run, d, index, epoch, tuple(range(group_size)), 0, task=task)
-            for i, (d, index, epoch, task) in enumerate(draws)]
 
 
 # (tickets of one size, samples per ticket, call number) -> (samples, group-major, and the run's perf/* seconds)
@@ -103,15 +90,8 @@ class StepDraw:
         (self.kept if informative or not self.dynamic else self.spare).append(group)
         self.filtered += int(self.dynamic and not informative)
 
-    def weighted_round(self, run_fn: RunFn, tickets: Sequence[TaskTicket]) -> None:
-        """One round of the weighted draw: every ticket's G samples are one group, as drawn."""
-        self.drawn += len(tickets)
-        attempts = self.run(run_fn, tickets)
-        for i in range(len(tickets)):
-            self.add_group(attempts[i * self.G:(i + 1) * self.G])
-
-    def job_round(self, run_fn: RunFn, tickets: Sequence[TaskTicket], scheduler, sleep=time.sleep) -> None:
-        """One round of the job scheduler: runs the tickets and their in-step retries (after the longest
+    def round(self, run_fn: RunFn, tickets: Sequence[TaskTicket], scheduler, sleep=time.sleep) -> None:
+        """One round of the scheduler's tickets: runs them and their in-step retries (after the longest
         `delay_s` of each retry batch), reporting every sample run; complete groups are assembled in sample order
         from the attempts the scheduler scored (`GroupResult.attempts`), dropped groups counted."""
         self.drawn += len(tickets)

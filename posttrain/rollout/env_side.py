@@ -4,13 +4,15 @@ their errors (`EnvSpecError`), a worker probe (`probe_workers`) and the infra-er
 (`check_infra_errors`, `EnvInfraError`). Imports no JAX; `rollout.rollouter` builds on it."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
-from posttrain.config import EnvSpec
-from posttrain.rollout import episodes as rollout
+from envs.pool.processes import BACKENDS as ENV_BACKENDS
+from posttrain.errors import AT_LEAST_ONE, NONNEGATIVE, POSITIVE, FieldError, check_fields
+from posttrain.rollout import episodes
 
 
-def make_runner(num_workers: int, step_timeout_s: float, backend: str = "process") -> rollout.EnvRunner:
+def make_runner(num_workers: int, step_timeout_s: float, backend: str = "process") -> episodes.EnvRunner:
     """This process's env runner: in-process (num_workers = 0) or an `EnvPool` of `num_workers` workers of kind
     `backend` ("process": subprocesses; "ray": Ray actors, `envs.pool.ray_pool`, on the current Ray cluster or a
     local one). Raises ValueError for another backend, or for "ray" with num_workers = 0; ImportError for "ray"
@@ -18,10 +20,16 @@ def make_runner(num_workers: int, step_timeout_s: float, backend: str = "process
     if backend != "process" and num_workers <= 0:
         raise ValueError(f"env backend {backend!r} needs num_workers >= 1, got {num_workers}")
     if num_workers <= 0:
-        return rollout.InlineEnvs()
+        return episodes.InlineEnvs()
     from envs.pool.processes import EnvPool
 
     return EnvPool(num_workers=num_workers, step_timeout_s=step_timeout_s, backend=backend)
+
+
+def env_runner(env_config: "EnvConfig") -> episodes.HostShardedEnvs:
+    """The env runner of a config's `env` section: its workers (`make_runner`) and its reward bound."""
+    return episodes.HostShardedEnvs(make_runner(env_config.num_workers, env_config.step_timeout_s, env_config.backend),
+                                   max_abs_reward=env_config.max_abs_reward)
 
 
 class EnvInfraError(RuntimeError):
@@ -82,3 +90,72 @@ def task_sources(specs: Mapping[str, EnvSpec]) -> dict:
             raise EnvSpecError(name, f"{name}: id={spec.id!r} kwargs={dict(spec.kwargs)}: {message}{hint}") from e
         out[name] = (spec.id, dict(spec.kwargs), env.task_source)
     return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EnvSpec:
+    """One entry of the env mix.
+
+    Attributes:
+        id: a registered gymnasium id (`envs.ENTRY_POINTS`).
+        weight: mix weight (share of the prompts drawn).
+        kwargs: the env's constructor kwargs.
+    """
+
+    id: str
+    weight: float = 1.0
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if not (isinstance(self.weight, (int, float)) and self.weight > 0):
+            raise FieldError("weight", self.weight, " is out of range: must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+    """The `env` section: the environment mix. Model code always runs in sandboxes.
+
+    Attributes:
+        train: mix name -> EnvSpec of the training envs.
+        eval: mix name -> EnvSpec of the held-out evaluation envs.
+        domains: comma-separated name patterns (fnmatch; e.g. "reasoning_gym/gcd,reasoning_gym/l*"): only the train
+            and eval envs whose mix name matches one are kept (`--config.env.train...` cannot name keys holding
+            "/"); "" keeps all.
+        num_workers: 0 runs envs in-process (cheap verifiers); > 0 uses an `envs.pool.processes.EnvPool` of that
+            many workers (crash/hang isolation with per-step timeouts), of the kind `backend` names.
+        backend: the env workers' kind (with num_workers > 0): "process" (subprocesses of this host) or "ray" (Ray
+            actors, `envs.pool.ray_pool`: the current Ray cluster, or a local one Ray starts; a dead actor is Ray's
+            restart, its samples infra errors the job scheduler retries; needs the `ray` extra). "ray" with
+            num_workers = 0 is a ConfigError.
+        step_timeout_s: a worker's limit on one env step (seconds); past it the episode is an infra error.
+        max_turns: model turns per episode (multi-turn tool / terminal envs).
+        max_infra_error_rate: a step whose share of infra-error episodes (worker crash, timeout, env exception)
+            exceeds it stops the run with the first error (1: never).
+        max_abs_reward: the largest reward magnitude an env may return (> 0 and finite, like every float setting).
+            A larger one ends its episode as an infra error naming the env and the value (never scored; counted by
+            max_infra_error_rate), in training and evaluation alike (`rollout.env_results.check_result`, which also
+            refuses a reward that is no real number, NaN / inf, and an info["status"] outside
+            `envs.verify.answers.STATUSES`). Default 1e4: verifiable rewards are 0/1 and reward-model, judge or
+            shaped rewards stay within a few hundred, so 1e4 leaves 10-100x headroom, while a larger reward is a
+            scale bug that, without std-normalised advantages (rl.advantage=dr_grpo), overflows the gradient
+            (optim/grad_norm inf, skipped updates) with nothing pointing at the env.
+    """
+
+    train: Mapping[str, EnvSpec] = dataclasses.field(default_factory=dict)
+    eval: Mapping[str, EnvSpec] = dataclasses.field(default_factory=dict)
+    domains: str = ""
+    num_workers: int = 0
+    backend: str = "process"
+    step_timeout_s: float = 60.0
+    max_turns: int = 1
+    max_infra_error_rate: float = 0.5
+    max_abs_reward: float = 1e4
+
+    def __post_init__(self):
+        check_fields(self, choices={"backend": ENV_BACKENDS}, ranges={
+            "max_turns": AT_LEAST_ONE, "num_workers": NONNEGATIVE, "step_timeout_s": POSITIVE,
+            "max_infra_error_rate": ("in [0, 1] (1: never stop)", lambda v: 0 <= v <= 1),
+            "max_abs_reward": POSITIVE})
+        if self.backend != "process" and self.num_workers < 1:
+            raise FieldError("backend", self.backend, f" needs env.num_workers >= 1 (its actors), got "
+                             f"env.num_workers={self.num_workers}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Mapping
 
-from posttrain.config import EnvSpec
+from posttrain.rollout.env_side import EnvSpec
 
 _FLOORS: dict[tuple[str, str], float | None] = {}
 

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from posttrain.rollout import turns
+from posttrain.rollout.samples import append_reply, apply_result
 
 
 def run(generate: Callable, make_request: Callable, max_seq_len: int, tokenizer, runner, samples: Sequence,
@@ -44,7 +45,6 @@ def run(generate: Callable, make_request: Callable, max_seq_len: int, tokenizer,
     Returns (gen_s, env_s): seconds in the engine's loop (less the env steps it ran, at env_overlap 0) and in env
     steps (overlapping gen_s at env_overlap > 0). Raises what the env runner raises."""
     from posttrain.rollout.env_results import DEFAULT_MAX_ABS_REWARD
-    from posttrain.rollout.episodes import _apply_result
 
     G = group_size
     env_ids = [""] * len(samples) if env_ids is None else list(env_ids)
@@ -72,7 +72,7 @@ def run(generate: Callable, make_request: Callable, max_seq_len: int, tokenizer,
         t = time.perf_counter()
         result = runner.step([s.texts[-1]], [i])[0]
         env_s[0] += time.perf_counter() - t
-        _apply_result(s, result, s.texts[-1], tokenizer, env_ids[i], bound)
+        apply_result(s, result, s.texts[-1], tokenizer, env_ids[i], bound)
         if s.done or turn >= max_turns:
             return None
         context = s.prompt_ids + [int(x) for seg, _, _ in s.segments for x in seg]
@@ -97,7 +97,6 @@ def run(generate: Callable, make_request: Callable, max_seq_len: int, tokenizer,
 def _take(s, c, tokenizer, context_len: int) -> None:
     """Appends completion `c` (`engine.Completion`) to sample `s` (`episodes.append_reply`), its routing laid out as
     the dense sampler's: the context's and the reply's selections, -1 for its last token (never fed)."""
-    from posttrain.rollout.episodes import append_reply
 
     routing = None
     if c.routing is not None:

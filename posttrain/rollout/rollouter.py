@@ -23,95 +23,59 @@ from typing import Any, Callable, ContextManager, Mapping
 import jax
 import numpy as np
 
-from posttrain.config import CurriculumConfig, EnvSpec
 from posttrain.infra import reshard
 from posttrain.infra.partitioning import current_rules
-from posttrain.rollout import batching, episodes as rollout, attempts as tickets
+from posttrain.rollout import attempts, batching, episodes
 from posttrain.generate import streaming
-from posttrain.generate.backend import EngineSampler, EngineSamplerSettings
-from posttrain.rollout.env_results import DEFAULT_MAX_ABS_REWARD
-from posttrain.rollout.env_side import check_infra_errors, make_runner, task_sources
+from posttrain.generate.backend import EngineSampler, EngineSamplerSettings, SamplingConfig
+from posttrain.rollout.env_side import EnvConfig, EnvSpec, check_infra_errors, env_runner, task_sources
 from posttrain.rollout.floor_metrics import above_floor_metrics, spec_floors
 from posttrain.generate.sampler import (SamplingParams, sample, shared_prefix_len, shrink_schedule,
                                       template_prefix_len)
+from posttrain.scheduling.curriculum import CurriculumConfig
 from posttrain.scheduling.domain_rules import SchedulerSettings
-from posttrain.scheduling.weighted_draw import TaskScheduler
+from posttrain.scheduling.weighted_draw import WeightedDraw
 from posttrain.types import RolloutBatch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutSettings:
-    """What the rollout phase needs of a run (built by `posttrain.runs.plan`).
+    """What the rollout phase needs of a run: its config sections and the plan's values for it.
 
     Attributes:
-        train_specs: the training env mix {domain: EnvSpec}.
-        group_size: G, samples per prompt.
-        prompts_per_step: P, prompts per step.
-        sampling: the training rollouts' SamplingParams.
-        max_turns: env turns per episode.
-        prompt_bucket: prompt widths round up to a multiple of it.
-        system_prompt: a system turn before every prompt ("": none).
-        decode_shrink_steps: the most times the decode batch drops its finished rows (`sampler.shrink_schedule`).
+        env_config: the `env` section (the training mix, turns, env workers, fault limits).
+        sampling_config: the `sampling` section (the training rollouts' distribution, lengths and backend).
+        objective: the `rl` section (`algos.grpo.step.GRPOConfig`): group size, prompts per step, packed rows,
+            DAPO's overlong filter and dynamic sampling.
+        curriculum_config: the `curriculum` section.
+        queue_config: the `rollout` section (`rollout.queue.RolloutConfig`: staleness, streaming, partial rollouts,
+            sampler priority).
+        seed: seeds the task order.
         decode_multiple: decode widths are multiples of it.
         row_multiple: rows pad to a multiple of it (minibatches x microbatches x batch shards).
-        packed: a prompt and its G completions in one row.
-        overlong_filter: truncated samples leave the loss.
-        dynamic_sampling: redraw zero-variance groups (DAPO).
-        max_resample_rounds: the most redraw rounds per step.
         record_routing: record the sampler's expert selections (routing replay).
-        num_workers: env workers (0: in-process).
-        env_backend: the env workers' kind, "process" or "ray" (`envs.pool.processes.BACKENDS`; `make_runner`).
-        step_timeout_s: a worker's limit on one env step, in seconds.
-        max_infra_error_rate: a step with a larger share of infra-error episodes raises EnvInfraError.
-        max_abs_reward: an env reward of larger magnitude ends its episode as an infra_error
-            (`env_results.check_result`; the run's env runner carries it, so its evaluations check it too).
-        seed: seeds the task order.
-        curriculum: the config's curriculum section.
         run: the run's name (the first field of every episode id in the archive).
-        tasks: the job scheduler's settings (None: the weighted draw of `TaskScheduler`; `rollout.attempts`).
-        max_staleness: the most policy versions a batch's samples may lag the learner that trains them
-            (`rollout.queue`; 0: synchronous).
-        stream_chunk: streaming scoring (`generate.streaming`): every stream_chunk decode steps the finished
-            samples go to the env runner while the rest decode (0: off, the envs get a turn's batch once it has
-            all decoded). The samples are the same either way.
-        partial: partial rollouts (`rollout.queue`): new weights published while a batch decodes go into the
-            running engine at once (max_staleness >= 1 and the engine only).
-        sampler_priority: an update waits for a generation call in progress before it starts (`rollout.queue`;
-            max_staleness >= 1, no partial rollouts, the learner's own devices).
-        engine: the rollout engine's size when it samples (`sampling.backend` "engine", or "auto" on one device:
-            `generate.backend.sampling_backend`);
-            None: the dense sampler (`sampler.sample`).
+        scheduler: the job scheduler's settings (None: the weighted draw).
+        engine: the rollout engine's size when it samples; None: the dense sampler.
     """
 
-    train_specs: Mapping[str, EnvSpec]
-    group_size: int
-    prompts_per_step: int
-    sampling: SamplingParams
-    max_turns: int = 1
-    prompt_bucket: int = 16
-    system_prompt: str = ""
-    decode_shrink_steps: int = 0
+    env_config: EnvConfig
+    sampling_config: SamplingConfig
+    objective: Any
+    curriculum_config: CurriculumConfig = CurriculumConfig()
+    queue_config: Any = None
+    seed: int = 0
     decode_multiple: int = 8
     row_multiple: int = 1
-    packed: bool = True
-    overlong_filter: bool = False
-    dynamic_sampling: bool = False
-    max_resample_rounds: int = 2
     record_routing: bool = False
-    num_workers: int = 0
-    env_backend: str = "process"
-    step_timeout_s: float = 60.0
-    max_infra_error_rate: float = 0.5
-    max_abs_reward: float = DEFAULT_MAX_ABS_REWARD
-    seed: int = 0
-    curriculum: CurriculumConfig = CurriculumConfig()
     run: str = "run"
-    tasks: SchedulerSettings | None = None
-    max_staleness: int = 0
-    stream_chunk: int = 0
-    partial: bool = False
-    sampler_priority: bool = True
+    scheduler: SchedulerSettings | None = None
     engine: EngineSamplerSettings | None = None
+
+    @property
+    def stream_chunk(self) -> int:
+        """Streaming scoring's decode steps between deliveries (`generate.streaming`; 0: off)."""
+        return self.queue_config.stream_chunk if self.queue_config is not None else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +98,7 @@ class Trajectories:
         return int(np.asarray(self.batch.loss_mask_NxC).sum())
 
 
-def apply_levels(curriculum, train_specs: dict, scheduler: TaskScheduler, domains) -> None:
+def apply_levels(curriculum, train_specs: dict, scheduler, domains) -> None:
     """Puts each of `domains` at its curriculum level: its env spec gets kwargs["level"] (episodes are built from
     the specs) and the scheduler gets the task source of that level (same tasks, same cursor)."""
     for d in domains:
@@ -145,27 +109,28 @@ def apply_levels(curriculum, train_specs: dict, scheduler: TaskScheduler, domain
 
 def make_scheduler(settings: RolloutSettings, sources: Mapping[str, Any]):
     """The run's task scheduler over `sources` ({domain: TaskSource}) at the env specs' weights: the job scheduler
-    (`scheduling.scheduler.JobScheduler`) when `settings.tasks` is set, else the weighted draw (`TaskScheduler`)."""
-    weights = {n: settings.train_specs[n].weight for n in sources}
-    if settings.tasks is None:
-        return TaskScheduler(sources, weights, seed=settings.seed)
+    (`scheduling.scheduler.JobScheduler`) when `settings.scheduler` is set, else the weighted draw (`WeightedDraw`)."""
+    weights = {n: settings.env_config.train[n].weight for n in sources}
+    if settings.scheduler is None:
+        return WeightedDraw(sources, weights, seed=settings.seed, group_size=settings.objective.group_size,
+                            run=settings.run)
     from posttrain.scheduling.scheduler import JobScheduler
 
-    return JobScheduler(sources, settings.tasks, weights=weights)
+    return JobScheduler(sources, settings.scheduler, weights=weights)
 
 
 def training_tasks(settings: RolloutSettings, meta: Mapping | None, sources: Mapping | None) -> tuple:
     """(scheduler, train_specs, curriculum or None) of a training rollouter: `sources` (`task_sources` of
-    settings.train_specs; built here when None, each env's self-check included), the scheduler over them with the
+    settings.env_config.train; built here when None, each env's self-check included), the scheduler over them with the
     cursors of `meta` (a checkpoint's; None: fresh) and the curriculum's levels applied. Raises EnvSpecError for
     a training env that cannot be built."""
-    train = dict(sources) if sources is not None else task_sources(settings.train_specs)
+    train = dict(sources) if sources is not None else task_sources(settings.env_config.train)
     scheduler = make_scheduler(settings, {n: s for n, (_, _, s) in train.items()})
-    train_specs, cur = dict(settings.train_specs), None
-    if settings.curriculum.enabled:
+    train_specs, cur = dict(settings.env_config.train), None
+    if settings.curriculum_config.enabled:
         from posttrain.scheduling.curriculum import from_env_specs
 
-        cur = from_env_specs(train_specs, settings.curriculum)
+        cur = from_env_specs(train_specs, settings.curriculum_config)
     if meta is not None:
         scheduler.load_state_dict(meta["scheduler"])
         if cur is not None:
@@ -176,7 +141,7 @@ def training_tasks(settings: RolloutSettings, meta: Mapping | None, sources: Map
     return scheduler, train_specs, cur
 
 
-def _gated(fn: rollout.SampleFn, gate: Callable[[], ContextManager]) -> rollout.SampleFn:
+def _gated(fn: episodes.SampleFn, gate: Callable[[], ContextManager]) -> episodes.SampleFn:
     """`fn` with `gate()` held around each call until its outputs are computed (jax.block_until_ready)."""
 
     def gated(*args, **kwargs):
@@ -200,8 +165,8 @@ class Rollouter:
     mesh: jax.sharding.Mesh
     graphdef: Any  # nnx.GraphDef of the policy, merged with the learner's policy states
     tokenizer: Any  # posttrain.model.tokenizer.Tokenizer
-    runner: rollout.HostShardedEnvs
-    scheduler: Any  # TaskScheduler, or scheduling.scheduler.JobScheduler when settings.tasks is set; None: create(train=False)
+    runner: episodes.HostShardedEnvs
+    scheduler: Any  # WeightedDraw, or scheduling.scheduler.JobScheduler when settings.scheduler is set; None: create(train=False)
     train_specs: dict[str, EnvSpec]
     advantage_fn: batching.AdvantageFn  # the algorithm's advantages of a step's rewards
     curriculum: Any = None  # posttrain.scheduling.curriculum.DifficultyCurriculum when curriculum.enabled
@@ -212,21 +177,20 @@ class Rollouter:
     def create(cls, settings: RolloutSettings, mesh, graphdef, tokenizer, advantage_fn: batching.AdvantageFn,
                meta: Mapping | None = None, sources: Mapping | None = None, train: bool = True) -> "Rollouter":
         """Tasks, environments and scheduler of `settings`; `meta` (a checkpoint's) restores the scheduler's
-        cursors and the curriculum's levels; `sources`: `task_sources(settings.train_specs)` when already built
+        cursors and the curriculum's levels; `sources`: `task_sources(settings.env_config.train)` when already built
         (a run plan's dry check), else built here. `train` False (a command that only reads a run: evaluations,
-        export): no training env, task source, scheduler or curriculum is built (settings.train_specs need not be
+        export): no training env, task source, scheduler or curriculum is built (settings.env_config.train need not be
         importable; `meta` and `sources` are not read); the rollouter samples (`sample_fn`) and steps the envs of
         the episodes it is given (`runner`); `draw`, `collect`, `status` and `state_dict` raise RuntimeError."""
         scheduler, train_specs, cur = training_tasks(settings, meta, sources) if train else (None, {}, None)
-        runner = rollout.HostShardedEnvs(make_runner(settings.num_workers, settings.step_timeout_s,
-                                                     settings.env_backend), max_abs_reward=settings.max_abs_reward)
+        runner = env_runner(settings.env_config)
         engine = EngineSampler(graphdef, settings.engine, mesh.devices.flat[0]) if settings.engine else None
-        template = template_prefix_len(lambda m: rollout.chat_prompt(tokenizer, m, settings.system_prompt))
+        template = template_prefix_len(lambda m: episodes.chat_prompt(tokenizer, m, settings.sampling_config.system_prompt))
         return cls(settings=settings, mesh=mesh, graphdef=graphdef, tokenizer=tokenizer, runner=runner,
                    scheduler=scheduler, train_specs=train_specs, advantage_fn=advantage_fn, curriculum=cur,
                    engine=engine, template_prefix=template)
 
-    def sample_fn(self, policy: tuple, params: SamplingParams) -> rollout.SampleFn:
+    def sample_fn(self, policy: tuple, params: SamplingParams) -> episodes.SampleFn:
         """(prompts, lengths, key, G, on_rows=None) -> SampleOutput with the policy states `policy` (LoRA adapters
         merged); with settings.stream_chunk > 0 an `on_rows` sink gets the rows finished every stream_chunk decode
         steps (`generate.streaming`). A policy or key on other devices than the rollouter's mesh (its own submesh:
@@ -239,7 +203,7 @@ class Rollouter:
 
         def fn(prompts, lengths, key, group_size, on_rows=None):
             shared = shared_prefix_len(prompts, lengths, template=self.template_prefix)  # one length per run
-            shrink = shrink_schedule(len(prompts) * group_size, st.decode_multiple, steps=st.decode_shrink_steps)
+            shrink = shrink_schedule(len(prompts) * group_size, st.decode_multiple, steps=st.sampling_config.decode_shrink_steps)
             every = st.stream_chunk if on_rows is not None else 0  # streaming scoring: finished rows to on_rows
             stream_id = streaming.register(on_rows) if every else 0
             try:
@@ -257,49 +221,44 @@ class Rollouter:
 
         return fn
 
-    def draw(self, step: int, sample_fn, key) -> tuple[list[rollout.Sample], dict, list[tickets.Attempt]]:
+    def draw(self, step: int, sample_fn, key) -> tuple[list[episodes.Sample], dict, list[attempts.Attempt]]:
         """Samples this step's groups from the scheduler's tickets (`rollout.attempts`; the job scheduler's with
         their in-step retries); draws again, bounded by max_resample_rounds, while fewer than P groups are kept
         (dynamic sampling sets zero-variance groups aside; the job scheduler drops groups it could not complete).
         Returns (the batch's samples, perf/* and rollout/* metrics, every sample attempt of the step). Raises
         RuntimeError for a rollouter built without training tasks (`create(train=False)`)."""
         self._require_tasks("draw training tasks")
-        st, jobs = self.settings, self.settings.tasks is not None
-        G, P = st.group_size, st.prompts_per_step
-        d, rounds = tickets.StepDraw(G, st.dynamic_sampling), 0
+        st = self.settings
+        G, P = st.objective.group_size, st.objective.prompts_per_step
+        d, rounds = attempts.StepDraw(G, st.objective.dynamic_sampling), 0
         while len(d.kept) < P:
-            if jobs:
-                batch = self.scheduler.next_tasks(step, P - len(d.kept))
-                if not batch:  # every domain paused, capped or quarantined
-                    break
-                d.job_round(self._run_fn(step, sample_fn, key), batch, self.scheduler)
-            else:
-                draws = self.scheduler.next_draws(step * 1000 + rounds, P - len(d.kept))
-                d.weighted_round(self._run_fn(step, sample_fn, key),
-                                 tickets.weighted_tickets(draws, step, st.run, G, d.drawn))
-            rounds += 1
-            if rounds > st.max_resample_rounds:
+            batch = self.scheduler.next_tasks(step, P - len(d.kept))
+            if not batch:  # every domain paused, capped or quarantined (the job scheduler)
                 break
-        samples, perf, attempts = d.finish(P, rounds)
-        if jobs and not samples:
+            d.round(self._run_fn(step, sample_fn, key), batch, self.scheduler)
+            rounds += 1
+            if rounds > st.objective.max_resample_rounds:
+                break
+        samples, perf, tried = d.finish(P, rounds)
+        if not samples:
             raise RuntimeError(f"step {step}: no group could be completed in {rounds} draw rounds (paused domains: "
                                f"{self.scheduler.paused()}, quarantined: {self.scheduler.quarantined()})")
-        check_infra_errors(step, samples, st.max_infra_error_rate)
-        return samples, perf, attempts
+        check_infra_errors(step, samples, st.env_config.max_infra_error_rate)
+        return samples, perf, tried
 
-    def _run_fn(self, step: int, sample_fn, key) -> tickets.RunFn:
+    def _run_fn(self, step: int, sample_fn, key) -> attempts.RunFn:
         """Runs tickets of one size as episodes: env reset seed step * 100003 + ticket id (the weighted draw numbers
         its tickets over the step), the sampling key folded with the call number."""
         st = self.settings
 
         def run(batch, size, call):
             specs = [self.train_specs[t.domain] for t in batch]
-            episodes = [rollout.Episode(spec.id, dict(spec.kwargs), t.task, seed=step * 100003 + t.ticket_id,
-                                        domain=t.domain) for spec, t in zip(specs, batch)]
-            return rollout.run_episodes(sample_fn, self.tokenizer, self.runner, episodes, group_size=size,
-                                        max_turns=st.max_turns, key=jax.random.fold_in(key, call),
-                                        pad_id=self.tokenizer.pad_id, bucket=st.prompt_bucket,
-                                        system_prompt=st.system_prompt, stream=st.stream_chunk > 0)
+            eps = [episodes.Episode(spec.id, dict(spec.kwargs), t.task, seed=step * 100003 + t.ticket_id,
+                                    domain=t.domain) for spec, t in zip(specs, batch)]
+            return episodes.run_episodes(sample_fn, self.tokenizer, self.runner, eps, group_size=size,
+                                        max_turns=st.env_config.max_turns, key=jax.random.fold_in(key, call),
+                                        pad_id=self.tokenizer.pad_id, bucket=st.sampling_config.prompt_bucket,
+                                        system_prompt=st.sampling_config.system_prompt, stream=st.stream_chunk > 0)
 
         return run
 
@@ -323,22 +282,22 @@ class Rollouter:
         st = self.settings
         if self.engine is not None:
             self.engine.pop_metrics()  # an evaluation's since the last step: not this step's
-        fn = self.sample_fn(policy, st.sampling)
+        fn = self.sample_fn(policy, st.sampling_config.params())
         if gate is not None:
             fn = _gated(fn, gate)
-        samples, perf, attempts = self.draw(step, fn, jax.random.fold_in(rng, step))
+        samples, perf, tried = self.draw(step, fn, jax.random.fold_in(rng, step))
         perf.update(self.engine.pop_metrics() if self.engine is not None else {})
         if self.curriculum is not None:
             perf.update(self.advance_curriculum(samples))
-        if st.tasks is not None:
+        if st.scheduler is not None:
             perf.update(self.scheduler.metrics())
-        batch, metrics = batching.assemble(samples, self.advantage_fn, group_size=st.group_size,
-                                           pad_id=self.tokenizer.pad_id, packed=st.packed,
-                                           overlong_filter=st.overlong_filter, prompt_bucket=st.prompt_bucket,
+        batch, metrics = batching.assemble(samples, self.advantage_fn, group_size=st.objective.group_size,
+                                           pad_id=self.tokenizer.pad_id, packed=st.objective.packed,
+                                           overlong_filter=st.objective.overlong_filter, prompt_bucket=st.sampling_config.prompt_bucket,
                                            row_multiple=st.row_multiple)
         metrics.update(above_floor_metrics(metrics, spec_floors(self.train_specs)))
         return Trajectories(batch=batch, metrics={**metrics, **perf},
-                            records=tickets.archive_rows(attempts, self.tokenizer,
+                            records=attempts.archive_rows(tried, self.tokenizer,
                                                          policy_version=step if policy_version is None
                                                          else policy_version),
                             oldest_version=min((v for s in samples if (v := s.oldest_version) is not None),
@@ -348,11 +307,11 @@ class Rollouter:
         """The run view after step `step` (`scheduling.status_table.snapshot`: the scheduler's counters, the curriculum's levels
         and the policy version that sampled the batch), the content of the run's status.json. Raises RuntimeError
         for a rollouter built without training tasks (`create(train=False)`)."""
-        from posttrain.scheduling import status_table as view
+        from posttrain.scheduling import status_table
 
         self._require_tasks("report")
         levels = self.curriculum.levels if self.curriculum is not None else None
-        return view.snapshot(step, self.scheduler, levels, policy_version)
+        return status_table.snapshot(step, self.scheduler, levels, policy_version)
 
     def _require_tasks(self, what: str) -> None:
         if self.scheduler is None:

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from posttrain.rollout.episodes import Sample
+from posttrain.rollout.samples import Sample
 
 
 def extends(previous_n: Sequence[int], next_m: Sequence[int]) -> bool:

@@ -19,7 +19,55 @@ import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from posttrain.config.schema import CurriculumConfig
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+WEIGHTINGS = ("fixed", "learning_progress")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CurriculumConfig:
+    """The `curriculum` section: a difficulty curriculum per domain (ReasoningGym-v0 levels;
+    `posttrain.scheduling.curriculum`).
+
+    Attributes:
+        enabled: the run config's switch; the class works either way.
+        low: the pass-rate band's lower edge (0 <= low < high).
+        high: the pass-rate band's upper edge (high <= 1).
+        step: levels per move (>= 1).
+        window: episodes in the rolling pass rate.
+        min_episodes: episodes at a level before it may move (1..window).
+        pass_threshold: reward that counts as a pass (partial credit below it does not).
+        weighting: "fixed" | "learning_progress".
+        lp_fast: the fast EMA rate of learning progress (lp_slow < lp_fast <= 1).
+        lp_slow: the slow EMA rate (0 < lp_slow).
+        lp_floor: weight share every domain keeps (> 0).
+    """
+
+    enabled: bool = False
+    low: float = 0.2
+    high: float = 0.8
+    step: int = 1
+    window: int = 64
+    min_episodes: int = 32
+    pass_threshold: float = 1.0
+    weighting: str = "fixed"
+    lp_fast: float = 0.5
+    lp_slow: float = 0.1
+    lp_floor: float = 0.1
+
+    def __post_init__(self):
+        checks = {"low/high": 0.0 <= self.low < self.high <= 1.0, "step": _is_int(self.step) and self.step >= 1,
+                  "window": _is_int(self.window) and self.window >= 1,
+                  "min_episodes": _is_int(self.min_episodes) and 1 <= self.min_episodes <= self.window,
+                  "pass_threshold": 0.0 < self.pass_threshold <= 1.0, "weighting": self.weighting in WEIGHTINGS,
+                  "lp_fast/lp_slow": 0.0 < self.lp_slow < self.lp_fast <= 1.0, "lp_floor": self.lp_floor > 0.0}
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"curriculum: invalid {', '.join(bad)} in {self} (low < high in [0, 1]; step >= 1; "
+                             f"1 <= min_episodes <= window; weighting in {WEIGHTINGS}; 0 < lp_slow < lp_fast <= 1)")
 
 
 def _is_int(x) -> bool:
@@ -145,12 +193,14 @@ def from_env_specs(specs: Mapping[str, Mapping], config: CurriculumConfig = Curr
     """A curriculum over env specs (``{domain: {"id", "weight", "kwargs"}}`` mappings or objects with those
     attributes): a ReasoningGym-v0 domain starts at its kwargs' ``level`` (0 if absent) up to the dataset's top
     curriculum level; any other domain (or a dataset without a curriculum) has the single level 0."""
-    from envs.tasks import reasoning_gym as rg_env
+    from envs.tasks import reasoning_gym
     domains, weights = {}, {}
     for name, spec in specs.items():
         get = spec.get if isinstance(spec, Mapping) else lambda k, d=None, s=spec: getattr(s, k, d)
         kwargs = dict(get("kwargs", {}) or {})
-        top = rg_env.max_level(kwargs["dataset"]) if get("id") == rg_env.ENV_ID else None
+        top = reasoning_gym.max_level(kwargs["dataset"]) if get("id") == reasoning_gym.ENV_ID else None
         domains[name] = (int(kwargs.get("level") or 0) if top is not None else 0, top or 0)
         weights[name] = float(get("weight", 1.0))
     return DifficultyCurriculum(domains, weights, config)
+
+

@@ -9,7 +9,7 @@ The rollout phase drives it (it never calls a runner):
         tickets = result.retries                  # in-step retries, so groups stay whole
     # train on result.complete of every round; archive every attempt (scheduling.archive)
 
-Per domain it keeps a pass cursor over a seeded permutation of its tasks (as `scheduling.weighted_draw.TaskScheduler`),
+Per domain it keeps a pass cursor over a seeded permutation of its tasks (as `scheduling.weighted_draw.WeightedDraw`),
 credit and share carry (`scheduling.quota`), a cost estimate (EMA of the reported `info["cost"]` per sample, CPU s),
 the samples in flight, a breaker (`scheduling.tickets.Breaker`), re-queued visits, the quarantine and per-task statistics
 (`scheduling.stats`). Re-queued visits ready at a step are drawn before fresh tasks. Everything is a JSON-able dict
@@ -22,7 +22,7 @@ import logging
 import math
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -35,6 +35,23 @@ from posttrain.scheduling.stats import COUNTERS, DomainState
 
 log = logging.getLogger("posttrain.tasks")
 STATE_VERSION = 1
+
+
+class Scheduler(Protocol):
+    """The one interface of a task scheduler (`JobScheduler`, `weighted_draw.WeightedDraw`): the rollout phase pulls
+    tickets and reports every sample run; the scheduler decides retries, complete groups and dropped groups."""
+
+    def next_tasks(self, step: int, count: int) -> list[TaskTicket]: ...
+
+    def report(self, outcomes: list[Outcome]) -> ReportResult: ...
+
+    def set_source(self, name: str, source) -> None: ...
+
+    def set_weights(self, weights: Mapping[str, float]) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: Mapping) -> None: ...
 
 
 class JobScheduler:
@@ -66,7 +83,7 @@ class JobScheduler:
         self._groups: dict[tuple, OpenGroup] = {}
         self._orders: dict[str, tuple[int, np.ndarray]] = {}
 
-    # ---- sources and weights (the curriculum's hooks, as TaskScheduler's) ----
+    # ---- sources and weights (the curriculum's hooks, as WeightedDraw's) ----
     def set_weights(self, weights: Mapping[str, float]) -> None:
         """New mix weights (one > 0 per domain), e.g. from a learning-progress curriculum."""
         if set(weights) != set(self.names) or any(not w > 0 for w in weights.values()):

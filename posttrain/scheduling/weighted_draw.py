@@ -1,4 +1,4 @@
-"""Task scheduling over an environment mix: which tasks each step trains on, resumable by an integer cursor.
+"""The weighted draw: the scheduler without priorities, quotas or retries, over an environment mix.
 
 Each domain (a named env spec) walks its task source in passes ("epochs"): pass e visits every task index once,
 in an order given by a seeded permutation of (seed, domain, e). When a pass ends the next one begins, so a
@@ -14,6 +14,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from posttrain.scheduling.tickets import GroupResult, Outcome, ReportResult, TaskTicket
+
 
 @dataclasses.dataclass
 class DomainCursor:
@@ -21,20 +23,27 @@ class DomainCursor:
     index: int = 0
 
 
-class TaskScheduler:
-    """Draws task dicts from several task sources.
+class WeightedDraw:
+    """Draws tasks from several task sources at their mix weights, behind the job scheduler's interface.
+
+    `next_tasks(step, count)` gives whole-group tickets (a fresh visit, G samples, attempt 0); `report(outcomes)`
+    returns every ticket's group as complete: the weighted draw neither retries nor re-queues (an infra-error
+    sample stays in its group, unscored).
 
     Args:
       sources: {domain name: TaskSource (num_tasks, get_task(i))}.
       weights: {domain name: sampling weight > 0}.
       seed: run seed.
+      group_size: samples per ticket (G).
+      run: the run's name, the first field of every episode id.
     Raises:
       ValueError: empty sources, unknown/negative weights, or an empty task source.
     """
 
-    def __init__(self, sources: Mapping[str, Any], weights: Mapping[str, float], *, seed: int = 0):
+    def __init__(self, sources: Mapping[str, Any], weights: Mapping[str, float], *, seed: int = 0,
+                 group_size: int = 1, run: str = "run"):
         if not sources:
-            raise ValueError("TaskScheduler needs at least one task source")
+            raise ValueError("WeightedDraw needs at least one task source")
         if set(weights) != set(sources) or any(w <= 0 for w in weights.values()):
             raise ValueError(f"weights must give a positive weight for each of {sorted(sources)}, got {dict(weights)}")
         for name, src in sources.items():
@@ -47,6 +56,9 @@ class TaskScheduler:
         self.seed = seed
         self.cursors = {n: DomainCursor() for n in self.names}
         self._orders: dict[tuple[str, int], np.ndarray] = {}
+        self.group_size, self.run = group_size, run
+        self._step, self._round, self._issued = -1, 0, 0  # this step's draw rounds and tickets so far
+        self._open: dict[int, TaskTicket] = {}
 
     def _order(self, name: str, epoch: int) -> np.ndarray:
         key = (name, epoch)
@@ -57,9 +69,32 @@ class TaskScheduler:
             self._orders[key] = np.random.default_rng([self.seed, salt, epoch]).permutation(n)
         return self._orders[key]
 
-    def next_tasks(self, step: int, count: int) -> list[tuple[str, dict]]:
-        """`count` (domain, task dict) pairs for `step`, advancing the cursors."""
-        return [(name, task) for name, _, _, task in self.next_draws(step, count)]
+    def next_tasks(self, step: int, count: int) -> list[TaskTicket]:
+        """`count` tickets of whole groups for `step`, advancing the cursors.
+
+        A step's k-th call draws with the key `step * 1000 + k` (`next_draws`); tickets are numbered from 0 within
+        the step, the visit is the task's pass.
+        """
+        if step != self._step:  # a new step: its tickets are numbered anew (a past step's are never reported)
+            self._step, self._round, self._issued, self._open = step, 0, 0, {}
+        draws = self.next_draws(step * 1000 + self._round, count)
+        tickets = [TaskTicket(self._issued + i, step, self.run, d, index, epoch, tuple(range(self.group_size)), 0,
+                              task=task) for i, (d, index, epoch, task) in enumerate(draws)]
+        self._round, self._issued = self._round + 1, self._issued + len(tickets)
+        self._open.update((t.ticket_id, t) for t in tickets)
+        return tickets
+
+    def report(self, outcomes: list[Outcome]) -> ReportResult:
+        """Every reported ticket's group, complete, in ticket order (its samples' first attempts and rewards)."""
+        rewards: dict[int, dict[int, float]] = {}
+        for o in outcomes:
+            rewards.setdefault(o.ticket_id, {})[o.sample] = o.reward
+        complete = []
+        for tid in sorted(rewards):
+            t = self._open.pop(tid)
+            complete.append(GroupResult(t.domain, t.task_index, t.visit, 0, "complete", (0,) * len(t.samples),
+                                        tuple(rewards[tid].get(k, 0.0) for k in t.samples)))
+        return ReportResult(complete=tuple(complete))
 
     def next_draws(self, step: int, count: int) -> list[tuple[str, int, int, dict]]:
         """`count` (domain, task index, pass, task dict) draws for `step`, advancing the cursors (as `next_tasks`).

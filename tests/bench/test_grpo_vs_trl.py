@@ -44,7 +44,7 @@ def test_settings_full_and_quick():
 
 def test_scheduled_questions_are_posttrains_order():
     from envs.tasks.arithmetic import ArithmeticTasks
-    from posttrain.scheduling.weighted_draw import TaskScheduler
+    from posttrain.scheduling.weighted_draw import WeightedDraw
 
     qs = gvt.scheduled_questions(steps=2, prompts_per_step=3)
     assert len(qs) == 6
@@ -52,9 +52,9 @@ def test_scheduled_questions_are_posttrains_order():
         a, b = q["operands"]
         assert 10 <= a <= 99 and 10 <= b <= 99 and q["answer"] == str(a + b)
         assert q["question"] == f"What is {a} + {b}? Answer with just the number."
-    sched = TaskScheduler({"arithmetic": ArithmeticTasks("train", digits=2)}, {"arithmetic": 1.0}, seed=0)
-    assert [t["id"] for _, t in sched.next_tasks(0, 3)] == [q["id"] for q in qs[:3]]
-    assert [t["id"] for _, t in sched.next_tasks(1000, 3)] == [q["id"] for q in qs[3:]]
+    sched = WeightedDraw({"arithmetic": ArithmeticTasks("train", digits=2)}, {"arithmetic": 1.0}, seed=0)
+    assert [t.task["id"] for t in sched.next_tasks(0, 3)] == [q["id"] for q in qs[:3]]
+    assert [t.task["id"] for t in sched.next_tasks(1, 3)] == [q["id"] for q in qs[3:]]
     assert [q["id"] for q in qs] != [f"arithmetic-train-{i}" for i in range(6)]  # shuffled, not index order
 
 

@@ -85,7 +85,7 @@ def test_commands_that_read_a_run_never_create_it_or_use_the_base_model(tmp_path
     any model load, and the directory is left as it was (a mistyped --checkpoint never evaluates or exports the
     untrained base model, and never creates the directory)."""
     from posttrain.recipes import grpo
-    from posttrain.runs.plan import make_run_plan
+    from posttrain.config.plan import make_run_plan
     from helpers import tiny_config
 
     run = tmp_path / "run"

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from posttrain import cli as cli_lib
-from posttrain.scheduling import archive, status_table as view
+from posttrain.scheduling import archive, status_table
 from posttrain.scheduling.tickets import TaskTicket
 
 # (domain, task, status, reward, retry round) of the rows of steps 0 and 1
@@ -23,7 +23,7 @@ def make_run(workdir, status=True, pass_threshold=1.0):
         archive.write_step(workdir, step, out)
     (workdir / "config.json").write_text(json.dumps({"tasks": {"pass_threshold": pass_threshold}}))
     if status:
-        view.write_status(workdir, {"version": 1, "step": 1, "steps": 2, "scheduler": "weighted",
+        status_table.write_status(workdir, {"version": 1, "step": 1, "steps": 2, "scheduler": "weighted",
                                     "domains": {"a": {"weight": 0.75, "priority": 0, "level": 2},
                                                 "b": {"weight": 0.25, "priority": 0, "level": None}}})
     return workdir

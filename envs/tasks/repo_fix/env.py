@@ -1,21 +1,8 @@
 """posttrain/RepoFix-v0: repair a small Python repository through tool calls; reward 1 when every hidden test passes.
 
-Episode: the first observation is the task (a package whose tests fail), the file list and the tool schema
-(`tools.tools_prompt`). Each model turn may call tools (`envs.tasks.repo_fix.tools`: ``<tool_call>{json}
-</tool_call>``, or fenced JSON when no tag is used); the next observation holds their results, one
-``<tool_response name=...>`` block each (and, for templates that render tool results themselves, the same results as
-chat messages in ``info["messages"]``: ``{"role": "tool", "name", "content"}`` each, or one user message when the
-turn had no call; `posttrain.rollout.chat`). A reasoning trace (up to the last ``</think>``) is cut off first, so calls
-inside it are not run. The episode ends:
-  * on ``submit``: the workspace is scored (`envs.tasks.repo_fix.scoring`, tamper-proof, in a fresh sandbox);
-  * after `max_turns` turns, or once `wall_budget_s` seconds have passed since reset: scored the same way;
-  * after `max_malformed` turns in a row without one well-formed tool call: reward 0, status "wrong", not scored.
-A malformed call gets a short error observation and is counted (``info["malformed_calls"]``); it never raises.
-
-Final info: the `Verdict` fields (status ok | wrong | timeout | memory_limit | ... | infra_error), hidden_passed,
-hidden_total, hidden_pass_fraction, visible_passed, visible_total, diff (the final diff from the task's files),
-removed (hook files dropped before scoring), tests_restored, ended_by (submit | max_turns | wall_budget |
-malformed), tool_calls, malformed_calls, defects, difficulty.
+Each turn's tool calls (`envs.tasks.repo_fix.tools`) run in the episode's workspace and their results form the
+next observation. The episode ends on ``submit``, `max_turns` or `wall_budget_s` (scored), or after `max_malformed`
+turns without a well-formed call (reward 0). The protocol and the final info in full: docs/repo_fix.md.
 """
 from __future__ import annotations
 
@@ -25,7 +12,7 @@ from envs import base, sandbox
 from envs.tasks.repo_fix import scoring, tools
 from envs.tasks.repo_fix.session import InfraError, Session
 from envs.tasks.repo_fix.tasks import RepoFixTasks
-from envs.verify import answers as verifiers
+from envs.verify import answers
 
 ENV_ID = "posttrain/RepoFix-v0"
 INSTRUCTION = """You are fixing a Python repository: your current directory. Its package `toolbox` does not do \
@@ -53,19 +40,16 @@ class RepoFixEnv(base.TextEnv):
     """posttrain/RepoFix-v0 (protocol in the module docstring).
 
     Args:
-      split: "train" or "test" of the default task source (`RepoFixTasks`).
-      seed: the task source's seed (visible/hidden split, defects).
-      task_source: any `TaskSource` of RepoFix task dicts (overrides split/seed).
+      seed: the task source's seed (visible/hidden split, defects); task_source overrides split and seed.
       max_turns: model turns before the episode is truncated and scored (>= 2).
       max_malformed: turns in a row without a well-formed tool call that end the episode (>= 1).
       wall_budget_s: seconds from reset after which the episode ends at the next turn (scored).
       run_limits: `sandbox.Limits` of one ``run`` call (default: 20 s wall and CPU, 1 GiB, 256 KiB output).
       max_output_chars: cap on one tool result shown to the model (characters).
-      isolation: passed to every sandbox run.
     Raises ValueError on bad arguments; reset() raises InfraError (a RuntimeError) when the workspace cannot be set up.
     """
 
-    think_tags = verifiers.THINK_TAGS
+    think_tags = answers.THINK_TAGS
     tool_schemas = tools.TOOLS  # OpenAI-style function schemas, for chat templates that render tools
 
     def __init__(self, *, split: str = "train", seed: int = 0, task_source: base.TaskSource | None = None,
@@ -109,7 +93,7 @@ class RepoFixEnv(base.TextEnv):
     def turn_step(self, action: str) -> tuple[str, float, bool, dict]:
         if time.monotonic() - self._started > self.wall_budget_s:
             return ("", *self.score("wall_budget"))
-        calls, errors = tools.parse_tool_calls(verifiers.strip_reasoning(action, self.think_tags))
+        calls, errors = tools.parse_tool_calls(answers.strip_reasoning(action, self.think_tags))
         self._malformed += len(errors) + (0 if calls or errors else 1)
         if not calls:
             self._streak += 1
@@ -148,7 +132,7 @@ class RepoFixEnv(base.TextEnv):
         return {"defects": self.task.get("defects"), "difficulty": self.task.get("difficulty")}
 
     def _unscored(self, reason: str) -> dict:
-        verdict = verifiers.Verdict(0.0, "wrong", method="hidden_tests", reason=reason)
+        verdict = answers.Verdict(0.0, "wrong", method="hidden_tests", reason=reason)
         diff = scoring.final_diff(self.task["files"], self._session.snapshot())
         return {**verdict.info(), "ended_by": "malformed", "diff": diff, **self._counts(), **self._task_info()}
 
@@ -162,8 +146,7 @@ class RepoFixEnv(base.TextEnv):
         return reward, info
 
     def golden_episodes(self) -> list[tuple[dict, list[str], float]]:
-        """Task 0: its golden patch through apply_patch, then submit, scores 1; submitting unchanged scores 0;
-        replies without tool calls end the episode with 0."""
+        """Task 0: golden patch then submit scores 1; submitting unchanged, or replies without tool calls, score 0."""
         task = self.task_source.get_task(0)
         submit = tools.format_call("submit")
         return [(task, [tools.format_call("apply_patch", patch=task["golden_patch"]), submit], 1.0),
@@ -181,9 +164,9 @@ class RepoFixEnv(base.TextEnv):
 
 
 def golden_status(seed: int = 0) -> tuple[str, str, str, str]:
-    """(status, source, reason, sample) of the domain's golden check for `posttrain domains`: "verified" when a
-    freshly built train env passes its self-check (task 0's inverse patch through apply_patch scores 1, submitting
-    unchanged and replies without tool calls score 0), else "failed" with the reason; sample gives the counts."""
+    """(status, source, reason, sample) of the domain's golden check for `posttrain domains`.
+
+    "verified" when a fresh train env passes its self-check (`RepoFixEnv.golden_episodes`), else "failed"."""
     counts = {split: RepoFixTasks(split, seed=seed).num_tasks for split in ("train", "test")}
     sample = f"{ENV_ID}: {counts['train']} train / {counts['test']} test tasks (HumanEval problems with defects)"
     try:

@@ -1,16 +1,8 @@
-"""Tamper-proof scoring of a RepoFix-v0 episode: SWE-bench's *resolved* (Jimenez et al. 2024, arXiv:2310.06770),
-reward 1 when every hidden test passes.
+"""Tamper-proof RepoFix-v0 scoring: reward 1 when every hidden test passes (SWE-bench's *resolved*, arXiv:2310.06770).
 
-The steps, none of which trust anything the model wrote:
-  1. The workspace is copied host-side (`Session.snapshot`: regular files only, no symlink followed, size caps).
-  2. From the copy, `scoring_files` drops every ``conftest.py``, ``sitecustomize.py``, ``usercustomize.py``,
-     ``*.pth``, ``__pycache__``/``*.pyc`` and the whole ``tests/`` folder, then writes the original visible tests
-     back (``tests/`` as the task laid it out).
-  3. A FRESH sandbox (never the episode's workspace, never a pooled worker) gets that copy and runs the trusted
-     runner (`sandboxed` ``score`` mode) with the fixed interpreter, ``-I -S``; the hidden tests and a random
-     nonce reach it on stdin, never as files. Each case runs in the runner against a proxy; the package runs
-     only in a separate worker process (see `envs.tasks.repo_fix.sandboxed`).
-  4. Only the runner's ``<nonce> <json>`` line counts: result files, exit codes and other output are ignored.
+Nothing the model wrote is trusted: `scoring_files` drops hook files and restores the original tests/; a FRESH
+sandbox (never a pooled worker) runs the trusted runner (`sandboxed` ``score`` mode) with the hidden tests and a
+random nonce on stdin, never as files; only its ``<nonce> <json>`` line counts, not files or exit codes.
 """
 from __future__ import annotations
 
@@ -23,7 +15,7 @@ import secrets
 
 from envs import base, sandbox
 from envs.tasks.repo_fix import sandboxed
-from envs.verify import answers as verifiers
+from envs.verify import answers
 
 HOOK_NAMES = frozenset({"conftest.py", "sitecustomize.py", "usercustomize.py"})
 CASE_S = 5.0  # wall seconds per test case (all its calls together)
@@ -55,8 +47,7 @@ def _in_tests(path: str) -> bool:
 
 
 def scoring_files(snapshot: dict[str, bytes], task: dict) -> tuple[dict[str, bytes], list[str], bool]:
-    """(files to score, hook files removed, whether tests/ had been changed): the snapshot without hooks and
-    without tests/, plus the task's original tests/."""
+    """(files to score, hook files removed, whether tests/ had changed): no hooks, the task's original tests/."""
     hooks = sorted(p for p in snapshot if is_hook(p))
     originals = {p: t.encode() for p, t in task["original_files"].items() if _in_tests(p)}
     current = {p: d for p, d in snapshot.items() if _in_tests(p)}
@@ -94,18 +85,18 @@ def _parse(stdout: str, nonce: str) -> dict | None:
     return None
 
 
-def _verdict(result: sandbox.SandboxResult, outcome: dict | None, n_hidden: int) -> verifiers.Verdict:
+def _verdict(result: sandbox.SandboxResult, outcome: dict | None, n_hidden: int) -> answers.Verdict:
     if result.status == "infra_error" or (outcome is None and sandboxed.NOT_DUMPABLE_FAILED in result.stderr):
         reason = result.reason or result.stderr[-300:]
-        return verifiers.Verdict(0.0, "infra_error", method="hidden_tests", reason=reason)
+        return answers.Verdict(0.0, "infra_error", method="hidden_tests", reason=reason)
     if outcome is None:
         status = result.status if result.status != "ok" else "wrong"
-        return verifiers.Verdict(0.0, status, method="hidden_tests",
+        return answers.Verdict(0.0, status, method="hidden_tests",
                                  reason=f"the test run gave no result ({result.status}: {result.reason})")
     hidden = [ok for suite in outcome["hidden"] for ok in suite]
     if len(hidden) == n_hidden and all(hidden):
-        return verifiers.Verdict(1.0, "ok", method="hidden_tests")
-    return verifiers.Verdict(0.0, "wrong", method="hidden_tests",
+        return answers.Verdict(1.0, "ok", method="hidden_tests")
+    return answers.Verdict(0.0, "wrong", method="hidden_tests",
                              reason=f"{len(hidden) - sum(hidden)} of {n_hidden} hidden tests fail")
 
 
@@ -113,10 +104,8 @@ def score(task: dict, snapshot: dict[str, bytes], *, limits: sandbox.Limits = LI
           case_s: float = CASE_S) -> tuple[float, dict]:
     """(reward, info) of the workspace `snapshot` ({path: bytes}) for `task`.
 
-    info: the `Verdict` fields, hidden_passed / hidden_total / hidden_pass_fraction, visible_passed /
-    visible_total, removed (hook files dropped), tests_restored (tests/ had been changed), diff (from the task's
-    files, capped at MAX_DIFF_CHARS), score_wall_s.
-    """
+    info: the `Verdict` fields, hidden_passed / hidden_total / hidden_pass_fraction, visible_passed / visible_total,
+    removed (hook files dropped), tests_restored, diff (capped at MAX_DIFF_CHARS), score_wall_s."""
     files, removed, tests_changed = scoring_files(snapshot, task)
     nonce = secrets.token_hex(16)
     suites = task["suites"]

@@ -16,6 +16,7 @@ order each epoch. The sampler's logprobs serve only truncated importance samplin
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -24,10 +25,118 @@ import optax
 from flax import nnx
 
 from posttrain.algos.grpo import losses as losses_lib
+from posttrain.algos.grpo.advantages import ADVANTAGES
+from posttrain.errors import AT_LEAST_ONE, NONNEGATIVE, check_fields
 from posttrain.learn import step as step_lib
 from posttrain.learn.logprobs import score_logprobs
 from posttrain.learn.state import merge_model, reference_states
 from posttrain.types import RolloutBatch, TrainState
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GRPOConfig:
+    """The `rl` section: the RL objective, GRPO (Shao et al. 2024, DeepSeekMath) and its common variants (Dr. GRPO,
+    RLOO advantages; PPO-style clip-higher and dual clip, GSPO's sequence ratio; DAPO's dynamic sampling and
+    overlong filter).
+
+    Attributes:
+        group_size: samples per prompt (G).
+        prompts_per_step: prompts per step (P).
+        advantage: grpo | dr_grpo | rloo.
+        loss: ppo (clipped token ratio) | gspo (sequence ratio).
+        eps_low: lower clip range of the ratio (1 - eps_low; -1: the loss's paper default, ppo 0.2, gspo 3e-4:
+            `posttrain.algos.grpo.losses.LOSS_DEFAULTS`).
+        eps_high: upper clip range of the ratio (1 + eps_high; > eps_low is DAPO's clip-higher; -1: the loss's
+            default, ppo 0.2, gspo 4e-4).
+        dual_clip_c: dual-clip bound on negative-advantage terms (Ye et al. 2020; 0: off, else > 1).
+        beta: KL-to-reference coefficient (0 disables the reference model).
+        kl_estimator: k1 | k2 | k3 (Schulman's KL approximations).
+        aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (divides by `norm_constant`);
+            "": the loss's default (ppo token_mean, gspo seq_mean_token_mean).
+        norm_constant: the divisor of seq_mean_token_sum_norm (0: max_new_tokens).
+        tis_cap: truncated importance sampling cap on exp(logp_trainer_old - logp_sampler), >= 1 (0: off; -1: the
+            run plan's rule, `runs.plan.OFF_POLICY_TIS_CAP` when rollout.max_staleness > 0, else off).
+        num_microbatches: gradient-accumulation microbatches.
+        ppo_epochs: passes over the batch's `minibatches` row blocks, one update each (1 x 1: one update, policy
+            ratio exactly 1); the trainer computes the old logprobs once before the first
+            (`posttrain.algos.grpo.step`).
+        minibatches: row blocks per pass.
+        dynamic_sampling: DAPO's dynamic sampling: groups whose rewards are all equal are redrawn.
+        max_resample_rounds: the most resampling rounds per step under dynamic_sampling.
+        overlong_filter: DAPO's overlong filter: truncated completions get no loss.
+        packed: each prompt is computed once per group in training (prompt + its G completions in one row).
+        moe_aux_coef: the MoE load-balancing loss coefficient (-1: the model's `MoEConfig.aux_loss_coef`).
+        routing_replay: "replay" records the sampler's expert selection of every token and makes the train step
+            select the same experts (gate values and router gradients from the current weights); "off" routes anew.
+    """
+
+    group_size: int = 8
+    prompts_per_step: int = 8
+    advantage: str = "grpo"
+    loss: str = "ppo"
+    eps_low: float = -1.0
+    eps_high: float = -1.0
+    dual_clip_c: float = 0.0
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    aggregation: str = ""
+    norm_constant: float = 0.0
+    tis_cap: float = -1.0
+    num_microbatches: int = 1
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    dynamic_sampling: bool = False
+    max_resample_rounds: int = 2
+    overlong_filter: bool = False
+    packed: bool = True
+    moe_aux_coef: float = -1.0
+    routing_replay: str = "off"
+
+    def __post_init__(self):
+        aggregations = ("",) + tuple(losses_lib.AGGREGATIONS)  # "": the loss's own (`with_loss_defaults`)
+        check_fields(self, choices={"advantage": ADVANTAGES, "loss": losses_lib.POLICY_LOSSES,
+                                    "kl_estimator": losses_lib.KL_ESTIMATORS, "aggregation": aggregations,
+                                    "routing_replay": ("off", "replay")}, ranges={
+            "group_size": (">= 2 (a group of 1 is its own baseline: every advantage, and so every policy gradient, "
+                           "is zero)", lambda v: v >= 2),
+            **dict.fromkeys(("prompts_per_step", "num_microbatches", "ppo_epochs", "minibatches"), AT_LEAST_ONE),
+            "eps_low": ("in [0, 1) (or -1: the loss's default)", lambda v: v == -1 or 0 <= v < 1),
+            "eps_high": (">= 0 (or -1: the loss's default)", lambda v: v == -1 or v >= 0),
+            "beta": NONNEGATIVE, "norm_constant": NONNEGATIVE,
+            "tis_cap": (">= 1 (a cap below 1 scales down every on-policy token's weight), 0 (off), or -1 (the run "
+                        "plan's rule: on when rollout.max_staleness > 0)", lambda v: v in (-1, 0) or v >= 1),
+            "dual_clip_c": ("0 (off) or > 1", lambda v: v == 0 or v > 1), "max_resample_rounds": NONNEGATIVE})
+
+    def with_loss_defaults(self) -> "GRPOConfig":
+        """This config with eps_low / eps_high (-1) and aggregation ("") set to its loss's own values.
+
+        The defaults are `losses.LOSS_DEFAULTS` (GSPO's sequence-ratio clip range and sequence mean, PPO's 0.2 and
+        token mean); values the config sets are kept.
+        """
+        d = losses_lib.LOSS_DEFAULTS[self.loss]
+        return dataclasses.replace(self, eps_low=d["eps_low"] if self.eps_low == -1 else self.eps_low,
+                                   eps_high=d["eps_high"] if self.eps_high == -1 else self.eps_high,
+                                   aggregation=self.aggregation or d["aggregation"])
+
+    def step_options(self, *, temperature: float, max_new_tokens: int, lora_rank: int,
+                     matmul_precision: str) -> StepOptions:
+        """The step's static options (before the loaded model's MoE coefficients: `with_moe`).
+
+        Args:
+            temperature: the logprob temperature (`generate.sampler.logprob_temperature` of the sampler's).
+            max_new_tokens: the norm constant of seq_mean_token_sum_norm when norm_constant is 0.
+        """
+        loss = losses_lib.LossConfig(
+            policy_loss=self.loss, eps_low=self.eps_low, eps_high=self.eps_high, dual_clip_c=self.dual_clip_c or None,
+            kl_estimator=self.kl_estimator, beta=self.beta, aggregation=self.aggregation,
+            norm_constant=self.norm_constant or float(max_new_tokens), tis_cap=self.tis_cap or None)
+        return StepOptions(loss=loss, temperature=temperature, num_microbatches=self.num_microbatches,
+                           lora_rank=lora_rank, ppo_epochs=self.ppo_epochs, minibatches=self.minibatches,
+                           matmul_precision=matmul_precision)
+
+    def rows_per_step(self, max_turns: int) -> int:
+        """Rows of a step's batch: prompts when packed (one row per group, single-turn), else prompts x G."""
+        return self.prompts_per_step if (self.packed and max_turns == 1) else self.prompts_per_step * self.group_size
 
 
 class StepOptions(NamedTuple):

@@ -4,7 +4,7 @@ import pytest
 
 import envs  # noqa: F401
 from envs.tasks import domains
-from envs.tasks import reasoning_gym as rgenv
+from envs.tasks import reasoning_gym
 
 # The golden-check outcome of the datasets that are not "verified", on reasoning-gym 0.1.25. Unverified: no reference
 # answer and no library reply. Failed: scorers that accept another task's answer (puzzle24 does not check the numbers
@@ -20,9 +20,9 @@ def checks():
 
 
 def test_every_dataset_is_a_domain_and_golden_checked(checks):
-    assert sorted(checks) == domains.all_domains() == ["reasoning_gym/" + n for n in rgenv.dataset_names()]
+    assert sorted(checks) == domains.all_domains() == ["reasoning_gym/" + n for n in reasoning_gym.dataset_names()]
     assert len(checks) >= 100
-    by_status = {s: {d for d, c in checks.items() if c.status == s} for s in rgenv.GOLDEN_STATUSES}
+    by_status = {s: {d for d, c in checks.items() if c.status == s} for s in reasoning_gym.GOLDEN_STATUSES}
     assert by_status["unverified"] == UNVERIFIED
     assert by_status["failed"] == FAILED
     assert by_status["verified_reference_free"] == REFERENCE_FREE
@@ -54,7 +54,7 @@ def test_select_weights_levels_and_overrides_build_envs():
     assert specs["reasoning_gym/chain_sum"]["weight"] == 3.0 and "level" not in specs["reasoning_gym/chain_sum"]["kwargs"]
     assert specs["reasoning_gym/basic_arithmetic"]["weight"] == 0.5
     assert specs["reasoning_gym/basic_arithmetic"]["kwargs"]["level"] == 0
-    top = rgenv.max_level("decimal_arithmetic")
+    top = reasoning_gym.max_level("decimal_arithmetic")
     assert specs["reasoning_gym/decimal_arithmetic"]["kwargs"]["level"] == top  # capped at the top level
     spec = specs["reasoning_gym/chain_sum"]
     env = gymnasium.make(spec["id"], **{**spec["kwargs"], "size": 8}).unwrapped
@@ -83,7 +83,7 @@ def test_unknown_domain_name():
 
 def _assert_deterministic_per_index(names):
     for name in names:
-        dataset = rgenv.build_dataset(name, seed=5, size=2)
+        dataset = reasoning_gym.build_dataset(name, seed=5, size=2)
         first, _, again = dataset[1], dataset[0], dataset[1]
         assert first["question"] == again["question"] and first["answer"] == again["answer"], name
 
@@ -98,4 +98,4 @@ def test_mix_datasets_are_deterministic_per_index():
 @pytest.mark.slow
 def test_every_dataset_is_deterministic_per_index():
     """The same over all ~106 datasets (~10 s; all passed on reasoning-gym 0.1.25)."""
-    _assert_deterministic_per_index(rgenv.dataset_names())
+    _assert_deterministic_per_index(reasoning_gym.dataset_names())

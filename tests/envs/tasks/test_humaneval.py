@@ -3,15 +3,15 @@ import json
 
 import pytest
 
-from envs.tasks import humaneval as code
+from envs.tasks import humaneval
 
 from envs import sandbox
-PROBLEMS = code.load_problems()
+PROBLEMS = humaneval.load_problems()
 
 
 @pytest.fixture(scope="module")
 def env():
-    return code.HumanEvalEnv()  # the self-check runs HumanEval/0 twice in the sandbox
+    return humaneval.HumanEvalEnv()  # the self-check runs HumanEval/0 twice in the sandbox
 
 
 def _score(env, task, completion):
@@ -26,20 +26,20 @@ def test_problems_come_from_the_package_in_order():
     assert [p["task_id"] for p in PROBLEMS[:3]] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
     assert {"prompt", "canonical_solution", "test", "entry_point"} <= set(PROBLEMS[0])
     with pytest.raises(FileNotFoundError, match="nope"):
-        code.load_problems("/nope.jsonl.gz")
+        humaneval.load_problems("/nope.jsonl.gz")
     with pytest.raises(ValueError, match="test"):
-        code.HumanEvalTasks("train")
+        humaneval.HumanEvalTasks("train")
 
 
 def test_assemble_solution_variants():
     task = PROBLEMS[2]  # truncate_number(number: float) -> float: return number % 1.0
     body = "    return number % 1.0\n"
     full = f"Sure!\n```python\ndef truncate_number(number: float) -> float:\n{body}```\nDone."
-    assert code.assemble_solution(task, body).startswith(task["prompt"] + body)
-    assert "\n\ndef truncate_number" in code.assemble_solution(task, full)
-    unindented = code.assemble_solution(task, "return number % 1.0")
+    assert humaneval.assemble_solution(task, body).startswith(task["prompt"] + body)
+    assert "\n\ndef truncate_number" in humaneval.assemble_solution(task, full)
+    unindented = humaneval.assemble_solution(task, "return number % 1.0")
     assert task["prompt"] + "    return number % 1.0" in unindented
-    assert code.assemble_solution(task, full).rstrip().endswith("return number % 1.0")  # no tests in it
+    assert humaneval.assemble_solution(task, full).rstrip().endswith("return number % 1.0")  # no tests in it
 
 
 @pytest.mark.parametrize("index", [0, 2, 12, 53])
@@ -60,7 +60,7 @@ def test_wrong_completions_score_zero_with_status(env, completion, status):
 
 
 def test_limits_are_enforced():
-    env = code.HumanEvalEnv(limits=sandbox.Limits(cpu_s=1.0, wall_s=2.0, max_output_bytes=1 << 12))
+    env = humaneval.HumanEvalEnv(limits=sandbox.Limits(cpu_s=1.0, wall_s=2.0, max_output_bytes=1 << 12))
     reward, info = _score(env, PROBLEMS[2], "    while True:\n        pass\n")
     assert reward == 0.0 and info["status"] == "timeout"
     reward, info = _score(env, PROBLEMS[2], "    print('x' * 100000)\n    return number % 1.0\n")
@@ -89,16 +89,16 @@ def _fence(body):
 
 # reply -> reward: only the reply after the last </think> is read
 @pytest.mark.parametrize("reply,think_tags,reward", [
-    (f"<think>draft:\n{_fence(BAD)}</think>\n{_fence(GOOD)}", code.HumanEvalEnv.think_tags, 1.0),
-    (f"<think>draft:\n{_fence(GOOD)}</think>\n{_fence(BAD)}", code.HumanEvalEnv.think_tags, 0.0),
-    (f"<think>\n{_fence(GOOD)}</think>Sorry, no idea.", code.HumanEvalEnv.think_tags, 0.0),
-    (f"<think>still thinking\n{_fence(GOOD)}", code.HumanEvalEnv.think_tags, 0.0),  # cut off inside the trace
-    (f"<think>a</think><think>\n{_fence(GOOD)}</think>{GOOD}", code.HumanEvalEnv.think_tags, 1.0),  # raw body after
+    (f"<think>draft:\n{_fence(BAD)}</think>\n{_fence(GOOD)}", humaneval.HumanEvalEnv.think_tags, 1.0),
+    (f"<think>draft:\n{_fence(GOOD)}</think>\n{_fence(BAD)}", humaneval.HumanEvalEnv.think_tags, 0.0),
+    (f"<think>\n{_fence(GOOD)}</think>Sorry, no idea.", humaneval.HumanEvalEnv.think_tags, 0.0),
+    (f"<think>still thinking\n{_fence(GOOD)}", humaneval.HumanEvalEnv.think_tags, 0.0),  # cut off inside the trace
+    (f"<think>a</think><think>\n{_fence(GOOD)}</think>{GOOD}", humaneval.HumanEvalEnv.think_tags, 1.0),  # raw body after
     (f"<think>\n{_fence(GOOD)}\n</think>", None, 1.0),  # turned off: the whole reply is read
-    (_fence(GOOD), code.HumanEvalEnv.think_tags, 1.0),  # no trace
+    (_fence(GOOD), humaneval.HumanEvalEnv.think_tags, 1.0),  # no trace
 ])
 def test_code_is_read_after_the_reasoning_trace(reply, think_tags, reward):
-    env = code.HumanEvalEnv(self_check=False)
+    env = humaneval.HumanEvalEnv(self_check=False)
     env.think_tags = think_tags
     assert _score(env, PROBLEMS[2], reply)[0] == reward
 
@@ -111,12 +111,12 @@ def test_runs_in_persistent_workers_by_default_or_fresh_on_request(env):
     servers = {w.server_pid for w in pool.workers}
     assert _score(env, PROBLEMS[2], PROBLEMS[2]["canonical_solution"])[0] == 1.0
     assert {w.server_pid for w in pool.workers} == servers  # the same worker ran it
-    fresh = code.HumanEvalEnv(workers=False)  # a fresh sandbox and interpreter per run (its self-check too)
+    fresh = humaneval.HumanEvalEnv(workers=False)  # a fresh sandbox and interpreter per run (its self-check too)
     assert not fresh.workers and _score(fresh, PROBLEMS[2], PROBLEMS[2]["canonical_solution"])[0] == 1.0
     assert _score(fresh, PROBLEMS[2], "    return 0.5\n")[1]["status"] == "wrong"
-    assert not code.HumanEvalEnv(isolation="weak", self_check=False).workers
+    assert not humaneval.HumanEvalEnv(isolation="weak", self_check=False).workers
     with pytest.raises(TypeError, match="workers"):
-        code.HumanEvalEnv(workers="yes")
+        humaneval.HumanEvalEnv(workers="yes")
 
 
 ALWAYS_EQUAL = '''```python
@@ -158,15 +158,15 @@ def test_replies_that_game_an_in_process_test_score_0_and_the_canonical_solution
 
 
 def test_replay_reads_only_plain_values_and_checks_each_call():
-    from envs.tasks import humaneval_io as io
+    from envs.tasks import humaneval_io
 
     task = PROBLEMS[2]  # truncate_number(3.5) == 0.5, ...
-    calls = io.recorded_calls(task)
-    right = [io.plain.loads(c)[0] % 1.0 for c in calls]
-    assert io.replay(task, right) == ""
-    assert io.replay(task, right[:-1]).startswith(f"{len(calls) - 1} return values for {len(calls)} calls")
-    assert io.replay(task, [0.25] * len(calls)).startswith("AssertionError")
-    line = io.MARKER + json.dumps([io.plain.dumps(v) for v in right])
-    assert io.outputs("noise\n" + line + "\n") == right
+    calls = humaneval_io.recorded_calls(task)
+    right = [humaneval_io.plain.loads(c)[0] % 1.0 for c in calls]
+    assert humaneval_io.replay(task, right) == ""
+    assert humaneval_io.replay(task, right[:-1]).startswith(f"{len(calls) - 1} return values for {len(calls)} calls")
+    assert humaneval_io.replay(task, [0.25] * len(calls)).startswith("AssertionError")
+    line = humaneval_io.MARKER + json.dumps([humaneval_io.plain.dumps(v) for v in right])
+    assert humaneval_io.outputs("noise\n" + line + "\n") == right
     for bad in ("[1, 2]", '["{\\"q\\": 1}"]', "not json", "[" * 100_000):
-        assert io.outputs(io.MARKER + bad) is None
+        assert humaneval_io.outputs(humaneval_io.MARKER + bad) is None

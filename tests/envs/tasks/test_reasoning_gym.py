@@ -6,13 +6,13 @@ import gymnasium
 import pytest
 
 import envs  # noqa: F401
-from envs.tasks import reasoning_gym as rgenv
+from envs.tasks import reasoning_gym
 def make(dataset="chain_sum", **kw):
-    return rgenv.ReasoningGymEnv(dataset=dataset, size=kw.pop("size", 16), num_test=kw.pop("num_test", 8), **kw)
+    return reasoning_gym.ReasoningGymEnv(dataset=dataset, size=kw.pop("size", 16), num_test=kw.pop("num_test", 8), **kw)
 
 
 def test_gymnasium_make_and_episode_scores_reference_one():
-    env = gymnasium.make(rgenv.ENV_ID, dataset="chain_sum", size=16, num_test=4).unwrapped
+    env = gymnasium.make(reasoning_gym.ENV_ID, dataset="chain_sum", size=16, num_test=4).unwrapped
     obs, info = env.reset(seed=3)
     assert "<answer>" in obs and obs.startswith(env.task["question"])
     gold = env.task["answer"]
@@ -73,10 +73,10 @@ def test_reply_forms_table(reply, extracted, method, reward):
 
 
 def test_instruction_kwarg_sets_the_prompt_suffix():
-    env = make("gcd", instruction=rgenv.SHORT_INSTRUCTION)
+    env = make("gcd", instruction=reasoning_gym.SHORT_INSTRUCTION)
     obs, _ = env.reset(options={"task": env.task_source.get_task(0)})
-    assert obs == env.task["question"] + rgenv.SHORT_INSTRUCTION and "<answer>" in obs
-    assert make("gcd").instruction == rgenv.INSTRUCTION
+    assert obs == env.task["question"] + reasoning_gym.SHORT_INSTRUCTION and "<answer>" in obs
+    assert make("gcd").instruction == reasoning_gym.INSTRUCTION
     with pytest.raises(ValueError, match="instruction must be a str"):
         make("gcd", instruction=3)
 
@@ -125,23 +125,23 @@ def test_eval_questions_never_appear_in_training(dataset, level):
     """A small task space (chain_sum level 0 repeats questions within 2,000 items) still splits cleanly; word_ladder
     has a fixed item list (draws wrap around)."""
     size = 300 if dataset == "word_ladder" else 2000
-    train = rgenv.ReasoningGymTasks(dataset, split="train", size=size, level=level)
-    test = rgenv.ReasoningGymTasks(dataset, split="test", num_test=40, level=level)
+    train = reasoning_gym.ReasoningGymTasks(dataset, split="train", size=size, level=level)
+    test = reasoning_gym.ReasoningGymTasks(dataset, split="test", num_test=40, level=level)
     train_q = {train.get_task(i)["question"] for i in range(size)}
     test_q = {test.get_task(i)["question"] for i in range(40)}
     assert train_q.isdisjoint(test_q) and len(test_q) > 1
-    assert all(rgenv.held_out(q) for q in test_q) and not any(rgenv.held_out(q) for q in train_q)
+    assert all(reasoning_gym.held_out(q) for q in test_q) and not any(reasoning_gym.held_out(q) for q in train_q)
 
 
 def test_task_space_without_held_out_questions_fails_at_construction():
     with pytest.raises(ValueError, match="coin_flip: no test question in 256 draws"):
-        rgenv.ReasoningGymTasks("coin_flip", split="test", num_test=4, level=0)  # 3 flips: a handful of questions
-    assert rgenv.ReasoningGymTasks("coin_flip", split="train", size=4, level=0).get_task(3)["question"]
+        reasoning_gym.ReasoningGymTasks("coin_flip", split="test", num_test=4, level=0)  # 3 flips: a handful of questions
+    assert reasoning_gym.ReasoningGymTasks("coin_flip", split="train", size=4, level=0).get_task(3)["question"]
 
 
 def test_level_uses_library_curriculum():
     easy = make("chain_sum", level=0).task_source.dataset.config
-    hard = make("chain_sum", level=rgenv.max_level("chain_sum")).task_source.dataset.config
+    hard = make("chain_sum", level=reasoning_gym.max_level("chain_sum")).task_source.dataset.config
     assert (easy.max_terms, easy.max_digits) < (hard.max_terms, hard.max_digits)
 
 
@@ -170,7 +170,7 @@ def test_composite_default_config_builds():
 def test_bad_arguments_raise_one_clear_error(kwargs, match):
     kwargs = {"dataset": "chain_sum", "size": 4, "num_test": 2, **kwargs}
     with pytest.raises(ValueError, match=match):
-        rgenv.ReasoningGymEnv(**kwargs)
+        reasoning_gym.ReasoningGymEnv(**kwargs)
 
 
 def test_unverified_dataset_refused_unless_allowed():
@@ -196,7 +196,7 @@ def test_env_module_never_imports_jax():
 def test_library_prints_go_to_stderr_not_our_stdout(capfd):
     """reasoning-gym's bf generator prints "." to stdout per program; a command's stdout (`posttrain domains`,
     `status --json`) must carry only its own output."""
-    source = rgenv.ReasoningGymTasks("bf", split="train", size=2, seed=0)
+    source = reasoning_gym.ReasoningGymTasks("bf", split="train", size=2, seed=0)
     assert source.get_task(0)["question"]
     out, err = capfd.readouterr()
     assert out == "" and "." in err

@@ -1,19 +1,19 @@
-"""Tests for envs/verifiers.py: extraction, normalisation, equivalence, unit-test scoring, formats."""
+"""Tests for envs/verify/answers.py: extraction, normalisation, equivalence, unit-test scoring, formats."""
 import dataclasses
 import threading
 
 import pytest
 
-from envs.verify import answers as v
+from envs.verify import answers
 def test_hash_answer_is_found_anywhere_in_a_long_response():
     response = "2+40=42\n#### 42\n" + "x" * 400
-    verdict = v.score_math(response, "42")
+    verdict = answers.score_math(response, "42")
     assert verdict.reward == 1.0 and verdict.method == "hash" and verdict.extracted == "42"
 
 
 def test_last_hash_line_wins():
-    assert v.extract_hash_answer("#### 3\nno wait\n#### 4") == "4"
-    assert v.extract_hash_answer("####   \n") is None
+    assert answers.extract_hash_answer("#### 3\nno wait\n#### 4") == "4"
+    assert answers.extract_hash_answer("####   \n") is None
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -26,43 +26,43 @@ def test_last_hash_line_wins():
     ("no box here", None),
 ])
 def test_extract_boxed(text, expected):
-    assert v.extract_boxed(text) == expected
+    assert answers.extract_boxed(text) == expected
 
 
 def test_boxed_answer_is_stripped_exactly_once():
-    verdict = v.score_math(r"Answer: \boxed{5}", "5")
+    verdict = answers.score_math(r"Answer: \boxed{5}", "5")
     assert verdict.reward == 1.0 and verdict.extracted == "5" and verdict.method == "boxed"
-    assert v.score_math(r"Answer: \boxed{5}", "6").reward == 0.0
+    assert answers.score_math(r"Answer: \boxed{5}", "6").reward == 0.0
 
 
 def test_unclosed_box_scores_zero_with_reason_instead_of_falling_back():
-    verdict = v.score_math(r"so the answer is \boxed{12", "12")
+    verdict = answers.score_math(r"so the answer is \boxed{12", "12")
     assert verdict.reward == 0.0 and "unclosed" in verdict.reason
 
 
 def test_hash_takes_priority_over_box_and_last_number():
-    assert v.extract_answer(r"\boxed{3} ... #### 4 and 5")[:2] == ("4 and 5", "hash")
-    assert v.extract_answer(r"\boxed{3} then 9")[:2] == ("3", "boxed")
+    assert answers.extract_answer(r"\boxed{3} ... #### 4 and 5")[:2] == ("4 and 5", "hash")
+    assert answers.extract_answer(r"\boxed{3} then 9")[:2] == ("3", "boxed")
 
 
 @pytest.mark.parametrize("text,expected", [
     ("The answer is 122.", "122"), ("-7 degrees", "-7"), ("it costs 1,234.50 total", "1,234.50"),
     ("no digits", None), ("", None)])
 def test_last_number(text, expected):
-    assert v.last_number(text) == expected
+    assert answers.last_number(text) == expected
 
 
 @pytest.mark.parametrize("text,expected", [
     ("59 + 63 = 122", 122), ("The answer is -4.", -4), ("none", None), ("12.5", 5), (None, None)])
 def test_last_integer(text, expected):
-    assert v.last_integer(text) == expected
+    assert answers.last_integer(text) == expected
 
 
 @pytest.mark.parametrize("raw,normal", [
     ("$1,234.00", "1234"), ("42 dollars", "42"), ("42 apples", "42 apples"), ("5\\text{ cm}", "5"), ("50%", "50"), ("\\$18", "18"),
     ("3.50", "3.5"), ("**18**", "18"), ("`7`", "7"), ("5 km/h", "5"), ("122.", "122"), ("\\frac{1}{2}", "\\frac{1}{2}"), ("-0.0", "0")])
 def test_normalize_answer(raw, normal):
-    assert v.normalize_answer(raw) == normal
+    assert answers.normalize_answer(raw) == normal
 
 
 @pytest.mark.parametrize("pred,gold,same", [
@@ -70,12 +70,12 @@ def test_normalize_answer(raw, normal):
     ("2^{10}", "1024", True), ("\\sqrt{4}", "2", True), ("x+1", "1+x", True), ("E", "E", True),
     ("E", "C", False), ("0.33", "\\frac{1}{3}", False), ("43", "42", False), ("1/0", "1", False)])
 def test_answers_equivalent(pred, gold, same):
-    assert v.answers_equivalent(pred, gold) is same
+    assert answers.answers_equivalent(pred, gold) is same
 
 
 def test_equivalence_works_off_the_main_thread():
     out = []
-    thread = threading.Thread(target=lambda: out.append(v.answers_equivalent("2^{10}", "1024")))
+    thread = threading.Thread(target=lambda: out.append(answers.answers_equivalent("2^{10}", "1024")))
     thread.start()
     thread.join()
     assert out == [True]
@@ -83,33 +83,33 @@ def test_equivalence_works_off_the_main_thread():
 
 @pytest.mark.parametrize("response", ["", "   ", None, 42, "\\boxed{", "####", "}}}{{{", "\x00\xff"])
 def test_malformed_output_scores_zero_with_reason(response):
-    verdict = v.score_math(response, "5")
+    verdict = answers.score_math(response, "5")
     assert verdict.reward == 0.0 and verdict.status == "wrong" and verdict.reason
 
 
 def test_gold_answer():
-    assert v.gold_answer("so 9 * 2 = 18\n#### 18") == "18"
-    assert v.gold_answer(" 122 ") == "122"
+    assert answers.gold_answer("so 9 * 2 = 18\n#### 18") == "18"
+    assert answers.gold_answer(" 122 ") == "122"
     with pytest.raises(ValueError, match="empty"):
-        v.gold_answer("####")
+        answers.gold_answer("####")
 
 
 def test_check_format_pairs_tags():
-    assert v.check_format("<think>a</think>\n<answer>5</answer>") == (True, "")
-    ok, reason = v.check_format("<think>...</tool><answer>5</answer>")
+    assert answers.check_format("<think>a</think>\n<answer>5</answer>") == (True, "")
+    ok, reason = answers.check_format("<think>...</tool><answer>5</answer>")
     assert not ok and "</tool>" in reason
-    assert not v.check_format("<think>a</think>")[0]
-    assert not v.check_format("<answer>5</answer><think>a</think>")[0]
-    assert not v.check_format("hi <think>a</think><answer>5</answer>")[0]
-    assert not v.check_format("<think>a<answer>5</answer>")[0]
-    assert v.extract_tag("<think>a</think><answer> 5 </answer>", "answer") == "5"
+    assert not answers.check_format("<think>a</think>")[0]
+    assert not answers.check_format("<answer>5</answer><think>a</think>")[0]
+    assert not answers.check_format("hi <think>a</think><answer>5</answer>")[0]
+    assert not answers.check_format("<think>a<answer>5</answer>")[0]
+    assert answers.extract_tag("<think>a</think><answer> 5 </answer>", "answer") == "5"
 
 
 def test_extract_code_blocks():
     text = "x\n```python\nprint(1)\n```\n```bash\nls\n```\n```\nraw\n```\n```python\nunclosed"
-    assert v.extract_code_blocks(text) == ["print(1)\n"]
-    assert v.extract_code_blocks(text, ("bash", "sh")) == ["ls\n"]
-    assert v.extract_code_blocks(text, ("",)) == ["raw\n"]
+    assert answers.extract_code_blocks(text) == ["print(1)\n"]
+    assert answers.extract_code_blocks(text, ("bash", "sh")) == ["ls\n"]
+    assert answers.extract_code_blocks(text, ("",)) == ["raw\n"]
 
 
 @dataclasses.dataclass
@@ -132,15 +132,15 @@ class FakeResult:
     (FakeResult("bogus", 0), 0.0, "infra_error"),
 ])
 def test_score_unit_tests(result, reward, status):
-    verdict = v.score_unit_tests(result)
+    verdict = answers.score_unit_tests(result)
     assert (verdict.reward, verdict.status) == (reward, status)
 
 
 def test_methods_restrict_extraction():
-    assert v.score_math("The answer is 5", "5", methods=("boxed",)).reward == 0.0
-    assert v.score_math("#### 4 but \\boxed{5}", "5", methods=("boxed",)).reward == 1.0
+    assert answers.score_math("The answer is 5", "5", methods=("boxed",)).reward == 0.0
+    assert answers.score_math("#### 4 but \\boxed{5}", "5", methods=("boxed",)).reward == 1.0
     with pytest.raises(ValueError, match="methods"):
-        v.score_math("5", "5", methods=("guess",))
+        answers.score_math("5", "5", methods=("guess",))
 
 
 @pytest.mark.parametrize("expr", ["9^{9^{9^{9}}}", "10^{10^{10}}", "2^{99999}", "100000!", "(10^{100000})!",
@@ -149,13 +149,13 @@ def test_methods_restrict_extraction():
 def test_costly_expressions_are_refused_quickly_even_off_the_main_thread(expr):
     import time
 
-    assert v.too_costly(expr)
+    assert answers.too_costly(expr)
     out, start = [], time.perf_counter()
-    thread = threading.Thread(target=lambda: out.append(v.answers_equivalent(expr, "18")))
+    thread = threading.Thread(target=lambda: out.append(answers.answers_equivalent(expr, "18")))
     thread.start()
     thread.join(timeout=10)
     assert out == [False] and time.perf_counter() - start < 2.0
-    assert not any(v.too_costly(e) for e in ("2^{10}", "\\frac{1}{3}", "5!", "x != 3", "120", "x^2+y^2", "(x+1)^2",
+    assert not any(answers.too_costly(e) for e in ("2^{10}", "\\frac{1}{3}", "5!", "x != 3", "120", "x^2+y^2", "(x+1)^2",
                                              "e^{x^{2}}", "2^{n^2}", "2^{3}+x^{2}", "10^{2}\\cdot 10^{3}"))
 
 
@@ -165,7 +165,7 @@ def test_costly_expressions_are_refused_quickly_even_off_the_main_thread(expr):
     ("e^{x^{2}}", "e^{x^2}", True), ("e^{-x^{2}}", "e^{-x^2}", True), ("e^{x^{2}}", "e^{x^3}", False),  # symbolic towers
     ("2^{n^2}", "2^{n^{2}}", True), ("e^x^2", "e^{x^2}", True), ("x^{y^{z}}", "x^{y^{z}}+0", True)])
 def test_separate_powers_are_compared(pred, gold, same):
-    assert v.answers_equivalent(pred, gold) is same
+    assert answers.answers_equivalent(pred, gold) is same
 
 
 # --- numerals written with Unicode signs, digits or spaces ---------------------------------------
@@ -181,7 +181,7 @@ def test_separate_powers_are_compared(pred, gold, same):
     (r"\boxed{¹⁄₂}", "0.5", 1.0), ("#### 1¹⁄₁₆", "1.0625", 1.0), ("#### 1¹⁄₁₆", "11/16", 0.0),  # super/sub fractions
 ])
 def test_unicode_numerals_are_normalised_before_extraction_and_comparison(response, gold, reward):
-    assert v.score_math(response, gold).reward == reward
+    assert answers.score_math(response, gold).reward == reward
 
 
 @pytest.mark.parametrize("raw,ascii_", [
@@ -190,14 +190,14 @@ def test_unicode_numerals_are_normalised_before_extraction_and_comparison(respon
     ("x²⁄₃", "x^{2}/_{3}"), ("2\u00d73", "2\\times 3"), ("3\u00a0apples", "3 apples"),
     ("plain ascii - 7", "plain ascii - 7")])
 def test_normalize_unicode(raw, ascii_):
-    assert v.normalize_unicode(raw) == ascii_
+    assert answers.normalize_unicode(raw) == ascii_
 
 
 def test_unicode_is_normalised_everywhere():
-    assert v.last_integer("it is \u22124") == -4 and v.gold_answer("#### \u22127") == "-7"
-    assert v.answers_equivalent("\u22127", "-7") and v.normalize_answer("\uff14\uff12") == "42"
+    assert answers.last_integer("it is \u22124") == -4 and answers.gold_answer("#### \u22127") == "-7"
+    assert answers.answers_equivalent("\u22127", "-7") and answers.normalize_answer("\uff14\uff12") == "42"
     with pytest.raises(TypeError, match="str"):
-        v.normalize_unicode(7)
+        answers.normalize_unicode(7)
 
 
 # --- item 2: stripping units never deletes a variable, constant or the imaginary unit ----------------
@@ -214,7 +214,7 @@ def test_unicode_is_normalised_everywhere():
     (r"\boxed{2x^2}", "2", 0.0), (r"\boxed{2x^2}", "2x^2", 1.0),
 ])
 def test_only_listed_units_are_stripped(response, gold, reward):
-    assert v.score_math(response, gold).reward == reward
+    assert answers.score_math(response, gold).reward == reward
 
 
 @pytest.mark.parametrize("raw,stripped", [
@@ -223,8 +223,8 @@ def test_only_listed_units_are_stripped(response, gold, reward):
     ("6\\text{ cm}^2", "6"), ("6\\text{ cm}^{2}", "6"), ("5\\mathrm{~cm}", "5"), ("5~cm", "5"), ("3\\text{ m}^2", "3\\text{ m}^2"),
     ("x^2", "x^2"), ("2^3", "2^3")])
 def test_strip_unit(raw, stripped):
-    assert v.strip_unit(raw) == stripped
-    assert all(len(u) > 1 for u in v.UNITS if u.isalpha())  # no single letter is a unit
+    assert answers.strip_unit(raw) == stripped
+    assert all(len(u) > 1 for u in answers.UNITS if u.isalpha())  # no single letter is a unit
 
 
 # --- item 3: exact answers compare exactly, tolerance only for decimal approximations ----------------
@@ -239,7 +239,7 @@ def test_strip_unit(raw, stripped):
     ("3+4i", "4i+3", True), ("1/0", "1", False),
 ])
 def test_exact_answers_compare_exactly(pred, gold, same):
-    assert v.answers_equivalent(pred, gold) is same
+    assert answers.answers_equivalent(pred, gold) is same
 
 
 # --- item 5: extraction is linear in the response; long answers are refused --------------------------
@@ -266,19 +266,19 @@ def _best_time(fn, repeats=3):
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_scoring_time_is_linear_in_the_response(shape):
     small, big = SHAPES[shape](100_000), SHAPES[shape](1_000_000)
-    t_small = _best_time(lambda: v.score_math(small, "42"))
-    t_big = _best_time(lambda: v.score_math(big, "42"))
+    t_small = _best_time(lambda: answers.score_math(small, "42"))
+    t_big = _best_time(lambda: answers.score_math(big, "42"))
     assert t_big < 1.0 and t_big / max(t_small, 5e-3) < 20, (shape, t_small, t_big)  # below 5 ms is noise
 
 
 def test_answers_longer_than_the_cap_are_refused_before_comparison():
-    long_answer = "1+" * (v.MAX_ANSWER_CHARS // 2) + "1"
-    verdict = v.score_math(f"#### {long_answer}", "42")
+    long_answer = "1+" * (answers.MAX_ANSWER_CHARS // 2) + "1"
+    verdict = answers.score_math(f"#### {long_answer}", "42")
     assert (verdict.reward, verdict.status) == (0.0, "wrong") and "MAX_ANSWER_CHARS" in verdict.reason
-    assert len(verdict.extracted) == v.MAX_ANSWER_CHARS + 3  # shown truncated
-    assert v.score_math(r"\boxed{" + "1" * (v.MAX_ANSWER_CHARS + 5) + "}", "1").reason.startswith("\\boxed{} content")
-    assert v.compare_answers("7" * (v.MAX_ANSWER_CHARS + 1), "7") == (
-        False, f"answer of {v.MAX_ANSWER_CHARS + 1} chars is longer than MAX_ANSWER_CHARS={v.MAX_ANSWER_CHARS}")
+    assert len(verdict.extracted) == answers.MAX_ANSWER_CHARS + 3  # shown truncated
+    assert answers.score_math(r"\boxed{" + "1" * (answers.MAX_ANSWER_CHARS + 5) + "}", "1").reason.startswith("\\boxed{} content")
+    assert answers.compare_answers("7" * (answers.MAX_ANSWER_CHARS + 1), "7") == (
+        False, f"answer of {answers.MAX_ANSWER_CHARS + 1} chars is longer than MAX_ANSWER_CHARS={answers.MAX_ANSWER_CHARS}")
 
 
 TEXT_SHAPES = {  # the other readers of model text (code envs, tags, format reward)
@@ -291,7 +291,7 @@ TEXT_SHAPES = {  # the other readers of model text (code envs, tags, format rewa
 @pytest.mark.parametrize("reader", ["extract_tag", "extract_code_blocks", "check_format"])
 @pytest.mark.parametrize("shape", sorted(TEXT_SHAPES))
 def test_tag_fence_and_format_readers_are_linear(reader, shape):
-    fn = (lambda t: v.extract_tag(t, "answer")) if reader == "extract_tag" else getattr(v, reader)
+    fn = (lambda t: answers.extract_tag(t, "answer")) if reader == "extract_tag" else getattr(answers, reader)
     small, big = TEXT_SHAPES[shape](100_000), TEXT_SHAPES[shape](1_000_000)
     t_small, t_big = _best_time(lambda: fn(small), 5), _best_time(lambda: fn(big), 5)
     assert t_big < 1.0 and t_big / max(t_small, 5e-3) < 40, (reader, shape, t_small, t_big)  # below 5 ms is noise
@@ -302,35 +302,35 @@ def test_tag_fence_and_format_readers_are_linear(reader, shape):
     ("<answer>1</answer><answer>2</answer>", "2"), ("<answer>1</answer>x</answer>", "1"), ("<answer>1<answer>2</answer>", "1<answer>2"),
     ("<answer> 5 </answer><answer>", "5"), ("<answer>5", None), ("5</answer>", None), ("", None), (None, None)])
 def test_extract_tag(text, expected):
-    assert v.extract_tag(text, "answer") == expected
+    assert answers.extract_tag(text, "answer") == expected
 
 
 @pytest.mark.parametrize("text", ["a 1,234 b 5", "x -3.5", "1,234,567", "3-5", "12,34", ".5 and 7.", "1.2.3"])
 def test_last_number_matches_the_whole_text_regex(text):
     import re
 
-    matches = re.findall(v.NUMBER, text)
-    assert v.last_number(text) == (matches[-1] if matches else None)
+    matches = re.findall(answers.NUMBER, text)
+    assert answers.last_number(text) == (matches[-1] if matches else None)
 
 
 # --- item 9: reasoning traces ------------------------------------------------------------------------
 @pytest.mark.parametrize("response,gold,tags,reward", [
-    ("<think>maybe 41? or 42?</think>The answer is 7", "7", v.THINK_TAGS, 1.0),
-    ("<think>maybe 41? or 42?</think>The answer is 7", "42", v.THINK_TAGS, 0.0),
-    ("<think>#### 42</think>#### 7", "7", v.THINK_TAGS, 1.0),
-    ("<think>\\boxed{42}</think> so it is 7", "42", v.THINK_TAGS, 0.0),
-    ("<think>the answer is 42", "42", v.THINK_TAGS, 0.0),  # cut off while thinking: no answer
-    ("<think>a</think><think>42</think>", "42", v.THINK_TAGS, 0.0),
+    ("<think>maybe 41? or 42?</think>The answer is 7", "7", answers.THINK_TAGS, 1.0),
+    ("<think>maybe 41? or 42?</think>The answer is 7", "42", answers.THINK_TAGS, 0.0),
+    ("<think>#### 42</think>#### 7", "7", answers.THINK_TAGS, 1.0),
+    ("<think>\\boxed{42}</think> so it is 7", "42", answers.THINK_TAGS, 0.0),
+    ("<think>the answer is 42", "42", answers.THINK_TAGS, 0.0),  # cut off while thinking: no answer
+    ("<think>a</think><think>42</think>", "42", answers.THINK_TAGS, 0.0),
     ("<think>42</think>", "42", None, 1.0),  # turned off
     ("<reasoning>42</reasoning> 7", "7", ("<reasoning>", "</reasoning>"), 1.0),
-    ("no trace, 42", "42", v.THINK_TAGS, 1.0),
+    ("no trace, 42", "42", answers.THINK_TAGS, 1.0),
 ])
 def test_answer_is_read_after_the_last_think_tag(response, gold, tags, reward):
-    assert v.score_math(response, gold, think_tags=tags).reward == reward
+    assert answers.score_math(response, gold, think_tags=tags).reward == reward
 
 
 def test_bad_think_tags_and_timeout_are_one_clear_error():
     with pytest.raises(ValueError, match="reasoning tags"):
-        v.score_math("42", "42", think_tags=("<think>",))
+        answers.score_math("42", "42", think_tags=("<think>",))
     with pytest.raises(ValueError, match="timeout_s"):
-        v.score_math("42", "42", timeout_s=0)
+        answers.score_math("42", "42", timeout_s=0)

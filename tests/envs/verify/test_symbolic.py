@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from envs.verify import symbolic
-from envs.verify import answers as v
+from envs.verify import answers
 ROOT = Path(__file__).resolve().parents[3]
 HUGE = r"\binom{1000000000}{100000000}"  # sympy evaluates this for minutes
 
@@ -28,17 +28,17 @@ def test_a_runaway_comparison_times_out_kills_its_worker_and_the_pool_recovers(w
     pool.compare("1", "1")  # warm
     killed = pool.killed
     t0 = time.monotonic()
-    call = lambda: v.score_math(rf"\boxed{{{HUGE}}}", "1", timeout_s=1.0)  # noqa: E731
+    call = lambda: answers.score_math(rf"\boxed{{{HUGE}}}", "1", timeout_s=1.0)  # noqa: E731
     verdict = call() if where == "main" else _in_thread(call)
     assert time.monotonic() - t0 < 3.0
     assert (verdict.reward, verdict.status) == (0.0, "timeout") and "over 1 s" in verdict.reason
     assert pool.killed == killed + 1
-    assert _in_thread(lambda: v.answers_equivalent("2^{10}", "1024", timeout_s=30)) is True  # a replacement works
+    assert _in_thread(lambda: answers.answers_equivalent("2^{10}", "1024", timeout_s=30)) is True  # a replacement works
 
 
 def test_answers_equivalent_is_bounded_from_another_process():
-    code = (f"import time\nfrom envs.verify import answers as v\nv.answers_equivalent('1', '1+0')\nt0 = time.monotonic()\n"
-            f"print(v.answers_equivalent({HUGE!r}, '1', timeout_s=1.0), round(time.monotonic() - t0))")
+    code = (f"import time\nfrom envs.verify import answers\nanswers.answers_equivalent('1', '1+0')\nt0 = time.monotonic()\n"
+            f"print(answers.answers_equivalent({HUGE!r}, '1', timeout_s=1.0), round(time.monotonic() - t0))")
     child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert child.stdout.split() == ["False", "1"], child.stderr[-2000:]
 
@@ -49,7 +49,7 @@ def test_concurrent_threads_share_the_pool():
     results = [None] * len(pairs)
 
     def work(i):
-        results[i] = v.answers_equivalent(pairs[i][0], pairs[i][1], timeout_s=30)
+        results[i] = answers.answers_equivalent(pairs[i][0], pairs[i][1], timeout_s=30)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(pairs))]
     for t in threads:
@@ -70,7 +70,7 @@ def test_bad_arguments_are_one_clear_error():
     with pytest.raises(ValueError, match="timeout_s"):
         symbolic.pool().compare("1", "1", timeout_s=0)
     with pytest.raises(ValueError, match="timeout_s"):
-        v.answers_equivalent("1", "1", timeout_s=-1)
+        answers.answers_equivalent("1", "1", timeout_s=-1)
     with pytest.raises(ValueError, match="size"):
         symbolic.WorkerPool(0)
 
@@ -92,10 +92,10 @@ def test_a_worker_that_dies_is_an_infra_error_not_a_timeout(reaped):
 
 RUNAWAY = [HUGE, r"\binom{10^{9}}{10^{8}}", r"\binom{10^{12}}{10^{11}}+1"]  # sympy evaluates each for minutes
 CALLERS = {  # every public scoring entry point -> (its result for a runaway answer, what it must be)
-    "score_math": (lambda e: (lambda r: (r.reward, r.status))(v.score_math(rf"\boxed{{{e}}}", "1", timeout_s=1.0)),
+    "score_math": (lambda e: (lambda r: (r.reward, r.status))(answers.score_math(rf"\boxed{{{e}}}", "1", timeout_s=1.0)),
                    (0.0, "timeout")),
-    "answers_equivalent": (lambda e: v.answers_equivalent(e, "1", timeout_s=1.0), False),
-    "compare_answers": (lambda e: v.compare_answers(e, "1", timeout_s=1.0)[0], None),
+    "answers_equivalent": (lambda e: answers.answers_equivalent(e, "1", timeout_s=1.0), False),
+    "compare_answers": (lambda e: answers.compare_answers(e, "1", timeout_s=1.0)[0], None),
 }
 
 

@@ -114,7 +114,7 @@ def test_config_and_recipe_errors_for_a_run_without_an_archive(tmp_path):
         with pytest.raises(ConfigError, match="no such run directory"):
             load(c)
     with pytest.raises(FileNotFoundError, match="has no episode archive"):
-        offline_loop.archive_table(tmp_path / "empty")
+        from_archive.archive_table(tmp_path / "empty")
 
 
 def test_the_recipes_read_a_runs_archive(table):
@@ -224,15 +224,15 @@ def test_several_runs_archives_are_read_as_one_and_their_groups_stay_apart(tmp_p
     a, b = write("s0", "s0", {"preset": "tiny"}), write("s1", "s1", {"preset": "tiny"})
     assert archive_runs(f" {a}, {b},") == [a, b]
     check_archive(f"{a},{b}", "dpo.from_archive")
-    both = offline_loop.archive_table(f"{a},{b}")
+    both = from_archive.archive_table(f"{a},{b}")
     assert both.column("run").to_pylist() == ["s0"] * len(ROWS) + ["s1"] * len(ROWS)
     pairs = from_archive.dpo_pairs(both)[0]
-    one = from_archive.dpo_pairs(offline_loop.archive_table(a))[0]
+    one = from_archive.dpo_pairs(from_archive.archive_table(a))[0]
     assert len(pairs) == 2 * len(one) and all(p.pair_id.count("s0:") in (0, 2) for p in pairs)
     assert _archive_model(f"{a},{b}", {}) == {"preset": "tiny"}
     c = write("s2", "s0", {"preset": "tiny"})
     with pytest.raises(ValueError, match="both hold run 's0'"):
-        offline_loop.archive_table(f"{a},{c}")
+        from_archive.archive_table(f"{a},{c}")
     with pytest.raises(ConfigError, match="named twice"):
         check_archive(f"{a},{a}", "sft.from_archive")
     with pytest.raises(ConfigError, match=r"'.*missing': no such run directory"):

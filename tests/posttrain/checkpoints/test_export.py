@@ -223,18 +223,18 @@ def test_convert_of_a_lora_run_checkpoint_in_process(tmp_path):
 
     from posttrain import cli
 
-    from posttrain.recipes import grpo as loop
-    from posttrain.algos.grpo import step as ts
+    from posttrain.recipes import grpo
+    from posttrain.algos.grpo import step
     from posttrain.config import to_dict
-    from posttrain.runs.plan import make_run_plan
+    from posttrain.config.plan import make_run_plan
     from helpers import tiny_config
 
     cfg = tiny_config(tmp_path / "run", **{"lora.rank": 4, "optim.lr": 1e-2})
     plan = make_run_plan(cfg)
-    rollouter, learner, _ = loop.build(plan)
+    rollouter, learner, _ = grpo.build(plan)
     try:
         learner.update(batching.random_batch(0, advantage_fn("grpo"), prompts=4, group_size=4, prompt_len=16, completion_len=8,
-                                             vocab_size=320, row_multiple=plan.rollout.row_multiple))
+                                             vocab_size=320, row_multiple=plan.row_multiple))
         learner.save(rollouter.state_dict(), force=True)
         learner.wait()
         tokens = np.random.default_rng(3).integers(0, 259, (2, 12))

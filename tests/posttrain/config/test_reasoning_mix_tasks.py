@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from posttrain.config import from_config_dict, to_dict
-from posttrain.runs.plan import make_run_plan
+from posttrain.config.plan import make_run_plan
 from posttrain.scheduling.scheduler import JobScheduler
 from posttrain.scheduling.domain_rules import resolve_policies
 
@@ -31,7 +31,7 @@ def test_the_plan_has_priorities_caps_and_floors(mix, tmp_path):
     module, cfg = mix
     plan = make_run_plan(cfg, workdir=str(tmp_path / "run"))
     names = sorted(cfg.env.train)
-    policies = resolve_policies(names, plan.rollout.tasks.policies)
+    policies = resolve_policies(names, plan.scheduler.policies)
     arithmetic = {n for n in names if n.split("/")[1] in module.ARITHMETIC}
     assert arithmetic and arithmetic != set(names) and cfg.tasks.enabled
     for n in names:
@@ -39,7 +39,7 @@ def test_the_plan_has_priorities_caps_and_floors(mix, tmp_path):
         assert (p.priority, p.max_share, p.min_share) == ((1, 0.15, 0.05) if n in arithmetic else (0, 1.0, 0.05))
     assert not (tmp_path / "run").exists()  # a plan writes nothing
 
-    sched = JobScheduler({n: Source(50, n) for n in names}, plan.rollout.tasks)
+    sched = JobScheduler({n: Source(50, n) for n in names}, plan.scheduler)
     P = cfg.rl.prompts_per_step
     groups = {n: 0 for n in names}
     for log in FakeRunner(sched, seed=0).run(STEPS, P):
@@ -84,7 +84,7 @@ def test_the_band_variant_revisits_a_small_pool_and_its_band_skips(mix):
         raw = to_dict(cfg)
         raw["tasks"]["band_visits"] = band
         plan = make_run_plan(from_config_dict(raw), workdir="/nonexistent")
-        sched = JobScheduler({n: Source(module.TRAIN_TASKS, n) for n in cfg.env.train}, plan.rollout.tasks)
+        sched = JobScheduler({n: Source(module.TRAIN_TASKS, n) for n in cfg.env.train}, plan.scheduler)
         runner = FakeRunner(sched, seed=0, pass_prob=lambda d, i, s: (0.0, 1.0, 0.5)[i % 3])
         logs, fracs = [], []
         for step in range(35):

@@ -13,14 +13,14 @@ from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.learn.logprobs import score_logprobs
 from posttrain import cli
 
-from posttrain.recipes import grpo as loop
-from posttrain.runs import plan as run_plan
+from posttrain.recipes import grpo
+from posttrain.config import load as config_load, plan as run_plan
 
 from posttrain.rollout import rollouter
 
-from posttrain.checkpoints import policy as setup
+from posttrain.checkpoints import policy
 from posttrain.infra import mesh as mesh_lib
-from posttrain.algos.grpo import step as ts
+from posttrain.algos.grpo import step
 from posttrain.config import ConfigError, default_config, env_spec, from_config_dict
 from helpers import saved_run
 from posttrain.generate.sampler import logprob_temperature, pad_prompts, sample
@@ -84,9 +84,9 @@ def test_bad_config_exits_2_with_one_line_before_any_work(override, named, monke
     def forbidden(*a, **k):
         raise AssertionError("a bad config reached model loading / worker start")
 
-    monkeypatch.setattr(setup, "load_policy", forbidden)
-    monkeypatch.setattr(loop, "load_policy", forbidden)
-    monkeypatch.setattr(rollouter, "make_runner", forbidden)
+    monkeypatch.setattr(policy, "load_policy", forbidden)
+    monkeypatch.setattr(grpo, "load_policy", forbidden)
+    monkeypatch.setattr(rollouter, "env_runner", forbidden)
     dirs = _fake_model_dirs(tmp_path_factory.mktemp("models"))
     argv = ["posttrain", "train", f"--config={TINY}", *override.format(**dirs).split(" "), f"--workdir={tmp_path}"]
     if override == "--config.model.preset=":
@@ -130,9 +130,9 @@ def test_every_env_is_built_once_before_the_model_loads(tmp_path, monkeypatch):
         events.append(("load_policy",))
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(loop, "load_policy", load)
+    monkeypatch.setattr(grpo, "load_policy", load)
     with pytest.raises(RuntimeError, match="stop here"):
-        loop.build(run_plan.make_run_plan(tiny_config(tmp_path / "run")))
+        grpo.build(run_plan.make_run_plan(tiny_config(tmp_path / "run")))
     assert events == [("make", "posttrain/Arithmetic-v0")] * 2 + [("load_policy",)]
 
 
@@ -162,7 +162,7 @@ def test_batch_shards_follow_the_batch_rule():
     assert mesh_lib.batch_shards({"data": 1, "fsdp": 2, "tensor": 1, "expert": 4}) == 8  # expert splits the batch
     plan = run_plan.make_run_plan(_tiny_cfg(**{"mesh.tensor": 2, "rl.num_microbatches": 2}), num_devices=8)
     assert plan.mesh_shape == {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}
-    assert plan.batch_shards == 4 and plan.rollout.row_multiple == 2 * 4
+    assert plan.batch_shards == 4 and plan.row_multiple == 2 * 4
 
 
 def test_sampler_and_trainer_use_the_same_logprob_temperature():
@@ -181,7 +181,7 @@ def test_sampler_and_trainer_use_the_same_logprob_temperature():
     for temperature in (0.0, 0.6, 1.0):
         plan = run_plan.make_run_plan(_tiny_cfg(**{"sampling.temperature": temperature, "sampling.max_new_tokens": 5}))
         assert plan.step.temperature == logprob_temperature(temperature) == (temperature or 1.0)
-        out = sample(graphdef, state, prompts, lengths, jax.random.key(1), group_size=2, params=plan.rollout.sampling,
+        out = sample(graphdef, state, prompts, lengths, jax.random.key(1), group_size=2, params=plan.config.sampling.params(),
                      stop_ids=(), pad_id=0)
         samples = [Sample(domain="d", group=n // 2, prompt_ids=prompt_ids[n // 2], status="ok",
                           segments=[(np.asarray(out.tokens_NxLg[n]), np.asarray(out.logp_NxLg[n]), True)])
@@ -196,7 +196,7 @@ def test_sampler_and_trainer_use_the_same_logprob_temperature():
 def test_plan_is_frozen():
     plan = run_plan.make_run_plan(_tiny_cfg())
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.rollout.row_multiple = 3
+        plan.row_multiple = 3
 
 
 def _rules_cfg(**rules):
@@ -225,7 +225,7 @@ def test_mesh_rules_overlay_the_parameter_and_batch_shardings():
     for name in ("default", "no_fsdp"):
         plan = run_plan.make_run_plan(cfgs[name])  # this process's one device
         mesh = mesh_lib.make_mesh(plan.mesh_shape)
-        _, _, state, _ = setup.load_policy(plan.policy, mesh, plan.rules)
+        _, _, state, _ = policy.load_policy(plan.policy, mesh, plan.rules)
         specs[name] = tuple(state["embedding"].value.sharding.spec)
     assert specs == {"default": ("tensor", "fsdp"), "no_fsdp": ("tensor", None)}
 
@@ -238,7 +238,7 @@ def test_moe_run_settings_reach_the_moe_layers():
     c.model.moe_gmm_impl, c.model.moe_capacity_factor, c.model.moe_ep_capacity_factor = "ragged", 1.5, 3.0
     c.model.attention_impl, c.model.grad_dtype = "pallas_gpu", "compute"
     plan = run_plan.make_run_plan(from_config_dict(c))
-    mcfg, graphdef, state, _ = setup.load_policy(plan.policy, mesh_lib.make_mesh(plan.mesh_shape),
+    mcfg, graphdef, state, _ = policy.load_policy(plan.policy, mesh_lib.make_mesh(plan.mesh_shape),
                                                  plan.rules)
     model = nnx.merge(graphdef, state)
     ffn = model.moe_layers.ffn
@@ -254,10 +254,21 @@ def test_moe_run_settings_reach_the_moe_layers():
         from_config_dict(c)
 
 
-@pytest.mark.parametrize("section,key", sorted(run_plan.REGISTRY_NAMES))
+def _registries():
+    from posttrain.algos.grpo import losses
+    from posttrain.algos.grpo.advantages import ADVANTAGES
+    from posttrain.eval.runner import SCORERS
+    from posttrain.learn.optim import OPTIMIZERS, SCHEDULES
+
+    return {("rl", "advantage"): ADVANTAGES, ("rl", "loss"): losses.POLICY_LOSSES,
+            ("rl", "kl_estimator"): losses.KL_ESTIMATORS, ("rl", "aggregation"): losses.AGGREGATIONS,
+            ("optim", "name"): OPTIMIZERS, ("optim", "schedule"): SCHEDULES, ("eval", "scorer"): SCORERS}
+
+
+@pytest.mark.parametrize("section,key", sorted(_registries()))
 def test_registry_names_are_checked_against_the_registries(section, key):
-    """Each name the plan checks is allowed exactly when it is a key of its registry (no second list)."""
-    registry = run_plan.REGISTRY_NAMES[(section, key)]
+    """Each name a section checks is allowed exactly when it is a key of its registry (no second list)."""
+    registry = _registries()[(section, key)]
     for name in registry:  # every registered name makes a plan
         run_plan.make_run_plan(_tiny_cfg(**{f"{section}.{key}": name}))
     with pytest.raises(ConfigError, match=rf"{section}.{key}='nope'; expected one of"):
@@ -325,13 +336,13 @@ def test_resuming_with_changed_settings_refuses_unless_allowed(tmp_path, over, c
     plan = run_plan.make_run_plan(tiny_config(tmp_path, **over))
     if changed and not allow:
         with pytest.raises(ConfigError) as info:
-            loop.resume_changes(plan)
+            grpo.resume_changes(plan)
         listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
         assert str(info.value).startswith(f"resuming {tmp_path} (checkpoint 2) with changed settings: {listed}; ")
         assert ("--allow_config_change on the command line, allow_config_change=True in grpo.train(...)"
                 in str(info.value))
     else:
-        assert loop.resume_changes(plan, allow) == {k: [*v, 2] for k, v in changed.items()}
+        assert grpo.resume_changes(plan, allow) == {k: [*v, 2] for k, v in changed.items()}
 
 
 def test_changes_count_only_when_a_checkpoint_will_be_restored(tmp_path):
@@ -341,7 +352,7 @@ def test_changes_count_only_when_a_checkpoint_will_be_restored(tmp_path):
     import shutil
 
     shutil.rmtree(tmp_path / "checkpoints")  # killed before its first checkpoint: the rerun starts over
-    assert loop.resume_changes(run_plan.make_run_plan(tiny_config(tmp_path, **{"optim.lr": 0.5}))) == {}
+    assert grpo.resume_changes(run_plan.make_run_plan(tiny_config(tmp_path, **{"optim.lr": 0.5}))) == {}
 
 
 @pytest.mark.parametrize("given,lora_rank,warned", [(None, 8, False), ({}, 8, True), ({"lora.rank": 8}, 8, False)])
@@ -352,12 +363,12 @@ def test_commands_reading_a_run_use_its_saved_model_and_lora(tmp_path, given, lo
 
     saved_run(tmp_path, **{"lora.rank": 8, "optim.lr": 0.5})
     cfg = None if given is None else tiny_config(tmp_path / "other", **{"eval.num_tasks": 7, **given})
-    got = run_plan.config_for_run(tmp_path, cfg)
+    got = config_load.config_for_run(tmp_path, cfg)
     assert got.lora.rank == lora_rank and got.model.overrides == {"vocab_size": 320}
     assert (got.optim.lr, got.eval.num_tasks) == ((0.5, 20) if given is None else (1e-3, 7))
     assert any("using the run's own lora.rank=8 (not 0)" in r.getMessage() for r in caplog.records) == warned
     with pytest.raises(ConfigError, match=r"no config.json in it \(not a run's directory\?\); pass the run's --config"):
-        run_plan.config_for_run(tmp_path / "empty")
+        config_load.config_for_run(tmp_path / "empty")
 
 
 @pytest.mark.parametrize("command", ["train", "eval"])
@@ -366,8 +377,8 @@ def test_the_cli_reads_a_run_by_its_directory_alone(tmp_path, monkeypatch, comma
     with them (both needed --config, and config.json could not be passed back)."""
     saved = saved_run(tmp_path / "run", **{"optim.lr": 0.5, "lora.rank": 4})
     seen = []
-    monkeypatch.setattr(loop, "train", lambda plan, **k: seen.append(plan) or {})
-    monkeypatch.setattr(loop, "evaluate_run", lambda plan: seen.append(plan) or (2, {}))
+    monkeypatch.setattr(grpo, "train", lambda plan, **k: seen.append(plan) or {})
+    monkeypatch.setattr(grpo, "evaluate_run", lambda plan: seen.append(plan) or (2, {}))
     monkeypatch.setenv("POSTTRAIN_XLA_CACHE", "0")
     flag = "--workdir" if command == "train" else "--checkpoint"
     argv = ["posttrain", command, f"{flag}={tmp_path / 'run'}"]
@@ -387,6 +398,6 @@ def test_a_failed_restore_leaves_the_saved_settings_as_they_were(tmp_path):
     saved_run(tmp_path)
     before = (tmp_path / "config.json").read_text()
     with pytest.raises(CheckpointStructureError):
-        loop.train(run_plan.make_run_plan(tiny_config(tmp_path, **{"optim.lr": 0.5})), progress=False,
+        grpo.train(run_plan.make_run_plan(tiny_config(tmp_path, **{"optim.lr": 0.5})), progress=False,
                    allow_config_change=True)
     assert (tmp_path / "config.json").read_text() == before and not (tmp_path / "config_changes.jsonl").exists()

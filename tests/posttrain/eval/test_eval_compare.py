@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from posttrain.eval import compare as cmp_mod
+from posttrain.eval import compare as compare_lib
 from posttrain.eval.compare import compare
 from posttrain.eval.metrics import task_set_hash
 
@@ -32,31 +32,31 @@ def _paired(domain, both, neither, losses, wins):
 
 @pytest.mark.parametrize("losses,wins", [(0, 0), (5, 0), (0, 6), (3, 9), (10, 10), (1, 30), (17, 4)])
 def test_mcnemar_matches_binomtest(losses, wins):
-    got = cmp_mod.mcnemar_exact(losses, wins)
+    got = compare_lib.mcnemar_exact(losses, wins)
     want = 1.0 if losses + wins == 0 else stats.binomtest(wins, losses + wins, 0.5).pvalue
     assert got == pytest.approx(want, rel=1e-12)
 
 
 def test_mcnemar_issue_example_and_errors():
-    assert cmp_mod.mcnemar_exact(5, 0) == pytest.approx(0.0625)  # gcd 5/30 -> 0/30: not significant
-    assert cmp_mod.mcnemar_exact(6, 0) == pytest.approx(0.03125)
+    assert compare_lib.mcnemar_exact(5, 0) == pytest.approx(0.0625)  # gcd 5/30 -> 0/30: not significant
+    assert compare_lib.mcnemar_exact(6, 0) == pytest.approx(0.03125)
     with pytest.raises(ValueError):
-        cmp_mod.mcnemar_exact(-1, 2)
+        compare_lib.mcnemar_exact(-1, 2)
 
 
 def test_holm_matches_hand_computed_table():
     # sorted p: 0.005*4 = 0.02, 0.01*3 = 0.03, 0.03*2 = 0.06, max(0.04*1, 0.06) = 0.06
     p = [0.01, 0.04, 0.03, 0.005]
-    reject, adj = cmp_mod.holm(p, 0.05)
+    reject, adj = compare_lib.holm(p, 0.05)
     np.testing.assert_allclose(adj, [0.03, 0.06, 0.06, 0.02], rtol=1e-12)
     assert reject.tolist() == [True, False, False, True]
     # a second table: step-down stops at the first non-rejection; adjusted values capped at 1
-    reject, adj = cmp_mod.holm([0.001, 0.5, 0.012, 0.02, 0.9], 0.05)
+    reject, adj = compare_lib.holm([0.001, 0.5, 0.012, 0.02, 0.9], 0.05)
     np.testing.assert_allclose(adj, [0.005, 1.0, 0.048, 0.06, 1.0], rtol=1e-12)
     assert reject.tolist() == [True, False, True, False, False]
-    assert cmp_mod.holm([], 0.05)[0].size == 0
+    assert compare_lib.holm([], 0.05)[0].size == 0
     with pytest.raises(ValueError):
-        cmp_mod.holm([0.1, 1.2], 0.05)
+        compare_lib.holm([0.1, 1.2], 0.05)
 
 
 def test_holm_runs_no_full_garbage_collection(monkeypatch):
@@ -67,10 +67,10 @@ def test_holm_runs_no_full_garbage_collection(monkeypatch):
     calls = []
     monkeypatch.setattr(gc, "collect", lambda *a, **k: calls.append(1) or 0)
     counting = gc.collect
-    assert cmp_mod.holm([0.01, 0.04], 0.05)[0].tolist() == [True, True]
+    assert compare_lib.holm([0.01, 0.04], 0.05)[0].tolist() == [True, True]
     assert calls == [] and gc.collect is counting
     with pytest.raises(ValueError):
-        cmp_mod.holm([0.1], 1.5)
+        compare_lib.holm([0.1], 1.5)
 
 
 def test_paired_bootstrap_coverage_on_synthetic_binary_pairs():
@@ -81,7 +81,7 @@ def test_paired_bootstrap_coverage_on_synthetic_binary_pairs():
     covered = 0
     for trial in range(1000):
         idx = rng.choice(4, size=100, p=[0.4, 0.3, 0.1, 0.2])
-        lo, hi = cmp_mod.paired_bootstrap_ci(pairs[idx, 0], pairs[idx, 1], confidence=0.95, n_resamples=999,
+        lo, hi = compare_lib.paired_bootstrap_ci(pairs[idx, 0], pairs[idx, 1], confidence=0.95, n_resamples=999,
                                              seed=trial)
         assert np.isfinite(lo) and np.isfinite(hi) and lo <= hi
         covered += lo <= 0.1 <= hi
@@ -90,7 +90,7 @@ def test_paired_bootstrap_coverage_on_synthetic_binary_pairs():
 
 def test_all_concordant_gives_zero_interval_and_no_change():
     base, cand = _paired("gcd", both=12, neither=18, losses=0, wins=0)
-    assert cmp_mod.paired_bootstrap_ci([1, 0, 1], [1, 0, 1]) == (0.0, 0.0)
+    assert compare_lib.paired_bootstrap_ci([1, 0, 1], [1, 0, 1]) == (0.0, 0.0)
     d = compare(base, cand).domains[0]
     assert d.pass_at_1.ci == (0.0, 0.0) and d.mean_reward.ci == (0.0, 0.0)
     assert d.verdict == "no change" and d.pass_at_1.p == 1.0 and d.pass_at_1.p_holm == 1.0
@@ -148,12 +148,12 @@ def test_sampled_and_partial_credit_domains():
 def test_min_detectable_effect_formula():
     diff = np.array([-1.0] * 5 + [0.0] * 25)
     z = stats.norm.ppf(0.975) + stats.norm.ppf(0.8)
-    assert cmp_mod.min_detectable_effect(diff) == pytest.approx(z * np.std(diff, ddof=1) / np.sqrt(30))
-    assert cmp_mod.min_detectable_effect(np.zeros(100)) == pytest.approx(z / 100)  # floor: one discordant pair
+    assert compare_lib.min_detectable_effect(diff) == pytest.approx(z * np.std(diff, ddof=1) / np.sqrt(30))
+    assert compare_lib.min_detectable_effect(np.zeros(100)) == pytest.approx(z / 100)  # floor: one discordant pair
     z3 = stats.norm.ppf(1 - 0.05 / 6) + stats.norm.ppf(0.8)
-    assert cmp_mod.min_detectable_effect(diff, tests=3) == pytest.approx(z3 * np.std(diff, ddof=1) / np.sqrt(30))
+    assert compare_lib.min_detectable_effect(diff, tests=3) == pytest.approx(z3 * np.std(diff, ddof=1) / np.sqrt(30))
     with pytest.raises(ValueError):
-        cmp_mod.min_detectable_effect([])
+        compare_lib.min_detectable_effect([])
 
 
 def test_refuses_different_task_sets_and_hashes():

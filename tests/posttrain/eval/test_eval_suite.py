@@ -94,15 +94,15 @@ def test_limit_and_domains_select():
 
 
 def test_resolve_builds_domains_and_skips_absent_data_and_failed_golden_checks(monkeypatch):
-    from envs.tasks import domains as registry
+    from envs.tasks import domains
 
-    real = registry.check_domain
+    real = domains.check_domain
 
     def check(domain, **kw):  # leg_counting's golden check "fails" here
         c = real(domain, **kw)
-        return c if domain != "reasoning_gym/leg_counting" else registry.DomainCheck(domain, "failed", "", "ref 0", "")
+        return c if domain != "reasoning_gym/leg_counting" else domains.DomainCheck(domain, "failed", "", "ref 0", "")
 
-    monkeypatch.setattr(registry, "check_domain", check)
+    monkeypatch.setattr(domains, "check_domain", check)
     s = suite_lib.parse_suite({"areas": {
         "math": {"domains": {"arith": {**ARITH, "tasks": 50}, "gsm8k": {"env": "posttrain/GSM8K-v0",
                                                                       "kwargs": {"path": "/nonexistent/g.jsonl"}}}},

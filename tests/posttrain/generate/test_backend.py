@@ -16,8 +16,8 @@ import pytest
 
 from posttrain.config import ConfigError
 from posttrain.infra.mesh import make_mesh
-from posttrain.runs.plan import make_run_plan
-from posttrain.generate import backend as engine_sampler
+from posttrain.config.plan import make_run_plan
+from posttrain.generate import backend
 from posttrain.rollout.rollouter import Rollouter
 from posttrain.generate.sampler import SamplingParams, pad_prompts
 from helpers import random_model, tiny_config
@@ -30,11 +30,11 @@ LENGTHS = (5, 11, 8, 3, 17, 9)  # test_engine.py's prompts: stopped and truncate
 def _rollouters(tmp_path, graphdef):
     """(dense, engine) Rollouters of one plan (4 prompts x 3 samples), sharing everything but the engine."""
     plan = make_run_plan(tiny_config(tmp_path, **{"sampling.backend": "engine", "rl.group_size": 3}))
-    settings = plan.rollout
-    assert settings.engine == engine_sampler.EngineSamplerSettings(num_slots=12)  # P x G slots, sized by requests
+    settings = plan.rollout_settings
+    assert settings.engine == backend.EngineSamplerSettings(num_slots=12)  # P x G slots, sized by requests
     mesh = make_mesh({"fsdp": 1}, jax.devices()[:1])
     sized = dataclasses.replace(settings.engine, page_size=4, max_seq_len=64)  # one size for both turns
-    engine = engine_sampler.EngineSampler(graphdef, sized, jax.devices()[0])
+    engine = backend.EngineSampler(graphdef, sized, jax.devices()[0])
     r = Rollouter(settings=settings, mesh=mesh, graphdef=graphdef, runner=None, scheduler=None, train_specs={},
                   tokenizer=types.SimpleNamespace(stop_ids=STOPS, pad_id=PAD), advantage_fn=None, engine=engine)
     return dataclasses.replace(r, engine=None), r
@@ -209,13 +209,13 @@ def test_backend_names_and_settings_errors(tmp_path):
     with pytest.raises(ConfigError, match="^sampling.backend='engine' runs on one device .*, this run's sampler "
                                           "has 2: use sampling.backend='dense', or mesh.rollout=1"):
         make_run_plan(tiny_config(tmp_path, **engine), num_devices=2)
-    replay = make_run_plan(tiny_config(tmp_path, **engine, **{"rl.routing_replay": "replay"})).rollout.engine
+    replay = make_run_plan(tiny_config(tmp_path, **engine, **{"rl.routing_replay": "replay"})).engine
     assert replay.record_routing and replay.engine_settings(10).record_routing  # routing replay: the engine records
     with pytest.raises(ConfigError, match=r"^sampling.engine_per_episode=True needs sampling.engine_max_seq_len > 0"):
         make_run_plan(tiny_config(tmp_path, **engine, **{"sampling.engine_per_episode": True}))
     per_episode = make_run_plan(tiny_config(tmp_path, **engine, **{"sampling.engine_per_episode": True,
                                                                    "sampling.engine_max_seq_len": 256}))
-    assert per_episode.rollout.engine.per_episode and per_episode.rollout.engine.env_overlap == 0
+    assert per_episode.engine.per_episode and per_episode.engine.env_overlap == 0
     with pytest.raises(ConfigError, match=r"^sampling.engine_env_overlap=2 overlaps .* needs "
                                           r"sampling.engine_per_episode=True"):
         make_run_plan(tiny_config(tmp_path, **engine, **{"sampling.engine_env_overlap": 2}))
@@ -223,25 +223,25 @@ def test_backend_names_and_settings_errors(tmp_path):
         tiny_config(tmp_path, **{"sampling.engine_env_overlap": -1})
     with pytest.raises(ConfigError, match=r"sampling.engine_decode_chunk=-2 is out of range"):
         tiny_config(tmp_path, **{"sampling.engine_decode_chunk": -2})
-    chunked = make_run_plan(tiny_config(tmp_path, **engine, **{"sampling.engine_decode_chunk": 4})).rollout.engine
+    chunked = make_run_plan(tiny_config(tmp_path, **engine, **{"sampling.engine_decode_chunk": 4})).engine
     assert chunked.decode_chunk == 4 and chunked.engine_settings(40).decode_chunk == 4
-    assert per_episode.rollout.engine.engine_settings(40).decode_chunk == 0  # the backend's default
+    assert per_episode.engine.engine_settings(40).decode_chunk == 0  # the backend's default
     with pytest.raises(ValueError, match=r"per_episode=True"):
-        engine_sampler.EngineSamplerSettings(num_slots=2, per_episode=True)
+        backend.EngineSamplerSettings(num_slots=2, per_episode=True)
     # the default, "auto": the engine on one device; the dense sampler on more, or when asked to shrink rows
-    assert make_run_plan(tiny_config(tmp_path)).rollout.engine is not None
-    assert make_run_plan(tiny_config(tmp_path), num_devices=2).rollout.engine is None
-    assert make_run_plan(tiny_config(tmp_path, **{"sampling.decode_shrink_steps": 2})).rollout.engine is None
-    assert make_run_plan(tiny_config(tmp_path, **{"sampling.backend": "dense"})).rollout.engine is None
+    assert make_run_plan(tiny_config(tmp_path)).engine is not None
+    assert make_run_plan(tiny_config(tmp_path), num_devices=2).engine is None
+    assert make_run_plan(tiny_config(tmp_path, **{"sampling.decode_shrink_steps": 2})).engine is None
+    assert make_run_plan(tiny_config(tmp_path, **{"sampling.backend": "dense"})).engine is None
     partial = {"rollout.max_staleness": 1, "rollout.partial": True}
-    assert make_run_plan(tiny_config(tmp_path, **partial)).rollout.engine is not None
+    assert make_run_plan(tiny_config(tmp_path, **partial)).engine is not None
     with pytest.raises(ConfigError, match=r"^rollout.partial=True .* needs the rollout engine .* this run samples "
                                           r"with the dense sampler \(sampling.backend='auto', 2 sampler devices"):
         make_run_plan(tiny_config(tmp_path, **partial), num_devices=2)
     plan = make_run_plan(tiny_config(tmp_path, **engine, **{"sampling.engine_slots": 5, "sampling.engine_pages": 9,
                                                              "sampling.engine_max_seq_len": 64}))
-    s = plan.rollout.engine
+    s = plan.engine
     assert s.engine_settings(10) == s.engine_settings(60)  # a fixed size: 5 slots, 9 pages of 16, 64 tokens
     assert (s.engine_settings(10).num_pages, s.engine_settings(10).max_seq_len) == (9, 64)
-    grown = engine_sampler.EngineSamplerSettings(num_slots=4).engine_settings(70)  # 70 -> 8 pages of 16
+    grown = backend.EngineSamplerSettings(num_slots=4).engine_settings(70)  # 70 -> 8 pages of 16
     assert (grown.max_seq_len, grown.num_pages) == (128, 4 * 8 + 1)

@@ -77,16 +77,16 @@ def test_an_admission_prefills_its_requests_in_one_program(monkeypatch, count):
     """The first admission fills all 4 slots with one `prefill` of 4 rows (3 requests: 3 rows and an empty one,
     which writes only into the scratch page); a later one of n requests is one program of the next power of two
     >= n rows. Tokens and logprobs equal the sampler's (<= 1e-5) either way."""
-    import posttrain.generate.engine.admission as engine_mod
+    from posttrain.generate.engine import admission
 
     cfg, graphdef, state, prompts, tokens, logp, lengths = _greedy_sampler("tiny-dense")
-    calls, real = [], engine_mod.prefill
+    calls, real = [], admission.prefill
 
     def counted(graphdef, state, pool, tokens_BxW, lengths_B, *args, **kw):
         calls.append((tuple(tokens_BxW.shape), int((np.asarray(lengths_B) > 0).sum())))
         return real(graphdef, state, pool, tokens_BxW, lengths_B, *args, **kw)
 
-    monkeypatch.setattr(engine_mod, "prefill", counted)
+    monkeypatch.setattr(admission, "prefill", counted)
     engine = _engine(graphdef, state, num_pages=40)  # room for every sequence: no preemption
     requests = [Request(prompt=tuple(p), max_new_tokens=LG, temperature=0.0, stop_ids=STOPS) for p in prompts]
     completions = engine.generate(requests[:count], jax.random.key(0))
@@ -199,10 +199,10 @@ def test_table_width_narrows_to_live_pages_with_equal_results(monkeypatch):
     rng = np.random.default_rng(3)
     first = rng.integers(4, cfg.vocab_size, 7).tolist()
     settings = EngineSettings(num_slots=4, num_pages=80, page_size=4, max_seq_len=256, prefill_bucket=32)
-    import posttrain.generate.engine.loop as engine_module
+    from posttrain.generate.engine import loop
     import posttrain.generate.engine.admission as admission_module
 
-    modules = {"decode_chunk": engine_module, "extend": admission_module}
+    modules = {"decode_chunk": loop, "extend": admission_module}
 
     def run():
         widths, calls = set(), {}
@@ -240,7 +240,7 @@ def test_decode_packs_live_slots_into_fewer_rows_with_equal_results(monkeypatch)
     rows that holds the live ones (12, 9, 6, 3: `EngineSettings.decode_rows`), live slots packed first; tokens
     equal and logprobs within 1e-5 of decoding all 12 slots every step, and every token is the draw of its own
     request's uniform from the teacher-forced logits, whichever row it ran in."""
-    import posttrain.generate.engine.loop as engine_module
+    from posttrain.generate.engine import loop
 
     assert [EngineSettings(num_slots=s, num_pages=2).decode_rows(n) for s, n in
             [(64, 64), (64, 49), (64, 48), (64, 1), (8, 1), (12, 5), (13, 5)]] == [64, 64, 48, 16, 8, 6, 8]
@@ -249,8 +249,8 @@ def test_decode_packs_live_slots_into_fewer_rows_with_equal_results(monkeypatch)
     requests = [Request(prompt=tuple(p), max_new_tokens=1 + i, temperature=1.0) for i, p in enumerate(prompts)]
     settings = EngineSettings(num_slots=12, num_pages=40, page_size=4, max_seq_len=24, prefill_bucket=32,
                               drain_chunk=1)
-    rows, real = [], engine_module.decode_chunk
-    monkeypatch.setattr(engine_module, "decode_chunk", lambda *a, **k: rows.append(a[3].shape[0]) or real(*a, **k))
+    rows, real = [], loop.decode_chunk
+    monkeypatch.setattr(loop, "decode_chunk", lambda *a, **k: rows.append(a[3].shape[0]) or real(*a, **k))
     packed = Engine(graphdef, state, settings).generate(requests, jax.random.key(5))
     assert rows == sorted(rows, reverse=True) and set(rows) == {12, 9, 6, 3}, rows
     monkeypatch.setattr(EngineSettings, "decode_rows", lambda self, live: self.num_slots)
@@ -332,7 +332,7 @@ def test_decode_chunks_give_the_tokens_of_single_steps(monkeypatch):
     pages, and a pool of 12 pages that preempts; with fewer programs run. A chunk allocates each slot's pages for
     its next tokens up front (at most 1 + (K - 1) / Z pages per sequence past what it wrote), and a slot ends
     inside a chunk at its stop token or budget."""
-    import posttrain.generate.engine.loop as engine_module
+    from posttrain.generate.engine import loop
 
     cfg, graphdef, state = random_model("tiny-dense")
     prompts = _prompts(cfg.vocab_size, seed=4)
@@ -342,8 +342,8 @@ def test_decode_chunks_give_the_tokens_of_single_steps(monkeypatch):
                 for p, (T, k, tp, st, b) in zip(prompts, settings)]
     requests += [Request(prompt=tuple(prompts[4]), temperature=1.0, max_new_tokens=14)] * 2  # a group
     programs = []
-    real = engine_module.decode_chunk
-    monkeypatch.setattr(engine_module, "decode_chunk", lambda *a, **kw: programs.append(
+    real = loop.decode_chunk
+    monkeypatch.setattr(loop, "decode_chunk", lambda *a, **kw: programs.append(
         (kw["steps"], bool(engine._queue))) or real(*a, **kw))  # steps, and whether a request waited
     runs = {}
     for K, drain in ((1, 1), (3, 3), (4, 4), (1, 4)):

@@ -87,14 +87,14 @@ def test_group_shares_prompt_pages(monkeypatch, prefix_cache):
     of its pages (with the prefix cache: its 2 full pages shared, a copy of its partial third page; without: copies
     of all 3, as many at a time as the pool holds). Every sample's logprobs equal one teacher-forced forward's (<= 1e-5: a missing or wrong page copy
     changes the logprobs after it); pages handed out with the cache: 2 + each sample's own."""
-    import posttrain.generate.engine.admission as engine_mod
+    from posttrain.generate.engine import admission
 
     cfg, graphdef, state = random_model("tiny-dense")
     prompt = tuple(np.random.default_rng(6).integers(4, cfg.vocab_size, 10).tolist())
     requests = [Request(prompt=prompt, max_new_tokens=6, temperature=1.0, stop_ids=(1,)) for _ in range(4)]
     calls = []
     for name in ("prefill", "extend"):
-        monkeypatch.setattr(engine_mod, name, lambda *a, _f=getattr(engine_mod, name), _n=name, **k:
+        monkeypatch.setattr(admission, name, lambda *a, _f=getattr(admission, name), _n=name, **k:
                             calls.append(_n) or _f(*a, **k))
     engine = _engine(state, graphdef, prefix_cache=prefix_cache)
     got = engine.generate(requests, jax.random.key(1))
@@ -290,7 +290,7 @@ def test_an_admission_extends_its_cached_prompts_in_one_program(monkeypatch):
     """Three next turns whose earlier turns are cached to different depths (and a page boundary apart) are
     admitted together (10 pages: the pool holds them): one `extend` program of 4 rows (3 and a padding row) computes their new tokens, and every
     reply's logprobs equal one teacher-forced forward's (<= 1e-5)."""
-    import posttrain.generate.engine.admission as engine_mod
+    from posttrain.generate.engine import admission
 
     cfg, graphdef, state = random_model("tiny-dense")
     rng = np.random.default_rng(11)
@@ -301,7 +301,7 @@ def test_an_admission_extends_its_cached_prompts_in_one_program(monkeypatch):
     nexts = [p + tuple(c.tokens.tolist()) + tuple(rng.integers(4, cfg.vocab_size, k).tolist())
              for p, c, k in zip(firsts, done, (1, 2, 1))]
     shapes = []
-    monkeypatch.setattr(engine_mod, "extend", lambda *a, _f=engine_mod.extend, **k:
+    monkeypatch.setattr(admission, "extend", lambda *a, _f=admission.extend, **k:
                         shapes.append((a[3].shape[0], int((np.asarray(a[5]) > 0).sum()))) or _f(*a, **k))
     got = engine.generate([Request(prompt=p, max_new_tokens=2, temperature=1.0, stop_ids=(1,)) for p in nexts],
                           jax.random.key(1))
@@ -332,19 +332,19 @@ def test_shared_prefix_decode_equals_the_plain_decode(monkeypatch):
     blocks of 3 rows reading each group's prompt pages once (`paged_attention.shared_prefix_attention`), with the
     tokens of the plain decode (`kv_pages.shared_blocks` off) and logprobs within 1e-5 of it and of a
     teacher-forced forward."""
-    import posttrain.generate.engine.loop as engine_module
+    from posttrain.generate.engine import loop
 
     cfg, graphdef, state = random_model("tiny-dense")
     rng = np.random.default_rng(11)
     prompts = [tuple(rng.integers(4, cfg.vocab_size, n).tolist()) for n in (9, 13)]
     requests = [Request(prompt=p, max_new_tokens=8, temperature=1.0, stop_ids=(1,)) for p in prompts for _ in range(3)]
     settings = EngineSettings(num_slots=6, num_pages=40, page_size=Z, max_seq_len=40, prefill_bucket=32)
-    shared, real = [], engine_module.decode_chunk
-    monkeypatch.setattr(engine_module, "decode_chunk",
+    shared, real = [], loop.decode_chunk
+    monkeypatch.setattr(loop, "decode_chunk",
                         lambda *a, **k: shared.append(k["shared"] is not None) or real(*a, **k))
     got = Engine(graphdef, state, settings).generate(requests, jax.random.key(3))
     assert shared and all(shared[:4]), shared  # all 6 live: 2 blocks of 3
-    monkeypatch.setattr(engine_module.kv_pages, "shared_blocks", lambda *a: None)
+    monkeypatch.setattr(loop.kv_pages, "shared_blocks", lambda *a: None)
     shared.clear()
     plain = Engine(graphdef, state, settings).generate(requests, jax.random.key(3))
     assert not any(shared)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posttrain.generate import paged_attention as pa
+from posttrain.generate import paged_attention
 
 Z, M, P = 4, 4, 20  # tokens per page, pages per sequence, pages in the pool
 LENGTHS = [1, Z, Z + 1, M * Z, 3, 2 * Z - 1]  # one token, exactly one page, a page boundary, full table, ragged
@@ -51,7 +51,7 @@ def test_reference_equals_dense_attention(K, N, H):
     q, k, v, table, lengths = _case(K, N, H)
     if K == 1:  # MLA: the values are the same pages as the keys
         v = k
-    got = pa.paged_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(table),
+    got = paged_attention.paged_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(table),
                              jnp.asarray(lengths), scale=H ** -0.5, impl="reference")
     np.testing.assert_allclose(np.asarray(got), _numpy_attention(q, k, v, table, lengths, H ** -0.5), atol=1e-5)
     assert got.dtype == jnp.float32 and got.shape == (len(LENGTHS), N, H)
@@ -63,8 +63,8 @@ def test_kernels_interpreted_equal_reference(impl, atol, H, z):
     TPU: its einsums run at the TPU default precision (bf16 operand passes: a length-1 row returns v rounded to
     bf16), so the bound is bf16 rounding, not 1e-5."""
     q, k, v, table, lengths = (jnp.asarray(a) for a in _case(2, 4, H, seed=1, z=z))
-    ref = pa.paged_attention(q, k, v, table, lengths, scale=0.25, impl="reference")
-    got = pa.paged_attention(q, k, v, table, lengths, scale=0.25, impl=impl, interpret=True)
+    ref = paged_attention.paged_attention(q, k, v, table, lengths, scale=0.25, impl="reference")
+    got = paged_attention.paged_attention(q, k, v, table, lengths, scale=0.25, impl=impl, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=atol)
 
 
@@ -89,18 +89,18 @@ def test_auto_picks_a_kernel_only_where_its_constraints_hold(shape, tpu, gpu, ca
     H, Zs, Ms, dtype, N, K = shape
     kw = dict(head_dim=H, page_size=Zs, pages_per_seq=Ms, dtype=dtype, num_heads=N, num_kv_heads=K)
     for impl, platform, want in (("pallas_tpu", "tpu", tpu), ("pallas_gpu", "gpu", gpu)):
-        problems = pa.kernel_problems(impl, **kw)
+        problems = paged_attention.kernel_problems(impl, **kw)
         assert len(problems) == len(want) and all(w in p for w, p in zip(want, problems)), (impl, problems)
         caplog.clear()
-        got = [pa.resolve_impl("auto", platform, **kw) for _ in range(2)]
+        got = [paged_attention.resolve_impl("auto", platform, **kw) for _ in range(2)]
         assert got == [impl if not want else "reference"] * 2
-        assert len(caplog.records) <= 1 and (not want or pa._logged)  # logged once per reason at most
+        assert len(caplog.records) <= 1 and (not want or paged_attention._logged)  # logged once per reason at most
         if want:
             with pytest.raises(ValueError, match=f"impl='{impl}' cannot take these shapes: .*{want[0]}"):
-                pa.resolve_impl(impl, platform, **kw)
+                paged_attention.resolve_impl(impl, platform, **kw)
         else:
-            assert pa.resolve_impl(impl, platform, **kw) == impl
-    assert pa.kernel_problems("reference", **kw) == [] and pa.resolve_impl("auto", "cpu", **kw) == "reference"
+            assert paged_attention.resolve_impl(impl, platform, **kw) == impl
+    assert paged_attention.kernel_problems("reference", **kw) == [] and paged_attention.resolve_impl("auto", "cpu", **kw) == "reference"
 
 
 def test_write_tokens_and_attend_pages_layouts():
@@ -112,18 +112,18 @@ def test_write_tokens_and_attend_pages_layouts():
             "v": jnp.asarray(rng.normal(size=(L, K, P, Z, H)), jnp.float32)}
     new = {n: jnp.asarray(rng.normal(size=(L, S, K, H)), jnp.float32) for n in ("k", "v")}
     page, off = np.asarray([5, 9, 5]), np.asarray([0, 3, 2])
-    out = jax.jit(pa.write_tokens)(pool, new, jnp.asarray(page), jnp.asarray(off))
+    out = jax.jit(paged_attention.write_tokens)(pool, new, jnp.asarray(page), jnp.asarray(off))
     for n in ("k", "v"):
         want = np.asarray(pool[n]).copy()
         for s in range(S):
             want[:, :, page[s], off[s]] = np.asarray(new[n])[:, s]
         np.testing.assert_array_equal(np.asarray(out[n]), want)
     mla = {"kv": jnp.asarray(rng.normal(size=(1, P, Z, C)), jnp.float32)}
-    mla = pa.write_tokens(mla, {"kv": jnp.ones((S, C))}, jnp.asarray(page), jnp.asarray(off))
+    mla = paged_attention.write_tokens(mla, {"kv": jnp.ones((S, C))}, jnp.asarray(page), jnp.asarray(off))
     np.testing.assert_array_equal(np.asarray(mla["kv"])[0, 9, 3], np.ones(C))
     q = jnp.asarray(rng.normal(size=(S, 4, C)), jnp.float32)
     table = jnp.asarray([[5, 1], [2, 9], [5, 3]], jnp.int32)
-    got = pa.attend_pages(mla, q, table, jnp.asarray([1, 8, 3], jnp.int32), 0.5, impl="reference")
+    got = paged_attention.attend_pages(mla, q, table, jnp.asarray([1, 8, 3], jnp.int32), 0.5, impl="reference")
     kv = np.asarray(mla["kv"])
     want = _numpy_attention(np.asarray(q), kv, kv, np.asarray(table), [1, 8, 3], 0.5)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
@@ -144,10 +144,10 @@ def test_new_token_is_written_into_the_whole_pool_and_attended_at_its_layer(mla,
     lengths = jnp.asarray([5, 15, 0], jnp.int32)
     page, off = table[jnp.arange(S), lengths // Z], lengths % Z
     q = jnp.asarray(rng.normal(size=(S, N, H)), jnp.float32)
-    out, flat = jax.jit(lambda pages, own, q: pa.attend_with_new_token(
-        pa.flat_pages(pages), own, q, table + layer * P, lengths, page + layer * P, off, 0.3, impl=impl,
+    out, flat = jax.jit(lambda pages, own, q: paged_attention.attend_with_new_token(
+        paged_attention.flat_pages(pages), own, q, table + layer * P, lengths, page + layer * P, off, 0.3, impl=impl,
         interpret=impl != "reference"))(stacked, own, q)
-    written = pa.stacked_pages(flat, L)
+    written = paged_attention.stacked_pages(flat, L)
     want_pages = {n: np.array(x) for n, x in stacked.items()}
     for n in names:
         e = np.asarray(own[n]) if not mla else np.asarray(own[n])[:, None]
@@ -169,7 +169,7 @@ def test_write_layers_puts_each_layer_entry_at_its_page(mla):
     pool = {n: jnp.asarray(rng.normal(size=(K, L, P, Z, H)), jnp.float32) for n in names}
     entries = {n: jnp.asarray(rng.normal(size=(L, S, H) if mla else (L, S, K, H)), jnp.float32) for n in names}
     page, off = np.asarray([2, 2, 3, 19, 0]), np.asarray([0, 1, 3, 2, 1])
-    got = jax.jit(pa.write_layers)(pool, entries, jnp.asarray(page), jnp.asarray(off))
+    got = jax.jit(paged_attention.write_layers)(pool, entries, jnp.asarray(page), jnp.asarray(off))
     for n in names:
         want = np.array(pool[n])
         e = np.asarray(entries[n]) if not mla else np.asarray(entries[n])[:, :, None]
@@ -180,14 +180,14 @@ def test_write_layers_puts_each_layer_entry_at_its_page(mla):
 
 
 def test_resolve_impl_and_bad_input():
-    assert [pa.resolve_impl("auto", p) for p in ("cpu", "tpu", "gpu")] == ["reference", "pallas_tpu", "pallas_gpu"]
-    assert pa.resolve_impl("reference", "tpu") == "reference"
+    assert [paged_attention.resolve_impl("auto", p) for p in ("cpu", "tpu", "gpu")] == ["reference", "pallas_tpu", "pallas_gpu"]
+    assert paged_attention.resolve_impl("reference", "tpu") == "reference"
     with pytest.raises(ValueError, match="impl='splash'"):
-        pa.resolve_impl("splash")
+        paged_attention.resolve_impl("splash")
     q = jnp.zeros((2, 3, 8))
     pages = jnp.zeros((2, P, Z, 8))
     with pytest.raises(ValueError, match="3 query heads over 2 kv heads"):
-        pa.paged_attention(q, pages, pages, jnp.zeros((2, M), jnp.int32), jnp.ones((2,), jnp.int32), scale=1.0)
+        paged_attention.paged_attention(q, pages, pages, jnp.zeros((2, M), jnp.int32), jnp.ones((2,), jnp.int32), scale=1.0)
 
 
 @pytest.mark.parametrize("K,Z,H,dtype", [(2, 4, 8, jnp.float32), (8, 16, 128, jnp.bfloat16), (1, 8, 24, jnp.float32)],
@@ -208,7 +208,7 @@ def test_tpu_page_write_kernel_interpreted_equals_the_scatter(K, Z, H, dtype):
 
     def run(impl):
         def body(pages, l):
-            return pa.write_tokens(pages, entries(l), page + l * P_, off, impl=impl, interpret=True), None
+            return paged_attention.write_tokens(pages, entries(l), page + l * P_, off, impl=impl, interpret=True), None
         return jax.jit(lambda p: jax.lax.scan(body, p, jnp.arange(L))[0])(pool)[name]
 
     got, want = np.asarray(run("pallas_tpu"), np.float32), np.asarray(run("reference"), np.float32)
@@ -246,11 +246,11 @@ def test_shared_prefix_attention_equals_dense_attention(K, N, H):
     prefix_len = np.asarray(shared_pages, np.int32) * Z
     lengths = np.asarray([x for row in own_lengths for x in row], np.int32)
     total = np.repeat(prefix_len, G) + lengths
-    got = pa.shared_prefix_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(prefix),
+    got = paged_attention.shared_prefix_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(prefix),
                                      jnp.asarray(prefix_len), jnp.asarray(own), jnp.asarray(lengths), H ** -0.5)
     keep = total > 0  # a row attending to nothing is undefined
     want = _numpy_attention(q, k, v, full, total, H ** -0.5)
     np.testing.assert_allclose(np.asarray(got)[keep], want[keep], atol=1e-5)
-    ref = pa.paged_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(full),
+    ref = paged_attention.paged_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(full),
                              jnp.asarray(np.maximum(total, 1)), scale=H ** -0.5, impl="reference")
     np.testing.assert_allclose(np.asarray(got)[keep], np.asarray(ref)[keep], atol=1e-6)

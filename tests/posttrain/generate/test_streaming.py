@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from posttrain.model.tokenizer import Tokenizer
-from posttrain.rollout import episodes as rollout
+from posttrain.rollout import episodes as episodes_lib
 from posttrain.generate import streaming
 from posttrain.generate.sampler import SampleOutput
 
@@ -91,8 +91,8 @@ def _run(stream: bool):
         envs.returned = True
         return out
 
-    eps = [rollout.Episode("fake", {}, {"q": p}, seed=p, domain="d") for p in range(3)]
-    samples, perf = rollout.run_episodes(sample_fn, BYTES, envs, eps, group_size=4, max_turns=2,
+    eps = [episodes_lib.Episode("fake", {}, {"q": p}, seed=p, domain="d") for p in range(3)]
+    samples, perf = episodes_lib.run_episodes(sample_fn, BYTES, envs, eps, group_size=4, max_turns=2,
                                          key=jax.random.key(5), pad_id=BYTES.pad_id, stream=stream)
     return samples, envs.calls
 
@@ -131,7 +131,7 @@ def test_a_runner_error_reaches_the_caller_and_a_changed_row_is_caught():
     with pytest.raises(OSError, match="env workers gone"):
         scorer.finish(np.zeros((2, 4), np.int32), np.array([2, 4]))
     scorer = streaming.TurnScorer(ReplyEnvs(), [0, 1], lambda ids: "x" * len(ids))
-    scorer.runner.reset([rollout.Episode("fake", {}, {"q": 0}, seed=0)] * 2)
+    scorer.runner.reset([episodes_lib.Episode("fake", {}, {"q": 0}, seed=0)] * 2)
     scorer.rows_finished(np.array([True, False]), np.zeros((2, 4), np.int32), np.array([2, 4]))
     with pytest.raises(RuntimeError, match="streamed row 0 changed"):
         scorer.finish(np.zeros((2, 4), np.int32), np.array([3, 4]))
@@ -157,13 +157,13 @@ def test_the_tiny_golden_reproduces_with_streaming_on(tmp_path):
     from helpers import assert_equals_golden, golden_view
     from posttrain.config import from_config_dict
     from posttrain.recipes import grpo
-    from posttrain.runs.plan import make_run_plan
+    from posttrain.config.plan import make_run_plan
     from posttrain.recipes.trainer import load_config_file
 
     root = pathlib.Path(__file__).resolve().parents[3]
     cfg = from_config_dict(load_config_file(root / "configs/tiny.py"))
     plan = make_run_plan(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, stream_chunk=2)),
                          workdir=str(tmp_path))
-    assert plan.rollout.stream_chunk == 2
+    assert plan.config.rollout.stream_chunk == 2
     grpo.train(plan, progress=False)
     assert_equals_golden(golden_view(tmp_path), json.loads((root / "tests/golden/tiny_3_steps.json").read_text()))

@@ -21,7 +21,7 @@ from posttrain.infra import mesh as mesh_lib, reshard  # noqa: E402
 from posttrain.infra.partitioning import use_rules  # noqa: E402
 from posttrain.model.tokenizer import Tokenizer  # noqa: E402
 from posttrain.recipes import plan  # noqa: E402
-from posttrain.runs.plan import make_run_plan  # noqa: E402
+from posttrain.config.plan import make_run_plan  # noqa: E402
 from posttrain.rollout.queue import RolloutQueue  # noqa: E402
 from posttrain.rollout.rollouter import Rollouter  # noqa: E402
 
@@ -55,7 +55,8 @@ class Producer:
 
 def sample(rollouter, policy, rng, step, prompts, lengths):
     st = rollouter.settings
-    out = rollouter.sample_fn(policy, st.sampling)(prompts, lengths, jax.random.fold_in(rng, step), st.group_size)
+    out = rollouter.sample_fn(policy, st.sampling_config.params())(prompts, lengths, jax.random.fold_in(rng, step),
+                                                                  st.objective.group_size)
     return {"tokens": np.asarray(out.tokens_NxLg).tolist(), "logp": np.asarray(out.logp_NxLg).tolist()}
 
 
@@ -72,15 +73,15 @@ def main(out_path):
     make = functools.partial(Rollouter, graphdef=graphdef, tokenizer=tok, runner=None, scheduler=None,
                              train_specs={}, advantage_fn=None)
     rng = np.random.default_rng(0)
-    P, Lp = split.rollout.prompts_per_step, 8
+    P, Lp = split.config.rl.prompts_per_step, 8
     prompts = rng.integers(3, 300, (P, Lp)).astype(np.int32)
     lengths = rng.integers(2, Lp + 1, P).astype(np.int32)
     put = lambda tree, mesh: jax.device_put(tree, mesh_lib.state_shardings(tree, mesh, split.rules))
     key = jax.random.key(0)
     with use_rules(split.rules):
-        ref = make(settings=full.rollout, mesh=everything)  # unsplit: the sampler on all 8, learner layout
+        ref = make(settings=full.rollout_settings, mesh=everything)  # unsplit: the sampler on all 8, learner layout
         unsplit = [sample(ref, put(v, everything), key, s, prompts, lengths) for s, v in enumerate((v0, v1))]
-        producer = Producer(make(settings=split.rollout, mesh=rollout), prompts, lengths, set(rollout.devices.flat))
+        producer = Producer(make(settings=split.rollout_settings, mesh=rollout), prompts, lengths, set(rollout.devices.flat))
         learner_key = jax.device_put(key, NamedSharding(learner, PartitionSpec()))
         on_learner = put(v1, learner)
         q = RolloutQueue(producer, start=0, steps=2, policy=put(v0, learner), rng=learner_key,

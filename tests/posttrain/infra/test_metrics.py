@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posttrain.infra import metrics as M
+from posttrain.infra import metrics
 from posttrain.infra.metrics import read_tensorboard_scalars as read_tb_scalars
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -21,7 +21,7 @@ def np_reduce(kind, x, mask, axis):
     return np.array([fn(r[m]) if m.any() else 0.0 for r, m in zip(x, mask)])
 
 
-@pytest.mark.parametrize("kind", sorted(M.REDUCTIONS))
+@pytest.mark.parametrize("kind", sorted(metrics.REDUCTIONS))
 @pytest.mark.parametrize("axis", [None, -1])
 def test_masked_reductions_match_numpy(kind, axis):
     rng = np.random.default_rng(0)
@@ -30,19 +30,19 @@ def test_masked_reductions_match_numpy(kind, axis):
     mask[1] = False  # an empty row
     x_bad = np.where(mask, x, np.nan)
     x_bad[0, ~mask[0]] = np.inf  # garbage at masked positions must not leak
-    got = jax.jit(M.REDUCTIONS[kind], static_argnums=2)(x_bad, mask, axis)
+    got = jax.jit(metrics.REDUCTIONS[kind], static_argnums=2)(x_bad, mask, axis)
     np.testing.assert_allclose(np.asarray(got), np_reduce(kind, x, mask, axis), rtol=1e-6)
     assert got.dtype == jnp.float32
 
 
 def test_masked_reductions_of_nothing_are_zero():
-    for fn in M.REDUCTIONS.values():
+    for fn in metrics.REDUCTIONS.values():
         assert float(fn(jnp.array([np.nan, 5.0]), jnp.array([0, 0]))) == 0.0
 
 
 # ----- host side -----
 def write_steps(workdir, steps, **kw):
-    with M.MetricsWriter(workdir, **kw) as w:
+    with metrics.MetricsWriter(workdir, **kw) as w:
         for s in steps:
             w.write(s, {"reward/mean": s / 10, "policy/loss": np.float32(-s), "optim/lr": jnp.float32(1e-3),
                         "perf/step_s": 2})
@@ -51,11 +51,11 @@ def write_steps(workdir, steps, **kw):
 
 def test_jsonl_round_trip(tmp_path):
     write_steps(tmp_path, range(3))
-    with M.MetricsWriter(tmp_path, plot=False, tensorboard=False) as w:
+    with metrics.MetricsWriter(tmp_path, plot=False, tensorboard=False) as w:
         w.write(3, {"eval/pass@1": 0.5, "policy/loss": float("nan"), "x": np.array([[7]])})
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line) for line in lines] == M.read_metrics(tmp_path / "metrics.jsonl")
-    recs = M.read_metrics(tmp_path / "metrics.jsonl")
+    assert [json.loads(line) for line in lines] == metrics.read_metrics(tmp_path / "metrics.jsonl")
+    recs = metrics.read_metrics(tmp_path / "metrics.jsonl")
     assert recs[1] == {"step": 1, "reward/mean": 0.1, "policy/loss": -1.0,
                        "optim/lr": pytest.approx(1e-3), "perf/step_s": 2.0}
     assert recs[3] == {"step": 3, "eval/pass@1": 0.5, "policy/loss": None, "x": 7.0}  # NaN -> null
@@ -66,10 +66,10 @@ def test_resume_drops_later_steps_and_keeps_whole_history(tmp_path):
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 10, "reward/me')  # a line cut short by a crash
     w = write_steps(tmp_path, range(6, 9), resume_step=5, plot_every_s=0.0)
-    steps = [r["step"] for r in M.read_metrics(tmp_path / "metrics.jsonl")]
+    steps = [r["step"] for r in metrics.read_metrics(tmp_path / "metrics.jsonl")]
     assert steps == list(range(9))  # 6..9 of the first run and the partial line are gone; no duplicates
     assert [s for s, _ in w.history["reward/mean"]] == list(range(9))  # plotted from the whole history
-    assert M.read_metrics(tmp_path / "metrics.jsonl", max_step=2)[-1]["step"] == 2
+    assert metrics.read_metrics(tmp_path / "metrics.jsonl", max_step=2)[-1]["step"] == 2
 
 
 # kind: every output a run appends to is cut back to the step it (re)starts from; 0 (no checkpoint) keeps nothing
@@ -87,7 +87,7 @@ def test_resume_cuts_jsonl_tensorboard_and_plot_back_to_the_resume_step(tmp_path
         with open(tmp_path / "metrics.jsonl", "a") as f:
             f.write('{"step": 99, "reward/me')  # a line cut short by a kill
     w = write_steps(tmp_path, rerun, resume_step=resume_step, plot_every_s=3600)
-    assert [r["step"] for r in M.read_metrics(tmp_path / "metrics.jsonl")] == kept
+    assert [r["step"] for r in metrics.read_metrics(tmp_path / "metrics.jsonl")] == kept
     tb = sorted(s for t, s, _ in read_tb_scalars(tmp_path / "tensorboard") if t == "policy/loss")
     assert tb == (sorted(kept) if resume_step is not None else sorted(earlier + rerun))
     assert [s for s, _ in w.history["reward/mean"]] == kept  # what the PNG draws
@@ -95,7 +95,7 @@ def test_resume_cuts_jsonl_tensorboard_and_plot_back_to_the_resume_step(tmp_path
 
 def test_png_is_valid_and_throttled(tmp_path):
     png = tmp_path / "reward_curve.png"
-    w = M.MetricsWriter(tmp_path, plot_every_s=3600, tensorboard=False)
+    w = metrics.MetricsWriter(tmp_path, plot_every_s=3600, tensorboard=False)
     w.write(0, {"reward/mean": 0.1})
     assert png.read_bytes()[:8] == PNG_MAGIC  # first write plots
     png.unlink()
@@ -125,14 +125,14 @@ def test_cut_step_files_removes_steps_from_the_first_dropped_on(tmp_path, names,
     for n in names:
         (tmp_path / f"step_{n:06d}.jsonl").write_text("{}\n")
     (tmp_path / "step_notes.jsonl").write_text("")  # not a step record: untouched
-    removed = M.cut_step_files(tmp_path, first_dropped)
+    removed = metrics.cut_step_files(tmp_path, first_dropped)
     assert sorted(int(p.stem[5:]) for p in tmp_path.glob("step_0*.jsonl")) == left
     assert len(removed) == len(names) - len(left) and (tmp_path / "step_notes.jsonl").exists()
-    assert M.cut_step_files(tmp_path / "missing", 0) == []
+    assert metrics.cut_step_files(tmp_path / "missing", 0) == []
 
 
 def test_bad_metrics_raise_clear_errors(tmp_path):
-    with M.MetricsWriter(tmp_path, plot=False, tensorboard=False) as w:
+    with metrics.MetricsWriter(tmp_path, plot=False, tensorboard=False) as w:
         with pytest.raises(TypeError, match="'policy/loss' must be a real scalar"):
             w.write(0, {"policy/loss": np.ones(3)})
         with pytest.raises(TypeError, match="'tag'"):
@@ -143,12 +143,12 @@ def test_bad_metrics_raise_clear_errors(tmp_path):
             w.write(-1, {})
     assert (tmp_path / "metrics.jsonl").read_text() == ""  # nothing half-written
     with pytest.raises(FileNotFoundError, match="no metrics file"):
-        M.read_metrics(tmp_path / "missing.jsonl")
+        metrics.read_metrics(tmp_path / "missing.jsonl")
 
 
 def test_progress_bar_shows_reward_and_step_time():
     stream = io.StringIO()
-    bar = M.ProgressBar(10, initial_step=2, file=stream)
+    bar = metrics.ProgressBar(10, initial_step=2, file=stream)
     bar.update({"reward/mean": jnp.float32(0.4567), "perf/step_s": 12.34, "policy/loss": 1.0})
     bar.close()
     text = stream.getvalue()

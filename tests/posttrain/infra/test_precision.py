@@ -10,8 +10,8 @@ from flax import nnx
 
 from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.learn.logprobs import score_logprobs
-from posttrain.infra import precision as P
-from posttrain.algos.grpo import step as ts
+from posttrain.infra import precision
+from posttrain.algos.grpo import step
 from posttrain.rollout.batching import random_batch
 from posttrain.model.presets import get_preset
 from posttrain.model.transformer import Transformer
@@ -29,15 +29,15 @@ def dot_precisions(hlo: str) -> list[str]:
 
 
 def test_resolve_policy_auto_and_errors():
-    assert P.resolve_policy(backend="cpu") == P.PrecisionPolicy(param_dtype="float32", compute_dtype="float32")
+    assert precision.resolve_policy(backend="cpu") == precision.PrecisionPolicy(param_dtype="float32", compute_dtype="float32")
     for backend in ("gpu", "tpu"):
-        assert P.resolve_policy(backend=backend) == P.PrecisionPolicy(param_dtype="float32", compute_dtype="bfloat16")
-    got = P.resolve_policy("float32", "bfloat16", "highest", backend="gpu")
+        assert precision.resolve_policy(backend=backend) == precision.PrecisionPolicy(param_dtype="float32", compute_dtype="bfloat16")
+    got = precision.resolve_policy("float32", "bfloat16", "highest", backend="gpu")
     assert (got.compute_dtype, got.param_dtype, got.matmul_precision) == ("float32", "bfloat16", "highest")
     with pytest.raises(ValueError, match="matmul_precision"):
-        P.resolve_policy(matmul_precision="tf32")
+        precision.resolve_policy(matmul_precision="tf32")
     with pytest.raises(ValueError, match="compute_dtype"):
-        P.resolve_policy("fp8")
+        precision.resolve_policy("fp8")
 
 
 def _train_grad_hlo(preset: str, matmul_precision: str) -> str:
@@ -104,10 +104,10 @@ def test_highest_and_default_agree_on_cpu():
 def test_training_takes_its_dtypes_from_the_policy_not_the_checkpoint(tmp_path, dtype, param_dtype, want):
     """Loaders default to the file's dtype (tests/posttrain/checkpoints), a training run to its
     precision policy, whatever the checkpoint was saved in."""
-    from posttrain.checkpoints import policy as setup
+    from posttrain.checkpoints import policy
     from posttrain.infra import mesh as mesh_lib
     from posttrain.checkpoints.export import export_hf
-    from posttrain.runs.plan import make_run_plan
+    from posttrain.config.plan import make_run_plan
     from posttrain.model.tokenizer import Tokenizer
 
     from helpers import random_model, tiny_config
@@ -117,6 +117,6 @@ def test_training_takes_its_dtypes_from_the_policy_not_the_checkpoint(tmp_path, 
     run = tiny_config(tmp_path / "run", **{"model.preset": "", "model.overrides": {}, "model.path": str(tmp_path / "ckpt"),
                                            "model.dtype": dtype, "model.param_dtype": param_dtype})
     plan = make_run_plan(run, backend="cpu")
-    mcfg, _, weights, _ = setup.load_policy(plan.policy, mesh_lib.make_mesh(plan.mesh_shape), plan.rules)
+    mcfg, _, weights, _ = policy.load_policy(plan.policy, mesh_lib.make_mesh(plan.mesh_shape), plan.rules)
     assert (mcfg.dtype, mcfg.param_dtype) == want
     assert {np.asarray(v.get_value()).dtype.name for _, v in nnx.to_flat_state(weights)} == {want[1]}

@@ -16,7 +16,7 @@ import pytest
 from helpers import fake_devices_flags, tiny_config
 from posttrain.config import ConfigError
 from posttrain.infra import mesh as mesh_lib, reshard
-from posttrain.runs.plan import make_run_plan
+from posttrain.config.plan import make_run_plan
 
 SCRIPT = pathlib.Path(__file__).with_name("_split_mesh.py")
 ROOT = pathlib.Path(__file__).resolve().parents[3]

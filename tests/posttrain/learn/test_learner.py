@@ -10,11 +10,11 @@ import numpy as np
 from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.rollout import batching
 
-from posttrain.checkpoints import policy as setup
+from posttrain.checkpoints import policy
 from posttrain.infra import mesh as mesh_lib
 from posttrain.learn import learner as learner_lib
 from posttrain.learn.learner import Learner, batch_shardings
-from posttrain.runs.plan import make_run_plan, step_builder
+from posttrain.config.plan import make_run_plan
 from posttrain.types import RolloutBatch
 from helpers import tiny_config
 
@@ -35,11 +35,11 @@ def test_update_then_save_and_restore(tmp_path):
     """One update, a save, a second update, then restore: back at the saved step and parameters."""
     plan = make_run_plan(tiny_config(tmp_path))
     mesh = mesh_lib.make_mesh(plan.mesh_shape)
-    model_config, graphdef, weights, _ = setup.load_policy(plan.policy, mesh, plan.rules)
-    learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, step_builder(plan))
+    model_config, graphdef, weights, _ = policy.load_policy(plan.policy, mesh, plan.rules)
+    learner = Learner.create(plan.learner_settings, mesh, model_config, graphdef, weights, plan.step_builder())
     assert learner.restore() is None and learner.step == 0
     batch = batching.random_batch(0, advantage_fn("grpo"), prompts=4, group_size=4, prompt_len=16, completion_len=8, vocab_size=320,
-                                  row_multiple=plan.rollout.row_multiple)
+                                  row_multiple=plan.row_multiple)
     m = learner.update(batch)
     assert learner.step == 1 and learner.nonfinite_run == 0
     assert np.isfinite(m["policy/loss"]) and m["optim/grad_norm"] > 0
@@ -64,10 +64,10 @@ def test_a_boundary_after_a_step_of_half_the_grace_saves_a_guard_checkpoint(tmp_
     monkeypatch.setattr(learner_lib, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     plan = make_run_plan(tiny_config(tmp_path, **{"checkpoint.every_steps": 4, "checkpoint.stop_grace_s": 2.0}))
     mesh = mesh_lib.make_mesh(plan.mesh_shape)
-    model_config, graphdef, weights, _ = setup.load_policy(plan.policy, mesh, plan.rules)
-    learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, step_builder(plan))
+    model_config, graphdef, weights, _ = policy.load_policy(plan.policy, mesh, plan.rules)
+    learner = Learner.create(plan.learner_settings, mesh, model_config, graphdef, weights, plan.step_builder())
     batch = batching.random_batch(0, advantage_fn("grpo"), prompts=4, group_size=4, prompt_len=16, completion_len=8,
-                                  vocab_size=320, row_multiple=plan.rollout.row_multiple)
+                                  vocab_size=320, row_multiple=plan.row_multiple)
     saved = []
     for seconds in (0.9, 1.0, 0.2, 0.5, 1.5):  # steps 1..5
         learner.update(batch)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posttrain.learn import logprobs as LP
+from posttrain.learn import logprobs
 def _autodiff_reference(h_BxTxD, w_DxV, targets_BxT, temperature, chunk_size, with_entropy, valid_BxT):
     """A plain scan over chunks of C positions of every row, chunks without a valid token in any row skipped by
     `lax.cond`, differentiated by JAX."""
@@ -21,7 +21,7 @@ def _autodiff_reference(h_BxTxD, w_DxV, targets_BxT, temperature, chunk_size, wi
     any_k = chunks(valid).any((1, 2))
 
     def one(w, h_c, t_c):
-        lp, ent = LP.logp_and_entropy(jnp.einsum("bcd,dv->bcv", h_c, w) / temperature, t_c, True)
+        lp, ent = logprobs.logp_and_entropy(jnp.einsum("bcd,dv->bcv", h_c, w) / temperature, t_c, True)
         return lp, ent
 
     def body(_, xs):
@@ -49,12 +49,12 @@ def test_custom_backward_equals_autodiff_of_the_chunk_loop(empty_chunks, chunk_s
     we = jnp.asarray(rng.normal(size=(b, t)), jnp.float32)
 
     def new(h, w):
-        out = LP.chunked_token_logprobs(h, w, tg, 0.7, chunk_size=chunk_size, with_entropy=True, valid_BxT=valid)
+        out = logprobs.chunked_token_logprobs(h, w, tg, 0.7, chunk_size=chunk_size, with_entropy=True, valid_BxT=valid)
         return (out.logp_BxT * wl).sum() + (out.entropy_BxT * we).sum(), out
 
     def old(h, w):
         lp, ent = _autodiff_reference(h, w, tg, 0.7, chunk_size, True, valid)
-        return (lp * wl).sum() + (ent * we).sum(), LP.LogprobsOut(lp, ent)
+        return (lp * wl).sum() + (ent * we).sum(), logprobs.LogprobsOut(lp, ent)
 
     (v_new, o_new), g_new = jax.jit(jax.value_and_grad(new, argnums=(0, 1), has_aux=True))(h, w)
     (v_old, o_old), g_old = jax.jit(jax.value_and_grad(old, argnums=(0, 1), has_aux=True))(h, w)
@@ -74,7 +74,7 @@ def test_without_entropy_the_logp_gradient_matches():
     h = jnp.asarray(rng.normal(size=(1, 30, 8)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(8, 41)), jnp.float32)
     tg = jnp.asarray(rng.integers(0, 41, (1, 30)), jnp.int32)
-    f_new = lambda h, w: LP.chunked_token_logprobs(h, w, tg, 1.3, chunk_size=7).logp_BxT.sum()
+    f_new = lambda h, w: logprobs.chunked_token_logprobs(h, w, tg, 1.3, chunk_size=7).logp_BxT.sum()
     f_old = lambda h, w: _autodiff_reference(h, w, tg, 1.3, 7, False, None)[0].sum()
     for a, r in zip(jax.grad(f_new, (0, 1))(h, w), jax.grad(f_old, (0, 1))(h, w)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=1e-6, rtol=1e-6)
@@ -91,7 +91,7 @@ def test_weight_gradient_is_one_buffer_not_one_per_chunk():
     def temp_bytes(f):
         return jax.jit(jax.grad(f, argnums=(0, 1))).lower(h, w).compile().memory_analysis().temp_size_in_bytes
 
-    new = lambda h, w: LP.chunked_token_logprobs(h, w, tg, chunk_size=c, valid_BxT=valid).logp_BxT.sum()
+    new = lambda h, w: logprobs.chunked_token_logprobs(h, w, tg, chunk_size=c, valid_BxT=valid).logp_BxT.sum()
     old = lambda h, w: _autodiff_reference(h, w, tg, 1.0, c, True, valid)[0].sum()
     per_chunk_stack = (n // c) * d * v * 4
     assert temp_bytes(old) >= per_chunk_stack  # the measurement sees the stacked cotangents of the old form
@@ -100,12 +100,12 @@ def test_weight_gradient_is_one_buffer_not_one_per_chunk():
 
 def test_precision_reaches_every_dot_of_forward_and_backward():
     h, w, tg = jnp.ones((1, 8, 4)), jnp.ones((4, 16)), jnp.zeros((1, 8), jnp.int32)
-    f = lambda h, w: LP.chunked_token_logprobs(h, w, tg, chunk_size=4, precision="highest").logp_BxT.sum()
+    f = lambda h, w: logprobs.chunked_token_logprobs(h, w, tg, chunk_size=4, precision="highest").logp_BxT.sum()
     hlo = jax.jit(jax.grad(f, (0, 1))).lower(h, w).as_text()
     n_dots = hlo.count("stablehlo.dot_general")
     assert n_dots >= 3 and hlo.count("HIGHEST") >= n_dots  # forward, d/dh and d/dw
     with pytest.raises(ValueError, match="precision"):
-        LP.chunked_token_logprobs(h, w, tg, precision="tf32")
+        logprobs.chunked_token_logprobs(h, w, tg, precision="tf32")
 
 def np_log_softmax(z):
     z = z - z.max(-1, keepdims=True)
@@ -117,14 +117,14 @@ def test_token_logprobs_matches_log_softmax_reference():
     rng = np.random.default_rng(0)
     logits = rng.normal(0, 3, (2, 5, 11)).astype(np.float32)
     targets = rng.integers(0, 11, (2, 5))
-    got = LP.token_logprobs(jnp.asarray(logits, jnp.bfloat16).astype(np.float32), targets, 0.7)
+    got = logprobs.token_logprobs(jnp.asarray(logits, jnp.bfloat16).astype(np.float32), targets, 0.7)
     want = np.take_along_axis(np_log_softmax(logits.astype(np.float64) / 0.7), targets[..., None], -1)[..., 0]
     np.testing.assert_allclose(np.asarray(got), want, atol=0.05)  # bf16 round trip of the logits
-    got = LP.token_logprobs(logits, targets, 0.7)
+    got = logprobs.token_logprobs(logits, targets, 0.7)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     lsm = np_log_softmax(logits.astype(np.float64) / 0.7)
     want_ent = -(np.exp(lsm) * lsm).sum(-1)
-    np.testing.assert_allclose(np.asarray(LP.token_entropy(logits, 0.7)), want_ent, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(logprobs.token_entropy(logits, 0.7)), want_ent, rtol=1e-5, atol=1e-6)
 
 
 def _chunk_vs_naive_inputs(b=2, t=7, d=16, v=300):
@@ -140,19 +140,19 @@ def test_chunked_matches_naive_values_and_gradients(chunk_size):
 
     def naive(h, w):
         z = jnp.einsum("btd,dv->btv", h, w)
-        return (LP.token_logprobs(z, tg, 0.8) * wt).sum() + (LP.token_entropy(z, 0.8) * wt**2).sum()
+        return (logprobs.token_logprobs(z, tg, 0.8) * wt).sum() + (logprobs.token_entropy(z, 0.8) * wt**2).sum()
 
     def chunked(h, w):
-        out = LP.chunked_token_logprobs(h, w, tg, 0.8, chunk_size=chunk_size, with_entropy=True)
+        out = logprobs.chunked_token_logprobs(h, w, tg, 0.8, chunk_size=chunk_size, with_entropy=True)
         return (out.logp_BxT * wt).sum() + (out.entropy_BxT * wt**2).sum()
 
     (v_n, g_n), (v_c, g_c) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(h, w) for f in (naive, chunked))
     np.testing.assert_allclose(float(v_c), float(v_n), rtol=1e-5)
     for a, b in zip(g_c, g_n):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
-    out = LP.chunked_token_logprobs(h, w, tg, 0.8, chunk_size=chunk_size)
+    out = logprobs.chunked_token_logprobs(h, w, tg, 0.8, chunk_size=chunk_size)
     z = jnp.einsum("btd,dv->btv", h, w)
-    want = np.asarray(LP.token_logprobs(z, tg, 0.8))
+    want = np.asarray(logprobs.token_logprobs(z, tg, 0.8))
     np.testing.assert_allclose(np.asarray(out.logp_BxT), want, rtol=1e-5, atol=1e-6)
     assert out.entropy_BxT is None and out.logp_BxT.dtype == jnp.float32
 
@@ -166,8 +166,8 @@ def test_chunked_never_materialises_full_logits():
         compiled = jax.jit(jax.grad(f, argnums=(0, 1))).lower(h, w).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
-    naive = lambda h, w: LP.token_logprobs(jnp.einsum("btd,dv->btv", h, w), tg).sum()
-    chunked = lambda h, w: LP.chunked_token_logprobs(h, w, tg, chunk_size=64, with_entropy=True).logp_BxT.sum()
+    naive = lambda h, w: logprobs.token_logprobs(jnp.einsum("btd,dv->btv", h, w), tg).sum()
+    chunked = lambda h, w: logprobs.chunked_token_logprobs(h, w, tg, chunk_size=64, with_entropy=True).logp_BxT.sum()
     assert temp_bytes(naive) >= full_bytes  # the measurement can see a full [B, T, V] buffer
     assert temp_bytes(chunked) < full_bytes / 2
 
@@ -180,12 +180,12 @@ def test_chunked_logprobs_skip_chunks_without_valid_tokens():
     tgt = jnp.asarray(rng.integers(0, 50, (1, 40)), jnp.int32)
     valid = np.zeros((1, 40), bool)
     valid[0, [1, 5, 6, 17]] = True
-    order, inverse = LP.valid_first_order(valid.reshape(-1))
+    order, inverse = logprobs.valid_first_order(valid.reshape(-1))
     ordered = valid.reshape(-1)[np.asarray(order)]
     assert ordered[:4].all() and not ordered[4:].any()
 
     def f(w, skip):
-        out = LP.chunked_token_logprobs(h[:, order], w, tgt[:, order], 0.7, chunk_size=4,
+        out = logprobs.chunked_token_logprobs(h[:, order], w, tgt[:, order], 0.7, chunk_size=4,
                                         valid_BxT=jnp.asarray(valid[:, order]) if skip else None)
         return out.logp_BxT[0][inverse]
 

@@ -13,7 +13,7 @@ from posttrain.infra import distributed
 from posttrain.learn.learner import Learner
 from posttrain.learn import offline_loop
 from posttrain.recipes.grpo import NonFiniteError
-from posttrain.runs.plan import TrainSettings
+from posttrain.learn.learner import TrainConfig
 
 
 class FakeCheckpointer:
@@ -73,7 +73,7 @@ class FakeRun:
 
 
 def loop(run, tmp_path, steps=6, max_nonfinite=3):
-    return offline_loop.train_loop(run, name="sft", workdir=tmp_path, train=TrainSettings(
+    return offline_loop.train_loop(run, name="sft", workdir=tmp_path, train_config=TrainConfig(
         steps=steps, max_train_seconds=0, max_nonfinite_skips=max_nonfinite), config_dict={}, eval_at_start=True,
         eval_at_end=True, progress=False)
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posttrain.model import blockwise_attention as flash, attention_kernels as fused_attention
+from posttrain.model import blockwise_attention, attention_kernels
 from posttrain.model.config import ModelConfig
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -19,7 +19,7 @@ def packed_ids():
     seg[0, :60], br[0, 20:35], br[0, 35], br[0, 36:60] = 1, 1, 2, 3
     seg[0, 60:190], br[0, 100:150], br[0, 150:190] = 2, 1, 2
     seg[1, :120] = 1
-    return flash.RowIds(jnp.asarray(seg), jnp.asarray(br))
+    return blockwise_attention.RowIds(jnp.asarray(seg), jnp.asarray(br))
 
 
 def inputs(N, K, H, E, dtype, seed=0):
@@ -32,7 +32,7 @@ def inputs(N, K, H, E, dtype, seed=0):
 def value_and_grads(impl, q, k, v, w, ids, scale=0.3):
     """(o [B, T, N, E] float32, (dq, dk, dv) float32) of sum(o * w) through `flash.attend` with `impl`."""
     def loss(q, k, v):
-        o = flash.attend(q, {"k": k, "v": v}, ids, scale, HIGHEST, impl=impl)
+        o = blockwise_attention.attend(q, {"k": k, "v": v}, ids, scale, HIGHEST, impl=impl)
         return (o.astype(jnp.float32) * w).sum(), o
 
     with jax.default_matmul_precision("highest"):
@@ -81,8 +81,8 @@ def test_fused_matches_blockwise_f32(impl, name, N, K, H, E):
 def test_pallas_gpu_wide_heads_use_smaller_key_blocks():
     """Head dims over 128 (DeepSeek-V3's MLA: 192) run with 64-key forward blocks (`gpu_block_sizes`; 128-key
     blocks exceed an H200's shared memory); still equal to blockwise."""
-    sizes = fused_attention.gpu_block_sizes(fused_attention._tree_mha_module(), 192)
-    assert sizes.block_k == 64 and fused_attention.gpu_block_sizes(fused_attention._tree_mha_module(), 128).block_k == 128
+    sizes = attention_kernels.gpu_block_sizes(attention_kernels._tree_mha_module(), 192)
+    assert sizes.block_k == 64 and attention_kernels.gpu_block_sizes(attention_kernels._tree_mha_module(), 128).block_k == 128
     ids = packed_ids()
     real = np.asarray(ids.segment_BxT != 0)
     q, k, v, w = inputs(2, 2, 160, 136, jnp.float32)
@@ -104,10 +104,10 @@ def test_fused_matches_blockwise_bf16(impl):
 def test_tree_segment_mask_is_block_mask():
     ids = packed_ids()
     seg, br = ids.segment_BxT[0], ids.branch_BxT[0]
-    code = jnp.left_shift(seg, fused_attention.BRANCH_BITS) | br
+    code = jnp.left_shift(seg, attention_kernels.BRANCH_BITS) | br
     idx = jnp.arange(T)
-    expected = flash.block_mask(seg[None], br[None], idx, seg[None], br[None], idx)[0]
-    got = fused_attention.tree_segment_mask(code, code) & (idx[:, None] >= idx[None, :])
+    expected = blockwise_attention.block_mask(seg[None], br[None], idx, seg[None], br[None], idx)[0]
+    got = attention_kernels.tree_segment_mask(code, code) & (idx[:, None] >= idx[None, :])
     assert bool(jnp.all(got == expected))
 
 
@@ -115,20 +115,20 @@ def test_tree_segment_mask_is_block_mask():
                                                ("cuda", 192, 128, "pallas_gpu"), ("gpu", 512, 128, "blockwise"),
                                                ("cpu", 128, 128, "blockwise")])
 def test_resolve_impl_by_platform(platform, H, E, want):
-    assert fused_attention.resolve_impl("auto", platform, H, E) == want
-    assert fused_attention.resolve_impl("dense", platform, H, E) == "dense"
+    assert attention_kernels.resolve_impl("auto", platform, H, E) == want
+    assert attention_kernels.resolve_impl("dense", platform, H, E) == "dense"
 
 
 def test_bad_impl_names_raise():
     with pytest.raises(ValueError, match="attention impl='flash3'"):
-        fused_attention.resolve_impl("flash3", "cpu", 16, 16)
+        attention_kernels.resolve_impl("flash3", "cpu", 16, 16)
     with pytest.raises(ValueError, match="attention_impl"):
         ModelConfig(vocab_size=8, d_model=8, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, mlp_dim=8,
                     attention_impl="flash3")
 
 
 def test_platform_without_mesh_is_the_backend():
-    assert fused_attention.mesh_platform() == jax.default_backend()
+    assert attention_kernels.mesh_platform() == jax.default_backend()
 
 
 SHARDED = """

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.model import blockwise_attention as flash
+from posttrain.model import blockwise_attention as blockwise_attention_lib
 from posttrain.model.attention import Source, gqa_combine, gqa_logits, multi_source_attention
 from posttrain.model.blockwise_attention import RowIds, block_mask, blockwise_attention, live_blocks, self_mask
 from helpers import random_model
@@ -132,13 +132,13 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="block_q=0"):
         blockwise_attention(q, jnp.zeros((1, 8, 3, 4)), jnp.zeros((1, 8, 3, 4)), ids, 1.0, block_q=0, block_k=8)
     with pytest.raises(ValueError, match="one source"):
-        flash.attend(q, {"k": q, "v": q}, ids, 1.0, None, [Source({"k": q, "v": q}, jnp.ones((1, 8, 8), bool))])
+        blockwise_attention_lib.attend(q, {"k": q, "v": q}, ids, 1.0, None, [Source({"k": q, "v": q}, jnp.ones((1, 8, 8), bool))])
 
 
 def test_path_chosen_by_row_length():
     seg, br = jnp.ones((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32)
     assert isinstance(self_mask(seg, br), jax.Array)  # short row: dense [B, T, T] mask
-    long_seg = jnp.ones((1, flash.BLOCKWISE_MIN_LEN), jnp.int32)
+    long_seg = jnp.ones((1, blockwise_attention_lib.BLOCKWISE_MIN_LEN), jnp.int32)
     assert isinstance(self_mask(long_seg, jnp.zeros_like(long_seg)), RowIds)
     idx = jnp.arange(4)
     np.testing.assert_array_equal(np.asarray(self_mask(seg, br)), np.asarray(block_mask(seg, br, idx, seg, br, idx)))
@@ -149,7 +149,7 @@ def test_path_chosen_by_row_length():
 def test_model_blockwise_equals_dense(preset, grads, monkeypatch):
     """hidden_states(blockwise=True) vs False: values and (GQA; MLA in the slow run) parameter gradients, several
     blocks per row, one dense layer (compile time). MLA's own gradients are covered at the function level."""
-    monkeypatch.setattr(flash, "default_block", lambda: 16)
+    monkeypatch.setattr(blockwise_attention_lib, "default_block", lambda: 16)
     cfg, graphdef, state = random_model(preset, num_layers=1, moe=None)
     seg, br = packed_ids()
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))

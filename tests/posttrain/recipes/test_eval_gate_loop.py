@@ -12,9 +12,9 @@ from helpers import tiny_config
 from posttrain.checkpoints.orbax import Checkpointer
 from posttrain.config import ConfigError
 from posttrain.eval import records as records_lib
-from posttrain.eval import gate_hook as eval_gate
+from posttrain.eval import gate_hook
 from posttrain.recipes import grpo
-from posttrain.runs.plan import make_run_plan
+from posttrain.config.plan import make_run_plan
 
 # 16 rows of at most 6 new tokens a sampler call, as the tiny run's rollouts (4 prompts x 4 samples): the suite
 # reuses the training sampler's programs where its temperature matches
@@ -45,7 +45,7 @@ def plant(monkeypatch, schedule):
     """Replaces the "arithmetic" replies of the n-th suite sampling (0: the baseline) by the gold answer
     (schedule[n] "gold") or a wrong constant ("wrong"), then rescores them through the env; "infra" marks every
     sample of every domain an infra_error instead."""
-    real, calls = eval_gate.sample_suite, []
+    real, calls = gate_hook.sample_suite, []
 
     def planted(plan, built, rollouter, policy):
         records, seconds = real(plan, built, rollouter, policy)
@@ -61,7 +61,7 @@ def plant(monkeypatch, schedule):
             records = [{**r, "statuses": ["infra_error"] * len(r["statuses"])} for r in records]
         return records, seconds
 
-    monkeypatch.setattr(eval_gate, "sample_suite", planted)
+    monkeypatch.setattr(gate_hook, "sample_suite", planted)
     return calls
 
 
@@ -141,8 +141,8 @@ def test_the_same_policy_against_itself_is_no_change(tmp_path, suite):
     plan = make_run_plan(gate_config(tmp_path / "run", suite, **{"eval.gate.action": "stop"}))
     rollouter, learner, _ = grpo.build(plan)
     try:
-        gate = eval_gate.LoopGate.open(plan, rollouter, learner, 0, {})
-        decision, metrics, seconds = gate.check(plan, rollouter, learner)  # step 0: the initial policy again
+        gate = gate_hook.LoopGate.open(plan.gate, plan.workdir, plan.eval_settings, rollouter, learner.policy(), 0)
+        decision, metrics, seconds = gate.check(0, plan.eval_settings, rollouter, learner.policy())  # again
     finally:
         learner.close()
         rollouter.close()

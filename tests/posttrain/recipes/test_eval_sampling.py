@@ -1,11 +1,11 @@
-"""`eval_gate.sample_suite` (issue 22 item 8): domains with the same budget share sampler batches (fewer calls, one
+"""`gate_hook.sample_suite` (issue 22 item 8): domains with the same budget share sampler batches (fewer calls, one
 SamplingParams per group), records come back in suite order with domain-local indices and each domain's own
 scorer, format and area, and every domain gets its share of the seconds; a scripted sampler, no model."""
 import sys
 import types
 
 from posttrain.eval import suite as suite_lib
-from posttrain.eval import gate_hook as eval_gate
+from posttrain.eval import gate_hook
 from posttrain.rollout.episodes import InlineEnvs
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/tests/posttrain/eval")
@@ -34,14 +34,14 @@ def _run(batch_size):
         return fn
 
     rollouter = types.SimpleNamespace(sample_fn=sample_fn, tokenizer=TOK, runner=InlineEnvs())
-    plan = types.SimpleNamespace(eval=types.SimpleNamespace(seed=1, batch_size=batch_size, system_prompt="",
-                                                            prompt_bucket=16))
-    return (*eval_gate.sample_suite(plan, built, rollouter, None), calls, params, built, keys)
+    settings = types.SimpleNamespace(seed=1, eval_config=types.SimpleNamespace(batch_size=batch_size),
+                                     sampling_config=types.SimpleNamespace(system_prompt="", prompt_bucket=16))
+    return (*gate_hook.sample_suite(settings, built, rollouter, None), calls, params, built, keys)
 
 
 def test_domains_with_one_budget_share_batches_and_keep_their_own_settings():
     records, seconds, calls, params, built, _ = _run(batch_size=4)
-    assert [g for g in eval_gate.budget_groups(built)] == [(8, 0.0, 1, 1), (16, 0.0, 1, 1)]
+    assert [g for g in gate_hook.budget_groups(built)] == [(8, 0.0, 1, 1), (16, 0.0, 1, 1)]
     assert calls == [(8, 4), (8, 4), (16, 2)]  # 5 + 3 tasks at 8 tokens in 2 calls (3 calls one domain at a time)
     assert [p.max_new_tokens for p in params] == [8, 16]
     assert [(r["domain"], r["index"]) for r in records] == (

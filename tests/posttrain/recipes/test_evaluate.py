@@ -10,7 +10,7 @@ from helpers import tiny_config
 from posttrain import cli
 from posttrain.eval import records as records_lib
 from posttrain.recipes import evaluate, grpo
-from posttrain.runs.plan import make_run_plan
+from posttrain.config.plan import make_run_plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -71,8 +71,8 @@ def test_bad_suite_invocations_fail_clearly(run_dir, tmp_path, capsys):
 
 
 def test_eval_seed_sets_the_sampling_stream(tmp_path):
-    assert make_run_plan(tiny_config(tmp_path, **{"eval.seed": 7})).eval.seed == 7
-    assert make_run_plan(tiny_config(tmp_path, **{"train.seed": 3})).eval.seed == 4  # -1: train.seed + 1
+    assert make_run_plan(tiny_config(tmp_path, **{"eval.seed": 7})).eval_seed == 7
+    assert make_run_plan(tiny_config(tmp_path, **{"train.seed": 3})).eval_seed == 4  # -1: train.seed + 1
 
 
 def _tree(folder):

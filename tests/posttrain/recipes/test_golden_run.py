@@ -11,7 +11,7 @@ import pathlib
 from helpers import assert_equals_golden, golden_view
 from posttrain.config import from_config_dict
 from posttrain.recipes import grpo
-from posttrain.runs.plan import make_run_plan
+from posttrain.config.plan import make_run_plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 GOLDEN = json.loads((ROOT / "tests/golden/tiny_3_steps.json").read_text())
@@ -28,7 +28,7 @@ def _config():
 
 def test_tiny_three_steps_reproduce_the_recorded_run(tmp_path):
     plan = make_run_plan(_config(), workdir=str(tmp_path))
-    assert plan.rollout.max_staleness == 0 and plan.step.loss.tis_cap is None  # the defaults: synchronous, no TIS
+    assert plan.config.rollout.max_staleness == 0 and plan.step.loss.tis_cap is None  # the defaults: synchronous, no TIS
     grpo.train(plan, progress=False)
     view = golden_view(tmp_path)
     assert view["final_step"] == GOLDEN["final_step"] == 3

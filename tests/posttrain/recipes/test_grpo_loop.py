@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from envs import base
-from posttrain.recipes import grpo as loop
+from posttrain.recipes import grpo
 from posttrain.checkpoints.orbax import Checkpointer
 from posttrain.config import from_config_dict
 from posttrain.model.tokenizer import Tokenizer
@@ -85,7 +85,7 @@ def test_resumed_run_matches_uninterrupted_run_and_writes_outputs(tmp_path, monk
     from posttrain.infra.distributed import RunInterrupted
 
     handler_before = signal.getsignal(signal.SIGINT)  # the sandbox may have installed its own in this process
-    loop.train(tiny_config(tmp_path / "a", **{"train.steps": 4}), progress=False)
+    grpo.train(tiny_config(tmp_path / "a", **{"train.steps": 4}), progress=False)
     plant(tmp_path / "b", [0, 1], trajectories=[0, 1, 7], evals=[0, 1])  # no checkpoint: starts over
     collect, sent = Rollouter.collect, []
 
@@ -98,14 +98,14 @@ def test_resumed_run_matches_uninterrupted_run_and_writes_outputs(tmp_path, monk
 
     monkeypatch.setattr(Rollouter, "collect", interrupted)
     with pytest.raises(RunInterrupted, match=r"SIGINT: stopped at step 3 \(checkpoint 3 in"):
-        loop.train(tiny_config(tmp_path / "b", **{"train.steps": 4}), progress=False)
+        grpo.train(tiny_config(tmp_path / "b", **{"train.steps": 4}), progress=False)
     assert time.perf_counter() - sent[0] < 30
     with Checkpointer(tmp_path / "b" / "checkpoints", every_steps=2, keep=2, read_only=True) as ck:
         assert ck.all_steps() == [2, 3]
     monkeypatch.undo()
     assert signal.getsignal(signal.SIGINT) is handler_before  # the loop's handlers are gone
     plant(tmp_path / "b", [4], trajectories=[3, 5], evals=[4])  # stale records past checkpoint 3
-    summary = loop.train(tiny_config(tmp_path / "b", **{"train.steps": 4}), progress=False)
+    summary = grpo.train(tiny_config(tmp_path / "b", **{"train.steps": 4}), progress=False)
     assert summary["start_step"] == 3 and summary["end_step"] == 4
     a, b = read(tmp_path / "a"), read(tmp_path / "b")
     assert [m["step"] for m in b] == [1, 2, 3, 4]
@@ -126,24 +126,24 @@ def test_resumed_run_matches_uninterrupted_run_and_writes_outputs(tmp_path, monk
 
 def test_checkpoint_at_end_of_pass_resumes_into_next_pass(tmp_path):
     # DigitEnv has 16 tasks = 4 steps of 4 prompts per pass
-    loop.train(digit_config(tmp_path, **{"train.steps": 4}), progress=False)
+    grpo.train(digit_config(tmp_path, **{"train.steps": 4}), progress=False)
     with Checkpointer(tmp_path / "checkpoints", every_steps=2, keep=2, read_only=True) as ck:
         assert ck.latest_step() == 4
-    summary = loop.train(digit_config(tmp_path, **{"train.steps": 6}), progress=False)
+    summary = grpo.train(digit_config(tmp_path, **{"train.steps": 6}), progress=False)
     assert summary["end_step"] == 6
     tasks = archive.read(tmp_path, steps=(4, 5))["prompt"].to_pylist()
     assert len(set(tasks)) == 8  # 8 distinct prompts of the second pass were drawn
 
 
 def test_each_step_samples_with_a_fresh_key(tmp_path, monkeypatch):
-    from posttrain.scheduling.weighted_draw import TaskScheduler
+    from posttrain.scheduling.weighted_draw import WeightedDraw
 
     def same_tasks(self, step, count):  # same prompts every step and lr ~0: only the key can change replies
         name = self.names[0]
         return [(name, i, 0, self.sources[name].get_task(i)) for i in range(count)]
 
-    monkeypatch.setattr(TaskScheduler, "next_draws", same_tasks)
-    loop.train(tiny_config(tmp_path, **{"train.steps": 2, "optim.lr": 1e-12}), progress=False)
+    monkeypatch.setattr(WeightedDraw, "next_draws", same_tasks)
+    grpo.train(tiny_config(tmp_path, **{"train.steps": 2, "optim.lr": 1e-12}), progress=False)
     steps = [archive.read(tmp_path, steps=[s]).to_pylist() for s in (0, 1)]
     assert [r["prompt"] for r in steps[0]] == [r["prompt"] for r in steps[1]]
     assert [r["completion"] for r in steps[0]] != [r["completion"] for r in steps[1]]
@@ -153,8 +153,8 @@ def test_memory_is_flat_across_steps(tmp_path):
     # perf/peak_rss_gb is the process's high-water mark: run in a fresh process, or an earlier test's peak hides
     # any growth (rss[20] == rss[5] == that peak).
     code = (f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parents[2])!r})\n"
-            "from helpers import tiny_config\nfrom posttrain.recipes import grpo as loop\n"
-            f"loop.train(tiny_config({str(tmp_path)!r}, **{{'train.steps': 20, 'checkpoint.every_steps': 5}}), "
+            "from helpers import tiny_config\nfrom posttrain.recipes import grpo\n"
+            f"grpo.train(tiny_config({str(tmp_path)!r}, **{{'train.steps': 20, 'checkpoint.every_steps': 5}}), "
             "progress=False)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -166,7 +166,7 @@ def test_memory_is_flat_across_steps(tmp_path):
 def test_tiny_model_learns_a_toy_verifiable_task(tmp_path):
     cfg = digit_config(tmp_path, **{"train.steps": 60, "optim.lr": 3e-3, "sampling.max_new_tokens": 2,
                                     "rl.group_size": 8})
-    loop.train(cfg, progress=False)
+    grpo.train(cfg, progress=False)
     rewards = [m["reward/mean"] for m in read(tmp_path)]
     assert np.mean(rewards[:3]) < 0.3, rewards[:3]
     assert np.mean(rewards[-5:]) >= 0.8, rewards
@@ -206,13 +206,13 @@ def scripted_policy(monkeypatch, reply_for):
 def _first_tasks_with_answers(monkeypatch, env_id, count=4):
     """Makes the scheduler draw the env's first `count` tasks every step; returns {text that identifies the task in
     the prompt: a correct reply} for them."""
-    from posttrain.scheduling.weighted_draw import TaskScheduler
+    from posttrain.scheduling.weighted_draw import WeightedDraw
 
     def first_tasks(self, step, n):
         name = self.names[0]
         return [(name, i, 0, self.sources[name].get_task(i)) for i in range(n)]
 
-    monkeypatch.setattr(TaskScheduler, "next_draws", first_tasks)
+    monkeypatch.setattr(WeightedDraw, "next_draws", first_tasks)
     env = gymnasium.make(env_id).unwrapped
     tasks = [env.task_source.get_task(i) for i in range(count)]
     if env_id == "posttrain/HumanEval-v0":
@@ -249,7 +249,7 @@ def test_sandboxed_envs_through_the_worker_pool(tmp_path, monkeypatch, env_id, m
     raw["env"].update(train={"code": {"id": env_id, "weight": 1.0, "kwargs": {}}}, num_workers=2,
                       max_turns=max_turns)
     raw["rl"]["packed"] = max_turns == 1
-    summary = loop.train(from_config_dict(raw), progress=False)
+    summary = grpo.train(from_config_dict(raw), progress=False)
     assert summary["end_step"] == 1
     (m,) = read(tmp_path)
     assert m["env/infra_error_rate"] == 0.0 and m["reward/mean"] == 0.5

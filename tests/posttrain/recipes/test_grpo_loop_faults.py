@@ -6,8 +6,8 @@ import pathlib
 import pytest
 
 from posttrain.algos.grpo.advantages import advantage_fn
-from posttrain.recipes import grpo as loop
-from posttrain.runs.plan import make_run_plan, truncation_warning
+from posttrain.recipes import grpo
+from posttrain.config.plan import make_run_plan, sampling_warnings
 from posttrain.checkpoints.orbax import Checkpointer
 from posttrain.config import from_config_dict
 from helpers import tiny_config
@@ -18,8 +18,8 @@ def test_consecutive_nonfinite_steps_stop_the_run_with_a_checkpoint(tmp_path, ca
     later loss is NaN and is skipped."""
     cfg = tiny_config(tmp_path, **{"optim.lr": 1e30, "optim.weight_decay": 0.1, "train.steps": 10,
                                    "train.max_nonfinite_skips": 2, "checkpoint.every_steps": 100})
-    with pytest.raises(loop.NonFiniteError, match=r"2 consecutive steps had a non-finite"):
-        loop.train(cfg, progress=False)
+    with pytest.raises(grpo.NonFiniteError, match=r"2 consecutive steps had a non-finite"):
+        grpo.train(cfg, progress=False)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     skipped = [r["step"] for r in rows if r.get("policy/skipped_nonfinite") == 1.0]
     assert len(skipped) == 2 and skipped[-1] == rows[-1]["step"] < 10
@@ -34,7 +34,8 @@ def test_truncated_sampling_warns(top_p, top_k, warned):
     run plan; the full distribution is not."""
     cfg = tiny_config("/tmp/x", **{"sampling.top_p": top_p, "sampling.top_k": top_k})
     warnings = [w for w in make_run_plan(cfg).warnings if "truncate" in w]
-    assert len(warnings) == int(warned) and (truncation_warning(cfg) is not None) == warned
+    assert len(warnings) == int(warned) and any("truncate" in w
+                                                for w in sampling_warnings(cfg)) == warned
     if warned:
         assert f"top_p={top_p}" in warnings[0] and f"top_k={top_k}" in warnings[0] and "rl.tis_cap" in warnings[0]
 
@@ -60,7 +61,7 @@ def test_curriculum_moves_levels_in_the_loop_and_resumes(tmp_path):
     c.sampling.max_new_tokens = 4
     for steps in (2, 3):
         c.train.steps = steps
-        loop.train(from_config_dict(c), progress=False)
+        grpo.train(from_config_dict(c), progress=False)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     levels = [r["curriculum/reasoning_gym/chain_sum/level"] for r in rows if "curriculum/reasoning_gym/chain_sum/level" in r]
     moves = [r["curriculum/reasoning_gym/chain_sum/moves"] for r in rows if "curriculum/reasoning_gym/chain_sum/moves" in r]
@@ -73,16 +74,16 @@ def test_skips_are_counted_in_a_row_reset_by_a_finite_update_and_logged_with_the
 
     from posttrain.rollout import batching
 
-    from posttrain.checkpoints import policy as setup
+    from posttrain.checkpoints import policy as policy_lib
     from posttrain.infra import mesh as mesh_lib
     from posttrain.learn.learner import Learner
 
     plan = make_run_plan(tiny_config(tmp_path))
     mesh = mesh_lib.make_mesh(plan.mesh_shape)
-    model_config, graphdef, weights, _ = setup.load_policy(plan.policy, mesh, plan.rules)
-    learner = Learner.create(plan.learner, mesh, model_config, graphdef, weights, loop.step_builder(plan))
+    model_config, graphdef, weights, _ = policy_lib.load_policy(plan.policy, mesh, plan.rules)
+    learner = Learner.create(plan.learner_settings, mesh, model_config, graphdef, weights, plan.step_builder())
     good = batching.random_batch(0, advantage_fn("grpo"), prompts=4, group_size=4, prompt_len=16, completion_len=8, vocab_size=320,
-                                 row_multiple=plan.rollout.row_multiple)
+                                 row_multiple=plan.row_multiple)
     bad = good.replace(advantages_N=np.where(np.arange(len(good.advantages_N)) == 1, np.nan, good.advantages_N))
     runs, skipped = [], []
     for batch in (bad, good, bad, bad, good):
@@ -116,7 +117,7 @@ def test_open_outputs_cuts_every_appended_output_back_to_the_start(tmp_path, sta
     (tmp_path / "eval").mkdir()
     for s in (0, 2, 4):
         (tmp_path / "eval" / f"step_{s:06d}.jsonl").write_text("{}\n")
-    loop.open_outputs(tmp_path, start).close()
+    grpo.open_outputs(tmp_path, start).close()
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == metrics
     assert sorted(p.name for p in archive.archive_dir(tmp_path).iterdir()) == [
         f"step_{s:08d}.parquet" for s in archived]
@@ -133,7 +134,7 @@ def fast_policy(monkeypatch):
         return (*random_model(source.preset, **dict(source.fields), **dict(source.overrides)),
                 Tokenizer.byte_level())
 
-    monkeypatch.setattr(loop, "load_policy", load)
+    monkeypatch.setattr(grpo, "load_policy", load)
 
 
 def two_checkpoint_run(workdir, damage):
@@ -144,7 +145,7 @@ def two_checkpoint_run(workdir, damage):
     import jax.numpy as jnp
 
     plan = make_run_plan(tiny_config(workdir))
-    rollouter, learner, _ = loop.build(plan)
+    rollouter, learner, _ = grpo.build(plan)
     meta = {**rollouter.state_dict(), "config": plan.config_dict}
     for s in (1, 2):
         learner.checkpointer.save(s, learner.state.replace(step=jnp.asarray(s, learner.state.step.dtype)), meta,
@@ -173,14 +174,14 @@ def test_readers_leave_an_unreadable_checkpoint_in_place_and_training_moves_it_l
                                                                                       monkeypatch, caplog, damage):
     plan = two_checkpoint_run(tmp_path, damage)
     before = tree(tmp_path)
-    monkeypatch.setattr(loop.eval_runner, "run", lambda *a: ({"eval/accuracy": 0.5}, [{"reward": 1.0}]))  # no sampler
-    step, _ = loop.evaluate_run(plan)
-    _, state, _ = loop.run_policy(plan)
+    monkeypatch.setattr(grpo.eval_runner, "run", lambda *a: ({"eval/accuracy": 0.5}, [{"reward": 1.0}]))  # no sampler
+    step, _ = grpo.evaluate_run(plan)
+    _, state, _ = grpo.run_policy(plan)
     assert step == 1 and tree(tmp_path) == before  # nothing renamed, written or created
     using = [r.getMessage() for r in caplog.records if r.getMessage().startswith("USING STEP 1, NOT 2")]
     assert len(using) == 2 and all("left in place" in m for m in using), using
     caplog.clear()
-    rollouter, learner, _ = loop.build(plan)  # what training does at its start
+    rollouter, learner, _ = grpo.build(plan)  # what training does at its start
     learner.close()
     rollouter.close()
     assert learner.step == 1 and [r["step"] for r in learner.checkpointer.unreadable] == [2]
@@ -201,13 +202,13 @@ def test_a_run_with_no_readable_checkpoint_is_one_error_for_readers_and_the_cli(
     plan = two_checkpoint_run(tmp_path, "truncated_manifest")
     (tmp_path / "checkpoints" / "1" / "manifest" / "metadata").write_text('{"format": 1, "lea')
     before = tree(tmp_path)
-    for reader in (loop.evaluate_run, loop.run_policy):
+    for reader in (grpo.evaluate_run, grpo.run_policy):
         with pytest.raises(CheckpointCorruptError, match=r"no usable checkpoint in .*\n  step 2: .*\n  step 1: "):
             reader(plan)
     assert tree(tmp_path) == before
 
     def eval_cmd(f):
-        return loop.evaluate_run(plan)
+        return grpo.evaluate_run(plan)
 
     monkeypatch.setitem(cli.COMMANDS, "eval", eval_cmd)
     monkeypatch.setenv("POSTTRAIN_XLA_CACHE", "0")  # main() would turn the persistent compilation cache on
@@ -219,14 +220,14 @@ def test_a_run_with_no_readable_checkpoint_is_one_error_for_readers_and_the_cli(
 
 # kind: a run that cannot learn says so, with the reason: every group's rewards equal for N steps in a row
 @pytest.mark.parametrize("run,mean,expect", [
-    (0, 0.0, None), (1, 0.0, None), (loop.ZERO_VARIANCE_WARN_STEPS - 1, 0.0, None),
-    (loop.ZERO_VARIANCE_WARN_STEPS, 0.0, "every reply fails"),
-    (loop.ZERO_VARIANCE_WARN_STEPS, 1.0, "every reply succeeds"),
-    (loop.ZERO_VARIANCE_WARN_STEPS, 0.5, "the rewards do not vary within a group"),
-    (loop.ZERO_VARIANCE_WARN_STEPS + 1, 0.0, None), (2 * loop.ZERO_VARIANCE_WARN_STEPS, 0.0, "every reply fails"),
+    (0, 0.0, None), (1, 0.0, None), (grpo.ZERO_VARIANCE_WARN_STEPS - 1, 0.0, None),
+    (grpo.ZERO_VARIANCE_WARN_STEPS, 0.0, "every reply fails"),
+    (grpo.ZERO_VARIANCE_WARN_STEPS, 1.0, "every reply succeeds"),
+    (grpo.ZERO_VARIANCE_WARN_STEPS, 0.5, "the rewards do not vary within a group"),
+    (grpo.ZERO_VARIANCE_WARN_STEPS + 1, 0.0, None), (2 * grpo.ZERO_VARIANCE_WARN_STEPS, 0.0, "every reply fails"),
 ])
 def test_zero_variance_steps_are_warned_about_with_the_reason(run, mean, expect):
-    warning = loop.zero_variance_warning(run, {"reward/mean": mean, "frac_zero_std_groups": 1.0})
+    warning = grpo.zero_variance_warning(run, {"reward/mean": mean, "frac_zero_std_groups": 1.0})
     if expect is None:
         assert warning is None
     else:
@@ -253,7 +254,7 @@ def test_resources_close_in_reverse_order_and_keep_the_first_error(error, failin
         return close
 
     def run():
-        with loop.Resources(("a", closer("a"))) as res:
+        with grpo.Resources(("a", closer("a"))) as res:
             res.push("b", closer("b"))
             res.push("c", closer("c"))
             if error is not None:
@@ -280,9 +281,9 @@ def test_a_failed_start_after_the_learner_closes_the_checkpointer(tmp_path, fast
     def no_workers(*a, **k):
         raise RuntimeError("env workers could not start")
 
-    monkeypatch.setattr(loop.Rollouter, "create", no_workers)
+    monkeypatch.setattr(grpo.Rollouter, "create", no_workers)
     with pytest.raises(RuntimeError, match="env workers could not start"):
-        loop.build(make_run_plan(tiny_config(tmp_path)))
+        grpo.build(make_run_plan(tiny_config(tmp_path)))
     assert made and made[0].checkpointer._manager is None  # closed
 
 
@@ -293,7 +294,7 @@ def test_a_failing_step_closes_everything_in_reverse_order_and_raises_its_own_er
 
     order = []
     for cls, name in ((metrics_lib.ProgressBar, "bar"), (metrics_lib.MetricsWriter, "writer"),
-                      (loop.Rollouter, "env workers"), (Learner, "checkpointer")):
+                      (grpo.Rollouter, "env workers"), (Learner, "checkpointer")):
         def close(self, _real=cls.close, _name=name):
             order.append(_name)
             _real(self)
@@ -304,9 +305,9 @@ def test_a_failing_step_closes_everything_in_reverse_order_and_raises_its_own_er
     def boom(self, step, policy, rng, **kw):
         raise RuntimeError("the sampler failed")
 
-    monkeypatch.setattr(loop.Rollouter, "collect", boom)
+    monkeypatch.setattr(grpo.Rollouter, "collect", boom)
     with pytest.raises(RuntimeError, match="the sampler failed"):
-        loop.train(tiny_config(tmp_path), progress=False)
+        grpo.train(tiny_config(tmp_path), progress=False)
     assert order == ["bar", "writer", "env workers", "checkpointer"]
     assert any("closing the metrics writer after RuntimeError failed too: OSError: disk full" in r.getMessage()
                for r in caplog.records)
@@ -320,11 +321,11 @@ def test_an_allowed_resume_with_changes_records_them_with_the_step(tmp_path, fas
     two_checkpoint_run(tmp_path, None)
     changed = make_run_plan(tiny_config(tmp_path, **{"optim.lr": 5e-4}))
     loads = []
-    monkeypatch.setattr(loop, "load_policy", lambda *a, _load=loop.load_policy: loads.append(1) or _load(*a))
+    monkeypatch.setattr(grpo, "load_policy", lambda *a, _load=grpo.load_policy: loads.append(1) or _load(*a))
     with pytest.raises(ConfigError, match=r"\(checkpoint 2\) with changed settings: optim.lr: 0.001 -> 0.0005; "):
-        loop.build(changed)
+        grpo.build(changed)
     assert not loads  # refused before any model load
-    rollouter, learner, _ = loop.build(changed, allow_config_change=True)
+    rollouter, learner, _ = grpo.build(changed, allow_config_change=True)
     learner.close()
     rollouter.close()
     assert [json.loads(line) for line in (tmp_path / "config_changes.jsonl").read_text().splitlines()] == [

@@ -5,8 +5,8 @@ import pytest
 
 from helpers import tiny_config
 from posttrain.config import ConfigError
-from posttrain.runs.plan import OFF_POLICY_TIS_CAP
-from posttrain.runs.plan import make_run_plan
+from posttrain.config.plan import OFF_POLICY_TIS_CAP
+from posttrain.config.plan import make_run_plan
 
 
 @pytest.mark.parametrize("over,tis,warned", [
@@ -21,7 +21,7 @@ def test_the_off_policy_rule(over, tis, warned):
     plan = make_run_plan(tiny_config("/tmp/off-policy", **over))
     assert plan.step.loss.tis_cap == tis
     assert plan.step.loss.policy_loss == over.get("rl.loss", "ppo")
-    assert plan.rollout.max_staleness == over.get("rollout.max_staleness", 0)
+    assert plan.config.rollout.max_staleness == over.get("rollout.max_staleness", 0)
     assert plan.config_dict["rl"]["tis_cap"] == (tis or 0.0)  # the value used, not -1
     found = [w for w in plan.warnings if "rollout.max_staleness" in w]
     assert len(found) == int(warned is not None) and all(warned in w for w in found)

@@ -11,10 +11,10 @@ import numpy as np
 from envs.tasks.repo_fix import tools
 from helpers import scripted_output
 from posttrain.config import from_config_dict
-from posttrain.recipes import grpo as loop
+from posttrain.recipes import grpo
 from posttrain.rollout.rollouter import Rollouter
 from posttrain.scheduling import archive
-from posttrain.scheduling.weighted_draw import TaskScheduler
+from posttrain.scheduling.weighted_draw import WeightedDraw
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 TASKS = (0, 4)  # two problems (a problem has 4 task slots)
@@ -70,10 +70,10 @@ def test_tiny_repo_fix_config_trains_on_hidden_test_rewards_with_tool_turns_mask
     tasks = [source.get_task(i) for i in TASKS]
     golden = {t["suites"]["hidden"][0]["entry"]: t["golden_patch"] for t in tasks}
     assert len(golden) == 2
-    monkeypatch.setattr(TaskScheduler, "next_draws", lambda self, step, n: [
+    monkeypatch.setattr(WeightedDraw, "next_draws", lambda self, step, n: [
         (self.names[0], i, 0, self.sources[self.names[0]].get_task(i)) for i in TASKS[:n]])
     given = scripted(monkeypatch, golden)
-    summary = loop.train(cfg, progress=False)
+    summary = grpo.train(cfg, progress=False)
     assert summary["end_step"] == 1
     (m,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = archive.read(tmp_path / "run", steps=[0]).to_pylist()

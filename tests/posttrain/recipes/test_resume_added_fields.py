@@ -5,8 +5,8 @@ import json
 import pytest
 
 from helpers import saved_run, tiny_config
-from posttrain.recipes import grpo as loop
-from posttrain.runs import plan as run_plan
+from posttrain.recipes import grpo
+from posttrain.config import plan as run_plan
 
 
 # kind: a field added after a run was saved is not a change when the resumed run keeps its default
@@ -23,4 +23,4 @@ def test_a_field_the_saved_config_lacks_is_a_change_only_off_its_default(tmp_pat
     del saved[section][key]
     (tmp_path / "config.json").write_text(json.dumps(saved))
     new = run_plan.make_run_plan(tiny_config(tmp_path, **over))
-    assert loop.resume_changes(new, allow=True) == {k: [*v, 2] for k, v in changed.items()}
+    assert grpo.resume_changes(new, allow=True) == {k: [*v, 2] for k, v in changed.items()}

@@ -105,10 +105,10 @@ def test_the_plan_from_a_file_a_run_directory_a_config_and_a_dict(tmp_path):
     tiny = ROOT / "configs" / "tiny.py"
     plan = trainer_lib.make_plan(tiny, workdir=str(tmp_path / "a"), overrides={"rl.group_size": 2,
                                                                                 "train.steps": 5})
-    assert (plan.config_dict["rl"]["group_size"], plan.train.steps, plan.workdir) == (2, 5, tmp_path / "a")
+    assert (plan.config_dict["rl"]["group_size"], plan.config.train.steps, plan.workdir) == (2, 5, tmp_path / "a")
     (tmp_path / "steps.py").write_text("from posttrain.config.tiny import tiny_base\n\n\ndef get_config(steps):\n"
                                        "    c = tiny_base()\n    c.train.steps = int(steps)\n    return c\n")
-    assert trainer_lib.make_plan(f"{tmp_path / 'steps.py'}:7").train.steps == 7  # FILE:ARG, as --config takes it
+    assert trainer_lib.make_plan(f"{tmp_path / 'steps.py'}:7").config.train.steps == 7  # FILE:ARG, as --config takes it
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(json.dumps(plan.config_dict, default=str))

@@ -18,11 +18,11 @@ import pytest
 from envs import base
 from helpers import assert_equals_golden, golden_view, scripted_output, tiny_config
 from posttrain.config import from_config_dict, to_dict
-from posttrain.recipes import grpo as loop
+from posttrain.recipes import grpo
 from posttrain.rollout.episodes import Sample
 from posttrain.rollout.rollouter import Rollouter
 from posttrain.rollout.attempts import StepDraw, archive_rows
-from posttrain.scheduling import archive, status_table as view
+from posttrain.scheduling import archive, status_table
 from posttrain.scheduling.scheduler import JobScheduler
 from posttrain.scheduling.domain_rules import SchedulerSettings
 
@@ -94,21 +94,21 @@ def scripted_sample_fn(rollouter, policy, params):
 @pytest.fixture(scope="module")
 def flaky_run(tmp_path_factory):
     """The 8-step run: summary, metrics rows, archive rows, the last checkpoint's scheduler state, its golden view
-    and workdir/status.json as read back after each of the loop's writes (`view.write_status`)."""
+    and workdir/status.json as read back after each of the loop's writes (`status_table.write_status`)."""
     workdir, statuses = tmp_path_factory.mktemp("flaky"), []
 
-    def write_status(wd, status, _write=view.write_status):
+    def write_status(wd, status, _write=status_table.write_status):
         path = _write(wd, status)
-        statuses.append(view.read_status(wd))
+        statuses.append(status_table.read_status(wd))
         return path
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Rollouter, "sample_fn", scripted_sample_fn)
-        mp.setattr(view, "write_status", write_status)
-        summary = loop.train(flaky_config(workdir), progress=False)
+        mp.setattr(status_table, "write_status", write_status)
+        summary = grpo.train(flaky_config(workdir), progress=False)
     metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     meta = json.loads((workdir / "checkpoints" / str(STEPS) / "meta" / "metadata").read_text())
-    assert view.read_status(workdir) == statuses[-1]
+    assert status_table.read_status(workdir) == statuses[-1]
     return (summary, metrics, archive.read(workdir).to_pylist(), meta["scheduler"], golden_view(workdir),
             statuses)
 
@@ -230,7 +230,7 @@ def test_retry_tickets_run_as_their_own_batch_after_their_back_off():
                        status="infra_error" if fail and k == 1 else "ok") for t in batch for k in t.samples], {}
 
     d = StepDraw(3, dynamic_sampling=False)
-    d.job_round(run_fn, sched.next_tasks(0, 1), sched, sleep=slept.append)
+    d.round(run_fn, sched.next_tasks(0, 1), sched, sleep=slept.append)
     assert calls == [(1, 3, 0), (1, 1, 1)] and slept == [0.25]
     samples, _, attempts = d.finish(1, 1)
     assert [s.texts for s in samples] == [["0:0"], ["1:1"], ["0:2"]]

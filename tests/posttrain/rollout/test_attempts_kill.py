@@ -21,7 +21,7 @@ import os, signal, sys
 sys.path[:0] = [{tests!r}, {here!r}]
 import pytest
 import test_tickets as tt
-from posttrain.recipes import grpo as loop
+from posttrain.recipes import grpo
 from posttrain.rollout.rollouter import Rollouter
 from posttrain.scheduling import archive
 from posttrain.scheduling.scheduler import JobScheduler
@@ -56,7 +56,7 @@ with pytest.MonkeyPatch.context() as mp:
                "rollout": (JobScheduler, "report", report)}}.get(where)
     if target:
         mp.setattr(*target)
-    loop.train(tt.flaky_config(workdir, **{{"train.steps": {steps}, "checkpoint.every_steps": 2}}), progress=False)
+    grpo.train(tt.flaky_config(workdir, **{{"train.steps": {steps}, "checkpoint.every_steps": 2}}), progress=False)
 """
 
 

@@ -10,7 +10,7 @@ from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.rollout import batching
 
 from posttrain.algos.grpo import losses
-from posttrain.algos.grpo import step as ts
+from posttrain.algos.grpo import step
 from posttrain.model.presets import get_preset
 from posttrain.model.transformer import Transformer
 from posttrain.rollout.episodes import Sample
@@ -44,8 +44,8 @@ def test_packed_and_unpacked_give_the_same_loss_and_gradient():
     graphdef, params, other = nnx.split(Transformer(get_preset("tiny-dense"), rngs=nnx.Rngs(0)), nnx.Param, ...)
     st = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=None,
                     frozen={"base": None, "other": other}, ref_params=None, rng=jax.random.key(0))
-    opts = ts.StepOptions(loss=losses.LossConfig(), temperature=1.0)
-    run = jax.jit(lambda b: ts.accumulate_gradients(graphdef, st, jax.tree.map(jnp.asarray, b), opts))
+    opts = step.StepOptions(loss=losses.LossConfig(), temperature=1.0)
+    run = jax.jit(lambda b: step.accumulate_gradients(graphdef, st, jax.tree.map(jnp.asarray, b), opts))
     (g1, m1), (g2, m2) = run(packed), run(unpacked)
     np.testing.assert_allclose(m1["policy/loss"], m2["policy/loss"], atol=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):

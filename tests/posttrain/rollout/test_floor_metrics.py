@@ -48,8 +48,9 @@ def test_collect_reports_reward_above_floor_per_domain(monkeypatch):
 
     monkeypatch.setattr(rollouter.Rollouter, "draw", fake_draw)
     monkeypatch.setattr(rollouter.Rollouter, "sample_fn", lambda self, policy, params: None)
-    settings = types.SimpleNamespace(sampling=None, tasks=None, group_size=4, packed=False, overlong_filter=False,
-                                     prompt_bucket=16, row_multiple=1)
+    settings = types.SimpleNamespace(
+        sampling_config=types.SimpleNamespace(params=lambda: None, prompt_bucket=16), scheduler=None, row_multiple=1,
+        objective=types.SimpleNamespace(group_size=4, packed=False, overlong_filter=False))
     specs = {"coin": COIN, "user": EnvSpec(id="user_module:Fake-v0")}
     r = rollouter.Rollouter(settings=settings, mesh=None, graphdef=None,
                             tokenizer=types.SimpleNamespace(pad_id=0, decode=lambda ids, **kw: ""), runner=None,

@@ -11,7 +11,7 @@ from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.config import ConfigError
 from posttrain.infra.mesh import make_mesh
 from posttrain.model.tokenizer import Tokenizer
-from posttrain.runs.plan import make_run_plan
+from posttrain.config.plan import make_run_plan
 from posttrain.rollout.queue import RolloutQueue, batch_metrics
 from posttrain.rollout.rollouter import Rollouter
 from helpers import random_model, tiny_config
@@ -29,7 +29,7 @@ def test_a_generation_spanning_a_published_version_records_both(tmp_path, monkey
                                    "sampling.temperature": 0.0})  # greedy: replies run to the budget
     plan = make_run_plan(cfg)
     _, graphdef, state = random_model("tiny-dense", vocab_size=320)
-    r = Rollouter.create(plan.rollout, make_mesh({"fsdp": 1}, jax.devices()[:1]), graphdef, Tokenizer.byte_level(),
+    r = Rollouter.create(plan.rollout_settings, make_mesh({"fsdp": 1}, jax.devices()[:1]), graphdef, Tokenizer.byte_level(),
                          advantage_fn("grpo"))
     drawn, draw = [], Rollouter.draw
     monkeypatch.setattr(Rollouter, "draw", lambda self, *a: drawn.append(draw(self, *a)) or drawn[-1])
@@ -77,4 +77,4 @@ def test_partial_needs_staleness_and_the_engine(tmp_path):
                                                "sampling.backend": "dense"}))
     plan = make_run_plan(tiny_config(tmp_path, **{"rollout.partial": True, "rollout.max_staleness": 1,
                                                   "sampling.backend": "engine"}))
-    assert plan.rollout.partial and plan.rollout.engine is not None
+    assert plan.config.rollout.partial and plan.engine is not None

@@ -6,6 +6,7 @@ policy. The loop at max_staleness=0 against the synchronous loop's recordings: t
 test_tickets.py (acceptance 1)."""
 import contextlib
 import dataclasses
+import types
 import os
 import pathlib
 import signal
@@ -37,7 +38,9 @@ class FakeRollouter:
 
     @property
     def settings(self):
-        return self
+        return types.SimpleNamespace(queue_config=self)
+
+    partial = False
 
     def collect(self, step, policy, rng, policy_version=None, gate=None):
         if step == self.fail_at:
@@ -213,10 +216,10 @@ import os, signal, sys, time
 sys.path[:0] = [{tests!r}, {here!r}]
 import pytest
 import test_queue as tq
-from posttrain.recipes import grpo as loop
+from posttrain.recipes import grpo
 with pytest.MonkeyPatch.context() as mp:
     tq.patch_run(mp, kill_at=2)
-    loop.train(tq.staleness_config(sys.argv[1]), progress=False)
+    grpo.train(tq.staleness_config(sys.argv[1]), progress=False)
 """
 
 
@@ -256,14 +259,14 @@ def test_a_run_at_staleness_2_killed_and_resumed_never_trains_beyond_the_bound(t
     re-sampled, never replayed). The loss is the off-policy default: PPO-clip with TIS (policy/tis_weight)."""
     import json
 
-    from posttrain.recipes import grpo as loop
+    from posttrain.recipes import grpo
     from posttrain.scheduling import archive
 
     child = subprocess.run([sys.executable, "-c", CHILD.format(tests=str(HERE.parents[1]), here=str(HERE)),
                             str(tmp_path)], cwd=HERE.parents[2], capture_output=True, text=True, timeout=600)
     assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
     patch_run(monkeypatch)
-    summary = loop.train(staleness_config(tmp_path), progress=False)
+    summary = grpo.train(staleness_config(tmp_path), progress=False)
     assert summary["start_step"] == 2 and summary["end_step"] == 5
     rows = [r for r in archive.read(tmp_path).to_pylist() if r["in_batch"]]
     lag = {r["step"]: r["step"] - r["policy_version"] for r in rows}

@@ -14,7 +14,7 @@ import ray
 from envs.pool.processes import EnvPool, EpisodeSpec
 from helpers import tiny_config
 from posttrain.config import ConfigError
-from posttrain.runs.plan import make_run_plan
+from posttrain.config.plan import make_run_plan
 from posttrain.rollout.episodes import Sample
 from posttrain.rollout.env_side import make_runner
 from posttrain.rollout.attempts import StepDraw
@@ -81,9 +81,9 @@ def runner(ray_session, tmp_path_factory):
     rollout settings, as `Rollouter.build` calls it)."""
     plan = make_run_plan(tiny_config(tmp_path_factory.mktemp("ray"), **{"env.backend": "ray",
                                                                           "env.num_workers": ACTORS}))
-    st = plan.rollout
-    assert (st.env_backend, st.num_workers) == ("ray", ACTORS)
-    r = make_runner(st.num_workers, st.step_timeout_s, st.env_backend)
+    env = plan.rollout_settings.env_config
+    assert (env.backend, env.num_workers) == ("ray", ACTORS)
+    r = make_runner(env.num_workers, env.step_timeout_s, env.backend)
     yield r
     r.close()
 
@@ -108,7 +108,7 @@ def test_the_config_builds_a_ray_pool_and_a_killed_actor_is_one_extra_attempt(ru
         return samples, {}
 
     draw = StepDraw(G, dynamic_sampling=False)
-    draw.job_round(run_fn, sched.next_tasks(0, P), sched)
+    draw.round(run_fn, sched.next_tasks(0, P), sched)
     samples, _, attempts = draw.finish(P, 1)
     assert len(draw.kept) == P and all(s.status == "ok" and s.reward == 1.0 for s in samples)  # every group whole
     failed = [a for a in attempts if a.result.status == "infra_error"]

@@ -154,7 +154,7 @@ def test_model_scorer_reads_an_exported_reward_model(tiny, tmp_path):
 def test_config_errors_name_the_key(tmp_path, key, value, msg):
     from helpers import tiny_config
 
-    from posttrain.runs.plan import make_run_plan
+    from posttrain.config.plan import make_run_plan
 
     with pytest.raises(ConfigError, match=msg):
         make_run_plan(tiny_config(tmp_path, **{key: value}))

@@ -1,12 +1,13 @@
 """The rollouter: dynamic sampling redraws zero-variance groups and reports them; the curriculum moves env specs and
 task sources (the end-to-end rollouts are exercised by test_grpo_loop.py and test_distributed.py)."""
 import functools
+import types
 
 import pytest
 
 from posttrain.rollout import env_side, rollouter
 from posttrain.algos.grpo.advantages import advantage_fn
-from posttrain.runs.plan import make_run_plan
+from posttrain.config.plan import make_run_plan
 from helpers import tiny_config
 
 
@@ -28,17 +29,26 @@ def test_dynamic_sampling_reports_the_fraction_of_groups_filtered(monkeypatch):
         return [Sample(domain="d", group=i, prompt_ids=[1], reward=float(r), status="ok")
                 for i, g in enumerate(groups) for r in g], {}
 
-    monkeypatch.setattr(rollouter.rollout, "run_episodes", fake_run_episodes)
+    monkeypatch.setattr(rollouter.episodes, "run_episodes", fake_run_episodes)
     cfg = tiny_config("/tmp/x", **{"rl.dynamic_sampling": True, "rl.group_size": 2, "rl.prompts_per_step": 4})
     r = rollouter.Rollouter(
-        settings=make_run_plan(cfg).rollout, mesh=None, graphdef=None, tokenizer=types.SimpleNamespace(pad_id=0),
-        runner=None, scheduler=types.SimpleNamespace(
-            next_draws=lambda seed, n: [("arithmetic", i, 0, {"id": i}) for i in range(n)]),
+        settings=make_run_plan(cfg).rollout_settings, mesh=None, graphdef=None, tokenizer=types.SimpleNamespace(pad_id=0),
+        runner=None, scheduler=listed_draw(cfg.rl.group_size),
         train_specs=dict(cfg.env.train), advantage_fn=advantage_fn("grpo"))
     samples, perf, attempts = r.draw(0, None, jax.random.key(0))
     assert calls == [4, 2] and len(samples) == 8
     assert len(attempts) == 12 and sum(a.in_batch for a in attempts) == 8  # the 2 set-aside groups: archived only
     assert perf["rollout/frac_groups_filtered"] == 2 / 6 and perf["rollout/groups_drawn"] == 6
+
+
+def listed_draw(group_size: int):
+    """A weighted draw whose k-th call of a step lists tasks 0..n-1 of "arithmetic" (pass 0)."""
+    from posttrain.scheduling.weighted_draw import WeightedDraw
+
+    source = types.SimpleNamespace(num_tasks=100, get_task=lambda i: {"id": i})
+    draw = WeightedDraw({"arithmetic": source}, {"arithmetic": 1.0}, group_size=group_size)
+    draw.next_draws = lambda key, n: [("arithmetic", i, 0, {"id": i}) for i in range(n)]
+    return draw
 
 
 def test_advance_curriculum_moves_specs_and_task_sources():
@@ -48,14 +58,14 @@ def test_advance_curriculum_moves_specs_and_task_sources():
     from posttrain.config import EnvSpec
     from posttrain.scheduling.curriculum import CurriculumConfig, from_env_specs
     from posttrain.rollout.episodes import Sample
-    from posttrain.scheduling.weighted_draw import TaskScheduler
+    from posttrain.scheduling.weighted_draw import WeightedDraw
 
     spec = EnvSpec(id="posttrain/ReasoningGym-v0", weight=1.0,
                    kwargs={"dataset": "chain_sum", "config": "{}", "level": 2, "size": 50, "split": "train"})
     specs = {"chain": spec}
     cur = from_env_specs(specs, CurriculumConfig(enabled=True, window=8, min_episodes=8))
     source = env_side.task_sources(specs)["chain"][2]
-    scheduler = TaskScheduler({"chain": source}, {"chain": 1.0})
+    scheduler = WeightedDraw({"chain": source}, {"chain": 1.0})
     run = types.SimpleNamespace(curriculum=cur, train_specs=dict(specs), scheduler=scheduler)
     advance = functools.partial(rollouter.Rollouter.advance_curriculum, run)
     m = advance([Sample(domain="chain", group=0, prompt_ids=[], reward=0.0, status="ok")] * 8)
@@ -87,12 +97,11 @@ def test_a_step_over_the_infra_error_limit_stops_with_the_first_worker_error(mon
                        info={"reason": f"reset raised NameNotFound: Environment `Mine` doesn't exist ({i})\ntrace"}
                        if st == "infra_error" else {}) for i, st in enumerate(statuses)], {}
 
-    monkeypatch.setattr(rollouter.rollout, "run_episodes", fake_run_episodes)
+    monkeypatch.setattr(rollouter.episodes, "run_episodes", fake_run_episodes)
     cfg = tiny_config("/tmp/x", **{"rl.group_size": 2, "rl.prompts_per_step": 4, "env.max_infra_error_rate": limit})
     r = rollouter.Rollouter(
-        settings=make_run_plan(cfg).rollout, mesh=None, graphdef=None, tokenizer=types.SimpleNamespace(pad_id=0),
-        runner=None, scheduler=types.SimpleNamespace(
-            next_draws=lambda seed, n: [("arithmetic", i, 0, {"id": i}) for i in range(n)]),
+        settings=make_run_plan(cfg).rollout_settings, mesh=None, graphdef=None, tokenizer=types.SimpleNamespace(pad_id=0),
+        runner=None, scheduler=listed_draw(cfg.rl.group_size),
         train_specs=dict(cfg.env.train), advantage_fn=advantage_fn("grpo"))
     if not raised:
         assert len(r.draw(7, None, jax.random.key(0))[0]) == 8
@@ -113,7 +122,7 @@ def test_an_env_registered_only_in_this_process_fails_at_start_with_workers(tmp_
 
     from envs import base
     from posttrain.config import ConfigError, to_dict, from_config_dict
-    from posttrain.runs import plan as run_plan
+    from posttrain.config import plan as run_plan
 
     class Mine(base.TextEnv):
         def __init__(self):
@@ -163,12 +172,13 @@ def test_a_reading_rollouter_builds_no_training_env_and_draws_nothing():
     from posttrain.model.tokenizer import Tokenizer
 
     specs = {"words": EnvSpec(id="no_such_envs_module:WordLength-v0")}
-    settings = dataclasses.replace(make_run_plan(tiny_config("/tmp/x", **{"env.max_abs_reward": 3.0})).rollout,
-                                   train_specs=specs, engine=None)  # the dense sampler: no mesh needed
+    st = make_run_plan(tiny_config("/tmp/x", **{"env.max_abs_reward": 3.0})).rollout_settings
+    settings = dataclasses.replace(st, env_config=dataclasses.replace(st.env_config, train=specs),
+                                   engine=None)  # the dense sampler: no mesh needed
     r = rollouter.Rollouter.create(settings, None, None, Tokenizer.byte_level(), advantage_fn("grpo"), train=False)
     try:
         assert r.scheduler is None and r.train_specs == {} and r.curriculum is None
-        assert r.runner.max_abs_reward == 3.0 and settings.max_abs_reward == 3.0
+        assert r.runner.max_abs_reward == 3.0 and settings.env_config.max_abs_reward == 3.0
         for what, call in (("draw training tasks", lambda: r.draw(0, None, None)), ("save", r.state_dict),
                            ("report", lambda: r.status(0))):
             with pytest.raises(RuntimeError, match=f"built to read a run .*: it has no task scheduler to {what}$"):

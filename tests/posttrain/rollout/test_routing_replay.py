@@ -15,7 +15,7 @@ from posttrain.learn.logprobs import score_logprobs
 from posttrain.rollout import batching
 from posttrain.algos.grpo import losses
 from posttrain.learn import optim
-from posttrain.algos.grpo import step as ts
+from posttrain.algos.grpo import step as step_lib
 from posttrain.rollout.episodes import Sample
 from posttrain.generate.sampler import SamplingParams, sample
 
@@ -103,10 +103,10 @@ def test_replay_keeps_the_step0_ratio_at_one_when_the_selection_bias_moves(sampl
     mask = np.asarray(batch.loss_mask_NxC)
     score = jax.jit(lambda st, b: score_logprobs(nnx.merge(graphdef, st), b, 1.0, chunk=16)[0].logp_BxT)
     # one GRPO step: its truncated-importance weight exp(logp_old - logp_sample) is the sampler/trainer ratio
-    opts = ts.StepOptions(loss=losses.LossConfig(tis_cap=1e6), temperature=1.0)
+    opts = step_lib.StepOptions(loss=losses.LossConfig(tis_cap=1e6), temperature=1.0)
     opt = optim.make_optimizer("adamw", lr=1e-3, schedule="constant")
     gd, train_state = create_train_state(graphdef, state, opt.tx, jax.random.key(0), lora_rank=opts.lora_rank)
-    step = jax.jit(ts.make_train_step(gd, opt.tx, opt.lr_schedule, opts))
+    step = jax.jit(step_lib.make_train_step(gd, opt.tx, opt.lr_schedule, opts))
     for b, is_replay in ((replay, True), (off, False)):
         # the trainer's logprobs against the sampler's on every policy token
         log_ratio = np.abs(np.asarray(score(state, b)) - batch.logp_sample_NxC)[mask]

@@ -10,7 +10,7 @@ import pytest
 from posttrain.config import ConfigError
 from posttrain.runs import read as read_run
 from posttrain.recipes import evaluate
-from posttrain.runs.plan import make_run_plan
+from posttrain.config.plan import make_run_plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 

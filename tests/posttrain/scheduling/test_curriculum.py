@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from envs.tasks import domains
-from envs.tasks import reasoning_gym as rgenv
+from envs.tasks import reasoning_gym
 from posttrain.scheduling.curriculum import CurriculumConfig, DifficultyCurriculum, from_env_specs
 
 
@@ -17,7 +17,7 @@ class ScriptedPolicy:
         self.pass_prob, self.rng, self.envs = pass_prob, np.random.default_rng(seed), {}
 
     def rewards(self, dataset, level, n, step):
-        env = self.envs.get(level) or self.envs.setdefault(level, rgenv.ReasoningGymEnv(
+        env = self.envs.get(level) or self.envs.setdefault(level, reasoning_gym.ReasoningGymEnv(
             dataset=dataset, level=level, size=64, num_test=1, self_check=False))
         out = []
         for i in range(n):
@@ -37,7 +37,7 @@ def run(curriculum, policy, steps, n=8, dataset="chain_sum", name="reasoning_gym
 
 
 def make(level=0, **cfg):
-    top = rgenv.max_level("chain_sum")
+    top = reasoning_gym.max_level("chain_sum")
     return DifficultyCurriculum({"reasoning_gym/chain_sum": (level, top)}, {"reasoning_gym/chain_sum": 1.0},
                                 CurriculumConfig(**{"window": 8, "min_episodes": 8, **cfg}))
 
@@ -97,7 +97,7 @@ def test_from_env_specs_reads_levels_and_top_levels():
     specs["arithmetic"] = {"id": "posttrain/Arithmetic-v0", "weight": 1.0, "kwargs": {"digits": 1}}
     c = from_env_specs(specs)
     assert c.levels == {"reasoning_gym/chain_sum": 2, "reasoning_gym/composite": 0, "arithmetic": 0}
-    assert c.max_levels == {"reasoning_gym/chain_sum": rgenv.max_level("chain_sum"), "reasoning_gym/composite": 0,
+    assert c.max_levels == {"reasoning_gym/chain_sum": reasoning_gym.max_level("chain_sum"), "reasoning_gym/composite": 0,
                             "arithmetic": 0}
     assert c.base_weights["reasoning_gym/chain_sum"] == 2.0
 

@@ -1,9 +1,14 @@
-"""The config's `tasks` section becomes the job scheduler's own settings (`run_plan.scheduler_settings`), with one
+"""The config's `tasks` section becomes the job scheduler's own settings (`SchedulerSettings.of`), with one
 ConfigError naming `tasks` for a bad policy, before any I/O."""
 import pytest
 
 from posttrain.config import ConfigError, default_config, env_spec, from_config_dict
-from posttrain.runs.plan import scheduler_settings
+from posttrain.scheduling.domain_rules import SchedulerSettings
+
+
+def scheduler_settings(cfg, run):
+    return SchedulerSettings.of(cfg.tasks, sorted(cfg.env.train), group_size=cfg.rl.group_size, seed=cfg.train.seed,
+                                run=run.replace(":", "_"))
 from posttrain.scheduling.domain_rules import DomainPolicy
 
 
@@ -27,11 +32,11 @@ def test_the_tasks_section_becomes_scheduler_settings():
 
 
 def test_the_run_plan_hands_the_settings_to_the_rollout_phase_only_when_enabled():
-    from posttrain.runs.plan import make_run_plan
+    from posttrain.config.plan import make_run_plan
 
     on, off = (make_run_plan(config(enabled=e), num_devices=1, workdir="runs/x:y") for e in (True, False))
-    assert on.rollout.tasks is on.tasks and on.tasks.run == on.rollout.run == "x_y"  # the episode ids' run name
-    assert off.rollout.tasks is off.tasks is None and off.rollout.run == "x_y"
+    assert on.rollout_settings.scheduler is on.scheduler and on.scheduler.run == on.rollout_settings.run == "x_y"
+    assert off.rollout_settings.scheduler is off.scheduler is None and off.rollout_settings.run == "x_y"
 
 
 @pytest.mark.parametrize("tasks, match", [

@@ -6,10 +6,10 @@ import os
 import pytest
 
 from scheduler_fakes import FakeRunner, Source
-from posttrain.scheduling import archive, status_table as view
+from posttrain.scheduling import archive, status_table
 from posttrain.scheduling.scheduler import JobScheduler
 from posttrain.scheduling.domain_rules import DomainPolicy, SchedulerSettings
-from posttrain.scheduling.weighted_draw import TaskScheduler
+from posttrain.scheduling.weighted_draw import WeightedDraw
 
 G, P, STEPS = 2, 4, 12
 SETTINGS = SchedulerSettings(group_size=G, retries_per_step=1, max_attempts=2, breaker_window=8, breaker_rate=0.75,
@@ -20,7 +20,7 @@ COSTS = {"code": 0.25, "math": 0.0, "broken": 0.0}
 
 
 def counters(**kw):
-    return {**dict.fromkeys(view.COUNTERS, 0), **kw}
+    return {**dict.fromkeys(status_table.COUNTERS, 0), **kw}
 
 
 @pytest.fixture(scope="module")
@@ -32,27 +32,27 @@ def flaky(tmp_path_factory):
         archive.write_step(workdir, k, [archive.ticket_row(a.ticket, a.sample, policy_version=k, status=a.status,
                                                            reward=a.reward, env_cost_s=a.cost_s)
                                         for a in log.attempts])
-        view.write_status(workdir, view.snapshot(k, sched, {"math": 2}))
+        status_table.write_status(workdir, status_table.snapshot(k, sched, {"math": 2}))
     return sched, runner, workdir
 
 
 def test_the_snapshot_holds_the_schedulers_policies_counters_quarantine_and_breaker(flaky):
     sched, _, workdir = flaky
-    status = view.read_status(workdir)
+    status = status_table.read_status(workdir)
     assert status["step"] == STEPS - 1 and status["steps"] == STEPS and status["scheduler"] == "jobs"
     code, broken = status["domains"]["code"], status["domains"]["broken"]
     assert (code["priority"], code["max_env_cpu_s"], code["level"]) == (1, 2.0, None)
     assert status["domains"]["math"]["level"] == 2
     assert broken["breaker"] in ("open", "probing") and broken["run"]["infra_errors"] == broken["run"]["episodes"] > 0
     for name, d in sched.domains.items():
-        assert status["domains"][name]["run"] == {k: d.totals[k] for k in view.COUNTERS}
+        assert status["domains"][name]["run"] == {k: d.totals[k] for k in status_table.COUNTERS}
         assert status["domains"][name]["quarantined"] == len(d.quarantine)
     assert not list(workdir.glob(".status.json.*"))  # the temp file was renamed
 
 
 def test_the_archive_gives_the_schedulers_counts(flaky):
     sched, runner, workdir = flaky
-    stats = view.archive_stats(archive.read(workdir, columns=view.ARCHIVE_COLUMNS))
+    stats = status_table.archive_stats(archive.read(workdir, columns=status_table.ARCHIVE_COLUMNS))
     assert stats["step"] == STEPS - 1 and stats["steps"] == STEPS
     for name, d in sched.domains.items():
         got = stats["domains"][name]["run"]
@@ -71,7 +71,7 @@ def test_the_archive_gives_the_schedulers_counts(flaky):
     assert m["tasks/code/infra_errors"] == stats["domains"]["code"]["last"]["infra_errors"] == \
         sum(a.status == "infra_error" for a in last)
     assert m["tasks/broken/quarantined"] == len(sched.domains["broken"].quarantine)
-    from_status, from_archive = view.rows(view.read_status(workdir)), view.rows(None, stats)
+    from_status, from_archive = status_table.rows(status_table.read_status(workdir)), status_table.rows(None, stats)
     for a, b in zip(from_status, from_archive):
         assert (a["domain"], a["episodes"], a["infra_errors"], a["retries"]) == \
                (b["domain"], b["episodes"], b["infra_errors"], b["retries"])
@@ -79,7 +79,7 @@ def test_the_archive_gives_the_schedulers_counts(flaky):
 
 
 def test_snapshot_of_the_weighted_draw_has_its_probabilities_only():
-    s = view.snapshot(4, TaskScheduler({"a": Source(3, "a"), "b": Source(3, "b")}, {"a": 3.0, "b": 1.0}))
+    s = status_table.snapshot(4, WeightedDraw({"a": Source(3, "a"), "b": Source(3, "b")}, {"a": 3.0, "b": 1.0}))
     assert s["scheduler"] == "weighted" and s["domains"] == {"a": {"weight": 0.75, "priority": 0, "level": None},
                                                               "b": {"weight": 0.25, "priority": 0, "level": None}}
 
@@ -114,32 +114,32 @@ WEIGHTED = {"steps": 2, "domains": {"a": {"weight": 0.5, "priority": 0, "level":
     (WEIGHTED, None, "a", dict(share_last=None, share_run=None, episodes=None, pass_rate=None, retries=None)),
 ])
 def test_rows(status, stats, domain, expected):
-    out = {r["domain"]: r for r in view.rows(status, stats)}
-    assert list(out[domain]) == list(view.ROW_COLUMNS)
+    out = {r["domain"]: r for r in status_table.rows(status, stats)}
+    assert list(out[domain]) == list(status_table.ROW_COLUMNS)
     assert {k: out[domain][k] for k in expected} == expected
 
 
 def test_rows_list_every_domain_sorted_and_nothing_without_data():
-    assert [r["domain"] for r in view.rows(STATUS, ARCHIVE)] == ["a", "b"]
-    assert view.rows(None, None) == [] and view.archive_stats(archive.ARCHIVE_SCHEMA.empty_table()) == \
+    assert [r["domain"] for r in status_table.rows(STATUS, ARCHIVE)] == ["a", "b"]
+    assert status_table.rows(None, None) == [] and status_table.archive_stats(archive.ARCHIVE_SCHEMA.empty_table()) == \
         {"step": None, "steps": 0, "domains": {}}
 
 
 def test_status_file_is_replaced_atomically_and_newer_versions_are_refused(tmp_path, monkeypatch):
-    view.write_status(tmp_path, {"version": 1, "step": 0})
+    status_table.write_status(tmp_path, {"version": 1, "step": 0})
     def broken_dump(*a, **k):
         raise OSError("disk full")
     monkeypatch.setattr(json, "dump", broken_dump)
     with pytest.raises(OSError, match="disk full"):
-        view.write_status(tmp_path, {"version": 1, "step": 1})
+        status_table.write_status(tmp_path, {"version": 1, "step": 1})
     monkeypatch.undo()
-    assert view.read_status(tmp_path) == {"version": 1, "step": 0} and os.listdir(tmp_path) == ["status.json"]
-    view.write_status(tmp_path, {"version": 2})
+    assert status_table.read_status(tmp_path) == {"version": 1, "step": 0} and os.listdir(tmp_path) == ["status.json"]
+    status_table.write_status(tmp_path, {"version": 2})
     with pytest.raises(ValueError, match="status version 2 is newer"):
-        view.read_status(tmp_path)
-    assert view.read_status(tmp_path / "none") is None
+        status_table.read_status(tmp_path)
+    assert status_table.read_status(tmp_path / "none") is None
     with pytest.raises(ValueError, match=r"lacks column\(s\) \['env_cost_s'"):
-        view.archive_stats(archive.read(tmp_path, columns=["domain", "step"]))
+        status_table.archive_stats(archive.read(tmp_path, columns=["domain", "step"]))
 
 
 def test_the_rollouters_status_is_the_snapshot_with_the_curriculums_levels(flaky):
@@ -152,6 +152,6 @@ def test_the_rollouters_status_is_the_snapshot_with_the_curriculums_levels(flaky
 
     fields = dict.fromkeys(("settings", "mesh", "graphdef", "tokenizer", "runner", "advantage_fn"))
     rollouter = Rollouter(**fields, scheduler=sched, train_specs={}, curriculum=Levels())
-    assert rollouter.status(7) == view.snapshot(7, sched, Levels.levels)
+    assert rollouter.status(7) == status_table.snapshot(7, sched, Levels.levels)
     assert {n: d["level"] for n, d in rollouter.status(7)["domains"].items()} == Levels.levels
-    assert Rollouter(**fields, scheduler=sched, train_specs={}).status(7) == view.snapshot(7, sched)
+    assert Rollouter(**fields, scheduler=sched, train_specs={}).status(7) == status_table.snapshot(7, sched)

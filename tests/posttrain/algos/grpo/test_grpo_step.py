@@ -13,7 +13,7 @@ from posttrain.learn.logprobs import score_logprobs
 from posttrain.algos.grpo import losses
 
 from posttrain.learn import optim
-from posttrain.algos.grpo import step as ts
+from posttrain.algos.grpo import step as step_lib
 from posttrain.model.config import LoRAConfig
 from posttrain.model.layers import LoRAParam
 from posttrain.model.presets import get_preset
@@ -48,7 +48,7 @@ def make_state(preset="tiny-dense", *, beta=0.0, lora=0, M=1, lr=1e-3, random_we
     else:
         cfg = get_preset(preset, lora=adapters)
         graphdef, model_state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-    opts = ts.StepOptions(loss=losses.LossConfig(beta=beta, **loss_kw), temperature=1.0, num_microbatches=M,
+    opts = step_lib.StepOptions(loss=losses.LossConfig(beta=beta, **loss_kw), temperature=1.0, num_microbatches=M,
                           lora_rank=lora, bias_update_rate=0.05 if cfg.moe and cfg.moe.score_bias else 0.0)
     opt = optim.make_optimizer("adamw", lr=lr, schedule="constant")
     graphdef, state = create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), lora_rank=opts.lora_rank,
@@ -57,7 +57,7 @@ def make_state(preset="tiny-dense", *, beta=0.0, lora=0, M=1, lr=1e-3, random_we
 
 
 def grads_and_metrics(graphdef, state, batch, opts):
-    return jax.jit(lambda s, b: ts.accumulate_gradients(graphdef, s, b, opts))(state, batch)
+    return jax.jit(lambda s, b: step_lib.accumulate_gradients(graphdef, s, b, opts))(state, batch)
 
 
 @pytest.mark.parametrize("preset", ["tiny-dense", pytest.param("tiny-deepseek", marks=pytest.mark.slow)])
@@ -86,7 +86,7 @@ def test_ratio_is_one_and_kl_zero_at_first_step_then_kl_gradient_appears():
     _, m = grads_and_metrics(graphdef, state, batch, opts)
     assert abs(float(m["policy/kl_ref"])) < 1e-7
     assert float(m["rollout/logp_diff_mean"]) < 1e-6 and abs(float(m["policy/ppo_kl"])) < 1e-6
-    step = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))
+    step = jax.jit(step_lib.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))
     state, _ = step(state, batch)
     zero_adv = batch.replace(advantages_N=jnp.zeros_like(batch.advantages_N))
     grads, m = grads_and_metrics(graphdef, state, zero_adv, opts)
@@ -110,7 +110,7 @@ def test_lora_keeps_base_frozen_and_starts_at_the_base_model():
     nnx.update(plain, state.frozen["base"], state.frozen["other"])  # ...then the LoRA model's base weights
     np.testing.assert_allclose(model(batch.tokens_RxL)[0], plain(batch.tokens_RxL)[0], atol=1e-6)
     assert len(jax.tree.leaves(state.params)) == 2 * 4 * 1  # (A, B) x 4 targets, stacked over layers
-    step = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))
+    step = jax.jit(step_lib.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))
     state, m = step(state, batch)
     for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(state.frozen["base"])):
         np.testing.assert_array_equal(a, b)
@@ -137,7 +137,7 @@ def test_lora_reference_is_the_initial_adapter_not_the_base(preset, targets):
         if path[-1].endswith("_lora_b"):  # an "SFT adapter"
             v.set_value(jnp.asarray(rng.normal(0, 0.3, v.get_value().shape), v.get_value().dtype))
     graphdef, model_state = nnx.split(model)
-    opts = ts.StepOptions(loss=losses.LossConfig(beta=0.1), temperature=1.0, lora_rank=4)
+    opts = step_lib.StepOptions(loss=losses.LossConfig(beta=0.1), temperature=1.0, lora_rank=4)
     opt = optim.make_optimizer("adamw", lr=1e-3, schedule="constant")
     graphdef, state = create_train_state(graphdef, model_state, opt.tx, jax.random.key(0), lora_rank=opts.lora_rank,
                                             need_reference=True)
@@ -175,7 +175,7 @@ def test_nonfinite_loss_or_gradient_is_never_applied(case):
     state_kw, opts_kw, edit, loss_finite, skipped = NONFINITE[case]
     graphdef, state, opts, opt = make_state(**state_kw)
     opts = opts._replace(**opts_kw)
-    step = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))
+    step = jax.jit(step_lib.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))
     before = jax.tree.map(np.asarray, (state.params, state.opt_state))
     new, m = step(state, edit(random_batch()))
     assert float(m["policy/skipped_nonfinite"]) == skipped
@@ -198,7 +198,7 @@ def test_nonfinite_loss_or_gradient_is_never_applied(case):
                   "[gspo-True-variant4] (the same bias update, asserted the same way, in its bf16 tiny-deepseek step)")
 def test_aux_free_bias_moves_against_load():
     graphdef, state, opts, opt = make_state("tiny-deepseek")
-    step = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))
+    step = jax.jit(step_lib.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))
     before = [v.get_value() for p, v in nnx.to_flat_state(state.frozen["other"]) if p[-1] == "score_bias"][0]
     state, m = step(state, random_batch())
     after = [v.get_value() for p, v in nnx.to_flat_state(state.frozen["other"]) if p[-1] == "score_bias"][0]

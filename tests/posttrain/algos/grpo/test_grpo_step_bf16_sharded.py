@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from posttrain.algos.grpo import losses
-from posttrain.algos.grpo import step as ts
+from posttrain.algos.grpo import step
 from posttrain.algos.grpo.advantages import advantage_fn
 from posttrain.learn import optim
 from posttrain.learn.state import create_train_state
@@ -28,20 +28,20 @@ SHARDED = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from test_grpo_step import make_state, random_batch
     from posttrain.infra import mesh as mesh_lib
-    from posttrain.algos.grpo import step as ts
+    from posttrain.algos.grpo import step
     from posttrain.learn.learner import batch_shardings
     out = {}
     for preset in ("tiny-dense", "tiny-moe"):
         batch = random_batch(R=8, S=2)
         graphdef, state, opts, _ = make_state(preset, beta=0.05, random_weights=True)  # no eager init
         opts = opts._replace(moe_aux_coef=0.0, moe_z_coef=0.0)
-        g1, m1 = jax.jit(lambda s, b: ts.accumulate_gradients(graphdef, s, b, opts))(state, batch)
+        g1, m1 = jax.jit(lambda s, b: step.accumulate_gradients(graphdef, s, b, opts))(state, batch)
         mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 2, "expert": 2} if "moe" in preset else {"data": 2, "fsdp": 4})
         with jax.set_mesh(mesh):
             shard = lambda x: jax.device_put(x, mesh_lib.state_shardings(x, mesh))
             state = state.replace(params=shard(state.params), ref_params=shard(state.ref_params))
             batch = jax.device_put(batch, batch_shardings(mesh, batch))
-            g8, m8 = jax.jit(lambda s, b: ts.accumulate_gradients(graphdef, s, b, opts))(state, batch)
+            g8, m8 = jax.jit(lambda s, b: step.accumulate_gradients(graphdef, s, b, opts))(state, batch)
         assert len(jax.tree.leaves(state.params)[0].sharding.device_set) == 8
         diff = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g8)))
         out[preset] = {"grad_diff": diff, "loss_diff": abs(float(m1["policy/loss"]) - float(m8["policy/loss"]))}
@@ -64,7 +64,7 @@ def _bf16_state(loss_name, preset="tiny-dense", param_dtype="float32", **opts_kw
     from helpers import random_model  # random weights drawn on the host: no init compile
 
     _, graphdef, model_state = random_model(preset, dtype="bfloat16", param_dtype=param_dtype)
-    opts = ts.StepOptions(loss=losses.LossConfig(policy_loss=loss_name, eps_low=3e-4, eps_high=4e-4,
+    opts = step.StepOptions(loss=losses.LossConfig(policy_loss=loss_name, eps_low=3e-4, eps_high=4e-4,
                                                  aggregation="seq_mean_token_mean"),
                           temperature=1.0, **opts_kw)
     opt = optim.make_optimizer("adamw", lr=1e-3, schedule="constant")
@@ -90,7 +90,7 @@ def test_bf16_step_zero_ratio_is_exactly_one_and_nothing_is_clipped(loss_name, p
     batch = jax.tree.map(jnp.asarray, layout_batch(0, advantage_fn("grpo"), prompts=2, group_size=4, prompt_len=16, completion_len=8,
                                                    vocab_size=128, packed=packed))
     assert batch.samples_per_row == (4 if packed else 1)
-    new_state, m = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))(state, batch)
+    new_state, m = jax.jit(step.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))(state, batch)
     assert float(m["policy/is_ratio_min"]) == 1.0 == float(m["policy/is_ratio_max"])
     assert float(m["policy/clipfrac_low"]) == 0.0 == float(m["policy/clipfrac_high"])
     assert float(m["policy/ppo_kl"]) == 0.0
@@ -114,7 +114,7 @@ def test_ppo_epochs_first_update_ratio_is_one_later_updates_differ():
     opts = opts._replace(loss=losses.LossConfig(eps_low=0.2, eps_high=0.2))
     batch = jax.tree.map(jnp.asarray, layout_batch(1, advantage_fn("grpo"), prompts=4, group_size=2, prompt_len=16, completion_len=8,
                                                    vocab_size=128))
-    new_state, per_update = jax.jit(lambda s, b: ts.ppo_updates(graphdef, s, b, opt.tx, opt.lr_schedule, opts))(
+    new_state, per_update = jax.jit(lambda s, b: step.ppo_updates(graphdef, s, b, opt.tx, opt.lr_schedule, opts))(
         state, batch)
     lo, hi = np.asarray(per_update["policy/is_ratio_min"]), np.asarray(per_update["policy/is_ratio_max"])
     assert lo.shape == (4,) and int(new_state.step) == 4
@@ -122,6 +122,6 @@ def test_ppo_epochs_first_update_ratio_is_one_later_updates_differ():
     assert np.all((lo[1:] < 1.0) | (hi[1:] > 1.0))  # later updates see moved weights
     assert np.all(np.asarray(per_update["policy/ppo_kl"])[1:] != 0.0)
     # the whole step reports the same updates, reduced over them
-    _, m = jax.jit(ts.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))(state, batch)
+    _, m = jax.jit(step.make_train_step(graphdef, opt.tx, opt.lr_schedule, opts))(state, batch)
     np.testing.assert_allclose(float(m["policy/is_ratio_max"]), hi.max(), rtol=1e-6)
     np.testing.assert_allclose(float(m["policy/loss"]), np.asarray(per_update["policy/loss"]).mean(), rtol=1e-5)
