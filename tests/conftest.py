@@ -109,3 +109,30 @@ def release_compiled_programs():
 
         jax.clear_caches()
         gc.collect()
+
+
+# Test tiers (tests/BUDGET.md). "fast" (`scripts/test.sh fast`): units and references. The CI tier (plain
+# `scripts/test.sh`) adds the modules below: training loops, subprocesses, notebooks and bench quick modes. "full"
+# (`scripts/test.sh full`) adds the cases marked `slow`: heavy matrices kept out of CI.
+CI_TIER = (
+    "tests/bench/", "tests/test_notebooks.py", "tests/test_readme.py", "tests/test_compare_commits.py",
+    "tests/posttrain/test_cli", "tests/posttrain/recipes/", "tests/posttrain/infra/test_distributed.py",
+    "tests/posttrain/infra/test_stop_signals.py", "tests/posttrain/infra/test_reshard.py",
+    "tests/posttrain/rollout/test_ray_runner.py", "tests/posttrain/rollout/test_attempts.py",
+    "tests/posttrain/rollout/test_attempts_kill.py", "tests/posttrain/rollout/test_queue.py",
+    "tests/posttrain/rollout/test_partial_rollouts.py", "tests/posttrain/learn/test_offline_loop.py",
+    "tests/posttrain/model/test_smollm2_parity.py", "tests/posttrain/model/test_expert_parallel.py",
+    "tests/posttrain/model/test_sharded_moe.py", "tests/posttrain/algos/grpo/test_grpo_step_bf16_sharded.py",
+    "tests/posttrain/generate/test_backend.py", "tests/posttrain/generate/test_engine_routing.py",
+    "tests/posttrain/generate/test_sampler.py", "tests/posttrain/generate/test_engine.py",
+    "tests/posttrain/generate/test_engine_reuse.py", "tests/posttrain/generate/test_engine_fixture.py",
+    "tests/posttrain/rollout/test_chat.py",
+)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        rel = os.path.relpath(str(item.fspath), _ROOT).replace(os.sep, "/")
+        if rel.startswith(CI_TIER):
+            item.add_marker(pytest.mark.ci)
