@@ -28,17 +28,16 @@ import os
 import sys
 
 from posttrain.cli.commands import (UsageError, _enable_compilation_cache, _fake_cpu_devices_for_plan, check_run_flags,
-                                    cmd_convert, cmd_domains, cmd_dpo, cmd_eval, cmd_plan, cmd_sample, cmd_sft,
-                                    cmd_train)
-from posttrain.cli import rm, status
+                                    cmd_convert, cmd_domains, cmd_dpo, cmd_eval, cmd_plan, cmd_rm, cmd_sample,
+                                    cmd_sft, cmd_train)
+from posttrain.cli import status
 from posttrain.cli.flags import command_help, config_file, config_override_argv, define_flags as _flags, flag_error_line
 
-# command name -> its function (a new command: a module of its own in this package, a line here, its usage lines
-# in the docstring above and its flags in flags.py)
+# command name -> its function (a new command: a function in commands.py, a line here, its usage lines in the
+# docstring above and its flags in flags.py)
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "convert": cmd_convert,
-            "domains": cmd_domains, "plan": cmd_plan, "sft": cmd_sft, "dpo": cmd_dpo}
-COMMANDS["status"] = status.cmd_status
-COMMANDS["rm"] = rm.cmd_rm
+            "domains": cmd_domains, "plan": cmd_plan, "sft": cmd_sft, "dpo": cmd_dpo, "rm": cmd_rm,
+            "status": status.cmd_status}
 
 __all__ = ["COMMANDS", "UsageError", "command_help", "flag_error_line", "main"]
 

@@ -152,6 +152,18 @@ def _run_model(f, command: str):
     return ("grpo", *grpo.run_policy(_run_plan(f)))
 
 
+def cmd_rm(f) -> int:
+    """`posttrain rm --config=configs/rm_*.py | --from_archive=RUN [--workdir=DIR]`: reward-model training.
+
+    Prints the steps and the held-out rm/accuracy at the start and the end as one JSON line; the model is exported
+    to DIR/reward_model, what a GRPO run's rewards.model=DIR loads.
+    """
+    from posttrain.config.rm import default_rm_config, rm_config_from_dict
+    from posttrain.recipes import rm
+
+    return _offline(f, "rm", default_rm_config, rm_config_from_dict, rm.make_rm_plan, rm.train, "rm/accuracy")
+
+
 def cmd_sft(f) -> int:
     """`posttrain sft --config=configs/sft_*.py | --from_archive=RUN [--workdir=DIR]`: supervised fine-tuning
     (`recipes.sft`); prints the summary's steps and held-out perplexities as one JSON line."""
