@@ -1,21 +1,12 @@
 """posttrain: JAX-native post-training (GRPO with verifiable rewards) for language models.
 
-Importing `posttrain` also registers the built-in gymnasium environment ids (`posttrain/Arithmetic-v0`, ...: `import
-envs`, which loads gymnasium and no JAX), so `gymnasium.make("posttrain/Arithmetic-v0")` works after it. gymnasium
->= 1.0 has no plugin entry points that could register them at `import gymnasium`.
+Importing it registers the built-in gymnasium env ids (`posttrain/Arithmetic-v0`, ...). Public API, re-exported lazily:
 
-The public API, re-exported lazily (importing `posttrain` loads nothing heavy until a name is used):
-
-  load_pretrained, export_hf                       models from GGUF / HF directories, and back to HF
-  Transformer, ModelConfig, get_preset             the Flax NNX decoder and its shapes
-  SamplingParams, sample, pad_prompts              the jitted KV-cache sampler
-  ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS,        the GRPO math, selected by name
-  AGGREGATIONS, policy_loss, token_logprobs
-  Config, from_config_dict, default_config,        run configuration and the validated run plan
-  make_run_plan, RunPlan, PrecisionPolicy
-  train                                            the training loop (`posttrain train` on the command line)
-  GRPOTrainer                                      the same run step by step: from_config, step, evaluate, save, close
-"""
+  load_pretrained, export_hf, Transformer, ModelConfig, get_preset    models from GGUF / HF and back; the NNX decoder
+  SamplingParams, sample, pad_prompts                                 the jitted KV-cache sampler
+  ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS, policy_loss, token_logprobs    the GRPO math, by name
+  Config, from_config_dict, default_config, make_run_plan, RunPlan, PrecisionPolicy      configuration and run plan
+  train, GRPOTrainer                                                  the training loop; the same run step by step"""
 from __future__ import annotations
 
 import importlib

@@ -16,15 +16,13 @@ class ConfigError(ValueError):
 class DataError(ValueError):
     """A data file or record the config names is missing, undecodable or malformed, or leaves nothing to train on.
 
-    The message names the file and line (`path:line`) or the record (`train_examples[i]`).
-    """
+    The message names the file and line (`path:line`) or the record (`train_examples[i]`)."""
 
 
 class FieldError(ConfigError):
     """One field of a config type is out of range or not one of its choices.
 
-    The loader prefixes the section's path, so the message reads `rl.group_size=1 is out of range: ...`.
-    """
+    The loader prefixes the section's path, so the message reads `rl.group_size=1 is out of range: ...`."""
 
     def __init__(self, field: str, value: Any, problem: str):
         self.field, self.value, self.problem = field, value, problem
@@ -35,8 +33,7 @@ def check_fields(obj, ranges: Mapping[str, Rule] = {}, choices: Mapping[str, Col
     """Checks `obj`'s fields against their allowed choices, then their ranges, in the order given.
 
     Raises:
-        FieldError: the first field whose value is not one of its choices or fails its range check.
-    """
+        FieldError: the first field whose value is not one of its choices or fails its range check."""
     for name, allowed in choices.items():
         value = getattr(obj, name)
         if value not in allowed:

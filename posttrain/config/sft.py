@@ -1,10 +1,4 @@
-"""The configuration of an SFT run (`posttrain sft --config=configs/sft_*.py`): the `sft` section and its loader.
-
-An SFT config file defines `get_config()` returning `default_sft_config()` edited: the sections it shares with a
-GRPO run (`model`, `mesh`, `optim`, `lora`, `checkpoint`, `train`: the same dataclasses of `schema.py`, validated by
-the same loader, `load.from_config_dict`, so every rule about them lives in one place) plus `sft`, an `SFTConfig`.
-`posttrain.recipes.sft.make_sft_plan` is the only reader of the result.
-"""
+"""The configuration of an SFT run (`posttrain sft`), and the sections every offline run shares with a GRPO run."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,16 +14,15 @@ SHARED_SECTIONS = ("model", "mesh", "optim", "lora", "checkpoint", "train")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OfflineRunConfig:
-    """The sections an offline run (SFT, DPO) shares with a GRPO run's `schema.Config` (`SHARED_SECTIONS`).
+    """The sections an offline run (SFT, DPO, RM) shares with a GRPO run's `schema.Config` (`SHARED_SECTIONS`).
 
     Attributes:
-        model: the policy's source and run settings (`schema.ModelRunConfig`).
-        mesh: the device mesh (`schema.MeshConfig`).
-        optim: the optimizer and learning-rate schedule (`schema.OptimConfig`).
-        lora: low-rank adapters (`LoRAConfig`; rank 0: none).
-        checkpoint: checkpoint saving (`schema.CheckpointConfig`).
-        train: steps, seed, workdir and stopping rules (`schema.TrainConfig`).
-    """
+        model: the policy's source and run settings (ModelRunConfig).
+        mesh: the device mesh (MeshConfig).
+        optim: the optimizer and learning-rate schedule (OptimConfig).
+        lora: low-rank adapters (LoRAConfig; rank 0: none).
+        checkpoint: checkpoint saving (CheckpointConfig).
+        train: steps, seed, workdir and stopping rules (TrainConfig)."""
 
     model: ModelRunConfig = ModelRunConfig()
     mesh: MeshConfig = MeshConfig()
@@ -44,15 +37,13 @@ class SFTRunConfig(OfflineRunConfig):
     """A validated SFT run configuration (frozen): the shared sections and `sft`.
 
     Attributes:
-        sft: the SFT data and step (SFTConfig).
-    """
+        sft: the SFT data and step (SFTConfig)."""
 
     sft: SFTConfig = SFTConfig()
 
 
 def default_sft_config():
-    """An `ml_collections.ConfigDict` of every default of an SFT run (no training data: the config sets
-    `sft.train_path` or `sft.train_examples`)."""
+    """The ConfigDict of every default of an SFT run (its data unset)."""
     import ml_collections
 
     raw = dataclasses.asdict(SFTRunConfig())
@@ -61,18 +52,15 @@ def default_sft_config():
 
 
 def sft_config_from_dict(cd) -> SFTRunConfig:
-    """A ConfigDict (or nested dict) -> a validated `SFTRunConfig`.
-
-    Raises ConfigError naming the key path for an unknown section or key, a wrong type, an out-of-range or
-    invalid value (the shared sections by `load.from_config_dict`'s rules), no training data or a missing data
-    file."""
+    """Converts a ConfigDict (or nested dict) into a validated `SFTRunConfig` (see `offline_config_from_dict`)."""
     return offline_config_from_dict(cd, "sft", SFTConfig, SFTRunConfig, "a JSONL file of TRL-format records")
 
 
 def offline_config_from_dict(cd, name: str, section_cls, run_cls, data_kind: str):
-    """A ConfigDict (or nested dict) -> `run_cls(<SHARED_SECTIONS>, <name>=section_cls)`: the loader of every
-    config whose own section `name` reads data from `train_path` / `train_examples` and `eval_path` (SFT, DPO).
-    Raises ConfigError as `sft_config_from_dict` documents; `data_kind` describes a data file in its messages."""
+    """Converts a ConfigDict (or nested dict) into `run_cls`: the shared sections plus its own section `name`.
+
+    Raises ConfigError naming the key path for an unknown section or key, a wrong type, an invalid value, no training
+    data, a missing data file (described as `data_kind`) or a bad `from_archive`."""
     raw = cd.to_dict() if hasattr(cd, "to_dict") else dict(cd)
     unknown = sorted(set(raw) - set(SHARED_SECTIONS) - {name})
     if unknown:
@@ -93,9 +81,7 @@ def offline_config_from_dict(cd, name: str, section_cls, run_cls, data_kind: str
 
 
 def check_archive(runs: str, key: str) -> None:
-    """Raises ConfigError naming `key` and the run when a run of `runs` (`archive_runs`) is not a directory
-    holding an episode archive (`<run>/archive/step_*.parquet`, `posttrain.scheduling.archive`), or when two of them
-    are one directory."""
+    """Checks that each run of `runs` is a distinct directory with an episode archive; else ConfigError naming `key`."""
     import glob
 
     seen = set()
@@ -111,5 +97,4 @@ def check_archive(runs: str, key: str) -> None:
 
 
 def to_dict(cfg: SFTRunConfig) -> dict:
-    """Plain nested dict of an SFTRunConfig (JSON-serialisable; config.json and checkpoint metadata)."""
     return dataclasses.asdict(cfg)

@@ -1,15 +1,11 @@
-"""The one base of the tiny smoke configs (`configs/tiny.py`, `configs/moe_tiny.py`, `configs/reasoning_tiny.py`;
-the tests' `tiny_config` derives from it too): a small random-init preset on one-digit Arithmetic-v0 that runs the
-whole loop in seconds on a CPU (it learns nothing useful at 3 steps)."""
+"""The base of the tiny smoke configs (configs/tiny.py and others, the tests' `tiny_config`): seconds on a CPU."""
 from posttrain.config.load import default_config, env_spec
 
 
 def tiny_base(preset: str = "tiny-dense", workdir: str = "runs/tiny"):
-    """An `ml_collections.ConfigDict` of a tiny run: `preset` (a `posttrain.model.presets` name) with a 320-id
-    vocabulary (the built-in byte tokenizer), one-digit Arithmetic-v0 as the train and eval env ("arithmetic"; 20
-    test tasks), 4 prompts x 4 samples of at most 8 new tokens, lr 1e-3, 3 steps written to `workdir`, a checkpoint
-    every 2 steps, evaluation of the 20 test tasks (8 new tokens) before the first step and after the last; written
-    for the 2-core 24 GB CPU machine, without the pre-flight memory check."""
+    """The ConfigDict of a tiny run of `preset` (a `posttrain.model.presets` name), written to `workdir`.
+
+    A 320-id vocabulary, one-digit Arithmetic-v0, 4 prompts x 4 samples of up to 8 tokens, 3 steps, no pre-flight."""
     c = default_config()
     c.model.preset = preset
     c.model.overrides = {"vocab_size": 320}
@@ -25,6 +21,6 @@ def tiny_base(preset: str = "tiny-dense", workdir: str = "runs/tiny"):
     c.train.workdir = workdir
     c.checkpoint.every_steps = 2
     c.train.machine = "cpu-1:24GB"
-    c.train.preflight_prompt_len = 0  # the step of a tiny preset (0.02 GiB compiled) fits any host; its check's
-    # compile would double the seconds a tiny run takes to start (tests/posttrain/runs/test_preflight.py checks it)
+    c.train.preflight_prompt_len = 0  # a tiny step fits any host, and the check's compile would double a tiny run's
+    # start-up (the slow test of tests/posttrain/recipes/test_preflight.py checks that the tiny configs fit)
     return c

@@ -1,26 +1,6 @@
 """Paired comparison of two evaluations of the same task set: per-domain tests, intervals and verdicts.
 
-Dimension legend (shape suffixes): T tasks of one domain (the pairs), M domains (the tests Holm adjusts over).
-
-An evaluation is a mapping {"records": [per-task record], "task_set_hash": str} (`posttrain.eval.metrics` gives the
-record fields and `task_set_hash`), or a bare sequence of records carrying prompts (its hash is then computed).
-Differences are always candidate - baseline, per task, so "improved" means the candidate is better.
-
-Unscored samples (status "infra_error": the env or its sandbox failed) are left out on each side
-(`metrics.scored_only`), and a task with no scored sample on either side leaves the pairing (counted per domain as
-`unscored`); a domain left with no pair is not tested (`Comparison.unscored_domains`), so a broken verifier never
-reads as a model that scores 0.
-
-Per domain and metric (pass@1; mean reward):
-  - the per-task values of each side and their paired bootstrap interval of the mean difference
-    (`scipy.stats.bootstrap`, paired=True, BCa, fixed seed);
-  - pass@1 test: exact McNemar (`scipy.stats.binomtest` on the discordant pairs) when every task has one sample on
-    each side; with N > 1 samples (fractional per-task pass@1) a paired sign-flip permutation test of the mean
-    difference (`scipy.stats.permutation_test`, permutation_type="samples"). The M p-values are Holm-adjusted
-    (`statsmodels.stats.multitest.multipletests`, method="holm"), which controls the family-wise error at alpha;
-  - mean-reward verdict, on partial-credit domains only (a reward outside {0, 1}): the paired bootstrap interval at
-    confidence 1 - alpha / M' (Bonferroni over the M' partial-credit domains) excluding 0;
-  - the minimum detectable effect at the domain's size (`min_detectable_effect`).
+Shapes: the legend in `posttrain.types`. Differences are candidate - baseline; the tests: docs/evaluation.md.
 """
 from __future__ import annotations
 
@@ -45,10 +25,7 @@ class NothingScoredError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MetricComparison:
-    """One metric of one domain. baseline / candidate: domain means; diff = candidate - baseline; ci: paired
-    bootstrap interval of diff at the comparison's confidence; mde: `min_detectable_effect`; test: "mcnemar" |
-    "permutation" | "bootstrap"; p / p_holm: raw and Holm-adjusted p-values (None for bootstrap verdicts);
-    verdict: one of VERDICTS, or None where this metric does not decide (mean reward of a 0/1-reward domain)."""
+    """One metric of one domain: means, diff, bootstrap ci, mde, test, p-values; verdict None: it does not decide."""
 
     metric: str
     baseline: float
@@ -64,9 +41,7 @@ class MetricComparison:
 
 @dataclasses.dataclass(frozen=True)
 class DomainComparison:
-    """One domain: tasks (T pairs); wins / losses: tasks where the candidate's pass@1 is higher / lower (McNemar's
-    discordant pairs when N = 1); partial_credit: a reward outside {0, 1} on either side; verdict: pass@1's;
-    unscored: tasks left out of the pairs because one side has no scored sample of them."""
+    """One domain: wins / losses (tasks where the candidate's pass@1 is higher / lower), both metrics, unscored."""
 
     domain: str
     tasks: int
@@ -84,8 +59,7 @@ class DomainComparison:
 
 @dataclasses.dataclass(frozen=True)
 class Comparison:
-    """The comparison of two evaluations: their common task_set_hash, the settings, one DomainComparison per
-    domain with a scored pair (sorted by name), and the domains with none (`unscored_domains`, sorted)."""
+    """Two evaluations compared: the task-set hash, the settings, a DomainComparison per tested domain (by name)."""
 
     task_set_hash: str
     alpha: float
@@ -98,10 +72,7 @@ class Comparison:
 
 
 def mcnemar_exact(losses: int, wins: int) -> float:
-    """Exact two-sided McNemar p-value: under H0 each of the losses + wins discordant pairs goes either way with
-    probability 1/2, p = binomtest(wins, losses + wins, 0.5).pvalue (McNemar 1947; the exact form, e.g. Fagerland,
-    Lydersen & Laake 2013, BMC Med. Res. Methodol. 13:91). 1.0 with no discordant pair. Raises ValueError for a
-    negative count."""
+    """Exact two-sided McNemar p-value (McNemar 1947): binomtest(wins, losses + wins, 0.5); ValueError if negative."""
     if losses < 0 or wins < 0:
         raise ValueError(f"discordant counts must be >= 0, got losses={losses}, wins={wins}")
     if losses + wins == 0:
@@ -110,8 +81,7 @@ def mcnemar_exact(losses: int, wins: int) -> float:
 
 
 def paired_permutation_p(base_T: np.ndarray, cand_T: np.ndarray, *, n_resamples: int = 9999, seed: int = 0) -> float:
-    """Two-sided p-value of the paired sign-flip permutation test of mean(cand_T - base_T) (values swapped within
-    pairs; exact when 2^T <= n_resamples), by `scipy.stats.permutation_test`. 1.0 when every difference is 0."""
+    """Two-sided p-value of the paired sign-flip permutation test of mean(cand_T - base_T); 1.0 for no difference."""
     base_T, cand_T = _pair(base_T, cand_T)
     if not np.any(cand_T != base_T):
         return 1.0
@@ -121,10 +91,7 @@ def paired_permutation_p(base_T: np.ndarray, cand_T: np.ndarray, *, n_resamples:
 
 
 def holm(pvalues_M: Sequence[float], alpha: float) -> tuple[np.ndarray, np.ndarray]:
-    """Holm's step-down adjustment (Holm 1979, Scand. J. Stat. 6:65-70) of M p-values at family-wise level alpha:
-    sort p ascending, p_adj(i) = max_{j <= i} min(1, (M - j + 1) p(j)); reject where p_adj < alpha. By
-    `statsmodels.stats.multitest.multipletests(method="holm")`. Returns (reject_M bool, p_adj_M float64).
-    Raises ValueError for alpha outside (0, 1) or a p-value outside [0, 1]."""
+    """(reject_M, p_adj_M): Holm's step-down adjustment (Holm 1979) at level alpha; ValueError for bad values."""
     from statsmodels.stats.multitest import multipletests
 
     if not 0.0 < alpha < 1.0:
@@ -141,9 +108,7 @@ def holm(pvalues_M: Sequence[float], alpha: float) -> tuple[np.ndarray, np.ndarr
 
 @contextlib.contextmanager
 def _without_gc_collect():
-    """statsmodels' Holm branch ends with a full `gc.collect()` (statsmodels 0.15, multitest.py: `import gc` in
-    `multipletests`), measured 0.42 s a call in a test process and more in one holding a model, most of a power
-    run's comparison time. `gc.collect` is a no-op while `multipletests` runs (automatic collection is untouched)."""
+    """`gc.collect` as a no-op: `multipletests` ends with a full collection that dominated a comparison's time."""
     saved = gc.collect
     gc.collect = lambda *args, **kwargs: 0
     try:
@@ -154,10 +119,7 @@ def _without_gc_collect():
 
 def paired_bootstrap_ci(base_T: np.ndarray, cand_T: np.ndarray, *, confidence: float = 0.95,
                         n_resamples: int = 9999, seed: int = 0) -> tuple[float, float]:
-    """Paired bootstrap interval of mean(cand_T - base_T): `scipy.stats.bootstrap` with paired=True (tasks resampled
-    with both sides together), BCa (Efron 1987), rng seeded by `seed`; the percentile interval where BCa is
-    undefined. When all T differences are equal (e.g. all pairs concordant) the interval is [d, d], never NaN.
-    Raises ValueError for unequal lengths, no pairs, or confidence outside (0, 1)."""
+    """Paired BCa bootstrap interval (Efron 1987) of mean(cand_T - base_T) ([d, d] if constant); ValueError if bad."""
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
     base_T, cand_T = _pair(base_T, cand_T)
@@ -177,18 +139,11 @@ def paired_bootstrap_ci(base_T: np.ndarray, cand_T: np.ndarray, *, confidence: f
 
 
 def min_detectable_effect(diff_T: np.ndarray, *, alpha: float = 0.05, power: float = 0.8, tests: int = 1) -> float:
-    """The smallest true mean difference a two-sided test at level alpha / tests (Bonferroni: Holm's first, most
-    stringent step) detects with probability `power`, at this domain's T pairs:
+    """The smallest true mean difference a two-sided test at level alpha / tests detects with probability `power`.
 
-        MDE = (z_{1 - alpha / (2 tests)} + z_{power}) * sigma_d / sqrt(T)
-
-    the normal-approximation sample size for a paired mean difference, n = (z_{1-a/2} + z_{1-b})^2 sigma_d^2 /
-    delta^2 (Chow, Shao, Wang & Lokhnygina, "Sample Size Calculations in Clinical Research", 3rd ed. 2017, sec.
-    3.1; Miller 2024, "Adding Error Bars to Evals", arXiv:2411.00640, sec. 5), solved for delta. sigma_d is the
-    sample SD (ddof = 1) of the T per-task differences, floored at 1 / sqrt(T), the SD of one discordant pair
-    among T (so that a comparison with no differences does not claim MDE 0). For pass@1 with one sample per task,
-    sigma_d^2 ~ the discordant share (Connor 1987, Biometrics 43:207). Units: those of the metric.
-    Raises ValueError for no pairs, alpha or power outside (0, 1), or tests < 1."""
+    MDE = (z_{1 - alpha / (2 tests)} + z_{power}) sigma_d / sqrt(T) (Chow et al. 2017, sec. 3.1; Miller 2024), with
+    sigma_d the SD of the T differences floored at 1 / sqrt(T). ValueError for no pairs or bad settings.
+    """
     if not (0.0 < alpha < 1.0 and 0.0 < power < 1.0 and tests >= 1):
         raise ValueError(f"need 0 < alpha, power < 1 and tests >= 1, got alpha={alpha}, power={power}, tests={tests}")
     diff_T = np.asarray(diff_T, dtype=np.float64).reshape(-1)
@@ -201,8 +156,7 @@ def min_detectable_effect(diff_T: np.ndarray, *, alpha: float = 0.05, power: flo
 
 
 def verdict(diff: float, significant: bool) -> str:
-    """"improved" / "regressed" for a significant positive / negative candidate - baseline difference, else
-    "no change"."""
+    """"improved" / "regressed" for a significant positive / negative difference, else "no change"."""
     if significant and diff > 0:
         return "improved"
     if significant and diff < 0:
@@ -212,13 +166,9 @@ def verdict(diff: float, significant: bool) -> str:
 
 def compare(baseline, candidate, *, alpha: float = 0.05, confidence: float | None = None, power: float = 0.8,
             n_resamples: int = 9999, seed: int = 0) -> Comparison:
-    """Paired comparison of two evaluations of the same task set (see the module docstring for the tests).
+    """Paired comparison of two evaluations of the same task set at family-wise level alpha (docs/evaluation.md).
 
-    alpha: family-wise level of the verdicts; confidence: of the reported intervals (default 1 - alpha); power: of
-    the MDE; n_resamples / seed: of the bootstrap and permutation tests (the same seed gives the same result).
-    Raises ValueError when an evaluation has no hash and no prompts to compute it, a recorded hash disagrees with
-    its records' prompts, the two hashes differ or the (domain, task_id) sets differ (the message names them);
-    NothingScoredError (a ValueError) when no task is scored on both sides.
+    ValueError for a missing or mismatched hash or different task sets; NothingScoredError when nothing pairs.
     """
     confidence = 1.0 - alpha if confidence is None else confidence
     base, base_hash = _evaluation(baseline, "baseline")

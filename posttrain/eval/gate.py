@@ -1,13 +1,6 @@
-"""The evaluation gate of the training loop: from a paired comparison of the current policy against the run's
-initial policy (`posttrain.eval.compare`), which domains regressed beyond the allowed drop, what the run does
-(pass / warn / stop), and which checkpoint is the best so far. Pure functions of plain values; no JAX, no I/O.
+"""The evaluation gate's decisions (pure, no JAX or I/O): regressed domains, pass / warn / stop, the best checkpoint.
 
-Dimension legend: M domains of the suite.
-
-A domain regresses when its pass@1 verdict is "regressed" (exact McNemar, Holm-adjusted across the M domains at
-`alpha`) and its pass@1 fell by more than `max_drop` (baseline - candidate, a share of tasks). The best checkpoint
-is the one with the highest task-weighted mean pass@1 over the suite's trained domains (`trained_score`; ties: the
-later step).
+Shapes: the legend in `posttrain.types`. The loop side: `posttrain.eval.gate_hook`; the rules: docs/evaluation.md.
 """
 from __future__ import annotations
 
@@ -25,10 +18,8 @@ class GateConfig:
     """The `eval.gate` section: what a regression found by the in-loop suite (`eval.suite`) does.
 
     Attributes:
-        action: "warn" logs the regression and trains on; "stop" ends the run at that step (checkpoint saved,
-            comparison table written under the run's workdir, summary.json saying why).
-        max_drop: a domain counts as regressed only when its verdict is "regressed" (exact McNemar, Holm-adjusted
-            at `alpha`) and its pass@1 fell by more than this (a share of tasks in [0, 1); 0: any significant drop).
+        action: "warn" logs the regression and trains on; "stop" ends the run at that step (checkpoint saved).
+        max_drop: the pass@1 drop, a share of tasks in [0, 1), a "regressed" verdict must exceed (0: any).
         alpha: family-wise level of the verdicts across the suite's domains (Holm), in (0, 1).
     """
 
@@ -49,7 +40,7 @@ class GateConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GateSettings:
-    """The in-loop suite and its gate (`config.plan` builds it from `eval.suite`, `eval.every_steps`, `eval.gate`).
+    """The in-loop suite and its gate (`posttrain.config.plan` builds it from the `eval` section).
 
     Attributes:
         suite: the parsed suite (`posttrain.eval.suite.Suite`).
@@ -68,8 +59,7 @@ class GateSettings:
 
 @dataclasses.dataclass(frozen=True)
 class DomainRow:
-    """One domain of a comparison: its pass@1 verdict ("improved" | "no change" | "regressed"), the baseline's and
-    the candidate's pass@1 (shares of tasks) and its task count."""
+    """One domain of a comparison: its pass@1 verdict, baseline and candidate pass@1 (shares of tasks), tasks."""
 
     domain: str
     verdict: str
@@ -80,10 +70,7 @@ class DomainRow:
 
 @dataclasses.dataclass(frozen=True)
 class GateDecision:
-    """The gate's decision at one step. regressed: domains regressed beyond max_drop, with their drops
-    (baseline - candidate pass@1); improved: domains with an "improved" verdict; action: "pass", "warn" or "stop";
-    score: this step's `trained_score`; best_step / best_score: the best checkpoint so far (this one when
-    new_best)."""
+    """The decision at one step: regressed {domain: drop}, improved domains, action, `trained_score`, best so far."""
 
     step: int
     regressed: Mapping[str, float]
@@ -99,8 +86,7 @@ class GateDecision:
 
 
 def regressions(rows: Sequence[DomainRow], max_drop: float) -> dict[str, float]:
-    """{domain: drop} of the rows whose verdict is "regressed" and whose pass@1 drop exceeds `max_drop`. Raises
-    ValueError for a verdict outside improved / no change / regressed or max_drop outside [0, 1)."""
+    """{domain: pass@1 drop} of the "regressed" rows dropping more than `max_drop`; ValueError for bad input."""
     if not 0.0 <= max_drop < 1.0:
         raise ValueError(f"max_drop must be in [0, 1), got {max_drop}")
     out = {}
@@ -114,8 +100,7 @@ def regressions(rows: Sequence[DomainRow], max_drop: float) -> dict[str, float]:
 
 
 def trained_score(rows: Sequence[DomainRow], trained: Sequence[str]) -> float:
-    """The task-weighted mean candidate pass@1 over the rows of the `trained` domains (sum of pass@1 x tasks over
-    their tasks); over every row when no row is a trained domain. Raises ValueError for no rows."""
+    """The task-weighted mean candidate pass@1 of the `trained` domains (all rows if none); ValueError for no rows."""
     if not rows:
         raise ValueError("trained_score of no domains")
     picked = [r for r in rows if r.domain in set(trained)] or list(rows)
@@ -125,8 +110,7 @@ def trained_score(rows: Sequence[DomainRow], trained: Sequence[str]) -> float:
 
 def decide(rows: Sequence[DomainRow], *, step: int, action: str, max_drop: float, trained: Sequence[str],
            best: tuple[int, float] | None = None) -> GateDecision:
-    """The decision at `step` (see the module docstring) given the previous best (step, score) or None. Raises
-    ValueError for an action outside ACTIONS (and as `regressions`)."""
+    """The decision at `step` given the previous best (step, score) or None; ValueError for an unknown action."""
     if action not in ACTIONS:
         raise ValueError(f"gate action must be one of {ACTIONS}, got {action!r}")
     regressed = regressions(rows, max_drop)
@@ -138,9 +122,7 @@ def decide(rows: Sequence[DomainRow], *, step: int, action: str, max_drop: float
 
 
 def gate_metrics(decision: GateDecision, rows: Sequence[DomainRow]) -> dict[str, float]:
-    """The eval/gate/* metrics of a decision: regressed / improved (domain counts), warn / stop (0 or 1), score,
-    best_score, best_step, and per domain eval/gate/<domain>/pass@1 (candidate) and .../diff (candidate -
-    baseline)."""
+    """The eval/gate/* metrics of a decision, with eval/gate/<domain>/pass@1 and .../diff per domain."""
     out = {"eval/gate/regressed": float(len(decision.regressed)), "eval/gate/improved": float(len(decision.improved)),
            "eval/gate/warn": float(decision.action == "warn"), "eval/gate/stop": float(decision.action == "stop"),
            "eval/gate/score": decision.score, "eval/gate/best_score": decision.best_score,
@@ -158,8 +140,7 @@ def rows_of(comparison) -> list[DomainRow]:
 
 
 def message(decision: GateDecision, table: str) -> str:
-    """The warning / stop line of a decision with regressions: the step, each regressed domain and its drop, and
-    where the table is."""
+    """The warning / stop line of a decision: the step, each regressed domain and its drop, where the table is."""
     listed = ", ".join(f"{d} (pass@1 -{drop:.3f})" for d, drop in decision.regressed.items())
     verb = "stopping the run" if decision.action == "stop" else "training on (eval.gate.action=warn)"
     return f"eval gate at step {decision.step}: regressed against the initial policy: {listed}; {verb}; table: {table}"

@@ -1,17 +1,6 @@
-"""The evaluation gate of the GRPO loop (`eval.suite`, `eval.every_steps`, `eval.gate`): every `every_steps`
-steps, and after the last step when it was not one of those, the suite runs on the current policy against the
-run's initial policy, paired by task, and a regression beyond `eval.gate.max_drop` warns or stops the run; the best
-checkpoint by the suite's trained score is kept.
+"""The evaluation gate's loop side: `LoopGate` samples the suite against the initial policy and writes the outputs.
 
-The decisions are `posttrain.eval.gate`'s (pure); this module samples and writes. The suite is sampled with the
-run's own rollouter (its env runner and its sampler, so the programs compiled for the first evaluation serve every
-later one) on the `eval.seed` stream. The initial policy's records are sampled once, before the first update, and
-kept; a resume reads them back. Outputs under workdir/eval_gate/ (training owns them; a resume cuts the steps it
-runs again): baseline/ (records.jsonl, results.json) and per gated step step_NNNNNN/ (candidate/,
-comparison.md, comparison.json, forest.png, decision.json). Each gated step is checkpointed (forced) with its
-score (`eval/gate/score`), so `Checkpointer(best_metric=)` keeps the best one beside the `checkpoint.keep` newest.
-Metrics: eval/gate/* (`gate.gate_metrics`) and perf/eval_s (the suite's seconds added); summary.json:
-"eval_gate" {"decisions", "best_step", "best_score", "baseline_s"} and, for a stop, "stopped_early".
+The decisions are `posttrain.eval.gate`'s; the schedule, outputs and metrics: docs/evaluation.md.
 """
 from __future__ import annotations
 
@@ -38,8 +27,7 @@ SCORE = "eval/gate/score"
 
 
 def budget_groups(built: Sequence[suite_lib.ResolvedDomain]) -> dict[tuple, list[suite_lib.ResolvedDomain]]:
-    """The suite's domains by sampling budget (max_new_tokens, temperature, n, max_turns), in suite order: the
-    domains of one group share sampler batches (one SamplingParams, one compiled program per batch shape)."""
+    """The suite's domains by sampling budget (max_new_tokens, temperature, n, max_turns), groups sharing batches."""
     groups: dict[tuple, list] = {}
     for r in built:
         d = r.domain
@@ -48,12 +36,7 @@ def budget_groups(built: Sequence[suite_lib.ResolvedDomain]) -> dict[tuple, list
 
 
 def sample_suite(eval_settings, built: Sequence[suite_lib.ResolvedDomain], rollouter, policy) -> tuple[list, dict]:
-    """(records of every task of every built domain, in suite order; {domain: seconds, "total": seconds}) for the
-    policy states `policy`, sampled with `rollouter`'s sampler and env runner (the run's own: its env workers and
-    compiled programs serve every evaluation) on the stream `eval_settings.seed`. Domains with the same budget share
-    batches (`budget_groups`); the stream of a group is the key folded with its domains' names joined by "+"
-    (`domain_key`; a group of one domain: its name), and a domain's seconds are its share of the samples of each
-    batch it was in, times that batch's wall time."""
+    """(records of the built domains' tasks in suite order, {domain: seconds, "total": seconds}) under `policy`."""
     import jax
 
     t0, sampling = time.perf_counter(), eval_settings.sampling_config
@@ -103,8 +86,7 @@ def _write(folder: pathlib.Path, ev: Mapping) -> None:
 
 @dataclasses.dataclass
 class LoopGate:
-    """The gate of one run: its settings, resolved suite, the initial policy's evaluation, the decisions so far
-    and the best (step, score); `stopped`: the stop message once the gate stopped the run."""
+    """The gate of one run: its suite, the initial policy's evaluation, decisions, best (step, score), stop message."""
 
     settings: gate_lib.GateSettings
     folder: pathlib.Path
@@ -122,14 +104,7 @@ class LoopGate:
     @classmethod
     def open(cls, settings: gate_lib.GateSettings | None, workdir: pathlib.Path, eval_settings, rollouter, policy,
              start: int) -> "LoopGate | None":
-        """The gate of a run (None without eval.suite).
-
-        The suite is resolved, the outputs under `workdir` cut back to `start`, and the initial policy's evaluation
-        sampled now (start 0: `policy` is the initial policy) or read back.
-
-        Raises:
-            ConfigError: no suite domain builds, or a resumed run has no baseline of this suite.
-        """
+        """The gate of a run (None without eval.suite), its baseline sampled or read back; ConfigError if unusable."""
         if settings is None:
             return None
         built, skipped = suite_lib.resolve(settings.suite)
@@ -153,11 +128,7 @@ class LoopGate:
         return gate
 
     def due(self, step: int, start: int, *, final: bool = False) -> bool:
-        """Whether the suite runs after `step` completed steps.
-
-        At the run's end (`final`) it runs when the run moved past `start` and its last step was not gated yet, so a
-        run that ends on a time limit or between `every_steps` still gets the last policy's verdict.
-        """
+        """Whether the suite runs after `step` steps; at the end (`final`) whenever the last step moved on ungated."""
         if final:
             return step > start and step not in {d["step"] for d in self.decisions} and not self.stopped
         return self.settings.due(step)
@@ -176,10 +147,7 @@ class LoopGate:
                 "best_score": self.best[1] if self.best else None, "baseline_s": self.baseline["perf/eval_s"]}
 
     def check(self, step: int, eval_settings, rollouter, policy) -> tuple[gate_lib.GateDecision | None, dict, float]:
-        """Samples the suite with the current policy, compares it with the baseline and decides; writes the
-        step's folder (process 0). Returns (decision, eval/gate/* metrics, seconds sampled); the decision is None,
-        with a warning and eval/gate/unscored = 1, when no task is scored on both sides (every sample ended in
-        infra_error: a broken verifier or sandbox is no verdict on the policy)."""
+        """(decision, eval/gate/* metrics, seconds) of the suite at `step`; decision None when nothing is scored."""
         ks = {r.domain.name: r.domain.ks for r in self.built}
         cand = evaluation(f"step {step}", *sample_suite(eval_settings, self.built, rollouter, policy), step, ks,
                           self.described)
@@ -207,8 +175,7 @@ class LoopGate:
 
 
 def _read_baseline(folder: pathlib.Path, described: dict) -> dict:
-    """The stored initial-policy evaluation, checked against the suite. Raises ConfigError when it is absent or
-    was sampled for another suite (the initial policy is only at hand before the first update)."""
+    """The stored initial-policy evaluation; ConfigError when it is absent or was sampled for another suite."""
     try:
         records, results = records_lib.read_evaluation(folder / "baseline")
     except (FileNotFoundError, ValueError) as e:

@@ -1,27 +1,6 @@
 """Evaluation metrics over per-task records: unbiased pass@k, pass@1, mean reward, format, length, truncation.
 
-Dimension legend (shape suffixes): T tasks of one domain, N samples of one task (n in the formulas), K a k value.
-
-A per-task record is a mapping with
-  domain     str, the task's domain
-  task_id    str | int, unique within its domain
-  rewards    N floats, the scorer's reward of each sample
-  correct    N bools (optional; default: reward >= 1.0, the "env" scorer rule of `posttrain.eval.runner`)
-  prompt     str (needed only by `task_set_hash`)
-  formatted  N bools (optional): the reply followed the required answer format
-  lengths    N numbers (optional): response length of each sample, in tokens
-  truncated  N bools (optional): the sample hit its token budget
-  greedy     bool (optional): sampled at temperature 0, so exactly one sample is meaningful
-  statuses   N strs (optional): the env's status of each sample; an "infra_error" sample (the env or its sandbox
-             failed: `envs.verify.answers.STATUSES`) is unscored, never a wrong answer
-
-Unscored samples: `scored_only` drops the infra-error samples from every per-sample field and the tasks left with
-no scored sample, and counts both per domain; every summary, loop metric and paired comparison is computed on what
-it keeps (a metric function given a record with an unscored sample raises, so none is counted by accident).
-
-Every metric is a per-task value (`TASK_METRICS`, or "pass@<k>" through `metric_fn`); a domain's value is the
-unweighted mean over its tasks (each task weighs the same, whatever its N). All values are floats in [0, 1] except
-`mean_length` (tokens) and `mean_reward` (the scorer's units).
+Shapes: the legend in `posttrain.types`. Unscored samples go first (`scored_only`); record fields: docs/evaluation.md.
 """
 from __future__ import annotations
 
@@ -38,14 +17,7 @@ PER_SAMPLE_FIELDS = ("replies", "statuses", "rewards", "correct", "formatted", "
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one task from n samples of which c are correct.
-
-    pass@k = 1 - C(n - c, k) / C(n, k)  (Chen et al. 2021, "Evaluating Large Language Models Trained on Code",
-    arXiv:2107.03374, eq. 1), computed as in their numpy snippet: 1 - prod_{i=n-c+1}^{n} (1 - k / i), which never
-    forms the binomials (stable for n in the thousands). It is the probability that k samples drawn without
-    replacement from the n contain a correct one; unbiased for n >= k (Chen et al. recommend n well above k).
-    Raises ValueError unless 1 <= k <= n and 0 <= c <= n (integers).
-    """
+    """Unbiased pass@k from n samples, c correct: 1 - C(n - c, k) / C(n, k) (Chen et al. 2021); ValueError: k > n."""
     n, c, k = _as_int(n, "n"), _as_int(c, "c"), _as_int(k, "k")
     if not (1 <= k <= n):
         raise ValueError(f"pass@k needs 1 <= k <= n, got n={n}, k={k}")
@@ -57,11 +29,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def pass_at_1(correct_N: Sequence[bool], *, greedy: bool = False) -> float:
-    """pass@1 of one task: the mean of its N correctness bits (the unbiased pass@k at k = 1, c / n).
-
-    greedy: the samples were drawn at temperature 0, so the task has exactly one sample and pass@1 is that sample.
-    Raises ValueError for no samples, or for greedy with N != 1 (repeated greedy samples are duplicates).
-    """
+    """pass@1 of one task: the mean of its correctness bits; ValueError for none, or greedy (T = 0) with N != 1."""
     correct_N = np.asarray(correct_N, dtype=bool).reshape(-1)
     if correct_N.size == 0:
         raise ValueError("pass@1 of a task with no samples")
@@ -71,8 +39,7 @@ def pass_at_1(correct_N: Sequence[bool], *, greedy: bool = False) -> float:
 
 
 def scored_mask(record: Mapping) -> np.ndarray:
-    """N bools: the record's samples that were scored (status other than "infra_error"; all of them without
-    `statuses`)."""
+    """N bools: the record's scored samples (status not "infra_error"; all of them without `statuses`)."""
     statuses = record.get("statuses")
     if statuses is None:
         return np.ones(len(record.get("correct", record.get("rewards", ()))), dtype=bool)
@@ -80,10 +47,7 @@ def scored_mask(record: Mapping) -> np.ndarray:
 
 
 def scored_only(records: Iterable[Mapping]) -> tuple[list[dict], dict[str, dict[str, int]]]:
-    """(the records cut to their scored samples, {domain: {"infra_errors": unscored samples, "unscored_tasks":
-    tasks with no scored sample, "samples": all samples}}). Each kept record keeps only its scored samples in every
-    per-sample field (PER_SAMPLE_FIELDS); a record with none is left out. Every domain of `records` has a count
-    entry, zeros included. Raises ValueError for a record whose `statuses` and `rewards` differ in length."""
+    """(records cut to scored samples, {domain: {"infra_errors", "unscored_tasks", "samples"}}); ValueError: ragged."""
     kept, counts = [], {}
     for r in records:
         c = counts.setdefault(r.get("domain"), {"infra_errors": 0, "unscored_tasks": 0, "samples": 0})
@@ -105,8 +69,7 @@ def scored_only(records: Iterable[Mapping]) -> tuple[list[dict], dict[str, dict[
 
 
 def correct_of(record: Mapping) -> np.ndarray:
-    """The N correctness bits of a record: its `correct`, else `rewards >= 1.0`. Raises ValueError when the record
-    has neither, no samples, or `correct` and `rewards` of different lengths."""
+    """The N correctness bits of a record: `correct`, else rewards >= 1.0; ValueError if missing or inconsistent."""
     rewards = record.get("rewards")
     if "correct" in record:
         correct_N = np.asarray(record["correct"], dtype=bool).reshape(-1)
@@ -163,8 +126,7 @@ TASK_METRICS: dict[str, Callable[[Mapping], float]] = {
 
 
 def metric_fn(name: str) -> Callable[[Mapping], float]:
-    """The per-task function of metric `name`: a TASK_METRICS key, or "pass@<k>" for any integer k >= 1.
-    Raises KeyError for an unknown name."""
+    """The per-task function of a TASK_METRICS name or "pass@<k>" (k >= 1); KeyError for an unknown name."""
     if name in TASK_METRICS:
         return TASK_METRICS[name]
     if name.startswith("pass@") and name[5:].isdigit() and int(name[5:]) >= 1:
@@ -179,9 +141,7 @@ def per_task(records: Sequence[Mapping], name: str) -> np.ndarray:
 
 
 def by_domain(records: Iterable[Mapping]) -> dict[str, list[Mapping]]:
-    """{domain: [record]} in first-seen order of domains, each domain's records sorted by task_id (as JSON text, so
-    int and str ids never compare). Raises ValueError for a record without domain / task_id, or a repeated
-    (domain, task_id)."""
+    """{domain: records sorted by task_id as JSON}, domains in first-seen order; ValueError: a bad or repeated key."""
     out: dict[str, list[Mapping]] = {}
     seen = set()
     for r in records:
@@ -196,10 +156,7 @@ def by_domain(records: Iterable[Mapping]) -> dict[str, list[Mapping]]:
 
 
 def summarize_domain(records: Sequence[Mapping], ks: Sequence[int] = ()) -> dict[str, float]:
-    """One domain's summary: tasks (T), n_min (the fewest samples of any task), pass@1, pass@k for each k in `ks`
-    with n_min >= k (others left out), mean_reward, and format_rate / mean_length / truncation_rate when every
-    record has the field (left out when none has it). Each value is the mean over tasks of the per-task value.
-    Raises ValueError for no records, or an optional field present in some records only."""
+    """A domain's summary: tasks, n_min, pass@1, pass@k (n_min >= k), mean reward, rates; ValueError: none or ragged."""
     if not records:
         raise ValueError("summary of a domain with no records")
     n_min = min(correct_of(r).size for r in records)
@@ -224,10 +181,7 @@ def summarize(records: Iterable[Mapping], ks: Sequence[int] = ()) -> dict[str, d
 
 
 def task_set_hash(records: Iterable[Mapping]) -> str:
-    """The content hash of a task set: sha256 (hex) over the sorted (domain, task_id, prompt) tuples, each
-    serialized as a JSON list (so task ids 1 and "1" differ) and joined by newlines. Records with the same
-    tasks give the same hash in any order and with any replies, so two evaluations compare only when it agrees.
-    Raises ValueError for a record without domain, task_id or prompt, or a repeated (domain, task_id)."""
+    """The sha256 (hex) of the sorted (domain, task_id, prompt) JSON lines; ValueError for a bad or repeated task."""
     lines, seen = [], set()
     for r in records:
         missing = [f for f in ("domain", "task_id", "prompt") if f not in r]

@@ -1,20 +1,6 @@
-"""False alarms and power of the paired comparison, measured on one policy's sampled records (issue 22, acceptance 3).
+"""False alarms and power of the paired comparison, measured on one policy's sampled records.
 
-Dimension legend (shape suffixes): N samples of one task (the pool), S seed pairs, M domains.
-
-A **pool** is one evaluation whose every task has N = 2S independent samples at a temperature > 0 (one sampler
-call per batch of tasks; each sample is drawn with its own key, so the N samples of a task are independent
-draws of the same policy). Seed pair s takes samples 2s and 2s + 1 of every task: two single-sample evaluations
-of the same tasks that share no sample, i.e. two independent sampling runs of the same checkpoint, and the S pairs
-are independent of each other (disjoint samples). This is what is reused: one sampling pass of N samples per task
-stands for 2S sampling runs, which is statistically the same experiment (independent draws from the same
-per-task distribution), at one compile and 2S-fold fewer sampler calls.
-
-- **A/A** (the same checkpoint twice): `compare.compare(evaluation 2s, evaluation 2s + 1)`; every verdict other
-  than "no change" on any domain is a false alarm. Rate = false alarms / (M x S) domain x seed pairs.
-- **Planted regression**: in evaluation 2s + 1 the replies of one domain are replaced by a constant wrong reply
-  before scoring and rescored through the domain's environment (`records.rescore`, the `--from_records` path:
-  nothing is sampled again); detection = that domain's verdict is "regressed". Rate over the S seeds.
+Shapes: the legend in `posttrain.types`. The pool of 2S samples per task and the A/A design: docs/evaluation.md.
 """
 from __future__ import annotations
 
@@ -29,19 +15,7 @@ PER_SAMPLE = ("replies", "statuses", "rewards", "correct", "formatted", "lengths
 
 @dataclasses.dataclass(frozen=True)
 class PowerResult:
-    """The A/A and planted-regression figures of one pool.
-
-    Attributes:
-      seeds: S, the seed pairs.
-      domains: the M domains compared (sorted).
-      false_alarms: {domain: the seeds whose A/A verdict was not "no change"}.
-      false_alarm_rate: false alarms / (M x S), in [0, 1].
-      planted_domain: the domain whose replies were replaced ("" when none was planted).
-      detected: the seeds whose planted domain was "regressed".
-      detection_rate: len(detected) / S, in [0, 1] (0.0 when nothing was planted).
-      aa_pass_at_1: {domain: the S A/A differences of pass@1 (evaluation 2s + 1 minus 2s)}.
-      planted_pass_at_1: the S pass@1 values of the planted domain after rescoring.
-    """
+    """The A/A and planted-regression figures of one pool: the seeds with a false alarm or a detection, and rates."""
 
     seeds: int
     domains: tuple[str, ...]
@@ -81,10 +55,10 @@ def plant(records: Sequence[Mapping], domain: str, reply: str) -> list[dict]:
 def measure(pool: Sequence[Mapping], *, seeds: int, alpha: float = 0.05, planted_domain: str = "",
             planted_reply: str = "", rescore: Callable[[list[dict]], list[dict]] | None = None,
             n_resamples: int = 999) -> PowerResult:
-    """The A/A false-alarm rate and the planted regression's detection rate of `pool` over `seeds` seed pairs
-    (module docstring). rescore: records -> records scored again (`records.rescore` with the suite's domains);
-    needed with a planted domain. Raises ValueError for a pool with fewer than 2 x seeds samples per task, a
-    planted domain not in the pool, or a plant without `rescore`."""
+    """The A/A false-alarm rate and the planted regression's detection rate of `pool` over `seeds` seed pairs.
+
+    rescore (`records.rescore` with the suite's domains) is needed with a plant; ValueError for a small pool.
+    """
     n = pool_size(pool)
     if seeds < 1 or n < 2 * seeds:
         raise ValueError(f"{seeds} seed pairs need >= {2 * seeds} samples per task; the pool has {n}")

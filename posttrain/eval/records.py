@@ -1,11 +1,4 @@
-"""Per-task records on disk and their rescoring without sampling (`posttrain eval --from_records`).
-
-An evaluation's folder holds `records.jsonl` (one `posttrain.eval.runner` record a line) and `results.json`
-({"task_set_hash", "suite": `suite.suite_dict`, "summary": `runner.suite_summary`, "label", "step"}).
-Rescoring replays every recorded reply through its domain's environment (the env id and kwargs of suite.json;
-multi-turn samples replay all their turns), then applies the domain's scorer and answer format again: a fixed
-verifier or a new scorer re-grades old replies, and the report is rebuilt, without loading a model.
-"""
+"""Per-task records on disk (records.jsonl, results.json) and their rescoring without sampling (`--from_records`)."""
 from __future__ import annotations
 
 import json
@@ -28,8 +21,7 @@ def write_evaluation(folder: str | pathlib.Path, records: Sequence[Mapping], res
 
 
 def read_evaluation(folder: str | pathlib.Path) -> tuple[list[dict], dict]:
-    """(records, results) of an evaluation folder. Raises FileNotFoundError naming a missing file, ValueError naming
-    a line that is not JSON or a recorded task-set hash its records do not reproduce."""
+    """(records, results) of an evaluation folder; FileNotFoundError, or ValueError for a bad line or hash."""
     folder = pathlib.Path(folder)
     for name in (RECORDS, RESULTS):
         if not (folder / name).is_file():
@@ -49,11 +41,7 @@ def read_evaluation(folder: str | pathlib.Path) -> tuple[list[dict], dict]:
 
 
 def rescore(records: Sequence[Mapping], domains: Mapping[str, Mapping]) -> list[dict]:
-    """The records with rewards, statuses, correct and formatted recomputed from their replies (see the module
-    docstring). domains: {domain: {"env_id", "env_kwargs", "scorer", "format"}} (suite.json's rows). Replies,
-    prompts, lengths and truncation stay as sampled. Raises ValueError for a domain missing from `domains`, an
-    unknown scorer or format, or a task whose id differs from the env's task at the recorded index (the env's
-    task set changed since sampling)."""
+    """The records rescored from their replies with suite.json's `domains` rows; ValueError: unknown or changed."""
     import gymnasium
 
     import envs  # noqa: F401  (registers the env ids)

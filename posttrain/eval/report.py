@@ -1,7 +1,6 @@
 """Output of a `posttrain.eval.compare.Comparison`: a Markdown table, a JSON-able dict, a PNG forest plot.
 
-Dimension legend: M domains (rows of the table, lines of the plot). Differences are candidate - baseline, in the
-metric's units (pass@1: a share of tasks in [0, 1]; mean reward: the scorer's units).
+Shapes: the legend in `posttrain.types`.
 """
 from __future__ import annotations
 
@@ -15,10 +14,7 @@ VERDICT_COLORS = {"improved": "tab:green", "no change": "tab:gray", "regressed":
 
 
 def comparison_dict(cmp: Comparison) -> dict:
-    """The comparison as a JSON-able dict (`json.dumps` works on it): the settings, and "domains": a list of
-    {domain, tasks, unscored, wins, losses, partial_credit, verdict, pass@1: {...}, mean_reward: {...}} with each
-    metric's baseline, candidate, diff, ci [lo, hi], mde, test, p, p_holm, verdict; "counts": {verdict: domains};
-    and "unscored_domains": the domains with no task scored on both sides (not tested)."""
+    """The comparison as a JSON-able dict: settings, "domains" (both metrics each), "counts", "unscored_domains"."""
     domains = []
     for d in cmp.domains:
         row = {"domain": d.domain, "tasks": d.tasks, "unscored": d.unscored, "wins": d.wins, "losses": d.losses,
@@ -35,11 +31,7 @@ def comparison_dict(cmp: Comparison) -> dict:
 
 
 def comparison_markdown(cmp: Comparison) -> str:
-    """A Markdown table, one row per domain: tasks, pass@1 baseline -> candidate, its difference with the paired
-    bootstrap interval, wins / losses, the test's raw and Holm-adjusted p, the MDE, the verdict; then mean reward
-    (difference and interval, and its verdict on partial-credit domains). A header line gives the suite size,
-    alpha, the interval's confidence and the task-set hash; a line after the table names the tasks and domains left
-    out because a side has no scored sample of them (infra errors)."""
+    """A Markdown table, a row per domain (pass@1 with interval, p-values, MDE, verdicts), then what was unscored."""
     pct = f"{100 * cmp.confidence:g}%"
     lines = [
         f"Paired comparison (candidate - baseline) over {sum(d.tasks for d in cmp.domains)} tasks in "
@@ -65,8 +57,7 @@ def comparison_markdown(cmp: Comparison) -> str:
 
 
 def _mde(mde: float) -> str:
-    """The MDE cell: a pass@1 difference cannot exceed 1, so an MDE above it says no difference is detectable with
-    this many tasks."""
+    """The MDE cell; above 1, which no pass@1 difference reaches, nothing is detectable."""
     return f"{mde:.3f}" if mde <= 1 else f"{mde:.3f} (none detectable: add tasks)"
 
 
@@ -75,13 +66,7 @@ SUMMARY_COLUMNS = ("pass@1", "mean_reward", "above_floor", "format_rate", "mean_
 
 
 def summary_markdown(summary: dict, label: str = "") -> str:
-    """A Markdown table of one evaluation (`posttrain.eval.runner.suite_summary`): a row per area followed by its
-    domains, then all tasks; columns tasks, samples per task (the fewest), pass@1, every pass@k a row has, mean
-    reward, mean reward above the domain's gaming floor, format-compliance rate, mean response length (tokens),
-    truncation rate, the modal reply share and the gold answers' modal share ("-" where absent); a collapsed
-    domain (`posttrain.eval.collapse`) is marked "COLLAPSED" after its name. When any row has unscored samples
-    (`infra_errors`) a last column gives them with the tasks left unscored, and a domain with no scored task is
-    marked "UNSCORED". `label` heads the table when given."""
+    """A Markdown table of one evaluation (`runner.suite_summary`): a row per area and its domains, then all tasks."""
     order = []
     for area, s in summary["areas"].items():
         order.append((f"**{area}**", s))
@@ -104,10 +89,7 @@ def summary_markdown(summary: dict, label: str = "") -> str:
 
 
 def forest_plot(cmp: Comparison, path: str | Path, *, metric: str = "pass@1") -> Path:
-    """Writes a PNG forest plot to `path`: one line per domain, the difference (candidate - baseline) of `metric`
-    ("pass@1" or "mean_reward") as a point with its paired bootstrap interval, coloured by verdict, a dashed line
-    at 0. Uses matplotlib's Agg canvas directly (no global backend switch, no display). Returns the path.
-    Raises ValueError for an unknown metric or a comparison with no domains."""
+    """Writes a PNG forest plot of `metric`'s differences and intervals, a line per domain; returns the path."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

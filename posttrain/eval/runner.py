@@ -1,24 +1,6 @@
-"""Held-out evaluation: sampling the episodes of each domain into per-task records, and their metrics.
+"""Held-out evaluation: each domain's episodes sampled into per-task records, their loop metrics and summaries.
 
-Dimension legend (shape suffixes): N samples of one task, P tasks (prompts) of one sampler call.
-
-A per-task record (the fields `posttrain.eval.metrics` reads) is
-  domain, area, task_id, index   the task (index: its position in the domain's task source)
-  prompt                         the prompt the model saw (chat template applied), for `metrics.task_set_hash`
-  replies, statuses              N final replies and the env's statuses (`envs.verify.answers.STATUSES`)
-  rewards, correct               N env rewards and the scorer's verdicts (SCORERS)
-  formatted, lengths, truncated  N answer-format checks (FORMATS), response lengths (policy tokens, all turns),
-                                 token-budget hits
-  greedy                         sampled at temperature 0 (one sample per task)
-  gold                           the task's reference answer when the env reports one
-  floor                          the domain's gaming floor when the registry knows it (`episode_floor`)
-  turns                          (multi-turn domains only) N lists of the model's turns, for rescoring
-Metrics of the training loop (`loop_metrics`): `eval/<domain>/pass@1`, `eval/<domain>/mean_reward`,
-`eval/<domain>/above_floor` (mean reward minus the domain's gaming floor, `envs.tasks.floors`: what the policy earns
-beyond a reply without a solution) and `eval/pass@1` (over all tasks); a suite reports every metric of
-`metrics.summarize_domain` per domain and area, with above_floor and the collapse check (`posttrain.eval.collapse`).
-Scorers: "env" takes the environment's verified reward (reward >= 1 counts as solved); "last_integer" compares
-the last integer of the final reply with the task's gold answer (the quickstart's format-agnostic rule).
+Shapes: the legend in `posttrain.types`. Record fields, scorers and formats: docs/evaluation.md.
 """
 from __future__ import annotations
 
@@ -46,22 +28,16 @@ class EvalConfig:
     """The `eval` section: held-out evaluation on `env.eval`, and the evaluation gate.
 
     Attributes:
-        every_steps: evaluate every this many steps during training (0: never); with `suite`, the suite and its
-            gate run at the same steps (then >= 1).
+        every_steps: evaluate every this many steps during training (0: never); the suite's gate runs then too.
         at_start: evaluate before the first step.
         at_end: evaluate after the last step.
         num_tasks: the first this many tasks of each domain.
         max_new_tokens: completion tokens per eval turn.
         temperature: eval sampling temperature (0: greedy).
         batch_size: episodes per sampler call.
-        scorer: "env" uses the env's reward (>= 1 solves); "last_integer" compares the last integer of the reply
-            with the task's answer.
-        seed: the evaluation sampling stream (`jax.random.key(seed)`, folded per domain and batch), for the
-            loop's evaluations and `posttrain eval --suite`; two evaluations with different seeds draw independent
-            samples (-1: train.seed + 1).
-        suite: a `configs/eval/*.py` suite file run during training every `every_steps` steps on the current
-            policy against the run's initial policy (its records sampled once, at step 0, and kept in
-            workdir/eval_gate/baseline); "" (default): no gate.
+        scorer: "env" (the env's reward >= 1 solves) or "last_integer" (the reply's last integer vs the answer).
+        seed: the evaluation sampling stream, folded per domain and batch (-1: train.seed + 1).
+        suite: a `configs/eval/*.py` suite run every `every_steps` steps against the initial policy ("": no gate).
         gate: what a regression on the suite does (GateConfig).
     """
 
@@ -89,13 +65,13 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalSettings:
-    """What held-out evaluation needs of a run.
+    """What held-out evaluation needs of a run (`posttrain.config.plan.RunPlan.eval_settings` builds it).
 
     Attributes:
-        eval_config: the `eval` section (tasks, batch, scorer, budget, when to evaluate).
+        eval_config: the `eval` section.
         env_config: the `env` section (the `eval` mix; turns per episode as in training).
         sampling_config: the `sampling` section (system prompt and prompt bucket as in training rollouts).
-        seed: of the sampling stream (two evaluations with different seeds draw independent samples).
+        seed: of the sampling stream (`eval.seed` resolved).
     """
 
     eval_config: EvalConfig
@@ -109,7 +85,7 @@ class EvalSettings:
         return SamplingParams(max_new_tokens=self.eval_config.max_new_tokens, temperature=self.eval_config.temperature)
 
     def due(self, done: int, total_steps: int) -> bool:
-        """Whether the evaluation of `every_steps` runs after `done` completed steps (the last step's is at_end)."""
+        """Whether the `every_steps` evaluation runs after `done` steps (the last step's is at_end's)."""
         every = self.eval_config.every_steps
         return bool(every) and done % every == 0 and done < total_steps
 
@@ -166,7 +142,7 @@ def solved(sample, scorer: str) -> bool:
 
 def task_record(ep: Episode, index: int, group: Sequence, prompt: str, *, scorer: str, fmt: str, greedy: bool,
                 area: str = "") -> dict:
-    """The record of one task (see the module docstring) from its N samples (`rollout.episodes.Sample`)."""
+    """The record of one task from its N samples (`rollout.episodes.Sample`)."""
     replies = [s.texts[-1] if s.texts else "" for s in group]
     record = {"domain": ep.domain, "area": area, "task_id": ep.task.get("id", index), "index": index,
               "prompt": prompt, "replies": replies, "statuses": [s.status for s in group],
@@ -188,10 +164,7 @@ def task_record(ep: Episode, index: int, group: Sequence, prompt: str, *, scorer
 def sample_groups(sample_fn, tokenizer, runner, episodes: Sequence[Episode], *, batch_size: int,
                   num_samples: int = 1, max_turns: int = 1, key=None, system_prompt: str = "", bucket: int = 16,
                   on_batch: Callable[[Sequence[Episode], float], None] | None = None) -> list[tuple]:
-    """Runs each episode `num_samples` times, `batch_size` samples a sampler call (episodes of several domains
-    share a call); returns (episode, its N samples, its prompt text) per episode, in order. The key of a call is
-    `key` folded with the index of its first episode; `on_batch(chunk, seconds)` gets each call's wall time
-    (sampling and env steps)."""
+    """(episode, its N samples, prompt text) per episode, each run `num_samples` times, `batch_size` samples a call."""
     import jax
 
     key = jax.random.key(0) if key is None else key
@@ -244,12 +217,7 @@ def evaluate(sample_fn, tokenizer, runner, episodes: Mapping[str, Sequence[Episo
 
 
 def loop_metrics(records: Sequence[Mapping], floors: Mapping[str, float | None] | None = None) -> dict[str, float]:
-    """The training loop's eval/* metrics: per domain pass@1, mean reward and (for a domain with a floor in
-    `floors`, default: the records' own "floor") above_floor = mean reward - floor, and eval/pass@1 over all
-    tasks, all over the scored samples (`metrics.scored_only`: an infra-error sample is left out, never counted
-    wrong). A domain with an infra error also gets eval/<domain>/infra_error_rate (its share of samples) and
-    eval/<domain>/unscored_tasks; one with no scored task gets no pass@1 or mean reward (a warning says so), and
-    with no task scored at all there is no eval/pass@1 (never a 0 for a broken verifier)."""
+    """The loop's eval/* metrics over the scored samples; nothing scored gives no pass@1, never a 0."""
     out, all_pass, floors = {}, [], _domain_floors(records, floors)
     kept, counts = metrics_lib.scored_only(records)
     scored = metrics_lib.by_domain(kept)
@@ -287,14 +255,10 @@ def _domain_floors(records: Sequence[Mapping], floors: Mapping[str, float | None
 
 def suite_summary(records: Sequence[Mapping], ks: Mapping[str, Sequence[int]] | None = None,
                   floors: Mapping[str, float | None] | None = None) -> dict:
-    """{"area_of": {domain: area}, "domains": {domain: summary}, "areas": {area: summary}, "all": summary}
-    (`metrics.summarize_domain`, task weighted: an area's value is the mean over all its tasks); ks: the pass@k
-    values of each domain (an area gets a pass@k that every task of it has samples for). A domain's summary also
-    has modal_share, gold_modal_share (when its records have gold answers) and collapsed (1.0 / 0.0) of
-    `collapse.domain_collapse`, and above_floor (mean_reward - floor) for a domain with a floor in `floors`
-    (default: the records' own "floor"). Every summary is over the scored samples (`metrics.scored_only`) and
-    carries infra_errors (unscored samples) and unscored_tasks (tasks with no scored sample); a domain, area or
-    the whole with no scored task has only tasks 0, n_min 0 and those counts. Raises ValueError for no records."""
+    """{"area_of", "domains", "areas", "all"}: task-weighted `metrics.summarize_domain` summaries of scored samples.
+
+    Each also counts infra errors; a domain's adds the collapse check and above_floor. ValueError for no records.
+    """
     ks, floors = ks or {}, _domain_floors(records, floors)
     if not records:
         raise ValueError("suite_summary of no records")

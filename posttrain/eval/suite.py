@@ -1,28 +1,6 @@
 """Evaluation suites: named domains grouped into capability areas, read from `configs/eval/<name>.py`.
 
-A suite file defines ``get_suite() -> dict``::
-
-    {"name": "default",                   # the suite's name (reports are written under it)
-     "alpha": 0.05,                       # family-wise level of the verdicts (Holm across the suite's domains)
-     "defaults": {...},                   # domain settings every entry inherits (keys below)
-     "areas": {"arithmetic": {"trained": True, "domains": {"arithmetic": {"env": "posttrain/Arithmetic-v0"}}},
-               "logic": {"domains": {"reasoning_gym/gcd": {"config": {"max_value": 50}}}}}}
-
-Domain settings (`SuiteDomain`): env (a gymnasium id: a built-in one of `envs.ENTRY_POINTS`, or `module:Env-v0`
-for an env of your own, its module importable: on sys.path, the current directory included; without env the
-domain name is a pattern of the domain registry `envs.tasks.domains`, e.g. "reasoning_gym/gcd" or
-"reasoning_gym/count_*", built through `domains.select` and its golden check), kwargs (a dict of env constructor
-kwargs), config (a dict; registry domains: dataset config overrides), split (a str, passed as the env's `split`
-kwarg; None for an env with one task set), tasks (the first this many tasks), n (samples per task), k (the pass@k
-values: an int or a list of ints >= 1, k = 1 being pass@1, always reported; each needs n >= k, the condition of
-Chen et al. 2021's unbiased estimator, `metrics.pass_at_k`), temperature (0: greedy, then n = 1 and no k),
-max_new_tokens (the token budget of one turn), max_turns, scorer (`runner.SCORERS`), format (`runner.FORMATS`, the
-answer format a reply must follow), trained (a bool: the policy trains on this domain).
-
-`resolve` builds every domain's task source. A built-in domain that cannot be built on this machine (its data is
-absent, a third-party package it needs is not installed, its golden check fails) is skipped with a one-line reason
-instead of failing the suite; every other failure (an unknown id, a bad kwarg, an env of your own that does not
-import or build) is a ConfigError naming the suite file and the domain. No JAX here.
+The file format and how domains are built or skipped: docs/evaluation.md. No JAX here.
 """
 from __future__ import annotations
 
@@ -52,7 +30,7 @@ class DomainUnavailable(RuntimeError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SuiteDomain:
-    """One domain of a suite (see the module docstring for each field). ks: the pass@k values (k >= 2)."""
+    """One domain of a suite (the settings: docs/evaluation.md); ks: the pass@k values (k >= 2)."""
 
     name: str
     area: str
@@ -99,10 +77,7 @@ class ResolvedDomain:
 
 
 def load_suite(path: str | pathlib.Path) -> Suite:
-    """The suite defined by `get_suite()` in the Python file `path`. Raises FileNotFoundError for a missing file and
-    ValueError (naming the file, and for a malformed domain the domain and the key) for a file that is not Python,
-    raises while it loads or in get_suite() (its exception and the file:line it came from), has no get_suite(), or
-    returns a malformed suite (`parse_suite`)."""
+    """The suite `get_suite()` of the Python file `path` defines; FileNotFoundError, or ValueError naming the file."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--suite={path}: no such file (suites live in configs/eval/*.py)")
@@ -121,9 +96,7 @@ def load_suite(path: str | pathlib.Path) -> Suite:
 
 
 def parse_suite(raw: Mapping, path: str = "<suite>") -> Suite:
-    """A validated Suite from the dict a suite file returns (see the module docstring). Raises ValueError naming
-    `path` (and the area, domain and key) for a value of the wrong type or out of range, an unknown key, an empty
-    suite or area, a domain without env that names no registry domain, or a domain listed twice."""
+    """A validated Suite from the dict a suite file returns; ValueError naming `path`, the domain and the key."""
     if not isinstance(raw, Mapping):
         raise ValueError(f"{path}: get_suite() returns a dict with keys name, alpha, defaults, areas; got "
                          f"{type(raw).__name__}")
@@ -198,8 +171,7 @@ def _is_number(x) -> bool:
 
 
 def _ks(value) -> tuple[int, ...] | None:
-    """The pass@k values (k >= 2, sorted) of a domain's k: an int or a list / tuple of ints >= 1 (k = 1 is pass@1,
-    always reported); None for anything else."""
+    """The pass@k values (k >= 2, sorted) of a domain's k, an int or list of ints >= 1; None for anything else."""
     values = list(value) if isinstance(value, (list, tuple)) else [value]
     if not all(_is_int(k) and k >= 1 for k in values):
         return None
@@ -242,8 +214,7 @@ def _check_domain(d: SuiteDomain, where: str) -> None:
 
 
 def select(suite: Suite, *, limit: int | None = None, domains: str | Sequence[str] | None = None) -> Suite:
-    """The suite cut to the domains matching a pattern of `domains` (names or fnmatch patterns, comma-separated)
-    and to at most `limit` tasks per domain. Raises ValueError for a pattern matching no domain or limit < 1."""
+    """The suite cut to the domains matching `domains` (fnmatch patterns) and `limit` tasks; ValueError if none."""
     kept = list(suite.domains)
     if domains:
         patterns = [p.strip() for p in domains.split(",")] if isinstance(domains, str) else list(domains)
@@ -261,11 +232,7 @@ def select(suite: Suite, *, limit: int | None = None, domains: str | Sequence[st
 
 
 def env_spec_of(d: SuiteDomain) -> EnvSpec:
-    """The EnvSpec of a domain: its env and kwargs (+ split), or for a registry domain the spec
-    `envs.tasks.domains.select` builds (split, num_test = tasks, the dataset config) with the domain's kwargs.
-    Raises DomainUnavailable for a registry domain whose golden check or golden sample (`envs.tasks.floors`)
-    fails, ValueError for an unknown one. A domain flagged by its gaming floor is evaluated (its summary reports
-    mean reward above the floor)."""
+    """The EnvSpec of a domain, or the registry's (`envs.tasks.domains.select`); DomainUnavailable if it fails."""
     if d.env:
         kwargs = dict(d.kwargs) if d.split is None else {**dict(d.kwargs), "split": d.split}
         return EnvSpec(id=d.env, kwargs=kwargs)
@@ -287,14 +254,7 @@ def env_spec_of(d: SuiteDomain) -> EnvSpec:
 
 
 def resolve(suite: Suite) -> tuple[list[ResolvedDomain], dict[str, str]]:
-    """(the domains that build, in suite order; {skipped domain: one-line reason}). Constructing each env runs its
-    golden self-check. A built-in domain (an id of `envs.ENTRY_POINTS`, or a registry domain) is skipped when this
-    machine cannot build it (`_skip_reason`): absent data (FileNotFoundError, OSError), a missing third-party package
-    (an ImportError from a ModuleNotFoundError naming a module outside posttrain and envs), a failed golden check
-    (DomainUnavailable) or self-check (RuntimeError). Every other failure raises ConfigError (a ValueError, one
-    line) naming the suite file and the domain: an unregistered id (with the registered ids, as training reports
-    it: `rollout.env_side.task_sources`), a bad kwarg or setting, and any failure of an env of your own, the import
-    of its `module:Env-v0` module included (the module and where it raised)."""
+    """(the domains that build, in suite order; {skipped domain: reason}); ConfigError for what is not skippable."""
     import envs
 
     built, skipped = [], {}
@@ -319,8 +279,7 @@ def resolve(suite: Suite) -> tuple[list[ResolvedDomain], dict[str, str]]:
 
 
 def _import_env_module(env_id: str) -> None:
-    """Imports the module of a `module:Env-v0` id, as gymnasium.make does first (nothing for an id without one).
-    Raises ValueError naming the module: not found (with where it must be), or its exception and file:line."""
+    """Imports the module of a `module:Env-v0` id as gymnasium.make would; ValueError naming it when that fails."""
     if ":" not in env_id:
         return
     module = env_id.split(":")[0]
@@ -335,8 +294,7 @@ def _import_env_module(env_id: str) -> None:
 
 
 def _skip_reason(e: BaseException) -> str | None:
-    """The one-line reason a built-in domain that failed with `e` is skipped, or None when `e` is an error to
-    report: only what this machine lacks skips (absent data, a third-party package, a failed golden check)."""
+    """Why a built-in domain failing with `e` is skipped (only what this machine lacks), or None to report `e`."""
     if isinstance(e, DomainUnavailable):
         return f"unavailable: {_one_line(e)}"
     if isinstance(e, ImportError):
@@ -349,9 +307,7 @@ def _skip_reason(e: BaseException) -> str | None:
 
 
 def _missing_package(e: BaseException) -> str | None:
-    """The top-level name of the third-party package an ImportError reports missing: the first ModuleNotFoundError
-    with a name along its chain of ImportErrors (an env's own ImportError raised from one, e.g. ReasoningGym-v0's
-    install hint), unless it names a module of posttrain or envs (a broken install, not a missing extra)."""
+    """The third-party package an ImportError chain reports missing (None for posttrain / envs: a broken install)."""
     seen = []
     while isinstance(e, ImportError) and all(e is not x for x in seen):
         if isinstance(e, ModuleNotFoundError) and e.name:
@@ -363,9 +319,7 @@ def _missing_package(e: BaseException) -> str | None:
 
 
 def suite_dict(suite: Suite, built: Sequence[ResolvedDomain], skipped: Mapping[str, str]) -> dict:
-    """A JSON-able description of a resolved suite (written with every result as suite.json): name, path, alpha,
-    each built domain's settings, env id, kwargs and task count, the skipped domains with their reasons, and
-    "floors": {domain: gaming floor or None} (`runner.spec_floors`)."""
+    """A JSON-able description of a resolved suite (suite.json): settings, built and skipped domains, gaming floors."""
     rows = []
     for r in built:
         row = dataclasses.asdict(r.domain)
@@ -381,9 +335,7 @@ def _one_line(e: BaseException | str, limit: int | None = 200) -> str:
 
 
 def _error_line(e: BaseException, where: bool = True) -> str:
-    """"Type: message" of an exception on one line; `where`: with the file:line of the innermost frame of the
-    user's code that raised it (outside Python's and the installed packages' files, when one is), which a
-    SyntaxError's own message names already."""
+    """"Type: message" of `e` on one line; `where`: with the file:line of the innermost user frame that raised it."""
     text = f"{type(e).__name__}: {_one_line(e, limit=None)}"
     frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<")]
     installed = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})

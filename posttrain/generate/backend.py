@@ -1,29 +1,6 @@
-"""The rollout engine as the rollout phase's sampler (issue 25): `sampling.backend = "engine"`, or "auto" on one
-device (the default).
+"""The rollout engine as the rollout phase's sampler (`EngineSampler`), and the `sampling` config section.
 
-Dimension legend: P prompts, G group size, N = P*G sequences, Lg max new tokens, S engine slots.
-
-`Rollouter.sample_fn` returns `EngineSampler.sample_fn(...)` instead of a call of `sampler.sample` when the run plan
-sets `RolloutSettings.engine`; everything around it (run_episodes, streaming scoring, batching, the trainer) is the
-same code path. A call `fn(prompts_PxLp, lengths_P, key, G, on_rows=None)` queues one `engine.Request` per sample
-(row p*G + g is sample g of prompt p, as the dense sampler's rows) and returns the dense sampler's `SampleOutput`:
-tokens (pad_id after the stop token), logprobs `log_softmax(logits / T)` over the full vocabulary (invariant 1;
-0 after the stop token), lengths (stop token included), truncated, and `versions_NxLg` (the policy version that
-produced each token, -1 past the end). With the same key its tokens are the dense sampler's, sampled ones too:
-sample r's t-th token takes the dense sampler's uniform of row r at step t (`engine_sampling.token_uniforms`),
-so the two differ only where float rounding moves a draw across a token boundary.
-
-One engine lives across the run's calls, so its page pool and prefix cache do too: a group's G samples share the
-prompt's pages, and a multi-turn episode's next turn (`episodes.run_episodes` calls again with the context so far)
-prefills only the tokens added since its last turn. New weights (a `sample_fn` call with other policy arrays) go
-to `Engine.update_weights`, which clears the cache (entries are keyed by version). The engine's size is fixed by
-`EngineSamplerSettings`, but for max_seq_len = 0: the first call's longest request (prompt + max_new_tokens) sizes
-it, rounded up to page_size times a power of two, and a later, longer request builds a bigger engine (a new
-compile). Single device (the run plan refuses more). With routing replay the engine records every fed token's
-expert selections (`EngineSamplerSettings.record_routing`) in the dense sampler's layout.
-`Rollouter.collect` logs the engine's counters of its step (`pop_metrics`: rollout/{kv_pages_allocated,
-kv_pages_used, slot_occupancy, prefill_tokens, decode_tokens, preemptions, prefix_cached_tokens, weight_swaps}).
-"""
+The engine-vs-dense contract: docs/engine.md. Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 import contextlib
@@ -43,23 +20,18 @@ _SUMMED = ("prefill_tokens", "decode_tokens", "preemptions", "prefix_cached_toke
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineSamplerSettings:
-    """The engine's size when it samples a run's rollouts (built by the run plan from `sampling.engine_*`).
-    Raises ValueError on values outside the ranges below.
+    """The engine's size when it samples a run's rollouts (`SamplingConfig.engine_settings`); ValueError off range.
 
     Attributes:
-        num_slots: S, sequences decoded together (>= 1; the run plan's default: a step's P * G first-turn rows).
-        num_pages: pages in the pool including the scratch page (0: num_slots * ceil(max_seq_len / page_size) + 1,
-            every slot at its longest, so no preemption; else >= 2).
+        num_slots: S, sequences decoded together (>= 1).
+        num_pages: pages in the pool including the scratch page (0: every slot at its longest; else >= 2).
         page_size: tokens per page (>= 1).
-        max_seq_len: longest prompt + reply in tokens (0: sized by the longest request seen, module doc; else
-            >= 2: a longer request is a ValueError).
+        max_seq_len: longest prompt + reply in tokens (0: sized by the longest request seen; else >= 2).
         prefill_bucket: prefill widths are this times a power of two (>= 1).
-        record_routing: return the MoE layers' expert selections (`SampleOutput.prompt_experts_PxLpxLxk`,
-            `experts_NxLgxLxk`: routing replay, `rl.routing_replay="replay"`; `EngineSettings.record_routing`).
-        per_episode: multi-turn episodes run per episode (`rollout.per_episode`; needs max_seq_len >= 2).
-        env_overlap: per episode, decode chunks an env step may overlap (>= 0; `rollout.per_episode.run`).
-        decode_chunk: decode steps per program (>= 0; 0: the backend's default; `EngineSettings.decode_chunk`).
-    """
+        record_routing: return the MoE layers' expert selections (routing replay).
+        per_episode: multi-turn episodes run per episode (`posttrain.rollout.per_episode`; needs max_seq_len).
+        env_overlap: per episode, decode chunks an env step may overlap (>= 0).
+        decode_chunk: decode steps per program (>= 0; 0: the backend's default)."""
 
     num_slots: int
     num_pages: int = 0
@@ -82,7 +54,7 @@ class EngineSamplerSettings:
                              f"{self.env_overlap} (>= 0), decode_chunk={self.decode_chunk} (>= 0)")
 
     def engine_settings(self, longest: int) -> EngineSettings:
-        """The `EngineSettings` of an engine whose longest request has `longest` tokens (module doc)."""
+        """The `EngineSettings` of an engine whose longest request has `longest` tokens."""
         Z, width = self.page_size, self.max_seq_len
         if not width:
             pages = 1
@@ -101,9 +73,7 @@ def _same_arrays(a, b) -> bool:
 
 
 class EngineSampler:
-    """One run's engine behind `sample_fn` (module doc). graphdef: the policy's; device: where the engine runs
-    (its page pool and programs), the rollout mesh's one device. `chunk_hook(engine, chunk)`, when set, is called
-    after every decode chunk (tests and benchmarks step in there)."""
+    """One run's engine behind `sample_fn`, on `device`; `chunk_hook(engine, chunk)` runs after every decode chunk."""
 
     def __init__(self, graphdef, settings: EngineSamplerSettings, device=None):
         self.graphdef, self.settings, self.device = graphdef, settings, device
@@ -117,11 +87,9 @@ class EngineSampler:
         self._metrics: dict[str, float] = {}
 
     def publish(self, policy, version: int, *, live: bool, keep: int = 2) -> None:
-        """A rollout queue's policy `version` (states `policy`; the `keep` newest versions are remembered): a later
-        `sample_fn` call with these arrays samples as that version. With `live` (partial rollouts,
-        `rollout.partial`) the engine takes them at once, at its next decode chunk (a generation under way
-        continues under them, its later tokens tagged `version`), and every later call with a published policy
-        samples with the newest one instead."""
+        """Registers `policy` as `version` (the `keep` newest are kept): `sample_fn` with it samples as that version.
+
+        With `live` (partial rollouts) it goes to the engine at once, and later calls sample with the newest version."""
         with self._lock:
             self._published[int(version)] = policy
             self._published = {v: p for v, p in self._published.items() if v > version - keep}
@@ -130,8 +98,7 @@ class EngineSampler:
                 self._set(policy, version)
 
     def _set(self, policy, version: int) -> None:
-        # the same arrays under another number (an evaluation sampled the learner's state before the rollout queue
-        # published it) are relabelled: the tokens of a training call carry the version it was published as
+        # the same arrays under another number (an evaluation sampled them before they were published) are relabelled
         if self._policy is not None and _same_arrays(policy, self._policy) and int(version) == self.version:
             return
         self._policy, self.version = policy, int(version)
@@ -139,9 +106,6 @@ class EngineSampler:
             self.engine.update_weights(policy, self.version)
 
     def _use(self, policy) -> None:
-        """The weights of a `sample_fn` call: a published version's (live: the newest published), or the call's
-        own arrays (an evaluation's, a test's: the newest published version number, else the next number; the
-        current arrays again: their current number)."""
         with self._lock:
             known = next((v for v, p in self._published.items() if _same_arrays(policy, p)), None)
             if known is None:
@@ -162,9 +126,7 @@ class EngineSampler:
             return e
 
     def sample_fn(self, policy, params: SamplingParams, stop_ids, pad_id: int, stream_chunk: int = 0) -> Callable:
-        """`episodes.SampleFn` over the policy states `policy` (`_use`) with `params`; stream_chunk > 0 with an
-        `on_rows` sink: every stream_chunk decode steps the rows finished so far go to it (`generate.streaming`'s
-        sink arguments)."""
+        """An `episodes.SampleFn` over `policy` with `params`; `on_rows` gets done rows every `stream_chunk` chunks."""
         self._use(policy)
         stops = tuple(int(s) for s in stop_ids)
 
@@ -199,8 +161,7 @@ class EngineSampler:
 
         if not self.settings.per_episode:
             return fn
-        # per-episode multi-turn (`rollout.per_episode`): requests with this call's settings, an engine for
-        # requests of up to `longest` tokens, and `generate` on it
+        # per-episode multi-turn (`posttrain.rollout.per_episode`) builds its own requests and engine
         fn.request, fn.engine_for, fn.generate = request, self._engine_for, generate
         fn.env_overlap = self.settings.env_overlap
         return fn
@@ -216,9 +177,7 @@ class EngineSampler:
         acc["steps"] = acc.get("steps", 0.0) + steps
 
     def pop_metrics(self) -> dict[str, float]:
-        """rollout/{prefill_tokens, decode_tokens, preemptions, prefix_cached_tokens, weight_swaps} (sums),
-        kv_pages_allocated, kv_pages_used (the largest peak) and slot_occupancy (live slots / S over every decode
-        step) of the calls since the last pop; {} when there was none. Resets them."""
+        """The engine's rollout/* counters (sums, peaks, occupancy) since the last pop ({}: none); resets them."""
         acc, self._metrics = self._metrics, {}
         if not acc:
             return {}
@@ -228,8 +187,6 @@ class EngineSampler:
 
 
 class _Rows:
-    """The host arrays of one call's SampleOutput, filled as the engine's requests finish."""
-
     def __init__(self, n: int, Lg: int, pad_id: int):
         self.tokens = np.full((n, Lg), pad_id, np.int32)
         self.logp = np.zeros((n, Lg), np.float32)
@@ -254,8 +211,7 @@ class _Rows:
             sink(self.done.copy(), self.tokens.copy(), self.lengths.copy())
 
     def output(self, Lp: int, G: int) -> SampleOutput:
-        """The call's SampleOutput (prompts padded to Lp, groups of G rows); with routing records the dense
-        sampler's layout: a prompt's selections from its group's first row, -1 where nothing was fed."""
+        """The call's SampleOutput; routing in the dense sampler's layout (-1 where nothing was fed)."""
         if self.routing[0] is None:
             return SampleOutput(self.tokens, self.logp, self.lengths, self.truncated, versions_NxLg=self.versions)
         (N, Lg), (L, k) = self.tokens.shape, self.routing[0].shape[1:]
@@ -282,37 +238,15 @@ class SamplingConfig:
         top_k: keep the k most likely tokens (0: off).
         prompt_bucket: prompt widths round up to a multiple of this (fewer compilations).
         system_prompt: a system turn before every prompt ("": none).
-        decode_shrink_steps: drop finished rows from the decode batch up to this many times
-            (`sampler.shrink_schedule`; 0: never). Pays off when a few completions run much longer than the rest;
-            each width compiles its own decode loop. Dense sampler only (the engine refills a finished slot).
-        backend: what samples the rollouts and evaluations, one of SAMPLING_BACKENDS: "engine" (`generate.engine.loop`:
-            continuous batching over a paged KV cache with prefix reuse, `generate.backend`; one device),
-            "dense" (`generate.sampler.sample`: one call per batch, a dense KV cache per row; any sampler mesh) or
-            "auto": the engine when the sampler runs on one device and decode_shrink_steps is 0 (a dense-only
-            knob), the dense sampler otherwise. Both record the same logprobs and MoE routing, draw the same
-            tokens from a key (up to float rounding) and give equal greedy replies.
-        engine_slots: the engine's sequences decoded together (0: rl.prompts_per_step x rl.group_size, a step's
-            first-turn rows; a call with more requests queues them). Engine only, like the fields below.
-        engine_pages: KV pages in the engine's pool, the scratch page included (0: every slot at engine_max_seq_len
-            tokens, so nothing is ever preempted; fewer save memory, and a full pool preempts and recomputes).
+        decode_shrink_steps: drop finished rows from the decode batch up to this many times (0: never; dense only).
+        backend: "engine", "dense" or "auto" (`backend_for`): both give the same logprobs and tokens (docs/engine.md).
+        engine_slots: the engine's sequences decoded together (0: rl.prompts_per_step x rl.group_size).
+        engine_pages: KV pages in the pool, scratch page included (0: every slot at its longest, never preempted).
         engine_page_size: tokens per KV page.
-        engine_max_seq_len: the longest prompt + reply the engine holds, in tokens (0: sized by the longest request
-            seen, rounded up to engine_page_size x a power of two; a longer one later builds a bigger engine, a
-            new compile).
-        engine_per_episode: multi-turn episodes run per episode (`rollout.per_episode`): an episode's next turn is
-            queued as soon as its env step returns, instead of after every episode's turn. Needs
-            engine_max_seq_len > 0, the longest context an episode may reach (one engine holds every turn); a
-            turn that would not fit ends its episode as truncated.
-        engine_env_overlap: per episode, decode chunks an episode's env step may overlap (0: the env steps
-            inside the engine's loop while the other episodes wait; > 0: on a thread of its own, and the next
-            turn is queued exactly that many decode chunks after the reply ended, waiting for the env then if it
-            is slower, so runs are reproducible whatever the env's timing). Set it near env step seconds /
-            decode chunk seconds. Needs engine_per_episode.
-        engine_decode_chunk: decode steps per device program, K (0: 8 on GPU / TPU, 1 on the CPU; >= 0). The
-            host admits requests, preempts and swaps weights between chunks, so K > 1 saves its per-step work
-            (half an H200's decode time at qwen3-0.6b) and costs a finished slot up to K - 1 idle steps.
-            Tokens and logprobs do not depend on it.
-    """
+        engine_max_seq_len: the longest prompt + reply the engine holds (0: sized by the longest request seen).
+        engine_per_episode: queue an episode's next turn once its env step returns; needs engine_max_seq_len.
+        engine_env_overlap: decode chunks an env step may overlap (0: it runs in the loop); needs engine_per_episode.
+        engine_decode_chunk: decode steps per device program (0: 8 on GPU / TPU, 1 on the CPU); tokens do not change."""
 
     max_new_tokens: int = 24
     temperature: float = 1.0
@@ -355,15 +289,8 @@ class SamplingConfig:
                         partial: bool = False) -> EngineSamplerSettings | None:
         """The engine's size on `sampler_devices` devices, or None when the dense sampler samples (`backend_for`).
 
-        Args:
-            default_slots: the slots when engine_slots is 0 (a step's first-turn rows, prompts x group size).
-            record_routing: record MoE expert selections (routing replay).
-            partial: partial rollouts are on (`rollout.partial`), which need the engine.
-
-        Raises:
-            ConfigError: partial rollouts without the engine, the engine on more than one device (its page pool is
-                not sharded), engine_per_episode without engine_max_seq_len, or engine_env_overlap without it.
-        """
+        Raises ConfigError for `partial` rollouts without the engine, the engine on more than one device,
+        engine_per_episode without engine_max_seq_len, or engine_env_overlap without engine_per_episode."""
         if self.backend_for(sampler_devices) != "engine":
             if partial:
                 raise ConfigError(f"rollout.partial=True swaps weights inside a running generation: it needs the "

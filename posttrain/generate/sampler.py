@@ -1,16 +1,7 @@
-"""Jitted KV-cache sampler: one prefill per prompt, G samples per prompt, `lax.while_loop` decoding.
+"""Jitted KV-cache sampler: one prefill per prompt, G samples per prompt, `lax.while_loop` decoding (docs/engine.md).
 
-Dimension legend: P prompts, G samples per prompt (group size), N = P*G sequences, M rows still decoded
-(N, or fewer once finished rows are dropped: `sample(shrink=...)`), Lp padded prompt width, Lg max new tokens,
-V vocab.
-
-Logprob definition (the project's single one, docs/design.md invariant 1): for every generated token,
-`logp = log_softmax(logits / T)[token]` over the full vocabulary, with T the sampling temperature (T := 1 for
-greedy decoding). Top-k / top-p only restrict which token is *drawn*; the recorded logprob is always over the
-full vocabulary, so a teacher-forced pass at the same T reproduces it and the GRPO ratio starts at exactly 1.
-Stopping is per sequence: after a stop token (EOS or end-of-turn), positions hold `pad_id` and logprob 0;
-`lengths_N` counts generated tokens including the stop token; `truncated_N` marks sequences that hit Lg.
-"""
+Logprobs: `log_softmax(logits / T)` over the full vocabulary (design.md invariant 1); top-k / top-p only restrict
+the draw. Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,15 +18,13 @@ from posttrain.generate import streaming
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """The sampling distribution and length of one `sample` call (hashable: a static argument). Raises ValueError on
-    values outside the ranges below.
+    """The sampling distribution and length of one `sample` call (hashable); ValueError outside the ranges below.
 
     Attributes:
         max_new_tokens: Lg, generated tokens per sequence (>= 1).
         temperature: logits are divided by it (>= 0; 0: greedy).
         top_p: nucleus mass kept (in (0, 1]; 1.0: off).
-        top_k: keep the k most likely tokens (>= 0; 0: off).
-    """
+        top_k: keep the k most likely tokens (>= 0; 0: off)."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -59,8 +48,7 @@ class SampleOutput(NamedTuple):
     # selected for every prompt token and every generated token that was fed back (the last one never is: -1)
     prompt_experts_PxLpxLxk: jax.Array | None = None  # int32 [P, Lp, L, k] (L MoE layers)
     experts_NxLgxLxk: jax.Array | None = None         # int32 [N, Lg, L, k]; -1 where not computed
-    versions_NxLg: jax.Array | None = None  # int32, the policy version of each token (-1 past the end); the rollout
-    # engine's (`generate.backend`: weights may change between its decode chunks), None from `sample`
+    versions_NxLg: jax.Array | None = None  # int32 policy version of each token (-1 past the end); engine only
 
 
 def filter_logits(scaled_NxV: jax.Array, top_k: int, top_p: float) -> jax.Array:
@@ -80,16 +68,9 @@ def filter_logits(scaled_NxV: jax.Array, top_k: int, top_p: float) -> jax.Array:
 
 
 def categorical(u_N: jax.Array, logits_NxV: jax.Array, block: int = 256) -> jax.Array:
-    """Draws one token per row from softmax(logits_NxV) by blocked inverse-CDF sampling, given one uniform
-    u_N in [0, 1) per row (e.g. `jax.random.uniform(key, (N,))`).
+    """int32 [N] tokens drawn from softmax(logits_NxV) by blocked inverse-CDF sampling, one uniform u_N per row.
 
-    Same law as `jax.random.categorical` (Gumbel-max), but one uniform per row instead of V: on a CPU the V
-    random bits per row cost ~15x more than the softmax (64 x 49,152: 67 ms vs 4.6 ms). The vocabulary is cut
-    into blocks of `block` tokens; u times the total mass picks the block by the cumulative block sums, then the
-    token inside it by that block's cumulative sums (two short cumsums keep float32 error small).
-    Tokens with probability 0 (masked to -inf by top-k/top-p) are never returned: both picks are clamped to the
-    last block/token with non-zero mass. Returns int32 [N]. Source: inverse transform sampling.
-    """
+    Same law as `jax.random.categorical` with one random number per row; zero-probability tokens are never drawn."""
     N, V = logits_NxV.shape
     nb = -(-V // block)
     x = jnp.pad(logits_NxV.astype(jnp.float32), ((0, 0), (0, nb * block - V)), constant_values=-jnp.inf)
@@ -110,14 +91,11 @@ def categorical(u_N: jax.Array, logits_NxV: jax.Array, block: int = 256) -> jax.
 
 
 def logprob_temperature(temperature: float) -> float:
-    """The T of every recorded and trained logprob `log_softmax(logits / T)`: the sampling temperature, or 1 for
-    greedy decoding (temperature 0). The one place this rule lives (sampler, trainer and run plan call it)."""
+    """The T of every recorded and trained logprob `log_softmax(logits / T)`: the temperature, or 1 for greedy."""
     return temperature if temperature > 0 else 1.0
 
 
 def _pick(logits_MxV, key, t, params: SamplingParams, rows_M, num_rows: int):
-    """(token_M, logp_M) for one step of the M decoded rows `rows_M` (of num_rows); see the module doc for the
-    logprob definition. Row r's uniform is the r-th of num_rows drawn from (key, t), whichever slot it is in."""
     T = logprob_temperature(params.temperature)
     scaled = logits_MxV.astype(jnp.float32) / T
     logp_all = jax.nn.log_softmax(scaled, axis=-1)
@@ -136,31 +114,16 @@ def sample(graphdef, state, prompts_PxLp, lengths_P, key, *, group_size: int, pa
            stop_ids: tuple[int, ...], pad_id: int, shared_prefix_len: int = 0,
            shrink: tuple[int, ...] = (), record_routing: bool = False, stream_every: int = 0,
            stream_id=None) -> SampleOutput:
-    """Samples `group_size` continuations of each right-padded prompt.
+    """Samples `group_size` continuations of each right-padded prompt; row p*G + g of the output is sample g of p.
 
     Args:
-      graphdef, state: the model (`nnx.split` of a `Transformer`); state may be sharded, and may be a tuple
-        of states (e.g. (params, rest) from `nnx.split(model, nnx.Param, ...)`).
-      prompts_PxLp: int32 right-padded prompt tokens; lengths_P: int32 valid lengths (>= 1).
-      key: PRNG key (fresh per call: the caller splits it from the run's key by step).
-      shared_prefix_len: C > 0 when every prompt starts with the same C tokens (e.g. the chat template's system
-        turn) and is longer than C: the prefill runs those tokens once for the whole batch instead of P times.
-        Use `shared_prefix_len(prompts, lengths)`; outputs are the same up to float rounding.
-      shrink: decreasing decode batch widths (e.g. `shrink_schedule(N)`): once no more than w rows are
-        unfinished, the decode loop drops the finished rows and continues on w rows (their cache is gathered
-        once, see `DecodeCache.take_rows`), so long-tail completions stop paying for the finished ones. Widths
-        >= N are ignored. Outputs are the same up to float rounding (each row keeps its own random draws; a
-        narrower batch can round the logits differently); each width compiles its own decode loop. On a sharded
-        batch, use widths divisible by the batch shards.
-      record_routing: also return the MoE layers' expert selections (routing replay; see `SampleOutput`).
-      stream_every, stream_id: with stream_every = K > 0, every K decode steps the rows finished so far are handed
-        to the host (`generate.streaming.deliver`, by a host callback, to the sink registered under the int32
-        scalar stream_id): streaming scoring. Outputs are unchanged (a finished row's tokens never change again).
-    Returns:
-      SampleOutput with N = P * group_size rows; row p*G + g is sample g of prompt p.
+      state: may be sharded, or a tuple of states (`nnx.split` order).
+      shared_prefix_len: C > 0 when every prompt starts with the same C tokens and is longer (`shared_prefix_len`).
+      shrink: strictly decreasing decode widths (`shrink_schedule`; on a sharded batch, multiples of its shards).
+      stream_every, stream_id: every stream_every decode steps, the finished rows go to the sink of stream_id.
+
     Raises:
-      ValueError: `shrink` not strictly decreasing positive ints.
-    """
+      ValueError: `shrink` not strictly decreasing positive ints."""
     if any(w < 1 for w in shrink) or any(a <= b for a, b in zip(shrink, shrink[1:])):
         raise ValueError(f"shrink must be strictly decreasing positive batch widths, got {shrink}")
     model = nnx.merge(graphdef, *(state if isinstance(state, tuple) else (state,)))
@@ -214,8 +177,7 @@ def sample(graphdef, state, prompts_PxLp, lengths_P, key, *, group_size: int, pa
 
 
 def shrink_schedule(num_rows: int, multiple: int = 8, steps: int = 2, factor: float = 0.75) -> tuple[int, ...]:
-    """Up to `steps` decode batch widths for `sample(shrink=...)`: each `factor` of the previous, rounded down to
-    a multiple of `multiple` (use the batch's shard count or a SIMD-friendly 8). 64 rows -> (48, 32)."""
+    """Up to `steps` widths for `sample(shrink=)`, each `factor` of the last, rounded down to `multiple` (64: 48,32)."""
     out, width = [], num_rows
     for _ in range(steps):
         nxt = int(width * factor) // multiple * multiple
@@ -227,10 +189,7 @@ def shrink_schedule(num_rows: int, multiple: int = 8, steps: int = 2, factor: fl
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, bucket: int = 16) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pads token lists to a width rounded up to `bucket` (fewer distinct shapes, fewer compiles).
-
-    Returns (tokens_PxLp int32, lengths_P int32). Raises ValueError on an empty prompt.
-    """
+    """(tokens_PxLp, lengths_P) int32: prompts right-padded to a multiple of `bucket`; ValueError if any is empty."""
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: every prompt needs at least one token")
     width = max(len(p) for p in prompts)
@@ -242,15 +201,9 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, bucket: int = 16)
 
 
 def shared_prefix_len(prompts_PxLp: np.ndarray, lengths_P: np.ndarray, multiple: int = 8, template: int = 0) -> int:
-    """Length C of the token prefix common to all prompts, kept below every prompt's length (each prompt keeps
-    at least one token of its own) and rounded down to a multiple of `multiple` (fewer distinct compiled
-    shapes). 0 when there is a single prompt or no common prefix. Host-side numpy.
+    """Length C of the prefix all prompts share, below every prompt's length, rounded down to `multiple` (0: none).
 
-    template: the length of the prefix every prompt of the run shares by construction (the chat template's system
-    turn and user header: `template_prefix_len`), 0 if unknown. When the batch shares at least that many tokens, C
-    is that length rounded down, whatever else the batch's prompts share: a batch whose questions happen to start
-    alike (two "What is 3..." prompts) would otherwise prefill a longer prefix under its own compiled sample
-    program (a few seconds per new length on a CPU)."""
+    `template` (`template_prefix_len`): when the batch shares that many tokens, C is that length (no new compile)."""
     prompts_PxLp, lengths_P = np.asarray(prompts_PxLp), np.asarray(lengths_P)
     if prompts_PxLp.shape[0] < 2:
         return 0
@@ -263,8 +216,6 @@ def shared_prefix_len(prompts_PxLp: np.ndarray, lengths_P: np.ndarray, multiple:
 
 
 def template_prefix_len(render: Callable[[str], Sequence[int]]) -> int:
-    """Length of the token prefix that `render` (user message -> prompt token ids, e.g. the chat template with the
-    run's system prompt) gives every message: the common prefix of two renders whose messages share no
-    character, so what they share is the template's. For `shared_prefix_len(..., template=)`."""
+    """Length of the token prefix `render` (user message -> prompt token ids) gives every message."""
     a, b = list(render("0")), list(render("Zq"))
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

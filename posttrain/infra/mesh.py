@@ -1,12 +1,4 @@
-"""Device mesh and the one table mapping logical axis names to mesh axes.
-
-Every parameter carries logical axis names (`embed`, `vocab`, `heads`, ...) in its `logical_axes` metadata;
-`RULES` maps each to zero or more mesh axes (`data`, `fsdp`, `tensor`, `expert`). Changing a parallelism
-strategy means overlaying a few rules (see `rules_with_overrides`), never touching model code.
-
-Meshes are built with `AxisType.Auto` on every axis: in this jax `jax.make_mesh` defaults to explicit axes,
-under which `with_sharding_constraint` raises (PLATFORM-NOTES.md).
-"""
+"""Device mesh and the one table mapping logical axes to mesh axes (docs/mesh.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -41,11 +33,7 @@ RULES: tuple[tuple[str, Any], ...] = (
 
 
 def rules_with_overrides(overrides: Mapping[str, Any] | None = None, rules=RULES) -> tuple:
-    """Returns RULES with some logical axes remapped, e.g. `{"embed": None}` to turn FSDP off.
-
-    Raises:
-      ValueError: for a logical name not in RULES or a mesh axis not in MESH_AXES.
-    """
+    """`rules` with some logical axes remapped (`{"embed": None}`: no FSDP); ValueError on an unknown name or axis."""
     table = dict(rules)
     for name, target in (overrides or {}).items():
         if name not in table:
@@ -64,11 +52,7 @@ def _as_tuple(target) -> tuple[str, ...]:
 
 
 def mesh_shape(axis_sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
-    """Resolves per-axis sizes with at most one -1 into concrete sizes whose product is `num_devices`.
-
-    Raises:
-      ValueError: unknown axis names, more than one -1, or sizes that do not multiply to `num_devices`.
-    """
+    """Per-axis sizes, at most one -1, resolved to sizes whose product is `num_devices`; ValueError otherwise."""
     unknown = set(axis_sizes) - set(MESH_AXES)
     if unknown:
         raise ValueError(f"unknown mesh axes {sorted(unknown)}; expected a subset of {MESH_AXES}")
@@ -87,13 +71,7 @@ def mesh_shape(axis_sizes: Mapping[str, int], num_devices: int) -> dict[str, int
 
 
 def make_mesh(axis_sizes: Mapping[str, int] | Any = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds a `Mesh` over axes ("data", "fsdp", "tensor", "expert") with Auto axis types.
-
-    Args:
-      axis_sizes: mapping or object with attributes data/fsdp/tensor/expert (one may be -1 = the rest).
-        None means all devices on `fsdp`.
-      devices: defaults to `jax.devices()` (all processes' devices in a multi-host run).
-    """
+    """A `Mesh` of `devices` (default: all) with Auto axes; `axis_sizes`: a mapping or a MeshConfig (None: all fsdp)."""
     devices = list(jax.devices() if devices is None else devices)
     if axis_sizes is None:
         axis_sizes = {"fsdp": -1}
@@ -110,9 +88,7 @@ def make_mesh(axis_sizes: Mapping[str, int] | Any = None, devices: Sequence[jax.
 
 
 def rollout_shape(rollout: int, tensor: int, expert: int, num_devices: int) -> dict[str, int] | None:
-    """The rollout sampler's submesh of `mesh.rollout` devices (None for 0: no split): data x fsdp 1 x `tensor`
-    (-1: rollout / expert) x `expert`. Raises ValueError (naming the mesh.* keys) when it leaves no learner device
-    of `num_devices`, does not divide into tensor x expert, or tensor/expert are set without it."""
+    """The rollout submesh's shape of `rollout` devices (None for 0); ValueError naming the mesh.* keys if no fit."""
     if not rollout:
         if (tensor, expert) != (-1, 1):
             raise ValueError(f"mesh.rollout_tensor={tensor} / mesh.rollout_expert={expert} shape the rollout "
@@ -129,10 +105,9 @@ def rollout_shape(rollout: int, tensor: int, expert: int, num_devices: int) -> d
 
 def split_meshes(learner_shape: Mapping[str, int], rollout_shape: Mapping[str, int] | None,
                  devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, Mesh]:
-    """(learner mesh, rollout sampler mesh) over `devices` (default `jax.devices()`): without `rollout_shape` one
-    mesh of all of them, returned twice; else the sampler gets the last prod(rollout_shape) devices and the learner
-    the first prod(learner_shape) (`mesh.rollout`). Raises ValueError when the two shapes need more devices than
-    there are, or for a split in a run of more than one process (not supported)."""
+    """(learner mesh, rollout mesh), the latter on the last devices (one mesh, twice, without `rollout_shape`).
+
+    Raises ValueError when the shapes need more devices than there are, or for a split across processes."""
     devices = list(jax.devices() if devices is None else devices)
     if rollout_shape is None:
         mesh = make_mesh(learner_shape, devices)
@@ -147,11 +122,7 @@ def split_meshes(learner_shape: Mapping[str, int], rollout_shape: Mapping[str, i
 
 
 def logical_to_spec(logical_axes: Sequence[str | None] | None, rules=RULES) -> PartitionSpec:
-    """Maps logical axis names to a PartitionSpec; a mesh axis is used at most once (first come first served).
-
-    Raises:
-      ValueError: for a logical name that has no rule.
-    """
+    """The PartitionSpec of logical axis names, each mesh axis used once at most; ValueError for a name without rule."""
     if logical_axes is None:
         return PartitionSpec()
     table = dict(rules)
@@ -170,8 +141,7 @@ def logical_to_spec(logical_axes: Sequence[str | None] | None, rules=RULES) -> P
 
 
 class ShardingError(ValueError):
-    """An array dimension does not divide over the mesh axes its sharding rule names (the mesh is the user's
-    setting: the command line prints it as one line, exit code 2)."""
+    """An array dimension does not divide over the mesh axes its sharding rule names (a user setting: exit code 2)."""
 
 
 def check_divisible(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh, name: str = "array") -> None:
@@ -208,8 +178,7 @@ def state_shardings(state, mesh: Mesh, rules=RULES):
 
 
 def batch_shards(mesh_shape: Mapping[str, int], rules=RULES) -> int:
-    """Number of batch shards: the product of the mesh axes that the logical "batch" axis maps to under `rules`
-    (the one place this count is computed: the run plan and the train step call it)."""
+    """Number of batch shards: the product of the mesh axes that the logical "batch" axis maps to under `rules`."""
     return math.prod(mesh_shape[a] for a in _as_tuple(logical_to_spec(("batch",), rules)[0]))
 
 
@@ -220,24 +189,17 @@ def batch_sharding(mesh: Mesh, ndim: int, rules=RULES) -> NamedSharding:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """The `mesh` section: per-axis device counts; one axis may be -1 (all remaining devices). Applied by training,
-    sampling and `posttrain plan` alike.
+    """The `mesh` section: per-axis device counts, one of which may be -1 (the remaining devices).
 
     Attributes:
         data: devices on the data-parallel axis.
-        fsdp: devices on the fully-sharded data-parallel axis (-1: the rest).
+        fsdp: devices on the fully-sharded data-parallel axis.
         tensor: devices on the tensor-parallel axis.
         expert: devices on the expert-parallel axis.
-        rules: overlays of the logical-axis rules (`posttrain.infra.mesh.RULES`), logical axis -> mesh axis, list
-            of mesh axes, or None (replicated); e.g. {"embed": None} turns FSDP of the weights off.
-        rollout: devices of the rollout sampler's own submesh (0: the sampler shares the learner's mesh). When set,
-            the sampler runs on the last `rollout` devices and the learner on the rest (data/fsdp/tensor/expert
-            above resolve over those); each policy version is resharded once from the train layout to the
-            sampler's (`posttrain.infra.reshard`, timed as perf/weight_sync_s). One process only.
-        rollout_tensor: tensor-parallel degree of the rollout submesh (-1: its devices / rollout_expert); the
-            devices left over split the decode batch (data axis). Its weights are not FSDP-sharded.
-        rollout_expert: expert-parallel degree of the rollout submesh.
-    """
+        rules: overlays of `RULES`: logical axis -> mesh axis, list of mesh axes, or None (replicated).
+        rollout: devices of the rollout sampler's own submesh, the last ones (0: it shares the learner's). One process.
+        rollout_tensor: tensor-parallel degree of the rollout submesh (-1: its devices / rollout_expert).
+        rollout_expert: expert-parallel degree of the rollout submesh."""
 
     data: int = 1
     fsdp: int = -1

@@ -1,21 +1,6 @@
-"""Token logprobs and entropies: the one definition of a token's logprob (docs/design.md invariant 1).
+"""Token logprobs and entropies: the one definition of a token's logprob (design.md invariant 1; docs/learner.md).
 
-Dimension legend:
-  B  sequences in the (micro)batch
-  T  token positions (padded sequence width)
-  V  vocabulary size
-  D  model width (hidden size)
-  N  flattened tokens B * T;  K chunks of C tokens each (K * C >= N)
-  (`score_logprobs` takes a `posttrain.types.RolloutBatch` and uses its legend: R rows, L width, N samples,
-  C scored slots, P batch shards.)
-
-A token's logprob is `log_softmax(logits / temperature)[target]` over the full vocabulary, in float32.
-`token_logprobs` is that definition on given logits; `chunked_token_logprobs` computes the same numbers from
-hidden states and the unembedding matrix C tokens at a time, never materialising [B, T, V] logits, with a
-hand-written backward pass (flash-attention style: logits are recomputed chunk by chunk) that accumulates the
-unembedding's gradient in ONE [D, V] float32 buffer. Autodiff of a chunk loop that skips empty chunks with
-`lax.cond` would instead stack one [D, V] weight cotangent per chunk (float32 [chunks, D, V]).
-"""
+Shapes: the legend in `posttrain.types`; K chunks of C positions."""
 from __future__ import annotations
 
 import functools
@@ -36,10 +21,7 @@ def check_temperature(temperature) -> None:
 
 
 def token_logprobs(logits_BxTxV, targets_BxT, temperature: float = 1.0):
-    """log_softmax(logits / temperature) gathered at the targets. float32 [B, T] (nats, <= 0).
-
-    Raises ValueError if targets_BxT's shape is not logits_BxTxV.shape[:2] or temperature <= 0.
-    """
+    """log_softmax(logits / temperature) at the targets: float32 [B, T]; ValueError on bad shapes or temperature."""
     check_temperature(temperature)
     if jnp.shape(targets_BxT) != jnp.shape(logits_BxTxV)[:2]:
         raise ValueError(f"targets_BxT shape {jnp.shape(targets_BxT)} != logits {jnp.shape(logits_BxTxV)}[:2]")
@@ -70,29 +52,14 @@ def chunked_token_logprobs(
     h_BxTxD, w_DxV, targets_BxT, temperature: float = 1.0, *, chunk_size: int = 1024,
     with_entropy: bool = False, valid_BxT=None, precision: str | None = None,
 ) -> LogprobsOut:
-    """`token_logprobs(h @ w, targets, temperature)` (and optionally `token_entropy`) C positions of every row at a
-    time.
+    """`token_logprobs(h @ w, targets, temperature)` (and `token_entropy`), C positions of every row at a time.
 
-    Neither pass holds more than [B, C, V] logits; the backward pass recomputes each chunk's logits and adds its
-    weight gradient into one float32 [D, V] accumulator. Chunks run along T, so rows split over devices (B
-    sharded) stay where they are: each device computes its own rows' part of every chunk.
+    Neither pass holds more than [B, C, V] logits; results are float32, gradients in h's and w's dtypes. `w_DxV` is cast
+    to `h_BxTxD`'s dtype (float32 accumulation); a chunk with no `valid_BxT` token is skipped and gives zeros (order
+    them with `valid_first_order`); `precision`: "default" | "high" | "highest" (None: the backend's).
 
-    Args:
-      h_BxTxD: final hidden states (after the final norm), any float dtype (the compute dtype).
-      w_DxV: unembedding matrix (the transposed tied embedding for tied models); cast to h's dtype for the matmul.
-      targets_BxT: int token ids whose logprob is wanted (the next tokens).
-      temperature: sampling temperature (> 0, a Python float); logits are divided by it.
-      chunk_size: C, positions per row per chunk (static); the last chunk is zero-padded.
-      with_entropy: also return the per-token entropy.
-      valid_BxT: optional bool mask; a chunk with no valid token in any row is skipped in both passes (`lax.cond`)
-        and returns zeros. Put each row's valid tokens first (see `valid_first_order`) to skip padding chunks.
-      precision: matmul precision "default" | "high" | "highest" (None: the backend's default).
-    Returns:
-      LogprobsOut(logp_BxT float32, entropy_BxT float32 or None). Matmuls accumulate in float32; gradients come
-      back in h's and w's dtypes.
     Raises:
-      ValueError: on shape mismatch, chunk_size < 1, temperature <= 0 or an unknown precision.
-    """
+      ValueError: on shape mismatch, chunk_size < 1, temperature <= 0 or an unknown precision."""
     check_temperature(temperature)
     (b, t, d), (d_w, v) = jnp.shape(h_BxTxD), jnp.shape(w_DxV)
     if d_w != d or jnp.shape(targets_BxT) != (b, t):
@@ -118,14 +85,11 @@ def chunked_token_logprobs(
 
 
 def _chunk_logits(h_MxD, w_DxV, inv_t, prec):
-    """float32 [M, V] logits / T of one chunk's M = B * C positions (operands in h's dtype, float32 accumulation)."""
     return jnp.dot(h_MxD, w_DxV.astype(h_MxD.dtype), precision=prec, preferred_element_type=jnp.float32) * inv_t
 
 
 def _flat(x_BxC):
-    """[B, C, ...] -> [B * C, ...]: a chunk's body works on rank-2 [M, V] arrays (XLA:CPU compiles a body on
-    [1, C, V] ones to a program that touches far more fresh memory per step); B stays the major dimension, so a
-    B-sharded chunk stays sharded."""
+    """[B, C, ...] -> [B * C, ...] (B major: sharding kept); XLA:CPU's rank-3 chunk bodies touch far more memory."""
     return x_BxC.reshape((-1,) + x_BxC.shape[2:])
 
 
@@ -190,8 +154,7 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def valid_first_order(valid_N) -> tuple[jax.Array, jax.Array]:
-    """(order, inverse) permutations of a flat bool mask putting valid entries first (stable), so that chunked
-    computations over `x[order]` can skip every chunk past the valid count; `y[inverse]` restores the layout."""
+    """(order, inverse) permutations putting a flat mask's valid entries first (stable); `y[inverse]` undoes it."""
     order = jnp.argsort(~jnp.asarray(valid_N, bool), stable=True)
     return order, jnp.argsort(order)
 
@@ -199,14 +162,7 @@ def valid_first_order(valid_N) -> tuple[jax.Array, jax.Array]:
 # ----------------------------------------------------------------------------- a model's logprobs on a batch
 def score_logprobs(model, batch, temperature: float, chunk: int, with_entropy: bool = False,
                    precision: str = "default"):
-    """Trainer logprobs (and entropy) of every scored slot: float32 [N, C] (0 on masked slots); plus aux.
-
-    Only slots with a policy token are pushed through the unembedding: slots are reordered valid-first and
-    chunks holding none are skipped, so the vocabulary-wide matmuls scale with real tokens, not with N * C.
-    The reordering stays within each batch shard of the active mesh (rows and their samples are split over the
-    same devices), so no device gathers another's hidden states: a global order makes XLA all-reduce the whole
-    [N * C, D] selection on every device.
-    """
+    """(LogprobsOut of float32 [N, C], 0 on masked slots; aux): only valid slots reach the unembedding."""
     replay = batch.routed_experts_RxLxLmxk  # routing replay: the sampler's expert selections, or None
     h, aux = model.hidden_states(batch.tokens_RxL, batch.positions_RxL, batch.segment_ids_RxL,
                                  batch.branch_ids_RxL,
@@ -230,7 +186,6 @@ def score_logprobs(model, batch, temperature: float, chunk: int, with_entropy: b
 
 
 def _local_shards(rows: int) -> int:
-    """Batch shards of the active mesh (1 without one, or when `rows` does not divide over them)."""
     mesh = active_mesh()
     if mesh is None:
         return 1

@@ -1,14 +1,4 @@
-"""The loop of offline recipes (SFT, DPO): batches that are a function of the step, one update each, held-out
-evaluation before and after, checkpoints, metrics, resume.
-
-A recipe hands `train_loop` an `OfflineRun`: its learner (restored from the workdir's newest checkpoint, if any),
-`batch(step)` (the host batch of a step: a resumed run trains on the same batches), `evaluate()` (held-out metrics
-of the current weights, {} without held-out data), `counts` (data statistics for the summary and checkpoint
-metadata) and `tokens(batch)` (the non-padding tokens a step processes, for `perf/*`).
-
-Outputs in the workdir: `metrics.jsonl` and TensorBoard events (per step the recipe's metrics, `optim/*`, `perf/*`;
-held-out metrics at the start and the end), `checkpoints/`, `summary.json`.
-"""
+"""The loop of offline recipes (SFT, DPO, reward models): updates, evaluation, checkpoints, resume (docs/learner.md)."""
 from __future__ import annotations
 
 import contextlib
@@ -46,13 +36,10 @@ def train_loop(run: OfflineRun, *, name: str, workdir: pathlib.Path, train_confi
                eval_at_start: bool, eval_at_end: bool, progress: bool,
                bar_fields: tuple = (), on_nonfinite: Callable[[], str] = lambda: "",
                stop: distributed.StopRequest | None = None) -> dict:
-    """Runs (or resumes) the steps `learner.step .. train_config.steps - 1` of `run`; returns the summary (also written
-    to summary.json). `name`: the recipe (progress bar, checkpoint metadata key). `stop`: the StopRequest the
-    recipe entered before building `run` (a signal while the model loads, DPO's reference logprobs are computed or
-    the start is evaluated then stops the command in one line too), else one entered here.
+    """Runs (or resumes) `run` to `train_config.steps`; returns the summary (also written to summary.json).
 
-    Raises NonFiniteError (after saving a checkpoint) when `train_config.max_nonfinite_skips` consecutive steps had a
-    non-finite loss or gradient (`on_nonfinite()` adds advice to its message); RunInterrupted after SIGINT /
+    `stop`: the StopRequest the recipe entered before building `run` (None: one entered here). Raises NonFiniteError
+    (after a save) after `train_config.max_nonfinite_skips` consecutive non-finite steps; RunInterrupted after SIGINT /
     SIGTERM, once the state is saved (the same call resumes from it)."""
     with contextlib.nullcontext(stop) if stop is not None else distributed.StopRequest() as stop:
         return _train_loop(run, stop, name=name, workdir=workdir, train_config=train_config, config_dict=config_dict,
@@ -62,7 +49,6 @@ def train_loop(run: OfflineRun, *, name: str, workdir: pathlib.Path, train_confi
 
 def _train_loop(run: OfflineRun, stop: distributed.StopRequest, *, name, workdir, train_config, config_dict, eval_at_start,
                 eval_at_end, progress, bar_fields, on_nonfinite) -> dict:
-    """`train_loop` under its StopRequest `stop`."""
     learner = run.learner
     start, steps = learner.step, train_config.steps
     main = distributed.is_main_process()
@@ -75,8 +61,7 @@ def _train_loop(run: OfflineRun, stop: distributed.StopRequest, *, name, workdir
     try:
         if start == 0 and eval_at_start:
             _evaluate(run, summary, "eval_start", 0, writer)
-        # the model load's and the evaluation's freed host heap goes back to the OS before the first update: the
-        # step's temporaries (one large block on the CPU) would otherwise peak on top of it (a lower peak RSS)
+        # the model load's and evaluation's freed heap goes back first: the step's temporaries would peak on top
         trim_host_heap()
         _steps(run, stop, name=name, workdir=workdir, train_config=train_config, meta=meta, writer=writer, bar=bar, clock=clock,
                summary=summary, on_nonfinite=on_nonfinite)
@@ -99,8 +84,7 @@ def _train_loop(run: OfflineRun, stop: distributed.StopRequest, *, name, workdir
 
 def _steps(run: OfflineRun, stop: distributed.StopRequest, *, name, workdir, train_config, meta, writer, bar, clock,
            summary, on_nonfinite) -> None:
-    """The steps from `learner.step` to `train_config.steps`. An update, its metrics and its checkpoint are never cut by
-    SIGINT / SIGTERM (`stop.deferred`); a signal saves a checkpoint and raises RunInterrupted naming it."""
+    """The steps from `learner.step` on; a signal never cuts an update, its metrics or its checkpoint."""
     learner = run.learner
     start = learner.step
     try:
@@ -130,7 +114,6 @@ def _steps(run: OfflineRun, stop: distributed.StopRequest, *, name, workdir, tra
 
 
 def _evaluate(run: OfflineRun, summary: dict, key: str, step: int, writer) -> None:
-    """Held-out metrics into summary[key] and the metrics files at `step` (nothing without held-out data)."""
     m = run.evaluate()
     if m:
         summary[key] = m
@@ -139,8 +122,7 @@ def _evaluate(run: OfflineRun, summary: dict, key: str, step: int, writer) -> No
 
 
 def bootstrap_interval(x: np.ndarray, confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
-    """A percentile bootstrap interval (scipy.stats.bootstrap, 9999 resamples, fixed seed) of mean(x); a single
-    value or identical values give the value itself at both ends (nan for no value)."""
+    """A percentile bootstrap interval of mean(x) (scipy.stats.bootstrap, 9999 resamples); equal values: (v, v)."""
     if len(x) < 2 or np.all(x == x[0]):
         v = float(x.mean()) if len(x) else float("nan")
         return v, v
@@ -151,10 +133,9 @@ def bootstrap_interval(x: np.ndarray, confidence: float = 0.95, seed: int = 0) -
 
 def paired_difference_interval(a: np.ndarray, b: np.ndarray, confidence: float = 0.95,
                                seed: int = 0) -> tuple[float, float]:
-    """A paired percentile bootstrap interval (scipy.stats.bootstrap with paired=True: the same items resampled
-    for both, 9999 resamples, fixed seed) of mean(a) - mean(b), for per-item scores `a`, `b` of the same items
-    (float [N] each). Identical per-item differences give the difference at both ends (nan for no item). Raises
-    ValueError when the lengths differ."""
+    """A paired percentile bootstrap interval of mean(a) - mean(b) over per-item scores of the same items.
+
+    scipy.stats.bootstrap(paired=True), 9999 resamples; equal differences give (d, d). ValueError on unequal lengths."""
     a, b = np.asarray(a, float), np.asarray(b, float)
     if a.shape != b.shape:
         raise ValueError(f"paired scores need equal lengths: {a.shape} vs {b.shape}")

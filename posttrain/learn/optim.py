@@ -1,20 +1,4 @@
-"""Optimizer: optax chain of global-norm clipping and AdamW (or SGD) under a warm-up + decay schedule.
-
-Dimension legend: none; the optimizer maps a pytree of float gradients to updates of the same structure.
-
-Plain arguments, or the config's `optim` section (`OptimConfig.build(total_steps)`: the one place a run's optimizer
-is made). The learning-rate
-schedule is returned alongside the transformation so the train step can log `optim/lr` for the step it applies.
-
-Schedule (lr in parameter units per unit of normalised gradient, `step` = number of updates already
-applied, 0 for the first):
-  warm-up:  lr * (step + 1) / warmup_steps              for step < warmup_steps (first update is not 0)
-  decay:    lr * f(p),  p = clip((step - warmup_steps) / (total_steps - warmup_steps), 0, 1)
-            cosine:   f = m + (1 - m) * (1 + cos(pi p)) / 2   (Loshchilov & Hutter 2017, SGDR, eq. 5)
-            linear:   f = 1 - (1 - m) * p
-            constant: f = 1
-  with m = min_lr_ratio; after total_steps the rate stays at lr * m.
-"""
+"""Optimizer: global-norm clipping and AdamW (or SGD) under a warm-up + decay schedule (docs/learner.md)."""
 
 from __future__ import annotations
 
@@ -52,11 +36,10 @@ def make_schedule(
     lr: float, *, warmup_steps: int = 0, total_steps: int | None = None, schedule: str = "cosine",
     min_lr_ratio: float = 0.0,
 ) -> Callable[[Any], jax.Array]:
-    """The learning-rate schedule described in the module docstring: step (int or int array) -> float32 lr.
+    """The learning rate at update `step` (int or int array) -> float32: warm-up, then decay to lr * min_lr_ratio.
 
-    Raises ValueError: unknown schedule (lists the valid ones), lr <= 0, warmup_steps < 0,
-    min_lr_ratio outside [0, 1], or total_steps missing / <= warmup_steps for a decaying schedule.
-    """
+    Cosine: Loshchilov & Hutter 2017 (SGDR, eq. 5). Raises ValueError on an unknown schedule, a value out of range,
+    or total_steps missing / <= warmup_steps for a decaying schedule."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {sorted(SCHEDULES)}")
     if not lr > 0:
@@ -131,23 +114,11 @@ def make_optimizer(
     weight_decay_mask: Any = None,
     trainable_mask: Any = None,
 ) -> Optimizer:
-    """Builds `clip_by_global_norm(grad_clip_norm) -> OPTIMIZERS[name]` under `make_schedule(...)`.
+    """`clip_by_global_norm(grad_clip_norm) -> OPTIMIZERS[name]` under `make_schedule(...)`, with its schedule.
 
-    Args:
-      name: one of OPTIMIZERS ("adamw", "adam" (coupled L2), "sgd" (b1 is the momentum)).
-      lr: peak learning rate. weight_decay: decoupled decay coefficient (>= 0).
-      b1, b2, eps: Adam moments' decay rates and denominator epsilon.
-      grad_clip_norm: max global L2 norm of the (trainable) gradients; None disables clipping.
-      warmup_steps, total_steps, schedule, min_lr_ratio: see `make_schedule`.
-      weight_decay_mask: None (decay all) or a pytree / callable(params) of bools, True = decayed.
-      trainable_mask: None (train all) or a pytree / callable(params) of bools, True = trainable
-        (LoRA: only adapters). Frozen leaves get exactly-zero updates, hold no optimizer state and do
-        not count toward the clipping norm.
-    Returns:
-      Optimizer(tx, lr_schedule); `lr_schedule(step)` is the rate applied at update number `step`.
-    Raises:
-      ValueError: unknown name or schedule (lists the valid ones), or an out-of-range number.
-    """
+    `name`: "adamw", "adam" (coupled L2) or "sgd" (b1: the momentum); grad_clip_norm None: no clipping. The masks:
+    None (all) or a pytree / callable(params) of bools; frozen leaves get zero updates, no optimizer state, no share of
+    the clipping norm. Raises ValueError on an unknown name or schedule, or an out-of-range number."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; valid: {sorted(OPTIMIZERS)}")
     for arg, value, ok in (
@@ -181,12 +152,12 @@ def _labels(trainable_mask):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    """The `optim` section (`posttrain.learn.optim.make_optimizer`).
+    """The `optim` section (`make_optimizer`).
 
     Attributes:
         name: adamw | adam | sgd.
         lr: peak learning rate.
-        weight_decay: decoupled weight decay.
+        weight_decay: weight decay (decoupled, but coupled L2 for adam).
         b1: Adam's first-moment decay (sgd: the momentum).
         b2: Adam's second-moment decay.
         eps: Adam's epsilon.
@@ -215,8 +186,7 @@ class OptimConfig:
             "min_lr_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1)})
 
     def build(self, total_steps: int | None = None, **masks) -> Optimizer:
-        """`make_optimizer` with these settings over `total_steps` updates (`masks`: its weight-decay and trainable
-        masks). Raises its ValueErrors."""
+        """`make_optimizer` with these settings over `total_steps` updates (`masks`: its two masks)."""
         return make_optimizer(self.name, lr=self.lr, weight_decay=self.weight_decay, b1=self.b1, b2=self.b2,
                               eps=self.eps, grad_clip_norm=self.grad_clip_norm or None,
                               warmup_steps=self.warmup_steps, total_steps=total_steps, schedule=self.schedule,

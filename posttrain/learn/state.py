@@ -1,12 +1,4 @@
-"""The train state of any algorithm: trainable params vs frozen state (LoRA or full), the reference copy, merging.
-
-Dimension legend: none (pytrees of nnx States; see `posttrain.types.TrainState`).
-
-`create_train_state` splits a model's nnx state into what the optimizer updates and what it never touches, and keeps
-the initial trainable params when a KL term needs the reference model (docs/design.md invariant 8: the reference is
-the initial policy, adapters included, frozen). `model_states` / `merge_model` rebuild the policy module from a
-state's pieces in the split order the graphdef expects.
-"""
+"""The train state of any algorithm: trainable params vs frozen state (LoRA or full), the reference copy, merging."""
 from __future__ import annotations
 
 import jax
@@ -30,11 +22,7 @@ def merge_model(graphdef, params, frozen):
 
 
 def reference_states(state: TrainState, need_reference: bool):
-    """The nnx states of the frozen reference model (the initial policy, exactly) when `need_reference`, else None.
-
-    Under LoRA the reference is the frozen base plus the INITIAL adapters (non-zero when training starts from an SFT
-    adapter), kept in `ref_params`; without LoRA, a copy of the initial Params. Raises ValueError when a reference
-    is needed but the state was created without one."""
+    """The frozen reference's nnx states (the initial policy) if `need_reference`, else None; ValueError if not kept."""
     if not need_reference:
         return None
     if state.ref_params is None:
@@ -44,13 +32,10 @@ def reference_states(state: TrainState, need_reference: bool):
 
 def create_train_state(graphdef, model_state, tx: optax.GradientTransformation, rng, *, lora_rank: int = 0,
                        need_reference: bool = False):
-    """Splits a model state into trainable params / frozen state and initialises the optimizer.
+    """(graphdef for `merge_model`, TrainState): the model state split into trainable / frozen, optimizer initialised.
 
-    With `lora_rank` > 0, the trainable params are the model's `LoRAParam` adapters and every base `nnx.Param` is
-    frozen; otherwise all Params train. When `need_reference`, a copy of the initial trainable params (the
-    adapters under LoRA: small) is kept as `ref_params`, so the reference is the initial policy exactly.
-    Returns (graphdef for `merge_model`, TrainState). Raises ValueError for LoRA on a model without adapters.
-    """
+    Under `lora_rank` > 0 only the `LoRAParam` adapters train (ValueError without any), else all Params.
+    `need_reference` keeps the initial trainable params as `ref_params` (the KL reference, design.md invariant 8)."""
     model = nnx.merge(graphdef, *(model_state if isinstance(model_state, tuple) else (model_state,)))
     ref = None
     if lora_rank:

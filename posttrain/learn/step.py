@@ -1,27 +1,6 @@
 """The generic train step: `make_step(loss_fn, tx, lr_schedule, settings) -> step(state, batch) -> (state, metrics)`.
 
-Dimension legend: M microbatches; a batch is any pytree whose leaves share a leading row dimension (R rows) that
-splits into M equal microbatches (e.g. `posttrain.types.RolloutBatch`: [R, L] and [N, C] arrays with N = R * S).
-
-Every algorithm (GRPO, SFT, DPO, reward models) supplies
-
-    loss_fn(params, frozen, microbatch, context) -> (loss, metrics)
-
-where `context = context_fn(state, batch)` is computed once per step on the FULL batch (its loss denominators, the
-reference model's states, ...), so a microbatch's loss and metrics are its share of the batch value and summing
-them over microbatches gives exactly the full-batch value (docs/design.md invariant 3). The step then
-
-  1. accumulates gradients and metrics over the M microbatches with `lax.scan` (a metric ending in `_min` / `_max`
-     combines by min / max, every other one by sum);
-  2. applies one optax update unless the loss (or the metric `settings.loss_metric`) or the gradient's global
-     norm is non-finite: then parameters, optimizer state and frozen state stay as they were, the step counter
-     still advances and `policy/skipped_nonfinite` is 1;
-  3. updates MoE routing biases from `moe/expert_load` when `settings.bias_update_rate` > 0 (aux-loss-free
-     balancing, DeepSeek-V3 §2.1.2: bias += rate * sign(mean load - load)).
-
-`jit_step` jits a step with explicit in/out shardings and the state donated; the learner and `posttrain plan`
-(`recipes/dryrun.py`) both call it on the same step function.
-"""
+Loss protocol, accumulation and non-finite skip: docs/learner.md. Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 import functools
@@ -39,10 +18,10 @@ LossFn = Callable[[Any, Any, Any, Any], tuple[jax.Array, dict]]
 
 
 class StepSettings(NamedTuple):
-    """Static settings of the generic step (hashable). num_microbatches: M >= 1 accumulation microbatches;
-    bias_update_rate: the routing-bias rate of an aux-loss-free MoE (0: none); loss_metric: the metric whose
-    finiteness gates an update with the gradient norm's ("" : the loss value itself). GRPO names its policy loss
-    (gating on the total loss, MoE auxiliary terms included, raises the peak memory of large MoE plans)."""
+    """Static settings of the generic step (hashable).
+
+    M = num_microbatches >= 1; bias_update_rate: aux-loss-free MoE routing-bias rate (0: none); loss_metric: the
+    metric whose finiteness gates an update with the gradient norm's ("": the loss itself)."""
 
     num_microbatches: int = 1
     bias_update_rate: float = 0.0
@@ -61,8 +40,7 @@ def split_microbatches(x, m: int):
 
 
 def accumulate_gradients(loss_fn: LossFn, params, frozen, batch, context, num_microbatches: int):
-    """(loss, grads like params, metrics): the sums over microbatches (lax.scan) of `loss_fn`'s value, gradient
-    and metric shares. Raises ValueError when a leaf's leading dimension does not divide into the microbatches."""
+    """(loss, grads, metrics) summed over microbatches (`combine`); ValueError when rows do not split into them."""
     M = num_microbatches
     bad = {x.shape[0] for x in jax.tree.leaves(batch) if x.shape[0] % M}
     if bad:
@@ -103,28 +81,21 @@ def update_routing_bias(frozen, load_LxE, rate: float):
 
 
 def skip_by_cond(finite, applied, params, opt_state, frozen, grads):
-    """`applied(params, opt_state, frozen, grads)` when `finite`, else the unchanged (params, opt_state, frozen), as
-    a `lax.cond`: the CPU's form. An element-wise select of new and old values reads every old parameter and moment
-    after the new ones exist, so XLA:CPU copies the donated optimizer state each step (two full copies of the Adam
-    moments, and their page faults)."""
+    """`applied(params, opt_state, frozen, grads)` if `finite`, else the old values, by `lax.cond` (the CPU form)."""
     return jax.lax.cond(finite, applied, lambda p, o, f, g: (p, o, f), params, opt_state, frozen, grads)
 
 
 def skip_by_select(finite, applied, params, opt_state, frozen, grads):
-    """The same as `skip_by_cond` by an element-wise select of new and old values: the GPU and TPU form. XLA fuses
-    the select into the update there, while under a `lax.cond` XLA:GPU keeps about one more parameter-sized set of
-    float32 buffers in its temp allocation (DeepSeek-V3's plan on h200x256: 11.4 GiB more per device)."""
+    """`skip_by_cond` by an element-wise select (the GPU and TPU form: a cond there needs more temp memory)."""
     new = applied(params, opt_state, frozen, grads)
     return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, (params, opt_state, frozen))
 
 
 def apply_update(state: TrainState, loss, grads, metrics: dict, tx: optax.GradientTransformation, lr_schedule,
                  settings: StepSettings):
-    """One optimizer update (+ the routing-bias update); returns (state, metrics with optim/*, moe/* and
-    policy/skipped_nonfinite). A non-finite loss or gradient norm is never applied (see the module doc).
+    """One optimizer and routing-bias update; returns (state, metrics + optim/*, moe/*, policy/skipped_nonfinite).
 
-    The skip's form depends on the platform the step is lowered for (`lax.platform_dependent`): `skip_by_cond` on
-    the CPU, `skip_by_select` on GPU and TPU (their docs say why)."""
+    A non-finite loss or gradient norm is never applied: the state keeps its values, its step counter advances."""
     grad_norm = optax.global_norm(grads)
     gate = metrics[settings.loss_metric] if settings.loss_metric else loss
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(gate)
@@ -150,7 +121,7 @@ def apply_update(state: TrainState, loss, grads, metrics: dict, tx: optax.Gradie
 
 
 def update(loss_fn: LossFn, state: TrainState, batch, context, tx, lr_schedule, settings: StepSettings):
-    """Accumulate over `settings.num_microbatches`, then `apply_update`: one optimizer update on `batch`."""
+    """One optimizer update on `batch`: `accumulate_gradients`, then `apply_update`."""
     loss, grads, metrics = accumulate_gradients(loss_fn, state.params, state.frozen, batch, context,
                                                 settings.num_microbatches)
     return apply_update(state, loss, grads, metrics, tx, lr_schedule, settings)
@@ -158,8 +129,7 @@ def update(loss_fn: LossFn, state: TrainState, batch, context, tx, lr_schedule, 
 
 def make_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedule, settings: StepSettings, *,
               context_fn: Callable[[TrainState, Any], Any] | None = None):
-    """The pure step `(state, batch) -> (state, metrics)`: one update of `loss_fn` on the batch (jit it with
-    `jit_step`). `context_fn(state, batch)` (default: None) is passed to every microbatch's loss."""
+    """The pure step `(state, batch) -> (state, metrics)`; `context_fn(state, batch)` goes to each microbatch's loss."""
 
     def step(state: TrainState, batch):
         context = None if context_fn is None else context_fn(state, batch)
@@ -169,8 +139,7 @@ def make_step(loss_fn: LossFn, tx: optax.GradientTransformation, lr_schedule, se
 
 
 def reduce_updates(key: str, values_U):
-    """One step metric from its values over U updates on one batch: min / max for `*_min` / `*_max`, the last
-    update's learning rate, else the mean."""
+    """One step metric from its values over U updates: min / max for `*_min` / `*_max`, the last lr, else the mean."""
     if key.endswith("_min"):
         return values_U.min()
     if key.endswith("_max"):
@@ -179,8 +148,7 @@ def reduce_updates(key: str, values_U):
 
 
 def jit_step(step_fn, state_shardings=None, batch_shardings=None):
-    """jit with explicit in/out shardings (when given: the state's for state in and out, the batch's for the
-    batch, metrics unconstrained) and the state donated."""
+    """`jax.jit` with the state donated and, when given, the state's and batch's shardings (metrics unconstrained)."""
     if state_shardings is None:
         return jax.jit(step_fn, donate_argnums=(0,))
     return jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings),

@@ -1,17 +1,6 @@
-"""The DPO recipe: `posttrain dpo --config=configs/dpo_*.py`. Plan -> policy, pairs, reference logprobs (computed
-once on the initial policy, cached in Parquet) -> for each step: batch, update, log, save; held-out pair accuracy
-and margins before and after.
+"""The DPO recipe (`posttrain dpo`): plan -> policy, pairs, reference logprobs -> per step: batch, update, log, save.
 
-`make_dpo_plan(cfg)` is the only reader of a `DPORunConfig` (`posttrain.config.dpo`); the shared sections map to
-settings as in GRPO and SFT (`PolicySource.of`, the optim section). The math is
-`posttrain.algos.dpo`'s, the loop `learn.offline_loop.train_loop`. The reference is the initial policy: its sequence
-logprobs are computed before the first step into `<workdir>/reference_logps.parquet` (reused on resume and by a
-new run in the same workdir while the model and data hashes match), so training keeps no second model.
-
-Outputs besides the offline loop's: per step `dpo/loss`, `rewards/{chosen,rejected,margins,accuracies}`,
-`logps/{chosen,rejected}`, `dpo/pairs`; held-out `dpo/eval_accuracy` (ties 1/2) with its 95% bootstrap interval
-`dpo/eval_accuracy_{lo,hi}`, `dpo/eval_margin`, `dpo/eval_pairs`.
-"""
+The reference is the initial policy, its logprobs computed once and cached (docs/commands.md): no second model."""
 from __future__ import annotations
 
 import dataclasses
@@ -59,8 +48,7 @@ class DPOPlan:
       train: steps and limits.
       reference_cache: reuse `reference_logps.parquet` while the hashes match.
       eval_at_start: held-out pair metrics before the first step.
-      eval_at_end: held-out pair metrics after the last step.
-    """
+      eval_at_end: held-out pair metrics after the last step."""
 
     workdir: pathlib.Path
     config_dict: dict
@@ -79,8 +67,7 @@ class DPOPlan:
 
 def make_dpo_plan(cfg: DPORunConfig, *, num_devices: int | None = None, workdir: str | None = None,
                   backend: str | None = None) -> DPOPlan:
-    """Derives and validates every setting of a DPO run (no I/O). Raises ConfigError when the mesh does not fit
-    the devices or `dpo.pairs_per_step` does not divide into `dpo.num_microbatches` x the mesh's batch shards."""
+    """Derives and validates every setting of a DPO run (no I/O); ConfigError as `offline_layout`."""
     d = cfg.dpo
     shape, rules, _, precision = offline_layout(cfg, "dpo.pairs_per_step", d.pairs_per_step, d.num_microbatches,
                                                 num_devices, backend)
@@ -100,8 +87,7 @@ def make_dpo_plan(cfg: DPORunConfig, *, num_devices: int | None = None, workdir:
 
 
 def reference_hash(source: PolicySource) -> str:
-    """sha256 hex naming the reference: the policy source's settings and, for weights read from files, each
-    file's path, size and modification time."""
+    """The sha256 hex naming the reference: the policy source's settings and each weight file's path, size and mtime."""
     files = []
     path = pathlib.Path(source.path) if getattr(source, "path", "") else None
     if path is not None and path.exists():
@@ -114,9 +100,9 @@ def reference_hash(source: PolicySource) -> str:
 
 
 def load_pairs(d: data_lib.PairSettings, tokenizer):
-    """(train pairs, held-out pairs): from the archive of the run `d.from_archive` (`algos.from_archive.dpo_pairs`;
-    held out: `d.eval_fraction` of its prompts), else from the records (`data.load_pairs`). Raises
-    FileNotFoundError for a run without an archive, ValueError when no training pair is left."""
+    """(train pairs, held-out pairs): from the archive of `d.from_archive`, else from the records (`data.load_pairs`).
+
+    Raises FileNotFoundError for a run without an archive, ValueError when no training pair is left."""
     if not d.from_archive:
         return data_lib.load_pairs(d, tokenizer)
     train, held, counts = from_archive.dpo_pairs(from_archive.archive_table(d.from_archive),
@@ -130,9 +116,7 @@ def load_pairs(d: data_lib.PairSettings, tokenizer):
 
 
 class Run:
-    """The pieces of a DPO run: policy, tokenizer, pairs with their reference logprobs, fixed batch regions and the
-    learner (restored from the workdir's newest checkpoint, if any); claims the workdir (`workdir_lib.claim_offline`)
-    and writes config.json once restored."""
+    """The pieces of a DPO run (policy, pairs, reference logprobs, restored learner); claims the workdir first."""
 
     def __init__(self, plan: DPOPlan):
         workdir_lib.claim_offline(plan.workdir, "dpo", plan.config_dict, DPORunConfig)
@@ -186,8 +170,7 @@ class Run:
         return data_lib.make_batch(chunk, *self.regions, self.tokenizer.pad_id, d.pairs_per_step, ref)
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out pair accuracy (ties 1/2) with its 95% bootstrap interval and the mean reward margin of the
-        current weights ({} without held-out pairs)."""
+        """Held-out pair accuracy (ties 1/2) with its 95% bootstrap interval and the mean margin ({} without pairs)."""
         if not self.eval_pairs:
             return {}
         acc, margin = [], []
@@ -216,16 +199,15 @@ def pair_settings(section, seed: int) -> data_lib.PairSettings:
 
 
 def accuracy_interval(acc_P: np.ndarray, confidence: float = 0.95, seed: int = 0) -> dict[str, float]:
-    """{"dpo/eval_accuracy_lo", "dpo/eval_accuracy_hi"}: `offline_loop.bootstrap_interval` of the mean per-pair
-    accuracy (a percentile bootstrap, fixed seed; a single pair or identical values give the value itself)."""
+    """dpo/eval_accuracy_{lo,hi}: the percentile-bootstrap interval (fixed seed) of the mean per-pair accuracy."""
     lo, hi = offline_loop.bootstrap_interval(np.asarray(acc_P, float), confidence, seed)
     return {"dpo/eval_accuracy_lo": lo, "dpo/eval_accuracy_hi": hi}
 
 
 def train(plan: DPOPlan, *, progress: bool = True) -> dict:
-    """Runs (or resumes) DPO as planned; returns the summary (also in summary.json). Raises ValueError /
-    TypeError for unusable pairs (naming the record), NonFiniteError (after saving a checkpoint) when
-    `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
+    """Runs (or resumes) DPO as planned; returns the summary (also in summary.json).
+
+    Raises ValueError / TypeError for unusable pairs (naming the record), NonFiniteError as `grpo.train` does."""
     # a signal while the run is built is one line too; its grace is the config's
     with use_rules(plan.rules), distributed.StopRequest(plan.learner.checkpointing.stop_grace_s) as stop:
         return offline_loop.train_loop(Run(plan), name="dpo", workdir=plan.workdir, train_config=plan.train,

@@ -1,12 +1,6 @@
-"""The GRPO recipe, the only imperative driver of a run: plan -> rollouter / learner -> for each step: collect,
-train, log, save, evaluate. No math and no derived settings live here (those are `posttrain.config.plan`'s);
-the GRPO math is `posttrain.algos.grpo`'s (advantages handed to the rollouter, the step built on `learn.step`).
+"""The GRPO recipe, a run's imperative driver: plan -> rollouter, learner -> per step: collect, train, log, save, eval.
 
-Outputs in the workdir: `metrics.jsonl`, TensorBoard events, `reward_curve.png`, `archive/step_*.parquet` (the
-episode archive: one row per sample attempt, `posttrain.scheduling.archive`), `eval/step_*.jsonl`, `checkpoints/`
-(Orbax), `summary.json`. Re-running the same command resumes from the last complete checkpoint with the same task
-order and RNG stream.
-"""
+The run's outputs and resume rules: docs/commands.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,28 +30,21 @@ from posttrain.scheduling import archive, status_table
 
 
 def resume_changes(plan: RunPlan, allow: bool = False) -> dict[str, list]:
-    """{key: [saved, new, checkpoint step]} of the settings a resumed run changes against its saved config.json
-    (none when nothing will be restored: no complete checkpoint); `workdir.RESUME_FREE_KEYS` may change freely.
-    Raises ConfigError listing them unless `allow` (--allow_config_change), and as `workdir.claim` does for a
-    workdir that is a file, not writable, or another kind's run."""
+    """{key: [saved, new, checkpoint step]} of the settings a resume changes (RESUME_FREE_KEYS change freely).
+
+    Raises ConfigError as `workdir.claim` does (changed settings only without `allow`: --allow_config_change)."""
     return workdir_lib.claim(plan.workdir, "grpo", plan.config_dict, defaults=to_dict(Config()),
                              free_keys=workdir_lib.RESUME_FREE_KEYS, allow_changes=allow)
 
 
 def build(plan: RunPlan, *, reading: bool = False, restore: bool = True, allow_config_change: bool = False,
           held_out: bool = True) -> tuple[Rollouter, Learner, dict]:
-    """The phases of a run: the policy loaded on the plan's mesh, the learner's train state (restored from the
-    newest checkpoint in the workdir, if any, unless not `restore`: then the initial policy until
-    `learner.restore()`), the rollouter (its scheduler and curriculum restored with it; with `plan.rewards`, a
-    `rollout.rewards.RewardedRollouter` with the reward model and judge loaded) and the held-out episodes. Writes
-    the workdir's config.json, unless `reading` (a command that only reads a run: then the run must hold a
-    complete checkpoint, `require_checkpoint`).
+    """Builds a run's phases after the pre-flight and env checks: (rollouter, learner, held-out episodes).
 
-    A command that only reads a run builds none of its training envs (env.train: recorded in its config, they
-    need not be importable where the run is read; the rollouter then samples and steps the envs of the episodes
-    it is given but draws no training tasks, `Rollouter.create(train=False)`), and its held-out envs (env.eval,
-    the episodes returned) only with `held_out` (`posttrain eval` of the run's own eval envs; a suite evaluation,
-    `sample` and `convert` use none: episodes {}). Raises ConfigError for an env it builds that cannot be built."""
+    The learner is restored from the newest checkpoint unless not `restore`; training writes config.json once restored.
+    `reading` (a command that only reads a run: RunNotFoundError without a complete checkpoint) builds no training env,
+    writes nothing and builds the held-out envs only with `held_out`. Raises PreflightError (training), and ConfigError
+    for an env that cannot be built, a refused resume (`resume_changes`) or routing replay without MoE layers."""
     if reading:
         require_checkpoint(plan.workdir)
     else:  # the step's compiled peak against this machine's memory: before any worker start, load or write
@@ -92,8 +79,7 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True, allow_c
 
 
 def record_settings(plan: RunPlan, changes: dict[str, list]) -> None:
-    """Writes the workdir's config.json and appends `changes` (`resume_changes`) to config_changes.jsonl, the
-    record of what each stretch of steps ran with."""
+    """Writes config.json and appends `changes` (`resume_changes`) with their step to config_changes.jsonl."""
     workdir_lib.write_config(plan.workdir, plan.config_dict)
     if changes and distributed.is_main_process():
         step = next(iter(changes.values()))[2]
@@ -105,8 +91,7 @@ def record_settings(plan: RunPlan, changes: dict[str, list]) -> None:
 
 
 def unreadable_note(checkpointer) -> str | None:
-    """The loud line about checkpoints the last restore passed over (None when there were none): training moved
-    them aside and trains their steps again; a reader (eval, convert) left them in place and used an older step."""
+    """The loud line about checkpoints the last restore passed over (training moved them aside), or None."""
     bad, step = checkpointer.unreadable, checkpointer.restored_step
     if not bad:
         return None
@@ -121,18 +106,14 @@ def unreadable_note(checkpointer) -> str | None:
 
 
 def open_outputs(workdir, start: int) -> metrics_lib.MetricsWriter:
-    """The run's metrics writer, with every output a run appends to cut back to `start` (the restored checkpoint's
-    step; 0: a run starting over keeps nothing, its start-of-run evaluation runs again): metrics.jsonl, TensorBoard
-    and the plot (`MetricsWriter(resume_step=start)`), the episode archive (archive/step_s holds the rollouts of
-    update s + 1: s >= start go, `archive.cut`) and the eval records (eval/step_s: s > start go; all at 0)."""
+    """The run's metrics writer, after cutting each output a run appends to back to `start` (the restored step)."""
     archive.cut(workdir, start)
     metrics_lib.cut_step_files(workdir / "eval", start + 1 if start else 0)
     return metrics_lib.MetricsWriter(workdir, resume_step=start)
 
 
 def evaluate(plan: RunPlan, rollouter: Rollouter, learner: Learner, episodes: dict, *, write: bool = True) -> dict:
-    """eval/* metrics of the learner's current policy on `episodes`; process 0 writes the records to
-    eval/step_*.jsonl of the run, if `write` (training; a command that only reads a run writes nothing there)."""
+    """eval/* metrics of the learner's current policy on `episodes`; with `write`, process 0 records them in eval/."""
     sample_fn = rollouter.sample_fn(learner.policy(), plan.eval_settings.sampling)
     m, records = eval_runner.run(plan.eval_settings, episodes, sample_fn, rollouter.tokenizer, rollouter.runner)
     if write and distributed.is_main_process():
@@ -144,10 +125,10 @@ def train(cfg: Config | RunPlan, *, workdir: str | None = None, progress: bool =
           allow_config_change: bool = False) -> dict:
     """Runs (or resumes) GRPO training as configured; returns the summary dict (also in summary.json).
 
-    Raises ConfigError (before any work) for a config that makes no valid run plan, or that resumes a run with
-    settings other than those its config.json saved (unless `allow_config_change`: then each change is recorded
-    with its step in config_changes.jsonl), and NonFiniteError (after saving a checkpoint) when
-    `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
+    Raises:
+        ConfigError: before any work, for a config that makes no valid run plan or a resume with changed settings
+            (unless `allow_config_change`: each change is recorded in config_changes.jsonl).
+        NonFiniteError: after saving a checkpoint, when `train.max_nonfinite_skips` steps in a row were non-finite."""
     plan = cfg if isinstance(cfg, RunPlan) else make_run_plan(cfg, workdir=workdir)
     with use_rules(plan.rules):  # the activation sharding constraints traced by the sampler and the train step
         return _train(plan, progress, allow_config_change)
@@ -157,8 +138,7 @@ ZERO_VARIANCE_WARN_STEPS = 3  # consecutive steps whose every group had equal re
 
 
 def zero_variance_warning(run: int, metrics: dict) -> str | None:
-    """The warning for `run` consecutive steps in which every group's rewards were equal (zero advantages: nothing
-    to learn from), at ZERO_VARIANCE_WARN_STEPS and each multiple of it; None otherwise."""
+    """The warning at `run` steps in a row of equal rewards in every group (each ZERO_VARIANCE_WARN_STEPS), or None."""
     if not run or run % ZERO_VARIANCE_WARN_STEPS:
         return None
     mean = metrics.get("reward/mean", float("nan"))
@@ -181,10 +161,7 @@ def _train(plan: RunPlan, progress: bool, allow_config_change: bool = False) -> 
 
 def open_run(plan: RunPlan, res: Resources, stop: distributed.StopRequest, *, progress: bool = True,
              allow_config_change: bool = False) -> "_Loop":
-    """A run opened as `train` opens it, each part pushed on `res` (which closes them in reverse order): the
-    plan's warnings logged, the phases built (`build`, restored from the newest checkpoint), every output cut back
-    to the restored step (`open_outputs`), the progress bar, and a fresh run's start-of-run evaluation
-    (`eval.at_start`). Raises what `build` raises (ConfigError for a refused resume)."""
+    """Opens a run as `train` does (`build`, `open_outputs`, start-of-run eval), each part pushed on `res`: its loop."""
     for warning in plan.warnings:
         metrics_lib.log.warning(warning)
     rollouter, learner, episodes = build(plan, allow_config_change=allow_config_change)
@@ -220,10 +197,10 @@ def open_run(plan: RunPlan, res: Resources, stop: distributed.StopRequest, *, pr
 
 @dataclasses.dataclass
 class _Loop:
-    """The steps of a run over its open parts (`open_run`; `train` and `GRPOTrainer` drive it). `resume`: the
-    rollout state that matches the learner's (a stop saves it with the learner's state); `pending`: an update's
-    metrics not written yet; `flat`: steps in a row whose every group had equal rewards; `summary`: the run's
-    summary so far; `start`: the restored step; `metrics`: the last step's metrics row."""
+    """The steps of a run over its open parts (`open_run`), driven by `train` and `GRPOTrainer`.
+
+    `resume`: the rollout state matching the learner's; `pending`: an update's metrics not yet written; `flat`: steps
+    in a row of equal rewards in every group."""
 
     plan: RunPlan
     rollouter: Rollouter
@@ -244,9 +221,9 @@ class _Loop:
     gate: Any = None  # eval.gate_hook.LoopGate with eval.suite, else None
 
     def advance(self, step: int, steps: int) -> bool:
-        """Step `step` of `steps` and the stop check; True when train.max_train_seconds is reached or the eval gate
-        stopped the run (noted in the summary). A stop signal or a run of non-finite steps saves the state first
-        and raises (`stopped`)."""
+        """Runs step `step` and the stop check; True when the time budget is spent or the eval gate stops the run.
+
+        A stop signal or a run of non-finite steps saves the state first and raises (`stopped`)."""
         try:
             self.step(step, steps)
             self.stop.check()
@@ -262,10 +239,7 @@ class _Loop:
         return False
 
     def finish(self) -> dict:
-        """The end of a run: the suite gate's verdict on the last step (`gate_step(final=True)`), the
-        final checkpoint (forced, waited for), the end-of-run evaluation (`eval.at_end`,
-        when the run moved past its start; not in the training seconds) and the summary with the end step,
-        training seconds, peak memory and this process's share of the env episodes (process 0: summary.json)."""
+        """Ends the run: the gate's last verdict, final checkpoint, end-of-run evaluation and summary (summary.json)."""
         plan, learner = self.plan, self.learner
         end = learner.step
         gate_m: dict = {}
@@ -287,9 +261,9 @@ class _Loop:
         return self.summary
 
     def step(self, step: int, steps: int) -> None:
-        """The step's batch from the queue (waited for only while it is not ready; a signal abandons the wait),
-        the update and its record (not cut by a signal), evaluation when due (abandoned by a signal), metrics and
-        the checkpoint (not cut). `resume`: the rollout state right after the producer made the trained batch."""
+        """One step: the queued batch, the update and its record, evaluation when due, metrics and the checkpoint.
+
+        A signal abandons only the waits (batch, evaluation), never the update, its record or the checkpoint."""
         plan, rollouter, learner, queue = self.plan, self.rollouter, self.learner, self.queue
         t0 = time.perf_counter()
         ready, waited = queue.get(step)
@@ -327,10 +301,8 @@ class _Loop:
             learner.save(self.resume)
 
     def gate_step(self, m: dict, *, final: bool = False) -> None:
-        """The suite's gate when due (`LoopGate.due`): sampled with the training clock paused and the env runner
-        the evaluation's; `m` gains eval/gate/* and the suite's seconds in perf/eval_s; a verdict checkpoints the
-        step with its score, updates summary["eval_gate"] and, for a regression, warns (action "stop": the loop
-        then finishes, summary["stopped_early"] saying why)."""
+        """The suite's gate when due, the clock paused: `m` gains eval/gate/*; a verdict checkpoints the step with its
+        score and, for a regression, warns (action "stop": the loop finishes, summary["stopped_early"] saying why)."""
         gate, step = self.gate, self.learner.step
         if gate is None or not gate.due(step, self.start, final=final):
             return
@@ -363,11 +335,9 @@ class _Loop:
 
 
 def evaluate_run(plan: RunPlan) -> tuple[int, dict]:
-    """(step, eval/* metrics) of the newest readable checkpoint of the run in `plan.workdir` on the plan's eval
-    suite; the run is only read (no records written, an unreadable checkpoint left in place and named in an ERROR
-    line). Only the run's env.eval envs are built (not its training envs). Raises RunNotFoundError (before loading
-    anything) when the workdir holds no complete checkpoint, ConfigError naming env.eval.<name> when one of its eval
-    envs cannot be built here (e.g. the module of a 'my_envs:Env-v0' id is not importable)."""
+    """(step, eval/* metrics) of the newest readable checkpoint of the run in `plan.workdir`, which is only read.
+
+    Builds only its env.eval envs. Raises RunNotFoundError before loading anything, ConfigError for a bad env."""
     with use_rules(plan.rules):
         rollouter, learner, episodes = build(plan, reading=True)
         with Resources(("the checkpointer", learner.close), ("the env workers", rollouter.close)):
@@ -375,9 +345,7 @@ def evaluate_run(plan: RunPlan) -> tuple[int, dict]:
 
 
 def run_policy(plan: RunPlan):
-    """(ModelConfig, nnx state, tokenizer) of the newest checkpoint of the run in `plan.workdir` (LoRA unmerged); no
-    env of the run is built. Raises RunNotFoundError (before loading anything) when the workdir holds no complete
-    checkpoint."""
+    """(ModelConfig, nnx state, tokenizer) of the run's newest checkpoint (LoRA unmerged; no env built)."""
     from flax import nnx
 
     rollouter, learner, _ = build(plan, reading=True, held_out=False)

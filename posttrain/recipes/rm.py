@@ -1,19 +1,6 @@
-"""The reward-model recipe: `posttrain rm --config=configs/rm_*.py` (or `--from_archive=RUN`). Plan -> backbone with
-a new scalar head (`model.reward_head`), preference pairs (DPO's data and batching) -> for each step: batch, update,
-log, save; held-out accuracy and margin before and after; at the end the model exported as a transformers
-sequence-classification directory in `<workdir>/reward_model` (`checkpoints.reward_model`).
+"""The reward-model recipe (`posttrain rm`): a backbone with a new scalar head (`model.reward_head`) on DPO's pairs.
 
-`make_rm_plan(cfg)` is the only reader of an `RMRunConfig` (`posttrain.config.rm`); the shared sections map to
-settings as in SFT and DPO (`PolicySource.of`, the optim section). The math is
-`posttrain.algos.rm`'s, the loop `learn.offline_loop.train_loop`.
-
-Outputs besides the offline loop's: per step `rm/{loss,train_accuracy,train_margin,chosen,rejected,pairs}`;
-held-out `rm/accuracy` (ties 1/2) with its 95% bootstrap interval `rm/accuracy_{lo,hi}`, `rm/margin`, `rm/pairs`,
-and the length-only baseline on the same pairs (`rm/length_baseline_direction`: +1 the longer reply preferred, -1
-the shorter, whichever is more accurate on the TRAINING pairs; a tie 1/2): `rm/length_baseline_accuracy` and the
-difference `rm/vs_length` (the RM's minus the baseline's held-out accuracy) with its 95% paired bootstrap interval
-`rm/vs_length_{lo,hi}` (`offline_loop.paired_difference_interval`); the summary's `export` (the directory written).
-"""
+Held-out accuracy beside a length-only baseline; exported as a transformers classifier (docs/commands.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -61,8 +48,7 @@ class RMPlan:
       train: steps and limits.
       eval_at_start: held-out metrics before the first step.
       eval_at_end: held-out metrics after the last step.
-      export: write `<workdir>/reward_model` at the end.
-    """
+      export: write `<workdir>/reward_model` at the end."""
 
     workdir: pathlib.Path
     config_dict: dict
@@ -81,8 +67,7 @@ class RMPlan:
 
 def make_rm_plan(cfg: RMRunConfig, *, num_devices: int | None = None, workdir: str | None = None,
                  backend: str | None = None) -> RMPlan:
-    """Derives and validates every setting of a reward-model run (no I/O). Raises ConfigError when the mesh does
-    not fit the devices or `rm.pairs_per_step` does not divide into `rm.num_microbatches` x the batch shards."""
+    """Derives and validates every setting of a reward-model run (no I/O); ConfigError as `offline_layout`."""
     r, t = cfg.rm, cfg.train
     shape, rules, _, precision = offline_layout(cfg, "rm.pairs_per_step", r.pairs_per_step, r.num_microbatches,
                                                 num_devices, backend)
@@ -100,22 +85,19 @@ def make_rm_plan(cfg: RMRunConfig, *, num_devices: int | None = None, workdir: s
 
 
 def length_accuracy(pairs, direction: int = 1) -> np.ndarray:
-    """float [P]: the length-only baseline's per-pair accuracy: 1 when the chosen reply has more tokens than the
-    rejected one (direction +1; fewer with direction -1), 1/2 for equal lengths, 0 otherwise."""
+    """The length baseline's accuracy [P]: 1 if the chosen reply is longer (at -1: shorter), 1/2 if tied."""
     d = direction * np.asarray([len(p.chosen) - len(p.rejected) for p in pairs], np.int64)
     return np.where(d > 0, 1.0, np.where(d == 0, 0.5, 0.0))
 
 
 def length_direction(pairs) -> int:
-    """+1 (the longer reply wins) or -1 (the shorter wins): the length baseline's direction that is more accurate
-    on `pairs` (the training pairs; +1 on a tie or without pairs)."""
+    """+1 (the longer reply wins) or -1: the length baseline's more accurate direction on `pairs` (+1 on a tie)."""
     return 1 if not pairs or length_accuracy(pairs, 1).mean() >= 0.5 else -1
 
 
 def held_out_metrics(acc_P: np.ndarray, margin_P: np.ndarray, length_P: np.ndarray,
                      direction: int = 1) -> dict[str, float]:
-    """The held-out metrics of the module docstring from per-pair accuracies, margins and the length baseline's
-    per-pair accuracies (`length_accuracy` in `direction`, chosen on the training pairs)."""
+    """The held-out rm/* metrics (docs/commands.md) from per-pair accuracies, margins and length-baseline accuracies."""
     lo, hi = offline_loop.bootstrap_interval(acc_P)
     dlo, dhi = offline_loop.paired_difference_interval(acc_P, length_P)
     return {"rm/accuracy": float(acc_P.mean()), "rm/accuracy_lo": lo, "rm/accuracy_hi": hi,
@@ -125,9 +107,7 @@ def held_out_metrics(acc_P: np.ndarray, margin_P: np.ndarray, length_P: np.ndarr
 
 
 class Run:
-    """The pieces of a reward-model run: the backbone with its head, tokenizer, pairs, fixed batch regions and the
-    learner (restored from the workdir's newest checkpoint, if any); claims the workdir (`workdir_lib.claim_offline`)
-    and writes config.json once restored."""
+    """The pieces of a reward-model run (backbone with its head, pairs, restored learner); claims the workdir first."""
 
     def __init__(self, plan: RMPlan):
         workdir_lib.claim_offline(plan.workdir, "rm", plan.config_dict, RMRunConfig)
@@ -182,9 +162,9 @@ class Run:
 
 
 def train(plan: RMPlan, *, progress: bool = True) -> dict:
-    """Runs (or resumes) reward-model training as planned, then exports it (`plan.export`); returns the summary
-    (also in summary.json). Raises ValueError / TypeError for unusable pairs (naming the record), NonFiniteError
-    (after saving a checkpoint) when `train.max_nonfinite_skips` consecutive steps were non-finite."""
+    """Runs (or resumes) reward-model training as planned, then exports it (`plan.export`); returns the summary.
+
+    Raises ValueError / TypeError for unusable pairs (naming the record), NonFiniteError as `grpo.train` does."""
     # a signal while the run is built is one line too; its grace is the config's
     with use_rules(plan.rules), distributed.StopRequest(plan.learner.checkpointing.stop_grace_s) as stop:
         run = Run(plan)

@@ -1,16 +1,4 @@
-"""The SFT recipe: `posttrain sft --config=configs/sft_*.py`. Plan -> policy, data, learner -> for each step: batch,
-update, log, save; held-out NLL and perplexity before and after.
-
-`make_sft_plan(cfg)` is the only reader of an `SFTRunConfig` (`posttrain.config.sft`): it derives every setting
-once, before any I/O, reusing the GRPO run plan's mappings of the shared sections (`PolicySource.of`,
-the optim section), so a model, optimizer or checkpoint setting means the same in both. The math is
-`posttrain.algos.sft`'s; the update phase is the same `learn.learner.Learner` as GRPO's with the SFT step.
-
-Outputs in the workdir: `config.json`, `metrics.jsonl` and TensorBoard events (per step `sft/loss`, `sft/tokens`,
-`optim/*`, `perf/*`; at the start and the end the held-out `sft/eval_loss`, `sft/ppl`, `sft/eval_tokens`),
-`checkpoints/` (Orbax), `summary.json`. Re-running the same command resumes from the last complete checkpoint:
-the batches are a function of the step, so a resumed run trains on the same rows.
-"""
+"""The SFT recipe (`posttrain sft`): plan -> policy, data, learner -> per step: batch, update, log, save."""
 from __future__ import annotations
 
 import dataclasses
@@ -54,8 +42,7 @@ class SFTPlan:
         learner: the update phase's settings (LearnerSettings).
         train: the config's train section.
         eval_at_start: held-out NLL and perplexity before the first step.
-        eval_at_end: held-out NLL and perplexity after the last step.
-    """
+        eval_at_end: held-out NLL and perplexity after the last step."""
 
     workdir: pathlib.Path
     config_dict: dict
@@ -79,9 +66,7 @@ class SFTPlan:
 
 def make_sft_plan(cfg: SFTRunConfig, *, num_devices: int | None = None, workdir: str | None = None,
                   backend: str | None = None) -> SFTPlan:
-    """Derives and validates every setting of an SFT run (no I/O). num_devices / backend default to the JAX
-    runtime's. Raises ConfigError when the mesh does not fit the devices or `sft.rows_per_step` does not divide
-    into `sft.num_microbatches` x the mesh's batch shards."""
+    """Derives and validates every setting of an SFT run (no I/O); ConfigError as `offline_layout`."""
     s = cfg.sft
     shape, rules, shards, precision = offline_layout(cfg, "sft.rows_per_step", s.rows_per_step, s.num_microbatches,
                                                      num_devices, backend)
@@ -112,10 +97,9 @@ def step_builder(plan: SFTPlan):
 
 
 def load_examples(d: data_lib.DataSettings, tokenizer):
-    """(train examples, held-out examples, counts): from the archive of the run `d.from_archive`
-    (`algos.from_archive.sft_examples`; held out: `d.eval_fraction` of its prompts), else from the records
-    (`data.load_datasets`). Raises FileNotFoundError for a run without an archive, ValueError when no training
-    example is left."""
+    """(train examples, held-out examples, counts): from the archive of `d.from_archive`, else from the records.
+
+    Raises FileNotFoundError for a run without an archive, ValueError when no training example is left."""
     if not d.from_archive:
         return data_lib.load_datasets(d, tokenizer)
     train, held, counts = from_archive.sft_examples(from_archive.archive_table(d.from_archive), min_reward=d.min_reward,
@@ -127,9 +111,7 @@ def load_examples(d: data_lib.DataSettings, tokenizer):
 
 
 class Run:
-    """The pieces of a run: the policy loaded on the plan's mesh, its tokenizer, the packed training rows, the held-out
-    batches and the learner (restored from the newest checkpoint in the workdir, if any); claims the workdir
-    (`workdir_lib.claim_offline`) and writes config.json once restored."""
+    """The pieces of an SFT run (policy, packed rows, held-out batches, restored learner); claims the workdir first."""
 
     def __init__(self, plan: SFTPlan):
         workdir_lib.claim_offline(plan.workdir, "sft", plan.config_dict, SFTRunConfig)
@@ -149,8 +131,7 @@ class Run:
         self._eval_fn = sft_step.make_eval_fn(self.learner.graphdef, plan.model_step(model_config.moe))
 
     def batch(self, step: int):
-        """The host batch of `step` (rows drawn by `packing.step_rows`), of the run's (L, C) (`packing.batch_shape`
-        of its training rows: rows as wide as the longest, not `seq_len`)."""
+        """The host batch of `step` (`packing.step_rows`), as wide as the longest training row (`batch_shape`)."""
         d = self.plan.data
         idx = packing.step_rows(len(self.rows), d.rows_per_step, step, d.seed)
         L, C = self.shape
@@ -178,8 +159,7 @@ class Run:
 def train(plan: SFTPlan, *, progress: bool = True) -> dict:
     """Runs (or resumes) SFT as planned; returns the summary (also in summary.json).
 
-    Raises ValueError / FileNotFoundError for unusable data (naming the record), NonFiniteError (after saving a
-    checkpoint) when `train.max_nonfinite_skips` consecutive steps had a non-finite loss or gradient."""
+    Raises ValueError / FileNotFoundError for unusable data (naming the record), NonFiniteError as `grpo.train` does."""
     # a signal while the run is built is one line too; its grace is the config's
     with use_rules(plan.rules), distributed.StopRequest(plan.learner.checkpointing.stop_grace_s) as stop:
         return offline_loop.train_loop(Run(plan), name="sft", workdir=plan.workdir, train_config=plan.train,

@@ -1,24 +1,4 @@
-"""`GRPOTrainer`: a GRPO run driven step by step from Python (what TRL's trainer and Tunix's learner offer), built on
-the pieces of `posttrain.recipes.grpo.train` itself, so both have one semantics:
-
-- `from_config` opens the run as `train` does (`grpo.open_run`): the run plan validated, the phases built and
-  restored from the newest checkpoint in the workdir, every output cut back to that step, and a fresh run's
-  start-of-run evaluation (`eval.at_start`);
-- each `step()` is the loop's own step (`grpo._Loop.advance`): rollout, update, archive rows, evaluation when
-  `eval.every_steps` says so, the metrics row and a checkpoint when `checkpoint.every_steps` says so, with SIGINT /
-  SIGTERM deferred past the update and answered with a checkpoint (`distributed.RunInterrupted`);
-- `close()` (or leaving the `with` block without an error) ends it as `train` does: the final checkpoint, the
-  end-of-run evaluation (`eval.at_end`) and summary.json, then every part closed in reverse order.
-
-N calls of `step()` write the metrics.jsonl rows, archive and checkpoints of `train` with `train.steps=N`.
-
-    from posttrain import GRPOTrainer
-
-    with GRPOTrainer.from_config("configs/tiny.py", workdir="runs/api", overrides={"train.steps": 2}) as trainer:
-        while not trainer.done:
-            metrics = trainer.step()            # {"reward/mean": ..., "policy/loss": ..., ...}
-        print(trainer.evaluate()["eval/pass@1"])
-"""
+"""`GRPOTrainer`: a GRPO run driven step by step from Python with `grpo.train`'s semantics (docs/commands.md)."""
 from __future__ import annotations
 
 import copy
@@ -36,8 +16,7 @@ from posttrain.config.plan import RunPlan, make_run_plan
 
 
 def load_config_file(path) -> Any:
-    """The `ml_collections.ConfigDict` of a config file's `get_config()` (`configs/X.py`, or `configs/X.py:ARG` for
-    `get_config(ARG)`, as `--config` takes it). Raises FileNotFoundError naming the path when there is no file."""
+    """A config file's `get_config()` result (`configs/X.py` or `configs/X.py:ARG`); FileNotFoundError if none."""
     text = str(path)
     file, _, arg = text.partition(":") if not pathlib.Path(text).is_file() else (text, "", "")
     if not pathlib.Path(file).is_file():
@@ -49,8 +28,7 @@ def load_config_file(path) -> Any:
 
 
 def apply_overrides(raw: dict, overrides: Mapping[str, Any]) -> dict:
-    """`raw` (a plain config dict) with each dotted key of `overrides` set ("rl.group_size": 8, as
-    `--config.rl.group_size=8`). Raises ValueError naming a key whose path does not lead through dicts."""
+    """`raw` with each dotted key of `overrides` set (as `--config.rl.group_size=8`); ValueError for a non-dict path."""
     for key, value in overrides.items():
         *path, last = key.split(".")
         node = raw
@@ -63,10 +41,11 @@ def apply_overrides(raw: dict, overrides: Mapping[str, Any]) -> dict:
 
 
 def make_plan(cfg_or_path, *, workdir: str | None = None, overrides: Mapping[str, Any] | None = None) -> RunPlan:
-    """The validated run plan of a RunPlan (as is), a Config, a ConfigDict or plain dict, a config file path
-    (`load_config_file`) or a run's directory (its saved config.json; the workdir defaults to it), with `overrides`
-    (dotted keys) applied. Raises ConfigError (from the run plan), FileNotFoundError, or TypeError for a RunPlan
-    given with overrides or a workdir (a plan is final)."""
+    """The validated run plan of `cfg_or_path`, with `overrides` (dotted keys) applied.
+
+    `cfg_or_path`: a RunPlan (as is), a Config, ConfigDict or plain dict, a config file (`load_config_file`) or a run's
+    directory (its saved config.json; the workdir defaults to it). Raises ConfigError, FileNotFoundError, or TypeError
+    for a RunPlan given with overrides or a workdir (a plan is final)."""
     if isinstance(cfg_or_path, RunPlan):
         if overrides or workdir:
             raise TypeError("a RunPlan is final: pass the Config (or its file) to apply overrides or a workdir")
@@ -84,9 +63,13 @@ def make_plan(cfg_or_path, *, workdir: str | None = None, overrides: Mapping[str
 
 
 class GRPOTrainer:
-    """A GRPO run driven step by step (see the module docstring); a context manager. `plan`: its run plan;
-    `global_step`: completed updates; `done`: `train.steps` reached or `train.max_train_seconds` spent; `summary`:
-    what summary.json holds (complete after `close`). Build it with `from_config`."""
+    """A GRPO run driven step by step, a context manager; build it with `from_config`.
+
+    Attributes:
+        plan: its run plan.
+        global_step: completed updates.
+        done: `train.steps` reached or `train.max_train_seconds` spent.
+        summary: what summary.json holds (complete after `close`)."""
 
     def __init__(self, plan: RunPlan, *, progress: bool = False, allow_config_change: bool = False):
         self.plan, self._closed, self._timed_out = plan, False, False
@@ -98,12 +81,7 @@ class GRPOTrainer:
     @classmethod
     def from_config(cls, cfg_or_path, *, workdir: str | None = None, overrides: Mapping[str, Any] | None = None,
                     progress: bool = False, allow_config_change: bool = False) -> "GRPOTrainer":
-        """Opens (or resumes) the run of `cfg_or_path`: a config file (`"configs/tiny.py"`), a run's directory
-        (its saved config.json), a Config, ConfigDict, plain dict or RunPlan; `overrides` as dotted keys
-        (`{"rl.group_size": 8}`), `workdir` replacing `train.workdir`. Raises ConfigError before any work for a
-        config that makes no valid run plan, or that resumes a run with settings other than its saved config.json
-        (unless `allow_config_change`: each change recorded in config_changes.jsonl); FileNotFoundError for a
-        missing config file."""
+        """Opens (or resumes) the run of `cfg_or_path` (as `make_plan` takes it); raises as `grpo.train` does."""
         plan = make_plan(cfg_or_path, workdir=workdir, overrides=overrides)
         return cls(plan, progress=progress, allow_config_change=allow_config_change)
 
@@ -124,10 +102,10 @@ class GRPOTrainer:
             raise RuntimeError(f"the GRPOTrainer of {self.plan.workdir} is closed")
 
     def step(self) -> dict[str, float]:
-        """One step of the run: returns the metrics row it wrote to metrics.jsonl (rollout, update, perf/*, and
-        eval/* when due). Raises ValueError once `done` (raise train.steps to train further: the learning-rate
-        schedule follows it), RuntimeError after `close`, NonFiniteError / RunInterrupted as `train` does (the
-        state saved first)."""
+        """Runs one step; returns the metrics row it wrote to metrics.jsonl (eval/* when due).
+
+        Raises ValueError once `done` (raise train.steps to train further: the learning-rate schedule follows it),
+        RuntimeError after `close`, NonFiniteError / RunInterrupted as `train` does (the state saved first)."""
         self._check_open()
         steps = self.plan.config.train.steps
         if self.done:
@@ -140,9 +118,7 @@ class GRPOTrainer:
         return dict(self._loop.metrics)
 
     def evaluate(self) -> dict[str, float]:
-        """eval/* metrics of the current policy on the run's held-out episodes (`env.eval`; {} without any), its
-        records written to eval/step_<global_step>.jsonl as the loop's evaluation writes them (not to
-        metrics.jsonl; not counted in the training seconds)."""
+        """eval/* metrics of the current policy on the held-out episodes ({} without), recorded in eval/ only."""
         self._check_open()
         loop = self._loop
         if not loop.episodes:
@@ -151,16 +127,14 @@ class GRPOTrainer:
             return grpo.evaluate(self.plan, loop.rollouter, loop.learner, loop.episodes)
 
     def save(self) -> int:
-        """Saves a checkpoint of the current step now (with the rollout state that matches it, waited for);
-        returns the step."""
+        """Saves a checkpoint of the current step now, with its rollout state, and waits for it; returns the step."""
         self._check_open()
         self._loop.learner.save(self._loop.resume, force=True)  # the rollout state of the last trained batch
         self._loop.learner.wait()
         return self.global_step
 
     def close(self) -> dict:
-        """Ends the run as `train` ends it (final checkpoint, end-of-run evaluation, summary.json) and closes every
-        part in reverse order; returns the summary. A second call returns it again."""
+        """Ends the run as `train` does (final checkpoint, end-of-run eval, summary.json); returns the summary."""
         if not self._closed:
             self._closed = True
             with use_rules(self.plan.rules), self._res:  # closed in reverse order, also when finishing fails

@@ -1,13 +1,5 @@
-"""One step's draw as tickets: the scheduler's tickets run as env episodes, the groups they complete, and the
-episode archive's row of every sample attempt.
-
-Dimension legend: P groups (prompts) of a step, G group size (samples per group); see `posttrain.types`.
-
-Both task schedulers (`scheduling.scheduler.Scheduler`) hand the rollout phase `scheduling.tickets.TaskTicket`s and
-are reported every sample run, which decides in-step retries, complete groups and dropped groups.
-Under several processes every process holds a replica of the scheduler: the runner (`HostShardedEnvs`) gathers
-every share's results on every process, so each replica is reported the same outcomes and decides the same.
-"""
+"""One step's draw: the scheduler's tickets run as env episodes, the groups they complete, and the archive row of
+every sample attempt (docs/scheduling.md). Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +13,7 @@ from posttrain.scheduling.tickets import STATUSES, Outcome, TaskTicket
 
 @dataclasses.dataclass
 class Attempt:
-    """One sample run: `ticket`'s sample `sample` (index in its group, 0..G-1) and its result; sampler_s /
-    env_s: its share of its batch's sampling and env seconds; in_batch: it is the attempt the batch trains on."""
+    """One sample run: `ticket`'s sample `sample` (0..G-1), its result and its share of the batch's seconds."""
 
     ticket: TaskTicket
     sample: int
@@ -37,7 +28,7 @@ class Attempt:
         return self.ticket.group_key, self.sample, self.ticket.attempt
 
     def outcome(self) -> Outcome:
-        """The scheduler's Outcome of this run (a status no env statuses list holds, e.g. "", counts as scored)."""
+        """The scheduler's Outcome of this run (a status outside `STATUSES`, e.g. "", counts as "ok")."""
         s = self.result
         return Outcome(self.ticket.ticket_id, self.sample, s.status if s.status in STATUSES else "ok", s.reward,
                        env_cost(s.info))
@@ -53,8 +44,7 @@ RunFn = Callable[[Sequence[TaskTicket], int, int], tuple[list[Sample], dict]]
 
 
 class StepDraw:
-    """The state of one step's draw: the groups kept for the batch (batch order), the zero-variance groups set
-    aside by dynamic sampling, every sample attempt, the perf/* sums and the draw counters."""
+    """One step's draw: groups kept, zero-variance groups set aside, every attempt, perf/* sums and counters."""
 
     def __init__(self, group_size: int, dynamic_sampling: bool):
         self.G, self.dynamic = group_size, dynamic_sampling
@@ -65,8 +55,7 @@ class StepDraw:
         self.drawn = self.filtered = self.dropped = self.calls = 0
 
     def run(self, run_fn: RunFn, tickets: Sequence[TaskTicket]) -> list[Attempt]:
-        """Runs `tickets` (grouped by their number of samples, one `run_fn` call per size, in order of first
-        appearance); returns their Attempts in ticket order, sample order within a ticket."""
+        """Runs `tickets`, one `run_fn` call per sample count; returns their Attempts in ticket, then sample order."""
         sizes = list(dict.fromkeys(len(t.samples) for t in tickets))
         out: dict[int, list[Attempt]] = {}
         for size in sizes:
@@ -84,16 +73,13 @@ class StepDraw:
         return attempts
 
     def add_group(self, group: list[Attempt]) -> None:
-        """A group of G attempts (sample order) that may enter the batch; with dynamic sampling a group whose
-        scored rewards are all equal is set aside (DAPO)."""
+        """Keeps a group of G attempts; with dynamic sampling (DAPO) one of equal scored rewards is set aside."""
         informative = len({a.result.reward for a in group if a.result.counts}) > 1
         (self.kept if informative or not self.dynamic else self.spare).append(group)
         self.filtered += int(self.dynamic and not informative)
 
     def round(self, run_fn: RunFn, tickets: Sequence[TaskTicket], scheduler, sleep=time.sleep) -> None:
-        """One round of the scheduler's tickets: runs them and their in-step retries (after the longest
-        `delay_s` of each retry batch), reporting every sample run; complete groups are assembled in sample order
-        from the attempts the scheduler scored (`GroupResult.attempts`), dropped groups counted."""
+        """Runs one round of tickets and their in-step retries, reporting every sample run to `scheduler`."""
         self.drawn += len(tickets)
         pending, runs = list(tickets), {}
         while pending:
@@ -109,9 +95,7 @@ class StepDraw:
             pending = list(result.retries)
 
     def finish(self, prompts: int, rounds: int) -> tuple[list[Sample], dict, list[Attempt]]:
-        """(the batch's samples, group-major with `Sample.group` set to the batch group, the perf/* and rollout/*
-        metrics, every attempt of the step with `in_batch` set): the kept groups, topped up with set-aside ones,
-        at most `prompts` groups."""
+        """Returns (the batch's samples, metrics, every attempt): the kept groups, topped up with set-aside ones."""
         kept = (self.kept + self.spare)[:prompts]
         for gi, group in enumerate(kept):
             for a in group:
@@ -124,12 +108,7 @@ class StepDraw:
 
 
 def archive_rows(attempts: Sequence[Attempt], tokenizer, policy_version: int) -> tuple[dict, ...]:
-    """One `scheduling.archive` row per attempt, in run order: token ids and texts (the prompt decoded with its special
-    tokens; the completion = every token after the prompt, env turns included, and the replies joined by newlines),
-    reward (null for an infra error), status, timings, env cost, and `details` = the env's info (status and cost
-    aside), the number of turns and whether the ticket was a paused domain's probe. policy_version: the sample's
-    oldest token's version where its tokens carry versions (`Sample.oldest_version`, the rollout engine), else this
-    one."""
+    """One archive row per attempt, in run order, at `policy_version` unless its tokens carry versions."""
     rows = []
     for a in attempts:
         s = a.result

@@ -1,16 +1,5 @@
-"""RolloutBatch assembly from sampled episodes: packed or unpacked rows, scored slots, advantages, metrics.
-
-The advantages come from the algorithm: `assemble` is handed an `AdvantageFn` (GRPO's estimators:
-`posttrain.algos.grpo.advantages.advantage_fn`) and calls it on the samples' rewards and validity.
-
-Dimension legend: see `posttrain.types` (R rows, L width, N samples, C scored slots), P groups, G group size.
-
-Packed layout (single-turn groups): row p = [prompt p | pad | completion 1 | ... | completion G | pad], the
-completions back to back; they restart their positions after the prompt and carry branch ids 1..G, so they
-attend to the prompt and to themselves only. The prompt's forward and backward pass is computed once per group instead of G times.
-Unpacked layout (multi-turn or when packing is off): one sample per row; env/template tokens are in the row
-but masked out of the loss. Widths are rounded up to buckets so batches of similar size share one compilation.
-"""
+"""RolloutBatch assembly from sampled episodes: packed rows (a prompt then its G completions, each attending to the
+prompt and itself) or one sample per row, advantages and metrics. Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -31,8 +20,7 @@ AdvantageFn = Callable[[np.ndarray, np.ndarray, int], Any]
 
 
 def sample_arrays(samples: Sequence[Sample], advantage_fn: AdvantageFn, *, group_size: int, overlong_filter: bool):
-    """Per-sample rewards, validity (`Sample.counts` and a non-empty completion), advantages and per-group zero-std
-    flags (numpy), and the policy-token switch per sample (False: overlong-filtered)."""
+    """Per-sample rewards, validity, advantages, per-group zero-std flags, and policy-token flags (numpy)."""
     rewards = np.asarray([s.reward for s in samples], np.float32)
     valid = np.asarray([s.counts and s.completion_len > 0 for s in samples])
     adv = advantage_fn(rewards, valid, group_size)
@@ -44,11 +32,9 @@ def sample_arrays(samples: Sequence[Sample], advantage_fn: AdvantageFn, *, group
 def assemble(samples: Sequence[Sample], advantage_fn: AdvantageFn, *, group_size: int, pad_id: int = 0,
              packed: bool = True, overlong_filter: bool = False, prompt_bucket: int = 16,
              completion_bucket: int = 8, row_bucket: int = 32, row_multiple: int = 1) -> tuple[RolloutBatch, dict]:
-    """Builds the (numpy) RolloutBatch and the rollout metrics; `advantage_fn` gives the samples' advantages.
+    """Builds the (numpy) RolloutBatch, rows padded to a multiple of `row_multiple`, and the rollout metrics.
 
-    Rows are padded with fully masked, invalid rows up to a multiple of `row_multiple` (microbatches x data
-    shards). Raises ValueError when the samples are not laid out in complete groups of `group_size`.
-    """
+    Raises ValueError when the samples are not complete contiguous groups of `group_size`."""
     G = group_size
     if len(samples) % G or any(samples[i].group != samples[i - i % G].group for i in range(len(samples))):
         raise ValueError(f"{len(samples)} samples are not complete contiguous groups of {G}")
@@ -79,8 +65,7 @@ def _pad_rows(x, n, fill=0):
 
 
 def _packed(samples, G, C, pad_id, prompt_bucket, row_bucket):
-    """Prompt then its G completions back to back (no padding between completions); width rounded to
-    `row_bucket` so that batches of similar size share a compilation."""
+    """Packed rows: each prompt then its G completions back to back; width rounded to `row_bucket`."""
     P = len(samples) // G
     Lpb = _round_up(max(len(samples[p * G].prompt_ids) for p in range(P)), prompt_bucket)
     used = max(sum(len(samples[p * G + g].segments[0][0]) for g in range(G)) for p in range(P))
@@ -157,7 +142,7 @@ def _empty(R, L, N, C, pad_id):
 
 
 def rollout_metrics(samples: Sequence[Sample], rewards, zero_std, group_size: int) -> dict:
-    """reward/*, frac_zero_std_groups, response_length/*, env/*_rate (docs/design.md standard names)."""
+    """reward/*, frac_zero_std_groups, response_length/*, env/*_rate (standard names: docs/design.md)."""
     lengths = np.asarray([sum(len(t) for t, _, pol in s.segments if pol) for s in samples], np.float32)
     m = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
          "frac_zero_std_groups": float(np.mean(zero_std)),
@@ -174,10 +159,7 @@ def rollout_metrics(samples: Sequence[Sample], rewards, zero_std, group_size: in
 
 def random_batch(seed: int, advantage_fn: AdvantageFn, *, prompts: int, group_size: int, prompt_len: int, completion_len: int,
                  vocab_size: int, packed: bool = True, row_multiple: int = 1) -> RolloutBatch:
-    """A (numpy) RolloutBatch of random tokens with the real layout, for benchmarks, memory plans and tests:
-    `prompts` prompts of `prompt_len` tokens, each with `group_size` completions of `completion_len` tokens
-    (random sampler logprobs in (-1, 0], rewards 0/1 with p = 0.3). Packed: rows of prompt_len + G x
-    completion_len tokens when prompt_len is a multiple of 16 and G x completion_len of 32."""
+    """A (numpy) RolloutBatch of random tokens with the real layout, for benchmarks, memory plans and tests."""
     rng = np.random.default_rng(seed)
     hi = max(2, vocab_size)
     samples = []

@@ -1,27 +1,5 @@
-"""Chat rendering of (multi-turn) episodes with the tokenizer's own template: the first prompt and the text between
-two sampled turns (the bridge), tool definitions and tool results included.
-
-What an env may report (all optional; `envs.tasks.repo_fix` reports every one):
-  reset info "tools"          OpenAI-style function schemas ({"type": "function", "function": {...}})
-  reset info "tools_prompt"   the text form of the same schemas inside the first observation (for templates
-                              without tool syntax)
-  step info "messages"        the observation as chat messages: {"role": "tool", "name", "content"} per tool
-                              result, {"role": "user", "content"} for anything else
-
-A template *renders tools* (`renders_tools`: Qwen2.5, Qwen3, Hermes ...) when a chat rendered with ``tools=`` differs
-from the same chat without. Then the first prompt is rendered with ``tools=`` (the template writes the schemas
-and its tool-call instructions; the observation drops its "tools_prompt" text) and each bridge renders the step's
-"messages" (Qwen: ``<tool_response>`` blocks in one user turn). Otherwise (SmolLM2's ChatML: no tool syntax) the
-observation is a user message, the schemas stay in its text, and tool results come back as a user turn.
-
-The bridge never re-renders a sampled turn: the conversation [user "q", assistant PLACEHOLDER, *new messages] is
-rendered with the generation prompt, and the bridge is what follows the placeholder's end-of-turn token. The
-extension check: that rendering must start with the rendering of [user "q"] plus its generation prompt, then the
-placeholder and the end-of-turn token (the reply the model wrote sits exactly where it was sampled), and end with
-the same generation prompt; a template that breaks it raises ValueError. Templates that re-render past assistant
-turns differently (Qwen3 drops their reasoning; TRL ships "prefix-preserving" training copies for that) pass,
-since only the new tail is taken from the rendering.
-"""
+"""Chat rendering of (multi-turn) episodes with the tokenizer's own template: the first prompt and the bridge between
+two sampled turns, tools and tool results included (the env's keys and the extension check: docs/rollout.md)."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
@@ -55,8 +33,7 @@ def native_tools(tokenizer, info: Mapping | None) -> list | None:
 
 
 def prompt_text(tokenizer, observation: str, system_prompt: str = "", info: Mapping | None = None) -> str:
-    """The first prompt: [system?, user: observation] with the generation prompt; with a template that renders
-    tools and an env reporting "tools", rendered with ``tools=`` and the observation without its "tools_prompt"."""
+    """The first prompt: [system?, user: observation] with the generation prompt, with ``tools=`` when rendered."""
     tools = native_tools(tokenizer, info)
     if tools is not None and (info or {}).get("tools_prompt"):
         observation = observation.replace(info["tools_prompt"], "").strip()
@@ -67,8 +44,7 @@ def prompt_text(tokenizer, observation: str, system_prompt: str = "", info: Mapp
 
 
 def observation_messages(tokenizer, observation: str, info: Mapping | None) -> list[dict]:
-    """The chat messages standing for a step's observation: the step info's "messages" when the template
-    renders tools, else one user message holding the observation. Raises ValueError for a malformed entry."""
+    """The chat messages of a step's observation; ValueError for a malformed info["messages"] entry."""
     messages = (info or {}).get("messages")
     if not messages or not renders_tools(tokenizer):
         return [{"role": "user", "content": observation}]
@@ -80,10 +56,9 @@ def observation_messages(tokenizer, observation: str, info: Mapping | None) -> l
 
 
 def bridge_text(tokenizer, messages: Sequence[Mapping[str, Any]], ended_with_stop: bool) -> str:
-    """The text between a sampled assistant turn and the next one: the rest of the template after the turn's
-    end-of-turn token (the token itself first when the turn was cut before it), `messages` as the template
-    renders them, and the next generation prompt. Raises ValueError when the template fails the extension check
-    (module docstring)."""
+    """The text between a sampled assistant turn and the next one, the reply never re-rendered.
+
+    Raises ValueError when the template fails the extension check (docs/rollout.md)."""
     query = [{"role": "user", "content": "q"}]
     start = tokenizer.apply_chat_template(query, add_generation_prompt=True)
     plain = tokenizer.apply_chat_template(query, add_generation_prompt=False)

@@ -1,9 +1,5 @@
-"""Env step results checked where they become samples (`check_result`, called by `episodes._apply_result` on every
-path: `InlineEnvs`, `EnvPool` workers of either backend, streaming scoring, per-episode turns, training and
-evaluation alike). An env is user code: what it returns is checked once here, and a malformed result is the env's
-fault, never the policy's, so its episode ends as an infra_error (docs/design.md invariant 6) naming the env id, what
-is wrong and the value, instead of being scored, coerced or passed on to the advantages. No JAX here.
-"""
+"""Env step results checked where they become samples: a malformed result is the env's fault, never the policy's,
+so its episode ends as an infra_error naming the env id, what is wrong and the value. No JAX here."""
 from __future__ import annotations
 
 import logging
@@ -12,33 +8,17 @@ from typing import Any, Mapping
 
 log = logging.getLogger(__name__)
 
-# env.max_abs_reward's default: verifiable rewards are 0/1, reward-model and judge sums and shaped rewards stay
-# within a few hundred; 1e4 leaves that headroom x 10-100 while a reward that large already means a scale bug.
-# Without std normalisation (e.g. rl.advantage=dr_grpo) advantages are reward differences, so the gradient scales
-# with the reward: a 1e30 reward overflows float32 to an inf gradient norm and a skipped update
+# env.max_abs_reward's default: verifiable rewards are 0/1, model/judge and shaped rewards stay within a few
+# hundred, while without std normalisation (rl.advantage=dr_grpo) a huge reward overflows the gradient
 DEFAULT_MAX_ABS_REWARD = 1e4
 
 
 def check_result(result, env_id: str, max_abs_reward: float = DEFAULT_MAX_ABS_REWARD
                  ) -> tuple[Any, float, bool, bool, dict]:
-    """One env step's result (of the episode of env `env_id`) checked where it becomes a sample: (obs, reward as a
-    float, terminated, truncated, info dict). What the env returned is the env's fault when it is wrong, never the
-    policy's: the episode then ends as an infra_error (reward 0.0, truncated, info["status"] "infra_error",
-    info["reason"] naming `env_id`, what is wrong and the value; never scored, docs/design.md invariant 6; the job
-    scheduler retries it, `env.max_infra_error_rate` bounds a step's share). Refused:
+    """Returns one env step's result checked: (obs, reward, terminated, truncated, info dict); never raises.
 
-      * a result that is not gymnasium's 5-tuple (obs, reward, terminated, truncated, info), an info that is no
-        mapping;
-      * an info["status"] that is not one of `envs.verify.answers.STATUSES` (env/*_rate metrics, the archive and
-        the job scheduler know only those), or none on the step that ends the episode (a turn that goes on may
-        leave it out: its sample's status is then "" until a later step sets it);
-      * a reward that is not a real number (`envs.base.as_reward`: int, float, bool as 0/1, numpy integer /
-        floating / bool scalars; a str such as "1.0", None, complex, a list or an array is refused, never parsed),
-        that is NaN or inf, or whose magnitude exceeds `max_abs_reward` (`env.max_abs_reward`: a reward that large
-        is a scale bug, and without std normalisation of advantages it overflows the gradient);
-      * an observation that is not a str while the episode goes on (it becomes the next user turn).
-
-    An episode the env itself ended as an infra_error keeps the env's reason (its reward is not read: 0.0)."""
+    A result refused (docs/environments.md) becomes an infra_error: reward 0.0, truncated, info["reason"] naming
+    `env_id`, what is wrong and the value."""
     from envs.base import as_reward, shown_value as _shown
     from envs.verify.answers import STATUSES
 

@@ -1,7 +1,5 @@
-"""The environment side of the rollout phase, built before any model load: the env runner of this process
-(`make_runner`), the task sources of the env specs (`task_sources`, with the golden self-check of every env) and
-their errors (`EnvSpecError`), a worker probe (`probe_workers`) and the infra-error limit of a step
-(`check_infra_errors`, `EnvInfraError`). Imports no JAX; `rollout.rollouter` builds on it."""
+"""The environment side of the rollout phase, built before any model load: env runners, task sources, a worker
+probe, the per-step infra-error limit and the `env` config section. Imports no JAX."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,10 +11,9 @@ from posttrain.rollout import episodes
 
 
 def make_runner(num_workers: int, step_timeout_s: float, backend: str = "process") -> episodes.EnvRunner:
-    """This process's env runner: in-process (num_workers = 0) or an `EnvPool` of `num_workers` workers of kind
-    `backend` ("process": subprocesses; "ray": Ray actors, `envs.pool.ray_pool`, on the current Ray cluster or a
-    local one). Raises ValueError for another backend, or for "ray" with num_workers = 0; ImportError for "ray"
-    without ray."""
+    """This process's env runner: in-process (num_workers = 0) or an `EnvPool` of `num_workers` `backend` workers.
+
+    Raises ValueError for "ray" with num_workers = 0, ImportError for "ray" without ray."""
     if backend != "process" and num_workers <= 0:
         raise ValueError(f"env backend {backend!r} needs num_workers >= 1, got {num_workers}")
     if num_workers <= 0:
@@ -33,13 +30,11 @@ def env_runner(env_config: "EnvConfig") -> episodes.HostShardedEnvs:
 
 
 class EnvInfraError(RuntimeError):
-    """Too many episodes of a step ended in infra errors (the envs, not the policy, failed); names the share, the
-    limit and the first error."""
+    """Too many episodes of a step ended in infra errors (the envs, not the policy, failed)."""
 
 
 def check_infra_errors(step: int, samples, limit: float) -> None:
-    """Raises EnvInfraError when the share of `samples` that are infra errors (`Sample.counts` False) exceeds
-    `limit`, with the first one's reason (a worker's traceback summary, first line)."""
+    """Raises EnvInfraError, with the first one's reason, when the share of infra-error `samples` exceeds `limit`."""
     bad = [s for s in samples if not s.counts]
     if samples and len(bad) / len(samples) > limit:
         reason = str(bad[0].info.get("reason", "no reason given")).strip().splitlines()
@@ -49,9 +44,7 @@ def check_infra_errors(step: int, samples, limit: float) -> None:
 
 
 def probe_workers(episodes: Mapping[str, Any], step_timeout_s: float) -> dict[str, str]:
-    """{name: reason} of the episodes ({name: Episode or EpisodeSpec}) an env worker process cannot start: one
-    worker resets each once and reports the infra errors. A worker imports `envs` and the module of a
-    `module:Env-v0` id, nothing of this process: an env registered only here (e.g. in a config file) fails."""
+    """{name: reason} of the episodes an env worker process cannot start (e.g. an env registered only here)."""
     from envs.pool.processes import EnvPool
 
     names = sorted(episodes)
@@ -61,8 +54,7 @@ def probe_workers(episodes: Mapping[str, Any], step_timeout_s: float) -> dict[st
 
 
 class EnvSpecError(ValueError):
-    """An env spec that cannot be built: `name` is its key in the env mix; the message names its id, its kwargs,
-    the env's own error and, for an id that is not registered, the registered ids and the `module:Env-v0` form."""
+    """An env spec that cannot be built; `name` is its key in the env mix, the message names its id and error."""
 
     def __init__(self, name: str, message: str):
         super().__init__(message)
@@ -70,8 +62,7 @@ class EnvSpecError(ValueError):
 
 
 def task_sources(specs: Mapping[str, EnvSpec]) -> dict:
-    """{name: (env_id, kwargs, task_source)}; constructing each env runs its golden self-check (invariant 7).
-    Raises EnvSpecError (one line) for an env that cannot be built: unknown id, bad kwargs, failed self-check."""
+    """{name: (env_id, kwargs, task_source)}; EnvSpecError for an env that cannot be built or fails its self-check."""
     import gymnasium
 
     import envs  # noqa: F401
@@ -118,27 +109,13 @@ class EnvConfig:
     Attributes:
         train: mix name -> EnvSpec of the training envs.
         eval: mix name -> EnvSpec of the held-out evaluation envs.
-        domains: comma-separated name patterns (fnmatch; e.g. "reasoning_gym/gcd,reasoning_gym/l*"): only the train
-            and eval envs whose mix name matches one are kept (`--config.env.train...` cannot name keys holding
-            "/"); "" keeps all.
-        num_workers: 0 runs envs in-process (cheap verifiers); > 0 uses an `envs.pool.processes.EnvPool` of that
-            many workers (crash/hang isolation with per-step timeouts), of the kind `backend` names.
-        backend: the env workers' kind (with num_workers > 0): "process" (subprocesses of this host) or "ray" (Ray
-            actors, `envs.pool.ray_pool`: the current Ray cluster, or a local one Ray starts; a dead actor is Ray's
-            restart, its samples infra errors the job scheduler retries; needs the `ray` extra). "ray" with
-            num_workers = 0 is a ConfigError.
+        domains: comma-separated fnmatch patterns of the mix names to keep ("": all).
+        num_workers: 0 runs envs in-process (cheap verifiers); > 0 an `EnvPool` of that many workers.
+        backend: the env workers' kind: "process" (subprocesses) or "ray" (Ray actors; needs num_workers >= 1).
         step_timeout_s: a worker's limit on one env step (seconds); past it the episode is an infra error.
         max_turns: model turns per episode (multi-turn tool / terminal envs).
-        max_infra_error_rate: a step whose share of infra-error episodes (worker crash, timeout, env exception)
-            exceeds it stops the run with the first error (1: never).
-        max_abs_reward: the largest reward magnitude an env may return (> 0 and finite, like every float setting).
-            A larger one ends its episode as an infra error naming the env and the value (never scored; counted by
-            max_infra_error_rate), in training and evaluation alike (`rollout.env_results.check_result`, which also
-            refuses a reward that is no real number, NaN / inf, and an info["status"] outside
-            `envs.verify.answers.STATUSES`). Default 1e4: verifiable rewards are 0/1 and reward-model, judge or
-            shaped rewards stay within a few hundred, so 1e4 leaves 10-100x headroom, while a larger reward is a
-            scale bug that, without std-normalised advantages (rl.advantage=dr_grpo), overflows the gradient
-            (optim/grad_norm inf, skipped updates) with nothing pointing at the env.
+        max_infra_error_rate: a step whose share of infra-error episodes exceeds it stops the run (1: never).
+        max_abs_reward: the largest reward magnitude an env may return (> 0); a larger one is an infra error.
     """
 
     train: Mapping[str, EnvSpec] = dataclasses.field(default_factory=dict)

@@ -1,12 +1,7 @@
-"""Host orchestration of rollouts: prompts -> G samples each -> (multi-turn) env episodes -> RolloutBatch.
+"""Host orchestration of rollouts: prompts -> G samples each -> (multi-turn) env episodes, and the env runners.
+The trainer scores exactly the tokens the sampler produced (docs/rollout.md).
 
-Dimension legend: P prompts (groups), G group size, N = P*G samples, Lp prompt width, C scored slots, L row width.
-
-The sampler is passed in as a function, the environments as an `EnvRunner` (`envs.pool.processes.EnvPool` or the
-in-process `InlineEnvs`), so this module holds no model or env internals. Token bookkeeping is exact: what the
-trainer scores is exactly what the sampler produced (no re-tokenisation of model text); tokens inserted by the
-environment or the chat template between turns are kept in the sequence but masked out of the loss.
-"""
+Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,10 +31,7 @@ class Episode:
 
 
 class EnvRunner(Protocol):
-    """Resets and steps the envs of a batch of episodes (`InlineEnvs`, `envs.pool.processes.EnvPool`,
-    `HostShardedEnvs`). Its results are checked where they become samples (`check_result`), against the runner's
-    `max_abs_reward` attribute when it has one (`HostShardedEnvs`: the run's env.max_abs_reward), else
-    DEFAULT_MAX_ABS_REWARD."""
+    """Resets and steps the envs of a batch of episodes (`InlineEnvs`, `EnvPool`, `HostShardedEnvs`)."""
 
     def reset(self, episodes: Sequence[Episode]) -> list[tuple[str, dict]]: ...
 
@@ -48,14 +40,7 @@ class EnvRunner(Protocol):
 
 
 class InlineEnvs:
-    """Runs environments in this process (no isolation of env *code*; sandboxes still isolate model code).
-
-    Suited to cheap verifiers (arithmetic, math); use `envs.pool.processes.EnvPool` for anything that may hang or crash.
-    An exception an env raises, or a reset that returns no (str, dict) pair (`envs.base.checked_reset`), ends that
-    episode as the pool ends one: ("", info) from `reset` and then (obs "", reward 0.0, terminated False, truncated
-    True, info) from its next `step`, info["status"] == "infra_error" and info["reason"] naming the exception
-    (retried by the scheduler, never scored); the other episodes go on. `infra_errors` counts them.
-    """
+    """Runs environments in this process; an env's exception ends only its episode, as an infra_error (counted)."""
 
     def __init__(self):
         import gymnasium
@@ -115,15 +100,9 @@ class InlineEnvs:
 
 
 class HostShardedEnvs:
-    """An EnvRunner over all processes: each process resets and steps only its share of the episodes
-    (`distributed.host_share`, a contiguous block in reset order) in its own `local` runner, and every process
-    gets the results of all shares (`distributed.allgather_objects`), in order. With one process it is `local`.
+    """An EnvRunner over all processes: each runs its share of the episodes locally, and all get every result.
 
-    `episodes` / `env_steps` count what this process ran itself (its share), since construction. `max_abs_reward`:
-    the largest reward magnitude `run_episodes` accepts from these envs (`check_result`; the run's
-    env.max_abs_reward), so every caller that runs episodes on this runner (training, in-loop and suite
-    evaluations) checks the same bound.
-    """
+    `max_abs_reward` is the reward bound of every `run_episodes` call on this runner."""
 
     def __init__(self, local: EnvRunner, max_abs_reward: float = DEFAULT_MAX_ABS_REWARD):
         self.local = local
@@ -161,21 +140,12 @@ def run_episodes(sample_fn: SampleFn, tokenizer, runner: EnvRunner, episodes: Se
                  group_size: int, max_turns: int, key, pad_id: int, bucket: int = 16,
                  system_prompt: str = "", stream: bool = False,
                  max_abs_reward: float | None = None) -> tuple[list[Sample], dict]:
-    """Runs P episodes x G samples to completion; returns the samples (group-major) and timing stats: perf/gen_s
-    (sampling), perf/reward_s (env steps after sampling returned) and perf/rollout_s (all, resets included).
+    """Runs P episodes x G samples to completion; returns the samples (group-major) and perf/{gen,reward,rollout}_s.
 
-    Every env step's result is checked as it becomes a sample (`check_result`): a malformed reward or status ends
-    that episode as an infra_error naming its env id. `max_abs_reward`: the largest reward magnitude accepted
-    (None: the runner's `max_abs_reward` attribute when it has one, else DEFAULT_MAX_ABS_REWARD).
-
-    `stream` (streaming scoring, `generate.streaming`): `sample_fn` also takes `on_rows=` (a sink of the rows
-    finished while it decodes, e.g. `Rollouter.sample_fn`'s) and each finished row's episode is stepped at once,
-    while the rest decodes; the samples equal the non-streaming path's, and perf/reward_s is then only the env
-    time left after sampling (the overlapped part is hidden in perf/gen_s).
-
-    With the rollout engine's sample_fn at `sampling.engine_per_episode` (it has `generate`) and max_turns > 1
-    the turns run per episode (`rollout.per_episode`: an episode's next turn is queued as soon as its env step
-    returns)."""
+    Args:
+        max_abs_reward: the reward bound of `check_result` (None: the runner's, else the default).
+        stream: streaming scoring: `sample_fn` takes `on_rows=`, finished rows are stepped while the rest decodes.
+    """
     import jax
 
     from posttrain.infra import distributed
@@ -246,8 +216,7 @@ def _scorer(runner, active: list[int], tokenizer):
 
 
 def _take_row(s: Sample, out, row: int, tokenizer, context: list[int], prompt_row: int) -> str:
-    """Appends sampler row `row` of `out` to sample `s` (segment, truncation, routing, text); returns its reply.
-    `context`: the tokens the row continued; `prompt_row`: its row of the prompt routing (the prefill's)."""
+    """Appends sampler row `row` of `out` to sample `s`; returns its reply (`context`: the tokens it continued)."""
     n = int(out.lengths_N[row])
     versions = getattr(out, "versions_NxLg", None)
     routing = None

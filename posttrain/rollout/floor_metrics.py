@@ -1,12 +1,5 @@
-"""Gaming floors of an env mix and the reward above them: `reward/<domain>/above_floor` in training, and the
-lookup held-out evaluation (`posttrain.eval.runner`) shares.
-
-A domain's **floor** is the best mean reward a reply without a solution earns (`envs.tasks.probes`: empty,
-format-only, constant and copied-question probes; the stored table `envs/tasks/domain_floors.json`, else computed
-once per process for a config it does not hold, `envs.tasks.floors.floor_by_env`). Reward above the floor is what a
-policy earns beyond such a reply: a mean reward at or below it says the policy may have learnt a probe, not the
-task. No dimension-suffixed arrays here (plain floats per domain).
-"""
+"""Gaming floors of an env mix (the best mean reward a reply without a solution earns; docs/tasks.md) and the reward
+above them: `reward/<domain>/above_floor` in training, and the lookup held-out evaluation shares."""
 from __future__ import annotations
 
 import json
@@ -18,9 +11,7 @@ _FLOORS: dict[tuple[str, str], float | None] = {}
 
 
 def env_floor(env_id: str, env_kwargs: Mapping) -> float | None:
-    """The gaming floor (mean reward in [0, 1]) of the domain an env builds (`envs.tasks.floors.floor_by_env`:
-    the stored table, else computed once per process and cached here by (env id, kwargs)); None outside the
-    registry or for kwargs it cannot assess (no dataset kwarg, a config the library rejects)."""
+    """The gaming floor (mean reward in [0, 1]) of the domain an env builds, cached per process; None if unknown."""
     from envs.tasks import floors
 
     key = (env_id, json.dumps(dict(env_kwargs), sort_keys=True, default=str))
@@ -38,9 +29,7 @@ def spec_floors(specs: Mapping[str, EnvSpec]) -> dict[str, float | None]:
 
 
 def above_floor_metrics(metrics: Mapping[str, float], floors: Mapping[str, float | None]) -> dict[str, float]:
-    """{`reward/<domain>/above_floor`: `reward/<domain>/mean` - floor} for every domain of `floors` with a floor
-    whose mean reward is in `metrics` (a domain without a floor, or absent from this step's batch, gets none).
-    Units: the env's reward (in [0, 1] for registry domains), so a value <= 0 means a probe earns as much."""
+    """{`reward/<domain>/above_floor`: mean reward - floor}; a value <= 0 means a probe earns as much."""
     out = {}
     for domain, floor in floors.items():
         mean = metrics.get(f"reward/{domain}/mean")

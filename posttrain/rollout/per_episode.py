@@ -1,23 +1,5 @@
-"""Per-episode multi-turn rollouts through the rollout engine (issue 25 item 5).
-
-Dimension legend: P episodes (groups), G group size, N = P*G samples, Lg max new tokens per turn.
-
-`episodes.run_episodes` runs a multi-turn batch turn by turn: every episode's turn t is sampled, then every env
-steps, then turn t + 1 starts for all. With the rollout engine (`EngineSampler.sample_fn`'s `generate`) it calls
-`run` instead: each of the N samples is one engine request, and when a reply ends the engine's `on_finish` steps
-that episode's env at once and queues its next turn (the context so far + the reply + the bridge tokens) while the
-other episodes keep decoding; the next turn finds its earlier turns' pages in the prefix cache, so it prefills
-only the bridge. With `env_overlap` > 0 the env steps on a thread of its own while the engine decodes the other
-episodes, and the next turn is queued `env_overlap` decode chunks after the reply ended (`Engine.generate`'s
-`follow_after`; the engine waits for the env then if it is slower), so a run is the same however long each env
-step takes. The token bookkeeping is `run_episodes`'s: the context grows by appending what the engine produced
-and the bridge (`turns.assert_extends` at every turn), the bridge is masked out of the loss, and each policy
-segment keeps its logprobs, versions and (routing replay) expert selections.
-
-A next turn that would not fit the engine (context + Lg > its max_seq_len) ends the episode as "truncated" with
-the reason in its info, as `env.max_turns` does; nothing is lost. At env_overlap 0 the env steps inside the engine's loop (the other slots'
-decode waits for it).
-"""
+"""Per-episode multi-turn rollouts through the rollout engine: an episode's next turn is queued as soon as its env
+step returns, while the others keep decoding (docs/rollout.md). Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 import contextlib
@@ -35,15 +17,15 @@ def run(generate: Callable, make_request: Callable, max_seq_len: int, tokenizer,
         prompts: Sequence[list[int]], *, group_size: int, max_turns: int, key,
         env_overlap: int = 0, env_ids: Sequence[str] | None = None,
         max_abs_reward: float | None = None) -> tuple[float, float]:
-    """Runs every sample of `samples` (group-major, after `runner.reset`; sample i answers prompts[i // G]) to the
-    end of its episode. generate(requests, key, on_finish, follow_after=) -> completions: the engine's
-    `generate`; make_request(prompt tokens) -> its `engine.Request` with the call's sampling settings;
-    max_seq_len: the longest request the engine takes; env_overlap: decode chunks an env step may overlap (0: it
-    runs inside the engine's loop; > 0: the runner is called from one other thread, one step at a time); env_ids:
-    the env id of each sample (None: ""), named when its env's result is refused (`env_results.check_result`, with
-    `max_abs_reward`; None: env_results.DEFAULT_MAX_ABS_REWARD).
-    Returns (gen_s, env_s): seconds in the engine's loop (less the env steps it ran, at env_overlap 0) and in env
-    steps (overlapping gen_s at env_overlap > 0). Raises what the env runner raises."""
+    """Runs every sample of `samples` (group-major, after `runner.reset`) to the end of its episode.
+
+    Args:
+        generate: the engine's generate(requests, key, on_finish, follow_after=) -> completions.
+        make_request: prompt tokens -> its `engine.Request`.
+        env_overlap: decode chunks an env step may overlap (0: it runs inside the engine's loop).
+    Returns:
+        (gen_s, env_s): seconds in the engine's loop (less the env steps at env_overlap 0) and in env steps.
+    """
     from posttrain.rollout.env_results import DEFAULT_MAX_ABS_REWARD
 
     G = group_size
@@ -68,7 +50,7 @@ def run(generate: Callable, make_request: Callable, max_seq_len: int, tokenizer,
         return pool.submit(next_turn, i, s, turn)
 
     def next_turn(i: int, s, turn: int):
-        """Steps episode i's env on its last reply; the Request of its turn `turn`, or None when it ended."""
+        """Steps episode i's env on its last reply; returns its next turn's Request, or None when it ended."""
         t = time.perf_counter()
         result = runner.step([s.texts[-1]], [i])[0]
         env_s[0] += time.perf_counter() - t
@@ -95,8 +77,7 @@ def run(generate: Callable, make_request: Callable, max_seq_len: int, tokenizer,
 
 
 def _take(s, c, tokenizer, context_len: int) -> None:
-    """Appends completion `c` (`engine.Completion`) to sample `s` (`episodes.append_reply`), its routing laid out as
-    the dense sampler's: the context's and the reply's selections, -1 for its last token (never fed)."""
+    """Appends completion `c` to sample `s`, its routing laid out as the dense sampler's (-1: the last token)."""
 
     routing = None
     if c.routing is not None:

@@ -1,55 +1,7 @@
-"""The rollout queue: a producer thread runs the rollout phase (scheduler -> sampler -> environments -> scored
-groups, `Rollouter.collect`) ahead of the learner by at most `max_staleness` policy versions.
+"""The rollout queue: a producer thread runs `Rollouter.collect` ahead of the learner by at most `max_staleness`
+policy versions (staleness protocol, weights, sampler priority, resume: docs/rollout.md).
 
-Terms. Policy version v: the policy after v updates (`Learner.step`). Batch s: the rollouts of step s, trained by
-update s + 1 while the learner is at version s. A batch is sampled under one version (the version of its oldest
-token: every token of it), so its staleness is s - v. Admission control, as AReaL's (arXiv 2505.24298; its
-capacity (max_staleness + version + 1) x batch size, here at batch granularity): the producer starts batch s only
-once a version >= s - max_staleness is published, and samples it with the newest published one. Staleness is so
-in [0, max_staleness] by construction (checked again when the learner takes a batch), and at most
-max_staleness + 1 batches are ever ahead of the learner. At max_staleness = 0 the producer waits for version s
-before batch s: the synchronous loop, through this same machinery.
-
-Weights: the learner publishes each new version after its step (`publish`; `snapshot` times the copy,
-perf/weight_sync_s). With the rollout engine (`Rollouter.engine`) every published version is also handed to it
-(`EngineSampler.publish`); with `rollout.partial` (partial rollouts) it takes effect inside a generation under way,
-at the engine's next decode chunk: a long reply continues under the new weights, each token tagged with the
-version that produced it, and a batch counts as the version of its oldest token (`Trajectories.oldest_version`),
-so its staleness is the largest of its tokens'. With max_staleness > 0 the published policy is a device copy: the
-next update donates the learner's state, while the producer may still sample with the older version. At 0 no
-copy is needed (the producer is done with version s before update s + 1 starts) and none is made. With split
-meshes (`mesh.rollout`) the snapshot is the `sync` transfer instead: the version resharded onto the sampler's own
-devices in its inference layout (`posttrain.infra.reshard.onto`), at any staleness (new arrays: the learner's
-donation cannot touch them).
-
-Sampler priority (`rollout.sampler_priority`, on by default; shared devices, max_staleness >= 1, no partial
-rollouts): the learner's update does not start while the producer generates, or is about to (it has just queued
-a batch, or the version it waits for has just been published, and generates next): `yield_to_sampler` blocks
-until that generation call's outputs are computed. On shared cores (or one accelerator) an update started beside
-a generation slows it, and the generation is the producer's critical path: in bench/async_rl.py's latency case
-(2-core CPU) the learner, woken by each batch, started its update ~10 ms before the next generation, which then
-took 0.44 s instead of 0.23 s. The producer never waits for the learner, so nothing can deadlock.
-
-Process model: a thread (issue 24 item 5). The sampler is jitted JAX on the learner's own devices (a process
-could not share them, and would need the weights serialised per version); XLA releases the GIL while it runs, and
-env work runs in worker processes (`envs.pool`) or in short Python verifiers. Blocked on env latency, the producer
-sits in `EnvPool._run`'s `multiprocessing.connection.wait` (a select, the GIL released, no polling; `get` below
-blocks without a timeout too): a py-spy `--gil` profile (bench/async_rl.py's latency case, loaded 2-core CPU)
-found it holding the GIL in 6 of 320 samples, and it used ~10 ms of CPU per batch (tokenizer, batching, archive
-rows) against a 2 s env wait. What such a producer costs the learner is measured by the GIL-stall check
-(`bench/async_rl.py` gil_stall; variants in `bench/_gil_stall.py`): the same producer as a thread and in its own
-process (GIL not shared) against the learner alone, so thread / process is the GIL's part and process / alone
-core sharing, which no process model removes. jax.distributed roles (a sampler process group) are the split-mesh
-design (`mesh.rollout`), not a remedy for env waits. One process only when max_staleness > 0 (the run plan
-refuses more): the producer's collectives (`HostShardedEnvs`) must not interleave with the learner's.
-
-Resume: a checkpoint keeps the rollout state (scheduler cursors, retry queue, curriculum) as it was right after
-the producer made the last batch the learner trained (`ReadyBatch.rollout_state`), so batches still queued at a
-stop or kill -9 are dropped and their tasks re-sampled, in the same order, with the restored policy: a resumed
-run never trains a sample older than the bound (the archive's `policy_version` column shows it).
-
-Dimension legend: see `posttrain.types`.
-"""
+Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 import contextlib
@@ -67,18 +19,12 @@ JOIN_TIMEOUT_S = 60.0  # how long `close` waits for a rollout in progress before
 
 
 class StalenessError(RuntimeError):
-    """A batch would be trained further behind the policy than `max_staleness` allows (a bug: the producer's
-    admission control makes it impossible); names the step, its version and the bound."""
+    """A batch would be trained further behind the policy than `max_staleness` allows (a bug: admission control)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ReadyBatch:
-    """One produced batch. step: its step s; version: the policy version of its oldest sampled token (the version
-    it was sampled with, or with partial rollouts the oldest a generation started under; each archive row's
-    `policy_version` is its own sample's); trajectories: `Rollouter.collect`'s; rollout_state: the
-    rollouter's state right after it (what a checkpoint after training it keeps); status: the run view then
-    (`Rollouter.status`); wait_s / collect_s: the producer's seconds waiting for an admissible version before
-    it, and collecting it."""
+    """One produced batch: `version` is its oldest token's policy version, `rollout_state` what a checkpoint keeps."""
 
     step: int
     version: int
@@ -94,10 +40,9 @@ class ReadyBatch:
 
 
 class RolloutQueue:
-    """The producer thread and its queue of ready batches (see the module docstring). Built at the learner's
-    version `start` with its policy states and PRNG key; produces batches start..steps-1. `sync`: the weight
-    transfer of each version, tree -> the tree the producer samples with (split meshes: `reshard.onto` the
-    sampler's submesh); None: a device copy when max_staleness > 0, else the tree itself. A context manager."""
+    """The producer thread and its ready batches start..steps-1, from the learner's version `start`.
+
+    `sync`: each version's transfer to the producer's devices (None: a device copy when max_staleness > 0)."""
 
     def __init__(self, rollouter: Rollouter, *, start: int, steps: int, policy: tuple, rng,
                  sync: Callable[[Any], Any] | None = None):
@@ -123,8 +68,7 @@ class RolloutQueue:
         self._thread.start()
 
     def _copy(self, tree):
-        """`sync(tree)` when given; else a device copy of every array of `tree` when max_staleness > 0 (else `tree`
-        itself)."""
+        """`sync(tree)`; else a device copy of `tree`'s arrays when max_staleness > 0; else `tree` itself."""
         if self._sync is not None:
             return self._sync(tree)
         if self.max_staleness == 0:
@@ -183,8 +127,7 @@ class RolloutQueue:
 
     @contextlib.contextmanager
     def generating(self):
-        """The producer's block around one generation call (until its outputs are computed): an update waiting
-        in `yield_to_sampler` starts after it."""
+        """Marks one generation call (until its outputs are computed): `yield_to_sampler` waits for it."""
         with self._cond:
             self._generating += 1
             self._gen_next = False
@@ -202,11 +145,7 @@ class RolloutQueue:
                 self._cond.notify_all()
 
     def yield_to_sampler(self) -> float:
-        """Sampler priority (`rollout.sampler_priority`, on shared devices at max_staleness >= 1 without partial
-        rollouts; else returns 0 at once): blocks while a generation call is in progress, or about to start (the
-        producer has just queued a batch and the next one's version is already published: without this the
-        learner, woken by that batch, would start its update a few ms before the generation), so that the update
-        the caller starts next does not slow it. Returns the seconds waited (perf/sampler_wait_s)."""
+        """Blocks while a generation runs or is about to (sampler priority); returns the seconds waited."""
         if not self.sampler_priority:
             return 0.0
         t0 = time.perf_counter()
@@ -216,8 +155,7 @@ class RolloutQueue:
         return time.perf_counter() - t0
 
     def get(self, step: int) -> tuple[ReadyBatch, float]:
-        """(batch `step`, seconds the caller waited for it): blocks only while it is not ready. Raises what the
-        producer raised (e.g. `EnvInfraError`), or StalenessError if the batch is beyond the bound."""
+        """Returns (batch `step`, seconds waited for it); raises StalenessError or what the producer raised."""
         t0 = time.perf_counter()
         with self._cond:
             while step not in self._ready and self._error is None and not self._ended:
@@ -233,8 +171,7 @@ class RolloutQueue:
         return batch, time.perf_counter() - t0
 
     def snapshot(self, policy: tuple, rng) -> tuple[Any, float]:
-        """((policy, rng) as the producer will use them, seconds it took): the `sync` transfer or a device copy
-        when max_staleness > 0 (blocked until it is done), else the arrays themselves."""
+        """Returns ((policy, rng) as the producer will use them, seconds the copy took, blocked until done)."""
         t0 = time.perf_counter()
         tree = self._copy((policy, rng))
         if self.max_staleness > 0 or self._sync is not None:
@@ -253,14 +190,12 @@ class RolloutQueue:
 
     @contextlib.contextmanager
     def exclusive(self):
-        """A block in which the producer does not run (it finishes the batch in progress first): the rollouter's
-        env runner and scheduler are the caller's (held-out evaluation)."""
+        """A block in which the producer does not run (it finishes its batch first): for held-out evaluation."""
         with self._busy:
             yield
 
     def close(self) -> None:
-        """Stops the producer: it starts no new batch; a batch in progress is waited for up to JOIN_TIMEOUT_S
-        (then left behind with a warning); queued batches are dropped."""
+        """Stops the producer, waiting up to JOIN_TIMEOUT_S for a batch in progress; queued batches are dropped."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
@@ -280,9 +215,7 @@ class RolloutQueue:
 
 
 def batch_metrics(batch: ReadyBatch, learner_wait_s: float, step_s: float) -> dict[str, float]:
-    """rollout/staleness_{mean,max} (over the batch's samples: one version per batch, so equal) and
-    perf/idle_ratio_{train,rollout}: the learner's share of the step spent waiting for this batch, and the
-    producer's share of its time on this batch spent waiting for an admissible version (seconds / seconds)."""
+    """rollout/staleness_{mean,max} and perf/idle_ratio_{train,rollout} (the shares spent waiting) of one batch."""
     s = float(batch.staleness())
     return {"rollout/staleness_mean": s, "rollout/staleness_max": s,
             "perf/idle_ratio_train": learner_wait_s / step_s if step_s > 0 else 0.0,
@@ -294,26 +227,10 @@ class RolloutConfig:
     """The `rollout` section.
 
     Attributes:
-        max_staleness: the most policy versions a trained sample may lag the learner: the rollouts of step s
-            (trained by update s + 1, the learner at version s) are sampled with a version v >= s - max_staleness,
-            so the producer runs at most max_staleness + 1 batches ahead (0: every batch is sampled with the
-            policy it trains, the synchronous loop exactly; AReaL's bound, arXiv 2505.24298). An int >= 0.
-        stream_chunk: streaming scoring (`posttrain.generate.streaming`): every stream_chunk decode steps the samples
-            that have finished decoding go to the env runner while the others still decode, so env time overlaps
-            decoding; the samples, rewards and batches are the same as without it (0: off, the envs get a turn's
-            samples once all have decoded). An int >= 0; one process only.
-        partial: partial rollouts (issue 24 item 3): weights published by the learner while a batch still decodes
-            go into the running rollout engine at its next decode chunk, so a long reply continues under the new
-            policy instead of holding the batch back; each token records the version that produced it, a sample
-            counts as its oldest token's version for staleness, and the loss corrects token by token (the
-            sampler's logprob of each token is its behaviour policy). Needs max_staleness >= 1 and the
-            rollout engine (sampling.backend "engine", or "auto" on one device; a ConfigError otherwise).
-        sampler_priority: with max_staleness >= 1 on the learner's own devices, an update waits for a generation
-            call in progress to end before it starts (`RolloutQueue.yield_to_sampler`; perf/sampler_wait_s), so
-            the sampler, the producer's critical path, does not share the cores or the accelerator with an update
-            it started beside; updates never delay a generation (a generation starting during an update runs
-            beside it). Off (no effect) at max_staleness 0, with partial rollouts (a generation then spans
-            updates by design) and with split meshes (`mesh.rollout`: the sampler has devices of its own).
+        max_staleness: the most policy versions a trained sample may lag the learner (>= 0; 0: synchronous).
+        stream_chunk: decode steps between deliveries of finished samples to the env runner (0: off; one process).
+        partial: partial rollouts: new weights enter the rollout engine mid-batch (needs max_staleness >= 1).
+        sampler_priority: an update waits for a generation in progress (not at max_staleness 0, partial or split).
     """
 
     max_staleness: int = 0

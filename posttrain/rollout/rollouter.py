@@ -1,18 +1,7 @@
 """The rollout phase: the policy's samples on this step's tasks, scored by the environments, as a training batch.
 
-A `Rollouter` holds what rollouts need and nothing the update needs: its settings (`RolloutSettings`), the mesh
-and graphdef the sampler runs on, the tokenizer, the environment runner, the task scheduler (and the curriculum
-that moves its levels) and the algorithm's advantage function. `collect(step, policy, rng)` returns
-`Trajectories`: the array-native `RolloutBatch` (numpy, the full global batch on every process), the rollout
-metrics (with `reward/<domain>/above_floor` for a domain whose gaming floor the registry knows, `rollout.floor_metrics`)
-and the archive records. Held-out evaluation is `posttrain.eval`'s; it samples through `sample_fn`.
-
-Under several processes the sampler runs on the global mesh (every process passes the same prompts), and the
-runner is a `rollout.HostShardedEnvs`: each process resets and steps only its share of the episodes, and the
-results of all shares are exchanged, so every process assembles the same batch (`learner.Learner.update` places
-its shards) and reports the same outcomes to its replica of the job scheduler. Nothing here does gradient math;
-dimension legend: see `posttrain.types`.
-"""
+Every process assembles the same batch: the env runner (`HostShardedEnvs`) shares the episodes out and gathers every
+result. Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 import dataclasses
@@ -43,20 +32,18 @@ class RolloutSettings:
     """What the rollout phase needs of a run: its config sections and the plan's values for it.
 
     Attributes:
-        env_config: the `env` section (the training mix, turns, env workers, fault limits).
-        sampling_config: the `sampling` section (the training rollouts' distribution, lengths and backend).
-        objective: the `rl` section (`algos.grpo.step.GRPOConfig`): group size, prompts per step, packed rows,
-            DAPO's overlong filter and dynamic sampling.
+        env_config: the `env` section.
+        sampling_config: the `sampling` section.
+        objective: the `rl` section (`GRPOConfig`).
         curriculum_config: the `curriculum` section.
-        queue_config: the `rollout` section (`rollout.queue.RolloutConfig`: staleness, streaming, partial rollouts,
-            sampler priority).
+        queue_config: the `rollout` section (`RolloutConfig`).
         seed: seeds the task order.
         decode_multiple: decode widths are multiples of it.
         row_multiple: rows pad to a multiple of it (minibatches x microbatches x batch shards).
         record_routing: record the sampler's expert selections (routing replay).
-        run: the run's name (the first field of every episode id in the archive).
+        run: the run's name (the first field of every episode id).
         scheduler: the job scheduler's settings (None: the weighted draw).
-        engine: the rollout engine's size when it samples; None: the dense sampler.
+        engine: the rollout engine's settings (None: the dense sampler).
     """
 
     env_config: EnvConfig
@@ -80,12 +67,7 @@ class RolloutSettings:
 
 @dataclasses.dataclass(frozen=True)
 class Trajectories:
-    """One step's rollouts. batch: the training batch (host numpy arrays; a new per-token or per-sample array is
-    a new `RolloutBatch` field, filled in `batching.assemble`). metrics: reward/*, response_length/*, env/*,
-    rollout/*, perf/{gen,reward,rollout}_s, curriculum/* and, with the job scheduler, tasks/*. records: the
-    episode archive's rows (`scheduling.archive.ARCHIVE_SCHEMA`), one per sample attempt of the step, in run order
-    (`in_batch`: trained on; `rollout.attempts.archive_rows`). oldest_version: the policy version of the batch's
-    oldest sampled token (rollout engine; None: not recorded, the dense sampler)."""
+    """One step's rollouts: the batch (host numpy), its metrics, the archive rows and the oldest token's version."""
 
     batch: RolloutBatch
     metrics: dict[str, float]
@@ -99,8 +81,7 @@ class Trajectories:
 
 
 def apply_levels(curriculum, train_specs: dict, scheduler, domains) -> None:
-    """Puts each of `domains` at its curriculum level: its env spec gets kwargs["level"] (episodes are built from
-    the specs) and the scheduler gets the task source of that level (same tasks, same cursor)."""
+    """Puts each of `domains` at its curriculum level: in its env spec's kwargs and its scheduler task source."""
     for d in domains:
         spec = train_specs[d]
         train_specs[d] = dataclasses.replace(spec, kwargs={**dict(spec.kwargs), "level": curriculum.levels[d]})
@@ -108,8 +89,7 @@ def apply_levels(curriculum, train_specs: dict, scheduler, domains) -> None:
 
 
 def make_scheduler(settings: RolloutSettings, sources: Mapping[str, Any]):
-    """The run's task scheduler over `sources` ({domain: TaskSource}) at the env specs' weights: the job scheduler
-    (`scheduling.scheduler.JobScheduler`) when `settings.scheduler` is set, else the weighted draw (`WeightedDraw`)."""
+    """The run's task scheduler: the job scheduler when `settings.scheduler` is set, else the weighted draw."""
     weights = {n: settings.env_config.train[n].weight for n in sources}
     if settings.scheduler is None:
         return WeightedDraw(sources, weights, seed=settings.seed, group_size=settings.objective.group_size,
@@ -120,10 +100,7 @@ def make_scheduler(settings: RolloutSettings, sources: Mapping[str, Any]):
 
 
 def training_tasks(settings: RolloutSettings, meta: Mapping | None, sources: Mapping | None) -> tuple:
-    """(scheduler, train_specs, curriculum or None) of a training rollouter: `sources` (`task_sources` of
-    settings.env_config.train; built here when None, each env's self-check included), the scheduler over them with the
-    cursors of `meta` (a checkpoint's; None: fresh) and the curriculum's levels applied. Raises EnvSpecError for
-    a training env that cannot be built."""
+    """Returns (scheduler, train_specs, curriculum or None), restored from `meta`; EnvSpecError for a bad env."""
     train = dict(sources) if sources is not None else task_sources(settings.env_config.train)
     scheduler = make_scheduler(settings, {n: s for n, (_, _, s) in train.items()})
     train_specs, cur = dict(settings.env_config.train), None
@@ -158,15 +135,14 @@ def write_jsonl(path: pathlib.Path, records) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Rollouter:
-    """The rollout phase of a run (see the module docstring). `train_specs` and `scheduler` change in place when
-    the curriculum moves a level; `state_dict()` is what a checkpoint keeps of them."""
+    """The rollout phase of a run; `train_specs` and `scheduler` change in place when the curriculum moves a level."""
 
     settings: RolloutSettings
     mesh: jax.sharding.Mesh
     graphdef: Any  # nnx.GraphDef of the policy, merged with the learner's policy states
     tokenizer: Any  # posttrain.model.tokenizer.Tokenizer
     runner: episodes.HostShardedEnvs
-    scheduler: Any  # WeightedDraw, or scheduling.scheduler.JobScheduler when settings.scheduler is set; None: create(train=False)
+    scheduler: Any  # a scheduling.scheduler.Scheduler; None: create(train=False)
     train_specs: dict[str, EnvSpec]
     advantage_fn: batching.AdvantageFn  # the algorithm's advantages of a step's rewards
     curriculum: Any = None  # posttrain.scheduling.curriculum.DifficultyCurriculum when curriculum.enabled
@@ -176,12 +152,10 @@ class Rollouter:
     @classmethod
     def create(cls, settings: RolloutSettings, mesh, graphdef, tokenizer, advantage_fn: batching.AdvantageFn,
                meta: Mapping | None = None, sources: Mapping | None = None, train: bool = True) -> "Rollouter":
-        """Tasks, environments and scheduler of `settings`; `meta` (a checkpoint's) restores the scheduler's
-        cursors and the curriculum's levels; `sources`: `task_sources(settings.env_config.train)` when already built
-        (a run plan's dry check), else built here. `train` False (a command that only reads a run: evaluations,
-        export): no training env, task source, scheduler or curriculum is built (settings.env_config.train need not be
-        importable; `meta` and `sources` are not read); the rollouter samples (`sample_fn`) and steps the envs of
-        the episodes it is given (`runner`); `draw`, `collect`, `status` and `state_dict` raise RuntimeError."""
+        """Builds the tasks, envs and scheduler of `settings`; `meta` (a checkpoint's) restores their state.
+
+        `train` False (reading a run) builds no training task, scheduler or curriculum: `draw`, `collect`, `status` and
+        `state_dict` then raise RuntimeError."""
         scheduler, train_specs, cur = training_tasks(settings, meta, sources) if train else (None, {}, None)
         runner = env_runner(settings.env_config)
         engine = EngineSampler(graphdef, settings.engine, mesh.devices.flat[0]) if settings.engine else None
@@ -191,11 +165,7 @@ class Rollouter:
                    engine=engine, template_prefix=template)
 
     def sample_fn(self, policy: tuple, params: SamplingParams) -> episodes.SampleFn:
-        """(prompts, lengths, key, G, on_rows=None) -> SampleOutput with the policy states `policy` (LoRA adapters
-        merged); with settings.stream_chunk > 0 an `on_rows` sink gets the rows finished every stream_chunk decode
-        steps (`generate.streaming`). A policy or key on other devices than the rollouter's mesh (its own submesh:
-        `mesh.rollout`) is resharded onto it first (`reshard.onto`; the loop's queue has done it once per version).
-        With settings.engine the rollout engine samples (`generate.backend`, same outputs' meaning)."""
+        """Returns (prompts, lengths, key, G, on_rows=None) -> SampleOutput sampling with the policy states `policy`."""
         tok, st = self.tokenizer, self.settings
         policy = reshard.onto(policy, self.mesh, current_rules())
         if self.engine is not None:
@@ -222,11 +192,9 @@ class Rollouter:
         return fn
 
     def draw(self, step: int, sample_fn, key) -> tuple[list[episodes.Sample], dict, list[attempts.Attempt]]:
-        """Samples this step's groups from the scheduler's tickets (`rollout.attempts`; the job scheduler's with
-        their in-step retries); draws again, bounded by max_resample_rounds, while fewer than P groups are kept
-        (dynamic sampling sets zero-variance groups aside; the job scheduler drops groups it could not complete).
-        Returns (the batch's samples, perf/* and rollout/* metrics, every sample attempt of the step). Raises
-        RuntimeError for a rollouter built without training tasks (`create(train=False)`)."""
+        """Returns (the batch's samples, metrics, every sample attempt) of step `step`, drawing until P groups are kept.
+
+        Raises RuntimeError when no group could be completed, or for a rollouter built with `create(train=False)`."""
         self._require_tasks("draw training tasks")
         st = self.settings
         G, P = st.objective.group_size, st.objective.prompts_per_step
@@ -247,8 +215,7 @@ class Rollouter:
         return samples, perf, tried
 
     def _run_fn(self, step: int, sample_fn, key) -> attempts.RunFn:
-        """Runs tickets of one size as episodes: env reset seed step * 100003 + ticket id (the weighted draw numbers
-        its tickets over the step), the sampling key folded with the call number."""
+        """Runs tickets of one size as episodes: reset seed step * 100003 + ticket id, key folded with the call."""
         st = self.settings
 
         def run(batch, size, call):
@@ -263,8 +230,7 @@ class Rollouter:
         return run
 
     def advance_curriculum(self, samples) -> dict:
-        """Feeds this step's rewards (infra errors excluded) to the curriculum; domains whose level moved get their
-        tasks at the new level from the next step on; mix weights follow it. Returns the curriculum/* metrics."""
+        """Feeds this step's rewards to the curriculum and applies its levels and weights; returns curriculum/*."""
         cur = self.curriculum
         moved = cur.update({d: [s.reward for s in samples if s.domain == d and s.counts]
                             for d in cur.names})
@@ -274,11 +240,12 @@ class Rollouter:
 
     def collect(self, step: int, policy: tuple, rng, policy_version: int | None = None,
                 gate: Callable[[], ContextManager] | None = None) -> Trajectories:
-        """Step `step`'s trajectories from the policy states `policy`, sampled with keys from the run's `rng`
-        folded with the step (invariant 10: a fresh key per step). policy_version: the archive rows' version of
-        samples whose tokens carry none (the rollout queue's; None: `step`); a sample whose tokens carry versions
-        (the rollout engine) records its oldest token's. gate: a context manager held around each generation call
-        until its outputs are computed (the rollout queue's `generating`: sampler priority)."""
+        """Returns step `step`'s trajectories, sampled with `rng` folded with the step (a fresh key per step).
+
+        Args:
+            policy_version: the archive rows' version of samples whose tokens carry none (None: `step`).
+            gate: a context manager held around each generation call (the rollout queue's `generating`).
+        """
         st = self.settings
         if self.engine is not None:
             self.engine.pop_metrics()  # an evaluation's since the last step: not this step's
@@ -304,9 +271,7 @@ class Rollouter:
                                                default=None))
 
     def status(self, step: int, policy_version: int | None = None) -> dict:
-        """The run view after step `step` (`scheduling.status_table.snapshot`: the scheduler's counters, the curriculum's levels
-        and the policy version that sampled the batch), the content of the run's status.json. Raises RuntimeError
-        for a rollouter built without training tasks (`create(train=False)`)."""
+        """The run view after step `step` (status.json, `status_table.snapshot`); RuntimeError without tasks."""
         from posttrain.scheduling import status_table
 
         self._require_tasks("report")
@@ -319,8 +284,7 @@ class Rollouter:
                                f"task scheduler to {what}")
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of the rollouts: the scheduler's cursors (and the curriculum's state). Raises
-        RuntimeError for a rollouter built without training tasks (`create(train=False)`)."""
+        """The scheduler's (and curriculum's) state a checkpoint keeps; RuntimeError without training tasks."""
         self._require_tasks("save")
         meta = {"scheduler": self.scheduler.state_dict()}
         if self.curriculum is not None:

@@ -11,11 +11,10 @@ from posttrain.rollout.env_results import DEFAULT_MAX_ABS_REWARD, check_result
 
 @dataclasses.dataclass
 class Sample:
-    """One sampled episode. `segments`: (tokens int32, logp float32, is_policy) after the prompt. `routing`:
-    with routing replay, the experts the sampler's MoE layers selected for the prompt and segment tokens, int32
-    [tokens, Lm, k] (-1: none; may be shorter than prompt + segments), else None. `versions`: with the rollout
-    engine, the policy version of each token of each policy segment (int32 arrays; partial rollouts mix two),
-    else empty."""
+    """One sampled episode: `segments` are (tokens int32, logp float32, is_policy) after the prompt.
+
+    `routing`: with routing replay, int32 [tokens, Lm, k] expert selections (-1: none); `versions`: each policy
+    segment's per-token policy versions (the rollout engine)."""
 
     domain: str
     group: int
@@ -32,8 +31,7 @@ class Sample:
 
     @property
     def oldest_version(self) -> int | None:
-        """The policy version of its oldest sampled token (the version it counts as for staleness); None
-        without versions."""
+        """The policy version of its oldest sampled token (its staleness version); None without versions."""
         return min((int(v.min()) for v in self.versions if len(v)), default=None)
 
     @property
@@ -42,9 +40,7 @@ class Sample:
 
     @property
     def counts(self) -> bool:
-        """Whether the sample's reward says anything about the policy: False for an infrastructure failure (worker
-        crash, sandbox failure, harness timeout), never scored as a wrong answer (docs/design.md invariant 6). The one
-        definition read by batching, dynamic sampling and the curriculum."""
+        """Whether the reward says anything about the policy: False for an infra error (never scored, invariant 6)."""
         return self.status != "infra_error"
 
 
@@ -52,18 +48,14 @@ SampleFn = Callable[[np.ndarray, np.ndarray, Any, int], Any]  # (prompts_PxLp, l
 
 
 def chat_prompt(tokenizer, observation: str, system_prompt: str = "", info: dict | None = None) -> list[int]:
-    """Token ids of the first prompt (`rollout.chat.prompt_text`: with ``tools=`` when the template renders the
-    tools the env's reset `info` reports)."""
+    """Token ids of the first prompt (`rollout.chat.prompt_text`)."""
     from posttrain.rollout import chat
 
     return tokenizer.encode(chat.prompt_text(tokenizer, observation, system_prompt, info))
 
 
 def turn_bridge(tokenizer, reply: str, observation: str, ended_with_stop: bool, info: dict | None = None) -> list[int]:
-    """Tokens between a sampled assistant turn and the next one: the rest of the template after the
-    assistant's end-of-turn token, the observation (a user message; the step `info`'s "messages", tool results
-    included, when the template renders tools) and the next generation prompt (`rollout.chat.bridge_text`, with
-    its extension check; `reply` is never re-rendered)."""
+    """Tokens between a sampled assistant turn and the next one (`rollout.chat.bridge_text`)."""
     from posttrain.rollout import chat
 
     return tokenizer.encode(chat.bridge_text(tokenizer, chat.observation_messages(tokenizer, observation, info),
@@ -71,9 +63,7 @@ def turn_bridge(tokenizer, reply: str, observation: str, ended_with_stop: bool, 
 
 
 def append_reply(s: Sample, tokens, logp, truncated: bool, tokenizer, versions=None, routing=None) -> str:
-    """Appends a sampled reply to sample `s` as a policy segment (tokens int32 [n], logp float32 [n]), with its
-    truncation, per-token versions (int32 [n] or None) and routing (int32 [context + n, L, k] or None: the whole
-    sequence's, replacing the sample's); returns its text."""
+    """Appends a sampled reply (tokens, logp, versions: [n]) to sample `s` as a policy segment; returns its text."""
     seg = np.asarray(tokens, np.int32)
     s.segments.append((seg, np.asarray(logp, np.float32), True))
     s.truncated = truncated
@@ -87,8 +77,7 @@ def append_reply(s: Sample, tokens, logp, truncated: bool, tokenizer, versions=N
 
 def apply_result(s: Sample, result, reply: str, tokenizer, env_id: str = "",
                  max_abs_reward: float = DEFAULT_MAX_ABS_REWARD) -> None:
-    """An env step's (obs, reward, terminated, truncated, info) of episode `env_id` into sample `s`, checked
-    (`check_result`); a continuing episode gets the bridge tokens to its next turn (masked out of the loss)."""
+    """Applies an env step's result, checked by `check_result`, to sample `s` (and the masked bridge if it goes on)."""
     obs, reward, terminated, truncated, info = check_result(result, env_id, max_abs_reward)
     s.reward, s.status, s.info = reward, info.get("status", ""), info
     s.done = bool(terminated or truncated)

@@ -5,13 +5,11 @@ import pathlib
 
 
 class RunNotFoundError(FileNotFoundError):
-    """A command that reads a run (eval, convert) was pointed at a directory with no complete checkpoint; it creates
-    nothing and never substitutes the base model."""
+    """A command reading a run found no complete checkpoint; it creates nothing and never substitutes the base model."""
 
 
 def require_checkpoint(workdir, flag: str = "--checkpoint") -> int:
-    """The newest complete checkpoint step of the run in `workdir` (read only: nothing is created or moved).
-    Raises RunNotFoundError naming `flag` and the directory when there is no run or no complete checkpoint in it."""
+    """The newest complete checkpoint step of the run in `workdir`, read only; else RunNotFoundError naming `flag`."""
     workdir = pathlib.Path(workdir)
     if not (workdir / "checkpoints").is_dir():
         what = "no such directory" if not workdir.exists() else "no checkpoints/ folder in it"

@@ -1,21 +1,6 @@
-"""Reading a run of any kind posttrain writes (GRPO, SFT, DPO, reward model; LoRA or full) for the commands that
-only read one (`eval`, `sample`, `convert`, `status`): the run's saved config.json is the source of truth, and a
-command that cannot apply to a run kind refuses with one line naming why (a ConfigError: exit code 2).
+"""Reading a run of any kind for the commands that only read one: its saved config.json is the source of truth.
 
-The kind is the saved config's recipe section: `sft`, `dpo` or `rm` (the offline recipes' own section beside the
-shared ones), else GRPO (`rl`). What each command reads:
-
-  kind  | eval                                  | sample           | convert                         | status
-  grpo  | its config (`run_plan.config_for_run`)| its policy       | its policy (HF causal LM)       | its view
-  sft   | `policy_eval_config`                  | its policy       | its policy (HF causal LM)       | refused
-  dpo   | `policy_eval_config`                  | its policy       | its policy (HF causal LM)       | refused
-  rm    | refused (it scores, it has no policy) | refused          | HF sequence classifier          | refused
-
-An SFT or DPO run has no environment of its own: `eval` takes the env and eval sections from --config, else from
-the GRPO run it was trained from (`<section>.from_archive`, that run's config.json), else refuses naming --config
-(`eval --suite` then takes the defaults: a suite evaluation builds only the suite's envs); the policy's shape and
-state (`model`, `lora`, `optim`, `checkpoint`) are always the run's.
-"""
+A command that does not apply to a run kind refuses in one line (`refuse`); which does what: docs/runs.md."""
 from __future__ import annotations
 
 import json
@@ -31,8 +16,7 @@ KIND_NAMES = {"sft": "an SFT run (posttrain sft)", "dpo": "a DPO run (posttrain 
 
 
 def run_kind(workdir) -> str | None:
-    """"grpo", "sft", "dpo" or "rm": the kind of the run in `workdir` by its saved config.json's sections (None
-    without one). Raises ConfigError naming the file when it is no JSON object."""
+    """The kind ("grpo", "sft", "dpo", "rm") of the run in `workdir` by its config.json or None; ConfigError if bad."""
     path = pathlib.Path(workdir) / "config.json"
     if not path.is_file():
         return None
@@ -46,7 +30,7 @@ def run_kind(workdir) -> str | None:
 
 
 def kind_of(raw: dict) -> str:
-    """"grpo", "sft", "dpo" or "rm": the kind of a run by the sections of its parsed config.json."""
+    """The kind of a run by the sections of its parsed config.json: "sft", "dpo" or "rm" when present, else "grpo"."""
     return next((k for k in OFFLINE_KINDS if k in raw), "grpo")
 
 

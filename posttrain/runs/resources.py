@@ -6,9 +6,10 @@ from posttrain.infra import metrics as metrics_lib
 
 
 class Resources:
-    """What a run opened, as (name, close) pairs, closed in reverse order (`close`, or leaving the `with` block). A
-    close that fails while an error propagates is logged as a warning and the next one still runs, so the first
-    error is the last thing printed; without an error in flight the first failing close is raised."""
+    """What a run opened, as (name, close) pairs, closed in reverse order by `close` or on leaving the `with` block.
+
+    A close that fails while an error propagates is logged and the next one still runs, so the first error is printed
+    last; without an error in flight the first failing close is raised."""
 
     def __init__(self, *closers):
         self._closers = list(closers)

@@ -1,17 +1,4 @@
-"""The directory a command writes, checked before anything is written, so that a mistaken --workdir or --out
-loses nothing: a training command (`posttrain train|sft|dpo|rm`) claims its workdir (`claim`), `posttrain convert`
-checks its output directory (`check_export_dir`).
-
-A workdir holds one run of one kind (`read_run.run_kind`: GRPO, SFT, DPO or reward model). `claim` refuses:
-  - a path that is a file, or a directory this process cannot write (a read-only file system, permissions);
-  - a workdir holding a run of another kind (its config.json, checkpoints and metrics would be overwritten or
-    read as this run's), or a config.json that is not a posttrain run's (e.g. a `convert` export);
-  - resuming a run (a complete checkpoint is there) with settings other than those its config.json saved, beside
-    `free_keys` (steps, workdir, time budget): the checkpoint would continue under other settings unrecorded.
-    `posttrain train --allow_config_change` accepts them and records them (`recipes.grpo.build`).
-Each is a ConfigError naming the path (one line, exit code 2). The run writes its config.json itself, once its
-checkpoint (if any) restored (`write_config`): a run whose restore fails leaves the saved settings as they were.
-"""
+"""The directory a command writes, checked before anything is written (`claim`, `check_export_dir`; docs/runs.md)."""
 from __future__ import annotations
 
 import json
@@ -28,8 +15,7 @@ RESUME_FREE_KEYS = ("train.steps", "train.workdir", "train.max_train_seconds")
 
 
 def check_writable(path, flag: str = "--workdir") -> pathlib.Path:
-    """`path` as a Path when it is a directory this process may create or write. Raises ConfigError naming `flag`
-    when it (or the nearest existing parent) is a file, or is not writable."""
+    """`path` as a Path when this process may create or write that directory; else ConfigError naming `flag`."""
     path = pathlib.Path(path)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{flag}={path}: is a file, not a directory")
@@ -48,10 +34,11 @@ def is_run_dir(path) -> bool:
 
 def claim(workdir, kind: str, config_dict: Mapping, *, defaults: Mapping | None = None,
           free_keys: tuple = (), allow_changes: bool = False) -> dict[str, list]:
-    """Checks that a `kind` run ("grpo", "sft", "dpo", "rm") may write `workdir` with `config_dict` (module doc);
-    writes nothing. Returns {dotted key: [saved, new, checkpoint step]} of the settings a resume changes (none
-    for a new run or without a complete checkpoint; `defaults`: `config_changes`' defaults). Raises ConfigError
-    for each refusal in the module doc (a changed resume only without `allow_changes`)."""
+    """Checks that a `kind` run may write `workdir` with `config_dict` (docs/runs.md); writes nothing.
+
+    Returns {dotted key: [saved, new, checkpoint step]} of the settings a resume changes (`defaults`: as
+    `config_changes` takes them). Raises ConfigError naming the path for each refusal (changed settings outside
+    `free_keys`: only without `allow_changes`)."""
     workdir = check_writable(workdir)
     saved_path = workdir / "config.json"
     if not saved_path.is_file():
@@ -92,20 +79,18 @@ def _read_json(path: pathlib.Path):
 
 
 def _is_run_config(raw) -> bool:
-    """True when `raw` (a parsed config.json) is an object with a posttrain run's `model` and `train` sections."""
     return isinstance(raw, dict) and {"model", "train"} <= set(raw)
 
 
 def write_config(workdir, config_dict: Mapping) -> None:
-    """Creates `workdir` and writes `config.json` (after `claim`, once a resumed checkpoint restored)."""
+    """Creates `workdir` and writes its config.json (after `claim`, once a resumed checkpoint is restored)."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(json.dumps(config_dict, indent=2, default=str))
 
 
 def check_export_dir(out, *, source=None) -> pathlib.Path:
-    """`out` for `posttrain convert --out`: a directory that may be written and that is neither a posttrain run
-    nor the run being exported (`source`). Raises ConfigError naming --out otherwise."""
+    """`out` for `convert --out`: a writable directory, neither a posttrain run nor `source`; else ConfigError."""
     out = check_writable(out, "--out")
     if source is not None and out.resolve() == pathlib.Path(source).resolve():
         raise ConfigError(f"--out={out} is the run being exported (--checkpoint): give a new directory")
@@ -116,10 +101,7 @@ def check_export_dir(out, *, source=None) -> pathlib.Path:
 
 
 def claim_offline(workdir: pathlib.Path, kind: str, config_dict: Mapping, run_cls) -> None:
-    """`workdir.claim` for the offline run of `kind` ("sft", "dpo", "rm"; `run_cls` its config dataclass, whose
-    defaults judge fields added since a run was saved): a file, an unwritable path, another kind's run or a resume
-    with changed settings is refused (ConfigError) before anything is loaded or written. The step count, workdir,
-    time budget and the start / end evaluations may change on a resume."""
+    """`claim` for an offline run of `kind` (config dataclass `run_cls`); its evaluations may change on a resume too."""
     import dataclasses
 
     claim(workdir, kind, config_dict, defaults=dataclasses.asdict(run_cls()),

@@ -1,15 +1,5 @@
-"""Domain policies and the job scheduler's settings: what each domain may take of a step, matched by name pattern.
-
-A policy is attached to a domain by fnmatch pattern (the patterns of `env.domains`), so hundreds of domains need
-a few lines. The most specific matching pattern wins: an exact name, else the pattern with the most literal
-characters (wildcards `*`, `?` and `[...]` not counted); two equally specific patterns matching one domain are an
-error (ConfigDict sorts its keys, so "first listed" cannot be a rule). A domain no pattern matches gets
-`DomainPolicy()` (weight 1, priority 0, no guarantee, no cap).
-
-Units: shares are fractions of the slots (prompts = groups) of one `next_tasks` call; `max_env_cpu_s` is sandbox
-CPU seconds per step as the env reports them (`info["cost"]`); `max_concurrency` counts samples (sandboxes) in
-flight. Pure Python, no JAX.
-"""
+"""Domain policies and the job scheduler's settings: what each domain may take of a step, by the most specific
+matching fnmatch pattern (rules and units: docs/scheduling.md). Pure Python."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,27 +14,22 @@ from posttrain.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulingOptions:
-    """The retry, breaker, band and credit options of task scheduling, shared by the config's `tasks` section
-    (TasksConfig) and the scheduler's own settings (`posttrain.scheduling.domain_rules.SchedulerSettings`), which extend it.
+    """The retry, breaker, band and credit options shared by `TasksConfig` and `SchedulerSettings`.
 
     Attributes:
         max_attempts: group tries of a task visit (its first try and its re-queues) before its task is quarantined.
         retries_per_step: in-step retry rounds of an infra-error sample before its group leaves the batch.
         backoff_s: the first in-step retry's wait (seconds); each further round doubles it.
         backoff_max_s: the longest in-step wait (seconds).
-        breaker_rate: a domain whose infra-error rate over its last breaker_window sample attempts exceeds this
-            is paused (1: never).
-        breaker_window: sample attempts in the breaker's window (the window must be full to trip).
+        breaker_rate: a domain whose infra-error rate over its breaker window exceeds this is paused (1: never).
+        breaker_window: sample attempts in the breaker's window (it must be full to trip).
         breaker_cooldown_steps: steps a paused domain waits before one probe group.
         band_visits: skip a task whose last this many visits were all correct or all wrong (0: no band).
-        band_fail_visits: the all-wrong side's own count (-1: band_visits; 0: never skip a task for failing). A
-            task failed on its last visits may pass later (the policy learns from other tasks and domains), while a
-            passed one rarely fails again, so skipping failures stops the exploration a hard domain learns from.
+        band_fail_visits: the all-wrong side's own count (-1: band_visits; 0: never skip a task for failing).
         band_recheck: the probability that such a task is drawn anyway (a re-check).
         pass_threshold: reward that counts as correct (band, pass rate).
-        cost_ema: weight of a new env cost report in a domain's cost estimate (exponential moving average).
+        cost_ema: weight of a new env cost report in a domain's cost estimate (EMA).
         max_credit: the most credit (groups owed or over-served) a domain carries between steps.
-    Raises ValueError naming the options out of range.
     """
 
     max_attempts: int = 3
@@ -79,14 +64,11 @@ class SchedulingOptions:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TasksConfig(SchedulingOptions):
-    """The `tasks` section: SchedulingOptions (retries, breaker, band, credit) and
+    """The `tasks` section: `SchedulingOptions` plus the switch and the domain policies.
 
     Attributes:
-        enabled: draw training tasks with the job scheduler (policies, retries, quarantine, breaker, band)
-            instead of the weighted draw of `posttrain.scheduling.weighted_draw.WeightedDraw`.
-        policies: fnmatch pattern of env.train names -> {weight, priority, min_share, max_share, max_env_cpu_s,
-            max_concurrency} (`posttrain.scheduling.domain_rules.DomainPolicy`; the most specific pattern wins; min_shares
-            may sum to at most 1).
+        enabled: draw training tasks with the job scheduler instead of the weighted draw.
+        policies: fnmatch pattern of env.train names -> `DomainPolicy` fields (min_shares sum to at most 1).
     """
 
     enabled: bool = False
@@ -102,16 +84,15 @@ def _is_int(x) -> bool:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DomainPolicy:
-    """What one domain may take of each step.
+    """What one domain may take of each step; ValueError naming a field out of range.
 
     Attributes:
         weight: multiplies the domain's mix weight (its env spec's, or the curriculum's); > 0.
-        priority: higher priorities are filled first up to their caps (integer; default 0).
+        priority: higher priorities are filled first up to their caps (integer).
         min_share: guaranteed fraction of a step's slots while the domain has tasks, in [0, max_share].
         max_share: the most a domain takes of a step's slots, in (0, 1].
         max_env_cpu_s: env CPU seconds per step, on the domain's cost estimate (0: no cap).
         max_concurrency: samples (sandboxes) in flight at once (0: no cap; else >= the group size).
-    Raises ValueError naming the field for a value out of range.
     """
 
     weight: float = 1.0
@@ -133,17 +114,13 @@ class DomainPolicy:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerSettings(SchedulingOptions):
-    """The job scheduler's settings (`posttrain.scheduling.scheduler.JobScheduler`), built by `SchedulerSettings.of` from
-    the config's `tasks` section: its SchedulingOptions (max_attempts, retries_per_step, backoff_s, backoff_max_s,
-    breaker_rate, breaker_window, breaker_cooldown_steps, band_visits, band_fail_visits, band_recheck, pass_threshold, cost_ema,
-    max_credit; see there) and
+    """The job scheduler's settings: `SchedulingOptions` plus the fields below (`SchedulerSettings.of`).
 
     Attributes:
-        policies: (fnmatch pattern, DomainPolicy) pairs; the most specific match wins (module docstring).
+        policies: (fnmatch pattern, DomainPolicy) pairs; the most specific match wins.
         group_size: samples per task visit (G).
         seed: the run seed (task order, band re-checks).
         run: the run's name, the first field of every episode id.
-    Raises ValueError naming what is out of range.
     """
 
     policies: tuple[tuple[str, DomainPolicy], ...] = ()
@@ -170,12 +147,7 @@ class SchedulerSettings(SchedulingOptions):
 
     @classmethod
     def of(cls, tasks: TasksConfig, domains, *, group_size: int, seed: int, run: str) -> "SchedulerSettings":
-        """The settings of a config's `tasks` section over the env.train `domains`.
-
-        Raises:
-            ConfigError: naming `tasks` and the problem (a bad policy, a pattern matching no domain, min_shares
-                over 1).
-        """
+        """The settings of the `tasks` section over the env.train `domains`; ConfigError for bad policies."""
         try:
             policies = policies_from_mapping(tasks.policies)
             resolve_policies(list(domains), policies)
@@ -185,8 +157,7 @@ class SchedulerSettings(SchedulingOptions):
             raise ConfigError(f"tasks: {e}") from None
 
     def backoff(self, retry_round: int) -> float:
-        """Seconds to wait before in-step retry round `retry_round` (>= 1): backoff_s * 2**(round - 1), at most
-        backoff_max_s; 0 for round 0 (a first try)."""
+        """Seconds before in-step retry round `retry_round`: backoff_s * 2**(round - 1) up to backoff_max_s; 0 first."""
         return 0.0 if retry_round < 1 else min(self.backoff_max_s, self.backoff_s * 2.0 ** (retry_round - 1))
 
 
@@ -196,11 +167,9 @@ def specificity(pattern: str) -> int:
 
 
 def resolve_policies(names: Sequence[str], policies: Sequence[tuple[str, DomainPolicy]]) -> dict[str, DomainPolicy]:
-    """{domain: its DomainPolicy} by the most specific matching pattern (module docstring).
+    """{domain: its DomainPolicy} by the most specific matching pattern.
 
-    Raises ValueError for a pattern that matches no domain, two equally specific patterns matching one domain,
-    or min_shares summing to more than 1 over the domains (each domain matched by a pattern gets its min_share).
-    """
+    Raises ValueError for a pattern matching no domain, two equally specific matches, or min_shares summing over 1."""
     policies = list(policies)
     for pattern, _ in policies:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
@@ -220,8 +189,7 @@ def resolve_policies(names: Sequence[str], policies: Sequence[tuple[str, DomainP
 
 
 def policies_from_mapping(rules: Mapping[str, Mapping]) -> tuple[tuple[str, DomainPolicy], ...]:
-    """(pattern, DomainPolicy) pairs from {pattern: {field: value}} (a config's `tasks.policies`), sorted by
-    pattern. Raises ValueError naming the pattern for an unknown field or a value out of range."""
+    """(pattern, DomainPolicy) pairs, sorted, from `tasks.policies`; ValueError for a bad field or value."""
     fields = {f.name for f in dataclasses.fields(DomainPolicy)}
     out = []
     for pattern in sorted(rules):

@@ -1,19 +1,5 @@
-"""Per-domain scheduler state: the pass-rate band over per-task statistics, counters, JSON form and metrics.
-
-The pass-rate band: per-task statistics let the scheduler skip tasks nothing can be learned from.
-
-A GRPO group whose G rewards are all equal gets advantage 0 (docs/design.md invariant 5): the compute is spent for
-nothing. Each task keeps, in its domain's state, one small list [draws, visits, mean reward, last visit step,
-streak]: draws counts the visits handed out (the next visit number), visits the completed ones; the streak is +k
-after k consecutive visits whose samples all passed (reward >= pass_threshold), -k after k all failed, 0
-otherwise. A fresh draw skips a task whose streak >= band_visits or -streak >= band_fail_visits (-1: band_visits;
-0: never), except with probability band_recheck (a
-re-check: the policy may have changed), decided by a hash of (seed, step, domain, task index, pass), so the skip is
-deterministic given the state. Skipped draws are counted (tasks/<domain>/skipped_frac). The band composes with
-dynamic sampling (which redraws zero-variance groups after paying for them: the band avoids most of those
-payments) and with the curriculum (a level move changes the task source; the statistics of the old level's
-tasks no longer match, so `reset` clears them).
-"""
+"""Per-domain scheduler state: per-task statistics and the pass-rate band that skips tasks whose recent visits all
+passed or all failed (docs/scheduling.md), counters, JSON form and metrics."""
 from __future__ import annotations
 
 import dataclasses
@@ -33,7 +19,7 @@ def new_entry() -> list:
 
 
 def record_visit(entry: list, rewards: Sequence[float], step: int, pass_threshold: float) -> list:
-    """`entry` updated in place by one completed visit's scored rewards (all G of them); returns it."""
+    """Updates `entry` in place with one completed visit's G scored rewards; returns it."""
     passes = [float(r) >= pass_threshold for r in rewards]
     visits = entry[VISITS] + 1
     entry[MEAN] += (sum(float(r) for r in rewards) / len(rewards) - entry[MEAN]) / visits
@@ -49,8 +35,7 @@ def record_visit(entry: list, rewards: Sequence[float], step: int, pass_threshol
 
 
 def in_band(entry: list | None, band_visits: int, band_fail_visits: int = -1) -> bool:
-    """Whether a task's recent visits were all correct (its last band_visits) or all wrong (its last
-    band_fail_visits; -1: band_visits, 0: never); band_visits 0: the band is off."""
+    """Whether a task's last band_visits all passed or its last band_fail_visits all failed (band_visits 0: off)."""
     if not band_visits or entry is None:
         return False
     fail = band_visits if band_fail_visits < 0 else band_fail_visits
@@ -72,8 +57,7 @@ def should_skip(entry: list | None, settings, step: int, domain: str, task_index
 
 
 def reset(tasks: dict) -> None:
-    """Forgets the visit statistics (mean, streak) of a domain's tasks, keeping the draw counts (visit numbers
-    must never repeat: they are part of the episode ids)."""
+    """Forgets a domain's task statistics, keeping the draw counts (visit numbers are part of episode ids)."""
     for entry in tasks.values():
         entry[VISITS], entry[MEAN], entry[LAST], entry[STREAK] = 0, 0.0, -1, 0
 
@@ -85,10 +69,7 @@ BREAKER_CODES = {"closed": 0.0, "open": 1.0, "probing": 2.0}
 
 @dataclasses.dataclass
 class DomainState:
-    """One domain's share of the job scheduler's state: its task source, resolved policy and mix weight; the
-    pass cursor (epoch, index); credit and share carry (`scheduling.quota`); the cost estimate (CPU s per sample;
-    None before the first report); samples in flight; breaker; quarantined task indices; re-queued visits; per-task
-    entries (above); counters over the run (`totals`) and since the last step began (`last`)."""
+    """One domain's share of the job scheduler's state (`cost`: CPU s per sample, None before a report)."""
 
     source: Any
     policy: DomainPolicy
@@ -134,9 +115,7 @@ class DomainState:
         self.last = dict.fromkeys(COUNTERS, 0)
 
     def metrics(self, prefix: str) -> dict[str, float]:
-        """`<prefix>/{share,quota_used,cpu_s,retries,infra_errors,infra_error_rate,pass_rate,skipped_frac,quarantined,
-        breaker,credit,cost_s,episodes}`: last step (share of its slots, env CPU s and its fraction of max_env_cpu_s,
-        infra-error sample runs, ...) and run totals (quarantined, episodes); rates -1 where nothing was measured."""
+        """`<prefix>/*` metrics of the last step (quarantined and episodes: the run's); rates -1 when unmeasured."""
         last, cap = self.last, self.policy.max_env_cpu_s
         return {f"{prefix}/share": _ratio(last["groups"], last["slots"], 0.0),
                 f"{prefix}/quota_used": last["cpu_s"] / cap if cap else 0.0, f"{prefix}/cpu_s": float(last["cpu_s"]),
@@ -150,8 +129,7 @@ class DomainState:
                 f"{prefix}/episodes": float(self.totals["episodes"])}
 
     def summary(self) -> dict:
-        """The run view of the domain (for `posttrain status`): policy, run share, episodes, pass rate, infra
-        errors, retries, quarantined, breaker, cost."""
+        """The run view of the domain (for `posttrain status`)."""
         t = self.totals
         return {"weight": self.weight * self.policy.weight, "priority": self.policy.priority,
                 "share": _ratio(t["groups"], t["slots"], 0.0), "cpu_s": float(t["cpu_s"]),

@@ -1,30 +1,5 @@
-"""The run view (`posttrain status`): per-domain rows from the scheduler's `status.json` snapshot, or from the
-episode archive when a run has none (older runs, the weighted draw's counters).
-
-A run writes `workdir/status.json` after every step (process 0; `write_status`: a temp file, fsynced, renamed over
-the final name, so a reader never sees a partial file). Its form (STATUS_VERSION 1):
-
-    {"version": 1, "step": 11, "scheduler": "jobs" | "weighted", "steps": 12, "policy_version": 11,
-     "domains": {name: {"weight", "priority", "max_env_cpu_s", "quarantined", "breaker", "level",
-                        "last": COUNTERS, "run": COUNTERS}}}
-
-where step is the batch's 0-based index as in the archive (the update that trains it is metrics.jsonl's step
-`steps`, which `posttrain status` shows), policy_version is the policy version that sampled the step's batch (the
-archive rows' `policy_version`; below `step` by the batch's staleness under rollout.max_staleness > 0; null when not
-known; absent in older files), COUNTERS = {groups, slots, cpu_s, episodes, scored, passes, infra_errors, retries}
-over the last step and over the run (the job scheduler's `stats.DomainState` counters: slots while the domain was
-drawn from, passes of the complete groups; the weighted draw has none: `weight` is its draw probability and the
-counters come from the archive). `archive_stats` computes the same counters from archive rows, where slots are every
-domain's groups of that scope (a share is the domain's fraction of the groups drawn) and passes count every scored
-attempt. `rows` merges both (the snapshot wins) into one row per domain with ROW_COLUMNS:
-
-    share_last / share_run   groups / slots (last step / run)
-    quota_last / quota_run   env CPU s / max_env_cpu_s (last step / run: / (cap x steps)); None without a cap
-    pass_rate                passes / scored samples over the run (None: nothing scored)
-    episodes, infra_errors, retries   sample runs, infra-error runs and in-step retried sample runs (run)
-    quarantined, breaker, level       tasks never drawn again, closed|open|probing, curriculum level (None: unknown)
-Pure Python + pyarrow; nothing here writes except `write_status`.
-"""
+"""The run view (`posttrain status`): per-domain rows from the run's status.json snapshot and / or the episode
+archive's counters (the file's form and the columns: docs/scheduling.md)."""
 from __future__ import annotations
 
 import json
@@ -47,9 +22,7 @@ ARCHIVE_COLUMNS = ["domain", "step", "task_index", "visit", "try_index", "retry_
 
 def snapshot(step: int, scheduler, levels: Mapping[str, int] | None = None, policy_version: int | None = None
              ) -> dict:
-    """The status.json dict of `scheduler` after step `step` (0-based): a `scheduling.scheduler.JobScheduler` (policies,
-    counters, quarantine, breaker) or a `scheduling.weighted_draw.WeightedDraw` (draw probabilities only); `levels`:
-    the curriculum's {domain: level}; `policy_version`: the version that sampled the step's batch."""
+    """The status.json dict of `scheduler` after step `step`, with the curriculum's `levels` and `policy_version`."""
     levels = dict(levels or {})
     domains = {}
     if hasattr(scheduler, "domains"):  # the job scheduler
@@ -68,12 +41,12 @@ def snapshot(step: int, scheduler, levels: Mapping[str, int] | None = None, poli
 
 
 def write_status(workdir, status: Mapping) -> pathlib.Path:
-    """Writes `status` to workdir/status.json atomically (temp file in the same folder, fsync, os.replace)."""
+    """Writes `status` to workdir/status.json atomically (temp file, fsync, os.replace)."""
     return atomic_write(pathlib.Path(workdir) / STATUS_FILE, lambda f: json.dump(status, f, sort_keys=True))
 
 
 def read_status(workdir) -> dict | None:
-    """workdir/status.json, or None when there is none. Raises ValueError for a file of a newer version."""
+    """workdir/status.json, or None when there is none; ValueError for a file of a newer version."""
     path = pathlib.Path(workdir) / STATUS_FILE
     if not path.is_file():
         return None
@@ -110,10 +83,7 @@ def _counters(table: pa.Table, pass_threshold: float) -> dict[str, dict[str, flo
 
 
 def archive_stats(table: pa.Table, pass_threshold: float = 1.0) -> dict:
-    """The status.json form of archive rows (a table with ARCHIVE_COLUMNS, e.g. `archive.read(workdir,
-    columns=ARCHIVE_COLUMNS)`): {"step": last step, "steps": distinct steps, "domains": {name: {"last": COUNTERS of
-    the last step, "run": COUNTERS of all rows}}}; a pass is a scored reward >= `pass_threshold`. Raises
-    ValueError naming the missing columns."""
+    """The status.json form of archive rows (ARCHIVE_COLUMNS); ValueError naming missing columns."""
     missing = sorted(set(ARCHIVE_COLUMNS) - set(table.column_names))
     if missing:
         raise ValueError(f"archive_stats: the table lacks column(s) {missing}")
@@ -132,8 +102,7 @@ def _ratio(a, b):
 
 
 def rows(status: Mapping | None, stats: Mapping | None = None) -> list[dict]:
-    """One row per domain (ROW_COLUMNS, domains sorted) from a status.json dict and/or `archive_stats`: every
-    field the snapshot has wins, the archive fills the rest, None where neither knows (module docstring)."""
+    """One row per domain (ROW_COLUMNS) from a status.json dict and/or `archive_stats`; the snapshot wins."""
     status, stats = status or {}, stats or {}
     sd, ad = status.get("domains", {}), stats.get("domains", {})
     steps = status.get("steps") or stats.get("steps") or 0

@@ -1,20 +1,5 @@
-"""Tickets, outcomes and the retry bookkeeping of the job scheduler (`posttrain.scheduling.scheduler`).
-
-A task visit is one draw of a task for training: G samples, each with an `episode_id` = "run:domain:task
-index:visit:sample index". Every run of a sample is one attempt, numbered within the visit (a ticket's samples
-share its attempt number), so (episode_id, attempt) keys exactly one archive row. The life of a visit:
-  try 0 (the step that drew it) -> an infra-error sample is retried within the step, `retries_per_step` rounds
-  with back-off (`SchedulerSettings.backoff`), so its group completes; if one still fails, the whole group leaves
-  the batch and the visit is re-queued for the next step as try 1 (all G samples again, next attempt number);
-  a visit whose `max_attempts` tries all failed quarantines its task (listed, never drawn again). A breaker's probe
-  group tests its domain, not its task: its failure costs the visit no try.
-Infra errors are never scored: a group enters the batch only with all G samples scored (docs/design.md invariant 6).
-
-Why not `tenacity`: its `Retrying` calls the function and sleeps itself, while this scheduler is passive (it never
-calls a runner; the rollout phase runs tickets, possibly on other hosts or Ray actors), the retry state must be
-saved with a checkpoint and survive a resume, and its jittered waits draw from the unseeded `random` module, which
-would make the run depend on more than (seed, step, reported costs). The back-off itself is one line.
-"""
+"""Tickets, outcomes and the retry bookkeeping of the job scheduler: in-step retries, re-queues, quarantine and the
+breaker (the life of a visit: docs/scheduling.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,13 +17,9 @@ def episode_id(run: str, domain: str, task_index: int, visit: int, sample: int) 
 
 @dataclasses.dataclass(frozen=True)
 class TaskTicket:
-    """Work for the rollout phase: run `samples` (indices in 0..G-1) of one visit of a task, after waiting
-    `delay_s` seconds (an in-step retry's back-off), and report one `Outcome` per sample.
+    """Work for the rollout phase: run `samples` (0..G-1) of one visit after `delay_s` seconds, report each Outcome.
 
-    ticket_id: unique in the run; step: the step it belongs to; task: the task dict (`TaskSource.get_task`);
-    attempt: the attempt number of these sample runs (archive key); try_index: the visit's group try (0: the
-    draw, then one per re-queue); retry_round: in-step retry round (0: first run this step); probe: a paused
-    domain's probe group."""
+    try_index: the visit's group try (0: the draw, +1 per re-queue); retry_round: in-step round (0: first run)."""
 
     ticket_id: int
     step: int
@@ -65,9 +46,7 @@ class TaskTicket:
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """What one sample run of a ticket ended with: status (`envs` statuses: ok | wrong | timeout | memory_limit |
-    disk_limit | output_limit | runtime_error | infra_error), reward (ignored for infra_error), cost_s
-    (env-reported sandbox CPU seconds, `info["cost"]`)."""
+    """What one sample run of a ticket ended with: a status of `STATUSES`, its reward and env CPU seconds."""
 
     ticket_id: int
     sample: int
@@ -87,8 +66,8 @@ class Outcome:
 
 @dataclasses.dataclass(frozen=True)
 class GroupResult:
-    """A visit's try that ended: fate "complete" (all G samples scored: it enters the batch), "requeued" (left
-    the batch; tried again next step) or "quarantined" (left the batch; its task is never drawn again).
+    """A visit's try that ended: "complete" (enters the batch), "requeued" or "quarantined".
+
     attempts / rewards: per sample index, the scored attempt and its reward (complete groups only)."""
 
     domain: str
@@ -107,8 +86,7 @@ class GroupResult:
 
 @dataclasses.dataclass(frozen=True)
 class ReportResult:
-    """What `JobScheduler.report` decided: retries (tickets to run now, in this step, after their delay_s),
-    complete groups (train on them) and dropped groups (archive their samples, do not train)."""
+    """What `report` decided: retries (to run now, after their delay_s), complete groups and dropped groups."""
 
     retries: tuple[TaskTicket, ...] = ()
     complete: tuple[GroupResult, ...] = ()
@@ -117,8 +95,7 @@ class ReportResult:
 
 @dataclasses.dataclass
 class OpenGroup:
-    """A visit's try in flight: scored {sample: (attempt, reward)}, pending {sample: ticket id}, failed
-    {sample: retry round of its last infra error}, next_attempt (the next ticket's attempt number)."""
+    """A visit's try in flight: scored {sample: (attempt, reward)}, pending {sample: ticket id}, failed samples."""
 
     domain: str
     task_index: int
@@ -157,9 +134,7 @@ class Requeued:
 
 
 class Breaker:
-    """A domain's circuit breaker over its last `window` sample attempts: "closed" (drawn normally) -> "open" (no
-    draws) when the window is full and its infra-error rate exceeds `rate` -> after `cooldown` steps one probe
-    group ("probing") -> "closed" (window cleared) when the probe's samples all score, else "open" again."""
+    """A domain's circuit breaker over its last `window` sample attempts: closed -> open -> probing -> closed."""
 
     def __init__(self, window: int, rate: float, cooldown: int):
         self.window, self.rate, self.cooldown = window, rate, cooldown

@@ -1,12 +1,5 @@
-"""The weighted draw: the scheduler without priorities, quotas or retries, over an environment mix.
-
-Each domain (a named env spec) walks its task source in passes ("epochs"): pass e visits every task index once,
-in an order given by a seeded permutation of (seed, domain, e). When a pass ends the next one begins, so a
-checkpoint saved exactly at the end of a pass resumes into the next pass instead of stopping. Which domain each
-prompt slot draws from is a deterministic function of (seed, step, slot) and the mix weights. The whole state
-is a small JSON dict (`state_dict` / `load_state_dict`), saved with every checkpoint: same task order after
-a resume (docs/design.md invariant 9).
-"""
+"""The weighted draw: the scheduler without priorities, quotas or retries: each domain walks its tasks in seeded
+passes, and each slot's domain is drawn at the mix weights (docs/scheduling.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,17 +17,11 @@ class DomainCursor:
 
 
 class WeightedDraw:
-    """Draws tasks from several task sources at their mix weights, behind the job scheduler's interface.
-
-    `next_tasks(step, count)` gives whole-group tickets (a fresh visit, G samples, attempt 0); `report(outcomes)`
-    returns every ticket's group as complete: the weighted draw neither retries nor re-queues (an infra-error
-    sample stays in its group, unscored).
+    """Draws tasks at their mix weights, behind the `Scheduler` interface; `report` calls every group complete.
 
     Args:
       sources: {domain name: TaskSource (num_tasks, get_task(i))}.
       weights: {domain name: sampling weight > 0}.
-      seed: run seed.
-      group_size: samples per ticket (G).
       run: the run's name, the first field of every episode id.
     Raises:
       ValueError: empty sources, unknown/negative weights, or an empty task source.
@@ -70,11 +57,7 @@ class WeightedDraw:
         return self._orders[key]
 
     def next_tasks(self, step: int, count: int) -> list[TaskTicket]:
-        """`count` tickets of whole groups for `step`, advancing the cursors.
-
-        A step's k-th call draws with the key `step * 1000 + k` (`next_draws`); tickets are numbered from 0 within
-        the step, the visit is the task's pass.
-        """
+        """`count` whole-group tickets for `step`; a step's k-th call draws with key `step * 1000 + k`."""
         if step != self._step:  # a new step: its tickets are numbered anew (a past step's are never reported)
             self._step, self._round, self._issued, self._open = step, 0, 0, {}
         draws = self.next_draws(step * 1000 + self._round, count)
@@ -85,7 +68,7 @@ class WeightedDraw:
         return tickets
 
     def report(self, outcomes: list[Outcome]) -> ReportResult:
-        """Every reported ticket's group, complete, in ticket order (its samples' first attempts and rewards)."""
+        """Every reported ticket's group, complete, in ticket order."""
         rewards: dict[int, dict[int, float]] = {}
         for o in outcomes:
             rewards.setdefault(o.ticket_id, {})[o.sample] = o.reward
@@ -97,8 +80,7 @@ class WeightedDraw:
         return ReportResult(complete=tuple(complete))
 
     def next_draws(self, step: int, count: int) -> list[tuple[str, int, int, dict]]:
-        """`count` (domain, task index, pass, task dict) draws for `step`, advancing the cursors (as `next_tasks`).
-        A task is drawn once per pass of its domain, so (domain, task index, pass) names one visit of it."""
+        """`count` (domain, task index, pass, task dict) draws for `step`, advancing the cursors."""
         rng = np.random.default_rng([self.seed, 7919, step])
         picks = rng.choice(len(self.names), size=count, p=self.probs)
         out = []
@@ -114,9 +96,7 @@ class WeightedDraw:
         return out
 
     def set_source(self, name: str, source) -> None:
-        """Replaces domain `name`'s task source (e.g. the same tasks at a new curriculum level), keeping its cursor.
-
-        Raises ValueError for an unknown domain or a source of another size (the cursor indexes its pass order)."""
+        """Replaces domain `name`'s task source, keeping its cursor; ValueError for an unknown domain or size."""
         if name not in self.sources:
             raise ValueError(f"unknown domain {name!r}; known {self.names}")
         if source.num_tasks != self.sources[name].num_tasks:
@@ -135,7 +115,7 @@ class WeightedDraw:
         return {"seed": self.seed, "cursors": {n: dataclasses.asdict(c) for n, c in self.cursors.items()}}
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Restores cursors. Raises ValueError when the saved domains differ from the configured ones."""
+        """Restores cursors; ValueError when the saved domains differ from the configured ones."""
         saved = state.get("cursors", {})
         if set(saved) != set(self.names):
             raise ValueError(f"checkpoint task cursors are for domains {sorted(saved)}, config has {self.names}")

@@ -1,20 +1,6 @@
-"""DPO data: TRL's preference records -> token ids -> `PairBatch`es in the packed group layout.
+"""DPO data: TRL's preference records -> token ids -> `PairBatch`es in the packed group layout; the `dpo` config.
 
-Dimension legend: see `posttrain.types` (R rows, L width, N = 2R samples, C scored slots); P pairs (P = R).
-
-Record format (a JSONL line or the same dict inline; TRL's preference format,
-https://huggingface.co/docs/trl/dataset_formats#preference):
-  {"prompt": str | [messages], "chosen": str | [messages], "rejected": str | [messages], "id"?: str}
-A string prompt is one user turn; a string reply one assistant turn; a message-list reply must be exactly one
-assistant turn. Without "prompt" (TRL's implicit prompt), "chosen" and "rejected" are whole conversations and the
-prompt is the messages they begin with in common (`split_implicit_prompt`). The prompt is rendered by the tokenizer's chat template with the generation prompt (as the RL
-sampler sees it) and each reply is the template's rendering of that assistant turn after it (its content and
-end-of-turn token, not the whitespace after), tokenized on its own: the tokens a policy would generate.
-
-Layout: one pair per row, the GRPO packed layout with a group of two (`rollout.batching.assemble`): the prompt
-once, then the chosen reply (branch 1, sample 2p) and the rejected one (branch 2, sample 2p + 1), each attending to
-the prompt and itself only, so the prompt's forward and backward pass is shared by both replies. Every batch of a
-run has one shape (prompt and reply regions sized by the longest in the data set), so one compilation serves all.
+Shapes: the legend in `posttrain.types`. Record format and layout: docs/algorithms.md.
 """
 from __future__ import annotations
 
@@ -42,15 +28,13 @@ ALIGN = 8  # prompt and reply regions are rounded up to a multiple of this many 
 
 @struct.dataclass
 class PairBatch(RolloutBatch):
-    """A `RolloutBatch` of preference pairs (samples 2p: chosen, 2p + 1: rejected) with the reference policy's
-    sequence logprobs `ref_logp_N` (float32 [N], the sum over each reply's tokens, nats; None until computed)."""
+    """A `RolloutBatch` of pairs (samples 2p chosen, 2p + 1 rejected); ref_logp_N: float32 reference sums, nats."""
 
     ref_logp_N: Any = None
 
 
 class Pair(NamedTuple):
-    """One tokenized preference pair. pair_id: the record's "id" or its location; prompt / chosen / rejected:
-    int32 token ids; truncated: a reply or the prompt was cut to the configured maximum."""
+    """One tokenized preference pair (int32 ids); truncated: the prompt or a reply was cut to its maximum."""
 
     pair_id: str
     prompt: np.ndarray
@@ -61,11 +45,11 @@ class Pair(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PairSettings:
-    """What DPO reads (built by `recipes.dpo.make_dpo_plan`).
+    """The pair data a run reads (`posttrain.recipes.dpo.pair_settings` builds it).
 
     Attributes:
-      train_path: a JSONL file of preference records ("" : `train_records`).
-      eval_path: held-out records as JSONL ("" : `eval_records`, else `eval_fraction`).
+      train_path: a JSONL file of preference records ("": `train_records`).
+      eval_path: held-out records as JSONL ("": `eval_records`, else `eval_fraction`).
       train_records: inline records, used when `train_path` is "".
       eval_records: inline held-out records.
       eval_fraction: share of the training records held out when no eval data is given.
@@ -73,8 +57,7 @@ class PairSettings:
       max_completion_len: tokens; a longer reply keeps its first tokens.
       pairs_per_step: P, pairs in one step's batch.
       seed: of the shuffles (held-out split, step order).
-      from_archive: a GRPO run's workdir whose archived groups give the pairs instead ("": none;
-        `posttrain.algos.from_archive.dpo_pairs`, read by `recipes.dpo`).
+      from_archive: GRPO run workdirs whose archived groups give the pairs ("": none; `from_archive.dpo_pairs`).
     """
 
     train_path: str = ""
@@ -98,9 +81,7 @@ def _reply(value: Any, where: str, key: str) -> dict:
 
 
 def split_implicit_prompt(record: Mapping[str, Any], where: str) -> dict:
-    """`record` with "prompt" = the messages its "chosen" and "rejected" conversations begin with in common, and
-    each reply the rest of its conversation (TRL's implicit-prompt preference format, as its `extract_prompt`).
-    Raises DataError naming `where` unless both are message lists that share at least one leading message."""
+    """`record` with "prompt": the messages both conversations begin with (none: DataError), each reply the rest."""
     chosen, rejected = (as_turns(record[k], where, k, "assistant") for k in ("chosen", "rejected"))
     if isinstance(record["chosen"], str) or isinstance(record["rejected"], str):
         raise DataError(f"{where}: missing key(s) ['prompt']: string replies need a 'prompt' (only message-list "
@@ -116,9 +97,7 @@ def split_implicit_prompt(record: Mapping[str, Any], where: str) -> dict:
 
 def encode_pair(tokenizer, record: Mapping[str, Any], where: str, max_prompt_len: int,
                 max_completion_len: int) -> Pair:
-    """The `Pair` of one record (module doc). Raises DataError naming `where` for a missing key, malformed
-    messages, a prompt ending in an assistant turn, or a chat template that does not render the reply after the
-    prompt; TypeError for a record that is not a mapping."""
+    """The `Pair` of one record, each reply tokenized after the rendered prompt; DataError naming `where` if bad."""
     if not isinstance(record, Mapping):
         raise TypeError(f"{where}: a DPO record must be a mapping, got {type(record).__name__}")
     missing = [k for k in ("chosen", "rejected") if k not in record]
@@ -148,7 +127,7 @@ def encode_pair(tokenizer, record: Mapping[str, Any], where: str, max_prompt_len
 
 
 def encode_pairs(tokenizer, records: Sequence[tuple[str, Mapping]], settings: PairSettings) -> list[Pair]:
-    """The pairs of (where, record) items. Raises DataError for duplicate pair ids and as `encode_pair` does."""
+    """The pairs of (where, record) items; DataError for duplicate pair ids, and as `encode_pair`."""
     pairs = [encode_pair(tokenizer, r, where, settings.max_prompt_len, settings.max_completion_len)
              for where, r in records]
     ids = [p.pair_id for p in pairs]
@@ -159,7 +138,7 @@ def encode_pairs(tokenizer, records: Sequence[tuple[str, Mapping]], settings: Pa
 
 
 def load_pairs(settings: PairSettings, tokenizer) -> tuple[list[Pair], list[Pair]]:
-    """(train pairs, held-out pairs) of the settings' data. Raises DataError when there is no training pair."""
+    """(train pairs, held-out pairs) of the settings' data; DataError when there is no training pair."""
     train = load_records(settings.train_path, settings.train_records, "train_examples")
     held = load_records(settings.eval_path, settings.eval_records, "eval_examples")
     if not held and settings.eval_fraction:
@@ -173,14 +152,12 @@ def load_pairs(settings: PairSettings, tokenizer) -> tuple[list[Pair], list[Pair
 
 
 def tied(pair: Pair) -> bool:
-    """True when the pair's chosen and rejected replies are the same tokens (after the length cut): such a pair
-    states no preference; its DPO / Bradley-Terry gradient is exactly zero."""
+    """True when chosen and rejected are the same tokens after the cut: no preference, exactly zero gradient."""
     return len(pair.chosen) == len(pair.rejected) and bool(np.all(pair.chosen == pair.rejected))
 
 
 def check_ties(pairs: Sequence[Pair], source: str) -> int:
-    """The number of tied pairs (`tied`) among the training `pairs`, logged as a warning when there are any.
-    Raises DataError naming `source` when every pair is tied (nothing to learn)."""
+    """The number of tied training pairs (`tied`), logged as a warning; DataError naming `source` if all are."""
     n = sum(map(tied, pairs))
     if pairs and n == len(pairs):
         raise DataError(f"every one of the {n} preference pairs from {source} has chosen == rejected (after the "
@@ -207,9 +184,7 @@ def regions(pairs: Sequence[Pair]) -> tuple[int, int]:
 
 def make_batch(pairs: Sequence[Pair], prompt_region: int, reply_region: int, pad_id: int, num_pairs: int,
                ref_logp_N: np.ndarray | None = None) -> PairBatch:
-    """The host `PairBatch` of `pairs` padded with empty rows (invalid, no loss) to `num_pairs` rows: width L =
-    prompt_region + 2 * reply_region, C = reply_region scored slots. Raises ValueError for more pairs than
-    `num_pairs` or a pair longer than the regions."""
+    """The host `PairBatch` of `pairs`, padded with invalid rows to `num_pairs`; ValueError for what does not fit."""
     if len(pairs) > num_pairs:
         raise ValueError(f"{len(pairs)} pairs do not fit a batch of {num_pairs}")
     samples = []
@@ -237,15 +212,15 @@ class _NoAdvantage(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DPOConfig:
-    """The `dpo` section: preference pairs in TRL's format (`posttrain.algos.dpo.data`).
+    """The `dpo` section: preference pairs in TRL's format and the preference loss.
 
     Attributes:
-      train_path: a JSONL file of {"prompt", "chosen", "rejected"} records ("" : use `train_examples`).
-      train_examples: the same records inline (tiny runs and tests); exactly one of the two is set.
-      eval_path: held-out pairs as a JSONL file ("" : `eval_examples`, else `eval_fraction`).
+      train_path: a JSONL file of {"prompt", "chosen", "rejected"} records ("": `train_examples`).
+      train_examples: the same records inline (tiny runs and tests); at most one data source is set.
+      eval_path: held-out pairs as a JSONL file ("": `eval_examples`, else `eval_fraction`).
       eval_examples: held-out pairs inline.
       eval_fraction: share in [0, 1) of the training records held out when no held-out data is given.
-      loss: the preference loss, one of `LOSS_NAMES` (`posttrain.algos.dpo.losses.LOSSES`) (sigmoid: DPO; ipo: IPO; hinge: SLiC).
+      loss: one of `LOSS_NAMES` (sigmoid: DPO; ipo: IPO; hinge: SLiC).
       beta: > 0, the implicit KL strength (TRL's default 0.1).
       label_smoothing: in [0, 0.5), conservative DPO's label-flip probability (sigmoid loss only).
       max_prompt_len: tokens; a longer prompt keeps its last tokens.
@@ -253,14 +228,10 @@ class DPOConfig:
       pairs_per_step: pairs in a step's batch (a multiple of num_microbatches x the mesh's batch shards).
       num_microbatches: gradient-accumulation microbatches.
       logprob_chunk: scored slots per unembedding chunk.
-      reference_cache: store the reference logprobs in `<workdir>/reference_logps.parquet` and reuse them while
-        the model and data hashes match (False: recompute at every start).
+      reference_cache: keep the reference logprobs in `<workdir>/reference_logps.parquet` while model and data match.
       eval_at_start: held-out pair accuracy and margins before the first step.
       eval_at_end: the same after the last step.
-      from_archive: a GRPO run's workdir, or several separated by commas (`algos.from_archive.archive_runs`): pairs
-        from their archived groups instead of train_path / train_examples
-        (same prompt and policy version, a reply scored 1 chosen over one scored 0;
-        `posttrain.algos.from_archive.dpo_pairs`; held out: eval_fraction of its prompts). "": not used.
+      from_archive: GRPO run workdirs, comma-separated: pairs from their archived groups ("": not used).
     """
 
     train_path: str = ""

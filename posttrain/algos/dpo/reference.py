@@ -1,11 +1,4 @@
-"""Cached reference logprobs of DPO: one Parquet file of per-pair sequence logprobs, reused while it matches.
-
-File layout (pyarrow; `SCHEMA_VERSION` and both hashes in the schema's metadata): one row per pair with
-`pair_id` (string), `ref_chosen`, `ref_rejected` (float32, nats: the sum of the reference policy's token logprobs
-over each reply). `reference_hash` names the reference (the policy source and its weights' files) and `data_hash`
-the tokenized pairs (`data.data_hash`): `read` returns the table only when both match, so a changed model or data
-set recomputes it. Written atomically (a temporary file in the same directory, then a rename).
-"""
+"""Cached reference logprobs of DPO: a Parquet row of (ref_chosen, ref_rejected) nats per pair, hashes in metadata."""
 from __future__ import annotations
 
 import pathlib
@@ -33,8 +26,7 @@ def write(path: pathlib.Path, ref_logps: Mapping[str, tuple[float, float]], refe
 
 
 def read(path: pathlib.Path, reference_hash: str, data_hash: str) -> dict[str, tuple[float, float]] | None:
-    """{pair_id: (ref_chosen, ref_rejected)} from `path` when it exists and its schema version and both hashes
-    match; None otherwise (also for an unreadable file, which is then recomputed and replaced)."""
+    """{pair_id: (ref_chosen, ref_rejected)} from `path` when its schema version and both hashes match, else None."""
     if not path.is_file():
         return None
     try:

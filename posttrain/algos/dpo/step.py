@@ -1,19 +1,6 @@
 """The DPO update on the generic step: `make_train_step(graphdef, tx, lr_schedule, opts) -> step(state, batch)`.
 
-Dimension legend: see `posttrain.types` (R rows, L width, N = 2R samples, C scored slots); P = R pairs.
-
-Per sample n the sequence logprob is s_n = sum_c mask[n, c] log pi(targets[n, c] | ...) (float32 nats, from
-`learn.logprobs.score_logprobs` at temperature 1, chunked through the unembedding), or its per-token mean for a
-length-normalized loss (IPO). Pair p's log-ratio difference is h_p = (s_2p - s_2p+1) - (ref_2p - ref_2p+1) with the
-reference's sequence logprobs `ref_logp_N` carried by the `PairBatch` (computed once, before training, by
-`make_reference_fn` on the initial policy), so no reference model is held during training. The loss is the mean
-of the named preference loss (`algos.dpo.losses`) over the valid pairs of the FULL batch: its denominator comes
-from `context` once per step, so microbatches sum to the full-batch value (docs/design.md invariant 3).
-
-Metrics (TRL's names, means over pairs): `dpo/loss`, `rewards/chosen`, `rewards/rejected` (beta (s - ref) of each
-reply), `rewards/margins` (their difference), `rewards/accuracies` (chosen > rejected, a tie counts 1/2),
-`logps/chosen`, `logps/rejected` (s of each reply), and `dpo/pairs` (valid pairs in the batch).
-MoE auxiliary losses are not added (a dense-model loss).
+Shapes: the legend in `posttrain.types`. The reference rides in the batch (`ref_logp_N`); notes: docs/algorithms.md.
 """
 from __future__ import annotations
 
@@ -32,9 +19,7 @@ from posttrain.types import TrainState
 
 
 class StepOptions(NamedTuple):
-    """Static settings of the DPO step (hashable). loss: a name in `losses.LOSSES`; beta, label_smoothing: its
-    parameters; num_microbatches: M (rows divide by it); logprob_chunk: slots per unembedding chunk;
-    matmul_precision: of the logprob matmuls; lora_rank: adapters only when > 0."""
+    """Static settings of the DPO step (hashable): a `losses.LOSSES` name and its parameters, chunking, precision."""
 
     loss: str = "sigmoid"
     beta: float = 0.1
@@ -50,7 +35,7 @@ class StepOptions(NamedTuple):
 
 
 class Context(NamedTuple):
-    """Per-step values of the full batch: num_pairs, float32 scalar max(1, valid pairs)."""
+    """Full-batch values of a step: num_pairs, float32 max(1, valid pairs)."""
 
     num_pairs: jax.Array
 
@@ -66,7 +51,7 @@ def context(state: TrainState, batch: PairBatch) -> Context:
 
 
 def sequence_logprobs(model, batch: PairBatch, opts: StepOptions):
-    """(s_N float32 sequence logprob sums (nats), tokens_N float32 reply lengths) under `model`."""
+    """(s_N, tokens_N): float32 sequence logprob sums (nats, temperature 1) and reply lengths under `model`."""
     out, _ = score_logprobs(model, batch, 1.0, opts.logprob_chunk, precision=opts.matmul_precision)
     mask = batch.loss_mask_NxC & batch.valid_N[:, None]
     return jnp.where(mask, out.logp_BxT, 0.0).sum(-1), mask.sum(-1).astype(jnp.float32)
@@ -88,7 +73,7 @@ def pair_terms(s_N, ref_N, tokens_N, opts: StepOptions) -> dict[str, jax.Array]:
 
 
 def make_loss_fn(graphdef, opts: StepOptions):
-    """The DPO `loss_fn(params, frozen, microbatch, context) -> (loss, metrics)` of `learn.step` (module doc)."""
+    """The DPO `loss_fn(params, frozen, microbatch, context) -> (loss, metrics)` of `learn.step`."""
 
     def loss_fn(params, frozen, mb: PairBatch, ctx: Context):
         s_N, tokens_N = sequence_logprobs(merge_model(graphdef, params, frozen), mb, opts)
@@ -102,15 +87,13 @@ def make_loss_fn(graphdef, opts: StepOptions):
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, opts: StepOptions):
-    """The pure DPO step `(state, batch) -> (state, metrics)`: one optimizer update (jitted by the learner).
-    Raises ValueError (at trace time) for an unknown loss or invalid beta / label smoothing."""
+    """The pure DPO step `(state, batch) -> (state, metrics)`, one update; ValueError as `losses.check_settings`."""
     losses.check_settings(opts.loss, opts.beta, opts.label_smoothing)
     return step_lib.make_step(make_loss_fn(graphdef, opts), tx, lr_schedule, opts.step_settings, context_fn=context)
 
 
 def make_reference_fn(graphdef, opts: StepOptions):
-    """jitted `(params, frozen, batch) -> s_N`: float32 [N] sequence logprob sums of `batch`'s replies under the
-    given weights (no gradient): the reference logprobs, computed once on the initial policy."""
+    """Jitted `(params, frozen, batch) -> s_N`: sequence logprobs (the reference's, under the initial policy)."""
 
     @jax.jit
     def reference_fn(params, frozen, batch: PairBatch):
@@ -120,8 +103,7 @@ def make_reference_fn(graphdef, opts: StepOptions):
 
 
 def make_eval_fn(graphdef, opts: StepOptions):
-    """jitted `(params, frozen, batch) -> (terms, valid_P)`: `pair_terms` of every pair under the given weights
-    and the pairs' validity, for held-out pair accuracy and margins (aggregated on the host)."""
+    """Jitted `(params, frozen, batch) -> (pair_terms, valid_P)`, for held-out accuracy and margins (host-side)."""
 
     @jax.jit
     def eval_fn(params, frozen, batch: PairBatch):

@@ -1,21 +1,6 @@
-"""Group-relative advantages over verifiable rewards (GRPO family).
+"""Group-relative advantages over verifiable rewards (GRPO family): float32, jit-compatible, shape-static.
 
-Dimension legend:
-  B  samples (sequences) in the batch, B = P * G
-  P  prompts, i.e. groups
-  G  group size: samples drawn for one prompt
-
-Layout: the rollout repeats each prompt G times contiguously, so a flat `x_B` reshapes to `x_PxG`
-(row p holds the G samples of prompt p). The pure functions below work on the `PxG` layout; the
-wrapper `compute_advantages` takes the flat `B` layout the RolloutBatch carries.
-
-`valid` marks samples that take part in their group's statistics. A sample with no policy tokens
-(infra error, empty completion) is invalid: it is excluded from the group's mean/std/baseline and
-gets advantage 0. A group in which all valid rewards are bitwise equal (or that has fewer than two
-valid samples) carries no learning signal: every advantage in it is exactly 0.0 and its `zero_std`
-flag is set, so the loop can log `frac_zero_std_groups` and drop such groups (dynamic sampling, DAPO).
-
-All math is float32, jit-compatible and shape-static.
+Shapes: the legend in `posttrain.types`. Invalid samples and signal-free groups get exactly 0 (docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -39,11 +24,7 @@ __all__ = [
 
 
 class Advantages(NamedTuple):
-    """Result of an advantage estimator (a pytree).
-
-    advantages: float32, same layout as the rewards given (`PxG` or flat `B`).
-    zero_std_P: bool [P]; True where the group has no signal (all valid rewards equal, or < 2 valid).
-    """
+    """An estimator's result: float32 advantages in the rewards' layout; zero_std_P: True for a signal-free group."""
 
     advantages: jnp.ndarray
     zero_std_P: jnp.ndarray
@@ -91,20 +72,9 @@ def _finish(stats: _GroupStats, adv_PxG) -> Advantages:
 
 
 def grpo(rewards_PxG, valid_PxG=None, *, std_eps: float = 1e-6) -> Advantages:
-    """GRPO advantage: (r - mean_group) / (std_group + std_eps).
+    """GRPO advantage: (r - mean_group) / (std_group + std_eps) over each group's valid samples.
 
-    Source: Shao et al. 2024, "DeepSeekMath" (GRPO outcome supervision), eq. in sec. 4.1.2.
-    Statistics are over the valid samples of each group; std is the unbiased sample std
-    (ddof=1, as torch.std in TRL and verl).
-
-    Args:
-      rewards_PxG: float [P, G] rewards (any unit); values at invalid samples are ignored (may be NaN).
-      valid_PxG: bool [P, G] or None (all valid).
-      std_eps: added to the std before dividing (unit of the rewards).
-    Returns:
-      Advantages(advantages=float32 [P, G], zero_std_P=bool [P]).
-    Raises:
-      ValueError: rewards not 2-D or valid of another shape.
+    Source: Shao et al. 2024, sec. 4.1.2; std with ddof=1 (as TRL and verl). Rewards of invalid samples may be NaN.
     """
     s = _group_stats(rewards_PxG, valid_PxG)
     centred = jnp.where(s.valid_PxG, s.rewards_PxG - s.mean_P[:, None], 0.0)
@@ -113,25 +83,13 @@ def grpo(rewards_PxG, valid_PxG=None, *, std_eps: float = 1e-6) -> Advantages:
 
 
 def dr_grpo(rewards_PxG, valid_PxG=None) -> Advantages:
-    """Dr. GRPO advantage: r - mean_group (no division by the std).
-
-    Source: Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective" (sec. 3.2):
-    dividing by the std up-weights groups that are nearly all right or all wrong.
-
-    Args/Returns/Raises: as `grpo` (without std_eps).
-    """
+    """Dr. GRPO advantage: r - mean_group, no std division (Liu et al. 2025, sec. 3.2); otherwise as `grpo`."""
     s = _group_stats(rewards_PxG, valid_PxG)
     return _finish(s, s.rewards_PxG - s.mean_P[:, None])
 
 
 def rloo(rewards_PxG, valid_PxG=None) -> Advantages:
-    """REINFORCE leave-one-out: r_i - mean_{j != i} r_j over the valid samples of the group.
-
-    Source: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization ..."
-    (RLOO, eq. 6), i.e. n / (n - 1) * (r_i - mean) with n valid samples; 0 when n < 2.
-
-    Args/Returns/Raises: as `grpo` (without std_eps).
-    """
+    """RLOO advantage: r_i - mean_{j != i} r_j over the valid samples (Ahmadian et al. 2024, eq. 6); else as `grpo`."""
     s = _group_stats(rewards_PxG, valid_PxG)
     n = s.count_P[:, None]
     return _finish(s, (s.rewards_PxG - s.mean_P[:, None]) * n / jnp.maximum(n - 1.0, 1.0))
@@ -149,22 +107,7 @@ def compute_advantages(
     group_id_B=None,
     **kwargs,
 ) -> Advantages:
-    """Advantages for a flat batch whose groups are contiguous runs of `group_size` samples.
-
-    Args:
-      name: one of ADVANTAGES ("grpo", "dr_grpo", "rloo").
-      rewards_B: float [B] rewards, B = P * group_size, sample b in group b // group_size.
-      valid_B: bool [B] or None (all valid); invalid samples get 0 and are left out of the statistics.
-      group_size: G, a static Python int.
-      group_id_B: optional int [B]; when concrete (not traced), checked to be constant within each
-        run of G samples and different between consecutive groups, so a wrong layout fails loudly.
-      **kwargs: passed to the estimator (e.g. std_eps for grpo).
-    Returns:
-      Advantages(advantages=float32 [B], zero_std_P=bool [P]).
-    Raises:
-      ValueError: unknown name (lists the valid ones), B not divisible by group_size, shape mismatch,
-        or group ids that are not laid out in contiguous groups of group_size.
-    """
+    """Advantages of a flat batch of contiguous groups of `group_size`; ValueError: bad name, shape or group ids."""
     if name not in ADVANTAGES:
         raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ADVANTAGES)}")
     if not isinstance(group_size, (int, np.integer)) or group_size < 1:
@@ -190,9 +133,7 @@ def compute_advantages(
 
 
 def advantage_fn(name: str, **kwargs) -> Callable[[Any, Any, int], Advantages]:
-    """The rollout phase's advantage function (`posttrain.rollout.batching.AdvantageFn`) of estimator `name`:
-    `(rewards_B, valid_B, group_size) -> compute_advantages(name, rewards_B, valid_B, group_size=group_size)`.
-    Raises ValueError for an unknown name (lists the valid ones)."""
+    """The rollout's `posttrain.rollout.batching.AdvantageFn` of estimator `name` (ValueError if unknown)."""
     if name not in ADVANTAGES:
         raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ADVANTAGES)}")
     return functools.partial(_flat_advantages, name, **kwargs)

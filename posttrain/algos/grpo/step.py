@@ -1,18 +1,6 @@
-"""The GRPO update on the generic step: `make_train_step(graphdef, tx, lr_schedule, opts) -> step(state, batch)`.
+"""The GRPO update on the generic step (`posttrain.learn.step`): the `rl` config, step options, loss and updates.
 
-Dimension legend: see `posttrain.types` (R rows, L width, N samples, C scored slots, M microbatches), U updates.
-
-GRPO supplies `posttrain.learn.step` with a loss and a context: the context (once per step, on the full batch)
-holds the batch's loss denominators and the reference model's states; the loss of one microbatch scores its
-slots with the trainer (`learn.logprobs.score_logprobs`: chunked `log_softmax(h @ W / T)` at the targets, never
-[N, C, V] logits) and returns `policy_loss`'s share of the batch value, plus the MoE auxiliary losses.
-
-Policy ratio (invariant 1): with one update per batch the ratio's denominator is the trainer's own logprob
-(stop-gradient), so the ratio is exactly 1 in any dtype. With `ppo_epochs` x `minibatches` updates per batch
-(PPO-style reuse, as verl's ppo_epochs / ppo_mini_batch_size and TRL's num_iterations), the trainer first
-computes every slot's logprob under the behaviour (pre-update) weights, once; the first update still uses its
-own logprob (exactly 1), later updates use those old logprobs. Minibatches are contiguous row blocks, visited in
-order each epoch. The sampler's logprobs serve only truncated importance sampling and the logp_diff metrics.
+Shapes: the legend in `posttrain.types`. The policy-ratio rule: docs/algorithms.md.
 """
 from __future__ import annotations
 
@@ -35,39 +23,30 @@ from posttrain.types import RolloutBatch, TrainState
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GRPOConfig:
-    """The `rl` section: the RL objective, GRPO (Shao et al. 2024, DeepSeekMath) and its common variants (Dr. GRPO,
-    RLOO advantages; PPO-style clip-higher and dual clip, GSPO's sequence ratio; DAPO's dynamic sampling and
-    overlong filter).
+    """The `rl` section: GRPO (Shao et al. 2024) and variants: Dr. GRPO, RLOO, clip-higher, dual clip, GSPO, DAPO.
 
     Attributes:
-        group_size: samples per prompt (G).
+        group_size: samples per prompt (G), >= 2.
         prompts_per_step: prompts per step (P).
         advantage: grpo | dr_grpo | rloo.
         loss: ppo (clipped token ratio) | gspo (sequence ratio).
-        eps_low: lower clip range of the ratio (1 - eps_low; -1: the loss's paper default, ppo 0.2, gspo 3e-4:
-            `posttrain.algos.grpo.losses.LOSS_DEFAULTS`).
-        eps_high: upper clip range of the ratio (1 + eps_high; > eps_low is DAPO's clip-higher; -1: the loss's
-            default, ppo 0.2, gspo 4e-4).
+        eps_low: lower clip range of the ratio (-1: the loss's default, `losses.LOSS_DEFAULTS`).
+        eps_high: upper clip range of the ratio (> eps_low: DAPO's clip-higher; -1: the loss's default).
         dual_clip_c: dual-clip bound on negative-advantage terms (Ye et al. 2020; 0: off, else > 1).
-        beta: KL-to-reference coefficient (0 disables the reference model).
+        beta: KL-to-reference coefficient (0: no reference model).
         kl_estimator: k1 | k2 | k3 (Schulman's KL approximations).
-        aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (divides by `norm_constant`);
-            "": the loss's default (ppo token_mean, gspo seq_mean_token_mean).
+        aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum_norm ("": the loss's default).
         norm_constant: the divisor of seq_mean_token_sum_norm (0: max_new_tokens).
-        tis_cap: truncated importance sampling cap on exp(logp_trainer_old - logp_sampler), >= 1 (0: off; -1: the
-            run plan's rule, `runs.plan.OFF_POLICY_TIS_CAP` when rollout.max_staleness > 0, else off).
+        tis_cap: TIS cap, >= 1 (0: off; -1: `posttrain.config.plan.OFF_POLICY_TIS_CAP` at rollout.max_staleness > 0).
         num_microbatches: gradient-accumulation microbatches.
-        ppo_epochs: passes over the batch's `minibatches` row blocks, one update each (1 x 1: one update, policy
-            ratio exactly 1); the trainer computes the old logprobs once before the first
-            (`posttrain.algos.grpo.step`).
+        ppo_epochs: passes over the batch's `minibatches` row blocks, one update each (1 x 1: ratio exactly 1).
         minibatches: row blocks per pass.
         dynamic_sampling: DAPO's dynamic sampling: groups whose rewards are all equal are redrawn.
         max_resample_rounds: the most resampling rounds per step under dynamic_sampling.
         overlong_filter: DAPO's overlong filter: truncated completions get no loss.
         packed: each prompt is computed once per group in training (prompt + its G completions in one row).
         moe_aux_coef: the MoE load-balancing loss coefficient (-1: the model's `MoEConfig.aux_loss_coef`).
-        routing_replay: "replay" records the sampler's expert selection of every token and makes the train step
-            select the same experts (gate values and router gradients from the current weights); "off" routes anew.
+        routing_replay: "replay": the train step selects the experts the sampler selected; "off" routes anew.
     """
 
     group_size: int = 8
@@ -108,11 +87,7 @@ class GRPOConfig:
             "dual_clip_c": ("0 (off) or > 1", lambda v: v == 0 or v > 1), "max_resample_rounds": NONNEGATIVE})
 
     def with_loss_defaults(self) -> "GRPOConfig":
-        """This config with eps_low / eps_high (-1) and aggregation ("") set to its loss's own values.
-
-        The defaults are `losses.LOSS_DEFAULTS` (GSPO's sequence-ratio clip range and sequence mean, PPO's 0.2 and
-        token mean); values the config sets are kept.
-        """
+        """This config with eps_low / eps_high (-1) and aggregation ("") set from `losses.LOSS_DEFAULTS`."""
         d = losses_lib.LOSS_DEFAULTS[self.loss]
         return dataclasses.replace(self, eps_low=d["eps_low"] if self.eps_low == -1 else self.eps_low,
                                    eps_high=d["eps_high"] if self.eps_high == -1 else self.eps_high,
@@ -120,12 +95,7 @@ class GRPOConfig:
 
     def step_options(self, *, temperature: float, max_new_tokens: int, lora_rank: int,
                      matmul_precision: str) -> StepOptions:
-        """The step's static options (before the loaded model's MoE coefficients: `with_moe`).
-
-        Args:
-            temperature: the logprob temperature (`generate.sampler.logprob_temperature` of the sampler's).
-            max_new_tokens: the norm constant of seq_mean_token_sum_norm when norm_constant is 0.
-        """
+        """The step's static options (MoE coefficients: `with_moe`); max_new_tokens: the default norm_constant."""
         loss = losses_lib.LossConfig(
             policy_loss=self.loss, eps_low=self.eps_low, eps_high=self.eps_high, dual_clip_c=self.dual_clip_c or None,
             kl_estimator=self.kl_estimator, beta=self.beta, aggregation=self.aggregation,
@@ -140,11 +110,7 @@ class GRPOConfig:
 
 
 class StepOptions(NamedTuple):
-    """Static settings of the GRPO step (hashable). loss: the policy loss; temperature: T of the trainer's
-    logprobs (the sampler's, `generate.sampler.logprob_temperature`); num_microbatches: accumulation
-    microbatches; moe_aux_coef / moe_z_coef: load-balance and router z-loss coefficients; bias_update_rate: the
-    aux-loss-free routing-bias rate; lora_rank: adapters only when > 0; logprob_chunk: slots per unembedding
-    chunk; ppo_epochs x minibatches: updates per batch; matmul_precision: of the logprob matmuls."""
+    """Static settings of the GRPO step (hashable); `with_moe` sets the MoE fields from the model."""
 
     loss: losses_lib.LossConfig
     temperature: float
@@ -169,9 +135,7 @@ class StepOptions(NamedTuple):
 
 
 def with_moe(opts: StepOptions, moe, aux_coef: float = -1.0) -> StepOptions:
-    """`opts` with the MoE loss coefficients and routing-bias rate of the loaded model (its MoEConfig, or None:
-    `opts` unchanged): they come from the checkpoint, so they are known only once the model is. aux_coef >= 0
-    overrides the model's load-balance coefficient (`rl.moe_aux_coef`)."""
+    """`opts` with the loaded model's MoE coefficients (moe None: unchanged); aux_coef >= 0 overrides load balance."""
     if moe is None:
         return opts
     return opts._replace(moe_aux_coef=aux_coef if aux_coef >= 0 else moe.aux_loss_coef, moe_z_coef=moe.z_loss_coef,
@@ -179,8 +143,7 @@ def with_moe(opts: StepOptions, moe, aux_coef: float = -1.0) -> StepOptions:
 
 
 class Context(NamedTuple):
-    """Per-step values of the full batch: loss denominators, the reference model's states (or None) and whether
-    the ratio's denominator is the trainer's own logprob (bool, may be traced)."""
+    """Full-batch values of a step: loss denominators, reference states (or None), own-logprob ratio (may be traced)."""
 
     den: losses_lib.LossDenominators
     ref_states: tuple | None
@@ -231,8 +194,7 @@ def context(state: TrainState, batch: RolloutBatch, opts: StepOptions, own_old=T
 
 
 def accumulate_gradients(graphdef, state: TrainState, batch: RolloutBatch, opts: StepOptions, own_old=True):
-    """(grads like state.params, metrics): the batch's GRPO gradient summed over `opts.num_microbatches`
-    (equal to the unsplit batch's gradient, invariant 3). Raises ValueError when rows or samples do not divide."""
+    """(grads like state.params, metrics): the batch's GRPO gradient, accumulated over `opts.num_microbatches`."""
     _, grads, metrics = step_lib.accumulate_gradients(make_loss_fn(graphdef, opts), state.params, state.frozen,
                                                       batch, context(state, batch, opts, own_old),
                                                       opts.num_microbatches)
@@ -240,8 +202,7 @@ def accumulate_gradients(graphdef, state: TrainState, batch: RolloutBatch, opts:
 
 
 def behaviour_logprobs(graphdef, state: TrainState, batch: RolloutBatch, opts: StepOptions):
-    """float32 [N, C] trainer logprobs of every scored slot under the current weights (no gradient), computed
-    `minibatches * num_microbatches` rows at a time (the training step's memory bound)."""
+    """float32 [N, C] trainer logprobs of every slot under the current weights, no gradient, a microbatch at a time."""
     model = merge_model(graphdef, state.params, state.frozen)
     parts = opts.minibatches * opts.num_microbatches
     mbs = jax.tree.map(lambda x: step_lib.split_microbatches(x, parts), batch)
@@ -251,11 +212,7 @@ def behaviour_logprobs(graphdef, state: TrainState, batch: RolloutBatch, opts: S
 
 def ppo_updates(graphdef, state: TrainState, batch: RolloutBatch, tx: optax.GradientTransformation, lr_schedule,
                 opts: StepOptions):
-    """`opts.ppo_epochs` passes over `opts.minibatches` contiguous row blocks of the batch, one optimizer update per
-    block (lax.scan). Returns (state, metrics stacked per update: {name: [U]}), U = ppo_epochs * minibatches.
-
-    Raises ValueError when rows or samples do not divide into minibatches x microbatches.
-    """
+    """(state, metrics {name: [U]}): `ppo_epochs` passes over `minibatches` contiguous row blocks, an update each."""
     B, U = opts.minibatches, opts.updates_per_batch
     R, N = batch.tokens_RxL.shape[0], batch.targets_NxC.shape[0]
     if R % (B * opts.num_microbatches) or N % (B * opts.num_microbatches):
@@ -276,9 +233,8 @@ def ppo_updates(graphdef, state: TrainState, batch: RolloutBatch, tx: optax.Grad
 def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, opts: StepOptions):
     """The pure GRPO step `(state, batch) -> (state, metrics)` (jit it with `learn.step.jit_step`).
 
-    With several updates per batch the metrics are means over the updates (min / max for the min / max metrics)
-    and `optim/lr` is the last update's. A min / max metric that saw no policy token (+-inf) reads 1 for a ratio,
-    else 0."""
+    Several updates report means over updates (min / max metrics: 1 for a ratio, else 0, without a policy token).
+    """
     if opts.updates_per_batch == 1:
         inner = step_lib.make_step(make_loss_fn(graphdef, opts), tx, lr_schedule, opts.step_settings,
                                    context_fn=lambda state, batch: context(state, batch, opts))

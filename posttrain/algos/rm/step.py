@@ -1,16 +1,6 @@
-"""The reward-model update on the generic step: `make_train_step(graphdef, tx, lr_schedule, opts)`.
+"""The reward-model update on the generic step: `make_train_step(graphdef, tx, lr_schedule, opts)`, and `RMConfig`.
 
-Dimension legend: see `posttrain.types` (R rows, L width, N = 2R samples, C scored slots); P = R pairs.
-
-The batch is DPO's `PairBatch` (`posttrain.algos.dpo.data`: row p holds prompt p once, then its chosen reply
-(branch 1, sample 2p) and its rejected reply (branch 2, sample 2p + 1); `ref_logp_N` unused). Sample n's reward is
-the `RewardModel`'s head at the last position of its branch in its row (`last_positions`), so the prompt's forward
-and backward pass is shared by both replies. The loss is the mean of the named pair loss (`algos.rm.losses`) over
-the valid pairs of the FULL batch (the denominator from `context`, once per step: microbatches sum to the
-full-batch value, docs/design.md invariant 3).
-
-Metrics (means over pairs): `rm/loss`, `rm/train_accuracy` (r_c > r_r; a tie counts 1/2), `rm/train_margin`
-(r_c - r_r), `rm/chosen`, `rm/rejected` (the rewards), and `rm/pairs` (valid pairs in the batch).
+Shapes: the legend in `posttrain.types`. The batch is DPO's `PairBatch`; notes: docs/algorithms.md.
 """
 from __future__ import annotations
 
@@ -35,9 +25,7 @@ RewardBatch = PairBatch  # the reward model trains on DPO's pair batches (no ref
 
 
 class StepOptions(NamedTuple):
-    """Static settings of the reward-model step (hashable). loss: a name in `losses.LOSSES`; center_coef: its
-    reward-centering coefficient (>= 0); num_microbatches: M (rows divide by it); matmul_precision: of the model's
-    matmuls (default | high | highest)."""
+    """Static settings of the reward-model step (hashable): a `losses.LOSSES` name, its center_coef, precision."""
 
     loss: str = "bradley_terry"
     center_coef: float = 0.0
@@ -50,7 +38,7 @@ class StepOptions(NamedTuple):
 
 
 class Context(NamedTuple):
-    """Per-step values of the full batch: num_pairs, float32 scalar max(1, valid pairs)."""
+    """Full-batch values of a step: num_pairs, float32 max(1, valid pairs)."""
 
     num_pairs: jax.Array
 
@@ -60,9 +48,7 @@ def context(state: TrainState, batch: RewardBatch) -> Context:
 
 
 def last_positions(segment_ids_RxL, branch_ids_RxL, samples_per_row: int) -> tuple[jax.Array, jax.Array]:
-    """(rows_N, last_N) int32 [N]: the row of sample n (n // S) and the position of its last token: the last
-    non-padding position of its branch (n % S + 1) when rows hold S > 1 samples, of the row when S = 1; 0 for an
-    empty sample (a padding row)."""
+    """(rows_N, last_N) int32: each sample's row and the last non-padding position of its branch (0 when empty)."""
     R, L = segment_ids_RxL.shape
     idx_L = jnp.arange(L, dtype=jnp.int32)
     real_RxL = segment_ids_RxL != 0
@@ -105,15 +91,13 @@ def make_loss_fn(graphdef, opts: StepOptions):
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, opts: StepOptions):
-    """The pure reward-model step `(state, batch) -> (state, metrics)`: one optimizer update (jitted by the
-    learner). Raises ValueError for an unknown loss or a negative center_coef."""
+    """The pure reward-model step `(state, batch) -> (state, metrics)`, one update; ValueError as `check_settings`."""
     losses.check_settings(opts.loss, opts.center_coef)
     return step_lib.make_step(make_loss_fn(graphdef, opts), tx, lr_schedule, opts.step_settings, context_fn=context)
 
 
 def make_eval_fn(graphdef, opts: StepOptions):
-    """jitted `(params, frozen, batch) -> (terms, valid_P)`: `pair_terms` of every pair and the pairs' validity,
-    for held-out accuracy and margin (aggregated on the host)."""
+    """Jitted `(params, frozen, batch) -> (pair_terms, valid_P)`, for held-out accuracy and margin (host-side)."""
 
     @jax.jit
     def eval_fn(params, frozen, batch: RewardBatch):
@@ -127,26 +111,21 @@ class RMConfig:
     """The `rm` section: preference pairs in TRL's format and the Bradley-Terry objective.
 
     Attributes:
-      train_path: a JSONL file of {"prompt", "chosen", "rejected"} records ("" : use `train_examples`).
-      train_examples: the same records inline (tiny runs and tests); exactly one data source is set.
-      eval_path: held-out pairs as a JSONL file ("" : `eval_examples`, else `eval_fraction`).
+      train_path: a JSONL file of {"prompt", "chosen", "rejected"} records ("": `train_examples`).
+      train_examples: the same records inline (tiny runs and tests); at most one data source is set.
+      eval_path: held-out pairs as a JSONL file ("": `eval_examples`, else `eval_fraction`).
       eval_examples: held-out pairs inline.
-      eval_fraction: share in [0, 1) of the training records (or, from an archive, of its prompts) held out when
-        no held-out data is given.
-      loss: the pair loss, one of `LOSS_NAMES` (`posttrain.algos.rm.losses`).
-      center_coef: >= 0, the reward-centering coefficient: center_coef * (r_chosen + r_rejected)^2 is added to
-        each pair's loss (TRL's `center_rewards_coefficient`; 0: off).
+      eval_fraction: share in [0, 1) of the training records (from an archive: its prompts) held out.
+      loss: one of `LOSS_NAMES`.
+      center_coef: >= 0, the reward-centering coefficient (TRL's `center_rewards_coefficient`; 0: off).
       max_prompt_len: tokens; a longer prompt keeps its last tokens.
       max_completion_len: tokens; a longer reply keeps its first tokens.
       pairs_per_step: pairs in a step's batch (a multiple of num_microbatches x the mesh's batch shards).
       num_microbatches: gradient-accumulation microbatches.
       eval_at_start: held-out accuracy and margin before the first step.
       eval_at_end: the same after the last step.
-      export: write the trained model as a transformers `AutoModelForSequenceClassification` directory in
-        `<workdir>/reward_model` at the end (what `rewards.model=<workdir>` of a GRPO run loads).
-      from_archive: a GRPO run's workdir, or several separated by commas (`algos.from_archive.archive_runs`): pairs
-        from their archived groups (same prompt and policy version, a reply
-        scored 1 chosen over one scored 0; `posttrain.algos.from_archive.dpo_pairs`). "": not used.
+      export: write `<workdir>/reward_model` (a transformers sequence classifier, what `rewards.model` loads).
+      from_archive: GRPO run workdirs, comma-separated: pairs from their archived groups ("": not used).
     """
 
     train_path: str = ""

@@ -1,27 +1,6 @@
-"""SFT data: TRL's record formats -> chat messages -> token ids with an assistant mask built by position.
+"""SFT data: TRL's record formats -> chat messages -> token ids with an assistant mask built by position; `SFTConfig`.
 
-Dimension legend:
-  n  tokens of one rendered conversation
-
-Record formats (one JSON object per line of a JSONL file, or the same dicts inline; as TRL's SFTTrainer reads them,
-https://huggingface.co/docs/trl/dataset_formats):
-  {"messages": [{"role": "system" | "user" | "assistant" | ..., "content": str}, ...]}   (conversational)
-      every assistant turn is trained;
-  {"prompt": str | [messages], "completion": str | [messages]}   (prompt-completion)
-      only the completion's assistant turns are trained. A string prompt is one user turn and a string completion
-      one assistant turn: both go through the chat template (TRL would concatenate plain strings untemplated; this
-      library trains chat models, so a plain pair is a one-turn chat).
-  {"text": str}   (language modeling)
-      no chat template: the text's tokens (with the special tokens the tokenizer's post-processor adds, and EOS
-      appended unless the text already ends with it, as TRL does) are all trained.
-
-The mask is built by POSITION (docs/design.md invariant 2), never by token value: for the assistant turn i the chat
-template renders the conversation up to it with the generation prompt (`prefix`) and up to and including it
-(`upto`); the characters [len(prefix), len(upto.rstrip())) of the full rendering are the turn (its content and the
-template's end-of-turn token, not the whitespace the template writes after it), and a token is an assistant token
-iff its first character lies in such a span (the tokenizer's character offsets). A template that does not render a
-conversation's prefixes as prefixes of its full rendering (e.g. one that drops earlier reasoning) is refused with a
-DataError rather than masked wrongly.
+Shapes: the legend in `posttrain.types`. Formats and the mask rule: docs/algorithms.md.
 """
 from __future__ import annotations
 
@@ -39,10 +18,7 @@ log = logging.getLogger(__name__)
 
 
 class Example(NamedTuple):
-    """One tokenized conversation or text. tokens_n: int32 ids of the full chat-template rendering (a "text"
-    record: of the text); assistant_n: bool, True on the tokens the loss trains (assistant turns, their end-of-turn
-    token included; every token of a text); truncated: the rendering was longer than the row width and its tail
-    was cut."""
+    """One tokenized conversation or text: int32 tokens, the bool mask of trained tokens; truncated: tail cut."""
 
     tokens_n: np.ndarray
     assistant_n: np.ndarray
@@ -58,14 +34,12 @@ class DataSettings:
         eval_path: a JSONL file of held-out records ("": none).
         train_records: the training records inline (used when train_path is "").
         eval_records: the held-out records inline (used when eval_path is "").
-        eval_fraction: share of the training records held out when no eval data is given (the last ones after a
-            seeded shuffle).
+        eval_fraction: share of the training records held out when no eval data is given (`split_records`).
         seq_len: L, the row width in tokens.
         rows_per_step: R, rows in one step's batch.
         packing: several conversations per row (best-fit decreasing) or one per row.
         seed: seeds the shuffles.
-        from_archive: a GRPO run's workdir whose archived successful episodes are the data instead ("": none;
-            `posttrain.algos.from_archive.sft_examples`, read by `recipes.sft`).
+        from_archive: GRPO run workdirs whose archived successful episodes are the data ("": none).
         min_reward: with from_archive, the reward an episode needs to be trained on.
         max_per_prompt: with from_archive, distinct successful replies kept per prompt.
     """
@@ -85,10 +59,7 @@ class DataSettings:
 
 
 def read_jsonl(path: str | pathlib.Path) -> list[tuple[str, dict]]:
-    """[(where, record)] of a JSONL file (UTF-8), `where` = "path:line" (1-based; blank lines skipped).
-
-    Raises DataError naming the path for a missing file or a directory, and path:line for a line that is not
-    UTF-8, not JSON or not an object."""
+    """[(where "path:line", record)] of a UTF-8 JSONL file; DataError for no file, or a line not a JSON object."""
     path = pathlib.Path(path)
     if path.is_dir():
         raise DataError(f"data file {str(path)!r} is a directory; give a JSONL file")
@@ -125,17 +96,12 @@ def _check_messages(messages: Any, where: str, key: str) -> list[dict]:
 
 
 def as_turns(value: Any, where: str, key: str, role: str) -> list[dict]:
-    """The chat messages of one record field: a string is one message of `role`, a list is checked as messages
-    (each a mapping with string 'role' and 'content'; copied). Raises DataError naming `where` and `key` for an
-    empty list, a non-list, or a malformed message."""
+    """The chat messages of one record field (a string: one message of `role`); DataError for malformed ones."""
     return [{"role": role, "content": value}] if isinstance(value, str) else _check_messages(value, where, key)
 
 
 def to_messages(record: Mapping[str, Any], where: str) -> tuple[list[dict], tuple[int, ...]]:
-    """(messages, indices of the trained assistant turns) of one record in a TRL format (see the module doc).
-
-    Raises DataError naming `where` for a record with neither `messages` nor `prompt` + `completion`, malformed
-    messages, or no assistant turn to train."""
+    """(messages, indices of the trained assistant turns) of one chat record; DataError naming `where` if malformed."""
     if "messages" in record:
         messages = _check_messages(record["messages"], where, "messages")
         trained = tuple(i for i, m in enumerate(messages) if m["role"] == "assistant")
@@ -156,9 +122,7 @@ def to_messages(record: Mapping[str, Any], where: str) -> tuple[list[dict], tupl
 
 
 def assistant_spans(tokenizer, messages: Sequence[Mapping], trained: Iterable[int], where: str):
-    """(full rendering, [(start, end)] character spans of the trained turns) under the tokenizer's chat template.
-
-    Raises DataError naming `where` when the template is not prefix-stable on this conversation."""
+    """(full rendering, character spans of the trained turns); DataError for a template not prefix-stable here."""
     render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, add_generation_prompt=gen)
     full = render(messages, False)
     spans = []
@@ -174,10 +138,7 @@ def assistant_spans(tokenizer, messages: Sequence[Mapping], trained: Iterable[in
 
 def encode(tokenizer, messages: Sequence[Mapping], trained: Iterable[int], where: str,
            max_len: int | None = None) -> Example:
-    """The `Example` of one conversation: its chat-template tokens (no special tokens added beyond the
-    template's) and the assistant mask by position (module doc), cut to `max_len` tokens when given.
-
-    Raises DataError naming `where` (see `assistant_spans`)."""
+    """The `Example` of a conversation: template tokens, assistant mask by position (DataError: `assistant_spans`)."""
     full, spans = assistant_spans(tokenizer, messages, trained, where)
     enc = tokenizer.backend.encode(full, add_special_tokens=False)
     starts = np.asarray([s for s, _ in enc.offsets], np.int64)
@@ -192,10 +153,7 @@ def encode(tokenizer, messages: Sequence[Mapping], trained: Iterable[int], where
 
 
 def encode_text(tokenizer, text: Any, where: str, max_len: int | None = None) -> Example:
-    """The `Example` of a language-modeling record's text: its tokens with the special tokens the tokenizer's
-    post-processor adds (e.g. BOS), EOS appended unless already last (TRL's SFTTrainer on a "text" dataset), every
-    token trained; cut to `max_len` tokens when given. Raises DataError naming `where` for a text that is not a
-    non-empty string."""
+    """The `Example` of a "text" record, every token trained (EOS appended unless last); DataError for an empty text."""
     if not isinstance(text, str) or not text:
         raise DataError(f"{where}: 'text' must be a non-empty string, got {text!r:.80}")
     ids = tokenizer.encode(text, add_special_tokens=True)
@@ -209,9 +167,7 @@ def encode_text(tokenizer, text: Any, where: str, max_len: int | None = None) ->
 
 
 def encode_record(tokenizer, record: Mapping[str, Any], where: str, max_len: int | None = None) -> Example:
-    """The `Example` of one record in any format of the module doc: a record with 'text' and neither 'messages'
-    nor 'prompt' is language modeling (`encode_text`), any other goes through the chat template (`to_messages`,
-    `encode`). Raises DataError naming `where` for a malformed record."""
+    """The `Example` of one record ('text' alone: `encode_text`, else the chat template); DataError for a bad one."""
     if "text" in record and "messages" not in record and "prompt" not in record:
         return encode_text(tokenizer, record["text"], where, max_len)
     return encode(tokenizer, *to_messages(record, where), where, max_len)
@@ -225,10 +181,7 @@ def load_records(path: str, records: Sequence[Mapping[str, Any]], name: str) -> 
 
 
 def tokenize(tokenizer, records: Sequence[tuple[str, Mapping]], max_len: int) -> tuple[list[Example], dict]:
-    """Examples of (where, record) pairs cut to `max_len` tokens, and counts {"sft/examples", "sft/truncated",
-    "sft/dropped"}: a conversation left with no trained token after the cut is dropped (its assistant turn starts
-    past max_len). Raises DataError naming the record for a malformed one (`encode_record`); TypeError
-    for a record that is not a mapping."""
+    """(examples cut to `max_len`, counts); drops those left with no trained token; TypeError for a non-mapping."""
     examples, truncated, dropped = [], 0, 0
     for where, record in records:
         if not isinstance(record, Mapping):
@@ -257,8 +210,7 @@ def split_records(records: list, fraction: float, seed: int) -> tuple[list, list
 
 
 def load_datasets(settings: DataSettings, tokenizer) -> tuple[list[Example], list[Example], dict]:
-    """(train examples, held-out examples, counts) of the settings' data. Raises DataError when no training
-    record is left, and as `tokenize` / `read_jsonl` do."""
+    """(train examples, held-out examples, counts) of the settings' data; DataError when no training example is left."""
     train = load_records(settings.train_path, settings.train_records, "train_examples")
     held = load_records(settings.eval_path, settings.eval_records, "eval_examples")
     if not held and settings.eval_fraction:
@@ -284,9 +236,7 @@ def offline_checks(section) -> dict[str, bool]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SFTConfig:
-    """The `sft` section. Data in TRL's formats (`posttrain.algos.sft.data`): `train_path` or `train_examples`,
-    exactly one of them; held-out data likewise from `eval_path` / `eval_examples`, or else the `eval_fraction` of
-    the training records.
+    """The `sft` section: data in TRL's formats (at most one source) and the training settings.
 
     Attributes:
         train_path: a JSONL file of training records ("": none).
@@ -294,8 +244,7 @@ class SFTConfig:
         eval_path: a JSONL file of held-out records ("": none).
         eval_examples: the held-out records inline.
         eval_fraction: share of the training records held out when no eval data is given (in [0, 1)).
-        seq_len: the longest row in tokens (conversations longer than it are cut; >= 2). A run's batches are as
-            wide as its longest packed row, rounded up to 16 (`algos.sft.packing.batch_shape`), not seq_len.
+        seq_len: the longest row in tokens, >= 2 (longer conversations are cut; batches are sized by the data).
         rows_per_step: rows in a step's batch (a multiple of num_microbatches x the mesh's batch shards).
         packing: several conversations per row (best-fit decreasing, segment ids) or one per row.
         num_microbatches: gradient-accumulation microbatches.
@@ -303,10 +252,7 @@ class SFTConfig:
         moe_aux_coef: MoE load-balance coefficient (< 0: the model's own).
         eval_at_start: held-out NLL and perplexity before the first step.
         eval_at_end: held-out NLL and perplexity after the last step.
-        from_archive: a GRPO run's workdir, or several separated by commas (`algos.from_archive.archive_runs`): train
-            on their archived successful episodes instead of train_path /
-            train_examples (rejection-sampling fine-tuning, `posttrain.algos.from_archive.sft_examples`; held out:
-            eval_fraction of its prompts). "": not used.
+        from_archive: GRPO run workdirs, comma-separated: train on their archived successful episodes ("": not used).
         min_reward: with from_archive, an episode is successful when its reward is >= this (and its status ok).
         max_per_prompt: with from_archive, at most this many distinct successful replies per prompt (>= 1).
     """

@@ -1,19 +1,6 @@
 """SFT batches: conversations packed into rows (best-fit decreasing) and laid out as a `posttrain.types.RolloutBatch`.
 
-Dimension legend: see `posttrain.types` (R rows, L row width, N = R samples (one per row, S = 1), C = L scored
-slots per row); n tokens of one conversation; E examples.
-
-Layout. Row r holds the conversations `rows[r]` back to back: segment ids 1, 2, ... (0 = padding after them),
-positions restarting at 0 in each, branch ids 0, pad tokens after the last. The model attends only within a segment,
-so a packed conversation has exactly the hidden states it has alone. Slot c of row r scores one assistant token:
-`targets_NxC[r, c]` is that token and `score_pos_NxC[r, c]` the row position just before it (in the same segment);
-the row's assistant tokens fill its first slots in order and `loss_mask_NxC` is True on exactly those (by position,
-docs/design.md invariant 2: padding may use the EOS id). The RL fields hold neutral values (advantages, rewards and
-sampler logprobs 0, `valid_N` True on non-empty rows, `group_id_N` the row index), so the generic learner, its
-shardings and `learn.logprobs.score_logprobs` serve SFT unchanged.
-
-Packing is best-fit decreasing (Johnson 1973): conversations by decreasing length, each into the open row with the
-least room that still fits it, else a new row (at most 11/9 OPT + 6/9 rows, Dósa 2007).
+Shapes: the legend in `posttrain.types` (one sample per row). The row layout: docs/algorithms.md.
 """
 from __future__ import annotations
 
@@ -27,10 +14,7 @@ from posttrain.types import RolloutBatch
 
 
 def best_fit_decreasing(lengths_E: Sequence[int], capacity: int) -> list[list[int]]:
-    """Bins of item indices (each bin's lengths sum to <= capacity), by best-fit decreasing; items of equal
-    length in index order, bins in order of opening, items of a bin in order of placement.
-
-    Raises ValueError for an item longer than `capacity` or shorter than 1, or capacity < 1."""
+    """Bins of item indices summing to <= capacity, best-fit decreasing (Johnson 1973); ValueError for a misfit."""
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     bad = [(i, n) for i, n in enumerate(lengths_E) if not 1 <= n <= capacity]
@@ -53,9 +37,7 @@ def best_fit_decreasing(lengths_E: Sequence[int], capacity: int) -> list[list[in
 
 
 def pack(examples: Sequence[Example], width: int, packing: bool = True) -> list[list[int]]:
-    """Rows of example indices: best-fit decreasing into rows of `width` tokens, or one example per row.
-
-    Raises ValueError for an example longer than `width` (tokenize with max_len=width) or an empty one."""
+    """Rows of example indices: best-fit decreasing into `width` tokens, or one per row; ValueError as the packer."""
     lengths = [len(e.tokens_n) for e in examples]
     if not packing:
         best_fit_decreasing(lengths, width)  # the same checks
@@ -64,9 +46,7 @@ def pack(examples: Sequence[Example], width: int, packing: bool = True) -> list[
 
 
 def step_rows(num_rows: int, rows_per_step: int, step: int, seed: int) -> np.ndarray:
-    """int [R]: the packed-row indices of `step`'s batch. The rows are visited epoch by epoch, each epoch in its
-    own seeded order (`default_rng((seed, epoch))`); a step that crosses an epoch takes the next epoch's first rows.
-    A function of (step, seed) only, so a resumed run sees the same batches. Raises ValueError for no rows."""
+    """int [R]: the packed rows of `step`'s batch, each epoch in its own seeded order; ValueError for no rows."""
     if num_rows < 1:
         raise ValueError("no packed rows to draw batches from")
     g = np.arange(step * rows_per_step, (step + 1) * rows_per_step)
@@ -82,10 +62,7 @@ def _scored(ex: Example) -> int:
 
 def batch_shape(examples: Sequence[Example], rows: Sequence[Sequence[int]], width: int,
                 bucket: int = 16) -> tuple[int, int]:
-    """(L, C) that hold every row of `rows`: L the longest row's tokens and C its most scored slots, each rounded
-    up to a multiple of `bucket` and at most `width` (C <= L). A run sizes its batches by its data this way (one
-    compile), so short conversations are not padded to `seq_len` (TRL pads each batch to its longest). Raises
-    ValueError for no rows."""
+    """(L, C): the longest row's tokens and most scored slots, rounded up to `bucket`, at most `width` (C <= L)."""
     if not rows:
         raise ValueError("batch_shape of no rows")
     up = lambda n: min(width, -(-max(n, 1) // bucket) * bucket)  # noqa: E731
@@ -95,14 +72,10 @@ def batch_shape(examples: Sequence[Example], rows: Sequence[Sequence[int]], widt
 
 def make_batch(examples: Sequence[Example], rows: Sequence[Sequence[int]], width: int, pad_id: int,
                num_rows: int | None = None, slots: int | None = None) -> RolloutBatch:
-    """The host `RolloutBatch` (NumPy arrays) of `rows` (lists of example indices) at width L = `width` with C =
-    `slots` scored slots per row (default L; `batch_shape`), with `num_rows` rows (default len(rows); extra rows
-    are empty: segment 0, no loss mask, invalid).
+    """The host `RolloutBatch` of `rows` at L = `width`, C = `slots` (default L), padded with empty rows to `num_rows`.
 
-    Shapes and dtypes: tokens / positions / segment_ids / branch_ids [R, L] int32; targets / score_pos [N, C]
-    int32 and loss_mask [N, C] bool with N = R; the RL fields as in the module doc.
-    Raises ValueError when a row's examples are longer than `width` together or score more than C tokens, or
-    there are more rows than `num_rows`."""
+    ValueError for a row longer than `width` or scoring more than C tokens, or more rows than `num_rows`.
+    """
     R = len(rows) if num_rows is None else num_rows
     if len(rows) > R:
         raise ValueError(f"{len(rows)} rows do not fit a batch of num_rows={R}")
@@ -142,9 +115,7 @@ def make_batch(examples: Sequence[Example], rows: Sequence[Sequence[int]], width
 
 def eval_batches(examples: Sequence[Example], width: int, rows_per_batch: int, pad_id: int,
                  packing: bool = True, shape: tuple[int, int] | None = None) -> list[RolloutBatch]:
-    """The held-out examples packed (as in training, rows of at most `width` tokens) into batches of
-    `rows_per_batch` rows, the last one padded with empty rows, every batch of one (L, C) = `shape` (default
-    `batch_shape` of these rows)."""
+    """Held-out examples packed as in training, `rows_per_batch` rows a batch, all of one (L, C) `shape`."""
     rows = pack(examples, width, packing)
     if not rows:
         return []

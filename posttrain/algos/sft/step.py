@@ -1,18 +1,6 @@
 """The SFT update on the generic step: `make_train_step(graphdef, tx, lr_schedule, opts) -> step(state, batch)`.
 
-Dimension legend: see `posttrain.types` (R rows, L width, N = R samples, C = L scored slots, M microbatches).
-
-Loss (maximum likelihood on the assistant tokens, TRL's SFTTrainer with `assistant_only_loss` /
-`completion_only_loss`): the mean token negative log-likelihood over every assistant token of the FULL batch,
-
-    loss = sum_{n, c} mask[n, c] * -log softmax(logits(h[n, score_pos[n, c]]))[targets[n, c]] / max(1, sum mask),
-
-in nats per token, float32, with logprobs from `learn.logprobs.score_logprobs` (temperature 1; chunked through
-the unembedding, never [N, C, V] logits). The denominator is computed once per step on the full batch (`context`),
-so each microbatch contributes its share and the sum over microbatches, packed rows or unpacked rows is the same
-number with the same gradient (docs/design.md invariant 3). Metrics: `sft/loss` (that mean), `sft/tokens` (assistant
-tokens in the batch), plus the MoE auxiliary losses as GRPO reports them. Held-out: `make_eval_fn` gives the NLL
-sum and the token count of a batch, and `perplexity` exp(sum / count).
+Shapes: the legend in `posttrain.types`. The loss: the mean assistant-token NLL over the FULL batch (nats per token).
 """
 from __future__ import annotations
 
@@ -30,10 +18,7 @@ from posttrain.types import RolloutBatch, TrainState
 
 
 class StepOptions(NamedTuple):
-    """Static settings of the SFT step (hashable). num_microbatches: M accumulation microbatches (rows divide by
-    it); logprob_chunk: slots per unembedding chunk; matmul_precision: of the logprob matmuls; lora_rank:
-    adapters only when > 0; moe_aux_coef / moe_z_coef: load-balance and router z-loss coefficients;
-    bias_update_rate: the aux-loss-free routing-bias rate (`with_moe` sets the last three from the model)."""
+    """Static settings of the SFT step (hashable); `with_moe` sets the MoE fields from the model."""
 
     num_microbatches: int = 1
     logprob_chunk: int = 256
@@ -49,8 +34,7 @@ class StepOptions(NamedTuple):
 
 
 def with_moe(opts: StepOptions, moe, aux_coef: float = -1.0) -> StepOptions:
-    """`opts` with the loaded model's MoE coefficients (its MoEConfig; None: unchanged); aux_coef >= 0 overrides
-    its load-balance coefficient."""
+    """`opts` with the loaded model's MoE coefficients (moe None: unchanged); aux_coef >= 0 overrides load balance."""
     if moe is None:
         return opts
     return opts._replace(moe_aux_coef=aux_coef if aux_coef >= 0 else moe.aux_loss_coef, moe_z_coef=moe.z_loss_coef,
@@ -58,7 +42,7 @@ def with_moe(opts: StepOptions, moe, aux_coef: float = -1.0) -> StepOptions:
 
 
 class Context(NamedTuple):
-    """Per-step values of the full batch: num_tokens, float32 scalar max(1, assistant tokens)."""
+    """Full-batch values of a step: num_tokens, float32 max(1, assistant tokens)."""
 
     num_tokens: jax.Array
 
@@ -74,14 +58,14 @@ def context(state: TrainState, batch: RolloutBatch) -> Context:
 
 
 def token_nll(model, batch: RolloutBatch, opts: StepOptions):
-    """(nll_NxC float32 nats, 0 on untrained slots (zeroed before any sum, invariant 4), mask_NxC bool, aux)."""
+    """(nll_NxC float32 nats, zeroed on untrained slots; mask_NxC bool; aux) of `batch` under `model`."""
     out, aux = score_logprobs(model, batch, 1.0, opts.logprob_chunk, precision=opts.matmul_precision)
     mask = assistant_mask(batch)
     return jnp.where(mask, -out.logp_BxT, 0.0), mask, aux
 
 
 def make_loss_fn(graphdef, opts: StepOptions):
-    """The SFT `loss_fn(params, frozen, microbatch, context) -> (loss, metrics)` of `learn.step` (module doc)."""
+    """The SFT `loss_fn(params, frozen, microbatch, context) -> (loss, metrics)` of `learn.step`."""
 
     def loss_fn(params, frozen, mb: RolloutBatch, ctx: Context):
         nll, mask, aux = token_nll(merge_model(graphdef, params, frozen), mb, opts)
@@ -99,21 +83,18 @@ def make_loss_fn(graphdef, opts: StepOptions):
 
 
 def accumulate_gradients(graphdef, state: TrainState, batch: RolloutBatch, opts: StepOptions):
-    """(loss, grads like state.params, metrics) of the batch summed over `opts.num_microbatches` (equal to the
-    unsplit batch's, invariant 3). Raises ValueError when the rows do not divide into the microbatches."""
+    """(loss, grads like state.params, metrics) of the batch, accumulated over `opts.num_microbatches`."""
     return step_lib.accumulate_gradients(make_loss_fn(graphdef, opts), state.params, state.frozen, batch,
                                          context(state, batch), opts.num_microbatches)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, opts: StepOptions):
-    """The pure SFT step `(state, batch) -> (state, metrics)`: one optimizer update (jit it with
-    `learn.step.jit_step`; the learner does)."""
+    """The pure SFT step `(state, batch) -> (state, metrics)`: one optimizer update (jitted by the learner)."""
     return step_lib.make_step(make_loss_fn(graphdef, opts), tx, lr_schedule, opts.step_settings, context_fn=context)
 
 
 def make_eval_fn(graphdef, opts: StepOptions):
-    """jitted `(params, frozen, batch) -> (nll_sum, tokens)`: float32 scalars, the summed assistant-token NLL
-    (nats) and the assistant-token count of `batch` (no gradient, one pass)."""
+    """Jitted `(params, frozen, batch) -> (nll_sum, tokens)`: float32 summed assistant-token NLL (nats), count."""
 
     @jax.jit
     def eval_fn(params, frozen, batch: RolloutBatch):
@@ -124,7 +105,6 @@ def make_eval_fn(graphdef, opts: StepOptions):
 
 
 def perplexity(nll_sum: float, tokens: float) -> dict[str, float]:
-    """{"sft/eval_loss": mean NLL (nats per token), "sft/ppl": exp of it, "sft/eval_tokens": tokens}; an empty
-    set (tokens 0) gives NaN loss and perplexity."""
+    """{"sft/eval_loss": mean NLL (nats per token), "sft/ppl": its exp, "sft/eval_tokens"}; NaN for no tokens."""
     mean = nll_sum / tokens if tokens else math.nan
     return {"sft/eval_loss": mean, "sft/ppl": math.exp(mean) if tokens else math.nan, "sft/eval_tokens": tokens}
