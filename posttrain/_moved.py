@@ -43,6 +43,7 @@ MOVED = {
     "posttrain.recipes.offline": "posttrain.learn.offline_loop",
     "posttrain.recipes.eval_gate": "posttrain.eval.gate_hook",
     "posttrain.recipes.dryrun": "posttrain.recipes.plan",
+    "posttrain.checkpoints.stored_tree": "posttrain.checkpoints.orbax",
 }
 # packages that exist only as the parents of old paths
 OLD_PACKAGES = {"posttrain.tasks"}

@@ -1,39 +1,4 @@
-"""Train-state checkpoints: a thin wrapper over orbax `CheckpointManager` (async save, keep-last-K, resume).
-
-Dimension legend: none (whole pytrees; array shapes are whatever the train state holds).
-
-One step directory `<directory>/<step>/` holds three orbax items, written together and committed atomically
-(orbax writes into `<step>.orbax-checkpoint-tmp*`, then writes `commit_success.txt` and renames):
-  state/     the train state's arrays (orbax StandardSave: OCDBT/zarr3, one shard per process), as a nested
-             dict keyed by the pytree path components (`params/layers/attn/q_proj/value`, ...).
-  meta/      the caller's JSON dict: data/task cursor, run config, RNG stream position, ... (JsonSave).
-  manifest/  JSON written by this module: format version, step, and one record per array leaf
-             {path, shape, dtype, [key_impl], [variable], checksum} used to check a restore target before
-             reading and what was read after.
-
-How the pytree is stored: `posttrain.checkpoints.stored_tree`.
-
-Async safety (the train step donates the state): in orbax 0.12.8, `save` blocks until every array has been
-transferred to host memory (`replica_slices.transfer_arrays_to_host`, no device-host byte limiter is set), and
-only the file writes run in the background. On CPU the host copy may be a zero-copy view; XLA then declines to
-donate a buffer with a live host view (the jitted step copies instead). Either way a donated or overwritten state
-after `save` returns cannot change what is written (tested). At most one save is in flight: the next `save`,
-`wait`, `restore` and `close` first wait for it.
-
-Completeness: a step counts (`all_steps`, `latest_step`) only once its directory is final (not a tmp name) and
-contains orbax's `commit_success.txt`, `_CHECKPOINT_METADATA` and all three item directories. Partial tmp
-directories (a `kill -9` mid-save) are ignored and removed when the next `Checkpointer` opens the directory.
-`restore(None)` tries complete steps newest first; a step that fails to read (e.g. a truncated file) is logged as
-an error, renamed to `<step>.corrupt-<unix time>` (never deleted) so the resumed run can write that step again, and
-the next older step is tried; `unreadable` lists what was passed over (a `read_only` Checkpointer renames
-nothing: readers of a run never change it). Bit rot that still decodes is caught the same way: the manifest holds
-each array's content checksum (`posttrain.checkpoints.checksum`), checked after every read (checkpoints written
-before checksums restore unchecked). keep-last-K: orbax deletes older steps only after the newer one is committed; guard
-checkpoints (`save(guard=True)`: the learner's step boundaries after a long step) never count toward K: one is kept
-only while it is the newest (`_Retention`).
-Multi-host: every process must call save/restore (orbax synchronises); the fallback
-decision is taken per process from a shared filesystem, which assumes all processes see the same corruption.
-"""
+"""Train-state checkpoints over orbax `CheckpointManager`, and how a pytree is stored in one (docs/orbax.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -47,11 +12,10 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+from flax import nnx
 
 from posttrain.checkpoints import checksum
 from posttrain.errors import AT_LEAST_ONE, POSITIVE, check_fields
-from posttrain.checkpoints.stored_tree import (CheckpointStructureError, check_structure, flat_leaves, get_nested,
-                                              is_key, key_data_sharding, leaf_record, nest)
 
 __all__ = ["CheckpointConfig", "Checkpointer", "CheckpointCorruptError", "CheckpointStructureError"]
 
@@ -59,8 +23,7 @@ log = logging.getLogger(__name__)
 
 
 def _drop_read_only_notice(record: logging.LogRecord) -> bool:
-    """orbax warns "Given directory is read only" at every read-only CheckpointManager: readers of a run (eval,
-    sample, convert) open one on purpose, several times a command."""
+    """Drops orbax's "Given directory is read only" notice: readers of a run open read-only managers on purpose."""
     return not str(record.msg).startswith("Given directory is read only")
 
 
@@ -68,10 +31,7 @@ logging.getLogger("absl").addFilter(_drop_read_only_notice)
 
 
 def _late_read_callback(unraisable) -> bool:
-    """Whether an unraisable exception is a tensorstore read of an abandoned restore reporting back to its closed
-    event loop: RuntimeError("Event loop is closed") raised by asyncio's `_check_closed`. When one array of a
-    checkpoint fails to read, orbax's restore ends and closes its loop while reads of the other arrays are in
-    flight; each of those then prints this traceback as it completes (up to one per array, harmless)."""
+    """Whether an unraisable exception is "Event loop is closed" from a read of an abandoned (failed) restore."""
     e, tb = unraisable.exc_value, unraisable.exc_traceback
     if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed" and tb is not None):
         return False
@@ -81,8 +41,6 @@ def _late_read_callback(unraisable) -> bool:
 
 
 def _quiet_late_read_callbacks() -> None:
-    """Installs (once per process) an unraisable hook that drops `_late_read_callback`s and passes everything else
-    to the hook before it; called before a restore, since a read can report back before the failure reaches us."""
     previous = sys.unraisablehook
     if getattr(previous, "_posttrain_late_reads", False):
         return
@@ -103,10 +61,117 @@ class CheckpointCorruptError(ValueError):
     """A checkpoint exists but cannot be read (truncated/corrupt files), or no complete one is usable."""
 
 
+# ------------------------------------------------------------------------------------------ stored tree
+MAX_LISTED = 8  # paths listed per kind of structure difference
+
+
+class CheckpointStructureError(ValueError):
+    """The restore target's pytree does not match the checkpoint (paths, shapes, dtypes, Variable types)."""
+
+
+def is_key(x) -> bool:
+    """True for a typed PRNG key array (or its ShapeDtypeStruct)."""
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def components(path) -> tuple[str, ...]:
+    """The string components of a `jax.tree_util` key path (keys, attributes, indices); TypeError for others."""
+    out = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                out.append(str(getattr(k, attr)))
+                break
+        else:
+            raise TypeError(f"unsupported pytree key {k!r} in path {jax.tree_util.keystr(path)}")
+    return tuple(out)
+
+
+def flat_leaves(tree) -> tuple[list[tuple[tuple[str, ...], Any, str | None]], Any]:
+    """[(path components, leaf, enclosing nnx.Variable type name or None)] in flatten order, and the treedef."""
+    out = []
+    nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    for path, node in nodes:
+        if isinstance(node, nnx.Variable):
+            for sub, leaf in jax.tree_util.tree_flatten_with_path(node)[0]:
+                out.append((components(path + sub), leaf, type(node).__name__))
+        else:
+            out.append((components(path), node, None))
+    treedef = jax.tree_util.tree_structure(tree)
+    if len(out) != treedef.num_leaves:  # a Variable that flattens differently from a plain pytree walk
+        raise TypeError(f"could not enumerate the leaves of the state ({len(out)} != {treedef.num_leaves})")
+    return out, treedef
+
+
+def leaf_record(comps, leaf, var) -> dict:
+    """The manifest record of one leaf (path, shape, dtype, [key_impl], [variable]); TypeError for a non-array."""
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+        raise TypeError(f"state leaf {'/'.join(comps)} is a {type(leaf).__name__}, not an array; "
+                        "checkpointed leaves must be jax/numpy arrays (or ShapeDtypeStructs in a target)")
+    rec = {"path": "/".join(comps), "shape": list(leaf.shape), "dtype": str(leaf.dtype)}
+    if is_key(leaf):
+        rec["key_impl"] = str(jax.random.key_impl(leaf)) if isinstance(leaf, jax.Array) else None
+    if var is not None:
+        rec["variable"] = var
+    return rec
+
+
+def nest(items: list[tuple[tuple[str, ...], Any]]) -> dict:
+    """A nested dict of [(path components, value)]. Raises ValueError when two paths collide."""
+    root: dict = {}
+    for comps, value in items:
+        node = root
+        for c in comps[:-1]:
+            node = node.setdefault(c, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"pytree paths collide at {'/'.join(comps)}")
+        if comps[-1] in node:
+            raise ValueError(f"pytree paths collide at {'/'.join(comps)} (keys equal as strings)")
+        node[comps[-1]] = value
+    return root
+
+
+def get_nested(nested: dict, comps):
+    """The value at path components `comps` of a nested dict."""
+    for c in comps:
+        nested = nested[c]
+    return nested
+
+
+def key_data_sharding(sharding, name: str):
+    """The sharding of a PRNG key leaf's key data (trailing dim unsharded); TypeError for other sharding kinds."""
+    if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):  # trailing key-data dim unsharded
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec))
+    raise TypeError(f"PRNG key leaf {name} has a {type(sharding).__name__}; use a NamedSharding")
+
+
+def check_structure(saved: list[dict], wanted: list[dict], where: str):
+    """Raises CheckpointStructureError listing every difference between the saved and wanted leaf records."""
+    s, w = {r["path"]: r for r in saved}, {r["path"]: r for r in wanted}
+    problems = []
+    missing, extra = [p for p in w if p not in s], [p for p in s if p not in w]
+    if missing:
+        problems.append(f"in the target but not in the checkpoint: {missing[:MAX_LISTED]}"
+                        + (f" (+{len(missing) - MAX_LISTED} more)" if len(missing) > MAX_LISTED else ""))
+    if extra:
+        problems.append(f"in the checkpoint but not in the target: {extra[:MAX_LISTED]}"
+                        + (f" (+{len(extra) - MAX_LISTED} more)" if len(extra) > MAX_LISTED else ""))
+    for p in w:
+        if p in s:
+            for field in ("shape", "dtype", "variable"):
+                if s[p].get(field) != w[p].get(field):
+                    problems.append(f"{p}: {field} {s[p].get(field)} in the checkpoint, "
+                                    f"{w[p].get(field)} in the target")
+    if problems:
+        raise CheckpointStructureError(f"restore target does not match checkpoint {where}:\n  " + "\n  ".join(
+            problems[:3 * MAX_LISTED]))
+
+
 # ---------------------------------------------------------------------------------------------- manager
 class _Retention(ocp.checkpoint_managers.PreservationPolicy):
-    """orbax preservation: the newest checkpoint, and the `n` newest of those whose step is not in `guards` (so a
-    run of guard checkpoints never displaces the interval's; the checkpoints come in ascending step order)."""
+    """Keeps the newest checkpoint and the `n` newest whose steps are not in `guards`."""
 
     def __init__(self, n: int, guards: set):
         self.n, self.guards = n, guards
@@ -117,23 +182,11 @@ class _Retention(ocp.checkpoint_managers.PreservationPolicy):
 
 
 class Checkpointer:
-    """Saves/restores `(train state pytree, JSON meta dict)` under `directory/<step>/`.
+    """Saves/restores `(train state pytree, JSON meta dict)` under `directory/<step>/` (docs/orbax.md).
 
-    Args:
-      directory: root directory (local path or any path orbax/epath supports, e.g. gs://); created if missing.
-      every_steps: `should_save(step)` is True when `step % every_steps == 0` (step 0 included) and that step
-        is not saved yet. Must be >= 1.
-      keep: number of most recent steps kept (older ones are deleted after a newer save completes). >= 1.
-      async_save: write files in a background thread (`save` returns after the device-to-host copy).
-      read_only: for readers next to a running trainer (evaluation): never writes, renames or deletes
-        anything (no tmp cleanup, no quarantine); `save` raises ValueError.
-      best_metric: a key of the `metrics` some saves carry: the checkpoint with its highest value is kept in
-        addition to the `keep` newest (orbax's BestN beside LatestN; ties: the later step). None: only the newest.
-    `guards`: the steps this Checkpointer saved with `guard=True` and not saved again since (forced, no guard).
-    Raises:
-      ValueError: every_steps < 1 or keep < 1.
-    Use as a context manager, or call `close()`, so the last async save is committed before exit.
-    """
+    Close it (or use it as a context manager) so the last async save is committed. `keep`: newest steps kept, guard
+    checkpoints not counted; `read_only`: never write, rename or delete; `best_metric`: a `metrics` key whose best
+    step is kept too. Raises ValueError when every_steps or keep < 1."""
 
     def __init__(self, directory, *, every_steps: int, keep: int, async_save: bool = True,
                  read_only: bool = False, best_metric: str | None = None):
@@ -189,17 +242,11 @@ class Checkpointer:
     # -------------------------------------------------------------------------------------------- save
     def save(self, step: int, state, meta: dict, *, force: bool = False, metrics: dict | None = None,
              guard: bool = False) -> bool:
-        """Starts saving `state` (any pytree of arrays / typed keys) and `meta` (JSON dict) as `step`.
+        """Starts saving `state` (a pytree of arrays / typed keys) and `meta` as `step`; True when a save started.
 
-        Saves when `should_save(step)` or `force` (e.g. the final step); a step that already exists is never
-        overwritten (returns False). With async_save, returns once the arrays are on the host; the state may then
-        be donated or modified. `metrics` ({name: float}) rank it for `best_metric`. `guard` (with `force`): a
-        guard checkpoint, kept only while newest; a save without it of a guard step makes the step a kept one
-        (e.g. the final step). Returns True when a save was started.
-        Raises:
-          TypeError: meta is not a JSON-serialisable dict, or a state leaf is not an array.
-          ValueError: step < 0, or the Checkpointer is read-only.
-        """
+        Saves when `should_save(step)` or `force`, never over an existing step; with async_save it returns once the
+        arrays are on the host (the state may then be donated). Raises TypeError for a meta that is no JSON-serialisable
+        dict or a non-array leaf, ValueError for step < 0 or a read-only Checkpointer."""
         if self.read_only:
             raise ValueError(f"Checkpointer for {self.directory} is read-only; cannot save step {step}")
         step = int(step)
@@ -231,22 +278,11 @@ class Checkpointer:
 
     # ----------------------------------------------------------------------------------------- restore
     def restore(self, step: int | None, target_state) -> tuple[Any, dict]:
-        """Reads `(state, meta)` at `step` (None: the newest usable step).
+        """Reads `(state, meta)` at `step` (None: the newest usable step, falling back past unreadable ones).
 
-        `target_state` gives the structure and placement: a live state or its abstract twin (e.g.
-        `jax.eval_shape` / `nnx.eval_shape` output with `jax.ShapeDtypeStruct(..., sharding=...)` leaves).
-        Each array comes back with the target leaf's sharding (no sharding: the first local device); the
-        result has the target's treedef (so nnx Variable types and metadata are the target's). `meta` is the
-        saved dict after a JSON round trip (tuples become lists). `self.restored_step` is set to the step read.
-        With step=None (and not read_only), unreadable or incomplete step dirs newer than the one restored are
-        renamed `<step>.corrupt-<time>`, so the resumed run can save those steps again; `self.unreadable` lists
-        them (read_only: left in place, moved_to None).
-        Raises:
-          FileNotFoundError: no complete checkpoint (or not `step`) in the directory (lists the steps found).
-          CheckpointStructureError: target paths/shapes/dtypes/Variable types differ from the checkpoint.
-          CheckpointCorruptError: `step` (or, for None, every complete step) cannot be read; names the
-            directory and each step's error.
-        """
+        Arrays come back with `target_state`'s shardings and treedef; content checksums are checked after every read.
+        Raises FileNotFoundError without a complete checkpoint (or `step`), CheckpointStructureError when the target
+        differs from the checkpoint, CheckpointCorruptError when `step` (None: every step) cannot be read."""
         self._mngr.wait_until_finished()
         _quiet_late_read_callbacks()
         steps = self.all_steps()
@@ -326,8 +362,6 @@ class Checkpointer:
         return jax.tree_util.tree_unflatten(treedef, restored), dict(out["meta"] or {})
 
     def _quarantine(self, bad: list[dict]):
-        """Renames unreadable step dirs (newer than the restored one) out of orbax's view, setting each record's
-        "moved_to"; never deletes."""
         if not bad or self.read_only:
             return
         stamp = int(time.time())
@@ -363,17 +397,13 @@ class Checkpointer:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """The `checkpoint` section (Orbax, under workdir/checkpoints).
+    """The `checkpoint` section (orbax, under workdir/checkpoints).
 
     Attributes:
         every_steps: save interval in steps (the last step is always saved).
         keep: newest checkpoints kept.
         async_save: write in the background.
-        stop_grace_s: seconds a run has after SIGINT / SIGTERM to finish its step and save it before it exits
-            anyway (128 + signum); below the scheduler's kill deadline (TPU preemption ~30 s, Kubernetes
-            terminationGracePeriodSeconds). A step boundary after a step of >= half of it is saved too (a guard
-            checkpoint, `Learner.save`), so a step in flight past the grace never loses the last finished one.
-    """
+        stop_grace_s: seconds after SIGINT / SIGTERM to finish and save the step (docs/learner.md)."""
 
     every_steps: int = 10
     keep: int = 2

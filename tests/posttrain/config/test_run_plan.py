@@ -393,7 +393,7 @@ def test_a_failed_restore_leaves_the_saved_settings_as_they_were(tmp_path):
     with its own settings (they were rewritten before the restore, which left the run stuck)."""
     from helpers import saved_run, tiny_config
 
-    from posttrain.checkpoints.stored_tree import CheckpointStructureError
+    from posttrain.checkpoints.orbax import CheckpointStructureError
 
     saved_run(tmp_path)
     before = (tmp_path / "config.json").read_text()
