@@ -91,7 +91,8 @@ def synthetic_table(step: int, n: int, completion_tokens: int, rng: np.random.Ge
                "status": pa.array(status), "truncated": pa.array(np.zeros(n, bool)),
                "in_batch": pa.array(status != "infra_error"), "sampler_s": pa.array(np.full(n, 1.5)),
                "env_s": pa.array(np.full(n, 0.01)), "env_cost_s": pa.array(np.full(n, 0.01)),
-               "details": pa.array(["{}"] * n)}
+               "details": pa.array(["{}"] * n), "segment_index": pa.array(np.zeros(n, np.int32)),
+               "image_hashes": pa.array([[]] * n, pa.list_(pa.string()))}
     return pa.table({f.name: columns[f.name] for f in archive.ARCHIVE_SCHEMA})
 
 

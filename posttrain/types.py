@@ -1,16 +1,31 @@
-"""Pytree containers passed between phases: the rollout batch and the train state.
-
-Dimension legend:
-  R   model-input rows (a row is one sequence, or a prompt followed by its G completions when packed)
-  L   row width (tokens)
-  N   sampled sequences (samples); N = R * S with S = N // R samples per row (S = G when packed, else 1)
-  C   scored slots per sample (the completion region: generated tokens, and tool/env tokens masked out)
+"""Pytree containers passed between phases (`RolloutBatch`, `ImageBatch`, `TrainState`) and the one shape legend.
 
 Model inputs are row-shaped ([R, L]); everything the loss needs is sample-shaped ([N, C]). Slot c of sample n
-holds token `targets_NxC[n, c]`, predicted by the hidden state at position `score_pos_NxC[n, c]` of row n // S.
-This indirection lets one prompt's hidden states serve all G completions (packed layout) and lets the loss
-read only the C scored slots instead of the full row (no [R, L, V] logits).
+holds token `targets_NxC[n, c]`, predicted by the hidden state at position `score_pos_NxC[n, c]` of row n // S:
+one prompt's hidden states serve all G completions (packed rows), and the loss reads only the C scored slots.
 """
+
+# SHAPE LEGEND
+# Names carry their shapes as suffixes (`logits_BxTxV`: a [B, T, V] array). Every module refers here; a letter
+# means one thing within each scope below (the scope is the package a module lives in).
+#
+# Training batches (types, rollout, learn, algos, eval):
+#   R  model-input rows (one sequence, or a prompt followed by its G completions when packed); L  row width
+#   N  sampled sequences (samples), N = R * S; S  samples per row (G when packed, else 1)
+#   C  scored slots per sample (the completion region: generated tokens; tool/env tokens masked out)
+#   P  prompts of a step; G  group size (samples per prompt); Lp, Lg  prompt and generated widths
+#   B, T  rows and positions of a loss call that takes either layout (N x C samples, or R x L rows with seq ids)
+#   I  images of a batch; H, W  image height and width (pixels)
+# Model (model/): B batch rows, T query positions, S key positions, D d_model, V vocabulary, L layers of a stack,
+#   N query heads, K key/value heads, H head dim, E experts (value head dim in attention kernels), k experts per
+#   token, F MLP hidden, M tokens of a MoE call (B * T), C capacity / key block, Q query block, I, J query / key
+#   blocks, G query heads per key/value head, R MLA latent rank, P MLA rotary dims, m, n tokens / assignment rows of
+#   one expert shard, El experts per shard, Nb padded blocks
+# Engine (generate/): S slots, R requests, P pages in the pool, Z tokens per page, M pages per sequence, W prefill
+#   width, K decode steps of a chunk (key/value heads in kv_pages, page_writes, paged_attention), L layers, H head
+#   dim, C MLA compressed dims (page copies in admission), N rows of a sampler call, V vocabulary
+# Checkpoints (checkpoints/): O, I output and input features, r adapter rank, D hidden, F MLP hidden, E experts,
+#   N query heads, K key/value heads, H head dim
 from __future__ import annotations
 
 from typing import Any
@@ -74,3 +89,16 @@ class TrainState:
     frozen: Any
     ref_params: Any
     rng: jax.Array
+
+
+@struct.dataclass
+class ImageBatch:
+    """Images a batch's samples carry, a pytree of its own beside `RolloutBatch` (image-text runs; None otherwise).
+
+    pixels_IxHxWx3: float32 RGB in [0, 1]. sample_I: int32, the sample (index into the batch's N) each image
+    belongs to. token_pos_I: int32, the row position of each image's first placeholder token.
+    """
+
+    pixels_IxHxWx3: jax.Array
+    sample_I: jax.Array
+    token_pos_I: jax.Array

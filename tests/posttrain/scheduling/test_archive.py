@@ -136,6 +136,17 @@ def test_older_files_are_read_at_the_current_schema_and_newer_ones_refused(tmp_p
         archive.read(tmp_path)
 
 
+def test_a_version_1_archive_reads_with_the_added_columns_at_their_defaults(tmp_path):
+    """Files written before segment_index and image_hashes existed (schema 1) read as segment 0 without images."""
+    archive.write_step(tmp_path, 1, [{**r, "segment_index": 2, "image_hashes": ["ab" * 32]} for r in rows(1)])
+    old = archive.to_table(rows(0)).drop_columns(["segment_index", "image_hashes"])
+    pq.write_table(old.replace_schema_metadata({"schema_version": "1"}), archive.step_path(tmp_path, 0))
+    table = archive.read(tmp_path)
+    assert table["segment_index"].to_pylist() == [0] * 4 + [2] * 4
+    assert table["image_hashes"].to_pylist() == [[]] * 4 + [["ab" * 32]] * 4
+    assert archive.read(tmp_path, steps=[0]).num_rows == 4 and table.schema == archive.ARCHIVE_SCHEMA
+
+
 def test_duckdb_queries_the_archive_in_place(tmp_path):
     duckdb = pytest.importorskip("duckdb")
     for step in range(3):
