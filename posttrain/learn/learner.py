@@ -1,20 +1,4 @@
-"""The update phase: the train state, its jitted step with explicit in/out shardings, and its checkpoints.
-
-A `Learner` holds what updates need and nothing rollouts need: its settings, the mesh, the model config and graphdef,
-the `TrainState` (replaced by every update: the old one is donated), the shardings of state and batch, the jitted
-step and the checkpointer. `update(batch)` places a host `RolloutBatch` (the full global batch, the same on every
-process) on the mesh, runs one step and returns its metrics as floats; `policy()` gives the rollouter the current
-policy states; `save` / `restore` write and read the state with the rollouter's resumable state as metadata.
-
-Stops and long steps: a stop signal (SIGINT / SIGTERM) is answered at the next step boundary with a checkpoint
-(`stop_checkpoint`), but a step still running `checkpoint.stop_grace_s` after the signal is cut (the process exits,
-`distributed.StopRequest`), and the state it started from is gone (the step donates it). So every loop's step
-boundary (`save(meta)`) after a step that took >= GUARD_FRACTION of the grace is saved as a guard checkpoint: the
-async save copies the state to host memory before the next step donates it, the files are written while that step
-runs, and the guard is kept only until a newer checkpoint commits (it never displaces the `checkpoint.keep`
-interval checkpoints). Steps shorter than that finish within the grace unless the next one is over twice as long;
-`checkpoint.every_steps=1` saves every boundary whatever its length.
-"""
+"""The update phase: the train state, its jitted step, its checkpoints (stops and guards: docs/learner.md)."""
 from __future__ import annotations
 
 import ctypes
@@ -43,9 +27,7 @@ GUARD_FRACTION = 0.5  # a step boundary after a step of >= this x checkpoint.sto
 
 
 def guard_due(step_s: float, grace_s: float) -> bool:
-    """True when the step boundary after a step of `step_s` seconds needs a guard checkpoint: a next step as long
-    (or up to 1 / GUARD_FRACTION times longer) might not finish, and be saved, within the `grace_s` seconds a stop
-    signal leaves (the module docstring)."""
+    """True when the boundary after a step of `step_s` seconds needs a guard checkpoint (docs/learner.md)."""
     return step_s >= GUARD_FRACTION * grace_s
 
 
@@ -56,19 +38,16 @@ class LearnerSettings:
     Attributes:
         workdir: the run's directory (checkpoints/ under it).
         optimizer: the config's optim section.
-        total_steps: train steps of the run (the learning-rate schedule's length in steps).
+        total_steps: train steps of the run; the learning-rate schedule spans total_steps x updates_per_step
+            optimizer updates (its clock is the update counter).
         lora_rank: train adapters only when > 0.
         need_reference: keep the initial policy for a KL term.
         seed: seeds the run's PRNG key.
-        checkpointing: the config's checkpoint section (interval, kept count, async writes, stop grace).
-        rules: logical-axis rules (`posttrain.infra.mesh.RULES` with the run's overlays; batch sharding).
+        checkpointing: the config's checkpoint section.
+        rules: logical-axis rules (`posttrain.infra.mesh.RULES` with the run's overlays).
         config_dict: the run's config as a plain dict, stored with every checkpoint.
-        best_metric: keep the checkpoint with the highest value of this metric (given to `save`) beside the
-            `checkpoint.keep` newest (the evaluation gate's "eval/gate/score"); None: only the newest.
-        updates_per_step: optimizer updates one train step makes (GRPO: rl.ppo_epochs x rl.minibatches); `step`,
-            the policy version and the checkpoint numbers count train steps, the state's own counter (the
-            learning-rate schedule's clock) counts updates.
-    """
+        best_metric: also keep the checkpoint with the highest value of this metric (None: only the newest).
+        updates_per_step: optimizer updates per train step (GRPO: rl.ppo_epochs x rl.minibatches)."""
 
     workdir: pathlib.Path
     optimizer: OptimConfig
@@ -82,13 +61,14 @@ class LearnerSettings:
     best_metric: str | None = None
     updates_per_step: int = 1
 
+    def build_optimizer(self):
+        """The run's optimizer, its schedule over every update of the run (`total_steps` x `updates_per_step`)."""
+        return self.optimizer.build(self.total_steps * self.updates_per_step if self.total_steps else None)
+
 
 def batch_shardings(mesh, batch: RolloutBatch | None = None, rules=mesh_lib.RULES,
                     batch_type: type = RolloutBatch) -> RolloutBatch:
-    """A batch of NamedShardings: rows / samples split over the mesh's batch shards. Of `batch`'s arrays when
-    given; else of every field of `batch_type` (a RolloutBatch or a subclass, e.g. DPO's PairBatch) by its
-    dimension suffix (`_RxL`: 2 dims, `_N`: 1), with None (the argument's own placement) for the optional fields
-    (default None), so a new field needs no change here."""
+    """NamedShardings splitting rows over the batch shards: of `batch`, or of `batch_type`'s fields by shape suffix."""
     if batch is not None:
         return jax.tree.map(lambda x: mesh_lib.batch_sharding(mesh, x.ndim, rules), batch)
     fields = {}
@@ -104,9 +84,7 @@ def batch_shardings(mesh, batch: RolloutBatch | None = None, rules=mesh_lib.RULE
 
 
 def trim_host_heap() -> None:
-    """Returns freed heap pages to the OS (glibc `malloc_trim`; a no-op elsewhere). Called before a checkpoint
-    save: the train step's freed temporaries otherwise stay resident while orbax allocates its host copies on
-    top of them, raising the peak RSS of a CPU run."""
+    """Returns freed heap pages to the OS (glibc `malloc_trim`), so orbax's host copies do not peak on top of them."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -115,9 +93,7 @@ def trim_host_heap() -> None:
 
 @dataclasses.dataclass
 class Learner:
-    """The update phase of a run (see the module docstring). `nonfinite_run`: consecutive updates skipped for a
-    non-finite loss or gradient, up to the last one; `boundary_t`: `time.monotonic()` at the last step boundary
-    (`save` without `force`), else at the start of this learner's first update (None before it)."""
+    """The update phase of a run (docs/learner.md); `nonfinite_run`: consecutive skipped (non-finite) updates."""
 
     settings: LearnerSettings
     mesh: jax.sharding.Mesh
@@ -134,13 +110,8 @@ class Learner:
     @classmethod
     def create(cls, settings: LearnerSettings, mesh, model_config, graphdef, weights,
                build_step: StepBuilder, *, read_only: bool = False, batch_type: type = RolloutBatch) -> "Learner":
-        """A fresh train state from the loaded model (`graphdef`, `weights`: its nnx state), the settings'
-        optimizer and checkpoints, and the algorithm's step: `build_step(graphdef, tx, lr_schedule, model_config)`
-        returns the pure step, jitted here by `learn.step.jit_step` with the state's and batch's shardings.
-        `read_only`: for commands that only read a run (eval, convert): its checkpointer never writes, renames or
-        deletes anything (an unreadable checkpoint is passed over and left in place). `batch_type`: the step's
-        batch (RolloutBatch or a subclass with more fields), for the jitted step's input shardings."""
-        opt = settings.optimizer.build(settings.total_steps)
+        """A learner with a fresh train state from the loaded model and `build_step` (`read_only`: for run readers)."""
+        opt = settings.build_optimizer()
         with jax.set_mesh(mesh):
             graphdef, state = create_train_state(graphdef, weights, opt.tx, jax.random.key(settings.seed),
                                                  lora_rank=settings.lora_rank,
@@ -170,8 +141,7 @@ class Learner:
         return model_states(self.state.params, self.state.frozen)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """One train step on a host batch; returns its metrics. A skipped (non-finite) update is logged and
-        counted in `nonfinite_run`."""
+        """One train step on a host batch; returns its metrics. A non-finite update is skipped and logged."""
         if self.boundary_t is None:
             self.boundary_t = time.monotonic()
         placed = jax.tree.map(distributed.global_array, batch, batch_shardings(self.mesh, batch, self.settings.rules))
@@ -186,19 +156,16 @@ class Learner:
         return m
 
     def restore(self) -> dict | None:
-        """Restores the newest usable checkpoint (falling back past a corrupt one, which `checkpointer.unreadable`
-        lists: moved aside unless read-only) into `state`; returns its metadata (the rollouter's state, the config),
-        or None when there is none. Raises CheckpointCorruptError when no complete checkpoint is readable."""
+        """Restores the newest usable checkpoint into `state`; returns its metadata (None: no checkpoint).
+
+        Raises CheckpointCorruptError when no complete checkpoint is readable."""
         if self.checkpointer.latest_step() is None:
             return None
         self.state, meta = self.checkpointer.restore(None, self.state)
         return meta
 
     def save(self, rollout_state: Mapping, *, force: bool = False, metrics: Mapping | None = None) -> None:
-        """Saves the state at its step when the checkpoint interval says so (or `force`), with the rollouter's
-        state and the config as metadata, and `metrics` (ranked by `settings.best_metric`). A call without `force`
-        is a loop's step boundary: after a step (since the last boundary or the first update's start) of at least
-        GUARD_FRACTION x `checkpoint.stop_grace_s` seconds (process 0's clock) it saves a guard checkpoint."""
+        """Saves the state when due (or `force`); a call without `force` is a step boundary (guard checkpoints)."""
         scheduled, guard = self.checkpointer.should_save(self.step), False
         if not force:
             now = time.monotonic()
@@ -211,9 +178,7 @@ class Learner:
                                    guard=guard)
 
     def stop_checkpoint(self, meta: Mapping, signal_name: str, start: int) -> distributed.RunInterrupted:
-        """For a stop signal (SIGINT / SIGTERM) in any training loop: saves the state with `meta` (forced, waited
-        for) when the run moved past `start` (nothing to save before its first completed update); returns the
-        RunInterrupted to raise, naming the step and the checkpoint the same command resumes from."""
+        """Saves the state on a stop signal (when past `start`) and returns the RunInterrupted to raise."""
         if self.step > start:
             self.save(meta, force=True)
             self.wait()
@@ -239,7 +204,7 @@ def abstract_batch(batch, mesh, rules=mesh_lib.RULES):
 
 
 class NonFiniteError(RuntimeError):
-    """Training stopped after `train.max_nonfinite_skips` consecutive steps with a non-finite loss or gradient."""
+    """Training stopped after `train.max_nonfinite_skips` consecutive non-finite steps."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -247,20 +212,13 @@ class TrainConfig:
     """The `train` section.
 
     Attributes:
-        steps: updates in the run.
+        steps: train steps in the run.
         seed: seeds the init of presets, the task order and the sampling keys.
         workdir: the run's directory (--workdir overrides).
         max_train_seconds: stop after this much training time, in-loop evaluation not counted (0: no limit).
-        max_nonfinite_skips: a step whose loss or gradient is NaN/inf is skipped (nothing applied); this many in a
-            row stop the run (after saving a checkpoint) with an error.
-        machine: the machine the config is written for ("" : not stated), a `posttrain plan` target name:
-            "cpu-N:<G>GB" (N CPU devices on a host of G GB; the shipped CPU configs say "cpu-1:24GB", the 2-core
-            24 GB machine), "v5p-N", "v5e-N", "v6e-N" or "h200xN" (`runs.preflight.parse_machine` checks it;
-            every file in configs/ states one). Informative: the pre-flight check measures the machine running.
-        preflight_prompt_len: prompt tokens the pre-flight memory check compiles the train step for (with
-            sampling.max_new_tokens per completion) before any model load or write (`runs.preflight`); a run
-            whose step's compiled peak exceeds 90% of the memory it has stops there. 0 skips the check.
-    """
+        max_nonfinite_skips: consecutive skipped (non-finite) steps that stop the run with an error, after a save.
+        machine: the machine the config is written for ("": not stated): cpu-N:<G>GB, v5p-N, v5e-N, v6e-N or h200xN.
+        preflight_prompt_len: prompt tokens of the pre-flight memory check (0: none); a step over 90% stops the run."""
 
     steps: int = 20
     seed: int = 0

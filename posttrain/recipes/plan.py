@@ -1,26 +1,6 @@
-"""`posttrain plan`: does this config's GRPO train step fit that machine? Answered by compiling it for the target
-topology on this machine (no weights allocated, no accelerator needed) and reading the compiled program.
+"""`posttrain plan` and the pre-flight check: does a config's GRPO train step fit a machine? (docs/commands.md)
 
-Targets: `cpu-N` (N local CPU devices; fake them with XLA_FLAGS=--xla_force_host_platform_device_count=N),
-`v5p-N` (Cloud TPU naming: N TensorCores = N/2 chips), `v5e-N` and `v6e-N` (N chips of one TensorCore each; Colab's
-TPU runtimes are v5e-1 and v6e-1), all three needing the `tpu` extra, and `h200xN` (N GPUs, 8 per host; needs the
-`aot` extra). The mesh is the config's `mesh` resolved for the target's device count, parameters are sharded by
-the same rules as training, and the step is the training step (policy loss, reference KL when configured,
-optimizer update), jitted with the same shardings and donation.
-
-Per device: parameter, optimizer and gradient bytes (from the shardings), the compiled program's temp bytes and
-peak (`aot.MemoryReport.peak`: arguments + outputs - aliases + the buffer assignment's temp allocation), peak vs
-HBM (fits at <= 90%), analytic model FLOPs (`posttrain.model.flops`; XLA's cost analysis counts a scanned layer once),
-a step-time estimate at the chip's published peak FLOP/s, the
-compile time, and whether XLA logged "Involuntary full rematerialization" (a sharding that forces whole arrays to
-be rematerialised), collective bytes by kind (`aot.collective_bytes`: scanned layers counted per trip), and the
-same for the rollout sampler (prefill + decode loop) unless `sampler=False`.
-
-Split meshes (`mesh.rollout`): the train step compiles on the learner's devices (the first ones), the sampler on
-the rollout submesh (the last `mesh.rollout`) with the policy in its inference layout, and the report adds the
-rollout mesh, the policy bytes per rollout device and the bytes each policy version moves from the learner's
-devices to the rollout's (`split_report`).
-"""
+Both compile the step for the target here (no weights allocated, no accelerator needed) and read the program."""
 from __future__ import annotations
 
 import contextlib
@@ -49,11 +29,9 @@ _KNOWN = "cpu-N, " + ", ".join(f"{k}-N" for k in TPU_SLICES) + " or h200xN"
 
 
 def target_devices(target: str):
-    """(devices, platform, hbm bytes per device, published bf16 peak FLOP/s per device or None) for a target name.
+    """(devices, platform, HBM bytes per device, published bf16 peak FLOP/s per device or None) of a target name.
 
-    Raises ValueError for an unknown target or a device count the target cannot have, RuntimeError when the
-    compiler for the target is missing (the message names the install command).
-    """
+    Raises ValueError for an unknown target or device count, RuntimeError when its compiler is missing."""
     kind, _, count = target.replace("x", "-", 1).partition("-") if target.startswith("h200x") else \
         target.partition("-")
     if not count.isdigit() or int(count) < 1:
@@ -102,9 +80,7 @@ def captured_stderr():
 
 
 def compile_train_step(step_fn, state, state_sh, batch, batch_sh, mesh, rules=mesh_lib.RULES):
-    """Lowers and compiles the pure step `step_fn`, jitted as the learner jits it (`learn.step.jit_step`: explicit
-    shardings, state donated), for `mesh` (activation constraints by `rules`); returns (MemoryReport, compile
-    seconds, XLA log, collective bytes by kind per device: `aot.collective_bytes`)."""
+    """Compiles `step_fn` on `mesh` as the learner jits it: (MemoryReport, seconds, XLA log, collective bytes)."""
     from posttrain.infra.partitioning import use_rules
     from posttrain.learn.step import jit_step
 
@@ -117,9 +93,7 @@ def compile_train_step(step_fn, state, state_sh, batch, batch_sh, mesh, rules=me
 
 def compile_sampler(graphdef, policy, mesh, rules, *, prompts: int, prompt_len: int, group_size: int, params,
                     shrink=(), record_routing: bool = False):
-    """Lowers and compiles the rollout sampler (`sampler.sample`: prefill, then the decode loop over
-    `model.decode_step`) for `mesh` with the policy's abstract states, as the rollouter calls it (prompts
-    replicated on entry, activations split by `rules`); returns (MemoryReport, compile seconds)."""
+    """Compiles the rollout sampler (`sampler.sample`) on `mesh` as the rollouter calls it: (MemoryReport, seconds)."""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -149,9 +123,9 @@ def per_device_bytes(tree) -> int:
 
 
 def plan_train_step(cfg, target: str, *, prompt_len: int = 512, sampler: bool = True) -> dict:
-    """The per-device report of `cfg`'s run on `target` (see `plan_report`): the run plan is made for the target's
-    devices and backend. Raises ConfigError for a config that makes no valid plan on the target,
-    ValueError/RuntimeError from `target_devices`."""
+    """The per-device report (`plan_report`) of `cfg`'s run on `target`, its plan made for the target's devices.
+
+    Raises ConfigError for a config that makes no valid plan there, ValueError / RuntimeError from `target_devices`."""
     from posttrain.config.plan import make_run_plan
 
     devices, platform, hbm, peak = target_devices(target)
@@ -160,12 +134,10 @@ def plan_train_step(cfg, target: str, *, prompt_len: int = 512, sampler: bool = 
 
 
 def plan_report(plan, devices, hbm: int, peak, *, target: str, prompt_len: int = 512, sampler: bool = True) -> dict:
-    """The per-device report of the run plan `plan` (made for `devices`) on `target` (see the module doc; hbm:
-    bytes per device; peak: bf16 FLOP/s per device or None) for one step's batch:
-    rollout.prompts_per_step prompts of `prompt_len` tokens, each with group_size completions of the sampling's
-    max_new_tokens, packed per the plan; with `sampler`, also the rollout sampler's compile for the same prompts
-    (`sample_*` keys; `fits` then needs both). The step compiled is the learner's: the GRPO recipe's step builder
-    jitted by `learn.step.jit_step`. Raises ValueError without a model preset (shapes only, no weights)."""
+    """The per-device report of `plan` (made for `devices`) on `target` for one step's batch (fields: docs/commands.md).
+
+    `hbm`: bytes per device; `peak`: bf16 FLOP/s per device or None; `sampler`: also compile the rollout sampler
+    (`sample_*` keys). ValueError without a model preset (shapes only, no weights are read)."""
     from posttrain.infra.partitioning import assert_sufficiently_sharded
     from posttrain.learn.state import model_states
     from posttrain.model import flops as flops_lib
@@ -211,9 +183,7 @@ def plan_report(plan, devices, hbm: int, peak, *, target: str, prompt_len: int =
 
 
 def split_report(policy, learner_mesh, rollout_mesh, rules=mesh_lib.RULES) -> tuple[Any, dict]:
-    """(the abstract policy `policy` in the rollout submesh's inference layout, the report's split keys): the
-    rollout mesh and its device count, the policy bytes one rollout device holds, and the bytes each policy
-    version moves from the learner's devices to the rollout devices (`reshard.transfer_bytes`)."""
+    """(the abstract `policy` in the rollout submesh's layout, the split keys: mesh, bytes per device and version)."""
     from posttrain.infra import reshard
 
     shardings = mesh_lib.state_shardings(policy, rollout_mesh, rules)
@@ -239,15 +209,10 @@ def _compile_or_refusal(step_fn, state, state_sh, batch_abs, batch_sh, mesh, rul
 
 
 def compile_engine(graphdef, policy, mesh, settings, *, prompt_len: int) -> tuple[aot.MemoryReport, float, int]:
-    """Lowers and compiles the rollout engine's two programs (`engine_ops.decode_chunk` over `settings.num_slots`
-    slots, K = `settings.chunk_steps` of the mesh's platform decode steps, and `engine_ops.prefill` of a
-    `prompt_len`-token prompt) on `mesh`'s one device with the policy's
-    abstract states and the page pool as `kv_pages.pool_shapes` makes it (`settings`: `engine.EngineSettings`).
-    Attention: on a TPU mesh the engine's (`paged_attention.resolve_impl("auto", "tpu")`: the Pallas kernel where
-    it takes the shapes, which also writes the pool in place: XLA:TPU copies a pool its scatters write more than
-    once, `page_writes`), elsewhere the reference (a gather of each slot's pages; the GPU kernel reads the pool
-    in place, so its temp is at most the reference's). Returns (the larger program's MemoryReport, compile
-    seconds of both, the pool's bytes)."""
+    """Compiles the rollout engine's decode chunk and prefill on `mesh`'s one device, with `kv_pages.pool_shapes`' pool.
+
+    On TPU with the engine's attention (the Pallas kernel writes the pool in place, where XLA:TPU's scatters copy it),
+    else the reference gather. Returns (the larger MemoryReport, seconds of both, the pool's bytes)."""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -284,9 +249,7 @@ def compile_engine(graphdef, policy, mesh, settings, *, prompt_len: int) -> tupl
 
 
 def _sampler_report(graphdef, model_state, mesh, plan, prompt_len: int, hbm: int) -> dict:
-    """The `sample_*` keys of `plan_report`: the rollout sampler compiled for one step's prompts; with the rollout
-    engine (`sampling.backend="engine"`), its decode step and prefill (`compile_engine`) sized as the run sizes
-    it for a first turn's prompt_len + max_new_tokens tokens, and `sample_kv_pool_gib`, its page pool."""
+    """The `sample_*` keys of `plan_report`: the dense sampler, or the engine's programs and page pool."""
     from posttrain.generate.sampler import shrink_schedule
 
     c = plan.config
@@ -308,8 +271,7 @@ def _sampler_report(graphdef, model_state, mesh, plan, prompt_len: int, hbm: int
 
 
 def fit_verdict(report: dict, target: str) -> str:
-    """The line for a plan that does not fit: every program over the limit (the train step `peak_gib`, the sampler
-    `sample_peak_gib` when `sample_fits` is False), the largest (the decisive one) first."""
+    """The line for a plan that does not fit: each program over the limit (train step, sampler), the largest first."""
     limit = aot.HBM_FIT_FRACTION * report["hbm_gib"]
     over = [(p, name) for name, p, ok in (("train step", report["peak_gib"], report["peak_gib"] <= limit),
                                           ("sampler", report.get("sample_peak_gib"), report.get("sample_fits")))
@@ -327,14 +289,7 @@ MACHINE_FORMS = "cpu-N[:<G>GB], v5p-N, v5e-N, v6e-N or h200xN"
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
-    """A parsed `train.machine`.
-
-    Attributes:
-        target: the `posttrain plan --target` name (the CPU memory suffix dropped).
-        platform: "cpu", "tpu" or "gpu".
-        devices: devices the config is written for.
-        host_bytes: the host memory a CPU config assumes (None when not stated, and for accelerators).
-    """
+    """A parsed `train.machine`: the `plan --target` name, platform, devices, host memory a CPU config assumes."""
 
     target: str
     platform: str
@@ -360,8 +315,7 @@ def parse_machine(name: str) -> Machine:
 
 
 def model_config(source):
-    """The ModelConfig a run of `source` (a `checkpoints.policy.PolicySource`) builds, read without weights: the
-    preset's, or the checkpoint's config (GGUF header or config.json) with the run's fields."""
+    """The ModelConfig a run of `source` builds, read without weights: the preset's, or the checkpoint's with fields."""
     import json
     import pathlib
 
@@ -390,8 +344,7 @@ def _default_path():
 
 
 def memory_limit(devices) -> tuple[int, str]:
-    """(bytes the run may use, what they are) on `devices`: the host's available memory on the CPU, the smallest
-    device's `bytes_limit` on an accelerator."""
+    """(bytes the run may use, what they are) on `devices`: available host memory, or the least `bytes_limit`."""
     if devices[0].platform == "cpu":
         import psutil
 
@@ -401,19 +354,14 @@ def memory_limit(devices) -> tuple[int, str]:
 
 
 def abstract_step(plan, mesh, model_cfg, prompt_len: int, completion_len: int):
-    """The GRPO train step of `plan` on `mesh` with abstract state and batch (nothing allocated).
+    """The GRPO train step of `plan` on `mesh` with abstract state and batch (`random_batch`; nothing allocated).
 
-    The batch is `rollout.batching.random_batch`: rl.prompts_per_step prompts of `prompt_len` tokens, each with
-    rl.group_size completions of `completion_len` tokens, packed per the plan.
-
-    Returns:
-        (graphdef, step_fn, state, state shardings, host batch, abstract batch, batch shardings).
-    """
+    Returns (graphdef, step_fn, state, state shardings, host batch, abstract batch, batch shardings)."""
     from posttrain.algos.grpo.advantages import advantage_fn
     from posttrain.rollout.batching import random_batch
 
     c, ls = plan.config, plan.learner_settings
-    opt = ls.optimizer.build(ls.total_steps)
+    opt = ls.build_optimizer()
     graphdef, state, state_sh = abstract_train_state(model_cfg, opt.tx, mesh, plan.rules, lora_rank=ls.lora_rank,
                                                      need_reference=ls.need_reference)
     batch = random_batch(0, advantage_fn(c.rl.advantage), prompts=c.rl.prompts_per_step, group_size=c.rl.group_size,
@@ -425,11 +373,7 @@ def abstract_step(plan, mesh, model_cfg, prompt_len: int, completion_len: int):
 
 
 def compile_step(plan, devices, prompt_len: int) -> dict:
-    """The train step of `plan` compiled for `devices` (abstract state and batch; see the module doc).
-
-    Returns:
-        {"peak": bytes per device, "rows", "row_len", "compile_s", "remat"}.
-    """
+    """The step of `plan` compiled for `devices`: {"peak" (bytes a device), "rows", "row_len", "compile_s", "remat"}."""
     from posttrain.infra.partitioning import use_rules
     from posttrain.learn.step import jit_step
 
@@ -448,8 +392,9 @@ def compile_step(plan, devices, prompt_len: int) -> dict:
 
 
 def verdict(plan, step: dict, limit: int, what: str, devices: int) -> str | None:
-    """The refusal line when `devices` x the step's peak exceeds `aot.HBM_FIT_FRACTION` of `limit` (CPU: the
-    devices share the host; pass devices=1 for per-device accelerator memory), else None."""
+    """The refusal line when `devices` x the step's peak exceeds `aot.HBM_FIT_FRACTION` of `limit`, else None.
+
+    `devices`: how many share `limit` (every CPU device shares the host; 1 for per-device accelerator memory)."""
     need = step["peak"] * devices
     if aot.fits(need, limit):
         return None
@@ -465,14 +410,10 @@ def verdict(plan, step: dict, limit: int, what: str, devices: int) -> str | None
 
 
 def check(plan, *, devices=None, limit: tuple[int, str] | None = None) -> dict | None:
-    """Runs the pre-flight check of `plan` on `devices` (default: the local devices its mesh uses) against `limit`
-    ((bytes, what); default `memory_limit`). Returns the step's figures plus "limit" (None when
-    train.preflight_prompt_len is 0). Raises PreflightError with the `verdict` line when the step does not fit,
-    ValueError for a negative train.preflight_prompt_len."""
-    import math
+    """Runs the pre-flight check: `plan`'s compiled train step against `limit` ((bytes, what); default `memory_limit`).
 
-    import jax
-
+    Returns the step's figures plus "limit", or None when train.preflight_prompt_len is 0. Raises PreflightError (the
+    `verdict` line) when it does not fit, ValueError for a negative train.preflight_prompt_len."""
     prompt_len = plan.config.train.preflight_prompt_len
     if prompt_len < 0:
         raise ValueError(f"train.preflight_prompt_len={prompt_len}: expected >= 0 (0 skips the check)")

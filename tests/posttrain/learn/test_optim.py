@@ -133,3 +133,19 @@ def test_bad_inputs_raise_clear_errors():
         optim.make_optimizer(lr=1e-3, schedule="constant", grad_clip_norm=0.0)
     with pytest.raises(ValueError, match="lr must be > 0"):
         optim.make_optimizer(lr=0.0, schedule="constant")
+
+
+def test_the_schedule_spans_every_update_of_the_run():
+    """With several optimizer updates per train step (rl.ppo_epochs x rl.minibatches) a decaying schedule reaches its
+    end at the run's last update, not after the first 1/U of the run (its clock is the update counter)."""
+    import pathlib
+
+    from posttrain.learn.learner import LearnerSettings
+    from posttrain.learn.optim import OptimConfig
+
+    cfg = OptimConfig(lr=1.0, schedule="linear", min_lr_ratio=0.0)
+    one = LearnerSettings(workdir=pathlib.Path("x"), optimizer=cfg, total_steps=4).build_optimizer().lr_schedule
+    four = LearnerSettings(workdir=pathlib.Path("x"), optimizer=cfg, total_steps=4,
+                           updates_per_step=4).build_optimizer().lr_schedule
+    assert float(one(2)) == pytest.approx(0.5) and float(one(4)) == pytest.approx(0.0)
+    assert float(four(8)) == pytest.approx(0.5) and float(four(15)) == pytest.approx(1 / 16)  # halfway, then the end
