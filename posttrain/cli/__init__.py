@@ -1,5 +1,20 @@
 """`posttrain train|sft|dpo|rm|eval|sample|convert|domains|plan|status`: the recipes' command line (absl flags).
 
+`USAGE` is what `posttrain` without a command prints and where `--help` finds a command's usage lines.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from posttrain.cli.commands import (UsageError, _enable_compilation_cache, _fake_cpu_devices_for_plan, check_run_flags,
+                                    cmd_convert, cmd_domains, cmd_dpo, cmd_eval, cmd_plan, cmd_rm, cmd_sample,
+                                    cmd_sft, cmd_train)
+from posttrain.cli import status
+from posttrain.cli.flags import command_help, config_file, config_override_argv, define_flags as _flags, flag_error_line
+
+USAGE = """`posttrain train|sft|dpo|rm|eval|sample|convert|domains|plan|status`: the recipes' command line (absl flags).
+
   posttrain train  --config=configs/quickstart.py [--config.rl.group_size=8 ...] [--workdir=DIR]   (GRPO)
   posttrain sft    --config=configs/sft_tiny.py [--workdir=DIR]   (supervised fine-tuning on chat data)
   posttrain dpo    --config=configs/dpo_tiny.py [--workdir=DIR]   (direct preference optimisation on pairs)
@@ -22,24 +37,14 @@
 Multi-host: start one process per host with --distributed (launch/ has TPU-pod and SLURM scripts).
 The current directory is importable, as under `python -m`: an env id 'my_envs:MyEnv-v0' finds ./my_envs.py.
 """
-from __future__ import annotations
-
-import os
-import sys
-
-from posttrain.cli.commands import (UsageError, _enable_compilation_cache, _fake_cpu_devices_for_plan, check_run_flags,
-                                    cmd_convert, cmd_domains, cmd_dpo, cmd_eval, cmd_plan, cmd_rm, cmd_sample,
-                                    cmd_sft, cmd_train)
-from posttrain.cli import status
-from posttrain.cli.flags import command_help, config_file, config_override_argv, define_flags as _flags, flag_error_line
 
 # command name -> its function (a new command: a function in commands.py, a line here, its usage lines in the
-# docstring above and its flags in flags.py)
+# docstring above or its module's (`command_help` reads both) and its flags in flags.py)
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "convert": cmd_convert,
             "domains": cmd_domains, "plan": cmd_plan, "sft": cmd_sft, "dpo": cmd_dpo, "rm": cmd_rm,
             "status": status.cmd_status}
 
-__all__ = ["COMMANDS", "UsageError", "command_help", "flag_error_line", "main"]
+__all__ = ["COMMANDS", "USAGE", "UsageError", "command_help", "flag_error_line", "main"]
 
 
 def _one_line(e: BaseException) -> str:
@@ -47,8 +52,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _config_file_error(f, argv) -> str | None:
-    """Why --config's file did not load (None when it did, or there is none): ml_collections defers a config
-    file's load error to the first attribute read of the flag's value."""
+    """Why --config's file did not load, or None (ml_collections defers the error to the first read of the flag)."""
     try:
         getattr(f.config, "to_dict", None)
     except OSError as e:
@@ -58,10 +62,9 @@ def _config_file_error(f, argv) -> str | None:
 
 
 def _import_from_cwd() -> None:
-    """Puts the current directory on sys.path (after the installed packages), as `python -m posttrain.cli` has it
-    (first there): the `posttrain` script's sys.path[0] is its own bin folder, so a `module:Env-v0` env id (a
-    config's env, a suite's domain) whose module sits in the directory the command runs in would not import. Env
-    worker processes inherit sys.path (`envs.pool`)."""
+    """Appends the current directory to sys.path, as `python -m` has it, so `module:Env-v0` ids import from there.
+
+    The `posttrain` script's sys.path[0] is its own bin folder; env worker processes inherit sys.path."""
     try:
         cwd = os.getcwd()
     except OSError:  # the directory was removed: nothing there to import
@@ -73,7 +76,7 @@ def _import_from_cwd() -> None:
 def main(argv=None) -> int:
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] not in COMMANDS:
-        print(__doc__, file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     command = argv.pop(1)
     _import_from_cwd()

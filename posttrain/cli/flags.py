@@ -65,15 +65,17 @@ _SHARED_FLAGS = {"config": ("train", "sft", "dpo", "rm", "eval", "convert", "pla
 
 
 def command_help(command: str, f) -> str:
-    """`posttrain <command> --help`: the command's usage lines (from this module's docstring) and its flags with
-    their defaults and help; a flag belongs to a command its help names before a colon ("eval/convert: ...")."""
+    """The text of `posttrain <command> --help`: its usage lines and its flags with their defaults and help.
+
+    The usage lines come from `posttrain.cli.USAGE` and the command's own module's docstring; a flag belongs to a command
+    its help names before a colon ("eval/convert: ...") or `_SHARED_FLAGS` lists."""
     import re
     import sys
 
     import posttrain.cli
 
     module = sys.modules[posttrain.cli.COMMANDS[command].__module__]  # a command's own module: its usage there
-    lines = posttrain.cli.__doc__.splitlines() + (module.__doc__ or "").splitlines()
+    lines = posttrain.cli.USAGE.splitlines() + (module.__doc__ or "").splitlines()
     usage, inside = [], False
     for line in lines:
         if line.startswith(f"  posttrain {command} ") or line == f"  posttrain {command}":
@@ -103,8 +105,7 @@ def command_help(command: str, f) -> str:
 
 
 def flag_error_line(e: BaseException, argv) -> str:
-    """One line for a command-line error; an unknown --config.* key names the key and ml_collections' suggestion
-    (which arrives as the repr of a KeyError inside absl's error), or without one the keys that exist there."""
+    """One line for a command-line error; an unknown --config.* key with ml_collections' hint, else the keys there."""
     chain, c = [], e
     while c is not None and all(c is not x for x in chain):
         chain.append(c)
@@ -132,13 +133,11 @@ def config_file(argv) -> str:
 
 
 def config_override_argv(argv):
-    """`argv` with each ``--config.<path>=<value>`` override whose path has keys that are not Python identifiers
-    (env domain names like ``reasoning_gym/chain_sum``, task-policy patterns like ``reasoning_gym/*``) rewritten to
-    ml_collections' subscript form (it parses the path as a Python expression, where ``reasoning_gym/chain_sum``
-    is a division): ``--config.env.train.reasoning_gym/chain_sum.kwargs.size=16`` sets
-    ``c.env.train["reasoning_gym/chain_sum"]["kwargs"]["size"]``. A key containing "." needs the subscript form
-    written out (``--config.env.train['a.b'].weight=2``); paths already holding "[" and every other argument are
-    returned unchanged."""
+    """`argv` with each `--config.<path>=<value>` whose keys are not all identifiers rewritten to subscripts.
+
+    ml_collections parses the path as Python (`reasoning_gym/chain_sum` is a division): `--config.env.train.
+    reasoning_gym/chain_sum.kwargs.size=16` sets `c.env.train["reasoning_gym/chain_sum"]["kwargs"]["size"]`. A key
+    holding "." needs the subscript written out (`--config.env.train['a.b'].weight=2`)."""
     out = []
     for arg in argv:
         name, eq, value = arg.partition("=")

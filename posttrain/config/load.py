@@ -1,10 +1,6 @@
-"""Loading a run configuration: an ml-collections ConfigDict -> a validated, frozen `Config` (`schema.py`).
+"""Loading a run configuration: a ConfigDict (a `configs/*.py` file's, `--config.*` overrides applied) -> a `Config`.
 
-`configs/*.py` files define `get_config() -> ml_collections.ConfigDict`; the CLI applies `--config.a.b=v`
-overrides; `from_config_dict` turns the result into a frozen `Config`, refusing unknown keys and wrong types here
-and out-of-range values and unknown names in each section type's own `__post_init__`, with one `ConfigError` that
-names the key path. This is the only module that knows ml_collections.
-"""
+Unknown keys and wrong types are refused here, out-of-range values by each section type's `__post_init__`."""
 from __future__ import annotations
 
 import collections.abc
@@ -21,8 +17,9 @@ from posttrain.errors import ConfigError, DataError, FieldError  # noqa: F401  (
 
 
 def convert_section(cls, value, path: str):
-    """`value` (a plain mapping / sequence / scalar) converted to `cls` (a schema dataclass or a field type),
-    rejecting unknown keys and wrong types. Raises ConfigError naming the dotted key path (`path` prefixes it)."""
+    """Converts `value` (a plain mapping, sequence or scalar) to `cls` (a config dataclass or a field type).
+
+    Raises ConfigError naming the dotted key path (prefixed by `path`): an unknown key, a wrong type or a bad value."""
     origin = typing.get_origin(cls)
     if dataclasses.is_dataclass(cls):
         if not isinstance(value, Mapping):
@@ -67,9 +64,7 @@ def convert_section(cls, value, path: str):
 
 
 def unknown_key_message(path: str, key: str, value: str = "...") -> str:
-    """One line for a --config.<path>=<value> override whose `key` the config lacks: the schema's keys at that
-    level, or, under a dict field (model.overrides, env.train, an env's kwargs), how to add the key (in the config
-    file)."""
+    """The line for a --config override of a missing `key`: the keys at that level, or under a dict, how to add it."""
     parts = path.split(".")[1:]
     if key not in parts:
         return f"unknown config key {path}"
@@ -99,9 +94,7 @@ def _plain(v):
 
 
 def as_config(cfg) -> Config:
-    """`cfg` as a validated Config: a Config as is; a ConfigDict or a plain nested dict through `from_config_dict`
-    (ConfigError naming a bad key). Raises TypeError for anything else (e.g. a path: load it with
-    `ml_collections.config_flags` or call the config file's get_config())."""
+    """`cfg` as a validated Config: a Config as is, a ConfigDict or dict through `from_config_dict`; else TypeError."""
     if isinstance(cfg, Config):
         return cfg
     if hasattr(cfg, "to_dict") or isinstance(cfg, Mapping):
@@ -111,11 +104,11 @@ def as_config(cfg) -> Config:
 
 
 def from_config_dict(cd) -> Config:
-    """Converts a ConfigDict (or plain nested dict) into a validated, frozen `Config`.
+    """Converts a ConfigDict (or plain nested dict) into a validated, frozen `Config`, `env.domains` applied.
 
     Raises:
-      ConfigError: unknown keys, wrong types, out-of-range or unknown choice values (names the key path).
-    """
+        ConfigError: unknown keys, wrong types, out-of-range or unknown choice values (names the key path), an empty
+            env.train or an env.domains pattern that matches no env.train name."""
     raw = cd.to_dict() if hasattr(cd, "to_dict") else dict(cd)
     cfg = convert_section(Config, raw, "")
     if cfg.env.domains:
@@ -126,9 +119,7 @@ def from_config_dict(cd) -> Config:
 
 
 def _keep_domains(cfg: Config) -> Config:
-    """`cfg` with env.train and env.eval cut to the names matching a pattern of `env.domains`, and tasks.policies
-    to the patterns that still match a kept name (a config's policy for a domain the selection left out is not an
-    error). Raises ConfigError on an empty pattern list or a pattern that matches no env.train name."""
+    """`cfg` with env.train, env.eval and tasks.policies cut to the names the patterns of `env.domains` match."""
     patterns = [p.strip() for p in cfg.env.domains.split(",") if p.strip()]
     if not patterns:
         raise ConfigError(f"env.domains={cfg.env.domains!r}: no pattern (comma-separated names or fnmatch patterns)")
@@ -153,10 +144,9 @@ def to_dict(cfg: Config) -> dict:
 
 def config_changes(saved: Mapping, new: Mapping, free: tuple = (), defaults: Mapping | None = None,
                    ) -> dict[str, tuple]:
-    """{dotted key: (saved value, new value)} of the settings that differ between two config dicts (JSON-normal
-    values: tuples as lists), the dotted keys in `free` left out. With `defaults` (the default Config's dict), a
-    key the saved dict lacks (a field added after that run was saved) whose new value is its default is no change:
-    the saved run ran with that default's behaviour."""
+    """{dotted key: (saved, new)} of the settings two config dicts differ in (JSON-normal), keys in `free` left out.
+
+    With `defaults`, a key the saved dict lacks whose new value is its default is no change (that run ran with it)."""
     import json
 
     def flat(d, prefix=""):
@@ -175,16 +165,7 @@ def config_changes(saved: Mapping, new: Mapping, free: tuple = (), defaults: Map
 
 
 def default_config():
-    """An `ml_collections.ConfigDict` holding every default of `Config` (the base that configs/*.py edit).
-
-    Example (a config file)::
-
-        from posttrain.config import default_config, env_spec
-        def get_config():
-            c = default_config()
-            c.env.train = {"arithmetic": env_spec("posttrain/Arithmetic-v0", split="train")}
-            return c
-    """
+    """An `ml_collections.ConfigDict` of every default of `Config`: the base a configs/*.py file edits."""
     import ml_collections
 
     return ml_collections.ConfigDict(to_dict(Config()))
@@ -197,23 +178,19 @@ def env_spec(env_id: str, weight: float = 1.0, **kwargs):
     return ml_collections.ConfigDict({"id": env_id, "weight": weight, "kwargs": kwargs})
 
 
-# `mesh.rules` for MLA models on large meshes (DeepSeek-V3, Kimi K2): the latent projections' logical axes are
-# replicated by default; split over fsdp instead (replicated, DeepSeek-V3's q_b_proj alone took 8 GiB of float32
-# weights per device, and as much again per Adam moment and gradient)
+# `mesh.rules` for MLA models on large meshes (DeepSeek-V3, Kimi K2): the latent projections, replicated by default,
+# split over fsdp (replicated, DeepSeek-V3's q_b_proj alone is 8 GiB of float32 weights per device, and as much again
+# per Adam moment and gradient)
 MLA_LATENTS_OVER_FSDP = {"q_lora": "fsdp", "kv_lora": "fsdp"}
 
 
 def dryrun_config(preset: str, variant: str = "full", *, mesh: Mapping[str, int] | None = None,
                 rules: Mapping[str, Any] | None = None):
-    """The config of a `posttrain plan` dry run (configs/plan/*.py) for a model preset: one GRPO step on a global
-    batch of 256 sequences x 4096 tokens (16 prompts x 16 samples, unpacked rows of 512 prompt tokens (plan's
-    default `--prompt_len=512`) + 3584 completion tokens), bf16 compute, full remat, no accumulation microbatches.
+    """The config of a `posttrain plan` dry run (configs/plan/*.py) of a model preset: one GRPO step of 256 sequences.
 
-    variant "full": float32 master weights and Adam moments; "lora": rank-64 adapters on the dense projections,
-    frozen bf16 base weights, 4 accumulation microbatches (select it with `--config=configs/plan/<model>.py:lora`).
-    mesh: axis sizes (default all devices on fsdp); rules: `mesh.rules` overlays. Raises ConfigError for another
-    variant.
-    """
+    16 prompts x 16 samples of 512 + 3584 tokens, unpacked, bf16 compute, full remat. `variant` "full": float32 master
+    weights and Adam moments; "lora" (else ConfigError): rank-64 adapters, frozen bf16 base, 4 microbatches. `mesh`:
+    axis sizes (default: all devices on fsdp); `rules`: `mesh.rules` overlays."""
     if variant not in ("full", "lora"):
         raise ConfigError(f"plan variant {variant!r}: expected 'full' or 'lora' "
                           "(--config=configs/plan/<model>.py:lora)")
@@ -237,11 +214,8 @@ RUN_SHAPE_SECTIONS = ("model", "lora")  # what a run's checkpoints are shaped by
 
 
 def saved_config(workdir) -> Config | None:
-    """The Config a run saved in `workdir`/config.json (what its steps ran with), or None when there is none.
-    Raises ConfigError naming the file when it does not load."""
+    """The Config saved in `workdir`/config.json (None without one); ConfigError naming the file if it does not load."""
     import json
-
-    from posttrain.config import from_config_dict
 
     path = pathlib.Path(workdir) / "config.json"
     if not path.is_file():
@@ -253,10 +227,10 @@ def saved_config(workdir) -> Config | None:
 
 
 def config_for_run(workdir, cfg: Config | None = None) -> Config:
-    """The config of a command that reads the run in `workdir` (eval, convert): its saved config.json alone; with
-    `cfg` (a --config), cfg with the run's own `model` and `lora` sections (RUN_SHAPE_SECTIONS: what its
-    checkpoints were trained as, so a forgotten --config.lora.rank cannot mismatch them; a difference is logged).
-    Raises ConfigError when the run saved no config and no `cfg` is given."""
+    """The config of a command that reads the run in `workdir` (eval, convert): its saved config.json.
+
+    With `cfg` (a --config): `cfg` with the run's own RUN_SHAPE_SECTIONS, what its checkpoints were trained as (a
+    difference is logged). Raises ConfigError when the run saved no config and no `cfg` is given."""
     saved = saved_config(workdir)
     if saved is None:
         if cfg is None:

@@ -1,21 +1,4 @@
-"""`posttrain eval --suite`: an evaluation suite on a run's newest checkpoint, against a baseline, paired by task.
-
-    posttrain eval --suite=configs/eval/default.py --checkpoint=runs/quickstart [--baseline=base|RUN2]
-                   [--limit=N] [--domains=PATTERNS] [--out=DIR] [--config=configs/X.py --config.eval.seed=S]
-    posttrain eval --from_records=DIR [--suite=...] [--out=DIR]      (rescore recorded replies, no sampling)
-
-The suite (`posttrain.eval.suite`) is resolved once (skipped domains listed with their reasons); each policy
-samples every domain with the domain's n, temperature, token budget and turns, the run's system prompt, prompt
-bucket and eval batch size, and the key `eval.seed` (the candidate run's config; the baseline uses the same stream,
-so the same policy twice gives the same samples and a new seed gives an independent evaluation). "base" is the
-run's initial policy (before its first update). The comparison (`posttrain.eval.compare`, at the suite's alpha) is
-written as Markdown, JSON and a PNG forest plot (`posttrain.eval.report`).
-
-Output folder (--out, default `eval_reports/<run name>/<suite name>-step<N>` under the current directory, N the
-evaluated checkpoint's step; the run's folder is only read, as `lm_eval --output_path` writes beside, never into,
-the model it reads): suite.json; candidate/ and baseline/ (records.jsonl, results.json: task_set_hash, summary,
-step, seconds by domain); comparison.md, comparison.json, forest.png.
-"""
+"""`posttrain eval --suite` and `--from_records` (docs/commands.md), and the Config that evaluates a run of any kind."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,18 +20,18 @@ from posttrain.runs.read import OFFLINE_KINDS, OFFLINE_STATE_SECTIONS, refuse, r
 
 
 def run_plan_of(checkpoint: str | pathlib.Path, cfg: Config | None = None, flag: str = "--checkpoint") -> RunPlan:
-    """The run plan for the run in `checkpoint`, of any kind (`read_run.reading_config`: its saved config.json,
-    or `cfg` (a --config) with the run's own model sections), with its workdir. Raises RunNotFoundError (nothing
-    read or created; naming `flag`) without a complete checkpoint there, ConfigError for a run it cannot evaluate."""
+    """The run plan that evaluates the run in `checkpoint`, of any kind (`reading_config`), with its workdir.
+
+    Raises RunNotFoundError (naming `flag`) without a complete checkpoint, ConfigError for a run it cannot evaluate."""
     require_checkpoint(checkpoint, flag)
     return make_run_plan(reading_config(checkpoint, cfg, "eval --suite", suite=True), workdir=str(checkpoint))
 
 
 def evaluate_policies(plan: RunPlan, built, *, with_base: bool, sampling_plan: RunPlan | None = None) -> dict:
-    """{"base"?: (records, seconds, 0), "run": (records, seconds, step)}: the run's initial policy (when
-    `with_base`) and its newest checkpoint, sampled with `sampling_plan`'s eval settings (default: `plan`'s). Only
-    the suite's envs (`built`) are used: the run's own env.train and env.eval are not built, so a run trained on an
-    env whose module is not importable here evaluates on a suite all the same."""
+    """{"base"?: (records, seconds, 0), "run": (records, seconds, step)}: the suite (`built`) sampled by the run.
+
+    "base": its initial policy (with `with_base`); "run": its newest checkpoint; both with `sampling_plan`'s eval
+    settings (default `plan`'s), none of the run's own envs built."""
     out = {}
     with use_rules(plan.rules):
         rollouter, learner, _ = grpo.build(plan, reading=True, restore=False, held_out=False)
@@ -88,9 +71,9 @@ def write_report(out: pathlib.Path, evaluations: Mapping[str, dict], alpha: floa
 
 def evaluate_suite(suite_path: str, checkpoint: str, *, baseline: str | None = None, cfg: Config | None = None,
                    limit: int | None = None, domains: str | None = None, out: str | None = None) -> dict:
-    """Runs the suite on `checkpoint` (and `baseline`: "base" or a run's workdir), writes the report (see the
-    module docstring); returns as `_result`. Raises RunNotFoundError
-    for a run without a complete checkpoint, ValueError for a malformed suite or selection."""
+    """Runs the suite on `checkpoint` (and `baseline`: "base" or a run's workdir), writes the report; returns `_result`.
+
+    Raises RunNotFoundError for a run without a complete checkpoint, ValueError for a malformed suite or selection."""
     suite = suite_lib.select(suite_lib.load_suite(suite_path), limit=limit, domains=domains)
     plan = run_plan_of(checkpoint, cfg)
     base_plan = run_plan_of(baseline, flag="--baseline") if baseline not in (None, "base") else None
@@ -115,8 +98,7 @@ def evaluate_suite(suite_path: str, checkpoint: str, *, baseline: str | None = N
 
 
 def default_out(checkpoint, suite_name: str, step: int) -> pathlib.Path:
-    """The default report folder: eval_reports/<run name>/<suite name>-step<step> under the current directory
-    (outside the run: a command that reads a run never writes into it)."""
+    """The default report folder, eval_reports/<run name>/<suite name>-step<step>, outside the run (only read)."""
     return pathlib.Path("eval_reports") / pathlib.Path(checkpoint).resolve().name / f"{suite_name}-step{step}"
 
 
@@ -134,9 +116,9 @@ def _result(folder, text, evaluations, skipped) -> dict:
 
 
 def rescore_folder(folder: str, *, suite_path: str | None = None, out: str | None = None) -> dict:
-    """Rescores a report folder (baseline/ and candidate/) or one evaluation folder without sampling
-    (`posttrain.eval.records.rescore`), with the scorers and formats of `suite_path` where given (else those
-    recorded), and writes the rebuilt report to `out` (default <folder>/rescored). Returns as `evaluate_suite`."""
+    """Rescores a report folder (baseline/ and candidate/) or one evaluation folder without sampling.
+
+    With the scorers and formats of `suite_path` (else those recorded); writes to `out` (default <folder>/rescored)."""
     folder = pathlib.Path(folder)
     roles = [r for r in ("baseline", "candidate") if (folder / r).is_dir()] or [None]
     overrides = ({d.name: d for d in suite_lib.load_suite(suite_path).domains} if suite_path else {})
@@ -160,8 +142,7 @@ def rescore_folder(folder: str, *, suite_path: str | None = None, out: str | Non
 
 
 def offline_plan(workdir, kind: str):
-    """The plan (`recipes.<kind>.make_<kind>_plan`) of the offline run in `workdir` from its saved config.json,
-    with its workdir. Raises ConfigError naming the file when it does not load."""
+    """The plan of the offline run in `workdir` from its saved config.json; ConfigError naming the file if it fails."""
     from posttrain.config import dpo, rm, sft
     from posttrain.recipes import dpo as dpo_recipe, rm as rm_recipe, sft as sft_recipe
 
@@ -182,10 +163,12 @@ SUITE_PLACEHOLDER_ENV = {"id": "posttrain/Arithmetic-v0"}
 
 
 def policy_eval_config(workdir, kind: str, cfg: Config | None, suite: bool = False) -> Config:
-    """The GRPO Config that evaluates the policy of the SFT / DPO run in `workdir`: `cfg`'s sections (else those of
-    the GRPO run it was trained from; else, for a `suite` evaluation, which uses no env of the run, the defaults with
-    SUITE_PLACEHOLDER_ENV as env.train) with the run's OFFLINE_STATE_SECTIONS and its workdir, and a learner shaped
-    like the run's (no reference copy, one update per step). Raises ConfigError when none gives an env."""
+    """The GRPO Config that evaluates the policy of the SFT / DPO run in `workdir`.
+
+    Its sections are `cfg`'s, else those of the GRPO run it was trained from, else (a `suite` evaluation, which
+    builds no env of the run) the defaults with SUITE_PLACEHOLDER_ENV; then the run's OFFLINE_STATE_SECTIONS, its
+    workdir and a learner shaped like the run's (no reference copy, one update per step). Raises ConfigError when
+    none gives an env."""
     from posttrain.config.load import saved_config
 
     saved = json.loads((pathlib.Path(workdir) / "config.json").read_text())
@@ -214,10 +197,10 @@ def policy_eval_config(workdir, kind: str, cfg: Config | None, suite: bool = Fal
 
 
 def reading_config(workdir, cfg: Config | None = None, command: str = "eval", suite: bool = False) -> Config:
-    """The GRPO Config with which `command` evaluates the policy of the run in `workdir` (a complete checkpoint
-    there is the caller's check): a GRPO run's `run_plan.config_for_run`, an SFT / DPO run's `policy_eval_config`
-    (`suite`: for a suite evaluation, which needs no env of the run). Raises ConfigError for a reward-model run (it
-    has no policy) or a run without a usable config."""
+    """The GRPO Config with which `command` evaluates the policy of the run in `workdir` (docs/runs.md).
+
+    A GRPO run's `config_for_run`, an SFT / DPO run's `policy_eval_config`. Raises ConfigError for a reward-model run
+    (it has no policy) or a run without a usable config."""
     from posttrain.config.load import config_for_run
 
     kind = run_kind(workdir)
@@ -230,8 +213,7 @@ def reading_config(workdir, cfg: Config | None = None, command: str = "eval", su
 
 
 def offline_model(workdir, kind: str):
-    """(ModelConfig, nnx state, tokenizer) of the newest checkpoint of the offline run in `workdir` (LoRA
-    unmerged; a reward model with its head), read only. Raises RunNotFoundError without a complete checkpoint."""
+    """(ModelConfig, nnx state, tokenizer) of an offline run's newest checkpoint, read only (LoRA unmerged)."""
     from flax import nnx
 
     from posttrain.checkpoints.policy import load_policy
@@ -239,7 +221,6 @@ def offline_model(workdir, kind: str):
     from posttrain.infra.partitioning import use_rules
     from posttrain.learn.learner import Learner
     from posttrain.learn.state import merge_model
-    from posttrain.recipes.grpo import require_checkpoint
 
     require_checkpoint(workdir)
     plan = offline_plan(workdir, kind)

@@ -1,29 +1,5 @@
-"""Model and judge rewards in RL: a reward model and an LLM judge score each reply after the environment, and a
-sample's reward becomes the weighted sum of the sources in use.
-
-Dimension legend: B sequences (or judgements) in one call, T their width.
-
-`Rewarder.score(samples)` runs after the environment's reward, on every sample of a draw round at once
-(`RewardedRollouter._run_fn`: before groups are formed, so dynamic sampling, the job scheduler's reports,
-advantages and the archive all see the combined reward):
-
-  reward = w_env * env_reward + w_model * model_score + w_judge * judge_score      (`RewardSettings.weights`)
-
-* the reward model (`RewardSettings.model_path`: a `posttrain rm` run or an exported sequence-classification
-  directory, `checkpoints.reward_model`) reads the policy's prompt and reply decoded to text (special tokens kept)
-  and re-encoded by its own tokenizer, and scores the last token (`model.reward_head`), `batch_size` sequences per
-  jitted call;
-* the judge (`JudgeSettings`; its model a `PolicySource`, loaded like the reference model) gets the rubric
-  prompt (`judge_prompt`), decodes greedily within `max_new_tokens`, `batch_size` judgements per sampler call, and
-  its output is read by the strict parser (`parse_judgement`): one line `<name>: <number in [0, max_score]>` per
-  criterion, in the rubric's order, nothing else; an unparsable judgement scores `unparsable_score`, never an
-  error. The judgement's score is sum(weight * score) / (sum(weight) * max_score), in [0, 1].
-
-Scores are cached by the sha256 of (prompt text, reply text), per source (`SCORE_CACHE` entries at most, oldest
-dropped first). Each scored sample's `info` (the archive's `details`) gets `env_reward`, `model_reward` and
-`judge` ({"output", "scores", "score", "parsed", "reason"}); infra-error samples keep their env reward and are
-not scored. Metrics: `reward/{env,model,judge}_mean`, `reward/judge_unparsable_rate`, `perf/{model,judge}_reward_s`.
-"""
+"""Model and judge rewards: a reward model and an LLM judge score each reply after the environment, and a sample's
+reward becomes the weighted sum of the sources in use (docs/rollout.md). Shapes: the legend in `posttrain.types`."""
 from __future__ import annotations
 
 import collections
@@ -70,14 +46,11 @@ class JudgeConfig:
 
     Attributes:
         enabled: score replies with the judge.
-        path: the judge model, a .gguf file or an HF model directory ("" with no preset: the default SmolLM2-135M
-            GGUF), loaded like the policy (`posttrain.checkpoints.policy.PolicySource`).
+        path: the judge model, a .gguf file or an HF model directory ("" with no preset: SmolLM2-135M's GGUF).
         preset: a `posttrain.model.presets` name instead (random init with the byte tokenizer: tests).
         overrides: preset fields replaced (e.g. {"vocab_size": 320}).
-        template: the judge's user message, a `str.format` template naming some of {prompt}, {reply} (both
-            required), {rubric} (one line per criterion) and {max_score}.
-        criteria: the rubric: a tuple of {"name": a word, "weight": > 0, "description": str}; the judge scores each
-            in [0, max_score] and the judgement's score is sum(weight * score) / (sum(weight) * max_score), in [0, 1].
+        template: the judge's user message (`str.format`: {prompt}, {reply}, optional {rubric} and {max_score}).
+        criteria: the rubric: a tuple of {"name": a word, "weight": > 0, "description": str}.
         max_score: > 0, the top of each criterion's scale.
         max_new_tokens: the judge's token budget per judgement (greedy decoding).
         batch_size: judgements per sampler call (the last call is padded to it: one compiled shape).
@@ -125,14 +98,12 @@ class JudgeConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardsConfig:
-    """The `rewards` section: model and judge rewards after the environment's (`posttrain.rollout.rewards`).
+    """The `rewards` section: model and judge rewards after the environment's.
 
     Attributes:
-        model: a reward model scoring each reply: a `posttrain rm` run directory (its `reward_model/`) or an
-            exported transformers sequence-classification directory ("": none).
+        model: a reward model: a `posttrain rm` run or an exported sequence-classification directory ("": none).
         judge: the LLM judge (`JudgeConfig`; off unless judge.enabled).
-        weights: {"env" | "model" | "judge": weight}: a sample's reward is the sum over the sources in use of weight
-            x that source's score (a source left out weighs 1; an infra-error sample keeps its env reward).
+        weights: {"env" | "model" | "judge": weight} of the weighted sum of scores (a source left out weighs 1).
         judge_unparsable_score: the judge score of a judgement the strict parser rejects (never an error).
         batch_size: sequences per reward-model call (the last call is padded to it).
         max_len: tokens of prompt + reply the reward model reads (a longer sequence keeps its last max_len).
@@ -166,10 +137,10 @@ _LINE = re.compile(r"([A-Za-z][A-Za-z0-9_-]*)[ \t]*:[ \t]*([+-]?(?:\d+(?:\.\d*)?
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JudgeSettings:
-    """The LLM judge (built by `RewardSettings.of`).
+    """The LLM judge's settings.
 
     Attributes:
-        source: the judge model (a policy source: preset or path, the run's precision).
+        source: the judge model (preset or path, at the run's precision).
         template: the judge's user message (`str.format` fields prompt, reply, rubric, max_score).
         criteria: ((name, weight, description), ...): the rubric, in the order the judge must answer.
         max_score: the top of each criterion's scale (> 0).
@@ -195,9 +166,9 @@ class RewardSettings:
 
     Attributes:
         model_path: a reward model (a `posttrain rm` run or an exported directory; "": none).
-        model_fields: ModelConfig fields of the reward model set by the run (dtype, param_dtype, matmul_precision).
+        model_fields: ModelConfig fields the run sets (dtype, param_dtype, matmul_precision).
         judge: the judge's settings (None: no judge).
-        weights: {"env" | "model" | "judge": weight} of the combination (a missing source weighs 1).
+        weights: {"env" | "model" | "judge": weight} (a missing source weighs 1).
         batch_size: sequences per reward-model call.
         max_len: tokens of prompt + reply the reward model reads (the last ones).
     """
@@ -211,12 +182,7 @@ class RewardSettings:
 
     @classmethod
     def of(cls, rewards: RewardsConfig, precision, *, seed: int) -> "RewardSettings | None":
-        """The settings of a config's `rewards` section (None when neither a reward model nor a judge is used).
-
-        Raises:
-            ConfigError: naming rewards.model (no reward model there) or rewards.judge (an unknown preset, a bad
-                path, overrides without a preset).
-        """
+        """The settings of the `rewards` section (None: no model or judge); ConfigError for a bad model or judge."""
         if not rewards.enabled:
             return None
         fields = dict(dtype=precision.compute_dtype, param_dtype=precision.param_dtype,
@@ -250,17 +216,15 @@ def rubric_text(criteria) -> str:
 
 
 def judge_prompt(settings: JudgeSettings, prompt: str, reply: str) -> str:
-    """The judge's user message for one (prompt, reply): the template filled in (the texts are not re-formatted,
-    so braces in them are kept as they are)."""
+    """The judge's user message for one (prompt, reply): the template filled in (braces in the texts kept)."""
     return settings.template.format(prompt=prompt, reply=reply, rubric=rubric_text(settings.criteria),
                                     max_score=f"{settings.max_score:g}")
 
 
 def parse_judgement(text: str, criteria, max_score: float) -> tuple[dict[str, float] | None, str]:
-    """(scores {name: value}, "") of a judgement that is exactly one line `<name>: <number>` per criterion in the
-    rubric's order (blank lines and surrounding whitespace allowed) with every number in [0, max_score]; else
-    (None, the reason): missing or repeated criterion, a line that is not `<name>: <number>` (extra text), a
-    number out of range, another order."""
+    """Returns ({name: score}, "") of a well-formed judgement, else (None, the reason); never raises.
+
+    Well-formed: one line `<name>: <number in [0, max_score]>` per criterion, in the rubric's order, nothing else."""
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     names = [c[0] for c in criteria]
     scores = {}
@@ -306,9 +270,9 @@ def _chunks(items: Sequence, size: int):
 
 
 class ModelScorer:
-    """The reward model of `RewardSettings.model_path` on the mesh: `__call__([(prompt, reply), ...])` -> float32 [B]
-    scores. Raises FileNotFoundError / ValueError (`checkpoints.reward_model`) for a path without a reward model,
-    ValueError for one without a tokenizer."""
+    """The reward model on the mesh: `__call__([(prompt, reply), ...])` returns float32 [B] scores.
+
+    Raises FileNotFoundError / ValueError for a path without a reward model or a tokenizer."""
 
     def __init__(self, settings: RewardSettings, mesh, rules):
         from flax import nnx
@@ -339,15 +303,14 @@ class ModelScorer:
 
 
 class Judge:
-    """The LLM judge of `JudgeSettings` on the mesh: `generate(messages)` -> its outputs (greedy, at most
-    max_new_tokens each, batch_size per call), `__call__([(prompt, reply), ...])` -> one judgement dict each."""
+    """The LLM judge on the mesh: `__call__([(prompt, reply), ...])` returns one judgement dict each."""
 
     def __init__(self, settings: JudgeSettings, mesh, graphdef, state, tokenizer):
         self.settings, self.mesh, self.graphdef, self.state, self.tokenizer = settings, mesh, graphdef, state, tokenizer
 
     @classmethod
     def load(cls, settings: JudgeSettings, mesh, rules) -> "Judge":
-        """The judge model of `settings.source` loaded on `mesh` (`checkpoints.policy.load_policy`)."""
+        """The judge model of `settings.source` loaded on `mesh`."""
         from posttrain.checkpoints.policy import load_policy
 
         _, graphdef, state, tokenizer = load_policy(settings.source, mesh, rules)
@@ -382,8 +345,7 @@ class Judge:
 
 
 class Rewarder:
-    """Scores samples with the reward model and / or the judge and combines them with the env reward (module doc).
-    `model` / `judge`: a `ModelScorer` / `Judge` or anything with their `__call__` (a fake in tests)."""
+    """Scores samples with the reward model and / or the judge (`model`, `judge`: any callables alike)."""
 
     def __init__(self, settings: RewardSettings, tokenizer, *, model=None, judge=None):
         self.settings, self.tokenizer, self.model, self.judge = settings, tokenizer, model, judge
@@ -415,9 +377,8 @@ class Rewarder:
         return [new[k] if k in new else cache[k] for k in keys]
 
     def score(self, samples) -> dict[str, float]:
-        """Sets each counted sample's reward to the weighted sum (module doc) and its info's env_reward,
-        model_reward and judge; returns the perf/{model,judge}_reward_s seconds of the call."""
-        w = {src: float(self.settings.weights.get(src, 1.0)) for src in ("env", "model", "judge")}
+        """Sets each counted sample's reward to the weighted sum and its info's sources; returns perf/*_reward_s."""
+        w = {src: float(self.settings.weights.get(src, 1.0)) for src in SOURCES}
         live = [s for s in samples if s.counts]
         texts, perf = [self._texts(s) for s in live], {}
         total = [w["env"] * s.reward for s in live]
@@ -440,8 +401,7 @@ class Rewarder:
 
 
 def reward_metrics(records: Sequence[Mapping]) -> dict[str, float]:
-    """reward/{env,model,judge}_mean and reward/judge_unparsable_rate over the archive rows trained on
-    (`in_batch`) whose details carry them."""
+    """reward/{env,model,judge}_mean and reward/judge_unparsable_rate over the archive rows trained on."""
     details = [json.loads(r["details"]) if isinstance(r["details"], str) else r["details"]
                for r in records if r.get("in_batch")]
     out = {}
@@ -458,8 +418,7 @@ def reward_metrics(records: Sequence[Mapping]) -> dict[str, float]:
 
 @dataclasses.dataclass(frozen=True)
 class RewardedRollouter(Rollouter):
-    """A `Rollouter` whose every draw round's samples are scored by `rewarder` (a `Rewarder`) right after their
-    episodes end, before groups are formed (module doc)."""
+    """A `Rollouter` whose draw rounds' samples are scored by `rewarder` before groups are formed."""
 
     rewarder: Any = None
 
@@ -475,7 +434,7 @@ class RewardedRollouter(Rollouter):
         return scored
 
     def collect(self, step: int, policy: tuple, rng, policy_version: int | None = None, gate=None):
-        """`Rollouter.collect` (its arguments) with the trained samples' `reward_metrics` added."""
+        """`Rollouter.collect` with the trained samples' `reward_metrics` added."""
         t = super().collect(step, policy, rng, policy_version, gate)
         return dataclasses.replace(t, metrics={**t.metrics, **reward_metrics(t.records)})
 

@@ -1,18 +1,5 @@
 """Difficulty curriculum per domain: a level that follows the recent pass rate, and mix weights that can follow
-learning progress. Host-side, pure Python + NumPy (no JAX); the whole state is a small JSON dict saved with
-every checkpoint, so a resumed run continues with the same levels, windows and weights (docs/design.md invariant 9).
-
-Levels are reasoning-gym curriculum levels (``reasoning_gym.factory.create_curriculum(name).set_global_level``,
-applied by `envs.tasks.reasoning_gym.build_dataset(level=...)`), 0 = easiest, up to each dataset's top level
-(`envs.tasks.reasoning_gym.max_level`). Rule (per domain, after each batch of its episodes):
-  pass rate r = mean(reward >= pass_threshold) over the last `window` episodes at the current level;
-  once at least `min_episodes` are in the window: r > high -> level += step, r < low -> level -= step (clipped to
-  [0, max_level]); on a move the window restarts (the old level's episodes say nothing about the new one).
-Learning-progress weights (Kanitscheider et al. 2021, "Multi-task curriculum learning in a complex, visual,
-hard-exploration domain: Minecraft", arXiv:2106.14876; Portelas et al. 2019 ALP): LP = |fast EMA - slow EMA| of
-the domain's batch pass rate; weight = base weight * (lp_floor + LP / max LP over domains), so domains that are
-changing get sampled more and none drops to 0.
-"""
+learning progress (Kanitscheider et al. 2021, arXiv:2106.14876; rules: docs/scheduling.md). The state is JSON."""
 from __future__ import annotations
 
 import collections
@@ -29,8 +16,7 @@ WEIGHTINGS = ("fixed", "learning_progress")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CurriculumConfig:
-    """The `curriculum` section: a difficulty curriculum per domain (ReasoningGym-v0 levels;
-    `posttrain.scheduling.curriculum`).
+    """The `curriculum` section: a difficulty curriculum per domain (ReasoningGym-v0 levels).
 
     Attributes:
         enabled: the run config's switch; the class works either way.
@@ -70,18 +56,12 @@ class CurriculumConfig:
                              f"1 <= min_episodes <= window; weighting in {WEIGHTINGS}; 0 < lp_slow < lp_fast <= 1)")
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 class DifficultyCurriculum:
     """Per-domain levels and weights.
 
     Args:
-      domains: {domain: (start level, max level)} for every domain of the mix; a domain with max level 0 (no
-        curriculum) keeps level 0 but still has a pass rate and a learning-progress weight.
+      domains: {domain: (start level, max level)}; max level 0: no curriculum, but a pass rate and LP weight.
       weights: {domain: base mix weight > 0}, same keys.
-      config: CurriculumConfig.
     Raises ValueError on mismatched keys, a start level outside [0, max], or a non-positive weight.
     """
 
@@ -105,8 +85,9 @@ class DifficultyCurriculum:
         self.moves = {n: 0 for n in self.names}
 
     def update(self, rewards: Mapping[str, Sequence[float]]) -> dict[str, tuple[int, int]]:
-        """Adds one step's episode rewards per domain; returns {domain: (old level, new level)} for domains that
-        moved (the caller rebuilds their task sources at the new level). Raises ValueError on an unknown domain."""
+        """Adds one step's rewards per domain; returns {domain: (old, new level)} of those that moved.
+
+        Raises ValueError on an unknown domain."""
         unknown = sorted(set(rewards) - set(self.names))
         if unknown:
             raise ValueError(f"curriculum: rewards for unknown domain(s) {unknown}; known {self.names}")
@@ -148,8 +129,7 @@ class DifficultyCurriculum:
         return 0.0 if fast is None else abs(fast - slow)
 
     def weights(self) -> dict[str, float]:
-        """Mix weights: the base weights ("fixed"), or base * (lp_floor + LP / max LP) ("learning_progress";
-        the base weights while no domain has progress)."""
+        """Mix weights: the base weights, or base * (lp_floor + LP / max LP) with "learning_progress"."""
         if self.config.weighting == "fixed":
             return dict(self.base_weights)
         lp = {n: self.learning_progress(n) for n in self.names}
@@ -175,8 +155,7 @@ class DifficultyCurriculum:
                                 "ema_slow": self.ema_slow[n], "moves": self.moves[n]} for n in self.names}}
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Restores `state_dict()` exactly. Raises ValueError when its domains differ from the configured ones or a
-        saved level exceeds a domain's max level."""
+        """Restores `state_dict()` exactly; ValueError for other domains or a level above a domain's max."""
         saved = state.get("domains", {})
         if set(saved) != set(self.names):
             raise ValueError(f"checkpoint curriculum is for domains {sorted(saved)}, config has {self.names}")
@@ -190,9 +169,7 @@ class DifficultyCurriculum:
 
 
 def from_env_specs(specs: Mapping[str, Mapping], config: CurriculumConfig = CurriculumConfig()) -> DifficultyCurriculum:
-    """A curriculum over env specs (``{domain: {"id", "weight", "kwargs"}}`` mappings or objects with those
-    attributes): a ReasoningGym-v0 domain starts at its kwargs' ``level`` (0 if absent) up to the dataset's top
-    curriculum level; any other domain (or a dataset without a curriculum) has the single level 0."""
+    """A curriculum over env specs; a ReasoningGym-v0 domain starts at its kwargs' ``level``, any other has level 0."""
     from envs.tasks import reasoning_gym
     domains, weights = {}, {}
     for name, spec in specs.items():

@@ -1,21 +1,5 @@
-"""The job scheduler over hundreds of domains: passive, deterministic, resumable.
-
-The rollout phase drives it (it never calls a runner):
-
-    tickets = sched.next_tasks(step, P)           # TaskTickets: P groups of G samples, by quota (scheduling.quota)
-    while tickets:
-        outcomes = run(tickets)                   # one Outcome per sample of each ticket (after ticket.delay_s)
-        result = sched.report(outcomes)           # retries, complete groups, dropped groups (scheduling.tickets)
-        tickets = result.retries                  # in-step retries, so groups stay whole
-    # train on result.complete of every round; archive every attempt (scheduling.archive)
-
-Per domain it keeps a pass cursor over a seeded permutation of its tasks (as `scheduling.weighted_draw.WeightedDraw`),
-credit and share carry (`scheduling.quota`), a cost estimate (EMA of the reported `info["cost"]` per sample, CPU s),
-the samples in flight, a breaker (`scheduling.tickets.Breaker`), re-queued visits, the quarantine and per-task statistics
-(`scheduling.stats`). Re-queued visits ready at a step are drawn before fresh tasks. Everything is a JSON-able dict
-(`state_dict`), so the draw is a function of (seed, step, the reported outcomes) and a resume continues exactly
-(docs/design.md invariant 9). Pure Python + NumPy.
-"""
+"""The schedulers' interface (`Scheduler`) and the job scheduler over hundreds of domains: passive, deterministic,
+resumable (docs/scheduling.md)."""
 from __future__ import annotations
 
 import logging
@@ -33,13 +17,12 @@ from posttrain.scheduling.tickets import (STATUSES, Breaker, GroupResult, OpenGr
                                    TaskTicket)
 from posttrain.scheduling.stats import COUNTERS, DomainState
 
-log = logging.getLogger("posttrain.tasks")
+log = logging.getLogger("posttrain.scheduling")
 STATE_VERSION = 1
 
 
 class Scheduler(Protocol):
-    """The one interface of a task scheduler (`JobScheduler`, `weighted_draw.WeightedDraw`): the rollout phase pulls
-    tickets and reports every sample run; the scheduler decides retries, complete groups and dropped groups."""
+    """A task scheduler: hands out tickets and decides retries, complete and dropped groups from the outcomes."""
 
     def next_tasks(self, step: int, count: int) -> list[TaskTicket]: ...
 
@@ -55,14 +38,13 @@ class Scheduler(Protocol):
 
 
 class JobScheduler:
-    """Tickets for the rollout phase by domain policy, with retries, quarantine, breaker and pass-rate stats.
+    """Tickets by domain policy, with retries, quarantine, breaker and pass-rate stats.
 
     Args:
       sources: {domain: TaskSource (num_tasks, get_task(i))}.
-      settings: SchedulerSettings (policies by pattern, group size, retry, breaker and band settings).
-      weights: {domain: mix weight > 0} (the env specs'; default 1), times the policy's weight.
+      weights: {domain: mix weight > 0} (default 1), times the policy's weight.
     Raises:
-      ValueError: no or empty sources, bad weights, or policies that do not resolve (`policy.resolve_policies`).
+      ValueError: no or empty sources, bad weights, or policies that do not resolve.
     """
 
     def __init__(self, sources: Mapping[str, Any], settings: SchedulerSettings,
@@ -92,8 +74,9 @@ class JobScheduler:
             self.domains[n].weight = float(weights[n])
 
     def set_source(self, name: str, source) -> None:
-        """Replaces `name`'s task source (the same tasks at a new curriculum level), keeping its cursor; the band's
-        statistics of its tasks restart. Raises ValueError for an unknown domain or a source of another size."""
+        """Replaces `name`'s task source, keeping its cursor (band statistics restart).
+
+        Raises ValueError for an unknown domain or a source of another size."""
         if name not in self.domains:
             raise ValueError(f"unknown domain {name!r}; known {self.names}")
         dom = self.domains[name]
@@ -105,8 +88,7 @@ class JobScheduler:
 
     # ---- drawing ----
     def next_tasks(self, step: int, count: int) -> list[TaskTicket]:
-        """Tickets of `count` groups (fewer only when caps bind or domains have nothing to draw) for `step`,
-        allocated by `scheduling.quota.allocate`; advances cursors, credit and share carries."""
+        """Tickets of `count` groups for `step` (fewer when caps bind), by `quota.allocate`; advances the state."""
         if count < 0:
             raise ValueError(f"next_tasks: count must be >= 0, got {count}")
         if step != self.step:
@@ -170,8 +152,7 @@ class JobScheduler:
         return cached[1]
 
     def _fresh(self, name: str, step: int) -> int | None:
-        """The next task index of `name`'s pass order that is neither quarantined nor skipped by the band (after
-        num_tasks skips in a row the next task is drawn anyway); None when every task is quarantined."""
+        """The next task index of `name`'s pass order neither quarantined nor skipped; None if all are quarantined."""
         dom = self.domains[name]
         n, skips = dom.source.num_tasks, 0
         for _ in range(2 * n + 1):
@@ -222,10 +203,9 @@ class JobScheduler:
 
     # ---- reporting ----
     def report(self, outcomes: Sequence[Outcome]) -> ReportResult:
-        """Takes one Outcome per sample run; decides in-step retries, complete and dropped groups, re-queues,
-        quarantine and breaker trips (`scheduling.tickets`). A group is decided once none of its samples is in flight.
-        Raises ValueError for an unknown ticket, a sample not on its ticket, a second outcome for one sample run
-        or an unknown status."""
+        """Takes one Outcome per sample run; decides retries, complete and dropped groups once none is in flight.
+
+        Raises ValueError for an unknown ticket or status, a sample not on its ticket, or a second outcome for a run."""
         touched: dict[tuple, None] = {}
         for o in outcomes:
             ticket = self._take(o)
@@ -310,8 +290,7 @@ class JobScheduler:
         return result
 
     def _drop(self, g: OpenGroup) -> GroupResult:
-        """The group leaves the batch: re-queued with its next try (a probe's try is not counted), or its task
-        quarantined when that was its last allowed try."""
+        """Drops the group: re-queued with its next try, or its task quarantined after its last allowed try."""
         dom = self.domains[g.domain]
         tries = g.try_index + (0 if g.probe else 1)
         if g.probe:
@@ -338,8 +317,7 @@ class JobScheduler:
         return sum(d.in_flight for d in self.domains.values())
 
     def metrics(self) -> dict[str, float]:
-        """`tasks/<domain>/*` of the last step (`stats.DomainState.metrics`) and `tasks/{skipped_frac,retries,
-        dropped_groups,quarantined,paused}` over all domains (the last step's; quarantined and paused: now)."""
+        """`tasks/<domain>/*` and `tasks/{skipped_frac,retries,dropped_groups,quarantined,paused}` of the last step."""
         out, doms = {}, self.domains.values()
         for name, dom in self.domains.items():
             out.update(dom.metrics(f"tasks/{name}"))
@@ -357,9 +335,7 @@ class JobScheduler:
 
     # ---- checkpoints ----
     def state_dict(self) -> dict:
-        """The whole state, JSON-able: step, ticket counter and per domain cursor, credit, share carry, cost
-        estimate, breaker, quarantine, re-queued visits, task statistics and run counters. Raises ValueError while
-        samples are in flight (save between steps: a ticket in flight cannot be resumed)."""
+        """The whole state, JSON-able; ValueError while samples are in flight (save between steps)."""
         if self._tickets:
             raise ValueError(f"scheduler state_dict with {self.in_flight()} samples of {len(self._tickets)} tickets in "
                              "flight: report them first (checkpoints are saved between steps)")
