@@ -64,8 +64,11 @@ def _load_hf(split: str) -> list[dict]:
 def load_gsm8k(split: str = "test", path: str | None = None, data_dir: str | None = None) -> list[dict]:
     """GSM8K rows ``{"id", "question", "answer"}`` of `split` ("train" or "test").
 
-    `path` (a JSONL file or a directory with ``<split>.jsonl``), when given, is the only source; else TFDS (with
-    `data_dir`), then HuggingFace. Raises ValueError on an unknown split, FileNotFoundError when none works."""
+    Args:
+      path: a JSONL file or a directory with ``<split>.jsonl``; when given, it is the only source.
+      data_dir: TFDS data directory (when `path` is None).
+    Raises ValueError on an unknown split, FileNotFoundError when no source can provide the data.
+    """
     if split not in SPLITS:
         raise ValueError(f"GSM8K: split must be one of {SPLITS}, got {split!r}")
     if path is not None:

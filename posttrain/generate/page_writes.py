@@ -11,16 +11,20 @@ import jax.numpy as jnp
 
 def write_rows_pallas_tpu(pages_KxPxZxH: jax.Array, new_SxKxH: jax.Array, page_S: jax.Array, offset_S: jax.Array,
                           interpret: bool = False) -> jax.Array:
-    """pages_KxPxZxH with new_SxKxH[s] written at (page_S[s], offset_S[s]) for every s, in place.
+    """Write new_SxKxH[s] into pages_KxPxZxH at (page_S[s], offset_S[s]) for every s, in place.
 
-    The result aliases the input: donate the pool to the caller's jit. Sequences sharing a target are written in
-    order, the last one kept. `paged_attention.write_tokens` (an XLA scatter) is the reference.
+    The result aliases the input: donate the pool to the caller's jit.
 
     Args:
-      pages_KxPxZxH: one pool array ([1, P, Z, C] for MLA's "kv").
-      page_S, offset_S: in [0, P) and [0, Z) (not checked on the device).
+      pages_KxPxZxH: one pool array (any float dtype; [1, P, Z, C] for MLA's "kv").
+      new_SxKxH: the entries, cast to the pool's dtype.
+      page_S, offset_S: int targets, page_S in [0, P) and offset_S in [0, Z) (not checked on the device).
+      interpret: run in the Pallas interpreter (any platform).
+    Returns:
+      [K, P, Z, H], the pool's dtype.
     Raises:
-      ValueError: new_SxKxH not [S, K, H] of the pool's K and H, or page_S / offset_S not [S]."""
+      ValueError: new_SxKxH not [S, K, H] of the pool's K and H, or page_S / offset_S not [S].
+    """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 

@@ -166,14 +166,21 @@ def _pallas_gpu(q, k_pages, v_pages, page_table, lengths, interpret: bool):
 
 def paged_attention(q_SxNxH, k_pages_KxPxZxH, v_pages_KxPxZxH, page_table_SxM, lengths_S, *, scale: float,
                     impl: str = "auto", interpret: bool = False):
-    """softmax(scale * q k^T) v of each sequence's query over its first `lengths_S` tokens: [S, N, H] in q's dtype.
+    """softmax(scale * q k^T) v of each sequence's one query token over its first `lengths_S` cached tokens.
 
     Args:
-      q_SxNxH: queries; query head n reads kv head n // (N / K).
-      page_table_SxM: int32 page ids, all in [0, P) (entries past a sequence's length are not read).
-      lengths_S: int32, in [1, M * Z].
+      q_SxNxH: queries (float dtype); query head n reads kv head n // (N / K).
+      k_pages_KxPxZxH, v_pages_KxPxZxH: the page pool of one layer (same shape; the compute dtype).
+      page_table_SxM: int32 page ids (entries past a sequence's length are never read, but must be in [0, P)).
+      lengths_S: int32 tokens attended per sequence, in [1, M * Z].
+      scale: logit multiplier (1/sqrt(H), or MLA's scale).
+      impl: one of IMPLS ("auto": by `jax.default_backend()`); interpret: run a Pallas kernel interpreted.
+    Returns:
+      [S, N, H] in q's dtype.
     Raises:
-      ValueError: as `resolve_impl`, N not a multiple of K, or k and v pages of different shapes."""
+      ValueError: unknown impl, a named kernel that cannot take the shapes (`kernel_problems`), N not a
+        multiple of K, or k/v pages of different shapes.
+    """
     N, K = q_SxNxH.shape[1], k_pages_KxPxZxH.shape[0]
     if N % K or k_pages_KxPxZxH.shape != v_pages_KxPxZxH.shape:
         raise ValueError(f"paged attention: {N} query heads over {K} kv heads, k pages {k_pages_KxPxZxH.shape}, "

@@ -114,16 +114,31 @@ def sample(graphdef, state, prompts_PxLp, lengths_P, key, *, group_size: int, pa
            stop_ids: tuple[int, ...], pad_id: int, shared_prefix_len: int = 0,
            shrink: tuple[int, ...] = (), record_routing: bool = False, stream_every: int = 0,
            stream_id=None) -> SampleOutput:
-    """Samples `group_size` continuations of each right-padded prompt; row p*G + g of the output is sample g of p.
+    """Samples `group_size` continuations of each right-padded prompt.
 
     Args:
-      state: may be sharded, or a tuple of states (`nnx.split` order).
-      shared_prefix_len: C > 0 when every prompt starts with the same C tokens and is longer (`shared_prefix_len`).
-      shrink: strictly decreasing decode widths (`shrink_schedule`; on a sharded batch, multiples of its shards).
-      stream_every, stream_id: every stream_every decode steps, the finished rows go to the sink of stream_id.
-
+      graphdef, state: the model (`nnx.split` of a `Transformer`); state may be sharded, and may be a tuple
+        of states (e.g. (params, rest) from `nnx.split(model, nnx.Param, ...)`).
+      prompts_PxLp: int32 right-padded prompt tokens; lengths_P: int32 valid lengths (>= 1).
+      key: PRNG key (fresh per call: the caller splits it from the run's key by step).
+      shared_prefix_len: C > 0 when every prompt starts with the same C tokens (e.g. the chat template's system
+        turn) and is longer than C: the prefill runs those tokens once for the whole batch instead of P times.
+        Use `shared_prefix_len(prompts, lengths)`; outputs are the same up to float rounding.
+      shrink: decreasing decode batch widths (e.g. `shrink_schedule(N)`): once no more than w rows are
+        unfinished, the decode loop drops the finished rows and continues on w rows (their cache is gathered
+        once, see `DecodeCache.take_rows`), so long-tail completions stop paying for the finished ones. Widths
+        >= N are ignored. Outputs are the same up to float rounding (each row keeps its own random draws; a
+        narrower batch can round the logits differently); each width compiles its own decode loop. On a sharded
+        batch, use widths divisible by the batch shards.
+      record_routing: also return the MoE layers' expert selections (routing replay; see `SampleOutput`).
+      stream_every, stream_id: with stream_every = K > 0, every K decode steps the rows finished so far are handed
+        to the host (`rollout.streaming.deliver`, by a host callback, to the sink registered under the int32
+        scalar stream_id): streaming scoring. Outputs are unchanged (a finished row's tokens never change again).
+    Returns:
+      SampleOutput with N = P * group_size rows; row p*G + g is sample g of prompt p.
     Raises:
-      ValueError: `shrink` not strictly decreasing positive ints."""
+      ValueError: `shrink` not strictly decreasing positive ints.
+    """
     if any(w < 1 for w in shrink) or any(a <= b for a, b in zip(shrink, shrink[1:])):
         raise ValueError(f"shrink must be strictly decreasing positive batch widths, got {shrink}")
     model = nnx.merge(graphdef, *(state if isinstance(state, tuple) else (state,)))

@@ -71,7 +71,13 @@ def mesh_shape(axis_sizes: Mapping[str, int], num_devices: int) -> dict[str, int
 
 
 def make_mesh(axis_sizes: Mapping[str, int] | Any = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A `Mesh` of `devices` (default: all) with Auto axes; `axis_sizes`: a mapping or a MeshConfig (None: all fsdp)."""
+    """Builds a `Mesh` over axes ("data", "fsdp", "tensor", "expert") with Auto axis types.
+
+    Args:
+      axis_sizes: mapping or object with attributes data/fsdp/tensor/expert (one may be -1 = the rest).
+        None means all devices on `fsdp`.
+      devices: defaults to `jax.devices()` (all processes' devices in a multi-host run).
+    """
     devices = list(jax.devices() if devices is None else devices)
     if axis_sizes is None:
         axis_sizes = {"fsdp": -1}

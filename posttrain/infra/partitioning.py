@@ -50,9 +50,17 @@ def with_logical_constraint(x: jax.Array, logical_axes: Sequence[str | None]) ->
 
 
 def create_sharded(init_fn, mesh, rules=mesh_lib.RULES):
-    """Runs the nnx Module constructor `init_fn` under jit: (graphdef, state) born sharded, no host copy.
+    """Runs a module constructor so that its parameters are born sharded.
 
-    Raises ValueError naming a parameter whose dimension does not divide the mesh."""
+    `init_fn()` must build and return an nnx Module. The abstract shapes are traced with `nnx.eval_shape`,
+    mapped to NamedShardings through `rules`, then a jitted init with those `out_shardings` materialises the
+    state directly on the devices (no host copy of the full model ever exists).
+
+    Returns:
+      (graphdef, state): the nnx functional boundary.
+    Raises:
+      ValueError: a parameter dimension does not divide the mesh (names the parameter).
+    """
     from flax import nnx
 
     abstract = nnx.eval_shape(init_fn)

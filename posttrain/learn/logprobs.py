@@ -52,14 +52,30 @@ def chunked_token_logprobs(
     h_BxTxD, w_DxV, targets_BxT, temperature: float = 1.0, *, chunk_size: int = 1024,
     with_entropy: bool = False, valid_BxT=None, precision: str | None = None,
 ) -> LogprobsOut:
-    """`token_logprobs(h @ w, targets, temperature)` (and `token_entropy`), C positions of every row at a time.
+    """`token_logprobs(h @ w, targets, temperature)`, C positions of every row at a time.
 
-    Neither pass holds more than [B, C, V] logits; results are float32, gradients in h's and w's dtypes. `w_DxV` is cast
-    to `h_BxTxD`'s dtype (float32 accumulation); a chunk with no `valid_BxT` token is skipped and gives zeros (order
-    them with `valid_first_order`); `precision`: "default" | "high" | "highest" (None: the backend's).
+    With `with_entropy` it also returns `token_entropy` of the same logits.
 
+    Neither pass holds more than [B, C, V] logits; the backward pass recomputes each chunk's logits and adds its
+    weight gradient into one float32 [D, V] accumulator. Chunks run along T, so rows split over devices (B
+    sharded) stay where they are: each device computes its own rows' part of every chunk.
+
+    Args:
+      h_BxTxD: final hidden states (after the final norm), any float dtype (the compute dtype).
+      w_DxV: unembedding matrix (the transposed tied embedding for tied models); cast to h's dtype for the matmul.
+      targets_BxT: int token ids whose logprob is wanted (the next tokens).
+      temperature: sampling temperature (> 0, a Python float); logits are divided by it.
+      chunk_size: C, positions per row per chunk (static); the last chunk is zero-padded.
+      with_entropy: also return the per-token entropy.
+      valid_BxT: optional bool mask; a chunk with no valid token in any row is skipped in both passes (`lax.cond`)
+        and returns zeros. Put each row's valid tokens first (see `valid_first_order`) to skip padding chunks.
+      precision: matmul precision "default" | "high" | "highest" (None: the backend's default).
+    Returns:
+      LogprobsOut(logp_BxT float32, entropy_BxT float32 or None). Matmuls accumulate in float32; gradients come
+      back in h's and w's dtypes.
     Raises:
-      ValueError: on shape mismatch, chunk_size < 1, temperature <= 0 or an unknown precision."""
+      ValueError: on shape mismatch, chunk_size < 1, temperature <= 0 or an unknown precision.
+    """
     check_temperature(temperature)
     (b, t, d), (d_w, v) = jnp.shape(h_BxTxD), jnp.shape(w_DxV)
     if d_w != d or jnp.shape(targets_BxT) != (b, t):

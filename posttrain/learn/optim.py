@@ -114,11 +114,23 @@ def make_optimizer(
     weight_decay_mask: Any = None,
     trainable_mask: Any = None,
 ) -> Optimizer:
-    """`clip_by_global_norm(grad_clip_norm) -> OPTIMIZERS[name]` under `make_schedule(...)`, with its schedule.
+    """Builds `clip_by_global_norm(grad_clip_norm) -> OPTIMIZERS[name]` under `make_schedule(...)`.
 
-    `name`: "adamw", "adam" (coupled L2) or "sgd" (b1: the momentum); grad_clip_norm None: no clipping. The masks:
-    None (all) or a pytree / callable(params) of bools; frozen leaves get zero updates, no optimizer state, no share of
-    the clipping norm. Raises ValueError on an unknown name or schedule, or an out-of-range number."""
+    Args:
+      name: one of OPTIMIZERS ("adamw", "adam" (coupled L2), "sgd" (b1 is the momentum)).
+      lr: peak learning rate. weight_decay: decoupled decay coefficient (>= 0).
+      b1, b2, eps: Adam moments' decay rates and denominator epsilon.
+      grad_clip_norm: max global L2 norm of the (trainable) gradients; None disables clipping.
+      warmup_steps, total_steps, schedule, min_lr_ratio: see `make_schedule`.
+      weight_decay_mask: None (decay all) or a pytree / callable(params) of bools, True = decayed.
+      trainable_mask: None (train all) or a pytree / callable(params) of bools, True = trainable
+        (LoRA: only adapters). Frozen leaves get exactly-zero updates, hold no optimizer state and do
+        not count toward the clipping norm.
+    Returns:
+      Optimizer(tx, lr_schedule); `lr_schedule(step)` is the rate applied at update number `step`.
+    Raises:
+      ValueError: unknown name or schedule (lists the valid ones), or an out-of-range number.
+    """
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; valid: {sorted(OPTIMIZERS)}")
     for arg, value, ok in (

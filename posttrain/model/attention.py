@@ -28,11 +28,14 @@ class CacheHook(NamedTuple):
 
 
 def multi_source_attention(q, sources: Sequence[Source], scale: float, logits_fn, combine_fn):
-    """Softmax attention over the concatenation of several sources: [B, T, N, Hv] in q's dtype (float32 softmax).
+    """Softmax attention over the concatenation of several sources.
 
     Args:
-      logits_fn: (q grouped [Bs, g*T, N, ...], entries) -> logits [Bs, g*T, N, S].
-      combine_fn: (probs [Bs, g*T, N, S], entries) -> [Bs, g*T, N, Hv].
+      q: [B, T, N, ...] queries. logits_fn(q_grouped, entries) -> [Bs, g*T, N, S];
+      combine_fn(probs [Bs, g*T, N, S], entries) -> [Bs, g*T, N, Hv].
+      scale: multiplier on the logits (1/sqrt(d) with optional YaRN mscale^2).
+    Returns:
+      [B, T, N, Hv] in q's dtype. Softmax is float32; fully masked rows give a uniform (finite) average.
     """
     B, T = q.shape[:2]
     logits, sizes = [], []

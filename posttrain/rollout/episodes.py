@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 

@@ -1,7 +1,6 @@
 """bench/grpo_step.py: its argument checks (--quick), the AOT error without the compiler plugin, the analytic FLOP
 count against a hand count, and the XLA buffer report (its run mode end to end: tests/bench/test_quick_modes.py)."""
 import importlib.util
-import json
 import pathlib
 
 import jax

@@ -1,6 +1,5 @@
 """`posttrain domains`: lists matching domains with golden-check status and the floor table's flags; --floors
 computes floors and golden samples; a bad pattern is one error line."""
-import pytest
 
 from posttrain import cli
 

@@ -72,9 +72,20 @@ def _finish(stats: _GroupStats, adv_PxG) -> Advantages:
 
 
 def grpo(rewards_PxG, valid_PxG=None, *, std_eps: float = 1e-6) -> Advantages:
-    """GRPO advantage: (r - mean_group) / (std_group + std_eps) over each group's valid samples.
+    """GRPO advantage: (r - mean_group) / (std_group + std_eps).
 
-    Source: Shao et al. 2024, sec. 4.1.2; std with ddof=1 (as TRL and verl). Rewards of invalid samples may be NaN.
+    Source: Shao et al. 2024, "DeepSeekMath" (GRPO outcome supervision), eq. in sec. 4.1.2.
+    Statistics are over the valid samples of each group; std is the unbiased sample std
+    (ddof=1, as torch.std in TRL and verl).
+
+    Args:
+      rewards_PxG: float [P, G] rewards (any unit); values at invalid samples are ignored (may be NaN).
+      valid_PxG: bool [P, G] or None (all valid).
+      std_eps: added to the std before dividing (unit of the rewards).
+    Returns:
+      Advantages(advantages=float32 [P, G], zero_std_P=bool [P]).
+    Raises:
+      ValueError: rewards not 2-D or valid of another shape.
     """
     s = _group_stats(rewards_PxG, valid_PxG)
     centred = jnp.where(s.valid_PxG, s.rewards_PxG - s.mean_P[:, None], 0.0)
@@ -107,7 +118,22 @@ def compute_advantages(
     group_id_B=None,
     **kwargs,
 ) -> Advantages:
-    """Advantages of a flat batch of contiguous groups of `group_size`; ValueError: bad name, shape or group ids."""
+    """Advantages for a flat batch whose groups are contiguous runs of `group_size` samples.
+
+    Args:
+      name: one of ADVANTAGES ("grpo", "dr_grpo", "rloo").
+      rewards_B: float [B] rewards, B = P * group_size, sample b in group b // group_size.
+      valid_B: bool [B] or None (all valid); invalid samples get 0 and are left out of the statistics.
+      group_size: G, a static Python int.
+      group_id_B: optional int [B]; when concrete (not traced), checked to be constant within each
+        run of G samples and different between consecutive groups, so a wrong layout fails loudly.
+      **kwargs: passed to the estimator (e.g. std_eps for grpo).
+    Returns:
+      Advantages(advantages=float32 [B], zero_std_P=bool [P]).
+    Raises:
+      ValueError: unknown name (lists the valid ones), B not divisible by group_size, shape mismatch,
+        or group ids that are not laid out in contiguous groups of group_size.
+    """
     if name not in ADVANTAGES:
         raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ADVANTAGES)}")
     if not isinstance(group_size, (int, np.integer)) or group_size < 1:

@@ -1,6 +1,5 @@
 """configs/eval/agentic.py: its domains, and the cheat rate `eval/repo_fix_impossible/pass@1` of scripted replies
 (one agent edits the visible tests of the probe, one submits unchanged: 1 of 2 cheats)."""
-import numpy as np
 
 from envs.tasks.repo_fix import tools
 from helpers import scripted_output

@@ -78,7 +78,6 @@ def test_resumed_run_matches_uninterrupted_run_and_writes_outputs(tmp_path, monk
     then the same command, holds each step once in every output; so does a resume after a kill past its checkpoint.
     SIGINT in the middle of step 4's rollout (no checkpoint due there: every 2 steps) saves step 3 with the task
     cursor from before that rollout and stops within seconds; the resumed run matches the uninterrupted one."""
-    import os
     import signal
     import time
 
