@@ -10,7 +10,8 @@ from posttrain.errors import AT_LEAST_ONE, NONNEGATIVE, POSITIVE, FieldError, ch
 from posttrain.rollout import episodes
 
 
-def make_runner(num_workers: int, step_timeout_s: float, backend: str = "process") -> episodes.EnvRunner:
+def make_runner(num_workers: int, step_timeout_s: float, backend: str = "process",
+                startup_timeout_s: float = 120.0) -> episodes.EnvRunner:
     """This process's env runner: in-process (num_workers = 0) or an `EnvPool` of `num_workers` `backend` workers.
 
     Raises ValueError for "ray" with num_workers = 0, ImportError for "ray" without ray."""
@@ -20,13 +21,15 @@ def make_runner(num_workers: int, step_timeout_s: float, backend: str = "process
         return episodes.InlineEnvs()
     from envs.pool.processes import EnvPool
 
-    return EnvPool(num_workers=num_workers, step_timeout_s=step_timeout_s, backend=backend)
+    return EnvPool(num_workers=num_workers, step_timeout_s=step_timeout_s, backend=backend,
+                   startup_timeout_s=startup_timeout_s)
 
 
 def env_runner(env_config: "EnvConfig") -> episodes.HostShardedEnvs:
     """The env runner of a config's `env` section: its workers (`make_runner`) and its reward bound."""
-    return episodes.HostShardedEnvs(make_runner(env_config.num_workers, env_config.step_timeout_s, env_config.backend),
-                                   max_abs_reward=env_config.max_abs_reward)
+    runner = make_runner(env_config.num_workers, env_config.step_timeout_s, env_config.backend,
+                         env_config.startup_timeout_s)
+    return episodes.HostShardedEnvs(runner, max_abs_reward=env_config.max_abs_reward)
 
 
 class EnvInfraError(RuntimeError):
@@ -113,6 +116,7 @@ class EnvConfig:
         num_workers: 0 runs envs in-process (cheap verifiers); > 0 an `EnvPool` of that many workers.
         backend: the env workers' kind: "process" (subprocesses) or "ray" (Ray actors; needs num_workers >= 1).
         step_timeout_s: a worker's limit on one env step (seconds); past it the episode is an infra error.
+        startup_timeout_s: a worker's limit on starting and importing its env modules (seconds).
         max_turns: model turns per episode (multi-turn tool / terminal envs).
         max_infra_error_rate: a step whose share of infra-error episodes exceeds it stops the run (1: never).
         max_abs_reward: the largest reward magnitude an env may return (> 0); a larger one is an infra error.
@@ -124,6 +128,7 @@ class EnvConfig:
     num_workers: int = 0
     backend: str = "process"
     step_timeout_s: float = 60.0
+    startup_timeout_s: float = 120.0
     max_turns: int = 1
     max_infra_error_rate: float = 0.5
     max_abs_reward: float = 1e4
@@ -131,6 +136,7 @@ class EnvConfig:
     def __post_init__(self):
         check_fields(self, choices={"backend": ENV_BACKENDS}, ranges={
             "max_turns": AT_LEAST_ONE, "num_workers": NONNEGATIVE, "step_timeout_s": POSITIVE,
+            "startup_timeout_s": POSITIVE,
             "max_infra_error_rate": ("in [0, 1] (1: never stop)", lambda v: 0 <= v <= 1),
             "max_abs_reward": POSITIVE})
         if self.backend != "process" and self.num_workers < 1:

@@ -94,3 +94,21 @@ def test_env_domains_keeps_matching_train_and_eval_envs():
         cd.env.domains = bad
         with pytest.raises(ConfigError, match=match):
             from_config_dict(cd)
+
+
+def test_env_startup_timeout_reaches_the_env_pool(monkeypatch):
+    """A component knob: `env.startup_timeout_s` is a key of the default config, is range-checked, and is what
+    the env runner's pool waits for a starting worker."""
+    import envs.pool.processes
+    from posttrain.rollout.env_side import env_runner
+
+    cd = load(pathlib.Path(CONFIGS[0]).with_name("quickstart.py"))
+    assert cd.env.startup_timeout_s == 120.0
+    cd.env.num_workers, cd.env.startup_timeout_s = 1, 7  # what --config.env.startup_timeout_s=7 sets
+    seen = {}
+    monkeypatch.setattr(envs.pool.processes, "EnvPool", lambda **kw: seen.update(kw) or object())
+    env_runner(from_config_dict(cd).env)
+    assert seen["startup_timeout_s"] == 7.0 and seen["num_workers"] == 1
+    cd.env.startup_timeout_s = 0.0
+    with pytest.raises(ConfigError, match=r"^env.startup_timeout_s=0.0 is out of range: must be > 0$"):
+        from_config_dict(cd)
