@@ -94,7 +94,8 @@ def sample_pool(args, out: pathlib.Path) -> tuple[list, dict]:
     suite = dataclasses.replace(suite, domains=tuple(dataclasses.replace(d, temperature=args.temperature, n=n, ks=())
                                                      for d in suite.domains))
     plan = evaluate.run_plan_of(args.checkpoint)
-    plan = dataclasses.replace(plan, eval=dataclasses.replace(plan.eval_settings, batch_size=max(n, args.batch_size)))
+    eval_config = dataclasses.replace(plan.config.eval, batch_size=max(n, args.batch_size))
+    plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, eval=eval_config))
     built, skipped = suite_lib.resolve(suite)
     if not built:
         raise SystemExit(f"every selected domain was skipped: {skipped}")

@@ -198,7 +198,7 @@ def test_cli_convert_of_a_lora_run_checkpoint(tmp_path):
     common = ["--config=configs/tiny.py", "--config.lora.rank=4"]
     run = subprocess.run([sys.executable, "-m", "posttrain.cli", "train", *common, f"--workdir={tmp_path / 'run'}",
                           "--config.train.steps=1", "--config.checkpoint.every_steps=1", "--config.eval.at_start=False",
-                          "--config.eval.num_tasks=0", "--noprogress"],
+                          "--config.eval.at_end=False", "--noprogress"],
                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     res = subprocess.run([sys.executable, "-m", "posttrain.cli", "convert", *common,

@@ -162,8 +162,9 @@ def test_the_tiny_golden_reproduces_with_streaming_on(tmp_path):
 
     root = pathlib.Path(__file__).resolve().parents[3]
     cfg = from_config_dict(load_config_file(root / "configs/tiny.py"))
-    plan = make_run_plan(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, stream_chunk=2)),
-                         workdir=str(tmp_path))
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, stream_chunk=2),
+                              sampling=dataclasses.replace(cfg.sampling, backend="dense"))  # what was recorded
+    plan = make_run_plan(cfg, workdir=str(tmp_path))
     assert plan.config.rollout.stream_chunk == 2
     grpo.train(plan, progress=False)
     assert_equals_golden(golden_view(tmp_path), json.loads((root / "tests/golden/tiny_3_steps.json").read_text()))

@@ -8,6 +8,7 @@ import pytest
 from posttrain.model import blockwise_attention, attention_kernels
 from posttrain.model.config import ModelConfig
 
+pytestmark = pytest.mark.kernel  # scripts/accelerator_check.sh runs these on the accelerator
 HIGHEST = jax.lax.Precision.HIGHEST
 T = 200  # not a multiple of the kernels' 128 blocks
 
@@ -133,10 +134,9 @@ def test_platform_without_mesh_is_the_backend():
 
 SHARDED = """
 import jax, jax.numpy as jnp, numpy as np
-from test_fused_attention import packed_ids, inputs, value_and_grads
+from test_attention_kernels import packed_ids, inputs, value_and_grads
 from posttrain.infra import mesh as mesh_lib
 
-pytestmark = pytest.mark.kernel  # scripts/accelerator_check.sh runs these on the accelerator
 ids = packed_ids()
 q, k, v, w = inputs(4, 2, 16, 16, jnp.float32)
 o_ref, g_ref = value_and_grads("blockwise", q, k, v, w, ids)

@@ -1,7 +1,7 @@
 """kill -9 at three seeded points of a tiny-model run with the job scheduler (issue 23 acceptance 3): inside an archive
 write, inside a checkpoint save and inside a rollout (after a report), each followed by the same command. The
 archive then equals an uninterrupted run's row for row (timings aside), with no key twice and none missing, and
-the scheduler state saved with the last checkpoint equals too. The run is test_tickets' flaky three-domain mix
+the scheduler state saved with the last checkpoint equals too. The run is test_attempts' flaky three-domain mix
 (retries, re-queues, quarantine and a paused domain all happen), its replies scripted from the sampling key."""
 import json
 import pathlib
@@ -20,7 +20,7 @@ CHILD = """
 import os, signal, sys
 sys.path[:0] = [{tests!r}, {here!r}]
 import pytest
-import test_tickets as tt
+import test_attempts as tt
 from posttrain.recipes import grpo
 from posttrain.rollout.rollouter import Rollouter
 from posttrain.scheduling import archive

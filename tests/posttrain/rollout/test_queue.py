@@ -3,7 +3,7 @@ rollout.max_staleness policy versions, at 0 it alternates with the learner exact
 and a tiny-model run at max_staleness=2 crashed mid-run and resumed trains no sample more than 2 versions after it
 was sampled (the archive's policy_version column), re-sampling what was queued at the crash with the restored
 policy. The loop at max_staleness=0 against the synchronous loop's recordings: test_golden_run.py and
-test_tickets.py (acceptance 1)."""
+test_attempts.py (acceptance 1)."""
 import contextlib
 import dataclasses
 import types
@@ -224,7 +224,7 @@ with pytest.MonkeyPatch.context() as mp:
 
 
 def staleness_config(workdir):
-    from test_tickets import flaky_config
+    from test_attempts import flaky_config
 
     return flaky_config(workdir, **{"train.steps": 5, "checkpoint.every_steps": 2, "rollout.max_staleness": 2})
 
@@ -235,7 +235,7 @@ def patch_run(mp, kill_at=None):
     from posttrain.learn.learner import Learner
     from posttrain.rollout.rollouter import Rollouter
     from posttrain.scheduling import archive
-    from test_tickets import scripted_sample_fn
+    from test_attempts import scripted_sample_fn
 
     mp.setattr(Rollouter, "sample_fn", scripted_sample_fn)
     update, write = Learner.update, archive.write_step
