@@ -15,6 +15,7 @@ from flax import nnx
 from posttrain.checkpoints import hf as hf_lib
 from posttrain.checkpoints import hf_config as hf_config_lib
 from posttrain.model.config import ModelConfig
+from posttrain.model.lora import merge_adapters
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -121,8 +122,6 @@ def export_hf(cfg: ModelConfig, state, out_dir, *, tokenizer=None, dtype: str | 
       dtype: float32 | bfloat16 | float16 of the written tensors (default cfg.param_dtype).
     Raises:
       ValueError: an unsupported dtype or a config the HF family cannot express."""
-    from posttrain.model.lora import merge_adapters
-
     dtype = dtype or cfg.param_dtype
     np_dtype = _np_dtype(dtype)
     extra = {}

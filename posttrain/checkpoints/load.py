@@ -14,12 +14,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from posttrain.infra import mesh as mesh_lib
 from posttrain.checkpoints import fp8 as fp8_lib
+from posttrain.checkpoints import gguf as gguf_lib
 from posttrain.checkpoints import hf as hf_lib
 from posttrain.checkpoints import hf_config as hf_config_lib
+from posttrain.infra import mesh as mesh_lib
 from posttrain.model.config import ModelConfig
 from posttrain.model.layers import LoRAParam
+from posttrain.model.tokenizer import Tokenizer
 from posttrain.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -165,7 +167,6 @@ def load_hf_dir(path, *, mesh=None, rules=mesh_lib.RULES, dtype: str | None = No
                         norm.get("num_mtp_layers") or 0)
     tokenizer = None
     if (path / "tokenizer.json").exists():
-        from posttrain.model.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_hf_dir(path)
     return Pretrained(cfg, graphdef, state, tokenizer)
@@ -180,8 +181,6 @@ def gguf_file_dtype(tensor_types: Mapping[str, int]) -> str:
 def load_gguf_file(path, *, mesh=None, rules=mesh_lib.RULES, dtype: str | None = None,
                    param_dtype: str | None = None, **overrides) -> Pretrained:
     """Loads a GGUF file and its tokenizer; dtype / param_dtype None: the file's (`gguf_file_dtype`)."""
-    from posttrain.checkpoints import gguf as gguf_lib
-
     ckpt = gguf_lib.load_gguf(path)
     own = gguf_file_dtype(ckpt.metadata["tensor_types"])
     cfg = dataclasses.replace(hf_lib.config_from_hf(ckpt.hf_config, dtype=dtype or own,
@@ -226,7 +225,6 @@ def load_pretrained(path=None, **kwargs) -> Pretrained:
     kwargs: mesh, rules (logical-axis rules), dtype, param_dtype and other ModelConfig fields (e.g.
     lora=LoRAConfig(rank=16): adapters absent from the checkpoint start fresh). Raises as `load_hf_dir`."""
     if path is None:
-        from posttrain.checkpoints import gguf as gguf_lib
 
         path = gguf_lib.default_model_path()
     path = pathlib.Path(path)

@@ -7,11 +7,18 @@ from typing import Any, Mapping
 
 from flax import nnx
 
-from posttrain.errors import FieldError, POSITIVE, check_fields
+from posttrain.checkpoints import load as load_lib
+from posttrain.checkpoints import load_pretrained
+from posttrain.checkpoints.gguf import default_model_path
+from posttrain.errors import POSITIVE, FieldError, check_fields
+from posttrain.infra.partitioning import assert_sufficiently_sharded, create_sharded
 from posttrain.infra.precision import DTYPES, PRECISIONS
 from posttrain.model.attention_kernels import IMPLS as ATTENTION_IMPLS
 from posttrain.model.config import GRAD_DTYPES, REMAT_MODES, REMAT_NAMES, ModelConfig
 from posttrain.model.gmm import IMPLS as GMM_IMPLS
+from posttrain.model.presets import PRESETS, get_preset
+from posttrain.model.tokenizer import Tokenizer
+from posttrain.model.transformer import Transformer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,11 +51,7 @@ class PolicySource:
 
     def check(self) -> None:
         """Checks the source without loading weights; ValueError naming the model.* key and what is allowed."""
-        from posttrain.checkpoints import load as load_lib
-
         if self.preset:
-            from posttrain.model.presets import PRESETS
-            from posttrain.model.tokenizer import Tokenizer
 
             if self.preset not in PRESETS:
                 raise ValueError(f"model.preset={self.preset!r} is unknown; presets: {sorted(PRESETS)}")
@@ -76,16 +79,12 @@ class PolicySource:
 
     def preset_config(self) -> ModelConfig:
         """The preset's ModelConfig with the run's fields and the overrides. Raises ValueError without a preset."""
-        from posttrain.model.presets import get_preset
-
         if not self.preset:
             raise ValueError("no model.preset: shapes of a checkpoint come from its file (load_policy)")
         return get_preset(self.preset, **dict(self.fields), **dict(self.overrides))
 
 
 def _default_model_path():
-    from posttrain.checkpoints.gguf import default_model_path
-
     return default_model_path()
 
 
@@ -94,11 +93,6 @@ def load_policy(source: PolicySource, mesh, rules):
 
     Raises ValueError for a source that fails `PolicySource.check` or has no tokenizer; AssertionError when the rules
     leave most of a large model replicated on a multi-device mesh."""
-    from posttrain.checkpoints import load_pretrained
-    from posttrain.infra.partitioning import assert_sufficiently_sharded, create_sharded
-    from posttrain.model.tokenizer import Tokenizer
-    from posttrain.model.transformer import Transformer
-
     source.check()
     if source.preset:
         mcfg = source.preset_config()

@@ -1,5 +1,7 @@
 """The commands of `posttrain`, each `cmd_<name>(flags) -> exit code`: flags -> a recipe.
 
+Each command imports its recipe when it runs, so the usage line and `posttrain status` load no JAX.
+
   posttrain rm     --config=configs/rm_tiny.py [--workdir=DIR]   (a scalar head on the config's model)
   posttrain rm     --from_archive=RUN[,RUN] [--config=...] [--workdir=DIR]   (pairs from a GRPO run's groups: 1 over 0)
                    (prints the steps and the held-out rm/accuracy at the start and the end as one JSON line; the

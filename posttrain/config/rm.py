@@ -5,6 +5,7 @@ import dataclasses
 
 from posttrain.algos.rm.step import LOSS_NAMES, RMConfig  # noqa: F401  (the rm section)
 from posttrain.config.sft import OfflineRunConfig, offline_config_from_dict
+from posttrain.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,8 +31,6 @@ def rm_config_from_dict(cd) -> RMRunConfig:
     """Converts a ConfigDict (or nested dict) into a validated `RMRunConfig`.
 
     Raises ConfigError as `sft.offline_config_from_dict`, and for LoRA (lora.rank > 0: the head trains every weight)."""
-    from posttrain.config.load import ConfigError
-
     cfg = offline_config_from_dict(cd, "rm", RMConfig, RMRunConfig, "a JSONL file of {prompt, chosen, rejected} "
                                    "records")
     if cfg.lora.rank:

@@ -12,6 +12,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from posttrain.generate.page_writes import write_rows_pallas_tpu
+
 IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 MASK_VALUE = -1e9  # finite, as in posttrain.model.attention.NEG_INF
 
@@ -207,7 +209,6 @@ def write_tokens(pages: dict, entries: dict, page_S: jax.Array, offset_S: jax.Ar
     for name, pool in pages.items():
         e = entries[name] if name != "kv" else entries[name][..., None, :]  # [..., S, K, H]
         if impl == "pallas_tpu" and pool.ndim == 4:
-            from posttrain.generate.page_writes import write_rows_pallas_tpu
 
             out[name] = write_rows_pallas_tpu(pool, e, page_S, offset_S, interpret=interpret)
         else:

@@ -9,6 +9,8 @@ import pickle
 import jax
 import numpy as np
 
+from posttrain.infra.metrics import log
+
 ENV_FLAG = "POSTTRAIN_DISTRIBUTED"
 # jax.distributed.initialize's arguments -> the variables that give them (JAX reads the first itself)
 SETTINGS_VARS = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
@@ -160,7 +162,6 @@ class StopRequest:
         if self.signal_name is not None:
             raise KeyboardInterrupt(f"second {name}: stopping without saving")
         self.signal_name = name
-        from posttrain.infra.metrics import log
 
         log.warning("%s: saving a checkpoint and stopping (send it again to stop at once, without saving)", name)
         if self._defer == 0 and jax.process_count() == 1:

@@ -8,6 +8,7 @@ from flax import nnx
 
 from posttrain.infra import mesh as mesh_lib
 from posttrain.model.layers import LoRAParam
+from posttrain.model.transformer import Transformer
 from posttrain.types import TrainState
 
 
@@ -56,11 +57,6 @@ def create_train_state(graphdef, model_state, tx: optax.GradientTransformation, 
 def abstract_train_state(model_cfg, tx, mesh, rules=mesh_lib.RULES, *, lora_rank: int = 0,
                          need_reference: bool = False):
     """(graphdef, abstract TrainState with shardings, its shardings) for `model_cfg` on `mesh` (nothing allocated)."""
-    from flax import nnx
-
-    from posttrain.learn.state import create_train_state
-    from posttrain.model.transformer import Transformer
-
     box = {}
 
     def init():

@@ -12,6 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posttrain.infra import mesh as mesh_lib
+from posttrain.infra.partitioning import current_rules
+
 IMPLS = ("auto", "blockwise", "splash", "pallas_gpu", "dense")
 BRANCH_BITS = 12
 SPLASH_BLOCK = 512  # TPU block length (q and kv, forward and backward); capped at the 128-rounded row length
@@ -184,8 +187,6 @@ def fused(impl: str, q_BxTxNxH, k_BxTxKxH, v_BxTxKxE, segment_BxT, branch_BxT, s
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return fn(q_BxTxNxH, k_BxTxKxH, v_BxTxKxE, segment_BxT, branch_BxT)
-    from posttrain.infra import mesh as mesh_lib
-    from posttrain.infra.partitioning import current_rules
 
     def axes(name, *sizes):  # the mesh axes of logical `name` if their size divides every one of sizes
         entry = mesh_lib.logical_to_spec((name,), current_rules())[0]

@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain.model.config import ModelConfig
+from posttrain.model.transformer import Transformer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,5 @@ def train_step_flops(cfg: ModelConfig, model_state, batch, *, lora: bool = False
 
 def abstract_model_state(cfg: ModelConfig):
     """The model's nnx State as ShapeDtypeStructs (no weights allocated)."""
-    from posttrain.model.transformer import Transformer
-
     return nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from posttrain.infra.partitioning import create_sharded
 from posttrain.infra.precision import DTYPES, matmul_scope
 from posttrain.model.config import ModelConfig
 from posttrain.model.layers import param
@@ -53,8 +54,6 @@ def with_head(cfg: ModelConfig, graphdef, state, mesh, rules, *, seed: int = 0, 
     """(graphdef, state) of a `RewardModel`: the backbone's arrays reused, a new head sharded on `mesh` by `rules`.
 
     score: float [D, 1] or [1, D] head weights (e.g. an exported head); None: zeros."""
-    from posttrain.infra.partitioning import create_sharded
-
     init = None if score is None else np.asarray(score, np.float32).reshape(cfg.d_model, 1)
     head_def, head_state = create_sharded(
         lambda: ScoreHead(cfg.d_model, param_dtype=DTYPES[cfg.param_dtype], rngs=nnx.Rngs(seed), init=init),

@@ -15,11 +15,25 @@ from typing import Any
 import jax
 import numpy as np
 
+from posttrain.algos.grpo.advantages import advantage_fn
+from posttrain.checkpoints import hf_config, load
+from posttrain.checkpoints.gguf import default_model_path, read_hf_config
+from posttrain.config.plan import make_run_plan
 from posttrain.errors import ConfigError
-from posttrain.infra import aot
+from posttrain.generate import kv_pages
+from posttrain.generate.engine import ops as engine_ops
+from posttrain.generate.engine.loop import Request, request_rows
+from posttrain.generate.paged_attention import resolve_impl
+from posttrain.generate.sampler import sample, shrink_schedule
+from posttrain.infra import aot, reshard
 from posttrain.infra import mesh as mesh_lib
+from posttrain.infra.partitioning import assert_sufficiently_sharded, use_rules
 from posttrain.learn.learner import abstract_batch
-from posttrain.learn.state import abstract_train_state
+from posttrain.learn.state import abstract_train_state, model_states
+from posttrain.learn.step import jit_step
+from posttrain.model import flops as flops_lib
+from posttrain.rollout.batching import random_batch
+
 _V5P_TOPOLOGIES = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
                    512: "8x8x8", 1024: "8x8x16"}
 _2D_TOPOLOGIES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
@@ -81,9 +95,6 @@ def captured_stderr():
 
 def compile_train_step(step_fn, state, state_sh, batch, batch_sh, mesh, rules=mesh_lib.RULES):
     """Compiles `step_fn` on `mesh` as the learner jits it: (MemoryReport, seconds, XLA log, collective bytes)."""
-    from posttrain.infra.partitioning import use_rules
-    from posttrain.learn.step import jit_step
-
     with jax.set_mesh(mesh), use_rules(rules):
         lowered = jit_step(step_fn, state_sh, batch_sh).lower(state, batch)
         with captured_stderr() as log:
@@ -96,9 +107,6 @@ def compile_sampler(graphdef, policy, mesh, rules, *, prompts: int, prompt_len: 
     """Compiles the rollout sampler (`sampler.sample`) on `mesh` as the rollouter calls it: (MemoryReport, seconds)."""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
-
-    from posttrain.infra.partitioning import use_rules
-    from posttrain.generate.sampler import sample
 
     rep = NamedSharding(mesh, PartitionSpec())
     key = jax.eval_shape(lambda: jax.random.key(0))
@@ -126,8 +134,6 @@ def plan_train_step(cfg, target: str, *, prompt_len: int = 512, sampler: bool = 
     """The per-device report (`plan_report`) of `cfg`'s run on `target`, its plan made for the target's devices.
 
     Raises ConfigError for a config that makes no valid plan there, ValueError / RuntimeError from `target_devices`."""
-    from posttrain.config.plan import make_run_plan
-
     devices, platform, hbm, peak = target_devices(target)
     plan = make_run_plan(cfg, num_devices=len(devices), backend=platform)
     return plan_report(plan, devices, hbm, peak, target=target, prompt_len=prompt_len, sampler=sampler)
@@ -138,10 +144,6 @@ def plan_report(plan, devices, hbm: int, peak, *, target: str, prompt_len: int =
 
     `hbm`: bytes per device; `peak`: bf16 FLOP/s per device or None; `sampler`: also compile the rollout sampler
     (`sample_*` keys). ValueError without a model preset (shapes only, no weights are read)."""
-    from posttrain.infra.partitioning import assert_sufficiently_sharded
-    from posttrain.learn.state import model_states
-    from posttrain.model import flops as flops_lib
-
     mesh, rollout_mesh = mesh_lib.split_meshes(plan.mesh_shape, plan.rollout_mesh_shape, devices)
     if not plan.policy.preset:
         raise ValueError("plan needs model.preset (shapes only; no weights are read)")
@@ -184,8 +186,6 @@ def plan_report(plan, devices, hbm: int, peak, *, target: str, prompt_len: int =
 
 def split_report(policy, learner_mesh, rollout_mesh, rules=mesh_lib.RULES) -> tuple[Any, dict]:
     """(the abstract `policy` in the rollout submesh's layout, the split keys: mesh, bytes per device and version)."""
-    from posttrain.infra import reshard
-
     shardings = mesh_lib.state_shardings(policy, rollout_mesh, rules)
     moved = reshard.transfer_bytes(policy, shardings, learner_mesh.devices.flat)
     placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), policy, shardings)
@@ -216,11 +216,6 @@ def compile_engine(graphdef, policy, mesh, settings, *, prompt_len: int) -> tupl
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from posttrain.generate.engine import ops as engine_ops
-    from posttrain.generate import kv_pages
-    from posttrain.generate.engine.loop import Request, request_rows
-    from posttrain.generate.paged_attention import resolve_impl
-
     rep = NamedSharding(mesh, PartitionSpec())
 
     def placed(tree):
@@ -250,8 +245,6 @@ def compile_engine(graphdef, policy, mesh, settings, *, prompt_len: int) -> tupl
 
 def _sampler_report(graphdef, model_state, mesh, plan, prompt_len: int, hbm: int) -> dict:
     """The `sample_*` keys of `plan_report`: the dense sampler, or the engine's programs and page pool."""
-    from posttrain.generate.sampler import shrink_schedule
-
     c = plan.config
     if plan.engine is not None:
         settings = plan.engine.engine_settings(prompt_len + c.sampling.max_new_tokens)
@@ -319,9 +312,6 @@ def model_config(source):
     import json
     import pathlib
 
-    from posttrain.checkpoints import hf_config, load
-    from posttrain.checkpoints.gguf import read_hf_config
-
     if source.preset:
         return source.preset_config()
     path = pathlib.Path(source.path or _default_path())
@@ -338,8 +328,6 @@ def model_config(source):
 
 
 def _default_path():
-    from posttrain.checkpoints.gguf import default_model_path
-
     return default_model_path()
 
 
@@ -357,9 +345,6 @@ def abstract_step(plan, mesh, model_cfg, prompt_len: int, completion_len: int):
     """The GRPO train step of `plan` on `mesh` with abstract state and batch (`random_batch`; nothing allocated).
 
     Returns (graphdef, step_fn, state, state shardings, host batch, abstract batch, batch shardings)."""
-    from posttrain.algos.grpo.advantages import advantage_fn
-    from posttrain.rollout.batching import random_batch
-
     c, ls = plan.config, plan.learner_settings
     opt = ls.build_optimizer()
     graphdef, state, state_sh = abstract_train_state(model_cfg, opt.tx, mesh, plan.rules, lora_rank=ls.lora_rank,
@@ -374,9 +359,6 @@ def abstract_step(plan, mesh, model_cfg, prompt_len: int, completion_len: int):
 
 def compile_step(plan, devices, prompt_len: int) -> dict:
     """The step of `plan` compiled for `devices`: {"peak" (bytes a device), "rows", "row_len", "compile_s", "remat"}."""
-    from posttrain.infra.partitioning import use_rules
-    from posttrain.learn.step import jit_step
-
     cfg = model_config(plan.policy)
     mesh = mesh_lib.make_mesh(plan.mesh_shape, devices=devices)
     c = plan.config

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import jax
 
+from posttrain.infra.metrics import log
 from posttrain.rollout.rollouter import Rollouter, Trajectories
 
 JOIN_TIMEOUT_S = 60.0  # how long `close` waits for a rollout in progress before it leaves the thread behind
@@ -201,7 +202,6 @@ class RolloutQueue:
             self._cond.notify_all()
         self._thread.join(JOIN_TIMEOUT_S)
         if self._thread.is_alive():
-            from posttrain.infra.metrics import log
 
             log.warning("the rollout producer is still in a rollout after %.0f s; its batch is dropped",
                         JOIN_TIMEOUT_S)

@@ -15,10 +15,12 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
+from posttrain.checkpoints import policy as policy_lib
 from posttrain.checkpoints.policy import PolicySource
+from posttrain.checkpoints.reward_model import load_reward_model, reward_model_dir
 from posttrain.errors import ConfigError
+from posttrain.generate.sampler import SamplingParams, pad_prompts, sample
 from posttrain.rollout.rollouter import Rollouter
-
 
 SOURCES = ("env", "model", "judge")  # the rewards `weights` combine
 
@@ -188,7 +190,6 @@ class RewardSettings:
         fields = dict(dtype=precision.compute_dtype, param_dtype=precision.param_dtype,
                       matmul_precision=precision.matmul_precision)
         if rewards.model:
-            from posttrain.checkpoints.reward_model import reward_model_dir
 
             try:
                 reward_model_dir(rewards.model)
@@ -277,8 +278,6 @@ class ModelScorer:
     def __init__(self, settings: RewardSettings, mesh, rules):
         from flax import nnx
 
-        from posttrain.checkpoints.reward_model import load_reward_model
-
         _, graphdef, self.state, self.tokenizer = load_reward_model(settings.model_path, mesh=mesh, rules=rules,
                                                                     **dict(settings.model_fields))
         if self.tokenizer is None:
@@ -311,14 +310,10 @@ class Judge:
     @classmethod
     def load(cls, settings: JudgeSettings, mesh, rules) -> "Judge":
         """The judge model of `settings.source` loaded on `mesh`."""
-        from posttrain.checkpoints.policy import load_policy
-
-        _, graphdef, state, tokenizer = load_policy(settings.source, mesh, rules)
+        _, graphdef, state, tokenizer = policy_lib.load_policy(settings.source, mesh, rules)
         return cls(settings, mesh, graphdef, state, tokenizer)
 
     def generate(self, messages: Sequence[str]) -> list[str]:
-        from posttrain.generate.sampler import SamplingParams, pad_prompts, sample
-
         tok, st = self.tokenizer, self.settings
         prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True))
                    for m in messages]

@@ -12,17 +12,18 @@ from typing import Any, Callable, ContextManager, Mapping
 import jax
 import numpy as np
 
+from posttrain.generate import streaming
+from posttrain.generate.backend import EngineSampler, EngineSamplerSettings, SamplingConfig
+from posttrain.generate.sampler import SamplingParams, sample, shared_prefix_len, shrink_schedule, template_prefix_len
 from posttrain.infra import reshard
 from posttrain.infra.partitioning import current_rules
 from posttrain.rollout import attempts, batching, episodes
-from posttrain.generate import streaming
-from posttrain.generate.backend import EngineSampler, EngineSamplerSettings, SamplingConfig
 from posttrain.rollout.env_side import EnvConfig, EnvSpec, check_infra_errors, env_runner, task_sources
 from posttrain.rollout.floor_metrics import above_floor_metrics, spec_floors
-from posttrain.generate.sampler import (SamplingParams, sample, shared_prefix_len, shrink_schedule,
-                                      template_prefix_len)
-from posttrain.scheduling.curriculum import CurriculumConfig
+from posttrain.scheduling import status_table
+from posttrain.scheduling.curriculum import CurriculumConfig, from_env_specs
 from posttrain.scheduling.domain_rules import SchedulerSettings
+from posttrain.scheduling.scheduler import JobScheduler
 from posttrain.scheduling.weighted_draw import WeightedDraw
 from posttrain.types import RolloutBatch
 
@@ -94,7 +95,6 @@ def make_scheduler(settings: RolloutSettings, sources: Mapping[str, Any]):
     if settings.scheduler is None:
         return WeightedDraw(sources, weights, seed=settings.seed, group_size=settings.objective.group_size,
                             run=settings.run)
-    from posttrain.scheduling.scheduler import JobScheduler
 
     return JobScheduler(sources, settings.scheduler, weights=weights)
 
@@ -105,7 +105,6 @@ def training_tasks(settings: RolloutSettings, meta: Mapping | None, sources: Map
     scheduler = make_scheduler(settings, {n: s for n, (_, _, s) in train.items()})
     train_specs, cur = dict(settings.env_config.train), None
     if settings.curriculum_config.enabled:
-        from posttrain.scheduling.curriculum import from_env_specs
 
         cur = from_env_specs(train_specs, settings.curriculum_config)
     if meta is not None:
@@ -120,7 +119,6 @@ def training_tasks(settings: RolloutSettings, meta: Mapping | None, sources: Map
 
 def _gated(fn: episodes.SampleFn, gate: Callable[[], ContextManager]) -> episodes.SampleFn:
     """`fn` with `gate()` held around each call until its outputs are computed (jax.block_until_ready)."""
-
     def gated(*args, **kwargs):
         with gate():
             return jax.block_until_ready(fn(*args, **kwargs))
@@ -272,8 +270,6 @@ class Rollouter:
 
     def status(self, step: int, policy_version: int | None = None) -> dict:
         """The run view after step `step` (status.json, `status_table.snapshot`); RuntimeError without tasks."""
-        from posttrain.scheduling import status_table
-
         self._require_tasks("report")
         levels = self.curriculum.levels if self.curriculum is not None else None
         return status_table.snapshot(step, self.scheduler, levels, policy_version)

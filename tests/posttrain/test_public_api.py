@@ -62,3 +62,12 @@ def test_importing_the_package_is_light_and_registers_the_envs():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout) == len(posttrain.__all__)
+
+
+def test_the_command_line_loads_jax_only_for_a_command_that_needs_it():
+    """cli/commands.py imports each recipe inside its command: `posttrain status --help` and the usage line stay
+    JAX-free (a new top-level recipe import there fails this)."""
+    code = ("import sys; from posttrain import cli; cli.main(['posttrain']); cli.main(['posttrain', 'status', '--help']); "
+            "assert 'jax' not in sys.modules, 'jax imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
