@@ -13,6 +13,7 @@ ENTRY_POINTS = {
     "posttrain/ReasoningGym-v0": "envs.tasks.reasoning_gym:ReasoningGymEnv",
     "posttrain/RepoFix-v0": "envs.tasks.repo_fix.env:RepoFixEnv",
     "posttrain/RepoFixImpossible-v0": "envs.tasks.repo_fix.impossible:RepoFixImpossibleEnv",
+    "posttrain/TaskFile-v0": "envs.tasks.task_file:TaskFileEnv",
     "posttrain/Terminal-v0": "envs.tasks.terminal:TerminalEnv",
 }
 

@@ -16,8 +16,11 @@ from typing import Any
 
 from envs.tasks import probes
 from envs.tasks import reasoning_gym
+from envs.tasks.task_file import ENV_ID as TASK_FILE_ID
+
 TABLE_PATH = pathlib.Path(__file__).with_name("domain_floors.json")
 SCHEMA_VERSION = 1
+_TASK_FILE_FLOORS: dict[str, float | None] = {}  # floors of task files measured in this process, by their kwargs
 FLOOR_THRESHOLD = 0.2  # the floor from which a domain is flagged (mean reward in [0, 1] of the best probe)
 PROBE_TASKS = 20  # tasks per split probed and golden-checked
 _COMPUTED: dict[tuple, probes.Assessment] = {}
@@ -147,6 +150,11 @@ def floor_by_env(env_id: str, kwargs: Mapping[str, Any]) -> float | None:
     A ReasoningGym-v0 spec: its (dataset, config, level); another env: its `ENV_DOMAINS` row (default kwargs)."""
     if env_id == reasoning_gym.ENV_ID:
         return assessment(probes.RG_PREFIX + kwargs["dataset"], kwargs.get("config"), level=kwargs.get("level")).floor
+    if env_id == TASK_FILE_ID:
+        key = json.dumps(dict(kwargs), sort_keys=True, default=str)
+        if key not in _TASK_FILE_FLOORS:
+            _TASK_FILE_FLOORS[key] = probes.assess_task_file(kwargs).floor
+        return _TASK_FILE_FLOORS[key]
     names = [name for name, d in probes.ENV_DOMAINS.items() if d.env_id == env_id]
     return assessment(names[0]).floor if names else None
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from envs.tasks import reasoning_gym
 from envs.verify import answers
+
 RG_PREFIX = "reasoning_gym/"
 GOLDEN_SAMPLE_STATUSES = ("passed", "failed", "unverified", "skipped")
 CONSTANTS = ("yes", "no", "Yes", "No", "True", "False", "0", "1", "2", "-1", "None", "[]")
@@ -249,3 +250,36 @@ def _env_golden(d: EnvDomain, built: Mapping[str, Any], sampled: Mapping[str, li
         status = "failed" if failures else "passed"
     reason = f"{failures}/{checked} reference replies below 1: " + "; ".join(reasons[:3]) if failures else ""
     return status, checked, failures, reason
+
+
+TASK_FILE_WRAPS = {"math": "#### {}"}  # where a verifier reads a bare answer; the others read <answer> tags
+TASK_FILE_CODE_PROBES = ("```python\npass\n```", "```python\ndef f(*args, **kwargs):\n    return None\n```")
+
+
+def assess_task_file(kwargs: Mapping[str, Any], *, tasks: int = 100) -> Assessment:
+    """The floor and golden sample of a task file (`envs.tasks.task_file`), through the same prober as the registry.
+
+    Probes are chosen on up to `tasks` train rows and measured on up to `tasks` test rows (the first and second half
+    of the rows when a split is empty); every sampled row's reference reply is golden-checked. Raises what reading
+    the file raises (FileNotFoundError, TaskFileError)."""
+    from envs.tasks import task_file
+
+    settings = task_file.TaskFileSettings(**{**dict(kwargs), "split": "all"})
+    rows, _ = task_file.scan(settings)
+    if not rows:
+        raise task_file.TaskFileError(f"{settings.path}: no readable rows")
+    train = [t for t in rows if t["split"] == "train"][:tasks]
+    test = [t for t in rows if t["split"] == "test"][:tasks]
+    if not train or not test:
+        train, test = rows[:len(rows) // 2 or 1][:tasks], rows[len(rows) // 2:][:tasks]
+    names = {s["name"] for t in rows for s in t["verifier"]}
+    replies: dict[str, Callable[[dict], str]] = {}
+    for wrap in dict.fromkeys(TASK_FILE_WRAPS.get(n, "<answer>{}</answer>") for n in sorted(names)):
+        replies.update(probe_replies(train, wrap, TASK_FILE_CODE_PROBES if "code_tests" in names else (),
+                                     gold=lambda t: t.get("answer") if isinstance(t.get("answer"), str) else None))
+    score = lambda t, r: task_file.score_task(t, r)[0]
+    floor, probe, means = floor_of(score, test, replies, select_on=train)
+    golden = golden_sample(score, train + test, task_file.golden_reply)
+    config = json.dumps({k: v for k, v in dict(kwargs).items()}, sort_keys=True, default=str)
+    counts = {s: sum(t["split"] == s for t in rows) for s in ("train", "test")}
+    return Assessment(settings.path, config, floor, probe, means, *golden, counts, len(test))

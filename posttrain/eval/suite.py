@@ -16,10 +16,10 @@ from typing import Any, Mapping, Sequence
 
 from posttrain.errors import ConfigError
 from posttrain.eval.runner import FORMATS, SCORERS, spec_floors
-from posttrain.rollout.env_side import EnvSpec, EnvSpecError, task_sources
+from posttrain.rollout.env_side import TASK_FILE_ID, EnvSpec, EnvSpecError, task_sources
 
-DOMAIN_KEYS = ("env", "kwargs", "config", "split", "tasks", "n", "k", "temperature", "max_new_tokens", "max_turns",
-               "scorer", "format", "trained")
+DOMAIN_KEYS = ("env", "path", "kwargs", "config", "split", "tasks", "n", "k", "temperature", "max_new_tokens",
+               "max_turns", "scorer", "format", "trained")
 REGISTRY_PREFIXES = ("reasoning_gym/",)  # domain names built through envs.tasks.domains
 FIRST_PARTY = ("envs", "posttrain")  # a module of these missing is a broken install, never a skipped domain
 
@@ -154,9 +154,16 @@ def _domain(name: str, area: str, entry: Mapping, path: str) -> SuiteDomain:
              if key in entry and not ok(entry[key])]
     if wrong:
         raise ValueError(f"{where}: " + "; ".join(wrong))
+    if entry.get("path"):  # a task file (a private set): the task-file env reads it
+        if entry.get("env") not in (None, "", TASK_FILE_ID) or "path" in entry.get("kwargs", {}):
+            raise ValueError(f"{where}: path={entry['path']!r} names a task file ({TASK_FILE_ID}); give it alone, "
+                             "without 'env' or kwargs['path']")
+        kwargs = {"test_fraction": 1.0, **dict(entry.get("kwargs", {})), "path": entry["path"]}  # unsplit: all rows
+        entry = {**entry, "env": TASK_FILE_ID, "kwargs": kwargs}
     if not entry.get("env") and not name.startswith(REGISTRY_PREFIXES):
-        raise ValueError(f"{where}: give 'env' (a gymnasium id) or name a registry domain ({REGISTRY_PREFIXES})")
-    fields = {k: entry[k] for k in DOMAIN_KEYS if k in entry and k != "k"}
+        raise ValueError(f"{where}: give 'env' (a gymnasium id), 'path' (a task file) or name a registry domain "
+                         f"({REGISTRY_PREFIXES})")
+    fields = {k: entry[k] for k in DOMAIN_KEYS if k in entry and k not in ("k", "path")}
     d = SuiteDomain(name=name, area=str(area), ks=_ks(entry.get("k", ())), **fields)
     _check_domain(d, where)
     return d
@@ -182,6 +189,7 @@ def _ks(value) -> tuple[int, ...] | None:
 _TYPES = {
     **{key: (lambda v: _is_int(v) and v >= 1, "an int >= 1") for key in ("tasks", "n", "max_new_tokens", "max_turns")},
     "env": (lambda v: isinstance(v, str), "a gymnasium id string, e.g. 'posttrain/Arithmetic-v0' or 'my_envs:MyEnv-v0'"),
+    "path": (lambda v: isinstance(v, str) and bool(v.strip()), "a task file path (JSONL, CSV, Parquet or tfds:NAME)"),
     "kwargs": (lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v),
                "a dict of env constructor kwargs, e.g. {'digits': 2}"),
     "config": (lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v),
@@ -276,6 +284,28 @@ def resolve(suite: Suite) -> tuple[list[ResolvedDomain], dict[str, str]]:
             continue
         built.append(ResolvedDomain(d, spec, source, min(d.tasks, source.num_tasks)))
     return built, skipped
+
+
+def suite_prompts(suite: Suite) -> dict[str, list[tuple[str, str]]]:
+    """The prompts of a suite's tasks, what a training task file must not repeat: {"<suite>/<domain>": [(id, text)]}.
+
+    Every task of the domains that build: its "question" or "prompt" field, else the env's first observation.
+    Raises ConfigError as `resolve`."""
+    import gymnasium
+
+    out = {}
+    for r in resolve(suite)[0]:
+        env = None
+        rows = []
+        for i in range(r.source.num_tasks):
+            task = r.source.get_task(i)
+            text = task.get("question") if isinstance(task.get("question"), str) else task.get("prompt")
+            if not isinstance(text, str):
+                env = env or gymnasium.make(r.spec.id, **dict(r.spec.kwargs)).unwrapped
+                text = env.first_observation(env.validate_task(dict(task)))
+            rows.append((str(task.get("id", i)), text))
+        out[f"{suite.name}/{r.domain.name}"] = rows
+    return out
 
 
 def _import_env_module(env_id: str) -> None:

@@ -33,11 +33,18 @@ def native_tools(tokenizer, info: Mapping | None) -> list | None:
 
 
 def prompt_text(tokenizer, observation: str, system_prompt: str = "", info: Mapping | None = None) -> str:
-    """The first prompt: [system?, user: observation] with the generation prompt, with ``tools=`` when rendered."""
+    """The first prompt: [system?, earlier messages?, user: observation] with the generation prompt.
+
+    With ``tools=`` when the template renders them. The env's reset info may give the task's own ``system_prompt``
+    (it replaces the run's) and ``prompt_messages`` (user / assistant turns before the observation, e.g. a task
+    file's few-shot examples)."""
+    info = info or {}
     tools = native_tools(tokenizer, info)
-    if tools is not None and (info or {}).get("tools_prompt"):
+    if tools is not None and info.get("tools_prompt"):
         observation = observation.replace(info["tools_prompt"], "").strip()
+    system_prompt = info.get("system_prompt") or system_prompt
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+    messages += [{"role": m["role"], "content": m["content"]} for m in info.get("prompt_messages") or ()]
     messages.append({"role": "user", "content": observation})
     extra = {"tools": tools} if tools is not None else {}
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from envs.pool.processes import BACKENDS as ENV_BACKENDS
+from envs.tasks.task_file import ENV_ID as TASK_FILE_ID  # the env of an entry that names a task file by `path`
 from posttrain.errors import AT_LEAST_ONE, NONNEGATIVE, POSITIVE, FieldError, check_fields
 from posttrain.rollout import episodes
 
@@ -91,18 +92,32 @@ class EnvSpec:
     """One entry of the env mix.
 
     Attributes:
-        id: a registered gymnasium id (`envs.ENTRY_POINTS`).
+        id: a registered gymnasium id (`envs.ENTRY_POINTS`); "" with `path` set: the task-file env.
         weight: mix weight (share of the prompts drawn).
         kwargs: the env's constructor kwargs.
+        path: a task file (JSONL, CSV, Parquet or ``tfds:<name>``) to train or evaluate on, no Python needed: the
+            spec becomes id "posttrain/TaskFile-v0" with kwargs["path"] = path (docs/task_files.md).
     """
 
-    id: str
+    id: str = ""
     weight: float = 1.0
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    path: str = ""
 
     def __post_init__(self):
         if not (isinstance(self.weight, (int, float)) and self.weight > 0):
             raise FieldError("weight", self.weight, " is out of range: must be > 0")
+        if self.path:
+            if self.id not in ("", TASK_FILE_ID):
+                raise FieldError("path", self.path, f" is a task file, read by {TASK_FILE_ID}; this entry also names "
+                                 f"id={self.id!r}: keep one of the two")
+            if "path" in self.kwargs and self.kwargs["path"] != self.path:
+                raise FieldError("path", self.path, f" differs from kwargs.path={self.kwargs['path']!r}")
+            object.__setattr__(self, "id", TASK_FILE_ID)
+            object.__setattr__(self, "kwargs", {**dict(self.kwargs), "path": self.path})
+        elif not self.id:
+            raise FieldError("id", self.id, " is empty: name a registered env id (e.g. 'posttrain/Arithmetic-v0') or "
+                             "set path= to a task file")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

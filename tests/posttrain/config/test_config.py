@@ -11,11 +11,14 @@ CONFIGS = sorted(p for p in pathlib.Path(__file__).resolve().parents[3].joinpath
                  if p.parent.name != "eval")  # configs/eval/*.py are evaluation suites (test_eval_suite)
 
 
+ARGS = {"task_file": "tasks.jsonl"}  # configs whose get_config needs the text after --config=FILE.py:
+
+
 def load(path):
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config()
+    return module.get_config(ARGS[path.stem]) if path.stem in ARGS else module.get_config()
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -112,3 +115,15 @@ def test_env_startup_timeout_reaches_the_env_pool(monkeypatch):
     cd.env.startup_timeout_s = 0.0
     with pytest.raises(ConfigError, match=r"^env.startup_timeout_s=0.0 is out of range: must be > 0$"):
         from_config_dict(cd)
+
+
+def test_the_task_file_config_names_its_file_or_says_how():
+    path = next(p for p in CONFIGS if p.stem == "task_file")
+    cfg = from_config_dict(load(path))
+    assert cfg.env.train["tasks"].kwargs == {"split": "train", "verifier": "exact", "path": "tasks.jsonl"}
+    assert cfg.env.eval["tasks"].kwargs["split"] == "test"
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(ValueError, match=r"--config=configs/task_file.py:PATH.jsonl"):
+        module.get_config()
