@@ -133,6 +133,7 @@ def check_envs(plan: RunPlan, *, train: bool = True, held_out: bool = True) -> t
         episodes = eval_runner.settings_episodes(plan.eval_settings) if held_out else {}
     except EnvSpecError as e:
         raise ConfigError(f"env.eval.{e}") from e
+    check_model_graded(sources, plan.config.rewards)
     if env.num_workers > 0:  # what the workers cannot build fails here too, not as infra errors later
         from posttrain.rollout.episodes import Episode
 
@@ -149,6 +150,25 @@ def check_envs(plan: RunPlan, *, train: bool = True, held_out: bool = True) -> t
                               f"process: register the env in an importable module and name it "
                               f"'<module>:{env_id.split(':')[-1]}' (or set env.num_workers=0)")
     return sources, episodes
+
+
+def check_model_graded(sources: dict, rewards) -> None:
+    """Refuses task files whose rows need a grader model the run does not load.
+
+    Raises ConfigError naming env.train.<name> when its rows name `rubric` without rewards.judge.enabled or
+    `reward_model` without rewards.model."""
+    from envs.tasks.task_file import ENV_ID, TaskFileTasks
+
+    need = {"rubric": ("rewards.judge.enabled", rewards.judge.enabled), "reward_model": ("rewards.model",
+                                                                                        bool(rewards.model))}
+    for name, (env_id, _, source) in sources.items():
+        if env_id != ENV_ID or not isinstance(source, TaskFileTasks):
+            continue
+        used = {s["name"] for i in range(source.num_tasks) for s in source.get_task(i)["verifier"]}
+        missing = [setting for verifier, (setting, on) in need.items() if verifier in used and not on]
+        if missing:
+            raise ConfigError(f"env.train.{name}: its rows name model-graded verifiers ({sorted(used & set(need))}) "
+                              f"that need {' and '.join(missing)}; set it, or give those rows another verifier")
 
 
 def off_policy_defaults(cfg: Config) -> tuple[Config, str | None]:

@@ -216,9 +216,11 @@ def rubric_text(criteria) -> str:
     return "\n".join(f"- {name} (weight {weight:g}): {description}" for name, weight, description in criteria)
 
 
-def judge_prompt(settings: JudgeSettings, prompt: str, reply: str) -> str:
-    """The judge's user message for one (prompt, reply): the template filled in (braces in the texts kept)."""
-    return settings.template.format(prompt=prompt, reply=reply, rubric=rubric_text(settings.criteria),
+def judge_prompt(settings: JudgeSettings, prompt: str, reply: str, criteria=None) -> str:
+    """The judge's user message for one (prompt, reply): the template filled in (braces in the texts kept).
+
+    `criteria`: a task's own rubric ((name, weight, description), ...) instead of the settings'."""
+    return settings.template.format(prompt=prompt, reply=reply, rubric=rubric_text(criteria or settings.criteria),
                                     max_score=f"{settings.max_score:g}")
 
 
@@ -253,9 +255,9 @@ def judgement_score(scores: Mapping[str, float], criteria, max_score: float) -> 
     return float(sum(w * scores[n] for n, w, _ in criteria) / (total * max_score))
 
 
-def cache_key(prompt: str, reply: str) -> str:
-    """sha256 hex of the (prompt, reply) texts."""
-    return hashlib.sha256(json.dumps([prompt, reply]).encode()).hexdigest()
+def cache_key(prompt: str, reply: str, *rest) -> str:
+    """sha256 hex of the (prompt, reply) texts and anything else an item holds (a task's rubric)."""
+    return hashlib.sha256(json.dumps([prompt, reply, *rest], default=str).encode()).hexdigest()
 
 
 class _Cache(collections.OrderedDict):
@@ -328,12 +330,15 @@ class Judge:
                                  skip_special_tokens=True) for i in range(len(chunk))]
         return texts
 
-    def __call__(self, items: Sequence[tuple[str, str]]) -> list[dict]:
+    def __call__(self, items: Sequence[tuple]) -> list[dict]:
+        """One judgement per (prompt, reply) or (prompt, reply, criteria) item: a task's own rubric, when given."""
         st = self.settings
+        rubrics = [tuple(map(tuple, it[2])) if len(it) > 2 and it[2] else st.criteria for it in items]
         out = []
-        for text in self.generate([judge_prompt(st, p, r) for p, r in items]):
-            scores, reason = parse_judgement(text, st.criteria, st.max_score)
-            score = st.unparsable_score if scores is None else judgement_score(scores, st.criteria, st.max_score)
+        for text, criteria in zip(self.generate([judge_prompt(st, it[0], it[1], c) for it, c in zip(items, rubrics)]),
+                                  rubrics):
+            scores, reason = parse_judgement(text, criteria, st.max_score)
+            score = st.unparsable_score if scores is None else judgement_score(scores, criteria, st.max_score)
             out.append({"output": text, "scores": scores, "score": float(score), "parsed": scores is not None,
                         "reason": reason})
         return out
@@ -371,11 +376,48 @@ class Rewarder:
             cache.put(k, v)
         return [new[k] if k in new else cache[k] for k in keys]
 
+    def _model_graded(self, graded) -> None:
+        """Finishes the env reward of samples whose task names model-graded verifiers (a task file's `rubric`,
+        `reward_model`): the weighted mean of the computed verifiers' reward and each model's score.
+
+        Raises ConfigError when a needed model is not configured (the run plan refuses that earlier)."""
+        for s in graded:
+            mg, (model_item, judge_item) = s.info["model_graded"], self._texts(s)
+            s.info["computed_reward"] = float(s.reward)
+            total, weights, parts = s.reward * mg["computed_weight"], mg["computed_weight"], {}
+            for part in mg["parts"]:
+                if part["name"] == "reward_model":
+                    if self.model is None:
+                        raise ConfigError("a task's reward_model verifier needs rewards.model")
+                    score = float(self._cached(self.model, self.model_cache, [model_item])[0])
+                else:
+                    if self.judge is None:
+                        raise ConfigError("a task's rubric verifier needs rewards.judge.enabled")
+                    judged = self._cached(self.judge, self.judge_cache, [(*judge_item, part["criteria"])])[0]
+                    score, s.info["judge"] = float(judged["score"]), dict(judged)
+                parts[part["name"]] = score
+                total, weights = total + part["weight"] * score, weights + part["weight"]
+            s.info["parts"] = {**s.info.get("parts", {}), **parts}
+            s.reward = total / weights if weights > 0 else 0.0
+
     def score(self, samples) -> dict[str, float]:
-        """Sets each counted sample's reward to the weighted sum and its info's sources; returns perf/*_reward_s."""
+        """Sets each counted sample's reward to the weighted sum and its info's sources; returns perf/*_reward_s.
+
+        A sample whose task names model-graded verifiers gets their scores folded into its env reward first
+        (`_model_graded`), and no further model or judge reward."""
         w = {src: float(self.settings.weights.get(src, 1.0)) for src in SOURCES}
-        live = [s for s in samples if s.counts]
-        texts, perf = [self._texts(s) for s in live], {}
+        graded = [s for s in samples if s.counts and s.info.get("model_graded")]
+        if graded:
+            t = time.perf_counter()
+            self._model_graded(graded)
+            perf = {"perf/model_graded_reward_s": time.perf_counter() - t}
+        else:
+            perf = {}
+        live = [s for s in samples if s.counts and not s.info.get("model_graded")]
+        texts = [self._texts(s) for s in live]
+        for s in graded:
+            s.info = {**s.info, "env_reward": float(s.reward)}
+            s.reward = w["env"] * s.reward
         total = [w["env"] * s.reward for s in live]
         for s in live:
             s.info = {**s.info, "env_reward": float(s.reward)}

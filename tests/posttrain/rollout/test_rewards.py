@@ -179,3 +179,45 @@ def test_rewarded_rollouter_scores_every_round_before_groups_form(monkeypatch):
     assert [s.reward for s in got] == pytest.approx([1.0 + 0.1 * len("12<|im_end|>"), 0.1 * len("345<|im_end|>")])
     m = rewards.reward_metrics([{"in_batch": True, "details": json.dumps(s.info)} for s in got])
     assert m == pytest.approx({"reward/env_mean": 0.5, "reward/model_mean": 0.1 * (12 + 13) / 2})
+
+
+class RubricJudge:
+    """A judge that records each item's rubric and scores a reply by its length."""
+
+    def __init__(self):
+        self.items = []
+
+    def __call__(self, items):
+        self.items += list(items)
+        return [{"output": "", "scores": None, "score": min(len(it[1]) / 10, 1.0), "parsed": True, "reason": ""}
+                for it in items]
+
+
+def test_a_task_files_rubric_and_reward_model_verifiers_fold_into_its_reward():
+    """A task-file row `[exact w=3, rubric w=1]`: reward = (3 * exact + 1 * judge score with the ROW's criteria) / 4;
+    a row with `reward_model` too adds the model's score; neither gets the run-wide judge or model reward again."""
+    tok = Tokenizer.byte_level()
+    judge, model = RubricJudge(), FakeScorer()
+    r = rewards.Rewarder(rewards.RewardSettings(model_path="x", weights={"env": 2.0}), tok, model=model, judge=judge)
+    rubric = [["accurate", 2.0, "facts right"], ["short", 1.0, "one line"]]
+    graded = {"computed_weight": 3.0, "parts": [{"name": "rubric", "weight": 1.0, "criteria": rubric}]}
+    a, b, plain = sample(tok, "12345", 1.0), sample(tok, "123", 0.0), sample(tok, "12", 1.0)
+    a.info["model_graded"] = graded
+    b.info["model_graded"] = {"computed_weight": 1.0, "parts": [
+        {"name": "rubric", "weight": 1.0, "criteria": rubric}, {"name": "reward_model", "weight": 2.0}]}
+    r.score([a, b, plain])
+    assert [it[2] for it in judge.items[:2]] == [rubric, rubric] and len(judge.items) == 3  # + plain's global judge
+    assert a.reward == pytest.approx(2.0 * (3 * 1.0 + 1 * 0.5) / 4)
+    m3 = 0.1 * len("123<|im_end|>")
+    assert b.reward == pytest.approx(2.0 * (0.0 + 0.3 + 2 * m3) / 4)
+    assert a.info["computed_reward"] == 1.0 and a.info["parts"]["rubric"] == 0.5
+    assert "model_reward" not in a.info and "model_reward" in plain.info
+    with pytest.raises(ConfigError, match="rubric verifier needs rewards.judge"):
+        rewards.Rewarder(rewards.RewardSettings(model_path="x"), tok, model=model).score([sample(tok, "1", 1.0)] + [
+            with_model_graded(sample(tok, "9", 1.0), graded)])
+
+
+def with_model_graded(s, graded):
+    """`s` as the task-file env leaves a reply whose row names model-graded verifiers."""
+    s.info["model_graded"] = graded
+    return s
