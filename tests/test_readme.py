@@ -82,7 +82,11 @@ def test_every_posttrain_line_names_a_command_and_flags_that_exist(line):
     assert command in cli.COMMANDS, f"{line}: no command {command!r} (commands: {cli.COMMANDS})"
     listed = cli.command_help(command, cli._flags())
     flags = dict(a[2:].partition("=")[::2] for a in args if a.startswith("--"))
-    assert len(flags) == len(args), f"{line}: an argument that is not a --flag"
+    positional = [a for a in args if not a.startswith("--")]
+    if command in cli.POSITIONAL:  # `tasks <verb> FILE...`: the verb is one the command knows
+        assert positional and positional[0] in cli.tasks.VERBS, f"{line}: no verb among {cli.tasks.VERBS}"
+    else:
+        assert not positional, f"{line}: an argument that is not a --flag"
     for name, value in flags.items():
         assert _flag_exists(name, listed, flags.get("config")), f"{line}: `{command} --help` lists no --{name}"
         if value.startswith("configs/"):

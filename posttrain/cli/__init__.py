@@ -1,4 +1,4 @@
-"""`posttrain train|sft|dpo|rm|eval|sample|convert|domains|plan|status`: the recipes' command line (absl flags).
+"""`posttrain train|sft|dpo|rm|eval|sample|convert|domains|plan|status|tasks`: the recipes' command line (absl flags).
 
 `USAGE` is what `posttrain` without a command prints and where `--help` finds a command's usage lines.
 """
@@ -10,10 +10,10 @@ import sys
 from posttrain.cli.commands import (UsageError, _enable_compilation_cache, _fake_cpu_devices_for_plan, check_run_flags,
                                     cmd_convert, cmd_domains, cmd_dpo, cmd_eval, cmd_plan, cmd_rm, cmd_sample,
                                     cmd_sft, cmd_train)
-from posttrain.cli import status
+from posttrain.cli import status, tasks
 from posttrain.cli.flags import command_help, config_file, config_override_argv, define_flags as _flags, flag_error_line
 
-USAGE = """`posttrain train|sft|dpo|rm|eval|sample|convert|domains|plan|status`: the recipes' command line (absl flags).
+USAGE = """`posttrain train|sft|dpo|rm|eval|sample|convert|domains|plan|status|tasks`: the recipes' command line.
 
   posttrain train  --config=configs/quickstart.py [--config.rl.group_size=8 ...] [--workdir=DIR]   (GRPO)
   posttrain sft    --config=configs/sft_tiny.py [--workdir=DIR]   (supervised fine-tuning on chat data)
@@ -34,6 +34,8 @@ USAGE = """`posttrain train|sft|dpo|rm|eval|sample|convert|domains|plan|status`:
                     [--floors [--write]]  (gaming floors and golden samples; --write: envs/tasks/domain_floors.json)
   posttrain plan --config=configs/plan/kimi_k2.py --target=v5p-512|h200x256|cpu-8 [--json] [--prompt_len=512] [--nosampler]
                  (compile the train step for that machine without it: fits? per-device memory, FLOPs)
+  posttrain tasks check FILE...   (a task file checked before training: docs/task_files.md; `tasks --help`)
+  posttrain tasks export --from_archive=RUN --out=FILE.jsonl   (archived episodes as a task file)
 Multi-host: start one process per host with --distributed (launch/ has TPU-pod and SLURM scripts).
 The current directory is importable, as under `python -m`: an env id 'my_envs:MyEnv-v0' finds ./my_envs.py.
 """
@@ -42,7 +44,8 @@ The current directory is importable, as under `python -m`: an env id 'my_envs:My
 # docstring above or its module's (`command_help` reads both) and its flags in flags.py)
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "convert": cmd_convert,
             "domains": cmd_domains, "plan": cmd_plan, "sft": cmd_sft, "dpo": cmd_dpo, "rm": cmd_rm,
-            "status": status.cmd_status}
+            "status": status.cmd_status, "tasks": tasks.cmd_tasks}
+POSITIONAL = ("tasks",)  # commands that take positional arguments after the flags parse (a verb, files)
 
 __all__ = ["COMMANDS", "USAGE", "UsageError", "command_help", "flag_error_line", "main"]
 
@@ -89,7 +92,7 @@ def main(argv=None) -> int:
     parsed, saved = config_override_argv(argv), sys.argv
     try:  # ml_collections reads the --config.* overrides from sys.argv: these, with domain keys subscripted
         sys.argv = parsed
-        f(parsed)
+        positional = f(parsed)[1:]
     except Exception as e:  # absl raises its own error types for unknown/invalid flags
         print(f"error: {flag_error_line(e, argv)}", file=sys.stderr)
         return 2
@@ -110,6 +113,10 @@ def main(argv=None) -> int:
         distributed.initialize(True if f.distributed else None)
         if command != "plan":  # a plan measures a real compile (time, buffer report): no persistent cache
             _enable_compilation_cache()
+        if command in POSITIONAL:
+            return COMMANDS[command](f, positional)
+        if positional:
+            raise UsageError(f"posttrain {command} takes flags only (--name=value), got {positional}")
         return COMMANDS[command](f)
     # exit code 2, one line, no traceback: what the user gave is wrong, and nothing was trained or changed: flags;
     # config keys and values (before any model load or worker start); data files (path:line); a mesh that does not

@@ -2,6 +2,7 @@
 belongs to the commands its help names before a colon ("eval/convert: ..."), or to those in `_SHARED_FLAGS`."""
 from __future__ import annotations
 
+
 def define_flags():
     from absl import flags
     from ml_collections import config_flags
@@ -17,13 +18,16 @@ def define_flags():
         flags.DEFINE_string("checkpoint", None, "eval/convert/sample: the workdir of a run whose latest checkpoint "
                             "to use (read only)")
         flags.DEFINE_string("prompt", "What is 12 + 30?", "sample: the user message")
-        flags.DEFINE_string("model", None, "sample/convert: a .gguf file or HF directory (default: SmolLM2 GGUF)")
+        flags.DEFINE_string("model", None, "sample/convert: a .gguf file or HF directory (default: SmolLM2 GGUF); tasks "
+                            "check: the tokenizer of the prompt lengths")
         flags.DEFINE_string("out", None, "convert: output directory (a complete HF model directory); eval --suite: "
-                            "the report folder (default eval_reports/<run name>/<suite name>-step<N>)")
-        flags.DEFINE_string("suite", None, "eval: a configs/eval/*.py suite (domains by capability area)")
+                            "the report folder (default eval_reports/<run name>/<suite name>-step<N>); tasks export: the JSONL file")
+        flags.DEFINE_string("suite", None, "eval: a configs/eval/*.py suite (domains by capability area); tasks "
+                            "check: suites (comma-separated) whose prompts the files must not repeat")
         flags.DEFINE_string("baseline", None, "eval --suite: 'base' (the run's initial policy) or a run's workdir")
         flags.DEFINE_integer("limit", None, "eval --suite: at most this many tasks per domain", lower_bound=1)
-        flags.DEFINE_string("domains", None, "eval --suite: only these domains (names or patterns, comma-separated)")
+        flags.DEFINE_string("domains", None, "eval --suite: only these domains (names or patterns, comma-separated); "
+                            "tasks export: the archive domains kept")
         flags.DEFINE_string("from_records", None, "eval: rescore the records of a suite report folder (no sampling)")
         flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"], "convert: the written weights' dtype "
                           "(default: the model's parameter dtype)")
@@ -39,24 +43,36 @@ def define_flags():
         flags.DEFINE_float("temperature", 0.0, "sample: 0 = greedy", lower_bound=0.0)
         flags.DEFINE_integer("seed", 0, "sample: the sampling stream (temperature > 0: another seed, another reply)")
         flags.DEFINE_bool("progress", True, "train: show a progress bar")
-        flags.DEFINE_string("from_archive", None, "sft/dpo/rm: a GRPO run's workdir, or several separated by "
+        flags.DEFINE_string("from_archive", None, "sft/dpo/rm/tasks export: a GRPO run's workdir, or several separated by "
                             "commas (runs of one model): train on their episode archives (sft: the successful replies; "
                             "dpo, rm: pairs from the groups) instead of the config's data; without --config, the runs' "
                             "own model section")
-        flags.DEFINE_float("min_reward", None, "sft --from_archive: the reward a successful episode reaches "
+        flags.DEFINE_float("min_reward", None, "sft --from_archive, tasks export: the reward a successful episode reaches "
                            "(default: sft.min_reward, 1)")
         flags.DEFINE_integer("max_per_prompt", None, "sft --from_archive: distinct successful replies kept per prompt "
                              "(default: sft.max_per_prompt, 1)")
         flags.DEFINE_bool("allow_config_change", False, "train: resume a run with settings other than its saved "
                           "config.json (each change recorded with its step in config_changes.jsonl)")
         flags.DEFINE_string("target", "cpu-8", "plan: cpu-N | v5p-N (TensorCores) | h200xN")
-        flags.DEFINE_bool("json", False, "plan/status: print one JSON line")
+        flags.DEFINE_bool("json", False, "plan/status/tasks: print one JSON line")
         flags.DEFINE_integer("prompt_len", 512, "plan: prompt tokens per sequence (completions: sampling.max_new_tokens)",
                              lower_bound=1)
         flags.DEFINE_bool("sampler", True, "plan: also compile the rollout sampler (prefill + decode loop)")
+        _define_tasks_flags(flags)
         flags.DEFINE_bool("distributed", False, "multi-host: call jax.distributed.initialize() first "
                           "(also on with POSTTRAIN_DISTRIBUTED=1; see launch/)")
     return f
+
+
+def _define_tasks_flags(flags) -> None:
+    """The flags of `posttrain tasks check|export` only."""
+    flags.DEFINE_string("verifier", None, "tasks check: the verifier of rows without one (a name, e.g. numeric, "
+                        "or JSON: '{\"name\": \"numeric\", \"tolerance\": 0.01}'; default exact)")
+    flags.DEFINE_string("answer_after", None, "tasks check: the answer is the text after the last occurrence of "
+                        "this marker in the answer column (GSM8K: ####)")
+    flags.DEFINE_string("fields", None, "tasks check: task field=column pairs, e.g. prompt=question,answer=ans")
+    flags.DEFINE_string("status", None, "tasks export: archive statuses kept, comma-separated (e.g. ok,wrong)")
+    flags.DEFINE_string("steps", None, "tasks export: archive steps kept, A:B inclusive (A: or :B open)")
 
 
 # flags every command that takes them reads (the others are named by their help's "command:" prefixes)
@@ -124,7 +140,11 @@ def flag_error_line(e: BaseException, argv) -> str:
             return f"unknown config key {flag.removeprefix('--')}: {hint.strip()}"
         if isinstance(c, AttributeError) and "get_config" in str(c):
             return f"{config_file(argv)}: the config file defines no get_config() (configs/*.py return a ConfigDict)"
-    return " ".join(str(e).split())
+    text = str(e)
+    if "Error whilst parsing config file" in text and "Traceback" in text:  # the file's own error: its last line
+        last = [line for line in text.strip().splitlines() if line.strip()][-1].strip()
+        return f"{config_file(argv)}: get_config() raised {' '.join(last.split())}"
+    return " ".join(text.split())
 
 
 def config_file(argv) -> str:
