@@ -80,6 +80,12 @@ def main(argv=None) -> int:
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] not in COMMANDS:
         print(USAGE, file=sys.stderr)
+        if len(argv) >= 2:  # a command the line names that does not exist: say which, and the closest one
+            import difflib
+
+            close = difflib.get_close_matches(argv[1], COMMANDS, n=1)
+            print(f"error: unknown command {argv[1]!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                  + f"; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     command = argv.pop(1)
     _import_from_cwd()

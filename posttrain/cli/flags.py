@@ -2,6 +2,8 @@
 belongs to the commands its help names before a colon ("eval/convert: ..."), or to those in `_SHARED_FLAGS`."""
 from __future__ import annotations
 
+import re
+
 
 def define_flags():
     from absl import flags
@@ -142,9 +144,57 @@ def flag_error_line(e: BaseException, argv) -> str:
             return f"{config_file(argv)}: the config file defines no get_config() (configs/*.py return a ConfigDict)"
     text = str(e)
     if "Error whilst parsing config file" in text and "Traceback" in text:  # the file's own error: its last line
-        last = [line for line in text.strip().splitlines() if line.strip()][-1].strip()
-        return f"{config_file(argv)}: get_config() raised {' '.join(last.split())}"
+        last = " ".join([line for line in text.strip().splitlines() if line.strip()][-1].split())
+        m = _RETYPED.search(last)
+        if m:  # a value of the wrong type set in the file: the key, the value and the type the key holds
+            field, value, got, want = m.groups()
+            return (f"{config_file(argv)}: get_config() sets {_key_path(field)} = {value} "
+                    f"({_TYPE_NAMES.get(got, 'a ' + got)}); that key holds {_TYPE_NAMES.get(want, 'a ' + want)}")
+        return f"{config_file(argv)}: get_config() raised {last}"
+    m = re.match(r"flag --(config\.\S+?)=(.*?): (?:invalid literal for int|could not convert string to float|"
+                 r"Unable to parse|invalid truth value|\('Non-boolean argument)", " ".join(text.split()))
+    if m:  # a --config.* override of the wrong type: the key, the text typed and the type the key holds
+        kind = _default_type(m.group(1).removeprefix("config."))
+        return f"--{m.group(1)}={m.group(2)}: {m.group(1).removeprefix('config.')} takes {kind}, got {m.group(2)!r}"
+    m = re.search(r"Unknown command line flag '(config\.[^']+)'", text)
+    if m and not any(a.startswith(("--config=", "-config=")) for a in argv):
+        return (f"--{m.group(1)} overrides a key of a config file, and no --config=FILE.py is given: put "
+                f"--config=configs/<name>.py before it (e.g. --config=configs/quickstart.py --{m.group(1)}=...)")
     return " ".join(text.split())
+
+
+# ml_collections' refusal of a value of another type: "Could not override field 'steps' (reference). ten is of
+# original type <class 'str'> and cannot be casted to type <class 'int'>"
+_RETYPED = re.compile(r"Could not override field '(\w+)' \(reference\)\. (.*) is of original type <class '(\w+)'> "
+                      r"and cannot be casted to type <class '(\w+)'>")
+_TYPE_NAMES = {"int": "an int", "float": "a float", "str": "a str (text)", "bool": "a bool (True/False)"}
+
+
+def _default_type(path: str) -> str:
+    """What the config key at dotted `path` holds ("an int", ...), from the defaults; "its type" when unknown."""
+    from posttrain.config.load import default_config
+
+    node = default_config()
+    for part in path.split("."):
+        try:
+            node = node[part]
+        except (KeyError, TypeError, AttributeError):
+            return "a value of its type"
+    return _TYPE_NAMES.get(type(node).__name__, f"a {type(node).__name__}")
+
+
+def _key_path(field: str) -> str:
+    """The dotted config keys named `field` in the defaults ("train.steps"), or `field` when none or several."""
+    from posttrain.config.load import default_config
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            if hasattr(v, "items") and not isinstance(v, str) and v:
+                yield from walk(v, f"{prefix}{k}.")
+            elif k == field:
+                yield f"{prefix}{k}"
+    found = list(walk(default_config(), ""))
+    return found[0] if len(found) == 1 else field
 
 
 def config_file(argv) -> str:
