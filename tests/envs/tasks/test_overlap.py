@@ -9,7 +9,7 @@ import pytest
 from envs.tasks import overlap
 from envs.tasks.overlap import contamination, exact_duplicates, near_duplicates, normalize_text, tokens
 
-GSM8K_DIR = "/work/shared/data/gsm8k"
+GSM8K_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), *[".."] * 4, "shared", "data", "gsm8k")
 EVAL = [  # 15 to 40 words each
     ("A baker makes 24 loaves of bread every morning and sells each loaf for 3 dollars. How much money does the "
      "baker earn in a week?"),
