@@ -25,7 +25,10 @@ class NothingScoredError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MetricComparison:
-    """One metric of one domain: means, diff, bootstrap ci, mde, test, p-values; verdict None: it does not decide."""
+    """One metric of one domain: means, diff, bootstrap ci, mde, test, p-values; verdict None: it does not decide.
+
+    ci is the unadjusted interval at the comparison's confidence; ci_adjusted the family-wise one (Bonferroni:
+    confidence 1 - alpha / m over the m domains the metric is tested on), what the forest plot draws thick."""
 
     metric: str
     baseline: float
@@ -37,6 +40,7 @@ class MetricComparison:
     p: float | None
     p_holm: float | None
     verdict: str | None
+    ci_adjusted: tuple[float, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,17 +212,19 @@ def compare(baseline, candidate, *, alpha: float = 0.05, confidence: float | Non
             "pass@1", float(pb.mean()), float(pc.mean()), d1,
             paired_bootstrap_ci(pb, pc, confidence=confidence, n_resamples=n_resamples, seed=seed),
             min_detectable_effect(pc - pb, alpha=alpha, power=power, tests=len(rows)),
-            row["test"], row["p"], float(p_adj), verdict(d1, bool(reject)))
+            row["test"], row["p"], float(p_adj), verdict(d1, bool(reject)),
+            paired_bootstrap_ci(pb, pc, confidence=1.0 - alpha / len(rows), n_resamples=n_resamples, seed=seed))
         dr = float(rc.mean() - rb.mean())
-        reward_verdict = None
+        reward_verdict, adjusted = None, None
         if row["partial"]:
-            lo, hi = paired_bootstrap_ci(rb, rc, confidence=1.0 - alpha / m_partial, n_resamples=n_resamples, seed=seed)
+            lo, hi = adjusted = paired_bootstrap_ci(rb, rc, confidence=1.0 - alpha / m_partial, n_resamples=n_resamples,
+                                                    seed=seed)
             reward_verdict = verdict(dr, lo > 0 or hi < 0)
         reward = MetricComparison(
             "mean_reward", float(rb.mean()), float(rc.mean()), dr,
             paired_bootstrap_ci(rb, rc, confidence=confidence, n_resamples=n_resamples, seed=seed),
             min_detectable_effect(rc - rb, alpha=alpha, power=power, tests=max(1, m_partial)),
-            "bootstrap", None, None, reward_verdict)
+            "bootstrap", None, None, reward_verdict, adjusted)
         domains.append(DomainComparison(row["domain"], len(pb), row["wins"], row["losses"], row["partial"], pass1,
                                         reward, row["unscored"]))
     return Comparison(base_hash, alpha, confidence, power, n_resamples, seed, tuple(domains), tuple(unscored_domains))

@@ -89,7 +89,12 @@ def summary_markdown(summary: dict, label: str = "") -> str:
 
 
 def forest_plot(cmp: Comparison, path: str | Path, *, metric: str = "pass@1") -> Path:
-    """Writes a PNG forest plot of `metric`'s differences and intervals, a line per domain; returns the path."""
+    """Writes a PNG forest plot of `metric`'s differences and intervals, a line per domain; returns the path.
+
+    Thick: the family-wise interval (`MetricComparison.ci_adjusted`, Bonferroni over the domains tested); thin:
+    the unadjusted interval. The colour and the label at the right of each row are the verdict and its Holm-adjusted
+    p-value: the test decides, and a bootstrap interval of few discordant tasks can exclude 0 where the exact test
+    does not. A comparison written before adjusted intervals existed draws the unadjusted one, marked so."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -101,15 +106,24 @@ def forest_plot(cmp: Comparison, path: str | Path, *, metric: str = "pass@1") ->
     fig = Figure(figsize=(8.5, 1.4 + 0.4 * len(rows)))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
+    adjusted = all(m.ci_adjusted is not None for _, _, m in rows)
     for i, (_, _, m) in enumerate(reversed(rows)):
         color = VERDICT_COLORS.get(m.verdict or "no change")
-        ax.plot([m.ci[0], m.ci[1]], [i, i], color=color, linewidth=2)
+        ax.plot([m.ci[0], m.ci[1]], [i, i], color=color, linewidth=1 if adjusted else 2)
+        if adjusted:
+            ax.plot([m.ci_adjusted[0], m.ci_adjusted[1]], [i, i], color=color, linewidth=4, alpha=0.6)
         ax.plot([m.diff], [i], "o", color=color)
+        if m.p_holm is not None:  # the test that decides, beside the interval that may not agree with it
+            ax.annotate(f"{m.verdict}, Holm p={m.p_holm:.2g}", (1.0, i), xycoords=("axes fraction", "data"),
+                        xytext=(-4, 6), textcoords="offset points", ha="right", fontsize="x-small", color=color)
     ax.axvline(0.0, color="black", linestyle="--", linewidth=1)
     ax.set_ylim(-0.7, len(rows) - 0.3)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"{name} (T={t})" for name, t, _ in reversed(rows)])
-    ax.set_xlabel(f"{metric} difference, candidate - baseline\n({100 * cmp.confidence:g}% paired bootstrap CI)")
+    m = len(rows)
+    ax.set_xlabel(f"{metric} difference, candidate - baseline\n" + (
+        f"thick: family-wise {100 * (1 - cmp.alpha / m):.4g}% CI (Bonferroni over {m}); thin: unadjusted "
+        f"{100 * cmp.confidence:g}%" if adjusted else f"UNADJUSTED {100 * cmp.confidence:g}% paired bootstrap CI"))
     ax.set_title(f"alpha = {cmp.alpha:g}, Holm across {len(rows)} domains")
     for verdict_name, color in VERDICT_COLORS.items():
         ax.plot([], [], "o", color=color, label=verdict_name)

@@ -179,3 +179,22 @@ def test_same_seed_same_result():
     base = _records("d", rng.integers(0, 2, 60))
     cand = _records("d", rng.integers(0, 2, 60))
     assert compare(base, cand, seed=7) == compare(base, cand, seed=7)
+
+
+def test_family_wise_intervals_agree_with_holm_where_the_unadjusted_ones_do_not():
+    """Three domains of 7 wins and 1 loss in 40 tasks each: McNemar p = 0.07 each, so Holm says no change, yet each
+    unadjusted 95% interval excludes 0 (what the forest plot drew). The family-wise interval (confidence 1 - alpha/3)
+    contains 0 for each, and is wider than the unadjusted one."""
+    base, cand = [], []
+    for name in ("a", "b", "c"):
+        b, c = _paired(name, both=16, neither=16, losses=1, wins=7)
+        base, cand = base + b, cand + c
+    h = task_set_hash(base)
+    result = compare({"records": base, "task_set_hash": h}, {"records": cand, "task_set_hash": h}, n_resamples=2999)
+    for d in result.domains:
+        m = d.pass_at_1
+        assert m.verdict == "no change" and m.p_holm > 0.05
+        assert m.ci[0] > 0  # the unadjusted interval alone would call it an improvement
+        assert m.ci_adjusted[0] <= 0 <= m.ci_adjusted[1]
+        assert m.ci_adjusted[0] < m.ci[0] and m.ci_adjusted[1] >= m.ci[1]
+        assert d.mean_reward.ci_adjusted is None  # binary rewards: mean_reward decides nothing

@@ -28,7 +28,8 @@ def test_dict_is_json_able_and_complete():
     assert rows["gcd"]["verdict"] == "regressed" and rows["arith"]["verdict"] == "no change"
     assert rows["gcd"]["pass@1"]["ci"] == list(result.domains[1].pass_at_1.ci)
     assert set(rows["gcd"]["pass@1"]) == {"baseline", "candidate", "diff", "ci", "mde", "test", "p", "p_holm",
-                                          "verdict"}
+                                          "verdict", "ci_adjusted"}
+    assert rows["gcd"]["pass@1"]["ci_adjusted"] == list(result.domains[1].pass_at_1.ci_adjusted)
     assert d["counts"] == {"improved": 0, "no change": 1, "regressed": 1}
 
 
