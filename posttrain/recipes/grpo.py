@@ -276,7 +276,8 @@ class _Loop:
             m.update(traj.metrics)
             m.update(metrics_lib.step_perf(traj.num_tokens, t0, t1, time.perf_counter()))
             m.update(batch_metrics(ready, waited, time.perf_counter() - t0), **{
-                "perf/weight_sync_s": sync_s, "perf/sampler_wait_s": sampler_wait_s})
+                "perf/weight_sync_s": sync_s, "perf/sampler_wait_s": sampler_wait_s,
+                "archive_step": step})  # the archive's step of the batch this update trained: the join column
             if self.writer:
                 archive.write_step(plan.workdir, step, traj.records)
                 status_table.write_status(plan.workdir, ready.status)  # `posttrain status` reads it

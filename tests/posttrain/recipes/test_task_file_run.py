@@ -64,6 +64,10 @@ def test_a_run_trains_on_a_jsonl_file_and_evaluates_on_a_csv_file(run):
     assert summary["end_step"] == 2 and summary["eval_end"] is not None
     rows = archive.read(workdir).to_pylist()
     assert rows and {r["domain"] for r in rows} == {"add"}
+    # metrics.jsonl and the archive join on archive_step: update k+1 trained the batch the archive calls step k
+    metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    trained = {int(m["step"]): int(m["archive_step"]) for m in metrics if m.get("archive_step") is not None}
+    assert trained == {1: 0, 2: 1} and {r["step"] for r in rows if r["in_batch"]} == set(trained.values())
     assert all(r["task_id"].startswith("arithmetic-train-") for r in rows)  # the file's ids, train rows only
 
 
