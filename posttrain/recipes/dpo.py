@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from posttrain.algos import from_archive
+from posttrain.errors import DataError
 from posttrain.algos.dpo import data as data_lib
 from posttrain.algos.dpo import reference
 from posttrain.algos.dpo import step as dpo_step
@@ -99,10 +100,11 @@ def reference_hash(source: PolicySource) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def load_pairs(d: data_lib.PairSettings, tokenizer):
+def load_pairs(d: data_lib.PairSettings, tokenizer, command: str = "dpo"):
     """(train pairs, held-out pairs): from the archive of `d.from_archive`, else from the records (`data.load_pairs`).
 
-    Raises FileNotFoundError for a run without an archive, ValueError when no training pair is left."""
+    `command` ("dpo" or "rm") names the command in the error. Raises FileNotFoundError for a run without an
+    archive, DataError (one line: what is missing and how to get it) when no training pair is left."""
     if not d.from_archive:
         return data_lib.load_pairs(d, tokenizer)
     train, held, counts = from_archive.dpo_pairs(from_archive.archive_table(d.from_archive),
@@ -110,8 +112,10 @@ def load_pairs(d: data_lib.PairSettings, tokenizer):
                                                  max_completion_len=d.max_completion_len,
                                                  eval_fraction=d.eval_fraction, seed=d.seed)
     if not train:
-        raise ValueError(f"no DPO training pair in the archive of {d.from_archive!r} (a pair needs a group with a "
-                         f"reply scored 1 and one scored 0): {counts}")
+        raise DataError(f"posttrain {command} --from_archive={d.from_archive}: no training pair in the archive "
+                        f"({counts}); a pair is a reply scored 1 and one scored 0 to the same prompt: train the run "
+                        "longer (or on tasks it solves sometimes, rl.group_size >= 2), or give --config with "
+                        "pairs of your own")
     return train, held
 
 

@@ -116,7 +116,7 @@ class Run:
         self.model_config, graphdef, weights, self.tokenizer = load_policy(plan.policy, self.mesh, plan.rules)
         graphdef, weights = with_head(self.model_config, graphdef, weights, self.mesh, plan.rules,
                                       seed=plan.learner.seed)
-        self.train_pairs, self.eval_pairs = dpo_recipe.load_pairs(plan.data, self.tokenizer)
+        self.train_pairs, self.eval_pairs = dpo_recipe.load_pairs(plan.data, self.tokenizer, "rm")
         self.regions = data_lib.regions(self.train_pairs + self.eval_pairs)
         build = lambda g, tx, lr, mc: rm_step.make_train_step(g, tx, lr, plan.step)
         self.learner = Learner.create(plan.learner, self.mesh, self.model_config, graphdef, weights, build,

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from posttrain.algos import from_archive
+from posttrain.errors import DataError
 from posttrain.algos.sft import data as data_lib
 from posttrain.algos.sft import packing
 from posttrain.algos.sft import step as sft_step
@@ -99,14 +100,17 @@ def step_builder(plan: SFTPlan):
 def load_examples(d: data_lib.DataSettings, tokenizer):
     """(train examples, held-out examples, counts): from the archive of `d.from_archive`, else from the records.
 
-    Raises FileNotFoundError for a run without an archive, ValueError when no training example is left."""
+    Raises FileNotFoundError for a run without an archive, DataError (one line: what is missing and how to get it)
+    when no training example is left."""
     if not d.from_archive:
         return data_lib.load_datasets(d, tokenizer)
     train, held, counts = from_archive.sft_examples(from_archive.archive_table(d.from_archive), min_reward=d.min_reward,
                                                     max_per_prompt=d.max_per_prompt, max_len=d.seq_len,
                                                     eval_fraction=d.eval_fraction, seed=d.seed)
     if not train:
-        raise ValueError(f"no SFT training example in the archive of {d.from_archive!r}: {counts}")
+        raise DataError(f"posttrain sft --from_archive={d.from_archive}: no successful reply to train on ({counts}); "
+                        f"a reply counts when its reward is >= --min_reward={d.min_reward:g}: lower --min_reward, "
+                        "train the run longer, or give --config with examples of your own")
     return train, held, counts
 
 

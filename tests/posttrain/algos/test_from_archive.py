@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from posttrain.algos import from_archive
@@ -128,8 +129,15 @@ def test_the_recipes_read_a_runs_archive(table):
     assert [e.tokens_n.tolist() for e in train] == [e.tokens_n.tolist() for e in want] and counts["sft/examples"] == 4
     pairs, _ = dpo.load_pairs(PairSettings(from_archive=str(run)), None)
     assert [p.pair_id for p in pairs] == [p.pair_id for p in from_archive.dpo_pairs(t)[0]]
-    with pytest.raises(ValueError, match="no SFT training example in the archive"):
+    from posttrain.errors import DataError
+
+    with pytest.raises(DataError, match=r"posttrain sft --from_archive=.*no successful reply.*lower --min_reward"):
         sft.load_examples(DataSettings(from_archive=str(run), min_reward=5.0), None)
+    # nothing to pair: every reply of a group scored alike (here: every reply given the same reward)
+    flat = t.set_column(t.schema.get_field_index("reward"), "reward", pa.array([1.0] * len(t), pa.float64()))
+    for command in ("dpo", "rm"):
+        with pytest.raises(DataError, match=rf"posttrain {command} --from_archive=.*no training pair.*scored 1 and"):
+            monkeypatched_pairs(flat, command)
 
 
 @pytest.mark.slow  # 76 s on 2 loaded cores (two tiny compiles); test_the_recipes_read_a_runs_archive covers the wiring
@@ -240,3 +248,14 @@ def test_several_runs_archives_are_read_as_one_and_their_groups_stay_apart(tmp_p
     d = write("s3", "s3", {"preset": "tiny-dense"})
     with pytest.raises(UsageError, match="different `model` sections"):
         _archive_model(f"{a},{d}", {})
+
+
+def monkeypatched_pairs(table, command):
+    """`dpo.load_pairs` of an archive table given in memory (the recipe reads it through `archive_table`)."""
+    from unittest import mock
+
+    from posttrain.algos.dpo.data import PairSettings
+    from posttrain.recipes import dpo
+
+    with mock.patch.object(from_archive, "archive_table", lambda run: table):
+        return dpo.load_pairs(PairSettings(from_archive="run"), None, command)
