@@ -88,6 +88,39 @@ def record_settings(plan: RunPlan, changes: dict[str, list]) -> None:
         metrics_lib.log.warning("resuming from step %d with changed settings (recorded in %s): %s", step,
                                 plan.workdir / "config_changes.jsonl",
                                 "; ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in changes.items()))
+        effect = schedule_effect(plan, changes, step)
+        if effect:
+            metrics_lib.log.warning(effect)
+
+
+SCHEDULE_KEYS = ("train.steps", "optim.warmup_steps", "optim.schedule", "optim.min_lr_ratio", "optim.lr")
+
+
+def schedule_effect(plan: RunPlan, changes: dict[str, list], step: int) -> str | None:
+    """The warning for a resume that changes what the learning-rate schedule depends on: the rate of the next update
+    under the saved and the new settings (None when no such setting changed)."""
+    from posttrain.learn.optim import make_schedule
+
+    changed = [k for k in SCHEDULE_KEYS if k in changes]
+    if not changed:
+        return None
+    o, steps = plan.config.optim, plan.config.train.steps
+
+    def lr_of(overrides):
+        kw = {"lr": o.lr, "warmup_steps": o.warmup_steps, "total_steps": steps, "schedule": o.schedule,
+              "min_lr_ratio": o.min_lr_ratio}
+        kw.update(overrides)
+        return float(make_schedule(**kw)(step))
+
+    saved = {"total_steps" if k == "train.steps" else k.split(".")[1]: changes[k][0] for k in changed}
+    try:
+        before = lr_of(saved)
+    except (TypeError, ValueError):
+        before = None
+    now = lr_of({})
+    was = f"{before:.3g} under the saved settings" if before is not None else "not comparable"
+    return (f"{', '.join(changed)} changed on resume: the learning-rate schedule is recomputed, so update {step + 1} "
+            f"runs at lr {now:.3g} ({was}); the rest of the run follows the new schedule")
 
 
 def unreadable_note(checkpointer) -> str | None:

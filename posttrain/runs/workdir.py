@@ -11,7 +11,8 @@ from posttrain.runs import read as read_run
 
 RUN_MARKERS = ("checkpoints", "metrics.jsonl", "summary.json", "archive")  # what a posttrain run writes
 # settings a resumed run may change without --allow_config_change (extending a run, another directory name)
-RESUME_FREE_KEYS = ("train.steps", "train.workdir", "train.max_train_seconds")
+RESUME_FREE_KEYS = ("train.steps", "train.workdir", "train.max_train_seconds")  # change on resume, recorded
+UNRECORDED_KEYS = ("train.workdir",)  # where the run is, not how it runs
 
 
 def check_writable(path, flag: str = "--workdir") -> pathlib.Path:
@@ -36,9 +37,9 @@ def claim(workdir, kind: str, config_dict: Mapping, *, defaults: Mapping | None 
           free_keys: tuple = (), allow_changes: bool = False) -> dict[str, list]:
     """Checks that a `kind` run may write `workdir` with `config_dict` (docs/runs.md); writes nothing.
 
-    Returns {dotted key: [saved, new, checkpoint step]} of the settings a resume changes (`defaults`: as
-    `config_changes` takes them). Raises ConfigError naming the path for each refusal (changed settings outside
-    `free_keys`: only without `allow_changes`)."""
+    Returns {dotted key: [saved, new, checkpoint step]} of the settings a resume changes, `free_keys` included
+    (`defaults`: as `config_changes` takes them; `UNRECORDED_KEYS` left out). Raises ConfigError naming the path
+    for each refusal (changed settings outside `free_keys`: only without `allow_changes`)."""
     workdir = check_writable(workdir)
     saved_path = workdir / "config.json"
     if not saved_path.is_file():
@@ -58,7 +59,8 @@ def claim(workdir, kind: str, config_dict: Mapping, *, defaults: Mapping | None 
     step = latest_checkpoint(workdir)
     if step is None:
         return {}
-    changes = config_changes(saved, config_dict, free_keys, defaults=defaults)
+    every = config_changes(saved, config_dict, defaults=defaults)
+    changes = {k: v for k, v in every.items() if k not in free_keys}
     if changes and not allow_changes:
         listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items())
         how = (f"(`posttrain train --workdir={workdir}` alone uses them) or resume with these, recorded in "
@@ -67,7 +69,7 @@ def claim(workdir, kind: str, config_dict: Mapping, *, defaults: Mapping | None 
                else "(its config.json) or give another --workdir to start a new run")
         raise ConfigError(f"resuming {workdir} (checkpoint {step}) with changed settings: {listed}; resume with the "
                           f"saved ones {how}")
-    return {k: [old, new, step] for k, (old, new) in changes.items()}
+    return {k: [old, new, step] for k, (old, new) in every.items() if k not in UNRECORDED_KEYS}
 
 
 def _read_json(path: pathlib.Path):
