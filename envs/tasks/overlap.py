@@ -285,9 +285,13 @@ def _new_lsh(threshold: float, num_perm: int) -> MinHashLSH:
     return MinHashLSH(threshold=max(0.05, threshold - LSH_MARGIN), num_perm=num_perm)
 
 
+_MATH_WORDS = frozenset(_MATH_NAMES.values()) | {"point"}
+
+
 def _key_tokens(toks: list[str]) -> list[str]:
-    """Return the tokens of ``toks`` that hold a digit or a math symbol (Unicode Sm), in order."""
-    return [t for t in toks if any(c.isdigit() or unicodedata.category(c) == "Sm" for c in t)]
+    """Return the tokens of ``toks`` that hold a digit or a math symbol (Unicode Sm, or a sign `normalize_text` spelt
+    out), in order."""
+    return [t for t in toks if t in _MATH_WORDS or any(c.isdigit() or unicodedata.category(c) == "Sm" for c in t)]
 
 
 def _edits(toks_a: list[str], toks_b: list[str]) -> int:
@@ -378,6 +382,9 @@ def _ngram_matches(row_toks: list[list[str]], ref_toks: list[list[str]],
         if grams:  # a row inside a reference row holds all its n-grams, the rarest included
             rarest = min(grams, key=lambda g: len(index.get(g, ())))
             contained |= {j for j in index.get(rarest, ()) if text in ref_texts[j]}
+        # a copy with words added holds the same numbers; a template's slot list that grows does not ("2 grasshoppers"
+        # inside "2 grasshoppers, 3 jellyfish" is another problem)
+        contained = {j for j in contained if _key_tokens(t) == _key_tokens(ref_toks[j])}
         for j in sorted({j for g in grams if g in copied for j in index[g]} | contained):
             shared = [g for g in grams if f" {' '.join(g)} " in ref_texts[j]]
             first = next((g for g in shared if g in copied), shared[0])
