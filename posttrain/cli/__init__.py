@@ -45,7 +45,8 @@ The current directory is importable, as under `python -m`: an env id 'my_envs:My
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "convert": cmd_convert,
             "domains": cmd_domains, "plan": cmd_plan, "sft": cmd_sft, "dpo": cmd_dpo, "rm": cmd_rm,
             "status": status.cmd_status, "tasks": tasks.cmd_tasks}
-POSITIONAL = ("tasks",)  # commands that take positional arguments after the flags parse (a verb, files)
+POSITIONAL = ("tasks",)
+LIGHT = ("status", "tasks", "domains")  # commands that run without JAX (no cluster start, no compilation cache)  # commands that take positional arguments after the flags parse (a verb, files)
 
 __all__ = ["COMMANDS", "USAGE", "UsageError", "command_help", "flag_error_line", "main"]
 
@@ -108,40 +109,63 @@ def main(argv=None) -> int:
     if unreadable:
         print(f"error: {unreadable}", file=sys.stderr)
         return 2
-    from posttrain.config import ConfigError, DataError
-    from posttrain.infra import distributed
-    from posttrain.checkpoints.orbax import CheckpointCorruptError
-    from posttrain.infra.mesh import ShardingError
-    from posttrain.rollout.env_side import EnvInfraError
-
     try:
         check_run_flags(f, command)
-        distributed.initialize(True if f.distributed else None)
-        if command != "plan":  # a plan measures a real compile (time, buffer report): no persistent cache
-            _enable_compilation_cache()
+        if command not in LIGHT:  # JAX, the cluster and the compilation cache: only for the commands that use them
+            from posttrain.infra import distributed
+
+            distributed.initialize(True if f.distributed else None)
+            if command != "plan":  # a plan measures a real compile (time, buffer report): no persistent cache
+                _enable_compilation_cache()
         if command in POSITIONAL:
             return COMMANDS[command](f, positional)
         if positional:
             raise UsageError(f"posttrain {command} takes flags only (--name=value), got {positional}")
         return COMMANDS[command](f)
-    # exit code 2, one line, no traceback: what the user gave is wrong, and nothing was trained or changed: flags;
-    # config keys and values (before any model load or worker start); data files (path:line); a mesh that does not
-    # divide the model; a run that is not there (RunNotFoundError: a FileNotFoundError; nothing created, never the
-    # base model instead) or whose every checkpoint is unreadable; another path that is not there; --distributed
-    # without a cluster JAX detects or the JAX_* variables that name the peers
-    except (UsageError, ConfigError, DataError, ShardingError, CheckpointCorruptError, FileNotFoundError,
-            IsADirectoryError, NotADirectoryError, distributed.DistributedSetupError) as e:
+    except Exception as e:  # noqa: BLE001 - `_exit_code` sorts what the user can fix from what is a bug
+        code = _exit_code(e)
+        if code is None:
+            raise
+        return code
+
+
+def _loaded(module: str, name: str) -> type:
+    """The exception class `name` of `module` when that module is loaded, else a class nothing raises: an exception of
+    a module never imported cannot have been raised, so a light command classifies errors without importing JAX."""
+    return getattr(sys.modules.get(module), name, _NeverRaised)
+
+
+class _NeverRaised(Exception):
+    """Stands for an exception class whose module was not imported."""
+
+
+def _exit_code(e: BaseException) -> int | None:
+    """Prints the one line of an error the user can act on and returns its exit code; None for a bug (re-raised).
+
+    2: what the user gave is wrong, and nothing was trained or changed: flags; config keys and values (before any
+    model load or worker start); data files (path:line); a mesh that does not divide the model; a run that is not
+    there (RunNotFoundError: a FileNotFoundError; nothing created, never the base model instead) or whose every
+    checkpoint is unreadable; another path that is not there; --distributed without a cluster JAX detects or the
+    JAX_* variables that name the peers. 1: the run could not go on (the envs failed a step; the file system
+    refused). 128 + the signal's number: SIGINT / SIGTERM, the state saved."""
+    from posttrain.errors import ConfigError, DataError
+
+    user = (UsageError, ConfigError, DataError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+            _loaded("posttrain.infra.mesh", "ShardingError"),
+            _loaded("posttrain.checkpoints.orbax", "CheckpointCorruptError"),
+            _loaded("posttrain.infra.distributed", "DistributedSetupError"))
+    if isinstance(e, user):
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
-    # exit code 1, one line: the run could not go on
-    except EnvInfraError as e:  # the envs, not the policy, failed a step: the first worker error, one line
+    if isinstance(e, _loaded("posttrain.rollout.env_side", "EnvInfraError")):  # the first worker error, one line
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 1
-    except OSError as e:  # the file system refused (read-only, full disk, permissions): what and where
+    if isinstance(e, OSError):  # the file system refused (read-only, full disk, permissions): what and where
         print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1
-    except distributed.RunInterrupted as e:  # SIGINT / SIGTERM: the state was saved; 128 + the signal's number
+    if isinstance(e, _loaded("posttrain.infra.distributed", "RunInterrupted")):
         import signal
 
         print(f"interrupted: {e}", file=sys.stderr)
         return 128 + int(getattr(signal, e.signal_name, signal.SIGINT))
+    return None

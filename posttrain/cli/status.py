@@ -39,10 +39,13 @@ def load_view(workdir) -> dict:
         table = archive.read(workdir, columns=status_table.ARCHIVE_COLUMNS)
         stats = status_table.archive_stats(table, _pass_threshold(workdir))
     if status is None and stats is None:
-        from posttrain.runs import read as read_run
+        if workdir.is_dir():  # what kind of run it is, when there is one to read (posttrain.runs loads JAX)
+            from posttrain.runs import read as read_run
 
-        kind = read_run.run_kind(workdir) if workdir.is_dir() else None
-        if kind in read_run.OFFLINE_KINDS:
+            kind = read_run.run_kind(workdir)
+        else:
+            kind = None
+        if kind is not None and kind in read_run.OFFLINE_KINDS:
             raise ValueError(f"--workdir={workdir} is {read_run.KIND_NAMES[kind]}: status shows a GRPO run's task "
                              f"scheduling per domain (status.json, archive/); {kind} has none (its metrics: "
                              f"{workdir / 'metrics.jsonl'}, {workdir / 'summary.json'})")

@@ -64,10 +64,16 @@ def test_importing_the_package_is_light_and_registers_the_envs():
     assert int(r.stdout) == len(posttrain.__all__)
 
 
-def test_the_command_line_loads_jax_only_for_a_command_that_needs_it():
-    """cli/commands.py imports each recipe inside its command: `posttrain status --help` and the usage line stay
-    JAX-free (a new top-level recipe import there fails this)."""
-    code = ("import sys; from posttrain import cli; cli.main(['posttrain']); cli.main(['posttrain', 'status', '--help']); "
-            "assert 'jax' not in sys.modules, 'jax imported'")
+def test_the_command_line_loads_jax_only_for_a_command_that_needs_it(tmp_path):
+    """cli/commands.py imports each recipe inside its command: the usage line, `posttrain status --help`, `status`
+    of a run (its status.json and metrics.jsonl) and of a missing run stay JAX-free (a new top-level recipe import,
+    or a cluster start for them, fails this)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    (run / "status.json").write_text('{"step": 1, "domains": {}}')
+    code = (f"import sys; from posttrain import cli; cli.main(['posttrain']); cli.main(['posttrain', 'status', '--help']); "
+            f"cli.main(['posttrain', 'status', '--workdir={run}']); cli.main(['posttrain', 'status', "
+            f"'--workdir={tmp_path}/none']); assert 'jax' not in sys.modules, 'jax imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
