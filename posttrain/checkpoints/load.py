@@ -18,6 +18,7 @@ from posttrain.checkpoints import fp8 as fp8_lib
 from posttrain.checkpoints import gguf as gguf_lib
 from posttrain.checkpoints import hf as hf_lib
 from posttrain.checkpoints import hf_config as hf_config_lib
+from posttrain.checkpoints import hub
 from posttrain.infra import mesh as mesh_lib
 from posttrain.model.config import ModelConfig
 from posttrain.model.layers import LoRAParam
@@ -196,8 +197,8 @@ def check_model_path(path) -> None:
     """Checks, without reading weights, that `path` is a GGUF file or an HF directory of a supported model_type.
 
     Raises FileNotFoundError when it does not exist, ValueError naming the path otherwise (a posttrain run directory
-    with the command that exports its policy)."""
-    path = pathlib.Path(path)
+    with the command that exports its policy). A Hugging Face Hub id reads its snapshot in the local cache."""
+    path = pathlib.Path(hub.resolve(path))
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory (a .gguf file or an HF model directory)")
     if path.is_file():
@@ -222,12 +223,14 @@ def check_model_path(path) -> None:
 def load_pretrained(path=None, **kwargs) -> Pretrained:
     """Loads a `.gguf` file or an HF directory (None: the default SmolLM2-135M-Instruct GGUF).
 
+    An "org/name" Hub id that is no local path loads its snapshot from the local Hugging Face cache (`hub.resolve`).
+
     kwargs: mesh, rules (logical-axis rules), dtype, param_dtype and other ModelConfig fields (e.g.
     lora=LoRAConfig(rank=16): adapters absent from the checkpoint start fresh). Raises as `load_hf_dir`."""
     if path is None:
 
         path = gguf_lib.default_model_path()
-    path = pathlib.Path(path)
+    path = pathlib.Path(hub.resolve(path))
     if path.is_dir():
         return load_hf_dir(path, **kwargs)
     if not path.exists():

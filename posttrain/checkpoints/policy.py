@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 from flax import nnx
 
+from posttrain.checkpoints import hub
 from posttrain.checkpoints import load as load_lib
 from posttrain.checkpoints import load_pretrained
 from posttrain.checkpoints.gguf import default_model_path
@@ -152,4 +153,10 @@ class ModelRunConfig:
         if self.path and self.preset:
             raise ValueError("set at most one of model.path and model.preset")
         if self.path and not os.path.exists(self.path):
-            raise FieldError("path", self.path, ": no such file or directory (a .gguf file or an HF model directory)")
+            if not hub.is_hub_id(self.path):
+                raise FieldError("path", self.path, ": no such file or directory (a .gguf file, an HF model directory "
+                                 "or a Hugging Face Hub id in the local cache)")
+            try:
+                hub.resolve(self.path)
+            except FileNotFoundError as e:
+                raise FieldError("path", self.path, f": {str(e).partition(': ')[2]}") from None

@@ -97,8 +97,9 @@ SCHEDULE_KEYS = ("train.steps", "optim.warmup_steps", "optim.schedule", "optim.m
 
 
 def schedule_effect(plan: RunPlan, changes: dict[str, list], step: int) -> str | None:
-    """The warning for a resume that changes what the learning-rate schedule depends on: the rate of the next update
-    under the saved and the new settings (None when no such setting changed)."""
+    """The warning for a resume that changes what the learning-rate schedule depends on (None when nothing did).
+
+    It gives the rate of the next update under the saved and the new settings."""
     from posttrain.learn.optim import make_schedule
 
     changed = [k for k in SCHEDULE_KEYS if k in changes]
