@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import pathlib
 import time
 from typing import Any
 
@@ -76,6 +77,25 @@ def build(plan: RunPlan, *, reading: bool = False, restore: bool = True, allow_c
     if note:
         metrics_lib.log.error(note)
     return rollouter, learner, episodes
+
+
+def carried_summary(workdir, start: int) -> dict:
+    """What a resumed run keeps of summary.json; {} for a run starting over.
+
+    The segments that ended at or before `start` (the restored step; later ones are cut there, their steps trained
+    again) and the run's start-of-run evaluation."""
+    path = pathlib.Path(workdir) / "summary.json"
+    if start == 0 or not path.is_file():
+        return {}
+    try:
+        prev = json.loads(path.read_text())
+    except ValueError:
+        return {}
+    segments = prev.get("segments") or ([{"start_step": prev["start_step"], "end_step": prev["end_step"],
+                                          "train_wall_s": prev.get("train_wall_s", 0.0)}]
+                                        if {"start_step", "end_step"} <= set(prev) else [])
+    segments = [{**s, "end_step": min(s["end_step"], start)} for s in segments if s["start_step"] < start]
+    return {"segments": segments, **({"eval_start": prev["eval_start"]} if "eval_start" in prev else {})}
 
 
 def record_settings(plan: RunPlan, changes: dict[str, list]) -> None:
@@ -208,7 +228,7 @@ def open_run(plan: RunPlan, res: Resources, stop: distributed.StopRequest, *, pr
         res.push("the metrics writer", writer.close)
     bar = metrics_lib.ProgressBar(plan.config.train.steps, initial_step=start, disable=not (progress and main))
     res.push("the progress bar", bar.close)
-    summary = {"start_step": start, "config": plan.config_dict}
+    summary = {"start_step": start, "config": plan.config_dict, **carried_summary(plan.workdir, start)}
     if learner.checkpointer.unreadable:
         summary["unreadable_checkpoints"] = learner.checkpointer.unreadable
     if start == 0 and plan.config.eval.at_start and episodes:
@@ -290,9 +310,21 @@ class _Loop:
                 self.writer.write(end, m)
         self.summary.update({"end_step": end, "train_wall_s": train_s, "peak_rss_gb": metrics_lib.peak_rss_gb(),
                              "env_episodes": self.rollouter.runner.episodes})
+        self.write_summary(end, train_s)
+        return self.summary
+
+    def write_summary(self, end: int, train_s: float, stopped_by: str = "") -> None:
+        """Adds this segment (start, end, training seconds) to the run's segments and writes summary.json (process 0).
+
+        The run's totals cover every segment a summary recorded: `run_train_wall_s` and the first `eval_start`."""
+        segment = {"start_step": self.start, "end_step": end, "train_wall_s": train_s}
+        if stopped_by:
+            segment["stopped_by"] = stopped_by
+        segments = [*self.summary.get("segments", ()), segment]
+        self.summary.update({"segments": segments, "run_start_step": segments[0]["start_step"],
+                             "run_train_wall_s": sum(s["train_wall_s"] for s in segments)})
         if distributed.is_main_process():
             (self.plan.workdir / "summary.json").write_text(json.dumps(self.summary, indent=2, default=str))
-        return self.summary
 
     def step(self, step: int, steps: int) -> None:
         """One step: the queued batch, the update and its record, evaluation when due, metrics and the checkpoint.
@@ -363,7 +395,9 @@ class _Loop:
         if self.writer and self.pending is not None:
             self.writer.write(learner.step, self.pending)
         if isinstance(e, distributed.RunInterrupted):  # the offline loop's stop too (`Learner.stop_checkpoint`)
-            raise learner.stop_checkpoint(self.resume, e.signal_name, start) from None
+            stop = learner.stop_checkpoint(self.resume, e.signal_name, start)
+            self.write_summary(learner.step, self.clock.seconds, stopped_by=e.signal_name)
+            raise stop from None
         learner.save(self.resume, force=True)
         learner.wait()
         raise e

@@ -106,6 +106,11 @@ def test_resumed_run_matches_uninterrupted_run_and_writes_outputs(tmp_path, monk
     plant(tmp_path / "b", [4], trajectories=[3, 5], evals=[4])  # stale records past checkpoint 3
     summary = grpo.train(tiny_config(tmp_path / "b", **{"train.steps": 4}), progress=False)
     assert summary["start_step"] == 3 and summary["end_step"] == 4
+    # summary.json covers the whole run: the interrupted segment (0 -> 3, SIGINT) and the resumed one (3 -> 4)
+    segments = json.loads((tmp_path / "b" / "summary.json").read_text())["segments"]
+    assert [(s["start_step"], s["end_step"], s.get("stopped_by")) for s in segments] == [(0, 3, "SIGINT"), (3, 4, None)]
+    assert summary["run_start_step"] == 0
+    assert summary["run_train_wall_s"] == pytest.approx(sum(s["train_wall_s"] for s in segments))
     a, b = read(tmp_path / "a"), read(tmp_path / "b")
     assert [m["step"] for m in b] == [1, 2, 3, 4]
     tb = sorted(s for t, s, _ in read_tb_scalars(tmp_path / "b" / "tensorboard") if t == "policy/loss")

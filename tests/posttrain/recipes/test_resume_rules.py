@@ -61,3 +61,19 @@ def test_other_settings_are_refused_unless_allowed(saved_run, key, value):
 def test_the_workdir_itself_is_not_a_change(saved_run, tmp_path_factory):
     plan = resumed(saved_run)
     assert grpo.resume_changes(plan) == {}
+
+
+@pytest.mark.parametrize("restored,kept", [(4, [(0, 2), (2, 4)]), (2, [(0, 2)]), (3, [(0, 2), (2, 3)]), (0, None)])
+def test_a_resume_carries_the_segments_before_its_step_and_the_start_evaluation(tmp_path, restored, kept):
+    """summary.json of a run that went 0 -> 2, then 2 -> 4: a resume from step 4 keeps both segments, from 2 the
+    first, from 3 the second cut at 3 (its later steps are trained again); a run starting over keeps nothing."""
+    (tmp_path / "summary.json").write_text(json.dumps({
+        "start_step": 2, "end_step": 4, "eval_start": {"eval/pass@1": 0.25},
+        "segments": [{"start_step": 0, "end_step": 2, "train_wall_s": 5.0},
+                     {"start_step": 2, "end_step": 4, "train_wall_s": 6.0}]}))
+    carried = grpo.carried_summary(tmp_path, restored)
+    if kept is None:
+        assert carried == {}
+        return
+    assert [(s["start_step"], s["end_step"]) for s in carried["segments"]] == kept
+    assert carried["eval_start"] == {"eval/pass@1": 0.25}
