@@ -7,8 +7,11 @@ import gymnasium
 
 ENTRY_POINTS = {
     "posttrain/Arithmetic-v0": "envs.tasks.arithmetic:ArithmeticEnv",
+    "posttrain/CodebaseQA-v0": "envs.tasks.long_context.env:CodebaseQAEnv",
+    "posttrain/DocAnalysis-v0": "envs.tasks.long_context.env:DocAnalysisEnv",
     "posttrain/GSM8K-v0": "envs.tasks.gsm8k:GSM8KEnv",
     "posttrain/HumanEval-v0": "envs.tasks.humaneval:HumanEvalEnv",
+    "posttrain/LongSynthetic-v0": "envs.tasks.long_context.env:LongSyntheticEnv",
     "posttrain/PythonTool-v0": "envs.tasks.python_tool:PythonToolEnv",
     "posttrain/ReasoningGym-v0": "envs.tasks.reasoning_gym:ReasoningGymEnv",
     "posttrain/RepoFix-v0": "envs.tasks.repo_fix.env:RepoFixEnv",

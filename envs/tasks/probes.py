@@ -62,6 +62,12 @@ ENV_DOMAINS: dict[str, EnvDomain] = {
     "agentic/repo_fix": EnvDomain("posttrain/RepoFix-v0", {}, ("train", "test"), "",
                                   ("<tool_call>{\"name\": \"submit\", \"arguments\": {}}</tool_call>",),
                                   "envs.tasks.repo_fix.env:golden_status", 2),
+    "long_context/doc_analysis": EnvDomain("posttrain/DocAnalysis-v0", {"target_tokens": 1024}, ("train", "test"),
+                                           "<answer>{}</answer>", (), "golden_answer"),
+    "long_context/synthetic": EnvDomain("posttrain/LongSynthetic-v0", {"target_tokens": 1024}, ("train", "test"),
+                                        "<answer>{}</answer>", (), "golden_answer"),
+    "long_context/codebase": EnvDomain("posttrain/CodebaseQA-v0", {"target_tokens": 1024}, ("train", "test"),
+                                       "<answer>{}</answer>", (), "golden_answer"),
 }
 
 
