@@ -265,19 +265,17 @@ TASK_FILE_CODE_PROBES = ("```python\npass\n```", "```python\ndef f(*args, **kwar
 def assess_task_file(kwargs: Mapping[str, Any], *, tasks: int = 100) -> Assessment:
     """The floor and golden sample of a task file (`envs.tasks.task_file`), through the same prober as the registry.
 
-    Probes are chosen on up to `tasks` train rows and measured on up to `tasks` test rows (the first and second half
-    of the rows when a split is empty); every sampled row's reference reply is golden-checked. Raises what reading
-    the file raises (FileNotFoundError, TaskFileError)."""
+    Probes are chosen on up to `tasks` of the even rows and measured on up to `tasks` of the odd rows, whatever
+    their split (a file of few test rows still gets a floor over its rows); every sampled row's reference reply is
+    golden-checked. Raises what reading the file raises (FileNotFoundError, TaskFileError)."""
     from envs.tasks import task_file
 
     settings = task_file.TaskFileSettings(**{**dict(kwargs), "split": "all"})
     rows, _ = task_file.scan(settings)
     if not rows:
         raise task_file.TaskFileError(f"{settings.path}: no readable rows")
-    train = [t for t in rows if t["split"] == "train"][:tasks]
-    test = [t for t in rows if t["split"] == "test"][:tasks]
-    if not train or not test:
-        train, test = rows[:len(rows) // 2 or 1][:tasks], rows[len(rows) // 2:][:tasks]
+    # a floor is a property of the rows, whatever their split: probes chosen on the even rows, measured on the odd
+    train, test = rows[0::2][:tasks], (rows[1::2] or rows[:1])[:tasks]
     names = {s["name"] for t in rows for s in t["verifier"]}
     replies: dict[str, Callable[[dict], str]] = {}
     for wrap in dict.fromkeys(TASK_FILE_WRAPS.get(n, "<answer>{}</answer>") for n in sorted(names)):

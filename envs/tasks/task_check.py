@@ -72,19 +72,23 @@ def check_file(path: str, *, reference: Mapping[str, Sequence[tuple[str, str]]] 
     Raises FileNotFoundError, or TaskFileError for a file that cannot be read at all (bad settings: ValueError).
     """
     settings = task_file.TaskFileSettings(path=path, **{**settings, "split": "all"})
-    tasks, errors = task_file.scan(settings)
+    try:
+        tasks, errors = task_file.scan(settings)
+    except task_file.TaskFileError as e:  # a file that cannot be read at all (not UTF-8, not Parquet): its fault
+        report = FileReport(path)
+        report.findings.append(Finding("schema", (path,), " ".join(str(e).split())))
+        return report, []
     report = FileReport(path, len(tasks), {s: sum(t["split"] == s for t in tasks) for s in ("train", "test")})
     add = report.findings.append
-    if errors:
-        add(Finding("schema", tuple(w for w, _ in errors), f"{len(errors)} malformed row(s): " + "; ".join(
-            f"{w}: {p}" for w, p in errors[:3])))
+    for where, problem in errors:  # one finding a row: the JSON has every reason
+        add(Finding("schema", (where,), f"{where}: {problem}"))
     if not tasks:
+        if not errors:
+            add(Finding("schema", (path,), f"{path}: no rows (an empty file, or a CSV header alone)"))
         return report, tasks
-    failures = task_file.golden_failures(tasks)
-    if failures:
-        add(Finding("golden", tuple(i for i, *_ in failures), f"{len(failures)} reference answer(s) score below 1 "
-                    "through their verifier: " + "; ".join(f"{i} ({w}) scored {r:g}: {why}"
-                                                             for i, w, r, why in failures[:3])))
+    for i, where, reward, why in task_file.golden_failures(tasks):
+        add(Finding("golden", (i,), f"{i} ({where}): its reference answer scores {reward:g} through its own "
+                    f"verifiers: {why}"))
     if len(tasks) >= 2:
         a = probes.assess_task_file(dataclasses.asdict(settings) | {"verifier": _spec_list(settings)},
                                     tasks=probe_tasks)
@@ -114,7 +118,7 @@ def _spec_list(settings: task_file.TaskFileSettings) -> list[dict]:
 
 def _solved_by(probe: str, tasks: Sequence[Mapping[str, Any]], limit: int) -> tuple[str, ...]:
     """The ids of the rows (of the first `limit` per split) the named probe's reply solves."""
-    sample = [t for s in ("train", "test") for t in [t for t in tasks if t["split"] == s][:limit]]
+    sample = tasks[0::2][:limit] + tasks[1::2][:limit]
     names = {s["name"] for t in tasks for s in t["verifier"]}
     replies: dict[str, Callable[[dict], str]] = {}
     for wrap in dict.fromkeys(probes.TASK_FILE_WRAPS.get(n, "<answer>{}</answer>") for n in sorted(names)):
@@ -129,7 +133,9 @@ def _solved_by(probe: str, tasks: Sequence[Mapping[str, Any]], limit: int) -> tu
 
 def check_files(paths: Sequence[str], *, reference: Mapping[str, Sequence[tuple[str, str]]] | None = None,
                 tokenizer: Any = None, probe_tasks: int = 100, **settings: Any) -> list[FileReport]:
-    """`check_file` of each path, each also checked against the files before it (contamination between files)."""
+    """`check_file` of each path, each also checked against the files before it (contamination between files).
+
+    A file that cannot be read at all is that file's schema finding; the other files are still checked."""
     reports, seen = [], {}
     for path in paths:
         report, tasks = check_file(path, reference={**(reference or {}), **seen}, tokenizer=tokenizer,
@@ -166,6 +172,8 @@ def format_report(reports: Sequence[FileReport]) -> str:
             lines.append(f"  {check:<15} FAIL{extra}: {len(found)} finding(s), rows {shown}")
             for f in found[:3]:
                 lines.append(f"  {'':<15}   {f.message[:300]}")
+            if len(found) > 3:
+                lines.append(f"  {'':<15}   ... {len(found) - 3} more (--json lists every finding)")
         if r.lengths:
             lines.append("  {:<15} prompt tokens min {min} median {median:g} p95 {p95} max {max}".format(
                 "lengths", **r.lengths))

@@ -44,6 +44,9 @@ class TaskFileSettings:
       split: "train", "test" or "all" (every row, whatever its split).
       test_fraction: in [0, 1]: the share of rows without a ``split`` field held out as "test" (by a hash of the row
         id, so the split does not move when rows are added or reordered).
+      unsplit: "hash" (rows without a split field: `test_fraction`), or "test": a file where no row names a split is
+        all "test" (a private evaluation set), while one that names splits keeps the hash rule for its blank cells,
+        as training reads them.
       fields: {task field: the file's column}, e.g. {"prompt": "question"}.
       answer_after: when set, the answer is the text after the last occurrence of this marker (GSM8K: "####").
       verifier: the verifiers of rows without their own (`named.parse_verifier`: a name, a dict, or a list).
@@ -58,6 +61,7 @@ class TaskFileSettings:
     format: str = ""
     split: str = "train"
     test_fraction: float = 0.1
+    unsplit: str = "hash"
     fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
     answer_after: str = ""
     verifier: Any = "exact"
@@ -74,6 +78,8 @@ class TaskFileSettings:
         if fmt not in FORMATS:
             raise ValueError(f"TaskFile: format {fmt!r} of {self.path!r} is not one of {FORMATS}")
         object.__setattr__(self, "format", fmt)
+        if self.unsplit not in ("hash", "test"):
+            raise ValueError(f"TaskFile: unsplit must be 'hash' or 'test', got {self.unsplit!r}")
         if self.split not in SPLITS:
             raise ValueError(f"TaskFile: split must be one of {SPLITS}, got {self.split!r}")
         if isinstance(self.test_fraction, bool) or not isinstance(self.test_fraction, (int, float)) or not (
@@ -107,7 +113,17 @@ def file_format(path: str) -> str:
 
 
 def _jsonl(path: str) -> Iterator[tuple[str, Any]]:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
+        head = f.read(4096).lstrip()
+        f.seek(0)
+        if path.lower().endswith(".json") and head.startswith("["):  # a .json file holding one array of rows
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as e:
+                raise TaskFileError(f"{path}: a JSON array that does not parse (line {e.lineno}: {e.msg})") from None
+            for i, row in enumerate(rows, 1):
+                yield f"{path}:row {i}", row
+            return
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -122,8 +138,9 @@ def _csv(path: str) -> Iterator[tuple[str, Any]]:
         reader = csv.DictReader(f)
         if not reader.fieldnames:
             return
+        start = reader.line_num + 1  # a record's first line (a quoted cell may span several)
         for row in reader:
-            where = f"{path}:{reader.line_num}"
+            where, start = f"{path}:{start}", reader.line_num + 1
             if None in row:
                 yield where, TaskFileError(f"more cells than the {len(reader.fieldnames)} columns of the header")
                 continue
@@ -188,7 +205,11 @@ def read_records(settings: TaskFileSettings) -> Iterator[tuple[str, Any]]:
     try:
         yield from {"jsonl": _jsonl, "csv": _csv, "parquet": _parquet}[settings.format](path)
     except UnicodeDecodeError as e:
-        raise TaskFileError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        with open(path, "rb") as f:
+            data = f.read()
+        at = data.find(e.object[e.start:e.end]) if isinstance(e.object, bytes) else -1
+        line = data[:at].count(b"\n") + 1 if at >= 0 else "?"
+        raise TaskFileError(f"{path}:{line}: not UTF-8 text ({e.reason}); save the file as UTF-8") from None
 
 
 # -------------------------------------------------------------------------------------------------
@@ -303,8 +324,10 @@ def scan(settings: TaskFileSettings) -> tuple[list[dict], list[tuple[str, str]]]
             continue
         seen[task["id"]] = where
         tasks.append(task)
+    all_test = settings.unsplit == "test" and not any(t["split"] for t in tasks)
     for task in tasks:
-        task["split"] = task["split"] or ("test" if held_out(task["id"], settings.test_fraction) else "train")
+        task["split"] = task["split"] or ("test" if all_test or held_out(task["id"], settings.test_fraction)
+                                          else "train")
     return tasks, errors
 
 

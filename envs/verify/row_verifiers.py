@@ -139,6 +139,27 @@ def parse_number(text: str, units: bool = True) -> fractions.Fraction | None:
     return answers.as_fraction(s)
 
 
+_HEDGE_RE = re.compile(r"\b(or|either|maybe|perhaps|between)\b", re.I)
+_TOKEN_EDGES = "()[]{}.,;:!?\"'*`"
+
+
+def _last_number_token(text: str) -> tuple[str | None, str]:
+    """(the last whitespace-separated token holding a digit on the reply's last line, "") or (None, why).
+
+    Refuses a last line that hedges between numbers ("43 or 42", "either 4 or 5")."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    if len(last) > 4 * answers.MAX_ANSWER_CHARS:
+        last = last[-4 * answers.MAX_ANSWER_CHARS:]
+    tokens = [t.strip(_TOKEN_EDGES) for t in last.split()]
+    numbers = [t for t in tokens if any(c.isdigit() for c in t)]
+    if not numbers:
+        return None, "no number on the reply's last line"
+    if len(set(numbers)) > 1 and _HEDGE_RE.search(last):
+        return None, f"the last line offers several numbers ({', '.join(numbers[:4])}); one answer is scored"
+    return numbers[-1].rsplit("=", 1)[-1], ""  # "x=5" reads 5
+
+
 def gold_number(answer) -> fractions.Fraction | None:
     """A row's numeric answer as an exact Fraction (a number, or a str `parse_number` reads), else None."""
     if finite(answer):
@@ -164,6 +185,8 @@ def verify_numeric(reply, row, *, tolerance=0.0, rel_tolerance=1e-9, units=True,
         found, method, why = answers.extract_tag(text, "answer"), "answer_tag", "empty or unclosed <answer> tag"
     else:
         found, method, why = answers.extract_answer(text, think_tags=None)
+        if found and method == "last_number":  # read the whole last number, not the digits that end "3/4" or "4.2e2"
+            found, why = _last_number_token(text)
     if not found:
         return _fail(why, gold=shown_gold, method=method)
     got = parse_number(found, units)
@@ -234,7 +257,10 @@ def choice_letters(row, choices) -> str:
 
 
 def choice_gold(row, letters: str) -> tuple[str | None, str]:
-    """(gold letter, "") or (None, the problem): row["answer"] is a letter, a 0-based index or a choice's text."""
+    """(gold letter, "") or (None, the problem) of a choice row.
+
+    row["answer"] is a letter, a 0-based index (an int, or digits as text when no choice's text is those digits) or
+    a choice's text."""
     answer, listed = row.get("answer"), row.get("choices")
     if isinstance(answer, int) and not isinstance(answer, bool):
         return (letters[answer], "") if 0 <= answer < len(letters) else (None, f"answer index {answer} out of range")
@@ -245,6 +271,8 @@ def choice_gold(row, letters: str) -> tuple[str | None, str]:
         return letter, ""
     if isinstance(listed, (list, tuple)) and answer in listed and listed.index(answer) < len(letters):
         return letters[listed.index(answer)], ""
+    if answer.strip().isdigit() and answer.strip().isascii():  # an index written as text (a CSV cell)
+        return choice_gold({**row, "answer": int(answer.strip())}, letters)
     return None, f"answer {answer[:40]!r} is not among the choices {letters}"
 
 

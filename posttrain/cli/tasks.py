@@ -118,6 +118,11 @@ def _export(f) -> int:
     lo, hi = _steps(f.steps)
     patterns = [p.strip() for p in (f.domains or "").split(",") if p.strip()]
     statuses = [s.strip() for s in (f.status or "").split(",") if s.strip()]
+    from envs.verify.answers import STATUSES
+
+    unknown = sorted(set(statuses) - set(STATUSES))
+    if unknown:
+        raise UsageError(f"--status={f.status}: {unknown} are no episode statuses; statuses: {', '.join(STATUSES)}")
     rows: dict[tuple, dict] = {}
     for run in [r.strip() for r in f.from_archive.split(",") if r.strip()]:
         if not archive.step_files(run):
@@ -165,16 +170,16 @@ def export_row(run: str, domain: str, env_id: str, task: dict) -> dict:
     from envs.tasks.task_file import ENV_ID
 
     prompt = task.get("question") if isinstance(task.get("question"), str) else task.get("prompt")
-    if env_id == ENV_ID and task.get("history"):
+    if env_id == ENV_ID and (task.get("history") or task.get("system")):
         prompt = [*([{"role": "system", "content": task["system"]}] if task.get("system") else []),
-                  *task["history"], {"role": "user", "content": task["question"]}]
+                  *task.get("history", ()), {"role": "user", "content": task["question"]}]
     row = {"id": f"{domain}/{task.get('id', '')}", "prompt": prompt}
     if task.get("answer") is not None:
         row["answer"] = task["answer"]
     if env_id == ENV_ID:
         row["verifier"] = [{"name": s["name"], **s["args"], "weight": s["weight"]} for s in task["verifier"]]
-        row.update({k: task[k] for k in ("tests", "entry_point", "rubric", "choices", "pattern", "schema")
-                    if k in task})
+        internal = {"where", "id", "question", "history", "system", "verifier", "split", "answer", "prompt"}
+        row.update({k: v for k, v in task.items() if k not in internal})  # the row's own fields (a template's too)
     elif "answer" in row:
         row["verifier"] = "math"
     row["metadata"] = {"run": run, "domain": domain, "env": env_id, "task_id": task.get("id"), "episodes": 0,

@@ -158,7 +158,7 @@ def _domain(name: str, area: str, entry: Mapping, path: str) -> SuiteDomain:
         if entry.get("env") not in (None, "", TASK_FILE_ID) or "path" in entry.get("kwargs", {}):
             raise ValueError(f"{where}: path={entry['path']!r} names a task file ({TASK_FILE_ID}); give it alone, "
                              "without 'env' or kwargs['path']")
-        kwargs = {"test_fraction": 1.0, **dict(entry.get("kwargs", {})), "path": entry["path"]}  # unsplit: all rows
+        kwargs = {"unsplit": "test", **dict(entry.get("kwargs", {})), "path": entry["path"]}  # unsplit: all rows
         entry = {**entry, "env": TASK_FILE_ID, "kwargs": kwargs}
     if not entry.get("env") and not name.startswith(REGISTRY_PREFIXES):
         raise ValueError(f"{where}: give 'env' (a gymnasium id), 'path' (a task file) or name a registry domain "

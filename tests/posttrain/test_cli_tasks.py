@@ -52,3 +52,10 @@ def test_mistakes_are_one_line_with_exit_code_2(tmp_path, capsys, args, message)
     assert main(*[a.format(tmp=tmp_path) for a in args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err and err[-1].startswith("error: ") and message in err[-1], err
+
+
+def test_export_refuses_an_unknown_status_listing_the_statuses(tmp_path, capsys):
+    (tmp_path / "archive").mkdir()
+    (tmp_path / "archive" / "step_00000000.parquet").write_bytes(b"")
+    assert main("tasks", "export", f"--from_archive={tmp_path}", f"--out={tmp_path}/x.jsonl", "--status=bogus") == 2
+    assert "['bogus'] are no episode statuses; statuses: ok, wrong" in capsys.readouterr().err

@@ -90,3 +90,31 @@ def test_files_are_checked_against_each_other(tmp_path):
     assert reports[0].ok and "from-a" in findings(reports[1], "contamination")
     out = task_check.to_json(reports)
     assert out["ok"] is False and out["files"][1]["flagged_rows"] >= 1
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", "prompt,answer\n"])
+def test_an_empty_file_fails_the_check(tmp_path, content):
+    path = tmp_path / ("e.csv" if "," in content else "e.jsonl")
+    path.write_text(content)
+    report, _ = task_check.check_file(str(path))
+    assert not report.ok and "no rows" in report.findings[0].message
+
+
+def test_every_malformed_row_is_its_own_finding_and_an_unreadable_file_stops_nothing(tmp_path):
+    bad = write(tmp_path / "bad.jsonl", [], extra_lines=[f'{{"answer": "{i}"}}' for i in range(16)])
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes(b"prompt,answer\ncaf\xe9,1\n")
+    good = write(tmp_path / "good.jsonl", generated("family_relationships", 6, 30, "g"))
+    reports = task_check.check_files([bad, str(latin), good], probe_tasks=10)
+    assert len(reports[0].findings) == 16 and all("no prompt" in f.message for f in reports[0].findings)
+    assert reports[1].findings[0].message.startswith(f"{latin}:2: not UTF-8")
+    assert reports[2].ok  # checked although the file before it could not be read
+    assert len(task_check.to_json(reports)["files"][0]["findings"]) == 16
+
+
+def test_the_floor_covers_every_row_whatever_its_split(tmp_path):
+    """Four of seven rows answer 42 and only two rows are in the test split: the constant still fails the check."""
+    rows = [{"id": f"n{i}", "prompt": f"Question {i}?", "answer": a, "split": "test" if i < 2 else "train"}
+            for i, a in enumerate(["42", "42", "7", "42", "9", "42", "13"])]
+    report, _ = task_check.check_file(write(tmp_path / "n.jsonl", rows), verifier="numeric")
+    assert report.floor >= 0.5 and any(f.check == "floor" for f in report.findings)

@@ -193,3 +193,44 @@ def test_code_rows_run_their_tests_in_the_sandbox(tmp_path):
     reward, info = env.score(task, "```python\ndef add(a, b):\n    return a - b\n```")
     assert reward == 0.0 and info["status"] == "wrong"
     assert env.score(task, "```python\nimport sys\nsys.exit(0)\n```")[0] == 0.0
+
+
+def test_rows_are_named_by_their_first_line_and_every_text_form_reads(tmp_path):
+    """A CSV record with quoted newlines is named by its first line; JSONL with a byte-order mark and a .json file
+    holding an array read as rows; a non-UTF-8 byte is named with its line."""
+    path = tmp_path / "multi.csv"
+    path.write_text('prompt,answer\n"line one\nline two\nline three",1\n,2\n')
+    with pytest.raises(task_file.TaskFileError, match=r"multi.csv:5: prompt is empty"):
+        make(str(path))
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(ROWS[0]).encode() + b"\n" + json.dumps(ROWS[1]).encode() + b"\n")
+    assert make(str(bom), split="all").task_source.num_tasks == 2
+    array = tmp_path / "rows.json"
+    array.write_text(json.dumps(ROWS[:5]))
+    assert make(str(array), split="all").task_source.num_tasks == 5
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes(b"prompt,answer\nq1,1\ncaf\xe9?,2\n")
+    with pytest.raises(task_file.TaskFileError, match=r"latin.csv:3: not UTF-8 text"):
+        make(str(latin))
+
+
+def test_a_choice_index_written_as_text_is_an_index(tmp_path):
+    rows = [{"prompt": "Pick", "answer": "2", "choices": json.dumps(["x", "y", "z"]), "verifier": "choice"},
+            {"prompt": "Pick", "answer": "1", "choices": json.dumps(["1", "2", "3"]), "verifier": "choice"}]
+    env = make(write_csv(tmp_path / "c.csv", rows), split="all")
+    index, text = env.task_source.get_task(0), env.task_source.get_task(1)
+    assert env.score(index, "<answer>C</answer>")[0] == 1.0  # index 2
+    assert env.score(text, "<answer>A</answer>")[0] == 1.0  # a choice's text "1" wins over index 1 (B)
+
+
+def test_an_evaluation_reads_an_unsplit_file_whole_and_a_split_one_as_training_does(tmp_path):
+    unsplit = write_jsonl(tmp_path / "u.jsonl", ROWS)
+    assert make(unsplit, split="test", unsplit="test").task_source.num_tasks == 20
+    partly = [dict(r, split="train") if i < 3 else r for i, r in enumerate(ROWS)]
+    path = write_jsonl(tmp_path / "p.jsonl", partly)
+    as_training = {t["id"] for t in task_file.load_tasks(task_file.TaskFileSettings(path=path, split="test"))}
+    as_suite = {t["id"] for t in task_file.load_tasks(task_file.TaskFileSettings(path=path, split="test",
+                                                                                 unsplit="test"))}
+    assert as_suite == as_training  # blank split cells follow the hash rule both times: no trained row evaluated
+    with pytest.raises(ValueError, match="unsplit"):
+        make(unsplit, unsplit="all")

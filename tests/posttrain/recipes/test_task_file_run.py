@@ -37,8 +37,8 @@ def run(tmp_path_factory):
     with open(d / "train.jsonl", "w") as f:
         for i in range(60):
             t = train.get_task(i)
-            f.write(json.dumps({"id": t["id"], "prompt": t["question"], "answer": t["answer"], "split": "train"})
-                    + "\n")
+            row = {"id": t["id"], "prompt": t["question"], "answer": t["answer"], "split": "train", "topic": "sums"}
+            f.write(json.dumps({**row, "system": "Answer with a number."} if i % 2 else row) + "\n")
     test = ArithmeticTasks("test", digits=1, num_test=20)
     with open(d / "held_out.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["id", "prompt", "answer"])
@@ -77,7 +77,12 @@ def test_export_writes_the_archived_tasks_as_a_task_file_that_passes_the_check(r
     assert main("tasks", "export", f"--from_archive={workdir}", f"--out={out}") == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     train = {json.loads(line)["id"]: json.loads(line) for line in (d / "train.jsonl").read_text().splitlines()}
-    assert rows and all(r["prompt"] == train[r["metadata"]["task_id"]]["prompt"] for r in rows)
+    for r in rows:  # the prompt as the env held it: a row's own system prompt kept, its other fields too
+        source = train[r["metadata"]["task_id"]]
+        want = ([{"role": "system", "content": source["system"]}, {"role": "user", "content": source["prompt"]}]
+                if "system" in source else source["prompt"])
+        assert r["prompt"] == want and r["topic"] == "sums"
+    assert rows and any(isinstance(r["prompt"], list) for r in rows)
     assert all(r["answer"] == train[r["metadata"]["task_id"]]["answer"] for r in rows)
     assert all(r["metadata"]["episodes"] == len(r["metadata"]["rewards"]) >= 1 for r in rows)
     capsys.readouterr()
