@@ -75,9 +75,15 @@ def table_dict(assessments: Iterable[probes.Assessment]) -> dict:
 
 
 def write_table(assessments: Iterable[probes.Assessment], path: str | pathlib.Path = TABLE_PATH) -> pathlib.Path:
-    """Write `table_dict(assessments)` to `path`, one row per line (a diff shows the rows that changed); return it."""
+    """Write the rows of `assessments` into the table at `path`, one row per line; return the path.
+
+    A diff shows the rows that changed; the rows of other domains stay when the table is of the same reasoning-gym
+    version (`--pattern` recomputes some rows, never drops the rest)."""
     table = table_dict(assessments)
     rows = table.pop("domains")
+    old = _read_table(str(path), pathlib.Path(path).stat().st_mtime_ns) if pathlib.Path(path).is_file() else {}
+    if old.get("reasoning_gym") == table["reasoning_gym"]:  # `--pattern` recomputes some rows, never drops the rest
+        rows = dict(sorted({**(old.get("domains") or {}), **rows}.items()))
     head = json.dumps(table)[:-1]
     body = ",\n".join(f"  {json.dumps(d)}: {json.dumps(r, sort_keys=True)}" for d, r in rows.items())
     path = pathlib.Path(path)
@@ -108,9 +114,15 @@ def assess(domain: str, config: Mapping[str, Any] | str | None = None, *, level:
            tasks: int = PROBE_TASKS) -> probes.Assessment:
     """A fresh assessment of a reasoning-gym domain (with `config`/`level`) or an `ENV_DOMAINS` name.
 
-    Raises ValueError for an unknown domain or a bad config."""
+    A domain the stored table holds (same config, same library version) is sampled on the row's number of tasks
+    without a time budget, so the fresh floor equals the stored one; others within `probes`' time budget. Raises
+    ValueError for an unknown domain or a bad config."""
     if domain.startswith(probes.RG_PREFIX):
-        return probes.assess_reasoning_gym(domain, reasoning_gym.parse_config(config, domain), tasks=tasks, level=level)
+        parsed = reasoning_gym.parse_config(config, domain)
+        stored = lookup(domain, config_key(parsed, domain)) if level is None else None
+        if stored is not None and stored.sampled:  # the stored row's task count: the same tasks, the same floor
+            return probes.assess_reasoning_gym(domain, parsed, tasks=stored.sampled, level=level, budget_s=None)
+        return probes.assess_reasoning_gym(domain, parsed, tasks=tasks, level=level)
     if domain in probes.ENV_DOMAINS:
         return probes.assess_env_domain(domain, tasks=tasks)
     raise ValueError(f"unknown domain {domain!r}: reasoning_gym/<dataset> or one of {sorted(probes.ENV_DOMAINS)}")

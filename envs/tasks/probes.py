@@ -167,10 +167,13 @@ def _rg_reference(task: dict) -> str | None:
     return None if good is None else f"<answer>\n{good}\n</answer>"
 
 
-def _sample_tasks(source, tasks: int, budget_s: float) -> list[dict]:
+def _sample_tasks(source, tasks: int, budget_s: float | None) -> list[dict]:
     """The first `tasks` tasks of `source`, or as many as its generation allows within `budget_s` seconds (at least
-    `MIN_TASKS`: a few datasets take seconds per item)."""
+    `MIN_TASKS`: a few datasets take seconds per item); exactly `tasks` (as many as there are) when `budget_s` is
+    None, so a stored assessment is reproduced task for task."""
     start, out = time.perf_counter(), []
+    if budget_s is None:
+        return [source.get_task(i) for i in range(min(tasks, source.num_tasks))]
     for i in range(min(tasks, source.num_tasks)):
         if len(out) >= MIN_TASKS and time.perf_counter() - start > budget_s:
             break
@@ -179,16 +182,19 @@ def _sample_tasks(source, tasks: int, budget_s: float) -> list[dict]:
 
 
 def assess_reasoning_gym(domain: str, config: Mapping[str, Any] | None = None, *, tasks: int = 20,
-                         seed: int = 0, level: int | None = None, budget_s: float = 20.0) -> Assessment:
+                         seed: int = 0, level: int | None = None, budget_s: float | None = 20.0) -> Assessment:
     """The floor and golden sample (both splits) of a reasoning-gym domain with `config` (None: library defaults).
 
-    `tasks` per split; fewer for a split slower than `budget_s` seconds. Raises ValueError on a bad dataset/config."""
+    `tasks` per split; fewer for a split slower than `budget_s` seconds (None: exactly `tasks`, what reproduces a
+    stored row). Raises ValueError on a bad dataset/config."""
     dataset = domain.removeprefix(RG_PREFIX)
     cfg = reasoning_gym.parse_config(config, dataset)
     envs_by_split = {split: reasoning_gym.ReasoningGymEnv(dataset=dataset, config=cfg, split=split, seed=seed,
                                                    size=max(tasks, 1), num_test=tasks, level=level,
                                                    self_check=False) for split in ("train", "test")}
     sampled = {s: _sample_tasks(e.task_source, tasks, budget_s) for s, e in envs_by_split.items()}
+    n = min(len(v) for v in sampled.values())  # both splits at the count the slower one reached: the row's `sampled`
+    sampled = {s: v[:n] for s, v in sampled.items()}
     floor, probe, means = floor_of(_rg_score(envs_by_split["test"]), sampled["test"],
                                    probe_replies(sampled["train"], "<answer>{}</answer>"), select_on=sampled["train"],
                                    select_score=_rg_score(envs_by_split["train"]))

@@ -26,6 +26,10 @@ INSTRUCTION = ("\n\nThink it through, then give only the final answer inside <an
 # for", empty "<answer></answer>") instead of answering; this one keeps the convention in a few words.
 SHORT_INSTRUCTION = "\n\nGive only the final answer inside <answer></answer> tags."
 TEST_SEED_OFFSET = 1_000_003  # test split seed = train seed + this (a different procedural stream)
+# datasets whose items depend on str hashing (the library iterates sets of str): the same only under one
+# PYTHONHASHSEED (the `posttrain` command fixes it); and one whose items vary even then (measured, library 0.1.25)
+HASH_DEPENDENT = ("isomorphic_strings", "knight_swap", "polynomial_multiplication", "ransom_note", "word_ladder")
+NONDETERMINISTIC = ("list_functions",)
 HELD_OUT_BUCKETS = 8  # a question is held out (test split only) when crc32(question) % this == 0
 MAX_DRAWS = 256  # draws per task before a split gives up: (7/8)**256 ~ 1e-15 for a test task of a large space
 # Metadata fields in which reasoning-gym ships a reply its own scorer accepts, for datasets without a reference
@@ -94,6 +98,30 @@ def max_level(dataset: str) -> int | None:
     return max((len(a.levels) - 1 for a in attrs), default=0)
 
 
+_WARNED: set[str] = set()
+
+
+def warn_unstable(dataset: str) -> None:
+    """Warns once per dataset whose tasks another process would not rebuild.
+
+    A `HASH_DEPENDENT` one when PYTHONHASHSEED is not set (the `posttrain` command sets it; a notebook or script of
+    one's own may not), and a `NONDETERMINISTIC` one always."""
+    import os
+    import warnings
+
+    if dataset in _WARNED:
+        return
+    if dataset in HASH_DEPENDENT and "PYTHONHASHSEED" not in os.environ:
+        warnings.warn(f"reasoning_gym/{dataset}: its tasks depend on str hashing, so another process (a resumed run, "
+                      "an env worker) builds other tasks at the same index; set PYTHONHASHSEED (e.g. 0) before "
+                      "Python starts, as the posttrain command does", RuntimeWarning, stacklevel=3)
+        _WARNED.add(dataset)
+    elif dataset in NONDETERMINISTIC:
+        warnings.warn(f"reasoning_gym/{dataset}: the library builds its items differently on each build (measured "
+                      "on 0.1.25), so its tasks are not reproducible across processes", RuntimeWarning, stacklevel=3)
+        _WARNED.add(dataset)
+
+
 def build_dataset(dataset: str, config: Mapping[str, Any] | str | None = None, *, seed: int = 0, size: int = 1000,
                   level: int | None = None):
     """A reasoning-gym ``ProceduralDataset`` for `dataset` with `config`, `seed`, `size`.
@@ -103,6 +131,7 @@ def build_dataset(dataset: str, config: Mapping[str, Any] | str | None = None, *
     TypeError on a config of the wrong type."""
     rg = library()
     datasets = rg.factory.DATASETS
+    warn_unstable(dataset)
     if dataset not in datasets:
         close = difflib.get_close_matches(str(dataset), datasets, n=3)
         raise ValueError(f"reasoning_gym: unknown dataset {dataset!r}" + (f"; did you mean {close}?" if close else

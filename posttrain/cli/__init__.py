@@ -77,7 +77,16 @@ def _import_from_cwd() -> None:
         sys.path.append(cwd)
 
 
+HASH_SEED = "0"  # PYTHONHASHSEED of a command: str hashing fixed, so every process builds the same tasks
+
+
 def main(argv=None) -> int:
+    if argv is None and "PYTHONHASHSEED" not in os.environ:  # the `posttrain` script: once, before any work
+        # reasoning-gym builds some datasets' items by iterating sets of str (isomorphic_strings, knight_swap,
+        # polynomial_multiplication, ransom_note, word_ladder): their tasks differ between processes unless str
+        # hashing is fixed, and a resumed run or an env worker would see other tasks at the same index
+        os.environ["PYTHONHASHSEED"] = HASH_SEED
+        os.execv(sys.executable, [sys.executable, "-m", "posttrain.cli", *sys.argv[1:]])
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] not in COMMANDS:
         print(USAGE, file=sys.stderr)

@@ -109,3 +109,68 @@ def test_reasoning_mix_trains_only_on_domains_that_pass():
         a = floors.assessment(name, env.kwargs["config"])
         assert not floors.flag_reason(a), (name, floors.flag_reason(a))
     assert "reasoning_gym/letter_counting" not in cfg.env.train  # its easy config's floor: 0.75 ("1")
+
+
+HASH_DEPENDENT_SAMPLE = "reasoning_gym/isomorphic_strings,reasoning_gym/ransom_note"
+
+
+def _floors(hash_seed):
+    """The floor lines `python -m posttrain.cli domains --floors` prints for two hash-dependent datasets, under
+    `hash_seed` (None: unset, as a user's shell leaves it)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    if hash_seed is not None:
+        env["PYTHONHASHSEED"] = hash_seed
+    out = subprocess.run([sys.executable, "-m", "posttrain.cli", "domains", "--floors",
+                          f"--pattern={HASH_DEPENDENT_SAMPLE}"], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=ROOT).stdout
+    return [line for line in out.splitlines() if line.startswith("reasoning_gym/")]
+
+
+@pytest.mark.ci
+def test_the_command_fixes_str_hashing_so_every_process_builds_the_same_tasks(table):
+    """isomorphic_strings and ransom_note build other tasks under another str hash seed (their floors move: 0.50 /
+    0.45 under seed 2, 0.55 / 0.55 under 3); the posttrain command sets PYTHONHASHSEED=0 itself, so a run from a
+    shell without it builds the tasks, and the floors, the stored table holds."""
+    assert _floors("2") != _floors("3")
+    unset = _floors(None)
+    assert unset == _floors("0") and len(unset) == 2
+    for line in unset:
+        domain, floor = line.split()[:2]
+        assert float(floor) == pytest.approx(table["domains"][domain]["floor"])
+
+
+def test_a_dataset_that_another_process_would_rebuild_differently_warns(monkeypatch):
+    from envs.tasks import reasoning_gym
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    monkeypatch.setattr(reasoning_gym, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="isomorphic_strings: its tasks depend on str hashing"):
+        reasoning_gym.build_dataset("isomorphic_strings", {}, seed=0, size=2)
+    with pytest.warns(RuntimeWarning, match="list_functions: the library builds its items differently"):
+        reasoning_gym.build_dataset("list_functions", {}, seed=0, size=2)
+
+
+@pytest.mark.slow  # 70 s: every flagged or budget-limited reasoning-gym row; the five above run in the CI tiers
+def test_every_flagged_or_slow_domain_recomputed_agrees_with_the_table(table):
+    """Under the command's hash seed, a fresh assessment equals the stored row for every reasoning-gym domain whose
+    stored floor flags it or whose generation limited its sample, but list_functions, whose items vary per build."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json; from envs.tasks import floors; t = floors.load_table()['domains']; "
+            "names = sorted(d for d, r in t.items() if d.startswith('reasoning_gym/') and d != "
+            "'reasoning_gym/list_functions' and ((r['floor'] or 0) >= 0.2 or (r.get('sampled') or 99) < 20)); "
+            "print(json.dumps({a.domain: [a.floor if a.floor is None else round(a.floor, 4), a.probe] "
+            "for a in floors.assess_all(names)}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, cwd=ROOT,
+                         env={**__import__("os").environ, "PYTHONHASHSEED": "0"})
+    fresh = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = table["domains"]
+    assert len(fresh) >= 25
+    assert {d: v for d, v in fresh.items() if v != [rows[d]["floor"], rows[d]["probe"]]} == {}
+    assert all((v[0] or 0) >= 0.2 for d, v in fresh.items() if (rows[d]["floor"] or 0) >= 0.2)
