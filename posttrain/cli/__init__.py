@@ -120,7 +120,8 @@ def main(argv=None) -> int:
         return 2
     try:
         check_run_flags(f, command)
-        if command not in LIGHT:  # JAX, the cluster and the compilation cache: only for the commands that use them
+        asked = f.distributed or os.environ.get("POSTTRAIN_DISTRIBUTED")  # a cluster asked for is started, or refused
+        if command not in LIGHT or asked:  # JAX, the cluster and the compilation cache: for the commands that use them
             from posttrain.infra import distributed
 
             distributed.initialize(True if f.distributed else None)
