@@ -156,6 +156,8 @@ def task_record(ep: Episode, index: int, group: Sequence, prompt: str, *, scorer
     gold = group[0].info.get("gold", group[0].info.get("answer")) if group else None
     if gold is not None:
         record["gold"] = str(gold)
+    if group and group[0].info.get("evidence_depth") is not None:  # where the task's evidence starts, in [0, 1]
+        record["depth"] = float(group[0].info["evidence_depth"])
     if any(len(s.texts) > 1 for s in group):
         record["turns"] = [list(s.texts) for s in group]
     return record

@@ -19,7 +19,8 @@ from posttrain.eval.runner import FORMATS, SCORERS, spec_floors
 from posttrain.rollout.env_side import TASK_FILE_ID, EnvSpec, EnvSpecError, task_sources
 
 DOMAIN_KEYS = ("env", "path", "kwargs", "config", "split", "tasks", "n", "k", "temperature", "max_new_tokens",
-               "max_turns", "scorer", "format", "trained")
+               "max_turns", "scorer", "format", "trained", "min_positions")
+TEMPLATE_MARGIN = 64  # positions a chat template and system prompt add around a prompt of kwargs["target_tokens"]
 REGISTRY_PREFIXES = ("reasoning_gym/",)  # domain names built through envs.tasks.domains
 FIRST_PARTY = ("envs", "posttrain")  # a module of these missing is a broken install, never a skipped domain
 
@@ -30,7 +31,9 @@ class DomainUnavailable(RuntimeError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SuiteDomain:
-    """One domain of a suite (the settings: docs/evaluation.md); ks: the pass@k values (k >= 2)."""
+    """One domain of a suite (the settings: docs/evaluation.md); ks: the pass@k values (k >= 2).
+
+    min_positions: the model positions its episodes need (0: `positions_needed` derives them, or none)."""
 
     name: str
     area: str
@@ -47,6 +50,7 @@ class SuiteDomain:
     scorer: str = "env"
     format: str = "nonempty"
     trained: bool = False
+    min_positions: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -187,7 +191,8 @@ def _ks(value) -> tuple[int, ...] | None:
 
 # the settings whose type `_domain` checks: key -> (accepts, what it must be)
 _TYPES = {
-    **{key: (lambda v: _is_int(v) and v >= 1, "an int >= 1") for key in ("tasks", "n", "max_new_tokens", "max_turns")},
+    **{key: (lambda v: _is_int(v) and v >= 1, "an int >= 1")
+       for key in ("tasks", "n", "max_new_tokens", "max_turns", "min_positions")},
     "env": (lambda v: isinstance(v, str), "a gymnasium id string, e.g. 'posttrain/Arithmetic-v0' or 'my_envs:MyEnv-v0'"),
     "path": (lambda v: isinstance(v, str) and bool(v.strip()), "a task file path (JSONL, CSV, Parquet or tfds:NAME)"),
     "kwargs": (lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v),
@@ -237,6 +242,32 @@ def select(suite: Suite, *, limit: int | None = None, domains: str | Sequence[st
             raise ValueError(f"--limit must be >= 1, got {limit}")
         kept = [dataclasses.replace(d, tasks=min(d.tasks, limit)) for d in kept]
     return dataclasses.replace(suite, domains=tuple(kept))
+
+
+def positions_needed(d: SuiteDomain) -> int | None:
+    """The model positions a domain's episodes need; None when the domain does not say.
+
+    Its `min_positions`, else (a long-context env) kwargs["target_tokens"] + max_new_tokens x max_turns +
+    TEMPLATE_MARGIN."""
+    if d.min_positions:
+        return d.min_positions
+    target = d.kwargs.get("target_tokens")
+    return target + d.max_new_tokens * d.max_turns + TEMPLATE_MARGIN if _is_int(target) else None
+
+
+def fit_positions(suite: Suite, positions: int) -> tuple[Suite, dict[str, str]]:
+    """(`suite` without the domains needing more than `positions`, {domain left out: why}), in suite order."""
+    kept, skipped = [], {}
+    for d in suite.domains:
+        need = positions_needed(d)
+        if need is None or need <= positions:
+            kept.append(d)
+        elif d.min_positions:
+            skipped[d.name] = f"too long: needs {need:,} positions (min_positions), the model has {positions:,}"
+        else:
+            skipped[d.name] = (f"too long: {d.kwargs['target_tokens']:,}-token prompts exceed the model's "
+                               f"{positions:,} positions ({need:,} with the reply and chat template)")
+    return dataclasses.replace(suite, domains=tuple(kept)), skipped
 
 
 def env_spec_of(d: SuiteDomain) -> EnvSpec:
@@ -353,6 +384,8 @@ def suite_dict(suite: Suite, built: Sequence[ResolvedDomain], skipped: Mapping[s
     rows = []
     for r in built:
         row = dataclasses.asdict(r.domain)
+        if not row["min_positions"]:  # the rows of suites written before the field existed stay equal
+            del row["min_positions"]
         row.update(env_id=r.spec.id, env_kwargs=dict(r.spec.kwargs), num_tasks=r.num_tasks)
         rows.append(json.loads(json.dumps(row, default=str)))
     return {"name": suite.name, "path": suite.path, "alpha": suite.alpha, "domains": rows, "skipped": dict(skipped),

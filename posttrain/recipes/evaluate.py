@@ -9,6 +9,7 @@ from typing import Mapping
 
 from posttrain.config import Config, ConfigError
 from posttrain.eval import compare as compare_lib
+from posttrain.eval import context_length
 from posttrain.eval import records as records_lib
 from posttrain.eval import report, suite as suite_lib
 from posttrain.infra.partitioning import use_rules
@@ -25,6 +26,18 @@ def run_plan_of(checkpoint: str | pathlib.Path, cfg: Config | None = None, flag:
     Raises RunNotFoundError (naming `flag`) without a complete checkpoint, ConfigError for a run it cannot evaluate."""
     require_checkpoint(checkpoint, flag)
     return make_run_plan(reading_config(checkpoint, cfg, "eval --suite", suite=True), workdir=str(checkpoint))
+
+
+def model_positions(plan: RunPlan) -> int:
+    """The policy's positions (`ModelConfig.max_position`), read from its preset or model file without weights."""
+    source = plan.policy
+    if source.preset:
+        return source.preset_config().max_position
+    from posttrain.checkpoints import gguf as gguf_lib, hf_config, hub
+
+    path = pathlib.Path(hub.resolve(source.path or gguf_lib.default_model_path()))
+    hf = json.loads((path / "config.json").read_text()) if path.is_dir() else gguf_lib.read_hf_config(path)[0]
+    return hf_config.config_from_hf(hf).max_position
 
 
 def evaluate_policies(plan: RunPlan, built, *, with_base: bool, sampling_plan: RunPlan | None = None) -> dict:
@@ -56,16 +69,19 @@ def write_report(out: pathlib.Path, evaluations: Mapping[str, dict], alpha: floa
                                              f"{ev['perf/eval_s']:.0f} s" + (f" ({by_domain})" if by_domain else "")))
     if skipped:
         texts.append("skipped: " + "; ".join(f"{d} ({why})" for d, why in skipped.items()) + "\n")
+    compared = None
     if "baseline" in evaluations:
         cmp = compare_lib.compare(evaluations["baseline"], evaluations["candidate"], alpha=alpha)
-        md = report.comparison_markdown(cmp)
+        md, compared = report.comparison_markdown(cmp), report.comparison_dict(cmp)
         (out / "comparison.md").write_text(md)
-        (out / "comparison.json").write_text(json.dumps(report.comparison_dict(cmp), indent=2))
+        (out / "comparison.json").write_text(json.dumps(compared, indent=2))
         report.forest_plot(cmp, out / "forest.png")
         mdes = sorted(d.pass_at_1.mde for d in cmp.domains)
         texts += [md, f"suite size: {sum(d.tasks for d in cmp.domains)} tasks in {len(cmp.domains)} domains; "
                       f"minimum detectable effect on pass@1 (power {cmp.power:g}, alpha {alpha:g}/{len(mdes)}): "
                       f"{mdes[0]:.3f} to {mdes[-1]:.3f} by domain (median {mdes[len(mdes) // 2]:.3f})\n"]
+    if context_length.has_buckets([*evaluations["candidate"]["summary"]["domains"], *skipped]):
+        texts.append(context_length.write_context_report(out, evaluations, skipped, compared))
     return "\n".join(texts)
 
 
@@ -77,7 +93,11 @@ def evaluate_suite(suite_path: str, checkpoint: str, *, baseline: str | None = N
     suite = suite_lib.select(suite_lib.load_suite(suite_path), limit=limit, domains=domains)
     plan = run_plan_of(checkpoint, cfg)
     base_plan = run_plan_of(baseline, flag="--baseline") if baseline not in (None, "base") else None
+    too_long = {}
+    if any(suite_lib.positions_needed(d) for d in suite.domains):  # the model file is read only when it matters
+        suite, too_long = suite_lib.fit_positions(suite, model_positions(plan))
     built, skipped = suite_lib.resolve(suite)
+    skipped = {**too_long, **skipped}
     if not built:
         raise ValueError(f"suite {suite.name!r}: every domain was skipped: {skipped}")
     described = suite_lib.suite_dict(suite, built, skipped)

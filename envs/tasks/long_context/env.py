@@ -92,7 +92,8 @@ class LongContextEnv(base.TextEnv):
 
     def turn_step(self, action: str) -> tuple[str, float, bool, dict]:
         verdict = lengths.score_reply(self.task, action)
-        return "", verdict.reward, True, verdict.info()
+        depth = self.task["depth_tokens"] / max(self.task["document_tokens"], 1)  # as placed (`depth` may not fit)
+        return "", verdict.reward, True, {**verdict.info(), "evidence_depth": depth}
 
     def golden_answer(self, task: dict) -> str:
         """The reply known to be correct: the gold answer between <answer> tags."""
