@@ -30,6 +30,8 @@ def long_run(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow  # 23 s of CPU prefill; the CI tiers cover skipping (eval/test_context_length.py) and the
+# report files from fixed records; this end-to-end run is the full tier's
 def test_long_context_suite_skips_buckets_beyond_the_model_and_writes_the_report(long_run, tmp_path, monkeypatch,
                                                                                  capsys):
     monkeypatch.setenv("POSTTRAIN_XLA_CACHE", "0")
