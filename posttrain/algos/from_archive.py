@@ -40,9 +40,15 @@ def usable_rows(table: pa.Table) -> tuple[list[dict], dict[str, int]]:
     return kept, counts
 
 
+ARCHIVE_EVAL_FRACTION = 0.1  # the share of an archive's prompts held out when the section sets no eval_fraction
+
+
 def split_prompts(keys: list, eval_fraction: float, seed: int) -> tuple[set, set]:
-    """(train keys, held-out keys): `eval_fraction` of the distinct keys, held out by a seeded shuffle."""
+    """(train keys, held-out keys): `eval_fraction` of the distinct keys, held out by a seeded shuffle; a single
+    prompt is never held out (nothing would be left to train on)."""
     distinct = list(OrderedDict.fromkeys(keys))
+    if len(distinct) < 2:
+        return set(distinct), set()
     train, held = split_records(distinct, eval_fraction, seed)
     return set(train), set(held)
 

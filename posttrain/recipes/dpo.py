@@ -110,7 +110,8 @@ def load_pairs(d: data_lib.PairSettings, tokenizer, command: str = "dpo"):
     train, held, counts = from_archive.dpo_pairs(from_archive.archive_table(d.from_archive),
                                                  max_prompt_len=d.max_prompt_len,
                                                  max_completion_len=d.max_completion_len,
-                                                 eval_fraction=d.eval_fraction, seed=d.seed)
+                                                 eval_fraction=d.eval_fraction or from_archive.ARCHIVE_EVAL_FRACTION,
+                                                 seed=d.seed)
     if not train:
         raise DataError(f"posttrain {command} --from_archive={d.from_archive}: no training pair in the archive "
                         f"({counts}); a pair is a reply scored 1 and one scored 0 to the same prompt: train the run "

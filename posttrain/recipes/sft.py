@@ -106,7 +106,8 @@ def load_examples(d: data_lib.DataSettings, tokenizer):
         return data_lib.load_datasets(d, tokenizer)
     train, held, counts = from_archive.sft_examples(from_archive.archive_table(d.from_archive), min_reward=d.min_reward,
                                                     max_per_prompt=d.max_per_prompt, max_len=d.seq_len,
-                                                    eval_fraction=d.eval_fraction, seed=d.seed)
+                                                    eval_fraction=d.eval_fraction or from_archive.ARCHIVE_EVAL_FRACTION,
+                                                    seed=d.seed)
     if not train:
         raise DataError(f"posttrain sft --from_archive={d.from_archive}: no successful reply to train on ({counts}); "
                         f"a reply counts when its reward is >= --min_reward={d.min_reward:g}: lower --min_reward, "

@@ -219,7 +219,8 @@ class DPOConfig:
       train_examples: the same records inline (tiny runs and tests); at most one data source is set.
       eval_path: held-out pairs as a JSONL file ("": `eval_examples`, else `eval_fraction`).
       eval_examples: held-out pairs inline.
-      eval_fraction: share in [0, 1) of the training records held out when no held-out data is given.
+      eval_fraction: share in [0, 1) of the training records held out when no held-out data is given; with
+        from_archive, of its prompts, and 0 holds out `from_archive.ARCHIVE_EVAL_FRACTION` (0.1) of them.
       loss: one of `LOSS_NAMES` (sigmoid: DPO; ipo: IPO; hinge: SLiC).
       beta: > 0, the implicit KL strength (TRL's default 0.1).
       label_smoothing: in [0, 0.5), conservative DPO's label-flip probability (sigmoid loss only).

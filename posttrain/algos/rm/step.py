@@ -115,7 +115,8 @@ class RMConfig:
       train_examples: the same records inline (tiny runs and tests); at most one data source is set.
       eval_path: held-out pairs as a JSONL file ("": `eval_examples`, else `eval_fraction`).
       eval_examples: held-out pairs inline.
-      eval_fraction: share in [0, 1) of the training records (from an archive: its prompts) held out.
+      eval_fraction: share in [0, 1) of the training records (from an archive: its prompts, 0 meaning
+            `from_archive.ARCHIVE_EVAL_FRACTION`, 0.1) held out.
       loss: one of `LOSS_NAMES`.
       center_coef: >= 0, the reward-centering coefficient (TRL's `center_rewards_coefficient`; 0: off).
       max_prompt_len: tokens; a longer prompt keeps its last tokens.

@@ -243,7 +243,8 @@ class SFTConfig:
         train_examples: the training records inline (for tiny runs and tests).
         eval_path: a JSONL file of held-out records ("": none).
         eval_examples: the held-out records inline.
-        eval_fraction: share of the training records held out when no eval data is given (in [0, 1)).
+        eval_fraction: share of the training records held out when no eval data is given (in [0, 1)); with
+            from_archive, of its prompts, and 0 holds out `from_archive.ARCHIVE_EVAL_FRACTION` (0.1) of them.
         seq_len: the longest row in tokens, >= 2 (longer conversations are cut; batches are sized by the data).
         rows_per_step: rows in a step's batch (a multiple of num_microbatches x the mesh's batch shards).
         packing: several conversations per row (best-fit decreasing, segment ids) or one per row.

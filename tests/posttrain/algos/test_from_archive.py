@@ -124,11 +124,16 @@ def test_the_recipes_read_a_runs_archive(table):
     from posttrain.recipes import dpo, sft
 
     run, t = table
+    # eval_fraction unset: ARCHIVE_EVAL_FRACTION of the archive's prompts held out by default, never trained on
     train, held, counts = sft.load_examples(DataSettings(from_archive=str(run), max_per_prompt=2, seq_len=16), None)
-    want = from_archive.sft_examples(t, max_per_prompt=2, max_len=16)[0]
-    assert [e.tokens_n.tolist() for e in train] == [e.tokens_n.tolist() for e in want] and counts["sft/examples"] == 4
+    want, want_held, _ = from_archive.sft_examples(t, max_per_prompt=2, max_len=16,
+                                                   eval_fraction=from_archive.ARCHIVE_EVAL_FRACTION)
+    assert [e.tokens_n.tolist() for e in train] == [e.tokens_n.tolist() for e in want]
+    assert held and [e.tokens_n.tolist() for e in held] == [e.tokens_n.tolist() for e in want_held]
+    assert not {tuple(e.tokens_n[:3].tolist()) for e in held} & {tuple(e.tokens_n[:3].tolist()) for e in train}
     pairs, _ = dpo.load_pairs(PairSettings(from_archive=str(run)), None)
-    assert [p.pair_id for p in pairs] == [p.pair_id for p in from_archive.dpo_pairs(t)[0]]
+    want_pairs = from_archive.dpo_pairs(t, eval_fraction=from_archive.ARCHIVE_EVAL_FRACTION)[0]
+    assert [p.pair_id for p in pairs] == [p.pair_id for p in want_pairs]
     from posttrain.errors import DataError
 
     with pytest.raises(DataError, match=r"posttrain sft --from_archive=.*no successful reply.*lower --min_reward"):
