@@ -95,6 +95,18 @@ def _canon(s: str, case_sensitive: bool, strip_punctuation: bool) -> str:
     return s if case_sensitive else s.casefold()
 
 
+_WRAPPERS = ("**", "__", "*", "_", "`", "\"")  # markdown emphasis, code and quotes a model puts around an answer
+
+
+def _unwrap(answer: str) -> str:
+    """`answer` without one pair of wrappers around it ("**Paris**", "`Paris`", '"Paris"'), stripped."""
+    answer = answer.strip()
+    for w in _WRAPPERS:
+        if len(answer) > 2 * len(w) and answer.startswith(w) and answer.endswith(w):
+            return answer[len(w):-len(w)].strip()
+    return answer
+
+
 def verify_exact(reply, row, *, case_sensitive=False, strip_punctuation=False, extract="auto",
                  bound_s=answers.DEFAULT_TIMEOUT_S) -> answers.Verdict:
     """Reward 1 when the extracted answer equals row["answer"] (a str, or a list of acceptable strs).
@@ -103,7 +115,8 @@ def verify_exact(reply, row, *, case_sensitive=False, strip_punctuation=False, e
     else the text after the last ``####``, else the last ``\\boxed{}``, else the last non-empty line; or one rule
     by name ("answer_tag", "hash", "boxed", "last_line", "whole"). Both sides: NFKC (`normalize_unicode`),
     whitespace runs collapsed to one space and stripped, casefolded unless `case_sensitive`, Unicode punctuation
-    (category P*) dropped when `strip_punctuation`. An answer over 2 * the longest gold + MAX_ANSWER_CHARS chars
+    (category P*) dropped when `strip_punctuation`; one pair of markdown or quote wrappers around the extracted
+    answer is dropped (``**Paris**``, ```Paris```, ``"Paris"``). An answer over 2 * the longest gold + MAX_ANSWER_CHARS chars
     is refused unread. A reply that holds the answer elsewhere (the prompt, a list of candidates) does not pass."""
     golds = accepted_answers(row["answer"])
     text, why = _clean(reply)
@@ -114,7 +127,7 @@ def verify_exact(reply, row, *, case_sensitive=False, strip_punctuation=False, e
         return _fail(f"no answer found (rule {method})", gold=golds[0], method=method)
     if len(found) > 2 * max(map(len, golds)) + answers.MAX_ANSWER_CHARS:
         return _fail(f"answer of {len(found)} chars is far longer than the reference", found, golds[0], method)
-    got = _canon(found, case_sensitive, strip_punctuation)
+    got = _canon(_unwrap(found), case_sensitive, strip_punctuation)
     if any(got == _canon(g, case_sensitive, strip_punctuation) for g in golds):
         return answers.Verdict(1.0, "ok", found, golds[0], method)
     return _fail("answer differs from the reference", found, golds[0], method)
