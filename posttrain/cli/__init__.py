@@ -132,7 +132,8 @@ def main(argv=None) -> int:
         if positional:
             raise UsageError(f"posttrain {command} takes flags only (--name=value), got {positional}")
         return COMMANDS[command](f)
-    except Exception as e:  # noqa: BLE001 - `_exit_code` sorts what the user can fix from what is a bug
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - `_exit_code` sorts what the user can fix (a
+        # signal's RunInterrupted is a KeyboardInterrupt) from what is a bug or a plain Ctrl-C, re-raised
         code = _exit_code(e)
         if code is None:
             raise

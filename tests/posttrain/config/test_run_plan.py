@@ -323,7 +323,7 @@ def test_greedy_training_rollouts_are_warned_about(temperature, top_k, warned):
 # kind: a run's saved config is the source of truth: resuming with other settings refuses (or, allowed, is recorded)
 @pytest.mark.parametrize("over,changed", [
     ({}, {}),
-    ({"train.steps": 9}, {}),  # extending a run
+    ({"train.steps": 9}, {"train.steps": [3, 9]}),  # extending a run: never refused, recorded
     ({"optim.lr": 2e-5, "rl.group_size": 2, "checkpoint.every_steps": 5},
      {"checkpoint.every_steps": [2, 5], "optim.lr": [1e-3, 2e-5], "rl.group_size": [4, 2]}),
     ({"lora.rank": 8}, {"lora.rank": [0, 8]}),
@@ -332,12 +332,15 @@ def test_greedy_training_rollouts_are_warned_about(temperature, top_k, warned):
 def test_resuming_with_changed_settings_refuses_unless_allowed(tmp_path, over, changed, allow):
     from helpers import tiny_config
 
+    from posttrain.runs.workdir import RESUME_FREE_KEYS
+
     saved_run(tmp_path)
     plan = run_plan.make_run_plan(tiny_config(tmp_path, **over))
-    if changed and not allow:
+    refused = {k: v for k, v in changed.items() if k not in RESUME_FREE_KEYS}
+    if refused and not allow:
         with pytest.raises(ConfigError) as info:
             grpo.resume_changes(plan)
-        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
         assert str(info.value).startswith(f"resuming {tmp_path} (checkpoint 2) with changed settings: {listed}; ")
         assert ("--allow_config_change on the command line, allow_config_change=True in grpo.train(...)"
                 in str(info.value))
