@@ -155,6 +155,7 @@ def golden_view(workdir) -> dict:
 
 
 QUEUE_KEYS = ("rollout/staleness_mean", "rollout/staleness_max")  # the rollout queue's metrics, new since the goldens
+JOIN_KEYS = ("archive_step",)  # the archive's step of each update's batch, new since the goldens: step - 1
 
 
 GOLDEN_RTOL, GOLDEN_ATOL = 1e-5, 1e-5  # float32 rounding of one machine kind against another, nothing more: on an
@@ -214,7 +215,9 @@ def assert_equals_golden(view: dict, golden: dict) -> None:
     every checkpoint array (`assert_arrays_match`)."""
     stale = [(m.get("step"), k, m[k]) for m in view["metrics"] for k in QUEUE_KEYS if k in m and m[k] != 0]
     assert not stale, f"stale batches in a max_staleness=0 run: {stale}"
-    assert_metrics_match([{k: v for k, v in m.items() if k not in QUEUE_KEYS} for m in view["metrics"]],
+    joins = [(m["step"], m["archive_step"]) for m in view["metrics"] if "archive_step" in m]
+    assert all(a == s - 1 for s, a in joins), f"archive_step is not step - 1: {joins}"
+    assert_metrics_match([{k: v for k, v in m.items() if k not in QUEUE_KEYS + JOIN_KEYS} for m in view["metrics"]],
                          golden["metrics"])
     trained = [m for m in view["metrics"] if "policy/loss" in m]
     assert all(set(QUEUE_KEYS) <= set(m) for m in trained)  # the queue's machinery ran for every update

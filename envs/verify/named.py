@@ -16,7 +16,7 @@ from typing import Any
 import jsonschema
 import regex
 
-from envs.verify import answers, row_verifiers
+from envs.verify import answers, code_rows, row_verifiers
 
 MODEL_GRADED = ("rubric", "reward_model")
 _SPEC_KEYS = ("name", "weight")
@@ -289,7 +289,7 @@ VERIFIERS: dict[str, Verifier] = {
         {"schema": (None, _schema), "fields": (None, _fields), "numeric_tolerance": (0.0, _non_negative)},
         doc="the last JSON value fits the schema and equals row['answer'] on its fields"),
     "code_tests": Verifier(
-        row_verifiers.verify_code_tests, _ref_code, _needs("tests"), _row_code, {"timeout_s": (10.0, _seconds)},
+        code_rows.verify_code_tests, _ref_code, _needs("tests"), _row_code, {"timeout_s": (10.0, _seconds)},
         doc="the last python block passes row['tests'] in the sandbox"),
     "rubric": Verifier(
         None, _no_reference, _needs("rubric"), _row_rubric, {}, model_graded=True,
@@ -394,7 +394,7 @@ def _run(spec: VerifierSpec, reply, row, timeout_s: float, code_runner) -> answe
 
 
 def score(specs, reply, row: Mapping, *, timeout_s: float = answers.DEFAULT_TIMEOUT_S,
-          code_runner: row_verifiers.CodeRunner | None = None) -> Scored:
+          code_runner: code_rows.CodeRunner | None = None) -> Scored:
     """Score one reply against one row with every verifier this process computes; never raises on the reply.
 
     reward = sum(w_i * r_i) / sum(w_i) over the computed specs; status "ok" when it is 1, else the first failing

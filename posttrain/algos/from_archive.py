@@ -44,8 +44,9 @@ ARCHIVE_EVAL_FRACTION = 0.1  # the share of an archive's prompts held out when t
 
 
 def split_prompts(keys: list, eval_fraction: float, seed: int) -> tuple[set, set]:
-    """(train keys, held-out keys): `eval_fraction` of the distinct keys, held out by a seeded shuffle; a single
-    prompt is never held out (nothing would be left to train on)."""
+    """(train keys, held-out keys): `eval_fraction` of the distinct keys, held out by a seeded shuffle.
+
+    A single prompt is never held out (nothing would be left to train on)."""
     distinct = list(OrderedDict.fromkeys(keys))
     if len(distinct) < 2:
         return set(distinct), set()
