@@ -5,6 +5,9 @@ from __future__ import annotations
 import re
 
 
+_OWN: set[str] = set()  # the flags `define_flags` defines, reset to their defaults on every call
+
+
 def define_flags():
     from absl import flags
     from ml_collections import config_flags
@@ -12,9 +15,12 @@ def define_flags():
     f = flags.FLAGS
     if f.is_parsed():  # an earlier main() in this process: its values and --config.* override flags go
         f.unparse_flags()
+    for name in [n for n in f if n in _OWN]:  # and whatever a caller restored (absl's flagsaver) without a parse
+        f[name].unparse()
     for name in [n for n in f if n.startswith("config.")]:
         delattr(f, name)
     if "workdir" not in f:
+        before = set(f)
         config_flags.DEFINE_config_file("config", None, "a configs/*.py file defining get_config()")
         flags.DEFINE_string("workdir", None, "output directory (default: config.train.workdir)")
         flags.DEFINE_string("checkpoint", None, "eval/convert/sample: the workdir of a run whose latest checkpoint "
@@ -63,6 +69,7 @@ def define_flags():
         _define_tasks_flags(flags)
         flags.DEFINE_bool("distributed", False, "multi-host: call jax.distributed.initialize() first "
                           "(also on with POSTTRAIN_DISTRIBUTED=1; see launch/)")
+        _OWN.update(n for n in set(f) - before if not n.startswith("config"))
     return f
 
 
