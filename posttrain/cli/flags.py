@@ -8,17 +8,23 @@ import re
 _OWN: set[str] = set()  # the flags `define_flags` defines, reset to their defaults on every call
 
 
+def _reset(f) -> None:
+    """Drops what an earlier main() in this process left: parsed values, --config.* override flags, and values a
+    caller restored (absl's flagsaver) without a parse."""
+    if f.is_parsed():
+        f.unparse_flags()
+    for name in [n for n in f if n in _OWN]:
+        f[name].unparse()
+    for name in [n for n in f if n.startswith("config.")]:
+        delattr(f, name)
+
+
 def define_flags():
     from absl import flags
     from ml_collections import config_flags
 
     f = flags.FLAGS
-    if f.is_parsed():  # an earlier main() in this process: its values and --config.* override flags go
-        f.unparse_flags()
-    for name in [n for n in f if n in _OWN]:  # and whatever a caller restored (absl's flagsaver) without a parse
-        f[name].unparse()
-    for name in [n for n in f if n.startswith("config.")]:
-        delattr(f, name)
+    _reset(f)
     if "workdir" not in f:
         before = set(f)
         config_flags.DEFINE_config_file("config", None, "a configs/*.py file defining get_config()")
