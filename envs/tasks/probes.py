@@ -268,6 +268,20 @@ TASK_FILE_WRAPS = {"math": "#### {}"}  # where a verifier reads a bare answer; t
 TASK_FILE_CODE_PROBES = ("```python\npass\n```", "```python\ndef f(*args, **kwargs):\n    return None\n```")
 
 
+def task_file_probes(rows: list[dict], tasks: int) -> tuple[list[dict], list[dict], dict[str, Callable[[dict], str]]]:
+    """(rows the probes are chosen on, rows they are measured on, {probe name: task -> reply}) of a task file's rows.
+
+    Up to `tasks` even rows and `tasks` odd rows, whatever their split; the constants come from the even rows' answers,
+    one probe set per answer format the rows' verifiers read (`TASK_FILE_WRAPS`)."""
+    train, test = rows[0::2][:tasks], (rows[1::2] or rows[:1])[:tasks]
+    names = {s["name"] for t in rows for s in t["verifier"]}
+    replies: dict[str, Callable[[dict], str]] = {}
+    for wrap in dict.fromkeys(TASK_FILE_WRAPS.get(n, "<answer>{}</answer>") for n in sorted(names)):
+        replies.update(probe_replies(train, wrap, TASK_FILE_CODE_PROBES if "code_tests" in names else (),
+                                     gold=lambda t: t.get("answer") if isinstance(t.get("answer"), str) else None))
+    return train, test, replies
+
+
 def assess_task_file(kwargs: Mapping[str, Any], *, tasks: int = 100) -> Assessment:
     """The floor and golden sample of a task file (`envs.tasks.task_file`), through the same prober as the registry.
 
@@ -281,12 +295,7 @@ def assess_task_file(kwargs: Mapping[str, Any], *, tasks: int = 100) -> Assessme
     if not rows:
         raise task_file.TaskFileError(f"{settings.path}: no readable rows")
     # a floor is a property of the rows, whatever their split: probes chosen on the even rows, measured on the odd
-    train, test = rows[0::2][:tasks], (rows[1::2] or rows[:1])[:tasks]
-    names = {s["name"] for t in rows for s in t["verifier"]}
-    replies: dict[str, Callable[[dict], str]] = {}
-    for wrap in dict.fromkeys(TASK_FILE_WRAPS.get(n, "<answer>{}</answer>") for n in sorted(names)):
-        replies.update(probe_replies(train, wrap, TASK_FILE_CODE_PROBES if "code_tests" in names else (),
-                                     gold=lambda t: t.get("answer") if isinstance(t.get("answer"), str) else None))
+    train, test, replies = task_file_probes(rows, tasks)
     score = lambda t, r: task_file.score_task(t, r)[0]
     floor, probe, means = floor_of(score, test, replies, select_on=train)
     golden = golden_sample(score, train + test, task_file.golden_reply)

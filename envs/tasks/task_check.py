@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from envs.tasks import overlap, probes, task_file
@@ -118,17 +118,11 @@ def _spec_list(settings: task_file.TaskFileSettings) -> list[dict]:
 
 def _solved_by(probe: str, tasks: Sequence[Mapping[str, Any]], limit: int) -> tuple[str, ...]:
     """The ids of the rows (of the first `limit` per split) the named probe's reply solves."""
-    sample = tasks[0::2][:limit] + tasks[1::2][:limit]
-    names = {s["name"] for t in tasks for s in t["verifier"]}
-    replies: dict[str, Callable[[dict], str]] = {}
-    for wrap in dict.fromkeys(probes.TASK_FILE_WRAPS.get(n, "<answer>{}</answer>") for n in sorted(names)):
-        replies.update(probes.probe_replies(
-            sample, wrap, probes.TASK_FILE_CODE_PROBES if "code_tests" in names else (),
-            gold=lambda t: t.get("answer") if isinstance(t.get("answer"), str) else None))
+    train, test, replies = probes.task_file_probes(list(tasks), limit)  # the probes the floor was measured with
     make = replies.get(probe)
     if make is None:
         return ()
-    return tuple(t["id"] for t in sample if task_file.score_task(t, make(t))[0] >= 1.0)
+    return tuple(t["id"] for t in train + test if task_file.score_task(t, make(t))[0] >= 1.0)
 
 
 def check_files(paths: Sequence[str], *, reference: Mapping[str, Sequence[tuple[str, str]]] | None = None,
